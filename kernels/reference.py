@@ -1,0 +1,273 @@
+"""Plain-PyTorch reference of the FP4 numerics: the CPU path, and the source of
+truth every Triton kernel is tested against bit for bit.
+
+Everything works on a blocked view ``[..., n_blocks, block_size]`` of the input
+and in float32: a block's *unit* is the factor its E2M1 codes are multiplied by
+(``scale * global_scale`` for NVFP4, ``2^e`` for MXFP4), and ``y = x / unit``
+is what gets rounded onto the E2M1 grid.
+"""
+
+import torch
+from torch import Tensor
+
+from .formats import E2M1_MAX, E2M1_VALUES, E4M3_MAX, E8M0_NAN, FP4Format
+
+CHUNK_ELEMENTS = 1 << 19
+_E2M1_SIGNED = torch.tensor([v for v in E2M1_VALUES] + [-v for v in E2M1_VALUES])
+# value pairs of every byte (low nibble first), read as one int64 per byte
+_BYTE_PAIRS = torch.stack([_E2M1_SIGNED.repeat(16), _E2M1_SIGNED.repeat_interleave(16)], -1)
+_BYTE_PAIRS_I64 = _BYTE_PAIRS.contiguous().view(torch.int64).view(-1)
+
+
+def blocked(x: Tensor, block_size: int) -> Tensor:
+    """View ``[..., K]`` as ``[..., K // block_size, block_size]``."""
+    if x.shape[-1] % block_size:
+        raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of the block size {block_size}")
+    return x.reshape(*x.shape[:-1], x.shape[-1] // block_size, block_size)
+
+
+def block_amax(xb: Tensor) -> Tensor:
+    """Largest magnitude of each block, float32; NaN if the block holds one."""
+    return xb.abs().amax(-1).float()
+
+
+def nvfp4_global_scale(amax: Tensor) -> Tensor:
+    """``amax / (6 * 448)`` as ModelOpt and torchao define it (float32 scalar).
+
+    A non-finite amax (the tensor holds NaN or Inf) gives NaN, so that every
+    element dequantizes to NaN instead of to a silently wrong finite value; a
+    zero one (an all-zero tensor, or one too small for float32) gives 1.0.
+    """
+    g = amax.float() / (E2M1_MAX * E4M3_MAX)
+    g = torch.where(g == 0, 1.0, g)
+    return torch.where(torch.isfinite(g), g, torch.nan)
+
+
+def nvfp4_scales(amax: Tensor, global_scale: Tensor) -> Tensor:
+    """E4M3 block scales ``e4m3(amax / (6 * g))``: round to nearest even,
+    saturating at 448; a zero scale becomes 1.0; a NaN block keeps a NaN scale."""
+    s = torch.clamp(amax / (E2M1_MAX * global_scale), max=E4M3_MAX).to(torch.float8_e4m3fn)
+    bits = s.view(torch.uint8)
+    return torch.where(bits == 0, 0x38, bits).view(torch.float8_e4m3fn)
+
+
+def mxfp4_scales(amax: Tensor, scale_mode: str = "floor") -> Tensor:
+    """Biased E8M0 block exponents, read off the float32 bits of ``amax``.
+
+    floor (OCP MX v1.0): ``floor(log2(amax)) - 2``; rceil: ``ceil(log2(amax / 6))``.
+    Both clamp to the smallest exponent (2^-127, also used for all-zero
+    blocks); a block holding NaN or Inf gets 0xFF (NaN).
+    """
+    if scale_mode == "floor":
+        exponent = (amax.view(torch.int32) >> 23) & 0xFF
+        biased = torch.clamp(exponent - 2, min=0)
+    elif scale_mode == "rceil":
+        v = (amax / E2M1_MAX).view(torch.int32)
+        exponent, mantissa = (v >> 23) & 0xFF, v & 0x7FFFFF
+        # ceil(log2 v): the exponent, plus one unless v is an exact power of two;
+        # below the normal range only values above 2^-127 need 2^-126
+        biased = torch.where(exponent == 0, (mantissa > 0x400000).int(), exponent + (mantissa != 0).int())
+    else:
+        raise ValueError(f"unknown MXFP4 scale mode {scale_mode!r}; expected 'floor' or 'rceil'")
+    return torch.where(exponent == 0xFF, E8M0_NAN, biased).to(torch.uint8)
+
+
+def scale_units(fmt: FP4Format, scales: Tensor, global_scale: Tensor | None) -> Tensor:
+    """Float32 factor of each block: ``scale * global_scale`` (NVFP4) or ``2^(e - 127)`` (MXFP4)."""
+    if fmt.has_global_scale:
+        return scales.float() * global_scale
+    e = scales.int()
+    bits = torch.where(e == 0, 0x400000, e << 23)  # 2^-127 is subnormal in float32
+    bits = torch.where(e == E8M0_NAN, 0x7FC00000, bits)
+    return bits.view(torch.float32)
+
+
+def e2m1_magnitude(a: Tensor) -> Tensor:
+    """Magnitude index 0..7 of ``a = |y|`` rounded to nearest, ties to the even
+    code, saturating at 6; NaN gives 0.
+
+    Up to 2 the grid steps by 0.5, so ``round(2a)`` (half to even) is the
+    index; above 2 three midpoints remain (2.5 and 5 tie down, 3.5 ties up).
+    """
+    idx = torch.clamp(a, max=2.0).mul_(2.0).round_().nan_to_num_(0.0).to(torch.uint8)
+    idx += a > 2.5
+    idx += a >= 3.5
+    idx += a > 5.0
+    return idx
+
+
+def e2m1_encode(y: Tensor) -> Tensor:
+    """Round-to-nearest-even E2M1 codes of ``y`` (uint8, one per element).
+
+    The sign bit is set for ``y < 0``, so a small negative value gives -0
+    (0b1000) as in ModelOpt, while -0.0 and NaN give +0.
+    """
+    return e2m1_magnitude(y.abs()) | ((y < 0).to(torch.uint8) << 3)
+
+
+def e2m1_encode_guided(y: Tensor, guidance: Tensor, bits: int) -> Tensor:
+    """E2M1 codes of ``y`` rounded as the rollout did (TRACE's guided rounding).
+
+    ``y`` lies between two neighbouring codewords; ``guidance`` holds the low
+    ``bits`` of the rollout's code for the same element. The neighbour the
+    guidance points at is chosen:
+
+    - bits < 4: the neighbour whose low bits equal the guidance, when exactly
+      one does (adjacent codes differ in their lowest bit, so one bit tells the
+      two apart whenever the rollout code is one of them); RTN otherwise.
+    - bits = 4: the rollout code is known, so the neighbour closest to its
+      value (-0 and +0 are the same codeword).
+
+    Values on a codeword, beyond +-6, or NaN have one candidate and keep it.
+    """
+    a = torch.clamp(y.abs(), max=E2M1_MAX)  # beyond 6 the only candidate is 6
+    n = e2m1_magnitude(a)
+    grid = _E2M1_SIGNED.to(a.device)
+    on_n = grid[n.int()]
+    other = (n.int() + (a > on_n).int() - (a < on_n).int()).to(torch.uint8)
+    sign = (y < 0).to(torch.uint8) << 3
+    if bits == 4:
+        rollout = grid[guidance.int()]
+        signed = torch.where(y < 0, -1.0, 1.0)
+        pick_other = (signed * grid[other.int()] - rollout).abs() < (signed * on_n - rollout).abs()
+    else:
+        mask = (1 << bits) - 1
+        pick_other = (((sign | other) & mask) == guidance) & (((sign | n) & mask) != guidance)
+    return torch.where(pick_other, other, n) | sign
+
+
+def pack_nibbles(codes: Tensor) -> Tensor:
+    """Two codes per byte, the even element in the low nibble."""
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_nibbles(packed: Tensor) -> Tensor:
+    """Inverse of :func:`pack_nibbles`: one code per element."""
+    return torch.stack([packed & 0xF, packed >> 4], -1).flatten(-2)
+
+
+def e2m1_decode_packed(packed: Tensor) -> Tensor:
+    """Float32 values of packed codes, ``[..., K//2] -> [..., K]``, one lookup per byte."""
+    table = _BYTE_PAIRS_I64.to(packed.device)
+    return torch.take(table, packed.long()).view(torch.float32).reshape(*packed.shape[:-1], -1)
+
+
+def _chunks(n_blocks: int, block_size: int):
+    """Row slices of about CHUNK_ELEMENTS elements: each pass then stays in cache."""
+    rows = max(1, CHUNK_ELEMENTS // block_size)
+    return (slice(i, i + rows) for i in range(0, n_blocks, rows))
+
+
+def _encode(xb: Tensor, units: Tensor, encode) -> Tensor:
+    """Packed codes ``encode(x / unit, rows)`` of flat blocks ``[n_blocks, block_size]``."""
+    codes = torch.empty(xb.shape[0], xb.shape[1] // 2, dtype=torch.uint8, device=xb.device)
+    for rows in _chunks(*xb.shape):
+        codes[rows] = pack_nibbles(encode(xb[rows] / units[rows, None], rows))
+    return codes
+
+
+def quantize(
+    x: Tensor, fmt: FP4Format, global_scale: Tensor | None, scale_mode: str
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """RTN quantization: ``(packed codes, block scales, global scale)``."""
+    xb = blocked(x, fmt.block_size).reshape(-1, fmt.block_size)
+    amax = torch.empty(xb.shape[0], dtype=torch.float32, device=x.device)
+    for rows in _chunks(*xb.shape):
+        amax[rows] = block_amax(xb[rows])
+    if fmt.has_global_scale:
+        if global_scale is None:
+            global_scale = nvfp4_global_scale(amax.amax() if amax.numel() else amax.new_zeros(()))
+        scales = nvfp4_scales(amax, global_scale)
+    else:
+        scales = mxfp4_scales(amax, scale_mode)
+    codes = _encode(xb, scale_units(fmt, scales, global_scale), lambda y, rows: e2m1_encode(y))
+    return codes.reshape(*x.shape[:-1], -1), scales.reshape(*x.shape[:-1], -1), global_scale
+
+
+def quantize_guided(
+    x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tensor | None, guidance: Tensor, bits: int
+) -> Tensor:
+    """Packed codes of ``x`` rounded under the rollout's scales as its guidance says."""
+    xb = blocked(x, fmt.block_size).reshape(-1, fmt.block_size)
+    guidance = guidance.reshape(xb.shape)
+    units = scale_units(fmt, scales.reshape(-1), global_scale)
+    codes = _encode(xb, units, lambda y, rows: e2m1_encode_guided(y, guidance[rows], bits))
+    return codes.reshape(*x.shape[:-1], -1)
+
+
+def e2m1_decode(codes: Tensor) -> Tensor:
+    """Float32 values of unpacked codes (no scale)."""
+    return _E2M1_SIGNED.to(codes.device)[codes.int()]
+
+
+def dequantize(packed: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tensor | None) -> Tensor:
+    """Float32 values ``e2m1(code) * unit``."""
+    values = blocked(e2m1_decode_packed(packed), fmt.block_size)
+    return (values * scale_units(fmt, scales, global_scale).unsqueeze(-1)).flatten(-2)
+
+
+def fake_quantize(x: Tensor, fmt: FP4Format, global_scale: Tensor | None, scale_mode: str) -> Tensor:
+    """Float32 values of ``x`` after RTN quantization."""
+    codes, scales, global_scale = quantize(x, fmt, global_scale, scale_mode)
+    return dequantize(codes, fmt, scales, global_scale)
+
+
+def fake_quantize_guided(
+    x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tensor | None, guidance: Tensor, bits: int
+) -> Tensor:
+    """Float32 values of ``x`` after guided quantization under the rollout's scales;
+    NaN stays NaN (the rollout's scale cannot carry it)."""
+    values = dequantize(quantize_guided(x, fmt, scales, global_scale, guidance, bits), fmt, scales, global_scale)
+    return torch.where(torch.isnan(x), torch.nan, values.reshape(x.shape))
+
+
+def fp8_fake_quantize(x: Tensor, block_size: int | None = None) -> Tensor:
+    """Float32 values of ``x`` through FP8 E4M3 with a scale per row (token), or
+    per block of ``block_size`` along the last dimension: ``amax / 448``, 1.0
+    for an all-zero row. A row (block) holding NaN or Inf becomes NaN."""
+    xb = blocked(x, block_size or x.shape[-1]).float()
+    scale = xb.abs().amax(-1, keepdim=True) / E4M3_MAX
+    scale = torch.where(scale == 0, 1.0, scale)
+    q = (xb / scale).to(torch.float8_e4m3fn).float() * scale
+    return q.flatten(-2)
+
+
+def _bit_fields(bits: int):
+    """Where code j of a group of 8 lands: (byte, bit offset, spill into the next byte)."""
+    for j in range(8):
+        byte, offset = divmod(j * bits, 8)
+        yield j, byte, offset, offset + bits > 8
+
+
+def compact_codes(codes: Tensor, bits: int) -> Tensor:
+    """Keep the low ``bits`` of every code, packed densely along the last dim.
+
+    Each group of 8 codes becomes ``bits`` bytes: code j of a group sits at bit
+    ``j * bits`` of a little-endian bit stream (so k = 1 puts eight codes in a
+    byte). ``[..., n] -> [..., ceil(n * bits / 8)]``; a short last group is
+    zero-padded.
+    """
+    n = codes.shape[-1]
+    groups = -(-n // 8)
+    c = torch.nn.functional.pad(codes & ((1 << bits) - 1), (0, groups * 8 - n))
+    c = c.reshape(*codes.shape[:-1], groups, 8)
+    out = torch.zeros(*codes.shape[:-1], groups, bits, dtype=torch.uint8, device=codes.device)
+    for j, byte, offset, spills in _bit_fields(bits):
+        out[..., byte] |= c[..., j] << offset  # uint8: bits past 7 fall off here...
+        if spills:
+            out[..., byte + 1] |= c[..., j] >> (8 - offset)  # ...and land in the next byte
+    return out.flatten(-2)[..., : -(-n * bits // 8)]
+
+
+def expand_codes(packed: Tensor, bits: int, n: int) -> Tensor:
+    """Inverse of :func:`compact_codes`: ``[..., ceil(n * bits / 8)] -> [..., n]``."""
+    groups = -(-n // 8)
+    b = torch.nn.functional.pad(packed, (0, groups * bits - packed.shape[-1]))
+    b = b.reshape(*packed.shape[:-1], groups, bits)
+    codes = torch.empty(*packed.shape[:-1], groups, 8, dtype=torch.uint8, device=packed.device)
+    for j, byte, offset, spills in _bit_fields(bits):
+        codes[..., j] = b[..., byte] >> offset
+        if spills:
+            codes[..., j] |= b[..., byte + 1] << (8 - offset)
+    return (codes & ((1 << bits) - 1)).flatten(-2)[..., :n]

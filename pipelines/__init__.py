@@ -1,0 +1,1 @@
+"""The Kubeflow Pipelines DAG: compile, version, submit, local runner and CLI."""

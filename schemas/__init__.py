@@ -1,0 +1,1 @@
+"""Pydantic models that parameterize a tracefp4 run, and their JSON Schema."""

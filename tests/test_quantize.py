@@ -1,0 +1,213 @@
+"""quantize/dequantize against the spec: exact encodings one value at a time,
+agreement with an independent model on varied inputs, special values, errors."""
+
+import math
+
+import pytest
+import torch
+
+import spec_model
+from tracefp4.kernels import FP4Tensor, dequantize, quantize, unpack_codes
+from tracefp4.kernels.formats import E2M1_ENCODINGS, E4M3_ENCODINGS, E2M1_VALUES
+
+
+def unit_block(values, block=16):
+    """A block whose NVFP4 unit is exactly 1 under global scale 1: its amax is 6."""
+    row = torch.zeros(block)
+    row[: len(values)] = torch.tensor(values, dtype=torch.float32)
+    row[-1] = 6.0
+    return row
+
+
+@pytest.mark.parametrize("value,code", E2M1_ENCODINGS)
+def test_e2m1_encodings(value, code):
+    q = quantize(unit_block([value]).unsqueeze(0), "nvfp4", global_scale=1.0)
+    assert q.scales.view(torch.uint8).item() == 0x38  # scale 1.0
+    assert unpack_codes(q)[0, 0].item() == code
+
+
+@pytest.mark.parametrize(
+    "value,rounded",
+    [(0.25, 0.0), (0.75, 1.0), (1.25, 1.0), (1.75, 2.0), (2.5, 2.0), (3.5, 4.0), (5.0, 4.0), (5.01, 6.0)],
+)
+def test_ties_go_to_the_even_code(value, rounded):
+    for sign in (1, -1):
+        q = quantize(unit_block([sign * value]).unsqueeze(0), "nvfp4", global_scale=1.0)
+        assert dequantize(q)[0, 0].item() == sign * rounded
+
+
+def test_mxfp4_elements_saturate_at_6():
+    # amax 7.9: scale 2^(floor(log2 7.9) - 2) = 1, so 7.9 itself lies beyond the grid
+    x = torch.full((1, 32), 7.9)
+    assert dequantize(quantize(x, "mxfp4")).unique().tolist() == [6.0]
+
+
+@pytest.mark.parametrize("value,bits", sorted(E4M3_ENCODINGS.items()))
+def test_e4m3_block_scale_encodings(value, bits):
+    # block amax 6 * value under global scale 1 makes the block scale exactly `value`
+    q = quantize(torch.full((1, 16), 6.0 * value), "nvfp4", global_scale=1.0)
+    assert q.scales.view(torch.uint8).item() == bits
+
+
+def _inputs(kind: str, rows: int, cols: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(hash(kind) % 2**31)
+    if kind == "normal":
+        return torch.randn(rows, cols, generator=g) * 3
+    if kind == "heavy":  # Student-t with 1.5 degrees of freedom: rare huge outliers
+        normal = torch.randn(rows, cols, generator=g)
+        chi = torch.distributions.Chi2(1.5).sample((rows, cols))
+        return normal / (chi / 1.5).sqrt()
+    if kind == "tiny":  # float32 subnormals and values near the E4M3 floor
+        return torch.randn(rows, cols, generator=g) * torch.tensor([1e-40, 1e-30, 1e-3, 1.0]).repeat(rows // 4)[:, None]
+    if kind == "ties":  # exact midpoints of the E2M1 grid at power-of-two units
+        mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+        idx = torch.randint(0, len(mids), (rows, cols), generator=g)
+        sign = torch.randint(0, 2, (rows, cols), generator=g) * 2 - 1
+        return mids[idx] * sign * 2.0 ** torch.randint(-4, 5, (rows, 1), generator=g)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy", "tiny", "ties"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nvfp4_matches_the_independent_model(kind, dtype):
+    x = _inputs(kind, 8, 64).to(dtype)
+    q = quantize(x, "nvfp4")
+    blocks = x.float().reshape(-1, 16).tolist()
+    codes, scales, g = spec_model.nvfp4(blocks)
+    assert q.global_scale.item() == g
+    assert q.scales.view(torch.uint8).reshape(-1).tolist() == scales
+    assert unpack_codes(q).reshape(-1, 16).tolist() == codes
+
+
+@pytest.mark.parametrize("kind", ["normal", "heavy", "tiny", "ties"])
+@pytest.mark.parametrize("scale_mode", ["floor", "rceil"])
+def test_mxfp4_matches_the_independent_model(kind, scale_mode):
+    x = _inputs(kind, 8, 64)
+    q = quantize(x, "mxfp4", scale_mode=scale_mode)
+    assert q.global_scale is None and q.scales.dtype == torch.uint8
+    codes, scales = spec_model.mxfp4(x.reshape(-1, 32).tolist(), scale_mode)
+    assert q.scales.reshape(-1).tolist() == scales
+    assert unpack_codes(q).reshape(-1, 32).tolist() == codes
+
+
+def test_nvfp4_with_a_given_global_scale_matches_the_model():
+    x = _inputs("normal", 4, 32)
+    q = quantize(x, "nvfp4", global_scale=0.01)
+    codes, scales, _ = spec_model.nvfp4(x.reshape(-1, 16).tolist(), global_scale=0.01)
+    assert q.scales.view(torch.uint8).reshape(-1).tolist() == scales
+    assert unpack_codes(q).reshape(-1, 16).tolist() == codes
+
+
+def test_layout_two_codes_per_byte_even_element_low():
+    x = unit_block([1.0, -3.0, 0.5]).unsqueeze(0)  # codes 0b0010, 0b1101, 0b0001
+    q = quantize(x, "nvfp4", global_scale=1.0)
+    assert q.codes.shape == (1, 8) and q.codes.dtype == torch.uint8
+    assert q.codes[0, 0].item() == 0b1101_0010
+    assert q.codes[0, 1].item() == 0b0000_0001
+    assert q.shape == x.shape and q.fmt == "nvfp4"
+
+
+@pytest.mark.parametrize("fmt,min_sqnr_db", [("nvfp4", 18.0), ("mxfp4", 14.0)])
+def test_round_trip_error_is_that_of_fp4(fmt, min_sqnr_db):
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    err = dequantize(quantize(x, fmt)) - x
+    sqnr = 10 * math.log10(x.pow(2).mean() / err.pow(2).mean())
+    assert min_sqnr_db < sqnr < 30.0
+
+
+def test_dequantize_is_exactly_code_times_unit():
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    q = quantize(x, "nvfp4")
+    grid = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
+    units = q.scales.float() * q.global_scale
+    expected = grid[unpack_codes(q).long()].reshape(4, 4, 16) * units[..., None]
+    assert torch.equal(dequantize(q), expected.reshape(4, 64))
+    again = quantize(dequantize(q), "nvfp4", global_scale=q.global_scale)
+    assert torch.equal(dequantize(again), dequantize(q))  # values on the grid stay put
+
+
+class TestSpecialValues:
+    def test_all_zero_blocks(self):
+        q = quantize(torch.zeros(2, 32), "nvfp4")
+        assert q.global_scale.item() == 1.0
+        assert (q.scales.float() == 1.0).all() and (q.codes == 0).all()
+        m = quantize(torch.zeros(2, 32), "mxfp4")
+        assert (m.scales == 0).all() and (m.codes == 0).all()
+        assert (dequantize(m) == 0).all()
+
+    def test_nan_poisons_its_block_under_a_given_global_scale(self):
+        x = torch.ones(2, 32)
+        x[0, 3] = math.nan
+        for fmt, kwargs, nan_scale in [("nvfp4", {"global_scale": 1.0}, 0x7F), ("mxfp4", {}, 0xFF)]:
+            q = quantize(x, fmt, **kwargs)
+            out = dequantize(q)
+            assert q.scales.view(torch.uint8)[0, 0].item() == nan_scale
+            assert out[0, : q.shape[-1] // q.scales.shape[-1]].isnan().all()
+            assert not out[1].isnan().any()
+
+    @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+    def test_non_finite_with_the_default_global_scale_poisons_the_tensor(self, bad):
+        x = torch.ones(2, 32)
+        x[1, 5] = bad
+        q = quantize(x, "nvfp4")
+        assert q.global_scale.isnan()
+        assert dequantize(q).isnan().all()
+
+    def test_inf_saturates_at_the_largest_scale_under_a_given_global_scale(self):
+        x = torch.ones(1, 16)
+        x[0, 0], x[0, 1] = math.inf, -math.inf
+        q = quantize(x, "nvfp4", global_scale=1.0)
+        assert q.scales.view(torch.uint8).item() == 0x7E  # 448
+        assert dequantize(q)[0, :2].tolist() == [6 * 448.0, -6 * 448.0]
+
+    def test_inf_makes_an_mxfp4_block_nan(self):
+        x = torch.ones(1, 32)
+        x[0, 0] = math.inf
+        q = quantize(x, "mxfp4")
+        assert q.scales.item() == 0xFF and dequantize(q).isnan().all()
+
+    def test_subnormal_inputs(self):
+        x = torch.full((1, 32), 1e-42)
+        q = quantize(x, "mxfp4")
+        assert q.scales.item() == 0  # clamped to 2^-127
+        assert torch.equal(dequantize(q), torch.zeros(1, 32))  # 1e-42 / 2^-127 < 0.25
+        n = quantize(x, "nvfp4")  # the global scale underflows to 0, so it is 1.0
+        assert n.global_scale.item() == 1.0 and (dequantize(n) == 0).all()
+
+    def test_signs_of_zero(self):
+        x = unit_block([-0.0, -0.1, 0.1]).unsqueeze(0)
+        codes = unpack_codes(quantize(x, "nvfp4", global_scale=1.0))[0, :3].tolist()
+        assert codes == [0b0000, 0b1000, 0b0000]  # -0.0 gives +0; a small negative gives -0
+
+
+class TestErrors:
+    def test_unknown_format(self):
+        with pytest.raises(ValueError, match="unknown FP4 format 'fp5'"):
+            quantize(torch.ones(1, 16), "fp5")
+
+    def test_block_size(self):
+        with pytest.raises(ValueError, match="multiple of 32"):
+            quantize(torch.ones(2, 48), "mxfp4")
+
+    def test_dtype(self):
+        with pytest.raises(TypeError, match="float32 or bfloat16, got torch.float16"):
+            quantize(torch.ones(1, 16, dtype=torch.float16), "nvfp4")
+
+    def test_global_scale_misuse(self):
+        with pytest.raises(ValueError, match="mxfp4 has no global scale"):
+            quantize(torch.ones(1, 32), "mxfp4", global_scale=1.0)
+        with pytest.raises(ValueError, match="positive and finite"):
+            quantize(torch.ones(1, 16), "nvfp4", global_scale=0.0)
+
+    def test_scale_mode_misuse(self):
+        with pytest.raises(ValueError, match="mxfp4 only"):
+            quantize(torch.ones(1, 16), "nvfp4", scale_mode="rceil")
+        with pytest.raises(ValueError, match="unknown MXFP4 scale mode 'even'"):
+            quantize(torch.ones(1, 32), "mxfp4", scale_mode="even")
+
+
+def test_fp4tensor_fields():
+    q = quantize(torch.randn(3, 5, 64), "mxfp4")
+    assert isinstance(q, FP4Tensor)
+    assert q.codes.shape == (3, 5, 32) and q.scales.shape == (3, 5, 2)
+    assert unpack_codes(q).shape == (3, 5, 64)

@@ -1,0 +1,109 @@
+"""Every Triton kernel equals the torch reference bit for bit. Without a GPU the
+kernels run in Triton's interpreter on CPU tensors (see conftest.py), so the
+tensors stay small and the grids short."""
+
+import math
+
+import pytest
+import torch
+
+from tracefp4.kernels import HAS_TRITON, MXFP4, NVFP4, reference
+
+pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed on this platform")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+MODES = [(NVFP4, "floor"), (MXFP4, "floor"), (MXFP4, "rceil")]
+
+
+@pytest.fixture(scope="module")
+def tk():
+    from tracefp4.kernels import triton_kernels
+
+    return triton_kernels
+
+
+def assert_same_bits(a: torch.Tensor, b: torch.Tensor):
+    """Equal bits, where any NaN matches any NaN (payloads differ by platform)."""
+    assert a.shape == b.shape and a.dtype == b.dtype
+    if a.is_floating_point():
+        nan = a.isnan()
+        assert torch.equal(nan, b.isnan())
+        a, b = a[~nan], b[~nan]
+    as_int = {torch.float32: torch.int32, torch.float8_e4m3fn: torch.uint8}
+    assert torch.equal(a.view(as_int.get(a.dtype, a.dtype)), b.view(as_int.get(b.dtype, b.dtype)))
+
+
+def sample(rows: int, cols: int, seed: int, dtype=torch.float32, specials: bool = True) -> torch.Tensor:
+    """Normal values at scales from subnormal to huge, exact ties, zeros and
+    (unless they would poison a default NVFP4 global scale) NaN and Inf."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * 10.0 ** torch.randint(-40, 30, (rows, 1), generator=g).float()
+    x[0, :32] = 0.0
+    x[1, :8] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -6.0])
+    x[1, 8:32] = 0.0
+    x[1, 15] = 6.0  # unit 1 for the first NVFP4 block, 2^0 for MXFP4's
+    if specials:
+        x[2, 40] = math.nan
+        x[3, 70] = -math.inf
+    return x.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("fmt,mode,global_scale", [m + (None,) for m in MODES] + [(NVFP4, "floor", 0.05)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantize_and_fake_quantize(tk, fmt, mode, global_scale, dtype):
+    g = None if global_scale is None else torch.tensor(global_scale, device=DEVICE)
+    specials = g is not None or not fmt.has_global_scale
+    x = sample(6, 160, seed=1, dtype=dtype, specials=specials)  # 60 NVFP4 blocks: one partial program of 64
+    e_codes, e_scales, e_global = reference.quantize(x, fmt, g, mode)
+    codes, scales, global_out = tk.quantize(x, fmt, g, mode)
+    assert_same_bits(e_codes, codes)
+    assert_same_bits(e_scales, scales)
+    if fmt.has_global_scale:
+        assert_same_bits(e_global, global_out)
+    assert_same_bits(reference.fake_quantize(x, fmt, g, mode), tk.fake_quantize(x, fmt, g, mode))
+
+
+@pytest.mark.parametrize("fmt,mode", MODES)
+def test_dequantize(tk, fmt, mode):
+    x = sample(4, 2048, seed=2, specials=not fmt.has_global_scale)  # more blocks than one program holds
+    codes, scales, g = reference.quantize(x, fmt, None, mode)
+    assert_same_bits(reference.dequantize(codes, fmt, scales, g), tk.dequantize(codes, fmt, scales, g))
+
+
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_guided_quantize_and_fake_quantize(tk, fmt, bits):
+    x = sample(6, 128, seed=3)
+    g = torch.tensor(1e-3, device=DEVICE) if fmt.has_global_scale else None
+    codes, scales, g = reference.quantize(x, fmt, g, "floor")
+    low = reference.unpack_nibbles(codes) & ((1 << bits) - 1)
+    train = x + torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE) * x.abs() * 0.05
+    train[5, 3] = math.nan
+    assert_same_bits(
+        reference.quantize_guided(train, fmt, scales, g, low, bits), tk.quantize_guided(train, fmt, scales, g, low, bits)
+    )
+    assert_same_bits(
+        reference.fake_quantize_guided(train, fmt, scales, g, low, bits),
+        tk.fake_quantize_guided(train, fmt, scales, g, low, bits),
+    )
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("n", [1, 13, 64, 2051])
+def test_compact_and_expand(tk, bits, n):
+    c = torch.randint(0, 16, (3, n), dtype=torch.uint8, generator=torch.Generator().manual_seed(n)).to(DEVICE)
+    packed = reference.compact_codes(c, bits)
+    assert_same_bits(packed, tk.compact_codes(c, bits))
+    assert_same_bits(reference.expand_codes(packed, bits, n), tk.expand_codes(packed, bits, n))
+
+
+def test_e4m3_encoder_covers_every_scale(tk):
+    # every float32 that is an E4M3 value, every midpoint between two, and beyond 448
+    values = torch.arange(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    mids = (values[1:] + values[:-1]) / 2
+    amax = torch.cat([values, mids, torch.tensor([464.0, 465.0, 1e30, math.inf, 2.0**-10, 2.0**-10 + 2.0**-30])])
+    x = torch.zeros(amax.numel(), 16)
+    x[:, 0] = amax * 6  # global scale 1: block scale e4m3(amax)
+    x = x.to(DEVICE)
+    one = torch.tensor(1.0, device=DEVICE)
+    assert_same_bits(reference.quantize(x, NVFP4, one, "floor")[1], tk.quantize(x, NVFP4, one, "floor")[1])
