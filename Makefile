@@ -12,6 +12,7 @@ install:
 test: install
 	$(PYTHON) -m pytest
 
-# The main job. Today: the kernel benchmark; it grows into the local pipeline run.
+# The main job. Today: the kernel and rollout benchmarks; it grows into the local pipeline run.
 run: install
 	$(PYTHON) benchmarks/kernels.py
+	$(PYTHON) benchmarks/rollout.py

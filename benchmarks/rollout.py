@@ -1,0 +1,133 @@
+"""Rollout throughput: this engine vs transformers' ``generate`` on the same
+checkpoint, batch and lengths (BF16, both with a KV cache); the cost of
+capture; bytes captured per token; KV cache bytes per token.
+
+    python benchmarks/rollout.py [--preset tiny] [--batches 32 128] [--prompt-len 32] [--new-tokens 64] [--repeat 3]
+
+The last line is one JSON object with every figure.
+"""
+
+import argparse
+import json
+import logging
+import tempfile
+import time
+
+import torch
+
+from tracefp4.components.capture import CaptureConfig
+from tracefp4.components.checkpoint import save_model
+from tracefp4.components.model import build_model
+from tracefp4.components.quant import rollout_config
+from tracefp4.components.rollout import SamplingParams, TorchEngine
+
+
+def tokens_per_second(fn, n_tokens: int) -> float:
+    start = time.perf_counter()
+    fn()
+    return n_tokens / (time.perf_counter() - start)
+
+
+def best_of(repeat: int, *runs):
+    """Each run's best figure over ``repeat`` interleaved rounds: noise on a shared machine hits all alike."""
+    figures = [[run() for run in runs] for _ in range(repeat)]
+    return [max(column) for column in zip(*figures)]
+
+
+def hf_generate(checkpoint: str, device: str):
+    """transformers' generate on the checkpoint, sampling every step to the full length."""
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.bfloat16).to(device).eval()
+
+    def run(prompts: torch.Tensor, new_tokens: int):
+        with torch.no_grad():
+            model.generate(
+                prompts, attention_mask=torch.ones_like(prompts), do_sample=True, top_k=0, temperature=1.0,
+                max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+            )  # fmt: skip
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--batches", type=int, nargs="+", default=[32, 128])
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeat", type=int, default=3, help="rounds; each figure is the best round")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = build_model(args.preset, seed=0)
+    figures: dict = {"device": device, "preset": args.preset, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+    sampling = SamplingParams(max_new_tokens=args.new_tokens, seed=0)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        save_model(model, f"{tmp}/policy")
+        hf = hf_generate(f"{tmp}/policy", device)
+        bf16 = TorchEngine(model, rollout_config("bf16"), device=device)
+        for batch in args.batches:
+            prompts = torch.randint(0, model.cfg.vocab_size, (batch, args.prompt_len), device=device)
+            n = batch * args.new_tokens
+            bf16.generate(prompts[:2].tolist(), SamplingParams(max_new_tokens=2))  # warm-up
+            hf(prompts[:2], 2)
+            ours, theirs = best_of(
+                args.repeat,
+                lambda: tokens_per_second(lambda: bf16.generate(prompts.tolist(), sampling), n),
+                lambda: tokens_per_second(lambda: hf(prompts, args.new_tokens), n),
+            )
+            figures[f"b{batch}_engine_tokens_per_s"] = ours
+            figures[f"b{batch}_hf_generate_tokens_per_s"] = theirs
+            figures[f"b{batch}_speedup_vs_hf"] = ours / theirs
+            print(f"batch {batch:4}: engine {ours:8.1f} tok/s, transformers generate {theirs:8.1f} tok/s, {ours / theirs:.2f}x (target >= 2)")
+
+    batch = args.batches[0]
+    prompts = torch.randint(0, model.cfg.vocab_size, (batch, args.prompt_len)).tolist()
+    n = batch * args.new_tokens
+    max_tokens = batch * args.prompt_len
+    fp4 = rollout_config("fp4_wa_kv")
+    plain = TorchEngine(model, fp4, device=device)
+    full = TorchEngine(model, fp4, device=device, capture=CaptureConfig(bits=4, max_tokens=max_tokens))
+    layers = tuple(model.cfg.sparse_layers[len(model.cfg.sparse_layers) // 2 :])
+    r1 = TorchEngine(model, fp4, device=device, capture=CaptureConfig(bits=1, layers=layers, max_tokens=max_tokens))
+    for engine in (plain, full, r1):
+        engine.generate(prompts[:2], SamplingParams(max_new_tokens=2))
+    if full.capture:
+        full.drain_capture(), r1.drain_capture()
+    captured = {}
+
+    def with_capture(engine):  # a rollout step ends with its capture drained
+        engine.generate(prompts, sampling)
+        captured[engine] = engine.drain_capture().nbytes
+
+    off, on, on_r1 = best_of(
+        args.repeat + 2,
+        lambda: tokens_per_second(lambda: plain.generate(prompts, sampling), n),
+        lambda: tokens_per_second(lambda: with_capture(full), n),
+        lambda: tokens_per_second(lambda: with_capture(r1), n),
+    )
+    tokens_in_context = batch * (args.prompt_len + args.new_tokens - 1)
+    full_bytes, r1_bytes = captured[full] / tokens_in_context, captured[r1] / tokens_in_context
+    figures.update(
+        fp4_capture_off_tokens_per_s=off,
+        fp4_capture_on_tokens_per_s=on,
+        fp4_capture_r1_tokens_per_s=on_r1,
+        capture_overhead=1 - on / off,
+        capture_overhead_r1_deeper_half=1 - on_r1 / off,
+        captured_bytes_per_token_full=full_bytes,
+        captured_bytes_per_token_r1_deeper_half=r1_bytes,
+        kv_bytes_per_token_bf16=bf16.kv_bytes_per_token(),
+        kv_bytes_per_token_nvfp4=plain.kv_bytes_per_token(),
+        kv_ratio_nvfp4_to_bf16=plain.kv_bytes_per_token() / bf16.kv_bytes_per_token(),
+    )
+    print(f"capture overhead {figures['capture_overhead']:.1%} full, {figures['capture_overhead_r1_deeper_half']:.1%} R-1bit (target <= 5%); "
+          f"captured bytes/token full {full_bytes:.0f}, R-1bit deeper half {r1_bytes:.0f}; "
+          f"NVFP4 KV {figures['kv_ratio_nvfp4_to_bf16']:.3f}x BF16 bytes")  # fmt: skip
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""Rollout-side capture of FP4 outcomes: what TRACE ships to training.
+
+For every captured activation site the engine records the codes and block
+scales it produced, keyed by ``(trajectory, position, layer, site, slot)``;
+for the KV cache, the codes and scales of every position when the request
+ends. Writes go into preallocated per-site buffers (two, used in turn), and a
+background thread offloads each filled buffer to host memory while the next
+forward runs. Inline compaction keeps only the low ``bits`` of each code and
+only the selected layers, with the foundation's codec, before offload.
+"""
+
+import queue
+import threading
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from tracefp4.kernels import FP4Tensor, Guidance, compact_codes, expand_codes, get_format
+from tracefp4.kernels.reference import unpack_nibbles
+
+from .model import ModelConfig
+from .quant import ACTIVATION_SITES, QuantConfig
+
+
+@dataclass(frozen=True)
+class CaptureConfig:
+    """What is kept: the low ``bits`` of each code (4 = all), of ``layers``
+    (None = every layer), for forwards of up to ``max_tokens`` tokens."""
+
+    bits: int = 4
+    layers: tuple[int, ...] | None = None
+    max_tokens: int = 4096
+
+    def keeps(self, layer: int) -> bool:
+        return self.layers is None or layer in self.layers
+
+
+@dataclass
+class TokenMap:
+    """Trajectory id and position of each token row of one forward (``traj`` -1: padding)."""
+
+    traj: Tensor
+    pos: Tensor
+
+
+@dataclass
+class SiteTable:
+    """The captured outcomes of one ``(layer, site)``, one row per captured
+    vector, sorted by ``(traj, pos, slot)``. ``codes`` holds the low ``bits``
+    of each code packed by ``compact_codes`` (bits = 4 is the FP4 nibble
+    layout); ``scales`` the raw E4M3 / E8M0 scale bytes."""
+
+    layer: int
+    site: str
+    fmt: str
+    bits: int
+    width: int  # elements per row
+    global_scale: float | None
+    traj: Tensor
+    pos: Tensor
+    slot: Tensor
+    expert: Tensor  # routed expert of the slot, -1 where the site has none
+    codes: Tensor
+    scales: Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.scales.numel()
+
+    def low_bits(self) -> Tensor:
+        """One uint8 per element ``[N, width]``: the low ``bits`` of each code."""
+        return expand_codes(self.codes, self.bits, self.width)
+
+    def guidance(self, rows: Tensor) -> Guidance:
+        """Guidance for the selected rows (training-side guided rounding)."""
+        f = get_format(self.fmt)
+        scales = self.scales[rows].view(f.scale_dtype)
+        g = None if self.global_scale is None else torch.tensor(self.global_scale)
+        return Guidance(self.codes[rows], self.bits, scales, g, self.fmt, torch.Size((len(rows), self.width)))
+
+
+@dataclass
+class CaptureRecords:
+    """Everything captured over a batch of rollouts."""
+
+    tables: dict[tuple[int, str], SiteTable] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tables.values())
+
+
+class _Buffer:
+    """Preallocated rows for many forwards: a token table ``(traj, pos)`` and,
+    per captured site, codes, scale bytes and (expert slots) routing."""
+
+    def __init__(self, shapes: dict[tuple[int, str], tuple[int, int, int, int]], max_tokens: int, device):
+        self.tokens = torch.empty(max_tokens, 2, dtype=torch.int64, device=device)
+        self.codes = {k: torch.empty(max_tokens * per, nbytes, dtype=torch.uint8, device=device) for k, (per, nbytes, _, _) in shapes.items()}
+        self.scales = {k: torch.empty(max_tokens * per, nsc, dtype=torch.uint8, device=device) for k, (per, _, nsc, _) in shapes.items()}
+        # (token row in this buffer, slot, expert) of rows that belong to expert slots
+        self.routing = {k: torch.empty(max_tokens * per, 3, dtype=torch.int64, device=device) for k, (per, _, _, r) in shapes.items() if r}
+        self.n_tokens = 0
+        self.rows = dict.fromkeys(shapes, 0)
+        self.free = threading.Event()
+        self.free.set()
+
+
+class Capture:
+    """Records FP4 outcomes during rollout (a :class:`~.quant.Recorder`).
+
+    The engine captures KV when a request ends (:meth:`record_kv`); with
+    ``kv_from_forward`` (teacher forcing) K/V rows arrive through :meth:`record`
+    like activations. A buffer holds ``max_tokens`` token rows of as many
+    forwards as fit; a full buffer goes to the offload thread while the other
+    one fills.
+    """
+
+    def __init__(
+        self, model_cfg: ModelConfig, quant: QuantConfig, config: CaptureConfig, global_scales: dict,
+        device="cpu", kv_from_forward: bool = False,
+    ):  # fmt: skip
+        if config.bits not in (1, 2, 3, 4):
+            raise ValueError(f"capture bits must be 1..4, got {config.bits}")
+        self.cfg, self.quant, self.config, self.device = model_cfg, quant, config, device
+        self.global_scales = {k: float(v) for k, v in global_scales.items()}
+        kv_width = model_cfg.num_kv_heads * model_cfg.head_dim
+        site_shapes = {  # elements per row, rows per token
+            "moe_in": (model_cfg.hidden_size, 1),
+            "moe_down_in": (model_cfg.moe_intermediate_size, model_cfg.top_k),
+            "k_cache": (kv_width, 1),
+            "v_cache": (kv_width, 1),
+        }
+        self._widths, shapes = {}, {}
+        for layer in range(model_cfg.num_layers):
+            for site, (width, per_token) in site_shapes.items():
+                fmt = quant.site_format(site)
+                if fmt is None or not config.keeps(layer) or (site in ACTIVATION_SITES and not model_cfg.is_sparse(layer)):
+                    continue
+                self._widths[(layer, site)] = width
+                if site in ACTIVATION_SITES or kv_from_forward:
+                    nscales = width // get_format(fmt).block_size
+                    shapes[(layer, site)] = (per_token, width // 2, nscales, site == "moe_down_in")
+        self._buffers = [_Buffer(shapes, config.max_tokens, device) for _ in range(2)]
+        self._turn = 0
+        self._forward_tokens = 0  # tokens of the forward in flight, 0 between forwards
+        self._chunks: dict[tuple[int, str], list[list[Tensor]]] = {}
+        self._jobs: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._worker = threading.Thread(target=self._offload_loop, name="capture-offload", daemon=True)
+        self._worker.start()
+        # stop the thread before the interpreter tears torch down under it
+        weakref.finalize(self, _stop_worker, self._jobs, self._worker)
+
+    # -- the forward side -------------------------------------------------
+    def begin(self, tokens: TokenMap) -> None:
+        """Start a forward whose token rows are ``tokens``."""
+        self._raise_worker_error()
+        n = tokens.traj.numel()
+        if n > self.config.max_tokens:
+            raise ValueError(f"a forward of {n} tokens exceeds capture max_tokens={self.config.max_tokens}")
+        buf = self._buffers[self._turn]
+        if buf.n_tokens + n > self.config.max_tokens:
+            buf = self._flush()
+        buf.tokens[buf.n_tokens : buf.n_tokens + n] = torch.stack([tokens.traj, tokens.pos], 1)
+        self._forward_tokens = n
+
+    def record(self, layer: int, site: str, q: FP4Tensor, token: Tensor | None, slot: Tensor | None, expert: Tensor | None) -> None:
+        buf, key = self._buffers[self._turn], (layer, site)
+        if not self._forward_tokens or key not in buf.codes:
+            return  # not kept, or KV that is captured when its request ends
+        start, n = buf.rows[key], q.codes.shape[0]
+        buf.codes[key][start : start + n] = q.codes
+        buf.scales[key][start : start + n] = q.scales.view(torch.uint8)
+        if key in buf.routing:
+            buf.routing[key][start : start + n] = torch.stack([token + buf.n_tokens, slot, expert], 1)
+        buf.rows[key] = start + n
+
+    def end(self) -> None:
+        self._buffers[self._turn].n_tokens += self._forward_tokens
+        self._forward_tokens = 0
+
+    def _flush(self) -> "_Buffer":
+        """Send the current buffer to the offload thread; return the other, once it is free."""
+        self._jobs.put(("buffer", self._buffers[self._turn]))
+        self._turn = 1 - self._turn
+        buf = self._buffers[self._turn]
+        buf.free.wait()
+        buf.free.clear()
+        buf.n_tokens, buf.rows = 0, dict.fromkeys(buf.rows, 0)
+        return buf
+
+    def record_kv(self, traj: int, layer: int, site: str, codes: Tensor, scales: Tensor) -> None:
+        """The KV codes ``[length, width/2]`` and scales of a finished request."""
+        if (layer, site) not in self._widths:
+            return
+        n = codes.shape[0]
+        meta = torch.stack([torch.full((n,), traj), torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.full((n,), -1)], 1)
+        self._jobs.put(("kv", ((layer, site), codes.clone(), scales.clone(), meta.to(codes.device))))
+
+    # -- the offload side -------------------------------------------------
+    def _offload_loop(self) -> None:
+        torch.set_num_threads(1)  # this thread's ops only: the forward keeps the cores
+        while True:
+            kind, job = self._jobs.get()
+            if kind == "stop":
+                self._jobs.task_done()
+                return
+            try:
+                if kind == "buffer":
+                    self._offload(job)
+                else:
+                    self._append(*job)
+            except BaseException as e:  # surfaced on the forward side
+                self._error = e
+            finally:
+                if kind == "buffer":
+                    job.free.set()
+                self._jobs.task_done()
+
+    def _offload(self, buf: _Buffer) -> None:
+        tokens = buf.tokens[: buf.n_tokens].to("cpu", copy=True)
+        for key, n in buf.rows.items():
+            if key in buf.routing:
+                routing = buf.routing[key][:n].to("cpu")
+                token, slot, expert = routing.unbind(1)
+            else:
+                token, slot, expert = torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.full((n,), -1)
+            meta = torch.stack([tokens[token, 0], tokens[token, 1], slot, expert], 1)
+            self._append(key, buf.codes[key][:n], buf.scales[key][:n], meta)
+
+    def _append(self, key, codes: Tensor, scales: Tensor, meta: Tensor) -> None:
+        if self.config.bits < 4:  # compact on the device, before the copy to host
+            codes = compact_codes(unpack_nibbles(codes), self.config.bits)
+        host = [t.to("cpu", copy=True) for t in (codes, scales, meta)]
+        self._chunks.setdefault(key, []).append(host)
+
+    def pending(self) -> bool:
+        """Whether anything was captured since the last drain."""
+        return bool(self._buffers[self._turn].n_tokens or self._chunks or self._jobs.unfinished_tasks)
+
+    def set_global_scales(self, global_scales: dict) -> None:
+        """New static scales after a weight sync; only between drains, so no record mixes policies."""
+        if self.pending():
+            raise RuntimeError("capture holds records of the previous weights: drain it before a weight sync")
+        self.global_scales = {k: float(v) for k, v in global_scales.items()}
+
+    def _raise_worker_error(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("capture offload failed") from self._error
+
+    def drain(self) -> CaptureRecords:
+        """Wait for the offload thread, then return everything captured since the last drain."""
+        if self._buffers[self._turn].n_tokens:
+            self._flush()
+        self._jobs.join()
+        self._raise_worker_error()
+        chunks, self._chunks = self._chunks, {}
+        records = CaptureRecords()
+        for (layer, site), parts in sorted(chunks.items()):
+            codes, scales, meta = (torch.cat(col) for col in zip(*parts))
+            keep = meta[:, 0] >= 0
+            codes, scales, meta = codes[keep], scales[keep], meta[keep]
+            order = torch.argsort(meta[:, 0] * (1 << 40) + meta[:, 1] * 64 + meta[:, 2], stable=True)
+            records.tables[(layer, site)] = SiteTable(
+                layer, site, self.quant.site_format(site), self.config.bits, self._widths[(layer, site)],
+                self.global_scales.get((layer, site)),
+                meta[order, 0], meta[order, 1], meta[order, 2], meta[order, 3], codes[order], scales[order],
+            )  # fmt: skip
+        return records
+
+
+def _stop_worker(jobs: queue.Queue, worker: threading.Thread) -> None:
+    jobs.put(("stop", None))
+    worker.join()

@@ -1,0 +1,384 @@
+"""The policy: a decoder-only MoE transformer (Hugging Face ``qwen3_moe`` and
+``qwen2_moe``) in one readable file, after gpt-fast's ``model.py``.
+
+RMSNorm, GQA attention with RoPE (and q/k-norm for qwen3_moe), a top-k softmax
+router, SwiGLU routed experts stacked per layer, and for qwen2_moe a shared
+expert behind a sigmoid gate. Parameter names follow transformers' layout,
+except that routed experts are stacked per layer
+(``model.layers.{i}.mlp.experts.gate_up``); :mod:`.checkpoint` maps the Hub's
+per-expert weights onto them.
+
+The forward takes two strategies, so that rollout and training share every
+line of the model:
+
+- ``attend(layer, q, k, v, sites)``: how attention reads K/V, a full causal
+  pass (:class:`CausalAttention`) or the rollout engine's KV cache;
+- ``sites``: what happens at the quantization sites (routed-expert inputs,
+  K/V); ``None`` leaves them in the compute dtype.
+"""
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of the policy; reads and writes Hugging Face config.json."""
+
+    model_type: str = "qwen3_moe"
+    vocab_size: int = 512
+    hidden_size: int = 256
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    num_experts: int = 8
+    top_k: int = 2
+    moe_intermediate_size: int = 256
+    intermediate_size: int = 512  # dense MLP layers (mlp_only_layers, decoder_sparse_step)
+    shared_expert_intermediate_size: int = 0  # qwen2_moe's shared expert
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = True
+    extra: dict = field(default_factory=dict, compare=False)  # other config.json keys, kept on save
+
+    def __post_init__(self):
+        if self.model_type not in MODEL_TYPES:
+            raise ValueError(f"unsupported model_type {self.model_type!r}; expected one of {MODEL_TYPES}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} must lie in 1..num_experts ({self.num_experts})")
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether a layer's MLP is the routed MoE (transformers' rule)."""
+        return layer not in self.mlp_only_layers and self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
+
+    @property
+    def sparse_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_sparse(i)]
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "ModelConfig":
+        """Read a transformers config.json (4.x and 5.x spellings)."""
+        model_type = hf.get("model_type")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"config.json has model_type {model_type!r}; tracefp4 loads {MODEL_TYPES}")
+        rope = hf.get("rope_parameters") or {}
+        scaling = hf.get("rope_scaling") or {}
+        if scaling.get("rope_type", scaling.get("type", "default")) != "default" or rope.get("rope_type", "default") != "default":
+            raise ValueError("config.json asks for scaled RoPE; tracefp4 implements the default RoPE only")
+        qwen3 = model_type == "qwen3_moe"
+        known = {
+            "model_type": model_type,
+            "vocab_size": hf["vocab_size"],
+            "hidden_size": hf["hidden_size"],
+            "num_layers": hf["num_hidden_layers"],
+            "num_heads": hf["num_attention_heads"],
+            "num_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
+            "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
+            "num_experts": hf.get("num_experts", hf.get("num_local_experts")),
+            "top_k": hf["num_experts_per_tok"],
+            "moe_intermediate_size": hf["moe_intermediate_size"],
+            "intermediate_size": hf.get("intermediate_size", hf["moe_intermediate_size"]),
+            "shared_expert_intermediate_size": 0 if qwen3 else hf.get("shared_expert_intermediate_size", 0),
+            "norm_topk_prob": hf.get("norm_topk_prob", qwen3),
+            "decoder_sparse_step": hf.get("decoder_sparse_step", 1),
+            "mlp_only_layers": tuple(hf.get("mlp_only_layers") or ()),
+            "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
+            "rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
+            "max_position_embeddings": hf.get("max_position_embeddings", 4096),
+            "tie_word_embeddings": hf.get("tie_word_embeddings", False),
+            "qkv_bias": hf.get("attention_bias", False) if qwen3 else hf.get("qkv_bias", True),
+            "qk_norm": qwen3,
+        }
+        return cls(**known, extra={k: v for k, v in hf.items() if k not in _HF_KEYS})
+
+    def to_hf(self) -> dict:
+        """A config.json that transformers and :meth:`from_hf` both read."""
+        qwen3 = self.model_type == "qwen3_moe"
+        hf = {
+            **self.extra,
+            "architectures": ["Qwen3MoeForCausalLM" if qwen3 else "Qwen2MoeForCausalLM"],
+            "model_type": self.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "num_experts": self.num_experts,
+            "num_experts_per_tok": self.top_k,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "intermediate_size": self.intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": self.decoder_sparse_step,
+            "mlp_only_layers": list(self.mlp_only_layers),
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "hidden_act": "silu",
+        }
+        if qwen3:
+            hf["attention_bias"] = self.qkv_bias
+        else:
+            hf["qkv_bias"] = self.qkv_bias
+            hf["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
+        return hf
+
+
+_HF_KEYS = {
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
+    "tie_word_embeddings", "attention_bias", "qkv_bias", "architectures", "hidden_act",
+}  # fmt: skip
+
+# Named presets: seeded random weights, no downloads.
+PRESETS = {
+    # ~7.6M parameters: 4 layers, 8 experts top-2; the default for `make run`
+    "tiny": ModelConfig(),
+    # ~0.3M parameters for fast tests
+    "smoke": ModelConfig(
+        vocab_size=256, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
+        num_experts=4, top_k=2, moe_intermediate_size=64, intermediate_size=128,
+    ),
+    # qwen2_moe flavour of tiny: shared expert with a sigmoid gate, qkv bias
+    "tiny-qwen2": ModelConfig(
+        model_type="qwen2_moe", shared_expert_intermediate_size=256, qkv_bias=True, qk_norm=False,
+        norm_topk_prob=False,
+    ),
+}  # fmt: skip
+
+
+def get_preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; expected one of {sorted(PRESETS)}") from None
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # normalize in float32, round to the input dtype, then scale (transformers' order)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+
+
+def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin ``[B, 1, S, head_dim]`` for integer positions ``[B, S]`` (float32 math)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat([freqs, freqs], -1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return x * cos + rotated * sin
+
+
+class Sites(Protocol):
+    """What happens at the quantization sites of one forward."""
+
+    def moe_in(self, layer: int, x: Tensor) -> Tensor:
+        """Input of the gate/up projections, ``x [T, hidden]`` (one row per token)."""
+
+    def moe_down_in(self, layer: int, h: Tensor, token: Tensor, slot: Tensor, expert: Tensor) -> Tensor:
+        """Input of the down projections ``h [T*k, moe_intermediate]``, row r
+        belonging to ``token[r]``'s slot ``slot[r]``, routed to ``expert[r]``."""
+
+    def kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """K (after RoPE) and V ``[B, kv_heads, S, head_dim]`` on a cache-less pass."""
+
+
+class Attend(Protocol):
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, sites: Sites | None) -> Tensor: ...
+
+
+@dataclass
+class CausalAttention:
+    """Full-sequence causal attention; ``lengths [B]`` masks right padding."""
+
+    lengths: Tensor | None = None
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, sites: Sites | None) -> Tensor:
+        if sites is not None:
+            k, v = sites.kv(layer, k, v)
+        s = q.shape[2]
+        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()[None, None]
+        if self.lengths is not None:
+            mask = mask & (torch.arange(s, device=q.device) < self.lengths[:, None])[:, None, None, :]
+            mask = mask | torch.eye(s, dtype=torch.bool, device=q.device)  # padded rows attend to themselves
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        # q, k and v projections fused into one matmul; the checkpoint splits them
+        self.qkv_proj = nn.Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, attend: Attend, sites: Sites | None) -> Tensor:
+        b, s, _ = x.shape
+        cfg = self.cfg
+        qkv = self.qkv_proj(x).view(b, s, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        qk, v = qkv.split([cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads], dim=2)  # [B, S, heads, D]
+        if cfg.qk_norm:  # q and k heads normalized together, each with its own weight
+            weight = torch.cat([self.q_norm.weight.expand(cfg.num_heads, -1), self.k_norm.weight.expand(cfg.num_kv_heads, -1)])
+            qk = weight * F.rms_norm(qk.float(), qk.shape[-1:], eps=cfg.rms_norm_eps).to(x.dtype)
+        q, k = apply_rope(qk.transpose(1, 2), cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
+        out = attend(layer, q, k, v.transpose(1, 2), sites)  # q [B, H, S, D], k/v [B, KV, S, D]
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """Routed SwiGLU experts, stacked in ``x @ w`` layout: ``gate_up [E, H, 2I]``
+    (gate columns first), ``down [E, I, H]``. These are the W4 weights of FP4
+    rollout; their quantization blocks run along the input dimension (dim 1)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(e, h, 2 * i))
+        self.down = nn.Parameter(torch.empty(e, i, h))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.experts = Experts(cfg)
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Top-k experts ``[T, k]`` and their weights, from a float32 softmax."""
+        probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.cfg.top_k, dim=-1)
+        if self.cfg.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return weights.to(x.dtype), experts
+
+    def forward(self, x: Tensor, layer: int, sites: Sites | None) -> Tensor:
+        b, s, h = x.shape
+        x = x.reshape(-1, h)  # T = B * S tokens
+        weights, experts = self.route(x)  # [T, k]
+        xq = sites.moe_in(layer, x) if sites is not None else x
+        # each (token, slot) row gets a cell of a zero-padded grid [E, width, .]:
+        # its expert, and its rank among that expert's rows; then every expert
+        # runs in one batched matmul
+        k, n_experts = self.cfg.top_k, self.cfg.num_experts
+        flat = experts.reshape(-1)  # row r = token r // k, slot r % k
+        rank = F.one_hot(flat, n_experts).cumsum(0).gather(1, flat[:, None])[:, 0] - 1
+        width = int(rank.max()) + 1
+        grid = x.new_zeros(n_experts, width, h)
+        grid[flat, rank] = xq[:, None].expand(-1, k, -1).reshape(-1, h)
+        gate, up = torch.bmm(grid, self.experts.gate_up).chunk(2, dim=-1)
+        inter = (F.silu(gate) * up)[flat, rank]  # [T*k, I]
+        if sites is not None:
+            rows = torch.arange(flat.numel(), device=x.device)
+            inter = sites.moe_down_in(layer, inter, rows // k, rows % k, flat)
+        grid = inter.new_zeros(n_experts, width, inter.shape[-1])
+        grid[flat, rank] = inter
+        out = torch.bmm(grid, self.experts.down)[flat, rank].view(-1, k, h)  # [T, k, H]
+        routed = (out * weights[..., None]).sum(1)
+        if self.cfg.shared_expert_intermediate_size:
+            routed = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return routed.reshape(b, s, h)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg) if cfg.is_sparse(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, sites: Sites | None) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, self.layer, attend, sites)
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, self.layer, sites) if isinstance(self.mlp, MoE) else self.mlp(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, tokens: Tensor, positions: Tensor, attend: Attend | None = None, sites: Sites | None = None
+    ) -> Tensor:
+        """Logits ``[B, S, vocab]`` of ``tokens [B, S]`` at ``positions [B, S]``."""
+        x = self.model.embed_tokens(tokens)
+        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        attend = attend or CausalAttention()
+        for block in self.model.layers:
+            x = block(x, cos, sin, attend, sites)
+        return self.lm_head(self.model.norm(x))
+
+    def moe_blocks(self) -> list[MoE]:
+        return [b.mlp for b in self.model.layers if isinstance(b.mlp, MoE)]
+
+
+def build_model(cfg: ModelConfig | str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Transformer:
+    """A model with seeded random weights (normal, std 0.02; norms at 1)."""
+    cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
+    gen = torch.Generator().manual_seed(seed)
+    model = Transformer(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model.to(dtype)
+

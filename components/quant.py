@@ -1,0 +1,193 @@
+"""Where FP4 rollout quantizes, and what it does there.
+
+Quantization sites, enumerable as ``(layer, site)``:
+
+- ``expert_weights``: routed-expert gate/up and down weights (W4), one global
+  scale per expert and matrix; quantized once per weight sync;
+- ``moe_in``: the routed experts' gate/up input, one row per token (all of a
+  token's experts see the same quantized row, as in FlashInfer/SGLang MoE);
+- ``moe_down_in``: the down-projection input, one row per (token, expert slot);
+- ``k_cache`` / ``v_cache``: K after RoPE and V, one row per position
+  (``kv_heads * head_dim`` elements, blocks along ``head_dim``).
+
+Attention projections, router, shared experts, embeddings and lm_head stay in
+the compute dtype. Activation and KV global scales (NVFP4) are static per
+``(layer, site)``, calibrated on a seeded batch at every weight sync like a
+checkpoint's ``input_scale``; weights use their own amax.
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from tracefp4.kernels import FP4Tensor, dequantize, fake_quantize, quantize
+from tracefp4.kernels.reference import nvfp4_global_scale
+
+from .model import CausalAttention, ModelConfig, Transformer
+
+ACTIVATION_SITES = ("moe_in", "moe_down_in")
+KV_SITES = ("k_cache", "v_cache")
+CAPTURED_SITES = ACTIVATION_SITES + KV_SITES
+FP4_FORMATS = ("nvfp4", "mxfp4")
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    """What a rollout quantizes: expert weights, expert activations, KV cache.
+    ``None`` keeps a part in the compute dtype; activations may be ``"fp8"`` (W4A8)."""
+
+    weights: str | None = None
+    activations: str | None = None
+    kv: str | None = None
+
+    def __post_init__(self):
+        for part, value, allowed in [
+            ("weights", self.weights, FP4_FORMATS),
+            ("activations", self.activations, FP4_FORMATS + ("fp8",)),
+            ("kv", self.kv, FP4_FORMATS),
+        ]:
+            if value is not None and value not in allowed:
+                raise ValueError(f"{part} format {value!r} is not one of {allowed} (or None for BF16)")
+
+    def site_format(self, site: str) -> str | None:
+        """The FP4 format a captured site is quantized to, None if it is not FP4."""
+        fmt = self.activations if site in ACTIVATION_SITES else self.kv if site in KV_SITES else self.weights
+        return fmt if fmt in FP4_FORMATS else None
+
+
+ROLLOUT_CONFIGS = ("bf16", "fp4_wa", "fp4_kv", "fp4_wa_kv", "w4a8_mxfp4_kv", "w4a4_mxfp4_kv")
+
+
+def rollout_config(name: str, fmt: str = "nvfp4") -> QuantConfig:
+    """The paper's rollout configurations; ``fmt`` is the FP4 format of W/A (and of KV where it is FP4 KV)."""
+    configs = {
+        "bf16": QuantConfig(),
+        "fp4_wa": QuantConfig(fmt, fmt, None),
+        "fp4_kv": QuantConfig(None, None, fmt),
+        "fp4_wa_kv": QuantConfig(fmt, fmt, fmt),
+        "w4a8_mxfp4_kv": QuantConfig(fmt, "fp8", "mxfp4"),
+        "w4a4_mxfp4_kv": QuantConfig(fmt, fmt, "mxfp4"),
+    }
+    if name not in configs:
+        raise ValueError(f"unknown rollout config {name!r}; expected one of {ROLLOUT_CONFIGS}")
+    return configs[name]
+
+
+def quant_sites(cfg: ModelConfig, q: QuantConfig) -> list[tuple[int, str]]:
+    """Every ``(layer, site)`` that ``q`` quantizes in a model of ``cfg``."""
+    out = []
+    for layer in range(cfg.num_layers):
+        if cfg.is_sparse(layer):
+            out += [(layer, "expert_weights")] if q.weights else []
+            out += [(layer, s) for s in ACTIVATION_SITES] if q.activations else []
+        out += [(layer, s) for s in KV_SITES] if q.kv else []
+    return out
+
+
+def quantize_expert_weights_(model: Transformer, fmt: str | None) -> None:
+    """Replace every routed expert's weights by their FP4 values (in place)."""
+    if fmt is None:
+        return
+    with torch.no_grad():
+        for moe in model.moe_blocks():
+            for w in (moe.experts.gate_up, moe.experts.down):
+                for e in range(w.shape[0]):  # one global scale per expert and matrix; blocks along the input dim
+                    w[e] = fake_quantize(w[e].T.float(), fmt).T.to(w.dtype)
+
+
+class _AmaxRecorder:
+    """Sites that leave values alone and keep each site's largest magnitude."""
+
+    def __init__(self):
+        self.amax: dict[tuple[int, str], float] = {}
+
+    def _see(self, layer: int, site: str, t: Tensor) -> None:
+        key = (layer, site)
+        self.amax[key] = max(self.amax.get(key, 0.0), t.detach().abs().amax().item())
+
+    def moe_in(self, layer, x):
+        self._see(layer, "moe_in", x)
+        return x
+
+    def moe_down_in(self, layer, h, token, slot, expert):
+        self._see(layer, "moe_down_in", h)
+        return h
+
+    def kv(self, layer, k, v):
+        self._see(layer, "k_cache", k)
+        self._see(layer, "v_cache", v)
+        return k, v
+
+
+def calibrate_global_scales(
+    model: Transformer, q: QuantConfig, *, batch: int = 4, length: int = 64, seed: int = 0
+) -> dict[tuple[int, str], Tensor]:
+    """Static NVFP4 global scales ``amax / (6 * 448)`` per ``(layer, site)``,
+    from one forward of seeded random tokens. Sites in other formats get none."""
+    recorder = _AmaxRecorder()
+    gen = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    tokens = torch.randint(0, model.cfg.vocab_size, (batch, length), generator=gen).to(device)
+    positions = torch.arange(length, device=device).expand(batch, length)
+    with torch.no_grad():
+        model(tokens, positions, CausalAttention(), recorder)
+    return {
+        key: nvfp4_global_scale(torch.tensor(amax, device=device))
+        for key, amax in recorder.amax.items()
+        if q.site_format(key[1]) == "nvfp4"
+    }
+
+
+class Recorder(Protocol):
+    """Receives the FP4 outcome of every captured site (see :mod:`.capture`)."""
+
+    def record(
+        self, layer: int, site: str, q: FP4Tensor, token: Tensor | None, slot: Tensor | None, expert: Tensor | None
+    ) -> None: ...
+
+
+class QuantSites:
+    """The rollout's sites: quantize round-to-nearest under the static global
+    scales, hand the codes to ``recorder``, and compute on the dequantized values."""
+
+    def __init__(self, q: QuantConfig, global_scales: dict[tuple[int, str], Tensor], recorder: Recorder | None = None):
+        self.q = q
+        self.global_scales = global_scales
+        self.recorder = recorder
+
+    def quantize(self, layer: int, site: str, x: Tensor) -> FP4Tensor:
+        fmt = self.q.site_format(site)
+        return quantize(x, fmt, global_scale=self.global_scales.get((layer, site)) if fmt == "nvfp4" else None)
+
+    def _activation(self, layer, site, x, token=None, slot=None, expert=None):
+        if self.q.activations is None:
+            return x
+        if self.q.activations == "fp8":
+            return fake_quantize(x, "fp8")
+        qt = self.quantize(layer, site, x)
+        if self.recorder is not None:
+            self.recorder.record(layer, site, qt, token, slot, expert)
+        return dequantize(qt).to(x.dtype)
+
+    def moe_in(self, layer, x):
+        return self._activation(layer, "moe_in", x)
+
+    def moe_down_in(self, layer, h, token, slot, expert):
+        return self._activation(layer, "moe_down_in", h, token, slot, expert)
+
+    def kv(self, layer, k, v):
+        """Cache-less pass (teacher forcing): K/V through FP4, as the cache would store them."""
+        if self.q.kv is None:
+            return k, v
+        return self.kv_rows(layer, "k_cache", k), self.kv_rows(layer, "v_cache", v)
+
+    def kv_rows(self, layer: int, site: str, t: Tensor) -> Tensor:
+        b, h, s, d = t.shape
+        rows = t.transpose(1, 2).reshape(b * s, h * d)  # one row per (sequence, position)
+        qt = self.quantize(layer, site, rows)
+        if self.recorder is not None:
+            self.recorder.record(layer, site, qt, None, None, None)
+        return dequantize(qt).to(t.dtype).reshape(b, s, h, d).transpose(1, 2)
+

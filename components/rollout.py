@@ -1,0 +1,323 @@
+"""The rollout engine: batched sampling from the policy with a KV cache (BF16,
+or packed FP4 codes + scales), FP4 weights/activations, weight sync, and
+capture of every FP4 outcome.
+
+``RolloutEngine`` is the interface a backend implements; ``TorchEngine``
+(backend ``"torch"``, CPU and CUDA) is the one that exists. Generation follows
+gpt-fast's ``generate.py``: a prefill of the (right-padded) prompts, then one
+decode step at a time, and sequences that finish leave the batch.
+"""
+
+import copy
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from tracefp4.kernels import FP4Tensor, dequantize
+
+from .capture import Capture, CaptureConfig, CaptureRecords, TokenMap
+from .checkpoint import hub_to_stacked, load_model, load_state
+from .model import ModelConfig, Transformer
+from .quant import QuantConfig, QuantSites, calibrate_global_scales, quantize_expert_weights_
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are drawn. ``temperature`` 0 is greedy; ``top_k`` 0 and
+    ``top_p`` 1 switch those filters off."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 64
+    stop_tokens: tuple[int, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_new_tokens < 1:
+            raise ValueError(f"invalid sampling parameters {self}")
+
+
+@dataclass
+class Trajectory:
+    """One sampled response. ``logprobs[i]`` is the log-probability of
+    ``response[i]`` under the rollout policy at the sampling temperature
+    (before top-k/top-p truncation), which is what training recomputes."""
+
+    id: int
+    prompt: list[int]
+    response: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" | "length"
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.response
+
+
+class RolloutEngine(ABC):
+    """What a rollout backend provides to the RL loop."""
+
+    policy_version: int
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Trajectory]:
+        """Sample one response per prompt."""
+
+    @abstractmethod
+    def update_weights(self, source: "str | os.PathLike | dict[str, Tensor]") -> None:
+        """Take new policy weights (a checkpoint folder or a state dict) and re-quantize."""
+
+    @abstractmethod
+    def kv_bytes_per_token(self) -> float:
+        """Bytes the KV cache holds per cached token, all layers."""
+
+    @abstractmethod
+    def drain_capture(self) -> CaptureRecords:
+        """Everything captured since the last drain."""
+
+
+def sample(logits: Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    """Tokens ``[B]`` drawn from ``logits [B, V]`` and their log-probabilities."""
+    logits = logits.float()
+    scaled = logits / params.temperature if params.temperature > 0 else logits
+    logprobs = F.log_softmax(scaled, -1)
+    if params.temperature == 0:
+        tokens = scaled.argmax(-1)
+    else:
+        if params.top_k:
+            kth = torch.topk(scaled, min(params.top_k, scaled.shape[-1]), -1).values[:, -1:]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        if params.top_p < 1:
+            sorted_logits, idx = torch.sort(scaled, -1, descending=True)
+            cum = sorted_logits.softmax(-1).cumsum(-1)
+            drop = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest set reaching top_p
+            scaled = scaled.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
+        cdf = scaled.softmax(-1).cumsum(-1)  # inverse-CDF draw: one uniform per row
+        u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device) * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=cdf.shape[-1] - 1)
+    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+
+
+class KVCache:
+    """K/V of a batch of sequences, ``[B, max_len, kv_heads * head_dim]`` per
+    layer: in the compute dtype, or (FP4 KV) packed codes + scale bytes that are
+    dequantized for attention. Attention reads through it (it is the model's
+    ``attend``)."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, sites: QuantSites, dtype, device):
+        self.cfg, self.sites, self.dtype = cfg, sites, dtype
+        self.fmt = sites.q.kv
+        width = cfg.num_kv_heads * cfg.head_dim
+        if self.fmt is None:  # attention's own layout: reads need no copy
+            shapes = {"values": ((batch, cfg.num_kv_heads, max_len, cfg.head_dim), dtype)}
+        else:
+            block = 16 if self.fmt == "nvfp4" else 32
+            if cfg.head_dim % block:
+                raise ValueError(f"{self.fmt} KV needs head_dim to be a multiple of {block}, got {cfg.head_dim}")
+            shapes = {"codes": ((batch, max_len, width // 2), torch.uint8), "scales": ((batch, max_len, width // block), torch.uint8)}
+        self.store = {
+            (layer, site, part): torch.zeros(shape, dtype=dt, device=device)
+            for layer in range(cfg.num_layers)
+            for site in ("k_cache", "v_cache")
+            for part, (shape, dt) in shapes.items()
+        }
+        self.positions: Tensor | None = None  # [B, S] of the forward in flight
+
+    def start(self, positions: Tensor) -> None:
+        """Prepare a forward that writes ``positions [B, S]`` and attends to everything before them."""
+        self.positions = positions
+        self.span = int(positions.max()) + 1  # positions < span are read
+        self.rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        visible = torch.arange(self.span, device=positions.device) <= positions[..., None]  # [B, S, span]
+        # a decode step whose rows all sit at the same position sees every cached entry
+        self.visible = None if positions.shape[1] == 1 and bool(visible.all()) else visible[:, None]
+
+    def bytes_per_token(self) -> float:
+        return sum(t[0].numel() * t.element_size() / t.shape[-2 if self.fmt is None else 1] for t in self.store.values())
+
+    def _write(self, layer: int, site: str, t: Tensor) -> None:
+        b, h, s, d = t.shape
+        if self.fmt is None:
+            self.store[(layer, site, "values")][self.rows, :, self.positions] = t.transpose(1, 2)
+        else:
+            q = self.sites.quantize(layer, site, t.transpose(1, 2).reshape(b, s, h * d))
+            self.store[(layer, site, "codes")][self.rows, self.positions] = q.codes
+            self.store[(layer, site, "scales")][self.rows, self.positions] = q.scales.view(torch.uint8)
+
+    def _read(self, layer: int, site: str, span: int) -> Tensor:
+        if self.fmt is None:
+            return self.store[(layer, site, "values")][:, :, :span]
+        rows = dequantize(self.fp4_rows(layer, site, slice(None), span)).to(self.dtype)
+        b = rows.shape[0]
+        return rows.view(b, span, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
+
+    def fp4_rows(self, layer: int, site: str, rows, span: int) -> FP4Tensor:
+        """The packed FP4 K or V of ``rows`` (batch index or slice), positions ``< span``."""
+        codes = self.store[(layer, site, "codes")][rows, :span]
+        scales = self.store[(layer, site, "scales")][rows, :span]
+        fmt_scales = scales.view(torch.float8_e4m3fn) if self.fmt == "nvfp4" else scales
+        g = self.sites.global_scales.get((layer, site)) if self.fmt == "nvfp4" else None
+        shape = codes.shape[:-1] + (codes.shape[-1] * 2,)
+        return FP4Tensor(codes, fmt_scales, g, self.fmt, shape)
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, sites) -> Tensor:
+        self._write(layer, "k_cache", k)
+        self._write(layer, "v_cache", v)
+        keys, values = self._read(layer, "k_cache", self.span), self._read(layer, "v_cache", self.span)
+        if q.shape[2] > 1:  # prefill
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.visible, enable_gqa=q.shape[1] != keys.shape[1])
+        # one decode step: plain matmuls beat SDPA's CPU kernel at a single query
+        b, h, _, d = q.shape
+        kv = keys.shape[1]
+        # keys and values stay as stored; the small query side is transposed
+        scores = torch.matmul(keys, q.view(b, kv, h // kv, d).transpose(-1, -2) * d**-0.5)  # [B, KV, span, G]
+        if self.visible is not None:
+            scores = scores.masked_fill(~self.visible.view(b, 1, -1, 1), float("-inf"))
+        weights = torch.softmax(scores, -2, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(weights.transpose(-1, -2), values).view(b, h, 1, d)
+
+    def keep(self, rows: Tensor) -> None:
+        """Drop every sequence but ``rows`` (finished requests leave the batch)."""
+        for key, t in self.store.items():
+            self.store[key] = t.index_select(0, rows)
+
+
+class TorchEngine(RolloutEngine):
+    """The torch rollout engine: runs FP4 rollout as the configuration says,
+    on its own copy of the policy (``dtype``, default BF16)."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        quant: QuantConfig = QuantConfig(),
+        *,
+        dtype: torch.dtype = torch.bfloat16,
+        device: str | torch.device = "cpu",
+        capture: CaptureConfig | None = None,
+        calibration_seed: int = 0,
+    ):
+        self.quant, self.dtype, self.device = quant, dtype, torch.device(device)
+        self.model = copy.deepcopy(model).to(device=self.device, dtype=dtype).eval()
+        self.capture_config = capture
+        self.calibration_seed = calibration_seed
+        self.policy_version = 0
+        self._next_id = 0
+        self.capture: Capture | None = None
+        self._prepare()
+
+    @classmethod
+    def from_checkpoint(cls, path: "str | os.PathLike", quant: QuantConfig = QuantConfig(), **kwargs) -> "TorchEngine":
+        return cls(load_model(path), quant, **kwargs)
+
+    def _prepare(self) -> None:
+        """Quantize expert weights, calibrate static global scales, reset capture."""
+        quantize_expert_weights_(self.model, self.quant.weights)
+        self.global_scales = calibrate_global_scales(self.model, self.quant, seed=self.calibration_seed)
+        if self.capture is not None:
+            self.capture.set_global_scales(self.global_scales)
+        elif self.capture_config is not None and (self.quant.site_format("moe_in") or self.quant.kv):
+            self.capture = Capture(self.model.cfg, self.quant, self.capture_config, self.global_scales, self.device)
+        self.sites = QuantSites(self.quant, self.global_scales, self.capture)
+
+    def update_weights(self, source) -> None:
+        if isinstance(source, dict):
+            state = hub_to_stacked(source, self.model.cfg)  # Hub-style keys are converted, others kept
+        else:
+            state = load_model(source).state_dict()
+        if self.capture is not None and self.capture.pending():
+            raise RuntimeError("capture holds records of the previous weights: drain it before a weight sync")
+        load_state(self.model, state)
+        self.policy_version += 1
+        self._prepare()
+
+    def kv_bytes_per_token(self) -> float:
+        return KVCache(self.model.cfg, 1, 1, self.sites, self.dtype, "cpu").bytes_per_token()
+
+    def drain_capture(self) -> CaptureRecords:
+        if self.capture is None:
+            raise RuntimeError("this engine captures nothing: no capture config, or no FP4 activation/KV site")
+        return self.capture.drain()
+
+    def _forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, traj: Tensor) -> Tensor:
+        cache.start(positions)
+        if self.capture is not None:
+            self.capture.begin(TokenMap(traj.reshape(-1), positions.reshape(-1)))
+        logits = self.model(tokens, positions, cache, self.sites)
+        if self.capture is not None:
+            self.capture.end()
+        return logits
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Trajectory]:
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise ValueError("every prompt needs at least one token")
+        vocab = self.model.cfg.vocab_size
+        if any(t < 0 or t >= vocab for p in prompts for t in p):
+            raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        dev, b = self.device, len(prompts)
+        ids = list(range(self._next_id, self._next_id + b))
+        self._next_id += b
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        width = int(lengths.max())
+        tokens = torch.zeros(b, width, dtype=torch.long, device=dev)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p)
+        positions = torch.arange(width, device=dev).expand(b, width)
+        traj = torch.tensor(ids, device=dev)[:, None].expand(b, width)
+        traj = torch.where(positions < lengths[:, None], traj, -1)  # padding is not captured
+        cache = KVCache(self.model.cfg, b, width + sampling.max_new_tokens, self.sites, self.dtype, dev)
+        gen = torch.Generator(device=dev).manual_seed(sampling.seed)
+        stop = torch.tensor(sampling.stop_tokens or [-1], device=dev)
+
+        logits = self._forward(tokens, positions, cache, traj)[torch.arange(b, device=dev), lengths - 1]
+        responses: list[list[int]] = [[] for _ in range(b)]
+        logprobs: list[list[float]] = [[] for _ in range(b)]
+        results: dict[int, Trajectory] = {}
+        active = torch.arange(b, device=dev)  # original index of each batch row
+        while True:
+            new, lp = sample(logits, sampling, gen)
+            for row, (i, t, l) in enumerate(zip(active.tolist(), new.tolist(), lp.tolist())):
+                responses[i].append(t)
+                logprobs[i].append(l)
+            lengths = lengths + 1  # sequence length including the new token
+            stopped = torch.isin(new, stop)
+            done = stopped | (torch.tensor([len(responses[i]) for i in active.tolist()], device=dev) >= sampling.max_new_tokens)
+            for row in done.nonzero()[:, 0].tolist():
+                i = active[row].item()
+                self._finish(cache, row, ids[i], int(lengths[row]) - 1)
+                reason = "stop" if stopped[row] else "length"
+                results[i] = Trajectory(ids[i], list(prompts[i]), responses[i], logprobs[i], reason)
+            if done.all():
+                break
+            if done.any():
+                keep = (~done).nonzero()[:, 0]
+                cache.keep(keep)
+                active, lengths, new = active[keep], lengths[keep], new[keep]
+            positions = (lengths - 1)[:, None]
+            row_ids = torch.tensor(ids, device=dev)[active][:, None]
+            logits = self._forward(new[:, None], positions, cache, row_ids)[:, 0]
+        return [results[i] for i in range(b)]
+
+    def _finish(self, cache: KVCache, row: int, traj_id: int, cached: int) -> None:
+        """Capture a finished request's KV codes: every position the rollout computed."""
+        if self.capture is None or self.quant.kv is None:
+            return
+        for layer in range(self.model.cfg.num_layers):
+            for site in ("k_cache", "v_cache"):
+                q = cache.fp4_rows(layer, site, row, cached)
+                self.capture.record_kv(traj_id, layer, site, q.codes, q.scales.view(torch.uint8))
+
+
+ENGINES = {"torch": TorchEngine}
+
+
+def make_engine(backend: str, *args, **kwargs) -> RolloutEngine:
+    """An engine of the named backend."""
+    if backend not in ENGINES:
+        raise ValueError(f"unknown rollout backend {backend!r}; available: {sorted(ENGINES)}")
+    return ENGINES[backend](*args, **kwargs)

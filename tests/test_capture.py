@@ -1,0 +1,124 @@
+"""Capture: complete, keyed, compactable; and the train-rollout code mismatch
+it exists to fix, measured on the tiny preset."""
+
+import pytest
+import torch
+
+from tracefp4.components.capture import CaptureConfig
+from tracefp4.components.mismatch import compare, signed_rank, teacher_force
+from tracefp4.components.model import build_model
+from tracefp4.components.quant import rollout_config
+from tracefp4.components.rollout import SamplingParams, TorchEngine
+from tracefp4.kernels import quantize
+
+
+def prompts(n, vocab, seed=0, longest=12):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(k),), generator=g).tolist() for k in torch.randint(2, longest, (n,), generator=g)]
+
+
+@pytest.fixture(scope="module")
+def smoke():
+    return build_model("smoke", seed=0)
+
+
+def rollout(model, capture: CaptureConfig, config="fp4_wa_kv", n=6, new=7, seed=0):
+    engine = TorchEngine(model, rollout_config(config), capture=capture)
+    out = engine.generate(prompts(n, model.cfg.vocab_size, seed), SamplingParams(max_new_tokens=new, seed=seed))
+    return engine, out, engine.drain_capture()
+
+
+def test_capture_is_complete_and_keyed(smoke):
+    # a small buffer: the forwards of one rollout fill it several times over
+    engine, out, records = rollout(smoke, CaptureConfig(max_tokens=80))
+    cfg = smoke.cfg
+    expected = {(t.id, p) for t in out for p in range(len(t.tokens) - 1)}  # the last token is never fed
+    for layer in range(cfg.num_layers):
+        for site in ("moe_in", "k_cache", "v_cache"):
+            table = records.tables[(layer, site)]
+            keys = list(zip(table.traj.tolist(), table.pos.tolist()))
+            assert sorted(keys) == keys and set(keys) == expected and len(keys) == len(expected), (layer, site)
+        down = records.tables[(layer, "moe_down_in")]
+        rows = set(zip(down.traj.tolist(), down.pos.tolist(), down.slot.tolist()))
+        assert rows == {(t, p, s) for t, p in expected for s in range(cfg.top_k)}
+        assert ((down.expert >= 0) & (down.expert < cfg.num_experts)).all()
+        assert records.tables[(layer, "moe_in")].codes.shape == (len(expected), cfg.hidden_size // 2)
+        assert records.tables[(layer, "k_cache")].width == cfg.num_kv_heads * cfg.head_dim
+
+
+def test_captured_kv_is_what_the_cache_held(smoke):
+    # layer 0's K and V depend on each token alone: recomputing them over the
+    # full sequences must give exactly the codes the cache held at request end
+    engine, out, records = rollout(smoke, CaptureConfig(), n=3, config="fp4_kv")
+    report = compare(records, teacher_force(engine, out))
+    for site in ("k_cache", "v_cache"):
+        m = report[(0, site)]
+        assert m.elements == sum(len(t.tokens) - 1 for t in out) * records.tables[(0, site)].width
+        assert m.mismatched == 0 and m.scale_mismatched == 0
+
+
+def test_inline_compaction_keeps_low_bits_of_selected_layers(smoke):
+    _, _, full = rollout(smoke, CaptureConfig(bits=4), seed=1)
+    _, _, r1 = rollout(smoke, CaptureConfig(bits=1, layers=(1,)), seed=1)
+    assert {layer for layer, _ in r1.tables} == {1}
+    for key, table in r1.tables.items():
+        reference = full.tables[key]
+        assert torch.equal(table.traj, reference.traj) and torch.equal(table.scales, reference.scales)
+        assert torch.equal(table.low_bits(), reference.low_bits() & 1)
+        assert table.codes.shape[1] == -(-table.width // 8)  # one bit per element
+    assert r1.nbytes < full.nbytes / 4
+
+
+def test_guidance_from_a_table_guides_rounding(smoke):
+    _, _, records = rollout(smoke, CaptureConfig(bits=1), seed=2)
+    table = records.tables[(0, "moe_in")]
+    rows = torch.arange(5)
+    guide = table.guidance(rows)
+    assert guide.bits == 1 and guide.shape == (5, table.width) and guide.fmt == "nvfp4"
+    values = quantize(torch.randn(5, table.width), "nvfp4", guide=guide)
+    assert torch.equal(values.scales.view(torch.uint8), table.scales[rows])
+
+
+def test_weight_sync_needs_a_drained_capture(smoke):
+    engine, _, _ = rollout(smoke, CaptureConfig())
+    engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))
+    with pytest.raises(RuntimeError, match="drain it before a weight sync"):
+        engine.update_weights(build_model("smoke", seed=1).state_dict())
+    assert engine.policy_version == 0
+    engine.drain_capture()
+    engine.update_weights(build_model("smoke", seed=1).state_dict())
+    assert engine.policy_version == 1 and not engine.capture.pending()
+
+
+def test_capture_rejects_bad_configs(smoke):
+    with pytest.raises(ValueError, match="capture bits must be 1..4"):
+        TorchEngine(smoke, rollout_config("fp4_wa"), capture=CaptureConfig(bits=0))
+    engine = TorchEngine(smoke, rollout_config("fp4_wa"), capture=CaptureConfig(max_tokens=8))
+    with pytest.raises(ValueError, match="exceeds capture max_tokens=8"):
+        engine.generate(prompts(4, 256, longest=12), SamplingParams(max_new_tokens=2))
+
+
+def test_train_rollout_mismatch_is_rare_present_and_mostly_one_codeword():
+    """The phenomenon: the training path (full-sequence forward, same weights,
+    RTN) rounds some values to other codewords than the rollout did."""
+    model = build_model("tiny", seed=0)
+    engine, out, rollout_codes = rollout(model, CaptureConfig(), n=8, new=16, seed=3)
+    report = compare(rollout_codes, teacher_force(engine, out))
+    assert set(report) == set(rollout_codes.tables)
+    total = sum(m.elements for m in report.values())
+    mismatched = sum(m.mismatched for m in report.values())
+    one_apart = sum(m.distance[1] for m in report.values())
+    for (layer, site), m in report.items():  # every row compared, but for slots training routed elsewhere
+        table = rollout_codes.tables[(layer, site)]
+        assert m.elements == (table.codes.shape[0] - m.unmatched_rows) * table.width
+        assert m.unmatched_rows == 0 or site == "moe_down_in"
+        assert m.unmatched_rows < 0.1 * table.codes.shape[0]
+    assert 0 < mismatched < 0.5 * total
+    assert report[(0, "moe_in")].rate < 0.05  # rare where the paths first diverge
+    assert one_apart / mismatched > 0.9
+    assert max(m.rate for m in report.values()) > report[(0, "moe_in")].rate  # and amplified with depth
+
+
+def test_signed_rank():
+    codes = torch.tensor([0, 8, 1, 9, 7, 15], dtype=torch.uint8)
+    assert signed_rank(codes).tolist() == [0, 0, 1, -1, 7, -7]

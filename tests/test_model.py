@@ -1,0 +1,123 @@
+"""The policy model: logits equal transformers' on the same checkpoint, and
+checkpoints round-trip in the Hugging Face layout."""
+
+import json
+import logging
+
+import pytest
+import torch
+import transformers
+
+from tracefp4.components.checkpoint import load_model, save_model
+from tracefp4.components.model import PRESETS, CausalAttention, ModelConfig, build_model
+from tracefp4.components.quant import ROLLOUT_CONFIGS, QuantConfig, quant_sites, rollout_config
+
+logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def hf_model(kind: str):
+    common = dict(
+        vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    if kind == "qwen3_moe":
+        cfg = transformers.Qwen3MoeConfig(**common, head_dim=16, norm_topk_prob=True, mlp_only_layers=[1])
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2MoeConfig(**common, shared_expert_intermediate_size=48, decoder_sparse_step=1)
+        model = transformers.Qwen2MoeForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # non-trivial norms and biases, so that every parameter matters
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1 + ("norm" in name))
+    return model.eval()
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_logits_equal_transformers(kind, tmp_path):
+    reference = hf_model(kind)
+    reference.save_pretrained(tmp_path / "hf", max_shard_size="60KB")  # sharded, with an index
+    assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    ours = load_model(tmp_path / "hf").eval()
+    assert ours.cfg.model_type == kind
+    tokens = torch.randint(0, 96, (3, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+        got = ours(tokens, torch.arange(17).expand(3, 17))
+    assert (got - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_saved_checkpoints_load_in_transformers(kind, tmp_path):
+    model = build_model("smoke" if kind == "qwen3_moe" else "tiny-qwen2", seed=3)
+    save_model(model, tmp_path / "ours", max_shard_bytes=200_000)
+    index = json.loads((tmp_path / "ours" / "model.safetensors.index.json").read_text())
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in index["weight_map"]  # the Hub's per-expert layout
+    assert "model.layers.0.self_attn.q_proj.weight" in index["weight_map"]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 9))
+    with torch.no_grad():
+        assert (reference(tokens).logits - model(tokens, torch.arange(9).expand(2, 9))).abs().max() < 1e-4
+    again = load_model(tmp_path / "ours")
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def test_save_replaces_atomically(tmp_path):
+    save_model(build_model("smoke", seed=1), tmp_path / "ckpt")
+    save_model(build_model("smoke", seed=2), tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary or old folder left
+    assert torch.equal(load_model(tmp_path / "ckpt").lm_head.weight, build_model("smoke", seed=2).lm_head.weight)
+
+
+def test_checkpoint_errors_name_the_problem(tmp_path):
+    (tmp_path / "pickled").mkdir()
+    (tmp_path / "pickled" / "config.json").write_text(json.dumps(PRESETS["smoke"].to_hf()))
+    (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"")
+    with pytest.raises(FileNotFoundError, match=r"pickle files \['pytorch_model.bin'\]"):
+        load_model(tmp_path / "pickled")
+    with pytest.raises(ValueError, match="model_type 'llama'"):
+        ModelConfig.from_hf({"model_type": "llama"})
+    save_model(build_model("smoke"), tmp_path / "small")
+    cfg = json.loads((tmp_path / "small" / "config.json").read_text())
+    cfg["num_hidden_layers"] = 3
+    (tmp_path / "small" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(KeyError, match="missing .*model.layers.2"):
+        load_model(tmp_path / "small")
+
+
+def test_presets_are_seeded_and_sized():
+    tiny = build_model("tiny", seed=0)
+    n = sum(p.numel() for p in tiny.parameters())
+    assert 5e6 <= n <= 10e6
+    assert tiny.cfg.num_experts == 8 and tiny.cfg.top_k == 2
+    assert torch.equal(build_model("smoke", seed=7).lm_head.weight, build_model("smoke", seed=7).lm_head.weight)
+    assert not torch.equal(build_model("smoke", seed=7).lm_head.weight, build_model("smoke", seed=8).lm_head.weight)
+    with pytest.raises(ValueError, match="unknown model preset 'huge'"):
+        build_model("huge")
+
+
+def test_right_padding_does_not_change_real_positions():
+    model = build_model("smoke", seed=0)
+    tokens = torch.randint(0, 256, (1, 7))
+    padded = torch.cat([tokens, torch.zeros(1, 5, dtype=torch.long)], 1)
+    with torch.no_grad():
+        alone = model(tokens, torch.arange(7)[None])
+        batch = model(padded, torch.arange(12)[None], CausalAttention(torch.tensor([7])))
+    assert (alone - batch[:, :7]).abs().max() < 1e-5
+
+
+def test_quantization_sites():
+    cfg = PRESETS["smoke"]
+    assert quant_sites(cfg, rollout_config("bf16")) == []
+    sites = quant_sites(cfg, rollout_config("fp4_wa_kv"))
+    assert (0, "expert_weights") in sites and (1, "moe_down_in") in sites and (1, "v_cache") in sites
+    assert len(sites) == cfg.num_layers * 5
+    assert {s for _, s in quant_sites(cfg, rollout_config("fp4_kv"))} == {"k_cache", "v_cache"}
+    assert rollout_config("w4a8_mxfp4_kv", "nvfp4") == QuantConfig("nvfp4", "fp8", "mxfp4")
+    assert len(ROLLOUT_CONFIGS) == 6
+    with pytest.raises(ValueError, match="unknown rollout config"):
+        rollout_config("fp3")
+    with pytest.raises(ValueError, match="kv format 'fp8'"):
+        QuantConfig(kv="fp8")

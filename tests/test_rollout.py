@@ -1,0 +1,115 @@
+"""The rollout engine: sampling, logprobs, batching, FP4 KV cache, weight sync."""
+
+import pytest
+import torch
+
+from tracefp4.components.checkpoint import save_model
+from tracefp4.components.model import CausalAttention, build_model
+from tracefp4.components.quant import ROLLOUT_CONFIGS, QuantSites, rollout_config
+from tracefp4.components.rollout import SamplingParams, TorchEngine, make_engine
+from tracefp4.kernels import fake_quantize
+
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("smoke", seed=0)
+
+
+def prompts(n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (int(k),), generator=g).tolist() for k in torch.randint(1, 12, (n,), generator=g)]
+
+
+def teacher_forced_logprobs(engine: TorchEngine, traj) -> torch.Tensor:
+    tokens = torch.tensor([traj.tokens])
+    with torch.no_grad():
+        logits = engine.model(tokens, torch.arange(tokens.shape[1])[None], CausalAttention(), QuantSites(engine.quant, engine.global_scales))
+    logprobs = torch.log_softmax(logits[0, len(traj.prompt) - 1 : -1].float(), -1)
+    return logprobs.gather(-1, torch.tensor(traj.response)[:, None])[:, 0]
+
+
+@pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv"])
+def test_logprobs_are_those_of_the_rollout_policy(model, config):
+    # float32 compute: the incremental and the full-sequence paths agree to rounding
+    engine = TorchEngine(model, rollout_config(config), dtype=torch.float32)
+    for traj in engine.generate(prompts(), SamplingParams(max_new_tokens=6, seed=3)):
+        assert len(traj.response) == len(traj.logprobs) == 6
+        assert torch.allclose(torch.tensor(traj.logprobs), teacher_forced_logprobs(engine, traj), atol=2e-3)
+
+
+def test_same_seed_same_samples_and_greedy_is_argmax(model):
+    engine = TorchEngine(model)
+    a = engine.generate(prompts(), SamplingParams(max_new_tokens=5, seed=11))
+    b = engine.generate(prompts(), SamplingParams(max_new_tokens=5, seed=11))
+    c = engine.generate(prompts(), SamplingParams(max_new_tokens=5, seed=12))
+    assert [t.response for t in a] == [t.response for t in b] != [t.response for t in c]
+    greedy = engine.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=5))
+    top1 = engine.generate(prompts(), SamplingParams(top_k=1, max_new_tokens=5, seed=5))
+    nucleus = engine.generate(prompts(), SamplingParams(top_p=1e-6, max_new_tokens=5, seed=6))
+    assert [t.response for t in greedy] == [t.response for t in top1] == [t.response for t in nucleus]
+
+
+def test_stop_tokens_end_requests_and_finished_requests_leave_the_batch(model):
+    engine = TorchEngine(model)
+    first = engine.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=8))
+    stop = first[0].response[2]  # request 0 stops at its third token
+    batch_sizes = []
+    forward = engine._forward
+    engine._forward = lambda tokens, *a: batch_sizes.append(tokens.shape[0]) or forward(tokens, *a)
+    out = engine.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=8, stop_tokens=(stop,)))
+    assert out[0].finish_reason == "stop" and out[0].response == first[0].response[:3]
+    assert all(t.finish_reason == "length" or t.response[-1] == stop for t in out)
+    assert all(len(t.response) == 8 for t in out if t.finish_reason == "length")
+    assert batch_sizes[0] == 5 and min(batch_sizes) < 5  # the stopped request was dropped
+    assert sorted(batch_sizes, reverse=True) == batch_sizes
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("config", ROLLOUT_CONFIGS)
+def test_every_rollout_config_runs(model, config, fmt):
+    out = TorchEngine(model, rollout_config(config, fmt)).generate(prompts(3), SamplingParams(max_new_tokens=3))
+    assert all(len(t.response) == 3 for t in out)
+
+
+def test_kv_cache_bytes(model):
+    bf16 = TorchEngine(model).kv_bytes_per_token()
+    cfg = model.cfg
+    assert bf16 == cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    assert TorchEngine(model, rollout_config("fp4_kv", "nvfp4")).kv_bytes_per_token() / bf16 == pytest.approx(0.28125)
+    assert TorchEngine(model, rollout_config("fp4_kv", "mxfp4")).kv_bytes_per_token() / bf16 == pytest.approx(0.265625)
+
+
+def test_fp4_weights_are_on_the_fp4_grid(model):
+    engine = TorchEngine(model, rollout_config("fp4_wa", "nvfp4"), dtype=torch.float32)
+    w = engine.model.moe_blocks()[0].experts.gate_up[0]
+    assert not torch.equal(w, model.moe_blocks()[0].experts.gate_up[0])
+    assert torch.equal(fake_quantize(w.T, "nvfp4").T, w)  # re-quantizing FP4 values changes nothing
+
+
+def test_weight_sync_from_state_dict_and_checkpoint(model, tmp_path):
+    engine = TorchEngine(model, rollout_config("fp4_wa", "nvfp4"))
+    before = engine.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=4))
+    other = build_model("smoke", seed=1)
+    engine.update_weights(other.state_dict())
+    assert engine.policy_version == 1
+    synced = engine.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=4))
+    fresh = TorchEngine(other, rollout_config("fp4_wa", "nvfp4")).generate(prompts(), SamplingParams(temperature=0, max_new_tokens=4))
+    assert [t.response for t in synced] == [t.response for t in fresh] != [t.response for t in before]
+    save_model(model, tmp_path / "back")
+    engine.update_weights(tmp_path / "back")
+    assert engine.policy_version == 2
+    assert [t.response for t in engine.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=4))] == [t.response for t in before]
+
+
+def test_bad_requests(model):
+    engine = make_engine("torch", model)
+    with pytest.raises(ValueError, match="at least one token"):
+        engine.generate([[1], []], SamplingParams())
+    with pytest.raises(ValueError, match=r"\[0, 256\)"):
+        engine.generate([[1, 999]], SamplingParams())
+    with pytest.raises(ValueError, match="invalid sampling parameters"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="unknown rollout backend 'sglang'; available: \\['torch'\\]"):
+        make_engine("sglang", model)
+    with pytest.raises(RuntimeError, match="captures nothing"):
+        engine.drain_capture()
