@@ -1,1 +1,50 @@
 """Pydantic models that parameterize a tracefp4 run, and their JSON Schema."""
+
+from .config import (
+    SECRET_ENV,
+    EvaluationConfig,
+    GuidanceConfig,
+    LayerSelection,
+    Method,
+    MetricsConfig,
+    ModelConfig,
+    ModelPreset,
+    ResourcesConfig,
+    RLConfig,
+    RolloutConfig,
+    RolloutConfigName,
+    RunConfig,
+    StoreConfig,
+    TaskConfig,
+    TaskName,
+    Toleration,
+)
+from .io import ConfigError, export_json_schema, load_config, save_config, schema_hash
+from .presets import PRESETS, get_preset
+
+__all__ = [
+    "PRESETS",
+    "SECRET_ENV",
+    "ConfigError",
+    "EvaluationConfig",
+    "GuidanceConfig",
+    "LayerSelection",
+    "Method",
+    "MetricsConfig",
+    "ModelConfig",
+    "ModelPreset",
+    "RLConfig",
+    "ResourcesConfig",
+    "RolloutConfig",
+    "RolloutConfigName",
+    "RunConfig",
+    "StoreConfig",
+    "TaskConfig",
+    "TaskName",
+    "Toleration",
+    "export_json_schema",
+    "get_preset",
+    "load_config",
+    "save_config",
+    "schema_hash",
+]

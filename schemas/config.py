@@ -1,0 +1,360 @@
+"""The run configuration: every knob of a tracefp4 run in one validated tree.
+
+One `RunConfig` travels from the CLI through the Kubeflow pipeline into each
+component (as JSON), so a typo or an out-of-range value fails when the run is
+submitted, not hours into it. Every model forbids unknown fields; every field
+has a type, bounds, a description and a default. Field names follow the
+library (`components/`): rollout config names, layer selections and sites mean
+what docs/rollout.md and docs/guidance-format.md say.
+"""
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    WrapValidator,
+    field_validator,
+    model_validator,
+)
+from pydantic.json_schema import SkipJsonSchema
+from pydantic_core import PydanticCustomError
+
+ModelPreset = Literal["smoke", "tiny", "tiny-qwen2"]
+RolloutConfigName = Literal["bf16", "fp4_wa", "fp4_kv", "fp4_wa_kv", "w4a8_mxfp4_kv", "w4a4_mxfp4_kv"]
+Method = Literal["bf16", "qat", "quads", "trace", "tis_sc", "qarl"]
+TaskName = Literal["arithmetic", "countdown", "program"]
+
+# The only source of the S3 credentials; the store backend reads the same names.
+SECRET_ENV = {"access_key": "TRACEFP4_S3_ACCESS_KEY", "secret_key": "TRACEFP4_S3_SECRET_KEY"}
+
+STORE_URI_PATTERN = r"^(file|s3|minio)://\S+$"
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$"
+K8S_CPU = r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$"
+K8S_MEMORY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
+ADAPTIVE = r"^adaptive:[1-9][0-9]*$"
+IMAGE = r"^[a-z0-9]([-a-z0-9._/:@]*[A-Za-z0-9_])?$"
+# What each pattern means, for error messages (ConfigError) instead of the bare regex.
+PATTERN_HINTS = {
+    DNS_LABEL: "must be a DNS label: lowercase letters, digits and '-', 1-63 characters, alphanumeric at both ends",
+    DNS_SUBDOMAIN: "must be a Kubernetes object name: lowercase letters, digits, '-', '.', alphanumeric at both ends",
+    K8S_CPU: "must be a Kubernetes CPU quantity such as '2', '0.5' or '500m'",
+    K8S_MEMORY: "must be a Kubernetes memory quantity such as '8Gi', '512Mi' or '1G'",
+    IMAGE: "must be a container image reference such as 'ghcr.io/org/name:tag'",
+}
+
+
+class _Section(BaseModel):
+    """Shared settings: unknown fields are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+
+def _one_layer_error(value: object, handler):
+    """Collapse the union's per-member errors into one readable reason."""
+    try:
+        value = handler(value)
+    except ValidationError:
+        raise PydanticCustomError(
+            "layer_selection",
+            "expected 'all', a positive int N (the deepest N layers), a list of layer indices >= 0, or 'adaptive:N'",
+        ) from None
+    if isinstance(value, list):
+        if len(set(value)) != len(value):
+            raise PydanticCustomError("layer_selection", "layer indices must be distinct")
+        return sorted(value)
+    return value
+
+
+LayerSelection = Annotated[
+    Literal["all"]
+    | Annotated[int, Field(strict=True, ge=1)]
+    | Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=1)]
+    | Annotated[str, Field(pattern=ADAPTIVE)],
+    WrapValidator(_one_layer_error),
+]
+
+
+def _check_store_uri(uri: str) -> str:
+    """The schemes `components/store.py:open_store` serves, and no credentials in the URI."""
+    scheme, sep, rest = uri.partition("://")
+    if not sep or scheme not in ("file", "s3", "minio") or not rest or re.search(r"\s", uri):
+        raise PydanticCustomError("store_uri", "must start with file://, s3:// or minio:// followed by a location")
+    if scheme != "file" and "@" in rest.split("/", 1)[0]:  # never echo it: it may hold a secret
+        raise PydanticCustomError("store_uri", "must not carry credentials; set TRACEFP4_S3_ACCESS_KEY/_SECRET_KEY")
+    return uri
+
+
+class ModelConfig(_Section):
+    """The policy: a seeded library preset or a Hugging Face checkpoint, exactly one."""
+
+    preset: ModelPreset | None = Field(
+        default=None, description="Library preset with seeded random weights (no download); exclusive with checkpoint."
+    )
+    checkpoint: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Path or store URI (file://, s3://, minio://) of a Hugging Face qwen3_moe/qwen2_moe folder "
+        "(config.json + safetensors); exclusive with preset.",
+    )
+    dtype: Literal["bfloat16", "float32"] = Field(default="float32", description="Compute dtype of the rollout policy.")
+    max_seq_len: int = Field(default=512, ge=8, le=1 << 20, description="Longest prompt + response, in tokens.")
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _checkpoint_scheme(cls, value: str | None) -> str | None:
+        return value if value is None or "://" not in value else _check_store_uri(value)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> "ModelConfig":
+        if (self.preset is None) == (self.checkpoint is None):
+            state = "both are set" if self.preset is not None else "neither is set"
+            raise ValueError(f"set exactly one of model.preset and model.checkpoint ({state})")
+        return self
+
+
+class RolloutConfig(_Section):
+    """FP4 rollout engine settings and sampling (docs/rollout.md)."""
+
+    fmt: Literal["nvfp4", "mxfp4"] = Field(default="nvfp4", description="FP4 format of the quantized rollout sites.")
+    config: RolloutConfigName = Field(
+        default="fp4_wa_kv", description="Which sites the rollout quantizes (components.quant.rollout_config)."
+    )
+    backend: Literal["torch"] = Field(default="torch", description="Rollout engine implementation.")
+    temperature: float = Field(default=1.0, ge=0.0, le=10.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 disables it.")
+    top_k: int = Field(default=0, ge=0, description="Top-k sampling; 0 disables it.")
+    max_new_tokens: int = Field(default=64, ge=1, description="Response length limit, in tokens.")
+    group_size: int = Field(default=4, ge=1, le=1024, description="Responses sampled per prompt (the advantage group).")
+    prompts_per_step: int = Field(default=8, ge=1, description="Prompts rolled out per RL step.")
+    max_tokens_per_forward: int = Field(
+        default=4096, ge=1, description="Rows of each capture buffer (token rows per forward before offload)."
+    )
+
+
+class GuidanceConfig(_Section):
+    """What rollout guidance is kept and how it reaches training (docs/guidance-format.md)."""
+
+    bits: int = Field(default=1, ge=1, le=4, description="Low bits kept per FP4 code: R-kbit (4 keeps the whole code).")
+    layers: LayerSelection = Field(
+        default="all",
+        description="Layers guided: 'all', N (the deepest N), a list of layer indices, or 'adaptive:N' "
+        "(the N layers with the highest measured train-rollout mismatch).",
+    )
+    compaction: Literal["inline", "offline"] = Field(
+        default="inline", description="Truncate codes during capture (inline) or after a full capture (offline)."
+    )
+    trajectories_per_shard: int = Field(default=64, ge=1, description="Trajectories per guidance shard file.")
+    prefetch_microbatches: int = Field(default=2, ge=0, le=64, description="Microbatches of guidance loaded ahead.")
+    allow_rtn_fallback: bool = Field(
+        default=False, description="Round a trajectory without guidance RTN (counted) instead of failing."
+    )
+
+
+Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
+
+
+class RLConfig(_Section):
+    """The RL loop and its optimizer: rounds of steps, a clipped policy-gradient loss."""
+
+    steps_per_round: int = Field(default=4, ge=1, description="RL steps between evaluations.")
+    rounds: int = Field(default=2, ge=1, description="Rounds of training (each ends with an evaluation).")
+    learning_rate: float = Field(default=1e-4, gt=0.0, le=1.0, description="AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="AdamW decoupled weight decay.")
+    grad_clip: float = Field(default=1.0, ge=0.0, description="Global gradient-norm clip; 0 disables it.")
+    microbatch_size: int = Field(default=8, ge=1, description="Trajectories per training microbatch.")
+    grad_accumulation: int = Field(default=1, ge=1, description="Microbatches per optimizer step.")
+    ppo_clip: float = Field(default=0.2, gt=0.0, le=1.0, description="PPO ratio clip epsilon.")
+    tis_cap: float = Field(
+        default=2.0, ge=1.0, description="Truncated importance sampling cap C: weight min(pi_train / pi_rollout, C)."
+    )
+    kl_coef: float = Field(default=0.0, ge=0.0, description="KL penalty to the reference policy; 0 disables it.")
+    adam_betas: tuple[Beta, Beta] = Field(default=(0.9, 0.999), description="AdamW (beta1, beta2).")
+
+
+class TaskConfig(_Section):
+    """One verifiable task family in the training/evaluation mix."""
+
+    name: TaskName = Field(description="Task family.")
+    difficulty: int = Field(default=1, ge=1, le=5, description="Difficulty level, 1 (easiest) to 5.")
+    train_size: int = Field(default=256, ge=1, description="Training prompts generated.")
+    test_size: int = Field(default=32, ge=1, description="Held-out test prompts generated.")
+    weight: float = Field(default=1.0, gt=0.0, description="Relative sampling weight in the training mix.")
+
+
+class EvaluationConfig(_Section):
+    """Evaluation after each round: mean@k on held-out prompts under several rollout configs."""
+
+    rollout_configs: list[RolloutConfigName] = Field(
+        default_factory=lambda: ["bf16", "fp4_wa_kv"],
+        min_length=1,
+        description="Rollout configs the policy is evaluated under (each in rollout.fmt).",
+    )
+    samples_per_prompt: int = Field(default=4, ge=1, le=1024, description="k of mean@k: samples per test prompt.")
+    test_prompts: int = Field(default=32, ge=1, description="Test prompts per evaluation (drawn from the tasks).")
+
+    @field_validator("rollout_configs")
+    @classmethod
+    def _distinct(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError("rollout configs must be distinct")
+        return value
+
+
+class StoreConfig(_Section):
+    """The artifact store for guidance shards and checkpoints.
+
+    S3 credentials come only from the environment (TRACEFP4_S3_ACCESS_KEY,
+    TRACEFP4_S3_SECRET_KEY; in the cluster from `secret_name`): they are never
+    read from a config file, dumped, shown or part of the JSON Schema."""
+
+    uri: str = Field(
+        default="file://./runs/store",
+        description="Store root: file://path, s3://bucket/prefix or minio://bucket/prefix.",
+        json_schema_extra={"pattern": STORE_URI_PATTERN},
+    )
+    secret_name: str = Field(
+        default="mlpipeline-minio-artifact",
+        pattern=DNS_SUBDOMAIN,
+        description="Kubernetes secret holding the S3 credentials, mounted as the TRACEFP4_S3_* variables.",
+    )
+    access_key: SkipJsonSchema[SecretStr | None] = Field(
+        default=None, exclude=True, repr=False, description="From TRACEFP4_S3_ACCESS_KEY only."
+    )
+    secret_key: SkipJsonSchema[SecretStr | None] = Field(
+        default=None, exclude=True, repr=False, description="From TRACEFP4_S3_SECRET_KEY only."
+    )
+
+    @field_validator("uri")
+    @classmethod
+    def _uri(cls, value: str) -> str:
+        return _check_store_uri(value)
+
+    @field_validator("access_key", "secret_key", mode="before")
+    @classmethod
+    def _env_only(cls, value: object, info: ValidationInfo) -> object:
+        if value is not None and (info.context or {}).get("from_file"):
+            raise ValueError(f"set only from the environment variable {SECRET_ENV[info.field_name]}")
+        return value
+
+
+class MetricsConfig(_Section):
+    """Where run metrics go: a Prometheus text file, and a Pushgateway when given."""
+
+    pushgateway_url: str | None = Field(
+        default=None, pattern=r"^https?://\S+$", description="Pushgateway base URL (http(s)://host:port), or none."
+    )
+    metrics_file: str = Field(
+        default="metrics.prom", min_length=1, pattern=r"^\S+$", description="Prometheus text-format file written."
+    )
+    job: str = Field(
+        default="tracefp4", pattern=r"^[A-Za-z0-9_.:-]{1,128}$", description="Prometheus `job` label of pushed metrics."
+    )
+
+
+class Toleration(_Section):
+    """A Kubernetes pod toleration."""
+
+    key: str | None = Field(default=None, min_length=1, max_length=316, description="Taint key; none matches all.")
+    operator: Literal["Equal", "Exists"] = Field(default="Equal", description="Equal matches value; Exists any value.")
+    value: str | None = Field(default=None, max_length=63, description="Taint value (operator Equal).")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="Taint effect matched; none matches all."
+    )
+
+    @model_validator(mode="after")
+    def _exists_has_no_value(self) -> "Toleration":
+        if self.operator == "Exists" and self.value is not None:
+            raise ValueError("operator Exists takes no value")
+        return self
+
+
+class ResourcesConfig(_Section):
+    """Resources each pipeline step requests in the cluster (ignored by local runs)."""
+
+    cpu: str = Field(default="2", pattern=K8S_CPU, description="CPU request/limit (Kubernetes quantity: '2', '500m').")
+    memory: str = Field(default="8Gi", pattern=K8S_MEMORY, description="Memory request/limit ('8Gi', '512Mi').")
+    gpus: int = Field(default=0, ge=0, le=64, description="Accelerators per step.")
+    accelerator_type: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_./]{0,251}[A-Za-z0-9])?$",
+        description="Accelerator to request, e.g. 'nvidia.com/gpu' or a node-label value; required when gpus > 0.",
+    )
+    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels a step must run on.")
+    tolerations: list[Toleration] = Field(default_factory=list, description="Taints a step tolerates.")
+
+    @model_validator(mode="after")
+    def _gpus_need_a_type(self) -> "ResourcesConfig":
+        if self.gpus > 0 and self.accelerator_type is None:
+            raise ValueError("gpus > 0 needs accelerator_type")
+        return self
+
+
+class RunConfig(_Section):
+    """A whole tracefp4 run: policy, rollout, guidance, RL, tasks, evaluation and where it runs."""
+
+    name: str = Field(default="tracefp4", pattern=DNS_LABEL, description="Run name (DNS label: a-z, 0-9, '-').")
+    seed: int = Field(default=0, ge=0, lt=2**63, description="Seed of model init, task generation and sampling.")
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig(preset="tiny"), description="The policy.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engine and sampling.")
+    guidance: GuidanceConfig = Field(default_factory=GuidanceConfig, description="Rollout guidance kept for training.")
+    rl: RLConfig = Field(default_factory=RLConfig, description="RL loop and optimizer.")
+    method: Method = Field(
+        default="trace",
+        description="Training method: bf16 (no QAT), qat (RTN), quads, trace (rollout-guided), "
+        "tis_sc (TIS + score centering), qarl.",
+    )
+    tasks: list[TaskConfig] = Field(
+        default_factory=lambda: [TaskConfig(name="arithmetic")], min_length=1, description="Training task mix."
+    )
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig, description="Evaluation after each round.")
+    store: StoreConfig = Field(default_factory=StoreConfig, description="Artifact store.")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Metrics output.")
+    resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Per-step cluster resources.")
+    image: str = Field(
+        default="ghcr.io/tracefp4/tracefp4:0.1.0-cpu",
+        pattern=IMAGE,
+        max_length=512,
+        description="Container image of the pipeline components.",
+    )
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "RunConfig":
+        problems = []
+        if self.rollout.max_new_tokens >= self.model.max_seq_len:
+            problems.append(
+                f"rollout.max_new_tokens: must be less than model.max_seq_len ({self.model.max_seq_len}) "
+                "to leave room for the prompt"
+            )
+        if self.method == "trace" and self.rollout.config == "bf16":
+            problems.append("method: trace guides training with FP4 rollout codes; rollout.config bf16 records none")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+
+__all__ = [
+    "SECRET_ENV",
+    "EvaluationConfig",
+    "GuidanceConfig",
+    "LayerSelection",
+    "Method",
+    "MetricsConfig",
+    "ModelConfig",
+    "ModelPreset",
+    "RLConfig",
+    "ResourcesConfig",
+    "RolloutConfig",
+    "RolloutConfigName",
+    "RunConfig",
+    "StoreConfig",
+    "TaskConfig",
+    "TaskName",
+    "Toleration",
+]

@@ -1,0 +1,187 @@
+"""Reading and writing run configs, one error for every bad field, and the JSON Schema.
+
+`load_config` layers a preset, a YAML/JSON file and overrides (later wins,
+mappings merge key by key, lists and scalars replace), validates once, then
+takes the S3 credentials from the environment. A failure is one `ConfigError`
+listing every bad field by dotted path, so a user fixes a file in one pass.
+"""
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Mapping
+from importlib.metadata import version
+from pathlib import Path
+
+from pydantic import SecretStr, ValidationError
+
+from .config import PATTERN_HINTS, SECRET_ENV, RunConfig
+from .presets import get_preset
+
+SCHEMA_FILES = {"run-config.schema.json": RunConfig}
+JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+_DOTTED = re.compile(r"^[a-z_][a-z0-9_]*(\.[a-z0-9_]+)*$")
+
+
+class ConfigError(ValueError):
+    """An invalid run config: `problems` holds (dotted path, reason) pairs, `source` the file if any."""
+
+    def __init__(self, problems: list[tuple[str, str]], source: str | Path | None = None):
+        self.problems = problems
+        self.source = None if source is None else str(source)
+        where = f" in {self.source}" if self.source else ""
+        lines = [f"invalid tracefp4 config{where} ({len(problems)} problem{'s' * (len(problems) != 1)}):"]
+        lines += [f"  {path}: {reason}" if path else f"  {reason}" for path, reason in problems]
+        super().__init__("\n".join(lines))
+
+    @classmethod
+    def from_validation(cls, err: ValidationError, source: str | Path | None = None) -> "ConfigError":
+        """One line per pydantic error; a root error (a cross-field check) already names its paths."""
+        problems = []
+        for e in err.errors(include_input=False, include_url=False):
+            path = ".".join(str(part) for part in e["loc"])
+            reason = e["msg"].removeprefix("Value error, ")
+            if e["type"] == "string_pattern_mismatch":
+                reason = PATTERN_HINTS.get(e["ctx"]["pattern"], reason)
+            if path:
+                problems.append((path, reason))
+            else:
+                for line in reason.splitlines():
+                    head, sep, tail = line.partition(": ")
+                    problems.append((head, tail) if sep and _DOTTED.match(head) else ("", line))
+        return cls(problems, source)
+
+
+def _yaml():
+    import yaml  # only YAML files need it; JSON configs work without PyYAML
+
+    return yaml
+
+
+def _read(path: Path) -> dict:
+    suffix = path.suffix.lower()
+    if suffix not in (".yaml", ".yml", ".json"):
+        raise ConfigError([("", f"unknown config file extension {path.suffix!r}; use .yaml, .yml or .json")], path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as e:
+        raise ConfigError([("", f"cannot read the file: {e.strerror}")], path) from None
+    if suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError([("", f"not valid JSON: {e}")], path) from None
+    else:
+        yaml = _yaml()
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError([("", f"not valid YAML: {e}")], path) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([("", f"the top level must be a mapping, not {type(data).__name__}")], path)
+    return data
+
+
+def _expand_dotted(overrides: Mapping) -> dict:
+    """{"rl.learning_rate": 1e-5} -> {"rl": {"learning_rate": 1e-5}} (field names never contain dots)."""
+    out: dict = {}
+    for key, value in overrides.items():
+        *parents, leaf = str(key).split(".")
+        node = out
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        if isinstance(value, Mapping):
+            value = _merge(node.get(leaf) if isinstance(node.get(leaf), dict) else {}, _expand_dotted(value))
+        node[leaf] = value
+    return out
+
+
+def _merge(base: dict, over: Mapping) -> dict:
+    """Deep merge: mappings merge key by key, anything else replaces.
+
+    model.preset and model.checkpoint are alternatives: a layer that names one
+    drops the other, so a file can switch a preset's checkpoint to a preset."""
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    model = over.get("model")
+    if isinstance(model, Mapping) and isinstance(out.get("model"), dict):
+        for chosen, other in (("preset", "checkpoint"), ("checkpoint", "preset")):
+            if model.get(chosen) is not None and other not in model:
+                out["model"].pop(other, None)
+    return out
+
+
+def load_config(
+    path: str | Path | None = None, preset: str | None = None, overrides: Mapping | None = None
+) -> RunConfig:
+    """Build a RunConfig from a preset (or the defaults), a .yaml/.yml/.json file and overrides.
+
+    Overrides may be nested or use dotted keys ("rl.learning_rate"). S3
+    credentials come only from TRACEFP4_S3_ACCESS_KEY / TRACEFP4_S3_SECRET_KEY;
+    a file or an override that sets them is an error."""
+    data = (get_preset(preset) if preset is not None else RunConfig()).model_dump(mode="json")
+    if path is not None:
+        data = _merge(data, _read(Path(path)))
+    if overrides:
+        data = _merge(data, _expand_dotted(overrides))
+    try:
+        config = RunConfig.model_validate(data, context={"from_file": True})
+    except ValidationError as e:
+        raise ConfigError.from_validation(e, path) from None
+    for field, env_name in SECRET_ENV.items():
+        if os.environ.get(env_name):
+            setattr(config.store, field, SecretStr(os.environ[env_name]))
+    return config
+
+
+def save_config(config: RunConfig, path: str | Path) -> Path:
+    """Write a config as .yaml/.yml or .json (secrets are never written); load_config reads it back."""
+    path = Path(path)
+    data = config.model_dump(mode="json")
+    suffix = path.suffix.lower()
+    if suffix == ".json":
+        text = json.dumps(data, indent=2) + "\n"
+    elif suffix in (".yaml", ".yml"):
+        text = _yaml().safe_dump(data, sort_keys=False)
+    else:
+        raise ConfigError([("", f"unknown config file extension {path.suffix!r}; use .yaml, .yml or .json")], path)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def _canonical(schema: dict) -> str:
+    return json.dumps(schema, sort_keys=True, indent=2, ensure_ascii=False) + "\n"
+
+
+def schema_hash() -> str:
+    """First 12 hex digits of the SHA-256 of RunConfig's canonical JSON Schema.
+
+    It changes when the config's shape, bounds, defaults or descriptions do, not
+    with the package version, so a pipeline can be versioned by what it accepts."""
+    return hashlib.sha256(_canonical(RunConfig.model_json_schema()).encode()).hexdigest()[:12]
+
+
+def export_json_schema(out_dir: str | Path) -> list[Path]:
+    """Write one JSON Schema file per top-level model into out_dir; byte-identical on every run."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for file_name, model in SCHEMA_FILES.items():
+        schema = {
+            "$schema": JSON_SCHEMA_DIALECT,
+            "$id": f"urn:tracefp4:{version('tracefp4')}:{file_name}",
+            **model.model_json_schema(),
+        }
+        target = out_dir / file_name
+        target.write_text(_canonical(schema), encoding="utf-8")
+        written.append(target)
+    return written

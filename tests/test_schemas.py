@@ -1,0 +1,220 @@
+"""Run configs: presets, loading and merging, one error listing every bad field,
+secrets kept out of every output, and the committed JSON Schema in sync."""
+
+import json
+from pathlib import Path
+from typing import get_args
+
+import pytest
+import yaml
+
+from tracefp4.schemas import (
+    PRESETS,
+    ConfigError,
+    GuidanceConfig,
+    ModelPreset,
+    RolloutConfigName,
+    RunConfig,
+    export_json_schema,
+    get_preset,
+    load_config,
+    save_config,
+    schema_hash,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+REGENERATE = "python -c \"from tracefp4.schemas import export_json_schema; export_json_schema('schemas')\""
+SECRETS = {"TRACEFP4_S3_ACCESS_KEY": "AKIA-test-access-4711", "TRACEFP4_S3_SECRET_KEY": "s3cr3t-test-value-0815"}
+
+
+@pytest.fixture(autouse=True)
+def _no_secrets_in_env(monkeypatch):
+    for name in SECRETS:
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("suffix", [".json", ".yaml", ".yml"])
+def test_preset_validates_and_round_trips(name, suffix, tmp_path):
+    preset = get_preset(name)
+    assert RunConfig.model_validate(preset.model_dump()) == preset
+    path = save_config(preset, tmp_path / f"run{suffix}")
+    assert load_config(path) == preset
+    assert load_config(path, preset="smoke") == preset  # a full file overrides everything of a base preset
+
+
+def test_presets_set_what_they_promise():
+    smoke, tiny = PRESETS["smoke"], PRESETS["tiny"]
+    assert smoke.model.preset == "smoke" and smoke.rl.rounds == smoke.rl.steps_per_round == 1
+    assert smoke.rollout.max_new_tokens <= 8 and smoke.rollout.prompts_per_step * smoke.rollout.group_size <= 4
+    assert tiny.model.preset == "tiny" and tiny.rl.rounds > 1
+    for name, config in [("paper-nvfp4-wa-kv", "fp4_wa_kv"), ("paper-w4a8-mxfp4-kv", "w4a8_mxfp4_kv")]:
+        p = PRESETS[name]
+        assert p.model.checkpoint == "s3://models/qwen3.5-35b-a3b" and p.model.preset is None
+        assert (p.method, p.guidance.bits, p.guidance.layers, p.rollout.config) == ("trace", 1, 20, config)
+        assert p.resources.gpus == 8 and p.resources.accelerator_type
+    assert PRESETS["paper-nvfp4-wa-kv"].rollout.fmt == "nvfp4"
+
+
+def test_get_preset_returns_a_copy_and_names_the_choices():
+    get_preset("smoke").rl.rounds = 99
+    assert PRESETS["smoke"].rl.rounds == 1
+    with pytest.raises(ValueError, match="paper-nvfp4-wa-kv.*smoke.*tiny"):
+        get_preset("huge")
+
+
+def test_literals_match_the_library():
+    """The schema's names of rollout configs and model presets are the library's."""
+    from tracefp4.components import model, quant
+
+    assert set(get_args(RolloutConfigName)) == set(quant.ROLLOUT_CONFIGS)
+    assert set(get_args(ModelPreset)) == set(model.PRESETS)
+    for preset in PRESETS.values():  # deepest-N selections fit the preset models
+        if preset.model.preset is not None and isinstance(preset.guidance.layers, int):
+            assert preset.guidance.layers <= model.PRESETS[preset.model.preset].num_layers
+
+
+def test_exported_schema_files_are_in_sync(tmp_path):
+    fresh = export_json_schema(tmp_path)
+    assert [p.name for p in fresh] == ["run-config.schema.json"]
+    committed = sorted(p.name for p in (ROOT / "schemas").glob("*.schema.json"))
+    assert committed == sorted(p.name for p in fresh), f"stale or missing schema files; regenerate with: {REGENERATE}"
+    for path in fresh:
+        assert (ROOT / "schemas" / path.name).read_bytes() == path.read_bytes(), (
+            f"schemas/{path.name} is out of date; regenerate with: {REGENERATE}"
+        )
+    assert export_json_schema(tmp_path / "again")[0].read_bytes() == fresh[0].read_bytes()
+    schema = json.loads(fresh[0].read_text())
+    assert "0.1.0" in schema["$id"] and schema["additionalProperties"] is False
+    assert len(schema_hash()) == 12 and int(schema_hash(), 16) >= 0
+
+
+def test_invalid_file_lists_every_bad_field_with_its_path(tmp_path):
+    path = tmp_path / "bad-run.yaml"
+    path.write_text(
+        yaml.safe_dump({
+            "name": "Bad_Name",
+            "rl": {"learning_rate": -1.0, "adam_betas": [0.9, 1.5]},
+            "rollout": {"top_p": 0.0, "fmt": "fp3"},
+            "tasks": [{"name": "arithmetic"}, {"name": "countdown", "difficulty": 9}],
+            "resources": {"tolerations": [{"operator": "Sometimes"}]},
+        })  # fmt: skip
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    err = info.value
+    expected = {
+        "name": "DNS label",
+        "rl.learning_rate": "greater than 0",
+        "rl.adam_betas.1": "less than 1",
+        "rollout.top_p": "greater than 0",
+        "rollout.fmt": "'nvfp4' or 'mxfp4'",
+        "tasks.1.difficulty": "less than or equal to 5",
+        "resources.tolerations.0.operator": "'Equal' or 'Exists'",
+    }
+    assert dict(err.problems).keys() == expected.keys()
+    message = str(err)
+    assert isinstance(err, ValueError) and "bad-run.yaml" in message.splitlines()[0]
+    for dotted, reason in expected.items():
+        assert any(line.strip().startswith(f"{dotted}:") and reason in line for line in message.splitlines()), dotted
+
+
+def test_cross_field_problems_are_reported_with_their_paths():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides={"model.max_seq_len": 64, "rollout": {"max_new_tokens": 64, "config": "bf16"}})
+    assert {path for path, _ in info.value.problems} == {"rollout.max_new_tokens", "method"}
+
+
+@pytest.mark.parametrize(
+    "overrides, path",
+    [
+        ({"colour": "red"}, "colour"),
+        ({"rl": {"lr": 1e-3}}, "rl.lr"),
+        ({"tasks": [{"name": "arithmetic", "level": 2}]}, "tasks.0.level"),
+        ({"resources": {"tolerations": [{"key": "a", "seconds": 3}]}}, "resources.tolerations.0.seconds"),
+    ],
+)
+def test_unknown_fields_are_rejected(overrides, path):
+    with pytest.raises(ConfigError, match=rf"{path}: Extra inputs are not permitted"):
+        load_config(None, overrides=overrides)
+
+
+@pytest.mark.parametrize("uri", ["http://bucket/x", "bucket/prefix", "s3://", "gs://b", "s3://key:pw@bucket/x"])
+def test_bad_store_uri_is_rejected(uri):
+    with pytest.raises(ConfigError, match="store.uri: must") as info:
+        load_config(None, overrides={"store": {"uri": uri}})
+    assert "pw@" not in str(info.value)  # a URI with credentials is never echoed
+
+
+@pytest.mark.parametrize("uri", ["file://./runs/store", "file:///tmp/store", "s3://bucket/prefix", "minio://bucket"])
+def test_good_store_uri_is_accepted(uri):
+    assert load_config(None, overrides={"store.uri": uri}).store.uri == uri
+
+
+@pytest.mark.parametrize(
+    "model, state", [({"preset": "tiny", "checkpoint": "/ckpt"}, "both"), ({"preset": None}, "neither")]
+)
+def test_model_needs_exactly_one_of_preset_and_checkpoint(model, state):
+    with pytest.raises(ConfigError, match=rf"model: set exactly one .*\({state}"):
+        load_config(None, overrides={"model": model})
+
+
+def test_a_layer_naming_preset_or_checkpoint_replaces_the_other():
+    assert load_config(None, "paper-nvfp4-wa-kv", {"model": {"preset": "smoke"}}).model.checkpoint is None
+    assert load_config(None, "smoke", {"model.checkpoint": "/ckpt/qwen3"}).model.preset is None
+
+
+def test_secrets_come_from_the_environment_only(monkeypatch, tmp_path):
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    config = load_config(None, preset="smoke")
+    assert config.store.access_key.get_secret_value() == SECRETS["TRACEFP4_S3_ACCESS_KEY"]
+    assert config.store.secret_key.get_secret_value() == SECRETS["TRACEFP4_S3_SECRET_KEY"]
+    outputs = [
+        repr(config), str(config), repr(config.store), str(config.store),
+        json.dumps(config.model_dump(mode="json")), str(config.model_dump()), config.model_dump_json(),
+        save_config(config, tmp_path / "run.yaml").read_text(), export_json_schema(tmp_path)[0].read_text(),
+    ]  # fmt: skip
+    for text in outputs:
+        for value in SECRETS.values():
+            assert value not in text
+    assert "access_key" not in config.model_dump()["store"]
+    with pytest.raises(ConfigError, match="store.secret_key: set only from the environment variable TRACEFP4_S3_SEC"):
+        load_config(None, overrides={"store": {"secret_key": "from-a-file"}})
+
+
+def test_overrides_deep_merge_over_a_preset(tmp_path):
+    path = tmp_path / "run.yml"
+    path.write_text("rl:\n  learning_rate: 5.0e-5\nrollout: {temperature: 0.7}\n")
+    config = load_config(path, preset="tiny", overrides={"rl.rounds": 7, "guidance": {"bits": 2}, "seed": 3})
+    tiny = PRESETS["tiny"]
+    assert (config.rl.learning_rate, config.rl.rounds, config.rollout.temperature) == (5e-5, 7, 0.7)
+    assert (config.guidance.bits, config.seed) == (2, 3)
+    assert config.rl.steps_per_round == tiny.rl.steps_per_round and config.guidance.layers == tiny.guidance.layers
+    assert config.rollout.max_new_tokens == tiny.rollout.max_new_tokens and config.tasks == tiny.tasks
+    assert config.model == tiny.model and config.name == "tiny"
+
+
+def test_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"unknown config file extension '\.toml'"):
+        load_config(tmp_path / "run.toml")
+    (tmp_path / "run.json").write_text("{not json")
+    with pytest.raises(ConfigError, match=r"run\.json.*\n.*not valid JSON"):
+        load_config(tmp_path / "run.json")
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    with pytest.raises(ConfigError, match="must be a mapping"):
+        load_config(tmp_path / "list.yaml")
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize("layers, expected", [("all", "all"), (20, 20), ([2, 1], [1, 2]), ("adaptive:4", "adaptive:4")])
+def test_layer_selection_accepts(layers, expected):
+    assert GuidanceConfig(layers=layers).layers == expected
+
+
+@pytest.mark.parametrize("layers", ["adaptive:x", -1, 0, "deepest", "adaptive:0", [], [1, 1], [-2], True, 2.5])
+def test_layer_selection_rejects(layers):
+    with pytest.raises(ConfigError, match="guidance.layers: ") as info:
+        load_config(None, overrides={"guidance": {"layers": layers}})
+    assert len(info.value.problems) == 1
