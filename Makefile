@@ -12,7 +12,8 @@ install:
 test: install
 	$(PYTHON) -m pytest
 
-# The main job. Today: the kernel and rollout benchmarks; it grows into the local pipeline run.
+# The main job. Today: the kernel, rollout and guidance benchmarks; it grows into the local pipeline run.
 run: install
 	$(PYTHON) benchmarks/kernels.py
 	$(PYTHON) benchmarks/rollout.py
+	$(PYTHON) benchmarks/guidance.py

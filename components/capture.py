@@ -12,7 +12,7 @@ only the selected layers, with the foundation's codec, before offload.
 import queue
 import threading
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
@@ -64,10 +64,23 @@ class SiteTable:
     expert: Tensor  # routed expert of the slot, -1 where the site has none
     codes: Tensor
     scales: Tensor
+    inputs: Tensor | None = None  # float32 [N, width], the values before quantization (teacher forcing only)
 
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.scales.numel()
+
+    def select(self, rows: Tensor) -> "SiteTable":
+        """The table restricted to ``rows`` (a bool mask or indices), in that order."""
+        pick = {f: getattr(self, f)[rows] for f in ("traj", "pos", "slot", "expert", "codes", "scales")}
+        inputs = None if self.inputs is None else self.inputs[rows]
+        return replace(self, **pick, inputs=inputs)
+
+    def compacted(self, bits: int) -> "SiteTable":
+        """The same rows keeping only the low ``bits`` of each code."""
+        if bits > self.bits:
+            raise ValueError(f"cannot widen a {self.bits}-bit table to {bits} bits")
+        return replace(self, bits=bits, codes=compact_codes(self.low_bits(), bits))
 
     def low_bits(self) -> Tensor:
         """One uint8 per element ``[N, width]``: the low ``bits`` of each code."""
@@ -96,8 +109,11 @@ class _Buffer:
     """Preallocated rows for many forwards: a token table ``(traj, pos)`` and,
     per captured site, codes, scale bytes and (expert slots) routing."""
 
-    def __init__(self, shapes: dict[tuple[int, str], tuple[int, int, int, int]], max_tokens: int, device):
+    def __init__(self, shapes: dict[tuple[int, str], tuple[int, int, int, int]], max_tokens: int, device, keep_inputs: bool):
         self.tokens = torch.empty(max_tokens, 2, dtype=torch.int64, device=device)
+        self.inputs = {  # the unquantized rows, when asked for (teacher forcing)
+            k: torch.empty(max_tokens * per, nbytes * 2, dtype=torch.float32, device=device) for k, (per, nbytes, _, _) in shapes.items()
+        } if keep_inputs else {}  # fmt: skip
         self.codes = {k: torch.empty(max_tokens * per, nbytes, dtype=torch.uint8, device=device) for k, (per, nbytes, _, _) in shapes.items()}
         self.scales = {k: torch.empty(max_tokens * per, nsc, dtype=torch.uint8, device=device) for k, (per, _, nsc, _) in shapes.items()}
         # (token row in this buffer, slot, expert) of rows that belong to expert slots
@@ -120,7 +136,7 @@ class Capture:
 
     def __init__(
         self, model_cfg: ModelConfig, quant: QuantConfig, config: CaptureConfig, global_scales: dict,
-        device="cpu", kv_from_forward: bool = False,
+        device="cpu", kv_from_forward: bool = False, keep_inputs: bool = False,
     ):  # fmt: skip
         if config.bits not in (1, 2, 3, 4):
             raise ValueError(f"capture bits must be 1..4, got {config.bits}")
@@ -143,7 +159,7 @@ class Capture:
                 if site in ACTIVATION_SITES or kv_from_forward:
                     nscales = width // get_format(fmt).block_size
                     shapes[(layer, site)] = (per_token, width // 2, nscales, site == "moe_down_in")
-        self._buffers = [_Buffer(shapes, config.max_tokens, device) for _ in range(2)]
+        self._buffers = [_Buffer(shapes, config.max_tokens, device, keep_inputs) for _ in range(2)]
         self._turn = 0
         self._forward_tokens = 0  # tokens of the forward in flight, 0 between forwards
         self._chunks: dict[tuple[int, str], list[list[Tensor]]] = {}
@@ -167,13 +183,15 @@ class Capture:
         buf.tokens[buf.n_tokens : buf.n_tokens + n] = torch.stack([tokens.traj, tokens.pos], 1)
         self._forward_tokens = n
 
-    def record(self, layer: int, site: str, q: FP4Tensor, token: Tensor | None, slot: Tensor | None, expert: Tensor | None) -> None:
+    def record(self, layer: int, site: str, x: Tensor, q: FP4Tensor, token: Tensor | None, slot: Tensor | None, expert: Tensor | None) -> None:
         buf, key = self._buffers[self._turn], (layer, site)
         if not self._forward_tokens or key not in buf.codes:
             return  # not kept, or KV that is captured when its request ends
         start, n = buf.rows[key], q.codes.shape[0]
         buf.codes[key][start : start + n] = q.codes
         buf.scales[key][start : start + n] = q.scales.view(torch.uint8)
+        if buf.inputs:
+            buf.inputs[key][start : start + n] = x
         if key in buf.routing:
             buf.routing[key][start : start + n] = torch.stack([token + buf.n_tokens, slot, expert], 1)
         buf.rows[key] = start + n
@@ -229,12 +247,13 @@ class Capture:
             else:
                 token, slot, expert = torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.full((n,), -1)
             meta = torch.stack([tokens[token, 0], tokens[token, 1], slot, expert], 1)
-            self._append(key, buf.codes[key][:n], buf.scales[key][:n], meta)
+            inputs = [buf.inputs[key][:n]] if buf.inputs else []
+            self._append(key, buf.codes[key][:n], buf.scales[key][:n], meta, *inputs)
 
-    def _append(self, key, codes: Tensor, scales: Tensor, meta: Tensor) -> None:
+    def _append(self, key, codes: Tensor, scales: Tensor, meta: Tensor, *inputs: Tensor) -> None:
         if self.config.bits < 4:  # compact on the device, before the copy to host
             codes = compact_codes(unpack_nibbles(codes), self.config.bits)
-        host = [t.to("cpu", copy=True) for t in (codes, scales, meta)]
+        host = [t.to("cpu", copy=True) for t in (codes, scales, meta, *inputs)]
         self._chunks.setdefault(key, []).append(host)
 
     def pending(self) -> bool:
@@ -260,14 +279,14 @@ class Capture:
         chunks, self._chunks = self._chunks, {}
         records = CaptureRecords()
         for (layer, site), parts in sorted(chunks.items()):
-            codes, scales, meta = (torch.cat(col) for col in zip(*parts))
-            keep = meta[:, 0] >= 0
-            codes, scales, meta = codes[keep], scales[keep], meta[keep]
-            order = torch.argsort(meta[:, 0] * (1 << 40) + meta[:, 1] * 64 + meta[:, 2], stable=True)
+            codes, scales, meta, *inputs = (torch.cat(col) for col in zip(*parts))
+            order = (meta[:, 0] >= 0).nonzero()[:, 0]  # padding rows go
+            order = order[torch.argsort(meta[order, 0] * (1 << 40) + meta[order, 1] * 64 + meta[order, 2], stable=True)]
             records.tables[(layer, site)] = SiteTable(
                 layer, site, self.quant.site_format(site), self.config.bits, self._widths[(layer, site)],
                 self.global_scales.get((layer, site)),
                 meta[order, 0], meta[order, 1], meta[order, 2], meta[order, 3], codes[order], scales[order],
+                inputs[0][order] if inputs else None,
             )  # fmt: skip
         return records
 

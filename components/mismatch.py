@@ -20,8 +20,9 @@ from .quant import QuantSites
 from .rollout import TorchEngine, Trajectory
 
 
-def teacher_force(engine: TorchEngine, trajectories: list[Trajectory]) -> CaptureRecords:
-    """Full 4-bit capture of the training path over the trajectories' tokens."""
+def teacher_force(engine: TorchEngine, trajectories: list[Trajectory], keep_inputs: bool = False) -> CaptureRecords:
+    """Full 4-bit capture of the training path over the trajectories' tokens;
+    with ``keep_inputs`` the tables also hold the values before quantization."""
     dev = engine.device
     lengths = torch.tensor([len(t.tokens) for t in trajectories], device=dev)
     b, width = len(trajectories), int(lengths.max())
@@ -33,7 +34,7 @@ def teacher_force(engine: TorchEngine, trajectories: list[Trajectory]) -> Captur
     traj = torch.where(positions < lengths[:, None], traj, -1)
     capture = Capture(
         engine.model.cfg, engine.quant, CaptureConfig(bits=4, max_tokens=b * width), engine.global_scales, dev,
-        kv_from_forward=True,
+        kv_from_forward=True, keep_inputs=keep_inputs,
     )  # fmt: skip
     capture.begin(TokenMap(traj.reshape(-1), positions.reshape(-1)))
     with torch.no_grad():

@@ -144,8 +144,9 @@ class Recorder(Protocol):
     """Receives the FP4 outcome of every captured site (see :mod:`.capture`)."""
 
     def record(
-        self, layer: int, site: str, q: FP4Tensor, token: Tensor | None, slot: Tensor | None, expert: Tensor | None
-    ) -> None: ...
+        self, layer: int, site: str, x: Tensor, q: FP4Tensor, token: Tensor | None, slot: Tensor | None, expert: Tensor | None
+    ) -> None:
+        """``x`` rows were quantized to ``q``; see :meth:`Sites.moe_down_in` for token/slot/expert."""
 
 
 class QuantSites:
@@ -168,7 +169,7 @@ class QuantSites:
             return fake_quantize(x, "fp8")
         qt = self.quantize(layer, site, x)
         if self.recorder is not None:
-            self.recorder.record(layer, site, qt, token, slot, expert)
+            self.recorder.record(layer, site, x, qt, token, slot, expert)
         return dequantize(qt).to(x.dtype)
 
     def moe_in(self, layer, x):
@@ -188,6 +189,6 @@ class QuantSites:
         rows = t.transpose(1, 2).reshape(b * s, h * d)  # one row per (sequence, position)
         qt = self.quantize(layer, site, rows)
         if self.recorder is not None:
-            self.recorder.record(layer, site, qt, None, None, None)
+            self.recorder.record(layer, site, rows, qt, None, None, None)
         return dequantize(qt).to(t.dtype).reshape(b, s, h, d).transpose(1, 2)
 

@@ -7,3 +7,6 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# a real S3 server (SeaweedFS) on loopback, for the store and guidance tests
+pytest_plugins = ["s3_server"]

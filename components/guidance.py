@@ -1,0 +1,385 @@
+"""Rollout guidance on its way to training: layer selection and bit truncation
+(compaction), the shard format, a step's manifest, and the reload iterator.
+
+A step is written as shards plus ``manifest.json``, written last: a reader
+that finds the manifest finds every shard it lists, checksummed; a step
+without a manifest does not exist. The format is specified in
+``docs/guidance-format.md``.
+"""
+
+import hashlib
+import json
+import queue
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from tracefp4.kernels import Guidance, dequantize, quantize
+
+from .capture import CaptureRecords, SiteTable
+from .mismatch import SiteMismatch
+from .store import ArtifactNotFound
+
+MAGIC = b"TFP4GUID"
+FORMAT_VERSION = 1
+_PREAMBLE = struct.Struct("<8sHI")  # magic, format version, header length
+_DIGEST = 32  # sha256 over everything before it
+
+
+class GuidanceError(ValueError):
+    """Guidance that cannot be trusted: names the object and what is wrong."""
+
+
+# -- compaction --------------------------------------------------------------
+
+
+def select_layers(spec: "str | int | Iterable[int]", layers: list[int], mismatch: dict[int, float] | None = None) -> tuple[int, ...]:
+    """Layers to keep guidance for, out of ``layers`` (those with captured sites).
+
+    ``"all"``; an int N: the deepest N; an explicit list; ``"adaptive:N"``: the N
+    layers with the highest measured train-rollout code mismatch (``mismatch``:
+    layer -> rate, from :func:`layer_mismatch`).
+    """
+    layers = sorted(layers)
+    if spec == "all":
+        return tuple(layers)
+    if isinstance(spec, int):
+        if not 0 < spec <= len(layers):
+            raise ValueError(f"cannot keep the deepest {spec} of {len(layers)} layers")
+        return tuple(layers[-spec:])
+    if isinstance(spec, str) and spec.startswith("adaptive:"):
+        n = int(spec.split(":", 1)[1])
+        if mismatch is None:
+            raise ValueError("adaptive layer selection needs measured mismatch rates per layer")
+        ranked = sorted(layers, key=lambda layer: (-mismatch.get(layer, 0.0), -layer))
+        return tuple(sorted(ranked[:n]))
+    if isinstance(spec, str):
+        raise ValueError(f"unknown layer selection {spec!r}; use 'all', 'adaptive:N', N, or a list of layers")
+    chosen = tuple(sorted(set(spec)))
+    unknown = [layer for layer in chosen if layer not in layers]
+    if unknown:
+        raise ValueError(f"layers {unknown} have no captured sites (available: {layers})")
+    return chosen
+
+
+def layer_mismatch(report: dict[tuple[int, str], SiteMismatch]) -> dict[int, float]:
+    """Code mismatch rate per layer, over its sites."""
+    totals: dict[int, list[int]] = {}
+    for (layer, _), m in report.items():
+        t = totals.setdefault(layer, [0, 0])
+        t[0] += m.mismatched
+        t[1] += m.elements
+    return {layer: bad / n if n else 0.0 for layer, (bad, n) in totals.items()}
+
+
+def compact(records: CaptureRecords, bits: int, layers: Iterable[int]) -> CaptureRecords:
+    """Offline compaction of a full capture: the selected layers, low ``bits`` of
+    each code (the same codec the capture uses inline)."""
+    keep = set(layers)
+    return CaptureRecords({k: t.compacted(bits) for k, t in records.tables.items() if k[0] in keep})
+
+
+@dataclass
+class CompactionReport:
+    """Size and fidelity of compacted guidance, per layer and in total."""
+
+    per_layer: dict[int, dict] = field(default_factory=dict)
+    total: dict = field(default_factory=dict)
+
+
+def _row_bytes_full(t: SiteTable) -> int:
+    return t.codes.shape[0] * (t.width // 2 + t.scales.shape[1])
+
+
+def compaction_report(full: CaptureRecords, compacted: CaptureRecords, training: CaptureRecords) -> CompactionReport:
+    """Bytes, bits per captured element, ratio to the full 4-bit-plus-scales
+    record, and fidelity: the share of training-side rounding decisions (on the
+    teacher-forced values in ``training``, which must keep its inputs) that
+    equal those made with full guidance. Layers without guidance round RTN
+    under their own block scales, as vanilla QAT does."""
+    report = CompactionReport()
+    sums = {"bytes": 0, "elements": 0, "full_bytes": 0, "same": 0, "decisions": 0}
+    for (layer, site), rollout in sorted(full.tables.items()):
+        train = training.tables[(layer, site)]
+        if train.inputs is None:
+            raise ValueError("fidelity needs the training capture's inputs: teacher_force(..., keep_inputs=True)")
+        rows, train_rows = _join(rollout, train)
+        x = train.inputs[train_rows]
+        reference = dequantize(quantize(x, rollout.fmt, guide=rollout.guidance(rows)))
+        small = compacted.tables.get((layer, site))
+        if small is not None:
+            values = dequantize(quantize(x, small.fmt, guide=small.guidance(rows)))
+        else:  # RTN with the training path's own block scales (and the static global scale)
+            g = rollout.global_scale if rollout.fmt == "nvfp4" else None
+            values = dequantize(quantize(x, rollout.fmt, global_scale=g))
+        entry = report.per_layer.setdefault(layer, {"bytes": 0, "elements": 0, "full_bytes": 0, "same": 0, "decisions": 0})
+        for target in (entry, sums):
+            target["bytes"] += small.nbytes if small is not None else 0
+            target["elements"] += rollout.codes.shape[0] * rollout.width
+            target["full_bytes"] += _row_bytes_full(rollout)
+            target["same"] += int((values == reference).sum())
+            target["decisions"] += values.numel()
+    for entry in [*report.per_layer.values(), sums]:
+        entry["bits_per_element"] = 8 * entry["bytes"] / entry["elements"]
+        entry["ratio_to_full"] = entry["bytes"] / entry["full_bytes"]
+        entry["fidelity"] = entry["same"] / entry["decisions"]
+    report.total = sums
+    return report
+
+
+def _join(rollout: SiteTable, train: SiteTable) -> tuple[Tensor, Tensor]:
+    """Row indices of the rows both tables hold (same key and expert)."""
+    r_keys = (rollout.traj << 40) + (rollout.pos << 6) + rollout.slot
+    t_keys = (train.traj << 40) + (train.pos << 6) + train.slot
+    at = torch.searchsorted(t_keys, r_keys).clamp(max=len(t_keys) - 1)
+    hit = (t_keys[at] == r_keys) & (train.expert[at] == rollout.expert)
+    return hit.nonzero()[:, 0], at[hit]
+
+
+# -- shards --------------------------------------------------------------------
+
+
+def _trajectory_ranges(records: CaptureRecords) -> dict[int, int]:
+    """Positions captured per trajectory (0..n-1), checked to be the same at every site."""
+    ranges = None
+    for (layer, site), t in sorted(records.tables.items()):
+        per_token = t.slot == 0
+        ids, counts = torch.unique_consecutive(t.traj[per_token], return_counts=True)
+        found = dict(zip(ids.tolist(), counts.tolist()))
+        if ranges is None:
+            ranges = found
+        elif found != ranges:
+            raise GuidanceError(f"capture of layer {layer} {site} covers other trajectories or positions than the rest")
+    return ranges or {}
+
+
+def _expected_keys(ranges: dict[int, int], slots: int) -> tuple[Tensor, Tensor, Tensor]:
+    traj = torch.cat([torch.full((n * slots,), t) for t, n in ranges.items()]) if ranges else torch.zeros(0, dtype=torch.int64)
+    pos = torch.cat([torch.arange(n).repeat_interleave(slots) for n in ranges.values()]) if ranges else traj
+    slot = torch.arange(slots).repeat(len(traj) // slots) if ranges else traj
+    return traj, pos, slot
+
+
+def encode_shard(records: CaptureRecords, *, rl_step: int, policy_version: int, top_k: int) -> bytes:
+    """One shard: the given trajectories' rows of every table."""
+    ranges = _trajectory_ranges(records)
+    tables, payload = [], []
+    offset = 0
+    for (layer, site), t in sorted(records.tables.items()):
+        slots = top_k if site == "moe_down_in" else 1
+        traj, pos, slot = _expected_keys(ranges, slots)
+        if not (torch.equal(t.traj, traj) and torch.equal(t.pos, pos) and torch.equal(t.slot, slot)):
+            raise GuidanceError(f"capture of layer {layer} {site} is not complete: every position needs its rows")
+        arrays = {"codes": t.codes, "scales": t.scales}
+        if site == "moe_down_in":
+            arrays["expert"] = t.expert.to(torch.int16)
+        fields = {}
+        for name, a in arrays.items():
+            raw = a.contiguous().view(torch.uint8).numpy().tobytes()
+            fields[name] = {"dtype": str(a.dtype).removeprefix("torch."), "shape": list(a.shape), "offset": offset, "nbytes": len(raw)}
+            payload.append(raw)
+            offset += len(raw)
+        tables.append({"layer": layer, "site": site, "fmt": t.fmt, "bits": t.bits, "width": t.width,
+                       "global_scale": t.global_scale, "slots": slots, "fields": fields})  # fmt: skip
+    header = {
+        "format_version": FORMAT_VERSION,
+        "rl_step": rl_step,
+        "policy_version": policy_version,
+        "fmt": sorted({t["fmt"] for t in tables}),
+        "bits": sorted({t["bits"] for t in tables}),
+        "layers": sorted({t["layer"] for t in tables}),
+        "sites": sorted({t["site"] for t in tables}),
+        "trajectories": [[t, n] for t, n in ranges.items()],  # id and positions 0..n-1
+        "payload_bytes": offset,
+        "tables": tables,
+    }
+    head = json.dumps(header, sort_keys=True).encode()
+    body = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(head)) + head + b"".join(payload)
+    return body + hashlib.sha256(body).digest()
+
+
+def decode_shard(data: bytes, name: str, expect: dict | None = None) -> tuple[dict, CaptureRecords]:
+    """Verify and read a shard; ``expect`` maps header fields to required values."""
+    if len(data) < _PREAMBLE.size + _DIGEST:
+        raise GuidanceError(f"{name}: truncated ({len(data)} bytes)")
+    magic, version, head_len = _PREAMBLE.unpack_from(data)
+    if magic != MAGIC:
+        raise GuidanceError(f"{name}: not a tracefp4 guidance shard (magic {magic!r})")
+    if version != FORMAT_VERSION:
+        raise GuidanceError(f"{name}: format version {version}, this reader reads {FORMAT_VERSION}")
+    if hashlib.sha256(data[:-_DIGEST]).digest() != data[-_DIGEST:]:
+        raise GuidanceError(f"{name}: checksum mismatch (corrupted or truncated)")
+    header = json.loads(data[_PREAMBLE.size : _PREAMBLE.size + head_len])
+    payload = memoryview(data)[_PREAMBLE.size + head_len : -_DIGEST]
+    if len(payload) != header["payload_bytes"]:
+        raise GuidanceError(f"{name}: payload is {len(payload)} bytes, header says {header['payload_bytes']}")
+    for key, value in (expect or {}).items():
+        if header.get(key) != value:
+            raise GuidanceError(f"{name}: {key} is {header.get(key)!r}, expected {value!r}")
+    ranges = {t: n for t, n in header["trajectories"]}
+    records = CaptureRecords()
+    for spec in header["tables"]:
+        arrays = {}
+        for fname, f in spec["fields"].items():
+            raw = torch.frombuffer(bytearray(payload[f["offset"] : f["offset"] + f["nbytes"]]), dtype=torch.uint8)
+            arrays[fname] = raw.view(getattr(torch, f["dtype"])).reshape(f["shape"])
+        traj, pos, slot = _expected_keys(ranges, spec["slots"])
+        expert = arrays["expert"].long() if "expert" in arrays else torch.full_like(traj, -1)
+        records.tables[(spec["layer"], spec["site"])] = SiteTable(
+            spec["layer"], spec["site"], spec["fmt"], spec["bits"], spec["width"], spec["global_scale"],
+            traj, pos, slot, expert, arrays["codes"], arrays["scales"],
+        )  # fmt: skip
+    return header, records
+
+
+def _split(records: CaptureRecords, trajectories: list[int]) -> CaptureRecords:
+    ids = torch.tensor(trajectories)
+    return CaptureRecords({k: t.select(torch.isin(t.traj, ids)) for k, t in records.tables.items()})
+
+
+def step_prefix(prefix: str, rl_step: int) -> str:
+    return f"{prefix.strip('/')}/step-{rl_step:06d}"
+
+
+def write_step(store, records: CaptureRecords, *, rl_step: int, policy_version: int, top_k: int,
+               prefix: str = "guidance", trajectories_per_shard: int = 64) -> dict:  # fmt: skip
+    """Write a step's shards, then its manifest (last); returns the manifest."""
+    base = step_prefix(prefix, rl_step)
+    trajectories = sorted(_trajectory_ranges(records))
+    shards = []
+    for i in range(0, max(len(trajectories), 1), trajectories_per_shard):
+        group = trajectories[i : i + trajectories_per_shard]
+        data = encode_shard(_split(records, group), rl_step=rl_step, policy_version=policy_version, top_k=top_k)
+        key = f"{base}/shard-{len(shards):05d}.bin"
+        store.put_bytes(key, data)
+        shards.append({"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "trajectories": group})
+    tables = list(records.tables.values())
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "rl_step": rl_step,
+        "policy_version": policy_version,
+        "fmt": sorted({t.fmt for t in tables}),
+        "bits": sorted({t.bits for t in tables}),
+        "layers": sorted({t.layer for t in tables}),
+        "sites": sorted({t.site for t in tables}),
+        "shards": shards,
+    }
+    store.put_bytes(f"{base}/manifest.json", json.dumps(manifest, indent=1).encode())
+    return manifest
+
+
+def read_manifest(store, rl_step: int, prefix: str = "guidance", expect: dict | None = None) -> dict:
+    """A step's manifest; a step without one is missing (or still being written)."""
+    key = f"{step_prefix(prefix, rl_step)}/manifest.json"
+    try:
+        manifest = json.loads(store.get_bytes(key))
+    except ArtifactNotFound:
+        raise GuidanceError(f"{store.uri}/{key}: no manifest, so step {rl_step} is missing or incomplete") from None
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise GuidanceError(f"{key}: format version {manifest.get('format_version')}, this reader reads {FORMAT_VERSION}")
+    for name, value in (expect or {}).items():
+        if manifest.get(name) != value:
+            raise GuidanceError(f"{key}: {name} is {manifest.get(name)!r}, expected {value!r}")
+    return manifest
+
+
+def read_shard(store, manifest: dict, entry: dict) -> CaptureRecords:
+    """One shard of a step, checked against the manifest (size, sha256, step, policy, layers, sites)."""
+    data = store.get_bytes(entry["key"])
+    name = f"{store.uri}/{entry['key']}"
+    if len(data) != entry["bytes"]:
+        raise GuidanceError(f"{name}: {len(data)} bytes, the manifest says {entry['bytes']}")
+    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        raise GuidanceError(f"{name}: sha256 differs from the manifest's")
+    expect = {k: manifest[k] for k in ("rl_step", "policy_version", "layers", "sites")}
+    header, records = decode_shard(data, name, expect)
+    if [t for t, _ in header["trajectories"]] != entry["trajectories"]:
+        raise GuidanceError(f"{name}: holds trajectories {header['trajectories']}, the manifest lists {entry['trajectories']}")
+    return records
+
+
+# -- reload ----------------------------------------------------------------------
+
+
+@dataclass
+class MicrobatchGuidance:
+    """The guidance of one training microbatch: per ``(layer, site)`` the rows of
+    its trajectories, in microbatch order, positions ascending; ``missing``
+    lists trajectories that fall back to RTN."""
+
+    trajectories: list[int]
+    tables: dict[tuple[int, str], SiteTable]
+    missing: list[int]
+
+    def guidance(self, layer: int, site: str) -> Guidance | None:
+        t = self.tables.get((layer, site))
+        return None if t is None else t.guidance(torch.arange(t.codes.shape[0]))
+
+
+class GuidanceLoader:
+    """Iterates over microbatches (lists of trajectory ids) of one step and
+    yields their :class:`MicrobatchGuidance`, loading shards in a background
+    thread at most ``prefetch`` microbatches ahead (and keeping at most
+    ``cached_shards`` decoded shards). Trajectories without guidance raise a
+    :class:`GuidanceError` unless ``allow_rtn_fallback``; fallbacks are counted."""
+
+    def __init__(self, store, rl_step: int, microbatches: list[list[int]], *, prefix: str = "guidance",
+                 expect: dict | None = None, prefetch: int = 2, cached_shards: int = 2,
+                 allow_rtn_fallback: bool = False):  # fmt: skip
+        self.manifest = read_manifest(store, rl_step, prefix, expect)
+        self.store, self.microbatches = store, microbatches
+        self.allow_rtn_fallback = allow_rtn_fallback
+        self.fallback_trajectories = 0
+        self._shard_of = {t: i for i, e in enumerate(self.manifest["shards"]) for t in e["trajectories"]}
+        self._cache: OrderedDict[int, CaptureRecords] = OrderedDict()
+        self._cached_shards = cached_shards
+        self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._thread = threading.Thread(target=self._produce, name="guidance-prefetch", daemon=True)
+        self._thread.start()
+
+    def _shard(self, index: int) -> CaptureRecords:
+        if index not in self._cache:
+            self._cache[index] = read_shard(self.store, self.manifest, self.manifest["shards"][index])
+            while len(self._cache) > self._cached_shards:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(index)
+        return self._cache[index]
+
+    def _load(self, trajectories: list[int]) -> MicrobatchGuidance:
+        missing = [t for t in trajectories if t not in self._shard_of]
+        if missing and not self.allow_rtn_fallback:
+            raise GuidanceError(f"step {self.manifest['rl_step']} has no guidance for trajectories {missing}")
+        parts: dict[tuple[int, str], list[SiteTable]] = {}
+        for t in trajectories:
+            if t in missing:
+                continue
+            for key, table in self._shard(self._shard_of[t]).tables.items():
+                parts.setdefault(key, []).append(table.select(table.traj == t))
+        tables = {key: _concat(tabs) for key, tabs in parts.items()}
+        return MicrobatchGuidance(list(trajectories), tables, missing)
+
+    def _produce(self) -> None:
+        try:
+            for mb in self.microbatches:
+                self._queue.put(self._load(mb))
+        except BaseException as e:  # handed to the consumer
+            self._queue.put(e)
+        self._queue.put(None)
+
+    def __iter__(self) -> Iterator[MicrobatchGuidance]:
+        while (item := self._queue.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            self.fallback_trajectories += len(item.missing)
+            yield item
+
+
+def _concat(tables: list[SiteTable]) -> SiteTable:
+    first = tables[0]
+    cat = {f: torch.cat([getattr(t, f) for t in tables]) for f in ("traj", "pos", "slot", "expert", "codes", "scales")}
+    return SiteTable(first.layer, first.site, first.fmt, first.bits, first.width, first.global_scale, **cat)

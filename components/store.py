@@ -1,0 +1,413 @@
+"""Artifact store for guidance shards and checkpoints passed between pipeline
+steps: a local folder or an S3 bucket (MinIO, SeaweedFS, AWS) behind one small
+interface. Writes are atomic, and S3 calls retry transient failures a bounded
+number of times, so a flaky object store slows a step down instead of breaking it.
+"""
+
+import contextlib
+import io
+import logging
+import os
+import shutil
+import tempfile
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import BinaryIO, TypeVar
+from urllib.parse import urlsplit
+
+import certifi
+import urllib3
+from minio import Minio
+from minio.error import InvalidResponseError, S3Error, ServerError
+from minio.helpers import check_bucket_name
+
+log = logging.getLogger("tracefp4.store")
+
+T = TypeVar("T")
+_TMP_SUFFIX = ".partial"  # temp files of atomic writes: ".<name>.<random>.partial"
+_MAX_BACKOFF_S = 5.0
+_MIN_PART = 5 * 2**20  # S3's smallest multipart part
+_TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"}
+_TRANSIENT_ERRORS = (
+    urllib3.exceptions.TimeoutError,  # connect/read timeouts, connection refused
+    urllib3.exceptions.ProtocolError,  # connection reset or dropped mid-response
+    ConnectionError,
+    TimeoutError,
+)
+
+
+class StoreError(RuntimeError):
+    """A store operation failed; the message names the store URI and the key."""
+
+
+class ArtifactNotFound(StoreError, KeyError):
+    """The key does not exist in the store."""
+
+    __str__ = RuntimeError.__str__  # KeyError would quote the message
+
+
+def check_key(key: str, *, allow_empty: bool = False) -> str:
+    """Return ``key`` if it is a safe relative key ("a/b.bin"), else raise ValueError."""
+    if not isinstance(key, str):
+        raise ValueError(f"store key must be a str, got {type(key).__name__}")
+    if not key:
+        if allow_empty:
+            return key
+        raise ValueError("store key must not be empty")
+    if key.startswith("/") or "\\" in key or "\0" in key:
+        raise ValueError(f"bad store key {key!r}: keys are relative, '/'-separated, without '\\' or NUL")
+    parts = key.split("/")
+    for i, part in enumerate(parts):
+        if part in ("", ".", ".."):
+            if part == "" and i == len(parts) - 1 and allow_empty:
+                continue  # a prefix may end with "/"
+            raise ValueError(f"bad store key {key!r}: no empty, '.' or '..' path segments")
+        if part.startswith(".") and part.endswith(_TMP_SUFFIX):
+            raise ValueError(f"bad store key {key!r}: '.*{_TMP_SUFFIX}' names are reserved for temp files")
+    return key
+
+
+def _write_atomic(path: Path, fill: Callable[[BinaryIO], None]) -> None:
+    """Write ``path`` through a temp file in its folder: fsync, then rename into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fill(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+class ArtifactStore(ABC):
+    """Keys are relative '/'-separated names under the store root ``uri``."""
+
+    uri: str
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> None:
+        """Store ``data`` under ``key``; readers see the whole object or nothing."""
+
+    @abstractmethod
+    def put_file(self, key: str, path: str | os.PathLike) -> None:
+        """Stream the file at ``path`` to ``key``."""
+
+    @abstractmethod
+    def get_bytes(self, key: str) -> bytes:
+        """Return the object; ArtifactNotFound if it is missing."""
+
+    @abstractmethod
+    def get_file(self, key: str, path: str | os.PathLike) -> None:
+        """Stream the object to ``path`` (temp file, then rename)."""
+
+    @abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether ``key`` holds an object."""
+
+    @abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """Sorted keys starting with ``prefix``."""
+
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``; a missing key is not an error."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.uri!r})"
+
+
+class LocalStore(ArtifactStore):
+    """A folder; a key "a/b" is the file ``root/a/b``."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root).absolute()
+        self.uri = self.root.as_uri()
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def _error(self, op: str, key: str, e: OSError) -> StoreError:
+        return StoreError(f"{self.uri}: {op} {key!r} failed: {e}")
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        try:
+            _write_atomic(path, lambda f: f.write(data))
+        except OSError as e:
+            raise self._error("put", key, e) from e
+
+    def put_file(self, key: str, path: str | os.PathLike) -> None:
+        dest = self._path(key)
+        try:
+            with open(path, "rb") as src:
+                _write_atomic(dest, lambda f: shutil.copyfileobj(src, f, 2**20))
+        except OSError as e:
+            raise self._error("put", key, e) from e
+
+    def get_bytes(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            return path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ArtifactNotFound(f"{self.uri}: no artifact {key!r}") from None
+        except OSError as e:
+            raise self._error("get", key, e) from e
+
+    def get_file(self, key: str, path: str | os.PathLike) -> None:
+        src_path = self._path(key)
+        try:
+            with open(src_path, "rb") as src:
+                _write_atomic(Path(path), lambda f: shutil.copyfileobj(src, f, 2**20))
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
+            if not src_path.is_file():
+                raise ArtifactNotFound(f"{self.uri}: no artifact {key!r}") from None
+            raise self._error("get", key, e) from e
+        except OSError as e:
+            raise self._error("get", key, e) from e
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()
+
+    def list(self, prefix: str = "") -> list[str]:
+        check_key(prefix, allow_empty=True)
+        start = self.root / prefix.rpartition("/")[0]  # deepest folder the prefix names
+        keys = []
+        for folder, _, files in os.walk(start):
+            for name in files:
+                if name.startswith(".") and name.endswith(_TMP_SUFFIX):
+                    continue
+                key = Path(folder, name).relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as e:
+            raise self._error("delete", key, e) from e
+
+
+def _s3_settings(uri: str, env: Mapping[str, str]) -> dict:
+    """Endpoint, credentials and TLS flag from TRACEFP4_S3_* (or AWS_*) variables."""
+
+    def need(name: str, fallback: str) -> str:
+        value = env.get(name) or env.get(fallback)
+        if not value:
+            raise StoreError(f"{uri}: set {name} (or {fallback}) in the environment")
+        return value
+
+    endpoint = need("TRACEFP4_S3_ENDPOINT", "AWS_ENDPOINT_URL")
+    scheme, sep, hostport = endpoint.partition("://")
+    if not sep:
+        scheme, hostport = "", endpoint
+    hostport = hostport.rstrip("/")
+    if scheme not in ("", "http", "https") or not hostport or "/" in hostport or "@" in hostport:
+        shown = "(not shown: it holds '@')" if "@" in endpoint else repr(endpoint)
+        raise StoreError(f"{uri}: the S3 endpoint must be host:port or http(s)://host:port, got {shown}")
+    secure = scheme == "https"
+    flag = env.get("TRACEFP4_S3_SECURE", "").strip().lower()
+    if flag:
+        if flag not in ("1", "true", "yes", "0", "false", "no"):
+            raise StoreError(f"{uri}: TRACEFP4_S3_SECURE must be 1/true/yes or 0/false/no, got {flag!r}")
+        secure = flag in ("1", "true", "yes")
+    return {
+        "endpoint": hostport,
+        "access_key": need("TRACEFP4_S3_ACCESS_KEY", "AWS_ACCESS_KEY_ID"),
+        "secret_key": need("TRACEFP4_S3_SECRET_KEY", "AWS_SECRET_ACCESS_KEY"),
+        "secure": secure,
+        "region": env.get("TRACEFP4_S3_REGION") or None,
+    }
+
+
+class S3Store(ArtifactStore):
+    """A bucket plus optional prefix on an S3 server; the bucket is created if missing."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        scheme: str = "s3",
+        env: Mapping[str, str] | None = None,
+        part_size: int = 16 * 2**20,
+        retries: int = 5,
+        backoff_s: float = 0.2,
+    ):
+        if part_size < _MIN_PART:
+            raise ValueError(f"part_size must be at least 5 MiB (S3's minimum part), got {part_size}")
+        if retries < 0 or backoff_s < 0:
+            raise ValueError(f"retries and backoff_s must be >= 0, got {retries} and {backoff_s}")
+        try:
+            check_bucket_name(bucket)
+        except ValueError as e:
+            raise ValueError(f"bad bucket name {bucket!r}: {e}") from None
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.uri = f"{scheme}://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
+        self.part_size = part_size
+        self.retries = retries
+        self.backoff_s = backoff_s
+        settings = _s3_settings(self.uri, os.environ if env is None else env)
+        self._secrets = (settings["access_key"], settings["secret_key"])
+        http = urllib3.PoolManager(
+            timeout=urllib3.Timeout(connect=2.0, read=30.0),
+            retries=False,  # the retry policy is ours (_call), and bounded
+            maxsize=8,
+            cert_reqs="CERT_REQUIRED",
+            ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),
+        )
+        self._client = Minio(**settings, http_client=http)
+        self._call("open bucket", "", self._ensure_bucket)
+
+    def _ensure_bucket(self) -> None:
+        if self._client.bucket_exists(self.bucket):
+            return
+        try:
+            self._client.make_bucket(self.bucket)
+        except S3Error as e:
+            if e.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise
+
+    def _name(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """Run ``fn``, retrying transient failures with capped exponential backoff."""
+        where = f"{self.uri}: {op}" + (f" {key!r}" if key else "")
+        attempts = self.retries + 1
+        for attempt in range(attempts):
+            try:
+                return fn()
+            except S3Error as e:
+                if e.code == "NoSuchKey":
+                    raise ArtifactNotFound(f"{self.uri}: no artifact {key!r}") from None
+                reason = f"{e.code}: {e.message}"
+                if e.code not in _TRANSIENT_CODES and e.response.status < 500:
+                    raise StoreError(self._scrub(f"{where} failed: {reason}")) from e
+            except (ServerError, InvalidResponseError) as e:
+                # minio keeps the HTTP status of a non-XML answer only in _code
+                status = e.status_code if isinstance(e, ServerError) else getattr(e, "_code", 0)
+                reason = f"HTTP {status}: {e}"
+                if status < 500:
+                    raise StoreError(self._scrub(f"{where} failed: {reason}")) from e
+            except _TRANSIENT_ERRORS as e:
+                reason = f"{type(e).__name__}: {e}"
+            reason = self._scrub(reason)
+            if attempt + 1 < attempts:
+                delay = min(self.backoff_s * 2**attempt, _MAX_BACKOFF_S)
+                log.warning("%s: attempt %d/%d failed (%s); retrying in %.2f s", where, attempt + 1, attempts, reason, delay)
+                time.sleep(delay)
+        raise StoreError(f"{where} failed after {attempts} attempts; last error: {reason}")
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        name = self._name(key)
+        self._call(
+            "put", key,
+            lambda: self._client.put_object(self.bucket, name, io.BytesIO(data), len(data), part_size=self.part_size),
+        )
+
+    def put_file(self, key: str, path: str | os.PathLike) -> None:
+        name = self._name(key)
+        self._call("put", key, lambda: self._client.fput_object(self.bucket, name, os.fspath(path), part_size=self.part_size))
+
+    def get_bytes(self, key: str) -> bytes:
+        name = self._name(key)
+
+        def get() -> bytes:
+            response = self._client.get_object(self.bucket, name)
+            try:
+                return response.read()
+            finally:
+                response.close()
+                response.release_conn()
+
+        return self._call("get", key, get)
+
+    def get_file(self, key: str, path: str | os.PathLike) -> None:
+        name = self._name(key)
+
+        def get() -> None:
+            response = self._client.get_object(self.bucket, name)
+            try:
+                _write_atomic(Path(path), lambda f: shutil.copyfileobj(response, f, 2**20))
+            finally:
+                response.close()
+                response.release_conn()
+
+        self._call("get", key, get)
+
+    def exists(self, key: str) -> bool:
+        name = self._name(key)
+        try:
+            self._call("stat", key, lambda: self._client.stat_object(self.bucket, name))
+        except ArtifactNotFound:
+            return False
+        return True
+
+    def list(self, prefix: str = "") -> list[str]:
+        check_key(prefix, allow_empty=True)
+        root = f"{self.prefix}/" if self.prefix else ""
+
+        def names() -> list[str]:
+            objects = self._client.list_objects(self.bucket, prefix=root + prefix, recursive=True)
+            return [o.object_name for o in objects if not o.is_dir and not o.object_name.endswith("/")]
+
+        return sorted(name[len(root):] for name in self._call("list", prefix, names))
+
+    def delete(self, key: str) -> None:
+        name = self._name(key)
+        self._call("delete", key, lambda: self._client.remove_object(self.bucket, name))
+
+
+def open_store(
+    uri: str,
+    *,
+    part_size: int = 16 * 2**20,
+    retries: int = 5,
+    backoff_s: float = 0.2,
+    env: Mapping[str, str] | None = None,
+) -> ArtifactStore:
+    """Open ``file:///path`` (or a plain path) as a LocalStore, ``s3://bucket/prefix``
+    or ``minio://bucket/prefix`` as an S3Store. S3 settings come from ``env``,
+    which defaults to ``os.environ`` (tests pass their own mapping)."""
+    if "://" not in uri:
+        if not uri:
+            raise ValueError("empty store URI")
+        return LocalStore(uri)
+    parts = urlsplit(uri)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+            raise ValueError(f"bad store URI {uri!r}: use file:///absolute/path")
+        return LocalStore(parts.path)
+    if parts.scheme in ("s3", "minio"):
+        if "@" in parts.netloc:  # do not echo the URI: it may hold credentials
+            raise ValueError("store URIs must not carry credentials; set TRACEFP4_S3_ACCESS_KEY/_SECRET_KEY")
+        if not parts.netloc or parts.query or parts.fragment:
+            raise ValueError(f"bad store URI {uri!r}: use {parts.scheme}://bucket/optional/prefix")
+        prefix = parts.path.strip("/")
+        try:
+            check_key(prefix, allow_empty=True)
+        except ValueError as e:
+            raise ValueError(f"bad store URI {uri!r}: {e}") from None
+        return S3Store(
+            parts.netloc, prefix, scheme=parts.scheme, env=env,
+            part_size=part_size, retries=retries, backoff_s=backoff_s,
+        )
+    raise ValueError(
+        f"unsupported store URI {uri!r}: use file:///absolute/path, a plain path, "
+        "s3://bucket/prefix or minio://bucket/prefix"
+    )

@@ -1,0 +1,264 @@
+"""Artifact store: both backends against real storage (a folder, and SeaweedFS
+S3 from the s3_server plugin), including retries across a server restart."""
+
+import hashlib
+import logging
+import os
+import threading
+import time
+import uuid
+
+import pytest
+
+from tracefp4.components.store import (
+    ArtifactNotFound,
+    LocalStore,
+    S3Store,
+    StoreError,
+    open_store,
+)
+
+MiB = 2**20
+
+
+def _prefix() -> str:
+    return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    if request.param == "local":
+        return open_store(tmp_path.as_uri())
+    return request.getfixturevalue("s3_server").store(_prefix(), part_size=5 * MiB)
+
+
+def test_round_trip(store):
+    assert not store.exists("a.bin")
+    store.put_bytes("a.bin", b"one")
+    store.put_bytes("dir/b.bin", b"")
+    store.put_bytes("dir/sub/c.bin", bytes(range(256)) * 100)
+    assert store.get_bytes("a.bin") == b"one"
+    assert store.get_bytes("dir/b.bin") == b""
+    assert store.get_bytes("dir/sub/c.bin") == bytes(range(256)) * 100
+    assert store.exists("a.bin") and store.exists("dir/sub/c.bin")
+    assert not store.exists("dir")  # a "folder" is not an artifact
+    assert store.list() == ["a.bin", "dir/b.bin", "dir/sub/c.bin"]
+
+    store.put_bytes("a.bin", b"two")  # overwrite
+    assert store.get_bytes("a.bin") == b"two"
+    store.delete("a.bin")
+    store.delete("a.bin")  # missing: no error
+    assert not store.exists("a.bin")
+    assert store.list() == ["dir/b.bin", "dir/sub/c.bin"]
+
+
+def test_list_prefixes_sorted(store):
+    keys = ["z.bin", "shard/10.bin", "shard/2.bin", "shard/1.bin", "shardx.bin", "shard/deep/a/b.bin", "ckpt/model.st"]
+    for key in keys:
+        store.put_bytes(key, key.encode())
+    assert store.list() == sorted(keys)
+    assert store.list("shard/") == ["shard/1.bin", "shard/10.bin", "shard/2.bin", "shard/deep/a/b.bin"]
+    assert store.list("shard") == ["shard/1.bin", "shard/10.bin", "shard/2.bin", "shard/deep/a/b.bin", "shardx.bin"]
+    assert store.list("shard/1") == ["shard/1.bin", "shard/10.bin"]
+    assert store.list("shard/deep/") == ["shard/deep/a/b.bin"]
+    assert store.list("nothing/") == []
+
+
+def test_missing_key(store, tmp_path):
+    with pytest.raises(ArtifactNotFound, match="nope/x.bin") as info:
+        store.get_bytes("nope/x.bin")
+    assert store.uri in str(info.value)
+    assert isinstance(info.value, KeyError) and isinstance(info.value, StoreError)
+    with pytest.raises(ArtifactNotFound):
+        store.get_file("nope/x.bin", tmp_path / "out.bin")
+    assert not (tmp_path / "out.bin").exists()
+
+
+@pytest.mark.parametrize("key", ["", "/abs", "a/../b", "..", "a//b", "./a", "a/", "a\\b"])
+def test_bad_keys(store, key):
+    with pytest.raises(ValueError, match="key"):
+        store.put_bytes(key, b"x")
+    with pytest.raises(ValueError, match="key"):
+        store.get_bytes(key)
+
+
+def test_file_round_trip(store, tmp_path):
+    src = tmp_path / "src.bin"
+    data = os.urandom(3 * MiB + 5)
+    src.write_bytes(data)
+    store.put_file("ckpt/model.bin", src)
+    dst = tmp_path / "out" / "model.bin"
+    store.get_file("ckpt/model.bin", dst)
+    assert dst.read_bytes() == data
+    assert [p.name for p in dst.parent.iterdir()] == ["model.bin"]  # no temp file left
+
+
+def test_s3_multipart_file(s3_server, tmp_path):
+    store = s3_server.store(_prefix(), part_size=5 * MiB)
+    src = tmp_path / "big.bin"
+    data = os.urandom(12 * MiB + 123)
+    src.write_bytes(data)
+    store.put_file("big.bin", src)
+    # 3 parts of <= 5 MiB: S3 multipart ETags end in "-<parts>"
+    stat = store._client.stat_object(s3_server.bucket, f"{store.prefix}/big.bin")
+    assert stat.etag.endswith("-3") and stat.size == len(data)
+    dst = tmp_path / "back.bin"
+    store.get_file("big.bin", dst)
+    assert hashlib.sha256(dst.read_bytes()).digest() == hashlib.sha256(data).digest()
+    assert store.get_bytes("big.bin") == data
+
+
+def test_bad_uris(tmp_path):
+    for uri in ["gs://bucket/x", "http://host/x", "ftp://h"]:
+        with pytest.raises(ValueError, match="unsupported store URI") as info:
+            open_store(uri)
+        assert uri in str(info.value) and "s3://bucket/prefix" in str(info.value)
+    with pytest.raises(ValueError, match="file:///absolute/path"):
+        open_store("file://host/x")
+    with pytest.raises(ValueError, match="bad store URI 's3://b/a/../c'"):
+        open_store("s3://b/a/../c", env={})
+    with pytest.raises(ValueError, match="s3://bucket"):
+        open_store("s3:///only-prefix", env={})
+    with pytest.raises(ValueError, match="bad bucket name"):
+        open_store("s3://x/p", env={})
+    with pytest.raises(ValueError) as info:
+        open_store("s3://AKIA:hunter2@bucket/p", env={})
+    assert "hunter2" not in str(info.value)
+    assert isinstance(open_store(str(tmp_path)), LocalStore)
+    assert open_store(tmp_path.as_uri()).uri == tmp_path.as_uri()
+
+
+def test_missing_env_names_variable(s3_server):
+    with pytest.raises(StoreError, match="TRACEFP4_S3_ENDPOINT") as info:
+        open_store("s3://bucket/p", env={})
+    assert "s3://bucket/p" in str(info.value)
+    with pytest.raises(StoreError, match="TRACEFP4_S3_ACCESS_KEY"):
+        open_store("s3://bucket/p", env={"TRACEFP4_S3_ENDPOINT": s3_server.endpoint})
+    with pytest.raises(StoreError, match="TRACEFP4_S3_SECRET_KEY"):
+        open_store("s3://bucket/p", env={"TRACEFP4_S3_ENDPOINT": s3_server.endpoint, "TRACEFP4_S3_ACCESS_KEY": "k"})
+    with pytest.raises(StoreError, match="host:port") as info:
+        open_store("s3://bucket/p", env=dict(s3_server.env, TRACEFP4_S3_ENDPOINT=f"http://u:pw1234@{s3_server.endpoint}"))
+    assert "pw1234" not in str(info.value)
+
+
+def test_env_from_process_and_aws_fallback(s3_env, monkeypatch):
+    store = open_store(s3_env.uri(_prefix()))  # os.environ, set by the s3_env fixture
+    store.put_bytes("k", b"v")
+    for name in s3_env.env:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{s3_env.endpoint}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_env.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_env.secret_key)
+    assert open_store(store.uri.replace("s3://", "minio://")).get_bytes("k") == b"v"
+
+
+def test_new_bucket_is_created(s3_server):
+    store = open_store(f"s3://fresh-{uuid.uuid4().hex[:8]}/p", env=s3_server.env)
+    assert isinstance(store, S3Store)
+    store.put_bytes("k", b"v")
+    assert store.list() == ["k"]
+
+
+def test_wrong_credentials_fail_fast_without_leaking(s3_server):
+    secret = "wrong-secret-" + uuid.uuid4().hex
+    env = dict(s3_server.env, TRACEFP4_S3_SECRET_KEY=secret)
+    start = time.monotonic()
+    with pytest.raises(StoreError) as info:
+        open_store(s3_server.uri("p"), env=env, retries=5, backoff_s=1.0)
+    assert time.monotonic() - start < 3.0  # not retried
+    message = str(info.value)
+    assert "SignatureDoesNotMatch" in message or "AccessDenied" in message
+    assert s3_server.uri("p") in message
+    for text in (message, repr(info.value), str(info.value.__cause__)):
+        assert secret not in text and s3_server.access_key not in text
+
+    bad_key = dict(s3_server.env, TRACEFP4_S3_ACCESS_KEY="nobody-" + uuid.uuid4().hex)
+    with pytest.raises(StoreError, match="InvalidAccessKeyId|AccessDenied") as info:
+        open_store(s3_server.uri("p"), env=bad_key)
+    assert bad_key["TRACEFP4_S3_ACCESS_KEY"] not in str(info.value)
+
+    store = s3_server.store("p")
+    for text in (repr(store), str(store), store.uri):
+        assert s3_server.secret_key not in text and s3_server.access_key not in text
+
+
+def test_server_down_gives_up_then_retries_across_restart(s3_server, caplog):
+    store = s3_server.store(_prefix(), retries=2, backoff_s=0.01)
+    # attempts at 0, 0.05, 0.15, ... 3.15, 6.35, 11.35 s: covers a restart, even one
+    # where the server waits ~5 s for its volumes to register
+    patient = s3_server.store(store.prefix, retries=8, backoff_s=0.05)
+    data = os.urandom(MiB)
+    caplog.set_level(logging.WARNING, logger="tracefp4.store")
+    s3_server.stop()
+    try:
+        # down, small budget: gives up quickly and says how many attempts failed
+        start = time.monotonic()
+        with pytest.raises(StoreError, match=r"put 'x.bin' failed after 3 attempts; last error: .*refused"):
+            store.put_bytes("x.bin", b"x")
+        with pytest.raises(StoreError, match=r"open bucket failed after 3 attempts"):
+            s3_server.store("p", retries=2, backoff_s=0.01)
+        assert time.monotonic() - start < 3.0
+        assert "attempt 2/3 failed" in caplog.text
+
+        # down, then back while the put is retrying: it completes
+        errors = []
+        thread = threading.Thread(target=_capture, args=(errors, patient.put_bytes, "y.bin", data))
+        thread.start()
+        time.sleep(0.3)
+        assert thread.is_alive()  # still retrying: the server is down
+        s3_server.start()
+        thread.join(30)
+        assert not thread.is_alive() and errors == []
+    finally:
+        if not s3_server.running:
+            s3_server.start()
+    assert store.get_bytes("y.bin") == data
+    assert not store.exists("x.bin")
+    assert "attempt 1/9 failed" in caplog.text
+    assert s3_server.secret_key not in caplog.text and s3_server.access_key not in caplog.text
+
+
+def _capture(errors: list, fn, *args) -> None:
+    try:
+        fn(*args)
+    except BaseException as e:  # reported by the main thread
+        errors.append(e)
+
+
+def test_restart_keeps_data(s3_server):
+    store = s3_server.store(_prefix())
+    store.put_bytes("kept.bin", b"persistent")
+    s3_server.restart()
+    assert store.get_bytes("kept.bin") == b"persistent"
+
+
+def test_local_readers_never_see_partial_objects(tmp_path):
+    store = LocalStore(tmp_path)
+    versions = [os.urandom(8 * MiB) for _ in range(3)]
+    digests = {hashlib.sha256(v).digest() for v in versions}
+    seen = {"missing": 0, "full": 0, "bad": 0}
+    done = threading.Event()
+
+    def reader():
+        while not done.is_set():
+            try:
+                data = store.get_bytes("shard.bin")
+            except ArtifactNotFound:
+                seen["missing"] += 1
+                continue
+            seen["full" if hashlib.sha256(data).digest() in digests else "bad"] += 1
+
+    thread = threading.Thread(target=reader)
+    thread.start()
+    try:
+        time.sleep(0.05)
+        for _ in range(3):
+            for v in versions:
+                store.put_bytes("shard.bin", v)
+        time.sleep(0.05)
+    finally:
+        done.set()
+        thread.join(30)
+    assert seen["bad"] == 0
+    assert seen["missing"] > 0 and seen["full"] > 0
+    assert store.list() == ["shard.bin"]  # no temp file left behind
