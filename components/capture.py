@@ -241,6 +241,8 @@ class Capture:
     def _offload(self, buf: _Buffer) -> None:
         tokens = buf.tokens[: buf.n_tokens].to("cpu", copy=True)
         for key, n in buf.rows.items():
+            if not n:
+                continue
             if key in buf.routing:
                 routing = buf.routing[key][:n].to("cpu")
                 token, slot, expert = routing.unbind(1)

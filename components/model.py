@@ -210,6 +210,10 @@ class Sites(Protocol):
     def kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """K (after RoPE) and V ``[B, kv_heads, S, head_dim]`` on a cache-less pass."""
 
+    def expert_weights(self, layer: int, gate_up: Tensor, down: Tensor) -> tuple[Tensor, Tensor]:
+        """The routed experts' weights as this forward uses them (training
+        fake-quantizes them; rollout quantized them in place at weight sync)."""
+
 
 class Attend(Protocol):
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, sites: Sites | None) -> Tensor: ...
@@ -301,7 +305,11 @@ class MoE(nn.Module):
         b, s, h = x.shape
         x = x.reshape(-1, h)  # T = B * S tokens
         weights, experts = self.route(x)  # [T, k]
-        xq = sites.moe_in(layer, x) if sites is not None else x
+        w_gate_up, w_down = self.experts.gate_up, self.experts.down
+        xq = x
+        if sites is not None:
+            w_gate_up, w_down = sites.expert_weights(layer, w_gate_up, w_down)
+            xq = sites.moe_in(layer, x)
         # each (token, slot) row gets a cell of a zero-padded grid [E, width, .]:
         # its expert, and its rank among that expert's rows; then every expert
         # runs in one batched matmul
@@ -311,14 +319,14 @@ class MoE(nn.Module):
         width = int(rank.max()) + 1
         grid = x.new_zeros(n_experts, width, h)
         grid[flat, rank] = xq[:, None].expand(-1, k, -1).reshape(-1, h)
-        gate, up = torch.bmm(grid, self.experts.gate_up).chunk(2, dim=-1)
+        gate, up = torch.bmm(grid, w_gate_up).chunk(2, dim=-1)
         inter = (F.silu(gate) * up)[flat, rank]  # [T*k, I]
         if sites is not None:
             rows = torch.arange(flat.numel(), device=x.device)
             inter = sites.moe_down_in(layer, inter, rows // k, rows % k, flat)
         grid = inter.new_zeros(n_experts, width, inter.shape[-1])
         grid[flat, rank] = inter
-        out = torch.bmm(grid, self.experts.down)[flat, rank].view(-1, k, h)  # [T, k, H]
+        out = torch.bmm(grid, w_down)[flat, rank].view(-1, k, h)  # [T, k, H]
         routed = (out * weights[..., None]).sum(1)
         if self.cfg.shared_expert_intermediate_size:
             routed = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -120,6 +120,9 @@ class _AmaxRecorder:
         self._see(layer, "v_cache", v)
         return k, v
 
+    def expert_weights(self, layer, gate_up, down):
+        return gate_up, down
+
 
 def calibrate_global_scales(
     model: Transformer, q: QuantConfig, *, batch: int = 4, length: int = 64, seed: int = 0
@@ -177,6 +180,9 @@ class QuantSites:
 
     def moe_down_in(self, layer, h, token, slot, expert):
         return self._activation(layer, "moe_down_in", h, token, slot, expert)
+
+    def expert_weights(self, layer, gate_up, down):
+        return gate_up, down  # quantized in place at weight sync
 
     def kv(self, layer, k, v):
         """Cache-less pass (teacher forcing): K/V through FP4, as the cache would store them."""

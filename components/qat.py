@@ -1,0 +1,135 @@
+"""The training side of FP4 RL: the policy's forward with FP4 fake quantization
+at the rollout's sites, straight-through backward, and TRACE's guided rounding
+where the rollout left guidance.
+
+Methods (the paper's comparison):
+
+- ``bf16``: no quantization (the reference);
+- ``qat``: vanilla QAT, round-to-nearest at every site the rollout quantizes;
+- ``quads``: asymmetric QAT, weights fake-quantized, activations and KV left in
+  BF16 (QUADS, arXiv 2607.15810; its rollout-side compensation is not modelled);
+- ``trace``: as ``qat``, but each captured value rounds to the neighbouring
+  codeword the rollout's code points at, under the rollout's block scales.
+
+All methods share the rollout's static global scales, so that the only
+differences are the rounding and, for guided rows, the block scales.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from tracefp4.kernels import dequantize, fake_quantize, quantize
+
+from .guidance import GuidanceError, MicrobatchGuidance
+from .quant import ACTIVATION_SITES, QuantConfig, Recorder
+
+METHODS = ("bf16", "qat", "quads", "trace")
+
+
+@dataclass
+class Coverage:
+    """Captured elements that were rounded with guidance, per ``(layer, site)``."""
+
+    guided: dict = field(default_factory=dict)
+    total: dict = field(default_factory=dict)
+
+    def add(self, key, guided: int, total: int) -> None:
+        self.guided[key] = self.guided.get(key, 0) + guided
+        self.total[key] = self.total.get(key, 0) + total
+
+    @property
+    def rate(self) -> float:
+        total = sum(self.total.values())
+        return sum(self.guided.values()) / total if total else 0.0
+
+
+def _straight_through(x: Tensor, values: Tensor) -> Tensor:
+    return x + (values.to(x.dtype) - x).detach()
+
+
+class TrainingSites:
+    """Fake quantization for one training forward of a microbatch whose rows
+    are ``trajectories`` (row b holds trajectory ``trajectories[b]``, positions
+    0.., padded to ``seq_len``)."""
+
+    def __init__(
+        self,
+        quant: QuantConfig,
+        method: str,
+        global_scales: dict,
+        *,
+        trajectories: list[int] | None = None,
+        seq_len: int = 0,
+        guidance: MicrobatchGuidance | None = None,
+        recorder: Recorder | None = None,
+    ):
+        if method not in METHODS:
+            raise ValueError(f"unknown training method {method!r}; implemented: {METHODS}")
+        if method == "trace" and guidance is None:
+            raise ValueError("method 'trace' needs the microbatch's guidance")
+        self.quant, self.method, self.global_scales = quant, method, global_scales
+        self.guidance, self.recorder, self.seq_len = guidance, recorder, seq_len
+        self.row_of = {t: b for b, t in enumerate(trajectories or [])}
+        self.coverage = Coverage()
+
+    def _rows(self, key, n_rows: int, expert: Tensor | None):
+        """(training rows, guidance rows) of the captured rows this forward holds."""
+        table = self.guidance.tables[key]
+        b = torch.tensor([self.row_of.get(t, -1) for t in table.traj.tolist()], dtype=torch.long)
+        train = b * self.seq_len + table.pos
+        if key[1] == "moe_down_in":  # rows are (token, slot): k slots per token
+            train = train * (n_rows // (len(self.row_of) * self.seq_len)) + table.slot
+        ok = (b >= 0) & (train < n_rows)
+        if expert is not None:  # the slot must have gone to the same expert in training
+            ok &= expert[train.clamp(max=n_rows - 1)] == table.expert
+        return table, train[ok], ok.nonzero()[:, 0]
+
+    def _fp4(self, layer: int, site: str, x: Tensor, expert: Tensor | None = None, token=None, slot=None) -> Tensor:
+        fmt = self.quant.site_format(site)
+        if self.method == "bf16" or (self.method == "quads" and site != "expert_weights"):
+            return x
+        if site in ACTIVATION_SITES and self.quant.activations == "fp8":
+            return fake_quantize(x, "fp8")
+        if fmt is None:
+            return x
+        g = self.global_scales.get((layer, site)) if fmt == "nvfp4" else None
+        q = quantize(x.detach(), fmt, global_scale=g)
+        key = (layer, site)
+        if self.method == "trace" and key in self.guidance.tables:
+            table, train_rows, guide_rows = self._rows(key, x.shape[0], expert)
+            if table.global_scale != (None if g is None else float(g)):
+                raise GuidanceError(f"guidance for layer {layer} {site} was captured under another static scale")
+            if len(train_rows):
+                guided = quantize(x.detach()[train_rows], fmt, guide=table.guidance(guide_rows))
+                q.codes.index_copy_(0, train_rows, guided.codes)
+                q.scales.view(torch.uint8).index_copy_(0, train_rows, guided.scales.view(torch.uint8))
+            self.coverage.add(key, len(train_rows) * table.width, len(table.traj) * table.width)
+        if self.recorder is not None:
+            self.recorder.record(layer, site, x.detach(), q, token, slot, expert)
+        return _straight_through(x, dequantize(q))
+
+    def moe_in(self, layer, x):
+        return self._fp4(layer, "moe_in", x)
+
+    def moe_down_in(self, layer, h, token, slot, expert):
+        return self._fp4(layer, "moe_down_in", h, expert, token, slot)
+
+    def kv(self, layer, k, v):
+        return self._kv(layer, "k_cache", k), self._kv(layer, "v_cache", v)
+
+    def _kv(self, layer: int, site: str, t: Tensor) -> Tensor:
+        b, h, s, d = t.shape
+        rows = self._fp4(layer, site, t.transpose(1, 2).reshape(b * s, h * d))
+        return rows.reshape(b, s, h, d).transpose(1, 2)
+
+    def expert_weights(self, layer, gate_up, down):
+        fmt = self.quant.weights
+        if self.method == "bf16" or fmt is None:
+            return gate_up, down
+        # one global scale per expert and matrix, blocks along the input dim (as the rollout's)
+        return tuple(
+            _straight_through(w, torch.stack([fake_quantize(w[e].detach().T.float(), fmt).T for e in range(w.shape[0])]))
+            for w in (gate_up, down)
+        )

@@ -1,0 +1,100 @@
+"""RL on rollouts: batches of trajectories as the training path sees them,
+per-token log-probabilities, train-rollout alignment metrics, and the GRPO
+policy loss with truncated importance sampling on the rollout's logprobs."""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .model import CausalAttention, Sites, Transformer
+from .rollout import Trajectory
+
+
+@dataclass
+class SequenceBatch:
+    """Trajectories right-padded into ``tokens [B, S]``. Column t of the
+    ``[B, S-1]`` tensors is the prediction of token t+1; ``response`` marks the
+    sampled tokens, whose rollout logprobs are in ``rollout_logprobs``."""
+
+    trajectories: list[int]
+    tokens: Tensor
+    positions: Tensor
+    lengths: Tensor
+    response: Tensor
+    rollout_logprobs: Tensor
+
+    @classmethod
+    def of(cls, trajectories: list[Trajectory], device="cpu") -> "SequenceBatch":
+        lengths = torch.tensor([len(t.tokens) for t in trajectories])
+        b, s = len(trajectories), int(lengths.max())
+        tokens = torch.zeros(b, s, dtype=torch.long)
+        response = torch.zeros(b, s - 1, dtype=torch.bool)
+        rollout = torch.zeros(b, s - 1)
+        for i, t in enumerate(trajectories):
+            tokens[i, : len(t.tokens)] = torch.tensor(t.tokens)
+            span = slice(len(t.prompt) - 1, len(t.tokens) - 1)
+            response[i, span] = True
+            rollout[i, span] = torch.tensor(t.logprobs)
+        positions = torch.arange(s).expand(b, s)
+        return cls([t.id for t in trajectories], *(x.to(device) for x in (tokens, positions, lengths, response, rollout)))
+
+
+def token_logprobs(model: Transformer, batch: SequenceBatch, sites: Sites | None = None, temperature: float = 1.0) -> Tensor:
+    """``[B, S-1]`` log-probabilities of each next token under the training path."""
+    logits = model(batch.tokens, batch.positions, CausalAttention(batch.lengths), sites)[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    return F.log_softmax(logits, -1).gather(-1, batch.tokens[:, 1:, None])[..., 0]
+
+
+def alignment_metrics(train: Tensor, rollout: Tensor, mask: Tensor) -> dict[str, float]:
+    """Train-rollout mismatch over the response tokens: |logprob diff| (mean,
+    max, min; slime/miles), the k3 KL estimate, and verl's probability diff."""
+    t, r = train.detach()[mask], rollout[mask]
+    diff = (t - r).abs()
+    log_ratio = (t - r).clamp(-10, 10)
+    k3 = (log_ratio.exp() - 1 - log_ratio).mean()  # KL(rollout || train), k3 estimator
+    prob = (t.exp() - r.exp()).abs()
+    return {
+        "logprob_abs_diff_mean": diff.mean().item(),
+        "logprob_abs_diff_max": diff.max().item(),
+        "logprob_abs_diff_min": diff.min().item(),
+        "k3_kl": k3.item(),
+        "probs_diff_mean": prob.mean().item(),
+        "probs_diff_max": prob.max().item(),
+    }
+
+
+def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
+    """GRPO: each reward normalized within its group of responses to one prompt."""
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    groups = rewards.view(-1, group_size)
+    return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True, unbiased=False) + eps)).view(-1)
+
+
+def grpo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    rollout_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip: float = 0.2,
+    tis_cap: float = 2.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO-clipped GRPO loss with truncated importance sampling: each token is
+    weighted by ``min(pi_old / pi_rollout, tis_cap)``, correcting for the
+    rollout policy (FP4) not being the training policy. Token-mean over ``mask``."""
+    ratio = (logprobs - old_logprobs).exp()
+    adv = advantages[:, None].expand_as(logprobs)
+    surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    tis = (old_logprobs - rollout_logprobs).exp().clamp(max=tis_cap).detach()
+    loss = -(tis * surrogate)[mask].mean()
+    return loss, {
+        "clip_fraction": ((ratio - 1).abs() > clip)[mask].float().mean().item(),
+        "tis_weight_mean": tis[mask].mean().item(),
+        "tis_truncated_fraction": (tis[mask] >= tis_cap).float().mean().item(),
+    }

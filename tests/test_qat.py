@@ -1,0 +1,115 @@
+"""The training path: each method's fake quantization, TRACE's guided rounding
+against the rollout's captures, and the GRPO / TIS loss."""
+
+import pytest
+import torch
+
+from tracefp4.components.capture import Capture, CaptureConfig, TokenMap
+from tracefp4.components.guidance import GuidanceLoader, write_step
+from tracefp4.components.mismatch import compare
+from tracefp4.components.model import build_model
+from tracefp4.components.qat import TrainingSites
+from tracefp4.components.quant import rollout_config
+from tracefp4.components.rl import SequenceBatch, alignment_metrics, group_advantages, grpo_loss, token_logprobs
+from tracefp4.components.rollout import SamplingParams, TorchEngine
+from tracefp4.components.store import open_store
+
+
+@pytest.fixture(scope="module")
+def step(tmp_path_factory):
+    """A rollout of the tiny preset with full capture, its guidance written and loaded back."""
+    engine = TorchEngine(build_model("tiny", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (8,), generator=g).tolist() for _ in range(8)]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=12, seed=0))
+    records = engine.drain_capture()
+    store = open_store(str(tmp_path_factory.mktemp("store")))
+    write_step(store, records, rl_step=0, policy_version=0, top_k=engine.model.cfg.top_k)
+    (mb,) = GuidanceLoader(store, 0, [[t.id for t in out]])
+    return engine, out, records, mb
+
+
+def training_pass(engine, out, mb, method, record=False):
+    batch = SequenceBatch.of(out)
+    s = batch.tokens.shape[1]
+    capture = None
+    if record:
+        capture = Capture(engine.model.cfg, engine.quant, CaptureConfig(max_tokens=batch.tokens.numel()), engine.global_scales, kv_from_forward=True)
+        traj = torch.tensor(batch.trajectories)[:, None].expand(-1, s)
+        traj = torch.where(batch.positions < batch.lengths[:, None] - 1, traj, -1)  # positions the rollout fed
+        capture.begin(TokenMap(traj.reshape(-1), batch.positions.reshape(-1)))
+    sites = TrainingSites(engine.quant, method, engine.global_scales, trajectories=batch.trajectories, seq_len=s,
+                          guidance=mb, recorder=capture)  # fmt: skip
+    with torch.no_grad():
+        logprobs = token_logprobs(engine.model, batch, sites)
+    if capture is not None:
+        capture.end()
+    return batch, sites, logprobs, capture.drain() if capture else None
+
+
+def test_trace_aligns_training_with_rollout_better_than_qat(step):
+    engine, out, records, mb = step
+    results = {}
+    for method in ("qat", "trace"):
+        batch, sites, logprobs, codes = training_pass(engine, out, mb, method, record=True)
+        report = compare(records, codes)
+        mismatched = sum(m.mismatched for m in report.values()) / sum(m.elements for m in report.values())
+        results[method] = (alignment_metrics(logprobs, batch.rollout_logprobs, batch.response), mismatched, sites.coverage)
+    qat, trace = results["qat"], results["trace"]
+    assert trace[2].rate > 0.9 and qat[2].rate == 0.0  # guided wherever the same expert was routed
+    assert trace[1] < 0.1 * qat[1]  # codes: the training path now rounds as the rollout did
+    assert trace[0]["logprob_abs_diff_mean"] < qat[0]["logprob_abs_diff_mean"]
+    assert trace[0]["k3_kl"] < qat[0]["k3_kl"]
+
+
+@pytest.mark.parametrize("method", ["bf16", "qat", "quads", "trace"])
+def test_every_method_trains_through_fake_quantization(method, tmp_path):
+    model = build_model("smoke", seed=0)
+    smoke = TorchEngine(model, rollout_config("fp4_wa_kv"), capture=CaptureConfig())
+    trajectories = smoke.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=4))
+    store = open_store(str(tmp_path))
+    write_step(store, smoke.drain_capture(), rl_step=0, policy_version=0, top_k=2)
+    (guidance,) = GuidanceLoader(store, 0, [[t.id for t in trajectories]])
+    batch = SequenceBatch.of(trajectories)
+    sites = TrainingSites(smoke.quant, method, smoke.global_scales, trajectories=batch.trajectories,
+                          seq_len=batch.tokens.shape[1], guidance=guidance)  # fmt: skip
+    logprobs = token_logprobs(model, batch, sites)
+    loss, _ = grpo_loss(logprobs, logprobs.detach(), batch.rollout_logprobs, torch.tensor([1.0, -1.0]), batch.response)
+    loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert grads["model.layers.0.mlp.experts.gate_up"].abs().sum() > 0  # straight through the FP4 weights
+    assert all(g is not None for n, g in grads.items() if "layers" in n)
+
+
+def test_methods_quantize_what_they_should():
+    x = torch.randn(4, 64)
+    q = rollout_config("fp4_wa_kv")
+    for method, changed in [("bf16", False), ("quads", False), ("qat", True)]:
+        sites = TrainingSites(q, method, {})
+        assert (not torch.equal(sites.moe_in(0, x), x)) == changed, method
+    w = torch.randn(2, 64, 32)
+    assert torch.equal(TrainingSites(q, "bf16", {}).expert_weights(0, w, w)[0], w)
+    assert not torch.equal(TrainingSites(q, "quads", {}).expert_weights(0, w, w)[0], w)
+    with pytest.raises(ValueError, match="needs the microbatch's guidance"):
+        TrainingSites(q, "trace", {})
+    with pytest.raises(ValueError, match="unknown training method 'fp2'"):
+        TrainingSites(q, "fp2", {})
+
+
+def test_grpo_loss_and_advantages():
+    adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0]), group_size=3)
+    assert torch.allclose(adv.view(2, 3).mean(1), torch.zeros(2), atol=1e-6)
+    assert adv[0] > 0 > adv[1]
+    lp = torch.zeros(2, 3)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    a = torch.tensor([1.0, -1.0])
+    loss, stats = grpo_loss(lp, lp, lp, a, mask)
+    assert loss.item() == pytest.approx(0.0) and stats["tis_weight_mean"] == 1.0
+    # the rollout thought the tokens far less likely: weights truncated at the cap
+    loss, stats = grpo_loss(lp, lp, lp - 3.0, torch.tensor([1.0, 1.0]), mask, tis_cap=2.0)
+    assert loss.item() == pytest.approx(-2.0) and stats["tis_truncated_fraction"] == 1.0
+    # a large ratio is clipped for a positive advantage
+    loss, stats = grpo_loss(lp + 1.0, lp, lp, torch.tensor([1.0, 1.0]), mask, clip=0.2)
+    assert loss.item() == pytest.approx(-1.2) and stats["clip_fraction"] == 1.0
+    with pytest.raises(ValueError, match="do not split into groups of 4"):
+        group_advantages(torch.zeros(6), 4)
