@@ -126,8 +126,11 @@ def load_state(model: Transformer, state: dict[str, Tensor]) -> None:
             t.copy_(state[k])
 
 
-def save_model(model: Transformer, path: str | os.PathLike, max_shard_bytes: int = 2 << 30) -> Path:
-    """Write ``model`` in the Hub layout at ``path``, sharded above ``max_shard_bytes``, atomically."""
+def save_model(
+    model: Transformer, path: str | os.PathLike, max_shard_bytes: int = 2 << 30, extra: dict[str, bytes] | None = None
+) -> Path:
+    """Write ``model`` in the Hub layout at ``path``, sharded above
+    ``max_shard_bytes``, with ``extra`` files beside it, all at once (atomically)."""
     folder = Path(path)
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -156,6 +159,8 @@ def save_model(model: Transformer, path: str | os.PathLike, max_shard_bytes: int
         total = sum(t.numel() * t.element_size() for t in hub.values())
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (tmp / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))
+    for name, data in (extra or {}).items():
+        (tmp / name).write_bytes(data)
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())

@@ -64,6 +64,7 @@ class TrainingSites:
         seq_len: int = 0,
         guidance: MicrobatchGuidance | None = None,
         recorder: Recorder | None = None,
+        compute_dtype: torch.dtype | None = None,
     ):
         if method not in METHODS:
             raise ValueError(f"unknown training method {method!r}; implemented: {METHODS}")
@@ -71,6 +72,7 @@ class TrainingSites:
             raise ValueError("method 'trace' needs the microbatch's guidance")
         self.quant, self.method, self.global_scales = quant, method, global_scales
         self.guidance, self.recorder, self.seq_len = guidance, recorder, seq_len
+        self.compute_dtype = compute_dtype  # weights are rounded to it first, as the rollout's copy is
         self.row_of = {t: b for b, t in enumerate(trajectories or [])}
         self.coverage = Coverage()
 
@@ -129,7 +131,8 @@ class TrainingSites:
         if self.method == "bf16" or fmt is None:
             return gate_up, down
         # one global scale per expert and matrix, blocks along the input dim (as the rollout's)
-        return tuple(
-            _straight_through(w, torch.stack([fake_quantize(w[e].detach().T.float(), fmt).T for e in range(w.shape[0])]))
-            for w in (gate_up, down)
-        )
+        def fp4(w: Tensor) -> Tensor:
+            rounded = w.detach().to(self.compute_dtype or w.dtype)
+            return torch.stack([fake_quantize(rounded[e].T, fmt).T for e in range(w.shape[0])])
+
+        return _straight_through(gate_up, fp4(gate_up)), _straight_through(down, fp4(down))

@@ -1,0 +1,188 @@
+"""The RL loop of TRACE, after slime's ``train.py``: per step, rollout ->
+capture and compaction -> guidance store -> guided QAT -> weight sync.
+
+``Trainer`` holds the float32 master weights and AdamW, runs the training
+path in the compute dtype (BF16 autocast) with the method's fake quantization,
+accumulates gradients over microbatches (guidance reloaded per microbatch),
+and saves checkpoints in the Hugging Face layout, atomically, with the
+optimizer state beside them so that a run resumes. ``rl_round`` drives K steps.
+"""
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from .capture import CaptureRecords
+from .checkpoint import load_model, save_model
+from .guidance import GuidanceLoader, compact, write_step
+from .model import Transformer
+from .qat import TrainingSites
+from .rl import SequenceBatch, alignment_metrics, group_advantages, grpo_loss, token_logprobs
+from .rollout import SamplingParams, TorchEngine, Trajectory
+
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "trainer_state.json"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Hyperparameters of the guided QAT step (GRPO with truncated IS)."""
+
+    method: str = "trace"
+    learning_rate: float = 1e-4
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = 1.0
+    microbatch_size: int = 8
+    ppo_clip: float = 0.2
+    tis_cap: float = 2.0
+    temperature: float = 1.0
+    compute_dtype: torch.dtype = torch.bfloat16
+
+
+class Trainer:
+    def __init__(self, model: Transformer, config: TrainConfig, engine: TorchEngine):
+        self.model = model.float().train()  # float32 master weights
+        self.config, self.engine = config, engine
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay
+        )
+        self.step = 0
+
+    def microbatches(self, trajectories: list[Trajectory]) -> list[list[Trajectory]]:
+        n = self.config.microbatch_size
+        return [trajectories[i : i + n] for i in range(0, len(trajectories), n)]
+
+    def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor, loader: GuidanceLoader | None) -> dict:
+        """One optimizer step over ``trajectories``; guidance comes microbatch by microbatch from ``loader``."""
+        cfg = self.config
+        parts = self.microbatches(trajectories)
+        batches = [SequenceBatch.of(mb) for mb in parts]
+        total_tokens = sum(int(b.response.sum()) for b in batches)
+        guidance = iter(loader) if loader is not None else iter([None] * len(batches))
+        adv = dict(zip((t.id for t in trajectories), advantages.tolist()))
+        self.optimizer.zero_grad(set_to_none=True)
+        stats, alignment, guided, captured, reload_s = {}, [], 0, 0, 0.0
+        for batch in batches:
+            start = time.perf_counter()
+            mb_guidance = next(guidance)
+            reload_s += time.perf_counter() - start
+            sites = TrainingSites(self.engine.quant, cfg.method, self.engine.global_scales, trajectories=batch.trajectories,
+                                  seq_len=batch.tokens.shape[1], guidance=mb_guidance, compute_dtype=cfg.compute_dtype)  # fmt: skip
+            with torch.autocast("cpu" if not batch.tokens.is_cuda else "cuda", dtype=cfg.compute_dtype):
+                logprobs = token_logprobs(self.model, batch, sites, cfg.temperature)
+            loss, loss_stats = grpo_loss(
+                logprobs, logprobs.detach(), batch.rollout_logprobs, torch.tensor([adv[t] for t in batch.trajectories]),
+                batch.response, clip=cfg.ppo_clip, tis_cap=cfg.tis_cap,
+            )  # fmt: skip
+            weight = int(batch.response.sum()) / total_tokens
+            (loss * weight).backward()
+            for k, v in {"loss": loss.item(), **loss_stats}.items():
+                stats[k] = stats.get(k, 0.0) + v * weight
+            alignment.append((logprobs.detach(), batch))
+            guided += sum(sites.coverage.guided.values())
+            captured += sum(sites.coverage.total.values())
+        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip).item()
+        self.optimizer.step()
+        self.step += 1
+        train_lp = torch.cat([lp[b.response] for lp, b in alignment])
+        rollout_lp = torch.cat([b.rollout_logprobs[b.response] for _, b in alignment])
+        stats.update(alignment_metrics(train_lp, rollout_lp, torch.ones_like(train_lp, dtype=torch.bool)))
+        stats["guidance_coverage"] = guided / captured if captured else 0.0
+        stats["reload_seconds"] = reload_s
+        return stats
+
+    def save(self, path) -> Path:
+        """Checkpoint: the model in the Hub layout plus optimizer and step, all-or-nothing."""
+        state = self.optimizer.state_dict()
+        tensors = {f"{i}.{name}": t for i, s in state["state"].items() for name, t in s.items()}
+        extra = {
+            OPTIMIZER_FILE: save_tensors({k: v.contiguous() for k, v in tensors.items()}),
+            STATE_FILE: json.dumps({"step": self.step, "param_groups": state["param_groups"]}).encode(),
+        }
+        return save_model(self.model, path, extra=extra)
+
+    def resume(self, path) -> None:
+        """Load a checkpoint written by :meth:`save`, and sync the rollout engine to it."""
+        folder = Path(path)
+        saved = load_model(folder)
+        self.model.load_state_dict(saved.state_dict())
+        meta = json.loads((folder / STATE_FILE).read_text())
+        tensors = load_tensors((folder / OPTIMIZER_FILE).read_bytes())
+        state: dict[int, dict] = {}
+        for key, t in tensors.items():
+            i, name = key.split(".", 1)
+            state.setdefault(int(i), {})[name] = t
+        self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        self.step = meta["step"]
+        self.engine.update_weights(self.model.state_dict())
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    """One round: ``steps`` RL steps of ``prompts_per_step`` prompts x ``group_size`` responses."""
+
+    steps: int = 1
+    prompts_per_step: int = 4
+    group_size: int = 4
+    bits: int = 1
+    layers: tuple[int, ...] | None = None  # None: every layer the capture holds
+    prefix: str = "guidance"
+
+
+def rl_round(
+    engine: TorchEngine,
+    trainer: Trainer,
+    prompts: Callable[[int, int], list[list[int]]],
+    reward: Callable[[Trajectory], float],
+    sampling: SamplingParams,
+    config: RoundConfig,
+    store,
+) -> list[dict]:
+    """K steps of rollout -> compaction -> guided QAT -> weight sync; one metrics dict per step.
+
+    ``prompts(step, n)`` gives a step's prompts, ``reward(trajectory)`` scores a response.
+    """
+    history = []
+    for _ in range(config.steps):
+        step, timings = trainer.step, {}
+        start = time.perf_counter()
+        batch = [p for p in prompts(step, config.prompts_per_step) for _ in range(config.group_size)]
+        trajectories = engine.generate(batch, SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + step}))
+        timings["rollout_seconds"] = time.perf_counter() - start
+        start = time.perf_counter()
+        records = engine.drain_capture() if engine.capture is not None else CaptureRecords()
+        timings["capture_seconds"] = time.perf_counter() - start
+        loader = None
+        if trainer.config.method == "trace":
+            start = time.perf_counter()
+            layers = config.layers if config.layers is not None else sorted({layer for layer, _ in records.tables})
+            write_step(store, compact(records, config.bits, layers), rl_step=step, policy_version=engine.policy_version,
+                       top_k=engine.model.cfg.top_k, prefix=config.prefix)  # fmt: skip
+            timings["offload_seconds"] = time.perf_counter() - start
+            ids = [[t.id for t in mb] for mb in trainer.microbatches(trajectories)]
+            loader = GuidanceLoader(store, step, ids, prefix=config.prefix, expect={"policy_version": engine.policy_version})
+        rewards = torch.tensor([reward(t) for t in trajectories])
+        start = time.perf_counter()
+        stats = trainer.train_step(trajectories, group_advantages(rewards, config.group_size), loader)
+        timings["reload_seconds"] = stats.pop("reload_seconds")
+        timings["train_seconds"] = time.perf_counter() - start - timings["reload_seconds"]
+        engine.update_weights(trainer.model.state_dict())
+        lengths = torch.tensor([len(t.response) for t in trajectories], dtype=torch.float32)
+        rollout_lp = torch.tensor([lp for t in trajectories for lp in t.logprobs])
+        history.append({
+            "step": step,
+            "reward_mean": rewards.mean().item(),
+            "accuracy": (rewards >= 1.0).float().mean().item(),
+            "entropy": -rollout_lp.mean().item(),  # per-token, estimated from the sampled tokens
+            "response_length": lengths.mean().item(),
+            **stats,
+            **timings,
+        })  # fmt: skip
+    return history
