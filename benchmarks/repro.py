@@ -1,12 +1,13 @@
-"""TRACE against vanilla QAT and QUADS on the same FP4 rollouts (tiny preset,
-fixed seeds): the train-rollout log-prob |diff| and code mismatch rate of each
-method's training path, and the share of R-4bit's mismatch reduction that
-R-1bit on the deeper half keeps.
+"""TRACE against vanilla QAT and QUADS in the same FP4 RL loop (tiny preset,
+fixed seeds, the same prompts and the same number of steps for every method):
+the train-rollout log-prob |diff| and code mismatch rate of each method's
+training path at every step, and the share of R-4bit's mismatch reduction
+that R-1bit on the deeper half keeps.
 
-    python benchmarks/repro.py [--prompts 16] [--new-tokens 24]
+    python benchmarks/repro.py [--steps 4] [--prompts 8] [--group 4] [--new-tokens 24]
 
-Measured at the rollout's own weights (before any RL update: the RL loop is
-not built yet). Prints a markdown table, then one JSON line.
+The reward is synthetic (the share of even token ids in a response): this
+measures alignment, not task accuracy. Prints a markdown table, then one JSON line.
 """
 
 import argparse
@@ -15,73 +16,67 @@ import tempfile
 
 import torch
 
-from tracefp4.components.capture import Capture, CaptureConfig, TokenMap
-from tracefp4.components.guidance import GuidanceLoader, compact, select_layers, write_step
-from tracefp4.components.mismatch import compare
+from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.model import build_model
-from tracefp4.components.qat import TrainingSites
 from tracefp4.components.quant import rollout_config
-from tracefp4.components.rl import SequenceBatch, alignment_metrics, token_logprobs
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
+from tracefp4.components.trainer import RoundConfig, TrainConfig, Trainer, rl_round
+
+RUNS = {  # label: (method, guidance bits, guided layers: "all" or "deeper half")
+    "qat": ("qat", 4, "all"),
+    "quads": ("quads", 4, "all"),
+    "trace, R-4bit all layers": ("trace", 4, "all"),
+    "trace, R-1bit deeper half": ("trace", 1, "deeper half"),
+}
 
 
-def measure(engine, trajectories, rollout_codes, method: str, guidance) -> dict:
-    """One training pass over the rollouts: alignment metrics and code mismatch against the rollout's codes."""
-    batch = SequenceBatch.of(trajectories)
-    s = batch.tokens.shape[1]
-    capture = Capture(engine.model.cfg, engine.quant, CaptureConfig(max_tokens=batch.tokens.numel()), engine.global_scales,
-                      kv_from_forward=True)  # fmt: skip
-    traj = torch.tensor(batch.trajectories)[:, None].expand(-1, s)
-    capture.begin(TokenMap(torch.where(batch.positions < batch.lengths[:, None] - 1, traj, -1).reshape(-1), batch.positions.reshape(-1)))
-    sites = TrainingSites(engine.quant, method, engine.global_scales, trajectories=batch.trajectories, seq_len=s,
-                          guidance=guidance, recorder=capture)  # fmt: skip
-    with torch.no_grad():
-        logprobs = token_logprobs(engine.model, batch, sites)
-    capture.end()
-    report = compare(rollout_codes, capture.drain())
-    elements = sum(m.elements for m in report.values())
-    figures = alignment_metrics(logprobs, batch.rollout_logprobs, batch.response)
-    figures["code_mismatch"] = sum(m.mismatched for m in report.values()) / elements if elements else None
-    figures["guidance_coverage"] = sites.coverage.rate
-    return figures
+def run(label: str, args) -> list[dict]:
+    method, bits, which = RUNS[label]
+    model = build_model("tiny", seed=0)
+    layers = model.cfg.sparse_layers
+    chosen = tuple(layers) if which == "all" else tuple(layers[len(layers) // 2 :])
+    engine = TorchEngine(model, rollout_config("fp4_wa_kv"), capture=CaptureConfig(max_tokens=4096, inputs=True))
+    trainer = Trainer(build_model("tiny", seed=0), TrainConfig(method=method, learning_rate=1e-4, microbatch_size=16), engine)
+
+    def prompts(step: int, n: int) -> list[list[int]]:
+        gen = torch.Generator().manual_seed(1000 + step)
+        return [torch.randint(0, model.cfg.vocab_size, (16,), generator=gen).tolist() for _ in range(n)]
+
+    def reward(trajectory) -> float:
+        return sum(t % 2 == 0 for t in trajectory.response) / len(trajectory.response)
+
+    config = RoundConfig(steps=args.steps, prompts_per_step=args.prompts, group_size=args.group, bits=bits,
+                         layers=chosen, measure_mismatch=True)  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        return rl_round(engine, trainer, prompts, reward, SamplingParams(max_new_tokens=args.new_tokens), config, open_store(tmp))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=24)
     args = parser.parse_args()
-    engine = TorchEngine(build_model("tiny", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig(max_tokens=4096))
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, engine.model.cfg.vocab_size, (16,), generator=gen).tolist() for _ in range(args.prompts)]
-    trajectories = engine.generate(prompts, SamplingParams(max_new_tokens=args.new_tokens, seed=0))
-    full = engine.drain_capture()
-    ids = [t.id for t in trajectories]
-    layers = sorted({layer for layer, _ in full.tables})
+    histories = {label: run(label, args) for label in RUNS}
 
-    with tempfile.TemporaryDirectory() as tmp:
-        store = open_store(tmp)
-        guidance = {}
-        for label, bits, spec in [("R-4bit all layers", 4, "all"), ("R-1bit deeper half", 1, len(layers) // 2)]:
-            step = len(guidance)
-            write_step(store, compact(full, bits, select_layers(spec, layers)), rl_step=step, policy_version=0, top_k=engine.model.cfg.top_k)
-            (guidance[label],) = GuidanceLoader(store, step, [ids])
-        rows = {
-            "qat": measure(engine, trajectories, full, "qat", None),
-            "quads": measure(engine, trajectories, full, "quads", None),
-            **{f"trace, {label}": measure(engine, trajectories, full, "trace", g) for label, g in guidance.items()},
-        }
-    qat, r4, r1 = rows["qat"], rows["trace, R-4bit all layers"], rows["trace, R-1bit deeper half"]
-    kept = (qat["code_mismatch"] - r1["code_mismatch"]) / (qat["code_mismatch"] - r4["code_mismatch"])
+    def mean(label, key):
+        values = [h[key] for h in histories[label] if h.get(key) is not None]
+        return sum(values) / len(values) if values else None
 
-    print("| method | logprob abs diff mean | max | k3 KL | code mismatch | guidance coverage |")
+    print(f"Means over {args.steps} RL steps, each step's training path against that step's rollout:\n")
+    print("| method | logprob abs diff mean | logprob abs diff max | k3 KL | code mismatch | guidance coverage |")
     print("|---|---|---|---|---|---|")
-    for name, f in rows.items():
-        mismatch = "n/a (BF16 activations)" if name == "quads" else f"{f['code_mismatch']:.4f}"
-        print(f"| {name} | {f['logprob_abs_diff_mean']:.5f} | {f['logprob_abs_diff_max']:.4f} | {f['k3_kl']:.2e} | {mismatch} | {f['guidance_coverage']:.3f} |")
+    for label in RUNS:
+        mismatch = mean(label, "code_mismatch")
+        shown = "n/a (BF16 activations)" if mismatch is None else f"{mismatch:.4f}"
+        print(f"| {label} | {mean(label, 'logprob_abs_diff_mean'):.5f} | {mean(label, 'logprob_abs_diff_max'):.4f} | "
+              f"{mean(label, 'k3_kl'):.2e} | {shown} | {mean(label, 'guidance_coverage'):.3f} |")  # fmt: skip
+    qat, r4, r1 = (mean(label, "code_mismatch") for label in ("qat", "trace, R-4bit all layers", "trace, R-1bit deeper half"))
+    kept = (qat - r1) / (qat - r4)
     print(f"\nR-1bit on the deeper half keeps {kept:.1%} of R-4bit's code-mismatch reduction")
-    print(json.dumps({"methods": rows, "r1_share_of_r4_reduction": kept}))
+    print(json.dumps({"histories": histories, "r1_share_of_r4_reduction": kept}))
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from tracefp4.kernels import FP4Tensor, Guidance, compact_codes, expand_codes, get_format
+from tracefp4.kernels import FP4Tensor, Guidance, compact_codes, dequantize, expand_codes, get_format
 from tracefp4.kernels.reference import unpack_nibbles
 
 from .model import ModelConfig
@@ -27,11 +27,13 @@ from .quant import ACTIVATION_SITES, QuantConfig
 @dataclass(frozen=True)
 class CaptureConfig:
     """What is kept: the low ``bits`` of each code (4 = all), of ``layers``
-    (None = every layer), for forwards of up to ``max_tokens`` tokens."""
+    (None = every layer), for forwards of up to ``max_tokens`` tokens; with
+    ``inputs``, the unquantized values too."""
 
     bits: int = 4
     layers: tuple[int, ...] | None = None
     max_tokens: int = 4096
+    inputs: bool = False  # also keep the values before quantization (for analysis: excess MSE, fidelity)
 
     def keeps(self, layer: int) -> bool:
         return self.layers is None or layer in self.layers
@@ -64,7 +66,7 @@ class SiteTable:
     expert: Tensor  # routed expert of the slot, -1 where the site has none
     codes: Tensor
     scales: Tensor
-    inputs: Tensor | None = None  # float32 [N, width], the values before quantization (teacher forcing only)
+    inputs: Tensor | None = None  # float32 [N, width], the values before quantization (CaptureConfig.inputs)
 
     @property
     def nbytes(self) -> int:
@@ -81,6 +83,14 @@ class SiteTable:
         if bits > self.bits:
             raise ValueError(f"cannot widen a {self.bits}-bit table to {bits} bits")
         return replace(self, bits=bits, codes=compact_codes(self.low_bits(), bits))
+
+    def values(self) -> Tensor:
+        """Float32 dequantized rows ``[N, width]`` (a full 4-bit table)."""
+        if self.bits != 4:
+            raise ValueError(f"dequantizing needs full codes; this table keeps {self.bits} bits")
+        f = get_format(self.fmt)
+        g = None if self.global_scale is None else torch.tensor(self.global_scale)
+        return dequantize(FP4Tensor(self.codes, self.scales.view(f.scale_dtype), g, self.fmt, (len(self.codes), self.width)))
 
     def low_bits(self) -> Tensor:
         """One uint8 per element ``[N, width]``: the low ``bits`` of each code."""
@@ -136,7 +146,7 @@ class Capture:
 
     def __init__(
         self, model_cfg: ModelConfig, quant: QuantConfig, config: CaptureConfig, global_scales: dict,
-        device="cpu", kv_from_forward: bool = False, keep_inputs: bool = False,
+        device="cpu", kv_from_forward: bool = False,
     ):  # fmt: skip
         if config.bits not in (1, 2, 3, 4):
             raise ValueError(f"capture bits must be 1..4, got {config.bits}")
@@ -159,7 +169,7 @@ class Capture:
                 if site in ACTIVATION_SITES or kv_from_forward:
                     nscales = width // get_format(fmt).block_size
                     shapes[(layer, site)] = (per_token, width // 2, nscales, site == "moe_down_in")
-        self._buffers = [_Buffer(shapes, config.max_tokens, device, keep_inputs) for _ in range(2)]
+        self._buffers = [_Buffer(shapes, config.max_tokens, device, config.inputs) for _ in range(2)]
         self._turn = 0
         self._forward_tokens = 0  # tokens of the forward in flight, 0 between forwards
         self._chunks: dict[tuple[int, str], list[list[Tensor]]] = {}

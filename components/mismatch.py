@@ -33,8 +33,8 @@ def teacher_force(engine: TorchEngine, trajectories: list[Trajectory], keep_inpu
     traj = torch.tensor([t.id for t in trajectories], device=dev)[:, None].expand(b, width)
     traj = torch.where(positions < lengths[:, None], traj, -1)
     capture = Capture(
-        engine.model.cfg, engine.quant, CaptureConfig(bits=4, max_tokens=b * width), engine.global_scales, dev,
-        kv_from_forward=True, keep_inputs=keep_inputs,
+        engine.model.cfg, engine.quant, CaptureConfig(bits=4, max_tokens=b * width, inputs=keep_inputs),
+        engine.global_scales, dev, kv_from_forward=True,
     )  # fmt: skip
     capture.begin(TokenMap(traj.reshape(-1), positions.reshape(-1)))
     with torch.no_grad():
@@ -55,6 +55,15 @@ class SiteMismatch:
     scale_mismatched: int = 0  # blocks whose scale differs
     distance: Counter = field(default_factory=Counter)  # |codeword difference| -> elements
     unmatched_rows: int = 0  # rollout rows training lacks (moe_down_in: the slot went to another expert)
+    mse_quantized: float | None = None  # between the two paths' FP4 values (when both kept their inputs)
+    mse_unquantized: float | None = None  # between the two paths' values before quantization
+
+    @property
+    def relative_excess_mse(self) -> float | None:
+        """How much FP4 amplifies the paths' difference: (MSE_fp4 - MSE_bf16) / MSE_bf16."""
+        if self.mse_quantized is None or not self.mse_unquantized:
+            return None
+        return (self.mse_quantized - self.mse_unquantized) / self.mse_unquantized
 
     @property
     def rate(self) -> float:
@@ -96,5 +105,42 @@ def compare(rollout: CaptureRecords, training: CaptureRecords) -> dict[tuple[int
         m.scale_mismatched = int((r.scales[r_rows] != t.scales[t_rows]).sum())
         values, counts = torch.unique(diff[diff != 0], return_counts=True)
         m.distance.update(dict(zip(values.tolist(), counts.tolist())))
+        if r.inputs is not None and t.inputs is not None and len(r_rows):
+            m.mse_quantized = (r.values()[r_rows] - t.values()[t_rows]).pow(2).mean().item()
+            m.mse_unquantized = (r.inputs[r_rows] - t.inputs[t_rows]).pow(2).mean().item()
         out[key] = m
     return out
+
+
+@dataclass
+class MismatchTally:
+    """Per-layer mismatch summed over several comparisons (a step's microbatches)."""
+
+    elements: Counter = field(default_factory=Counter)
+    mismatched: Counter = field(default_factory=Counter)
+    sq_quantized: Counter = field(default_factory=Counter)
+    sq_unquantized: Counter = field(default_factory=Counter)
+    distance: Counter = field(default_factory=Counter)
+
+    def add(self, report: dict[tuple[int, str], SiteMismatch]) -> None:
+        for (layer, _), m in report.items():
+            self.elements[layer] += m.elements
+            self.mismatched[layer] += m.mismatched
+            self.distance.update(m.distance)
+            if m.mse_quantized is not None:
+                self.sq_quantized[layer] += m.mse_quantized * m.elements
+                self.sq_unquantized[layer] += m.mse_unquantized * m.elements
+
+    def summary(self) -> dict:
+        layers = sorted(layer for layer, n in self.elements.items() if n)
+        total = sum(self.elements.values())
+        return {
+            "code_mismatch": sum(self.mismatched.values()) / total if total else None,
+            "code_mismatch_by_layer": {layer: self.mismatched[layer] / self.elements[layer] for layer in layers},
+            "relative_excess_mse_by_layer": {
+                layer: (self.sq_quantized[layer] - self.sq_unquantized[layer]) / self.sq_unquantized[layer]
+                for layer in layers
+                if self.sq_unquantized[layer]
+            },
+            "codeword_diff_hist": dict(sorted(self.distance.items())),
+        }

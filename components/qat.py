@@ -9,7 +9,12 @@ Methods (the paper's comparison):
 - ``quads``: asymmetric QAT, weights fake-quantized, activations and KV left in
   BF16 (QUADS, arXiv 2607.15810; its rollout-side compensation is not modelled);
 - ``trace``: as ``qat``, but each captured value rounds to the neighbouring
-  codeword the rollout's code points at, under the rollout's block scales.
+  codeword the rollout's code points at, under the rollout's block scales;
+- ``tis_sc``: BF16 training that corrects for the FP4 rollout in the loss
+  alone (truncated importance sampling with score centering, see :mod:`.rl`).
+
+QaRL (TBPO) is not offered: its sequence-level objective is not specified
+precisely enough in the sources we have to implement it faithfully.
 
 All methods share the rollout's static global scales, so that the only
 differences are the rounding and, for guided rows, the block scales.
@@ -25,7 +30,7 @@ from tracefp4.kernels import dequantize, fake_quantize, quantize
 from .guidance import GuidanceError, MicrobatchGuidance
 from .quant import ACTIVATION_SITES, QuantConfig, Recorder
 
-METHODS = ("bf16", "qat", "quads", "trace")
+METHODS = ("bf16", "qat", "quads", "trace", "tis_sc")
 
 
 @dataclass
@@ -90,7 +95,7 @@ class TrainingSites:
 
     def _fp4(self, layer: int, site: str, x: Tensor, expert: Tensor | None = None, token=None, slot=None) -> Tensor:
         fmt = self.quant.site_format(site)
-        if self.method == "bf16" or (self.method == "quads" and site != "expert_weights"):
+        if self.method in ("bf16", "tis_sc") or (self.method == "quads" and site != "expert_weights"):
             return x
         if site in ACTIVATION_SITES and self.quant.activations == "fp8":
             return fake_quantize(x, "fp8")
@@ -128,7 +133,7 @@ class TrainingSites:
 
     def expert_weights(self, layer, gate_up, down):
         fmt = self.quant.weights
-        if self.method == "bf16" or fmt is None:
+        if self.method in ("bf16", "tis_sc") or fmt is None:
             return gate_up, down
         # one global scale per expert and matrix, blocks along the input dim (as the rollout's)
         def fp4(w: Tensor) -> Tensor:

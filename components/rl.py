@@ -24,6 +24,8 @@ class SequenceBatch:
     lengths: Tensor
     response: Tensor
     rollout_logprobs: Tensor
+    topk_ids: Tensor | None = None  # [B, S-1, K]: the sampler's top-k tokens, when recorded
+    topk_logprobs: Tensor | None = None
 
     @classmethod
     def of(cls, trajectories: list[Trajectory], device="cpu") -> "SequenceBatch":
@@ -32,21 +34,32 @@ class SequenceBatch:
         tokens = torch.zeros(b, s, dtype=torch.long)
         response = torch.zeros(b, s - 1, dtype=torch.bool)
         rollout = torch.zeros(b, s - 1)
+        k = len(trajectories[0].topk_ids[0]) if trajectories[0].topk_ids else 0
+        topk_ids = torch.zeros(b, s - 1, k, dtype=torch.long)
+        topk_lp = torch.zeros(b, s - 1, k)
         for i, t in enumerate(trajectories):
             tokens[i, : len(t.tokens)] = torch.tensor(t.tokens)
             span = slice(len(t.prompt) - 1, len(t.tokens) - 1)
             response[i, span] = True
             rollout[i, span] = torch.tensor(t.logprobs)
+            if k:
+                topk_ids[i, span], topk_lp[i, span] = torch.tensor(t.topk_ids), torch.tensor(t.topk_logprobs)
         positions = torch.arange(s).expand(b, s)
-        return cls([t.id for t in trajectories], *(x.to(device) for x in (tokens, positions, lengths, response, rollout)))
+        tensors = [tokens, positions, lengths, response, rollout] + ([topk_ids, topk_lp] if k else [])
+        return cls([t.id for t in trajectories], *(x.to(device) for x in tensors))
 
 
-def token_logprobs(model: Transformer, batch: SequenceBatch, sites: Sites | None = None, temperature: float = 1.0) -> Tensor:
-    """``[B, S-1]`` log-probabilities of each next token under the training path."""
+def token_logprobs(
+    model: Transformer, batch: SequenceBatch, sites: Sites | None = None, temperature: float = 1.0, full: bool = False
+):
+    """``[B, S-1]`` log-probabilities of each next token under the training path
+    (with ``full``, also the whole ``[B, S-1, V]`` log-softmax)."""
     logits = model(batch.tokens, batch.positions, CausalAttention(batch.lengths), sites)[:, :-1].float()
     if temperature > 0:
         logits = logits / temperature
-    return F.log_softmax(logits, -1).gather(-1, batch.tokens[:, 1:, None])[..., 0]
+    every = F.log_softmax(logits, -1)
+    picked = every.gather(-1, batch.tokens[:, 1:, None])[..., 0]
+    return (picked, every) if full else picked
 
 
 def alignment_metrics(train: Tensor, rollout: Tensor, mask: Tensor) -> dict[str, float]:
@@ -98,3 +111,20 @@ def grpo_loss(
         "tis_weight_mean": tis[mask].mean().item(),
         "tis_truncated_fraction": (tis[mask] >= tis_cap).float().mean().item(),
     }
+
+
+def score_centering(every_logprobs: Tensor, batch: SequenceBatch, tis_cap: float) -> Tensor:
+    """Score centering (arXiv 2609.20807) with truncated IS, per token ``[B, S-1]``:
+    ``C = sum over the sampler's top-k v of stopgrad(m(v) - a p(v)) log p(v)``,
+    ``m = clamp(p, 0, cap q)``, ``a = clamp(1, 0, cap rho)``, tail
+    ``rho = (1 - sum q) / max(1 - sum p, 1e-6)``; ``p`` the training policy, ``q`` the sampler."""
+    if batch.topk_ids is None:
+        raise ValueError("score centering needs the sampler's top-k tokens: sample with record_topk > 0")
+    log_p = every_logprobs.gather(-1, batch.topk_ids)
+    p, q = log_p.exp(), batch.topk_logprobs.exp()
+    with torch.no_grad():
+        rho = (1 - q.sum(-1)) / (1 - p.sum(-1)).clamp_min(1e-6)
+        m = torch.minimum(p, tis_cap * q)
+        a = torch.clamp(torch.ones_like(rho), max=tis_cap * rho)
+        centered = m - a[..., None] * p
+    return (centered * log_p).sum(-1)

@@ -36,9 +36,10 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_tokens: tuple[int, ...] = ()
     seed: int = 0
+    record_topk: int = 0  # keep the sampler's k most likely tokens per step (score centering needs them)
 
     def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0 or self.max_new_tokens < 1:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or min(self.top_k, self.record_topk) < 0 or self.max_new_tokens < 1:
             raise ValueError(f"invalid sampling parameters {self}")
 
 
@@ -53,6 +54,8 @@ class Trajectory:
     response: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop" | "length"
+    topk_ids: list[list[int]] | None = None  # with record_topk: the sampler's k most likely tokens per step
+    topk_logprobs: list[list[float]] | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -81,8 +84,9 @@ class RolloutEngine(ABC):
         """Everything captured since the last drain."""
 
 
-def sample(logits: Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Tokens ``[B]`` drawn from ``logits [B, V]`` and their log-probabilities."""
+def sample(logits: Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+    """Tokens ``[B]`` drawn from ``logits [B, V]``, their log-probabilities, and
+    (with ``record_topk``) the ``(logprobs, ids)`` of the k most likely tokens."""
     logits = logits.float()
     scaled = logits / params.temperature if params.temperature > 0 else logits
     logprobs = F.log_softmax(scaled, -1)
@@ -100,7 +104,8 @@ def sample(logits: Tensor, params: SamplingParams, gen: torch.Generator) -> tupl
         cdf = scaled.softmax(-1).cumsum(-1)  # inverse-CDF draw: one uniform per row
         u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device) * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=cdf.shape[-1] - 1)
-    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0]
+    topk = torch.topk(logprobs, params.record_topk, -1) if params.record_topk else None
+    return tokens, logprobs.gather(-1, tokens[:, None])[:, 0], topk
 
 
 class KVCache:
@@ -277,13 +282,17 @@ class TorchEngine(RolloutEngine):
         logits = self._forward(tokens, positions, cache, traj)[torch.arange(b, device=dev), lengths - 1]
         responses: list[list[int]] = [[] for _ in range(b)]
         logprobs: list[list[float]] = [[] for _ in range(b)]
+        topk: list[tuple[list, list]] = [([], []) for _ in range(b)]
         results: dict[int, Trajectory] = {}
         active = torch.arange(b, device=dev)  # original index of each batch row
         while True:
-            new, lp = sample(logits, sampling, gen)
+            new, lp, top = sample(logits, sampling, gen)
             for row, (i, t, l) in enumerate(zip(active.tolist(), new.tolist(), lp.tolist())):
                 responses[i].append(t)
                 logprobs[i].append(l)
+                if top is not None:
+                    topk[i][0].append(top.indices[row].tolist())
+                    topk[i][1].append(top.values[row].tolist())
             lengths = lengths + 1  # sequence length including the new token
             stopped = torch.isin(new, stop)
             done = stopped | (torch.tensor([len(responses[i]) for i in active.tolist()], device=dev) >= sampling.max_new_tokens)
@@ -291,7 +300,8 @@ class TorchEngine(RolloutEngine):
                 i = active[row].item()
                 self._finish(cache, row, ids[i], int(lengths[row]) - 1)
                 reason = "stop" if stopped[row] else "length"
-                results[i] = Trajectory(ids[i], list(prompts[i]), responses[i], logprobs[i], reason)
+                top_ids, top_lp = topk[i] if sampling.record_topk else (None, None)
+                results[i] = Trajectory(ids[i], list(prompts[i]), responses[i], logprobs[i], reason, top_ids, top_lp)
             if done.all():
                 break
             if done.any():

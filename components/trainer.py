@@ -11,22 +11,24 @@ optimizer state beside them so that a run resumes. ``rl_round`` drives K steps.
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from .capture import CaptureRecords
+from .capture import Capture, CaptureConfig, CaptureRecords, TokenMap
 from .checkpoint import load_model, save_model
 from .guidance import GuidanceLoader, compact, write_step
+from .mismatch import MismatchTally, compare
 from .model import Transformer
 from .qat import TrainingSites
-from .rl import SequenceBatch, alignment_metrics, group_advantages, grpo_loss, token_logprobs
+from .rl import SequenceBatch, alignment_metrics, group_advantages, grpo_loss, score_centering, token_logprobs
 from .rollout import SamplingParams, TorchEngine, Trajectory
 
 OPTIMIZER_FILE = "optimizer.safetensors"
+SCORE_CENTERING_TOPK = 8  # sampler tokens score centering looks at
 STATE_FILE = "trainer_state.json"
 
 
@@ -59,8 +61,13 @@ class Trainer:
         n = self.config.microbatch_size
         return [trajectories[i : i + n] for i in range(0, len(trajectories), n)]
 
-    def train_step(self, trajectories: list[Trajectory], advantages: torch.Tensor, loader: GuidanceLoader | None) -> dict:
-        """One optimizer step over ``trajectories``; guidance comes microbatch by microbatch from ``loader``."""
+    def train_step(
+        self, trajectories: list[Trajectory], advantages: torch.Tensor, loader: GuidanceLoader | None,
+        rollout_records: CaptureRecords | None = None,
+    ) -> dict:  # fmt: skip
+        """One optimizer step over ``trajectories``; guidance comes microbatch by
+        microbatch from ``loader``. With the rollout's full capture, the training
+        path's codes are compared with it (per-layer mismatch, excess MSE)."""
         cfg = self.config
         parts = self.microbatches(trajectories)
         batches = [SequenceBatch.of(mb) for mb in parts]
@@ -69,20 +76,28 @@ class Trainer:
         adv = dict(zip((t.id for t in trajectories), advantages.tolist()))
         self.optimizer.zero_grad(set_to_none=True)
         stats, alignment, guided, captured, reload_s = {}, [], 0, 0, 0.0
+        tally = MismatchTally()
         for batch in batches:
             start = time.perf_counter()
             mb_guidance = next(guidance)
             reload_s += time.perf_counter() - start
+            recorder = self._recorder(batch, rollout_records) if rollout_records is not None else None
             sites = TrainingSites(self.engine.quant, cfg.method, self.engine.global_scales, trajectories=batch.trajectories,
-                                  seq_len=batch.tokens.shape[1], guidance=mb_guidance, compute_dtype=cfg.compute_dtype)  # fmt: skip
+                                  seq_len=batch.tokens.shape[1], guidance=mb_guidance, compute_dtype=cfg.compute_dtype,
+                                  recorder=recorder)  # fmt: skip
             with torch.autocast("cpu" if not batch.tokens.is_cuda else "cuda", dtype=cfg.compute_dtype):
-                logprobs = token_logprobs(self.model, batch, sites, cfg.temperature)
+                logprobs, every = token_logprobs(self.model, batch, sites, cfg.temperature, full=True)
+            mb_adv = torch.tensor([adv[t] for t in batch.trajectories])
             loss, loss_stats = grpo_loss(
-                logprobs, logprobs.detach(), batch.rollout_logprobs, torch.tensor([adv[t] for t in batch.trajectories]),
-                batch.response, clip=cfg.ppo_clip, tis_cap=cfg.tis_cap,
-            )  # fmt: skip
+                logprobs, logprobs.detach(), batch.rollout_logprobs, mb_adv, batch.response, clip=cfg.ppo_clip, tis_cap=cfg.tis_cap
+            )
+            if cfg.method == "tis_sc":
+                loss = loss + (mb_adv[:, None] * score_centering(every, batch, cfg.tis_cap))[batch.response].mean()
             weight = int(batch.response.sum()) / total_tokens
             (loss * weight).backward()
+            if recorder is not None:
+                recorder.end()
+                tally.add(compare(rollout_records, recorder.drain()))
             for k, v in {"loss": loss.item(), **loss_stats}.items():
                 stats[k] = stats.get(k, 0.0) + v * weight
             alignment.append((logprobs.detach(), batch))
@@ -96,7 +111,19 @@ class Trainer:
         stats.update(alignment_metrics(train_lp, rollout_lp, torch.ones_like(train_lp, dtype=torch.bool)))
         stats["guidance_coverage"] = guided / captured if captured else 0.0
         stats["reload_seconds"] = reload_s
+        if rollout_records is not None:
+            stats.update(tally.summary())
         return stats
+
+    def _recorder(self, batch: SequenceBatch, rollout: CaptureRecords) -> Capture:
+        """A capture of the training path's codes over the positions the rollout fed."""
+        keep_inputs = any(t.inputs is not None for t in rollout.tables.values())
+        config = CaptureConfig(max_tokens=batch.tokens.numel(), inputs=keep_inputs)
+        capture = Capture(self.model.cfg, self.engine.quant, config, self.engine.global_scales, kv_from_forward=True)
+        traj = torch.tensor(batch.trajectories)[:, None].expand_as(batch.positions)
+        fed = batch.positions < batch.lengths[:, None] - 1
+        capture.begin(TokenMap(torch.where(fed, traj, -1).reshape(-1), batch.positions.reshape(-1)))
+        return capture
 
     def save(self, path) -> Path:
         """Checkpoint: the model in the Hub layout plus optimizer and step, all-or-nothing."""
@@ -134,6 +161,7 @@ class RoundConfig:
     bits: int = 1
     layers: tuple[int, ...] | None = None  # None: every layer the capture holds
     prefix: str = "guidance"
+    measure_mismatch: bool = False  # compare training codes with the rollout's full capture every step
 
 
 def rl_round(
@@ -154,7 +182,8 @@ def rl_round(
         step, timings = trainer.step, {}
         start = time.perf_counter()
         batch = [p for p in prompts(step, config.prompts_per_step) for _ in range(config.group_size)]
-        trajectories = engine.generate(batch, SamplingParams(**{**sampling.__dict__, "seed": sampling.seed + step}))
+        topk = SCORE_CENTERING_TOPK if trainer.config.method == "tis_sc" else sampling.record_topk
+        trajectories = engine.generate(batch, replace(sampling, seed=sampling.seed + step, record_topk=topk))
         timings["rollout_seconds"] = time.perf_counter() - start
         start = time.perf_counter()
         records = engine.drain_capture() if engine.capture is not None else CaptureRecords()
@@ -170,7 +199,8 @@ def rl_round(
             loader = GuidanceLoader(store, step, ids, prefix=config.prefix, expect={"policy_version": engine.policy_version})
         rewards = torch.tensor([reward(t) for t in trajectories])
         start = time.perf_counter()
-        stats = trainer.train_step(trajectories, group_advantages(rewards, config.group_size), loader)
+        full = records if config.measure_mismatch else None
+        stats = trainer.train_step(trajectories, group_advantages(rewards, config.group_size), loader, full)
         timings["reload_seconds"] = stats.pop("reload_seconds")
         timings["train_seconds"] = time.perf_counter() - start - timings["reload_seconds"]
         engine.update_weights(trainer.model.state_dict())

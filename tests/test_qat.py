@@ -10,7 +10,14 @@ from tracefp4.components.mismatch import compare
 from tracefp4.components.model import build_model
 from tracefp4.components.qat import TrainingSites
 from tracefp4.components.quant import rollout_config
-from tracefp4.components.rl import SequenceBatch, alignment_metrics, group_advantages, grpo_loss, token_logprobs
+from tracefp4.components.rl import (
+    SequenceBatch,
+    alignment_metrics,
+    group_advantages,
+    grpo_loss,
+    score_centering,
+    token_logprobs,
+)
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
 
@@ -84,7 +91,7 @@ def test_every_method_trains_through_fake_quantization(method, tmp_path):
 def test_methods_quantize_what_they_should():
     x = torch.randn(4, 64)
     q = rollout_config("fp4_wa_kv")
-    for method, changed in [("bf16", False), ("quads", False), ("qat", True)]:
+    for method, changed in [("bf16", False), ("tis_sc", False), ("quads", False), ("qat", True)]:
         sites = TrainingSites(q, method, {})
         assert (not torch.equal(sites.moe_in(0, x), x)) == changed, method
     w = torch.randn(2, 64, 32)
@@ -113,3 +120,19 @@ def test_grpo_loss_and_advantages():
     assert loss.item() == pytest.approx(-1.2) and stats["clip_fraction"] == 1.0
     with pytest.raises(ValueError, match="do not split into groups of 4"):
         group_advantages(torch.zeros(6), 4)
+
+
+def test_score_centering_vanishes_on_policy():
+    model = build_model("smoke", seed=0)
+    engine = TorchEngine(model, dtype=torch.float32)
+    trajectories = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=4, record_topk=5, seed=1))
+    batch = SequenceBatch.of(trajectories)
+    assert batch.topk_ids.shape == (2, batch.tokens.shape[1] - 1, 5)
+    _, every = token_logprobs(model, batch, full=True)
+    centered = score_centering(every, batch, tis_cap=2.0)[batch.response]
+    assert centered.abs().max() < 1e-4  # training policy = sampler: nothing to correct
+    shifted = SequenceBatch.of(trajectories)
+    shifted.topk_logprobs = shifted.topk_logprobs - 1.5  # the sampler gave its top-k a fifth of the mass: IS truncates
+    assert score_centering(every, shifted, tis_cap=2.0)[batch.response].abs().max() > 1e-3
+    with pytest.raises(ValueError, match="record_topk"):
+        score_centering(every, SequenceBatch.of(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))), 2.0)

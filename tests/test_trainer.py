@@ -23,18 +23,19 @@ def even_tokens(trajectory):
 
 
 def setup(method, lr=1e-3):
-    engine = TorchEngine(build_model("smoke", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
+    engine = TorchEngine(build_model("smoke", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig(inputs=True))
     trainer = Trainer(build_model("smoke", seed=0), TrainConfig(method=method, learning_rate=lr, microbatch_size=4), engine)
     return engine, trainer
 
 
-@pytest.mark.parametrize("method", ["trace", "qat"])
+@pytest.mark.parametrize("method", ["trace", "qat", "quads", "tis_sc", "bf16"])
 def test_rl_round_end_to_end(method, tmp_path):
     engine, trainer = setup(method)
     store = open_store(str(tmp_path))
     before = trainer.model.model.layers[0].mlp.experts.gate_up.detach().clone()
     history = rl_round(engine, trainer, prompts, even_tokens, SamplingParams(max_new_tokens=6),
-                       RoundConfig(steps=2, prompts_per_step=2, group_size=4, bits=1, layers=(1,)), store)  # fmt: skip
+                       RoundConfig(steps=2, prompts_per_step=2, group_size=4, bits=1, layers=(1,), measure_mismatch=True),
+                       store)  # fmt: skip
     assert [h["step"] for h in history] == [0, 1] and trainer.step == 2 and engine.policy_version == 2
     for h in history:
         for key in ("reward_mean", "accuracy", "entropy", "response_length", "loss", "logprob_abs_diff_mean", "k3_kl",
@@ -42,8 +43,13 @@ def test_rl_round_end_to_end(method, tmp_path):
             assert key in h, key
         assert h["response_length"] == 6
     assert not torch.equal(before, trainer.model.model.layers[0].mlp.experts.gate_up)
+    if method in ("qat", "trace"):  # FP4 activations in training: codes compared with the rollout's
+        last = history[-1]
+        assert set(last["code_mismatch_by_layer"]) == {0, 1} and set(last["relative_excess_mse_by_layer"]) == {0, 1}
+        assert 0 <= last["code_mismatch"] < 0.5 and sum(last["codeword_diff_hist"].values()) > 0
     if method == "trace":
         assert all(h["guidance_coverage"] > 0.9 for h in history)
+        assert history[-1]["code_mismatch_by_layer"][1] < history[-1]["code_mismatch_by_layer"][0]  # layer 1 guided
         manifest = read_manifest(store, 1)
         assert manifest["layers"] == [1] and manifest["bits"] == [1] and manifest["policy_version"] == 1
     else:
