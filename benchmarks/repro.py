@@ -13,6 +13,7 @@ measures alignment, not task accuracy. Prints a markdown table, then one JSON li
 import argparse
 import json
 import tempfile
+from dataclasses import replace
 
 import torch
 
@@ -22,6 +23,8 @@ from tracefp4.components.quant import rollout_config
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
 from tracefp4.components.trainer import RoundConfig, TrainConfig, Trainer, rl_round
+
+COMPENSATED_CHANNELS = 8  # QUADS' rollout: the 8 worst of each activation's channels kept exact
 
 RUNS = {  # label: (method, guidance bits, guided layers: "all" or "deeper half")
     "qat": ("qat", 4, "all"),
@@ -36,7 +39,10 @@ def run(label: str, args) -> list[dict]:
     model = build_model("tiny", seed=0)
     layers = model.cfg.sparse_layers
     chosen = tuple(layers) if which == "all" else tuple(layers[len(layers) // 2 :])
-    engine = TorchEngine(model, rollout_config("fp4_wa_kv"), capture=CaptureConfig(max_tokens=4096, inputs=True))
+    quant = rollout_config("fp4_wa_kv")
+    if method == "quads":
+        quant = replace(quant, compensated_channels=COMPENSATED_CHANNELS)
+    engine = TorchEngine(model, quant, capture=CaptureConfig(max_tokens=4096, inputs=True))
     trainer = Trainer(build_model("tiny", seed=0), TrainConfig(method=method, learning_rate=1e-4, microbatch_size=16), engine)
 
     def prompts(step: int, n: int) -> list[list[int]]:

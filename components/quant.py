@@ -41,8 +41,13 @@ class QuantConfig:
     weights: str | None = None
     activations: str | None = None
     kv: str | None = None
+    # QUADS-style residual activation compensation: per FP4 activation tensor, the
+    # channels with the largest mean quantization error take back their exact values
+    compensated_channels: int = 0
 
     def __post_init__(self):
+        if self.compensated_channels < 0:
+            raise ValueError(f"compensated_channels must be >= 0, got {self.compensated_channels}")
         for part, value, allowed in [
             ("weights", self.weights, FP4_FORMATS),
             ("activations", self.activations, FP4_FORMATS + ("fp8",)),
@@ -173,7 +178,11 @@ class QuantSites:
         qt = self.quantize(layer, site, x)
         if self.recorder is not None:
             self.recorder.record(layer, site, x, qt, token, slot, expert)
-        return dequantize(qt).to(x.dtype)
+        values = dequantize(qt).to(x.dtype)
+        if self.q.compensated_channels and x.shape[0]:
+            worst = (x - values).abs().float().mean(0).topk(min(self.q.compensated_channels, x.shape[1])).indices
+            values[:, worst] = x[:, worst]  # the residual goes back in for the highest-error channels
+        return values
 
     def moe_in(self, layer, x):
         return self._activation(layer, "moe_in", x)

@@ -8,6 +8,7 @@ and saves checkpoints in the Hugging Face layout, atomically, with the
 optimizer state beside them so that a run resumes. ``rl_round`` drives K steps.
 """
 
+import copy
 import json
 import time
 from collections.abc import Callable
@@ -44,6 +45,7 @@ class TrainConfig:
     microbatch_size: int = 8
     ppo_clip: float = 0.2
     tis_cap: float = 2.0
+    kl_coef: float = 0.0  # > 0: penalize the k3 KL to the initial policy (the reference)
     temperature: float = 1.0
     compute_dtype: torch.dtype = torch.bfloat16
 
@@ -56,6 +58,7 @@ class Trainer:
             model.parameters(), lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay
         )
         self.step = 0
+        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if config.kl_coef > 0 else None
 
     def microbatches(self, trajectories: list[Trajectory]) -> list[list[Trajectory]]:
         n = self.config.microbatch_size
@@ -85,7 +88,7 @@ class Trainer:
             sites = TrainingSites(self.engine.quant, cfg.method, self.engine.global_scales, trajectories=batch.trajectories,
                                   seq_len=batch.tokens.shape[1], guidance=mb_guidance, compute_dtype=cfg.compute_dtype,
                                   recorder=recorder)  # fmt: skip
-            with torch.autocast("cpu" if not batch.tokens.is_cuda else "cuda", dtype=cfg.compute_dtype):
+            with torch.autocast(batch.tokens.device.type, dtype=cfg.compute_dtype):
                 logprobs, every = token_logprobs(self.model, batch, sites, cfg.temperature, full=True)
             mb_adv = torch.tensor([adv[t] for t in batch.trajectories])
             loss, loss_stats = grpo_loss(
@@ -93,6 +96,13 @@ class Trainer:
             )
             if cfg.method == "tis_sc":
                 loss = loss + (mb_adv[:, None] * score_centering(every, batch, cfg.tis_cap))[batch.response].mean()
+            if self.reference is not None:
+                with torch.no_grad(), torch.autocast(batch.tokens.device.type, dtype=cfg.compute_dtype):
+                    ref = token_logprobs(self.reference, batch, sites, cfg.temperature)
+                log_ratio = (ref - logprobs)[batch.response].clamp(-10, 10)
+                kl = (log_ratio.exp() - log_ratio - 1).mean()  # k3 estimate of KL(policy || reference)
+                loss = loss + cfg.kl_coef * kl
+                loss_stats["kl_to_reference"] = kl.item()
             weight = int(batch.response.sum()) / total_tokens
             (loss * weight).backward()
             if recorder is not None:

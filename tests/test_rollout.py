@@ -1,5 +1,7 @@
 """The rollout engine: sampling, logprobs, batching, FP4 KV cache, weight sync."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -113,3 +115,14 @@ def test_bad_requests(model):
         make_engine("sglang", model)
     with pytest.raises(RuntimeError, match="captures nothing"):
         engine.drain_capture()
+
+
+def test_residual_activation_compensation_brings_fp4_closer_to_bf16(model):
+    x = torch.randn(32, 64) * torch.linspace(0.1, 5.0, 64)  # some channels far larger than others
+    plain = QuantSites(rollout_config("fp4_wa"), {})
+    compensated = QuantSites(replace(rollout_config("fp4_wa"), compensated_channels=8), {})
+    err_plain = (plain.moe_in(0, x) - x).abs()
+    err_comp = (compensated.moe_in(0, x) - x).abs()
+    assert (err_comp.sum(0) == 0).sum() == 8 and err_comp.sum() < err_plain.sum()
+    out = TorchEngine(model, replace(rollout_config("fp4_wa"), compensated_channels=4)).generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    assert len(out[0].response) == 2

@@ -91,3 +91,14 @@ def test_checkpoint_resume(tmp_path):
         rl_round(t.engine, t, prompts, even_tokens, SamplingParams(max_new_tokens=4), RoundConfig(steps=1, prompts_per_step=2, group_size=2), store)
     for a, b in zip(trainer.model.parameters(), resumed.model.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_tiny_preset_round_with_kl_to_the_reference(tmp_path):
+    """The RL loop on the tiny preset, with the KL penalty on."""
+    engine = TorchEngine(build_model("tiny", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
+    trainer = Trainer(build_model("tiny", seed=0), TrainConfig(method="trace", kl_coef=0.1, microbatch_size=8), engine)
+    history = rl_round(engine, trainer, prompts, even_tokens, SamplingParams(max_new_tokens=6),
+                       RoundConfig(steps=2, prompts_per_step=2, group_size=4, bits=1, layers=(2, 3)), open_store(str(tmp_path)))  # fmt: skip
+    assert history[0]["kl_to_reference"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
+    assert history[1]["kl_to_reference"] > 0
+    assert history[1]["guidance_coverage"] > 0.7  # the rest: slots the two paths routed to different experts
