@@ -1,0 +1,374 @@
+"""Verifiable tasks: generated problems whose reward a program computes.
+
+Three families, each with difficulty 1 (easiest) to 5 and seeded generation:
+
+- ``arithmetic``: ``12+345=`` -> ``357`` (difficulty: operands and digits);
+- ``countdown``: ``numbers 3 7 25 target 46:`` -> ``25+3*7`` (each number at most
+  once, + - * and exact /; difficulty: how many numbers, how large);
+- ``program``: ``[3,1,2]->[1,3]; [5,4]->[5]; program:`` -> ``filter odd | sort``
+  in the language of :mod:`.interpreter` (difficulty: stages, value range).
+
+A response is read up to the first newline (:data:`END`, the end marker a
+policy learns from :func:`format_target`); its reward is 1.0 when correct and
+0.0 for anything else, garbage included, never an exception. Answers are
+checked by small parsers here and in :mod:`.interpreter`, never by Python's
+``eval``.
+"""
+
+import random
+from abc import ABC, abstractmethod
+from collections import Counter
+from dataclasses import dataclass
+from typing import Protocol
+
+from . import interpreter
+from .interpreter import ProgramError, format_value
+
+END = "\n"
+DIFFICULTIES = (1, 2, 3, 4, 5)
+MAX_EXPRESSION = 200  # characters of a countdown answer
+_EXPRESSION_DEPTH = 16
+_DIGITS = "0123456789"
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One generated problem; ``answer`` is a reference answer, ``meta`` what the reward checks against."""
+
+    task: str
+    prompt: str
+    answer: str
+    meta: dict
+
+
+class Task(Protocol):
+    name: str
+
+    def generate(self, n: int, seed: int, difficulty: int) -> list[Problem]:
+        """``n`` problems with distinct prompts, the same for the same arguments."""
+        ...
+
+    def reward(self, problem: Problem, response: str) -> float:
+        """1.0 if ``response`` solves ``problem``, else 0.0; never raises on a bad response."""
+        ...
+
+
+def format_example(problem: Problem) -> str:
+    """What the policy is given."""
+    return problem.prompt
+
+
+def format_target(problem: Problem) -> str:
+    """What a supervised bootstrap teaches it to write: the answer, then the end marker."""
+    return problem.answer + END
+
+
+def _answer_text(response: str) -> str:
+    """The part of a response that counts: up to the end marker, trimmed."""
+    return response.partition(END)[0].strip() if isinstance(response, str) else ""
+
+
+class _Generated(ABC):
+    """Seeded generation of distinct problems from a task's ``draw``."""
+
+    name: str
+
+    @abstractmethod
+    def draw(self, rng: random.Random, difficulty: int) -> Problem | None:
+        """One random problem, or None to draw again."""
+
+    def generate(self, n: int, seed: int, difficulty: int) -> list[Problem]:
+        if difficulty not in DIFFICULTIES:
+            raise ValueError(f"difficulty {difficulty} is outside 1..5")
+        if n < 0:
+            raise ValueError(f"cannot generate {n} problems")
+        # a string seed keys the stream by task and difficulty, the same in every process
+        rng = random.Random(f"{self.name}/{difficulty}/{seed}")
+        problems, seen, misses = [], set(), 0
+        while len(problems) < n:
+            problem = self.draw(rng, difficulty)
+            if problem is None or problem.prompt in seen:
+                misses += 1
+                if misses > 1000 + 10 * n:
+                    raise ValueError(f"{self.name} at difficulty {difficulty} has fewer than {n} distinct problems")
+                continue
+            seen.add(problem.prompt)
+            problems.append(problem)
+        return problems
+
+    def _check(self, problem: Problem) -> None:
+        if problem.task != self.name:
+            raise ValueError(f"a {problem.task!r} problem given to the {self.name!r} task")
+
+
+# -- integer expressions: arithmetic prompts and countdown answers -------------
+
+
+def _combine(op: str, a: int, b: int) -> int | None:
+    """``a op b``; None for a division that is not exact."""
+    if op == "/":
+        return a // b if b and a % b == 0 else None
+    return a + b if op == "+" else a - b if op == "-" else a * b
+
+
+class _Expression:
+    """Recursive descent over + - * / and parentheses with the usual precedence."""
+
+    def __init__(self, text: str):
+        self.tokens, self.i, self.numbers = [], 0, []
+        i = 0
+        while i < len(text):
+            start = i
+            if text[i] in _DIGITS:
+                while i < len(text) and text[i] in _DIGITS:
+                    i += 1
+                number = text[start:i]
+                if len(number) > 12 or (number[0] == "0" and len(number) > 1):
+                    raise ValueError(f"bad number {number[:20]!r}")
+                self.tokens.append(number)
+                continue
+            if text[i] in "+-*/()":
+                self.tokens.append(text[i])
+            elif text[i] != " ":
+                raise ValueError(f"unexpected character {text[i]!r}")
+            i += 1
+
+    def take(self) -> str:
+        if self.i == len(self.tokens):
+            raise ValueError("unexpected end of expression")
+        self.i += 1
+        return self.tokens[self.i - 1]
+
+    def peek(self) -> str | None:
+        return self.tokens[self.i] if self.i < len(self.tokens) else None
+
+    def sum(self, depth: int) -> int:
+        value = self.product(depth)
+        while self.peek() in ("+", "-"):
+            op = self.take()
+            value = _combine(op, value, self.product(depth))
+        return value
+
+    def product(self, depth: int) -> int:
+        value = self.atom(depth)
+        while self.peek() in ("*", "/"):
+            op = self.take()
+            value = _combine(op, value, self.atom(depth))
+            if value is None:
+                raise ValueError("division is not exact")
+        return value
+
+    def atom(self, depth: int) -> int:
+        if depth > _EXPRESSION_DEPTH:
+            raise ValueError("parentheses nested too deep")
+        token = self.take()
+        if token == "(":
+            value = self.sum(depth + 1)
+            if self.take() != ")":
+                raise ValueError("missing ')'")
+            return value
+        if token[0] not in _DIGITS:
+            raise ValueError(f"expected a number, found {token!r}")
+        self.numbers.append(int(token))
+        return int(token)
+
+
+def evaluate_expression(text: str) -> tuple[int, list[int]]:
+    """The value of an integer expression (+ - * / and parentheses, / only when
+    exact, no unary minus) and the numbers it uses in order; ValueError otherwise."""
+    if len(text) > MAX_EXPRESSION:
+        raise ValueError(f"expression of {len(text)} characters; the limit is {MAX_EXPRESSION}")
+    parser = _Expression(text)
+    value = parser.sum(0)
+    if parser.peek() is not None:
+        raise ValueError(f"unexpected {parser.peek()!r}")
+    return value, parser.numbers
+
+
+# -- arithmetic --------------------------------------------------------------
+
+ARITHMETIC_LEVELS = {1: (2, 1), 2: (2, 2), 3: (3, 2), 4: (3, 3), 5: (4, 3)}  # difficulty: (operands, digits)
+
+
+class Arithmetic(_Generated):
+    name = "arithmetic"
+
+    def draw(self, rng: random.Random, difficulty: int) -> Problem:
+        operands, digits = ARITHMETIC_LEVELS[difficulty]
+        low = 10 ** (digits - 1) if digits > 1 else 0
+        numbers = [rng.randrange(low, 10**digits) for _ in range(operands)]
+        expression = str(numbers[0]) + "".join(rng.choice("+-*") + str(x) for x in numbers[1:])
+        value, _ = evaluate_expression(expression)
+        return Problem(self.name, expression + "=", str(value), {"operands": numbers, "digits": digits})
+
+    def reward(self, problem: Problem, response: str) -> float:
+        self._check(problem)
+        return float(_answer_text(response) == problem.answer)
+
+
+# -- countdown ---------------------------------------------------------------
+
+COUNTDOWN_LEVELS = {1: (3, 10), 2: (3, 25), 3: (4, 25), 4: (4, 50), 5: (5, 100)}  # difficulty: (numbers, largest)
+MAX_TARGET = 1000
+
+
+def _random_expression(rng: random.Random, numbers: list[int]) -> tuple[str, int, int] | None:
+    """A random expression using every number once in the given order, with
+    positive integer intermediates: (text, value, precedence), or None."""
+    if len(numbers) == 1:
+        return str(numbers[0]), numbers[0], 3
+    k = rng.randint(1, len(numbers) - 1)
+    left, right = _random_expression(rng, numbers[:k]), _random_expression(rng, numbers[k:])
+    if left is None or right is None:
+        return None
+    (left_text, a, left_prec), (right_text, b, right_prec) = left, right
+    for op in rng.sample("+-*/", 4):
+        value = _combine(op, a, b)
+        if value is not None and value > 0:
+            break
+    else:
+        return None
+    prec = 1 if op in "+-" else 2
+    if left_prec < prec:
+        left_text = f"({left_text})"
+    if right_prec < prec or (right_prec == prec and op in "-/"):
+        right_text = f"({right_text})"
+    return left_text + op + right_text, value, prec
+
+
+class Countdown(_Generated):
+    name = "countdown"
+
+    def draw(self, rng: random.Random, difficulty: int) -> Problem | None:
+        count, largest = COUNTDOWN_LEVELS[difficulty]
+        numbers = [rng.randint(1, largest) for _ in range(count)]
+        built = _random_expression(rng, numbers)
+        if built is None or not 1 <= built[1] <= MAX_TARGET or built[1] in numbers:
+            return None
+        text, target, _ = built
+        numbers.sort()  # the prompt shows a multiset, whatever order the expression drew
+        prompt = f"numbers {' '.join(map(str, numbers))} target {target}:"
+        return Problem(self.name, prompt, text, {"numbers": numbers, "target": target})
+
+    def reward(self, problem: Problem, response: str) -> float:
+        self._check(problem)
+        try:
+            value, used = evaluate_expression(_answer_text(response))
+        except ValueError:
+            return 0.0
+        unavailable = Counter(used) - Counter(problem.meta["numbers"])
+        return float(value == problem.meta["target"] and not unavailable)
+
+
+# -- program synthesis ---------------------------------------------------------
+
+# difficulty: (stages, lowest element, highest element, two-stage bodies under map/filter)
+PROGRAM_LEVELS = {
+    1: (1, 0, 9, False), 2: (2, 0, 9, False), 3: (2, -9, 9, False), 4: (3, -9, 9, True), 5: (4, -20, 20, True),
+}  # fmt: skip
+_SHOWN_LEN = 8  # longest list an example shows
+_SHOWN_INT = 10**5  # largest integer an example shows
+
+
+_FUNCTION_ARGS = {"+": (1, 9), "-": (1, 9), "*": (2, 5), "/": (2, 4), "%": (2, 5)}  # literal range per operator
+
+
+def _function(rng: random.Random, composite: bool) -> str:
+    if composite and rng.random() < 0.3:
+        return f"({_function(rng, False)} | {_function(rng, False)})"
+    op = rng.choice([*_FUNCTION_ARGS, "sq", "neg", "abs"])
+    return f"{op}{rng.randint(*_FUNCTION_ARGS[op])}" if op in _FUNCTION_ARGS else op
+
+
+def _predicate(rng: random.Random, low: int, high: int, composite: bool) -> str:
+    if composite and rng.random() < 0.3:
+        return f"({_function(rng, False)} | {_predicate(rng, low, high, False)})"
+    op = rng.choice(["even", "odd", ">", "<"])
+    return f"{op}{rng.randint(low, high)}" if op in (">", "<") else op
+
+
+def _stage(rng: random.Random, low: int, high: int, composite: bool) -> str:
+    kind = rng.choice(["map", "filter", "list", "count", "reduce", "int"])
+    if kind == "map":
+        return f"map {_function(rng, composite)}"
+    if kind == "filter":
+        return f"filter {_predicate(rng, low, high, composite)}"
+    if kind == "list":
+        return rng.choice(["sort", "rev"])
+    if kind == "count":
+        return f"{rng.choice(['take', 'drop'])} {rng.randint(1, 3)}"
+    if kind == "reduce":
+        return rng.choice(["sum", "len", "max", "min", "head", "last"])
+    return "range" if rng.random() < 0.2 else _function(rng, False)
+
+
+def _shown(value) -> bool:
+    values = value if isinstance(value, list) else [value]
+    return len(values) <= _SHOWN_LEN and all(abs(v) < _SHOWN_INT for v in values)
+
+
+class ProgramSynthesis(_Generated):
+    name = "program"
+
+    def draw(self, rng: random.Random, difficulty: int) -> Problem | None:
+        stages, low, high, composite = PROGRAM_LEVELS[difficulty]
+        shown = 2 if difficulty == 1 else 3
+        inputs = []
+        while len(inputs) < shown + 1:  # the last one is held out
+            x = [rng.randint(low, high) for _ in range(rng.randint(3, 6))]
+            if x not in inputs:
+                inputs.append(x)
+        program, outputs = [], inputs
+        for _ in range(stages):
+            for _attempt in range(20):  # draw again for a stage of the wrong type, or one that changes nothing
+                stage = _stage(rng, low, high, composite)
+                try:
+                    changed = [interpreter.run(" | ".join([*program, stage]), x) for x in inputs]
+                except ProgramError:
+                    continue
+                if changed != outputs:
+                    program.append(stage)
+                    outputs = changed
+                    break
+            else:
+                return None
+        constant = all(y == outputs[0] for y in outputs)
+        uninformative = outputs == inputs or outputs.count([]) > 1
+        if constant or uninformative or not all(map(_shown, outputs)):
+            return None
+        examples = [[x, y] for x, y in zip(inputs, outputs)]
+        prompt = "; ".join(f"{format_value(x)}->{format_value(y)}" for x, y in examples[:shown]) + "; program:"
+        meta = {"examples": examples[:shown], "hidden": examples[shown]}
+        return Problem(self.name, prompt, " | ".join(program), meta)
+
+    def reward(self, problem: Problem, response: str) -> float:
+        self._check(problem)
+        program = _answer_text(response)
+        try:
+            examples = [*problem.meta["examples"], problem.meta["hidden"]]
+            correct = all(interpreter.run(program, x) == y for x, y in examples)
+        except ProgramError:
+            return 0.0
+        return float(correct)
+
+
+# -- registry ------------------------------------------------------------------
+
+TASKS: dict[str, Task] = {task.name: task for task in (Arithmetic(), Countdown(), ProgramSynthesis())}
+
+
+def get_task(name: str) -> Task:
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown task {name!r}; expected one of {sorted(TASKS)}") from None
+
+
+def split(
+    task: "str | Task", train_size: int, test_size: int, seed: int, difficulty: int
+) -> tuple[list[Problem], list[Problem]]:
+    """Disjoint train and test problems, the same for the same seed. The test
+    set comes first, so it stays put when ``train_size`` changes."""
+    task = get_task(task) if isinstance(task, str) else task
+    problems = task.generate(test_size + train_size, seed, difficulty)
+    return problems[test_size:], problems[:test_size]

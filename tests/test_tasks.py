@@ -1,0 +1,235 @@
+"""Verifiable tasks and their tokenizer: reference answers earn 1.0, anything
+else 0.0 without raising; splits are disjoint and seeded; every character
+the tasks write fits the smoke model's vocabulary."""
+
+import typing
+from collections import Counter
+
+import pytest
+
+from tracefp4.components import interpreter
+from tracefp4.components.tasks import (
+    ARITHMETIC_LEVELS,
+    COUNTDOWN_LEVELS,
+    DIFFICULTIES,
+    END,
+    PROGRAM_LEVELS,
+    TASKS,
+    Problem,
+    evaluate_expression,
+    format_example,
+    format_target,
+    get_task,
+    split,
+)
+from tracefp4.components.tokenizer import (
+    BOS,
+    EOS,
+    PAD,
+    UNK,
+    VOCAB_SIZE,
+    build_tokenizer,
+    decode,
+    encode,
+    load_tokenizer,
+    save_tokenizer,
+)
+from tracefp4.schemas import TaskName
+
+CASES = [(name, d) for name in TASKS for d in DIFFICULTIES]
+
+
+@pytest.fixture(scope="module")
+def problems() -> dict:
+    return {(name, d): get_task(name).generate(40, seed=0, difficulty=d) for name, d in CASES}
+
+
+def test_task_names_match_the_run_schema():
+    assert set(TASKS) == set(typing.get_args(TaskName))
+    assert all(task.name == name for name, task in TASKS.items())
+    with pytest.raises(ValueError, match="unknown task 'poetry'"):
+        get_task("poetry")
+
+
+@pytest.mark.parametrize("name, difficulty", CASES)
+def test_reference_answers_earn_full_reward(problems, name, difficulty):
+    task = get_task(name)
+    for problem in problems[name, difficulty]:
+        assert problem.task == name
+        assert format_example(problem) == problem.prompt
+        assert format_target(problem) == problem.answer + END
+        assert task.reward(problem, problem.answer) == 1.0
+        assert task.reward(problem, format_target(problem)) == 1.0
+        assert task.reward(problem, f"  {problem.answer}\nwhatever follows") == 1.0
+
+
+BAD_RESPONSES = [
+    "",
+    " ",
+    END,
+    "garbage",
+    "\x00\x00",
+    "__import__('os').system('x')",
+    "open('/etc/passwd').read()",
+    "lambda: 0",
+    "().__class__.__bases__[0]",
+    "f'{1}'",
+    "１２３",
+    "9" * 100_000,
+    "(" * 10_000,
+    "sq | " * 1000,
+    "1/0",
+    "<eos>",
+    None,
+]
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_bad_responses_earn_nothing(problems, name):
+    task = get_task(name)
+    for problem in problems[name, 3][:10]:
+        for response in BAD_RESPONSES + [f"garbage{END}{problem.answer}", problem.answer + "("]:
+            assert task.reward(problem, response) == 0.0, (problem, response)
+    wrong = {"arithmetic": "1" + problems[name, 3][0].answer, "countdown": "1+1", "program": "len | neg | -1"}[name]
+    assert task.reward(problems[name, 3][0], wrong) == 0.0
+
+
+def test_a_problem_of_another_task_is_refused(problems):
+    with pytest.raises(ValueError, match="a 'countdown' problem given to the 'arithmetic' task"):
+        get_task("arithmetic").reward(problems["countdown", 1][0], "1")
+
+
+def test_arithmetic_difficulty_sets_operands_and_digits(problems):
+    for d in DIFFICULTIES:
+        operands, digits = ARITHMETIC_LEVELS[d]
+        for p in problems["arithmetic", d]:
+            assert len(p.meta["operands"]) == operands
+            assert all(len(str(x)) == digits for x in p.meta["operands"])
+            assert p.prompt.endswith("=") and sum(p.prompt.count(op) for op in "+-*") == operands - 1
+    assert get_task("arithmetic").reward(Problem("arithmetic", "2+3*4=", "14", {}), "14") == 1.0
+
+
+def test_countdown_instances_are_solvable_and_scale(problems):
+    for d in DIFFICULTIES:
+        count, largest = COUNTDOWN_LEVELS[d]
+        for p in problems["countdown", d]:
+            numbers, target = p.meta["numbers"], p.meta["target"]
+            assert len(numbers) == count and all(1 <= x <= largest for x in numbers)
+            assert p.prompt == f"numbers {' '.join(map(str, numbers))} target {target}:"
+            value, used = evaluate_expression(p.answer)
+            assert value == target and Counter(used) == Counter(numbers)
+
+
+def test_countdown_checks_numbers_and_target():
+    task = get_task("countdown")
+    problem = Problem("countdown", "numbers 2 3 7 target 13:", "2*3+7", {"numbers": [2, 3, 7], "target": 13})
+    for right in ["2*3+7", "7+3*2", "(7 + 3 * 2)", "7+2*3"]:
+        assert task.reward(problem, right) == 1.0
+    for wrong in ["13", "7+3+3", "2*7-1", "7*2-1", "2*3+7+0", "-2+15", "26/2", "2*3*7", "7+6", "(2*3+7"]:
+        assert task.reward(problem, wrong) == 0.0, wrong
+    exact = Problem("countdown", "numbers 2 7 target 3:", "7-2*2", {"numbers": [2, 7], "target": 3})
+    assert task.reward(exact, "7/2") == 0.0  # inexact division is not allowed
+
+
+@pytest.mark.parametrize(
+    "text, value, numbers",
+    [("2+3*4", 14, [2, 3, 4]), ("(2+3)*4", 20, [2, 3, 4]), ("8/4/2", 1, [8, 4, 2]), ("9-4-3", 2, [9, 4, 3]), ("0", 0, [0])],
+)
+def test_evaluate_expression(text, value, numbers):
+    assert evaluate_expression(text) == (value, numbers)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "7/2", "8/0", "1+", "+1", "007", "2**3", "2 3", "()", "1e3", "١", "1" * 13, "(" * 20 + "1" + ")" * 20, "1+" * 101 + "1"],
+)
+def test_evaluate_expression_refuses(text):
+    with pytest.raises(ValueError):
+        evaluate_expression(text)
+
+
+def test_program_difficulty_sets_stages_and_values(problems):
+    for d in DIFFICULTIES:
+        stages, low, high, _ = PROGRAM_LEVELS[d]
+        for p in problems["program", d]:
+            assert len(interpreter.parse(p.answer)) == stages
+            examples = [*p.meta["examples"], p.meta["hidden"]]
+            assert len(p.meta["examples"]) == (2 if d == 1 else 3)
+            assert all(low <= v <= high for x, _ in examples for v in x)
+            assert all(f"{interpreter.format_value(x)}->{interpreter.format_value(y)}" in p.prompt for x, y in p.meta["examples"])
+            assert p.meta["hidden"][0] not in [x for x, _ in p.meta["examples"]]
+
+
+def test_program_reward_needs_the_hidden_example():
+    task = get_task("program")
+    meta = {"examples": [[[1, 2, 3], 6], [[2, 2, 2], 6]], "hidden": [[5], 5]}
+    problem = Problem("program", "[1,2,3]->6; [2,2,2]->6; program:", "sum", meta)
+    assert task.reward(problem, "sum") == 1.0
+    assert task.reward(problem, "rev | sum | *1") == 1.0  # any program that reproduces every example
+    assert task.reward(problem, "len | *2") == 0.0  # right on the shown examples only
+    assert task.reward(problem, "map") == 0.0
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_splits_are_disjoint_and_seeded(name):
+    train, test = split(name, 30, 10, seed=1, difficulty=2)
+    assert len(train) == 30 and len(test) == 10
+    assert not {p.prompt for p in train} & {p.prompt for p in test}
+    assert len({p.prompt for p in train}) == 30
+    assert split(get_task(name), 30, 10, seed=1, difficulty=2) == (train, test)
+    assert split(name, 30, 10, seed=2, difficulty=2)[0] != train
+    assert split(name, 5, 10, seed=1, difficulty=2)[1] == test  # the test set does not move with train_size
+    assert split(name, 30, 10, seed=1, difficulty=3)[0] != train
+
+
+def test_generation_limits():
+    with pytest.raises(ValueError, match="difficulty 6 is outside 1..5"):
+        get_task("program").generate(1, seed=0, difficulty=6)
+    with pytest.raises(ValueError, match="fewer than 1000 distinct problems"):
+        get_task("arithmetic").generate(1000, seed=0, difficulty=1)  # 10 x 3 x 10 prompts exist
+    assert len(get_task("arithmetic").generate(288, seed=0, difficulty=1)) == 288  # the tiny preset's size
+
+
+@pytest.mark.parametrize("name", TASKS)
+def test_every_character_fits_the_smoke_vocabulary(problems, name):
+    tok = build_tokenizer()
+    for d in DIFFICULTIES:
+        for p in problems[name, d]:
+            for text in (format_example(p), format_target(p)):
+                ids = encode(tok, text)
+                assert UNK not in ids and max(ids) < 256 and len(ids) == len(text)
+                assert decode(tok, ids) == text
+
+
+# -- tokenizer ------------------------------------------------------------------
+
+
+def test_tokenizer_vocabulary():
+    tok = build_tokenizer()
+    assert tok.get_vocab_size() == VOCAB_SIZE <= 256
+    assert [tok.token_to_id(t) for t in ("<pad>", "<bos>", "<eos>", "<unk>")] == [PAD, BOS, EOS, UNK]
+    assert build_tokenizer().to_str() == tok.to_str()  # deterministic
+    printable = "".join(chr(c) for c in range(32, 127)) + "\n"
+    assert decode(tok, encode(tok, printable)) == printable
+    assert encode(tok, "1é\x00") == [encode(tok, "1")[0], UNK, UNK]
+    assert encode(tok, "12", bos=True) == [BOS, *encode(tok, "12")]
+    assert decode(tok, [BOS, *encode(tok, "7+1="), EOS, PAD]) == "7+1="
+
+
+def test_tokenizer_save_and_load(tmp_path):
+    tok = build_tokenizer()
+    path = save_tokenizer(tok, tmp_path / "ckpt")
+    assert path == tmp_path / "ckpt" / "tokenizer.json"
+    assert [f.name for f in path.parent.iterdir()] == ["tokenizer.json"]  # no temp file left
+    loaded = load_tokenizer(tmp_path / "ckpt")
+    text = "numbers 3 7 25 target 46:25+3*7\n"
+    assert encode(loaded, text) == encode(tok, text) and decode(loaded, encode(loaded, text)) == text
+    save_tokenizer(tok, tmp_path / "ckpt")  # overwrites in place
+
+    transformers = pytest.importorskip("transformers")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token="<eos>", pad_token="<pad>")
+    assert fast.encode(text, add_special_tokens=False) == encode(tok, text)
+    assert fast.eos_token_id == EOS and fast.decode(encode(tok, text) + [EOS], skip_special_tokens=True) == text
+
+    with pytest.raises(FileNotFoundError, match="no tokenizer at .*missing.*tokenizer.json"):
+        load_tokenizer(tmp_path / "missing")
