@@ -12,8 +12,6 @@ install:
 test: install
 	$(PYTHON) -m pytest
 
-# The main job. Today: the kernel, rollout and guidance benchmarks; it grows into the local pipeline run.
+# The main job: the whole pipeline on this machine (kfp.local), the tiny preset.
 run: install
-	$(PYTHON) benchmarks/kernels.py
-	$(PYTHON) benchmarks/rollout.py
-	$(PYTHON) benchmarks/guidance.py
+	tracefp4 run --preset tiny --output runs/tiny

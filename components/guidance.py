@@ -303,6 +303,16 @@ def read_shard(store, manifest: dict, entry: dict) -> CaptureRecords:
     return records
 
 
+def read_step(store, rl_step: int, prefix: str = "guidance", expect: dict | None = None) -> CaptureRecords:
+    """A whole step, every shard verified, as one set of tables."""
+    manifest = read_manifest(store, rl_step, prefix, expect)
+    parts: dict[tuple[int, str], list[SiteTable]] = {}
+    for entry in manifest["shards"]:
+        for key, table in read_shard(store, manifest, entry).tables.items():
+            parts.setdefault(key, []).append(table)
+    return CaptureRecords({key: _concat(tables) for key, tables in parts.items()})
+
+
 # -- reload ----------------------------------------------------------------------
 
 

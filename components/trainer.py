@@ -51,7 +51,7 @@ class TrainConfig:
 
 
 class Trainer:
-    def __init__(self, model: Transformer, config: TrainConfig, engine: TorchEngine):
+    def __init__(self, model: Transformer, config: TrainConfig, engine: TorchEngine | None):
         self.model = model.float().train()  # float32 master weights
         self.config, self.engine = config, engine
         self.optimizer = torch.optim.AdamW(
@@ -88,7 +88,7 @@ class Trainer:
             sites = TrainingSites(self.engine.quant, cfg.method, self.engine.global_scales, trajectories=batch.trajectories,
                                   seq_len=batch.tokens.shape[1], guidance=mb_guidance, compute_dtype=cfg.compute_dtype,
                                   recorder=recorder)  # fmt: skip
-            with torch.autocast(batch.tokens.device.type, dtype=cfg.compute_dtype):
+            with torch.autocast(batch.tokens.device.type, dtype=cfg.compute_dtype, enabled=cfg.compute_dtype != torch.float32):
                 logprobs, every = token_logprobs(self.model, batch, sites, cfg.temperature, full=True)
             mb_adv = torch.tensor([adv[t] for t in batch.trajectories])
             loss, loss_stats = grpo_loss(
@@ -97,7 +97,7 @@ class Trainer:
             if cfg.method == "tis_sc":
                 loss = loss + (mb_adv[:, None] * score_centering(every, batch, cfg.tis_cap))[batch.response].mean()
             if self.reference is not None:
-                with torch.no_grad(), torch.autocast(batch.tokens.device.type, dtype=cfg.compute_dtype):
+                with torch.no_grad(), torch.autocast(batch.tokens.device.type, dtype=cfg.compute_dtype, enabled=cfg.compute_dtype != torch.float32):
                     ref = token_logprobs(self.reference, batch, sites, cfg.temperature)
                 log_ratio = (ref - logprobs)[batch.response].clamp(-10, 10)
                 kl = (log_ratio.exp() - log_ratio - 1).mean()  # k3 estimate of KL(policy || reference)
@@ -135,15 +135,16 @@ class Trainer:
         capture.begin(TokenMap(torch.where(fed, traj, -1).reshape(-1), batch.positions.reshape(-1)))
         return capture
 
-    def save(self, path) -> Path:
-        """Checkpoint: the model in the Hub layout plus optimizer and step, all-or-nothing."""
+    def save(self, path, extra: dict[str, bytes] | None = None) -> Path:
+        """Checkpoint: the model in the Hub layout plus optimizer, step and ``extra`` files, all-or-nothing."""
         state = self.optimizer.state_dict()
         tensors = {f"{i}.{name}": t for i, s in state["state"].items() for name, t in s.items()}
-        extra = {
+        files = {
             OPTIMIZER_FILE: save_tensors({k: v.contiguous() for k, v in tensors.items()}),
             STATE_FILE: json.dumps({"step": self.step, "param_groups": state["param_groups"]}).encode(),
+            **(extra or {}),
         }
-        return save_model(self.model, path, extra=extra)
+        return save_model(self.model, path, extra=files)
 
     def resume(self, path) -> None:
         """Load a checkpoint written by :meth:`save`, and sync the rollout engine to it."""

@@ -1,0 +1,92 @@
+"""The ``tracefp4`` command: run the pipeline here, compile it for a cluster,
+export the config's JSON Schema, list presets, show a run's report."""
+
+import sys
+from pathlib import Path
+
+import click
+
+from tracefp4.schemas import PRESETS, ConfigError, export_json_schema, load_config
+
+
+def _config(preset: str | None, config_file: str | None, store: str | None = None):
+    try:
+        return load_config(config_file, preset=preset or (None if config_file else "tiny"),
+                           overrides={"store.uri": store} if store else None)  # fmt: skip
+    except ConfigError as e:
+        raise click.ClickException(str(e)) from None
+
+
+preset_option = click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Named configuration (default: tiny).")
+config_option = click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="YAML or JSON run config.")
+
+
+@click.group(help=__doc__)
+def main():
+    pass
+
+
+@main.command()
+@preset_option
+@config_option
+@click.option("--output", type=click.Path(file_okay=False), default="runs/latest", show_default=True, help="Run folder.")
+@click.option("--store", help="Artifact store URI for guidance and checkpoints (file://..., s3://bucket/prefix).")
+@click.option("--verbose", is_flag=True, help="Stream every component's log.")
+def run(preset, config_file, output, store, verbose):
+    """Run the whole DAG on this machine (kfp.local), then print the results and the report's path."""
+    from tracefp4.pipelines.local import run_local
+
+    config = _config(preset, config_file, store)
+    output = Path(output)
+    log = None if verbose else output / "pipeline.log"
+    click.echo(f"running {config.name}: {config.rl.rounds} round(s) of {config.rl.steps_per_round} step(s), "
+               f"method {config.method}" + (f"; component logs in {log}" if log else ""))  # fmt: skip
+    output.mkdir(parents=True, exist_ok=True)
+    report = run_local(config, output, log)
+    click.echo(report.read_text())
+    click.echo(f"report: {report}")
+
+
+@main.command()
+@preset_option
+@config_option
+@click.option("--output", type=click.Path(dir_okay=False), required=True, help="Where to write the KFP IR YAML.")
+def compile(preset, config_file, output):
+    """Compile the pipeline to KFP IR YAML (upload it in the KFP UI)."""
+    from tracefp4.pipelines.pipeline import compile_pipeline, pipeline_version
+
+    config = _config(preset, config_file)
+    compile_pipeline(config, output)
+    click.echo(f"{output}: pipeline tracefp4-{config.name}, version {pipeline_version()}")
+
+
+@main.command()
+@click.option("--output", type=click.Path(file_okay=False), default="schemas", show_default=True)
+def schema(output):
+    """Write the run config's JSON Schema."""
+    for path in export_json_schema(output):
+        click.echo(path)
+
+
+@main.command()
+def presets():
+    """List the named configurations."""
+    for name, config in sorted(PRESETS.items()):
+        model = config.model.preset or config.model.checkpoint
+        click.echo(f"{name:22} model {model}, {config.rollout.config} ({config.rollout.fmt}), method {config.method}, "
+                   f"{config.rl.rounds}x{config.rl.steps_per_round} steps")  # fmt: skip
+
+
+@main.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+def report(run_dir):
+    """Print the newest report of a run folder."""
+    found = sorted(Path(run_dir).glob("pipeline_root/*/report/markdown"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        raise click.ClickException(f"no report under {run_dir}/pipeline_root")
+    click.echo(found[-1].read_text())
+    click.echo(f"report: {found[-1]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
