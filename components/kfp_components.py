@@ -43,7 +43,7 @@ def train(
     round_index: int,
     policy: Input[Model],
     trajectories: Input[Dataset],
-    guidance: Input[Metrics],
+    guidance: Input[Metrics],  # the compaction report: orders this step after the guidance is written
     previous: Input[Dataset],
     new_policy: Output[Model],
     history: Output[Dataset],

@@ -337,24 +337,3 @@ class RunConfig(_Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
-
-
-__all__ = [
-    "SECRET_ENV",
-    "EvaluationConfig",
-    "GuidanceConfig",
-    "LayerSelection",
-    "Method",
-    "MetricsConfig",
-    "ModelConfig",
-    "ModelPreset",
-    "RLConfig",
-    "ResourcesConfig",
-    "RolloutConfig",
-    "RolloutConfigName",
-    "RunConfig",
-    "StoreConfig",
-    "TaskConfig",
-    "TaskName",
-    "Toleration",
-]
