@@ -2,7 +2,7 @@
 PYTHON ?= python3
 PIP := $(PYTHON) -m pip
 
-.PHONY: install test run
+.PHONY: install test run image
 
 # torch first: 2.13.0 is the CPU wheel on local disk, and it then satisfies torch>=2.13
 install:
@@ -14,4 +14,11 @@ test: install
 
 # The main job: the whole pipeline on this machine (kfp.local), the tiny preset.
 run: install
-	tracefp4 run --preset tiny --output runs/tiny
+	$(PYTHON) -m tracefp4.pipelines.cli run --preset tiny --output runs/tiny
+
+# The component images (needs a Docker engine; none runs on the development machines).
+VERSION := $(shell $(PYTHON) -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['version'])")
+IMAGE ?= ghcr.io/tracefp4/tracefp4
+image:
+	docker build -f Dockerfile -t $(IMAGE):$(VERSION)-cpu .
+	docker build -f Dockerfile.cuda -t $(IMAGE):$(VERSION)-cuda .

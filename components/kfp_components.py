@@ -7,7 +7,7 @@ config, so the components are made per image by :func:`make_components`.
 from dataclasses import dataclass
 
 from kfp import dsl
-from kfp.dsl import Dataset, Input, Markdown, Metrics, Model, Output
+from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
 
 
 def prepare(config_json: str, policy: Output[Model], history: Output[Dataset]):
@@ -79,14 +79,17 @@ def evaluate(config_json: str, policy: Input[Model], results: Output[Dataset], m
         metrics.log_metric(f"{row['rollout']}.{row['task']}.pass_at_1", row["pass@1"])
 
 
-def report(config_json: str, history: Input[Dataset], evaluation: Input[Dataset], markdown: Output[Markdown]):
-    """The run's tables as markdown."""
+def report(config_json: str, history: Input[Dataset], evaluation: Input[Dataset], markdown: Output[Markdown],
+           page: Output[HTML]):  # fmt: skip
+    """The run's tables as markdown, and as an HTML page with the plots."""
     from tracefp4.components import report as run_report
     from tracefp4.schemas import RunConfig
 
-    text = run_report.markdown(RunConfig.model_validate_json(config_json), history.path, evaluation.path)
+    config = RunConfig.model_validate_json(config_json)
     with open(markdown.path, "w") as f:
-        f.write(text)
+        f.write(run_report.markdown(config, history.path, evaluation.path))
+    with open(page.path, "w") as f:
+        f.write(run_report.html_report(config, history.path, evaluation.path))
 
 
 @dataclass(frozen=True)

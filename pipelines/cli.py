@@ -44,7 +44,7 @@ def run(preset, config_file, output, store, verbose):
     output.mkdir(parents=True, exist_ok=True)
     report = run_local(config, output, log)
     click.echo(report.read_text())
-    click.echo(f"report: {report}")
+    click.echo(f"report: {report.with_name('page')} (HTML), {report} (markdown)")
 
 
 @main.command()
@@ -58,6 +58,30 @@ def compile(preset, config_file, output):
     config = _config(preset, config_file)
     compile_pipeline(config, output)
     click.echo(f"{output}: pipeline tracefp4-{config.name}, version {pipeline_version()}")
+
+
+@main.command()
+@preset_option
+@config_option
+@click.option("--host", required=True, envvar="KF_PIPELINES_ENDPOINT", help="KFP UI/API URL, e.g. http://localhost:8080 (env KF_PIPELINES_ENDPOINT).")
+@click.option("--experiment", default="tracefp4", show_default=True, help="KFP experiment to file the run under.")
+@click.option("--namespace", help="User namespace of a multi-user Kubeflow deployment.")
+@click.option("--store", help="Artifact store URI for guidance and checkpoints (s3://bucket/prefix; the pods share it).")
+def submit(preset, config_file, host, experiment, namespace, store):
+    """Upload the pipeline (or a new version) to a KFP server and start a run (token: env KF_PIPELINES_TOKEN)."""
+    from tracefp4.pipelines.submit import SubmitError
+    from tracefp4.pipelines.submit import submit as submit_run
+
+    config = _config(preset, config_file, store)
+    if config.store.uri.startswith("file://"):
+        click.echo(f"warning: store {config.store.uri} is local to each pod; use --store s3://... on a cluster", err=True)
+    try:
+        result = submit_run(config, host, experiment, namespace=namespace)
+    except SubmitError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(f"pipeline {result['pipeline_id']}, version {result['pipeline_version_id']}, "
+               f"experiment {result['experiment_id']}, run {result['run_id']}")  # fmt: skip
+    click.echo(result["run_url"])
 
 
 @main.command()
@@ -85,7 +109,7 @@ def report(run_dir):
     if not found:
         raise click.ClickException(f"no report under {run_dir}/pipeline_root")
     click.echo(found[-1].read_text())
-    click.echo(f"report: {found[-1]}")
+    click.echo(f"report: {found[-1].with_name('page')} (HTML), {found[-1]} (markdown)")
 
 
 if __name__ == "__main__":

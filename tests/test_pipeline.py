@@ -73,6 +73,32 @@ def test_cli(tmp_path):
         assert runner.invoke(main, [command, "--help"]).exit_code == 0
 
 
+def test_html_report_holds_the_tables_and_plots(smoke_run):
+    from html.parser import HTMLParser
+
+    out, report = smoke_run
+    page = report.with_name("page").read_text()
+
+    class Collect(HTMLParser):
+        tags, images, cells = [], [], []
+
+        def handle_starttag(self, tag, attrs):
+            self.tags.append(tag)
+            if tag == "img":
+                self.images.append(dict(attrs))
+
+        def handle_data(self, data):
+            self.cells.append(data.strip())
+
+    parsed = Collect()
+    parsed.feed(page)
+    assert parsed.tags.count("table") == 2
+    assert len(parsed.images) >= 2 and all(i["src"].startswith("data:image/png;base64,") for i in parsed.images)
+    assert {"Train-rollout log-prob |diff|", "Reward and accuracy"} <= {i["alt"] for i in parsed.images}
+    assert "fp4_wa_kv" in parsed.cells and "arithmetic" in parsed.cells
+    assert any("run smoke: method trace" in c for c in parsed.cells)  # the page names its run and config
+
+
 def test_cli_report_of_a_run(smoke_run):
     out, report = smoke_run
     result = CliRunner().invoke(main, ["report", str(out)])
