@@ -5,6 +5,7 @@ config, so the components are made per image by :func:`make_components`.
 """
 
 from dataclasses import dataclass
+from typing import List
 
 from kfp import dsl
 from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
@@ -92,6 +93,26 @@ def report(config_json: str, history: Input[Dataset], evaluation: Input[Dataset]
         f.write(run_report.html_report(config, history.path, evaluation.path))
 
 
+def set_method(config_json: str, method: str) -> str:
+    """The config with another training method (a branch of the comparison pipeline)."""
+    from tracefp4.schemas import RunConfig
+
+    config = RunConfig.model_validate_json(config_json)
+    return config.model_copy(update={"method": method}).model_dump_json()
+
+
+def compare(config_json: str, evaluations: Input[List[Dataset]], markdown: Output[Markdown]):
+    """One table of every method's final accuracy, from the collected evaluations."""
+    import json
+
+    from tracefp4.components import report as run_report
+    from tracefp4.schemas import RunConfig
+
+    rows = [row for dataset in evaluations for row in json.load(open(dataset.path))]
+    with open(markdown.path, "w") as f:
+        f.write(run_report.comparison(RunConfig.model_validate_json(config_json), rows))
+
+
 @dataclass(frozen=True)
 class Components:
     prepare: object
@@ -100,9 +121,11 @@ class Components:
     train: object
     evaluate: object
     report: object
+    set_method: object
+    compare: object
 
 
 def make_components(image: str) -> Components:
     """The components, built on ``image`` (which holds tracefp4 and its dependencies)."""
     make = dsl.component(base_image=image, install_kfp_package=False)
-    return Components(*(make(f) for f in (prepare, rollout, compaction, train, evaluate, report)))
+    return Components(*(make(f) for f in (prepare, rollout, compaction, train, evaluate, report, set_method, compare)))

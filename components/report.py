@@ -101,3 +101,11 @@ def html_report(config: RunConfig, history_file: str | Path, evaluation_file: st
         f"<h2>Evaluation of the final policy</h2>{_html_table(evaluation, list(evaluation[0]) if evaluation else [])}"
         "</body></html>"
     )
+
+
+def comparison(config: RunConfig, rows: list[dict]) -> str:
+    """Final accuracy of every method of a comparison run, side by side."""
+    rows = sorted(rows, key=lambda r: (r["method"], r["rollout"], r["task"]))
+    columns = [c for c in rows[0] if c != "prompts"] if rows else ["method"]
+    return "\n".join([f"# tracefp4 comparison `{config.name}`", "", describe(config) + "; methods side by side.", "",
+                      *_table(rows, columns), ""])  # fmt: skip

@@ -26,8 +26,12 @@ from .tasks import Problem, format_example, get_task, split
 from .tokenizer import EOS, FILENAME, build_tokenizer, decode, encode, load_tokenizer
 from .trainer import TrainConfig, Trainer
 
-CAPTURE_PREFIX = "capture"  # full 4-bit captures, read by the compaction step
-GUIDANCE_PREFIX = "guidance"
+
+def store_prefix(config: RunConfig, kind: str) -> str:
+    """Where a run keeps ``kind`` ("capture": full 4-bit captures; "guidance")
+    in the store, per run and method, so that parallel branches never meet."""
+    return f"{config.name}/{config.method}/{kind}"
+
 _NEWLINE = "\n"
 
 
@@ -97,7 +101,7 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path) -> Pat
         trajectories += engine.generate(prompts[s * per_step : (s + 1) * per_step], sampling)
     if engine.capture is not None:
         write_step(open_store(config.store.uri), engine.drain_capture(), rl_step=round_index, policy_version=round_index,
-                   top_k=engine.model.cfg.top_k, prefix=CAPTURE_PREFIX,
+                   top_k=engine.model.cfg.top_k, prefix=store_prefix(config, "capture"),
                    trajectories_per_shard=config.guidance.trajectories_per_shard)  # fmt: skip
     out = Path(out)
     with open(out, "w") as f:
@@ -107,17 +111,20 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path) -> Pat
 
 
 def compaction(config: RunConfig, round_index: int) -> dict:
-    """Offline compaction of a round's full capture into the guidance training reads; returns its size."""
+    """Offline compaction of a round's full capture into the guidance training reads; returns its size.
+    Methods other than trace capture nothing, so they have nothing to compact."""
+    if config.method != "trace":
+        return {"layers": [], "bits": config.guidance.bits, "bytes": 0, "full_bytes": 0}
     store = open_store(config.store.uri)
-    full = read_step(store, round_index, CAPTURE_PREFIX)
+    full = read_step(store, round_index, store_prefix(config, "capture"))
     layers = sorted({layer for layer, _ in full.tables})
     if isinstance(config.guidance.layers, str) and config.guidance.layers.startswith("adaptive"):
         raise ValueError("adaptive layer selection needs measured train-rollout mismatch, which the pipeline does not run yet")
     chosen = select_layers(config.guidance.layers, layers)
     kept = compact(full, config.guidance.bits, chosen)
-    manifest = read_manifest(store, round_index, CAPTURE_PREFIX)
+    manifest = read_manifest(store, round_index, store_prefix(config, "capture"))
     write_step(store, kept, rl_step=round_index, policy_version=manifest["policy_version"], top_k=_top_k(full),
-               prefix=GUIDANCE_PREFIX, trajectories_per_shard=config.guidance.trajectories_per_shard)  # fmt: skip
+               prefix=store_prefix(config, "guidance"), trajectories_per_shard=config.guidance.trajectories_per_shard)  # fmt: skip
     return {"layers": list(chosen), "bits": config.guidance.bits, "bytes": kept.nbytes, "full_bytes": full.nbytes}
 
 
@@ -153,7 +160,7 @@ def train(config: RunConfig, policy: Path, trajectories_file: Path, round_index:
         loader = None
         if config.method == "trace":
             ids = [[t.id for t in mb] for mb in trainer.microbatches(step_trajectories)]
-            loader = GuidanceLoader(store, round_index, ids, prefix=GUIDANCE_PREFIX, prefetch=config.guidance.prefetch_microbatches,
+            loader = GuidanceLoader(store, round_index, ids, prefix=store_prefix(config, "guidance"), prefetch=config.guidance.prefetch_microbatches,
                                     allow_rtn_fallback=config.guidance.allow_rtn_fallback)  # fmt: skip
         stats = trainer.train_step(step_trajectories, group_advantages(rewards, config.rollout.group_size), loader)
         stats.pop("reload_seconds")
@@ -181,6 +188,7 @@ def evaluate(config: RunConfig, policy: Path) -> list[dict]:
             score = lambda t, p: get_task(p.task).reward(p, decode(tokenizer, t.response))  # noqa: E731
             pass1 = sum(score(greedy[i], test[i]) for i in idx) / len(idx)
             mean_k = sum(score(sampled[i * k + j], test[i]) for i in idx for j in range(k)) / (len(idx) * k)
-            rows.append({"rollout": name, "task": task, "pass@1": pass1, f"mean@{k}": mean_k, "prompts": len(idx)})
+            rows.append({"method": config.method, "rollout": name, "task": task, "pass@1": pass1, f"mean@{k}": mean_k,
+                         "prompts": len(idx)})  # fmt: skip
     return rows
 

@@ -32,7 +32,8 @@ def main():
 @click.option("--output", type=click.Path(file_okay=False), default="runs/latest", show_default=True, help="Run folder.")
 @click.option("--store", help="Artifact store URI for guidance and checkpoints (file://..., s3://bucket/prefix).")
 @click.option("--verbose", is_flag=True, help="Stream every component's log.")
-def run(preset, config_file, output, store, verbose):
+@click.option("--compare", "methods", help="Comma-separated methods to run side by side (e.g. trace,qat,bf16).")
+def run(preset, config_file, output, store, verbose, methods):
     """Run the whole DAG on this machine (kfp.local), then print the results and the report's path."""
     from tracefp4.pipelines.local import run_local
 
@@ -42,7 +43,7 @@ def run(preset, config_file, output, store, verbose):
     click.echo(f"running {config.name}: {config.rl.rounds} round(s) of {config.rl.steps_per_round} step(s), "
                f"method {config.method}" + (f"; component logs in {log}" if log else ""))  # fmt: skip
     output.mkdir(parents=True, exist_ok=True)
-    report = run_local(config, output, log)
+    report = run_local(config, output, log, methods.split(",") if methods else None)
     click.echo(report.read_text())
     click.echo(f"report: {report.with_name('page')} (HTML), {report} (markdown)")
 

@@ -2,6 +2,9 @@
 
     prepare -> R x (rollout -> compaction -> guided QAT) -> evaluate -> report
 
+and, for a comparison, that chain per method under ``dsl.ParallelFor``,
+collected into one table.
+
 Every task gets the config's resources, the store's credentials from a
 Kubernetes secret (S3 stores), retries, and no caching (steps write to the
 store). Name and version: the run name; the package version and a hash of the
@@ -49,19 +52,41 @@ def build_pipeline(config: RunConfig):
 
     @dsl.pipeline(name=pipeline_name(config), description=f"TRACE FP4 RL ({config.method}, {config.rollout.config})")
     def tracefp4_pipeline(config_json: str = default) -> Markdown:
-        prep = _configure(c.prepare(config_json=config_json), config)
-        policy, history = prep.outputs["policy"], prep.outputs["history"]
-        for r in range(config.rl.rounds):
-            roll = _configure(c.rollout(config_json=config_json, round_index=r, policy=policy), config)
-            guide = _configure(c.compaction(config_json=config_json, round_index=r, trajectories=roll.outputs["trajectories"]), config)
-            step = _configure(c.train(config_json=config_json, round_index=r, policy=policy, trajectories=roll.outputs["trajectories"],
-                                      guidance=guide.outputs["report"], previous=history), config)  # fmt: skip
-            policy, history = step.outputs["new_policy"], step.outputs["history"]
-        ev = _configure(c.evaluate(config_json=config_json, policy=policy), config)
-        rep = _configure(c.report(config_json=config_json, history=history, evaluation=ev.outputs["results"]), config)
+        history, evaluation = _train_and_evaluate(c, config, config_json)
+        rep = _configure(c.report(config_json=config_json, history=history, evaluation=evaluation), config)
         return rep.outputs["markdown"]
 
     return tracefp4_pipeline
+
+
+def _train_and_evaluate(c, config: RunConfig, config_json):
+    """prepare -> R x (rollout -> compaction -> guided QAT) -> evaluate: (history, evaluation) artifacts."""
+    prep = _configure(c.prepare(config_json=config_json), config)
+    policy, history = prep.outputs["policy"], prep.outputs["history"]
+    for r in range(config.rl.rounds):
+        roll = _configure(c.rollout(config_json=config_json, round_index=r, policy=policy), config)
+        guide = _configure(c.compaction(config_json=config_json, round_index=r, trajectories=roll.outputs["trajectories"]), config)
+        step = _configure(c.train(config_json=config_json, round_index=r, policy=policy, trajectories=roll.outputs["trajectories"],
+                                  guidance=guide.outputs["report"], previous=history), config)  # fmt: skip
+        policy, history = step.outputs["new_policy"], step.outputs["history"]
+    ev = _configure(c.evaluate(config_json=config_json, policy=policy), config)
+    return history, ev.outputs["results"]
+
+
+def build_comparison_pipeline(config: RunConfig, methods: list[str]):
+    """The same run for each of ``methods`` in parallel, collected into one table."""
+    c = make_components(config.image)
+    default = config.model_dump_json()
+
+    @dsl.pipeline(name=pipeline_name(config) + "-compare", description=f"TRACE FP4 RL: {', '.join(methods)} side by side")
+    def comparison_pipeline(config_json: str = default, methods: list = list(methods)) -> Markdown:
+        with dsl.ParallelFor(methods) as method:
+            branch = _configure(c.set_method(config_json=config_json, method=method), config).output
+            _, evaluation = _train_and_evaluate(c, config, branch)
+        rep = _configure(c.compare(config_json=config_json, evaluations=dsl.Collected(evaluation)), config)
+        return rep.outputs["markdown"]
+
+    return comparison_pipeline
 
 
 def compile_pipeline(config: RunConfig, path) -> str:

@@ -10,10 +10,11 @@ from kfp import components
 
 from tracefp4.components.checkpoint import load_model
 from tracefp4.components.guidance import read_manifest
+from tracefp4.components.steps import store_prefix
 from tracefp4.components.store import open_store
 from tracefp4.pipelines.cli import main
 from tracefp4.pipelines.local import localize, run_local
-from tracefp4.pipelines.pipeline import compile_pipeline, pipeline_version
+from tracefp4.pipelines.pipeline import build_comparison_pipeline, compile_pipeline, pipeline_version
 from tracefp4.schemas import get_preset, load_config
 
 STEPS = ("prepare", "rollout", "compaction", "train", "evaluate", "report")
@@ -34,7 +35,7 @@ def test_smoke_preset_runs_the_whole_dag(smoke_run):
     policy = load_model(root / "train" / "new_policy")
     assert policy.cfg.num_layers == 2 and (root / "train" / "new_policy" / "tokenizer.json").exists()
     store = open_store(localize(get_preset("smoke"), out).store.uri)
-    manifest = read_manifest(store, 0)
+    manifest = read_manifest(store, 0, store_prefix(get_preset("smoke"), "guidance"))
     assert manifest["bits"] == [1] and manifest["layers"] == [1]  # R-1bit on the deepest layer, as the preset says
     history = [json.loads(line) for line in (root / "train" / "history").read_text().splitlines()]
     assert len(history) == 1 and history[0]["guidance_coverage"] > 0.9
@@ -103,3 +104,17 @@ def test_cli_report_of_a_run(smoke_run):
     out, report = smoke_run
     result = CliRunner().invoke(main, ["report", str(out)])
     assert result.exit_code == 0 and str(report) in result.output
+
+
+def test_comparison_pipeline_fans_out_over_methods(tmp_path):
+    report = run_local(get_preset("smoke"), tmp_path, tmp_path / "log", methods=["trace", "qat"])
+    text = report.read_text()
+    assert "# tracefp4 comparison `smoke`" in text
+    assert "| qat | bf16 | arithmetic |" in text and "| trace | fp4_wa_kv | arithmetic |" in text
+    store = open_store(localize(get_preset("smoke"), tmp_path).store.uri)
+    assert store.list("smoke/trace/guidance") and not store.list("smoke/qat/guidance")  # only trace ships guidance
+    compiled = tmp_path / "compare.yaml"
+    from kfp import compiler
+
+    compiler.Compiler().compile(build_comparison_pipeline(get_preset("smoke"), ["trace", "qat"]), str(compiled))
+    assert "parameterIterator" in compiled.read_text() or "iteratorPolicy" in compiled.read_text() or "for-loop" in compiled.read_text()
