@@ -36,7 +36,8 @@ def compaction(config_json: str, round_index: int, trajectories: Input[Dataset],
 
     size = steps.compaction(RunConfig.model_validate_json(config_json), round_index)
     report.log_metric("guidance_bytes", size["bytes"])
-    report.log_metric("compaction_ratio", size["bytes"] / max(size["full_bytes"], 1))
+    if size["full_bytes"]:  # known when compacting offline
+        report.log_metric("compaction_ratio", size["bytes"] / size["full_bytes"])
 
 
 def train(

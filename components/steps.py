@@ -70,10 +70,29 @@ def _train_config(config: RunConfig) -> TrainConfig:
     )  # fmt: skip
 
 
+def _inline(config: RunConfig) -> bool:
+    return config.guidance.compaction == "inline"
+
+
+def _layers(config: RunConfig, available: list[int]) -> tuple[int, ...]:
+    spec = config.guidance.layers
+    if isinstance(spec, str) and spec.startswith("adaptive"):
+        raise ValueError("adaptive layer selection needs measured train-rollout mismatch, which the pipeline does not run yet")
+    return select_layers(spec, available)
+
+
 def _engine(config: RunConfig, policy: Path, capture: bool) -> TorchEngine:
+    """The rollout engine; a capturing one keeps everything, or with inline
+    compaction only the selected layers' low bits."""
+    model = load_model(policy)
+    cfg = None
+    if capture:
+        cfg = CaptureConfig(max_tokens=config.rollout.max_tokens_per_forward)
+        if _inline(config):
+            layers = _layers(config, list(range(model.cfg.num_layers)))
+            cfg = CaptureConfig(bits=config.guidance.bits, layers=layers, max_tokens=config.rollout.max_tokens_per_forward)
     quant = rollout_config(config.rollout.config, config.rollout.fmt)
-    cfg = CaptureConfig(max_tokens=config.rollout.max_tokens_per_forward) if capture else None
-    return TorchEngine(load_model(policy), quant, dtype=_dtype(config), capture=cfg, calibration_seed=config.seed)
+    return TorchEngine(model, quant, dtype=_dtype(config), capture=cfg, calibration_seed=config.seed)
 
 
 def _sampling(config: RunConfig, seed: int, tokenizer) -> SamplingParams:
@@ -84,8 +103,9 @@ def _sampling(config: RunConfig, seed: int, tokenizer) -> SamplingParams:
 
 
 def rollout(config: RunConfig, policy: Path, round_index: int, out: Path) -> Path:
-    """``steps_per_round`` steps' worth of trajectories from the current policy;
-    the full capture goes to the store (step ``round_index``), the trajectories to ``out`` (JSON lines)."""
+    """``steps_per_round`` steps' worth of trajectories from the current policy,
+    to ``out`` (JSON lines); for trace, the capture goes to the store (step
+    ``round_index``): full for offline compaction, already compacted inline."""
     tokenizer = load_tokenizer(policy)
     train, _ = problems(config)
     rng = random.Random(f"{config.seed}/rollout/{round_index}")
@@ -101,7 +121,7 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path) -> Pat
         trajectories += engine.generate(prompts[s * per_step : (s + 1) * per_step], sampling)
     if engine.capture is not None:
         write_step(open_store(config.store.uri), engine.drain_capture(), rl_step=round_index, policy_version=round_index,
-                   top_k=engine.model.cfg.top_k, prefix=store_prefix(config, "capture"),
+                   top_k=engine.model.cfg.top_k, prefix=store_prefix(config, "guidance" if _inline(config) else "capture"),
                    trajectories_per_shard=config.guidance.trajectories_per_shard)  # fmt: skip
     out = Path(out)
     with open(out, "w") as f:
@@ -112,15 +132,16 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path) -> Pat
 
 def compaction(config: RunConfig, round_index: int) -> dict:
     """Offline compaction of a round's full capture into the guidance training reads; returns its size.
-    Methods other than trace capture nothing, so they have nothing to compact."""
+    Methods other than trace capture nothing; inline compaction already wrote the guidance."""
     if config.method != "trace":
         return {"layers": [], "bits": config.guidance.bits, "bytes": 0, "full_bytes": 0}
     store = open_store(config.store.uri)
+    if _inline(config):
+        manifest = read_manifest(store, round_index, store_prefix(config, "guidance"))
+        size = sum(e["bytes"] for e in manifest["shards"])
+        return {"layers": manifest["layers"], "bits": config.guidance.bits, "bytes": size, "full_bytes": 0}
     full = read_step(store, round_index, store_prefix(config, "capture"))
-    layers = sorted({layer for layer, _ in full.tables})
-    if isinstance(config.guidance.layers, str) and config.guidance.layers.startswith("adaptive"):
-        raise ValueError("adaptive layer selection needs measured train-rollout mismatch, which the pipeline does not run yet")
-    chosen = select_layers(config.guidance.layers, layers)
+    chosen = _layers(config, sorted({layer for layer, _ in full.tables}))
     kept = compact(full, config.guidance.bits, chosen)
     manifest = read_manifest(store, round_index, store_prefix(config, "capture"))
     write_step(store, kept, rl_step=round_index, policy_version=manifest["policy_version"], top_k=_top_k(full),

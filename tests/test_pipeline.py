@@ -118,3 +118,17 @@ def test_comparison_pipeline_fans_out_over_methods(tmp_path):
 
     compiler.Compiler().compile(build_comparison_pipeline(get_preset("smoke"), ["trace", "qat"]), str(compiled))
     assert "parameterIterator" in compiled.read_text() or "iteratorPolicy" in compiled.read_text() or "for-loop" in compiled.read_text()
+
+
+def test_inline_compaction_writes_guidance_from_the_rollout(tmp_path):
+    from tracefp4.components import steps
+
+    config = localize(load_config(None, preset="smoke", overrides={"guidance.compaction": "inline"}), tmp_path)
+    policy = steps.prepare(config, tmp_path / "policy")
+    steps.rollout(config, policy, 0, tmp_path / "trajectories.jsonl")
+    store = open_store(config.store.uri)
+    assert not store.list(store_prefix(config, "capture"))  # nothing full was shipped
+    manifest = read_manifest(store, 0, store_prefix(config, "guidance"))
+    assert manifest["bits"] == [1] and manifest["layers"] == [1]
+    assert steps.compaction(config, 0)["bytes"] == sum(e["bytes"] for e in manifest["shards"])
+    assert steps.train(config, policy, tmp_path / "trajectories.jsonl", 0, tmp_path / "next")[0]["guidance_coverage"] > 0.9
