@@ -32,6 +32,7 @@ def store_prefix(config: RunConfig, kind: str) -> str:
     in the store, per run and method, so that parallel branches never meet."""
     return f"{config.name}/{config.method}/{kind}"
 
+
 _NEWLINE = "\n"
 
 
@@ -65,7 +66,8 @@ def _train_config(config: RunConfig) -> TrainConfig:
     rl = config.rl
     return TrainConfig(
         method=config.method, learning_rate=rl.learning_rate, weight_decay=rl.weight_decay, betas=tuple(rl.adam_betas),
-        grad_clip=rl.grad_clip, microbatch_size=rl.microbatch_size, ppo_clip=rl.ppo_clip, tis_cap=rl.tis_cap,
+        grad_clip=rl.grad_clip, microbatch_size=rl.microbatch_size, grad_accumulation=rl.grad_accumulation,
+        ppo_clip=rl.ppo_clip, tis_cap=rl.tis_cap,
         kl_coef=rl.kl_coef, temperature=config.rollout.temperature or 1.0, compute_dtype=_dtype(config),
     )  # fmt: skip
 

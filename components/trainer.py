@@ -43,6 +43,7 @@ class TrainConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     grad_clip: float = 1.0
     microbatch_size: int = 8
+    grad_accumulation: int = 0  # microbatches per optimizer step; 0: one optimizer step per RL step
     ppo_clip: float = 0.2
     tis_cap: float = 2.0
     kl_coef: float = 0.0  # > 0: penalize the k3 KL to the initial policy (the reference)
@@ -68,19 +69,24 @@ class Trainer:
         self, trajectories: list[Trajectory], advantages: torch.Tensor, loader: GuidanceLoader | None,
         rollout_records: CaptureRecords | None = None,
     ) -> dict:  # fmt: skip
-        """One optimizer step over ``trajectories``; guidance comes microbatch by
+        """One RL step over ``trajectories`` (an optimizer step every ``grad_accumulation``
+        microbatches, or one for all); guidance comes microbatch by
         microbatch from ``loader``. With the rollout's full capture, the training
         path's codes are compared with it (per-layer mismatch, excess MSE)."""
         cfg = self.config
         parts = self.microbatches(trajectories)
         batches = [SequenceBatch.of(mb) for mb in parts]
-        total_tokens = sum(int(b.response.sum()) for b in batches)
+        # optimizer steps over groups of grad_accumulation microbatches (0: the whole RL step)
+        group = cfg.grad_accumulation or len(batches)
+        group_tokens = [sum(int(b.response.sum()) for b in batches[i : i + group]) for i in range(0, len(batches), group)]
+        total_tokens = sum(group_tokens)
         guidance = iter(loader) if loader is not None else iter([None] * len(batches))
         adv = dict(zip((t.id for t in trajectories), advantages.tolist()))
         self.optimizer.zero_grad(set_to_none=True)
         stats, alignment, guided, captured, reload_s = {}, [], 0, 0, 0.0
         tally = MismatchTally()
-        for batch in batches:
+        grad_norms = []
+        for index, batch in enumerate(batches):
             start = time.perf_counter()
             mb_guidance = next(guidance)
             reload_s += time.perf_counter() - start
@@ -103,8 +109,9 @@ class Trainer:
                 kl = (log_ratio.exp() - log_ratio - 1).mean()  # k3 estimate of KL(policy || reference)
                 loss = loss + cfg.kl_coef * kl
                 loss_stats["kl_to_reference"] = kl.item()
-            weight = int(batch.response.sum()) / total_tokens
-            (loss * weight).backward()
+            tokens = int(batch.response.sum())
+            (loss * tokens / group_tokens[index // group]).backward()
+            weight = tokens / total_tokens
             if recorder is not None:
                 recorder.end()
                 tally.add(compare(rollout_records, recorder.drain()))
@@ -113,8 +120,12 @@ class Trainer:
             alignment.append((logprobs.detach(), batch))
             guided += sum(sites.coverage.guided.values())
             captured += sum(sites.coverage.total.values())
-        stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip).item()
-        self.optimizer.step()
+            if (index + 1) % group == 0 or index + 1 == len(batches):
+                grad_norms.append(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip).item())
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+        stats["grad_norm"] = max(grad_norms)
+        stats["optimizer_steps"] = len(grad_norms)
         self.step += 1
         train_lp = torch.cat([lp[b.response] for lp, b in alignment])
         rollout_lp = torch.cat([b.rollout_logprobs[b.response] for _, b in alignment])

@@ -102,3 +102,13 @@ def test_tiny_preset_round_with_kl_to_the_reference(tmp_path):
     assert history[0]["kl_to_reference"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
     assert history[1]["kl_to_reference"] > 0
     assert history[1]["guidance_coverage"] > 0.7  # the rest: slots the two paths routed to different experts
+
+
+def test_gradient_accumulation_groups_microbatches(tmp_path):
+    engine, _ = setup("qat")
+    trainer = Trainer(build_model("smoke", seed=0), TrainConfig(method="qat", microbatch_size=2, grad_accumulation=2), engine)
+    trajectories = engine.generate([[5, 6, 7]] * 8, SamplingParams(max_new_tokens=3, seed=1))
+    stats = trainer.train_step(trajectories, torch.tensor([1.0, -1.0] * 4), None)
+    assert stats["optimizer_steps"] == 2 and trainer.step == 1  # 4 microbatches, 2 per optimizer step
+    whole = Trainer(build_model("smoke", seed=0), TrainConfig(method="qat", microbatch_size=2), engine)
+    assert whole.train_step(trajectories, torch.tensor([1.0, -1.0] * 4), None)["optimizer_steps"] == 1
