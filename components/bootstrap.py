@@ -1,0 +1,162 @@
+"""Bootstrap SFT: teach a randomly initialized policy the tasks' answer format
+and some of their answers, so that RL starts from partial accuracy.
+
+GRPO learns nothing from a group whose rewards are all 0, and a policy with
+seeded random weights scores 0 on every task; one already at the ceiling
+leaves RL nothing to show. ``bootstrap`` trains the policy in place on the
+teacher-forced loss of :func:`.tasks.format_target` after the prompt, laid out
+exactly as the rollout engine sees it (``<bos>`` + prompt, then the answer and
+the newline end marker), and can stop early once the greedy test accuracy,
+measured with the real rollout engine, reaches a target below the ceiling.
+Seeded: the same seed gives the same weights.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from torch import Tensor
+
+from .model import CausalAttention, Transformer
+from .rollout import SamplingParams, TorchEngine
+from .tasks import END, Problem, format_example, format_target, get_task
+from .tokenizer import EOS, PAD, decode, encode
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    """SFT hyperparameters. The defaults take the ``tiny`` preset to 34-47%
+    greedy test accuracy on arithmetic difficulty 1 (256 train problems) in
+    about 30 s on 2 CPU cores (60 s of CPU time)."""
+
+    steps: int = 300
+    batch_size: int = 32
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    warmup: int = 30  # linear warmup steps, then cosine decay to 0 at ``steps``
+    grad_clip: float = 1.0
+    seed: int = 0
+    max_len: int = 128  # longest prompt + target in tokens; a longer example is an error
+    target_accuracy: float | None = None  # stop once the greedy accuracy on the eval prompts reaches it
+    eval_every: int = 50  # steps between accuracy checks (0: none)
+    eval_prompts: int = 16  # the first test problems, checked every ``eval_every`` steps
+    max_new_tokens: int = 32
+    compute_dtype: torch.dtype = torch.float32  # bfloat16: BF16 autocast over the float32 weights
+
+    def __post_init__(self):
+        if min(self.steps, self.batch_size, self.max_len, self.max_new_tokens) < 1 or min(self.warmup, self.eval_every) < 0:
+            raise ValueError(f"invalid bootstrap config {self}")
+        if self.target_accuracy is not None and not (0 < self.target_accuracy <= 1 and self.eval_every > 0):
+            raise ValueError("target_accuracy must lie in (0, 1] and needs eval_every > 0")
+
+
+@dataclass
+class SFTBatch:
+    """Examples right-padded into ``tokens [B, S]``; column t of ``target
+    [B, S-1]`` is True where token t+1 belongs to the target (answer + end
+    marker), the only positions that carry loss."""
+
+    tokens: Tensor
+    positions: Tensor
+    lengths: Tensor
+    target: Tensor
+
+
+def prompt_ids(tokenizer: Tokenizer, problem: Problem) -> list[int]:
+    """The prompt as the pipeline's rollout encodes it."""
+    return encode(tokenizer, format_example(problem), bos=True)
+
+
+def make_batch(tokenizer: Tokenizer, problems: list[Problem], max_len: int, device="cpu") -> SFTBatch:
+    """``<bos>`` + prompt + answer + end marker per problem, the answer and end marker marked as target."""
+    examples = []
+    for p in problems:
+        prompt, target = prompt_ids(tokenizer, p), encode(tokenizer, format_target(p))
+        if len(prompt) + len(target) > max_len:
+            raise ValueError(f"a {p.task} example of {len(prompt) + len(target)} tokens exceeds max_len {max_len}")
+        examples.append((prompt, target))
+    lengths = torch.tensor([len(a) + len(b) for a, b in examples])
+    b, s = len(examples), int(lengths.max())
+    tokens = torch.full((b, s), PAD, dtype=torch.long)
+    target = torch.zeros(b, s - 1, dtype=torch.bool)
+    for i, (prompt, answer) in enumerate(examples):
+        tokens[i, : lengths[i]] = torch.tensor(prompt + answer)
+        target[i, len(prompt) - 1 : lengths[i] - 1] = True
+    positions = torch.arange(s).expand(b, s)
+    return SFTBatch(*(x.to(device) for x in (tokens, positions, lengths, target)))
+
+
+def sft_loss(model: Transformer, batch: SFTBatch) -> Tensor:
+    """Mean cross-entropy over the target tokens."""
+    logits = model(batch.tokens, batch.positions, CausalAttention(batch.lengths))[:, :-1].float()
+    ce = F.cross_entropy(logits.transpose(1, 2), batch.tokens[:, 1:], reduction="none")
+    return (ce * batch.target).sum() / batch.target.sum()
+
+
+def accuracy(model: Transformer, tokenizer: Tokenizer, problems: list[Problem], max_new_tokens: int = 32) -> float:
+    """Greedy pass@1 through the rollout engine (float32, no quantization), scored by each task's reward."""
+    device = next(model.parameters()).device
+    engine = TorchEngine(model, dtype=torch.float32, device=device)
+    newline = encode(tokenizer, END)[0]
+    sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_tokens=(EOS, newline))
+    responses = engine.generate([prompt_ids(tokenizer, p) for p in problems], sampling)
+    rewards = [get_task(p.task).reward(p, decode(tokenizer, t.response)) for t, p in zip(responses, problems)]
+    return sum(rewards) / len(problems)
+
+
+def bootstrap(
+    model: Transformer,
+    tokenizer: Tokenizer,
+    train: list[Problem],
+    test: list[Problem],
+    config: BootstrapConfig = BootstrapConfig(),
+) -> dict:
+    """Train ``model`` in place; returns the history: ``loss`` per step,
+    ``evals`` (step, accuracy on the eval prompts), ``steps`` run,
+    ``stopped_early``, ``seconds``, and ``accuracy`` (greedy, all of ``test``)."""
+    if not train or not test:
+        raise ValueError("bootstrap needs train and test problems")
+    if tokenizer.get_vocab_size() > model.cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, the model only {model.cfg.vocab_size}")
+    start = time.perf_counter()
+    torch.manual_seed(config.seed)
+    order = torch.Generator().manual_seed(config.seed)
+    device = next(model.parameters()).device
+    model.float().train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay)
+
+    def schedule(step: int) -> float:
+        if step < config.warmup:
+            return (step + 1) / config.warmup
+        return 0.5 * (1 + math.cos(math.pi * (step - config.warmup) / max(1, config.steps - config.warmup)))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    make_batch(tokenizer, train, config.max_len)  # every example fits, checked before training starts
+    history = {"loss": [], "evals": [], "stopped_early": False}
+    queue: list[int] = []
+    for step in range(config.steps):
+        while len(queue) < config.batch_size:  # epochs of a seeded permutation
+            queue += torch.randperm(len(train), generator=order).tolist()
+        chosen, queue = queue[: config.batch_size], queue[config.batch_size :]
+        batch = make_batch(tokenizer, [train[i] for i in chosen], config.max_len, device)
+        with torch.autocast(device.type, config.compute_dtype, enabled=config.compute_dtype != torch.float32):
+            loss = sft_loss(model, batch)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        history["loss"].append(loss.item())
+        if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
+            acc = accuracy(model, tokenizer, test[: config.eval_prompts], config.max_new_tokens)
+            history["evals"].append({"step": step + 1, "accuracy": acc})
+            if config.target_accuracy is not None and acc >= config.target_accuracy:
+                history["stopped_early"] = True
+                break
+    history["steps"] = len(history["loss"])
+    history["accuracy"] = accuracy(model, tokenizer, test, config.max_new_tokens)
+    history["seconds"] = time.perf_counter() - start
+    return history
