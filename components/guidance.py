@@ -22,7 +22,7 @@ from torch import Tensor
 from tracefp4.kernels import Guidance, dequantize, quantize
 
 from .capture import CaptureRecords, SiteTable
-from .mismatch import SiteMismatch
+from .mismatch import SiteMismatch, join_rows
 from .store import ArtifactNotFound
 
 MAGIC = b"TFP4GUID"
@@ -108,7 +108,7 @@ def compaction_report(full: CaptureRecords, compacted: CaptureRecords, training:
         train = training.tables[(layer, site)]
         if train.inputs is None:
             raise ValueError("fidelity needs the training capture's inputs: teacher_force(..., keep_inputs=True)")
-        rows, train_rows = _join(rollout, train)
+        rows, train_rows = join_rows(rollout, train)
         x = train.inputs[train_rows]
         reference = dequantize(quantize(x, rollout.fmt, guide=rollout.guidance(rows)))
         small = compacted.tables.get((layer, site))
@@ -130,15 +130,6 @@ def compaction_report(full: CaptureRecords, compacted: CaptureRecords, training:
         entry["fidelity"] = entry["same"] / entry["decisions"]
     report.total = sums
     return report
-
-
-def _join(rollout: SiteTable, train: SiteTable) -> tuple[Tensor, Tensor]:
-    """Row indices of the rows both tables hold (same key and expert)."""
-    r_keys = (rollout.traj << 40) + (rollout.pos << 6) + rollout.slot
-    t_keys = (train.traj << 40) + (train.pos << 6) + train.slot
-    at = torch.searchsorted(t_keys, r_keys).clamp(max=len(t_keys) - 1)
-    hit = (t_keys[at] == r_keys) & (train.expert[at] == rollout.expert)
-    return hit.nonzero()[:, 0], at[hit]
 
 
 # -- shards --------------------------------------------------------------------

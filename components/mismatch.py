@@ -80,8 +80,14 @@ def signed_rank(codes: Tensor) -> Tensor:
     return torch.where((codes & 8) != 0, -magnitude, magnitude)
 
 
-def _row_keys(t: SiteTable) -> Tensor:
-    return (t.traj << 40) + (t.pos << 6) + t.slot
+def join_rows(rollout: SiteTable, train: SiteTable) -> tuple[Tensor, Tensor]:
+    """Row indices of the rows both tables hold: the same (trajectory, position,
+    slot) and, for expert slots, the same expert."""
+    r_keys = (rollout.traj << 40) + (rollout.pos << 6) + rollout.slot
+    t_keys = (train.traj << 40) + (train.pos << 6) + train.slot
+    at = torch.searchsorted(t_keys, r_keys).clamp(max=len(t_keys) - 1)
+    hit = (t_keys[at] == r_keys) & (train.expert[at] == rollout.expert)
+    return hit.nonzero()[:, 0], at[hit]
 
 
 def compare(rollout: CaptureRecords, training: CaptureRecords) -> dict[tuple[int, str], SiteMismatch]:
@@ -92,13 +98,10 @@ def compare(rollout: CaptureRecords, training: CaptureRecords) -> dict[tuple[int
         r, t = rollout.tables[key], training.tables[key]
         if r.bits != 4 or t.bits != 4:
             raise ValueError(f"comparing codes needs full 4-bit captures; {key} has {r.bits} and {t.bits} bits")
-        r_keys, t_keys = _row_keys(r), _row_keys(t)
-        at = torch.searchsorted(t_keys, r_keys).clamp(max=len(t_keys) - 1)
-        hit = (t_keys[at] == r_keys) & (t.expert[at] == r.expert)
-        r_rows, t_rows = hit.nonzero()[:, 0], at[hit]
+        r_rows, t_rows = join_rows(r, t)
         diff = (signed_rank(r.low_bits()[r_rows]) - signed_rank(t.low_bits()[t_rows])).abs()
         m = SiteMismatch(*key)
-        m.unmatched_rows = len(r_keys) - len(r_rows)
+        m.unmatched_rows = len(r.traj) - len(r_rows)
         m.elements = diff.numel()
         m.mismatched = int((diff != 0).sum())
         m.blocks = r.scales[r_rows].numel()
