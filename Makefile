@@ -4,8 +4,12 @@ PIP := $(PYTHON) -m pip
 
 .PHONY: install test run image
 
+# Prometheus and its Pushgateway (Debian packages) for the metrics integration test;
 # torch first: 2.13.0 is the CPU wheel on local disk, and it then satisfies torch>=2.13
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 install:
+	command -v prometheus >/dev/null && command -v prometheus-pushgateway >/dev/null || \
+		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus prometheus-pushgateway; }
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[dev]'
 

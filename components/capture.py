@@ -9,8 +9,10 @@ forward runs. Inline compaction keeps only the low ``bits`` of each code and
 only the selected layers, with the foundation's codec, before offload.
 """
 
+import functools
 import queue
 import threading
+import time
 import weakref
 from dataclasses import dataclass, field, replace
 
@@ -134,6 +136,20 @@ class _Buffer:
         self.free.set()
 
 
+def _timed(method):
+    """Counts a rollout-thread method's wall time as capture time (the capture overhead's numerator)."""
+
+    @functools.wraps(method)
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.seconds["capture"] += time.perf_counter() - start
+
+    return timed
+
+
 class Capture:
     """Records FP4 outcomes during rollout (a :class:`~.quant.Recorder`).
 
@@ -175,12 +191,15 @@ class Capture:
         self._chunks: dict[tuple[int, str], list[list[Tensor]]] = {}
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
+        # host time spent capturing on the rollout thread, and busy time of the offload thread
+        self.seconds = {"capture": 0.0, "offload": 0.0}
         self._worker = threading.Thread(target=self._offload_loop, name="capture-offload", daemon=True)
         self._worker.start()
         # stop the thread before the interpreter tears torch down under it
         weakref.finalize(self, _stop_worker, self._jobs, self._worker)
 
     # -- the forward side -------------------------------------------------
+    @_timed
     def begin(self, tokens: TokenMap) -> None:
         """Start a forward whose token rows are ``tokens``."""
         self._raise_worker_error()
@@ -193,6 +212,7 @@ class Capture:
         buf.tokens[buf.n_tokens : buf.n_tokens + n] = torch.stack([tokens.traj, tokens.pos], 1)
         self._forward_tokens = n
 
+    @_timed
     def record(self, layer: int, site: str, x: Tensor, q: FP4Tensor, token: Tensor | None, slot: Tensor | None, expert: Tensor | None) -> None:
         buf, key = self._buffers[self._turn], (layer, site)
         if not self._forward_tokens or key not in buf.codes:
@@ -206,6 +226,7 @@ class Capture:
             buf.routing[key][start : start + n] = torch.stack([token + buf.n_tokens, slot, expert], 1)
         buf.rows[key] = start + n
 
+    @_timed
     def end(self) -> None:
         self._buffers[self._turn].n_tokens += self._forward_tokens
         self._forward_tokens = 0
@@ -220,6 +241,7 @@ class Capture:
         buf.n_tokens, buf.rows = 0, dict.fromkeys(buf.rows, 0)
         return buf
 
+    @_timed
     def record_kv(self, traj: int, layer: int, site: str, codes: Tensor, scales: Tensor) -> None:
         """The KV codes ``[length, width/2]`` and scales of a finished request."""
         if (layer, site) not in self._widths:
@@ -236,6 +258,7 @@ class Capture:
             if kind == "stop":
                 self._jobs.task_done()
                 return
+            start = time.perf_counter()
             try:
                 if kind == "buffer":
                     self._offload(job)
@@ -246,6 +269,7 @@ class Capture:
             finally:
                 if kind == "buffer":
                     job.free.set()
+                self.seconds["offload"] += time.perf_counter() - start
                 self._jobs.task_done()
 
     def _offload(self, buf: _Buffer) -> None:
@@ -282,6 +306,7 @@ class Capture:
         if self._error is not None:
             raise RuntimeError("capture offload failed") from self._error
 
+    @_timed
     def drain(self) -> CaptureRecords:
         """Wait for the offload thread, then return everything captured since the last drain."""
         if self._buffers[self._turn].n_tokens:

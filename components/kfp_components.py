@@ -11,37 +11,50 @@ from kfp import dsl
 from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
 
 
-def prepare(config_json: str, policy: Output[Model], history: Output[Dataset]):
-    """The initial policy and tokenizer; an empty training history."""
+def prepare(config_json: str, run_id: str, policy: Output[Model], history: Output[Dataset], metrics: Output[Metrics]):
+    """The initial policy and tokenizer (bootstrapped when configured); an empty training history."""
+    from tracefp4.components import metrics as run_metrics
     from tracefp4.components import steps
     from tracefp4.schemas import RunConfig
 
-    steps.prepare(RunConfig.model_validate_json(config_json), policy.path)
+    config = RunConfig.model_validate_json(config_json)
+    stats = steps.prepare(config, policy.path)
     open(history.path, "w").close()
+    for key, value in stats.items():
+        metrics.log_metric(key, value)
+    run_metrics.publish(config, run_id, "prepare", None, stats)
 
 
-def rollout(config_json: str, round_index: int, policy: Input[Model], trajectories: Output[Dataset]):
-    """A round of FP4 rollout; the full capture goes to the store."""
+def rollout(config_json: str, run_id: str, round_index: int, policy: Input[Model], trajectories: Output[Dataset]):
+    """A round of FP4 rollout; the capture goes to the store, the round's figures to the trajectories' metadata."""
+    from tracefp4.components import metrics as run_metrics
     from tracefp4.components import steps
     from tracefp4.schemas import RunConfig
 
-    steps.rollout(RunConfig.model_validate_json(config_json), policy.path, round_index, trajectories.path)
-    trajectories.metadata["round"] = round_index
+    config = RunConfig.model_validate_json(config_json)
+    stats = steps.rollout(config, policy.path, round_index, trajectories.path)
+    trajectories.metadata.update(round=round_index, **stats)
+    run_metrics.publish(config, run_id, "rollout", round_index, stats)
 
 
-def compaction(config_json: str, round_index: int, trajectories: Input[Dataset], report: Output[Metrics]):
-    """Offline compaction of the round's capture into guidance (layers, bits)."""
+def compaction(config_json: str, run_id: str, round_index: int, policy: Input[Model], trajectories: Input[Dataset],
+               report: Output[Metrics]):  # fmt: skip
+    """The round's guidance (layers, bits), its size and, offline, the compaction's fidelity."""
+    from tracefp4.components import metrics as run_metrics
     from tracefp4.components import steps
     from tracefp4.schemas import RunConfig
 
-    size = steps.compaction(RunConfig.model_validate_json(config_json), round_index)
-    report.log_metric("guidance_bytes", size["bytes"])
-    if size["full_bytes"]:  # known when compacting offline
-        report.log_metric("compaction_ratio", size["bytes"] / size["full_bytes"])
+    config = RunConfig.model_validate_json(config_json)
+    stats = steps.compaction(config, policy.path, trajectories.path, round_index)
+    for key in steps.ROUND_KEYS:
+        if stats.get(key) is not None:
+            report.log_metric(key, stats[key])
+    run_metrics.publish(config, run_id, "compaction", round_index, stats)
 
 
 def train(
     config_json: str,
+    run_id: str,
     round_index: int,
     policy: Input[Model],
     trajectories: Input[Dataset],
@@ -55,30 +68,37 @@ def train(
     import json
     import shutil
 
+    from tracefp4.components import metrics as run_metrics
     from tracefp4.components import steps
     from tracefp4.schemas import RunConfig
 
-    rows = steps.train(RunConfig.model_validate_json(config_json), policy.path, trajectories.path, round_index, new_policy.path)
+    config = RunConfig.model_validate_json(config_json)
+    round_stats = {**trajectories.metadata, **guidance.metadata}
+    rows = steps.train(config, policy.path, trajectories.path, round_index, new_policy.path, round_stats)
     shutil.copyfile(previous.path, history.path)
     with open(history.path, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     for key in ("reward_mean", "accuracy", "logprob_abs_diff_mean", "k3_kl", "guidance_coverage"):
         metrics.log_metric(key, rows[-1][key])
+    run_metrics.publish(config, run_id, "train", round_index, rows)
 
 
-def evaluate(config_json: str, policy: Input[Model], results: Output[Dataset], metrics: Output[Metrics]):
-    """Accuracy per task under BF16 and each FP4 rollout configuration."""
+def evaluate(config_json: str, run_id: str, policy: Input[Model], results: Output[Dataset], metrics: Output[Metrics]):
+    """Accuracy, throughput and train-rollout discrepancy under BF16 and each FP4 rollout configuration."""
     import json
 
+    from tracefp4.components import metrics as run_metrics
     from tracefp4.components import steps
     from tracefp4.schemas import RunConfig
 
-    rows = steps.evaluate(RunConfig.model_validate_json(config_json), policy.path)
+    config = RunConfig.model_validate_json(config_json)
+    result = steps.evaluate(config, policy.path)
     with open(results.path, "w") as f:
-        json.dump(rows, f)
-    for row in rows:
-        metrics.log_metric(f"{row['rollout']}.{row['task']}.pass_at_1", row["pass@1"])
+        json.dump(result, f)
+    for row in result["accuracy"]:
+        metrics.log_metric(f"{row['policy']}.{row['rollout']}.{row['task']}.pass_at_1", row["pass@1"])
+    run_metrics.publish(config, run_id, "evaluate", None, result)
 
 
 def report(config_json: str, history: Input[Dataset], evaluation: Input[Dataset], markdown: Output[Markdown],
@@ -102,16 +122,23 @@ def set_method(config_json: str, method: str) -> str:
     return config.model_copy(update={"method": method}).model_dump_json()
 
 
-def compare(config_json: str, evaluations: Input[List[Dataset]], markdown: Output[Markdown]):
-    """One table of every method's final accuracy, from the collected evaluations."""
+def compare(config_json: str, evaluations: Input[List[Dataset]], histories: Input[List[Dataset]], markdown: Output[Markdown],
+            page: Output[HTML]):  # fmt: skip
+    """Every method's final accuracy and alignment side by side, from the collected evaluations and histories."""
     import json
 
     from tracefp4.components import report as run_report
     from tracefp4.schemas import RunConfig
 
-    rows = [row for dataset in evaluations for row in json.load(open(dataset.path))]
+    config = RunConfig.model_validate_json(config_json)
+    results = [json.load(open(dataset.path)) for dataset in evaluations]
+    runs = [[json.loads(line) for line in open(dataset.path) if line.strip()] for dataset in histories]
+    by_method = {r[0]["method"]: r for r in runs if r}  # the collections' orders are not promised to agree
+    ordered = [by_method.get(result["method"], []) for result in results]
     with open(markdown.path, "w") as f:
-        f.write(run_report.comparison(RunConfig.model_validate_json(config_json), rows))
+        f.write(run_report.comparison(config, results, ordered))
+    with open(page.path, "w") as f:
+        f.write(run_report.comparison_html(config, results, ordered))
 
 
 @dataclass(frozen=True)

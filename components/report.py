@@ -1,111 +1,533 @@
 """The run report, from run artifacts only: the training history (one JSON
-line per RL step) and the evaluation rows, as markdown and as one
-self-contained HTML page with its plots embedded as PNG. Every table and plot
-names the run and the configuration it came from."""
+line per RL step; round-level keys repeated in every row of the round) and the
+evaluation (one JSON object: accuracy, throughput, discrepancy and
+guidance-sensitivity rows). It renders the paper's tables and figures as
+markdown and as one self-contained HTML page (plots embedded as PNG data
+URIs), for one run or side by side for several methods.
+
+How it works: section builders turn the artifacts into a list of blocks
+(headings, paragraphs, bullet lists, `Table`s and `Plot`s, all plain data);
+`_markdown` and `_html` render the same blocks, so each table is built once.
+Plots are drawn (matplotlib, Agg) for the HTML page only. Every table and plot
+carries the source line of the run(s) it came from. A missing or null key
+skips its cell, its column, its series or the whole plot.
+"""
 
 import base64
 import html
 import io
 import json
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
+from typing import get_args
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from tracefp4.schemas import RunConfig  # noqa: E402
+from tracefp4.schemas import Method, RolloutConfigName, RunConfig  # noqa: E402
 
-HISTORY_COLUMNS = ("round", "step", "reward_mean", "accuracy", "logprob_abs_diff_mean", "k3_kl", "guidance_coverage")
-PLOTS = (  # title, y label, series: (history key, label)
-    ("Train-rollout log-prob |diff|", "|logprob diff|", (("logprob_abs_diff_mean", "mean"), ("logprob_abs_diff_max", "max"), ("logprob_abs_diff_min", "min"))),
-    ("Reward and accuracy", "per response", (("reward_mean", "reward mean"), ("accuracy", "accuracy"))),
-    ("Guidance coverage", "share of captured elements guided", (("guidance_coverage", "coverage"),)),
-    ("Step time", "seconds", (("train_seconds", "train"), ("reload_seconds", "reload"))),
-)  # fmt: skip
+ROLLOUTS = get_args(RolloutConfigName)  # row order of every table: bf16 first, as in the paper
+METHODS = get_args(Method)
+STEP_COLUMNS = ("round", "step", "reward_mean", "accuracy", "logprob_abs_diff_mean", "logprob_abs_diff_max", "k3_kl",
+                "guidance_coverage", "train_seconds")  # fmt: skip
+DIFF_SERIES = (("mean", "logprob_abs_diff_mean"), ("max", "logprob_abs_diff_max"), ("min", "logprob_abs_diff_min"))
+ROUND_TIMES = (("rollout", "rollout_seconds"), ("upload", "upload_seconds"), ("compaction", "compaction_seconds"))
+STEP_TIMES = (("train", "train_seconds"), ("reload", "reload_seconds"))  # summed over the round's steps
+DISCREPANCY = (("code mismatch", "code_mismatch"), ("logprob |diff| mean", "logprob_abs_diff_mean"),
+               ("logprob |diff| max", "logprob_abs_diff_max"), ("k3 KL", "k3_kl"))  # fmt: skip
 
 
-def load(history_file: str | Path, evaluation_file: str | Path) -> tuple[list[dict], list[dict]]:
+# A report is a list of blocks: Heading, paragraph (str), bullet list (list[str]), Table or Plot.
+
+
+@dataclass
+class Heading:
+    level: int
+    text: str
+
+
+@dataclass
+class Table:
+    columns: list[str]
+    rows: list[list]  # cells, one list per row; None is an empty cell
+    source: str  # the run(s) and config the numbers came from
+    title: str = ""
+    note: str = ""
+
+
+@dataclass
+class Series:
+    label: str
+    x: list
+    y: list  # None where absent
+    band: tuple[list, list] | None = None  # (low, high) shaded around a line
+
+
+@dataclass
+class Plot:
+    title: str  # also the <img> alt
+    xlabel: str
+    ylabel: str
+    series: list[Series]
+    source: str
+    kind: str = "lines"  # lines | bars (grouped) | stacked
+    logy: bool = False
+    note: str = ""
+
+
+def load(history_file: str | Path, evaluation_file: str | Path) -> tuple[list[dict], dict]:
     history = [json.loads(line) for line in Path(history_file).read_text().splitlines() if line.strip()]
     return history, json.loads(Path(evaluation_file).read_text())
 
 
-def describe(config: RunConfig) -> str:
+def describe(config: RunConfig, methods: list[str] | None = None) -> str:
+    """The run and its configuration in one line; with `methods`, the runs of a comparison (one per method)."""
+    who = f"method `{config.method}`" if methods is None else "methods " + ", ".join(f"`{m}`" for m in methods)
     return (
-        f"run `{config.name}`: method `{config.method}`, rollout `{config.rollout.config}` ({config.rollout.fmt}), "
+        f"run `{config.name}`: {who}, rollout `{config.rollout.config}` ({config.rollout.fmt}), "
         f"guidance R-{config.guidance.bits}bit on layers `{config.guidance.layers}`, model "
         f"`{config.model.preset or config.model.checkpoint}`, seed {config.seed}"
     )
 
 
-def _cell(v) -> str:
-    return f"{v:.4g}" if isinstance(v, float) else str(v)
+# -- small helpers over rows -------------------------------------------------------------------------------------
 
 
-def _table(rows: list[dict], columns: list[str]) -> list[str]:
-    return ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] + [
-        "| " + " | ".join(_cell(r.get(c, "")) for c in columns) + " |" for r in rows
+def _rank(value, canonical) -> int:
+    return canonical.index(value) if value in canonical else len(canonical)
+
+
+def _ordered(values, canonical=()) -> list:
+    """Distinct non-null values, those in `canonical` first in its order, the rest in order of appearance."""
+    seen = list(dict.fromkeys(v for v in values if v is not None))
+    return sorted(seen, key=lambda v: (_rank(v, canonical), seen.index(v)))
+
+
+def _mean(values) -> float | None:
+    """Mean of all values, or None if any is missing (an average over part of the tasks would mislead)."""
+    values = list(values)
+    return None if not values or any(v is None for v in values) else sum(values) / len(values)
+
+
+def _first(rows: list[dict], key: str):
+    return next((r[key] for r in rows if r.get(key) is not None), None)
+
+
+def _last(rows: list[dict], key: str):
+    return _first(rows[::-1], key)
+
+
+def _col(rows: list[dict], key: str) -> list:
+    return [r.get(key) for r in rows]
+
+
+def _sum(rows: list[dict], key: str):
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return sum(values) if values else None
+
+
+def _max(rows: list[dict], key: str):
+    return max((r[key] for r in rows if r.get(key) is not None), default=None)
+
+
+def _steps(history: list[dict]) -> list:
+    """x axis of per-step plots: the step numbers when they increase throughout, else 1..N."""
+    steps = [h.get("step") for h in history]
+    if all(isinstance(s, int) for s in steps) and all(a < b for a, b in zip(steps, steps[1:])):
+        return steps
+    return list(range(1, len(history) + 1))
+
+
+def _by_int_key(d: dict | None) -> dict:
+    """A by-layer / histogram dict (JSON keys are strings) with int keys, in numeric order."""
+    return dict(sorted((int(k), v) for k, v in (d or {}).items()))
+
+
+def _table(rows: list[dict], columns, source: str, keep: int = 1, **kw) -> Table:
+    """Rows of dicts as a Table; a column past the first `keep` that no row fills is dropped."""
+    columns = [c for i, c in enumerate(columns) if i < keep or any(r.get(c) is not None for r in rows)]
+    return Table(columns, [[r.get(c) for c in columns] for r in rows], source, **kw)
+
+
+def _plot(title: str, xlabel: str, ylabel: str, series: list[Series], source: str, **kw) -> Plot | None:
+    """A Plot of the series that hold data; None (no plot) when none does."""
+    series = [s for s in series if any(y is not None for y in s.y)]
+    return Plot(title, xlabel, ylabel, series, source, **kw) if series else None
+
+
+# -- tables and plots ----------------------------------------------------------------------------------------------
+
+
+def _discrepancy(row: dict) -> dict:
+    return {label: row.get(key) for label, key in DISCREPANCY}
+
+
+def _accuracy_rows(rows: list[dict], methods=METHODS) -> tuple[list[str], list[dict]]:
+    """One dict per (method, policy, rollout): per task pass@1 and mean@k, and their averages over tasks."""
+    tasks = _ordered(r.get("task") for r in rows)
+    rank = {
+        "rollout": _ordered((r.get("rollout") for r in rows), ROLLOUTS),
+        "method": _ordered((r.get("method") for r in rows), tuple(methods)),
+        "policy": _ordered((r.get("policy") for r in rows), ("trained",)),
+    }
+    cells: dict[tuple, dict] = {}
+    for r in sorted(rows, key=lambda r: tuple(_rank(r.get(k), rank[k]) for k in rank)):
+        cells.setdefault((r.get("method"), r.get("policy"), r.get("rollout")), {})[r.get("task")] = r
+    out = []
+    for (method, policy, rollout), by_task in cells.items():
+        row = {"method": method, "policy": policy, "rollout": rollout}
+        for metric in ("pass@1", "mean@k"):
+            row |= {f"{t} {metric}": by_task.get(t, {}).get(metric) for t in tasks}
+            row[f"avg {metric}"] = _mean(row[f"{t} {metric}"] for t in tasks)
+        out.append(row)
+    return tasks, out
+
+
+def _accuracy_table(rows: list[dict], source: str, methods=METHODS) -> Table:
+    """The paper's main table: a row per (method, policy, rollout), a column group per task, then the average."""
+    tasks, out = _accuracy_rows(rows, methods)
+    columns = ["method", "policy", "rollout", *(f"{t} {m}" for t in tasks for m in ("pass@1", "mean@k"))]
+    ks = ", ".join(map(str, _ordered(r.get("k") for r in rows))) or "?"
+    prompts = ", ".join(map(str, _ordered(r.get("prompts") for r in rows))) or "?"
+    note = f"pass@1 and mean@k (k = {ks}) over {prompts} test prompts per task; avg is the mean over tasks."
+    return _table(out, [*columns, "avg pass@1", "avg mean@k"], source, keep=3, note=note)
+
+
+def _ablation_table(evaluation: dict, source: str) -> Table | None:
+    """The trained policy under each rollout config: accuracy, throughput and discrepancy side by side."""
+    method = evaluation.get("method")
+    acc = [r for r in evaluation.get("accuracy") or [] if r.get("policy", "trained") == "trained"]
+    acc = [r for r in acc if r.get("method", method) == method]
+    throughput = {r.get("rollout"): r for r in evaluation.get("throughput") or []}
+    discrepancy = {r.get("rollout"): r for r in evaluation.get("discrepancy") or []}
+    rollouts = _ordered([r.get("rollout") for r in acc] + list(throughput) + list(discrepancy), ROLLOUTS)
+    if not rollouts:
+        return None
+    tasks = _ordered(r.get("task") for r in acc)
+    bf16 = throughput.get("bf16", {}).get("tokens_per_second")
+    rows = []
+    for rollout in rollouts:
+        pass1 = {r.get("task"): r.get("pass@1") for r in acc if r.get("rollout") == rollout}
+        tps = throughput.get(rollout, {}).get("tokens_per_second")
+        rows.append(
+            {"rollout": rollout, **{f"{t} pass@1": pass1.get(t) for t in tasks},
+             "avg pass@1": _mean(map(pass1.get, tasks)), "tokens/s": tps,
+             "speedup vs bf16": tps / bf16 if tps and bf16 else None, **_discrepancy(discrepancy.get(rollout, {}))}
+        )  # fmt: skip
+    columns = ["rollout", *(f"{t} pass@1" for t in tasks), "avg pass@1", "tokens/s", "speedup vs bf16"]
+    note = f"Policy trained with `{method}`; discrepancy: its FP4 rollout against its training forward."
+    return _table(rows, [*columns, *(label for label, _ in DISCREPANCY)], source, note=note)
+
+
+def _sensitivity_table(rows: list[dict], source: str) -> Table | None:
+    """A row per R-k bits, a fidelity and a bits/element column per guided-layer count (the paper's R-kbit-Ln)."""
+    rows = [r for r in rows if isinstance(r.get("bits"), int) and isinstance(r.get("layers"), int)]
+    if not rows:
+        return None
+    counts = sorted({r["layers"] for r in rows})
+    cells = {(r["bits"], r["layers"]): r for r in rows}
+    metrics = (("fidelity", "fidelity"), ("bits/element", "bits_per_element"))
+    out = [
+        {"guidance": f"R-{b}bit"}
+        | {f"L{n} {label}": cells.get((b, n), {}).get(key) for n in counts for label, key in metrics}
+        for b in sorted({r["bits"] for r in rows})
+    ]
+    indices = {n: _first([r for r in rows if r["layers"] == n], "layer_indices") for n in counts}
+    layers = "; ".join(f"L{n} = layers {indices[n]}" for n in counts)
+    columns = ["guidance", *(f"L{n} {label}" for n in counts for label, _ in metrics)]
+    return _table(out, columns, source, note=f"Ln guides n layers ({layers}).")
+
+
+def _ptq_table(evaluation: dict, source: str) -> Table | None:
+    """Post-training FP4 quantization of the BF16-trained policy (ptq:* rows) vs training, FP4 rollouts only."""
+    is_ptq = lambda r: str(r.get("policy")).startswith("ptq:")  # noqa: E731
+    fp4 = [r for r in evaluation.get("accuracy") or [] if r.get("rollout") != "bf16"]
+    fp4 = [r for r in fp4 if is_ptq(r) or r.get("policy") == "trained"]
+    if not any(map(is_ptq, fp4)):
+        return None
+    tasks, rows = _accuracy_rows(fp4)
+    trained = {r["rollout"]: r["avg pass@1"] for r in rows if r["policy"] == "trained"}
+    for r in rows:
+        avg, base = r["avg pass@1"], trained.get(r["rollout"])
+        r["avg pass@1 vs trained"] = avg - base if avg is not None and base is not None else None
+    rows.sort(key=lambda r: r["policy"] == "trained")  # stable: baselines first, the trained policy last (the paper)
+    columns = ["method", "policy", "rollout", *(f"{t} pass@1" for t in tasks), "avg pass@1", "avg pass@1 vs trained"]
+    return _table(rows, columns, source, keep=3, note="ptq:<scheme> is the trained policy quantized after training.")
+
+
+def _discrepancy_blocks(evaluation: dict, source: str) -> list:
+    """A summary row per FP4 rollout config, then its per-layer and codeword-difference tables, then the plots."""
+    rows = sorted(evaluation.get("discrepancy") or [], key=lambda r: _rank(r.get("rollout"), ROLLOUTS))
+    if not rows:
+        return ["No FP4 rollout configuration was evaluated."]
+    summary = [{"rollout": r.get("rollout"), "trajectories": r.get("trajectories"), **_discrepancy(r)} for r in rows]
+    columns = ["rollout", "trajectories", *(label for label, _ in DISCREPANCY)]
+    blocks = [_table(summary, columns, source, note="Final policy: FP4 rollout vs training forward.")]
+    mse_series, hist_series = [], []
+    for r in rows:
+        rollout = r.get("rollout")
+        mismatch = _by_int_key(r.get("code_mismatch_by_layer"))
+        mse = _by_int_key(r.get("relative_excess_mse_by_layer"))
+        hist = _by_int_key(r.get("codeword_diff_hist"))
+        blocks.append(Heading(3, f"`{rollout}`"))
+        if not (mismatch or mse or hist):
+            blocks.append(f"No per-layer codes: the training path of `{evaluation.get('method')}` does not quantize.")
+            continue
+        if layers := sorted(set(mismatch) | set(mse)):
+            columns = ["layer", "code mismatch", "relative excess MSE"]
+            per_layer = [dict(zip(columns, (n, mismatch.get(n), mse.get(n)))) for n in layers]
+            blocks.append(_table(per_layer, columns, source, title=f"Per layer, `{rollout}`"))
+        if total := sum(hist.values()):
+            counts = [{"codeword difference": d, "count": c, "share": c / total} for d, c in hist.items()]
+            columns = ["codeword difference", "count", "share"]
+            blocks.append(_table(counts, columns, source, title=f"Codeword-difference histogram, `{rollout}`"))
+        mse_series.append(Series(rollout, list(mse), list(mse.values())))
+        hist_series.append(Series(rollout, list(hist), list(hist.values())))
+    return blocks + [
+        _plot("Relative excess MSE per layer", "layer", "relative excess train-rollout MSE", mse_series, source,
+              kind="bars"),
+        _plot("Codeword-difference histogram", "codeword difference (mismatched values)", "count", hist_series, source,
+              kind="bars", logy=True),
+    ]  # fmt: skip
+
+
+def _step_blocks(history: list[dict], source: str) -> list:
+    if not history:
+        return ["No RL steps recorded."]
+    x = _steps(history)
+    diffs = [Series(label, x, _col(history, key)) for label, key in DIFF_SERIES]
+    rewards = [Series("reward mean", x, _col(history, "reward_mean")), Series("accuracy", x, _col(history, "accuracy"))]
+    return [
+        _table(history, STEP_COLUMNS, source, keep=2),
+        _plot("Train-rollout log-prob |diff|", "RL step", "|logprob diff|", diffs, source),
+        _plot("Reward and accuracy", "RL step", "per response", rewards, source),
     ]
 
 
-def markdown(config: RunConfig, history_file: str | Path, evaluation_file: str | Path) -> str:
-    history, evaluation = load(history_file, evaluation_file)
-    return "\n".join([
-        f"# tracefp4 run `{config.name}`", "", describe(config) + ".", "",
-        "## Training, per RL step", "", *_table(history, list(HISTORY_COLUMNS)), "",
-        "## Evaluation of the final policy", "", *_table(evaluation, list(evaluation[0]) if evaluation else ["rollout"]), "",
-    ])  # fmt: skip
+def _rounds(history: list[dict]) -> dict:
+    rounds: dict = {}
+    for h in history:
+        rounds.setdefault(h.get("round"), []).append(h)
+    return rounds
 
 
-def _png(title: str, ylabel: str, series, history: list[dict], source: str) -> str | None:
-    steps = [h["step"] for h in history]
-    lines = [(label, [h.get(key) for h in history]) for key, label in series if any(h.get(key) is not None for h in history)]
-    if not lines:
-        return None
-    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
-    for label, values in lines:
-        ax.plot(steps, values, marker="o", label=label)
-    ax.set(title=title, xlabel="RL step", ylabel=ylabel)
-    ax.legend(fontsize=8)
-    fig.text(0.01, 0.01, source, fontsize=6, color="gray")
-    fig.tight_layout(rect=(0, 0.04, 1, 1))
+def _time_blocks(history: list[dict], source: str) -> list:
+    """Seconds per round (round-level keys once, step-level ones summed), guidance sizes, the stacked plot."""
+    if not history:
+        return ["No RL steps recorded."]
+    times, sizes = [], []
+    for rnd, steps in _rounds(history).items():
+        row = {"round": rnd, "steps": len(steps)}
+        row |= {f"{label} s": _first(steps, key) for label, key in ROUND_TIMES}
+        row |= {f"{label} s": _sum(steps, key) for label, key in STEP_TIMES}
+        parts = [row[f"{label} s"] for label, _ in (*ROUND_TIMES, *STEP_TIMES) if row[f"{label} s"] is not None]
+        row |= {"total s": sum(parts) if parts else None, "offload s": _first(steps, "offload_seconds"),
+                "rollout tokens": _first(steps, "rollout_tokens"),
+                "rollout tokens/s": _first(steps, "rollout_tokens_per_second"),
+                "capture overhead": _first(steps, "capture_overhead_ratio")}  # fmt: skip
+        times.append(row)
+        coverage = [c for c in _col(steps, "guidance_coverage") if c is not None]
+        sizes.append({"round": rnd, "guidance bytes": _first(steps, "guidance_bytes"),
+                      "capture bytes": _first(steps, "capture_bytes"),
+                      "compaction fidelity": _first(steps, "compaction_fidelity"),
+                      "guidance coverage (mean)": sum(coverage) / len(coverage) if coverage else None})  # fmt: skip
+    parts = [f"{label} s" for label, _ in (*ROUND_TIMES, *STEP_TIMES)]
+    note = ("rollout, upload and compaction per round; train and reload summed over the round's steps; total is their "
+            "sum. Offload runs asynchronously during the rollout and is not in the total.")  # fmt: skip
+    columns = ["round", "steps", *parts, "total s", "offload s", "rollout tokens", "rollout tokens/s"]
+    blocks = [_table(times, [*columns, "capture overhead"], source, keep=2, note=note)]
+    columns = ["round", "guidance bytes", "capture bytes", "compaction fidelity", "guidance coverage (mean)"]
+    if len((table := _table(sizes, columns, source, title="Guidance data per round")).columns) > 1:
+        blocks.append(table)
+    stacks = [Series(part.removesuffix(" s"), _col(times, "round"), _col(times, part)) for part in parts]
+    return blocks + [_plot("Time breakdown per round", "round", "seconds", stacks, source, kind="stacked")]
+
+
+# -- the reports --------------------------------------------------------------------------------------------------
+
+
+def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict) -> list:
+    source = describe(config)
+    acc = evaluation.get("accuracy") or []
+    rollouts = ", ".join(_ordered((r.get("rollout") for r in acc), ROLLOUTS)) or "none"
+    tasks = ", ".join(_ordered(r.get("task") for r in acc)) or "none"
+    summary = f"RL steps: {len(history)}, rounds: {len(_rounds(history))}; evaluated rollout configs: {rollouts}; "
+    summary += f"tasks: {tasks}."
+    blocks = [Heading(1, f"tracefp4 run `{config.name}`"), source + ".", summary]
+    blocks += [Heading(2, "Accuracy: method x task"), _accuracy_table(acc, source) if acc else "No accuracy rows."]
+    blocks += [Heading(2, "Rollout configuration ablation"), _ablation_table(evaluation, source) or "No evaluation."]
+    if sensitivity := _sensitivity_table(evaluation.get("guidance_sensitivity") or [], source):
+        blocks += [Heading(2, "Guidance sensitivity: R-k bits x layers"), sensitivity]
+    if ptq := _ptq_table(evaluation, source):
+        blocks += [Heading(2, "PTQ baselines vs training"), ptq]
+    blocks += [Heading(2, "Train-rollout discrepancy"), *_discrepancy_blocks(evaluation, source)]
+    blocks += [Heading(2, "Training, per RL step"), *_step_blocks(history, source)]
+    blocks += [Heading(2, "Time breakdown per round"), *_time_blocks(history, source)]
+    return [b for b in blocks if b is not None]
+
+
+def _comparison_blocks(config: RunConfig, evaluations: list[dict], histories: list[list[dict]]) -> list:
+    histories = list(histories) + [[]] * (len(evaluations) - len(histories))
+    methods = [e.get("method") or _first(h, "method") or "?" for e, h in zip(evaluations, histories)]
+    source = describe(config, methods)
+    runs = [describe(config.model_copy(update={"method": m})) for m in methods]
+    blocks = [Heading(1, f"tracefp4 comparison `{config.name}`"), f"{len(methods)} methods; each method's run:", runs]
+
+    acc = [r for e in evaluations for r in e.get("accuracy") or []]
+    blocks += [Heading(2, "Accuracy: method x task"), _accuracy_table(acc, source, methods) if acc else "No accuracy."]
+
+    diffs = [{"method": m, "rollout": r.get("rollout"), "trajectories": r.get("trajectories"), **_discrepancy(r)}
+             for m, e in zip(methods, evaluations) for r in e.get("discrepancy") or []]  # fmt: skip
+    columns = ["method", "rollout", "trajectories", *(label for label, _ in DISCREPANCY)]
+    table = _table(diffs, columns, source, keep=2) if diffs else "No FP4 rollout configuration was evaluated."
+    blocks += [Heading(2, "FP4 train-rollout log-prob |diff| per method"), table]
+
+    training = [
+        {"method": m, "steps": len(h), "accuracy (last)": _last(h, "accuracy"),
+         "reward_mean (last)": _last(h, "reward_mean"), "logprob |diff| mean (last)": _last(h, "logprob_abs_diff_mean"),
+         "logprob |diff| max (all steps)": _max(h, "logprob_abs_diff_max"),
+         "k3 KL (last)": _last(h, "k3_kl")}
+        for m, h in zip(methods, histories)
+    ]  # fmt: skip
+    if training:
+        blocks += [Heading(2, "Training per method"), _table(training, list(training[0]), source, keep=2)]
+
+    def lines(key: str) -> list[Series]:
+        return [Series(m, _steps(h), _col(h, key)) for m, h in zip(methods, histories)]
+
+    diff_lines = [Series(m, _steps(h), _col(h, "logprob_abs_diff_mean"),
+                         band=(_col(h, "logprob_abs_diff_min"), _col(h, "logprob_abs_diff_max")))
+                  for m, h in zip(methods, histories)]  # fmt: skip
+    blocks += [
+        _plot("Train-rollout log-prob |diff| per method", "RL step", "|logprob diff|", diff_lines, source,
+              note="Line: mean |diff| per step; band: min to max."),
+        _plot("Accuracy per method", "RL step", "accuracy", lines("accuracy"), source),
+        _plot("Reward per method", "RL step", "reward mean", lines("reward_mean"), source),
+    ]  # fmt: skip
+    return [b for b in blocks if b is not None]
+
+
+# -- rendering: one block list, two formats ----------------------------------------------------------------------
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _markdown(blocks: list) -> str:
+    row = lambda cells: "| " + " | ".join(_cell(c).replace("|", "\\|") for c in cells) + " |"  # noqa: E731
+    lines = []
+    for b in blocks:
+        if isinstance(b, Heading):
+            lines += ["#" * b.level + " " + b.text, ""]
+        elif isinstance(b, Table):
+            lines += [f"**{b.title}**", ""] if b.title else []
+            lines += [row(b.columns), "|" + "---|" * len(b.columns), *map(row, b.rows), ""]
+            lines += [f"_{b.note + ' ' if b.note else ''}Source: {b.source}._", ""]
+        elif isinstance(b, list):
+            lines += [f"- {item}" for item in b] + [""]
+        elif isinstance(b, str):
+            lines += [b, ""]
+        # plots: in the HTML page only
+    return "\n".join(lines)
+
+
+def _png(plot: Plot) -> str:
+    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=100)
+    if plot.kind == "lines":
+        for s in plot.series:
+            points = [(x, y) for x, y in zip(s.x, s.y) if y is not None]
+            (line,) = ax.plot(*zip(*points), marker="o", markersize=3, label=s.label)
+            band = [(x, lo, hi) for x, lo, hi in zip(s.x, *s.band) if None not in (lo, hi)] if s.band else []
+            if band:
+                ax.fill_between(*zip(*band), color=line.get_color(), alpha=0.15, linewidth=0)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    else:
+        cats = list(dict.fromkeys(x for s in plot.series for x in s.x))
+        try:
+            cats.sort()
+        except TypeError:  # mixed types: keep the order of appearance
+            pass
+        width = 0.8 if plot.kind == "stacked" else 0.8 / len(plot.series)
+        bottom = [0.0] * len(cats)
+        for i, s in enumerate(plot.series):
+            values = dict(zip(s.x, s.y))
+            ys = [values.get(c) or 0.0 for c in cats]
+            if plot.kind == "stacked":
+                ax.bar(range(len(cats)), ys, width, bottom=bottom, label=s.label)
+                bottom = [b + y for b, y in zip(bottom, ys)]
+            else:
+                ax.bar([j - 0.4 + width * (i + 0.5) for j in range(len(cats))], ys, width, label=s.label)
+        ax.set_xticks(range(len(cats)), [str(c) for c in cats])
+    if plot.logy:
+        ax.set_yscale("log")
+    ax.set(title=plot.title, xlabel=plot.xlabel, ylabel=plot.ylabel)
+    ax.legend(fontsize=7)
+    source = textwrap.wrap("Source: " + plot.source.replace("`", ""), 120)
+    fig.text(0.01, 0.01, "\n".join(source), fontsize=6, color="gray", va="bottom")
+    fig.tight_layout(rect=(0, 0.03 * (len(source) + 1), 1, 1))
     buf = io.BytesIO()
     fig.savefig(buf, format="png")
     plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _html_table(rows: list[dict], columns: list[str]) -> str:
-    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(_cell(r.get(c, '')))}</td>" for c in columns) + "</tr>" for r in rows)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+def _text(s: str) -> str:
+    return html.escape(s.replace("`", ""))
 
 
-def html_report(config: RunConfig, history_file: str | Path, evaluation_file: str | Path) -> str:
-    """One self-contained page: tables and PNG plots (embedded as data URIs)."""
-    history, evaluation = load(history_file, evaluation_file)
-    source = describe(config).replace("`", "")
-    figures = [(title, _png(title, ylabel, series, history, source)) for title, ylabel, series in PLOTS]
-    images = "".join(
-        f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{png}"><figcaption>{html.escape(title)}: {html.escape(source)}</figcaption></figure>'
-        for title, png in figures
-        if png
-    )  # fmt: skip
+def _html(title: str, blocks: list) -> str:
+    """One self-contained page: no external resources, plots as PNG data URIs."""
+    parts = []
+    for b in blocks:
+        if isinstance(b, Heading):
+            parts.append(f"<h{b.level}>{_text(b.text)}</h{b.level}>")
+        elif isinstance(b, Table):
+            head = "".join(f"<th>{_text(c)}</th>" for c in b.columns)
+            body = "".join("<tr>" + "".join(f"<td>{_text(_cell(c))}</td>" for c in r) + "</tr>" for r in b.rows)
+            caption = f"<caption>{_text(b.title)}</caption>" if b.title else ""
+            parts.append(f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+            parts.append(f'<p class="source">{_text(b.note + " " if b.note else "")}Source: {_text(b.source)}.</p>')
+        elif isinstance(b, Plot):
+            series = ", ".join(s.label for s in b.series)
+            caption = f"{b.title}. {b.note + ' ' if b.note else ''}Series: {series}. Source: {b.source}."
+            parts.append(f'<figure><img alt="{html.escape(b.title)}" src="data:image/png;base64,{_png(b)}">'
+                         f"<figcaption>{_text(caption)}</figcaption></figure>")  # fmt: skip
+        elif isinstance(b, list):
+            parts.append("<ul>" + "".join(f"<li>{_text(item)}</li>" for item in b) + "</ul>")
+        else:
+            parts.append(f"<p>{_text(b)}</p>")
     return (
         "<!doctype html><html><head><meta charset='utf-8'>"
-        f"<title>tracefp4 run {html.escape(config.name)}</title>"
-        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0}"
-        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}figure{display:inline-block;margin:0.5em}</style>"
-        f"</head><body><h1>tracefp4 run {html.escape(config.name)}</h1><p>{html.escape(source)}</p>"
-        f"<h2>Training, per RL step</h2>{_html_table(history, list(HISTORY_COLUMNS))}{images}"
-        f"<h2>Evaluation of the final policy</h2>{_html_table(evaluation, list(evaluation[0]) if evaluation else [])}"
-        "</body></html>"
+        f"<title>{_text(title)}</title>"
+        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;margin:1em 0 0.2em}"
+        "caption{font-weight:bold;text-align:left}td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
+        ".source,figcaption{color:#666;font-size:0.8em;max-width:60em}figure{display:inline-block;margin:0.5em}</style>"
+        f"</head><body>{''.join(parts)}</body></html>"
     )
 
 
-def comparison(config: RunConfig, rows: list[dict]) -> str:
-    """Final accuracy of every method of a comparison run, side by side."""
-    rows = sorted(rows, key=lambda r: (r["method"], r["rollout"], r["task"]))
-    columns = [c for c in rows[0] if c != "prompts"] if rows else ["method"]
-    return "\n".join([f"# tracefp4 comparison `{config.name}`", "", describe(config) + "; methods side by side.", "",
-                      *_table(rows, columns), ""])  # fmt: skip
+def markdown(config: RunConfig, history_file: str | Path, evaluation_file: str | Path) -> str:
+    """The run's report as markdown (tables only; the plots are in `html_report`)."""
+    return _markdown(_run_blocks(config, *load(history_file, evaluation_file)))
+
+
+def html_report(config: RunConfig, history_file: str | Path, evaluation_file: str | Path) -> str:
+    """The run's report as one self-contained HTML page: the tables and the PNG plots."""
+    return _html(f"tracefp4 run {config.name}", _run_blocks(config, *load(history_file, evaluation_file)))
+
+
+def comparison(config: RunConfig, evaluations: list[dict], histories: list[list[dict]]) -> str:
+    """Several methods side by side, as markdown; `histories[i]` belongs to the method of `evaluations[i]`."""
+    return _markdown(_comparison_blocks(config, evaluations, histories))
+
+
+def comparison_html(config: RunConfig, evaluations: list[dict], histories: list[list[dict]]) -> str:
+    """Several methods side by side, as one self-contained HTML page with the per-method plots."""
+    return _html(f"tracefp4 comparison {config.name}", _comparison_blocks(config, evaluations, histories))

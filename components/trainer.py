@@ -91,11 +91,7 @@ class Trainer:
             mb_guidance = next(guidance)
             reload_s += time.perf_counter() - start
             recorder = self._recorder(batch, rollout_records) if rollout_records is not None else None
-            sites = TrainingSites(self.engine.quant, cfg.method, self.engine.global_scales, trajectories=batch.trajectories,
-                                  seq_len=batch.tokens.shape[1], guidance=mb_guidance, compute_dtype=cfg.compute_dtype,
-                                  recorder=recorder)  # fmt: skip
-            with torch.autocast(batch.tokens.device.type, dtype=cfg.compute_dtype, enabled=cfg.compute_dtype != torch.float32):
-                logprobs, every = token_logprobs(self.model, batch, sites, cfg.temperature, full=True)
+            sites, (logprobs, every) = self._forward(batch, mb_guidance, recorder, full=True)
             mb_adv = torch.tensor([adv[t] for t in batch.trajectories])
             loss, loss_stats = grpo_loss(
                 logprobs, logprobs.detach(), batch.rollout_logprobs, mb_adv, batch.response, clip=cfg.ppo_clip, tis_cap=cfg.tis_cap
@@ -135,6 +131,34 @@ class Trainer:
         if rollout_records is not None:
             stats.update(tally.summary())
         return stats
+
+    def _forward(self, batch: SequenceBatch, guidance, recorder: Capture | None, full: bool = False):
+        """The training path's log-probs of one microbatch (the method's fake quantization, guided where guidance is)."""
+        cfg = self.config
+        sites = TrainingSites(self.engine.quant, cfg.method, self.engine.global_scales, trajectories=batch.trajectories,
+                              seq_len=batch.tokens.shape[1], guidance=guidance, compute_dtype=cfg.compute_dtype,
+                              recorder=recorder)  # fmt: skip
+        with torch.autocast(batch.tokens.device.type, dtype=cfg.compute_dtype, enabled=cfg.compute_dtype != torch.float32):
+            return sites, token_logprobs(self.model, batch, sites, cfg.temperature, full=full)
+
+    @torch.no_grad()
+    def measure(self, trajectories: list[Trajectory], loader: GuidanceLoader | None, rollout_records: CaptureRecords) -> dict:
+        """The train-rollout discrepancy of the training path as it stands, without
+        an update: log-prob alignment, and against the rollout's full capture the
+        per-layer code mismatch, relative excess MSE and codeword-difference
+        histogram (empty for methods whose training path does not quantize)."""
+        parts = [SequenceBatch.of(mb) for mb in self.microbatches(trajectories)]
+        guidance = iter(loader) if loader is not None else iter([None] * len(parts))
+        tally, train_lp, rollout_lp = MismatchTally(), [], []
+        for batch in parts:
+            recorder = self._recorder(batch, rollout_records)
+            _, logprobs = self._forward(batch, next(guidance), recorder)
+            recorder.end()
+            tally.add(compare(rollout_records, recorder.drain()))
+            train_lp.append(logprobs[batch.response])
+            rollout_lp.append(batch.rollout_logprobs[batch.response])
+        train, rollout = torch.cat(train_lp), torch.cat(rollout_lp)
+        return {**alignment_metrics(train, rollout, torch.ones_like(train, dtype=torch.bool)), **tally.summary()}
 
     def _recorder(self, batch: SequenceBatch, rollout: CaptureRecords) -> Capture:
         """A capture of the training path's codes over the positions the rollout fed."""

@@ -1,5 +1,7 @@
-"""The ``tracefp4`` command: run the pipeline here, compile it for a cluster,
-export the config's JSON Schema, list presets, show a run's report."""
+"""The ``tracefp4`` command: run the pipeline here, bootstrap a base policy,
+compile the pipeline for a cluster and submit it, export the config's JSON
+Schema and the Grafana dashboards, list presets, show a run's report, delete a
+run's metrics from a Pushgateway."""
 
 import sys
 from pathlib import Path
@@ -9,10 +11,10 @@ import click
 from tracefp4.schemas import PRESETS, ConfigError, export_json_schema, load_config
 
 
-def _config(preset: str | None, config_file: str | None, store: str | None = None):
+def _config(preset: str | None, config_file: str | None, store: str | None = None, pushgateway: str | None = None):
+    overrides = {key: value for key, value in {"store.uri": store, "metrics.pushgateway_url": pushgateway}.items() if value}
     try:
-        return load_config(config_file, preset=preset or (None if config_file else "tiny"),
-                           overrides={"store.uri": store} if store else None)  # fmt: skip
+        return load_config(config_file, preset=preset or (None if config_file else "tiny"), overrides=overrides or None)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
 
@@ -33,11 +35,12 @@ def main():
 @click.option("--store", help="Artifact store URI for guidance and checkpoints (file://..., s3://bucket/prefix).")
 @click.option("--verbose", is_flag=True, help="Stream every component's log.")
 @click.option("--compare", "methods", help="Comma-separated methods to run side by side (e.g. trace,qat,bf16).")
-def run(preset, config_file, output, store, verbose, methods):
+@click.option("--pushgateway", help="Also push the metrics to this Pushgateway (http://host:9091).")
+def run(preset, config_file, output, store, verbose, methods, pushgateway):
     """Run the whole DAG on this machine (kfp.local), then print the results and the report's path."""
     from tracefp4.pipelines.local import run_local
 
-    config = _config(preset, config_file, store)
+    config = _config(preset, config_file, store, pushgateway)
     output = Path(output)
     log = None if verbose else output / "pipeline.log"
     click.echo(f"running {config.name}: {config.rl.rounds} round(s) of {config.rl.steps_per_round} step(s), "
@@ -46,6 +49,21 @@ def run(preset, config_file, output, store, verbose, methods):
     report = run_local(config, output, log, methods.split(",") if methods else None)
     click.echo(report.read_text())
     click.echo(f"report: {report.with_name('page')} (HTML), {report} (markdown)")
+
+
+@main.command()
+@preset_option
+@config_option
+@click.option("--output", type=click.Path(file_okay=False), required=True, help="Folder of the bootstrapped checkpoint.")
+def bootstrap(preset, config_file, output):
+    """SFT of the config's initial policy on its tasks (the config's bootstrap settings, enabled); a Hugging Face checkpoint."""
+    from tracefp4.components.steps import prepare
+
+    config = _config(preset, config_file)
+    config.bootstrap.enabled = True
+    stats = prepare(config, Path(output))
+    click.echo(f"{output}: {stats['bootstrap_steps']} SFT steps in {stats['bootstrap_seconds']:.0f} s, "
+               f"greedy test accuracy {stats['bootstrap_accuracy']:.1%}")  # fmt: skip
 
 
 @main.command()
@@ -68,7 +86,8 @@ def compile(preset, config_file, output):
 @click.option("--experiment", default="tracefp4", show_default=True, help="KFP experiment to file the run under.")
 @click.option("--namespace", help="User namespace of a multi-user Kubeflow deployment.")
 @click.option("--store", help="Artifact store URI for guidance and checkpoints (s3://bucket/prefix; the pods share it).")
-def submit(preset, config_file, host, experiment, namespace, store):
+@click.option("--service-account", help="Service account of the run's pods (e.g. tracefp4-pipeline-runner).")
+def submit(preset, config_file, host, experiment, namespace, store, service_account):
     """Upload the pipeline (or a new version) to a KFP server and start a run (token: env KF_PIPELINES_TOKEN)."""
     from tracefp4.pipelines.submit import SubmitError
     from tracefp4.pipelines.submit import submit as submit_run
@@ -77,7 +96,7 @@ def submit(preset, config_file, host, experiment, namespace, store):
     if config.store.uri.startswith("file://"):
         click.echo(f"warning: store {config.store.uri} is local to each pod; use --store s3://... on a cluster", err=True)
     try:
-        result = submit_run(config, host, experiment, namespace=namespace)
+        result = submit_run(config, host, experiment, namespace=namespace, service_account=service_account)
     except SubmitError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"pipeline {result['pipeline_id']}, version {result['pipeline_version_id']}, "
@@ -91,6 +110,15 @@ def schema(output):
     """Write the run config's JSON Schema."""
     for path in export_json_schema(output):
         click.echo(path)
+
+
+@main.command()
+@click.option("--output", type=click.Path(file_okay=False), default="manifests/base/grafana/dashboards", show_default=True)
+def dashboards(output):
+    """Write the Grafana dashboard JSON (built from the run metrics)."""
+    from tracefp4.pipelines.dashboards import write
+
+    click.echo(write(output))
 
 
 @main.command()
@@ -111,6 +139,18 @@ def report(run_dir):
         raise click.ClickException(f"no report under {run_dir}/pipeline_root")
     click.echo(found[-1].read_text())
     click.echo(f"report: {found[-1].with_name('page')} (HTML), {found[-1]} (markdown)")
+
+
+@main.command("delete-metrics")
+@click.option("--pushgateway", required=True, help="Pushgateway URL (http://host:9091).")
+@click.option("--pipeline", required=True, help="The run config's name (the metrics' pipeline label).")
+@click.option("--run-id", required=True, help="The KFP run ID (the metrics' run_id label).")
+@click.option("--job", default="tracefp4", show_default=True, help="The metrics' job label (metrics.job).")
+def delete_metrics(pushgateway, pipeline, run_id, job):
+    """Delete every metrics group one run pushed to a Pushgateway."""
+    from tracefp4.components.metrics import delete_run
+
+    click.echo(f"deleted {delete_run(pushgateway, job, pipeline, run_id)} group(s)")
 
 
 if __name__ == "__main__":

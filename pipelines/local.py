@@ -17,18 +17,20 @@ from .pipeline import build_comparison_pipeline, build_pipeline
 
 
 def localize(config: RunConfig, output: Path) -> RunConfig:
-    """A relative ``file://`` store becomes a folder of the run's output."""
+    """A relative ``file://`` store becomes a folder of the run's output, a relative metrics file a file in it."""
     uri = config.store.uri
     if uri.startswith("file://") and not uri.startswith("file:///"):
         uri = (output / uri.removeprefix("file://")).resolve().as_uri()
-    return config.model_copy(update={"store": config.store.model_copy(update={"uri": uri})})
+    metrics_file = str((output / config.metrics.metrics_file).resolve())
+    return config.model_copy(update={"store": config.store.model_copy(update={"uri": uri}),
+                                     "metrics": config.metrics.model_copy(update={"metrics_file": metrics_file})})  # fmt: skip
 
 
 def task_count(config: RunConfig, methods: list[str] | None = None) -> int:
     """Tasks of the DAG: prepare, 3 per round, evaluate, report; per method (plus
     the method switch) and one collecting report for a comparison."""
     if methods:
-        return len(methods) * (3 * config.rl.rounds + 3) + 1
+        return len(methods) * (3 * config.rl.rounds + 4) + 1
     return 3 * config.rl.rounds + 3
 
 

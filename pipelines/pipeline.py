@@ -42,6 +42,8 @@ def _configure(task, config: RunConfig):
         kubernetes.add_toleration(task, key=t.key, operator=t.operator, value=t.value, effect=t.effect)
     if not config.store.uri.startswith("file://"):
         kubernetes.use_secret_as_env(task, secret_name=config.store.secret_name, secret_key_to_env=SECRET_KEYS)
+        if config.store.endpoint:
+            task.set_env_variable("TRACEFP4_S3_ENDPOINT", config.store.endpoint)
     return task
 
 
@@ -61,20 +63,23 @@ def build_pipeline(config: RunConfig):
 
 def _train_and_evaluate(c, config: RunConfig, config_json):
     """prepare -> R x (rollout -> compaction -> guided QAT) -> evaluate: (history, evaluation) artifacts."""
-    prep = _configure(c.prepare(config_json=config_json), config)
+    run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER  # with the round and component, the key of the pushed metrics
+    prep = _configure(c.prepare(config_json=config_json, run_id=run_id), config)
     policy, history = prep.outputs["policy"], prep.outputs["history"]
     for r in range(config.rl.rounds):
-        roll = _configure(c.rollout(config_json=config_json, round_index=r, policy=policy), config)
-        guide = _configure(c.compaction(config_json=config_json, round_index=r, trajectories=roll.outputs["trajectories"]), config)
-        step = _configure(c.train(config_json=config_json, round_index=r, policy=policy, trajectories=roll.outputs["trajectories"],
+        roll = _configure(c.rollout(config_json=config_json, run_id=run_id, round_index=r, policy=policy), config)
+        trajectories = roll.outputs["trajectories"]
+        guide = _configure(c.compaction(config_json=config_json, run_id=run_id, round_index=r, policy=policy,
+                                        trajectories=trajectories), config)  # fmt: skip
+        step = _configure(c.train(config_json=config_json, run_id=run_id, round_index=r, policy=policy, trajectories=trajectories,
                                   guidance=guide.outputs["report"], previous=history), config)  # fmt: skip
         policy, history = step.outputs["new_policy"], step.outputs["history"]
-    ev = _configure(c.evaluate(config_json=config_json, policy=policy), config)
+    ev = _configure(c.evaluate(config_json=config_json, run_id=run_id, policy=policy), config)
     return history, ev.outputs["results"]
 
 
 def build_comparison_pipeline(config: RunConfig, methods: list[str]):
-    """The same run for each of ``methods`` in parallel, collected into one table."""
+    """The same run for each of ``methods`` in parallel, each with its report, collected into one comparison."""
     c = make_components(config.image)
     default = config.model_dump_json()
 
@@ -82,8 +87,10 @@ def build_comparison_pipeline(config: RunConfig, methods: list[str]):
     def comparison_pipeline(config_json: str = default, methods: list = list(methods)) -> Markdown:
         with dsl.ParallelFor(methods) as method:
             branch = _configure(c.set_method(config_json=config_json, method=method), config).output
-            _, evaluation = _train_and_evaluate(c, config, branch)
-        rep = _configure(c.compare(config_json=config_json, evaluations=dsl.Collected(evaluation)), config)
+            history, evaluation = _train_and_evaluate(c, config, branch)
+            _configure(c.report(config_json=branch, history=history, evaluation=evaluation), config)  # each method's own
+        rep = _configure(c.compare(config_json=config_json, evaluations=dsl.Collected(evaluation),
+                                   histories=dsl.Collected(history)), config)  # fmt: skip
         return rep.outputs["markdown"]
 
     return comparison_pipeline

@@ -133,6 +133,7 @@ def submit(
     token: str | None = None,
     timeout_s: float = 30,
     namespace: str | None = None,
+    service_account: str | None = None,
 ) -> dict:
     """Upload ``config``'s pipeline (or a new version of it) to the KFP server at ``host`` and start a run.
 
@@ -140,7 +141,8 @@ def submit(
     ``pipeline_version()`` plus a hash of the compiled YAML (reused when one of
     that name exists); the run gets
     ``config_json`` = the config's JSON. ``namespace``: the user namespace of a
-    multi-user deployment (pipeline, experiment). Returns pipeline_id,
+    multi-user deployment (pipeline, experiment); ``service_account``: the
+    Kubernetes service account the run's pods use. Returns pipeline_id,
     pipeline_version_id, experiment_id, run_id and run_url. Raises SubmitError."""
     api = _Api(host, token if token is not None else os.environ.get(TOKEN_ENV) or None, timeout_s)
     name = pipeline_name(config)
@@ -177,12 +179,15 @@ def submit(
         exp = api.call("POST", f"{API}/experiments", body=body)
     experiment_id = api.field(exp, "experiment_id", "the experiment")
 
-    run = api.call("POST", f"{API}/runs", body={
+    body = {
         "display_name": f"{config.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}",
         "experiment_id": experiment_id,
         "pipeline_version_reference": {"pipeline_id": pipeline_id, "pipeline_version_id": version_id},
         "runtime_config": {"parameters": {"config_json": config.model_dump_json()}},
-    })  # fmt: skip
+    }
+    if service_account:
+        body["service_account"] = service_account
+    run = api.call("POST", f"{API}/runs", body=body)
     run_id = api.field(run, "run_id", "the run")
     return {
         "pipeline_id": pipeline_id,

@@ -2,6 +2,7 @@
 
 from .config import (
     SECRET_ENV,
+    BootstrapConfig,
     EvaluationConfig,
     GuidanceConfig,
     LayerSelection,
@@ -25,6 +26,7 @@ from .presets import PRESETS, get_preset
 __all__ = [
     "PRESETS",
     "SECRET_ENV",
+    "BootstrapConfig",
     "ConfigError",
     "EvaluationConfig",
     "GuidanceConfig",

@@ -188,6 +188,25 @@ class TaskConfig(_Section):
     weight: float = Field(default=1.0, gt=0.0, description="Relative sampling weight in the training mix.")
 
 
+class BootstrapConfig(_Section):
+    """Supervised fine-tuning of the initial policy on the tasks before RL, so that
+    RL starts from partial accuracy (components/bootstrap.py)."""
+
+    enabled: bool = Field(default=False, description="Run bootstrap SFT in the prepare step.")
+    steps: int = Field(default=300, ge=1, description="SFT optimizer steps.")
+    batch_size: int = Field(default=32, ge=1, description="Examples per SFT step.")
+    learning_rate: float = Field(default=1e-3, gt=0.0, le=1.0, description="AdamW peak learning rate (warmup, cosine).")
+    warmup: int = Field(default=30, ge=0, description="Linear warmup steps.")
+    target_accuracy: float | None = Field(
+        default=None, gt=0.0, le=1.0, description="Stop early once greedy accuracy on the eval prompts reaches it."
+    )
+    eval_every: int = Field(default=50, ge=0, description="Steps between accuracy checks (0: none).")
+    eval_prompts: int = Field(default=16, ge=1, description="Test prompts of each accuracy check.")
+
+
+PTQMethod = Literal["nvfp4", "four_over_six", "h_scale"]
+
+
 class EvaluationConfig(_Section):
     """Evaluation after each round: mean@k on held-out prompts under several rollout configs."""
 
@@ -198,12 +217,19 @@ class EvaluationConfig(_Section):
     )
     samples_per_prompt: int = Field(default=4, ge=1, le=1024, description="k of mean@k: samples per test prompt.")
     test_prompts: int = Field(default=32, ge=1, description="Test prompts per evaluation (drawn from the tasks).")
+    ptq_baselines: list[PTQMethod] = Field(
+        default_factory=lambda: ["nvfp4", "four_over_six", "h_scale"],
+        description="PTQ baselines applied to the final policy of a bf16 run and evaluated under its FP4 rollout configs.",
+    )
+    discrepancy_prompts: int = Field(
+        default=8, ge=0, description="Test prompts (x samples_per_prompt) of the train-rollout discrepancy analysis; 0: none."
+    )
 
-    @field_validator("rollout_configs")
+    @field_validator("rollout_configs", "ptq_baselines")
     @classmethod
     def _distinct(cls, value: list[str]) -> list[str]:
         if len(set(value)) != len(value):
-            raise ValueError("rollout configs must be distinct")
+            raise ValueError("entries must be distinct")
         return value
 
 
@@ -218,6 +244,12 @@ class StoreConfig(_Section):
         default="file://./runs/store",
         description="Store root: file://path, s3://bucket/prefix or minio://bucket/prefix.",
         json_schema_extra={"pattern": STORE_URI_PATTERN},
+    )
+    endpoint: str | None = Field(
+        default=None,
+        pattern=r"^https?://[^\s/@]+(:[0-9]+)?/?$",
+        description="S3 endpoint the pipeline's pods use (http(s)://host:port), set as TRACEFP4_S3_ENDPOINT; "
+        "none: the pods' own environment.",
     )
     secret_name: str = Field(
         default="mlpipeline-minio-artifact",
@@ -310,6 +342,7 @@ class RunConfig(_Section):
         description="Training method: bf16 (no QAT), qat (RTN), quads, trace (rollout-guided), "
         "tis_sc (TIS + score centering), qarl.",
     )
+    bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig, description="SFT of the initial policy.")
     tasks: list[TaskConfig] = Field(
         default_factory=lambda: [TaskConfig(name="arithmetic")], min_length=1, description="Training task mix."
     )

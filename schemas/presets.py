@@ -17,6 +17,7 @@ def _smoke() -> RunConfig:
         "rollout": {"max_new_tokens": 8, "group_size": 2, "prompts_per_step": 2, "max_tokens_per_forward": 256},
         "guidance": {"bits": 1, "layers": 1, "trajectories_per_shard": 2},
         "rl": {"steps_per_round": 1, "rounds": 1, "microbatch_size": 4},
+        "bootstrap": {"enabled": True, "steps": 2, "batch_size": 4, "warmup": 1, "eval_every": 0},
         "tasks": [{"name": "arithmetic", "difficulty": 1, "train_size": 8, "test_size": 4}],
         "evaluation": {"rollout_configs": ["bf16", "fp4_wa_kv"], "samples_per_prompt": 1, "test_prompts": 4},
         "resources": {"cpu": "1", "memory": "2Gi"},
@@ -30,7 +31,8 @@ def _tiny() -> RunConfig:
         "model": {"preset": "tiny", "dtype": "bfloat16", "max_seq_len": 256},
         "rollout": {"max_new_tokens": 64, "group_size": 4, "prompts_per_step": 8, "max_tokens_per_forward": 2048},
         "guidance": {"bits": 1, "layers": 2},
-        "rl": {"steps_per_round": 5, "rounds": 3, "learning_rate": 3e-4, "microbatch_size": 8},
+        "rl": {"steps_per_round": 5, "rounds": 3, "learning_rate": 3e-5, "microbatch_size": 8},
+        "bootstrap": {"enabled": True, "steps": 300},
         "tasks": [
             {"name": "arithmetic", "difficulty": 1, "train_size": 256, "test_size": 32},
             {"name": "countdown", "difficulty": 1, "train_size": 256, "test_size": 32},

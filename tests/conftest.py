@@ -8,5 +8,5 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# a real S3 server (SeaweedFS) on loopback, for the store and guidance tests
-pytest_plugins = ["s3_server"]
+# real servers on loopback: S3 (SeaweedFS) for the store, Prometheus and a Pushgateway for the metrics
+pytest_plugins = ["s3_server", "prometheus_server"]

@@ -29,7 +29,7 @@ def smoke_run(tmp_path_factory):
 def test_smoke_preset_runs_the_whole_dag(smoke_run):
     out, report = smoke_run
     text = report.read_text()
-    assert "# tracefp4 run `smoke`" in text and "| bf16 | arithmetic |" in text and "| fp4_wa_kv | arithmetic |" in text
+    assert "# tracefp4 run `smoke`" in text and "| trace | trained | bf16 |" in text and "| trace | trained | fp4_wa_kv |" in text
     root = next((out / "pipeline_root").iterdir())
     assert {p.name for p in root.iterdir()} >= set(STEPS)
     policy = load_model(root / "train" / "new_policy")
@@ -54,6 +54,10 @@ def test_compiled_yaml_names_every_component_and_parameter(tmp_path):
     assert all(e["container"]["resources"]["cpuLimit"] == 1 for e in executors.values())
     text = open(path).read()
     assert "mlpipeline-minio-artifact" in text and "TRACEFP4_S3_SECRET_KEY" in text  # credentials from the secret
+    assert "TRACEFP4_S3_ENDPOINT" not in text  # the pods' own environment unless the config names one
+    config.store.endpoint = "http://minio.tracefp4.svc.cluster.local:9000"
+    text = open(compile_pipeline(config, tmp_path / "with-endpoint.yaml")).read()
+    assert text.count("TRACEFP4_S3_ENDPOINT") == text.count("TRACEFP4_S3_SECRET_KEY") > 0  # every task gets it
     assert components.load_component_from_file(path).name == "tracefp4-smoke"
     assert pipeline_version().startswith("0.1.0-")
 
@@ -70,7 +74,7 @@ def test_cli(tmp_path):
     assert result.exit_code != 0 and "rl.learning_rate" in result.output and "tasks.0.name" in result.output
     result = runner.invoke(main, ["schema", "--output", str(tmp_path / "schemas")])
     assert result.exit_code == 0 and (tmp_path / "schemas" / "run-config.schema.json").exists()
-    for command in ("run", "compile", "schema", "presets", "report"):
+    for command in ("run", "bootstrap", "compile", "submit", "schema", "dashboards", "presets", "report", "delete-metrics"):
         assert runner.invoke(main, [command, "--help"]).exit_code == 0
 
 
@@ -93,10 +97,11 @@ def test_html_report_holds_the_tables_and_plots(smoke_run):
 
     parsed = Collect()
     parsed.feed(page)
-    assert parsed.tags.count("table") == 2
-    assert len(parsed.images) >= 2 and all(i["src"].startswith("data:image/png;base64,") for i in parsed.images)
-    assert {"Train-rollout log-prob |diff|", "Reward and accuracy"} <= {i["alt"] for i in parsed.images}
-    assert "fp4_wa_kv" in parsed.cells and "arithmetic" in parsed.cells
+    assert parsed.tags.count("table") >= 6  # accuracy, ablation, sensitivity, discrepancy, per step, time breakdown
+    assert len(parsed.images) >= 4 and all(i["src"].startswith("data:image/png;base64,") for i in parsed.images)
+    alts = {i["alt"] for i in parsed.images}
+    assert {"Train-rollout log-prob |diff|", "Reward and accuracy", "Time breakdown per round", "Relative excess MSE per layer"} <= alts
+    assert "fp4_wa_kv" in parsed.cells and "arithmetic pass@1" in parsed.cells and "R-1bit" in parsed.cells
     assert any("run smoke: method trace" in c for c in parsed.cells)  # the page names its run and config
 
 
@@ -107,12 +112,17 @@ def test_cli_report_of_a_run(smoke_run):
 
 
 def test_comparison_pipeline_fans_out_over_methods(tmp_path):
-    report = run_local(get_preset("smoke"), tmp_path, tmp_path / "log", methods=["trace", "qat"])
+    report = run_local(get_preset("smoke"), tmp_path, tmp_path / "log", methods=["trace", "bf16"])
     text = report.read_text()
     assert "# tracefp4 comparison `smoke`" in text
-    assert "| qat | bf16 | arithmetic |" in text and "| trace | fp4_wa_kv | arithmetic |" in text
+    assert "| bf16 | trained | bf16 |" in text and "| trace | trained | fp4_wa_kv |" in text
+    assert "| bf16 | ptq:four_over_six | fp4_wa_kv |" in text  # PTQ baselines of the BF16-trained policy
+    page = report.with_name("page").read_text()
+    assert 'alt="Train-rollout log-prob |diff| per method"' in page
+    reports = sorted(tmp_path.glob("pipeline_root/*/for-loop-*/report/markdown"))
+    assert len(reports) == 2 and {"`bf16`" in r.read_text() for r in reports} == {True, False}  # each method's own
     store = open_store(localize(get_preset("smoke"), tmp_path).store.uri)
-    assert store.list("smoke/trace/guidance") and not store.list("smoke/qat/guidance")  # only trace ships guidance
+    assert store.list("smoke/trace/guidance") and not store.list("smoke/bf16/guidance")  # only trace ships guidance
     compiled = tmp_path / "compare.yaml"
     from kfp import compiler
 
@@ -124,11 +134,79 @@ def test_inline_compaction_writes_guidance_from_the_rollout(tmp_path):
     from tracefp4.components import steps
 
     config = localize(load_config(None, preset="smoke", overrides={"guidance.compaction": "inline"}), tmp_path)
-    policy = steps.prepare(config, tmp_path / "policy")
-    steps.rollout(config, policy, 0, tmp_path / "trajectories.jsonl")
+    policy, trajectories = tmp_path / "policy", tmp_path / "trajectories.jsonl"
+    assert steps.prepare(config, policy)["bootstrap_steps"] == 2
+    rollout = steps.rollout(config, policy, 0, trajectories)
+    assert rollout["rollout_tokens"] > 0 and 0 < rollout["capture_overhead_ratio"] < 1
     store = open_store(config.store.uri)
     assert not store.list(store_prefix(config, "capture"))  # nothing full was shipped
     manifest = read_manifest(store, 0, store_prefix(config, "guidance"))
     assert manifest["bits"] == [1] and manifest["layers"] == [1]
-    assert steps.compaction(config, 0)["bytes"] == sum(e["bytes"] for e in manifest["shards"])
-    assert steps.train(config, policy, tmp_path / "trajectories.jsonl", 0, tmp_path / "next")[0]["guidance_coverage"] > 0.9
+    size = steps.compaction(config, policy, trajectories, 0)
+    assert size["layers"] == [1] and size["guidance_bytes"] > 0 and size["capture_bytes"] is None
+    assert size["guidance_bits_per_element"] > 1  # one bit per element, plus the block scales
+    rows = steps.train(config, policy, trajectories, 0, tmp_path / "next", {**rollout, **size})
+    assert rows[0]["guidance_coverage"] > 0.9 and rows[0]["rollout_tokens"] == rollout["rollout_tokens"]
+
+
+@pytest.mark.parametrize("method", ["bf16", "qat", "quads", "tis_sc"])
+def test_every_method_trains_through_the_steps(tmp_path, method):
+    from tracefp4.components import steps
+
+    config = localize(load_config(None, preset="smoke", overrides={"method": method}), tmp_path)
+    policy, trajectories = tmp_path / "policy", tmp_path / "trajectories.jsonl"
+    steps.prepare(config, policy)
+    stats = steps.rollout(config, policy, 0, trajectories)
+    assert stats["capture_overhead_ratio"] is None and steps.compaction(config, policy, trajectories, 0)["guidance_bytes"] is None
+    (row,) = steps.train(config, policy, trajectories, 0, tmp_path / "next", stats)
+    assert row["method"] == method and row["optimizer_steps"] == 1
+
+
+def test_offline_compaction_measures_size_and_fidelity(tmp_path):
+    from tracefp4.components import steps
+
+    config = localize(load_config(None, preset="smoke", overrides={"guidance.compaction": "offline", "model.dtype": "bfloat16"}), tmp_path)
+    policy, trajectories = tmp_path / "policy", tmp_path / "trajectories.jsonl"
+    steps.prepare(config, policy)
+    steps.rollout(config, policy, 0, trajectories)
+    size = steps.compaction(config, policy, trajectories, 0)
+    assert size["capture_bytes"] > size["guidance_bytes"] > 0
+    assert size["compaction_ratio"] == size["guidance_bytes"] / size["capture_bytes"] < 0.5  # one layer of two, 1 bit of 4
+    assert 0.5 < size["compaction_fidelity"] <= 1
+
+
+def test_evaluation_of_a_bf16_run_holds_ptq_baselines_discrepancy_and_sensitivity(tmp_path):
+    from tracefp4.components import steps
+
+    config = localize(load_config(None, preset="smoke", overrides={"method": "bf16", "model.dtype": "bfloat16"}), tmp_path)
+    steps.prepare(config, tmp_path / "policy")
+    result = steps.evaluate(config, tmp_path / "policy")
+    policies = {(r["policy"], r["rollout"]) for r in result["accuracy"]}
+    assert policies == {("trained", "bf16"), ("trained", "fp4_wa_kv")} | {(f"ptq:{m}", "fp4_wa_kv") for m in ("nvfp4", "four_over_six", "h_scale")}
+    assert [t["rollout"] for t in result["throughput"]] == ["bf16", "fp4_wa_kv"] and all(t["tokens_per_second"] > 0 for t in result["throughput"])
+    (d,) = result["discrepancy"]
+    assert d["rollout"] == "fp4_wa_kv" and d["logprob_abs_diff_mean"] > 0  # BF16 training against an FP4 rollout
+    assert d["code_mismatch"] is None and not d["codeword_diff_hist"]  # a bf16 training path rounds nothing
+    by_bits = {(r["bits"], r["layers"]): r for r in result["guidance_sensitivity"]}
+    assert set(by_bits) == {(b, n) for b in (1, 2, 3, 4) for n in (1, 2)}
+    assert by_bits[(4, 2)]["fidelity"] == 1.0 and by_bits[(4, 2)]["ratio_to_full"] == 1.0
+    assert by_bits[(1, 1)]["bits_per_element"] < by_bits[(2, 1)]["bits_per_element"] < by_bits[(2, 2)]["bits_per_element"]
+
+
+def test_evaluation_of_a_trace_run_measures_its_guided_training_path(tmp_path):
+    from tracefp4.components import steps
+
+    overrides = {"model.dtype": "bfloat16", "guidance.bits": 4, "guidance.layers": "all", "evaluation.ptq_baselines": []}
+    config = localize(load_config(None, preset="smoke", overrides=overrides), tmp_path)
+    steps.prepare(config, tmp_path / "policy")
+    (d,) = steps.evaluate(config, tmp_path / "policy")["discrepancy"]
+    qat = steps.evaluate(config.model_copy(update={"method": "qat"}), tmp_path / "policy")["discrepancy"][0]
+    assert qat["code_mismatch"] > 0 and set(qat["code_mismatch_by_layer"]) == {0, 1} and qat["relative_excess_mse_by_layer"]
+    assert d["code_mismatch"] < qat["code_mismatch"] / 5  # full guidance on every layer: the rollout's codes, nearly all
+
+
+def test_bootstrap_command_writes_a_bootstrapped_checkpoint(tmp_path):
+    result = CliRunner().invoke(main, ["bootstrap", "--preset", "smoke", "--output", str(tmp_path / "base")])
+    assert result.exit_code == 0, result.output
+    assert "2 SFT steps" in result.output and "greedy test accuracy" in result.output
+    assert load_model(tmp_path / "base").cfg.num_layers == 2 and (tmp_path / "base" / "tokenizer.json").exists()

@@ -179,6 +179,12 @@ def test_first_submission_uploads_the_pipeline_and_creates_experiment_and_run(kf
     assert result == {"pipeline_id": "pipeline-1", "pipeline_version_id": "version-3", "experiment_id": "experiment-4",
                       "run_id": "run-5", "run_url": f"{kfp.url}/#/runs/details/run-5"}  # fmt: skip
     assert all("Authorization" not in r["headers"] for r in kfp.requests)
+    assert "service_account" not in body  # KFP's default unless asked
+
+
+def test_a_run_can_name_its_service_account(kfp, config):
+    submit(config, kfp.url, service_account="tracefp4-pipeline-runner")
+    assert json.loads(kfp.requests[-1]["body"])["service_account"] == "tracefp4-pipeline-runner"
 
 
 def test_second_submission_uploads_a_version_and_a_third_reuses_it(kfp, config):

@@ -1,0 +1,215 @@
+"""Grafana dashboards as code, built from the one list of metric names in
+``components/metrics.py``: a metric that no panel shows, or a panel naming a
+metric nobody pushes, fails a test here instead of showing an empty graph."""
+
+import json
+import re
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import bargauge, common, prometheus, stat, table, timeseries
+from grafana_foundation_sdk.builders import dashboard as dash
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models.common import VizOrientation
+from grafana_foundation_sdk.models.dashboard import (
+    DashboardCursorSync,
+    DataSourceRef,
+    DataTransformerConfig,
+    VariableOption,
+    VariableRefresh,
+)
+from grafana_foundation_sdk.models.prometheus import PromQueryFormat
+
+from tracefp4.components.metrics import METRICS
+
+UID = "tracefp4-run"
+TITLE = "tracefp4: TRACE FP4 RL"
+MANIFESTS = Path("manifests/base/grafana/dashboards")
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+# what a run is filtered by; every query carries these matchers
+RUN_VARIABLES = ("pipeline", "run_id", "method")
+METRIC_NAME = re.compile(r"\btracefp4_\w+")
+
+
+def sel(metric: str, **matchers: str) -> str:
+    """``metric{...}`` filtered to the selected runs, plus exact ``matchers``."""
+    if metric not in METRICS:
+        raise KeyError(f"{metric} is not in components/metrics.py METRICS")
+    labels = [f'{v}=~"${v}"' for v in RUN_VARIABLES] + [f'{k}="{v}"' for k, v in matchers.items()]
+    return f"{metric}{{{', '.join(labels)}}}"
+
+
+def _ref_id(i: int) -> str:
+    return chr(ord("A") + i)
+
+
+def _panel(builder, title: str, unit: str, queries: list[tuple[str, str]], *, w: int = 8, h: int = 8,
+           instant: bool = False, fmt: PromQueryFormat | None = None):  # fmt: skip
+    """A panel of Prometheus ``(expr, legend)`` targets, described by its metrics' help."""
+    names = dict.fromkeys(m for expr, _ in queries for m in METRIC_NAME.findall(expr))
+    panel = builder.title(title).description(" ".join(METRICS[m].help for m in names))
+    panel = panel.datasource(DATASOURCE).unit(unit).span(w).height(h)
+    for i, (expr, legend) in enumerate(queries):
+        target = prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(_ref_id(i)).datasource(DATASOURCE)
+        if instant:
+            target = target.instant()
+        if fmt:
+            target = target.format(fmt)
+        panel = panel.with_target(target)
+    return panel
+
+
+# one value per series: its last sample (a gauge's value since its round pushed)
+_LAST = common.ReduceDataOptions().calcs(["lastNotNull"]).values(False)
+
+
+def _series(title, unit, *queries, **kw):
+    return _panel(timeseries.Panel(), title, unit, list(queries), **kw)
+
+
+def _bars(title, unit, *queries, **kw):
+    builder = bargauge.Panel().orientation(VizOrientation.HORIZONTAL).reduce_options(_LAST)
+    return _panel(builder, title, unit, list(queries), instant=True, **kw)
+
+
+def _stat(title, unit, *queries, **kw):
+    return _panel(stat.Panel().reduce_options(_LAST), title, unit, list(queries), instant=True, **kw)
+
+
+def _table(title, unit, columns: dict[str, str], by: str, w: int = 12):
+    """One row per ``by`` label set, one column per ``{column: metric expression}``."""
+    queries = [(f"max by ({by}) ({expr})", "") for expr in columns.values()]
+    values = {f"Value #{_ref_id(i)}" if len(columns) > 1 else "Value": c for i, c in enumerate(columns)}
+    builder = table.Panel()
+    if len(columns) > 1:
+        builder = builder.with_transformation(DataTransformerConfig(id_val="merge", options={}))
+    organize = {"excludeByName": {"Time": True}, "renameByName": values}
+    builder = builder.with_transformation(DataTransformerConfig(id_val="organize", options=organize))
+    return _panel(builder, title, unit, queries, w=w, instant=True, fmt=PromQueryFormat.TABLE)
+
+
+def _rows() -> list[tuple[str, list]]:
+    """(row title, panels): what a run is watched for, one row per question."""
+    r = " r{{round}}"
+    return [
+        ("Rollout throughput", [
+            _series("Rollout tokens/s by rollout config and round", "short",
+                    (sel("tracefp4_rollout_tokens_per_second"), "{{component}} {{method}} {{rollout_config}}" + r)),
+            _bars("Response tokens per round", "short",
+                  (sel("tracefp4_rollout_tokens"), "{{component}} {{method}} {{rollout_config}}" + r)),
+            _series("Rollout seconds", "s", (sel("tracefp4_rollout_seconds"), "{{component}} {{method}} {{rollout_config}}" + r)),
+            _stat("Rollout tokens/s over the run", "short",
+                  ("sum by (run_id, method, component, rollout_config) (" + sel("tracefp4_rollout_tokens") + ")"
+                   " / sum by (run_id, method, component, rollout_config) (" + sel("tracefp4_rollout_seconds") + ")",
+                   "{{component}} {{method}} {{rollout_config}}"), w=24, h=4),
+        ]),
+        ("Capture, offload, upload and reload overhead", [
+            _series("Capture overhead (share of rollout time)", "percentunit",
+                    (sel("tracefp4_capture_overhead_ratio"), "{{method}}" + r)),
+            _series("Capture offload and guidance upload seconds", "s",
+                    (sel("tracefp4_capture_offload_seconds"), "offload {{method}}" + r),
+                    (sel("tracefp4_guidance_upload_seconds"), "upload {{method}}" + r)),
+            _series("Train step and guidance reload seconds", "s",
+                    (sel("tracefp4_train_step_seconds"), "step {{method}}" + r),
+                    (sel("tracefp4_guidance_reload_seconds"), "reload {{method}}" + r)),
+            _bars("Guidance reload share of a train step", "percentunit",
+                  ("max by (run_id, method, round) (" + sel("tracefp4_guidance_reload_seconds") + ")"
+                   " / max by (run_id, method, round) (" + sel("tracefp4_train_step_seconds") + ")",
+                   "{{method}}" + r), w=24, h=6),
+        ]),
+        ("Guidance storage and compaction", [
+            _series("Guidance and full capture bytes", "bytes",
+                    (sel("tracefp4_guidance_bytes"), "guidance {{method}}" + r),
+                    (sel("tracefp4_capture_bytes"), "capture {{method}}" + r)),
+            _stat("Guidance bits per element", "none",
+                  (sel("tracefp4_guidance_bits_per_element"), "{{method}}" + r)),
+            _series("Compaction ratio and fidelity", "percentunit",
+                    (sel("tracefp4_compaction_ratio"), "bytes kept {{method}}" + r),
+                    (sel("tracefp4_compaction_fidelity_ratio"), "fidelity {{method}}" + r)),
+            _series("Compaction seconds", "s", (sel("tracefp4_compaction_seconds"), "{{method}}" + r), w=24, h=6),
+        ]),
+        ("Train-rollout mismatch", [
+            _series("Log-prob |train - rollout| by stat", "none",
+                    (sel("tracefp4_train_rollout_logprob_abs_diff"), "{{method}} {{stat}}" + r)),
+            _series("KL(rollout || train) per token", "none", (sel("tracefp4_train_rollout_kl"), "{{method}}" + r)),
+            _series("Guidance coverage", "percentunit", (sel("tracefp4_guidance_coverage_ratio"), "{{method}}" + r)),
+            _series("Code mismatch and relative excess MSE (mean over layers)", "percentunit",
+                    ("avg by (run_id, method, rollout_config, round) (" + sel("tracefp4_code_mismatch_ratio") + ")",
+                     "mismatch {{method}} {{rollout_config}}" + r),
+                    ("avg by (run_id, method, rollout_config, round) ("
+                     + sel("tracefp4_relative_excess_mse_ratio") + ")", "excess MSE {{method}} {{rollout_config}}" + r),
+                    w=12, h=10),
+            _table("Code mismatch and relative excess MSE by layer", "percentunit",
+                   {"code mismatch": sel("tracefp4_code_mismatch_ratio"),
+                    "relative excess MSE": sel("tracefp4_relative_excess_mse_ratio")},
+                   by="run_id, method, rollout_config, layer, round"),
+        ]),
+        ("Reward and accuracy", [
+            _series("Reward (round mean)", "none", (sel("tracefp4_reward"), "{{method}}" + r)),
+            _series("Training accuracy (split=train)", "percentunit",
+                    (sel("tracefp4_accuracy_ratio", split="train"),
+                     "{{method}} {{rollout_config}} {{task}} {{metric}}" + r)),
+            _stat("RL steps trained", "none",
+                  ("sum by (run_id, method) (" + sel("tracefp4_train_steps") + ")", "{{method}}")),
+            _table("Held-out accuracy (split=test)", "percentunit",
+                   {"accuracy": sel("tracefp4_accuracy_ratio", split="test")},
+                   by="run_id, method, rollout_config, task, metric, round", w=24),
+        ]),
+    ]  # fmt: skip
+
+
+def _run_variable(name: str, *, after: tuple[str, ...]):
+    """A multi-select of the label's values, narrowed by the variables ``after`` it."""
+    narrowed = ", ".join(f'{v}=~"${v}"' for v in after)
+    return (dash.QueryVariable(name).label(name).datasource(DATASOURCE)
+            .query(f"label_values(tracefp4_rollout_seconds{{{narrowed}}}, {name})" if after
+                   else f"label_values(tracefp4_rollout_seconds, {name})")
+            .multi(True).include_all(True).all_value(".*").refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+            .current(VariableOption(selected=True, text=["All"], value=["$__all"])))  # fmt: skip
+
+
+def dashboard() -> dict:
+    """The run dashboard as Grafana's JSON model (a dict)."""
+    board = (dash.Dashboard(TITLE).uid(UID).tags(["tracefp4"]).time("now-24h", "now").refresh("1m")
+             .tooltip(DashboardCursorSync.CROSSHAIR).description("One TRACE FP4 RL run (or comparison) per selection: "
+             "rollout throughput, capture overhead, guidance storage, train-rollout mismatch, reward and accuracy.")
+             .with_variable(dash.DatasourceVariable("datasource").label("Prometheus").type("prometheus")))  # fmt: skip
+    for i, name in enumerate(RUN_VARIABLES):
+        board = board.with_variable(_run_variable(name, after=RUN_VARIABLES[:i]))
+    for title, panels in _rows():
+        board = board.with_row(dash.Row(title))
+        for panel in panels:
+            board = board.with_panel(panel)
+    model = json.loads(json.dumps(board.build(), cls=JSONEncoder))
+    for i, panel in enumerate(_walk(model["panels"]), start=1):
+        panel["id"] = i  # Grafana wants unique ids; the SDK leaves panels without one
+    return model
+
+
+def _walk(panels: list[dict]):
+    """Every panel, rows' nested panels included, in dashboard order."""
+    for panel in panels:
+        yield panel
+        yield from _walk(panel.get("panels", []))
+
+
+def write(directory: str | Path = MANIFESTS) -> Path:
+    """Write the dashboard as ``tracefp4.json`` (the file the kustomize manifests mount)."""
+    path = Path(directory) / "tracefp4.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dashboard(), sort_keys=True, indent=2) + "\n")
+    return path
+
+
+_VARIABLE = re.compile(r"\$\{(\w+)(?::[^}]*)?\}|\$(\w+)")
+
+
+def panel_queries(dashboard: dict, variables: dict[str, str]) -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every target, ``$var``, ``${var}`` and ``${var:fmt}``
+    replaced from ``variables`` (others left as written)."""
+
+    def substitute(match: re.Match) -> str:
+        name = match[1] or match[2]
+        return variables.get(name, match[0])
+
+    return [(panel.get("title", ""), _VARIABLE.sub(substitute, target["expr"]))
+            for panel in _walk(dashboard.get("panels", [])) for target in panel.get("targets", [])]  # fmt: skip

