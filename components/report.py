@@ -404,7 +404,7 @@ def _comparison_blocks(config: RunConfig, evaluations: list[dict], histories: li
                   for m, h in zip(methods, histories)]  # fmt: skip
     blocks += [
         _plot("Train-rollout log-prob |diff| per method", "RL step", "|logprob diff|", diff_lines, source,
-              note="Line: mean |diff| per step; band: min to max."),
+              logy=True, note="Line: mean |diff| per step; band: min to max."),
         _plot("Accuracy per method", "RL step", "accuracy", lines("accuracy"), source),
         _plot("Reward per method", "RL step", "reward mean", lines("reward_mean"), source),
     ]  # fmt: skip
@@ -465,8 +465,8 @@ def _png(plot: Plot) -> str:
             else:
                 ax.bar([j - 0.4 + width * (i + 0.5) for j in range(len(cats))], ys, width, label=s.label)
         ax.set_xticks(range(len(cats)), [str(c) for c in cats])
-    if plot.logy:
-        ax.set_yscale("log")
+    if plot.logy:  # lines may touch 0 (a min |diff|): linear near 0, log above
+        ax.set_yscale("symlog", linthresh=1e-3) if plot.kind == "lines" else ax.set_yscale("log")
     ax.set(title=plot.title, xlabel=plot.xlabel, ylabel=plot.ylabel)
     ax.legend(fontsize=7)
     source = textwrap.wrap("Source: " + plot.source.replace("`", ""), 120)

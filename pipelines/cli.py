@@ -116,7 +116,10 @@ def schema(output):
 @click.option("--output", type=click.Path(file_okay=False), default="manifests/base/grafana/dashboards", show_default=True)
 def dashboards(output):
     """Write the Grafana dashboard JSON (built from the run metrics)."""
-    from tracefp4.pipelines.dashboards import write
+    try:
+        from tracefp4.pipelines.dashboards import write
+    except ImportError as e:
+        raise click.ClickException(f"{e}: the dashboards need the dev extras (pip install -e '.[dev]')") from None
 
     click.echo(write(output))
 

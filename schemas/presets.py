@@ -32,10 +32,11 @@ def _tiny() -> RunConfig:
         "rollout": {"max_new_tokens": 64, "group_size": 4, "prompts_per_step": 8, "max_tokens_per_forward": 2048},
         "guidance": {"bits": 1, "layers": 2},
         "rl": {"steps_per_round": 5, "rounds": 3, "learning_rate": 3e-5, "microbatch_size": 8},
-        "bootstrap": {"enabled": True, "steps": 300},
+        # SFT to ~34% greedy test accuracy in ~2.5 minutes (arithmetic d1 has 300 distinct problems: 268 + 32)
+        "bootstrap": {"enabled": True, "steps": 480, "learning_rate": 3e-3, "eval_every": 100},
         "tasks": [
-            {"name": "arithmetic", "difficulty": 1, "train_size": 256, "test_size": 32},
-            {"name": "countdown", "difficulty": 1, "train_size": 256, "test_size": 32},
+            {"name": "arithmetic", "difficulty": 1, "train_size": 268, "test_size": 32},
+            {"name": "countdown", "difficulty": 1, "train_size": 1000, "test_size": 32},
         ],
         "evaluation": {"rollout_configs": ["bf16", "fp4_wa_kv"], "samples_per_prompt": 2, "test_prompts": 32},
         "resources": {"cpu": "2", "memory": "4Gi"},
