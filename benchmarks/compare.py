@@ -54,7 +54,7 @@ def main() -> None:
     for result in results:
         policies = sorted({r["policy"] for r in result["accuracy"]})
         for policy in policies:
-            label = result["method"] if policy == "trained" else policy
+            label = {"trained": result["method"], "initial": "initial (bootstrapped base)"}.get(policy, policy)
             accuracy[label] = _mean_pass1(result["accuracy"], policy, fp4)
         if result["method"] == "bf16":
             figures["bf16_reference"] = _mean_pass1(result["accuracy"], "trained", "bf16")

@@ -84,8 +84,9 @@ def train(
     run_metrics.publish(config, run_id, "train", round_index, rows)
 
 
-def evaluate(config_json: str, run_id: str, policy: Input[Model], results: Output[Dataset], metrics: Output[Metrics]):
-    """Accuracy, throughput and train-rollout discrepancy under BF16 and each FP4 rollout configuration."""
+def evaluate(config_json: str, run_id: str, policy: Input[Model], initial: Input[Model], results: Output[Dataset],
+             metrics: Output[Metrics]):  # fmt: skip
+    """Accuracy (of the initial policy too), throughput and train-rollout discrepancy under BF16 and each FP4 rollout configuration."""
     import json
 
     from tracefp4.components import metrics as run_metrics
@@ -93,7 +94,7 @@ def evaluate(config_json: str, run_id: str, policy: Input[Model], results: Outpu
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
-    result = steps.evaluate(config, policy.path)
+    result = steps.evaluate(config, policy.path, initial.path)
     with open(results.path, "w") as f:
         json.dump(result, f)
     for row in result["accuracy"]:

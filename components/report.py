@@ -172,7 +172,7 @@ def _accuracy_rows(rows: list[dict], methods=METHODS) -> tuple[list[str], list[d
     rank = {
         "rollout": _ordered((r.get("rollout") for r in rows), ROLLOUTS),
         "method": _ordered((r.get("method") for r in rows), tuple(methods)),
-        "policy": _ordered((r.get("policy") for r in rows), ("trained",)),
+        "policy": _ordered((r.get("policy") for r in rows), ("initial", "trained")),
     }
     cells: dict[tuple, dict] = {}
     for r in sorted(rows, key=lambda r: tuple(_rank(r.get(k), rank[k]) for k in rank)):
@@ -193,7 +193,8 @@ def _accuracy_table(rows: list[dict], source: str, methods=METHODS) -> Table:
     columns = ["method", "policy", "rollout", *(f"{t} {m}" for t in tasks for m in ("pass@1", "mean@k"))]
     ks = ", ".join(map(str, _ordered(r.get("k") for r in rows))) or "?"
     prompts = ", ".join(map(str, _ordered(r.get("prompts") for r in rows))) or "?"
-    note = f"pass@1 and mean@k (k = {ks}) over {prompts} test prompts per task; avg is the mean over tasks."
+    note = (f"pass@1 and mean@k (k = {ks}) over {prompts} test prompts per task; avg is the mean over tasks. "
+            "Policy initial: where RL started (after bootstrap); trained: after RL; ptq:<scheme>: post-training FP4.")
     return _table(out, [*columns, "avg pass@1", "avg mean@k"], source, keep=3, note=note)
 
 

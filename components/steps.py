@@ -264,11 +264,12 @@ def train(config: RunConfig, policy: Path, trajectories_file: Path, round_index:
     return history
 
 
-def evaluate(config: RunConfig, policy: Path) -> dict:
+def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> dict:
     """The final policy under BF16 and each configured FP4 rollout: accuracy
     (pass@1 greedy, mean@k sampled) per task, throughput, and for FP4 configs
     the train-rollout discrepancy of the method's training path; PTQ baselines
-    of a bf16 run; the size and fidelity of guidance by R-k bits and layers."""
+    of a bf16 run; the size and fidelity of guidance by R-k bits and layers.
+    With the ``initial`` policy, its accuracy too (where RL started)."""
     tokenizer = load_tokenizer(policy)
     _, test = problems(config)
     per_task = -(-config.evaluation.test_prompts // len(config.tasks))  # the same share of every task
@@ -282,6 +283,9 @@ def evaluate(config: RunConfig, policy: Path) -> dict:
         quant = rollout_config(name, config.rollout.fmt)
         rows, speed = _accuracy(config, TorchEngine(model, quant, dtype=_dtype(config)), tokenizer, test, prompts)
         out["accuracy"] += [{"policy": "trained", "rollout": name, **r} for r in rows]
+        if initial is not None:
+            engine = TorchEngine(load_model(initial), quant, dtype=_dtype(config))
+            out["accuracy"] += [{"policy": "initial", "rollout": name, **r} for r in _accuracy(config, engine, tokenizer, test, prompts)[0]]
         out["throughput"].append({"rollout": name, **speed})
         if name == "bf16":
             continue

@@ -74,7 +74,7 @@ def _train_and_evaluate(c, config: RunConfig, config_json):
         step = _configure(c.train(config_json=config_json, run_id=run_id, round_index=r, policy=policy, trajectories=trajectories,
                                   guidance=guide.outputs["report"], previous=history), config)  # fmt: skip
         policy, history = step.outputs["new_policy"], step.outputs["history"]
-    ev = _configure(c.evaluate(config_json=config_json, run_id=run_id, policy=policy), config)
+    ev = _configure(c.evaluate(config_json=config_json, run_id=run_id, policy=policy, initial=prep.outputs["policy"]), config)
     return history, ev.outputs["results"]
 
 

@@ -30,6 +30,7 @@ def test_smoke_preset_runs_the_whole_dag(smoke_run):
     out, report = smoke_run
     text = report.read_text()
     assert "# tracefp4 run `smoke`" in text and "| trace | trained | bf16 |" in text and "| trace | trained | fp4_wa_kv |" in text
+    assert text.index("| trace | initial | bf16 |") < text.index("| trace | trained | bf16 |")  # where RL started, first
     root = next((out / "pipeline_root").iterdir())
     assert {p.name for p in root.iterdir()} >= set(STEPS)
     policy = load_model(root / "train" / "new_policy")
