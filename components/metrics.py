@@ -158,13 +158,18 @@ def _prepare(m: RunMetrics, stats: dict, config) -> None:
 
 
 def _rollout(m: RunMetrics, stats: dict, config) -> None:
-    kind = {"rollout_config": config.rollout.config}
-    m.set("tracefp4_rollout_tokens_per_second", stats["rollout_tokens_per_second"], **kind)
-    m.set("tracefp4_rollout_tokens", stats["rollout_tokens"], **kind)
-    m.set("tracefp4_rollout_seconds", stats["rollout_seconds"], **kind)
+    _throughput(m, {key: stats[f"rollout_{key}"] for key in THROUGHPUT}, config.rollout.config)
     m.set("tracefp4_capture_overhead_ratio", stats["capture_overhead_ratio"])
     m.set("tracefp4_capture_offload_seconds", stats["offload_seconds"])
     m.set("tracefp4_guidance_upload_seconds", stats["upload_seconds"])
+
+
+THROUGHPUT = ("tokens_per_second", "tokens", "seconds")
+
+
+def _throughput(m: RunMetrics, figures: dict, rollout_config: str) -> None:
+    for key in THROUGHPUT:
+        m.set(f"tracefp4_rollout_{key}", figures[key], rollout_config=rollout_config)
 
 
 def _compaction(m: RunMetrics, stats: dict, config) -> None:
@@ -199,8 +204,7 @@ def _evaluate(m: RunMetrics, result: dict, config) -> None:
             m.set("tracefp4_accuracy_ratio", row[metric], split="test", rollout_config=row["rollout"], task=row["task"],
                   metric=metric)  # fmt: skip
     for row in result["throughput"]:
-        for key in ("tokens_per_second", "tokens", "seconds"):
-            m.set(f"tracefp4_rollout_{key}", row[key], rollout_config=row["rollout"])
+        _throughput(m, row, row["rollout"])
     for row in result["discrepancy"]:
         m.set("tracefp4_code_mismatch_ratio", row["code_mismatch"], rollout_config=row["rollout"], layer="all")
         for layer, value in row["code_mismatch_by_layer"].items():

@@ -152,11 +152,10 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path) -> dic
     for s in range(steps):  # one RL step's batch per generate call
         sampling = _sampling(config, config.seed + round_index * steps + s, tokenizer)
         trajectories += engine.generate(prompts[s * per_step : (s + 1) * per_step], sampling)
-    stats = _throughput(trajectories, time.perf_counter() - start)
+    records = engine.drain_capture() if engine.capture is not None else None  # the drain is part of the rollout
+    stats = {f"rollout_{key}": value for key, value in _throughput(trajectories, time.perf_counter() - start).items()}
     stats.update(capture_overhead_ratio=None, offload_seconds=None, upload_seconds=None)
-    if engine.capture is not None:
-        records = engine.drain_capture()
-        stats["rollout_seconds"] = time.perf_counter() - start  # the capture's drain is part of the rollout
+    if records is not None:
         seconds = engine.capture.seconds
         stats.update(capture_overhead_ratio=seconds["capture"] / stats["rollout_seconds"], offload_seconds=seconds["offload"])
         start = time.perf_counter()
@@ -170,7 +169,7 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path) -> dic
 
 def _throughput(trajectories: list[Trajectory], seconds: float) -> dict:
     tokens = sum(len(t.response) for t in trajectories)
-    return {"rollout_seconds": seconds, "rollout_tokens": tokens, "rollout_tokens_per_second": tokens / seconds}
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
 
 
 def write_trajectories(path: Path, trajectories: list[Trajectory], batch: list[Problem]) -> Path:
@@ -278,26 +277,28 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
     model = load_model(policy)
     ptq = _ptq_models(config, model, prompts) if config.method == "bf16" else {}
     out = {"method": config.method, "accuracy": [], "throughput": [], "discrepancy": [], "guidance_sensitivity": []}
+    start_model = load_model(initial) if initial is not None else None
     n = min(config.evaluation.discrepancy_prompts, len(test))
+
+    def score(policy_label: str, weights, rollout: str, quant) -> dict:
+        """Accuracy rows of one policy under one rollout config; returns the greedy pass's throughput."""
+        rows, speed = _accuracy(config, TorchEngine(weights, quant, dtype=_dtype(config)), tokenizer, test, prompts)
+        out["accuracy"] += [{"method": config.method, "policy": policy_label, "rollout": rollout, **r} for r in rows]
+        return speed
+
     for name in config.evaluation.rollout_configs:
         quant = rollout_config(name, config.rollout.fmt)
-        rows, speed = _accuracy(config, TorchEngine(model, quant, dtype=_dtype(config)), tokenizer, test, prompts)
-        out["accuracy"] += [{"policy": "trained", "rollout": name, **r} for r in rows]
-        if initial is not None:
-            engine = TorchEngine(load_model(initial), quant, dtype=_dtype(config))
-            out["accuracy"] += [{"policy": "initial", "rollout": name, **r} for r in _accuracy(config, engine, tokenizer, test, prompts)[0]]
-        out["throughput"].append({"rollout": name, **speed})
+        out["throughput"].append({"rollout": name, **score("trained", model, name, quant)})
+        if start_model is not None:
+            score("initial", start_model, name, quant)
         if name == "bf16":
             continue
         for label, ptq_model in ptq.items():  # PTQ weights as they are; activations and KV as the config quantizes them
-            engine = TorchEngine(ptq_model, replace(quant, weights=None), dtype=_dtype(config))
-            out["accuracy"] += [{"policy": f"ptq:{label}", "rollout": name, **r} for r in _accuracy(config, engine, tokenizer, test, prompts)[0]]
+            score(f"ptq:{label}", ptq_model, name, replace(quant, weights=None))
         if n:
             analysis = _discrepancy(config, model, name, tokenizer, prompts[:n], sensitivity=not out["guidance_sensitivity"])
             out["discrepancy"].append(analysis.pop("discrepancy"))
             out["guidance_sensitivity"] = out["guidance_sensitivity"] or analysis["guidance_sensitivity"]
-    for row in out["accuracy"]:
-        row["method"] = config.method
     return out
 
 
@@ -315,7 +316,6 @@ def _accuracy(config: RunConfig, engine: TorchEngine, tokenizer, test: list[Prob
         pass1 = sum(score(greedy[i], test[i]) for i in idx) / len(idx)
         mean_k = sum(score(sampled[i * k + j], test[i]) for i in idx for j in range(k)) / (len(idx) * k)
         rows.append({"task": task, "pass@1": pass1, "mean@k": mean_k, "k": k, "prompts": len(idx)})
-    speed = {"tokens": speed["rollout_tokens"], "seconds": speed["rollout_seconds"], "tokens_per_second": speed["rollout_tokens_per_second"]}
     return rows, speed
 
 
