@@ -1,5 +1,5 @@
 """Guidance compaction and storage: bits per element and fidelity for R-1..R-4
-x {all, deeper half, deeper quarter, adaptive} layers on captures of the tiny
+x {all, deeper half, deeper quarter, shallow half} layers on captures of the tiny
 preset; then the guidance store's write and read of one step's shards as a
 ratio to plain minio-SDK put/get of the same bytes on the same S3 server (a
 SeaweedFS started on loopback).
@@ -25,11 +25,10 @@ from tracefp4.components.guidance import (
     GuidanceLoader,
     compact,
     compaction_report,
-    layer_mismatch,
     select_layers,
     write_step,
 )
-from tracefp4.components.mismatch import compare, teacher_force
+from tracefp4.components.mismatch import MismatchTally, compare, teacher_force
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rollout import SamplingParams, TorchEngine
@@ -41,18 +40,20 @@ from s3_server import S3Server  # noqa: E402  (the test suite's SeaweedFS launch
 
 def compaction_table(engine, trajectories, full) -> tuple[list[dict], dict]:
     training = teacher_force(engine, trajectories, keep_inputs=True)
-    mismatch = layer_mismatch(compare(full, training))
+    tally = MismatchTally()
+    tally.add(compare(full, training))
+    mismatch = tally.summary()["code_mismatch_by_layer"]  # end to end: a layer's rate includes the cascade below it
     layers = sorted({layer for layer, _ in full.tables})
     selections = {
         "all": "all",
         "deeper half": len(layers) // 2,
         "deeper quarter": max(1, len(layers) // 4),
-        "adaptive half": f"adaptive:{len(layers) // 2}",
+        "shallow half": layers[: len(layers) // 2],
     }
     rows = []
     for bits in (1, 2, 3, 4):
         for label, spec in selections.items():
-            chosen = select_layers(spec, layers, mismatch)
+            chosen = select_layers(spec, layers)
             total = compaction_report(full, compact(full, bits, chosen), training).total
             rows.append({"bits": bits, "layers": label, "chosen": list(chosen), "bits_per_element": total["bits_per_element"],
                          "ratio_to_full": total["ratio_to_full"], "fidelity": total["fidelity"]})  # fmt: skip

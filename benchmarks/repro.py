@@ -1,61 +1,57 @@
-"""TRACE against vanilla QAT and QUADS in the same FP4 RL loop (tiny preset,
-fixed seeds, the same prompts and the same number of steps for every method):
-the train-rollout log-prob |diff| and code mismatch rate of each method's
-training path at every step, and the share of R-4bit's mismatch reduction
-that R-1bit on the deeper half keeps.
+"""TRACE against vanilla QAT and QUADS in the same FP4 RL loop, through the
+pipeline's own round (components/steps.py run_round: rollout -> compaction ->
+guided QAT), on the tiny preset bootstrapped once and forked per method: the
+same prompts, seeds and number of on-policy steps for every method. Prints,
+per method, the train-rollout log-prob |diff| and the code mismatch of its
+training path against each step's rollout (full capture), then what guiding
+R-1bit on all layers, the deeper half or the shallow half keeps of R-4bit's
+reduction of the mismatch: layer coverage, not bit depth, decides it.
 
     python benchmarks/repro.py [--steps 4] [--prompts 8] [--group 4] [--new-tokens 24]
 
-The reward is synthetic (the share of even token ids in a response): this
-measures alignment, not task accuracy. Prints a markdown table, then one JSON line.
+Prints a markdown table, then one JSON line.
 """
 
 import argparse
 import json
+import shutil
 import tempfile
-from dataclasses import replace
+from pathlib import Path
 
-import torch
+from tracefp4.components import steps
+from tracefp4.schemas import RunConfig, get_preset
 
-from tracefp4.components.capture import CaptureConfig
-from tracefp4.components.model import build_model
-from tracefp4.components.quant import rollout_config
-from tracefp4.components.rollout import SamplingParams, TorchEngine
-from tracefp4.components.store import open_store
-from tracefp4.components.trainer import RoundConfig, TrainConfig, Trainer, rl_round
-
-COMPENSATED_CHANNELS = 8  # QUADS' rollout: the 8 worst of each activation's channels kept exact
-
-RUNS = {  # label: (method, guidance bits, guided layers: "all" or "deeper half")
+RUNS = {  # label: (method, guidance bits, guided layers of the tiny model's 4)
     "qat": ("qat", 4, "all"),
     "quads": ("quads", 4, "all"),
     "trace, R-4bit all layers": ("trace", 4, "all"),
-    "trace, R-1bit deeper half": ("trace", 1, "deeper half"),
+    "trace, R-1bit all layers": ("trace", 1, "all"),
+    "trace, R-1bit deeper half": ("trace", 1, [2, 3]),
+    "trace, R-1bit shallow half": ("trace", 1, [0, 1]),
 }
+RUN_ID = "repro"
 
 
-def run(label: str, args) -> list[dict]:
-    method, bits, which = RUNS[label]
-    model = build_model("tiny", seed=0)
-    layers = model.cfg.sparse_layers
-    chosen = tuple(layers) if which == "all" else tuple(layers[len(layers) // 2 :])
-    quant = rollout_config("fp4_wa_kv")
-    if method == "quads":
-        quant = replace(quant, compensated_channels=COMPENSATED_CHANNELS)
-    engine = TorchEngine(model, quant, capture=CaptureConfig(max_tokens=4096, inputs=True))
-    trainer = Trainer(build_model("tiny", seed=0), TrainConfig(method=method, learning_rate=1e-4, microbatch_size=16), engine)
+def config_for(label: str, args, store: Path) -> RunConfig:
+    method, bits, layers = RUNS[label]
+    data = get_preset("tiny").model_dump()
+    data.update(name=f"repro-{list(RUNS).index(label)}", method=method)
+    data["rollout"].update(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens)
+    data["guidance"].update(bits=bits, layers=layers, compaction="offline")
+    data["rl"].update(schedule="on_policy", steps_per_round=1, rounds=args.steps, measure_mismatch=True, microbatch_size=16)
+    data["store"]["uri"] = store.as_uri()
+    return RunConfig.model_validate(data)
 
-    def prompts(step: int, n: int) -> list[list[int]]:
-        gen = torch.Generator().manual_seed(1000 + step)
-        return [torch.randint(0, model.cfg.vocab_size, (16,), generator=gen).tolist() for _ in range(n)]
 
-    def reward(trajectory) -> float:
-        return sum(t % 2 == 0 for t in trajectory.response) / len(trajectory.response)
-
-    config = RoundConfig(steps=args.steps, prompts_per_step=args.prompts, group_size=args.group, bits=bits,
-                         layers=chosen, measure_mismatch=True)  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        return rl_round(engine, trainer, prompts, reward, SamplingParams(max_new_tokens=args.new_tokens), config, open_store(tmp))
+def run(label: str, args, base: Path, work: Path) -> list[dict]:
+    """``args.steps`` on-policy rounds of one method from the bootstrapped base policy."""
+    config = config_for(label, args, work / "store")
+    folder = work / config.name
+    shutil.copytree(base, folder / "policy-0")
+    history = []
+    for r in range(config.rl.rounds):
+        history += steps.run_round(config, folder / f"policy-{r}", r, folder / f"policy-{r + 1}", folder, RUN_ID)
+    return history
 
 
 def main() -> None:
@@ -65,24 +61,33 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=24)
     args = parser.parse_args()
-    histories = {label: run(label, args) for label in RUNS}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        base_config = config_for("qat", args, work / "store")
+        bootstrap = steps.prepare(base_config, work / "base", RUN_ID)  # the tiny preset's bootstrap SFT, once
+        histories = {label: run(label, args, work / "base", work) for label in RUNS}
 
     def mean(label, key):
         values = [h[key] for h in histories[label] if h.get(key) is not None]
         return sum(values) / len(values) if values else None
 
-    print(f"Means over {args.steps} RL steps, each step's training path against that step's rollout:\n")
-    print("| method | logprob abs diff mean | logprob abs diff max | k3 KL | code mismatch | guidance coverage |")
-    print("|---|---|---|---|---|---|")
+    print(f"Base: tiny preset after bootstrap SFT (greedy test accuracy {bootstrap['bootstrap_accuracy']:.1%}).")
+    print(f"Means over {args.steps} on-policy RL steps, each step's training path against that step's rollout:\n")
+    print("| method | logprob abs diff mean | logprob abs diff max | k3 KL | code mismatch | guidance coverage | reward |")
+    print("|---|---|---|---|---|---|---|")
     for label in RUNS:
         mismatch = mean(label, "code_mismatch")
         shown = "n/a (BF16 activations)" if mismatch is None else f"{mismatch:.4f}"
         print(f"| {label} | {mean(label, 'logprob_abs_diff_mean'):.5f} | {mean(label, 'logprob_abs_diff_max'):.4f} | "
-              f"{mean(label, 'k3_kl'):.2e} | {shown} | {mean(label, 'guidance_coverage'):.3f} |")  # fmt: skip
-    qat, r4, r1 = (mean(label, "code_mismatch") for label in ("qat", "trace, R-4bit all layers", "trace, R-1bit deeper half"))
-    kept = (qat - r1) / (qat - r4)
-    print(f"\nR-1bit on the deeper half keeps {kept:.1%} of R-4bit's code-mismatch reduction")
-    print(json.dumps({"histories": histories, "r1_share_of_r4_reduction": kept}))
+              f"{mean(label, 'k3_kl'):.2e} | {shown} | {mean(label, 'guidance_coverage'):.3f} | "
+              f"{mean(label, 'reward_mean'):.3f} |")  # fmt: skip
+    qat, r4 = mean("qat", "code_mismatch"), mean("trace, R-4bit all layers", "code_mismatch")
+    kept = {}
+    for coverage in ("all layers", "deeper half", "shallow half"):
+        r1 = mean(f"trace, R-1bit {coverage}", "code_mismatch")
+        kept[coverage] = (qat - r1) / (qat - r4)
+        print(f"R-1bit on {coverage} keeps {kept[coverage]:.1%} of R-4bit-on-all-layers' code-mismatch reduction")
+    print(json.dumps({"bootstrap": bootstrap, "histories": histories, "r1_share_of_r4_reduction": kept}))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import struct
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import Tensor
@@ -22,7 +22,8 @@ from torch import Tensor
 from tracefp4.kernels import Guidance, dequantize, quantize
 
 from .capture import CaptureRecords, SiteTable
-from .mismatch import SiteMismatch, join_rows
+from .mismatch import join_rows
+from .quant import QuantConfig
 from .store import ArtifactNotFound
 
 MAGIC = b"TFP4GUID"
@@ -38,13 +39,9 @@ class GuidanceError(ValueError):
 # -- compaction --------------------------------------------------------------
 
 
-def select_layers(spec: "str | int | Iterable[int]", layers: list[int], mismatch: dict[int, float] | None = None) -> tuple[int, ...]:
-    """Layers to keep guidance for, out of ``layers`` (those with captured sites).
-
-    ``"all"``; an int N: the deepest N; an explicit list; ``"adaptive:N"``: the N
-    layers with the highest measured train-rollout code mismatch (``mismatch``:
-    layer -> rate, from :func:`layer_mismatch`).
-    """
+def select_layers(spec: "str | int | Iterable[int]", layers: list[int]) -> tuple[int, ...]:
+    """Layers to keep guidance for, out of ``layers`` (those with captured sites):
+    ``"all"``; an int N: the deepest N; an explicit list."""
     layers = sorted(layers)
     if spec == "all":
         return tuple(layers)
@@ -52,29 +49,13 @@ def select_layers(spec: "str | int | Iterable[int]", layers: list[int], mismatch
         if not 0 < spec <= len(layers):
             raise ValueError(f"cannot keep the deepest {spec} of {len(layers)} layers")
         return tuple(layers[-spec:])
-    if isinstance(spec, str) and spec.startswith("adaptive:"):
-        n = int(spec.split(":", 1)[1])
-        if mismatch is None:
-            raise ValueError("adaptive layer selection needs measured mismatch rates per layer")
-        ranked = sorted(layers, key=lambda layer: (-mismatch.get(layer, 0.0), -layer))
-        return tuple(sorted(ranked[:n]))
     if isinstance(spec, str):
-        raise ValueError(f"unknown layer selection {spec!r}; use 'all', 'adaptive:N', N, or a list of layers")
+        raise ValueError(f"unknown layer selection {spec!r}; use 'all', N, or a list of layers")
     chosen = tuple(sorted(set(spec)))
     unknown = [layer for layer in chosen if layer not in layers]
     if unknown:
         raise ValueError(f"layers {unknown} have no captured sites (available: {layers})")
     return chosen
-
-
-def layer_mismatch(report: dict[tuple[int, str], SiteMismatch]) -> dict[int, float]:
-    """Code mismatch rate per layer, over its sites."""
-    totals: dict[int, list[int]] = {}
-    for (layer, _), m in report.items():
-        t = totals.setdefault(layer, [0, 0])
-        t[0] += m.mismatched
-        t[1] += m.elements
-    return {layer: bad / n if n else 0.0 for layer, (bad, n) in totals.items()}
 
 
 def compact(records: CaptureRecords, bits: int, layers: Iterable[int]) -> CaptureRecords:
@@ -238,8 +219,10 @@ def step_prefix(prefix: str, rl_step: int) -> str:
 
 
 def write_step(store, records: CaptureRecords, *, rl_step: int, policy_version: int, top_k: int,
-               prefix: str = "guidance", trajectories_per_shard: int = 64) -> dict:  # fmt: skip
-    """Write a step's shards, then its manifest (last); returns the manifest."""
+               prefix: str = "guidance", trajectories_per_shard: int = 64, run_id: str = "") -> dict:  # fmt: skip
+    """Write a step's shards, then its manifest (last); returns the manifest.
+    ``run_id`` names the run that rolled the step out, so that another run's
+    reader refuses it."""
     base = step_prefix(prefix, rl_step)
     trajectories = sorted(_trajectory_ranges(records))
     shards = []
@@ -252,30 +235,47 @@ def write_step(store, records: CaptureRecords, *, rl_step: int, policy_version: 
     tables = list(records.tables.values())
     manifest = {
         "format_version": FORMAT_VERSION,
+        "run_id": run_id,
         "rl_step": rl_step,
         "policy_version": policy_version,
+        "top_k": top_k,
         "fmt": sorted({t.fmt for t in tables}),
         "bits": sorted({t.bits for t in tables}),
         "layers": sorted({t.layer for t in tables}),
         "sites": sorted({t.site for t in tables}),
         "shards": shards,
     }
+    manifest["sha256"] = _manifest_digest(manifest)
     store.put_bytes(f"{base}/manifest.json", json.dumps(manifest, indent=1).encode())
     return manifest
 
 
+def _manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON without this field: an edited or
+    truncated manifest (a shard entry dropped, say) no longer matches."""
+    body = {k: v for k, v in manifest.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
 def read_manifest(store, rl_step: int, prefix: str = "guidance", expect: dict | None = None) -> dict:
-    """A step's manifest; a step without one is missing (or still being written)."""
+    """A step's manifest, verified; a step without one is missing (or still being written)."""
     key = f"{step_prefix(prefix, rl_step)}/manifest.json"
+    name = f"{store.uri}/{key}"
     try:
         manifest = json.loads(store.get_bytes(key))
     except ArtifactNotFound:
-        raise GuidanceError(f"{store.uri}/{key}: no manifest, so step {rl_step} is missing or incomplete") from None
+        raise GuidanceError(f"{name}: no manifest, so step {rl_step} is missing or incomplete") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GuidanceError(f"{name}: not a guidance manifest (unreadable JSON: {e})") from None
+    if not isinstance(manifest, dict):
+        raise GuidanceError(f"{name}: not a guidance manifest (a JSON {type(manifest).__name__}, not an object)")
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise GuidanceError(f"{key}: format version {manifest.get('format_version')}, this reader reads {FORMAT_VERSION}")
-    for name, value in (expect or {}).items():
-        if manifest.get(name) != value:
-            raise GuidanceError(f"{key}: {name} is {manifest.get(name)!r}, expected {value!r}")
+        raise GuidanceError(f"{name}: format version {manifest.get('format_version')!r}, this reader reads {FORMAT_VERSION}")
+    if manifest.get("sha256") != _manifest_digest(manifest):
+        raise GuidanceError(f"{name}: checksum mismatch (the manifest was edited or corrupted)")
+    for field_name, value in (expect or {}).items():
+        if manifest.get(field_name) != value:
+            raise GuidanceError(f"{name}: {field_name} is {manifest.get(field_name)!r}, expected {value!r}")
     return manifest
 
 
@@ -302,6 +302,79 @@ def read_step(store, rl_step: int, prefix: str = "guidance", expect: dict | None
         for key, table in read_shard(store, manifest, entry).tables.items():
             parts.setdefault(key, []).append(table)
     return CaptureRecords({key: _concat(tables) for key, tables in parts.items()})
+
+
+# -- the artifact compaction hands to training ------------------------------------
+
+
+def encode_scales(global_scales: dict) -> dict[str, float]:
+    """Static global scales ``{(layer, site): tensor}`` as JSON: ``{"layer/site": float}`` (exact for float32)."""
+    return {f"{layer}/{site}": float(g) for (layer, site), g in sorted(global_scales.items())}
+
+
+def decode_scales(encoded: dict[str, float]) -> dict[tuple[int, str], Tensor]:
+    out = {}
+    for key, value in encoded.items():
+        layer, site = key.split("/", 1)
+        out[(int(layer), site)] = torch.tensor(value, dtype=torch.float32)
+    return out
+
+
+@dataclass(frozen=True)
+class GuidanceRef:
+    """A round's guidance as the typed artifact that compaction hands to train:
+    where its shards are, which run and policy version rolled it out, its codec,
+    and the rollout's numerics (quantization config and static global scales),
+    from which the training path quantizes, so that training never needs a
+    rollout engine. Methods without guidance carry the numerics and no shards
+    (``prefix`` None)."""
+
+    run_id: str
+    rl_step: int
+    policy_version: int
+    quant: QuantConfig
+    global_scales: dict[str, float]  # encode_scales
+    store_uri: str | None = None
+    prefix: str | None = None
+    codec: str = "bits"
+    bits: int = 4
+    layers: tuple[int, ...] = ()
+    sites: tuple[str, ...] = ()
+    top_k: int = 1
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "quant": asdict(self.quant)}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, name: str) -> "GuidanceRef":
+        """Parse an artifact; anything malformed is a :class:`GuidanceError` naming ``name``."""
+        try:
+            data = json.loads(text)
+            data["quant"] = QuantConfig(**data["quant"])
+            data["layers"], data["sites"] = tuple(data["layers"]), tuple(data["sites"])
+            return cls(**data)
+        except (json.JSONDecodeError, TypeError, KeyError, ValueError) as e:
+            raise GuidanceError(f"{name}: not a guidance artifact ({type(e).__name__}: {e})") from None
+
+    def scales(self) -> dict[tuple[int, str], Tensor]:
+        return decode_scales(self.global_scales)
+
+    def check(self, run_id: str, policy_version: int) -> None:
+        """Refuse guidance of another run, or rolled out by another policy than the one about to train."""
+        if self.run_id != run_id:
+            raise GuidanceError(f"guidance of run {self.run_id!r} handed to run {run_id!r}")
+        if self.policy_version != policy_version:
+            raise GuidanceError(
+                f"guidance was rolled out by policy version {self.policy_version}, the policy to train is version "
+                f"{policy_version}"
+            )
+
+    def loader(self, store, microbatches: list[list[int]], **kwargs) -> "GuidanceLoader":
+        """The step's guidance per microbatch, its manifest checked against this reference."""
+        if self.prefix is None:
+            raise GuidanceError(f"run {self.run_id} step {self.rl_step} has no guidance (its method captures none)")
+        expect = {"run_id": self.run_id, "policy_version": self.policy_version}
+        return GuidanceLoader(store, self.rl_step, microbatches, prefix=self.prefix, expect=expect, **kwargs)
 
 
 # -- reload ----------------------------------------------------------------------

@@ -5,19 +5,26 @@
 and, for a comparison, that chain per method under ``dsl.ParallelFor``,
 collected into one table.
 
+The guidance of a round is an artifact on the edge compaction -> train; the
+run id comes out of prepare (the local runner's, or KFP's job id) and keys
+every store prefix, so no step ever reads another run's data.
+
 Every task gets the config's resources, the store's credentials from a
-Kubernetes secret (S3 stores), retries, and no caching (steps write to the
-store). Name and version: the run name; the package version and a hash of the
-config schema.
+Kubernetes secret (S3 stores), retries with backoff on a cluster (none for a
+local run, where a failure is deterministic), and no caching (steps write to
+the store). Name and version: the run name; the package version and a hash of
+the config schema.
 """
 
 from importlib.metadata import version
+from typing import get_args
 
 from kfp import compiler, dsl, kubernetes
 from kfp.dsl import Markdown
 
-from tracefp4.components.kfp_components import make_components
-from tracefp4.schemas import RunConfig, schema_hash
+from tracefp4.schemas import Method, RunConfig, schema_hash
+
+from .components import make_components
 
 SECRET_KEYS = {"accesskey": "TRACEFP4_S3_ACCESS_KEY", "secretkey": "TRACEFP4_S3_SECRET_KEY"}  # KFP's MinIO secret layout
 
@@ -30,9 +37,11 @@ def pipeline_version() -> str:
     return f"{version('tracefp4')}-{schema_hash()}"
 
 
-def _configure(task, config: RunConfig):
+def _configure(task, config: RunConfig, retries: bool):
     r = config.resources
-    task.set_cpu_limit(r.cpu).set_memory_limit(r.memory).set_retry(num_retries=2).set_caching_options(False)
+    task.set_cpu_limit(r.cpu).set_memory_limit(r.memory).set_caching_options(False)
+    if retries:  # a pod evicted or a node lost: try again later
+        task.set_retry(num_retries=2, backoff_duration="30s", backoff_factor=2.0)
     if r.gpus:
         task.set_accelerator_type(r.accelerator_type).set_accelerator_limit(r.gpus)
     if r.node_selector:
@@ -47,50 +56,68 @@ def _configure(task, config: RunConfig):
     return task
 
 
-def build_pipeline(config: RunConfig):
-    """The pipeline function for ``config`` (rounds unrolled; the config is its one parameter's default)."""
+def build_pipeline(config: RunConfig, retries: bool = True):
+    """The pipeline function for ``config`` (rounds unrolled; the config is its
+    first parameter's default; ``run_id`` empty means KFP's job id)."""
     c = make_components(config.image)
+    configure = lambda task: _configure(task, config, retries)  # noqa: E731
     default = config.model_dump_json()
 
     @dsl.pipeline(name=pipeline_name(config), description=f"TRACE FP4 RL ({config.method}, {config.rollout.config})")
-    def tracefp4_pipeline(config_json: str = default) -> Markdown:
-        history, evaluation = _train_and_evaluate(c, config, config_json)
-        rep = _configure(c.report(config_json=config_json, history=history, evaluation=evaluation), config)
+    def tracefp4_pipeline(config_json: str = default, run_id: str = "") -> Markdown:
+        history, evaluation = _train_and_evaluate(c, configure, config, config_json, run_id)
+        rep = configure(c.report(config_json=config_json, history=history, evaluation=evaluation))
         return rep.outputs["markdown"]
 
     return tracefp4_pipeline
 
 
-def _train_and_evaluate(c, config: RunConfig, config_json):
+def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
     """prepare -> R x (rollout -> compaction -> guided QAT) -> evaluate: (history, evaluation) artifacts."""
-    run_id = dsl.PIPELINE_JOB_ID_PLACEHOLDER  # with the round and component, the key of the pushed metrics
-    prep = _configure(c.prepare(config_json=config_json, run_id=run_id), config)
+    prep = configure(c.prepare(config_json=config_json, run_id=run_id, job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER))
+    run_id = prep.outputs["Output"]  # resolved once; with the round and component, the key of the pushed metrics
     policy, history = prep.outputs["policy"], prep.outputs["history"]
     for r in range(config.rl.rounds):
-        roll = _configure(c.rollout(config_json=config_json, run_id=run_id, round_index=r, policy=policy), config)
+        roll = configure(c.rollout(config_json=config_json, run_id=run_id, round_index=r, policy=policy))
         trajectories = roll.outputs["trajectories"]
-        guide = _configure(c.compaction(config_json=config_json, run_id=run_id, round_index=r, policy=policy,
-                                        trajectories=trajectories), config)  # fmt: skip
-        step = _configure(c.train(config_json=config_json, run_id=run_id, round_index=r, policy=policy, trajectories=trajectories,
-                                  guidance=guide.outputs["report"], previous=history), config)  # fmt: skip
+        guide = configure(c.compaction(config_json=config_json, run_id=run_id, round_index=r, policy=policy,
+                                       trajectories=trajectories))  # fmt: skip
+        step = configure(c.train(config_json=config_json, run_id=run_id, policy=policy, trajectories=trajectories,
+                                 guidance=guide.outputs["guidance"], previous=history))  # fmt: skip
         policy, history = step.outputs["new_policy"], step.outputs["history"]
-    ev = _configure(c.evaluate(config_json=config_json, run_id=run_id, policy=policy, initial=prep.outputs["policy"]), config)
+    ev = configure(c.evaluate(config_json=config_json, run_id=run_id, policy=policy, initial=prep.outputs["policy"]))
     return history, ev.outputs["results"]
 
 
-def build_comparison_pipeline(config: RunConfig, methods: list[str]):
+def check_methods(methods: list[str]) -> list[str]:
+    """The methods of a comparison: known ones, each once (two branches of one method would share a store prefix)."""
+    known = get_args(Method)
+    unknown = [m for m in methods if m not in known]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(known)}")
+    repeated = sorted({m for m in methods if methods.count(m) > 1})
+    if repeated:
+        raise ValueError(f"method(s) {', '.join(repeated)} named more than once")
+    if not methods:
+        raise ValueError("a comparison needs at least one method")
+    return methods
+
+
+def build_comparison_pipeline(config: RunConfig, methods: list[str], retries: bool = True):
     """The same run for each of ``methods`` in parallel, each with its report, collected into one comparison."""
+    methods = check_methods(list(methods))
     c = make_components(config.image)
+    configure = lambda task: _configure(task, config, retries)  # noqa: E731
     default = config.model_dump_json()
 
     @dsl.pipeline(name=pipeline_name(config) + "-compare", description=f"TRACE FP4 RL: {', '.join(methods)} side by side")
-    def comparison_pipeline(config_json: str = default, methods: list = list(methods)) -> Markdown:
+    def comparison_pipeline(config_json: str = default, methods: list = list(methods), run_id: str = "") -> Markdown:
         with dsl.ParallelFor(methods) as method:
-            branch = _configure(c.set_method(config_json=config_json, method=method), config).output
-            history, evaluation = _train_and_evaluate(c, config, branch)
-            _configure(c.report(config_json=branch, history=history, evaluation=evaluation), config)  # each method's own
-        rep = _configure(c.compare(config_json=config_json, evaluations=dsl.Collected(evaluation),
-                                   histories=dsl.Collected(history)), config)  # fmt: skip
+            branch = configure(c.set_method(config_json=config_json, method=method)).output
+            history, evaluation = _train_and_evaluate(c, configure, config, branch, run_id)
+            configure(c.report(config_json=branch, history=history, evaluation=evaluation))  # each method's own
+        rep = configure(c.compare(config_json=config_json, evaluations=dsl.Collected(evaluation),
+                                  histories=dsl.Collected(history)))  # fmt: skip
         return rep.outputs["markdown"]
 
     return comparison_pipeline

@@ -6,6 +6,10 @@ submitted, not hours into it. Every model forbids unknown fields; every field
 has a type, bounds, a description and a default. Field names follow the
 library (`components/`): rollout config names, layer selections and sites mean
 what docs/rollout.md and docs/guidance-format.md say.
+
+Every set of names (presets, rollout configs, formats, methods, tasks, PTQ
+baselines) is derived from the library's own registry, so a value the schema
+accepts is one the library runs.
 """
 
 import re
@@ -25,10 +29,15 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-ModelPreset = Literal["smoke", "tiny", "tiny-qwen2"]
-RolloutConfigName = Literal["bf16", "fp4_wa", "fp4_kv", "fp4_wa_kv", "w4a8_mxfp4_kv", "w4a4_mxfp4_kv"]
-Method = Literal["bf16", "qat", "quads", "trace", "tis_sc", "qarl"]
-TaskName = Literal["arithmetic", "countdown", "program"]
+from tracefp4.components import model, ptq, qat, quant, tasks
+
+ModelPreset = Literal[tuple(model.PRESETS)]
+RolloutConfigName = Literal[quant.ROLLOUT_CONFIGS]
+FP4Format = Literal[quant.FP4_FORMATS]
+Method = Literal[qat.METHODS]
+TaskName = Literal[tuple(tasks.TASKS)]
+PTQMethod = Literal[ptq.METHODS]
+Schedule = Literal["on_policy", "off_policy"]
 
 # The only source of the S3 credentials; the store backend reads the same names.
 SECRET_ENV = {"access_key": "TRACEFP4_S3_ACCESS_KEY", "secret_key": "TRACEFP4_S3_SECRET_KEY"}
@@ -38,7 +47,6 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$"
 K8S_CPU = r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$"
 K8S_MEMORY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
-ADAPTIVE = r"^adaptive:[1-9][0-9]*$"
 IMAGE = r"^[a-z0-9]([-a-z0-9._/:@]*[A-Za-z0-9_])?$"
 # What each pattern means, for error messages (ConfigError) instead of the bare regex.
 PATTERN_HINTS = {
@@ -63,7 +71,7 @@ def _one_layer_error(value: object, handler):
     except ValidationError:
         raise PydanticCustomError(
             "layer_selection",
-            "expected 'all', a positive int N (the deepest N layers), a list of layer indices >= 0, or 'adaptive:N'",
+            "expected 'all', a positive int N (the deepest N layers) or a list of layer indices >= 0",
         ) from None
     if isinstance(value, list):
         if len(set(value)) != len(value):
@@ -75,8 +83,7 @@ def _one_layer_error(value: object, handler):
 LayerSelection = Annotated[
     Literal["all"]
     | Annotated[int, Field(strict=True, ge=1)]
-    | Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=1)]
-    | Annotated[str, Field(pattern=ADAPTIVE)],
+    | Annotated[list[Annotated[int, Field(strict=True, ge=0)]], Field(min_length=1)],
     WrapValidator(_one_layer_error),
 ]
 
@@ -122,19 +129,25 @@ class ModelConfig(_Section):
 class RolloutConfig(_Section):
     """FP4 rollout engine settings and sampling (docs/rollout.md)."""
 
-    fmt: Literal["nvfp4", "mxfp4"] = Field(default="nvfp4", description="FP4 format of the quantized rollout sites.")
+    fmt: FP4Format = Field(default="nvfp4", description="FP4 format of the quantized rollout sites.")
     config: RolloutConfigName = Field(
         default="fp4_wa_kv", description="Which sites the rollout quantizes (components.quant.rollout_config)."
     )
-    backend: Literal["torch"] = Field(default="torch", description="Rollout engine implementation.")
     temperature: float = Field(default=1.0, ge=0.0, le=10.0, description="Sampling temperature; 0 is greedy.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 disables it.")
-    top_k: int = Field(default=0, ge=0, description="Top-k sampling; 0 disables it.")
-    max_new_tokens: int = Field(default=64, ge=1, description="Response length limit, in tokens.")
+    top_k: int = Field(default=0, ge=0, le=1 << 20, description="Top-k sampling; 0 disables it.")
+    max_new_tokens: int = Field(default=64, ge=1, le=1 << 20, description="Response length limit, in tokens.")
     group_size: int = Field(default=4, ge=1, le=1024, description="Responses sampled per prompt (the advantage group).")
-    prompts_per_step: int = Field(default=8, ge=1, description="Prompts rolled out per RL step.")
+    prompts_per_step: int = Field(default=8, ge=1, le=65536, description="Prompts rolled out per RL step. Bounded: held in memory at once.")
     max_tokens_per_forward: int = Field(
-        default=4096, ge=1, description="Rows of each capture buffer (token rows per forward before offload)."
+        default=4096, ge=1, le=1 << 22, description="Rows of each capture buffer (token rows per forward before "
+        "offload). Bounded: held in memory at once."
+    )
+    quads_compensated_channels: int = Field(
+        default=8,
+        ge=0,
+        description="QUADS' rollout-side residual activation compensation, used by method quads only: per FP4 "
+        "activation tensor, this many channels with the largest quantization error keep their exact values.",
     )
 
 
@@ -144,13 +157,13 @@ class GuidanceConfig(_Section):
     bits: int = Field(default=1, ge=1, le=4, description="Low bits kept per FP4 code: R-kbit (4 keeps the whole code).")
     layers: LayerSelection = Field(
         default="all",
-        description="Layers guided: 'all', N (the deepest N), a list of layer indices, or 'adaptive:N' "
-        "(the N layers with the highest measured train-rollout mismatch).",
+        description="Layers guided: 'all', N (the deepest N) or a list of layer indices. Coverage decides "
+        "alignment more than bit depth (docs/results.md): a mismatch left in one layer cascades into the next.",
     )
     compaction: Literal["inline", "offline"] = Field(
         default="inline", description="Truncate codes during capture (inline) or after a full capture (offline)."
     )
-    trajectories_per_shard: int = Field(default=64, ge=1, description="Trajectories per guidance shard file.")
+    trajectories_per_shard: int = Field(default=64, ge=1, le=65536, description="Trajectories per guidance shard file.")
     prefetch_microbatches: int = Field(default=2, ge=0, le=64, description="Microbatches of guidance loaded ahead.")
     allow_rtn_fallback: bool = Field(
         default=False, description="Round a trajectory without guidance RTN (counted) instead of failing."
@@ -163,19 +176,40 @@ Beta = Annotated[float, Field(ge=0.0, lt=1.0)]
 class RLConfig(_Section):
     """The RL loop and its optimizer: rounds of steps, a clipped policy-gradient loss."""
 
-    steps_per_round: int = Field(default=4, ge=1, description="RL steps between evaluations.")
-    rounds: int = Field(default=2, ge=1, description="Rounds of training (each ends with an evaluation).")
+    schedule: Schedule = Field(
+        default="on_policy",
+        description="on_policy: every rollout batch is trained by one optimizer step and the next batch comes from "
+        "the updated policy (needs steps_per_round 1 and grad_accumulation 0). off_policy: a round rolls out "
+        "steps_per_round batches from one policy, then trains on them in turn, so batch s is s optimizer steps "
+        "stale; truncated importance sampling (tis_cap) corrects for it (docs/training.md).",
+    )
+    steps_per_round: int = Field(
+        default=1, ge=1, le=1024, description="RL steps (rollout batches) per round: rollout -> compaction -> train."
+    )
+    rounds: int = Field(
+        default=2, ge=1, le=1000, description="Rounds of training; each is three pipeline tasks (rounds are unrolled "
+        "into the DAG, so the bound keeps compiling fast). Evaluation runs once, after the last round.",
+    )
     learning_rate: float = Field(default=1e-4, gt=0.0, le=1.0, description="AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="AdamW decoupled weight decay.")
     grad_clip: float = Field(default=1.0, ge=0.0, description="Global gradient-norm clip; 0 disables it.")
-    microbatch_size: int = Field(default=8, ge=1, description="Trajectories per training microbatch.")
-    grad_accumulation: int = Field(default=1, ge=1, description="Microbatches per optimizer step.")
+    microbatch_size: int = Field(default=8, ge=1, le=65536, description="Trajectories per training microbatch. Bounded: held in memory at once.")
+    grad_accumulation: int = Field(
+        default=0, ge=0, description="Microbatches per optimizer step; 0: all of a step's microbatches (one "
+        "optimizer step per rollout batch).",
+    )
     ppo_clip: float = Field(default=0.2, gt=0.0, le=1.0, description="PPO ratio clip epsilon.")
     tis_cap: float = Field(
         default=2.0, ge=1.0, description="Truncated importance sampling cap C: weight min(pi_train / pi_rollout, C)."
     )
     kl_coef: float = Field(default=0.0, ge=0.0, description="KL penalty to the reference policy; 0 disables it.")
     adam_betas: tuple[Beta, Beta] = Field(default=(0.9, 0.999), description="AdamW (beta1, beta2).")
+    measure_mismatch: bool = Field(
+        default=False,
+        description="Compare the training path's FP4 codes with the rollout's at every step (per-layer code "
+        "mismatch, codeword-difference histogram). The rollout then keeps a full 4-bit capture and trace compacts "
+        "it offline, so it needs guidance.compaction offline.",
+    )
 
 
 class TaskConfig(_Section):
@@ -183,9 +217,11 @@ class TaskConfig(_Section):
 
     name: TaskName = Field(description="Task family.")
     difficulty: int = Field(default=1, ge=1, le=5, description="Difficulty level, 1 (easiest) to 5.")
-    train_size: int = Field(default=256, ge=1, description="Training prompts generated.")
-    test_size: int = Field(default=32, ge=1, description="Held-out test prompts generated.")
-    weight: float = Field(default=1.0, gt=0.0, description="Relative sampling weight in the training mix.")
+    train_size: int = Field(default=256, ge=1, le=1_000_000, description="Training prompts generated. Bounded: held in memory at once.")
+    test_size: int = Field(default=32, ge=1, le=1_000_000, description="Held-out test prompts generated. Bounded: held in memory at once.")
+    weight: float = Field(
+        default=1.0, gt=0.0, le=1e6, description="Relative weight of this task when rollout draws a training prompt."
+    )
 
 
 class BootstrapConfig(_Section):
@@ -193,22 +229,19 @@ class BootstrapConfig(_Section):
     RL starts from partial accuracy (components/bootstrap.py)."""
 
     enabled: bool = Field(default=False, description="Run bootstrap SFT in the prepare step.")
-    steps: int = Field(default=300, ge=1, description="SFT optimizer steps.")
-    batch_size: int = Field(default=32, ge=1, description="Examples per SFT step.")
+    steps: int = Field(default=300, ge=1, le=1_000_000, description="SFT optimizer steps.")
+    batch_size: int = Field(default=32, ge=1, le=65536, description="Examples per SFT step. Bounded: held in memory at once.")
     learning_rate: float = Field(default=1e-3, gt=0.0, le=1.0, description="AdamW peak learning rate (warmup, cosine).")
-    warmup: int = Field(default=30, ge=0, description="Linear warmup steps.")
+    warmup: int = Field(default=30, ge=0, le=1_000_000, description="Linear warmup steps.")
     target_accuracy: float | None = Field(
         default=None, gt=0.0, le=1.0, description="Stop early once greedy accuracy on the eval prompts reaches it."
     )
-    eval_every: int = Field(default=50, ge=0, description="Steps between accuracy checks (0: none).")
-    eval_prompts: int = Field(default=16, ge=1, description="Test prompts of each accuracy check.")
-
-
-PTQMethod = Literal["nvfp4", "four_over_six", "h_scale"]
+    eval_every: int = Field(default=50, ge=0, le=1_000_000, description="Steps between accuracy checks (0: none).")
+    eval_prompts: int = Field(default=16, ge=1, le=65536, description="Test prompts of each accuracy check.")
 
 
 class EvaluationConfig(_Section):
-    """Evaluation after each round: mean@k on held-out prompts under several rollout configs."""
+    """Evaluation after the last round: pass@1 and mean@k on held-out prompts under several rollout configs."""
 
     rollout_configs: list[RolloutConfigName] = Field(
         default_factory=lambda: ["bf16", "fp4_wa_kv"],
@@ -216,13 +249,14 @@ class EvaluationConfig(_Section):
         description="Rollout configs the policy is evaluated under (each in rollout.fmt).",
     )
     samples_per_prompt: int = Field(default=4, ge=1, le=1024, description="k of mean@k: samples per test prompt.")
-    test_prompts: int = Field(default=32, ge=1, description="Test prompts per evaluation (drawn from the tasks).")
+    test_prompts: int = Field(default=32, ge=1, le=1_000_000, description="Test prompts per evaluation (drawn from the tasks).")
     ptq_baselines: list[PTQMethod] = Field(
         default_factory=lambda: ["nvfp4", "four_over_six", "h_scale"],
         description="PTQ baselines applied to the final policy of a bf16 run and evaluated under its FP4 rollout configs.",
     )
     discrepancy_prompts: int = Field(
-        default=8, ge=0, description="Test prompts (x samples_per_prompt) of the train-rollout discrepancy analysis; 0: none."
+        default=8, ge=0, le=65536,
+        description="Test prompts (x samples_per_prompt) of the train-rollout discrepancy analysis; 0: none.",
     )
 
     @field_validator("rollout_configs", "ptq_baselines")
@@ -339,14 +373,14 @@ class RunConfig(_Section):
     rl: RLConfig = Field(default_factory=RLConfig, description="RL loop and optimizer.")
     method: Method = Field(
         default="trace",
-        description="Training method: bf16 (no QAT), qat (RTN), quads, trace (rollout-guided), "
-        "tis_sc (TIS + score centering), qarl.",
+        description="Training method: bf16 (no QAT), qat (RTN), quads (weights-only QAT + rollout compensation), "
+        "trace (rollout-guided rounding), tis_sc (TIS + score centering). docs/training.md.",
     )
     bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig, description="SFT of the initial policy.")
     tasks: list[TaskConfig] = Field(
         default_factory=lambda: [TaskConfig(name="arithmetic")], min_length=1, description="Training task mix."
     )
-    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig, description="Evaluation after each round.")
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig, description="Evaluation after the last round.")
     store: StoreConfig = Field(default_factory=StoreConfig, description="Artifact store.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Metrics output.")
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Per-step cluster resources.")
@@ -367,6 +401,27 @@ class RunConfig(_Section):
             )
         if self.method == "trace" and self.rollout.config == "bf16":
             problems.append("method: trace guides training with FP4 rollout codes; rollout.config bf16 records none")
+        if self.rl.schedule == "on_policy" and (self.rl.steps_per_round != 1 or self.rl.grad_accumulation != 0):
+            problems.append(
+                "rl.schedule: on_policy trains each rollout batch with one optimizer step; it needs "
+                f"rl.steps_per_round 1 (got {self.rl.steps_per_round}) and rl.grad_accumulation 0 "
+                f"(got {self.rl.grad_accumulation}); use off_policy for more"
+            )
+        if self.rl.measure_mismatch and self.guidance.compaction != "offline":
+            problems.append("rl.measure_mismatch: needs the rollout's full capture, so guidance.compaction offline")
+        problems += self._layers_exist()
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _layers_exist(self) -> list[str]:
+        """Guided layers against a preset model's depth (a checkpoint's is checked when prepare reads it)."""
+        if self.model.preset is None:
+            return []
+        depth = model.PRESETS[self.model.preset].num_layers
+        layers = self.guidance.layers
+        if isinstance(layers, list) and max(layers) >= depth:
+            return [f"guidance.layers: layer {max(layers)} does not exist; model preset {self.model.preset} has {depth}"]
+        if isinstance(layers, int) and layers > depth:
+            return [f"guidance.layers: the deepest {layers} layers; model preset {self.model.preset} has {depth}"]
+        return []

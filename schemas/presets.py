@@ -31,7 +31,8 @@ def _tiny() -> RunConfig:
         "model": {"preset": "tiny", "dtype": "bfloat16", "max_seq_len": 256},
         "rollout": {"max_new_tokens": 64, "group_size": 4, "prompts_per_step": 8, "max_tokens_per_forward": 2048},
         "guidance": {"bits": 1, "layers": 2},
-        "rl": {"steps_per_round": 5, "rounds": 3, "learning_rate": 3e-5, "microbatch_size": 8},
+        # off-policy rounds of 5 steps: 3 rounds are 9 pipeline tasks instead of 45 on-policy
+        "rl": {"schedule": "off_policy", "steps_per_round": 5, "rounds": 3, "learning_rate": 3e-5, "microbatch_size": 8},
         # SFT to ~34% greedy test accuracy in ~2.5 minutes (arithmetic d1 has 300 distinct problems: 268 + 32)
         "bootstrap": {"enabled": True, "steps": 480, "learning_rate": 3e-3, "eval_every": 100},
         "tasks": [
@@ -55,7 +56,7 @@ def _paper(name: str, fmt: str, config: str) -> RunConfig:
         "guidance": {"bits": 1, "layers": 20, "compaction": "inline", "trajectories_per_shard": 64},
         "method": "trace",
         "rl": {
-            "steps_per_round": 50, "rounds": 8, "learning_rate": 1e-6, "weight_decay": 0.01,
+            "schedule": "off_policy", "steps_per_round": 4, "rounds": 100, "learning_rate": 1e-6, "weight_decay": 0.01,
             "microbatch_size": 1, "grad_accumulation": 16, "tis_cap": 2.0,
         },
         "tasks": [

@@ -17,12 +17,12 @@ from tracefp4.components.guidance import (
     compaction_report,
     decode_shard,
     encode_shard,
-    layer_mismatch,
+    _manifest_digest,
     read_manifest,
     select_layers,
     write_step,
 )
-from tracefp4.components.mismatch import compare, teacher_force
+from tracefp4.components.mismatch import teacher_force
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rollout import SamplingParams, TorchEngine
@@ -91,8 +91,7 @@ def test_layer_selection():
     assert select_layers("all", layers) == (0, 1, 2, 3)
     assert select_layers(2, layers) == (2, 3)
     assert select_layers([3, 1], layers) == (1, 3)
-    assert select_layers("adaptive:2", layers, {0: 0.5, 1: 0.01, 2: 0.2, 3: 0.1}) == (0, 2)
-    with pytest.raises(ValueError, match="needs measured mismatch"):
+    with pytest.raises(ValueError, match="unknown layer selection 'adaptive:2'"):
         select_layers("adaptive:2", layers)
     with pytest.raises(ValueError, match=r"layers \[7\] have no captured sites"):
         select_layers([7], layers)
@@ -111,7 +110,6 @@ def test_compaction_report_sizes_and_fidelity(captured):
     assert r1.total["ratio_to_full"] == pytest.approx(1.5 / 4.5)
     nothing = compaction_report(full, compact(full, 1, []), training)
     assert nothing.total["bytes"] == 0 and nothing.total["fidelity"] < r1.total["fidelity"]
-    assert layer_mismatch(compare(full, training)).keys() == {0, 1}
 
 
 def test_every_bit_flip_and_truncation_is_caught(captured):
@@ -148,9 +146,29 @@ def test_mismatched_and_missing_guidance_fail_clearly(captured, tmp_path):
     entry = manifest["shards"][0]
     store.put_bytes(entry["key"], other)
     entry["bytes"], entry["sha256"] = len(other), hashlib.sha256(other).hexdigest()
+    manifest["sha256"] = _manifest_digest(manifest)  # a consistent forgery: only the shard header tells
     store.put_bytes("guidance/step-000005/manifest.json", json.dumps(manifest).encode())
     with pytest.raises(GuidanceError, match="shard-00000.bin: rl_step is 4, expected 5"):
         list(GuidanceLoader(store, 5, [[out[0].id]]))
+
+
+def test_a_bad_manifest_is_a_guidance_error_naming_it(captured, tmp_path):
+    engine, out, records = captured
+    store = open_store(str(tmp_path))
+    write_step(store, records, rl_step=5, policy_version=1, top_k=2, trajectories_per_shard=2, run_id="run-a")
+    key = "guidance/step-000005/manifest.json"
+    good = store.get_bytes(key)
+    manifest = json.loads(good)
+    dropped = {**manifest, "shards": manifest["shards"][1:]}  # one shard entry gone: its trajectories would vanish
+    for bad, reason in [(good[: len(good) // 2], "unreadable JSON"), (b"\xff\xfe garbage", "unreadable JSON"),
+                        (b"[1, 2]", "a JSON list"), (json.dumps(dropped).encode(), "checksum mismatch")]:  # fmt: skip
+        store.put_bytes(key, bad)
+        with pytest.raises(GuidanceError, match=f"step-000005/manifest.json: .*{reason}"):
+            read_manifest(store, 5)
+    store.put_bytes(key, good)
+    assert read_manifest(store, 5, expect={"run_id": "run-a"})["shards"] == manifest["shards"]
+    with pytest.raises(GuidanceError, match="run_id is 'run-a', expected 'run-b'"):
+        read_manifest(store, 5, expect={"run_id": "run-b"})
 
 
 def test_incomplete_capture_is_refused(captured):

@@ -12,12 +12,14 @@ from tracefp4.components.checkpoint import load_model
 from tracefp4.components.guidance import read_manifest
 from tracefp4.components.steps import store_prefix
 from tracefp4.components.store import open_store
+from tracefp4.components.trainer import read_state
 from tracefp4.pipelines.cli import main
 from tracefp4.pipelines.local import localize, run_local
 from tracefp4.pipelines.pipeline import build_comparison_pipeline, compile_pipeline, pipeline_version
 from tracefp4.schemas import get_preset, load_config
 
 STEPS = ("prepare", "rollout", "compaction", "train", "evaluate", "report")
+RUN = "run-a"
 
 
 @pytest.fixture(scope="module")
@@ -36,8 +38,12 @@ def test_smoke_preset_runs_the_whole_dag(smoke_run):
     policy = load_model(root / "train" / "new_policy")
     assert policy.cfg.num_layers == 2 and (root / "train" / "new_policy" / "tokenizer.json").exists()
     store = open_store(localize(get_preset("smoke"), out).store.uri)
-    manifest = read_manifest(store, 0, store_prefix(get_preset("smoke"), "guidance"))
+    run_id = read_state(root / "train" / "new_policy")["run_id"]
+    assert run_id and read_state(root / "prepare" / "policy")["run_id"] == run_id
+    manifest = read_manifest(store, 0, store_prefix(get_preset("smoke"), run_id, "guidance"))
     assert manifest["bits"] == [1] and manifest["layers"] == [1]  # R-1bit on the deepest layer, as the preset says
+    guidance = json.loads((root / "compaction" / "guidance").read_text())  # the artifact on the compaction -> train edge
+    assert (guidance["run_id"], guidance["layers"], guidance["policy_version"]) == (run_id, [1], 0)
     history = [json.loads(line) for line in (root / "train" / "history").read_text().splitlines()]
     assert len(history) == 1 and history[0]["guidance_coverage"] > 0.9
 
@@ -48,7 +54,11 @@ def test_compiled_yaml_names_every_component_and_parameter(tmp_path):
     spec = next(yaml.safe_load_all(open(path)))
     tasks = spec["root"]["dag"]["tasks"]
     assert set(tasks) == {"prepare", "rollout", "compaction", "train", "rollout-2", "compaction-2", "train-2", "evaluate", "report"}
-    assert set(spec["root"]["inputDefinitions"]["parameters"]) == {"config_json"}
+    assert set(spec["root"]["inputDefinitions"]["parameters"]) == {"config_json", "run_id"}
+    train = spec["components"][tasks["train"]["componentRef"]["name"]]["inputDefinitions"]["artifacts"]
+    assert tasks["train"]["inputs"]["artifacts"]["guidance"]["taskOutputArtifact"]["producerTask"] == "compaction"
+    assert train["guidance"]["artifactType"]["schemaTitle"] == "system.Artifact"
+    assert all("retryPolicy" in tasks[t] for t in tasks)  # a cluster retries (with backoff); run_local does not
     assert json.loads(spec["root"]["inputDefinitions"]["parameters"]["config_json"]["defaultValue"])["rl"]["rounds"] == 2
     executors = spec["deploymentSpec"]["executors"]
     assert all(e["container"]["image"] == config.image for e in executors.values())
@@ -123,12 +133,17 @@ def test_comparison_pipeline_fans_out_over_methods(tmp_path):
     reports = sorted(tmp_path.glob("pipeline_root/*/for-loop-*/report/markdown"))
     assert len(reports) == 2 and {"`bf16`" in r.read_text() for r in reports} == {True, False}  # each method's own
     store = open_store(localize(get_preset("smoke"), tmp_path).store.uri)
-    assert store.list("smoke/trace/guidance") and not store.list("smoke/bf16/guidance")  # only trace ships guidance
+    keys = store.list("smoke/")
+    assert any("/trace/guidance/" in k for k in keys) and not any("/bf16/guidance/" in k for k in keys)  # only trace ships guidance
+    assert len({k.split("/")[1] for k in keys}) == 1  # the two branches of one run share its run id
     compiled = tmp_path / "compare.yaml"
     from kfp import compiler
 
     compiler.Compiler().compile(build_comparison_pipeline(get_preset("smoke"), ["trace", "qat"]), str(compiled))
     assert "parameterIterator" in compiled.read_text() or "iteratorPolicy" in compiled.read_text() or "for-loop" in compiled.read_text()
+    for methods, message in ((["trace", "trace"], "trace named more than once"), (["trace", "foo"], "unknown method")):
+        with pytest.raises(ValueError, match=message):
+            build_comparison_pipeline(get_preset("smoke"), methods)
 
 
 def test_inline_compaction_writes_guidance_from_the_rollout(tmp_path):
@@ -136,17 +151,17 @@ def test_inline_compaction_writes_guidance_from_the_rollout(tmp_path):
 
     config = localize(load_config(None, preset="smoke", overrides={"guidance.compaction": "inline"}), tmp_path)
     policy, trajectories = tmp_path / "policy", tmp_path / "trajectories.jsonl"
-    assert steps.prepare(config, policy)["bootstrap_steps"] == 2
-    rollout = steps.rollout(config, policy, 0, trajectories)
+    assert steps.prepare(config, policy, RUN)["bootstrap_steps"] == 2
+    rollout = steps.rollout(config, policy, 0, trajectories, RUN)
     assert rollout["rollout_tokens"] > 0 and 0 < rollout["capture_overhead_ratio"] < 1
     store = open_store(config.store.uri)
-    assert not store.list(store_prefix(config, "capture"))  # nothing full was shipped
-    manifest = read_manifest(store, 0, store_prefix(config, "guidance"))
+    assert not store.list(store_prefix(config, RUN, "capture"))  # nothing full was shipped
+    manifest = read_manifest(store, 0, store_prefix(config, RUN, "guidance"))
     assert manifest["bits"] == [1] and manifest["layers"] == [1]
-    size = steps.compaction(config, policy, trajectories, 0)
+    ref, size = steps.compaction(config, policy, trajectories, 0, RUN)
     assert size["layers"] == [1] and size["guidance_bytes"] > 0 and size["capture_bytes"] is None
     assert size["guidance_bits_per_element"] > 1  # one bit per element, plus the block scales
-    rows = steps.train(config, policy, trajectories, 0, tmp_path / "next", {**rollout, **size})
+    rows = steps.train(config, policy, trajectories, ref, tmp_path / "next", RUN, {**rollout, **size})
     assert rows[0]["guidance_coverage"] > 0.9 and rows[0]["rollout_tokens"] == rollout["rollout_tokens"]
 
 
@@ -156,10 +171,11 @@ def test_every_method_trains_through_the_steps(tmp_path, method):
 
     config = localize(load_config(None, preset="smoke", overrides={"method": method}), tmp_path)
     policy, trajectories = tmp_path / "policy", tmp_path / "trajectories.jsonl"
-    steps.prepare(config, policy)
-    stats = steps.rollout(config, policy, 0, trajectories)
-    assert stats["capture_overhead_ratio"] is None and steps.compaction(config, policy, trajectories, 0)["guidance_bytes"] is None
-    (row,) = steps.train(config, policy, trajectories, 0, tmp_path / "next", stats)
+    steps.prepare(config, policy, RUN)
+    stats = steps.rollout(config, policy, 0, trajectories, RUN)
+    ref, size = steps.compaction(config, policy, trajectories, 0, RUN)
+    assert stats["capture_overhead_ratio"] is None and size["guidance_bytes"] is None and ref.prefix is None
+    (row,) = steps.train(config, policy, trajectories, ref, tmp_path / "next", RUN, stats)
     assert row["method"] == method and row["optimizer_steps"] == 1
 
 
@@ -168,20 +184,20 @@ def test_offline_compaction_measures_size_and_fidelity(tmp_path):
 
     config = localize(load_config(None, preset="smoke", overrides={"guidance.compaction": "offline", "model.dtype": "bfloat16"}), tmp_path)
     policy, trajectories = tmp_path / "policy", tmp_path / "trajectories.jsonl"
-    steps.prepare(config, policy)
-    steps.rollout(config, policy, 0, trajectories)
-    size = steps.compaction(config, policy, trajectories, 0)
+    steps.prepare(config, policy, RUN)
+    steps.rollout(config, policy, 0, trajectories, RUN)
+    _, size = steps.compaction(config, policy, trajectories, 0, RUN)
     assert size["capture_bytes"] > size["guidance_bytes"] > 0
     assert size["compaction_ratio"] == size["guidance_bytes"] / size["capture_bytes"] < 0.5  # one layer of two, 1 bit of 4
     assert 0.5 < size["compaction_fidelity"] <= 1
 
 
 def test_evaluation_of_a_bf16_run_holds_ptq_baselines_discrepancy_and_sensitivity(tmp_path):
-    from tracefp4.components import steps
+    from tracefp4.components import evaluation, steps
 
     config = localize(load_config(None, preset="smoke", overrides={"method": "bf16", "model.dtype": "bfloat16"}), tmp_path)
     steps.prepare(config, tmp_path / "policy")
-    result = steps.evaluate(config, tmp_path / "policy")
+    result = evaluation.evaluate(config, tmp_path / "policy")
     policies = {(r["policy"], r["rollout"]) for r in result["accuracy"]}
     assert policies == {("trained", "bf16"), ("trained", "fp4_wa_kv")} | {(f"ptq:{m}", "fp4_wa_kv") for m in ("nvfp4", "four_over_six", "h_scale")}
     assert [t["rollout"] for t in result["throughput"]] == ["bf16", "fp4_wa_kv"] and all(t["tokens_per_second"] > 0 for t in result["throughput"])
@@ -195,13 +211,13 @@ def test_evaluation_of_a_bf16_run_holds_ptq_baselines_discrepancy_and_sensitivit
 
 
 def test_evaluation_of_a_trace_run_measures_its_guided_training_path(tmp_path):
-    from tracefp4.components import steps
+    from tracefp4.components import evaluation, steps
 
     overrides = {"model.dtype": "bfloat16", "guidance.bits": 4, "guidance.layers": "all", "evaluation.ptq_baselines": []}
     config = localize(load_config(None, preset="smoke", overrides=overrides), tmp_path)
     steps.prepare(config, tmp_path / "policy")
-    (d,) = steps.evaluate(config, tmp_path / "policy")["discrepancy"]
-    qat = steps.evaluate(config.model_copy(update={"method": "qat"}), tmp_path / "policy")["discrepancy"][0]
+    (d,) = evaluation.evaluate(config, tmp_path / "policy")["discrepancy"]
+    qat = evaluation.evaluate(config.model_copy(update={"method": "qat"}), tmp_path / "policy")["discrepancy"][0]
     assert qat["code_mismatch"] > 0 and set(qat["code_mismatch_by_layer"]) == {0, 1} and qat["relative_excess_mse_by_layer"]
     assert d["code_mismatch"] < qat["code_mismatch"] / 5  # full guidance on every layer: the rollout's codes, nearly all
 

@@ -1,59 +1,116 @@
-"""The RL loop: rollout -> compaction -> guidance store -> guided QAT -> weight
-sync, end to end on the smoke preset; policy-gradient direction; resume."""
+"""The RL loop: one round (rollout -> compaction -> guidance store -> guided
+QAT) end to end on the smoke preset for every method and both schedules,
+through the same steps the pipeline runs; inputs of another run or policy
+version refused; policy-gradient direction; resume; gradient accumulation."""
+
+import dataclasses
 
 import pytest
 import torch
 
+from tracefp4.components import steps
 from tracefp4.components.capture import CaptureConfig
-from tracefp4.components.guidance import read_manifest
+from tracefp4.components.guidance import GuidanceError, read_manifest
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rl import SequenceBatch, token_logprobs
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
-from tracefp4.components.trainer import RoundConfig, TrainConfig, Trainer, rl_round
+from tracefp4.components.trainer import TrainConfig, Trainer, read_state
+from tracefp4.schemas import RunConfig, get_preset
+
+RUN = "run-a"
 
 
-def prompts(step, n):
-    return [[1 + step + i, 2, 3, 4] for i in range(n)]
+def smoke(tmp_path, **changes) -> RunConfig:
+    """The smoke preset with its store in ``tmp_path``; ``changes`` by section, e.g. ``rl={"rounds": 2}``."""
+    data = get_preset("smoke").model_dump()
+    for section, values in changes.items():
+        data[section] = {**data[section], **values} if isinstance(values, dict) else values
+    data["store"]["uri"] = (tmp_path / "store").as_uri()
+    return RunConfig.model_validate(data)
 
 
-def even_tokens(trajectory):
-    return sum(t % 2 == 0 for t in trajectory.response) / len(trajectory.response)
-
-
-def setup(method, lr=1e-3):
-    engine = TorchEngine(build_model("smoke", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig(inputs=True))
-    trainer = Trainer(build_model("smoke", seed=0), TrainConfig(method=method, learning_rate=lr, microbatch_size=4), engine)
-    return engine, trainer
+def rounds(config: RunConfig, tmp_path, n: int, run_id: str = RUN) -> list[dict]:
+    steps.prepare(config, tmp_path / "policy-0", run_id)
+    history = []
+    for r in range(n):
+        history += steps.run_round(config, tmp_path / f"policy-{r}", r, tmp_path / f"policy-{r + 1}", tmp_path, run_id)
+    return history
 
 
 @pytest.mark.parametrize("method", ["trace", "qat", "quads", "tis_sc", "bf16"])
-def test_rl_round_end_to_end(method, tmp_path):
-    engine, trainer = setup(method)
-    store = open_store(str(tmp_path))
-    before = trainer.model.model.layers[0].mlp.experts.gate_up.detach().clone()
-    history = rl_round(engine, trainer, prompts, even_tokens, SamplingParams(max_new_tokens=6),
-                       RoundConfig(steps=2, prompts_per_step=2, group_size=4, bits=1, layers=(1,), measure_mismatch=True),
-                       store)  # fmt: skip
-    assert [h["step"] for h in history] == [0, 1] and trainer.step == 2 and engine.policy_version == 2
+def test_rounds_end_to_end(method, tmp_path):
+    config = smoke(tmp_path, method=method, model={"dtype": "bfloat16"}, guidance={"layers": [1], "compaction": "offline"},
+                   rl={"measure_mismatch": True, "learning_rate": 1e-3, "weight_decay": 0.1})  # fmt: skip
+    history = rounds(config, tmp_path, 2)
+    assert [h["step"] for h in history] == [1, 2] and read_state(tmp_path / "policy-2")["step"] == 2
     for h in history:
         for key in ("reward_mean", "accuracy", "entropy", "response_length", "loss", "logprob_abs_diff_mean", "k3_kl",
                     "probs_diff_mean", "guidance_coverage", "rollout_seconds", "train_seconds", "reload_seconds"):  # fmt: skip
             assert key in h, key
-        assert h["response_length"] == 6
-    assert not torch.equal(before, trainer.model.model.layers[0].mlp.experts.gate_up)
+        assert h["optimizer_steps"] == 1  # on-policy: one per rollout batch
+    # the untrained smoke policy earns no reward, so what moves the weights is the decay of the optimizer step
+    before, after = (steps.load_model(tmp_path / f"policy-{i}").model.layers[0].mlp.experts.gate_up for i in (0, 2))
+    assert not torch.equal(before, after)
     if method in ("qat", "trace"):  # FP4 activations in training: codes compared with the rollout's
         last = history[-1]
-        assert set(last["code_mismatch_by_layer"]) == {0, 1} and set(last["relative_excess_mse_by_layer"]) == {0, 1}
+        assert set(last["code_mismatch_by_layer"]) == {0, 1}
         assert 0 <= last["code_mismatch"] < 0.5 and sum(last["codeword_diff_hist"].values()) > 0
+    store = open_store(config.store.uri)
+    guidance = steps.store_prefix(config, RUN, "guidance")
     if method == "trace":
         assert all(h["guidance_coverage"] > 0.9 for h in history)
-        assert history[-1]["code_mismatch_by_layer"][1] < history[-1]["code_mismatch_by_layer"][0]  # layer 1 guided
-        manifest = read_manifest(store, 1)
-        assert manifest["layers"] == [1] and manifest["bits"] == [1] and manifest["policy_version"] == 1
+        manifest = read_manifest(store, 1, guidance)
+        assert (manifest["layers"], manifest["bits"], manifest["policy_version"], manifest["run_id"]) == ([1], [1], 1, RUN)
     else:
-        assert store.list() == [] and all(h["guidance_coverage"] == 0 for h in history)
+        assert not [k for k in store.list() if k.startswith(guidance)] and all(h["guidance_coverage"] == 0 for h in history)
+
+
+def test_off_policy_round_trains_every_batch_of_one_rollout(tmp_path):
+    config = smoke(tmp_path, rl={"schedule": "off_policy", "steps_per_round": 2})
+    history = rounds(config, tmp_path, 1)
+    assert [(h["step"], h["staleness"]) for h in history] == [(1, 0), (2, 1)]
+    assert all(h["guidance_coverage"] > 0.9 for h in history)  # both batches guided by the one rollout's capture
+
+
+def test_inputs_of_another_run_or_version_are_refused(tmp_path):
+    config = smoke(tmp_path, rl={"rounds": 2})
+    steps.prepare(config, tmp_path / "p0", RUN)
+    trajectories = tmp_path / "t0.jsonl"
+    steps.rollout(config, tmp_path / "p0", 0, trajectories, RUN)
+    with pytest.raises(steps.RunMismatch, match="run 'run-a', this is run 'run-b'"):
+        steps.rollout(config, tmp_path / "p0", 0, tmp_path / "t.jsonl", "run-b")
+    with pytest.raises(steps.RunMismatch, match="round 0, expected run 'run-a' round 1"):
+        steps.compaction(config, tmp_path / "p0", trajectories, 1, RUN)
+    ref, _ = steps.compaction(config, tmp_path / "p0", trajectories, 0, RUN)
+    with pytest.raises(GuidanceError, match="guidance of run 'run-a' handed to run 'run-b'"):
+        ref.check("run-b", 0)
+    stale = dataclasses.replace(ref, policy_version=3)
+    with pytest.raises(GuidanceError, match="policy version 3, the policy to train is version 0"):
+        steps.train(config, tmp_path / "p0", trajectories, stale, tmp_path / "p1", RUN)
+    forged = dataclasses.replace(ref, run_id="run-b")  # a reference that lies: the store's manifest still says run-a
+    with pytest.raises(GuidanceError, match="run_id is 'run-a', expected 'run-b'"):
+        list(forged.loader(open_store(config.store.uri), [[0]]))
+
+
+def test_guidance_reference_round_trips_and_names_a_bad_artifact(tmp_path):
+    config = smoke(tmp_path)
+    steps.prepare(config, tmp_path / "p0", RUN)
+    steps.rollout(config, tmp_path / "p0", 0, tmp_path / "t0.jsonl", RUN)
+    ref, _ = steps.compaction(config, tmp_path / "p0", tmp_path / "t0.jsonl", 0, RUN)
+    assert type(ref).from_json(ref.to_json(), "x") == ref
+    assert ref.layers and ref.prefix == steps.store_prefix(config, RUN, "guidance")
+    assert set(ref.scales()) == {(layer, site) for layer in range(2) for site in ("moe_in", "moe_down_in", "k_cache", "v_cache")}
+    for bad in ("", "{}", '{"run_id": 1}', "[1]"):
+        with pytest.raises(GuidanceError, match="artifact-7: not a guidance artifact"):
+            type(ref).from_json(bad, "artifact-7")
+
+
+def setup(method, lr=1e-3):
+    engine = TorchEngine(build_model("smoke", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig(inputs=True))
+    config = TrainConfig(method=method, learning_rate=lr, microbatch_size=4)
+    return engine, Trainer(build_model("smoke", seed=0), config, engine.quant, engine.global_scales)
 
 
 def test_a_step_raises_the_likelihood_of_rewarded_responses():
@@ -76,39 +133,39 @@ def test_a_step_raises_the_likelihood_of_rewarded_responses():
 
 def test_checkpoint_resume(tmp_path):
     engine, trainer = setup("qat")
-    store = open_store(str(tmp_path / "store"))
-    rl_round(engine, trainer, prompts, even_tokens, SamplingParams(max_new_tokens=4), RoundConfig(steps=1, prompts_per_step=2, group_size=2), store)
-    trainer.save(tmp_path / "ckpt")
-    other_engine, resumed = setup("qat")
-    resumed.resume(tmp_path / "ckpt")
-    assert resumed.step == trainer.step == 1 and other_engine.policy_version == 1
+    trajectories = engine.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=4, seed=1))
+    advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    trainer.train_step(trajectories, advantages, None)
+    trainer.save(tmp_path / "ckpt", run_id=RUN)
+    resumed = Trainer.from_checkpoint(tmp_path / "ckpt", trainer.config, engine.quant, engine.global_scales)
+    assert resumed.step == trainer.step == 1 and read_state(tmp_path / "ckpt")["run_id"] == RUN
     for a, b in zip(trainer.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
     state_a, state_b = trainer.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
     assert all(torch.equal(state_a[i]["exp_avg"], state_b[i]["exp_avg"]) for i in state_a)
-    # both continue identically from here
-    for t in (trainer, resumed):
-        rl_round(t.engine, t, prompts, even_tokens, SamplingParams(max_new_tokens=4), RoundConfig(steps=1, prompts_per_step=2, group_size=2), store)
+    for t in (trainer, resumed):  # both continue identically from here
+        t.train_step(trajectories, advantages, None)
     for a, b in zip(trainer.model.parameters(), resumed.model.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
 
 
 def test_tiny_preset_round_with_kl_to_the_reference(tmp_path):
-    """The RL loop on the tiny preset, with the KL penalty on."""
-    engine = TorchEngine(build_model("tiny", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
-    trainer = Trainer(build_model("tiny", seed=0), TrainConfig(method="trace", kl_coef=0.1, microbatch_size=8), engine)
-    history = rl_round(engine, trainer, prompts, even_tokens, SamplingParams(max_new_tokens=6),
-                       RoundConfig(steps=2, prompts_per_step=2, group_size=4, bits=1, layers=(2, 3)), open_store(str(tmp_path)))  # fmt: skip
+    """A round on the tiny model, with the KL penalty on."""
+    config = smoke(tmp_path, model={"preset": "tiny"}, guidance={"layers": [2, 3]},
+                   rl={"schedule": "off_policy", "steps_per_round": 2, "kl_coef": 0.1, "learning_rate": 1e-2,
+                       "weight_decay": 0.5})  # fmt: skip
+    history = rounds(config, tmp_path, 1)  # no reward yet: the weight decay moves the policy off the reference
     assert history[0]["kl_to_reference"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
     assert history[1]["kl_to_reference"] > 0
     assert history[1]["guidance_coverage"] > 0.7  # the rest: slots the two paths routed to different experts
 
 
-def test_gradient_accumulation_groups_microbatches(tmp_path):
+def test_gradient_accumulation_groups_microbatches():
     engine, _ = setup("qat")
-    trainer = Trainer(build_model("smoke", seed=0), TrainConfig(method="qat", microbatch_size=2, grad_accumulation=2), engine)
     trajectories = engine.generate([[5, 6, 7]] * 8, SamplingParams(max_new_tokens=3, seed=1))
-    stats = trainer.train_step(trajectories, torch.tensor([1.0, -1.0] * 4), None)
-    assert stats["optimizer_steps"] == 2 and trainer.step == 1  # 4 microbatches, 2 per optimizer step
-    whole = Trainer(build_model("smoke", seed=0), TrainConfig(method="qat", microbatch_size=2), engine)
+    grouped = Trainer(build_model("smoke", seed=0), TrainConfig(method="qat", microbatch_size=2, grad_accumulation=2),
+                      engine.quant, engine.global_scales)  # fmt: skip
+    stats = grouped.train_step(trajectories, torch.tensor([1.0, -1.0] * 4), None)
+    assert stats["optimizer_steps"] == 2 and grouped.step == 1  # 4 microbatches, 2 per optimizer step
+    whole = Trainer(build_model("smoke", seed=0), TrainConfig(method="qat", microbatch_size=2), engine.quant, engine.global_scales)
     assert whole.train_step(trajectories, torch.tensor([1.0, -1.0] * 4), None)["optimizer_steps"] == 1

@@ -1,7 +1,8 @@
 """One thin Kubeflow component per pipeline step: parse the config, call
-:mod:`.steps`, write artifacts and metrics. Imports live inside the bodies, as
-KFP lightweight components require; the container image comes from the run
-config, so the components are made per image by :func:`make_components`.
+:mod:`tracefp4.components.steps`, write artifacts and metrics. Imports live
+inside the bodies, as KFP lightweight components require; the container image
+comes from the run config, so the components are made per image by
+:func:`make_components`.
 """
 
 from dataclasses import dataclass
@@ -11,18 +12,35 @@ from kfp import dsl
 from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
 
 
-def prepare(config_json: str, run_id: str, policy: Output[Model], history: Output[Dataset], metrics: Output[Metrics]):
-    """The initial policy and tokenizer (bootstrapped when configured); an empty training history."""
+class Guidance(dsl.Artifact):
+    """A round's guidance: a JSON :class:`tracefp4.components.guidance.GuidanceRef`
+    (store URI and prefix, step, run and policy version, codec, bits, layers,
+    sites, the rollout's quantization config and static global scales); the
+    shards stay in the store. KFP admits only its own artifact namespaces, so
+    in the IR it is a ``system.Artifact``; its metadata holds the compaction figures."""
+
+    schema_title = "system.Artifact"
+    schema_version = "0.0.1"
+
+
+def prepare(config_json: str, run_id: str, job_id: str, policy: Output[Model], history: Output[Dataset],
+            metrics: Output[Metrics]) -> str:  # fmt: skip
+    """The initial policy and tokenizer (bootstrapped when configured); an empty
+    training history. Returns the run id every later step checks its inputs
+    against: ``run_id`` when given (a local run's, stable across resumes), else
+    KFP's job id."""
     from tracefp4.components import metrics as run_metrics
     from tracefp4.components import steps
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
-    stats = steps.prepare(config, policy.path)
+    run_id = run_id or job_id
+    stats = steps.prepare(config, policy.path, run_id)
     open(history.path, "w").close()
     for key, value in stats.items():
         metrics.log_metric(key, value)
     run_metrics.publish(config, run_id, "prepare", None, stats)
+    return run_id
 
 
 def rollout(config_json: str, run_id: str, round_index: int, policy: Input[Model], trajectories: Output[Dataset]):
@@ -32,20 +50,24 @@ def rollout(config_json: str, run_id: str, round_index: int, policy: Input[Model
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
-    stats = steps.rollout(config, policy.path, round_index, trajectories.path)
+    stats = steps.rollout(config, policy.path, round_index, trajectories.path, run_id)
     trajectories.metadata.update(round=round_index, **stats)
     run_metrics.publish(config, run_id, "rollout", round_index, stats)
 
 
 def compaction(config_json: str, run_id: str, round_index: int, policy: Input[Model], trajectories: Input[Dataset],
-               report: Output[Metrics]):  # fmt: skip
-    """The round's guidance (layers, bits), its size and, offline, the compaction's fidelity."""
+               guidance: Output[Guidance], report: Output[Metrics]):  # fmt: skip
+    """The round's guidance (layers, bits) as the artifact train reads, its size and, offline, the compaction's fidelity."""
     from tracefp4.components import metrics as run_metrics
     from tracefp4.components import steps
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
-    stats = steps.compaction(config, policy.path, trajectories.path, round_index)
+    ref, stats = steps.compaction(config, policy.path, trajectories.path, round_index, run_id)
+    with open(guidance.path, "w") as f:
+        f.write(ref.to_json())
+    guidance.metadata.update({key: stats[key] for key in steps.ROUND_KEYS if key in stats})
+    guidance.metadata.update(layers=list(ref.layers), bits=ref.bits, policy_version=ref.policy_version)
     for key in steps.ROUND_KEYS:
         if stats.get(key) is not None:
             report.log_metric(key, stats[key])
@@ -55,33 +77,35 @@ def compaction(config_json: str, run_id: str, round_index: int, policy: Input[Mo
 def train(
     config_json: str,
     run_id: str,
-    round_index: int,
     policy: Input[Model],
     trajectories: Input[Dataset],
-    guidance: Input[Metrics],  # the compaction report: orders this step after the guidance is written
+    guidance: Input[Guidance],
     previous: Input[Dataset],
     new_policy: Output[Model],
     history: Output[Dataset],
     metrics: Output[Metrics],
 ):
-    """Guided QAT over the round's trajectories; appends to the training history."""
+    """Guided QAT over the round's trajectories, quantizing with the guidance's numerics; appends to the history."""
     import json
     import shutil
 
     from tracefp4.components import metrics as run_metrics
     from tracefp4.components import steps
+    from tracefp4.components.guidance import GuidanceRef
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
+    with open(guidance.path) as f:
+        ref = GuidanceRef.from_json(f.read(), guidance.uri)
     round_stats = {**trajectories.metadata, **guidance.metadata}
-    rows = steps.train(config, policy.path, trajectories.path, round_index, new_policy.path, round_stats)
+    rows = steps.train(config, policy.path, trajectories.path, ref, new_policy.path, run_id, round_stats)
     shutil.copyfile(previous.path, history.path)
     with open(history.path, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     for key in ("reward_mean", "accuracy", "logprob_abs_diff_mean", "k3_kl", "guidance_coverage"):
         metrics.log_metric(key, rows[-1][key])
-    run_metrics.publish(config, run_id, "train", round_index, rows)
+    run_metrics.publish(config, run_id, "train", ref.rl_step, rows)
 
 
 def evaluate(config_json: str, run_id: str, policy: Input[Model], initial: Input[Model], results: Output[Dataset],
@@ -89,12 +113,12 @@ def evaluate(config_json: str, run_id: str, policy: Input[Model], initial: Input
     """Accuracy (of the initial policy too), throughput and train-rollout discrepancy under BF16 and each FP4 rollout configuration."""
     import json
 
+    from tracefp4.components import evaluation
     from tracefp4.components import metrics as run_metrics
-    from tracefp4.components import steps
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
-    result = steps.evaluate(config, policy.path, initial.path)
+    result = evaluation.evaluate(config, policy.path, initial.path)
     with open(results.path, "w") as f:
         json.dump(result, f)
     for row in result["accuracy"]:
@@ -120,7 +144,7 @@ def set_method(config_json: str, method: str) -> str:
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
-    return config.model_copy(update={"method": method}).model_dump_json()
+    return RunConfig.model_validate({**config.model_dump(), "method": method}).model_dump_json()
 
 
 def compare(config_json: str, evaluations: Input[List[Dataset]], histories: Input[List[Dataset]], markdown: Output[Markdown],

@@ -1,0 +1,131 @@
+"""Evaluation of a run's final policy (and of where RL started): accuracy per
+task under BF16 and each configured FP4 rollout, throughput, the train-rollout
+discrepancy of the method's own training path, the PTQ baselines of a bf16
+run, and the size and fidelity of guidance by R-k bits and layers
+(docs/evaluation.md). One JSON object, which the report reads.
+"""
+
+import copy
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from tracefp4.schemas import RunConfig
+
+from . import steps
+from .capture import CaptureConfig
+from .checkpoint import load_model
+from .guidance import GuidanceLoader, compact, compaction_report, select_layers, write_step
+from .mismatch import teacher_force
+from .ptq import apply_ptq
+from .rollout import TorchEngine
+from .store import LocalStore
+from .tasks import Problem, format_example, get_task
+from .tokenizer import decode, encode, load_tokenizer
+from .trainer import Trainer
+
+
+def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> dict:
+    """The final policy under BF16 and each configured FP4 rollout: accuracy
+    (pass@1 greedy, mean@k sampled) per task, throughput, and for FP4 configs
+    the train-rollout discrepancy of the method's training path; PTQ baselines
+    of a bf16 run; the size and fidelity of guidance by R-k bits and layers.
+    With the ``initial`` policy, its accuracy too (where RL started)."""
+    tokenizer = load_tokenizer(policy)
+    _, test = steps.problems(config)
+    per_task = -(-config.evaluation.test_prompts // len(config.tasks))  # the same share of every task
+    test = [p for t in config.tasks for p in [q for q in test if q.task == t.name][:per_task]]
+    prompts = [encode(tokenizer, format_example(p), bos=True) for p in test]
+    model = load_model(policy)
+    ptq = _ptq_models(config, model, prompts) if config.method == "bf16" else {}
+    out = {"method": config.method, "accuracy": [], "throughput": [], "discrepancy": [], "guidance_sensitivity": []}
+    start_model = load_model(initial) if initial is not None else None
+    n = min(config.evaluation.discrepancy_prompts, len(test))
+
+    def score(policy_label: str, weights, rollout: str, quant) -> dict:
+        """Accuracy rows of one policy under one rollout config; returns the greedy pass's throughput."""
+        rows, speed = _accuracy(config, TorchEngine(weights, quant, dtype=steps.compute_dtype(config)), tokenizer, test, prompts)
+        out["accuracy"] += [{"method": config.method, "policy": policy_label, "rollout": rollout, **r} for r in rows]
+        return speed
+
+    for name in config.evaluation.rollout_configs:
+        quant = steps.rollout_quant(config, name)
+        out["throughput"].append({"rollout": name, **score("trained", model, name, quant)})
+        if start_model is not None:
+            score("initial", start_model, name, quant)
+        if name == "bf16":
+            continue
+        for label, ptq_model in ptq.items():  # PTQ weights as they are; activations and KV as the config quantizes them
+            score(f"ptq:{label}", ptq_model, name, replace(quant, weights=None))
+        if n:
+            analysis = _discrepancy(config, model, name, tokenizer, prompts[:n], sensitivity=not out["guidance_sensitivity"])
+            out["discrepancy"].append(analysis.pop("discrepancy"))
+            out["guidance_sensitivity"] = out["guidance_sensitivity"] or analysis["guidance_sensitivity"]
+    return out
+
+
+def _accuracy(config: RunConfig, engine: TorchEngine, tokenizer, test: list[Problem], prompts) -> tuple[list[dict], dict]:
+    """pass@1 and mean@k rows per task, and the greedy pass's throughput."""
+    k = config.evaluation.samples_per_prompt
+    start = time.perf_counter()
+    greedy = engine.generate(prompts, replace(steps.sampling(config, config.seed, tokenizer), temperature=0.0))
+    speed = steps.throughput(greedy, time.perf_counter() - start)
+    sampled = engine.generate([q for q in prompts for _ in range(k)], steps.sampling(config, config.seed + 1, tokenizer))
+    rows = []
+    for task in sorted({p.task for p in test}):
+        idx = [i for i, p in enumerate(test) if p.task == task]
+        score = lambda t, p: get_task(p.task).reward(p, decode(tokenizer, t.response))  # noqa: E731
+        pass1 = sum(score(greedy[i], test[i]) for i in idx) / len(idx)
+        mean_k = sum(score(sampled[i * k + j], test[i]) for i in idx for j in range(k)) / (len(idx) * k)
+        rows.append({"task": task, "pass@1": pass1, "mean@k": mean_k, "k": k, "prompts": len(idx)})
+    return rows, speed
+
+
+def _ptq_models(config: RunConfig, model, prompts: list[list[int]]) -> dict:
+    """The policy with each configured PTQ baseline applied to its routed experts."""
+    width = min(len(p) for p in prompts)
+    calibration = torch.tensor([p[:width] for p in prompts])  # h_scale's Hessian diagonal, from the test prompts
+    out = {}
+    for method in config.evaluation.ptq_baselines:
+        out[method] = copy.deepcopy(model)
+        apply_ptq(out[method], method, calibration)
+    return out
+
+
+SENSITIVITY_BITS = (1, 2, 3, 4)
+
+
+def _discrepancy(config: RunConfig, model, name: str, tokenizer, prompts, sensitivity: bool) -> dict:
+    """Rollouts under ``name`` with a full capture, then the method's training path
+    over the same tokens (guided for trace, by guidance compacted as configured):
+    mismatch and alignment; with ``sensitivity``, the guidance's size and
+    fidelity for R-1..R-4 over the deepest 1, half and all layers."""
+    engine = TorchEngine(model, steps.rollout_quant(config, name), dtype=steps.compute_dtype(config),
+                         capture=CaptureConfig(max_tokens=config.rollout.max_tokens_per_forward, inputs=True), calibration_seed=config.seed)  # fmt: skip
+    k = config.evaluation.samples_per_prompt
+    trajectories = engine.generate([q for q in prompts for _ in range(k)], steps.sampling(config, config.seed + 2, tokenizer))
+    records = engine.drain_capture()
+    trainer = Trainer(model, steps.train_config(config), engine.quant, engine.global_scales)
+    available = sorted({layer for layer, _ in records.tables})
+    loader = None
+    with tempfile.TemporaryDirectory() as folder:
+        if config.method == "trace":
+            store = LocalStore(folder)
+            write_step(store, compact(records, config.guidance.bits, select_layers(config.guidance.layers, available)), rl_step=0, policy_version=0,
+                       top_k=engine.model.cfg.top_k)  # fmt: skip
+            loader = GuidanceLoader(store, 0, [[t.id for t in mb] for mb in trainer.microbatches(trajectories)])
+        stats = trainer.measure(trajectories, loader, records)
+    discrepancy = {"rollout": name, "trajectories": len(trajectories), **stats}
+    rows = []
+    if sensitivity:
+        training = teacher_force(engine, trajectories, keep_inputs=True)
+        for bits in SENSITIVITY_BITS:
+            for count in sorted({1, max(1, len(available) // 2), len(available)}):
+                chosen = select_layers(count, available)
+                total = compaction_report(records, compact(records, bits, chosen), training).total
+                rows.append({"bits": bits, "layers": count, "layer_indices": list(chosen),
+                             **{key: total[key] for key in ("bits_per_element", "ratio_to_full", "fidelity")}})  # fmt: skip
+    return {"discrepancy": discrepancy, "guidance_sensitivity": rows}
