@@ -44,9 +44,15 @@ def hf_generate(checkpoint: str, device: str):
     def run(prompts: torch.Tensor, new_tokens: int):
         with torch.no_grad():
             model.generate(
-                prompts, attention_mask=torch.ones_like(prompts), do_sample=True, top_k=0, temperature=1.0,
-                max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
-            )  # fmt: skip
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                do_sample=True,
+                top_k=0,
+                temperature=1.0,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
 
     return run
 
@@ -123,9 +129,12 @@ def main() -> None:
         kv_bytes_per_token_nvfp4=plain.kv_bytes_per_token(),
         kv_ratio_nvfp4_to_bf16=plain.kv_bytes_per_token() / bf16.kv_bytes_per_token(),
     )
-    print(f"capture overhead {figures['capture_overhead']:.1%} full, {figures['capture_overhead_r1_deeper_half']:.1%} R-1bit (target <= 5%); "
-          f"captured bytes/token full {full_bytes:.0f}, R-1bit deeper half {r1_bytes:.0f}; "
-          f"NVFP4 KV {figures['kv_ratio_nvfp4_to_bf16']:.3f}x BF16 bytes")  # fmt: skip
+    print(
+        f"capture overhead {figures['capture_overhead']:.1%} full, "
+        f"{figures['capture_overhead_r1_deeper_half']:.1%} R-1bit (target <= 5%); "
+        f"captured bytes/token full {full_bytes:.0f}, R-1bit deeper half {r1_bytes:.0f}; "
+        f"NVFP4 KV {figures['kv_ratio_nvfp4_to_bf16']:.3f}x BF16 bytes"
+    )
     print(json.dumps(figures))
 
 

@@ -11,6 +11,7 @@ measured with the real rollout engine, reaches a target below the ceiling.
 Seeded: the same seed gives the same weights.
 """
 
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -20,10 +21,13 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from .model import CausalAttention, Transformer
+from .model import CausalAttention, Transformer, right_pad
 from .rollout import SamplingParams, TorchEngine
 from .tasks import END, Problem, format_example, format_target, get_task
 from .tokenizer import EOS, PAD, decode, encode
+
+# one line per step, "bootstrap step i/n ...": the local runner's progress bar reads it from the component log
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,14 +82,10 @@ def make_batch(tokenizer: Tokenizer, problems: list[Problem], max_len: int, devi
         if len(prompt) + len(target) > max_len:
             raise ValueError(f"a {p.task} example of {len(prompt) + len(target)} tokens exceeds max_len {max_len}")
         examples.append((prompt, target))
-    lengths = torch.tensor([len(a) + len(b) for a, b in examples])
-    b, s = len(examples), int(lengths.max())
-    tokens = torch.full((b, s), PAD, dtype=torch.long)
-    target = torch.zeros(b, s - 1, dtype=torch.bool)
+    tokens, positions, lengths = right_pad([prompt + answer for prompt, answer in examples], pad=PAD)
+    target = torch.zeros(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.bool)
     for i, (prompt, answer) in enumerate(examples):
-        tokens[i, : lengths[i]] = torch.tensor(prompt + answer)
-        target[i, len(prompt) - 1 : lengths[i] - 1] = True
-    positions = torch.arange(s).expand(b, s)
+        target[i, len(prompt) - 1 : len(prompt) + len(answer) - 1] = True
     return SFTBatch(*(x.to(device) for x in (tokens, positions, lengths, target)))
 
 
@@ -150,6 +150,7 @@ def bootstrap(
         optimizer.step()
         scheduler.step()
         history["loss"].append(loss.item())
+        log.info("bootstrap step %d/%d, loss %.4f", step + 1, config.steps, history["loss"][-1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             acc = accuracy(model, tokenizer, test[: config.eval_prompts], config.max_new_tokens)
             history["evals"].append({"step": step + 1, "accuracy": acc})

@@ -19,8 +19,16 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from tracefp4.kernels import FP4Tensor, Guidance, compact_codes, dequantize, expand_codes, get_format
-from tracefp4.kernels.reference import unpack_nibbles
+from tracefp4.kernels import (
+    GUIDANCE_BITS,
+    FP4Tensor,
+    Guidance,
+    compact_codes,
+    dequantize,
+    expand_codes,
+    get_format,
+    unpack_nibbles,
+)
 
 from .model import ModelConfig
 from .quant import ACTIVATION_SITES, QuantConfig
@@ -41,12 +49,43 @@ class CaptureConfig:
         return self.layers is None or layer in self.layers
 
 
+# The capture row key: one int64 per row, ordered as (trajectory, position, slot),
+# that sorts a table (Capture.drain) and joins two (mismatch.join_rows).
+KEY_SLOT_BITS = 8  # slots per position: 1, or a MoE's top_k expert slots
+KEY_POS_BITS = 24  # positions in a sequence
+KEY_TRAJ_BITS = 31  # trajectory ids; 8 + 24 + 31 = 63 bits leave the sign bit clear
+
+
+def row_key(traj: Tensor, pos: Tensor, slot: Tensor) -> Tensor:
+    """``(traj << 32) | (pos << 8) | slot`` of captured rows (none of them
+    padding), after checking that every field fits its bits: a field that
+    overflowed would silently sort and join rows of other tokens together."""
+    fields = (("trajectory id", traj, KEY_TRAJ_BITS), ("position", pos, KEY_POS_BITS), ("slot", slot, KEY_SLOT_BITS))
+    for name, t, bits in fields:
+        if not t.numel():
+            continue
+        low, high = int(t.min()), int(t.max())
+        if low < 0 or high >= 1 << bits:
+            bad = low if low < 0 else high
+            raise ValueError(f"{name} {bad} does not fit the capture row key's {bits} bits (0..{(1 << bits) - 1})")
+    return (traj << (KEY_POS_BITS + KEY_SLOT_BITS)) | (pos << KEY_SLOT_BITS) | slot
+
+
 @dataclass
 class TokenMap:
     """Trajectory id and position of each token row of one forward (``traj`` -1: padding)."""
 
     traj: Tensor
     pos: Tensor
+
+    @classmethod
+    def of(cls, ids, positions: Tensor, lengths: Tensor) -> "TokenMap":
+        """The token rows of a batch ``positions [B, S]`` whose row b holds
+        trajectory ``ids[b]`` up to position ``lengths[b]`` (exclusive) and
+        padding, which nothing captures, after it."""
+        ids = torch.as_tensor(ids, device=positions.device)
+        traj = torch.where(positions < lengths[:, None], ids[:, None], -1)
+        return cls(traj.reshape(-1), positions.reshape(-1))
 
 
 @dataclass
@@ -121,15 +160,20 @@ class _Buffer:
     """Preallocated rows for many forwards: a token table ``(traj, pos)`` and,
     per captured site, codes, scale bytes and (expert slots) routing."""
 
-    def __init__(self, shapes: dict[tuple[int, str], tuple[int, int, int, int]], max_tokens: int, device, keep_inputs: bool):
+    def __init__(
+        self, shapes: dict[tuple[int, str], tuple[int, int, int, int]], max_tokens: int, device, keep_inputs: bool
+    ):
+        def rows(per_token: int, width: int, dtype=torch.uint8) -> Tensor:
+            return torch.empty(max_tokens * per_token, width, dtype=dtype, device=device)
+
         self.tokens = torch.empty(max_tokens, 2, dtype=torch.int64, device=device)
-        self.inputs = {  # the unquantized rows, when asked for (teacher forcing)
-            k: torch.empty(max_tokens * per, nbytes * 2, dtype=torch.float32, device=device) for k, (per, nbytes, _, _) in shapes.items()
-        } if keep_inputs else {}  # fmt: skip
-        self.codes = {k: torch.empty(max_tokens * per, nbytes, dtype=torch.uint8, device=device) for k, (per, nbytes, _, _) in shapes.items()}
-        self.scales = {k: torch.empty(max_tokens * per, nsc, dtype=torch.uint8, device=device) for k, (per, _, nsc, _) in shapes.items()}
+        self.codes = {k: rows(per, nbytes) for k, (per, nbytes, _, _) in shapes.items()}
+        self.scales = {k: rows(per, nscales) for k, (per, _, nscales, _) in shapes.items()}
+        self.inputs = {}  # the unquantized rows, when asked for (teacher forcing)
+        if keep_inputs:
+            self.inputs = {k: rows(per, nbytes * 2, torch.float32) for k, (per, nbytes, _, _) in shapes.items()}
         # (token row in this buffer, slot, expert) of rows that belong to expert slots
-        self.routing = {k: torch.empty(max_tokens * per, 3, dtype=torch.int64, device=device) for k, (per, _, _, r) in shapes.items() if r}
+        self.routing = {k: rows(per, 3, torch.int64) for k, (per, _, _, routed) in shapes.items() if routed}
         self.n_tokens = 0
         self.rows = dict.fromkeys(shapes, 0)
         self.free = threading.Event()
@@ -161,11 +205,18 @@ class Capture:
     """
 
     def __init__(
-        self, model_cfg: ModelConfig, quant: QuantConfig, config: CaptureConfig, global_scales: dict,
-        device="cpu", kv_from_forward: bool = False,
-    ):  # fmt: skip
-        if config.bits not in (1, 2, 3, 4):
-            raise ValueError(f"capture bits must be 1..4, got {config.bits}")
+        self,
+        model_cfg: ModelConfig,
+        quant: QuantConfig,
+        config: CaptureConfig,
+        global_scales: dict,
+        device="cpu",
+        kv_from_forward: bool = False,
+    ):
+        if config.bits not in GUIDANCE_BITS:
+            raise ValueError(f"capture bits must be {GUIDANCE_BITS[0]}..{GUIDANCE_BITS[-1]}, got {config.bits}")
+        if model_cfg.top_k > 1 << KEY_SLOT_BITS:
+            raise ValueError(f"top_k {model_cfg.top_k} exceeds the capture row key's {1 << KEY_SLOT_BITS} slots")
         self.cfg, self.quant, self.config, self.device = model_cfg, quant, config, device
         self.global_scales = {k: float(v) for k, v in global_scales.items()}
         kv_width = model_cfg.num_kv_heads * model_cfg.head_dim
@@ -318,13 +369,23 @@ class Capture:
         for (layer, site), parts in sorted(chunks.items()):
             codes, scales, meta, *inputs = (torch.cat(col) for col in zip(*parts))
             order = (meta[:, 0] >= 0).nonzero()[:, 0]  # padding rows go
-            order = order[torch.argsort(meta[order, 0] * (1 << 40) + meta[order, 1] * 64 + meta[order, 2], stable=True)]
+            order = order[torch.argsort(row_key(*meta[order, :3].unbind(1)), stable=True)]
+            traj, pos, slot, expert = (meta[order, i] for i in range(4))
             records.tables[(layer, site)] = SiteTable(
-                layer, site, self.quant.site_format(site), self.config.bits, self._widths[(layer, site)],
+                layer,
+                site,
+                self.quant.site_format(site),
+                self.config.bits,
+                self._widths[(layer, site)],
                 self.global_scales.get((layer, site)),
-                meta[order, 0], meta[order, 1], meta[order, 2], meta[order, 3], codes[order], scales[order],
+                traj,
+                pos,
+                slot,
+                expert,
+                codes[order],
+                scales[order],
                 inputs[0][order] if inputs else None,
-            )  # fmt: skip
+            )
         return records
 
 

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .capture import Capture, CaptureConfig, CaptureRecords, SiteTable, TokenMap
-from .model import CausalAttention
+from .capture import Capture, CaptureConfig, CaptureRecords, SiteTable, TokenMap, row_key
+from .model import CausalAttention, right_pad
 from .quant import QuantSites
 from .rollout import TorchEngine, Trajectory
 
@@ -23,20 +23,10 @@ from .rollout import TorchEngine, Trajectory
 def teacher_force(engine: TorchEngine, trajectories: list[Trajectory], keep_inputs: bool = False) -> CaptureRecords:
     """Full 4-bit capture of the training path over the trajectories' tokens;
     with ``keep_inputs`` the tables also hold the values before quantization."""
-    dev = engine.device
-    lengths = torch.tensor([len(t.tokens) for t in trajectories], device=dev)
-    b, width = len(trajectories), int(lengths.max())
-    tokens = torch.zeros(b, width, dtype=torch.long, device=dev)
-    for i, t in enumerate(trajectories):
-        tokens[i, : len(t.tokens)] = torch.tensor(t.tokens)
-    positions = torch.arange(width, device=dev).expand(b, width)
-    traj = torch.tensor([t.id for t in trajectories], device=dev)[:, None].expand(b, width)
-    traj = torch.where(positions < lengths[:, None], traj, -1)
-    capture = Capture(
-        engine.model.cfg, engine.quant, CaptureConfig(bits=4, max_tokens=b * width, inputs=keep_inputs),
-        engine.global_scales, dev, kv_from_forward=True,
-    )  # fmt: skip
-    capture.begin(TokenMap(traj.reshape(-1), positions.reshape(-1)))
+    tokens, positions, lengths = right_pad([t.tokens for t in trajectories], device=engine.device)
+    config = CaptureConfig(bits=4, max_tokens=tokens.numel(), inputs=keep_inputs)
+    capture = Capture(engine.model.cfg, engine.quant, config, engine.global_scales, engine.device, kv_from_forward=True)
+    capture.begin(TokenMap.of([t.id for t in trajectories], positions, lengths))
     with torch.no_grad():
         engine.model(tokens, positions, CausalAttention(lengths), QuantSites(engine.quant, engine.global_scales, capture))
     capture.end()
@@ -83,8 +73,8 @@ def signed_rank(codes: Tensor) -> Tensor:
 def join_rows(rollout: SiteTable, train: SiteTable) -> tuple[Tensor, Tensor]:
     """Row indices of the rows both tables hold: the same (trajectory, position,
     slot) and, for expert slots, the same expert."""
-    r_keys = (rollout.traj << 40) + (rollout.pos << 6) + rollout.slot
-    t_keys = (train.traj << 40) + (train.pos << 6) + train.slot
+    r_keys = row_key(rollout.traj, rollout.pos, rollout.slot)
+    t_keys = row_key(train.traj, train.pos, train.slot)  # sorted: the tables are in key order
     at = torch.searchsorted(t_keys, r_keys).clamp(max=len(t_keys) - 1)
     hit = (t_keys[at] == r_keys) & (train.expert[at] == rollout.expert)
     return hit.nonzero()[:, 0], at[hit]

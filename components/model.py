@@ -236,6 +236,16 @@ class CausalAttention:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
+def right_pad(sequences: list[list[int]], pad: int = 0, device="cpu") -> tuple[Tensor, Tensor, Tensor]:
+    """Token sequences as one batch: ``tokens [B, S]`` (``pad`` after each
+    sequence's end), ``positions [B, S]`` (0.. on every row) and ``lengths
+    [B]``, which :class:`CausalAttention` masks the padding with."""
+    rows = [torch.tensor(s, dtype=torch.long) for s in sequences]
+    tokens = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad).to(device)
+    positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+    return tokens, positions, torch.tensor([len(s) for s in sequences], device=device)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()

@@ -28,7 +28,7 @@ from torch import Tensor
 from tracefp4.kernels import dequantize, fake_quantize, quantize
 
 from .guidance import GuidanceError, MicrobatchGuidance
-from .quant import ACTIVATION_SITES, QuantConfig, Recorder
+from .quant import ACTIVATION_SITES, QuantConfig, Recorder, kv_from_rows, kv_rows
 
 METHODS = ("bf16", "qat", "quads", "trace", "tis_sc")
 
@@ -127,9 +127,7 @@ class TrainingSites:
         return self._kv(layer, "k_cache", k), self._kv(layer, "v_cache", v)
 
     def _kv(self, layer: int, site: str, t: Tensor) -> Tensor:
-        b, h, s, d = t.shape
-        rows = self._fp4(layer, site, t.transpose(1, 2).reshape(b * s, h * d))
-        return rows.reshape(b, s, h, d).transpose(1, 2)
+        return kv_from_rows(self._fp4(layer, site, kv_rows(t)), t.shape[0], t.shape[1])
 
     def expert_weights(self, layer, gate_up, down):
         fmt = self.quant.weights

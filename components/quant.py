@@ -22,15 +22,13 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from tracefp4.kernels import FP4Tensor, dequantize, fake_quantize, quantize
-from tracefp4.kernels.reference import nvfp4_global_scale
+from tracefp4.kernels import FORMATS, FP4Tensor, dequantize, fake_quantize, nvfp4_global_scale, quantize
 
 from .model import CausalAttention, ModelConfig, Transformer
 
 ACTIVATION_SITES = ("moe_in", "moe_down_in")
 KV_SITES = ("k_cache", "v_cache")
-CAPTURED_SITES = ACTIVATION_SITES + KV_SITES
-FP4_FORMATS = ("nvfp4", "mxfp4")
+FP4_FORMATS = tuple(FORMATS)  # ("nvfp4", "mxfp4")
 
 
 @dataclass(frozen=True)
@@ -60,6 +58,19 @@ class QuantConfig:
         """The FP4 format a captured site is quantized to, None if it is not FP4."""
         fmt = self.activations if site in ACTIVATION_SITES else self.kv if site in KV_SITES else self.weights
         return fmt if fmt in FP4_FORMATS else None
+
+
+def kv_rows(t: Tensor) -> Tensor:
+    """K or V ``[B, H, S, D]`` as the rows FP4 quantizes, ``[B*S, H*D]``: one
+    row per (sequence, position), blocks along ``head_dim``; the rollout's KV
+    cache, its cache-less pass and training all lay K/V out this way."""
+    b, h, s, d = t.shape
+    return t.transpose(1, 2).reshape(b * s, h * d)
+
+
+def kv_from_rows(rows: Tensor, batch: int, heads: int) -> Tensor:
+    """Inverse of :func:`kv_rows`: rows ``[B*S, H*D]`` (or ``[B, S, H*D]``) as ``[B, H, S, D]``."""
+    return rows.reshape(batch, -1, heads, rows.shape[-1] // heads).transpose(1, 2)
 
 
 ROLLOUT_CONFIGS = ("bf16", "fp4_wa", "fp4_kv", "fp4_wa_kv", "w4a8_mxfp4_kv", "w4a4_mxfp4_kv")
@@ -197,13 +208,12 @@ class QuantSites:
         """Cache-less pass (teacher forcing): K/V through FP4, as the cache would store them."""
         if self.q.kv is None:
             return k, v
-        return self.kv_rows(layer, "k_cache", k), self.kv_rows(layer, "v_cache", v)
+        return self._kv(layer, "k_cache", k), self._kv(layer, "v_cache", v)
 
-    def kv_rows(self, layer: int, site: str, t: Tensor) -> Tensor:
-        b, h, s, d = t.shape
-        rows = t.transpose(1, 2).reshape(b * s, h * d)  # one row per (sequence, position)
+    def _kv(self, layer: int, site: str, t: Tensor) -> Tensor:
+        rows = kv_rows(t)
         qt = self.quantize(layer, site, rows)
         if self.recorder is not None:
             self.recorder.record(layer, site, rows, qt, None, None, None)
-        return dequantize(qt).to(t.dtype).reshape(b, s, h, d).transpose(1, 2)
+        return kv_from_rows(dequantize(qt).to(t.dtype), t.shape[0], t.shape[1])
 

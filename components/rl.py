@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .model import CausalAttention, Sites, Transformer
+from .model import CausalAttention, Sites, Transformer, right_pad
 from .rollout import Trajectory
 
 
@@ -29,22 +29,19 @@ class SequenceBatch:
 
     @classmethod
     def of(cls, trajectories: list[Trajectory], device="cpu") -> "SequenceBatch":
-        lengths = torch.tensor([len(t.tokens) for t in trajectories])
-        b, s = len(trajectories), int(lengths.max())
-        tokens = torch.zeros(b, s, dtype=torch.long)
+        tokens, positions, lengths = right_pad([t.tokens for t in trajectories])
+        b, s = tokens.shape
         response = torch.zeros(b, s - 1, dtype=torch.bool)
         rollout = torch.zeros(b, s - 1)
         k = len(trajectories[0].topk_ids[0]) if trajectories[0].topk_ids else 0
         topk_ids = torch.zeros(b, s - 1, k, dtype=torch.long)
         topk_lp = torch.zeros(b, s - 1, k)
         for i, t in enumerate(trajectories):
-            tokens[i, : len(t.tokens)] = torch.tensor(t.tokens)
             span = slice(len(t.prompt) - 1, len(t.tokens) - 1)
             response[i, span] = True
             rollout[i, span] = torch.tensor(t.logprobs)
             if k:
                 topk_ids[i, span], topk_lp[i, span] = torch.tensor(t.topk_ids), torch.tensor(t.topk_logprobs)
-        positions = torch.arange(s).expand(b, s)
         tensors = [tokens, positions, lengths, response, rollout] + ([topk_ids, topk_lp] if k else [])
         return cls([t.id for t in trajectories], *(x.to(device) for x in tensors))
 

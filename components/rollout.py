@@ -2,27 +2,33 @@
 or packed FP4 codes + scales), FP4 weights/activations, weight sync, and
 capture of every FP4 outcome.
 
-``RolloutEngine`` is the interface a backend implements; ``TorchEngine``
-(backend ``"torch"``, CPU and CUDA) is the one that exists. Generation follows
-gpt-fast's ``generate.py``: a prefill of the (right-padded) prompts, then one
-decode step at a time, and sequences that finish leave the batch.
+``TorchEngine`` (CPU and CUDA) follows gpt-fast's ``generate.py``: a prefill
+of the right-padded prompts, then one decode step at a time; after each step
+the sequences that finished retire: their KV is captured and they leave the
+batch.
 """
 
 import copy
-import os
-from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tracefp4.kernels import FP4Tensor, dequantize
+from tracefp4.kernels import FP4Tensor, dequantize, get_format
 
 from .capture import Capture, CaptureConfig, CaptureRecords, TokenMap
 from .checkpoint import hub_to_stacked, load_model, load_state
-from .model import ModelConfig, Transformer
-from .quant import QuantConfig, QuantSites, calibrate_global_scales, quantize_expert_weights_
+from .model import ModelConfig, Transformer, right_pad
+from .quant import (
+    KV_SITES,
+    QuantConfig,
+    QuantSites,
+    calibrate_global_scales,
+    kv_from_rows,
+    kv_rows,
+    quantize_expert_weights_,
+)
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,9 @@ class SamplingParams:
     record_topk: int = 0  # keep the sampler's k most likely tokens per step (score centering needs them)
 
     def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or min(self.top_k, self.record_topk) < 0 or self.max_new_tokens < 1:
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or min(self.top_k, self.record_topk) < 0:
+            raise ValueError(f"invalid sampling parameters {self}")
+        if self.max_new_tokens < 1:
             raise ValueError(f"invalid sampling parameters {self}")
 
 
@@ -60,28 +68,6 @@ class Trajectory:
     @property
     def tokens(self) -> list[int]:
         return self.prompt + self.response
-
-
-class RolloutEngine(ABC):
-    """What a rollout backend provides to the RL loop."""
-
-    policy_version: int
-
-    @abstractmethod
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Trajectory]:
-        """Sample one response per prompt."""
-
-    @abstractmethod
-    def update_weights(self, source: "str | os.PathLike | dict[str, Tensor]") -> None:
-        """Take new policy weights (a checkpoint folder or a state dict) and re-quantize."""
-
-    @abstractmethod
-    def kv_bytes_per_token(self) -> float:
-        """Bytes the KV cache holds per cached token, all layers."""
-
-    @abstractmethod
-    def drain_capture(self) -> CaptureRecords:
-        """Everything captured since the last drain."""
 
 
 def sample(logits: Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
@@ -120,15 +106,18 @@ class KVCache:
         width = cfg.num_kv_heads * cfg.head_dim
         if self.fmt is None:  # attention's own layout: reads need no copy
             shapes = {"values": ((batch, cfg.num_kv_heads, max_len, cfg.head_dim), dtype)}
-        else:
-            block = 16 if self.fmt == "nvfp4" else 32
+        else:  # one FP4 row per (sequence, position), as quant.kv_rows lays K/V out
+            block = get_format(self.fmt).block_size
             if cfg.head_dim % block:
                 raise ValueError(f"{self.fmt} KV needs head_dim to be a multiple of {block}, got {cfg.head_dim}")
-            shapes = {"codes": ((batch, max_len, width // 2), torch.uint8), "scales": ((batch, max_len, width // block), torch.uint8)}
+            shapes = {
+                "codes": ((batch, max_len, width // 2), torch.uint8),
+                "scales": ((batch, max_len, width // block), torch.uint8),
+            }
         self.store = {
             (layer, site, part): torch.zeros(shape, dtype=dt, device=device)
             for layer in range(cfg.num_layers)
-            for site in ("k_cache", "v_cache")
+            for site in KV_SITES
             for part, (shape, dt) in shapes.items()
         }
         self.positions: Tensor | None = None  # [B, S] of the forward in flight
@@ -146,36 +135,38 @@ class KVCache:
         return sum(t[0].numel() * t.element_size() / t.shape[-2 if self.fmt is None else 1] for t in self.store.values())
 
     def _write(self, layer: int, site: str, t: Tensor) -> None:
-        b, h, s, d = t.shape
+        """Store K or V ``[B, KV, S, D]`` of the forward in flight at its positions."""
         if self.fmt is None:
             self.store[(layer, site, "values")][self.rows, :, self.positions] = t.transpose(1, 2)
         else:
-            q = self.sites.quantize(layer, site, t.transpose(1, 2).reshape(b, s, h * d))
-            self.store[(layer, site, "codes")][self.rows, self.positions] = q.codes
-            self.store[(layer, site, "scales")][self.rows, self.positions] = q.scales.view(torch.uint8)
+            b, s = self.positions.shape
+            q = self.sites.quantize(layer, site, kv_rows(t))
+            self.store[(layer, site, "codes")][self.rows, self.positions] = q.codes.view(b, s, -1)
+            self.store[(layer, site, "scales")][self.rows, self.positions] = q.scales.view(torch.uint8).view(b, s, -1)
 
     def _read(self, layer: int, site: str, span: int) -> Tensor:
+        """K or V ``[B, KV, span, D]`` of positions ``< span``, in the compute dtype."""
         if self.fmt is None:
             return self.store[(layer, site, "values")][:, :, :span]
         rows = dequantize(self.fp4_rows(layer, site, slice(None), span)).to(self.dtype)
-        b = rows.shape[0]
-        return rows.view(b, span, self.cfg.num_kv_heads, self.cfg.head_dim).transpose(1, 2)
+        return kv_from_rows(rows, rows.shape[0], self.cfg.num_kv_heads)
 
     def fp4_rows(self, layer: int, site: str, rows, span: int) -> FP4Tensor:
         """The packed FP4 K or V of ``rows`` (batch index or slice), positions ``< span``."""
+        f = get_format(self.fmt)
         codes = self.store[(layer, site, "codes")][rows, :span]
-        scales = self.store[(layer, site, "scales")][rows, :span]
-        fmt_scales = scales.view(torch.float8_e4m3fn) if self.fmt == "nvfp4" else scales
-        g = self.sites.global_scales.get((layer, site)) if self.fmt == "nvfp4" else None
+        scales = self.store[(layer, site, "scales")][rows, :span].view(f.scale_dtype)
+        g = self.sites.global_scales.get((layer, site)) if f.has_global_scale else None
         shape = codes.shape[:-1] + (codes.shape[-1] * 2,)
-        return FP4Tensor(codes, fmt_scales, g, self.fmt, shape)
+        return FP4Tensor(codes, scales, g, self.fmt, shape)
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, sites) -> Tensor:
         self._write(layer, "k_cache", k)
         self._write(layer, "v_cache", v)
         keys, values = self._read(layer, "k_cache", self.span), self._read(layer, "v_cache", self.span)
         if q.shape[2] > 1:  # prefill
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.visible, enable_gqa=q.shape[1] != keys.shape[1])
+            gqa = q.shape[1] != keys.shape[1]
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.visible, enable_gqa=gqa)
         # one decode step: plain matmuls beat SDPA's CPU kernel at a single query
         b, h, _, d = q.shape
         kv = keys.shape[1]
@@ -192,7 +183,7 @@ class KVCache:
             self.store[key] = t.index_select(0, rows)
 
 
-class TorchEngine(RolloutEngine):
+class TorchEngine:
     """The torch rollout engine: runs FP4 rollout as the configuration says,
     on its own copy of the policy (``dtype``, default BF16)."""
 
@@ -215,10 +206,6 @@ class TorchEngine(RolloutEngine):
         self.capture: Capture | None = None
         self._prepare()
 
-    @classmethod
-    def from_checkpoint(cls, path: "str | os.PathLike", quant: QuantConfig = QuantConfig(), **kwargs) -> "TorchEngine":
-        return cls(load_model(path), quant, **kwargs)
-
     def _prepare(self) -> None:
         """Quantize expert weights, calibrate static global scales, reset capture."""
         quantize_expert_weights_(self.model, self.quant.weights)
@@ -230,6 +217,8 @@ class TorchEngine(RolloutEngine):
         self.sites = QuantSites(self.quant, self.global_scales, self.capture)
 
     def update_weights(self, source) -> None:
+        """Take new policy weights (a checkpoint folder, or a state dict in
+        either key layout), re-quantize and recalibrate; bumps ``policy_version``."""
         if isinstance(source, dict):
             state = hub_to_stacked(source, self.model.cfg)  # Hub-style keys are converted, others kept
         else:
@@ -241,93 +230,105 @@ class TorchEngine(RolloutEngine):
         self._prepare()
 
     def kv_bytes_per_token(self) -> float:
+        """Bytes the KV cache holds per cached token, all layers."""
         return KVCache(self.model.cfg, 1, 1, self.sites, self.dtype, "cpu").bytes_per_token()
 
     def drain_capture(self) -> CaptureRecords:
+        """Everything captured since the last drain."""
         if self.capture is None:
             raise RuntimeError("this engine captures nothing: no capture config, or no FP4 activation/KV site")
         return self.capture.drain()
 
-    def _forward(self, tokens: Tensor, positions: Tensor, cache: KVCache, traj: Tensor) -> Tensor:
-        cache.start(positions)
-        if self.capture is not None:
-            self.capture.begin(TokenMap(traj.reshape(-1), positions.reshape(-1)))
-        logits = self.model(tokens, positions, cache, self.sites)
-        if self.capture is not None:
-            self.capture.end()
-        return logits
-
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Trajectory]:
+        """Sample one response per prompt."""
+        self._check(prompts)
+        dev, b = self.device, len(prompts)
+        ids = torch.arange(self._next_id, self._next_id + b, device=dev)
+        self._next_id += b
+        out = [Trajectory(i, list(p), [], [], "") for i, p in zip(ids.tolist(), prompts)]  # filled step by step
+        if sampling.record_topk:
+            for request in out:
+                request.topk_ids, request.topk_logprobs = [], []
+        tokens, positions, lengths = right_pad(prompts, device=dev)
+        cache = KVCache(self.model.cfg, b, tokens.shape[1] + sampling.max_new_tokens, self.sites, self.dtype, dev)
+        gen = torch.Generator(device=dev).manual_seed(sampling.seed)
+        stop = torch.tensor(sampling.stop_tokens or [-1], device=dev)
+
+        logits = self._prefill(tokens, positions, lengths, ids, cache)
+        rows = torch.arange(b, device=dev)  # the request (index into out) each batch row holds
+        for step in range(sampling.max_new_tokens):
+            new = self._sample(logits, sampling, gen, [out[i] for i in rows.tolist()])
+            lengths = lengths + 1  # sequence length including the new token
+            stopped = torch.isin(new, stop)
+            done = stopped | (step + 1 == sampling.max_new_tokens)
+            if done.any():
+                keep = self._retire(out, rows, lengths, stopped, done, cache)
+                if not len(keep):
+                    break
+                rows, lengths, new = rows[keep], lengths[keep], new[keep]
+            logits = self._decode(new, lengths, ids[rows], cache)
+        return out
+
+    def _check(self, prompts: list[list[int]]) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         vocab = self.model.cfg.vocab_size
         if any(t < 0 or t >= vocab for p in prompts for t in p):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
-        dev, b = self.device, len(prompts)
-        ids = list(range(self._next_id, self._next_id + b))
-        self._next_id += b
-        lengths = torch.tensor([len(p) for p in prompts], device=dev)
-        width = int(lengths.max())
-        tokens = torch.zeros(b, width, dtype=torch.long, device=dev)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p)
-        positions = torch.arange(width, device=dev).expand(b, width)
-        traj = torch.tensor(ids, device=dev)[:, None].expand(b, width)
-        traj = torch.where(positions < lengths[:, None], traj, -1)  # padding is not captured
-        cache = KVCache(self.model.cfg, b, width + sampling.max_new_tokens, self.sites, self.dtype, dev)
-        gen = torch.Generator(device=dev).manual_seed(sampling.seed)
-        stop = torch.tensor(sampling.stop_tokens or [-1], device=dev)
 
-        logits = self._forward(tokens, positions, cache, traj)[torch.arange(b, device=dev), lengths - 1]
-        responses: list[list[int]] = [[] for _ in range(b)]
-        logprobs: list[list[float]] = [[] for _ in range(b)]
-        topk: list[tuple[list, list]] = [([], []) for _ in range(b)]
-        results: dict[int, Trajectory] = {}
-        active = torch.arange(b, device=dev)  # original index of each batch row
-        while True:
-            new, lp, top = sample(logits, sampling, gen)
-            for row, (i, t, l) in enumerate(zip(active.tolist(), new.tolist(), lp.tolist())):
-                responses[i].append(t)
-                logprobs[i].append(l)
-                if top is not None:
-                    topk[i][0].append(top.indices[row].tolist())
-                    topk[i][1].append(top.values[row].tolist())
-            lengths = lengths + 1  # sequence length including the new token
-            stopped = torch.isin(new, stop)
-            done = stopped | (torch.tensor([len(responses[i]) for i in active.tolist()], device=dev) >= sampling.max_new_tokens)
-            for row in done.nonzero()[:, 0].tolist():
-                i = active[row].item()
-                self._finish(cache, row, ids[i], int(lengths[row]) - 1)
-                reason = "stop" if stopped[row] else "length"
-                top_ids, top_lp = topk[i] if sampling.record_topk else (None, None)
-                results[i] = Trajectory(ids[i], list(prompts[i]), responses[i], logprobs[i], reason, top_ids, top_lp)
-            if done.all():
-                break
-            if done.any():
-                keep = (~done).nonzero()[:, 0]
-                cache.keep(keep)
-                active, lengths, new = active[keep], lengths[keep], new[keep]
-            positions = (lengths - 1)[:, None]
-            row_ids = torch.tensor(ids, device=dev)[active][:, None]
-            logits = self._forward(new[:, None], positions, cache, row_ids)[:, 0]
-        return [results[i] for i in range(b)]
+    def _forward(self, tokens: Tensor, positions: Tensor, lengths: Tensor, ids: Tensor, cache: KVCache) -> Tensor:
+        """Logits ``[B, S, V]`` of ``tokens [B, S]`` at ``positions``, cached
+        (and captured) as row b's trajectory ``ids[b]`` below ``lengths[b]``."""
+        cache.start(positions)
+        if self.capture is not None:
+            self.capture.begin(TokenMap.of(ids, positions, lengths))
+        logits = self.model(tokens, positions, cache, self.sites)
+        if self.capture is not None:
+            self.capture.end()
+        return logits
 
-    def _finish(self, cache: KVCache, row: int, traj_id: int, cached: int) -> None:
+    def _prefill(self, tokens: Tensor, positions: Tensor, lengths: Tensor, ids: Tensor, cache: KVCache) -> Tensor:
+        """One forward over the right-padded prompts; logits ``[B, V]`` after each prompt's last token."""
+        logits = self._forward(tokens, positions, lengths, ids, cache)
+        return logits[torch.arange(len(tokens), device=tokens.device), lengths - 1]
+
+    def _decode(self, new: Tensor, lengths: Tensor, ids: Tensor, cache: KVCache) -> Tensor:
+        """One decode step: logits ``[B, V]`` after each row's ``new`` token, at position ``lengths - 1``."""
+        return self._forward(new[:, None], (lengths - 1)[:, None], lengths, ids, cache)[:, 0]
+
+    @staticmethod
+    def _sample(logits: Tensor, sampling: SamplingParams, gen: torch.Generator, requests: list[Trajectory]) -> Tensor:
+        """Draw a token per row and append it, its logprob and top-k to row r's ``requests[r]``."""
+        new, logprobs, top = sample(logits, sampling, gen)
+        for row, (request, token, logprob) in enumerate(zip(requests, new.tolist(), logprobs.tolist())):
+            request.response.append(token)
+            request.logprobs.append(logprob)
+            if top is not None:
+                request.topk_ids.append(top.indices[row].tolist())
+                request.topk_logprobs.append(top.values[row].tolist())
+        return new
+
+    def _retire(
+        self, out: list[Trajectory], rows: Tensor, lengths: Tensor, stopped: Tensor, done: Tensor, cache: KVCache
+    ) -> Tensor:
+        """Finish the ``done`` rows' requests: capture their KV, set their
+        finish reason, and drop them from the cache. Returns the batch rows
+        that stay."""
+        for row in done.nonzero()[:, 0].tolist():
+            request = out[int(rows[row])]
+            self._capture_kv(cache, row, request.id, int(lengths[row]) - 1)
+            request.finish_reason = "stop" if stopped[row] else "length"
+        keep = (~done).nonzero()[:, 0]
+        if len(keep):
+            cache.keep(keep)
+        return keep
+
+    def _capture_kv(self, cache: KVCache, row: int, traj_id: int, cached: int) -> None:
         """Capture a finished request's KV codes: every position the rollout computed."""
         if self.capture is None or self.quant.kv is None:
             return
         for layer in range(self.model.cfg.num_layers):
-            for site in ("k_cache", "v_cache"):
+            for site in KV_SITES:
                 q = cache.fp4_rows(layer, site, row, cached)
                 self.capture.record_kv(traj_id, layer, site, q.codes, q.scales.view(torch.uint8))
-
-
-ENGINES = {"torch": TorchEngine}
-
-
-def make_engine(backend: str, *args, **kwargs) -> RolloutEngine:
-    """An engine of the named backend."""
-    if backend not in ENGINES:
-        raise ValueError(f"unknown rollout backend {backend!r}; available: {sorted(ENGINES)}")
-    return ENGINES[backend](*args, **kwargs)

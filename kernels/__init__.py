@@ -4,10 +4,24 @@ guided rounding and the guidance codec.
 Layout follows torchao's mx_formats: :mod:`.formats` holds spec constants,
 :mod:`.reference` the plain-torch reference (the CPU path), and
 :mod:`.triton_kernels` the CUDA path, tested bit for bit against the
-reference. :mod:`.fp4` is the API re-exported here.
+reference. :mod:`.fp4` is the API re-exported here, with the spec constants
+and the few reference building blocks code outside this package needs (so that
+it never imports :mod:`.reference` or :mod:`.formats` itself): the NVFP4
+global and block scales, E2M1 encoding and nibble packing.
 """
 
-from .formats import E2M1_VALUES, FORMATS, GUIDANCE_BITS, MXFP4, NVFP4, FP4Format, get_format
+from .formats import (
+    E2M1_MAX,
+    E2M1_VALUES,
+    E4M3_MAX,
+    E4M3_NAN,
+    FORMATS,
+    GUIDANCE_BITS,
+    MXFP4,
+    NVFP4,
+    FP4Format,
+    get_format,
+)
 from .fp4 import (
     HAS_TRITON,
     FP4Tensor,
@@ -20,9 +34,13 @@ from .fp4 import (
     quantize,
     unpack_codes,
 )
+from .reference import e2m1_encode, nvfp4_global_scale, nvfp4_scales, pack_nibbles, unpack_nibbles
 
 __all__ = [
+    "E2M1_MAX",
     "E2M1_VALUES",
+    "E4M3_MAX",
+    "E4M3_NAN",
     "FORMATS",
     "GUIDANCE_BITS",
     "HAS_TRITON",
@@ -34,9 +52,14 @@ __all__ = [
     "code_values",
     "compact_codes",
     "dequantize",
+    "e2m1_encode",
     "expand_codes",
     "fake_quantize",
     "get_format",
+    "nvfp4_global_scale",
+    "nvfp4_scales",
+    "pack_nibbles",
     "quantize",
     "unpack_codes",
+    "unpack_nibbles",
 ]

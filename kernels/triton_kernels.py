@@ -234,7 +234,7 @@ def _launch(
         xf, scales.view(torch.uint8), g, guidance.contiguous() if guided else x, codes, values, n_blocks,
         BS=bs, NVFP4=fmt.has_global_scale, RCEIL=scale_mode == "rceil", GUIDED=guided, BITS=bits,
         WRITE_CODES=write_codes, WRITE_VALUES=write_values, BLOCKS=BLOCKS_PER_PROGRAM,
-    )  # fmt: skip
+    )
     return codes, values, scales, global_scale
 
 

@@ -4,9 +4,9 @@ it exists to fix, measured on the tiny preset."""
 import pytest
 import torch
 
-from tracefp4.components.capture import CaptureConfig
-from tracefp4.components.mismatch import compare, signed_rank, teacher_force
-from tracefp4.components.model import build_model
+from tracefp4.components.capture import KEY_POS_BITS, KEY_SLOT_BITS, Capture, CaptureConfig, TokenMap, row_key
+from tracefp4.components.mismatch import compare, join_rows, signed_rank, teacher_force
+from tracefp4.components.model import ModelConfig, build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.kernels import quantize
@@ -117,6 +117,38 @@ def test_train_rollout_mismatch_is_rare_present_and_mostly_one_codeword():
     assert report[(0, "moe_in")].rate < 0.05  # rare where the paths first diverge
     assert one_apart / mismatched > 0.9
     assert max(m.rate for m in report.values()) > report[(0, "moe_in")].rate  # and amplified with depth
+
+
+def test_tables_are_in_row_key_order_and_join_on_it(smoke):
+    _, _, records = rollout(smoke, CaptureConfig(max_tokens=80))
+    for table in records.tables.values():
+        rows = list(zip(table.traj.tolist(), table.pos.tolist(), table.slot.tolist()))
+        keys = row_key(table.traj, table.pos, table.slot)
+        assert rows == sorted(rows) and bool((keys[1:] > keys[:-1]).all())  # one key per row, in drain's order
+        some = torch.randperm(len(rows), generator=torch.Generator().manual_seed(0))[: len(rows) // 3].sort().values
+        left, right = join_rows(table.select(some), table)  # drain's order is the order join_rows searches in
+        assert torch.equal(left, torch.arange(len(some))) and torch.equal(right, some)
+
+
+def test_row_key_refuses_what_it_cannot_hold(smoke):
+    one, zero = torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    assert row_key(one, one, one) > row_key(one, one, zero) > row_key(one, zero, one) > row_key(zero, one, one)
+    with pytest.raises(ValueError, match=f"slot {1 << KEY_SLOT_BITS} does not fit"):
+        row_key(one, one, one << KEY_SLOT_BITS)
+    with pytest.raises(ValueError, match=f"position {1 << KEY_POS_BITS} does not fit"):
+        row_key(one, one << KEY_POS_BITS, one)
+    with pytest.raises(ValueError, match="trajectory id -1 does not fit"):
+        row_key(-one, one, one)  # padding rows never get a key
+    slots = 1 << KEY_SLOT_BITS
+    wide = ModelConfig(num_layers=1, num_experts=slots + 1, top_k=slots + 1)
+    with pytest.raises(ValueError, match=f"top_k {slots + 1} exceeds the capture row key's {slots} slots"):
+        Capture(wide, rollout_config("fp4_wa"), CaptureConfig(), {})
+
+
+def test_token_map_of_a_padded_batch():
+    positions = torch.arange(3).expand(2, 3)
+    tokens = TokenMap.of([7, 9], positions, torch.tensor([3, 1]))
+    assert tokens.traj.tolist() == [7, 7, 7, 9, -1, -1] and tokens.pos.tolist() == [0, 1, 2, 0, 1, 2]
 
 
 def test_signed_rank():

@@ -16,10 +16,17 @@ logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
 def hf_model(kind: str):
-    common = dict(
-        vocab_size=96, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-    )  # fmt: skip
+    common = {
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+    }
     if kind == "qwen3_moe":
         cfg = transformers.Qwen3MoeConfig(**common, head_dim=16, norm_topk_prob=True, mlp_only_layers=[1])
         model = transformers.Qwen3MoeForCausalLM(cfg)

@@ -41,12 +41,14 @@ def training_pass(engine, out, mb, method, record=False):
     s = batch.tokens.shape[1]
     capture = None
     if record:
-        capture = Capture(engine.model.cfg, engine.quant, CaptureConfig(max_tokens=batch.tokens.numel()), engine.global_scales, kv_from_forward=True)
-        traj = torch.tensor(batch.trajectories)[:, None].expand(-1, s)
-        traj = torch.where(batch.positions < batch.lengths[:, None] - 1, traj, -1)  # positions the rollout fed
-        capture.begin(TokenMap(traj.reshape(-1), batch.positions.reshape(-1)))
-    sites = TrainingSites(engine.quant, method, engine.global_scales, trajectories=batch.trajectories, seq_len=s,
-                          guidance=mb, recorder=capture)  # fmt: skip
+        config = CaptureConfig(max_tokens=batch.tokens.numel())
+        capture = Capture(engine.model.cfg, engine.quant, config, engine.global_scales, kv_from_forward=True)
+        # the positions the rollout fed: all but each sequence's last token
+        capture.begin(TokenMap.of(batch.trajectories, batch.positions, batch.lengths - 1))
+    sites = TrainingSites(
+        engine.quant, method, engine.global_scales, trajectories=batch.trajectories, seq_len=s, guidance=mb,
+        recorder=capture,
+    )
     with torch.no_grad():
         logprobs = token_logprobs(engine.model, batch, sites)
     if capture is not None:
@@ -78,8 +80,10 @@ def test_every_method_trains_through_fake_quantization(method, tmp_path):
     write_step(store, smoke.drain_capture(), rl_step=0, policy_version=0, top_k=2)
     (guidance,) = GuidanceLoader(store, 0, [[t.id for t in trajectories]])
     batch = SequenceBatch.of(trajectories)
-    sites = TrainingSites(smoke.quant, method, smoke.global_scales, trajectories=batch.trajectories,
-                          seq_len=batch.tokens.shape[1], guidance=guidance)  # fmt: skip
+    sites = TrainingSites(
+        smoke.quant, method, smoke.global_scales, trajectories=batch.trajectories, seq_len=batch.tokens.shape[1],
+        guidance=guidance,
+    )
     logprobs = token_logprobs(model, batch, sites)
     loss, _ = grpo_loss(logprobs, logprobs.detach(), batch.rollout_logprobs, torch.tensor([1.0, -1.0]), batch.response)
     loss.backward()

@@ -8,7 +8,7 @@ import torch
 from tracefp4.components.checkpoint import save_model
 from tracefp4.components.model import CausalAttention, build_model
 from tracefp4.components.quant import ROLLOUT_CONFIGS, QuantSites, rollout_config
-from tracefp4.components.rollout import SamplingParams, TorchEngine, make_engine
+from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.kernels import fake_quantize
 
 
@@ -104,15 +104,13 @@ def test_weight_sync_from_state_dict_and_checkpoint(model, tmp_path):
 
 
 def test_bad_requests(model):
-    engine = make_engine("torch", model)
+    engine = TorchEngine(model)
     with pytest.raises(ValueError, match="at least one token"):
         engine.generate([[1], []], SamplingParams())
     with pytest.raises(ValueError, match=r"\[0, 256\)"):
         engine.generate([[1, 999]], SamplingParams())
     with pytest.raises(ValueError, match="invalid sampling parameters"):
         SamplingParams(top_p=0)
-    with pytest.raises(ValueError, match="unknown rollout backend 'sglang'; available: \\['torch'\\]"):
-        make_engine("sglang", model)
     with pytest.raises(RuntimeError, match="captures nothing"):
         engine.drain_capture()
 
