@@ -45,9 +45,8 @@ class SamplingParams:
     record_topk: int = 0  # keep the sampler's k most likely tokens per step (score centering needs them)
 
     def __post_init__(self):
-        if self.temperature < 0 or not 0 < self.top_p <= 1 or min(self.top_k, self.record_topk) < 0:
-            raise ValueError(f"invalid sampling parameters {self}")
-        if self.max_new_tokens < 1:
+        filters_ok = 0 < self.top_p <= 1 and min(self.top_k, self.record_topk) >= 0
+        if self.temperature < 0 or not filters_ok or self.max_new_tokens < 1:
             raise ValueError(f"invalid sampling parameters {self}")
 
 
