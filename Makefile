@@ -1,24 +1,45 @@
-# Two entry points for a fresh machine: `make run` and `make test`.
+# Two entry points for a fresh machine: `make run` and `make test`. Both install
+# into a virtual environment, the active one (VIRTUAL_ENV set) or else .venv
+# here, created on first use, so that nothing lands in the system's Python.
 PYTHON ?= python3
-PIP := $(PYTHON) -m pip
-
-.PHONY: install test run image
-
-# Prometheus and its Pushgateway (Debian packages) for the metrics integration test;
-# torch first: 2.13.0 is the CPU wheel on local disk, and it then satisfies torch>=2.13
+VENV := $(or $(VIRTUAL_ENV),$(CURDIR)/.venv)
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
-install:
+
+.PHONY: venv install install-dev test run image
+
+# Debian's own python3 makes venvs only with its python3-venv package.
+venv:
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || \
+		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq python3-venv && $(PYTHON) -m venv $(VENV); }
+
+# What the run needs; torch first: 2.13.0 is the CPU wheel on local disk, and
+# it then satisfies torch>=2.13. A stamp per environment: reinstalled when
+# pyproject.toml changes.
+$(VENV)/.tracefp4-run: pyproject.toml | venv
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e .
+	touch $@
+
+# The tests also need the dev extras, and Prometheus with its Pushgateway
+# (Debian packages) for the metrics integration test.
+$(VENV)/.tracefp4-dev: $(VENV)/.tracefp4-run
 	command -v prometheus >/dev/null && command -v prometheus-pushgateway >/dev/null || \
 		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq --no-install-recommends prometheus prometheus-pushgateway; }
-	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[dev]'
+	touch $@
 
-test: install
-	$(PYTHON) -m pytest
+install: $(VENV)/.tracefp4-run
+install-dev: $(VENV)/.tracefp4-dev
 
-# The main job: the whole pipeline on this machine (kfp.local), the tiny preset.
+test: install-dev
+	$(PY) -m pytest
+
+# The main job: the whole pipeline on this machine (kfp.local), the tiny preset;
+# a rerun resumes after the last finished task (--restart starts over).
 run: install
-	$(PYTHON) -m tracefp4.pipelines.cli run --preset tiny --output runs/tiny
+	$(PY) -m tracefp4.pipelines.cli run --preset tiny --output runs/tiny
 
 # The component images (needs a Docker engine; none runs on the development machines).
 VERSION := $(shell $(PYTHON) -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['version'])")

@@ -11,12 +11,20 @@ gateway), go to a text-format metrics file: the embedded default's sink,
 merged under a lock and replaced atomically, one group replacing its
 previous samples as a push does.
 
+Metrics are best-effort: a step's results never depend on them. A push or a
+file write that fails is logged as a warning starting with
+:data:`PUBLISH_FAILED` (the local runner counts those lines and reports
+them), and a metrics file that does not parse is moved aside to
+``<file>.corrupt`` with a warning and replaced, so that one bad write does not
+fail every later component run.
+
 :data:`METRICS` is the one list of names; the Grafana dashboards are built
 from it (``tracefp4.pipelines.dashboards``) and a test keeps both in step.
 """
 
 import fcntl
 import json
+import logging
 import os
 import urllib.request
 from dataclasses import dataclass
@@ -27,6 +35,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 GROUPING = ("pipeline", "run_id", "method", "component", "round")
+PUBLISH_FAILED = "metrics not published"  # opens every warning of a failed push or file write
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -96,12 +107,25 @@ class RunMetrics:
         gauge = self._gauges[name]
         (gauge.labels(**{k: str(v) for k, v in labels.items()}) if spec.labels else gauge).set(float(value))
 
-    def publish(self, metrics_file: str | os.PathLike | None, pushgateway: str | None, job: str) -> None:
-        """To the metrics file (merged) and, when given, the Pushgateway (this group replaced)."""
+    def publish(self, metrics_file: str | os.PathLike | None, pushgateway: str | None, job: str) -> list[str]:
+        """To the metrics file (merged) and, when given, the Pushgateway (this
+        group replaced). Never raises: returns what failed, each also logged."""
+        failures = []
+        # any error: a metrics sink that is down or full must not fail the step that measured
         if metrics_file:
-            merge_into_file(Path(metrics_file), self.registry, {"job": job, **self.grouping})
+            try:
+                merge_into_file(Path(metrics_file), self.registry, {"job": job, **self.grouping})
+            except Exception as e:
+                failures.append(f"file {metrics_file}: {e!r}")
         if pushgateway:
-            push_to_gateway(pushgateway, job=job, registry=self.registry, grouping_key=self.grouping, timeout=10)
+            try:
+                push_to_gateway(pushgateway, job=job, registry=self.registry, grouping_key=self.grouping, timeout=10)
+            except Exception as e:
+                failures.append(f"push to {pushgateway}: {e!r}")
+        where = self.grouping["component"] + (f" round {self.grouping['round']}" if self.grouping["round"] else "")
+        for failure in failures:
+            log.warning("%s (%s): %s", PUBLISH_FAILED, where, failure)
+        return failures
 
 
 class _Families:
@@ -126,17 +150,30 @@ def merge_into_file(path: Path, registry: CollectorRegistry, group: dict[str, st
             family = families.setdefault(name, GaugeMetricFamily(name, help, labels=sorted(labels)))
             family.add_metric([labels[k] for k in sorted(labels)], value)
 
-        if path.exists():
-            for family in text_string_to_metric_families(path.read_text()):
-                for s in family.samples:
-                    if any(s.labels.get(k) != v for k, v in group.items()):
-                        add(s.name, family.documentation, s.labels, s.value)
+        for family in _read_or_set_aside(path):
+            for s in family.samples:
+                if any(s.labels.get(k) != v for k, v in group.items()):
+                    add(s.name, family.documentation, s.labels, s.value)
         for family in registry.collect():
             for s in family.samples:
                 add(s.name, family.documentation, {**s.labels, **group}, s.value)
         out = CollectorRegistry()
         out.register(_Families(list(families.values())))
         write_to_textfile(str(path), out)  # a temporary file renamed over the old one
+
+
+def _read_or_set_aside(path: Path) -> list:
+    """The file's metric families; a file that does not parse is renamed to
+    ``<name>.corrupt`` (kept for a look, never merged) and counts as empty."""
+    if not path.exists():
+        return []
+    try:
+        return list(text_string_to_metric_families(path.read_text(encoding="utf-8")))
+    except ValueError as e:  # UnicodeDecodeError is one too
+        aside = path.with_name(path.name + ".corrupt")
+        os.replace(path, aside)
+        log.warning("metrics file %s is not in the Prometheus text format (%s); moved to %s and started anew", path, e, aside)
+        return []
 
 
 def read_file(path: str | os.PathLike) -> list[tuple[str, dict[str, str], float]]:

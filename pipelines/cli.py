@@ -33,20 +33,32 @@ def main():
 @config_option
 @click.option("--output", type=click.Path(file_okay=False), default="runs/latest", show_default=True, help="Run folder.")
 @click.option("--store", help="Artifact store URI for guidance and checkpoints (file://..., s3://bucket/prefix).")
-@click.option("--verbose", is_flag=True, help="Stream every component's log.")
+@click.option("--verbose", is_flag=True, help="Stream every component's log (it also goes to <output>/pipeline.log).")
 @click.option("--compare", "methods", help="Comma-separated methods to run side by side (e.g. trace,qat,bf16).")
 @click.option("--pushgateway", help="Also push the metrics to this Pushgateway (http://host:9091).")
-def run(preset, config_file, output, store, verbose, methods, pushgateway):
-    """Run the whole DAG on this machine (kfp.local), then print the results and the report's path."""
-    from tracefp4.pipelines.local import run_local
+@click.option("--restart", is_flag=True, help="Start a new run in the folder instead of resuming its last one.")
+def run(preset, config_file, output, store, verbose, methods, pushgateway, restart):
+    """Run the whole DAG on this machine (kfp.local), then print the results and the report's path.
+
+    A rerun with the same config and output resumes: finished tasks are reused, not rerun."""
+    from tracefp4.pipelines.local import Interrupted, PipelineFailed, run_local
+    from tracefp4.pipelines.pipeline import check_methods
 
     config = _config(preset, config_file, store, pushgateway)
+    try:
+        methods = check_methods([m.strip() for m in methods.split(",")]) if methods is not None else None
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--compare") from None
     output = Path(output)
-    log = None if verbose else output / "pipeline.log"
     click.echo(f"running {config.name}: {config.rl.rounds} round(s) of {config.rl.steps_per_round} step(s), "
-               f"method {config.method}" + (f"; component logs in {log}" if log else ""))  # fmt: skip
-    output.mkdir(parents=True, exist_ok=True)
-    report = run_local(config, output, log, methods.split(",") if methods else None)
+               f"method {', '.join(methods) if methods else config.method}; component logs in {output / 'pipeline.log'}")  # fmt: skip
+    try:
+        report = run_local(config, output, methods=methods, verbose=verbose, restart=restart)
+    except PipelineFailed as e:
+        raise click.ClickException(str(e)) from None
+    except Interrupted as e:
+        click.echo(f"{e}: the running component was stopped; rerun the same command to resume", err=True)
+        sys.exit(128 + e.signum)
     click.echo(report.read_text())
     click.echo(f"report: {report.with_name('page')} (HTML), {report} (markdown)")
 

@@ -1,19 +1,67 @@
 """Run the DAG on this machine with kfp.local: every component a subprocess
 of this Python, artifacts under the output folder, the store a local folder
-unless the config names S3."""
+unless the config names S3.
+
+Nothing silent, nothing lost:
+
+- every component's log is appended to ``<output>/pipeline.log`` without
+  kfp's colour codes (``verbose`` also echoes it);
+- a failed component ends the run at once (no retries: locally a failure is
+  deterministic) with :class:`PipelineFailed`, which names the component and
+  holds the last lines of its own log;
+- SIGINT or SIGTERM stops the running component and its children before the
+  runner raises :class:`Interrupted` (kfp.local starts them in this process's
+  group, so a signal sent to this process alone would leave them writing);
+- a rerun of the same folder resumes after the last completed task
+  (:mod:`.resume`).
+"""
 
 import contextlib
+import logging
+import os
 import re
+import signal
+import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 
 import kfp.local
 from tqdm import tqdm
 
+from tracefp4.components.metrics import PUBLISH_FAILED
 from tracefp4.schemas import RunConfig
 
+from . import resume
 from .pipeline import build_comparison_pipeline, build_pipeline
+
+ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+# kfp.local's own log lines (colour codes stripped) and the bootstrap's (components/bootstrap.py)
+EXECUTING = re.compile(r"Executing task '([^']+)'")
+FINISHED = re.compile(r"Task '([^']+)' finished with status (\w+)")
+CACHE_HIT = re.compile(r"Task \S+ cache hit")
+BOOTSTRAP = re.compile(r"bootstrap step (\d+)/(\d+)")
+TAIL_LINES = 15
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class PipelineFailed(Exception):
+    """A component exited non-zero: which one, the last lines of its log, and the whole log's path."""
+
+    def __init__(self, task: str, tail: list[str], log: Path):
+        self.task, self.tail, self.log = task, tail, log
+        lines = "\n".join("  " + line for line in tail)
+        super().__init__(f"component {task} failed; the end of its log:\n{lines}\nfull log: {log}")
+
+
+class Interrupted(BaseException):
+    """SIGINT/SIGTERM stopped the run (a BaseException, like KeyboardInterrupt,
+    so that no ``except Exception`` in kfp.local swallows it)."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
 
 
 def localize(config: RunConfig, output: Path) -> RunConfig:
@@ -34,45 +82,226 @@ def task_count(config: RunConfig, methods: list[str] | None = None) -> int:
     return 3 * config.rl.rounds + 3
 
 
-class _Progress(threading.Thread):
-    """A progress bar over the DAG's tasks, driven by the log file kfp.local writes."""
+def progress_state(text: str) -> tuple[int, str | None, tuple[int, int] | None]:
+    """From a run's log: tasks done (run or reused), the running task, and its bootstrap step (step, steps) if any."""
+    done = sum(m.group(2) == "SUCCESS" for m in FINISHED.finditer(text)) + len(CACHE_HIT.findall(text))
+    started = list(EXECUTING.finditer(text))
+    ended = [m.start() for m in FINISHED.finditer(text)]
+    if not started or (ended and ended[-1] > started[-1].start()):
+        return done, None, None
+    steps = BOOTSTRAP.findall(text, started[-1].end())
+    return done, started[-1].group(1), tuple(map(int, steps[-1])) if steps else None
 
-    def __init__(self, log: Path, total: int):
+
+def failed_task(text: str) -> tuple[str, list[str]] | None:
+    """The last failed task of a run's log and the last lines of its own streamed log (kfp.local's lines left out)."""
+    failures = [m for m in FINISHED.finditer(text) if m.group(2) != "SUCCESS"]
+    if not failures:
+        return None
+    task, end = failures[-1].group(1), failures[-1].start()
+    section = text[text.rfind(f"Executing task '{task}'", 0, end) : end]
+    streamed = [line[4:] for line in section.splitlines() if line.startswith("    ")]  # kfp indents them by 4
+    while streamed and not streamed[-1].strip():
+        streamed.pop()
+    return task, _without_kfp_frames(streamed)[-TAIL_LINES:]
+
+
+def _without_kfp_frames(lines: list[str]) -> list[str]:
+    """A traceback's frames in kfp's executor say nothing about the component's error: dropped."""
+    kept, skipping = [], False
+    for line in lines:
+        if line.startswith('  File "'):
+            skipping = "/kfp/" in line
+        elif not line.startswith("    "):
+            skipping = False
+        if not skipping:
+            kept.append(line)
+    return kept
+
+
+class _Log:
+    """The components' stream (standard output during the run): appended to
+    the log file without colour codes, echoed to ``echo`` when given."""
+
+    def __init__(self, path: Path, echo=None):
+        self.path, self.echo = path, echo
+        self.file = open(path, "a", buffering=1, encoding="utf-8", errors="replace")
+        self.start = self.file.tell()
+
+    def write(self, text: str) -> int:
+        self.file.write(ANSI.sub("", text))
+        if self.echo:
+            self.echo.write(text)
+        return len(text)
+
+    def flush(self):
+        self.file.flush()
+        if self.echo:
+            self.echo.flush()
+
+    def text(self) -> str:
+        """This run's part of the log (earlier attempts' parts come before it)."""
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            f.seek(self.start)
+            return f.read()
+
+
+class _Progress(threading.Thread):
+    """Tasks done, the running one and the bootstrap's steps, read from the
+    log: a tqdm bar on a terminal, else a plain line whenever that changes
+    (the bootstrap in tenths), never carriage-return redraws into a file."""
+
+    def __init__(self, log: _Log, total: int, out):
         super().__init__(daemon=True)
-        self.log, self.bar, self.done = log, tqdm(total=total, unit="task", desc="pipeline"), threading.Event()
+        self.log, self.total, self.out, self.done = log, total, out, threading.Event()
+        self.bar = tqdm(total=total, unit="task", desc="pipeline", file=out) if out.isatty() else None
+        self.last = None
 
     def run(self):
         while not self.done.wait(0.5):
             self._update()
         self._update()
-        self.bar.close()
+        if self.bar is not None:
+            self.bar.close()
 
     def _update(self):
-        text = self.log.read_text(errors="replace") if self.log.exists() else ""
-        finished = len(re.findall(r"Task .* finished with status", text))
-        running = re.findall(r"Executing task \S*?'([^']+)'", text)
-        self.bar.n = finished
-        self.bar.set_postfix_str(running[-1] if running and finished < self.bar.total else "")
-        self.bar.refresh()
+        done, running, boot = progress_state(self.log.text())
+        detail = (running or "") + (f" (bootstrap step {boot[0]}/{boot[1]})" if boot else "")
+        if self.bar is not None:
+            self.bar.n = done
+            self.bar.set_postfix_str(detail)
+            return
+        key = (done, running, boot and boot[0] * 10 // boot[1])
+        if key != self.last:
+            self.last = key
+            print(f"pipeline: {done}/{self.total} tasks" + (f", running {detail}" if running else ""), file=self.out, flush=True)
 
 
-def run_local(config: RunConfig, output: Path, log: Path | None = None, methods: list[str] | None = None) -> Path:
-    """Run the whole pipeline (with ``methods``, the comparison pipeline);
-    returns the report's path. With ``log``, the components' streamed logs go
-    to that file instead of standard output."""
+@contextlib.contextmanager
+def _logging_to(stream):
+    """The root logger at INFO into ``stream`` for the run, as kfp.local's log contexts set it."""
+    root, handler = logging.getLogger(), logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(asctime)s - %(levelname)s - %(message)s"))
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux /proc), children before grandchildren."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])  # after "pid (comm)": state, ppid
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(0), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except (OSError, IndexError):
+        return False
+
+
+def _stop(pids: list[int], grace: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL for whatever still runs after ``grace`` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        deadline = time.monotonic() + grace
+        while any(map(_alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [p for p in pids if _alive(p)]
+        if not pids:
+            return
+
+
+@contextlib.contextmanager
+def _stop_components_on_signals():
+    """SIGINT/SIGTERM: stop the processes started inside (the running
+    component), then raise :class:`Interrupted`; a second signal acts as it
+    did before."""
+    before = set(_descendants(os.getpid()))
+
+    def handler(signum, frame):
+        for s, h in previous.items():
+            signal.signal(s, h)
+        _stop([p for p in _descendants(os.getpid()) if p not in before])
+        raise Interrupted(signum)
+
+    previous = {s: signal.signal(s, handler) for s in SIGNALS}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def run_local(
+    config: RunConfig,
+    output: Path,
+    log: Path | None = None,
+    methods: list[str] | None = None,
+    *,
+    verbose: bool = False,
+    restart: bool = False,
+    out=None,
+) -> Path:
+    """Run the whole pipeline (with ``methods``, the comparison pipeline) and
+    return the report's path; a rerun in the same ``output`` resumes unless
+    ``restart``. Components log to ``log`` (default ``<output>/pipeline.log``),
+    echoed to ``out`` (default standard output) when ``verbose``, else ``out``
+    shows the progress. Raises :class:`PipelineFailed` or :class:`Interrupted`."""
+    out = out or sys.stdout
     output = Path(output).resolve()
     output.mkdir(parents=True, exist_ok=True)
     config = localize(config, output)
-    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(output / "pipeline_root"))
+    run_id, resumed = resume.run_id(output, config.model_dump_json() + repr(methods), restart)
+    print(f"run id {run_id}" + (", resumed: finished tasks are reused, not rerun" if resumed else ""), file=out, flush=True)
+    pipeline = build_comparison_pipeline(config, methods, retries=False) if methods else build_pipeline(config, retries=False)
+    resume.cache_every_task(pipeline)
+    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(output / "pipeline_root"),
+                   enable_caching=True, cache_root=str(output / resume.COMPLETED))  # fmt: skip
+    stream = _Log(Path(log) if log else output / "pipeline.log", echo=out if verbose else None)
+    stream.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} run id {run_id}{' (resumed)' if resumed else ''}\n")
     with contextlib.ExitStack() as stack:
-        if log is not None:
-            stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(log, "w", buffering=1))))
-            progress = _Progress(Path(log), task_count(config, methods))
+        stack.callback(stream.file.close)
+        stack.enter_context(_logging_to(stream))  # kfp.local's lines outside its own log contexts: cache hits, retries
+        stack.enter_context(_stop_components_on_signals())
+        if not verbose:
+            progress = _Progress(stream, task_count(config, methods), out)
             progress.start()
             stack.callback(progress.join)
             stack.callback(progress.done.set)
+        stack.enter_context(contextlib.redirect_stdout(stream))
         stack.enter_context(warnings.catch_warnings())  # resources and image are for the cluster: no-ops here
         warnings.simplefilter("ignore", UserWarning)
         warnings.simplefilter("ignore", RuntimeWarning)
-        task = (build_comparison_pipeline(config, methods) if methods else build_pipeline(config))()
+        try:
+            task = pipeline(run_id=run_id)
+        except Interrupted as e:
+            stream.write(f"==== {e}\n")
+            raise
+        except RuntimeError:
+            failure = failed_task(stream.text())
+            if failure is None:
+                raise
+            raise PipelineFailed(*failure, stream.path) from None
+    failures = stream.text().count(PUBLISH_FAILED)
+    if failures:
+        print(f"warning: {failures} metrics write(s)/push(es) failed (grep '{PUBLISH_FAILED}' {stream.path})", file=out)
     return Path(task.output.path)

@@ -67,6 +67,8 @@ def _read(path: Path) -> dict:
         text = path.read_text(encoding="utf-8")
     except OSError as e:
         raise ConfigError([("", f"cannot read the file: {e.strerror}")], path) from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([("", f"not UTF-8 text: byte {e.object[e.start]:#04x} at offset {e.start}")], path) from None
     if suffix == ".json":
         try:
             data = json.loads(text)
@@ -128,7 +130,10 @@ def load_config(
     Overrides may be nested or use dotted keys ("rl.learning_rate"). S3
     credentials come only from TRACEFP4_S3_ACCESS_KEY / TRACEFP4_S3_SECRET_KEY;
     a file or an override that sets them is an error."""
-    data = (get_preset(preset) if preset is not None else RunConfig()).model_dump(mode="json")
+    try:
+        data = (get_preset(preset) if preset is not None else RunConfig()).model_dump(mode="json")
+    except ValueError as e:  # an unknown preset name
+        raise ConfigError([("preset", str(e))]) from None
     if path is not None:
         data = _merge(data, _read(Path(path)))
     if overrides:

@@ -3,11 +3,13 @@ real Pushgateway and Prometheus: the smoke pipeline pushes, and every
 dashboard panel's PromQL returns data."""
 
 import json
+import logging
+import socket
 import urllib.request
 
 import pytest
 
-from tracefp4.components.metrics import METRICS, RunMetrics, delete_run, read_file
+from tracefp4.components.metrics import METRICS, PUBLISH_FAILED, RunMetrics, delete_run, read_file
 from tracefp4.pipelines.dashboards import dashboard, panel_queries
 from tracefp4.pipelines.local import run_local
 from tracefp4.schemas import get_preset
@@ -36,6 +38,36 @@ def test_a_group_replaces_its_own_samples_in_the_file_and_keeps_the_others(tmp_p
     labels = next(labels for _, labels, _ in read_file(path))
     assert {"job", "pipeline", "run_id", "method", "component", "round", "rollout_config"} <= set(labels)
     assert not list(tmp_path.glob("*.tmp*"))  # written to a temporary file, then renamed
+
+
+def _closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_unreachable_pushgateway_is_logged_and_counted_and_the_file_still_written(tmp_path, caplog):
+    m = _group(0)
+    m.set("tracefp4_reward", 0.5)
+    gateway = f"http://127.0.0.1:{_closed_port()}"
+    with caplog.at_level(logging.WARNING, logger="tracefp4.components.metrics"):
+        failures = m.publish(tmp_path / "metrics.prom", gateway, "tracefp4")
+    assert len(failures) == 1 and gateway in failures[0]
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith(PUBLISH_FAILED)] != []
+    assert [name for name, _, _ in read_file(tmp_path / "metrics.prom")] == ["tracefp4_reward"]
+
+
+def test_a_corrupt_metrics_file_is_set_aside_with_a_warning_and_replaced(tmp_path, caplog):
+    path = tmp_path / "metrics.prom"
+    path.write_bytes(b"tracefp4_reward{ half a line\n\xff\xfe")
+    m = _group(1)
+    m.set("tracefp4_reward", 0.25)
+    with caplog.at_level(logging.WARNING, logger="tracefp4.components.metrics"):
+        assert m.publish(path, None, "tracefp4") == []
+    assert any("not in the Prometheus text format" in r.getMessage() for r in caplog.records)
+    assert [(name, value) for name, _, value in read_file(path)] == [("tracefp4_reward", 0.25)]
+    assert path.with_name("metrics.prom.corrupt").read_bytes().startswith(b"tracefp4_reward{ half")  # kept, not lost
 
 
 def test_unknown_metrics_and_wrong_labels_are_errors_and_none_is_skipped():
