@@ -27,9 +27,19 @@ from typing import Iterable, NamedTuple
 import torch
 from torch import Tensor
 
-from tracefp4.kernels import FP4Tensor, fake_quantize, quantize
-from tracefp4.kernels.formats import E2M1_MAX, E4M3_NAN, NVFP4
-from tracefp4.kernels.reference import e2m1_decode, e2m1_encode, nvfp4_global_scale, nvfp4_scales, pack_nibbles
+from tracefp4.kernels import (
+    E2M1_MAX,
+    E4M3_NAN,
+    NVFP4,
+    FP4Tensor,
+    code_values,
+    e2m1_encode,
+    fake_quantize,
+    nvfp4_global_scale,
+    nvfp4_scales,
+    pack_nibbles,
+    quantize,
+)
 
 from .model import CausalAttention, MoE, Transformer
 
@@ -67,7 +77,7 @@ def _blocks(w: Tensor) -> Tensor:
 def _round(wb: Tensor, units: Tensor) -> tuple[Tensor, Tensor]:
     """RTN E2M1 codes of ``wb / unit`` and their values ``e2m1 * unit`` (the kernels' reference arithmetic)."""
     codes = e2m1_encode(wb / units[..., None])
-    return codes, e2m1_decode(codes) * units[..., None]
+    return codes, code_values(codes) * units[..., None]
 
 
 def block_error(w: Tensor, values: Tensor, h: Tensor | None = None) -> Tensor:

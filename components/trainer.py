@@ -186,9 +186,7 @@ class Trainer:
         keep_inputs = any(t.inputs is not None for t in rollout.tables.values())
         config = CaptureConfig(max_tokens=batch.tokens.numel(), inputs=keep_inputs)
         capture = Capture(self.model.cfg, self.quant, config, self.global_scales, kv_from_forward=True)
-        traj = torch.tensor(batch.trajectories)[:, None].expand_as(batch.positions)
-        fed = batch.positions < batch.lengths[:, None] - 1
-        capture.begin(TokenMap(torch.where(fed, traj, -1).reshape(-1), batch.positions.reshape(-1)))
+        capture.begin(TokenMap.of(batch.trajectories, batch.positions, batch.lengths - 1))  # the positions the rollout fed
         return capture
 
     def save(self, path, extra: dict[str, bytes] | None = None, run_id: str = "") -> Path:
