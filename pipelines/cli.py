@@ -51,7 +51,7 @@ def run(preset, config_file, output, store, verbose, methods, pushgateway, resta
         raise click.BadParameter(str(e), param_hint="--compare") from None
     output = Path(output)
     click.echo(f"running {config.name}: {config.rl.rounds} round(s) of {config.rl.steps_per_round} step(s), "
-               f"method {', '.join(methods) if methods else config.method}; component logs in {output / 'pipeline.log'}")  # fmt: skip
+               f"method {', '.join(methods or [config.method])}; component logs in {output / 'pipeline.log'}")
     try:
         report = run_local(config, output, methods=methods, verbose=verbose, restart=restart)
     except PipelineFailed as e:

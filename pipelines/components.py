@@ -31,6 +31,7 @@ def prepare(config_json: str, run_id: str, job_id: str, policy: Output[Model], h
     KFP's job id."""
     from tracefp4.components import metrics as run_metrics
     from tracefp4.components import steps
+    from tracefp4.pipelines.resume import write_metrics
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
@@ -39,6 +40,7 @@ def prepare(config_json: str, run_id: str, job_id: str, policy: Output[Model], h
     open(history.path, "w").close()
     for key, value in stats.items():
         metrics.log_metric(key, value)
+    write_metrics(metrics)  # resume: kfp.local's cache needs a file behind every output artifact
     run_metrics.publish(config, run_id, "prepare", None, stats)
     return run_id
 
@@ -60,6 +62,7 @@ def compaction(config_json: str, run_id: str, round_index: int, policy: Input[Mo
     """The round's guidance (layers, bits) as the artifact train reads, its size and, offline, the compaction's fidelity."""
     from tracefp4.components import metrics as run_metrics
     from tracefp4.components import steps
+    from tracefp4.pipelines.resume import write_metrics
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
@@ -71,6 +74,7 @@ def compaction(config_json: str, run_id: str, round_index: int, policy: Input[Mo
     for key in steps.ROUND_KEYS:
         if stats.get(key) is not None:
             report.log_metric(key, stats[key])
+    write_metrics(report)
     run_metrics.publish(config, run_id, "compaction", round_index, stats)
 
 
@@ -92,6 +96,7 @@ def train(
     from tracefp4.components import metrics as run_metrics
     from tracefp4.components import steps
     from tracefp4.components.guidance import GuidanceRef
+    from tracefp4.pipelines.resume import write_metrics
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
@@ -105,6 +110,7 @@ def train(
             f.write(json.dumps(row) + "\n")
     for key in ("reward_mean", "accuracy", "logprob_abs_diff_mean", "k3_kl", "guidance_coverage"):
         metrics.log_metric(key, rows[-1][key])
+    write_metrics(metrics)
     run_metrics.publish(config, run_id, "train", ref.rl_step, rows)
 
 
@@ -115,6 +121,7 @@ def evaluate(config_json: str, run_id: str, policy: Input[Model], initial: Input
 
     from tracefp4.components import evaluation
     from tracefp4.components import metrics as run_metrics
+    from tracefp4.pipelines.resume import write_metrics
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
@@ -123,6 +130,7 @@ def evaluate(config_json: str, run_id: str, policy: Input[Model], initial: Input
         json.dump(result, f)
     for row in result["accuracy"]:
         metrics.log_metric(f"{row['policy']}.{row['rollout']}.{row['task']}.pass_at_1", row["pass@1"])
+    write_metrics(metrics)
     run_metrics.publish(config, run_id, "evaluate", None, result)
 
 

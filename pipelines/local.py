@@ -174,7 +174,8 @@ class _Progress(threading.Thread):
         key = (done, running, boot and boot[0] * 10 // boot[1])
         if key != self.last:
             self.last = key
-            print(f"pipeline: {done}/{self.total} tasks" + (f", running {detail}" if running else ""), file=self.out, flush=True)
+            line = f"pipeline: {done}/{self.total} tasks" + (f", running {detail}" if running else "")
+            print(line, file=self.out, flush=True)
 
 
 @contextlib.contextmanager
@@ -271,8 +272,12 @@ def run_local(
     output.mkdir(parents=True, exist_ok=True)
     config = localize(config, output)
     run_id, resumed = resume.run_id(output, config.model_dump_json() + repr(methods), restart)
-    print(f"run id {run_id}" + (", resumed: finished tasks are reused, not rerun" if resumed else ""), file=out, flush=True)
-    pipeline = build_comparison_pipeline(config, methods, retries=False) if methods else build_pipeline(config, retries=False)
+    note = ", resumed: finished tasks are reused, not rerun" if resumed else ""
+    print(f"run id {run_id}{note}", file=out, flush=True)
+    if methods:
+        pipeline = build_comparison_pipeline(config, methods, retries=False)
+    else:
+        pipeline = build_pipeline(config, retries=False)
     resume.cache_every_task(pipeline)
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(output / "pipeline_root"),
                    enable_caching=True, cache_root=str(output / resume.COMPLETED))  # fmt: skip

@@ -15,7 +15,8 @@ from tracefp4.schemas import ConfigError, Method, load_config
     [("trace,nope", "unknown method(s) nope"), ("trace,qat,trace", "method(s) trace named more than once")],
 )
 def test_compare_rejects_unknown_and_repeated_methods(tmp_path, methods, message):
-    result = CliRunner().invoke(main, ["run", "--preset", "smoke", "--output", str(tmp_path / "run"), "--compare", methods])
+    args = ["run", "--preset", "smoke", "--output", str(tmp_path / "run"), "--compare", methods]
+    result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and message in result.output and "--compare" in result.output
     if "nope" in methods:
         assert all(m in result.output for m in get_args(Method))  # the valid choices are named

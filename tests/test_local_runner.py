@@ -3,15 +3,12 @@ component), resuming a run folder, stopping the running component on a
 signal; then the CLI end to end: a failing component, a kill and a resume."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
-
-import pytest
 
 from tracefp4.pipelines import resume
 from tracefp4.pipelines.local import _Log, failed_task, progress_state
@@ -86,7 +83,8 @@ def test_a_run_folder_keeps_its_run_id_while_the_request_is_the_same(tmp_path):
 
 def test_local_pipelines_cache_every_task_and_never_retry():
     config = get_preset("smoke")
-    for pipeline in (build_pipeline(config, retries=False), build_comparison_pipeline(config, ["trace", "qat"], retries=False)):
+    comparison = build_comparison_pipeline(config, ["trace", "qat"], retries=False)
+    for pipeline in (build_pipeline(config, retries=False), comparison):
         resume.cache_every_task(pipeline)
         spec = pipeline.pipeline_spec
         dags = [spec.root.dag] + [c.dag for c in spec.components.values() if c.WhichOneof("implementation") == "dag"]
@@ -153,7 +151,6 @@ def test_cli_reports_the_failing_component_and_its_error_once(tmp_path):
     assert "\r" not in result.stdout  # the progress as plain lines when stdout is not a terminal
 
 
-@pytest.mark.xfail(strict=True, reason="resume needs each component with an Output[Metrics] to call resume.write_metrics (lead)")
 def test_cli_killed_after_prepare_resumes_without_running_prepare_again(tmp_path):
     out = tmp_path / "run"
     command = [*CLI, "run", "--preset", "smoke", "--output", str(out)]
