@@ -7,43 +7,172 @@ layout, ``[out, in]``); in memory they are stacked in ``x @ w`` layout
 (``mlp.experts.gate_up [E, in, out]``). Saving
 writes into a temporary folder and renames it into place, so a reader never
 sees a half-written checkpoint.
+
+A checkpoint folder is untrusted input (a download, a copy, a bucket), so
+loading checks before it allocates: the checksum manifest our saves write
+(:data:`MANIFEST`, sha256 and size of every file) catches a corrupt or partial
+copy; every size in config.json must be a sane integer and agree with the
+tensor shapes in the safetensors headers (read without reading the data); and
+every file read must lie inside the folder. A folder from elsewhere has no
+manifest and loads with a warning that it is unverified. The manifest guards
+against corruption, not against someone who rewrites it along with the data.
 """
 
+import hashlib
 import json
+import logging
+import math
 import os
 import re
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from .model import ModelConfig, Transformer
+from .model import MODEL_TYPES, ModelConfig, Transformer
+
+log = logging.getLogger("tracefp4.checkpoint")
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+CONFIG = "config.json"
+MANIFEST = "checksums.json"  # {"files": {name: {"size": bytes, "sha256": hex}}}, written last by save_model
+_MAX_SIZE = 2**24  # any config.json size above this is a typo or an attack: real models stay far below
+_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}  # safetensors' names of the weight dtypes we load
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _QKV = re.compile(r"^(model\.layers\.\d+\.self_attn)\.([qkv])_proj\.(weight|bias)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_EXPERT_INDEX = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+# config.json keys that config_from_hf reads or config_to_hf writes; the rest are kept in ModelConfig.extra
+_HF_KEYS = {
+    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
+    "tie_word_embeddings", "attention_bias", "qkv_bias", "architectures", "hidden_act",
+}  # fmt: skip
 
 
-def _read_tensors(folder: Path) -> dict[str, Tensor]:
-    if (folder / INDEX).exists():
-        weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    elif (folder / SINGLE).exists():
-        files = [SINGLE]
+class CheckpointError(ValueError):
+    """A checkpoint folder is corrupt or inconsistent; the message names the file,
+    the config.json field or the tensor."""
+
+
+def config_from_hf(hf: dict) -> ModelConfig:
+    """The policy's architecture from a transformers config.json (4.x and 5.x
+    spellings). Each size must be an integer in 1..2**24 (JSON's ``1e9`` is a
+    float and is refused), each flag a bool: a bad value fails here, naming the
+    field, instead of deep inside the model or by sizing it. (RoPE is computed
+    per forward, so max_position_embeddings sizes nothing and may be larger.)"""
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"config.json must hold a JSON object, got {type(hf).__name__}")
+    model_type = hf.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise CheckpointError(f"config.json has model_type {model_type!r}; tracefp4 loads {MODEL_TYPES}")
+    rope = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    if not isinstance(rope, dict) or not isinstance(scaling, dict):
+        raise CheckpointError("config.json: rope_parameters and rope_scaling must be objects")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default")), rope.get("rope_type", "default")
+    if rope_type != ("default", "default"):
+        raise CheckpointError("config.json asks for scaled RoPE; tracefp4 implements the default RoPE only")
+    qwen3 = model_type == "qwen3_moe"
+    missing = object()
+
+    def get(key: str, default: object, source: dict) -> object:
+        if source.get(key) is not None:
+            return source[key]
+        if default is missing:
+            raise CheckpointError(f"config.json lacks {key}")
+        return default
+
+    def size(key: str, default: object = missing, low: int = 1, high: int = _MAX_SIZE) -> int:
+        value = get(key, default, hf)
+        if type(value) is not int or not low <= value <= high:  # bool is an int subclass: refused too
+            raise CheckpointError(f"config.json: {key} must be an integer in {low}..{high}, got {value!r}")
+        return value
+
+    def positive(key: str, default: float, source: dict = hf) -> float:
+        value = get(key, default, source)
+        if type(value) not in (int, float) or not math.isfinite(value) or value <= 0:
+            raise CheckpointError(f"config.json: {key} must be a finite number > 0, got {value!r}")
+        return float(value)
+
+    def flag(key: str, default: bool) -> bool:
+        value = get(key, default, hf)
+        if type(value) is not bool:
+            raise CheckpointError(f"config.json: {key} must be true or false, got {value!r}")
+        return value
+
+    hidden, heads, layers = size("hidden_size"), size("num_attention_heads"), size("num_hidden_layers")
+    mlp_only = hf.get("mlp_only_layers") or []
+    if not isinstance(mlp_only, list) or any(type(i) is not int or not 0 <= i < layers for i in mlp_only):
+        raise CheckpointError(f"config.json: mlp_only_layers must list layers in 0..{layers - 1}, got {mlp_only!r}")
+    moe = size("moe_intermediate_size")
+    known = {
+        "model_type": model_type,
+        "vocab_size": size("vocab_size"),
+        "hidden_size": hidden,
+        "num_layers": layers,
+        "num_heads": heads,
+        "num_kv_heads": size("num_key_value_heads", heads),
+        "head_dim": size("head_dim", hidden // heads),
+        "num_experts": size("num_experts" if hf.get("num_experts") is not None else "num_local_experts"),
+        "top_k": size("num_experts_per_tok"),
+        "moe_intermediate_size": moe,
+        "intermediate_size": size("intermediate_size", moe),
+        "shared_expert_intermediate_size": 0 if qwen3 else size("shared_expert_intermediate_size", 0, low=0),
+        "norm_topk_prob": flag("norm_topk_prob", qwen3),
+        "decoder_sparse_step": size("decoder_sparse_step", 1),
+        "mlp_only_layers": tuple(mlp_only),
+        "rms_norm_eps": positive("rms_norm_eps", 1e-6),
+        "rope_theta": positive("rope_theta", 10000.0, rope if "rope_theta" in rope else hf),
+        "max_position_embeddings": size("max_position_embeddings", 4096, high=2**31 - 1),
+        "tie_word_embeddings": flag("tie_word_embeddings", False),
+        "qkv_bias": flag("attention_bias", False) if qwen3 else flag("qkv_bias", True),
+        "qk_norm": qwen3,
+    }
+    try:
+        return ModelConfig(**known, extra={k: v for k, v in hf.items() if k not in _HF_KEYS})
+    except ValueError as e:  # the cross-field checks: heads vs kv heads, top_k vs experts
+        raise CheckpointError(f"config.json: {e}") from None
+
+
+def config_to_hf(cfg: ModelConfig) -> dict:
+    """A config.json that transformers and :func:`config_from_hf` both read."""
+    qwen3 = cfg.model_type == "qwen3_moe"
+    hf = {
+        **cfg.extra,
+        "architectures": ["Qwen3MoeForCausalLM" if qwen3 else "Qwen2MoeForCausalLM"],
+        "model_type": cfg.model_type,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "num_experts": cfg.num_experts,
+        "num_experts_per_tok": cfg.top_k,
+        "moe_intermediate_size": cfg.moe_intermediate_size,
+        "intermediate_size": cfg.intermediate_size,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "decoder_sparse_step": cfg.decoder_sparse_step,
+        "mlp_only_layers": list(cfg.mlp_only_layers),
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "hidden_act": "silu",
+    }
+    if qwen3:
+        hf["attention_bias"] = cfg.qkv_bias
     else:
-        pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
-        hint = f" (found pickle files {pickles}: convert them to safetensors)" if pickles else ""
-        raise FileNotFoundError(f"no {SINGLE} or {INDEX} in {folder}{hint}")
-    tensors = {}
-    for name in files:
-        with safe_open(folder / name, framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
-    return tensors
+        hf["qkv_bias"] = cfg.qkv_bias
+        hf["shared_expert_intermediate_size"] = cfg.shared_expert_intermediate_size
+    return hf
 
 
 def hub_to_stacked(tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
@@ -63,7 +192,8 @@ def hub_to_stacked(tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Te
             raise KeyError(f"checkpoint has {sorted(parts)} but not all of q, k, v for {prefix}.*_proj.{kind}")
         out[f"{prefix}.qkv_proj.{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]])
     for prefix, parts in experts.items():
-        missing = [f"{prefix}.{e}.{p}_proj.weight" for e in range(cfg.num_experts) for p in ("gate", "up", "down") if (e, p) not in parts]
+        wanted = [(e, p) for e in range(cfg.num_experts) for p in ("gate", "up", "down")]
+        missing = [f"{prefix}.{e}.{p}_proj.weight" for e, p in wanted if (e, p) not in parts]
         if missing:
             raise KeyError(f"checkpoint lacks expert weights: {missing[:4]}{' ...' if len(missing) > 4 else ''}")
         gate_up = [torch.cat([parts[(e, "gate")], parts[(e, "up")]]).T for e in range(cfg.num_experts)]
@@ -88,23 +218,163 @@ def stacked_to_hub(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tens
         elif prefix.endswith(".qkv_proj"):
             sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
             attn = prefix.removesuffix(".qkv_proj")
-            for part, piece in zip("qkv", t.split(sizes)):
+            for part, piece in zip("qkv", t.split(sizes), strict=True):
                 out[f"{attn}.{part}_proj.{name}"] = piece.contiguous()
         else:
             out[key] = t
     return out
 
 
+def _inside(folder: Path, name: object, what: str) -> Path:
+    """``folder / name`` if ``name`` is a relative file name that stays inside
+    ``folder``: no absolute path, no '..', no symlink pointing out of it."""
+    if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
+        raise CheckpointError(f"{folder}: {what} names {name!r}, which is not a file name")
+    if Path(name).is_absolute() or ".." in Path(name).parts:
+        raise CheckpointError(f"{folder}: {what} names {name!r}, outside the folder")
+    path = folder / name
+    if not path.resolve().is_relative_to(folder.resolve()):
+        raise CheckpointError(f"{folder}: {what} names {name!r}, a link to {path.resolve()} outside the folder")
+    return path
+
+
+def _size_and_sha256(path: Path) -> tuple[int, str]:
+    with open(path, "rb") as f:
+        return os.fstat(f.fileno()).st_size, hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    """Record the size and sha256 of every file in ``folder`` in :data:`MANIFEST`."""
+    files = {}
+    for path in sorted(folder.iterdir()):
+        size, digest = _size_and_sha256(path)
+        files[path.name] = {"size": size, "sha256": digest}
+    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+
+
+def _verify(folder: Path) -> None:
+    """Check every file against :data:`MANIFEST`, so that a corrupt, truncated
+    or partly copied checkpoint fails here, naming the file, instead of loading
+    wrong weights. A folder without a manifest (saved by transformers, say)
+    loads with a warning."""
+    path = folder / MANIFEST
+    if not path.exists():
+        log.warning("%s has no %s: loading it unverified (not saved by tracefp4)", folder, MANIFEST)
+        return
+    try:
+        files = json.loads(_inside(folder, MANIFEST, "the manifest").read_text())["files"]
+        entries = [(name, int(e["size"]), str(e["sha256"])) for name, e in files.items()]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{path}: not a checksum manifest ({type(e).__name__}: {e})") from None
+    for name, size, digest in entries:
+        file = _inside(folder, name, MANIFEST)
+        if not file.is_file():
+            raise CheckpointError(f"{file}: listed in {MANIFEST} but missing")
+        got_size, got_digest = _size_and_sha256(file)
+        if got_size != size:
+            raise CheckpointError(f"{file}: {got_size} bytes, but {MANIFEST} says {size}: truncated or changed since")
+        if got_digest != digest:
+            raise CheckpointError(f"{file}: sha256 does not match {MANIFEST}: corrupt or changed since")
+    read = [p.name for p in folder.iterdir() if p.name in (CONFIG, INDEX) or p.name.endswith(".safetensors")]
+    unlisted = sorted(set(read) - set(files))
+    if unlisted:
+        raise CheckpointError(f"{folder}: {unlisted} not covered by {MANIFEST}: added after saving")
+
+
+def _headers(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+    """Each tensor's file, dtype and shape, from the safetensors headers only
+    (no tensor data is read), as the index or the single file lists them."""
+    if (folder / INDEX).exists():
+        index = _inside(folder, INDEX, "the index")
+        try:
+            entries = json.loads(index.read_text())["weight_map"].items()
+        except (ValueError, KeyError, TypeError, AttributeError) as e:  # not JSON, not {"weight_map": {...}}
+            raise CheckpointError(f"{index}: not a safetensors index ({type(e).__name__}: {e})") from None
+        shards: dict[Path, list[str]] = {}
+        for tensor, shard in entries:
+            shards.setdefault(_inside(folder, shard, f"{INDEX} for tensor {tensor}"), []).append(tensor)
+    elif (folder / SINGLE).exists():
+        shards = {_inside(folder, SINGLE, "the weights file"): []}  # empty: every tensor in it
+    else:
+        pickles = [p.name for p in folder.glob("*.bin")] + [p.name for p in folder.glob("*.pt")]
+        hint = f" (found pickle files {pickles}: convert them to safetensors)" if pickles else ""
+        raise FileNotFoundError(f"no {SINGLE} or {INDEX} in {folder}{hint}")
+    headers = {}
+    for path, tensors in shards.items():
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing, but {INDEX} puts {tensors[0]} there")
+        try:
+            with safe_open(path, framework="pt") as f:
+                held = set(f.keys())
+                for tensor in tensors or sorted(held):
+                    if tensor not in held:
+                        raise CheckpointError(f"{INDEX} puts {tensor} in {path}, which does not hold it")
+                    piece = f.get_slice(tensor)
+                    headers[tensor] = (path, piece.get_dtype(), tuple(piece.get_shape()))
+        except SafetensorError as e:
+            raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
+    return headers
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The Hub tensor names and shapes of a model of ``cfg``, from a model on the
+    meta device: nothing is allocated."""
+    with torch.device("meta"):
+        state = Transformer(cfg).state_dict()
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight")
+    return {k: tuple(t.shape) for k, t in stacked_to_hub(state, cfg).items()}
+
+
+def _check_tensors(folder: Path, cfg: ModelConfig, headers: dict) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
+    """The tensors to load, once config.json agrees with their names, dtypes and
+    shapes. Layer and expert counts are compared first, so that an absurd count
+    fails before a model of that size is even described."""
+    def check_count(key: str, said: int, pattern: re.Pattern, name: str) -> None:
+        held = 1 + max((int(m[1]) for t in headers if (m := pattern.match(t))), default=-1)
+        if held != said:
+            gap = f"missing {name.format(held)}.*" if said > held else f"unexpected {name.format(said)}.*"
+            raise CheckpointError(f"{folder / CONFIG}: {key} is {said}, but the weights hold {held} ({gap})")
+
+    check_count("num_hidden_layers", cfg.num_layers, _LAYER, "model.layers.{}")
+    if cfg.sparse_layers:  # only now: it walks the layers
+        check_count("num_experts", cfg.num_experts, _EXPERT_INDEX, "experts.{}")
+    expected = _expected_shapes(cfg)
+    if cfg.tie_word_embeddings:
+        headers = {k: v for k, v in headers.items() if k != "lm_head.weight"}  # transformers may save the tied copy
+    missing, unexpected = sorted(set(expected) - set(headers)), sorted(set(headers) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{folder}: the weights do not match {CONFIG}: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    for tensor, shape in expected.items():
+        path, dtype, got = headers[tensor]
+        if dtype not in _FLOAT_DTYPES:
+            raise CheckpointError(f"{path}: {tensor} is {dtype}; weights must be one of {sorted(_FLOAT_DTYPES)}")
+        if got != shape:
+            raise CheckpointError(f"{path}: {tensor} has shape {list(got)}, but {CONFIG} implies {list(shape)}")
+    return headers
+
+
 def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
-    """The policy saved at ``path`` (a Hugging Face folder)."""
+    """The policy saved at ``path`` (a Hugging Face folder), checked as the
+    module docstring says before any weight is read."""
     folder = Path(path)
-    config_file = folder / "config.json"
+    config_file = folder / CONFIG
     if not config_file.exists():
         raise FileNotFoundError(f"{config_file} does not exist")
-    cfg = ModelConfig.from_hf(json.loads(config_file.read_text()))
-    state = hub_to_stacked(_read_tensors(folder), cfg)
+    _verify(folder)
+    try:
+        cfg = config_from_hf(json.loads(_inside(folder, CONFIG, "the config").read_text()))
+    except (CheckpointError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{folder}: {e}") from None
+    headers = _check_tensors(folder, cfg, _headers(folder))
+    tensors = {}
+    for shard in sorted({p for p, _, _ in headers.values()}):
+        with safe_open(shard, framework="pt") as f:
+            tensors.update({t: f.get_tensor(t) for t, (p, _, _) in headers.items() if p == shard})
     model = Transformer(cfg)
-    load_state(model, state)
+    load_state(model, hub_to_stacked(tensors, cfg))
     return model.to(device=device, dtype=dtype)
 
 
@@ -120,7 +390,8 @@ def load_state(model: Transformer, state: dict[str, Tensor]) -> None:
         raise KeyError(f"checkpoint does not match the config: missing {missing[:5]}, unexpected {unexpected[:5]}")
     bad = [k for k in expected if tuple(state[k].shape) != tuple(expected[k].shape)]
     if bad:
-        raise ValueError(f"checkpoint shapes do not match the config: {[(k, tuple(state[k].shape), tuple(expected[k].shape)) for k in bad[:3]]}")
+        shapes = [(k, tuple(state[k].shape), tuple(expected[k].shape)) for k in bad[:3]]
+        raise ValueError(f"checkpoint shapes do not match the config: {shapes}")
     with torch.no_grad():
         for k, t in expected.items():
             t.copy_(state[k])
@@ -130,7 +401,8 @@ def save_model(
     model: Transformer, path: str | os.PathLike, max_shard_bytes: int = 2 << 30, extra: dict[str, bytes] | None = None
 ) -> Path:
     """Write ``model`` in the Hub layout at ``path``, sharded above
-    ``max_shard_bytes``, with ``extra`` files beside it, all at once (atomically)."""
+    ``max_shard_bytes``, with ``extra`` files beside it and the checksum
+    manifest over all of them, all at once (atomically)."""
     folder = Path(path)
     tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -158,9 +430,10 @@ def save_model(
             weight_map.update(dict.fromkeys(shard, name))
         total = sum(t.numel() * t.element_size() for t in hub.values())
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (tmp / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))
+    (tmp / CONFIG).write_text(json.dumps(config_to_hf(model.cfg), indent=2))
     for name, data in (extra or {}).items():
         (tmp / name).write_bytes(data)
+    _write_manifest(tmp)  # last: it covers every file above
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())

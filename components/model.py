@@ -29,7 +29,7 @@ MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of the policy; reads and writes Hugging Face config.json."""
+    """Architecture of the policy (:mod:`.checkpoint` maps it to and from Hugging Face config.json)."""
 
     model_type: str = "qwen3_moe"
     vocab_size: int = 512
@@ -70,83 +70,6 @@ class ModelConfig:
     def sparse_layers(self) -> list[int]:
         return [i for i in range(self.num_layers) if self.is_sparse(i)]
 
-    @classmethod
-    def from_hf(cls, hf: dict) -> "ModelConfig":
-        """Read a transformers config.json (4.x and 5.x spellings)."""
-        model_type = hf.get("model_type")
-        if model_type not in MODEL_TYPES:
-            raise ValueError(f"config.json has model_type {model_type!r}; tracefp4 loads {MODEL_TYPES}")
-        rope = hf.get("rope_parameters") or {}
-        scaling = hf.get("rope_scaling") or {}
-        if scaling.get("rope_type", scaling.get("type", "default")) != "default" or rope.get("rope_type", "default") != "default":
-            raise ValueError("config.json asks for scaled RoPE; tracefp4 implements the default RoPE only")
-        qwen3 = model_type == "qwen3_moe"
-        known = {
-            "model_type": model_type,
-            "vocab_size": hf["vocab_size"],
-            "hidden_size": hf["hidden_size"],
-            "num_layers": hf["num_hidden_layers"],
-            "num_heads": hf["num_attention_heads"],
-            "num_kv_heads": hf.get("num_key_value_heads", hf["num_attention_heads"]),
-            "head_dim": hf.get("head_dim") or hf["hidden_size"] // hf["num_attention_heads"],
-            "num_experts": hf.get("num_experts", hf.get("num_local_experts")),
-            "top_k": hf["num_experts_per_tok"],
-            "moe_intermediate_size": hf["moe_intermediate_size"],
-            "intermediate_size": hf.get("intermediate_size", hf["moe_intermediate_size"]),
-            "shared_expert_intermediate_size": 0 if qwen3 else hf.get("shared_expert_intermediate_size", 0),
-            "norm_topk_prob": hf.get("norm_topk_prob", qwen3),
-            "decoder_sparse_step": hf.get("decoder_sparse_step", 1),
-            "mlp_only_layers": tuple(hf.get("mlp_only_layers") or ()),
-            "rms_norm_eps": hf.get("rms_norm_eps", 1e-6),
-            "rope_theta": rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
-            "max_position_embeddings": hf.get("max_position_embeddings", 4096),
-            "tie_word_embeddings": hf.get("tie_word_embeddings", False),
-            "qkv_bias": hf.get("attention_bias", False) if qwen3 else hf.get("qkv_bias", True),
-            "qk_norm": qwen3,
-        }
-        return cls(**known, extra={k: v for k, v in hf.items() if k not in _HF_KEYS})
-
-    def to_hf(self) -> dict:
-        """A config.json that transformers and :meth:`from_hf` both read."""
-        qwen3 = self.model_type == "qwen3_moe"
-        hf = {
-            **self.extra,
-            "architectures": ["Qwen3MoeForCausalLM" if qwen3 else "Qwen2MoeForCausalLM"],
-            "model_type": self.model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "num_experts": self.num_experts,
-            "num_experts_per_tok": self.top_k,
-            "moe_intermediate_size": self.moe_intermediate_size,
-            "intermediate_size": self.intermediate_size,
-            "norm_topk_prob": self.norm_topk_prob,
-            "decoder_sparse_step": self.decoder_sparse_step,
-            "mlp_only_layers": list(self.mlp_only_layers),
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "hidden_act": "silu",
-        }
-        if qwen3:
-            hf["attention_bias"] = self.qkv_bias
-        else:
-            hf["qkv_bias"] = self.qkv_bias
-            hf["shared_expert_intermediate_size"] = self.shared_expert_intermediate_size
-        return hf
-
-
-_HF_KEYS = {
-    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-    "intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-    "mlp_only_layers", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
-    "tie_word_embeddings", "attention_bias", "qkv_bias", "architectures", "hidden_act",
-}  # fmt: skip
 
 # Named presets: seeded random weights, no downloads.
 PRESETS = {

@@ -8,8 +8,8 @@ import pytest
 import torch
 import transformers
 
-from tracefp4.components.checkpoint import load_model, save_model
-from tracefp4.components.model import PRESETS, CausalAttention, ModelConfig, build_model
+from tracefp4.components.checkpoint import config_from_hf, config_to_hf, load_model, save_model
+from tracefp4.components.model import PRESETS, CausalAttention, build_model
 from tracefp4.components.quant import ROLLOUT_CONFIGS, QuantConfig, quant_sites, rollout_config
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -80,17 +80,18 @@ def test_save_replaces_atomically(tmp_path):
 
 def test_checkpoint_errors_name_the_problem(tmp_path):
     (tmp_path / "pickled").mkdir()
-    (tmp_path / "pickled" / "config.json").write_text(json.dumps(PRESETS["smoke"].to_hf()))
+    (tmp_path / "pickled" / "config.json").write_text(json.dumps(config_to_hf(PRESETS["smoke"])))
     (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match=r"pickle files \['pytorch_model.bin'\]"):
         load_model(tmp_path / "pickled")
     with pytest.raises(ValueError, match="model_type 'llama'"):
-        ModelConfig.from_hf({"model_type": "llama"})
+        config_from_hf({"model_type": "llama"})
     save_model(build_model("smoke"), tmp_path / "small")
     cfg = json.loads((tmp_path / "small" / "config.json").read_text())
     cfg["num_hidden_layers"] = 3
     (tmp_path / "small" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(KeyError, match="missing .*model.layers.2"):
+    (tmp_path / "small" / "checksums.json").unlink()  # a hand-edited config no longer matches its checksum
+    with pytest.raises(ValueError, match="missing .*model.layers.2"):
         load_model(tmp_path / "small")
 
 

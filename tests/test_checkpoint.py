@@ -1,0 +1,244 @@
+"""Checkpoints are untrusted input: our saves carry a checksum manifest that
+load verifies, config.json is checked against the tensor headers before
+anything is allocated, and every file read stays inside the folder."""
+
+import hashlib
+import json
+import logging
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from tracefp4.components.checkpoint import (
+    INDEX,
+    MANIFEST,
+    SINGLE,
+    CheckpointError,
+    config_from_hf,
+    config_to_hf,
+    load_model,
+    save_model,
+)
+from tracefp4.components.model import PRESETS, build_model
+
+
+def saved(tmp_path, name="ckpt", sharded=False, manifest=True):
+    folder = save_model(build_model("smoke", seed=1), tmp_path / name, max_shard_bytes=100_000 if sharded else 2 << 30)
+    if not manifest:
+        (folder / MANIFEST).unlink()
+    return folder
+
+
+def edit_config(folder, **changes):
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg.update(changes)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def rewrite_tensor(path, name, tensor):
+    with safe_open(path, framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors[name] = tensor
+    save_file(tensors, path)
+
+
+@pytest.mark.parametrize("name", ["tiny", "smoke", "tiny-qwen2"])
+def test_config_round_trips_through_hf(name):
+    cfg = PRESETS[name]
+    assert config_from_hf(config_to_hf(cfg)) == cfg
+    hf = {**config_to_hf(cfg), "torch_dtype": "bfloat16"}
+    assert config_from_hf(hf).extra == {"torch_dtype": "bfloat16"}
+    assert config_to_hf(config_from_hf(hf))["torch_dtype"] == "bfloat16"  # unknown keys survive a save
+
+
+def test_save_writes_a_manifest_of_every_file(tmp_path):
+    folder = save_model(build_model("smoke"), tmp_path / "ckpt", max_shard_bytes=100_000, extra={"note.txt": b"hi"})
+    files = json.loads((folder / MANIFEST).read_text())["files"]
+    on_disk = sorted(p.name for p in folder.iterdir() if p.name != MANIFEST)
+    assert sorted(files) == on_disk and "note.txt" in files and INDEX in files
+    assert sum(name.endswith(".safetensors") for name in files) > 1
+    for name, entry in files.items():
+        data = (folder / name).read_bytes()
+        assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # written in a temp folder, renamed into place
+
+
+def test_flipped_byte_fails_naming_the_file(tmp_path):
+    folder = saved(tmp_path)
+    data = bytearray((folder / SINGLE).read_bytes())
+    data[-10] ^= 0x01  # a weight's byte, not the header: safetensors alone would not notice
+    (folder / SINGLE).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{SINGLE}: sha256 does not match {MANIFEST}"):
+        load_model(folder)
+
+
+def test_truncated_missing_or_added_files_fail(tmp_path):
+    folder = saved(tmp_path, sharded=True)
+    shard = sorted(folder.glob("*.safetensors"))[0]
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1])
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: {len(data) - 1} bytes, but {MANIFEST} says {len(data)}"):
+        load_model(folder)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=rf"{shard.name}: listed in {MANIFEST} but missing"):
+        load_model(folder)
+    shard.write_bytes(data)
+    (folder / "model-extra.safetensors").write_bytes(data)
+    with pytest.raises(CheckpointError, match=r"\['model-extra.safetensors'\] not covered by"):
+        load_model(folder)
+    (folder / "model-extra.safetensors").unlink()
+    load_model(folder)  # restored: loads again
+
+
+def test_bad_manifests_fail(tmp_path):
+    folder = saved(tmp_path)
+    (folder / MANIFEST).write_text('{"files": {"../config.json": {"size": 1, "sha256": "0"}}}')
+    with pytest.raises(CheckpointError, match="outside the folder"):
+        load_model(folder)
+    (folder / MANIFEST).write_text("[]")
+    with pytest.raises(CheckpointError, match=f"{MANIFEST}: not a checksum manifest"):
+        load_model(folder)
+
+
+def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path, caplog):
+    folder = saved(tmp_path, manifest=False)
+    with caplog.at_level(logging.WARNING, logger="tracefp4.checkpoint"):
+        model = load_model(folder)
+    assert f"{folder} has no {MANIFEST}: loading it unverified" in caplog.text
+    assert torch.equal(model.lm_head.weight, build_model("smoke", seed=1).lm_head.weight)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tracefp4.checkpoint"):
+        load_model(saved(tmp_path, "verified"))
+    assert "unverified" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"num_hidden_layers": 1e9}, r"num_hidden_layers must be an integer in 1\.\.16777216, got 1000000000\.0"),
+        ({"num_hidden_layers": 10**12}, r"num_hidden_layers must be an integer in 1\.\.16777216, got 1000000000000"),
+        ({"hidden_size": -64}, "hidden_size must be an integer"),
+        ({"vocab_size": 256.5}, "vocab_size must be an integer"),
+        ({"num_experts": True}, "num_experts must be an integer"),
+        ({"head_dim": "32"}, "head_dim must be an integer"),
+        ({"num_attention_heads": 0}, "num_attention_heads must be an integer"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps must be a finite number"),
+        ({"tie_word_embeddings": "yes"}, "tie_word_embeddings must be true or false"),
+        ({"mlp_only_layers": [5]}, r"mlp_only_layers must list layers in 0\.\.1"),
+        ({"num_experts_per_tok": 9}, "top_k 9 must lie in 1..num_experts"),
+        ({"num_experts_per_tok": None}, "lacks num_experts_per_tok"),
+        ({"rope_scaling": {"rope_type": "yarn"}}, "scaled RoPE"),
+    ],
+)
+def test_absurd_config_is_a_value_error_naming_the_field(tmp_path, changes, message):
+    folder = saved(tmp_path, manifest=False)
+    edit_config(folder, **changes)
+    with pytest.raises(ValueError, match=message):
+        load_model(folder)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        # within the bounds, so only the tensors can tell: fails before a model of that size is described
+        ({"num_hidden_layers": 16_000_000}, r"num_hidden_layers is 16000000, but the weights hold 2 \(missing"),
+        ({"num_experts": 4000}, r"num_experts is 4000, but the weights hold 4"),
+        # would allocate ~0.5 GB per embedding if it were built before the check
+        ({"vocab_size": 2**21}, r"embed_tokens.weight has shape \[256, 64\], but config.json implies \[2097152, 64\]"),
+        ({"moe_intermediate_size": 96}, r"0.gate_proj.weight has shape \[64, 64\], but config.json implies \[96,"),
+        ({"num_hidden_layers": 1}, r"num_hidden_layers is 1, but the weights hold 2 \(unexpected model.layers.1"),
+    ],
+)
+def test_config_is_checked_against_the_tensor_headers(tmp_path, changes, message):
+    folder = saved(tmp_path, manifest=False)
+    edit_config(folder, **changes)
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=message):
+        load_model(folder)
+    assert time.monotonic() - start < 5
+
+
+def test_dtype_or_shape_of_a_tensor_must_match(tmp_path):
+    folder = saved(tmp_path, manifest=False)
+    rewrite_tensor(folder / SINGLE, "model.norm.weight", torch.ones(64, dtype=torch.int64))
+    with pytest.raises(CheckpointError, match=r"model.norm.weight is I64; weights must be one of"):
+        load_model(folder)
+    rewrite_tensor(folder / SINGLE, "model.norm.weight", torch.ones(65))
+    with pytest.raises(CheckpointError, match=r"model.norm.weight has shape \[65\], but config.json implies \[64\]"):
+        load_model(folder)
+    rewrite_tensor(folder / SINGLE, "model.norm.weight", torch.ones(64, dtype=torch.bfloat16))
+    assert load_model(folder).model.norm.weight.dtype == torch.float32  # any float dtype loads
+
+
+def test_missing_or_extra_tensors_are_named(tmp_path):
+    folder = saved(tmp_path, manifest=False)
+    with safe_open(folder / SINGLE, framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["model.layers.0.extra.weight"] = tensors.pop("model.layers.1.mlp.experts.3.up_proj.weight")
+    save_file(tensors, folder / SINGLE)
+    with pytest.raises(CheckpointError, match=r"missing \['model.layers.1.mlp.experts.3.up_proj.weight'\], "
+                       r"unexpected \['model.layers.0.extra.weight'\]"):
+        load_model(folder)
+
+
+def index_of(folder):
+    return json.loads((folder / INDEX).read_text())
+
+
+def write_index(folder, index):
+    (folder / INDEX).write_text(json.dumps(index))
+
+
+@pytest.mark.parametrize("shard", ["../other/model.safetensors", "/etc/passwd", "a\\..\\b", "", 7])
+def test_index_paths_stay_inside_the_folder(tmp_path, shard):
+    folder = saved(tmp_path, sharded=True, manifest=False)
+    index = index_of(folder)
+    index["weight_map"]["model.norm.weight"] = shard
+    write_index(folder, index)
+    with pytest.raises(CheckpointError, match=rf"{INDEX} for tensor model.norm.weight names .*(outside|not a file)"):
+        load_model(folder)
+
+
+def test_symlinked_shard_may_not_leave_the_folder(tmp_path):
+    folder = saved(tmp_path, sharded=True, manifest=False)
+    shard = folder / index_of(folder)["weight_map"]["model.norm.weight"]
+    outside = shard.rename(tmp_path / "outside.safetensors")
+    shard.symlink_to(outside)
+    with pytest.raises(CheckpointError, match=r"a link to .*outside.safetensors outside the folder"):
+        load_model(folder)
+    shard.unlink()
+    outside.rename(folder / "moved.safetensors")
+    shard.symlink_to("moved.safetensors")  # a link within the folder is fine
+    load_model(folder)
+
+
+def test_bad_index_or_missing_shard_names_the_tensor(tmp_path):
+    folder = saved(tmp_path, sharded=True, manifest=False)
+    index = index_of(folder)
+    shard = index["weight_map"]["model.norm.weight"]
+    other = next(s for s in index["weight_map"].values() if s != shard)
+    write_index(folder, {**index, "weight_map": {**index["weight_map"], "model.norm.weight": other}})
+    with pytest.raises(CheckpointError, match=rf"{INDEX} puts model.norm.weight in .*{other}, which does not hold it"):
+        load_model(folder)
+    write_index(folder, index)
+    (folder / shard).unlink()
+    with pytest.raises(CheckpointError, match=rf"{shard}: missing, but {INDEX} puts .* there"):
+        load_model(folder)
+    for bad in ("not json", "[]", '{"weight_map": {"a": null}}'):
+        (folder / INDEX).write_text(bad)
+        with pytest.raises(CheckpointError, match=rf"{INDEX}"):
+            load_model(folder)
+
+
+def test_unreadable_files_are_checkpoint_errors(tmp_path):
+    folder = saved(tmp_path, manifest=False)
+    (folder / "config.json").write_bytes(b"\xff{")
+    with pytest.raises(CheckpointError, match=str(folder)):
+        load_model(folder)
+    folder = saved(tmp_path, "other", manifest=False)
+    (folder / SINGLE).write_bytes((folder / SINGLE).read_bytes()[:-4])
+    with pytest.raises(CheckpointError, match=rf"{SINGLE}: not a readable safetensors file"):
+        load_model(folder)
