@@ -119,6 +119,13 @@ class SiteTable:
         inputs = None if self.inputs is None else self.inputs[rows]
         return replace(self, **pick, inputs=inputs)
 
+    def to(self, device) -> "SiteTable":
+        """The table on ``device`` (itself where it is already there)."""
+        if self.codes.device == torch.device(device):
+            return self
+        moved = {f: getattr(self, f).to(device) for f in ("traj", "pos", "slot", "expert", "codes", "scales")}
+        return replace(self, **moved, inputs=None if self.inputs is None else self.inputs.to(device))
+
     def compacted(self, bits: int) -> "SiteTable":
         """The same rows keeping only the low ``bits`` of each code."""
         if bits > self.bits:
@@ -141,7 +148,7 @@ class SiteTable:
         """Guidance for the selected rows (training-side guided rounding)."""
         f = get_format(self.fmt)
         scales = self.scales[rows].view(f.scale_dtype)
-        g = None if self.global_scale is None else torch.tensor(self.global_scale)
+        g = None if self.global_scale is None else torch.tensor(self.global_scale, device=self.codes.device)
         return Guidance(self.codes[rows], self.bits, scales, g, self.fmt, torch.Size((len(rows), self.width)))
 
 

@@ -2,7 +2,8 @@
 task under BF16 and each configured FP4 rollout, throughput, the train-rollout
 discrepancy of the method's own training path, the PTQ baselines of a bf16
 run, and the size and fidelity of guidance by R-k bits and layers
-(docs/evaluation.md). One JSON object, which the report reads.
+(docs/evaluation.md). One JSON object, which the report reads. Everything
+(policies, PTQ copies, engines, the trainer) computes on ``resources.device``.
 """
 
 import copy
@@ -34,20 +35,22 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
     the train-rollout discrepancy of the method's training path; PTQ baselines
     of a bf16 run; the size and fidelity of guidance by R-k bits and layers.
     With the ``initial`` policy, its accuracy too (where RL started)."""
+    device = steps.step_device(config)
     tokenizer = load_tokenizer(policy)
     _, test = steps.problems(config)
     per_task = -(-config.evaluation.test_prompts // len(config.tasks))  # the same share of every task
     test = [p for t in config.tasks for p in [q for q in test if q.task == t.name][:per_task]]
     prompts = [encode(tokenizer, format_example(p), bos=True) for p in test]
-    model = load_model(policy)
+    model = load_model(policy, device=device)
     ptq = _ptq_models(config, model, prompts) if config.method == "bf16" else {}
     out = {"method": config.method, "accuracy": [], "throughput": [], "discrepancy": [], "guidance_sensitivity": []}
-    start_model = load_model(initial) if initial is not None else None
+    start_model = load_model(initial, device=device) if initial is not None else None
     n = min(config.evaluation.discrepancy_prompts, len(test))
 
     def score(policy_label: str, weights, rollout: str, quant) -> dict:
         """Accuracy rows of one policy under one rollout config; returns the greedy pass's throughput."""
-        rows, speed = _accuracy(config, TorchEngine(weights, quant, dtype=steps.compute_dtype(config)), tokenizer, test, prompts)
+        engine = TorchEngine(weights, quant, dtype=steps.compute_dtype(config), device=device)
+        rows, speed = _accuracy(config, engine, tokenizer, test, prompts)
         out["accuracy"] += [{"method": config.method, "policy": policy_label, "rollout": rollout, **r} for r in rows]
         return speed
 
@@ -103,8 +106,9 @@ def _discrepancy(config: RunConfig, model, name: str, tokenizer, prompts, sensit
     over the same tokens (guided for trace, by guidance compacted as configured):
     mismatch and alignment; with ``sensitivity``, the guidance's size and
     fidelity for R-1..R-4 over the deepest 1, half and all layers."""
+    capture = CaptureConfig(max_tokens=config.rollout.max_tokens_per_forward, inputs=True)
     engine = TorchEngine(model, steps.rollout_quant(config, name), dtype=steps.compute_dtype(config),
-                         capture=CaptureConfig(max_tokens=config.rollout.max_tokens_per_forward, inputs=True), calibration_seed=config.seed)  # fmt: skip
+                         device=next(model.parameters()).device, capture=capture, calibration_seed=config.seed)
     k = config.evaluation.samples_per_prompt
     trajectories = engine.generate([q for q in prompts for _ in range(k)], steps.sampling(config, config.seed + 2, tokenizer))
     records = engine.drain_capture()

@@ -15,6 +15,10 @@ line of the model:
   pass (:class:`CausalAttention`) or the rollout engine's KV cache;
 - ``sites``: what happens at the quantization sites (routed-expert inputs,
   K/V); ``None`` leaves them in the compute dtype.
+
+Its matmuls (:class:`Linear`, the experts' ``bmm``) go through
+:func:`.device.bf16_op`, so that a bf16 model on a CPU without bf16 units
+computes them in fp32 and rounds to bf16 instead of crawling.
 """
 
 from dataclasses import dataclass, field
@@ -23,6 +27,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from .device import bf16_op
 
 MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
 
@@ -120,6 +126,14 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
+class Linear(nn.Linear):
+    """``nn.Linear`` (the same parameters) whose bf16 matmul runs in fp32 on a
+    CPU without bf16 units (:func:`.device.bf16_op` says why)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return bf16_op(F.linear, x, self.weight, self.bias)
+
+
 class Sites(Protocol):
     """What happens at the quantization sites of one forward."""
 
@@ -174,8 +188,8 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         # q, k and v projections fused into one matmul; the checkpoint splits them
-        self.qkv_proj = nn.Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -196,9 +210,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_proj = Linear(hidden, intermediate, bias=False)
+        self.up_proj = Linear(hidden, intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -220,11 +234,11 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
         self.experts = Experts(cfg)
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
     def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
         """Top-k experts ``[T, k]`` and their weights, from a float32 softmax."""
@@ -252,14 +266,14 @@ class MoE(nn.Module):
         width = int(rank.max()) + 1
         grid = x.new_zeros(n_experts, width, h)
         grid[flat, rank] = xq[:, None].expand(-1, k, -1).reshape(-1, h)
-        gate, up = torch.bmm(grid, w_gate_up).chunk(2, dim=-1)
+        gate, up = bf16_op(torch.bmm, grid, w_gate_up).chunk(2, dim=-1)
         inter = (F.silu(gate) * up)[flat, rank]  # [T*k, I]
         if sites is not None:
             rows = torch.arange(flat.numel(), device=x.device)
             inter = sites.moe_down_in(layer, inter, rows // k, rows % k, flat)
         grid = inter.new_zeros(n_experts, width, inter.shape[-1])
         grid[flat, rank] = inter
-        out = torch.bmm(grid, w_down)[flat, rank].view(-1, k, h)  # [T, k, H]
+        out = bf16_op(torch.bmm, grid, w_down)[flat, rank].view(-1, k, h)  # [T, k, H]
         routed = (out * weights[..., None]).sum(1)
         if self.cfg.shared_expert_intermediate_size:
             routed = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
@@ -289,7 +303,7 @@ class Transformer(nn.Module):
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

@@ -81,10 +81,12 @@ class TrainingSites:
         self.row_of = {t: b for b, t in enumerate(trajectories or [])}
         self.coverage = Coverage()
 
-    def _rows(self, key, n_rows: int, expert: Tensor | None):
-        """(training rows, guidance rows) of the captured rows this forward holds."""
-        table = self.guidance.tables[key]
-        b = torch.tensor([self.row_of.get(t, -1) for t in table.traj.tolist()], dtype=torch.long)
+    def _rows(self, key, x: Tensor, expert: Tensor | None):
+        """The guidance table on ``x``'s device (the loader yields CPU tables),
+        and its (training rows, guidance rows) of the captured rows this forward holds."""
+        table, n_rows = self.guidance.tables[key], x.shape[0]
+        b = torch.tensor([self.row_of.get(t, -1) for t in table.traj.tolist()], dtype=torch.long, device=x.device)
+        table = table.to(x.device)
         train = b * self.seq_len + table.pos
         if key[1] == "moe_down_in":  # rows are (token, slot): k slots per token
             train = train * (n_rows // (len(self.row_of) * self.seq_len)) + table.slot
@@ -105,7 +107,7 @@ class TrainingSites:
         q = quantize(x.detach(), fmt, global_scale=g)
         key = (layer, site)
         if self.method == "trace" and key in self.guidance.tables:
-            table, train_rows, guide_rows = self._rows(key, x.shape[0], expert)
+            table, train_rows, guide_rows = self._rows(key, x, expert)
             if table.global_scale != (None if g is None else float(g)):
                 raise GuidanceError(f"guidance for layer {layer} {site} was captured under another static scale")
             if len(train_rows):

@@ -19,6 +19,7 @@ from tracefp4.kernels import FP4Tensor, dequantize, get_format
 
 from .capture import Capture, CaptureConfig, CaptureRecords, TokenMap
 from .checkpoint import hub_to_stacked, load_model, load_state
+from .device import bf16_op
 from .model import ModelConfig, Transformer, right_pad
 from .quant import (
     KV_SITES,
@@ -170,11 +171,11 @@ class KVCache:
         b, h, _, d = q.shape
         kv = keys.shape[1]
         # keys and values stay as stored; the small query side is transposed
-        scores = torch.matmul(keys, q.view(b, kv, h // kv, d).transpose(-1, -2) * d**-0.5)  # [B, KV, span, G]
+        scores = bf16_op(torch.matmul, keys, q.view(b, kv, h // kv, d).transpose(-1, -2) * d**-0.5)  # [B, KV, span, G]
         if self.visible is not None:
             scores = scores.masked_fill(~self.visible.view(b, 1, -1, 1), float("-inf"))
         weights = torch.softmax(scores, -2, dtype=torch.float32).to(q.dtype)
-        return torch.matmul(weights.transpose(-1, -2), values).view(b, h, 1, d)
+        return bf16_op(torch.matmul, weights.transpose(-1, -2), values).view(b, h, 1, d)
 
     def keep(self, rows: Tensor) -> None:
         """Drop every sequence but ``rows`` (finished requests leave the batch)."""

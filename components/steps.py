@@ -7,7 +7,10 @@ optimizer state, the policy version and the run id beside it), trajectories
 as JSON lines behind a header naming the run, round, policy version and the
 rollout's numerics, captures and guidance through the artifact store, and the
 guidance reference (:class:`~.guidance.GuidanceRef`) from compaction to train.
-Every consumer refuses an input of another run or policy version.
+Every consumer refuses an input of another run or policy version. Every step
+computes on ``resources.device``, resolved before it does anything else; what
+it writes is device-independent (CPU tensors), so that a checkpoint rolled out
+on a GPU trains on a CPU and the reverse.
 """
 
 import json
@@ -23,6 +26,7 @@ from tracefp4.schemas import RunConfig
 from . import bootstrap as sft
 from .capture import CaptureConfig, CaptureRecords
 from .checkpoint import load_model
+from .device import resolve
 from .guidance import GuidanceRef, compact, compaction_report, encode_scales, read_step, select_layers, write_step
 from .mismatch import teacher_force
 from .model import build_model
@@ -55,6 +59,11 @@ def store_prefix(config: RunConfig, run_id: str, kind: str) -> str:
     return f"{config.name}/{run_id}/{config.method}/{kind}"
 
 
+def step_device(config: RunConfig) -> torch.device:
+    """The device the step computes on; a CUDA device this machine lacks fails here, before any work."""
+    return resolve(config.resources.device)
+
+
 def compute_dtype(config: RunConfig) -> torch.dtype:
     return getattr(torch, config.model.dtype)
 
@@ -83,8 +92,12 @@ def prepare(config: RunConfig, out: Path, run_id: str = "") -> dict:
     tokenizer, as a trainer checkpoint of ``run_id`` at policy version 0;
     bootstrapped by SFT on the tasks when configured. Returns the bootstrap's
     figures (empty without one)."""
+    device = step_device(config)
     out = Path(out)
-    model = build_model(config.model.preset, seed=config.seed) if config.model.preset else load_model(config.model.checkpoint)
+    if config.model.preset:
+        model = build_model(config.model.preset, seed=config.seed).to(device)
+    else:
+        model = load_model(config.model.checkpoint, device=device)
     tokenizer = load_tokenizer(config.model.checkpoint) if config.model.checkpoint else build_tokenizer()
     if tokenizer.get_vocab_size() > model.cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, the model only {model.cfg.vocab_size}")
@@ -138,9 +151,9 @@ def rollout_quant(config: RunConfig, name: str | None = None) -> QuantConfig:
     return quant
 
 
-def _engine(config: RunConfig, policy: Path, capture: bool) -> TorchEngine:
-    """The rollout engine; a capturing one keeps everything, or with inline
-    compaction only the selected layers' low bits."""
+def _engine(config: RunConfig, policy: Path, capture: bool, device: torch.device) -> TorchEngine:
+    """The rollout engine on ``device``; a capturing one keeps everything, or
+    with inline compaction only the selected layers' low bits."""
     model = load_model(policy)
     cfg = None
     if capture:
@@ -148,7 +161,8 @@ def _engine(config: RunConfig, policy: Path, capture: bool) -> TorchEngine:
         if _inline(config):
             layers = select_layers(config.guidance.layers, list(range(model.cfg.num_layers)))
             cfg = CaptureConfig(bits=config.guidance.bits, layers=layers, max_tokens=config.rollout.max_tokens_per_forward)
-    return TorchEngine(model, rollout_quant(config), dtype=compute_dtype(config), capture=cfg, calibration_seed=config.seed)
+    quant, dtype = rollout_quant(config), compute_dtype(config)
+    return TorchEngine(model, quant, dtype=dtype, device=device, capture=cfg, calibration_seed=config.seed)
 
 
 def sampling(config: RunConfig, seed: int, tokenizer) -> SamplingParams:
@@ -174,12 +188,13 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
     mismatch), the capture goes to the store (step ``round_index``): full for
     offline compaction, already compacted inline. Returns the round's rollout
     figures (time, tokens, capture overhead, upload)."""
+    device = step_device(config)
     version = policy_version(policy, run_id)
     tokenizer = load_tokenizer(policy)
     steps = config.rl.steps_per_round
     chosen = training_problems(config, round_index, steps * config.rollout.prompts_per_step)
     batch = [p for p in chosen for _ in range(config.rollout.group_size)]
-    engine = _engine(config, policy, capture=_captures(config))
+    engine = _engine(config, policy, capture=_captures(config), device=device)
     prompts = [encode(tokenizer, format_example(p), bos=True) for p in batch]
     per_step = len(prompts) // steps
     trajectories = []
@@ -240,6 +255,7 @@ def compaction(config: RunConfig, policy: Path, trajectories_file: Path, round_i
     compaction's fidelity, measured on the first microbatch's trajectories);
     inline, the guidance the rollout wrote, read back and verified. Methods
     other than trace get a reference without shards: the rollout's numerics."""
+    device = step_device(config)
     header, trajectories, _ = read_trajectories(trajectories_file, run_id, round_index)
     stats = dict.fromkeys(("guidance_bytes", "capture_bytes", "guidance_bits_per_element", "compaction_ratio",
                            "compaction_fidelity", "compaction_seconds"))  # fmt: skip
@@ -260,7 +276,7 @@ def compaction(config: RunConfig, policy: Path, trajectories_file: Path, round_i
         write_step(store, kept, rl_step=round_index, policy_version=header["policy_version"], top_k=header["top_k"],
                    prefix=prefix, trajectories_per_shard=config.guidance.trajectories_per_shard, run_id=run_id)  # fmt: skip
         sample = trajectories[: config.rl.microbatch_size]
-        training = teacher_force(_engine(config, policy, capture=False), sample, keep_inputs=True)
+        training = teacher_force(_engine(config, policy, capture=False, device=device), sample, keep_inputs=True)
         ids = torch.tensor([t.id for t in sample])
         report = compaction_report(_restrict(full, ids), _restrict(kept, ids), training)
         stats.update(capture_bytes=full.nbytes, compaction_ratio=kept.nbytes / full.nbytes, compaction_fidelity=report.total["fidelity"])
@@ -286,10 +302,11 @@ def train(config: RunConfig, policy: Path, trajectories_file: Path, guidance: Gu
     which must come from this run and the policy version being trained. One
     history row per step; the round's rollout and compaction figures
     (``round_stats``) are repeated in each."""
+    device = step_device(config)
     round_index = guidance.rl_step
     header, trajectories, batch = read_trajectories(trajectories_file, run_id, round_index)
     tokenizer = load_tokenizer(policy)
-    trainer = Trainer.from_checkpoint(policy, train_config(config), guidance.quant, guidance.scales())
+    trainer = Trainer.from_checkpoint(policy, train_config(config), guidance.quant, guidance.scales(), device)
     guidance.check(run_id, trainer.step)
     if header["policy_version"] != trainer.step:
         raise RunMismatch(f"{trajectories_file}: rolled out by policy version {header['policy_version']}, "

@@ -6,8 +6,9 @@ accumulates gradients over microbatches (guidance reloaded per microbatch),
 and saves checkpoints in the Hugging Face layout, atomically, with the
 optimizer state beside them so that a run resumes. It quantizes from the
 rollout's numerics (quantization config and static global scales, carried by
-the guidance artifact), never from a rollout engine. The loop itself is
-:func:`tracefp4.components.steps.run_round`.
+the guidance artifact), never from a rollout engine. It computes on the
+device of the model it is given; what it saves are CPU tensors. The loop
+itself is :func:`tracefp4.components.steps.run_round`.
 """
 
 import copy
@@ -56,11 +57,14 @@ class TrainConfig:
 
 class Trainer:
     """The policy being trained (float32 master weights), its optimizer, and the
-    rollout's numerics it fake-quantizes with (``quant``, ``global_scales``)."""
+    rollout's numerics it fake-quantizes with (``quant``, ``global_scales``),
+    all on the model's device."""
 
     def __init__(self, model: Transformer, config: TrainConfig, quant: QuantConfig, global_scales: dict[tuple[int, str], Tensor]):
         self.model = model.float().train()  # float32 master weights
-        self.config, self.quant, self.global_scales = config, quant, global_scales
+        self.device = next(model.parameters()).device
+        self.config, self.quant = config, quant
+        self.global_scales = {key: g.to(self.device) for key, g in global_scales.items()}
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay
         )
@@ -85,7 +89,7 @@ class Trainer:
         rollout's full capture, the training path's codes are compared with it
         (per-layer mismatch, codeword-difference histogram)."""
         cfg = self.config
-        batches = [SequenceBatch.of(mb) for mb in self.microbatches(trajectories)]
+        batches = [SequenceBatch.of(mb, self.device) for mb in self.microbatches(trajectories)]
         group = cfg.grad_accumulation or len(batches)
         group_tokens = [sum(int(b.response.sum()) for b in batches[i : i + group]) for i in range(0, len(batches), group)]
         total_tokens = sum(group_tokens)
@@ -100,7 +104,8 @@ class Trainer:
             mb_guidance = next(guidance)
             reload_s += time.perf_counter() - start
             recorder = self._recorder(batch, rollout_records) if rollout_records is not None else None
-            loss, logprobs, sites, loss_stats = self._loss(batch, mb_guidance, recorder, torch.tensor([adv[t] for t in batch.trajectories]))
+            mb_advantages = torch.tensor([adv[t] for t in batch.trajectories], device=self.device)
+            loss, logprobs, sites, loss_stats = self._loss(batch, mb_guidance, recorder, mb_advantages)
             tokens = int(batch.response.sum())
             (loss * tokens / group_tokens[index // group]).backward()
             if recorder is not None:
@@ -168,7 +173,7 @@ class Trainer:
         an update: log-prob alignment, and against the rollout's full capture the
         per-layer code mismatch, relative excess MSE and codeword-difference
         histogram (empty for methods whose training path does not quantize)."""
-        parts = [SequenceBatch.of(mb) for mb in self.microbatches(trajectories)]
+        parts = [SequenceBatch.of(mb, self.device) for mb in self.microbatches(trajectories)]
         guidance = iter(loader) if loader is not None else iter([None] * len(parts))
         tally, train_lp, rollout_lp = MismatchTally(), [], []
         for batch in parts:
@@ -185,7 +190,7 @@ class Trainer:
         """A capture of the training path's codes over the positions the rollout fed."""
         keep_inputs = any(t.inputs is not None for t in rollout.tables.values())
         config = CaptureConfig(max_tokens=batch.tokens.numel(), inputs=keep_inputs)
-        capture = Capture(self.model.cfg, self.quant, config, self.global_scales, kv_from_forward=True)
+        capture = Capture(self.model.cfg, self.quant, config, self.global_scales, self.device, kv_from_forward=True)
         capture.begin(TokenMap.of(batch.trajectories, batch.positions, batch.lengths - 1))  # the positions the rollout fed
         return capture
 
@@ -196,16 +201,19 @@ class Trainer:
         tensors = {f"{i}.{name}": t for i, s in state["state"].items() for name, t in s.items()}
         meta = {"step": self.step, "run_id": run_id, "param_groups": state["param_groups"]}
         files = {
-            OPTIMIZER_FILE: save_tensors({k: v.contiguous() for k, v in tensors.items()}),
+            OPTIMIZER_FILE: save_tensors({k: v.contiguous().cpu() for k, v in tensors.items()}),
             STATE_FILE: json.dumps(meta).encode(),
             **(extra or {}),
         }
         return save_model(self.model, path, extra=files)
 
     @classmethod
-    def from_checkpoint(cls, path, config: TrainConfig, quant: QuantConfig, global_scales: dict) -> "Trainer":
-        """A trainer resumed from a checkpoint written by :meth:`save` (the weights read once)."""
-        trainer = cls(load_model(path), config, quant, global_scales)
+    def from_checkpoint(
+        cls, path, config: TrainConfig, quant: QuantConfig, global_scales: dict, device: str | torch.device = "cpu"
+    ) -> "Trainer":
+        """A trainer on ``device`` resumed from a checkpoint written by :meth:`save`
+        (the weights read once; the optimizer state follows them to the device)."""
+        trainer = cls(load_model(path, device=device), config, quant, global_scales)
         trainer._load_optimizer(Path(path))
         return trainer
 

@@ -30,6 +30,7 @@ from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
 from tracefp4.components import model, ptq, qat, quant, tasks
+from tracefp4.components.device import DEVICE_PATTERN
 
 ModelPreset = Literal[tuple(model.PRESETS)]
 RolloutConfigName = Literal[quant.ROLLOUT_CONFIGS]
@@ -55,6 +56,7 @@ PATTERN_HINTS = {
     K8S_CPU: "must be a Kubernetes CPU quantity such as '2', '0.5' or '500m'",
     K8S_MEMORY: "must be a Kubernetes memory quantity such as '8Gi', '512Mi' or '1G'",
     IMAGE: "must be a container image reference such as 'ghcr.io/org/name:tag'",
+    DEVICE_PATTERN: "must be 'auto', 'cpu', 'cuda' or 'cuda:N'",
 }
 
 
@@ -343,8 +345,14 @@ class Toleration(_Section):
 
 
 class ResourcesConfig(_Section):
-    """Resources each pipeline step requests in the cluster (ignored by local runs)."""
+    """Cluster resources of each pipeline step (ignored by local runs), and the device every step computes on."""
 
+    device: str = Field(
+        default="auto",
+        pattern=DEVICE_PATTERN,
+        description="Device of every step (policy, rollout engine, KV cache, capture, trainer): auto (CUDA when torch "
+        "sees a GPU, else CPU), cpu, cuda or cuda:N. A CUDA device the step's machine lacks fails the step at its start.",
+    )
     cpu: str = Field(default="2", pattern=K8S_CPU, description="CPU request/limit (Kubernetes quantity: '2', '500m').")
     memory: str = Field(default="8Gi", pattern=K8S_MEMORY, description="Memory request/limit ('8Gi', '512Mi').")
     gpus: int = Field(default=0, ge=0, le=64, description="Accelerators per step.")

@@ -1,0 +1,182 @@
+"""``resources.device`` reaches every step, a CUDA device the machine lacks
+stops each step before any work, artifacts are CPU tensors; and bf16 matmuls
+on a CPU without bf16 units run in fp32 with bf16 values."""
+
+import json
+
+import pydantic
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from tracefp4.components import device, evaluation, steps
+from tracefp4.components.guidance import GuidanceRef
+from tracefp4.components.model import build_model
+from tracefp4.components.quant import QuantConfig
+from tracefp4.components.trainer import OPTIMIZER_FILE, TrainConfig, Trainer, read_state
+from tracefp4.schemas import RunConfig, get_preset
+
+RUN = "run-d"
+needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
+
+
+def smoke(tmp_path, device_spec: str) -> RunConfig:
+    data = get_preset("smoke").model_dump()
+    data["bootstrap"]["enabled"] = False
+    data["resources"]["device"] = device_spec
+    data["store"]["uri"] = (tmp_path / "store").as_uri()
+    return RunConfig.model_validate(data)
+
+
+def test_the_schema_takes_device_names_only(tmp_path):
+    for spec in ("auto", "cpu", "cuda", "cuda:3"):  # validation never asks the machine: it may not be the one that runs
+        assert smoke(tmp_path, spec).resources.device == spec
+    for spec in ("gpu", "cuda:", "CUDA", "cuda:0:1", "mps"):
+        with pytest.raises(pydantic.ValidationError, match="device"):
+            smoke(tmp_path, spec)
+    assert get_preset("smoke").resources.device == "auto"
+
+
+def test_resolve():
+    assert device.resolve("cpu") == torch.device("cpu")
+    assert device.resolve("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    with pytest.raises(ValueError, match="resources.device"):
+        device.resolve("tpu")
+
+
+@needs_no_gpu
+@pytest.mark.parametrize("spec", ["cuda", "cuda:1"])
+def test_cuda_without_a_gpu_names_the_setting_and_what_torch_sees(spec):
+    with pytest.raises(RuntimeError, match=rf"resources.device is '{spec}', but .*(without CUDA|no CUDA device)"):
+        device.resolve(spec)
+
+
+@needs_no_gpu
+def test_every_step_fails_on_a_missing_gpu_before_any_work(tmp_path):
+    """Every input path is missing: a step that did any work first (reading its
+    policy, trajectories or store) would fail on that instead."""
+    config = smoke(tmp_path, "cuda")
+    missing = tmp_path / "missing"
+    ref = GuidanceRef(RUN, 0, 0, QuantConfig(), {})
+    calls = {
+        "prepare": lambda: steps.prepare(config, tmp_path / "out", RUN),
+        "rollout": lambda: steps.rollout(config, missing, 0, tmp_path / "t.jsonl", RUN),
+        "compaction": lambda: steps.compaction(config, missing, missing, 0, RUN),
+        "train": lambda: steps.train(config, missing, missing, ref, tmp_path / "out", RUN),
+        "run_round": lambda: steps.run_round(config, missing, 0, tmp_path / "out", tmp_path, RUN),
+        "evaluate": lambda: evaluation.evaluate(config, missing, missing),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match="resources.device is 'cuda'"):
+            call()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, no store created
+
+
+def test_a_round_on_the_cpu_writes_device_independent_artifacts(tmp_path):
+    config = smoke(tmp_path, "cpu")
+    steps.prepare(config, tmp_path / "p0", RUN)
+    history = steps.run_round(config, tmp_path / "p0", 0, tmp_path / "p1", tmp_path, RUN)
+    assert history[0]["step"] == 1 and read_state(tmp_path / "p1")["step"] == 1
+    with safe_open(tmp_path / "p1" / OPTIMIZER_FILE, framework="pt") as f:
+        assert f.keys() and all(f.get_tensor(k).device.type == "cpu" for k in f.keys())
+    header = json.loads((tmp_path / "trajectories-0.jsonl").read_text().splitlines()[0])["header"]
+    assert header["global_scales"] and all(isinstance(g, float) for g in header["global_scales"].values())
+    trainer = Trainer.from_checkpoint(tmp_path / "p1", TrainConfig(), QuantConfig(), {}, device="cpu")
+    assert {t.device for s in trainer.optimizer.state.values() for t in s.values()} == {torch.device("cpu")}
+    result = evaluation.evaluate(config, tmp_path / "p1")
+    assert {row["rollout"] for row in result["accuracy"]} == set(config.evaluation.rollout_configs)
+
+
+# -- bf16 on a CPU without bf16 units ------------------------------------------
+
+AVX2_EPYC = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7B13
+flags\t\t: fpu sse2 avx avx2 fma bmi2
+"""
+SAPPHIRE_RAPIDS = "model name\t: Intel(R) Xeon(R) Platinum 8481C\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\nCPU part\t: 0xd40\n"
+
+
+def test_cpuinfo_tells_native_bf16():
+    model, flags = device.parse_cpuinfo(AVX2_EPYC)
+    assert model == "AMD EPYC 7B13" and not device.cpu_bf16_native(flags)
+    assert device.cpu_bf16_native(device.parse_cpuinfo(SAPPHIRE_RAPIDS)[1])
+    assert device.cpu_bf16_native(device.parse_cpuinfo(GRAVITON3)[1])
+
+
+def test_the_env_variable_forces_the_mode(monkeypatch):
+    seen = []
+
+    def matmul(a, b):  # records the dtype the matmul computes in
+        seen.append(a.dtype)
+        return a @ b
+
+    a, b = torch.ones(2, 3, dtype=torch.bfloat16), torch.ones(3, 2, dtype=torch.bfloat16)
+    monkeypatch.setenv(device.CPU_BF16_ENV, "emulate")
+    assert device.bf16_emulated() and device.cpu_kind()["cpu_bf16"] == "emulated"
+    assert device.bf16_op(matmul, a, b).dtype == torch.bfloat16 and seen.pop() == torch.float32
+    device.bf16_op(matmul, a.float(), b.float())  # float32 stays float32, untouched
+    assert seen.pop() == torch.float32
+    monkeypatch.setenv(device.CPU_BF16_ENV, "native")
+    assert not device.bf16_emulated() and device.cpu_kind()["cpu_bf16"] == "native"
+    assert device.bf16_op(matmul, a, b).dtype == torch.bfloat16 and seen.pop() == torch.bfloat16
+    monkeypatch.setenv(device.CPU_BF16_ENV, "auto")
+    assert device.bf16_emulated() == (not device.cpu_bf16_native())
+    monkeypatch.setenv(device.CPU_BF16_ENV, "fast")
+    with pytest.raises(ValueError, match="TRACEFP4_CPU_BF16"):
+        device.bf16_emulated()
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Distance in bf16 units in the last place (same-sign values)."""
+    return (a.view(torch.int16).int() - b.view(torch.int16).int()).abs()
+
+
+MATMULS = [
+    (F.linear, [(37, 96), (80, 96), (80,)]),
+    (torch.bmm, [(4, 19, 64), (4, 64, 48)]),
+    (torch.matmul, [(3, 2, 40, 32), (3, 2, 32, 5)]),
+]
+
+
+@pytest.mark.parametrize("op, shapes", MATMULS)
+def test_emulated_bf16_matmul_is_a_bf16_matmul_up_to_accumulation_order(op, shapes, monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    args = [torch.randn(s, generator=gen).bfloat16() for s in shapes]
+    monkeypatch.setenv(device.CPU_BF16_ENV, "native")
+    native = device.bf16_op(op, *args)
+    monkeypatch.setenv(device.CPU_BF16_ENV, "emulate")
+    emulated = device.bf16_op(op, *args)
+    assert emulated.dtype == torch.bfloat16 and torch.equal(emulated, op(*(a.float() for a in args)).bfloat16())
+    same_sign = native.sign() == emulated.sign()
+    assert same_sign.float().mean() > 0.99 and _ulps(native[same_sign], emulated[same_sign]).max() <= 1
+
+
+def test_emulation_under_autocast_rounds_operands_as_autocast_does(monkeypatch):
+    """Training's BF16 autocast over float32 master weights: the same values as autocast's bf16 linear."""
+    gen = torch.Generator().manual_seed(1)
+    x, w = torch.randn(33, 64, generator=gen, requires_grad=True), torch.randn(48, 64, generator=gen)
+    monkeypatch.setenv(device.CPU_BF16_ENV, "emulate")
+    with torch.autocast("cpu", torch.bfloat16):
+        emulated = device.bf16_op(F.linear, x, w)
+        native = F.linear(x, w)
+    assert emulated.dtype == native.dtype == torch.bfloat16
+    assert torch.equal(emulated, F.linear(x.bfloat16().float(), w.bfloat16().float()).bfloat16())
+    assert _ulps(native, emulated).max() <= 1
+    emulated.float().sum().backward()  # gradients still reach the float32 input
+    assert x.grad is not None and x.grad.dtype == torch.float32
+
+
+def test_a_bf16_model_forward_emulated_matches_native(monkeypatch):
+    model = build_model("smoke", seed=0, dtype=torch.bfloat16)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(12).expand(2, 12)
+    logits = {}
+    for mode in ("native", "emulate"):
+        monkeypatch.setenv(device.CPU_BF16_ENV, mode)
+        with torch.no_grad():
+            logits[mode] = model(tokens, positions).float()
+    assert torch.allclose(logits["native"], logits["emulate"], atol=0.02, rtol=0.02)
+    assert logits["native"].argmax(-1).eq(logits["emulate"].argmax(-1)).float().mean() > 0.9
