@@ -2,13 +2,16 @@
 steps: a local folder or an S3 bucket (MinIO, SeaweedFS, AWS) behind one small
 interface. Writes are atomic, and S3 calls retry transient failures a bounded
 number of times, so a flaky object store slows a step down instead of breaking it.
+A bucket that does not exist is an error unless asked to create it, so a typo
+in its name does not scatter a run's artifacts into a new bucket; a server that
+cannot be reached, or that does not speak the TLS the endpoint asks for, fails
+naming the endpoint and the likely cause.
 """
 
 import contextlib
 import io
 import logging
 import os
-import shutil
 import tempfile
 import time
 from abc import ABC, abstractmethod
@@ -30,6 +33,8 @@ _TMP_SUFFIX = ".partial"  # temp files of atomic writes: ".<name>.<random>.parti
 _MAX_BACKOFF_S = 5.0
 _MIN_PART = 5 * 2**20  # S3's smallest multipart part
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"}
+# what OpenSSL says when the other side answers a TLS hello with something else, plain HTTP most likely
+_NOT_TLS = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "UNKNOWN_PROTOCOL")
 _TRANSIENT_ERRORS = (
     urllib3.exceptions.TimeoutError,  # connect/read timeouts, connection refused
     urllib3.exceptions.ProtocolError,  # connection reset or dropped mid-response
@@ -96,28 +101,12 @@ class ArtifactStore(ABC):
         """Store ``data`` under ``key``; readers see the whole object or nothing."""
 
     @abstractmethod
-    def put_file(self, key: str, path: str | os.PathLike) -> None:
-        """Stream the file at ``path`` to ``key``."""
-
-    @abstractmethod
     def get_bytes(self, key: str) -> bytes:
         """Return the object; ArtifactNotFound if it is missing."""
 
     @abstractmethod
-    def get_file(self, key: str, path: str | os.PathLike) -> None:
-        """Stream the object to ``path`` (temp file, then rename)."""
-
-    @abstractmethod
-    def exists(self, key: str) -> bool:
-        """Whether ``key`` holds an object."""
-
-    @abstractmethod
     def list(self, prefix: str = "") -> list[str]:
         """Sorted keys starting with ``prefix``."""
-
-    @abstractmethod
-    def delete(self, key: str) -> None:
-        """Remove ``key``; a missing key is not an error."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
@@ -143,14 +132,6 @@ class LocalStore(ArtifactStore):
         except OSError as e:
             raise self._error("put", key, e) from e
 
-    def put_file(self, key: str, path: str | os.PathLike) -> None:
-        dest = self._path(key)
-        try:
-            with open(path, "rb") as src:
-                _write_atomic(dest, lambda f: shutil.copyfileobj(src, f, 2**20))
-        except OSError as e:
-            raise self._error("put", key, e) from e
-
     def get_bytes(self, key: str) -> bytes:
         path = self._path(key)
         try:
@@ -159,21 +140,6 @@ class LocalStore(ArtifactStore):
             raise ArtifactNotFound(f"{self.uri}: no artifact {key!r}") from None
         except OSError as e:
             raise self._error("get", key, e) from e
-
-    def get_file(self, key: str, path: str | os.PathLike) -> None:
-        src_path = self._path(key)
-        try:
-            with open(src_path, "rb") as src:
-                _write_atomic(Path(path), lambda f: shutil.copyfileobj(src, f, 2**20))
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:
-            if not src_path.is_file():
-                raise ArtifactNotFound(f"{self.uri}: no artifact {key!r}") from None
-            raise self._error("get", key, e) from e
-        except OSError as e:
-            raise self._error("get", key, e) from e
-
-    def exists(self, key: str) -> bool:
-        return self._path(key).is_file()
 
     def list(self, prefix: str = "") -> list[str]:
         check_key(prefix, allow_empty=True)
@@ -187,12 +153,6 @@ class LocalStore(ArtifactStore):
                 if key.startswith(prefix):
                     keys.append(key)
         return sorted(keys)
-
-    def delete(self, key: str) -> None:
-        try:
-            self._path(key).unlink(missing_ok=True)
-        except OSError as e:
-            raise self._error("delete", key, e) from e
 
 
 def _s3_settings(uri: str, env: Mapping[str, str]) -> dict:
@@ -228,7 +188,8 @@ def _s3_settings(uri: str, env: Mapping[str, str]) -> dict:
 
 
 class S3Store(ArtifactStore):
-    """A bucket plus optional prefix on an S3 server; the bucket is created if missing."""
+    """A bucket plus optional prefix on an S3 server. A missing bucket is a
+    StoreError unless ``create_bucket``: a typo must not write to a new bucket."""
 
     def __init__(
         self,
@@ -240,6 +201,7 @@ class S3Store(ArtifactStore):
         part_size: int = 16 * 2**20,
         retries: int = 5,
         backoff_s: float = 0.2,
+        create_bucket: bool = False,
     ):
         if part_size < _MIN_PART:
             raise ValueError(f"part_size must be at least 5 MiB (S3's minimum part), got {part_size}")
@@ -256,6 +218,7 @@ class S3Store(ArtifactStore):
         self.retries = retries
         self.backoff_s = backoff_s
         settings = _s3_settings(self.uri, os.environ if env is None else env)
+        self.endpoint = f"{'https' if settings['secure'] else 'http'}://{settings['endpoint']}"
         self._secrets = (settings["access_key"], settings["secret_key"])
         http = urllib3.PoolManager(
             timeout=urllib3.Timeout(connect=2.0, read=30.0),
@@ -265,15 +228,19 @@ class S3Store(ArtifactStore):
             ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),
         )
         self._client = Minio(**settings, http_client=http)
-        self._call("open bucket", "", self._ensure_bucket)
+        if not self._call("open bucket", "", lambda: self._client.bucket_exists(self.bucket)):
+            if not create_bucket:
+                raise StoreError(
+                    f"{self.uri}: bucket {bucket!r} does not exist at {self.endpoint}; check its name, "
+                    "or set store.create_bucket: true to create it"
+                )
+            self._call("create bucket", "", self._make_bucket)
 
-    def _ensure_bucket(self) -> None:
-        if self._client.bucket_exists(self.bucket):
-            return
+    def _make_bucket(self) -> None:
         try:
             self._client.make_bucket(self.bucket)
         except S3Error as e:
-            if e.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+            if e.code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):  # another step won the race
                 raise
 
     def _name(self, key: str) -> str:
@@ -304,14 +271,38 @@ class S3Store(ArtifactStore):
                 reason = f"HTTP {status}: {e}"
                 if status < 500:
                     raise StoreError(self._scrub(f"{where} failed: {reason}")) from e
+            except urllib3.exceptions.SSLError as e:  # before _TRANSIENT_ERRORS: a handshake does not heal
+                raise StoreError(self._scrub(f"{where} failed: {self._tls_problem(e)}")) from e
             except _TRANSIENT_ERRORS as e:
                 reason = f"{type(e).__name__}: {e}"
+                if isinstance(e, urllib3.exceptions.NameResolutionError):
+                    reason += f" (the host of {self.endpoint} does not resolve: check TRACEFP4_S3_ENDPOINT)"
+                elif isinstance(e, urllib3.exceptions.ConnectTimeoutError):  # refused, or no answer at all
+                    reason += f" (nothing answers at {self.endpoint}: is the S3 server up, and the endpoint right?)"
             reason = self._scrub(reason)
             if attempt + 1 < attempts:
                 delay = min(self.backoff_s * 2**attempt, _MAX_BACKOFF_S)
-                log.warning("%s: attempt %d/%d failed (%s); retrying in %.2f s", where, attempt + 1, attempts, reason, delay)
+                log.warning(
+                    "%s: attempt %d/%d failed (%s); retrying in %.2f s", where, attempt + 1, attempts, reason, delay
+                )
                 time.sleep(delay)
         raise StoreError(f"{where} failed after {attempts} attempts; last error: {reason}")
+
+    def _tls_problem(self, e: urllib3.exceptions.SSLError) -> str:
+        """The TLS failure in words, with the endpoint and its likely cause."""
+        text = str(e)
+        if any(marker in text for marker in _NOT_TLS):
+            plain = self.endpoint.replace("https://", "http://", 1)
+            return (
+                f"https endpoint {self.endpoint} answered without TLS, most likely plain HTTP: use {plain} "
+                f"(or TRACEFP4_S3_SECURE=0), or fix the server's TLS ({text})"
+            )
+        if "CERTIFICATE_VERIFY_FAILED" in text:
+            return (
+                f"the TLS certificate of {self.endpoint} is not trusted: set SSL_CERT_FILE to the CA bundle "
+                f"that signed it ({text})"
+            )
+        return f"TLS with {self.endpoint} failed ({text})"
 
     def put_bytes(self, key: str, data: bytes) -> None:
         name = self._name(key)
@@ -319,10 +310,6 @@ class S3Store(ArtifactStore):
             "put", key,
             lambda: self._client.put_object(self.bucket, name, io.BytesIO(data), len(data), part_size=self.part_size),
         )
-
-    def put_file(self, key: str, path: str | os.PathLike) -> None:
-        name = self._name(key)
-        self._call("put", key, lambda: self._client.fput_object(self.bucket, name, os.fspath(path), part_size=self.part_size))
 
     def get_bytes(self, key: str) -> bytes:
         name = self._name(key)
@@ -337,27 +324,6 @@ class S3Store(ArtifactStore):
 
         return self._call("get", key, get)
 
-    def get_file(self, key: str, path: str | os.PathLike) -> None:
-        name = self._name(key)
-
-        def get() -> None:
-            response = self._client.get_object(self.bucket, name)
-            try:
-                _write_atomic(Path(path), lambda f: shutil.copyfileobj(response, f, 2**20))
-            finally:
-                response.close()
-                response.release_conn()
-
-        self._call("get", key, get)
-
-    def exists(self, key: str) -> bool:
-        name = self._name(key)
-        try:
-            self._call("stat", key, lambda: self._client.stat_object(self.bucket, name))
-        except ArtifactNotFound:
-            return False
-        return True
-
     def list(self, prefix: str = "") -> list[str]:
         check_key(prefix, allow_empty=True)
         root = f"{self.prefix}/" if self.prefix else ""
@@ -368,10 +334,6 @@ class S3Store(ArtifactStore):
 
         return sorted(name[len(root):] for name in self._call("list", prefix, names))
 
-    def delete(self, key: str) -> None:
-        name = self._name(key)
-        self._call("delete", key, lambda: self._client.remove_object(self.bucket, name))
-
 
 def open_store(
     uri: str,
@@ -380,10 +342,13 @@ def open_store(
     retries: int = 5,
     backoff_s: float = 0.2,
     env: Mapping[str, str] | None = None,
+    create_bucket: bool = False,
 ) -> ArtifactStore:
     """Open ``file:///path`` (or a plain path) as a LocalStore, ``s3://bucket/prefix``
     or ``minio://bucket/prefix`` as an S3Store. S3 settings come from ``env``,
-    which defaults to ``os.environ`` (tests pass their own mapping)."""
+    which defaults to ``os.environ`` (tests pass their own mapping); a missing
+    bucket is an error unless ``create_bucket`` (store.create_bucket). A local
+    folder is always created on the first write."""
     if "://" not in uri:
         if not uri:
             raise ValueError("empty store URI")
@@ -405,7 +370,7 @@ def open_store(
             raise ValueError(f"bad store URI {uri!r}: {e}") from None
         return S3Store(
             parts.netloc, prefix, scheme=parts.scheme, env=env,
-            part_size=part_size, retries=retries, backoff_s=backoff_s,
+            part_size=part_size, retries=retries, backoff_s=backoff_s, create_bucket=create_bucket,
         )
     raise ValueError(
         f"unsupported store URI {uri!r}: use file:///absolute/path, a plain path, "

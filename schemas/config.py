@@ -288,6 +288,11 @@ class StoreConfig(_Section):
         description="S3 endpoint the pipeline's pods use (http(s)://host:port), set as TRACEFP4_S3_ENDPOINT; "
         "none: the pods' own environment.",
     )
+    create_bucket: bool = Field(
+        default=False,
+        description="Create the S3 bucket of `uri` if it does not exist. Off, a missing bucket is an error, so that "
+        "a typo in its name does not send the run's artifacts to a new bucket.",
+    )
     secret_name: str = Field(
         default="mlpipeline-minio-artifact",
         pattern=DNS_SUBDOMAIN,

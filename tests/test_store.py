@@ -1,14 +1,24 @@
 """Artifact store: both backends against real storage (a folder, and SeaweedFS
-S3 from the s3_server plugin), including retries across a server restart."""
+S3 from the s3_server plugin), including retries across a server restart, a
+missing bucket, and endpoints that are wrong about TLS."""
 
+import contextlib
+import datetime
 import hashlib
+import ipaddress
 import logging
 import os
+import socket
+import ssl
 import threading
 import time
 import uuid
 
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from tracefp4.components.store import (
     ArtifactNotFound,
@@ -33,23 +43,20 @@ def store(request, tmp_path):
 
 
 def test_round_trip(store):
-    assert not store.exists("a.bin")
+    assert store.list() == []
     store.put_bytes("a.bin", b"one")
     store.put_bytes("dir/b.bin", b"")
     store.put_bytes("dir/sub/c.bin", bytes(range(256)) * 100)
     assert store.get_bytes("a.bin") == b"one"
     assert store.get_bytes("dir/b.bin") == b""
     assert store.get_bytes("dir/sub/c.bin") == bytes(range(256)) * 100
-    assert store.exists("a.bin") and store.exists("dir/sub/c.bin")
-    assert not store.exists("dir")  # a "folder" is not an artifact
-    assert store.list() == ["a.bin", "dir/b.bin", "dir/sub/c.bin"]
+    assert store.list() == ["a.bin", "dir/b.bin", "dir/sub/c.bin"]  # a "folder" is not an artifact
+    with pytest.raises(ArtifactNotFound):
+        store.get_bytes("dir")
 
     store.put_bytes("a.bin", b"two")  # overwrite
     assert store.get_bytes("a.bin") == b"two"
-    store.delete("a.bin")
-    store.delete("a.bin")  # missing: no error
-    assert not store.exists("a.bin")
-    assert store.list() == ["dir/b.bin", "dir/sub/c.bin"]
+    assert store.list() == ["a.bin", "dir/b.bin", "dir/sub/c.bin"]
 
 
 def test_list_prefixes_sorted(store):
@@ -64,14 +71,11 @@ def test_list_prefixes_sorted(store):
     assert store.list("nothing/") == []
 
 
-def test_missing_key(store, tmp_path):
+def test_missing_key(store):
     with pytest.raises(ArtifactNotFound, match="nope/x.bin") as info:
         store.get_bytes("nope/x.bin")
     assert store.uri in str(info.value)
     assert isinstance(info.value, KeyError) and isinstance(info.value, StoreError)
-    with pytest.raises(ArtifactNotFound):
-        store.get_file("nope/x.bin", tmp_path / "out.bin")
-    assert not (tmp_path / "out.bin").exists()
 
 
 @pytest.mark.parametrize("key", ["", "/abs", "a/../b", "..", "a//b", "./a", "a/", "a\\b"])
@@ -82,30 +86,14 @@ def test_bad_keys(store, key):
         store.get_bytes(key)
 
 
-def test_file_round_trip(store, tmp_path):
-    src = tmp_path / "src.bin"
-    data = os.urandom(3 * MiB + 5)
-    src.write_bytes(data)
-    store.put_file("ckpt/model.bin", src)
-    dst = tmp_path / "out" / "model.bin"
-    store.get_file("ckpt/model.bin", dst)
-    assert dst.read_bytes() == data
-    assert [p.name for p in dst.parent.iterdir()] == ["model.bin"]  # no temp file left
-
-
-def test_s3_multipart_file(s3_server, tmp_path):
+def test_s3_multipart_upload(s3_server):
     store = s3_server.store(_prefix(), part_size=5 * MiB)
-    src = tmp_path / "big.bin"
     data = os.urandom(12 * MiB + 123)
-    src.write_bytes(data)
-    store.put_file("big.bin", src)
+    store.put_bytes("big.bin", data)
     # 3 parts of <= 5 MiB: S3 multipart ETags end in "-<parts>"
     stat = store._client.stat_object(s3_server.bucket, f"{store.prefix}/big.bin")
     assert stat.etag.endswith("-3") and stat.size == len(data)
-    dst = tmp_path / "back.bin"
-    store.get_file("big.bin", dst)
-    assert hashlib.sha256(dst.read_bytes()).digest() == hashlib.sha256(data).digest()
-    assert store.get_bytes("big.bin") == data
+    assert hashlib.sha256(store.get_bytes("big.bin")).digest() == hashlib.sha256(data).digest()
 
 
 def test_bad_uris(tmp_path):
@@ -152,11 +140,74 @@ def test_env_from_process_and_aws_fallback(s3_env, monkeypatch):
     assert open_store(store.uri.replace("s3://", "minio://")).get_bytes("k") == b"v"
 
 
-def test_new_bucket_is_created(s3_server):
-    store = open_store(f"s3://fresh-{uuid.uuid4().hex[:8]}/p", env=s3_server.env)
+def test_missing_bucket_is_an_error_unless_create_bucket(s3_server):
+    bucket = f"fresh-{uuid.uuid4().hex[:8]}"
+    with pytest.raises(StoreError) as info:
+        open_store(f"s3://{bucket}/p", env=s3_server.env)
+    assert str(info.value) == (
+        f"s3://{bucket}/p: bucket '{bucket}' does not exist at http://{s3_server.endpoint}; check its name, "
+        "or set store.create_bucket: true to create it"
+    )
+    assert not s3_server.store()._client.bucket_exists(bucket)  # nothing was created
+    store = open_store(f"s3://{bucket}/p", env=s3_server.env, create_bucket=True)
     assert isinstance(store, S3Store)
     store.put_bytes("k", b"v")
-    assert store.list() == ["k"]
+    assert open_store(f"s3://{bucket}/p", env=s3_server.env).list() == ["k"]  # it exists now: no flag needed
+
+
+def test_https_endpoint_on_a_plain_http_server_says_so(s3_server):
+    env = dict(s3_server.env, TRACEFP4_S3_ENDPOINT=f"https://{s3_server.endpoint}", TRACEFP4_S3_SECURE="")
+    start = time.monotonic()
+    with pytest.raises(StoreError) as info:
+        open_store(s3_server.uri("p"), env=env, retries=5, backoff_s=1.0)
+    assert time.monotonic() - start < 3.0  # a handshake does not heal: not retried
+    assert str(info.value).startswith(
+        f"{s3_server.uri('p')}: open bucket failed: https endpoint https://{s3_server.endpoint} answered without "
+        f"TLS, most likely plain HTTP: use http://{s3_server.endpoint} (or TRACEFP4_S3_SECURE=0), or fix the "
+        "server's TLS ("
+    )
+    env["TRACEFP4_S3_SECURE"] = "0"  # the same endpoint with TLS turned off works
+    assert open_store(s3_server.uri("p"), env=env).uri == s3_server.uri("p")
+
+
+def test_untrusted_certificate_says_so(s3_server, tmp_path):
+    cert, key = _self_signed(tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+
+        def handshake():  # a TLS server whose certificate the client does not trust
+            conn, _ = listener.accept()
+            with contextlib.suppress(ssl.SSLError, OSError):
+                context.wrap_socket(conn, server_side=True).close()
+            conn.close()
+
+        thread = threading.Thread(target=handshake, daemon=True)
+        thread.start()
+        env = dict(s3_server.env, TRACEFP4_S3_ENDPOINT=f"https://127.0.0.1:{port}", TRACEFP4_S3_SECURE="")
+        with pytest.raises(StoreError, match=rf"the TLS certificate of https://127.0.0.1:{port} is not trusted: "
+                           r"set SSL_CERT_FILE to the CA bundle that signed it \(.*CERTIFICATE_VERIFY_FAILED"):
+            open_store("s3://bucket/p", env=env, retries=0)
+        thread.join(10)
+
+
+def _self_signed(folder):
+    """A certificate for 127.0.0.1 signed by itself, and its key, as PEM files."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+        .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
+        .sign(key, hashes.SHA256())
+    )
+    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "key.pem").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return folder / "cert.pem", folder / "key.pem"
 
 
 def test_wrong_credentials_fail_fast_without_leaking(s3_server):
@@ -193,8 +244,9 @@ def test_server_down_gives_up_then_retries_across_restart(s3_server, caplog):
     try:
         # down, small budget: gives up quickly and says how many attempts failed
         start = time.monotonic()
-        with pytest.raises(StoreError, match=r"put 'x.bin' failed after 3 attempts; last error: .*refused"):
+        with pytest.raises(StoreError, match=r"put 'x.bin' failed after 3 attempts; last error: .*refused") as info:
             store.put_bytes("x.bin", b"x")
+        assert f"(nothing answers at http://{s3_server.endpoint}: is the S3 server up" in str(info.value)
         with pytest.raises(StoreError, match=r"open bucket failed after 3 attempts"):
             s3_server.store("p", retries=2, backoff_s=0.01)
         assert time.monotonic() - start < 3.0
@@ -213,7 +265,7 @@ def test_server_down_gives_up_then_retries_across_restart(s3_server, caplog):
         if not s3_server.running:
             s3_server.start()
     assert store.get_bytes("y.bin") == data
-    assert not store.exists("x.bin")
+    assert "x.bin" not in store.list()
     assert "attempt 1/9 failed" in caplog.text
     assert s3_server.secret_key not in caplog.text and s3_server.access_key not in caplog.text
 
