@@ -64,6 +64,10 @@ def step_device(config: RunConfig) -> torch.device:
     return resolve(config.resources.device)
 
 
+def _store(config: RunConfig):
+    return open_store(config.store.uri, create_bucket=config.store.create_bucket)
+
+
 def compute_dtype(config: RunConfig) -> torch.dtype:
     return getattr(torch, config.model.dtype)
 
@@ -209,7 +213,7 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
         seconds = engine.capture.seconds
         stats.update(capture_overhead_ratio=seconds["capture"] / stats["rollout_seconds"], offload_seconds=seconds["offload"])
         start = time.perf_counter()
-        write_step(open_store(config.store.uri), records, rl_step=round_index, policy_version=version,
+        write_step(_store(config), records, rl_step=round_index, policy_version=version,
                    top_k=engine.model.cfg.top_k, prefix=store_prefix(config, run_id, "guidance" if _inline(config) else "capture"),
                    trajectories_per_shard=config.guidance.trajectories_per_shard, run_id=run_id)  # fmt: skip
         stats["upload_seconds"] = time.perf_counter() - start
@@ -265,7 +269,7 @@ def compaction(config: RunConfig, policy: Path, trajectories_file: Path, round_i
     if config.method != "trace":
         return ref, stats
     start = time.perf_counter()
-    store = open_store(config.store.uri)
+    store = _store(config)
     expect = {"run_id": run_id, "policy_version": header["policy_version"]}
     prefix = store_prefix(config, run_id, "guidance")
     if _inline(config):
@@ -311,7 +315,7 @@ def train(config: RunConfig, policy: Path, trajectories_file: Path, guidance: Gu
     if header["policy_version"] != trainer.step:
         raise RunMismatch(f"{trajectories_file}: rolled out by policy version {header['policy_version']}, "
                           f"the policy to train is version {trainer.step}")  # fmt: skip
-    store = open_store(config.store.uri)
+    store = _store(config)
     full = None
     if config.rl.measure_mismatch:
         full = read_step(store, round_index, store_prefix(config, run_id, "capture"),
