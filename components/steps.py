@@ -105,9 +105,9 @@ def prepare(config: RunConfig, out: Path, run_id: str = "") -> dict:
     tokenizer = load_tokenizer(config.model.checkpoint) if config.model.checkpoint else build_tokenizer()
     if tokenizer.get_vocab_size() > model.cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, the model only {model.cfg.vocab_size}")
-    layers = config.guidance.layers
-    if isinstance(layers, list) and max(layers) >= model.cfg.num_layers:
-        raise ValueError(f"guidance.layers: layer {max(layers)} does not exist; the model has {model.cfg.num_layers}")
+    problems = config.guided_layer_problems(model.cfg.num_layers, f"checkpoint {config.model.checkpoint}")
+    if problems:  # before any work
+        raise ValueError("\n".join(problems))
     stats = run_bootstrap(config, model, tokenizer) if config.bootstrap.enabled else {}
     trainer = Trainer(model, train_config(config), QuantConfig(), {})
     trainer.save(out, extra={FILENAME: tokenizer.to_str().encode()}, run_id=run_id)

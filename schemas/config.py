@@ -423,19 +423,17 @@ class RunConfig(_Section):
             )
         if self.rl.measure_mismatch and self.guidance.compaction != "offline":
             problems.append("rl.measure_mismatch: needs the rollout's full capture, so guidance.compaction offline")
-        problems += self._layers_exist()
+        if self.model.preset is not None:  # a checkpoint's depth is checked when prepare reads its config
+            problems += self.guided_layer_problems(model.PRESETS[self.model.preset].num_layers, f"model preset {self.model.preset}")
         if problems:
             raise ValueError("\n".join(problems))
         return self
 
-    def _layers_exist(self) -> list[str]:
-        """Guided layers against a preset model's depth (a checkpoint's is checked when prepare reads it)."""
-        if self.model.preset is None:
-            return []
-        depth = model.PRESETS[self.model.preset].num_layers
+    def guided_layer_problems(self, depth: int, model_name: str) -> list[str]:
+        """``guidance.layers`` against a model of ``depth`` layers, named ``model_name`` in the message."""
         layers = self.guidance.layers
         if isinstance(layers, list) and max(layers) >= depth:
-            return [f"guidance.layers: layer {max(layers)} does not exist; model preset {self.model.preset} has {depth}"]
+            return [f"guidance.layers: layer {max(layers)} does not exist; {model_name} has {depth}"]
         if isinstance(layers, int) and layers > depth:
-            return [f"guidance.layers: the deepest {layers} layers; model preset {self.model.preset} has {depth}"]
+            return [f"guidance.layers: the deepest {layers} layers; {model_name} has {depth}"]
         return []

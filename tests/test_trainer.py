@@ -169,3 +169,11 @@ def test_gradient_accumulation_groups_microbatches():
     assert stats["optimizer_steps"] == 2 and grouped.step == 1  # 4 microbatches, 2 per optimizer step
     whole = Trainer(build_model("smoke", seed=0), TrainConfig(method="qat", microbatch_size=2), engine.quant, engine.global_scales)
     assert whole.train_step(trajectories, torch.tensor([1.0, -1.0] * 4), None)["optimizer_steps"] == 1
+
+
+def test_prepare_checks_guided_layers_against_a_checkpoint_before_any_work(tmp_path):
+    steps.prepare(smoke(tmp_path, bootstrap={"enabled": False}), tmp_path / "base", RUN)
+    config = smoke(tmp_path, model={"preset": None, "checkpoint": str(tmp_path / "base")}, guidance={"layers": [0, 5]})
+    with pytest.raises(ValueError, match=f"guidance.layers: layer 5 does not exist; checkpoint {tmp_path / 'base'} has 2"):
+        steps.prepare(config, tmp_path / "p0", RUN)  # the bootstrap (enabled in smoke) never starts
+    assert not (tmp_path / "p0").exists()
