@@ -16,6 +16,11 @@ tensor shapes in the safetensors headers (read without reading the data); and
 every file read must lie inside the folder. A folder from elsewhere has no
 manifest and loads with a warning that it is unverified. The manifest guards
 against corruption, not against someone who rewrites it along with the data.
+
+A checkpoint in the artifact store (``s3://``, ``minio://``) is fetched into a
+local cache first (:func:`fetch`), keyed by its checksums, checked against
+them before it is renamed into place, and then loaded from there like any
+folder.
 """
 
 import hashlib
@@ -25,7 +30,10 @@ import math
 import os
 import re
 import shutil
+import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import unquote
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -33,12 +41,15 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from .model import MODEL_TYPES, ModelConfig, Transformer
+from .store import check_key, open_store
+from .tokenizer import FILENAME as TOKENIZER
 
 log = logging.getLogger("tracefp4.checkpoint")
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG = "config.json"
+CACHE_ENV = "TRACEFP4_CACHE_DIR"  # root of the local cache of checkpoints fetched from a store
 MANIFEST = "checksums.json"  # {"files": {name: {"size": bytes, "sha256": hex}}}, written last by save_model
 _MAX_SIZE = 2**24  # any config.json size above this is a typo or an attack: real models stay far below
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}  # safetensors' names of the weight dtypes we load
@@ -252,6 +263,15 @@ def _write_manifest(folder: Path) -> None:
     (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
 
 
+def _manifest_entries(data: bytes, where: object) -> dict[str, tuple[int, str]]:
+    """Each file's size and sha256 from the bytes of a :data:`MANIFEST` read from ``where``."""
+    try:
+        files = json.loads(data)["files"]
+        return {name: (int(e["size"]), str(e["sha256"])) for name, e in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
+        raise CheckpointError(f"{where}: not a checksum manifest ({type(e).__name__}: {e})") from None
+
+
 def _verify(folder: Path) -> None:
     """Check every file against :data:`MANIFEST`, so that a corrupt, truncated
     or partly copied checkpoint fails here, naming the file, instead of loading
@@ -261,12 +281,8 @@ def _verify(folder: Path) -> None:
     if not path.exists():
         log.warning("%s has no %s: loading it unverified (not saved by tracefp4)", folder, MANIFEST)
         return
-    try:
-        files = json.loads(_inside(folder, MANIFEST, "the manifest").read_text())["files"]
-        entries = [(name, int(e["size"]), str(e["sha256"])) for name, e in files.items()]
-    except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
-        raise CheckpointError(f"{path}: not a checksum manifest ({type(e).__name__}: {e})") from None
-    for name, size, digest in entries:
+    files = _manifest_entries(_inside(folder, MANIFEST, "the manifest").read_bytes(), path)
+    for name, (size, digest) in files.items():
         file = _inside(folder, name, MANIFEST)
         if not file.is_file():
             raise CheckpointError(f"{file}: listed in {MANIFEST} but missing")
@@ -443,3 +459,117 @@ def save_model(
     tmp.rename(folder)
     shutil.rmtree(old, ignore_errors=True)
     return folder
+
+
+def cache_dir() -> Path:
+    """Where :func:`fetch` keeps downloaded checkpoints: ``$TRACEFP4_CACHE_DIR/checkpoints``,
+    by default ``~/.cache/tracefp4/checkpoints`` (``$XDG_CACHE_HOME`` honoured)."""
+    root = os.environ.get(CACHE_ENV) or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "tracefp4")
+    return Path(root, "checkpoints")
+
+
+def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None) -> Path:
+    """The local folder of the checkpoint at ``uri``. A path or ``file://`` URI is
+    that folder. An ``s3://`` or ``minio://`` one (settings from ``store_env``,
+    default the environment) is downloaded once into :func:`cache_dir`, under a
+    name derived from the checksum manifest (or, for a checkpoint without one,
+    from the ETags of its objects), so that a later fetch of the same objects
+    downloads nothing. Downloaded files are checked against the manifest before
+    the folder is renamed into place: a corrupt or partial download is never
+    used. Without a manifest every shard the index names must be there, and
+    :func:`load_model` loads it with its unverified warning. Only the files
+    loading reads are fetched: the weights, config.json, the index, the
+    manifest's files and tokenizer.json."""
+    text = os.fspath(uri)
+    if "://" not in text:
+        return Path(text)
+    if text.startswith("file://"):  # file:///abs, file://localhost/abs, file://./relative
+        return Path(unquote(text.removeprefix("file://").removeprefix("localhost")))
+    store = open_store(text, env=store_env)
+    where = store.uri
+    listed = {key for key in store.list() if "/" not in key}  # the folder's own objects, not its subfolders'
+    have: dict[str, bytes] = {}  # small objects already read, written to the cache as read
+    entries: dict[str, tuple[int, str]] = {}
+    if MANIFEST in listed:
+        have[MANIFEST] = store.get_bytes(MANIFEST)
+        entries = _manifest_entries(have[MANIFEST], f"{where}/{MANIFEST}")
+        wanted = {MANIFEST, *entries}
+        for name in sorted(entries):
+            _flat(where, name, MANIFEST)
+            if name not in listed:
+                raise CheckpointError(f"{where}/{name}: listed in {MANIFEST} but missing from the store")
+    else:
+        wanted = _weights(store, listed, have)
+    wanted |= {TOKENIZER} & listed
+    unverified = sorted(wanted - set(entries) - {MANIFEST})  # keyed by their ETags instead of their checksums
+    material = {
+        "manifest": hashlib.sha256(have.get(MANIFEST, b"")).hexdigest(),
+        "files": {name: list(store.stat(name)) for name in unverified},
+    }
+    key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+    folder = cache_dir() / key
+    if folder.is_dir():
+        log.info("%s: cached at %s", where, folder)
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{key}.", suffix=".partial"))
+    try:
+        log.info("%s: downloading %d files into %s", where, len(wanted), folder)
+        for name in sorted(wanted):
+            if name in have:
+                (tmp / name).write_bytes(have[name])
+            else:
+                store.download(name, tmp / name)
+            if name in entries:
+                size, digest = _size_and_sha256(tmp / name)
+                if size != entries[name][0]:
+                    raise CheckpointError(f"{where}/{name}: {size} bytes, but {MANIFEST} says {entries[name][0]}")
+                if digest != entries[name][1]:
+                    raise CheckpointError(f"{where}/{name}: sha256 does not match {MANIFEST}: corrupt or changed")
+        os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the entry from the cache's other users
+        try:
+            tmp.rename(folder)
+        except OSError:
+            if not folder.is_dir():
+                raise
+            shutil.rmtree(tmp)  # another process fetched the same checkpoint first
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _flat(where: str, name: str, what: str) -> str:
+    """``name`` if it names an object of the checkpoint's own folder (no '/', '..')."""
+    if isinstance(name, str) and "/" in name:
+        raise CheckpointError(f"{where}: {what} names {name!r}, outside the folder")
+    try:
+        return check_key(name)
+    except ValueError:
+        raise CheckpointError(f"{where}: {what} names {name!r}, which is not a file name") from None
+
+
+def _weights(store, listed: set[str], have: dict[str, bytes]) -> set[str]:
+    """config.json and the weights of a checkpoint without a manifest: the index
+    and every shard it names (each must be in the store), or the single file."""
+    where = store.uri
+    if CONFIG not in listed:
+        raise FileNotFoundError(f"{where}/{CONFIG} does not exist")
+    if INDEX not in listed:
+        if SINGLE not in listed:
+            pickles = sorted(n for n in listed if n.endswith((".bin", ".pt")))
+            hint = f" (found pickle files {pickles}: convert them to safetensors)" if pickles else ""
+            raise FileNotFoundError(f"no {SINGLE} or {INDEX} at {where}{hint}")
+        return {CONFIG, SINGLE}
+    have[INDEX] = store.get_bytes(INDEX)
+    try:
+        weight_map = json.loads(have[INDEX])["weight_map"]
+        entries = list(weight_map.items())
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{where}/{INDEX}: not a safetensors index ({type(e).__name__}: {e})") from None
+    shards = set()
+    for tensor, shard in entries:
+        shards.add(_flat(where, shard, f"{INDEX} for tensor {tensor}"))
+        if shard not in listed:
+            raise CheckpointError(f"{where}/{shard}: missing from the store, but {INDEX} puts {tensor} there")
+    return {CONFIG, INDEX, *shards}

@@ -25,7 +25,7 @@ from tracefp4.schemas import RunConfig
 
 from . import bootstrap as sft
 from .capture import CaptureConfig, CaptureRecords
-from .checkpoint import load_model
+from .checkpoint import fetch, load_model
 from .device import resolve
 from .guidance import GuidanceRef, compact, compaction_report, encode_scales, read_step, select_layers, write_step
 from .mismatch import teacher_force
@@ -98,11 +98,12 @@ def prepare(config: RunConfig, out: Path, run_id: str = "") -> dict:
     figures (empty without one)."""
     device = step_device(config)
     out = Path(out)
-    if config.model.preset:
+    checkpoint = fetch(config.model.checkpoint) if config.model.checkpoint else None  # a store URI: downloaded, cached
+    if checkpoint is None:
         model = build_model(config.model.preset, seed=config.seed).to(device)
     else:
-        model = load_model(config.model.checkpoint, device=device)
-    tokenizer = load_tokenizer(config.model.checkpoint) if config.model.checkpoint else build_tokenizer()
+        model = load_model(checkpoint, device=device)
+    tokenizer = load_tokenizer(checkpoint) if checkpoint else build_tokenizer()
     if tokenizer.get_vocab_size() > model.cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, the model only {model.cfg.vocab_size}")
     problems = config.guided_layer_problems(model.cfg.num_layers, f"checkpoint {config.model.checkpoint}")

@@ -12,6 +12,7 @@ import contextlib
 import io
 import logging
 import os
+import shutil
 import tempfile
 import time
 from abc import ABC, abstractmethod
@@ -32,6 +33,7 @@ T = TypeVar("T")
 _TMP_SUFFIX = ".partial"  # temp files of atomic writes: ".<name>.<random>.partial"
 _MAX_BACKOFF_S = 5.0
 _MIN_PART = 5 * 2**20  # S3's smallest multipart part
+_CHUNK = 2**20  # download buffer: a multi-GB object streams to disk, it is never held in memory
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"}
 # what OpenSSL says when the other side answers a TLS hello with something else, plain HTTP most likely
 _NOT_TLS = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "UNKNOWN_PROTOCOL")
@@ -105,6 +107,16 @@ class ArtifactStore(ABC):
         """Return the object; ArtifactNotFound if it is missing."""
 
     @abstractmethod
+    def download(self, key: str, path: str | os.PathLike) -> None:
+        """Stream the object to the file ``path`` through a temp file beside it,
+        renamed into place when complete; ArtifactNotFound if it is missing."""
+
+    @abstractmethod
+    def stat(self, key: str) -> tuple[int, str]:
+        """The object's size in bytes and a tag that changes when it is rewritten
+        (S3's ETag; a file's modification time); ArtifactNotFound if it is missing."""
+
+    @abstractmethod
     def list(self, prefix: str = "") -> list[str]:
         """Sorted keys starting with ``prefix``."""
 
@@ -140,6 +152,29 @@ class LocalStore(ArtifactStore):
             raise ArtifactNotFound(f"{self.uri}: no artifact {key!r}") from None
         except OSError as e:
             raise self._error("get", key, e) from e
+
+    def download(self, key: str, path: str | os.PathLike) -> None:
+        try:
+            src = open(self._path(key), "rb")
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ArtifactNotFound(f"{self.uri}: no artifact {key!r}") from None
+        except OSError as e:
+            raise self._error("download", key, e) from e
+        try:
+            with src:
+                _write_atomic(Path(path), lambda f: shutil.copyfileobj(src, f, _CHUNK))
+        except OSError as e:
+            raise self._error("download", key, e) from e
+
+    def stat(self, key: str) -> tuple[int, str]:
+        path = self._path(key)
+        try:
+            info = path.stat()
+        except (FileNotFoundError, NotADirectoryError):
+            raise ArtifactNotFound(f"{self.uri}: no artifact {key!r}") from None
+        if not path.is_file():
+            raise ArtifactNotFound(f"{self.uri}: no artifact {key!r}")
+        return info.st_size, str(info.st_mtime_ns)
 
     def list(self, prefix: str = "") -> list[str]:
         check_key(prefix, allow_empty=True)
@@ -323,6 +358,29 @@ class S3Store(ArtifactStore):
                 response.release_conn()
 
         return self._call("get", key, get)
+
+    def download(self, key: str, path: str | os.PathLike) -> None:
+        name = self._name(key)
+
+        def get() -> None:  # a retry starts a fresh temp file: a dropped connection leaves nothing behind
+            response = self._client.get_object(self.bucket, name)
+            try:  # urllib3 checks the length against Content-Length: a short body raises, and is retried
+                _write_atomic(Path(path), lambda f: shutil.copyfileobj(response, f, _CHUNK))
+            finally:
+                response.close()
+                response.release_conn()
+
+        try:
+            self._call("download", key, get)
+        except StoreError:
+            raise
+        except OSError as e:  # the local side: a full disk, a folder we may not write
+            raise StoreError(f"{self.uri}: download {key!r} to {path} failed: {e}") from e
+
+    def stat(self, key: str) -> tuple[int, str]:
+        name = self._name(key)
+        info = self._call("stat", key, lambda: self._client.stat_object(self.bucket, name))
+        return info.size, info.etag
 
     def list(self, prefix: str = "") -> list[str]:
         check_key(prefix, allow_empty=True)

@@ -1,0 +1,159 @@
+"""Checkpoints from the artifact store: fetched from a real S3 server (SeaweedFS,
+the s3_server plugin) into a local cache keyed by their checksums, verified
+before use, and loaded by the prepare step."""
+
+import json
+import logging
+import uuid
+
+import pytest
+import torch
+
+from tracefp4.components import steps
+from tracefp4.components.checkpoint import INDEX, MANIFEST, CheckpointError, fetch, load_model, save_model
+from tracefp4.components.model import build_model
+from tracefp4.components.store import S3Store
+from tracefp4.components.tokenizer import FILENAME, build_tokenizer, load_tokenizer
+from tracefp4.schemas import load_config
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRACEFP4_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "checkpoints"
+
+
+@pytest.fixture
+def downloads(monkeypatch):
+    """Names of the objects S3Store.download fetched."""
+    names = []
+    real = S3Store.download
+
+    def counted(self, key, path):
+        names.append(key)
+        return real(self, key, path)
+
+    monkeypatch.setattr(S3Store, "download", counted)
+    return names
+
+
+def saved(tmp_path, seed=1, manifest=True):
+    model = build_model("smoke", seed=seed)
+    extra = {FILENAME: build_tokenizer().to_str().encode()}
+    folder = save_model(model, tmp_path / f"ckpt-{seed}", max_shard_bytes=100_000, extra=extra)
+    if not manifest:
+        (folder / MANIFEST).unlink()
+    return model, folder
+
+
+def upload(server, folder, skip=(), flip=None) -> str:
+    """``folder``'s files under a new prefix of the server's bucket; the byte in the middle of ``flip`` inverted."""
+    prefix = f"models/{uuid.uuid4().hex[:12]}"
+    store = server.store(prefix)
+    for path in sorted(folder.iterdir()):
+        data = bytearray(path.read_bytes())
+        if path.name == flip:
+            data[len(data) // 2] ^= 0xFF
+        if path.name not in skip:
+            store.put_bytes(path.name, bytes(data))
+    return server.uri(prefix)
+
+
+def shards(folder):
+    return sorted(set(json.loads((folder / INDEX).read_text())["weight_map"].values()))
+
+
+def logits(model):
+    tokens = torch.arange(12).view(2, 6)
+    with torch.no_grad():
+        return model(tokens, torch.arange(6).expand(2, 6))
+
+
+def test_s3_checkpoint_loads_like_the_original_and_a_second_fetch_downloads_nothing(tmp_path, s3_env, cache, downloads):
+    model, folder = saved(tmp_path)
+    assert len(shards(folder)) > 1
+    uri = upload(s3_env, folder)
+    local = fetch(uri)
+    assert local.parent == cache and sorted(downloads) == sorted(p.name for p in folder.iterdir() if p.name != MANIFEST)
+    assert sorted(p.name for p in local.iterdir()) == sorted(p.name for p in folder.iterdir())
+    assert torch.equal(logits(load_model(local)), logits(model))
+    assert load_tokenizer(local).to_str() == build_tokenizer().to_str()
+
+    downloads.clear()
+    mtimes = {p.name: p.stat().st_mtime_ns for p in local.iterdir()}
+    assert fetch(uri) == local and downloads == []  # the cache answers
+    assert {p.name: p.stat().st_mtime_ns for p in local.iterdir()} == mtimes
+    assert fetch(upload(s3_env, folder)) == local  # the same checkpoint elsewhere: same checksums, same cache entry
+    assert downloads == []
+
+
+def test_a_corrupt_shard_fails_naming_it_and_nothing_is_cached(tmp_path, s3_env, cache):
+    _, folder = saved(tmp_path)
+    bad = shards(folder)[0]
+    uri = upload(s3_env, folder, flip=bad)
+    with pytest.raises(CheckpointError, match=f"{uri}/{bad}: sha256 does not match {MANIFEST}"):
+        fetch(uri)
+    assert list(cache.iterdir()) == []  # neither a cache entry nor a partial download is left
+
+
+@pytest.mark.parametrize("manifest", [True, False])
+def test_a_missing_shard_fails_naming_it(tmp_path, s3_env, cache, manifest):
+    _, folder = saved(tmp_path, manifest=manifest)
+    gone = shards(folder)[-1]
+    uri = upload(s3_env, folder, skip={gone})
+    said = f"listed in {MANIFEST} but missing" if manifest else f"missing from the store, but {INDEX} puts"
+    with pytest.raises(CheckpointError, match=f"{uri}/{gone}: {said}"):
+        fetch(uri)
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+
+def test_without_a_manifest_it_loads_unverified_and_a_rewritten_shard_is_fetched_again(
+    tmp_path, s3_env, cache, downloads, caplog
+):
+    model, folder = saved(tmp_path, manifest=False)
+    uri = upload(s3_env, folder)
+    with caplog.at_level(logging.WARNING, logger="tracefp4.checkpoint"):
+        local = fetch(uri)
+        assert torch.equal(logits(load_model(local)), logits(model))
+    assert f"has no {MANIFEST}: loading it unverified" in caplog.text
+    assert fetch(uri) == local
+
+    other, second = saved(tmp_path, seed=2, manifest=False)  # new weights at the same URI, same config and index
+    assert (second / INDEX).read_bytes() == (folder / INDEX).read_bytes()
+    for name in shards(second):
+        s3_env.store(uri.removeprefix(s3_env.uri() + "/")).put_bytes(name, (second / name).read_bytes())
+    downloads.clear()
+    fresh = fetch(uri)
+    assert fresh != local and set(shards(second)) <= set(downloads)  # keyed by the objects' ETags: no stale weights
+    assert torch.equal(logits(load_model(fresh)), logits(other))
+
+
+def test_a_bad_index_fails_naming_it(tmp_path, s3_env, cache):
+    _, folder = saved(tmp_path, manifest=False)
+    (folder / INDEX).write_text('{"weight_map": {"lm_head.weight": "../elsewhere.safetensors"}}')
+    uri = upload(s3_env, folder)
+    with pytest.raises(CheckpointError, match="names '../elsewhere.safetensors', outside the folder"):
+        fetch(uri)
+    (folder / INDEX).write_text("[]")
+    uri = upload(s3_env, folder)
+    with pytest.raises(CheckpointError, match=f"{uri}/{INDEX}: not a safetensors index"):
+        fetch(uri)
+
+
+def test_a_local_path_or_file_uri_is_the_folder_itself(tmp_path, cache):
+    _, folder = saved(tmp_path)
+    assert fetch(folder) == folder and fetch(str(folder)) == folder
+    assert fetch(folder.as_uri()) == folder
+    assert fetch(f"file://localhost{folder}") == folder
+    assert not cache.exists()
+
+
+def test_prepare_loads_an_s3_checkpoint(tmp_path, s3_env, cache):
+    model, folder = saved(tmp_path)
+    uri = upload(s3_env, folder)
+    overrides = {"model.checkpoint": uri, "bootstrap.enabled": False}
+    config = load_config(None, preset="smoke", overrides=overrides)
+    assert config.model.preset is None and config.model.checkpoint == uri
+    steps.prepare(config, tmp_path / "p0", "run")
+    assert torch.equal(logits(load_model(tmp_path / "p0")), logits(model))
+    assert load_tokenizer(tmp_path / "p0").to_str() == build_tokenizer().to_str()
