@@ -23,6 +23,23 @@ preset_option = click.option("--preset", type=click.Choice(sorted(PRESETS)), hel
 config_option = click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="YAML or JSON run config.")
 
 
+def _methods(ctx, param, value: str | None) -> list[str] | None:
+    """--compare's comma-separated methods, each known and named once."""
+    from tracefp4.pipelines.pipeline import check_methods
+
+    if value is None:
+        return None
+    try:
+        return check_methods([m.strip() for m in value.split(",")])
+    except ValueError as e:
+        raise click.BadParameter(str(e), ctx=ctx, param=param) from None
+
+
+compare_option = click.option(
+    "--compare", "methods", callback=_methods, help="Comma-separated methods side by side (e.g. trace,qat,bf16)."
+)
+
+
 @click.group(help=__doc__)
 def main():
     pass
@@ -34,7 +51,7 @@ def main():
 @click.option("--output", type=click.Path(file_okay=False), default="runs/latest", show_default=True, help="Run folder.")
 @click.option("--store", help="Artifact store URI for guidance and checkpoints (file://..., s3://bucket/prefix).")
 @click.option("--verbose", is_flag=True, help="Stream every component's log (it also goes to <output>/pipeline.log).")
-@click.option("--compare", "methods", help="Comma-separated methods to run side by side (e.g. trace,qat,bf16).")
+@compare_option
 @click.option("--pushgateway", help="Also push the metrics to this Pushgateway (http://host:9091).")
 @click.option("--restart", is_flag=True, help="Start a new run in the folder instead of resuming its last one.")
 def run(preset, config_file, output, store, verbose, methods, pushgateway, restart):
@@ -42,13 +59,8 @@ def run(preset, config_file, output, store, verbose, methods, pushgateway, resta
 
     A rerun with the same config and output resumes: finished tasks are reused, not rerun."""
     from tracefp4.pipelines.local import Interrupted, PipelineFailed, run_local
-    from tracefp4.pipelines.pipeline import check_methods
 
     config = _config(preset, config_file, store, pushgateway)
-    try:
-        methods = check_methods([m.strip() for m in methods.split(",")]) if methods is not None else None
-    except ValueError as e:
-        raise click.BadParameter(str(e), param_hint="--compare") from None
     output = Path(output)
     click.echo(f"running {config.name}: {config.rl.rounds} round(s) of {config.rl.steps_per_round} step(s), "
                f"method {', '.join(methods or [config.method])}; component logs in {output / 'pipeline.log'}")
@@ -82,13 +94,15 @@ def bootstrap(preset, config_file, output):
 @preset_option
 @config_option
 @click.option("--output", type=click.Path(dir_okay=False), required=True, help="Where to write the KFP IR YAML.")
-def compile(preset, config_file, output):
-    """Compile the pipeline to KFP IR YAML (upload it in the KFP UI)."""
+@compare_option
+def compile(preset, config_file, output, methods):
+    """Compile the pipeline (or with --compare the comparison pipeline) to KFP IR YAML (upload it in the KFP UI)."""
     from tracefp4.pipelines.pipeline import compile_pipeline, pipeline_version
 
     config = _config(preset, config_file)
-    compile_pipeline(config, output)
-    click.echo(f"{output}: pipeline tracefp4-{config.name}, version {pipeline_version()}")
+    compile_pipeline(config, output, methods)
+    name = f"tracefp4-{config.name}" + ("-compare" if methods else "")
+    click.echo(f"{output}: pipeline {name}, version {pipeline_version()}")
 
 
 @main.command()

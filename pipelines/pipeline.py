@@ -1,6 +1,10 @@
 """The DAG, built from a validated run config and read as a picture:
 
-    prepare -> R x (rollout -> compaction -> guided QAT) -> evaluate -> report
+    configure -> prepare -> R x (rollout -> compaction -> guided QAT) -> evaluate -> report
+
+The run-time fields of the config are typed pipeline parameters
+(:mod:`.parameters`); ``configure`` merges them over the compiled config and
+validates it, and every later task reads its output.
 
 and, for a comparison, that chain per method under ``dsl.ParallelFor``,
 collected into one table.
@@ -10,12 +14,13 @@ run id comes out of prepare (the local runner's, or KFP's job id) and keys
 every store prefix, so no step ever reads another run's data.
 
 Every task gets the config's resources, the store's credentials from a
-Kubernetes secret (S3 stores), retries with backoff on a cluster (none for a
+Kubernetes secret (optional with a file:// store), retries with backoff on a cluster (none for a
 local run, where a failure is deterministic), and no caching (steps write to
 the store). Name and version: the run name; the package version and a hash of
 the config schema.
 """
 
+import inspect
 from importlib.metadata import version
 from typing import get_args
 
@@ -24,6 +29,7 @@ from kfp.dsl import Markdown
 
 from tracefp4.schemas import Method, RunConfig, schema_hash
 
+from . import parameters as run_parameters
 from .components import make_components
 
 SECRET_KEYS = {"accesskey": "TRACEFP4_S3_ACCESS_KEY", "secretkey": "TRACEFP4_S3_SECRET_KEY"}  # KFP's MinIO secret layout
@@ -49,27 +55,64 @@ def _configure(task, config: RunConfig, retries: bool):
             kubernetes.add_node_selector(task, label_key=label, label_value=value)
     for t in r.tolerations:
         kubernetes.add_toleration(task, key=t.key, operator=t.operator, value=t.value, effect=t.effect)
-    if not config.store.uri.startswith("file://"):
-        kubernetes.use_secret_as_env(task, secret_name=config.store.secret_name, secret_key_to_env=SECRET_KEYS)
-        if config.store.endpoint:
-            task.set_env_variable("TRACEFP4_S3_ENDPOINT", config.store.endpoint)
+    # the store's credentials; optional with a file:// store, for an s3:// checkpoint set at run time
+    optional = config.store.uri.startswith("file://")
+    kubernetes.use_secret_as_env(task, secret_name=config.store.secret_name, secret_key_to_env=SECRET_KEYS, optional=optional)
+    if config.store.endpoint:
+        task.set_env_variable("TRACEFP4_S3_ENDPOINT", config.store.endpoint)
     return task
 
 
+RUN_ID = inspect.Parameter("run_id", inspect.Parameter.POSITIONAL_OR_KEYWORD, default="", annotation=str)
+RUN_ID_HELP = "Run id the steps key the store with; empty: KFP's job id (a local run passes its folder's)."
+
+
+def fixed_fields(config: RunConfig, methods: list[str] | None = None) -> str:
+    """What the compiled pipeline fixes (not run parameters), for its description."""
+    r = config.resources
+    fixed = [f"rounds {config.rl.rounds}", f"image {config.image}", f"store {config.store.uri}",
+             f"resources cpu {r.cpu}, memory {r.memory}, gpus {r.gpus}"]  # fmt: skip
+    if methods:
+        fixed.append(f"methods {', '.join(methods)}")
+    return "Fixed at compile time: " + "; ".join(fixed) + "."
+
+
+def _typed_pipeline(body, config: RunConfig, comparison: bool, name: str, summary: str):
+    """A KFP pipeline whose inputs are ``run_id`` and the config's run-time fields;
+    ``body(config_json, run_id)`` wires the tasks after ``configure``."""
+    params = run_parameters.parameters(comparison)
+    configure_component = dsl.component(base_image=config.image, install_kfp_package=False)(
+        run_parameters.configure_function(params)
+    )
+    compiled = config.model_dump_json()
+
+    def pipeline_function(*args):
+        values = dict(zip([RUN_ID.name] + [p.name for p in params], args))
+        run_id = values.pop(RUN_ID.name)
+        configured = configure_component(config_json=compiled, **values)
+        return body(configured.output, run_id, configured)
+
+    signature = run_parameters.pipeline_signature(params, config, [RUN_ID])
+    pipeline_function.__signature__ = signature.replace(return_annotation=Markdown)
+    pipeline_function.__annotations__ = {**{k: v.annotation for k, v in signature.parameters.items()}, "return": Markdown}
+    pipeline_function.__doc__ = run_parameters.docstring(summary, params, {RUN_ID.name: RUN_ID_HELP})
+    pipeline_function.__name__ = pipeline_function.__qualname__ = name.replace("-", "_")
+    return dsl.pipeline(name=name, description=summary)(pipeline_function)
+
+
 def build_pipeline(config: RunConfig, retries: bool = True):
-    """The pipeline function for ``config`` (rounds unrolled; the config is its
-    first parameter's default; ``run_id`` empty means KFP's job id)."""
+    """The pipeline for ``config``: rounds unrolled; the config's run-time
+    fields typed parameters with its values as defaults; ``run_id`` empty means KFP's job id."""
     c = make_components(config.image)
     configure = lambda task: _configure(task, config, retries)  # noqa: E731
-    default = config.model_dump_json()
 
-    @dsl.pipeline(name=pipeline_name(config), description=f"TRACE FP4 RL ({config.method}, {config.rollout.config})")
-    def tracefp4_pipeline(config_json: str = default, run_id: str = "") -> Markdown:
+    def body(config_json, run_id, configured):
+        configure(configured)
         history, evaluation = _train_and_evaluate(c, configure, config, config_json, run_id)
-        rep = configure(c.report(config_json=config_json, history=history, evaluation=evaluation))
-        return rep.outputs["markdown"]
+        return configure(c.report(config_json=config_json, history=history, evaluation=evaluation)).outputs["markdown"]
 
-    return tracefp4_pipeline
+    summary = f"TRACE FP4 RL ({config.method}, {config.rollout.config}). {fixed_fields(config)}"
+    return _typed_pipeline(body, config, False, pipeline_name(config), summary)
 
 
 def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
@@ -108,10 +151,9 @@ def build_comparison_pipeline(config: RunConfig, methods: list[str], retries: bo
     methods = check_methods(list(methods))
     c = make_components(config.image)
     configure = lambda task: _configure(task, config, retries)  # noqa: E731
-    default = config.model_dump_json()
 
-    @dsl.pipeline(name=pipeline_name(config) + "-compare", description=f"TRACE FP4 RL: {', '.join(methods)} side by side")
-    def comparison_pipeline(config_json: str = default, methods: list = list(methods), run_id: str = "") -> Markdown:
+    def body(config_json, run_id, configured):
+        configure(configured)
         with dsl.ParallelFor(methods) as method:
             branch = configure(c.set_method(config_json=config_json, method=method)).output
             history, evaluation = _train_and_evaluate(c, configure, config, branch, run_id)
@@ -120,10 +162,12 @@ def build_comparison_pipeline(config: RunConfig, methods: list[str], retries: bo
                                   histories=dsl.Collected(history)))  # fmt: skip
         return rep.outputs["markdown"]
 
-    return comparison_pipeline
+    summary = f"TRACE FP4 RL: {', '.join(methods)} side by side. {fixed_fields(config, methods)}"
+    return _typed_pipeline(body, config, True, pipeline_name(config) + "-compare", summary)
 
 
-def compile_pipeline(config: RunConfig, path) -> str:
-    """KFP IR YAML at ``path``."""
-    compiler.Compiler().compile(build_pipeline(config), str(path), pipeline_parameters={"config_json": config.model_dump_json()})
+def compile_pipeline(config: RunConfig, path, methods: list[str] | None = None) -> str:
+    """KFP IR YAML at ``path``: the run pipeline, or with ``methods`` the comparison pipeline."""
+    pipeline = build_comparison_pipeline(config, methods) if methods else build_pipeline(config)
+    compiler.Compiler().compile(pipeline, str(path))
     return str(path)

@@ -53,13 +53,15 @@ def test_compiled_yaml_names_every_component_and_parameter(tmp_path):
     path = compile_pipeline(config, tmp_path / "pipeline.yaml")
     spec = next(yaml.safe_load_all(open(path)))
     tasks = spec["root"]["dag"]["tasks"]
-    assert set(tasks) == {"prepare", "rollout", "compaction", "train", "rollout-2", "compaction-2", "train-2", "evaluate", "report"}
-    assert set(spec["root"]["inputDefinitions"]["parameters"]) == {"config_json", "run_id"}
+    assert set(tasks) == {"configure", "prepare", "rollout", "compaction", "train", "rollout-2", "compaction-2", "train-2",
+                          "evaluate", "report"}
+    inputs = spec["root"]["inputDefinitions"]["parameters"]
+    assert inputs["rl_learning_rate"]["parameterType"] == "NUMBER_DOUBLE" and "rl_rounds" not in inputs
     train = spec["components"][tasks["train"]["componentRef"]["name"]]["inputDefinitions"]["artifacts"]
     assert tasks["train"]["inputs"]["artifacts"]["guidance"]["taskOutputArtifact"]["producerTask"] == "compaction"
     assert train["guidance"]["artifactType"]["schemaTitle"] == "system.Artifact"
     assert all("retryPolicy" in tasks[t] for t in tasks)  # a cluster retries (with backoff); run_local does not
-    assert json.loads(spec["root"]["inputDefinitions"]["parameters"]["config_json"]["defaultValue"])["rl"]["rounds"] == 2
+    assert "rounds 2" in spec["pipelineInfo"]["description"]  # fixed at compile time, and said so
     executors = spec["deploymentSpec"]["executors"]
     assert all(e["container"]["image"] == config.image for e in executors.values())
     assert all(e["container"]["resources"]["cpuLimit"] == 1 for e in executors.values())

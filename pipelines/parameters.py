@@ -1,0 +1,190 @@
+"""The run config as typed KFP pipeline parameters, so the KFP UI gives each
+field its own editor (numbers, booleans, JSON for lists) instead of one
+minified blob.
+
+Every run-time field of :class:`~tracefp4.schemas.RunConfig` becomes a
+pipeline input named by its flattened path (``rl.learning_rate`` ->
+``rl_learning_rate``), typed as the field is (int, float, bool, str; a
+Literal is a str whose description names the allowed values; a list or a
+union as JSON), with the preset's value as default and the field's
+description. Fields that shape the DAG or the pods are not parameters: the run
+name, ``rl.rounds`` (rounds are unrolled), the image, the resources, the store
+(its scheme decides whether credentials are mounted) and, in a comparison, the
+method. They stay as compiled, and the pipeline version's description names
+them.
+
+The pipeline's first task, ``configure``, merges the parameters over the
+compiled config and validates the result, so a bad value fails the run there,
+naming the field path, before any work.
+"""
+
+import inspect
+import json
+import linecache
+import types
+import typing
+from dataclasses import dataclass
+
+import pydantic
+
+from tracefp4.schemas import RunConfig
+
+# Dotted paths (or section prefixes) fixed at compile time.
+DAG_FIELDS = ("name", "image", "rl.rounds", "resources", "store")
+
+
+@dataclass(frozen=True)
+class Parameter:
+    """One run-time field as a pipeline input."""
+
+    path: str  # dotted, e.g. "rl.learning_rate"
+    annotation: type  # what KFP sees: int, float, bool, str, list or dict
+    optional: bool  # an empty string means none (KFP's local runner cannot pass a null)
+    json: bool  # the value travels as JSON text (a union of several kinds; a bare word stays a string)
+    description: str
+
+    @property
+    def name(self) -> str:
+        return self.path.replace(".", "_")
+
+
+def _kind(annotation) -> tuple[type, bool, bool, str]:
+    """(KFP type, optional?, JSON-encoded?, note on allowed values) of a field's annotation."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _kind(args[0])
+    if origin is typing.Literal:
+        return str, False, False, f" One of: {', '.join(map(str, args))}."
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in args if a is not type(None)]
+        if len(members) == 1:  # Optional[X]: a string, empty for none
+            kind, _, encoded, note = _kind(members[0])
+            return str, True, encoded or kind is not str, note + " Empty: none."
+        return str, False, True, " A bare word or JSON: " + " or ".join(_describe(m) for m in members) + "."
+    if origin in (list, tuple) or annotation in (list, tuple):
+        return list, False, False, ""
+    if origin is dict or annotation is dict:
+        return dict, False, False, ""
+    if annotation in (int, float, bool, str):
+        return annotation, False, False, ""
+    raise TypeError(f"no KFP parameter type for {annotation!r}")
+
+
+def _describe(annotation) -> str:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Annotated:
+        return _describe(args[0])
+    if origin is typing.Literal:
+        return " or ".join(json.dumps(a) for a in args)
+    if origin is list:
+        return "a list"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _dag_field(path: str, comparison: bool) -> bool:
+    fixed = DAG_FIELDS + (("method",) if comparison else ())
+    return any(path == f or path.startswith(f + ".") for f in fixed)
+
+
+def parameters(comparison: bool = False) -> list[Parameter]:
+    """The run-time fields of the config, in the schema's order."""
+    out = []
+
+    def walk(model: type[pydantic.BaseModel], prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            path = prefix + name
+            if field.exclude or _dag_field(path, comparison):
+                continue  # secrets, and what shapes the DAG
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, pydantic.BaseModel):
+                walk(annotation, path + ".")
+                continue
+            kind, optional, encoded, note = _kind(annotation)
+            out.append(Parameter(path, kind, optional, encoded, (field.description or "") + note))
+
+    walk(RunConfig, "")
+    return out
+
+
+def defaults(config: RunConfig, params: list[Parameter]) -> dict:
+    """Each parameter's value in ``config`` as KFP takes it (JSON text for unions, a bare word as itself)."""
+    data = config.model_dump(mode="json")
+    out = {}
+    for p in params:
+        value = data
+        for key in p.path.split("."):
+            value = value[key]
+        if value is None and p.optional:
+            value = ""
+        elif p.json and not isinstance(value, str):
+            value = json.dumps(value)
+        out[p.name] = value
+    return out
+
+
+def apply(config_json: str, values: dict) -> str:
+    """The compiled config with the run's parameter ``values`` (by parameter
+    name) merged in, validated: what every later task reads. A bad value raises
+    :class:`~tracefp4.schemas.ConfigError` naming the field path."""
+    from tracefp4.schemas import ConfigError
+
+    data = json.loads(config_json)
+    by_name = {p.name: p for p in parameters()}
+    for name, value in values.items():
+        p = by_name[name]
+        if p.optional and value == "":
+            value = None
+        elif p.json:
+            try:
+                value = json.loads(value)
+            except (TypeError, json.JSONDecodeError):
+                pass  # a bare word, such as all
+        node = data
+        *parents, leaf = p.path.split(".")
+        for key in parents:
+            node = node[key]
+        node[leaf] = value
+    try:
+        return RunConfig.model_validate(data).model_dump_json()
+    except pydantic.ValidationError as e:
+        raise ConfigError.from_validation(e, "the run's parameters") from None
+
+
+def configure_function(params: list[Parameter]):
+    """The ``configure`` component's function: the compiled config and one
+    typed input per parameter, returning the validated config JSON.
+
+    KFP builds a lightweight component from a function's source, and the
+    inputs differ per schema, so the source is generated here and registered
+    with :mod:`linecache`, which is where :func:`inspect.getsource` reads it."""
+    names = [p.name for p in params]
+    signature = ", ".join(f"{p.name}: {p.annotation.__name__}" for p in params)
+    source = (
+        f"def configure(config_json: str, {signature}) -> str:\n"
+        '    """The run config: the compiled one with the run\'s parameters, validated."""\n'
+        "    from tracefp4.pipelines.parameters import apply\n\n"
+        f"    return apply(config_json, {{{', '.join(f'{n!r}: {n}' for n in names)}}})\n"
+    )
+    filename = f"<tracefp4 configure {abs(hash(source)):x}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)
+    namespace: dict = {}
+    exec(compile(source, filename, "exec"), namespace)  # noqa: S102 - our own generated source, no input in it
+    return namespace["configure"]
+
+
+def pipeline_signature(params: list[Parameter], config: RunConfig, extra: list[inspect.Parameter]) -> inspect.Signature:
+    """The pipeline function's signature: ``extra`` (e.g. run_id), then every parameter with its default."""
+    values = defaults(config, params)
+    typed = [
+        inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=values[p.name], annotation=p.annotation)
+        for p in params
+    ]
+    return inspect.Signature(extra + typed)
+
+
+def docstring(summary: str, params: list[Parameter], extra: dict[str, str]) -> str:
+    """A Google-style docstring: KFP reads each input's description from its Args section."""
+    lines = [summary, "", "Args:"]
+    lines += [f"    {name}: {text}" for name, text in extra.items()]
+    lines += [f"    {p.name}: {' '.join(p.description.split())}" for p in params]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,97 @@
+"""The run config as typed pipeline parameters: the compiled inputs are pinned
+by a golden file; a run-time override reaches the steps through kfp.local; a
+field that shapes the DAG is no parameter; a bad value fails the run's first
+task naming the field."""
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tracefp4.components.trainer import read_state
+from tracefp4.pipelines.parameters import apply, defaults, parameters
+from tracefp4.pipelines.pipeline import build_pipeline, compile_pipeline
+from tracefp4.schemas import ConfigError, get_preset
+
+GOLDEN = Path(__file__).parent / "golden" / "smoke-inputs.json"
+REGENERATE = "TRACEFP4_REGENERATE_GOLDEN=1 python -m pytest tests/test_parameters.py -k golden"
+
+
+def compiled_inputs(tmp_path, methods=None) -> dict:
+    spec = next(yaml.safe_load_all(open(compile_pipeline(get_preset("smoke"), tmp_path / "p.yaml", methods))))
+    return spec["root"]["inputDefinitions"]["parameters"]
+
+
+def test_compiled_inputs_match_the_golden_file(tmp_path, monkeypatch):
+    inputs = compiled_inputs(tmp_path)
+    import os
+
+    if os.environ.get("TRACEFP4_REGENERATE_GOLDEN"):
+        GOLDEN.parent.mkdir(exist_ok=True)
+        GOLDEN.write_text(json.dumps(inputs, indent=1, sort_keys=True) + "\n")
+    assert inputs == json.loads(GOLDEN.read_text()), f"compiled inputs changed; if on purpose: {REGENERATE}"
+
+
+def test_inputs_are_typed_with_the_presets_defaults_and_the_fields_descriptions(tmp_path):
+    inputs = compiled_inputs(tmp_path)
+    types = {name: spec["parameterType"] for name, spec in inputs.items()}
+    assert types["rl_learning_rate"] == "NUMBER_DOUBLE" and types["rollout_group_size"] == "NUMBER_INTEGER"
+    assert types["guidance_allow_rtn_fallback"] == "BOOLEAN" and types["tasks"] == "LIST" and types["method"] == "STRING"
+    assert inputs["rollout_group_size"]["defaultValue"] == get_preset("smoke").rollout.group_size
+    assert "One of: bf16, qat, quads, trace, tis_sc." in inputs["method"]["description"]
+    for fixed in ("rl_rounds", "image", "resources_cpu", "store_uri", "name", "config_json"):
+        assert fixed not in inputs  # shapes the DAG or the pods: compiled in
+    assert "method" not in compiled_inputs(tmp_path, ["trace", "qat"])  # a comparison's branches set it
+
+
+def test_a_dag_shaping_field_cannot_be_set_at_run_time():
+    pipeline = build_pipeline(get_preset("smoke"))
+    with pytest.raises(TypeError):
+        pipeline(rl_rounds=3)
+
+
+def test_apply_merges_and_validates_naming_the_field():
+    config = get_preset("smoke")
+    values = defaults(config, parameters())
+    assert json.loads(apply(config.model_dump_json(), values)) == json.loads(config.model_dump_json())
+    changed = json.loads(apply(config.model_dump_json(), {**values, "rl_learning_rate": 0.5, "guidance_layers": "all"}))
+    assert changed["rl"]["learning_rate"] == 0.5 and changed["guidance"]["layers"] == "all"
+    assert json.loads(apply(config.model_dump_json(), {**values, "guidance_layers": "[0, 1]"}))["guidance"]["layers"] == [0, 1]
+    with pytest.raises(ConfigError, match=r"rl.learning_rate: .*greater than 0"):
+        apply(config.model_dump_json(), {**values, "rl_learning_rate": -1.0})
+    with pytest.raises(ConfigError, match="method: Input should be"):
+        apply(config.model_dump_json(), {**values, "method": "qarl"})
+
+
+def test_an_override_reaches_the_steps(tmp_path):
+    """kfp.local, the smoke preset without bootstrap, the learning rate and seed set at run time."""
+    import kfp.local
+
+    config = get_preset("smoke")
+    config.bootstrap.enabled = False
+    config.store.uri = (tmp_path / "store").as_uri()
+    config.metrics.metrics_file = str(tmp_path / "metrics.prom")
+    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
+    build_pipeline(config, retries=False)(run_id="run-x", seed=7, rl_learning_rate=0.25, bootstrap_steps=3)
+    root = next((tmp_path / "root").iterdir())
+    state = read_state(root / "train" / "new_policy")
+    assert state["run_id"] == "run-x" and state["param_groups"][0]["lr"] == 0.25
+    history = [json.loads(line) for line in (root / "train" / "history").read_text().splitlines()]
+    assert history and all(row["method"] == "trace" for row in history)
+    with pytest.raises(RuntimeError, match="configure"):  # a bad value fails the first task, before any work
+        build_pipeline(config, retries=False)(run_id="run-y", rl_learning_rate=-1.0)
+    assert not list((tmp_path / "root").glob("*/prepare"))[1:]  # the failed run prepared nothing
+
+
+def test_compile_command_compiles_the_comparison(tmp_path):
+    from click.testing import CliRunner
+
+    from tracefp4.pipelines.cli import main
+
+    result = CliRunner().invoke(main, ["compile", "--preset", "smoke", "--compare", "trace,qat", "--output", str(tmp_path / "c.yaml")])
+    assert result.exit_code == 0, result.output
+    spec = next(yaml.safe_load_all(open(tmp_path / "c.yaml")))
+    assert spec["pipelineInfo"]["name"] == "tracefp4-smoke-compare" and "methods trace, qat" in spec["pipelineInfo"]["description"]
+    result = CliRunner().invoke(main, ["compile", "--preset", "smoke", "--compare", "trace,trace", "--output", str(tmp_path / "d.yaml")])
+    assert result.exit_code == 2 and "named more than once" in result.output
