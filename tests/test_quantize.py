@@ -36,6 +36,19 @@ def test_ties_go_to_the_even_code(value, rounded):
         assert dequantize(q)[0, 0].item() == sign * rounded
 
 
+def test_e2m1_encode_of_every_float32_exponent_and_leading_mantissa_bits():
+    """The reference encodes float32 by a table over its top 11 bits: every such
+    bucket, at its start, just inside, in the middle and at its end, both signs,
+    NaN and Inf included, against the independent model."""
+    from tracefp4.kernels.reference import e2m1_encode
+
+    keys = torch.arange(1 << 11, dtype=torch.int64) << 21
+    bits = torch.stack([keys, keys | 1, keys | 0x100000, keys | 0x1FFFFF], -1).flatten()
+    y = bits.to(torch.int32).view(torch.float32)  # int64 -> int32 wraps the sign bit in
+    assert y.isnan().any() and y.isinf().any() and (y == 0.25).any() and (y == -5.0).any()
+    assert e2m1_encode(y).tolist() == [spec_model.e2m1_encode(v) for v in y.tolist()]
+
+
 def test_mxfp4_elements_saturate_at_6():
     # amax 7.9: scale 2^(floor(log2 7.9) - 2) = 1, so 7.9 itself lies beyond the grid
     x = torch.full((1, 32), 7.9)
