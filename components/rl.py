@@ -60,13 +60,20 @@ def token_logprobs(
 
 
 def alignment_metrics(train: Tensor, rollout: Tensor, mask: Tensor) -> dict[str, float]:
-    """Train-rollout mismatch over the response tokens: |logprob diff| (mean,
-    max, min; slime/miles), the k3 KL estimate, and verl's probability diff."""
+    """Train-rollout mismatch over the response tokens (``mask``) of ``[B, T]``
+    log-probs, one sequence per row: ours (|logprob diff| mean, max, min; the
+    k3 KL; the probability diff) and the same figures under the names users of
+    slime and verl know (``train_rollout_logprob_abs_diff``, ``k3_kl``,
+    ``log_ppl_abs_diff``, ``chi2_token``, ``rollout_is_eff_sample_size``)."""
     t, r = train.detach()[mask], rollout[mask]
     diff = (t - r).abs()
     log_ratio = (t - r).clamp(-10, 10)
     k3 = (log_ratio.exp() - 1 - log_ratio).mean()  # KL(rollout || train), k3 estimator
     prob = (t.exp() - r.exp()).abs()
+    weights = log_ratio.exp()  # per-token importance weight pi_train / pi_rollout
+    tokens = mask.sum(1).clamp_min(1)
+    log_ppl = lambda lp: -(lp.detach() * mask).sum(1) / tokens  # noqa: E731 - per sequence
+    rows = mask.any(1)
     return {
         "logprob_abs_diff_mean": diff.mean().item(),
         "logprob_abs_diff_max": diff.max().item(),
@@ -74,7 +81,17 @@ def alignment_metrics(train: Tensor, rollout: Tensor, mask: Tensor) -> dict[str,
         "k3_kl": k3.item(),
         "probs_diff_mean": prob.mean().item(),
         "probs_diff_max": prob.max().item(),
+        "train_rollout_logprob_abs_diff": diff.mean().item(),  # slime's name for the mean
+        "log_ppl_abs_diff": (log_ppl(train) - log_ppl(rollout)).abs()[rows].mean().item(),  # verl, per sequence
+        "chi2_token": (weights.pow(2).mean() - 1).item(),  # verl: E[w^2] - 1
+        "rollout_is_eff_sample_size": (weights.sum().pow(2) / (weights.numel() * weights.pow(2).sum())).item(),
     }
+
+
+def stack_rows(parts: list[Tensor]) -> Tensor:
+    """``[B_i, T_i]`` tensors (microbatches of other lengths) right-padded with zeros to one ``[sum B_i, max T_i]``."""
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([F.pad(p, (0, width - p.shape[1])) for p in parts])
 
 
 def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
@@ -106,7 +123,7 @@ def grpo_loss(
     return loss, {
         "clip_fraction": ((ratio - 1).abs() > clip)[mask].float().mean().item(),
         "tis_weight_mean": tis[mask].mean().item(),
-        "tis_truncated_fraction": (tis[mask] >= tis_cap).float().mean().item(),
+        "tis_truncated_fraction": (tis[mask] >= tis_cap).float().mean().item(),  # slime: tis_clipfrac
     }
 
 

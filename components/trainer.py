@@ -29,7 +29,7 @@ from .mismatch import MismatchTally, compare
 from .model import Transformer
 from .qat import TrainingSites
 from .quant import QuantConfig
-from .rl import SequenceBatch, alignment_metrics, grpo_loss, score_centering, token_logprobs
+from .rl import SequenceBatch, alignment_metrics, grpo_loss, score_centering, stack_rows, token_logprobs
 from .rollout import Trajectory
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -119,9 +119,7 @@ class Trainer:
             if (index + 1) % group == 0 or index + 1 == len(batches):
                 grad_norms.append(self._optimizer_step())
         self.step += 1
-        train_lp = torch.cat([lp[b.response] for lp, b in alignment])
-        rollout_lp = torch.cat([b.rollout_logprobs[b.response] for _, b in alignment])
-        stats.update(alignment_metrics(train_lp, rollout_lp, torch.ones_like(train_lp, dtype=torch.bool)))
+        stats.update(self._alignment(alignment))
         stats.update(grad_norm=max(grad_norms), optimizer_steps=len(grad_norms), reload_seconds=reload_s,
                      guidance_coverage=guided / captured if captured else 0.0)  # fmt: skip
         if rollout_records is not None:
@@ -146,6 +144,12 @@ class Trainer:
             loss = loss + cfg.kl_coef * kl
             stats["kl_to_reference"] = kl.item()
         return loss, logprobs, sites, {"loss": loss.item(), **stats}
+
+    @staticmethod
+    def _alignment(parts: list[tuple[Tensor, SequenceBatch]]) -> dict:
+        """Alignment metrics over the microbatches' ``(training log-probs, batch)``."""
+        return alignment_metrics(stack_rows([lp for lp, _ in parts]), stack_rows([b.rollout_logprobs for _, b in parts]),
+                                 stack_rows([b.response for _, b in parts]))  # fmt: skip
 
     def _optimizer_step(self) -> float:
         """Clip, step and clear the gradients; returns the norm before clipping."""
@@ -175,16 +179,14 @@ class Trainer:
         histogram (empty for methods whose training path does not quantize)."""
         parts = [SequenceBatch.of(mb, self.device) for mb in self.microbatches(trajectories)]
         guidance = iter(loader) if loader is not None else iter([None] * len(parts))
-        tally, train_lp, rollout_lp = MismatchTally(), [], []
+        tally, alignment = MismatchTally(), []
         for batch in parts:
             recorder = self._recorder(batch, rollout_records)
             _, logprobs = self._forward(batch, next(guidance), recorder)
             recorder.end()
             tally.add(compare(rollout_records, recorder.drain()))
-            train_lp.append(logprobs[batch.response])
-            rollout_lp.append(batch.rollout_logprobs[batch.response])
-        train, rollout = torch.cat(train_lp), torch.cat(rollout_lp)
-        return {**alignment_metrics(train, rollout, torch.ones_like(train, dtype=torch.bool)), **tally.summary()}
+            alignment.append((logprobs, batch))
+        return {**self._alignment(alignment), **tally.summary()}
 
     def _recorder(self, batch: SequenceBatch, rollout: CaptureRecords) -> Capture:
         """A capture of the training path's codes over the positions the rollout fed."""
