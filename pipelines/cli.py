@@ -105,16 +105,42 @@ def compile(preset, config_file, output, methods):
     click.echo(f"{output}: pipeline {name}, version {pipeline_version()}")
 
 
+def connection_options(command):
+    """--host, --namespace and how to authenticate to the KFP API (shared by submit and runs)."""
+    options = [
+        click.option("--host", required=True, envvar="KF_PIPELINES_ENDPOINT",
+                     help="KFP UI/API URL: http://localhost:8080, the Kubeflow gateway (env KF_PIPELINES_ENDPOINT)."),
+        click.option("--namespace", help="Profile namespace of a multi-user Kubeflow."),
+        click.option("--token", help="Bearer token (default: env KF_PIPELINES_TOKEN, else the pod's token)."),
+        click.option("--cookies", help="Cookie header of a logged-in session, e.g. authservice_session=... "
+                     "(default: env KF_PIPELINES_COOKIES)."),
+        click.option("--ca-bundle", type=click.Path(exists=True, dir_okay=False),
+                     help="CA certificate(s) that signed the server's certificate (PEM)."),
+        click.option("--insecure-skip-verify", is_flag=True, help="Accept any TLS certificate (self-signed gateways)."),
+        click.option("--timeout", "timeout_s", type=float, default=30, show_default=True, help="Seconds per request."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _connection(host, namespace, token, cookies, ca_bundle, insecure_skip_verify, timeout_s):
+    from tracefp4.pipelines.submit import Connection
+
+    return Connection(host, namespace, token, cookies, ca_bundle, not insecure_skip_verify, timeout_s)
+
+
 @main.command()
 @preset_option
 @config_option
-@click.option("--host", required=True, envvar="KF_PIPELINES_ENDPOINT", help="KFP UI/API URL, e.g. http://localhost:8080 (env KF_PIPELINES_ENDPOINT).")
+@connection_options
 @click.option("--experiment", default="tracefp4", show_default=True, help="KFP experiment to file the run under.")
-@click.option("--namespace", help="User namespace of a multi-user Kubeflow deployment.")
 @click.option("--store", help="Artifact store URI for guidance and checkpoints (s3://bucket/prefix; the pods share it).")
 @click.option("--service-account", help="Service account of the run's pods (e.g. tracefp4-pipeline-runner).")
-def submit(preset, config_file, host, experiment, namespace, store, service_account):
-    """Upload the pipeline (or a new version) to a KFP server and start a run (token: env KF_PIPELINES_TOKEN)."""
+@click.option("--pipeline-root", "root", help="Where KFP keeps this run's artifacts (default: the cluster's, e.g. "
+              "minio://mlpipeline/v2/artifacts); the minio overlay's is minio://tracefp4/pipeline-root.")
+def submit(preset, config_file, experiment, store, service_account, root, **connection):
+    """Upload the pipeline (or a new version) to a KFP server and start a run."""
     from tracefp4.pipelines.submit import SubmitError
     from tracefp4.pipelines.submit import submit as submit_run
 
@@ -122,12 +148,79 @@ def submit(preset, config_file, host, experiment, namespace, store, service_acco
     if config.store.uri.startswith("file://"):
         click.echo(f"warning: store {config.store.uri} is local to each pod; use --store s3://... on a cluster", err=True)
     try:
-        result = submit_run(config, host, experiment, namespace=namespace, service_account=service_account)
+        connection = _connection(**connection)
+        result = submit_run(config, connection, experiment, service_account=service_account, pipeline_root=root)
     except SubmitError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"pipeline {result['pipeline_id']}, version {result['pipeline_version_id']}, "
                f"experiment {result['experiment_id']}, run {result['run_id']}")  # fmt: skip
     click.echo(result["run_url"])
+
+
+@main.group()
+def runs():
+    """Runs on a KFP server: list them, a run's status, its tasks' errors and log commands."""
+
+
+def _kfp_call(function, *args, **kwargs):
+    from tracefp4.pipelines.submit import SubmitError
+
+    try:
+        return function(*args, **kwargs)
+    except SubmitError as e:
+        raise click.ClickException(str(e)) from None
+
+
+@runs.command("list")
+@connection_options
+@click.option("--experiment", help="Only this experiment's runs.")
+@click.option("--limit", type=click.IntRange(1, 200), default=20, show_default=True)
+def runs_list(experiment, limit, **connection):
+    """The newest runs, newest first."""
+    from tracefp4.pipelines.submit import list_runs
+
+    found = _kfp_call(list_runs, _connection(**connection), experiment, limit)
+    for r in found:
+        click.echo(f"{r['run_id']}  {r['state']:10}  {r['created_at']}  {r['name']}")
+    if not found:
+        click.echo("no runs")
+
+
+def _print_status(status: dict) -> None:
+    when = f"created {status['created_at']}, finished {status['finished_at']}"
+    click.echo(f"run {status['run_id']} {status['name']}: {status['state']} ({when})")
+    if status["error"]:
+        click.echo(f"error: {status['error']}")
+    for task in status["tasks"]:
+        click.echo(f"  {task['name']:32} {task['state']:10}" + (f"  error: {task['error']}" if task["error"] else ""))
+
+
+@runs.command("status")
+@connection_options
+@click.argument("run_id")
+def runs_status(run_id, **connection):
+    """A run's state and error, and its tasks' states and errors."""
+    from tracefp4.pipelines.submit import run_status
+
+    _print_status(_kfp_call(run_status, _connection(**connection), run_id))
+
+
+@runs.command("logs")
+@connection_options
+@click.argument("run_id")
+def runs_logs(run_id, **connection):
+    """A run's task states and errors, and the kubectl command for each task pod's log."""
+    from tracefp4.pipelines.submit import log_commands, run_status
+
+    status = _kfp_call(run_status, _connection(**connection), run_id)
+    _print_status(status)
+    commands = log_commands(status, connection["namespace"])
+    if commands:
+        click.echo("\nThe KFP API gives states, not logs; each task pod's log (Kubernetes API):")
+    else:
+        click.echo("\nno task pods recorded yet")
+    for command in commands:
+        click.echo(f"  {command}")
 
 
 @main.command()

@@ -1,111 +1,83 @@
-"""Submit a run to a Kubeflow Pipelines server over its v2beta1 REST API.
+"""Kubeflow Pipelines from the command line, through ``kfp.Client``: start a
+run of the pipeline, and look at runs.
 
-    compile -> find or upload the pipeline -> find or upload the version
-            -> find or create the experiment -> create the run
+    compile -> pipeline by name (uploaded if new) -> version by name (uploaded if new)
+            -> experiment by name (created if new) -> run
 
-Plain HTTP (urllib), no ``kfp.Client``: every call is explicit, so a test
-server can record it. Field names follow KFP's v2beta1 API (the generated
-``kfp_server_api`` models: V2beta1Pipeline, V2beta1PipelineVersion,
-V2beta1Experiment, V2beta1Run, V2beta1Filter) and the upload endpoints of the
-API server (multipart field ``uploadfile``; ``name``, ``display_name``,
-``description``, ``namespace``, ``pipelineid`` in the query string).
+The version's name is the package version, the config schema's hash and a
+hash of the compiled YAML: submitting the same config twice reuses it,
+another DAG gets a new one. Runs: list, status (the run's and its tasks'
+states and errors from the run details) and the ``kubectl logs`` commands
+for the tasks' pods (the KFP API gives states, not logs).
 
-An optional bearer token (argument, else ``KF_PIPELINES_TOKEN``) goes in the
-``Authorization`` header and nowhere else; errors never repeat it.
+Connection (:class:`Connection`): the host, a namespace (multi-user
+Kubeflow), a bearer token (argument, else ``KF_PIPELINES_TOKEN``, else in a
+pod KFP's projected token or the service account's token), a cookie header
+(``KF_PIPELINES_COOKIES``: a gateway's session cookie), a CA bundle or no
+verification (gateways often use self-signed certificates), and a timeout.
+Every call through ``kfp.Client`` gets the timeout, and a failure is a
+:class:`SubmitError` naming the call (method and path) and the server's
+message; the token and cookies are never part of one.
 """
 
-import json
+import contextlib
 import hashlib
+import io
+import json
 import os
-import socket
 import tempfile
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
-import uuid
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
+
+import kfp
+import urllib3
+import yaml
+from kfp_server_api.exceptions import ApiException
 
 from tracefp4.pipelines.pipeline import compile_pipeline, pipeline_name, pipeline_version
 from tracefp4.schemas import RunConfig
 
-API = "/apis/v2beta1"
 TOKEN_ENV = "KF_PIPELINES_TOKEN"
-_EQUALS = 1  # V2beta1PredicateOperation EQUALS, as kfp.Client sends it
+COOKIES_ENV = "KF_PIPELINES_COOKIES"
+# in a pod: KFP's projected token (audience pipelines.kubeflow.org) when mounted, else the service account's
+KFP_TOKEN_FILE = Path("/var/run/secrets/kubeflow/pipelines/token")
+SERVICE_ACCOUNT_TOKEN_FILE = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+_EQUALS = 1  # V2beta1PredicateOperation EQUALS
 
 
 class SubmitError(RuntimeError):
     """A failed call to the Kubeflow Pipelines server (HTTP error, no connection, bad answer)."""
 
 
-def _name_filter(display_name: str) -> str:
-    """KFP's filter: a JSON-encoded V2beta1Filter (urlencode encodes it once more for the query string)."""
-    predicate = {"operation": _EQUALS, "key": "display_name", "stringValue": display_name}
-    return json.dumps({"predicates": [predicate]}, separators=(",", ":"))
+@dataclass
+class Connection:
+    """How to reach the KFP API."""
+
+    host: str  # http(s)://host[:port], e.g. the UI's port-forward or the Kubeflow gateway
+    namespace: str | None = None  # a multi-user Kubeflow's profile namespace
+    token: str | None = None  # None: KF_PIPELINES_TOKEN, else a token file mounted in this pod
+    cookies: str | None = None  # a Cookie header ("authservice_session=..."); None: KF_PIPELINES_COOKIES
+    ca_bundle: str | None = None  # PEM file of the CA that signed the server's certificate
+    verify_ssl: bool = True  # False: accept any certificate (self-signed gateways; not for production)
+    timeout_s: float = 30  # per request
+
+    def resolved_token(self) -> str | None:
+        if self.token is not None:
+            return self.token or None
+        if os.environ.get(TOKEN_ENV):
+            return os.environ[TOKEN_ENV]
+        for path in (Path(os.environ.get("KF_PIPELINES_SA_TOKEN_PATH", KFP_TOKEN_FILE)), SERVICE_ACCOUNT_TOKEN_FILE):
+            if path.is_file():
+                return path.read_text().strip() or None
+        return None
 
 
-class _Api:
-    def __init__(self, host: str, token: str | None, timeout_s: float):
-        if not host.startswith(("http://", "https://")):
-            raise SubmitError(f"host must be an http:// or https:// URL, got {host!r}")
-        self.host = host.rstrip("/")
-        self.token = token
-        self.timeout_s = timeout_s
-
-    def _scrub(self, text: str) -> str:
-        return text.replace(self.token, "***") if self.token else text
-
-    def call(self, method: str, path: str, query: dict | None = None, body: dict | None = None, files=None) -> dict:
-        """One request; the parsed JSON answer ({} when empty). ``files``: (field, filename, bytes) as multipart."""
-        url = self.host + path + ("?" + urllib.parse.urlencode(query) if query else "")
-        headers = {"Accept": "application/json"}
-        data = None
-        if files is not None:
-            field, filename, content = files
-            boundary = uuid.uuid4().hex
-            data = (f'--{boundary}\r\nContent-Disposition: form-data; name="{field}"; filename="{filename}"\r\n'
-                    f"Content-Type: application/x-yaml\r\n\r\n").encode() + content + f"\r\n--{boundary}--\r\n".encode()  # fmt: skip
-            headers["Content-Type"] = f"multipart/form-data; boundary={boundary}"
-        elif body is not None:
-            data = json.dumps(body).encode()
-            headers["Content-Type"] = "application/json"
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        request = urllib.request.Request(url, data=data, headers=headers, method=method)
-        where = f"{method} {path}"
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                raw = response.read()
-        except urllib.error.HTTPError as e:
-            raw = e.read() if e.fp is not None else b""
-            raise SubmitError(self._scrub(f"{where} -> HTTP {e.code} {e.reason}: {_message(raw)}")) from None
-        except urllib.error.URLError as e:
-            raise SubmitError(self._scrub(f"{where}: cannot reach {self.host}: {e.reason}")) from None
-        except (TimeoutError, socket.timeout):
-            raise SubmitError(self._scrub(f"{where}: no answer from {self.host} within {self.timeout_s:g} s")) from None
-        except OSError as e:
-            raise SubmitError(self._scrub(f"{where}: connection to {self.host} failed: {e}")) from None
-        if not raw.strip():
-            return {}
-        try:
-            answer = json.loads(raw)
-        except ValueError:
-            hint = " (a login page? pass a token)" if raw.lstrip()[:1] == b"<" else ""
-            raise SubmitError(self._scrub(f"{where}: the answer is not JSON{hint}: {raw[:200]!r}")) from None
-        if not isinstance(answer, dict):
-            raise SubmitError(self._scrub(f"{where}: expected a JSON object, got {type(answer).__name__}"))
-        return answer
-
-    def field(self, answer: dict, key: str, what: str) -> str:
-        value = answer.get(key)
-        if not value:
-            raise SubmitError(f"the server's answer for {what} has no {key}: {self._scrub(json.dumps(answer)[:300])}")
-        return value
-
-
-def _message(raw: bytes) -> str:
+def _message(raw) -> str:
     """The server's message: grpc-gateway's {"message"}, the upload server's {"error_message"}, or the text."""
-    text = raw.decode("utf-8", "replace").strip()
+    text = (raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw or "")).strip()
     try:
         answer = json.loads(text)
     except ValueError:
@@ -117,82 +89,234 @@ def _message(raw: bytes) -> str:
     return text[:500] or "(empty answer)"
 
 
-def _first(api: _Api, path: str, key: str, display_name: str, namespace: str | None) -> dict | None:
-    query = {"filter": _name_filter(display_name), "page_size": 1}
-    if namespace:
-        query["namespace"] = namespace
-    found = api.call("GET", path, query).get(key) or []
-    return found[0] if found else None
+class _Client(kfp.Client):
+    """kfp.Client whose every request has a timeout and fails as a SubmitError.
+
+    kfp.Client sends requests without a timeout and, while constructed, probes
+    the server's healthz up to 5 times 5 s apart; here each request is
+    checked by :meth:`_checked`, installed on the one REST client all of
+    kfp.Client's APIs share (before that probe, which is tried once)."""
+
+    def __init__(self, timeout_s: float, secrets: list[str], host: str, **kwargs):
+        self._timeout_s, self._secrets, self._host = timeout_s, secrets, host
+        super().__init__(host=host, **kwargs)
+        self._install(self._run_api.api_client.rest_client)
+
+    def get_kfp_healthz(self, sleep_duration: int = 5):
+        self._install(self._healthz_api.api_client.rest_client)
+        return self._healthz_api.healthz_service_get_healthz()
+
+    def _install(self, rest) -> None:
+        if getattr(rest, "_tracefp4_checked", False):
+            return
+        request = rest.request
+
+        def checked(method, url, *args, _request_timeout=None, **kwargs):
+            # a (connect, read) pair: the REST client ignores a float
+            timeout = _request_timeout or (self._timeout_s, self._timeout_s)
+            return self._checked(request, method, url, *args, _request_timeout=timeout, **kwargs)
+
+        rest.request, rest._tracefp4_checked = checked, True
+
+    def scrub(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _checked(self, request, method, url, *args, **kwargs):
+        where = f"{method} {urllib.parse.urlsplit(url).path}"
+        try:
+            response = request(method, url, *args, **kwargs)
+        except ApiException as e:
+            if not e.status:  # the REST client's wrapping of a TLS failure
+                untrusted = "CERTIFICATE" in str(e.reason).upper()
+                hint = " (a self-signed certificate? pass its CA bundle, or skip verification)" if untrusted else ""
+                raise SubmitError(self.scrub(f"{where}: {self._host}: {e.reason}{hint}")) from None
+            raise SubmitError(self.scrub(f"{where} -> HTTP {e.status} {e.reason}: {_message(e.body)}")) from None
+        except urllib3.exceptions.HTTPError as e:
+            reason = e.reason if isinstance(e, urllib3.exceptions.MaxRetryError) else e
+            if isinstance(reason, urllib3.exceptions.NewConnectionError):  # a ConnectTimeoutError too, in urllib3 2
+                text = f"{where}: cannot reach {self._host}: {reason}"
+            elif isinstance(reason, urllib3.exceptions.TimeoutError):
+                text = f"{where}: no answer from {self._host} within {self._timeout_s:g} s"
+            elif isinstance(reason, urllib3.exceptions.SSLError):
+                text = f"{where}: {self._host}: TLS failed: {reason} (a self-signed certificate? pass its CA bundle)"
+            else:
+                text = f"{where}: cannot reach {self._host}: {reason}"
+            raise SubmitError(self.scrub(text)) from None
+        data = getattr(response, "data", b"") or b""
+        if data.strip():
+            try:
+                json.loads(data)
+            except ValueError:
+                hint = " (a login page? pass a token or the session cookie)" if data.lstrip()[:1] == b"<" else ""
+                raise SubmitError(self.scrub(f"{where}: the answer is not JSON{hint}: {data[:200]!r}")) from None
+        return response
+
+
+def connect(connection: Connection) -> _Client:
+    """A ``kfp.Client`` for ``connection`` (no request is made unless the
+    namespace is unset: then kfp.Client asks the server whether it is multi-user)."""
+    host = connection.host
+    if not host.startswith(("http://", "https://")):
+        raise SubmitError(f"host must be an http:// or https:// URL, got {host!r}")
+    token = connection.resolved_token()
+    cookies = connection.cookies if connection.cookies is not None else os.environ.get(COOKIES_ENV) or None
+    secrets = [s for s in (token, cookies) if s]
+    with _quiet():
+        return _Client(
+            connection.timeout_s,
+            secrets,
+            host.rstrip("/"),
+            namespace=connection.namespace or "kubeflow",  # kfp.Client's "not set"
+            existing_token=token,
+            cookies=cookies,
+            ssl_ca_cert=connection.ca_bundle,
+            verify_ssl=connection.verify_ssl,
+        )
+
+
+@contextlib.contextmanager
+def _quiet():
+    """kfp.Client prints links and warns of its version support; the CLI prints its own lines."""
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore", FutureWarning)
+        yield
+
+
+def _name_filter(display_name: str) -> str:
+    predicate = {"operation": _EQUALS, "key": "display_name", "stringValue": display_name}
+    return json.dumps({"predicates": [predicate]}, separators=(",", ":"))
+
+
+def _run_parameters(package: bytes) -> dict:
+    """The compiled pipeline's inputs and defaults (the config's values): passed, so that the run records them."""
+    spec = next(doc for doc in yaml.safe_load_all(package) if doc)
+    inputs = spec.get("root", {}).get("inputDefinitions", {}).get("parameters", {})
+    return {name: p["defaultValue"] for name, p in inputs.items() if "defaultValue" in p}
 
 
 def submit(
     config: RunConfig,
-    host: str,
+    host: str | Connection,
     experiment: str = "tracefp4",
     *,
     token: str | None = None,
     timeout_s: float = 30,
     namespace: str | None = None,
     service_account: str | None = None,
+    pipeline_root: str | None = None,
 ) -> dict:
-    """Upload ``config``'s pipeline (or a new version of it) to the KFP server at ``host`` and start a run.
+    """Upload ``config``'s pipeline (or a new version of it) and start a run in ``experiment``.
 
-    The pipeline is ``tracefp4-<config.name>``; the version is
-    ``pipeline_version()`` plus a hash of the compiled YAML (reused when one of
-    that name exists); the run gets
-    ``config_json`` = the config's JSON. ``namespace``: the user namespace of a
-    multi-user deployment (pipeline, experiment); ``service_account``: the
-    Kubernetes service account the run's pods use. Returns pipeline_id,
-    pipeline_version_id, experiment_id, run_id and run_url. Raises SubmitError."""
-    api = _Api(host, token if token is not None else os.environ.get(TOKEN_ENV) or None, timeout_s)
+    The pipeline is ``tracefp4-<config.name>`` (in ``namespace`` when given);
+    the version ``pipeline_version()`` plus a hash of the compiled YAML, reused
+    when one of that name exists; the run's parameters are the compiled
+    defaults. ``service_account``: the Kubernetes service account of the run's
+    pods; ``pipeline_root``: where KFP keeps the run's artifacts (default: the
+    cluster's). Returns pipeline_id, pipeline_version_id, experiment_id, run_id
+    and run_url. Raises SubmitError."""
+    connection = host if isinstance(host, Connection) else Connection(host, namespace, token, timeout_s=timeout_s)
+    namespace = connection.namespace
+    client = connect(connection)
     name = pipeline_name(config)
-    with tempfile.TemporaryDirectory(prefix="tracefp4-submit-") as tmp:
-        package = Path(compile_pipeline(config, Path(tmp) / f"{name}.yaml")).read_bytes()
-    # the compiled DAG depends on the config too (rounds, image, resources): a
-    # version name reused for another DAG would run the old one
-    version = f"{pipeline_version()}-{hashlib.sha256(package).hexdigest()[:8]}"
-    upload = ("uploadfile", f"{name}.yaml", package)
+    with tempfile.TemporaryDirectory(prefix="tracefp4-submit-") as tmp, _quiet():
+        path = compile_pipeline(config, Path(tmp) / f"{name}.yaml")
+        package = Path(path).read_bytes()
+        # the compiled DAG depends on the config too (rounds, image, resources): a
+        # version name reused for another DAG would run the old one
+        version = f"{pipeline_version()}-{hashlib.sha256(package).hexdigest()[:8]}"
 
-    pipeline = _first(api, f"{API}/pipelines", "pipelines", name, namespace)
-    if pipeline is None:
-        query = {"name": name, "display_name": name,
-                 "description": f"TRACE FP4 RL ({config.method}, {config.rollout.config})"}  # fmt: skip
-        if namespace:
-            query["namespace"] = namespace
-        pipeline = api.call("POST", f"{API}/pipelines/upload", query, files=upload)
-    pipeline_id = api.field(pipeline, "pipeline_id", "the pipeline")
+        found = client.list_pipelines(filter=_name_filter(name), page_size=1, namespace=namespace).pipelines
+        if found:
+            pipeline_id = found[0].pipeline_id
+        else:
+            description = f"TRACE FP4 RL ({config.method}, {config.rollout.config})"
+            pipeline_id = client.upload_pipeline(path, name, description, namespace=namespace).pipeline_id
+        found = client.list_pipeline_versions(pipeline_id, page_size=1, filter=_name_filter(version)).pipeline_versions
+        if found:
+            version_id = found[0].pipeline_version_id
+        else:
+            uploaded = client.upload_pipeline_version(path, version, pipeline_id, description=f"tracefp4 {version}")
+            version_id = uploaded.pipeline_version_id
 
-    # the upload creates a first version named after the pipeline; runs use one named after the package
-    versions = f"{API}/pipelines/{urllib.parse.quote(pipeline_id, safe='')}/versions"
-    found = _first(api, versions, "pipeline_versions", version, None)
-    if found is None:
-        query = {"name": version, "display_name": version, "pipelineid": pipeline_id,
-                 "description": f"tracefp4 {version}"}  # fmt: skip
-        found = api.call("POST", f"{API}/pipelines/upload_version", query, files=upload)
-    version_id = api.field(found, "pipeline_version_id", "the pipeline version")
-
-    exp = _first(api, f"{API}/experiments", "experiments", experiment, namespace)
-    if exp is None:
-        body = {"display_name": experiment, "description": "tracefp4 runs"}
-        if namespace:
-            body["namespace"] = namespace
-        exp = api.call("POST", f"{API}/experiments", body=body)
-    experiment_id = api.field(exp, "experiment_id", "the experiment")
-
-    body = {
-        "display_name": f"{config.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}",
-        "experiment_id": experiment_id,
-        "pipeline_version_reference": {"pipeline_id": pipeline_id, "pipeline_version_id": version_id},
-        "runtime_config": {"parameters": {"config_json": config.model_dump_json()}},
-    }
-    if service_account:
-        body["service_account"] = service_account
-    run = api.call("POST", f"{API}/runs", body=body)
-    run_id = api.field(run, "run_id", "the run")
+        try:
+            experiment_id = client.create_experiment(experiment, "tracefp4 runs", namespace=namespace).experiment_id
+        except ValueError as e:  # several experiments of that name
+            raise SubmitError(f"experiment {experiment!r}: {e}") from None
+        run = client.run_pipeline(
+            experiment_id,
+            f"{config.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}",
+            params=_run_parameters(package),
+            pipeline_id=pipeline_id,
+            version_id=version_id,
+            pipeline_root=pipeline_root,
+            service_account=service_account,
+        )
+    for what, value in (("pipeline", pipeline_id), ("pipeline version", version_id), ("run", run.run_id)):
+        if not value:
+            raise SubmitError(f"the server's answer for the {what} has no id")
     return {
         "pipeline_id": pipeline_id,
         "pipeline_version_id": version_id,
         "experiment_id": experiment_id,
-        "run_id": run_id,
-        "run_url": f"{api.host}/#/runs/details/{run_id}",
+        "run_id": run.run_id,
+        "run_url": f"{connection.host.rstrip('/')}/#/runs/details/{run.run_id}",
     }
+
+
+def _when(value) -> str:
+    return value.strftime("%Y-%m-%d %H:%M:%S") if value else "-"
+
+
+def _error(status) -> str:
+    return (status.message or f"code {status.code}") if status and (status.message or status.code) else ""
+
+
+def list_runs(connection: Connection, experiment: str | None = None, limit: int = 20) -> list[dict]:
+    """The newest runs (of ``experiment`` when given): run_id, name, state, created_at."""
+    client = connect(connection)
+    experiment_id = None
+    with _quiet():
+        if experiment:
+            try:
+                found = client.get_experiment(experiment_name=experiment, namespace=connection.namespace)
+            except ValueError as e:
+                raise SubmitError(str(e)) from None
+            experiment_id = found.experiment_id
+        runs = client.list_runs(
+            page_size=limit, sort_by="created_at desc", experiment_id=experiment_id, namespace=connection.namespace
+        )
+    return [
+        {"run_id": r.run_id, "name": r.display_name, "state": r.state or "-", "created_at": _when(r.created_at)}
+        for r in runs.runs or []
+    ]
+
+
+def run_status(connection: Connection, run_id: str) -> dict:
+    """One run: its state and error, and each task's name, state, error and pods (from the run details)."""
+    with _quiet():
+        run = connect(connection).get_run(run_id)
+    tasks = []
+    for t in (run.run_details.task_details if run.run_details else None) or []:
+        pods = [p for p in [t.pod_name, *(c.pod_name for c in t.child_tasks or [])] if p]
+        name, pods = t.display_name or t.task_id, list(dict.fromkeys(pods))
+        state, started = t.state or "-", _when(t.start_time)
+        tasks.append({"name": name, "state": state, "error": _error(t.error), "pods": pods, "started": started})
+    tasks.sort(key=lambda t: t["started"])
+    return {
+        "run_id": run.run_id,
+        "name": run.display_name,
+        "state": run.state or "-",
+        "error": _error(run.error),
+        "created_at": _when(run.created_at),
+        "finished_at": _when(run.finished_at),
+        "tasks": tasks,
+    }
+
+
+def log_commands(status: dict, namespace: str | None) -> list[str]:
+    """``kubectl logs`` for every pod of the run's tasks (pods run in the run's namespace:
+    ``kubeflow`` for standalone KFP, the profile namespace in multi-user Kubeflow)."""
+    ns = namespace or "kubeflow"
+    return [f"kubectl -n {ns} logs {pod} -c main" for task in status["tasks"] for pod in task["pods"]]

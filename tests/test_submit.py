@@ -1,9 +1,14 @@
-"""`submit` against a fake Kubeflow Pipelines server on 127.0.0.1 that speaks
-the v2beta1 endpoints it uses and records every request."""
+"""`submit` and `runs` through kfp.Client against a fake Kubeflow Pipelines API
+server on 127.0.0.1 (not a cluster): it answers the v2beta1 calls kfp.Client
+makes (healthz, pipelines, uploads, versions, experiments, runs) the way the
+API server does, keeps what was created in dicts and records every request."""
 
+import datetime
 import email
+import ipaddress
 import json
 import socket
+import ssl
 import threading
 import time
 import urllib.parse
@@ -11,29 +16,36 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import yaml
+from click.testing import CliRunner
 
+from tracefp4.pipelines import submit as submit_module
+from tracefp4.pipelines.cli import main
 from tracefp4.pipelines.pipeline import pipeline_version
-from tracefp4.pipelines.submit import SubmitError, submit
+from tracefp4.pipelines.submit import Connection, SubmitError, list_runs, log_commands, run_status, submit
 from tracefp4.schemas import get_preset, load_config
 
 API = "/apis/v2beta1"
 TOKEN = "s3cr3t-t0ken-value"
+COOKIE = "authservice_session=c00kie-value"
 
 
 class FakeKfp(ThreadingHTTPServer):
-    """Pipelines, versions and experiments in dicts; ``fail[(method, path)] = (status, body)`` answers an error;
-    ``delay_s`` holds every answer back."""
+    """Pipelines, versions, experiments and runs in dicts; ``fail[(method, path)] = (status, body)`` answers an
+    error; ``delay_s`` holds every answer back; ``multi_user`` is what healthz says."""
 
     daemon_threads = True
 
-    def __init__(self):
+    def __init__(self, tls: ssl.SSLContext | None = None):
         super().__init__(("127.0.0.1", 0), Handler)
+        if tls is not None:
+            self.socket = tls.wrap_socket(self.socket, server_side=True)
+        self.scheme = "https" if tls else "http"
         self.requests, self.pipelines, self.versions, self.experiments, self.runs = [], {}, {}, {}, {}
-        self.fail, self.delay_s, self.counter = {}, 0.0, 0
+        self.fail, self.delay_s, self.counter, self.multi_user = {}, 0.0, 0, False
 
     @property
     def url(self):
-        return f"http://127.0.0.1:{self.server_address[1]}"
+        return f"{self.scheme}://127.0.0.1:{self.server_address[1]}"
 
     def new_id(self, kind):
         self.counter += 1
@@ -63,31 +75,41 @@ class Handler(BaseHTTPRequestHandler):
         query = dict(urllib.parse.parse_qsl(url.query))
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
-        s.requests.append({"method": method, "path": url.path, "query": query, "headers": dict(self.headers), "body": body})
+        record = {"method": method, "path": url.path, "query": query, "headers": {k.lower(): v for k, v in self.headers.items()}, "body": body}
+        s.requests.append(record)
         if s.delay_s:
             time.sleep(s.delay_s)
         if (method, url.path) in s.fail:
             status, answer = s.fail[(method, url.path)]
-            if callable(answer):
-                answer = answer(self)
-            return self._answer(status, answer)
+            return self._answer(status, answer(self) if callable(answer) else answer)
         wanted = None
-        if "filter" in query:
+        if query.get("filter"):
             (pred,) = json.loads(query["filter"])["predicates"]
-            assert pred["key"] == "display_name" and pred["operation"] == 1
+            assert pred["key"] == "display_name" and pred["operation"] in (1, "EQUALS")
             wanted = pred["stringValue"]
 
-        def listing(items):
-            return [i for i in items if wanted is None or i["display_name"] == wanted]
+        def listing(items, namespace_key=None):
+            found = [i for i in items if wanted is None or i["display_name"] == wanted]
+            if query.get("namespace"):
+                found = [i for i in found if i.get("namespace") == query["namespace"]]
+            return found
 
         parts = url.path.removeprefix(API).strip("/").split("/")
+        if method == "GET" and parts == ["healthz"]:
+            return self._answer(200, {"multi_user": s.multi_user})
         if method == "GET" and parts == ["pipelines"]:
-            return self._answer(200, {"pipelines": listing(s.pipelines.values())} if listing(s.pipelines.values()) else {})
+            found = listing(s.pipelines.values())
+            return self._answer(200, {"pipelines": found, "total_size": len(found)} if found else {})
         if method == "POST" and parts == ["pipelines", "upload"]:
-            p = {"pipeline_id": s.new_id("pipeline"), "name": query["name"], "display_name": query.get("display_name", query["name"])}
+            name = query["name"]
+            if any(p["display_name"] == name and p.get("namespace") == query.get("namespace") for p in s.pipelines.values()):
+                return self._answer(409, {"error_message": f"pipeline {name} already exists", "code": 6})
+            p = {"pipeline_id": s.new_id("pipeline"), "name": name, "display_name": query.get("display_name", name)}
+            if query.get("namespace"):
+                p["namespace"] = query["namespace"]
             s.pipelines[p["pipeline_id"]] = p
-            s.versions[p["pipeline_id"]] = [{"pipeline_id": p["pipeline_id"], "pipeline_version_id": s.new_id("version"),
-                                             "display_name": p["display_name"]}]  # fmt: skip
+            first = {"pipeline_id": p["pipeline_id"], "pipeline_version_id": s.new_id("version"), "display_name": name}
+            s.versions[p["pipeline_id"]] = [first]  # the API server's first version, named after the pipeline
             return self._answer(200, p)
         if method == "GET" and len(parts) == 3 and parts[0] == "pipelines" and parts[2] == "versions":
             if parts[1] not in s.pipelines:
@@ -95,8 +117,8 @@ class Handler(BaseHTTPRequestHandler):
             found = listing(s.versions[parts[1]])
             return self._answer(200, {"pipeline_versions": found, "total_size": len(found)} if found else {})
         if method == "POST" and parts == ["pipelines", "upload_version"]:
-            v = {"pipeline_id": query["pipelineid"], "pipeline_version_id": s.new_id("version"),
-                 "display_name": query.get("display_name", query["name"])}  # fmt: skip
+            name = query["name"]
+            v = {"pipeline_id": query["pipelineid"], "pipeline_version_id": s.new_id("version"), "display_name": name}
             s.versions[query["pipelineid"]].append(v)
             return self._answer(200, v)
         if method == "GET" and parts == ["experiments"]:
@@ -107,9 +129,19 @@ class Handler(BaseHTTPRequestHandler):
             s.experiments[e["experiment_id"]] = e
             return self._answer(200, e)
         if method == "POST" and parts == ["runs"]:
-            r = dict(json.loads(body), run_id=s.new_id("run"), state="PENDING")
+            now = datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
+            r = dict(json.loads(body), run_id=s.new_id("run"), state="PENDING", created_at=now)
             s.runs[r["run_id"]] = r
             return self._answer(200, r)
+        if method == "GET" and parts == ["runs"]:
+            found = [r for r in s.runs.values() if query.get("experiment_id") in (None, r.get("experiment_id"))]
+            found.sort(key=lambda r: r["created_at"], reverse=query.get("sort_by") == "created_at desc")
+            found = found[: int(query.get("page_size") or 10)]
+            return self._answer(200, {"runs": found, "total_size": len(found)} if found else {})
+        if method == "GET" and len(parts) == 2 and parts[0] == "runs":
+            if parts[1] not in s.runs:
+                return self._answer(404, {"code": 5, "message": f"run {parts[1]} not found"})
+            return self._answer(200, s.runs[parts[1]])
         return self._answer(404, {"code": 5, "message": f"no route {method} {url.path}"})
 
     def do_GET(self):
@@ -119,13 +151,28 @@ class Handler(BaseHTTPRequestHandler):
         self._handle("POST")
 
 
-@pytest.fixture
-def kfp(monkeypatch):
-    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "KF_PIPELINES_TOKEN"):
-        monkeypatch.delenv(var, raising=False)
-    server = FakeKfp()
+def _serve(server):
     thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
+    return server
+
+
+@pytest.fixture(autouse=True)
+def isolated(monkeypatch, tmp_path):
+    """No proxies, no token or cookie from this machine, no kfp context file of the user's, no mounted token."""
+    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "KF_PIPELINES_TOKEN",
+                "KF_PIPELINES_COOKIES", "KF_PIPELINES_ENDPOINT", "KF_PIPELINES_SA_TOKEN_PATH", "KF_PIPELINES_UI_ENDPOINT"):  # noqa: E501
+        monkeypatch.delenv(var, raising=False)
+    import kfp
+
+    monkeypatch.setattr(kfp.Client, "_LOCAL_KFP_CONTEXT", str(tmp_path / "kfp-context.json"))
+    monkeypatch.setattr(submit_module, "KFP_TOKEN_FILE", tmp_path / "no-kfp-token")
+    monkeypatch.setattr(submit_module, "SERVICE_ACCOUNT_TOKEN_FILE", tmp_path / "no-sa-token")
+
+
+@pytest.fixture
+def kfp_server():
+    server = _serve(FakeKfp())
     yield server
     server.shutdown()
     server.server_close()
@@ -137,7 +184,7 @@ def config():
 
 
 def uploaded_yaml(request) -> dict:
-    content_type = request["headers"]["Content-Type"]
+    content_type = request["headers"]["content-type"]
     assert content_type.startswith("multipart/form-data; boundary=")
     message = email.message_from_bytes(f"Content-Type: {content_type}\r\n\r\n".encode() + request["body"])
     (part,) = message.get_payload()
@@ -146,9 +193,10 @@ def uploaded_yaml(request) -> dict:
     return next(yaml.safe_load_all(part.get_payload(decode=True)))
 
 
-def test_first_submission_uploads_the_pipeline_and_creates_experiment_and_run(kfp, config):
-    result = submit(config, kfp.url, experiment="fp4-study")
-    assert kfp.calls() == [
+def test_first_submission_uploads_the_pipeline_and_creates_experiment_and_run(kfp_server, config):
+    result = submit(config, kfp_server.url, experiment="fp4-study")
+    assert kfp_server.calls() == [
+        ("GET", f"{API}/healthz"),  # kfp.Client: multi-user or not, as no namespace was given
         ("GET", f"{API}/pipelines"),
         ("POST", f"{API}/pipelines/upload"),
         ("GET", f"{API}/pipelines/pipeline-1/versions"),
@@ -157,66 +205,86 @@ def test_first_submission_uploads_the_pipeline_and_creates_experiment_and_run(kf
         ("POST", f"{API}/experiments"),
         ("POST", f"{API}/runs"),
     ]
-    lookup, upload, _, version_upload, _, new_experiment, run = kfp.requests
-    assert json.loads(lookup["query"]["filter"]) == {"predicates": [{"operation": 1, "key": "display_name", "stringValue": "tracefp4-smoke"}]}
-    assert upload["query"]["name"] == upload["query"]["display_name"] == "tracefp4-smoke"
+    _, lookup, upload, _, version_upload, _, new_experiment, run = kfp_server.requests
+    assert json.loads(lookup["query"]["filter"])["predicates"] == [
+        {"operation": 1, "key": "display_name", "stringValue": "tracefp4-smoke"}
+    ]
+    assert upload["query"]["name"] == "tracefp4-smoke" and "namespace" not in upload["query"]
     spec = uploaded_yaml(upload)
     assert spec["pipelineInfo"]["name"] == "tracefp4-smoke"
-    assert json.loads(spec["root"]["inputDefinitions"]["parameters"]["config_json"]["defaultValue"]) == json.loads(config.model_dump_json())
     version = version_upload["query"]["name"]  # package version, schema hash, then a hash of this DAG
     assert version.startswith(pipeline_version() + "-") and len(version) == len(pipeline_version()) + 9
-    assert version_upload["query"] == {"name": version, "display_name": version, "pipelineid": "pipeline-1",
-                                       "description": f"tracefp4 {version}"}  # fmt: skip
+    assert version_upload["query"]["pipelineid"] == "pipeline-1"
+    assert version_upload["query"]["description"] == f"tracefp4 {version}"
     assert uploaded_yaml(version_upload) == spec
     assert json.loads(new_experiment["body"])["display_name"] == "fp4-study"
-    assert new_experiment["headers"]["Content-Type"] == "application/json"
     body = json.loads(run["body"])
     assert body["display_name"].startswith("smoke-")
     assert body["experiment_id"] == "experiment-4"
     assert body["pipeline_version_reference"] == {"pipeline_id": "pipeline-1", "pipeline_version_id": "version-3"}
-    assert set(body["runtime_config"]) == {"parameters"} and set(body["runtime_config"]["parameters"]) == {"config_json"}
-    assert body["runtime_config"]["parameters"]["config_json"] == config.model_dump_json()
+    # the run's parameters: the compiled pipeline's inputs with their defaults (the config)
+    inputs = spec["root"]["inputDefinitions"]["parameters"]
+    assert body["runtime_config"]["parameters"] == {k: p["defaultValue"] for k, p in inputs.items() if "defaultValue" in p}
+    assert body["runtime_config"]["parameters"]
+    assert "pipeline_root" not in body["runtime_config"]  # the cluster's default unless asked
     assert result == {"pipeline_id": "pipeline-1", "pipeline_version_id": "version-3", "experiment_id": "experiment-4",
-                      "run_id": "run-5", "run_url": f"{kfp.url}/#/runs/details/run-5"}  # fmt: skip
-    assert all("Authorization" not in r["headers"] for r in kfp.requests)
+                      "run_id": "run-5", "run_url": f"{kfp_server.url}/#/runs/details/run-5"}  # noqa: E501
+    assert all("authorization" not in r["headers"] and "cookie" not in r["headers"] for r in kfp_server.requests)
     assert "service_account" not in body  # KFP's default unless asked
 
 
-def test_a_run_can_name_its_service_account(kfp, config):
-    submit(config, kfp.url, service_account="tracefp4-pipeline-runner")
-    assert json.loads(kfp.requests[-1]["body"])["service_account"] == "tracefp4-pipeline-runner"
+def test_a_run_can_name_its_service_account_and_pipeline_root(kfp_server, config):
+    submit(config, kfp_server.url, service_account="tracefp4-pipeline-runner", pipeline_root="minio://tracefp4/pipeline-root")
+    body = json.loads(kfp_server.requests[-1]["body"])
+    assert body["service_account"] == "tracefp4-pipeline-runner"
+    assert body["runtime_config"]["pipeline_root"] == "minio://tracefp4/pipeline-root"
 
 
-def test_second_submission_uploads_a_version_and_a_third_reuses_it(kfp, config):
-    kfp.pipelines["p-old"] = {"pipeline_id": "p-old", "display_name": "tracefp4-smoke"}
-    kfp.versions["p-old"] = [{"pipeline_id": "p-old", "pipeline_version_id": "v-old", "display_name": "0.0.9-oldhash"}]
-    kfp.experiments["e-old"] = {"experiment_id": "e-old", "display_name": "tracefp4"}
-    first = submit(config, kfp.url)
-    assert kfp.calls() == [
+def test_second_submission_uploads_a_version_and_a_third_reuses_it(kfp_server, config):
+    kfp_server.pipelines["p-old"] = {"pipeline_id": "p-old", "display_name": "tracefp4-smoke"}
+    kfp_server.versions["p-old"] = [{"pipeline_id": "p-old", "pipeline_version_id": "v-old", "display_name": "0.0.9-old"}]
+    kfp_server.experiments["e-old"] = {"experiment_id": "e-old", "display_name": "tracefp4"}
+    first = submit(config, kfp_server.url)
+    assert kfp_server.calls()[1:] == [
         ("GET", f"{API}/pipelines"),
         ("GET", f"{API}/pipelines/p-old/versions"),
         ("POST", f"{API}/pipelines/upload_version"),
         ("GET", f"{API}/experiments"),
         ("POST", f"{API}/runs"),
     ]
-    assert kfp.requests[2]["query"]["pipelineid"] == "p-old" and kfp.requests[2]["query"]["name"].startswith(pipeline_version() + "-")
-    assert uploaded_yaml(kfp.requests[2])["pipelineInfo"]["name"] == "tracefp4-smoke"
+    assert kfp_server.requests[3]["query"]["pipelineid"] == "p-old"
+    assert uploaded_yaml(kfp_server.requests[3])["pipelineInfo"]["name"] == "tracefp4-smoke"
     assert first["pipeline_id"] == "p-old" and first["experiment_id"] == "e-old" and first["pipeline_version_id"] != "v-old"
 
-    kfp.requests.clear()
-    second = submit(config, kfp.url)
-    assert kfp.calls() == [
+    kfp_server.requests.clear()
+    second = submit(config, kfp_server.url)
+    assert kfp_server.calls()[1:] == [
         ("GET", f"{API}/pipelines"),
         ("GET", f"{API}/pipelines/p-old/versions"),
         ("GET", f"{API}/experiments"),
         ("POST", f"{API}/runs"),
     ]
-    assert json.loads(kfp.requests[1]["query"]["filter"])["predicates"][0]["stringValue"].startswith(pipeline_version() + "-")
+    lookup = json.loads(kfp_server.requests[2]["query"]["filter"])["predicates"][0]["stringValue"]
+    assert lookup.startswith(pipeline_version() + "-")
     assert second["pipeline_version_id"] == first["pipeline_version_id"] and second["run_id"] != first["run_id"]
-    assert len(kfp.runs) == 2 and len(kfp.pipelines) == 1
-    kfp.requests.clear()
-    submit(config.model_copy(update={"image": "registry.example/tracefp4:other"}), kfp.url)  # another DAG: a new version
-    assert ("POST", f"{API}/pipelines/upload_version") in kfp.calls()
+    assert len(kfp_server.runs) == 2 and len(kfp_server.pipelines) == 1
+    kfp_server.requests.clear()
+    submit(config.model_copy(update={"image": "registry.example/tracefp4:other"}), kfp_server.url)  # another DAG
+    assert ("POST", f"{API}/pipelines/upload_version") in kfp_server.calls()
+
+
+def test_a_namespace_goes_to_pipeline_experiment_and_lookups_and_skips_the_healthz_probe(kfp_server, config):
+    submit(config, Connection(kfp_server.url, namespace="kubeflow-user-example-com"))
+    assert ("GET", f"{API}/healthz") not in kfp_server.calls()
+    lookup, upload = kfp_server.requests[:2]
+    assert lookup["query"]["namespace"] == upload["query"]["namespace"] == "kubeflow-user-example-com"
+    experiments = next(r for r in kfp_server.requests if r["path"] == f"{API}/experiments" and r["method"] == "GET")
+    assert experiments["query"]["namespace"] == "kubeflow-user-example-com"
+    (experiment,) = kfp_server.experiments.values()
+    assert experiment["namespace"] == "kubeflow-user-example-com"
+    kfp_server.requests.clear()
+    submit(config, Connection(kfp_server.url, namespace="kubeflow-user-example-com"))  # found in its namespace
+    assert ("POST", f"{API}/pipelines/upload") not in kfp_server.calls() and len(kfp_server.pipelines) == 1
 
 
 @pytest.mark.parametrize(
@@ -224,17 +292,20 @@ def test_second_submission_uploads_a_version_and_a_third_reuses_it(kfp, config):
     [
         (500, ("POST", f"{API}/runs"), {"error": "internal", "code": 13, "message": "database is down"}, "database is down"),
         (403, ("GET", f"{API}/pipelines"), b"RBAC: access denied", "RBAC: access denied"),
-        (400, ("POST", f"{API}/pipelines/upload"), {"error_message": "Failed to read pipeline from file"}, "Failed to read pipeline"),
+        (400, ("POST", f"{API}/pipelines/upload"), {"error_message": "Failed to read pipeline"}, "Failed to read pipeline"),
+        (503, ("GET", f"{API}/healthz"), {"message": "upstream connect error"}, "upstream connect error"),
     ],
 )
-def test_http_errors_name_method_path_status_and_message(kfp, config, status, route, answer, message):
-    kfp.fail[route] = (status, answer)
+def test_http_errors_name_method_path_status_and_message(kfp_server, config, status, route, answer, message):
+    kfp_server.fail[route] = (status, answer)
+    start = time.monotonic()
     with pytest.raises(SubmitError) as e:
-        submit(config, kfp.url)
+        submit(config, kfp_server.url)
     text = str(e.value)
     assert f"{route[0]} {route[1]}" in text and f"HTTP {status}" in text and message in text
-    assert e.value.__cause__ is None and e.value.__suppress_context__  # no chained urllib traceback
-    assert kfp.calls()[-1] == route  # stops at the failing call
+    assert e.value.__cause__ is None and e.value.__suppress_context__  # no chained kfp/urllib3 traceback
+    assert kfp_server.calls()[-1] == route  # stops at the failing call, tried once
+    assert time.monotonic() - start < 5  # kfp.Client's healthz probe would retry for 25 s
 
 
 def test_refused_connection_fails_quickly(config):
@@ -242,43 +313,71 @@ def test_refused_connection_fails_quickly(config):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # closed again: nothing listens there
     start = time.monotonic()
-    with pytest.raises(SubmitError, match=rf"GET /apis/v2beta1/pipelines: cannot reach http://127.0.0.1:{port}"):
+    with pytest.raises(SubmitError, match=rf"GET /apis/v2beta1/healthz: cannot reach http://127.0.0.1:{port}"):
         submit(config, f"http://127.0.0.1:{port}/", timeout_s=2)
     assert time.monotonic() - start < 3
 
 
-def test_a_silent_server_times_out(kfp, config):
-    kfp.delay_s = 1.0
+def test_a_silent_server_times_out(kfp_server, config):
+    kfp_server.delay_s = 1.0
     start = time.monotonic()
-    with pytest.raises(SubmitError, match="no answer .* within 0.2 s|timed out"):
-        submit(config, kfp.url, timeout_s=0.2)
-    assert time.monotonic() - start < 1.5
+    with pytest.raises(SubmitError, match=r"no answer from .* within 0.2 s"):
+        submit(config, Connection(kfp_server.url, namespace="ns", timeout_s=0.2))
+    assert time.monotonic() - start < 2
 
 
-def test_token_is_sent_and_never_shown(kfp, config, monkeypatch):
-    submit(config, kfp.url, token=TOKEN)
-    assert kfp.requests and all(r["headers"]["Authorization"] == f"Bearer {TOKEN}" for r in kfp.requests)
+def test_token_is_sent_and_never_shown(kfp_server, config, monkeypatch):
+    submit(config, kfp_server.url, token=TOKEN)
+    assert kfp_server.requests and all(r["headers"]["authorization"] == f"Bearer {TOKEN}" for r in kfp_server.requests)
 
-    kfp.requests.clear()
+    kfp_server.requests.clear()
     monkeypatch.setenv("KF_PIPELINES_TOKEN", TOKEN)  # from the environment too; a server that echoes it back
-    kfp.fail[("POST", f"{API}/runs")] = (403, lambda h: {"message": f"token {h.headers['Authorization']} lacks access"})
+    kfp_server.fail[("POST", f"{API}/runs")] = (403, lambda h: {"message": f"token {h.headers['Authorization']} lacks access"})
     with pytest.raises(SubmitError) as e:
-        submit(config, kfp.url)
-    assert kfp.requests[-1]["headers"]["Authorization"] == f"Bearer {TOKEN}"
+        submit(config, kfp_server.url)
+    assert kfp_server.requests[-1]["headers"]["authorization"] == f"Bearer {TOKEN}"
     assert "HTTP 403" in str(e.value) and "lacks access" in str(e.value) and TOKEN not in str(e.value)
     assert TOKEN not in repr(e.value)
 
 
-def test_a_login_page_is_an_error_and_no_secret_leaves(kfp, monkeypatch):
+def test_in_a_pod_the_mounted_token_is_used(kfp_server, config, monkeypatch, tmp_path):
+    sa_token = tmp_path / "sa-token"
+    sa_token.write_text("service-account-token\n")
+    monkeypatch.setattr(submit_module, "SERVICE_ACCOUNT_TOKEN_FILE", sa_token)
+    submit(config, kfp_server.url)
+    assert all(r["headers"]["authorization"] == "Bearer service-account-token" for r in kfp_server.requests)
+
+    kfp_token = tmp_path / "kfp-token"  # KFP's projected token wins over the service account's
+    kfp_token.write_text("kfp-audience-token")
+    monkeypatch.setenv("KF_PIPELINES_SA_TOKEN_PATH", str(kfp_token))
+    kfp_server.requests.clear()
+    submit(config, kfp_server.url)
+    assert all(r["headers"]["authorization"] == "Bearer kfp-audience-token" for r in kfp_server.requests)
+    kfp_server.requests.clear()
+    submit(config, Connection(kfp_server.url, token=TOKEN))  # an explicit token wins over both
+    assert all(r["headers"]["authorization"] == f"Bearer {TOKEN}" for r in kfp_server.requests)
+
+
+def test_a_session_cookie_is_sent_and_never_shown(kfp_server, config, monkeypatch):
+    submit(config, Connection(kfp_server.url, cookies=COOKIE))
+    assert all(r["headers"]["cookie"] == COOKIE for r in kfp_server.requests)
+    monkeypatch.setenv("KF_PIPELINES_COOKIES", COOKIE)
+    kfp_server.fail[("GET", f"{API}/experiments")] = (401, lambda h: {"message": f"bad session {h.headers['Cookie']}"})
+    with pytest.raises(SubmitError) as e:
+        submit(config, kfp_server.url)
+    assert "HTTP 401" in str(e.value) and "c00kie-value" not in str(e.value)
+
+
+def test_a_login_page_is_an_error_and_no_secret_leaves(kfp_server, monkeypatch):
     monkeypatch.setenv("TRACEFP4_S3_ACCESS_KEY", "AKIA-never-sent")
     monkeypatch.setenv("TRACEFP4_S3_SECRET_KEY", "never-sent-either")
     config = load_config(None, preset="smoke", overrides={"store.uri": "s3://runs/smoke"})
-    submit(config, kfp.url)
-    assert not any(b"never-sent" in r["body"] or "never-sent" in json.dumps(r["query"]) for r in kfp.requests)
+    submit(config, kfp_server.url)
+    assert not any(b"never-sent" in r["body"] or "never-sent" in json.dumps(r["query"]) for r in kfp_server.requests)
 
-    kfp.fail[("GET", f"{API}/experiments")] = (200, b"<html><body>Log in</body></html>")
-    with pytest.raises(SubmitError, match="not JSON .a login page"):
-        submit(config, kfp.url)
+    kfp_server.fail[("GET", f"{API}/experiments")] = (200, b"<html><body>Log in</body></html>")
+    with pytest.raises(SubmitError, match="GET /apis/v2beta1/experiments: the answer is not JSON .a login page"):
+        submit(config, kfp_server.url)
 
 
 def test_host_must_be_a_url(config):
@@ -286,13 +385,109 @@ def test_host_must_be_a_url(config):
         submit(config, "kfp.example.com")
 
 
-def test_cli_submit(kfp):
-    from click.testing import CliRunner
+def _self_signed(folder):
+    """A certificate for 127.0.0.1 signed by itself, and its key, as PEM files."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
 
-    from tracefp4.pipelines.cli import main
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.UTC)
+    builder = x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+    builder = builder.serial_number(x509.random_serial_number()).not_valid_before(now)
+    builder = builder.not_valid_after(now + datetime.timedelta(1))
+    san = x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    cert = builder.add_extension(san, False).add_extension(x509.BasicConstraints(ca=True, path_length=None), True)
+    cert = cert.sign(key, hashes.SHA256())
+    (folder / "cert.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    (folder / "key.pem").write_bytes(pem)
+    return folder / "cert.pem", folder / "key.pem"
 
-    result = CliRunner().invoke(main, ["submit", "--preset", "smoke", "--host", kfp.url, "--store", "s3://runs/smoke"])
+
+def test_a_self_signed_gateway_needs_its_ca_bundle_or_no_verification(config, tmp_path):
+    cert, key = _self_signed(tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    server = _serve(FakeKfp(tls=context))
+    try:
+        with pytest.raises(SubmitError, match="certificate|CERTIFICATE") as e:
+            submit(config, Connection(server.url, timeout_s=5))
+        assert "/apis/v2beta1/healthz" in str(e.value)
+        assert submit(config, Connection(server.url, ca_bundle=str(cert)))["run_id"]
+        assert submit(config, Connection(server.url, verify_ssl=False))["run_id"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _finished_run(server, run_id):
+    server.runs[run_id].update(
+        state="FAILED",
+        finished_at="2026-11-20T10:05:00Z",
+        error={"code": 9, "message": "task rollout-r0 failed"},
+        run_details={
+            "task_details": [
+                {"task_id": "t1", "display_name": "prepare", "state": "SUCCEEDED", "start_time": "2026-11-20T10:00:00Z",
+                 "child_tasks": [{"pod_name": "smoke-abc-system-container-driver-1"},
+                                 {"pod_name": "smoke-abc-system-container-impl-2"}]},  # noqa: E501
+                {"task_id": "t2", "display_name": "rollout-r0", "state": "FAILED", "start_time": "2026-11-20T10:01:00Z",
+                 "error": {"code": 2, "message": "CUDA out of memory"}, "pod_name": "smoke-abc-system-container-impl-3"},
+            ]
+        },
+    )
+
+
+def test_runs_list_status_and_log_commands(kfp_server, config):
+    connection = Connection(kfp_server.url)
+    first = submit(config, connection)
+    second = submit(config, connection, experiment="other")
+    _finished_run(kfp_server, first["run_id"])
+    listed = list_runs(connection)
+    assert [r["run_id"] for r in listed] == [second["run_id"], first["run_id"]]
+    assert listed[1]["state"] == "FAILED" and listed[1]["name"].startswith("smoke-")
+    assert [r["run_id"] for r in list_runs(connection, experiment="other")] == [second["run_id"]]
+    with pytest.raises(SubmitError, match="No experiment is found with name nope"):
+        list_runs(connection, experiment="nope")
+
+    status = run_status(connection, first["run_id"])
+    assert status["state"] == "FAILED" and status["error"] == "task rollout-r0 failed"
+    assert [(t["name"], t["state"], t["error"]) for t in status["tasks"]] == [
+        ("prepare", "SUCCEEDED", ""), ("rollout-r0", "FAILED", "CUDA out of memory")
+    ]
+    assert log_commands(status, None) == [
+        "kubectl -n kubeflow logs smoke-abc-system-container-driver-1 -c main",
+        "kubectl -n kubeflow logs smoke-abc-system-container-impl-2 -c main",
+        "kubectl -n kubeflow logs smoke-abc-system-container-impl-3 -c main",
+    ]
+    assert log_commands(status, "team-a")[0].startswith("kubectl -n team-a logs ")
+    with pytest.raises(SubmitError, match=r"GET /apis/v2beta1/runs/missing -> HTTP 404 .*run missing not found"):
+        run_status(connection, "missing")
+
+
+def test_cli_submit_and_runs(kfp_server, tmp_path):
+    result = CliRunner().invoke(main, ["submit", "--preset", "smoke", "--host", kfp_server.url, "--store", "s3://runs/smoke",
+                                       "--token", TOKEN, "--pipeline-root", "minio://tracefp4/pipeline-root"])  # noqa: E501
     assert result.exit_code == 0, result.output
-    assert f"{kfp.url}/#/runs/details/" in result.output and len(kfp.runs) == 1
+    assert f"{kfp_server.url}/#/runs/details/" in result.output and len(kfp_server.runs) == 1
+    assert "Experiment details" not in result.output  # kfp.Client's own prints stay out
+    assert kfp_server.requests[-1]["headers"]["authorization"] == f"Bearer {TOKEN}"
+    (run_id,) = kfp_server.runs
+    _finished_run(kfp_server, run_id)
+
+    listed = CliRunner().invoke(main, ["runs", "list", "--host", kfp_server.url])
+    assert listed.exit_code == 0, listed.output
+    assert run_id in listed.output and "FAILED" in listed.output
+    status = CliRunner().invoke(main, ["runs", "status", run_id, "--host", kfp_server.url])
+    assert status.exit_code == 0, status.output
+    assert "FAILED" in status.output and "CUDA out of memory" in status.output and "kubectl" not in status.output
+    logs = CliRunner().invoke(main, ["runs", "logs", run_id, "--host", kfp_server.url, "--namespace", "team-a"])
+    assert logs.exit_code == 0, logs.output
+    assert "kubectl -n team-a logs smoke-abc-system-container-impl-3 -c main" in logs.output
+
     refused = CliRunner().invoke(main, ["submit", "--preset", "smoke", "--host", "http://127.0.0.1:9"])
     assert refused.exit_code != 0 and "cannot reach" in refused.output
+    missing = CliRunner().invoke(main, ["runs", "status", "nope", "--host", kfp_server.url])
+    assert missing.exit_code != 0 and "HTTP 404" in missing.output
