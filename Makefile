@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv install install-dev test run image
+.PHONY: venv install install-dev test run image gpu-check
 
 # Debian's own python3 makes venvs only with its python3-venv package.
 venv:
@@ -40,6 +40,11 @@ test: install-dev
 # a rerun resumes after the last finished task (--restart starts over).
 run: install
 	$(PY) -m tracefp4.pipelines.cli run --preset tiny --output runs/tiny
+
+# Everything that needs a GPU, at most 8 minutes on one (docs/performance.md);
+# DRY=1 runs the same plan on the CPU with the smallest sizes.
+gpu-check: install-dev
+	$(PY) benchmarks/gpu_check.py $(if $(DRY),--dry-run)
 
 # The component images (needs a Docker engine; none runs on the development machines).
 VERSION := $(shell $(PYTHON) -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['version'])")

@@ -5,7 +5,9 @@ against torchao's eager ``nvfp4_quantize``.
     python benchmarks/kernels.py [--size 4096] [--repeat 5]
 
 CUDA tensors take the Triton path, CPU tensors the torch reference. The last
-line is one JSON object with every figure.
+line is one JSON object with every figure, and the CPU it was measured on
+(model, bf16 native or emulated, torch threads): CPU figures differ between
+machines.
 """
 
 import argparse
@@ -15,6 +17,7 @@ import time
 
 import torch
 
+from tracefp4.components.device import cpu_kind
 from tracefp4.kernels import Guidance, compact_codes, dequantize, fake_quantize, quantize, unpack_codes
 
 
@@ -65,7 +68,7 @@ def main() -> None:
         "compact_codes_r1": (lambda: compact_codes(codes, 1), codes_clone_s),
         "compact_codes_r4": (lambda: compact_codes(codes, 4), codes_clone_s),
     }
-    figures = {"device": device, "elements": x.numel(), "clone_seconds": clone_s}
+    figures = {"device": device, **cpu_kind(), "elements": x.numel(), "clone_seconds": clone_s}
     print(f"{'op':34} {'seconds':>9} {'x clone':>8} {'Gelem/s':>8}")
     for name, (fn, baseline_s) in ops.items():
         seconds = best_seconds(fn, args.repeat)

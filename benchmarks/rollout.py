@@ -4,7 +4,8 @@ capture; bytes captured per token; KV cache bytes per token.
 
     python benchmarks/rollout.py [--preset tiny] [--batches 32 128] [--prompt-len 32] [--new-tokens 64] [--repeat 3]
 
-The last line is one JSON object with every figure.
+The last line is one JSON object with every figure, and the CPU it was
+measured on (model, bf16 native or emulated: ``TRACEFP4_CPU_BF16``).
 """
 
 import argparse
@@ -17,6 +18,7 @@ import torch
 
 from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.checkpoint import save_model
+from tracefp4.components.device import cpu_kind
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rollout import SamplingParams, TorchEngine
@@ -68,7 +70,8 @@ def main() -> None:
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(args.preset, seed=0)
-    figures: dict = {"device": device, "preset": args.preset, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
+    figures: dict = {"device": device, **cpu_kind(), "preset": args.preset, "prompt_len": args.prompt_len,
+                     "new_tokens": args.new_tokens}
     sampling = SamplingParams(max_new_tokens=args.new_tokens, seed=0)
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,0 +1,145 @@
+"""Everything that needs a GPU, in one command of at most 8 minutes on one GPU:
+the Triton kernel tests on CUDA (bit-exact against the CPU torch reference),
+the kernel and rollout benchmarks, and the smoke pipeline with
+``resources.device=cuda``; then one JSON line with every figure.
+
+    python benchmarks/gpu_check.py             # or: make gpu-check
+    python benchmarks/gpu_check.py --dry-run   # or: make gpu-check DRY=1
+
+``--dry-run`` runs the same plan on the CPU (CUDA hidden) with the smallest
+sizes and skips what needs CUDA, saying so, so that the plan is exercised on
+any machine (tests/test_gpu_check.py). Each step runs in its own process under
+its own time limit; the command exits non-zero if a step fails or runs out of
+time.
+"""
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tracefp4.components.device import cpu_kind, resolve
+from tracefp4.schemas import get_preset
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Step:
+    """One part of the check: a command, its time limit, and what its output says."""
+
+    name: str
+    command: list[str]
+    timeout_s: int
+    dry_args: list[str] = field(default_factory=list)  # the smallest sizes, for a dry run
+    needs_cuda: str | None = None  # why a dry run skips it
+
+
+def plan(device: str, run_dir: Path) -> list[Step]:
+    """The steps, at most 8 minutes together (the sum of the time limits)."""
+    py = sys.executable
+    triton_tests = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_kernels.py"]
+    smoke_run = ["run", "--config", str(smoke_config(device, run_dir)), "--output", str(run_dir / "run")]
+    smallest_rollout = ["--preset", "smoke", "--batches", "2", "--prompt-len", "8", "--new-tokens", "4", "--repeat", "1"]
+    return [
+        Step("triton_kernel_tests", triton_tests, 150, needs_cuda="the Triton kernels take CUDA tensors only"),
+        Step("kernels", [py, "benchmarks/kernels.py"], 60, dry_args=["--size", "256", "--repeat", "1"]),
+        Step("rollout", [py, "benchmarks/rollout.py"], 120, dry_args=smallest_rollout),
+        Step("smoke_pipeline", [py, "-m", "tracefp4.pipelines.cli", *smoke_run], 150),
+    ]
+
+
+def smoke_config(device: str, run_dir: Path) -> Path:
+    """The smoke preset with ``resources.device`` set, as a config file."""
+    config = get_preset("smoke")
+    config = config.model_copy(update={"resources": config.resources.model_copy(update={"device": device})})
+    path = run_dir / "smoke.json"
+    path.write_text(config.model_dump_json())
+    return path
+
+
+def last_json(text: str) -> dict:
+    """The last line of ``text`` that is a JSON object (a benchmark's figures)."""
+    for line in reversed(text.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise ValueError("no JSON line in the output")
+
+
+def pipeline_figures(run_dir: Path) -> dict:
+    """The smoke run's rollout and evaluation throughput, read from its outputs."""
+    root = next((run_dir / "run" / "pipeline_root").iterdir())
+    history = [json.loads(line) for line in (root / "train" / "history").read_text().splitlines()]
+    results = json.loads((root / "evaluate" / "results").read_text())
+    return {
+        "rollout_tokens_per_second": history[0]["rollout_tokens_per_second"],
+        **{f"eval_{row['rollout']}_tokens_per_second": row["tokens_per_second"] for row in results["throughput"]},
+    }
+
+
+def run_step(step: Step, dry: bool, env: dict, run_dir: Path) -> dict:
+    if dry and step.needs_cuda:
+        print(f"[{step.name}] skipped in the dry run: {step.needs_cuda}", flush=True)
+        return {"status": "skipped", "reason": step.needs_cuda}
+    command = step.command + (step.dry_args if dry else [])
+    print(f"[{step.name}] {' '.join(command)}", flush=True)
+    start = time.perf_counter()
+    # a session of its own, so that a step out of time is stopped with every process it started
+    pipe = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    with subprocess.Popen(command, cwd=ROOT, env=env, start_new_session=True, **pipe) as proc:
+        try:
+            output, _ = proc.communicate(timeout=step.timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+    out = {"status": "passed" if proc.returncode == 0 else "failed", "seconds": time.perf_counter() - start}
+    print(output[-3000:] if proc.returncode else output.strip().rpartition("\n")[2][:500], flush=True)
+    if proc.returncode == -signal.SIGKILL:
+        out.update(status="timeout", timeout_s=step.timeout_s)
+    elif proc.returncode == 0:
+        if step.name == "triton_kernel_tests":
+            out["summary"] = output.strip().splitlines()[-1]
+        elif step.name == "smoke_pipeline":
+            out["figures"] = pipeline_figures(run_dir)
+        else:
+            out["figures"] = last_json(output)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true", help="the same plan on the CPU, smallest sizes, CUDA steps skipped")
+    args = parser.parse_args()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if args.dry_run:
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU, even on a machine with a GPU
+        device = "cpu"
+    else:
+        device = "cuda"
+        try:
+            resolve(device)
+        except RuntimeError as e:
+            print(f"gpu-check needs a GPU: {e} (--dry-run runs the plan on the CPU)", file=sys.stderr)
+            return 2
+        env.pop("TRITON_INTERPRET", None)  # real kernels, not the interpreter
+    figures = {"mode": "dry-run" if args.dry_run else "cuda", "torch": torch.__version__, **cpu_kind()}
+    if not args.dry_run:
+        figures["gpu"] = torch.cuda.get_device_name(0)
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
+        steps = {step.name: run_step(step, args.dry_run, env, Path(tmp)) for step in plan(device, Path(tmp))}
+    figures.update(seconds=time.perf_counter() - start, steps=steps)
+    print(json.dumps(figures))
+    return 0 if all(s["status"] in ("passed", "skipped") for s in steps.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
