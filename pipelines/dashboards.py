@@ -6,10 +6,10 @@ import json
 import re
 from pathlib import Path
 
-from grafana_foundation_sdk.builders import bargauge, common, prometheus, stat, table, timeseries
+from grafana_foundation_sdk.builders import barchart, bargauge, common, prometheus, stat, table
 from grafana_foundation_sdk.builders import dashboard as dash
 from grafana_foundation_sdk.cog.encoder import JSONEncoder
-from grafana_foundation_sdk.models.common import VizOrientation
+from grafana_foundation_sdk.models.common import LegendDisplayMode, LegendPlacement, VisibilityMode, VizOrientation
 from grafana_foundation_sdk.models.dashboard import (
     DashboardCursorSync,
     DataSourceRef,
@@ -44,11 +44,16 @@ def _ref_id(i: int) -> str:
 
 def _panel(builder, title: str, unit: str, queries: list[tuple[str, str]], *, w: int = 8, h: int = 8,
            instant: bool = False, fmt: PromQueryFormat | None = None):  # fmt: skip
-    """A panel of Prometheus ``(expr, legend)`` targets, described by its metrics' help."""
+    """A panel of Prometheus ``(expr, legend)`` targets, described by its metrics' help.
+
+    An instant query reads each series' last sample in the dashboard's range
+    (:func:`last_in_range`), so that a finished run's panels stay filled after
+    its groups are deleted from the Pushgateway."""
     names = dict.fromkeys(m for expr, _ in queries for m in METRIC_NAME.findall(expr))
     panel = builder.title(title).description(" ".join(METRICS[m].help for m in names))
     panel = panel.datasource(DATASOURCE).unit(unit).span(w).height(h)
     for i, (expr, legend) in enumerate(queries):
+        expr = last_in_range(expr) if instant else expr
         target = prometheus.Dataquery().expr(expr).legend_format(legend).ref_id(_ref_id(i)).datasource(DATASOURCE)
         if instant:
             target = target.instant()
@@ -58,12 +63,16 @@ def _panel(builder, title: str, unit: str, queries: list[tuple[str, str]], *, w:
     return panel
 
 
+_SELECTOR = re.compile(r"\b(tracefp4_\w+\{[^}]*\})")
+
+
+def last_in_range(expr: str) -> str:
+    """Every ``tracefp4_...{...}`` selector of ``expr`` as its last sample in the dashboard's time range."""
+    return _SELECTOR.sub(r"last_over_time(\1[$__range])", expr)
+
+
 # one value per series: its last sample (a gauge's value since its round pushed)
 _LAST = common.ReduceDataOptions().calcs(["lastNotNull"]).values(False)
-
-
-def _series(title, unit, *queries, **kw):
-    return _panel(timeseries.Panel(), title, unit, list(queries), **kw)
 
 
 def _bars(title, unit, *queries, **kw):
@@ -87,72 +96,102 @@ def _table(title, unit, columns: dict[str, str], by: str, w: int = 12):
     return _panel(builder, title, unit, queries, w=w, instant=True, fmt=PromQueryFormat.TABLE)
 
 
+ROUND_AXIS = "round\\series"  # the x field groupingToMatrix names after its row and column fields
+
+
+def per_round(selector: str, labels: tuple[str, ...] = (), figure: str = "") -> str:
+    """A per-round figure's last value in the range, one series per run, method and ``labels``,
+    its name in the label ``series`` (``figure`` first, when given)."""
+    by = ("method", *labels, "run_id")
+    expr = f"max by (round, {', '.join(by)}) ({selector})"
+    if figure:
+        expr = f'label_replace({expr}, "figure", "{figure}", "", "")'
+        by = ("figure", *by)
+    quoted = ", ".join(f'"{label}"' for label in by)
+    return f'label_join({expr}, "series", " ", {quoted})'
+
+
+def _rounds(title, unit, *figures: str, w: int = 8, h: int = 8):
+    """A bar chart of per-round figures (:func:`per_round`, joined by ``or``)
+    against the round: one instant table query, grouped into a round x series matrix."""
+    legend = common.VizLegendOptions().show_legend(True).display_mode(LegendDisplayMode.LIST)
+    builder = barchart.Panel().x_field(ROUND_AXIS).show_value(VisibilityMode.NEVER)
+    builder = builder.legend(legend.placement(LegendPlacement.BOTTOM))
+    for id_val, options in (
+        ("convertFieldType", {"fields": {}, "conversions": [{"targetField": "round", "destinationType": "number"}]}),
+        ("sortBy", {"fields": {}, "sort": [{"field": "round", "desc": False}]}),
+        ("groupingToMatrix", {"columnField": "series", "rowField": "round", "valueField": "Value",
+                              "emptyValue": "null"}),
+    ):
+        builder = builder.with_transformation(DataTransformerConfig(id_val=id_val, options=options))
+    query = (" or ".join(figures), "")
+    return _panel(builder, title, unit, [query], w=w, h=h, instant=True, fmt=PromQueryFormat.TABLE)
+
+
 def _rows() -> list[tuple[str, list]]:
     """(row title, panels): what a run is watched for, one row per question."""
-    r = " r{{round}}"
+    rollout = {"component": "rollout"}  # evaluate's throughput belongs to no round
     return [
         ("Rollout throughput", [
-            _series("Rollout tokens/s by rollout config and round", "short",
-                    (sel("tracefp4_rollout_tokens_per_second"), "{{component}} {{method}} {{rollout_config}}" + r)),
-            _bars("Response tokens per round", "short",
-                  (sel("tracefp4_rollout_tokens"), "{{component}} {{method}} {{rollout_config}}" + r)),
-            _series("Rollout seconds", "s", (sel("tracefp4_rollout_seconds"), "{{component}} {{method}} {{rollout_config}}" + r)),
+            _rounds("Rollout tokens/s by round", "short",
+                    per_round(sel("tracefp4_rollout_tokens_per_second", **rollout), ("rollout_config",))),
+            _rounds("Response tokens by round", "short",
+                    per_round(sel("tracefp4_rollout_tokens", **rollout), ("rollout_config",))),
+            _rounds("Rollout seconds by round", "s",
+                    per_round(sel("tracefp4_rollout_seconds", **rollout), ("rollout_config",))),
             _stat("Rollout tokens/s over the run", "short",
                   ("sum by (run_id, method, component, rollout_config) (" + sel("tracefp4_rollout_tokens") + ")"
                    " / sum by (run_id, method, component, rollout_config) (" + sel("tracefp4_rollout_seconds") + ")",
                    "{{component}} {{method}} {{rollout_config}}"), w=24, h=4),
         ]),
         ("Capture, offload, upload and reload overhead", [
-            _series("Capture overhead (share of rollout time)", "percentunit",
-                    (sel("tracefp4_capture_overhead_ratio"), "{{method}}" + r)),
-            _series("Capture offload and guidance upload seconds", "s",
-                    (sel("tracefp4_capture_offload_seconds"), "offload {{method}}" + r),
-                    (sel("tracefp4_guidance_upload_seconds"), "upload {{method}}" + r)),
-            _series("Train step and guidance reload seconds", "s",
-                    (sel("tracefp4_train_step_seconds"), "step {{method}}" + r),
-                    (sel("tracefp4_guidance_reload_seconds"), "reload {{method}}" + r)),
+            _rounds("Capture overhead (share of rollout time)", "percentunit",
+                    per_round(sel("tracefp4_capture_overhead_ratio"))),
+            _rounds("Capture offload and guidance upload seconds", "s",
+                    per_round(sel("tracefp4_capture_offload_seconds"), figure="offload"),
+                    per_round(sel("tracefp4_guidance_upload_seconds"), figure="upload")),
+            _rounds("Train step and guidance reload seconds", "s",
+                    per_round(sel("tracefp4_train_step_seconds"), figure="step"),
+                    per_round(sel("tracefp4_guidance_reload_seconds"), figure="reload")),
             _bars("Guidance reload share of a train step", "percentunit",
                   ("max by (run_id, method, round) (" + sel("tracefp4_guidance_reload_seconds") + ")"
                    " / max by (run_id, method, round) (" + sel("tracefp4_train_step_seconds") + ")",
-                   "{{method}}" + r), w=24, h=6),
+                   "{{method}} r{{round}}"), w=24, h=6),
         ]),
         ("Guidance storage and compaction", [
-            _series("Guidance and full capture bytes", "bytes",
-                    (sel("tracefp4_guidance_bytes"), "guidance {{method}}" + r),
-                    (sel("tracefp4_capture_bytes"), "capture {{method}}" + r)),
+            _rounds("Guidance and full capture bytes", "bytes",
+                    per_round(sel("tracefp4_guidance_bytes"), figure="guidance"),
+                    per_round(sel("tracefp4_capture_bytes"), figure="capture")),
             _stat("Guidance bits per element", "none",
-                  (sel("tracefp4_guidance_bits_per_element"), "{{method}}" + r)),
-            _series("Compaction ratio and fidelity", "percentunit",
-                    (sel("tracefp4_compaction_ratio"), "bytes kept {{method}}" + r),
-                    (sel("tracefp4_compaction_fidelity_ratio"), "fidelity {{method}}" + r)),
-            _series("Compaction seconds", "s", (sel("tracefp4_compaction_seconds"), "{{method}}" + r), w=24, h=6),
+                  (sel("tracefp4_guidance_bits_per_element"), "{{method}} r{{round}}")),
+            _rounds("Compaction ratio and fidelity", "percentunit",
+                    per_round(sel("tracefp4_compaction_ratio"), figure="bytes kept"),
+                    per_round(sel("tracefp4_compaction_fidelity_ratio"), figure="fidelity")),
+            _rounds("Compaction seconds", "s", per_round(sel("tracefp4_compaction_seconds")), w=24, h=6),
         ]),
         ("Train-rollout mismatch", [
-            _series("Log-prob |train - rollout| by stat", "none",
-                    (sel("tracefp4_train_rollout_logprob_abs_diff"), "{{method}} {{stat}}" + r)),
-            _series("KL(rollout || train) per token", "none", (sel("tracefp4_train_rollout_kl"), "{{method}}" + r)),
-            _series("Guidance coverage", "percentunit", (sel("tracefp4_guidance_coverage_ratio"), "{{method}}" + r)),
-            _series("Code mismatch and relative excess MSE (mean over layers)", "percentunit",
-                    ("avg by (run_id, method, rollout_config, round) (" + sel("tracefp4_code_mismatch_ratio") + ")",
-                     "mismatch {{method}} {{rollout_config}}" + r),
-                    ("avg by (run_id, method, rollout_config, round) ("
-                     + sel("tracefp4_relative_excess_mse_ratio") + ")", "excess MSE {{method}} {{rollout_config}}" + r),
-                    w=12, h=10),
+            _rounds("Log-prob |train - rollout| by stat", "none",
+                    per_round(sel("tracefp4_train_rollout_logprob_abs_diff"), ("stat",))),
+            _rounds("KL(rollout || train) per token", "none", per_round(sel("tracefp4_train_rollout_kl"))),
+            _rounds("Guidance coverage", "percentunit", per_round(sel("tracefp4_guidance_coverage_ratio"))),
+            _bars("Code mismatch over all layers, mean relative excess MSE over layers", "percentunit",
+                  (sel("tracefp4_code_mismatch_ratio"), "mismatch {{method}} {{rollout_config}}"),
+                  ("avg by (run_id, method, rollout_config) (" + sel("tracefp4_layer_relative_excess_mse_ratio") + ")",
+                   "excess MSE {{method}} {{rollout_config}}"), w=12, h=10),
             _table("Code mismatch and relative excess MSE by layer", "percentunit",
-                   {"code mismatch": sel("tracefp4_code_mismatch_ratio"),
-                    "relative excess MSE": sel("tracefp4_relative_excess_mse_ratio")},
-                   by="run_id, method, rollout_config, layer, round"),
+                   {"code mismatch": sel("tracefp4_layer_code_mismatch_ratio"),
+                    "relative excess MSE": sel("tracefp4_layer_relative_excess_mse_ratio")},
+                   by="run_id, method, rollout_config, layer"),
         ]),
         ("Reward and accuracy", [
-            _series("Reward (round mean)", "none", (sel("tracefp4_reward"), "{{method}}" + r)),
-            _series("Training accuracy (split=train)", "percentunit",
-                    (sel("tracefp4_accuracy_ratio", split="train"),
-                     "{{method}} {{rollout_config}} {{task}} {{metric}}" + r)),
+            _rounds("Reward (round mean)", "none", per_round(sel("tracefp4_reward"))),
+            _rounds("Training accuracy (split=train)", "percentunit",
+                    per_round(sel("tracefp4_accuracy_ratio", split="train"), ("rollout_config", "task", "metric"))),
             _stat("RL steps trained", "none",
                   ("sum by (run_id, method) (" + sel("tracefp4_train_steps") + ")", "{{method}}")),
             _table("Held-out accuracy (split=test)", "percentunit",
                    {"accuracy": sel("tracefp4_accuracy_ratio", split="test")},
-                   by="run_id, method, rollout_config, task, metric, round", w=24),
+                   by="run_id, method, rollout_config, task, metric", w=24),
         ]),
     ]  # fmt: skip
 

@@ -10,11 +10,11 @@ from click.testing import CliRunner
 
 from tracefp4.components.metrics import METRICS
 from tracefp4.pipelines.cli import main
-from tracefp4.pipelines.dashboards import RUN_VARIABLES, dashboard, panel_queries, write
+from tracefp4.pipelines.dashboards import RUN_VARIABLES, dashboard, last_in_range, panel_queries, write
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "manifests/base/grafana/dashboards/tracefp4.json"
-CONCRETE = {"pipeline": "tracefp4-tiny", "run_id": "run-1|run-2", "method": ".*"}
+CONCRETE = {"pipeline": "tracefp4-tiny", "run_id": "run-1|run-2", "method": ".*", "__range": "3h"}
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +109,38 @@ def test_queries_substitute_variables_and_look_like_promql(board):
             for matcher in matchers.split(", "):
                 assert re.fullmatch(r'\w+(=~|=|!=|!~)"[^"]*"', matcher), f"{title}: bad matcher {matcher}"
         assert 'run_id=~"run-1|run-2"' in expr and 'pipeline=~"tracefp4-tiny"' in expr
+
+
+def test_instant_targets_read_the_last_sample_in_the_range(board):
+    """An instant panel stays filled once a finished run's groups are deleted from the Pushgateway."""
+    instant = [(panel, target) for panel, target in _targets(board) if target.get("instant")]
+    assert len(instant) >= 10
+    for panel, target in instant:
+        selectors = re.findall(r"(\w*\(?)(tracefp4_\w+\{[^}]*\})(\[\$__range\])?", target["expr"])
+        assert selectors, panel["title"]
+        for before, selector, window in selectors:
+            assert before.endswith("last_over_time(") and window, f"{panel['title']}: {selector} is not last_over_time"
+    assert last_in_range('a(tracefp4_x{b="1"}) / tracefp4_y{c="2"}') == (
+        'a(last_over_time(tracefp4_x{b="1"}[$__range])) / last_over_time(tracefp4_y{c="2"}[$__range])'
+    )
+
+
+def test_per_round_figures_are_plotted_against_the_round(board):
+    charts = [p for p in _panels(board["panels"]) if p["type"] == "barchart"]
+    assert len(charts) >= 12
+    for panel in charts:
+        (target,) = panel["targets"]
+        assert target["format"] == "table" and target["instant"], panel["title"]
+        grouping = next(t["options"] for t in panel["transformations"] if t["id"] == "groupingToMatrix")
+        assert grouping["rowField"] == "round" and grouping["columnField"] == "series"
+        assert panel["options"]["xField"] == f"{grouping['rowField']}\\{grouping['columnField']}"
+        ids = [t["id"] for t in panel["transformations"]]
+        assert ids.index("convertFieldType") < ids.index("sortBy") < ids.index("groupingToMatrix")  # rounds as numbers
+        for part in target["expr"].split(" or "):  # every figure of the chart keeps round and names its series
+            assert part.startswith('label_join(') and "max by (round, method, " in part, panel["title"]
+            assert '"series", " "' in part and part.rstrip(")").endswith('"run_id"'), panel["title"]
+    # no time series left: every figure is pushed once per component run, so time is not its axis
+    assert not [p["title"] for p in _panels(board["panels"]) if p["type"] == "timeseries"]
 
 
 def test_panel_queries_substitution_forms():

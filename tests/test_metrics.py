@@ -5,12 +5,13 @@ dashboard panel's PromQL returns data."""
 import json
 import logging
 import socket
+import time
 import urllib.request
 
 import pytest
 
 from tracefp4.components.metrics import METRICS, PUBLISH_FAILED, RunMetrics, delete_run, read_file
-from tracefp4.pipelines.dashboards import dashboard, panel_queries
+from tracefp4.pipelines.dashboards import _walk, dashboard, panel_queries
 from tracefp4.pipelines.local import run_local
 from tracefp4.schemas import get_preset
 
@@ -117,12 +118,20 @@ def pushed_run(prometheus, tmp_path_factory):
 
 
 def test_every_dashboard_panel_query_returns_data_from_the_pushed_run(prometheus, pushed_run):
-    assert prometheus.wait_for('tracefp4_train_steps{pipeline="metrics-smoke"}'), "Prometheus never scraped the pushed run"
-    variables = {"pipeline": "metrics-smoke", "run_id": ".+", "method": "trace", "datasource": "prometheus"}
+    # this run's id only: Debian's Pushgateway keeps (and loads) groups in a persistence file by default
+    (run_id,) = {labels["run_id"] for _, labels, _ in read_file(pushed_run / "metrics.prom")}
+    scraped = prometheus.wait_for(f'tracefp4_train_steps{{pipeline="metrics-smoke", run_id="{run_id}"}}')
+    assert scraped, "Prometheus never scraped the pushed run"
+    variables = {"pipeline": "metrics-smoke", "run_id": run_id, "method": "trace", "__range": "1h"}
     queries = panel_queries(dashboard(), variables)
     assert len(queries) >= len(METRICS) // 2
-    empty = [(title, query) for title, query in queries if not prometheus.query(query)]
+    # a per-round chart's figures are joined by `or`: each must return data on its own
+    parts = [(title, part) for title, query in queries for part in query.split(" or ")]
+    empty = [(title, query) for title, query in parts if not prometheus.query(query)]
     assert not empty, f"panels whose queries match nothing: {empty}"
+    by_round = [prometheus.query(q) for t, q in queries if t == "Reward (round mean)"][0]
+    assert sorted(int(s["metric"]["round"]) for s in by_round) == list(range(get_preset("smoke").rl.rounds)), by_round
+    assert {s["metric"]["series"] for s in by_round} == {f"trace {run_id}"}
 
 
 def test_the_metrics_file_holds_what_prometheus_scraped(prometheus, pushed_run):
@@ -138,8 +147,34 @@ def test_the_metrics_file_holds_what_prometheus_scraped(prometheus, pushed_run):
         assert len(result) == 1 and float(result[0]["value"][1]) == pytest.approx(value), (name, labels)
 
 
+def test_aggregate_and_per_layer_series_never_share_a_name():
+    for name, metric in METRICS.items():
+        assert ("layer" in metric.labels) == name.startswith("tracefp4_layer_"), name
+    m = _group(0)
+    with pytest.raises(ValueError, match="takes labels"):
+        m.set("tracefp4_code_mismatch_ratio", 0.1, rollout_config="fp4_wa_kv", layer="all")
+
+
 def test_docs_list_every_metric():
     from pathlib import Path
 
     text = (Path(__file__).parents[1] / "docs" / "metrics.md").read_text()
     assert [name for name in METRICS if f"`{name}`" not in text] == []
+
+
+def test_instant_panels_stay_filled_once_the_run_is_deleted_from_the_pushgateway(prometheus, pushed_run):
+    """Last in this module: it deletes the pushed run's groups (as `tracefp4 delete-metrics` does)."""
+    (run_id,) = {labels["run_id"] for _, labels, _ in read_file(pushed_run / "metrics.prom")}
+    variables = {"pipeline": "metrics-smoke", "run_id": run_id, "method": "trace", "__range": "1h"}
+    board = dashboard()
+    targets = [t for panel in _walk(board["panels"]) for t in panel.get("targets", [])]
+    instant = [query for t, (_, query) in zip(targets, panel_queries(board, variables)) if t.get("instant")]
+    live = f'tracefp4_train_steps{{run_id="{run_id}"}}'
+    assert prometheus.wait_for(live)
+    assert delete_run(prometheus.pushgateway, "tracefp4", "metrics-smoke", run_id) == 5
+    deadline = time.monotonic() + 20
+    while prometheus.query(live) and time.monotonic() < deadline:  # stale after the next scrape
+        time.sleep(0.5)
+    assert not prometheus.query(live), "the deleted run's series never went stale"
+    empty = [query for query in instant if not prometheus.query(query)]
+    assert len(instant) >= 10 and not empty, f"instant panels blank after delete-metrics: {empty}"
