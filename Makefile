@@ -46,9 +46,16 @@ run: install
 gpu-check: install-dev
 	$(PY) benchmarks/gpu_check.py $(if $(DRY),--dry-run)
 
-# The component images (needs a Docker engine; none runs on the development machines).
+# The component images, multi-arch (amd64, and arm64 for GB200/GH200 nodes), built
+# with docker buildx and pushed to IMAGE (a multi-arch image cannot be loaded into
+# the local engine; for one platform: make image PLATFORMS=linux/amd64 OUTPUT=--load).
+# Needs a Docker engine with buildx and, for the other arch, QEMU (docker run
+# --privileged --rm tonistiigi/binfmt --install arm64) or a native builder; none
+# runs on the development machines.
 VERSION := $(shell $(PYTHON) -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['version'])")
 IMAGE ?= ghcr.io/tracefp4/tracefp4
+PLATFORMS ?= linux/amd64,linux/arm64
+OUTPUT ?= --push
 image:
-	docker build -f Dockerfile -t $(IMAGE):$(VERSION)-cpu .
-	docker build -f Dockerfile.cuda -t $(IMAGE):$(VERSION)-cuda .
+	docker buildx build --platform $(PLATFORMS) -f Dockerfile -t $(IMAGE):$(VERSION)-cpu $(OUTPUT) .
+	docker buildx build --platform $(PLATFORMS) -f Dockerfile.cuda -t $(IMAGE):$(VERSION)-cuda $(OUTPUT) .

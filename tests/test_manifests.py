@@ -6,6 +6,7 @@ address, buckets, the generated dashboard); nothing of KFP's own is replaced."""
 
 import base64
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -342,3 +343,57 @@ def test_example_run_config_matches_the_cluster(rendered, overlay):
         assert "cuda" in config.image.rpartition(":")[2]
     else:
         assert config.resources.gpus == 0 and not gpu_pods
+
+
+# The component images: no Docker engine here, so the Dockerfiles are checked as text.
+
+def _instructions(path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (ROOT / path).read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
+def test_images_cache_dependencies_and_run_as_a_user(dockerfile):
+    steps = _instructions(dockerfile)
+    copies = [i for i, (op, _) in enumerate(steps) if op == "COPY"]
+    first_copy = copies[0]
+    assert steps[first_copy][1] == "pyproject.toml ./"  # the dependency layer depends on pyproject.toml alone
+    deps = next(i for i, (op, args) in enumerate(steps) if op == "RUN" and "requirements.txt" in args)
+    source = [i for i in copies if i != first_copy]
+    assert first_copy < deps < min(source), "dependencies are installed before the source is copied"
+    assert {steps[i][1].split()[0] for i in source} >= {"kernels", "components", "pipelines", "schemas"}
+    install = next(args for op, args in steps if op == "RUN" and "pip install --no-deps ." in args)
+    assert steps.index(("RUN", install)) > max(source)
+    users = [args for op, args in steps if op == "USER"]
+    assert users and users[-1].isdigit() and users[-1] != "0", "the image's last USER is a numeric non-root uid"
+    assert all(op != "RUN" for op, _ in steps[steps.index(("USER", users[-1])):]), "nothing runs as root after USER"
+    assert any(op == "RUN" and "/minio" in args and "chown 1000" in args for op, args in steps)  # KFP's artifact paths
+
+
+def test_cpu_image_has_no_triton_and_cuda_image_has():
+    cpu = " ".join(args for op, args in _instructions("Dockerfile") if op == "RUN")
+    assert "not d.startswith('triton')" in cpu and '! python -c "import triton"' in cpu
+    assert "download.pytorch.org/whl/cpu" in cpu and "pip install triton" not in cpu
+    cuda = " ".join(args for op, args in _instructions("Dockerfile.cuda") if op == "RUN")
+    assert "triton" in cuda and "import triton" in cuda
+
+
+def test_dockerignore_keeps_the_context_to_the_package():
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert {".git", ".venv", "runs", "tests", "**/__pycache__"} <= ignored
+    dockerfiles = ("Dockerfile", "Dockerfile.cuda")
+    copied = {args.split()[0] for df in dockerfiles for op, args in _instructions(df) if op == "COPY"}
+    assert not copied & ignored  # what the Dockerfiles copy is in the context
+
+
+def test_make_image_builds_both_for_amd64_and_arm64():
+    result = subprocess.run(["make", "-n", "image", "IMAGE=registry.example/t"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    builds = [line for line in result.stdout.splitlines() if line.startswith("docker buildx build")]
+    assert len(builds) == 2
+    for line, dockerfile in zip(builds, ("Dockerfile", "Dockerfile.cuda"), strict=True):
+        assert "--platform linux/amd64,linux/arm64" in line and f"-f {dockerfile} " in line and "--push" in line

@@ -168,7 +168,8 @@ def test_instant_panels_stay_filled_once_the_run_is_deleted_from_the_pushgateway
     variables = {"pipeline": "metrics-smoke", "run_id": run_id, "method": "trace", "__range": "1h"}
     board = dashboard()
     targets = [t for panel in _walk(board["panels"]) for t in panel.get("targets", [])]
-    instant = [query for t, (_, query) in zip(targets, panel_queries(board, variables)) if t.get("instant")]
+    queries = panel_queries(board, variables)
+    instant = [query for t, (_, query) in zip(targets, queries, strict=True) if t.get("instant")]
     live = f'tracefp4_train_steps{{run_id="{run_id}"}}'
     assert prometheus.wait_for(live)
     assert delete_run(prometheus.pushgateway, "tracefp4", "metrics-smoke", run_id) == 5
