@@ -75,7 +75,8 @@ class Handler(BaseHTTPRequestHandler):
         query = dict(urllib.parse.parse_qsl(url.query))
         length = int(self.headers.get("Content-Length") or 0)
         body = self.rfile.read(length) if length else b""
-        record = {"method": method, "path": url.path, "query": query, "headers": {k.lower(): v for k, v in self.headers.items()}, "body": body}
+        headers = {k.lower(): v for k, v in self.headers.items()}
+        record = {"method": method, "path": url.path, "query": query, "headers": headers, "body": body}
         s.requests.append(record)
         if s.delay_s:
             time.sleep(s.delay_s)
@@ -160,8 +161,9 @@ def _serve(server):
 @pytest.fixture(autouse=True)
 def isolated(monkeypatch, tmp_path):
     """No proxies, no token or cookie from this machine, no kfp context file of the user's, no mounted token."""
-    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY", "KF_PIPELINES_TOKEN",
-                "KF_PIPELINES_COOKIES", "KF_PIPELINES_ENDPOINT", "KF_PIPELINES_SA_TOKEN_PATH", "KF_PIPELINES_UI_ENDPOINT"):  # noqa: E501
+    proxies = ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
+    kfp_env = ("TOKEN", "COOKIES", "ENDPOINT", "SA_TOKEN_PATH", "UI_ENDPOINT")
+    for var in proxies + tuple(f"KF_PIPELINES_{name}" for name in kfp_env):
         monkeypatch.delenv(var, raising=False)
     import kfp
 
@@ -228,7 +230,7 @@ def test_first_submission_uploads_the_pipeline_and_creates_experiment_and_run(kf
     assert body["runtime_config"]["parameters"]
     assert "pipeline_root" not in body["runtime_config"]  # the cluster's default unless asked
     assert result == {"pipeline_id": "pipeline-1", "pipeline_version_id": "version-3", "experiment_id": "experiment-4",
-                      "run_id": "run-5", "run_url": f"{kfp_server.url}/#/runs/details/run-5"}  # noqa: E501
+                      "run_id": "run-5", "run_url": f"{kfp_server.url}/#/runs/details/run-5"}
     assert all("authorization" not in r["headers"] and "cookie" not in r["headers"] for r in kfp_server.requests)
     assert "service_account" not in body  # KFP's default unless asked
 
@@ -432,7 +434,7 @@ def _finished_run(server, run_id):
             "task_details": [
                 {"task_id": "t1", "display_name": "prepare", "state": "SUCCEEDED", "start_time": "2026-11-20T10:00:00Z",
                  "child_tasks": [{"pod_name": "smoke-abc-system-container-driver-1"},
-                                 {"pod_name": "smoke-abc-system-container-impl-2"}]},  # noqa: E501
+                                 {"pod_name": "smoke-abc-system-container-impl-2"}]},
                 {"task_id": "t2", "display_name": "rollout-r0", "state": "FAILED", "start_time": "2026-11-20T10:01:00Z",
                  "error": {"code": 2, "message": "CUDA out of memory"}, "pod_name": "smoke-abc-system-container-impl-3"},
             ]
@@ -469,7 +471,7 @@ def test_runs_list_status_and_log_commands(kfp_server, config):
 
 def test_cli_submit_and_runs(kfp_server, tmp_path):
     result = CliRunner().invoke(main, ["submit", "--preset", "smoke", "--host", kfp_server.url, "--store", "s3://runs/smoke",
-                                       "--token", TOKEN, "--pipeline-root", "minio://tracefp4/pipeline-root"])  # noqa: E501
+                                       "--token", TOKEN, "--pipeline-root", "minio://tracefp4/pipeline-root"])
     assert result.exit_code == 0, result.output
     assert f"{kfp_server.url}/#/runs/details/" in result.output and len(kfp_server.runs) == 1
     assert "Experiment details" not in result.output  # kfp.Client's own prints stay out
