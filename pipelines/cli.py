@@ -139,8 +139,9 @@ def _connection(host, namespace, token, cookies, ca_bundle, insecure_skip_verify
 @click.option("--service-account", help="Service account of the run's pods (e.g. tracefp4-pipeline-runner).")
 @click.option("--pipeline-root", "root", help="Where KFP keeps this run's artifacts (default: the cluster's, e.g. "
               "minio://mlpipeline/v2/artifacts); the minio overlay's is minio://tracefp4/pipeline-root.")
-def submit(preset, config_file, experiment, store, service_account, root, **connection):
-    """Upload the pipeline (or a new version) to a KFP server and start a run."""
+@compare_option
+def submit(preset, config_file, experiment, store, service_account, root, methods, **connection):
+    """Upload the pipeline (or with --compare the comparison pipeline, or a new version) to a KFP server and start a run."""
     from tracefp4.pipelines.submit import SubmitError
     from tracefp4.pipelines.submit import submit as submit_run
 
@@ -149,7 +150,8 @@ def submit(preset, config_file, experiment, store, service_account, root, **conn
         click.echo(f"warning: store {config.store.uri} is local to each pod; use --store s3://... on a cluster", err=True)
     try:
         connection = _connection(**connection)
-        result = submit_run(config, connection, experiment, service_account=service_account, pipeline_root=root)
+        result = submit_run(config, connection, experiment, service_account=service_account, pipeline_root=root,
+                            methods=methods)
     except SubmitError as e:
         raise click.ClickException(str(e)) from None
     click.echo(f"pipeline {result['pipeline_id']}, version {result['pipeline_version_id']}, "

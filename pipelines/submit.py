@@ -206,10 +206,12 @@ def submit(
     namespace: str | None = None,
     service_account: str | None = None,
     pipeline_root: str | None = None,
+    methods: list[str] | None = None,
 ) -> dict:
-    """Upload ``config``'s pipeline (or a new version of it) and start a run in ``experiment``.
+    """Upload ``config``'s pipeline (with ``methods``, the comparison pipeline),
+    or a new version of it, and start a run in ``experiment``.
 
-    The pipeline is ``tracefp4-<config.name>`` (in ``namespace`` when given);
+    The pipeline is ``tracefp4-<config.name>`` (``-compare`` with ``methods``; in ``namespace`` when given);
     the version ``pipeline_version()`` plus a hash of the compiled YAML, reused
     when one of that name exists; the run's parameters are the compiled
     defaults. ``service_account``: the Kubernetes service account of the run's
@@ -219,9 +221,9 @@ def submit(
     connection = host if isinstance(host, Connection) else Connection(host, namespace, token, timeout_s=timeout_s)
     namespace = connection.namespace
     client = connect(connection)
-    name = pipeline_name(config)
+    name = pipeline_name(config) + ("-compare" if methods else "")
     with tempfile.TemporaryDirectory(prefix="tracefp4-submit-") as tmp, _quiet():
-        path = compile_pipeline(config, Path(tmp) / f"{name}.yaml")
+        path = compile_pipeline(config, Path(tmp) / f"{name}.yaml", methods)
         package = Path(path).read_bytes()
         # the compiled DAG depends on the config too (rounds, image, resources): a
         # version name reused for another DAG would run the old one
@@ -231,7 +233,7 @@ def submit(
         if found:
             pipeline_id = found[0].pipeline_id
         else:
-            description = f"TRACE FP4 RL ({config.method}, {config.rollout.config})"
+            description = f"TRACE FP4 RL ({', '.join(methods or [config.method])}, {config.rollout.config})"
             pipeline_id = client.upload_pipeline(path, name, description, namespace=namespace).pipeline_id
         found = client.list_pipeline_versions(pipeline_id, page_size=1, filter=_name_filter(version)).pipeline_versions
         if found:

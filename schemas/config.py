@@ -294,7 +294,7 @@ class StoreConfig(_Section):
         "a typo in its name does not send the run's artifacts to a new bucket.",
     )
     secret_name: str = Field(
-        default="mlpipeline-minio-artifact",
+        default="tracefp4-store",
         pattern=DNS_SUBDOMAIN,
         description="Kubernetes secret holding the S3 credentials, mounted as the TRACEFP4_S3_* variables.",
     )

@@ -59,7 +59,7 @@ class Prometheus:
         }))  # fmt: skip
         self.processes = []
         for name, args, ready in (
-            ("prometheus-pushgateway", [f"--web.listen-address=127.0.0.1:{gateway_port}"], f"{self.pushgateway}/-/ready"),
+            ("prometheus-pushgateway", [f"--web.listen-address=127.0.0.1:{gateway_port}", "--persistence.file="], f"{self.pushgateway}/-/ready"),
             ("prometheus", [f"--config.file={config}", f"--storage.tsdb.path={root / 'data'}",
                             f"--web.listen-address=127.0.0.1:{port}"], f"{self.url}/-/ready"),
         ):  # fmt: skip

@@ -284,8 +284,6 @@ def test_multi_user_profile_follows_its_namespace(tmp_path):
     assert binding["subjects"][0]["namespace"] == "team-a"
 
 
-@pytest.mark.xfail(StoreConfig().secret_name != STORE_SECRET, strict=True,
-                   reason="schemas/config.py's store.secret_name default is the lead's to change to tracefp4-store")
 def test_the_default_secret_name_is_ours():
     assert StoreConfig().secret_name == STORE_SECRET
 

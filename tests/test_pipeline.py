@@ -66,7 +66,7 @@ def test_compiled_yaml_names_every_component_and_parameter(tmp_path):
     assert all(e["container"]["image"] == config.image for e in executors.values())
     assert all(e["container"]["resources"]["cpuLimit"] == 1 for e in executors.values())
     text = open(path).read()
-    assert "mlpipeline-minio-artifact" in text and "TRACEFP4_S3_SECRET_KEY" in text  # credentials from the secret
+    assert "tracefp4-store" in text and "TRACEFP4_S3_SECRET_KEY" in text  # credentials from the secret
     assert "TRACEFP4_S3_ENDPOINT" not in text  # the pods' own environment unless the config names one
     config.store.endpoint = "http://minio.tracefp4.svc.cluster.local:9000"
     text = open(compile_pipeline(config, tmp_path / "with-endpoint.yaml")).read()

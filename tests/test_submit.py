@@ -191,7 +191,7 @@ def uploaded_yaml(request) -> dict:
     message = email.message_from_bytes(f"Content-Type: {content_type}\r\n\r\n".encode() + request["body"])
     (part,) = message.get_payload()
     assert part.get_param("name", header="content-disposition") == "uploadfile"
-    assert part.get_filename() == "tracefp4-smoke.yaml"
+    assert part.get_filename() in ("tracefp4-smoke.yaml", "tracefp4-smoke-compare.yaml")
     return next(yaml.safe_load_all(part.get_payload(decode=True)))
 
 
@@ -240,6 +240,13 @@ def test_a_run_can_name_its_service_account_and_pipeline_root(kfp_server, config
     body = json.loads(kfp_server.requests[-1]["body"])
     assert body["service_account"] == "tracefp4-pipeline-runner"
     assert body["runtime_config"]["pipeline_root"] == "minio://tracefp4/pipeline-root"
+
+
+def test_a_comparison_is_its_own_pipeline(kfp_server, config):
+    submit(config, kfp_server.url, methods=["trace", "qat"])
+    upload = next(r for r in kfp_server.requests if r["path"].endswith("/pipelines/upload"))
+    assert upload["query"]["name"] == "tracefp4-smoke-compare"
+    assert "methods trace, qat" in uploaded_yaml(upload)["pipelineInfo"]["description"]
 
 
 def test_second_submission_uploads_a_version_and_a_third_reuses_it(kfp_server, config):
