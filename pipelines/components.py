@@ -6,7 +6,6 @@ comes from the run config, so the components are made per image by
 """
 
 from dataclasses import dataclass
-from typing import List
 
 from kfp import dsl
 from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
@@ -23,8 +22,14 @@ class Guidance(dsl.Artifact):
     schema_version = "0.0.1"
 
 
-def prepare(config_json: str, run_id: str, job_id: str, policy: Output[Model], history: Output[Dataset],
-            metrics: Output[Metrics]) -> str:  # fmt: skip
+def prepare(
+    config_json: str,
+    run_id: str,
+    job_id: str,
+    policy: Output[Model],
+    history: Output[Dataset],
+    metrics: Output[Metrics],
+) -> str:
     """The initial policy and tokenizer (bootstrapped when configured); an empty
     training history. Returns the run id every later step checks its inputs
     against: ``run_id`` when given (a local run's, stable across resumes), else
@@ -57,9 +62,16 @@ def rollout(config_json: str, run_id: str, round_index: int, policy: Input[Model
     run_metrics.publish(config, run_id, "rollout", round_index, stats)
 
 
-def compaction(config_json: str, run_id: str, round_index: int, policy: Input[Model], trajectories: Input[Dataset],
-               guidance: Output[Guidance], report: Output[Metrics]):  # fmt: skip
-    """The round's guidance (layers, bits) as the artifact train reads, its size and, offline, the compaction's fidelity."""
+def compaction(
+    config_json: str,
+    run_id: str,
+    round_index: int,
+    policy: Input[Model],
+    trajectories: Input[Dataset],
+    guidance: Output[Guidance],
+    report: Output[Metrics],
+):
+    """The round's guidance (layers, bits) as the artifact train reads; its size and (offline) its fidelity."""
     from tracefp4.components import metrics as run_metrics
     from tracefp4.components import steps
     from tracefp4.pipelines.resume import write_metrics
@@ -114,9 +126,15 @@ def train(
     run_metrics.publish(config, run_id, "train", ref.rl_step, rows)
 
 
-def evaluate(config_json: str, run_id: str, policy: Input[Model], initial: Input[Model], results: Output[Dataset],
-             metrics: Output[Metrics]):  # fmt: skip
-    """Accuracy (of the initial policy too), throughput and train-rollout discrepancy under BF16 and each FP4 rollout configuration."""
+def evaluate(
+    config_json: str,
+    run_id: str,
+    policy: Input[Model],
+    initial: Input[Model],
+    results: Output[Dataset],
+    metrics: Output[Metrics],
+):
+    """Accuracy (of the initial policy too), throughput and train-rollout discrepancy under each rollout config."""
     import json
 
     from tracefp4.components import evaluation
@@ -134,8 +152,13 @@ def evaluate(config_json: str, run_id: str, policy: Input[Model], initial: Input
     run_metrics.publish(config, run_id, "evaluate", None, result)
 
 
-def report(config_json: str, history: Input[Dataset], evaluation: Input[Dataset], markdown: Output[Markdown],
-           page: Output[HTML]):  # fmt: skip
+def report(
+    config_json: str,
+    history: Input[Dataset],
+    evaluation: Input[Dataset],
+    markdown: Output[Markdown],
+    page: Output[HTML],
+):
     """The run's tables as markdown, and as an HTML page with the plots."""
     from tracefp4.components import report as run_report
     from tracefp4.schemas import RunConfig
@@ -147,16 +170,13 @@ def report(config_json: str, history: Input[Dataset], evaluation: Input[Dataset]
         f.write(run_report.html_report(config, history.path, evaluation.path))
 
 
-def set_method(config_json: str, method: str) -> str:
-    """The config with another training method (a branch of the comparison pipeline)."""
-    from tracefp4.schemas import RunConfig
-
-    config = RunConfig.model_validate_json(config_json)
-    return RunConfig.model_validate({**config.model_dump(), "method": method}).model_dump_json()
-
-
-def compare(config_json: str, evaluations: Input[List[Dataset]], histories: Input[List[Dataset]], markdown: Output[Markdown],
-            page: Output[HTML]):  # fmt: skip
+def compare(
+    config_json: str,
+    evaluations: Input[list[Dataset]],
+    histories: Input[list[Dataset]],
+    markdown: Output[Markdown],
+    page: Output[HTML],
+):
     """Every method's final accuracy and alignment side by side, from the collected evaluations and histories."""
     import json
 
@@ -182,11 +202,10 @@ class Components:
     train: object
     evaluate: object
     report: object
-    set_method: object
     compare: object
 
 
 def make_components(image: str) -> Components:
     """The components, built on ``image`` (which holds tracefp4 and its dependencies)."""
     make = dsl.component(base_image=image, install_kfp_package=False)
-    return Components(*(make(f) for f in (prepare, rollout, compaction, train, evaluate, report, set_method, compare)))
+    return Components(*(make(f) for f in (prepare, rollout, compaction, train, evaluate, report, compare)))

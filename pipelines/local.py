@@ -70,13 +70,17 @@ def localize(config: RunConfig, output: Path) -> RunConfig:
     if uri.startswith("file://") and not uri.startswith("file:///"):
         uri = (output / uri.removeprefix("file://")).resolve().as_uri()
     metrics_file = str((output / config.metrics.metrics_file).resolve())
-    return config.model_copy(update={"store": config.store.model_copy(update={"uri": uri}),
-                                     "metrics": config.metrics.model_copy(update={"metrics_file": metrics_file})})  # fmt: skip
+    return config.model_copy(
+        update={
+            "store": config.store.model_copy(update={"uri": uri}),
+            "metrics": config.metrics.model_copy(update={"metrics_file": metrics_file}),
+        }
+    )
 
 
 def task_count(config: RunConfig, methods: list[str] | None = None) -> int:
     """Tasks of the DAG: configure; prepare, 3 per round, evaluate, report; per
-    method (plus the method switch) and one collecting report for a comparison."""
+    method (its own configure) and one collecting report for a comparison."""
     if methods:
         return 1 + len(methods) * (3 * config.rl.rounds + 4) + 1
     return 1 + 3 * config.rl.rounds + 3
@@ -279,8 +283,12 @@ def run_local(
     else:
         pipeline = build_pipeline(config, retries=False)
     resume.cache_every_task(pipeline)
-    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(output / "pipeline_root"),
-                   enable_caching=True, cache_root=str(output / resume.COMPLETED))  # fmt: skip
+    kfp.local.init(
+        runner=kfp.local.SubprocessRunner(use_venv=False),
+        pipeline_root=str(output / "pipeline_root"),
+        enable_caching=True,
+        cache_root=str(output / resume.COMPLETED),
+    )
     stream = _Log(Path(log) if log else output / "pipeline.log", echo=out if verbose else None)
     stream.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} run id {run_id}{' (resumed)' if resumed else ''}\n")
     with contextlib.ExitStack() as stack:

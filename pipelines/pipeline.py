@@ -32,7 +32,10 @@ from tracefp4.schemas import Method, RunConfig, schema_hash
 from . import parameters as run_parameters
 from .components import make_components
 
-SECRET_KEYS = {"accesskey": "TRACEFP4_S3_ACCESS_KEY", "secretkey": "TRACEFP4_S3_SECRET_KEY"}  # KFP's MinIO secret layout
+SECRET_KEYS = {
+    "accesskey": "TRACEFP4_S3_ACCESS_KEY",
+    "secretkey": "TRACEFP4_S3_SECRET_KEY",
+}  # KFP's MinIO secret layout
 
 
 def pipeline_name(config: RunConfig) -> str:
@@ -57,7 +60,9 @@ def _configure(task, config: RunConfig, retries: bool):
         kubernetes.add_toleration(task, key=t.key, operator=t.operator, value=t.value, effect=t.effect)
     # the store's credentials; optional with a file:// store, for an s3:// checkpoint set at run time
     optional = config.store.uri.startswith("file://")
-    kubernetes.use_secret_as_env(task, secret_name=config.store.secret_name, secret_key_to_env=SECRET_KEYS, optional=optional)
+    kubernetes.use_secret_as_env(
+        task, secret_name=config.store.secret_name, secret_key_to_env=SECRET_KEYS, optional=optional
+    )
     if config.store.endpoint:
         task.set_env_variable("TRACEFP4_S3_ENDPOINT", config.store.endpoint)
     return task
@@ -70,31 +75,38 @@ RUN_ID_HELP = "Run id the steps key the store with; empty: KFP's job id (a local
 def fixed_fields(config: RunConfig, methods: list[str] | None = None) -> str:
     """What the compiled pipeline fixes (not run parameters), for its description."""
     r = config.resources
-    fixed = [f"rounds {config.rl.rounds}", f"image {config.image}", f"store {config.store.uri}",
-             f"resources cpu {r.cpu}, memory {r.memory}, gpus {r.gpus}"]  # fmt: skip
+    fixed = [
+        f"rounds {config.rl.rounds}",
+        f"image {config.image}",
+        f"store {config.store.uri}",
+        f"resources cpu {r.cpu}, memory {r.memory}, gpus {r.gpus}",
+    ]
     if methods:
         fixed.append(f"methods {', '.join(methods)}")
     return "Fixed at compile time: " + "; ".join(fixed) + "."
 
 
-def _typed_pipeline(body, config: RunConfig, comparison: bool, name: str, summary: str):
-    """A KFP pipeline whose inputs are ``run_id`` and the config's run-time fields;
-    ``body(config_json, run_id)`` wires the tasks after ``configure``."""
-    params = run_parameters.parameters(comparison)
-    configure_component = dsl.component(base_image=config.image, install_kfp_package=False)(
-        run_parameters.configure_function(params)
-    )
-    compiled = config.model_dump_json()
+def _configure_component(config: RunConfig, params: list):
+    """The ``configure`` task's component for these parameters (its first input: the compiled config)."""
+    return dsl.component(base_image=config.image, install_kfp_package=False)(run_parameters.configure_function(params))
+
+
+def _typed_pipeline(body, config: RunConfig, params: list, name: str, summary: str):
+    """A KFP pipeline whose inputs are ``run_id`` and ``params``, the config's
+    run-time fields; ``body(values, run_id)`` wires the tasks, ``values`` the
+    parameters by name."""
 
     def pipeline_function(*args):
         values = dict(zip([RUN_ID.name] + [p.name for p in params], args))
         run_id = values.pop(RUN_ID.name)
-        configured = configure_component(config_json=compiled, **values)
-        return body(configured.output, run_id, configured)
+        return body(values, run_id)
 
     signature = run_parameters.pipeline_signature(params, config, [RUN_ID])
     pipeline_function.__signature__ = signature.replace(return_annotation=Markdown)
-    pipeline_function.__annotations__ = {**{k: v.annotation for k, v in signature.parameters.items()}, "return": Markdown}
+    pipeline_function.__annotations__ = {
+        **{k: v.annotation for k, v in signature.parameters.items()},
+        "return": Markdown,
+    }
     pipeline_function.__doc__ = run_parameters.docstring(summary, params, {RUN_ID.name: RUN_ID_HELP})
     pipeline_function.__name__ = pipeline_function.__qualname__ = name.replace("-", "_")
     return dsl.pipeline(name=name, description=summary)(pipeline_function)
@@ -105,14 +117,16 @@ def build_pipeline(config: RunConfig, retries: bool = True):
     fields typed parameters with its values as defaults; ``run_id`` empty means KFP's job id."""
     c = make_components(config.image)
     configure = lambda task: _configure(task, config, retries)  # noqa: E731
+    params = run_parameters.parameters()
+    configure_op = _configure_component(config, params)
 
-    def body(config_json, run_id, configured):
-        configure(configured)
+    def body(values, run_id):
+        config_json = configure(configure_op(config_json=config.model_dump_json(), **values)).output
         history, evaluation = _train_and_evaluate(c, configure, config, config_json, run_id)
         return configure(c.report(config_json=config_json, history=history, evaluation=evaluation)).outputs["markdown"]
 
     summary = f"TRACE FP4 RL ({config.method}, {config.rollout.config}). {fixed_fields(config)}"
-    return _typed_pipeline(body, config, False, pipeline_name(config), summary)
+    return _typed_pipeline(body, config, params, pipeline_name(config), summary)
 
 
 def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
@@ -123,10 +137,21 @@ def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
     for r in range(config.rl.rounds):
         roll = configure(c.rollout(config_json=config_json, run_id=run_id, round_index=r, policy=policy))
         trajectories = roll.outputs["trajectories"]
-        guide = configure(c.compaction(config_json=config_json, run_id=run_id, round_index=r, policy=policy,
-                                       trajectories=trajectories))  # fmt: skip
-        step = configure(c.train(config_json=config_json, run_id=run_id, policy=policy, trajectories=trajectories,
-                                 guidance=guide.outputs["guidance"], previous=history))  # fmt: skip
+        guide = configure(
+            c.compaction(
+                config_json=config_json, run_id=run_id, round_index=r, policy=policy, trajectories=trajectories
+            )
+        )
+        step = configure(
+            c.train(
+                config_json=config_json,
+                run_id=run_id,
+                policy=policy,
+                trajectories=trajectories,
+                guidance=guide.outputs["guidance"],
+                previous=history,
+            )
+        )
         policy, history = step.outputs["new_policy"], step.outputs["history"]
     ev = configure(c.evaluate(config_json=config_json, run_id=run_id, policy=policy, initial=prep.outputs["policy"]))
     return history, ev.outputs["results"]
@@ -147,23 +172,31 @@ def check_methods(methods: list[str]) -> list[str]:
 
 
 def build_comparison_pipeline(config: RunConfig, methods: list[str], retries: bool = True):
-    """The same run for each of ``methods`` in parallel, each with its report, collected into one comparison."""
+    """The same run for each of ``methods`` in parallel, each with its report,
+    collected into one comparison. Each branch configures itself with its
+    method: kfp.local replaces any task output passed into a loop by the loop
+    item, so no task output crosses into the loop."""
     methods = check_methods(list(methods))
     c = make_components(config.image)
     configure = lambda task: _configure(task, config, retries)  # noqa: E731
+    params = run_parameters.parameters(comparison=True)
+    method_param = next(p for p in run_parameters.parameters() if p.name == "method")
+    configure_op = _configure_component(config, params)
+    configure_branch_op = _configure_component(config, params + [method_param])
+    compiled = config.model_dump_json()
 
-    def body(config_json, run_id, configured):
-        configure(configured)
+    def body(values, run_id):
         with dsl.ParallelFor(methods) as method:
-            branch = configure(c.set_method(config_json=config_json, method=method)).output
+            branch = configure(configure_branch_op(config_json=compiled, method=method, **values)).output
             history, evaluation = _train_and_evaluate(c, configure, config, branch, run_id)
             configure(c.report(config_json=branch, history=history, evaluation=evaluation))  # each method's own
-        rep = configure(c.compare(config_json=config_json, evaluations=dsl.Collected(evaluation),
-                                  histories=dsl.Collected(history)))  # fmt: skip
+        config_json = configure(configure_op(config_json=compiled, **values)).output
+        evaluations, histories = dsl.Collected(evaluation), dsl.Collected(history)
+        rep = configure(c.compare(config_json=config_json, evaluations=evaluations, histories=histories))
         return rep.outputs["markdown"]
 
     summary = f"TRACE FP4 RL: {', '.join(methods)} side by side. {fixed_fields(config, methods)}"
-    return _typed_pipeline(body, config, True, pipeline_name(config) + "-compare", summary)
+    return _typed_pipeline(body, config, params, pipeline_name(config) + "-compare", summary)
 
 
 def compile_pipeline(config: RunConfig, path, methods: list[str] | None = None) -> str:
