@@ -33,8 +33,11 @@ $(VENV)/.tracefp4-dev: $(VENV)/.tracefp4-run
 install: $(VENV)/.tracefp4-run
 install-dev: $(VENV)/.tracefp4-dev
 
+# The environment's bin first: the tests start its tools (weed, kubectl, tracefp4).
 test: install-dev
-	$(PY) -m pytest
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+	PATH="$(VENV)/bin:$$PATH" $(PY) -m pytest
 
 # The main job: the whole pipeline on this machine (kfp.local), the tiny preset;
 # a rerun resumes after the last finished task (--restart starts over).

@@ -48,8 +48,14 @@ def main() -> None:
 
     fp4 = next(c for c in config.evaluation.rollout_configs if c != "bf16")
     results = [json.loads(p.read_text()) for p in sorted(out.glob("pipeline_root/**/evaluate*/results"))]
-    figures = {"preset": "tiny", "rounds": args.rounds, "steps_per_round": config.rl.steps_per_round, "fp4_rollout": fp4,
-               "bootstrap_accuracy": bootstrap["bootstrap_accuracy"], "seconds": time.perf_counter() - start}  # fmt: skip
+    figures = {
+        "preset": "tiny",
+        "rounds": args.rounds,
+        "steps_per_round": config.rl.steps_per_round,
+        "fp4_rollout": fp4,
+        "bootstrap_accuracy": bootstrap["bootstrap_accuracy"],
+        "seconds": time.perf_counter() - start,
+    }
     accuracy = {}
     for result in results:
         policies = sorted({r["policy"] for r in result["accuracy"]})

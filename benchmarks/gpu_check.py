@@ -48,7 +48,18 @@ def plan(device: str, run_dir: Path) -> list[Step]:
     py = sys.executable
     triton_tests = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_kernels.py"]
     smoke_run = ["run", "--config", str(smoke_config(device, run_dir)), "--output", str(run_dir / "run")]
-    smallest_rollout = ["--preset", "smoke", "--batches", "2", "--prompt-len", "8", "--new-tokens", "4", "--repeat", "1"]
+    smallest_rollout = [
+        "--preset",
+        "smoke",
+        "--batches",
+        "2",
+        "--prompt-len",
+        "8",
+        "--new-tokens",
+        "4",
+        "--repeat",
+        "1",
+    ]
     return [
         Step("triton_kernel_tests", triton_tests, 150, needs_cuda="the Triton kernels take CUDA tensors only"),
         Step("kernels", [py, "benchmarks/kernels.py"], 60, dry_args=["--size", "256", "--repeat", "1"]),
@@ -116,7 +127,9 @@ def run_step(step: Step, dry: bool, env: dict, run_dir: Path) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dry-run", action="store_true", help="the same plan on the CPU, smallest sizes, CUDA steps skipped")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="the same plan on the CPU, smallest sizes, CUDA steps skipped"
+    )
     args = parser.parse_args()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.dry_run:

@@ -32,7 +32,6 @@ from tracefp4.components.mismatch import MismatchTally, compare, teacher_force
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rollout import SamplingParams, TorchEngine
-from tracefp4.components.store import open_store
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from s3_server import S3Server  # noqa: E402  (the test suite's SeaweedFS launcher)
@@ -55,8 +54,16 @@ def compaction_table(engine, trajectories, full) -> tuple[list[dict], dict]:
         for label, spec in selections.items():
             chosen = select_layers(spec, layers)
             total = compaction_report(full, compact(full, bits, chosen), training).total
-            rows.append({"bits": bits, "layers": label, "chosen": list(chosen), "bits_per_element": total["bits_per_element"],
-                         "ratio_to_full": total["ratio_to_full"], "fidelity": total["fidelity"]})  # fmt: skip
+            rows.append(
+                {
+                    "bits": bits,
+                    "layers": label,
+                    "chosen": list(chosen),
+                    "bits_per_element": total["bits_per_element"],
+                    "ratio_to_full": total["ratio_to_full"],
+                    "fidelity": total["fidelity"],
+                }
+            )
     return rows, mismatch
 
 
@@ -137,11 +144,16 @@ def main() -> None:
     rows, mismatch = compaction_table(engine, trajectories, full)
     print(f"{'R-bits':>6} {'layers':>15} {'bits/elem':>9} {'x full':>7} {'fidelity':>8}")
     for r in rows:
-        print(f"{r['bits']:>6} {r['layers']:>15} {r['bits_per_element']:9.3f} {r['ratio_to_full']:7.3f} {r['fidelity']:8.4f}")
+        print(
+            f"{r['bits']:>6} {r['layers']:>15} {r['bits_per_element']:9.3f} {r['ratio_to_full']:7.3f} "
+            f"{r['fidelity']:8.4f}"
+        )
     store = store_throughput(full, model.cfg.top_k, args.repeat)
-    print(f"store vs plain minio SDK on one step ({store['step_bytes']} bytes): write "
-          f"{store['write_throughput_vs_sdk']:.2f}x, read {store['read_throughput_vs_sdk']:.2f}x (target >= 0.8); "
-          f"write_step {store['write_step_seconds']:.3f} s, load {store['load_step_seconds']:.3f} s")  # fmt: skip
+    print(
+        f"store vs plain minio SDK on one step ({store['step_bytes']} bytes): write "
+        f"{store['write_throughput_vs_sdk']:.2f}x, read {store['read_throughput_vs_sdk']:.2f}x (target >= 0.8); "
+        f"write_step {store['write_step_seconds']:.3f} s, load {store['load_step_seconds']:.3f} s"
+    )
     print(json.dumps({"compaction": rows, "layer_mismatch": mismatch, "store": store}))
 
 

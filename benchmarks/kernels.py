@@ -81,7 +81,9 @@ def main() -> None:
         theirs_s = best_seconds(lambda: theirs(x), args.repeat)
         figures["torchao_nvfp4_quantize_seconds"] = theirs_s
         figures["nvfp4_quantize_speedup_vs_torchao"] = theirs_s / figures["quantize_nvfp4_seconds"]
-        print(f"NVFP4 quantize vs torchao eager: {figures['nvfp4_quantize_speedup_vs_torchao']:.2f}x faster (target >= 3)")
+        print(
+            f"NVFP4 quantize vs torchao eager: {figures['nvfp4_quantize_speedup_vs_torchao']:.2f}x faster (target >= 3)"
+        )
     print(json.dumps(figures))
 
 

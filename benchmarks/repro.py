@@ -38,7 +38,9 @@ def config_for(label: str, args, store: Path) -> RunConfig:
     data.update(name=f"repro-{list(RUNS).index(label)}", method=method)
     data["rollout"].update(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens)
     data["guidance"].update(bits=bits, layers=layers, compaction="offline")
-    data["rl"].update(schedule="on_policy", steps_per_round=1, rounds=args.steps, measure_mismatch=True, microbatch_size=16)
+    data["rl"].update(
+        schedule="on_policy", steps_per_round=1, rounds=args.steps, measure_mismatch=True, microbatch_size=16
+    )
     data["store"]["uri"] = store.as_uri()
     return RunConfig.model_validate(data)
 
@@ -73,14 +75,18 @@ def main() -> None:
 
     print(f"Base: tiny preset after bootstrap SFT (greedy test accuracy {bootstrap['bootstrap_accuracy']:.1%}).")
     print(f"Means over {args.steps} on-policy RL steps, each step's training path against that step's rollout:\n")
-    print("| method | logprob abs diff mean | logprob abs diff max | k3 KL | code mismatch | guidance coverage | reward |")
+    print(
+        "| method | logprob abs diff mean | logprob abs diff max | k3 KL | code mismatch | guidance coverage | reward |"
+    )
     print("|---|---|---|---|---|---|---|")
     for label in RUNS:
         mismatch = mean(label, "code_mismatch")
         shown = "n/a (BF16 activations)" if mismatch is None else f"{mismatch:.4f}"
-        print(f"| {label} | {mean(label, 'logprob_abs_diff_mean'):.5f} | {mean(label, 'logprob_abs_diff_max'):.4f} | "
-              f"{mean(label, 'k3_kl'):.2e} | {shown} | {mean(label, 'guidance_coverage'):.3f} | "
-              f"{mean(label, 'reward_mean'):.3f} |")  # fmt: skip
+        print(
+            f"| {label} | {mean(label, 'logprob_abs_diff_mean'):.5f} | {mean(label, 'logprob_abs_diff_max'):.4f} | "
+            f"{mean(label, 'k3_kl'):.2e} | {shown} | {mean(label, 'guidance_coverage'):.3f} | "
+            f"{mean(label, 'reward_mean'):.3f} |"
+        )
     qat, r4 = mean("qat", "code_mismatch"), mean("trace, R-4bit all layers", "code_mismatch")
     kept = {}
     for coverage in ("all layers", "deeper half", "shallow half"):

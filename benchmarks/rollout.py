@@ -70,8 +70,13 @@ def main() -> None:
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = build_model(args.preset, seed=0)
-    figures: dict = {"device": device, **cpu_kind(), "preset": args.preset, "prompt_len": args.prompt_len,
-                     "new_tokens": args.new_tokens}
+    figures: dict = {
+        "device": device,
+        **cpu_kind(),
+        "preset": args.preset,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+    }
     sampling = SamplingParams(max_new_tokens=args.new_tokens, seed=0)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,13 +90,16 @@ def main() -> None:
             hf(prompts[:2], 2)
             ours, theirs = best_of(
                 args.repeat,
-                lambda: tokens_per_second(lambda: bf16.generate(prompts.tolist(), sampling), n),
-                lambda: tokens_per_second(lambda: hf(prompts, args.new_tokens), n),
+                lambda prompts=prompts, n=n: tokens_per_second(lambda: bf16.generate(prompts.tolist(), sampling), n),
+                lambda prompts=prompts, n=n: tokens_per_second(lambda: hf(prompts, args.new_tokens), n),
             )
             figures[f"b{batch}_engine_tokens_per_s"] = ours
             figures[f"b{batch}_hf_generate_tokens_per_s"] = theirs
             figures[f"b{batch}_speedup_vs_hf"] = ours / theirs
-            print(f"batch {batch:4}: engine {ours:8.1f} tok/s, transformers generate {theirs:8.1f} tok/s, {ours / theirs:.2f}x (target >= 2)")
+            print(
+                f"batch {batch:4}: engine {ours:8.1f} tok/s, transformers generate {theirs:8.1f} tok/s, "
+                f"{ours / theirs:.2f}x (target >= 2)"
+            )
 
     batch = args.batches[0]
     prompts = torch.randint(0, model.cfg.vocab_size, (batch, args.prompt_len)).tolist()

@@ -51,7 +51,10 @@ class BootstrapConfig:
     compute_dtype: torch.dtype = torch.float32  # bfloat16: BF16 autocast over the float32 weights
 
     def __post_init__(self):
-        if min(self.steps, self.batch_size, self.max_len, self.max_new_tokens) < 1 or min(self.warmup, self.eval_every) < 0:
+        if (
+            min(self.steps, self.batch_size, self.max_len, self.max_new_tokens) < 1
+            or min(self.warmup, self.eval_every) < 0
+        ):
             raise ValueError(f"invalid bootstrap config {self}")
         if self.target_accuracy is not None and not (0 < self.target_accuracy <= 1 and self.eval_every > 0):
             raise ValueError("target_accuracy must lie in (0, 1] and needs eval_every > 0")
@@ -120,7 +123,9 @@ def bootstrap(
     if not train or not test:
         raise ValueError("bootstrap needs train and test problems")
     if tokenizer.get_vocab_size() > model.cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, the model only {model.cfg.vocab_size}")
+        raise ValueError(
+            f"the tokenizer has {tokenizer.get_vocab_size()} tokens, the model only {model.cfg.vocab_size}"
+        )
     start = time.perf_counter()
     torch.manual_seed(config.seed)
     order = torch.Generator().manual_seed(config.seed)

@@ -138,7 +138,9 @@ class SiteTable:
             raise ValueError(f"dequantizing needs full codes; this table keeps {self.bits} bits")
         f = get_format(self.fmt)
         g = None if self.global_scale is None else torch.tensor(self.global_scale)
-        return dequantize(FP4Tensor(self.codes, self.scales.view(f.scale_dtype), g, self.fmt, (len(self.codes), self.width)))
+        return dequantize(
+            FP4Tensor(self.codes, self.scales.view(f.scale_dtype), g, self.fmt, (len(self.codes), self.width))
+        )
 
     def low_bits(self) -> Tensor:
         """One uint8 per element ``[N, width]``: the low ``bits`` of each code."""
@@ -237,7 +239,11 @@ class Capture:
         for layer in range(model_cfg.num_layers):
             for site, (width, per_token) in site_shapes.items():
                 fmt = quant.site_format(site)
-                if fmt is None or not config.keeps(layer) or (site in ACTIVATION_SITES and not model_cfg.is_sparse(layer)):
+                if (
+                    fmt is None
+                    or not config.keeps(layer)
+                    or (site in ACTIVATION_SITES and not model_cfg.is_sparse(layer))
+                ):
                     continue
                 self._widths[(layer, site)] = width
                 if site in ACTIVATION_SITES or kv_from_forward:
@@ -271,7 +277,16 @@ class Capture:
         self._forward_tokens = n
 
     @_timed
-    def record(self, layer: int, site: str, x: Tensor, q: FP4Tensor, token: Tensor | None, slot: Tensor | None, expert: Tensor | None) -> None:
+    def record(
+        self,
+        layer: int,
+        site: str,
+        x: Tensor,
+        q: FP4Tensor,
+        token: Tensor | None,
+        slot: Tensor | None,
+        expert: Tensor | None,
+    ) -> None:
         buf, key = self._buffers[self._turn], (layer, site)
         if not self._forward_tokens or key not in buf.codes:
             return  # not kept, or KV that is captured when its request ends
@@ -305,7 +320,9 @@ class Capture:
         if (layer, site) not in self._widths:
             return
         n = codes.shape[0]
-        meta = torch.stack([torch.full((n,), traj), torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.full((n,), -1)], 1)
+        meta = torch.stack(
+            [torch.full((n,), traj), torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.full((n,), -1)], 1
+        )
         self._jobs.put(("kv", ((layer, site), codes.clone(), scales.clone(), meta.to(codes.device))))
 
     # -- the offload side -------------------------------------------------

@@ -59,12 +59,33 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_INDEX = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 # config.json keys that config_from_hf reads or config_to_hf writes; the rest are kept in ModelConfig.extra
 _HF_KEYS = {
-    "model_type", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-    "intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-    "mlp_only_layers", "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "max_position_embeddings",
-    "tie_word_embeddings", "attention_bias", "qkv_bias", "architectures", "hidden_act",
-}  # fmt: skip
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "intermediate_size",
+    "shared_expert_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_parameters",
+    "rope_scaling",
+    "max_position_embeddings",
+    "tie_word_embeddings",
+    "attention_bias",
+    "qkv_bias",
+    "architectures",
+    "hidden_act",
+}
 
 
 class CheckpointError(ValueError):
@@ -346,6 +367,7 @@ def _check_tensors(folder: Path, cfg: ModelConfig, headers: dict) -> dict[str, t
     """The tensors to load, once config.json agrees with their names, dtypes and
     shapes. Layer and expert counts are compared first, so that an absurd count
     fails before a model of that size is even described."""
+
     def check_count(key: str, said: int, pattern: re.Pattern, name: str) -> None:
         held = 1 + max((int(m[1]) for t in headers if (m := pattern.match(t))), default=-1)
         if held != said:

@@ -95,14 +95,20 @@ def bf16_emulated() -> bool:
 
 def cpu_kind() -> dict:
     """The CPU next to a figure: its model, whether bf16 is native or emulated, torch's threads."""
-    return {"cpu": cpu_info()[0], "cpu_bf16": "emulated" if bf16_emulated() else "native", "cpu_threads": torch.get_num_threads()}
+    return {
+        "cpu": cpu_info()[0],
+        "cpu_bf16": "emulated" if bf16_emulated() else "native",
+        "cpu_threads": torch.get_num_threads(),
+    }
 
 
 def _computes_bf16_on_cpu(x: Tensor) -> bool:
     """Whether a matmul on ``x`` computes in bf16 on the CPU: bf16 operands, or a bf16 autocast region."""
     if x.device.type != "cpu":
         return False
-    return x.dtype == torch.bfloat16 or (torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16)
+    return x.dtype == torch.bfloat16 or (
+        torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    )
 
 
 def bf16_op(op, *args: Tensor | None) -> Tensor:

@@ -64,19 +64,25 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
         for label, ptq_model in ptq.items():  # PTQ weights as they are; activations and KV as the config quantizes them
             score(f"ptq:{label}", ptq_model, name, replace(quant, weights=None))
         if n:
-            analysis = _discrepancy(config, model, name, tokenizer, prompts[:n], sensitivity=not out["guidance_sensitivity"])
+            analysis = _discrepancy(
+                config, model, name, tokenizer, prompts[:n], sensitivity=not out["guidance_sensitivity"]
+            )
             out["discrepancy"].append(analysis.pop("discrepancy"))
             out["guidance_sensitivity"] = out["guidance_sensitivity"] or analysis["guidance_sensitivity"]
     return out
 
 
-def _accuracy(config: RunConfig, engine: TorchEngine, tokenizer, test: list[Problem], prompts) -> tuple[list[dict], dict]:
+def _accuracy(
+    config: RunConfig, engine: TorchEngine, tokenizer, test: list[Problem], prompts
+) -> tuple[list[dict], dict]:
     """pass@1 and mean@k rows per task, and the greedy pass's throughput."""
     k = config.evaluation.samples_per_prompt
     start = time.perf_counter()
     greedy = engine.generate(prompts, replace(steps.sampling(config, config.seed, tokenizer), temperature=0.0))
     speed = steps.throughput(greedy, time.perf_counter() - start)
-    sampled = engine.generate([q for q in prompts for _ in range(k)], steps.sampling(config, config.seed + 1, tokenizer))
+    sampled = engine.generate(
+        [q for q in prompts for _ in range(k)], steps.sampling(config, config.seed + 1, tokenizer)
+    )
     rows = []
     for task in sorted({p.task for p in test}):
         idx = [i for i, p in enumerate(test) if p.task == task]
@@ -107,10 +113,18 @@ def _discrepancy(config: RunConfig, model, name: str, tokenizer, prompts, sensit
     mismatch and alignment; with ``sensitivity``, the guidance's size and
     fidelity for R-1..R-4 over the deepest 1, half and all layers."""
     capture = CaptureConfig(max_tokens=config.rollout.max_tokens_per_forward, inputs=True)
-    engine = TorchEngine(model, steps.rollout_quant(config, name), dtype=steps.compute_dtype(config),
-                         device=next(model.parameters()).device, capture=capture, calibration_seed=config.seed)
+    engine = TorchEngine(
+        model,
+        steps.rollout_quant(config, name),
+        dtype=steps.compute_dtype(config),
+        device=next(model.parameters()).device,
+        capture=capture,
+        calibration_seed=config.seed,
+    )
     k = config.evaluation.samples_per_prompt
-    trajectories = engine.generate([q for q in prompts for _ in range(k)], steps.sampling(config, config.seed + 2, tokenizer))
+    trajectories = engine.generate(
+        [q for q in prompts for _ in range(k)], steps.sampling(config, config.seed + 2, tokenizer)
+    )
     records = engine.drain_capture()
     trainer = Trainer(model, steps.train_config(config), engine.quant, engine.global_scales)
     available = sorted({layer for layer, _ in records.tables})
@@ -118,8 +132,13 @@ def _discrepancy(config: RunConfig, model, name: str, tokenizer, prompts, sensit
     with tempfile.TemporaryDirectory() as folder:
         if config.method == "trace":
             store = LocalStore(folder)
-            write_step(store, compact(records, config.guidance.bits, select_layers(config.guidance.layers, available)), rl_step=0, policy_version=0,
-                       top_k=engine.model.cfg.top_k)  # fmt: skip
+            write_step(
+                store,
+                compact(records, config.guidance.bits, select_layers(config.guidance.layers, available)),
+                rl_step=0,
+                policy_version=0,
+                top_k=engine.model.cfg.top_k,
+            )
             loader = GuidanceLoader(store, 0, [[t.id for t in mb] for mb in trainer.microbatches(trajectories)])
         stats = trainer.measure(trajectories, loader, records)
     discrepancy = {"rollout": name, "trajectories": len(trajectories), **stats}
@@ -130,6 +149,12 @@ def _discrepancy(config: RunConfig, model, name: str, tokenizer, prompts, sensit
             for count in sorted({1, max(1, len(available) // 2), len(available)}):
                 chosen = select_layers(count, available)
                 total = compaction_report(records, compact(records, bits, chosen), training).total
-                rows.append({"bits": bits, "layers": count, "layer_indices": list(chosen),
-                             **{key: total[key] for key in ("bits_per_element", "ratio_to_full", "fidelity")}})  # fmt: skip
+                rows.append(
+                    {
+                        "bits": bits,
+                        "layers": count,
+                        "layer_indices": list(chosen),
+                        **{key: total[key] for key in ("bits_per_element", "ratio_to_full", "fidelity")},
+                    }
+                )
     return {"discrepancy": discrepancy, "guidance_sensitivity": rows}

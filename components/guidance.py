@@ -98,7 +98,9 @@ def compaction_report(full: CaptureRecords, compacted: CaptureRecords, training:
         else:  # RTN with the training path's own block scales (and the static global scale)
             g = rollout.global_scale if rollout.fmt == "nvfp4" else None
             values = dequantize(quantize(x, rollout.fmt, global_scale=g))
-        entry = report.per_layer.setdefault(layer, {"bytes": 0, "elements": 0, "full_bytes": 0, "same": 0, "decisions": 0})
+        entry = report.per_layer.setdefault(
+            layer, {"bytes": 0, "elements": 0, "full_bytes": 0, "same": 0, "decisions": 0}
+        )
         for target in (entry, sums):
             target["bytes"] += small.nbytes if small is not None else 0
             target["elements"] += rollout.codes.shape[0] * rollout.width
@@ -131,7 +133,11 @@ def _trajectory_ranges(records: CaptureRecords) -> dict[int, int]:
 
 
 def _expected_keys(ranges: dict[int, int], slots: int) -> tuple[Tensor, Tensor, Tensor]:
-    traj = torch.cat([torch.full((n * slots,), t) for t, n in ranges.items()]) if ranges else torch.zeros(0, dtype=torch.int64)
+    traj = (
+        torch.cat([torch.full((n * slots,), t) for t, n in ranges.items()])
+        if ranges
+        else torch.zeros(0, dtype=torch.int64)
+    )
     pos = torch.cat([torch.arange(n).repeat_interleave(slots) for n in ranges.values()]) if ranges else traj
     slot = torch.arange(slots).repeat(len(traj) // slots) if ranges else traj
     return traj, pos, slot
@@ -153,11 +159,26 @@ def encode_shard(records: CaptureRecords, *, rl_step: int, policy_version: int, 
         fields = {}
         for name, a in arrays.items():
             raw = a.contiguous().view(torch.uint8).numpy().tobytes()
-            fields[name] = {"dtype": str(a.dtype).removeprefix("torch."), "shape": list(a.shape), "offset": offset, "nbytes": len(raw)}
+            fields[name] = {
+                "dtype": str(a.dtype).removeprefix("torch."),
+                "shape": list(a.shape),
+                "offset": offset,
+                "nbytes": len(raw),
+            }
             payload.append(raw)
             offset += len(raw)
-        tables.append({"layer": layer, "site": site, "fmt": t.fmt, "bits": t.bits, "width": t.width,
-                       "global_scale": t.global_scale, "slots": slots, "fields": fields})  # fmt: skip
+        tables.append(
+            {
+                "layer": layer,
+                "site": site,
+                "fmt": t.fmt,
+                "bits": t.bits,
+                "width": t.width,
+                "global_scale": t.global_scale,
+                "slots": slots,
+                "fields": fields,
+            }
+        )
     header = {
         "format_version": FORMAT_VERSION,
         "rl_step": rl_step,
@@ -203,9 +224,19 @@ def decode_shard(data: bytes, name: str, expect: dict | None = None) -> tuple[di
         traj, pos, slot = _expected_keys(ranges, spec["slots"])
         expert = arrays["expert"].long() if "expert" in arrays else torch.full_like(traj, -1)
         records.tables[(spec["layer"], spec["site"])] = SiteTable(
-            spec["layer"], spec["site"], spec["fmt"], spec["bits"], spec["width"], spec["global_scale"],
-            traj, pos, slot, expert, arrays["codes"], arrays["scales"],
-        )  # fmt: skip
+            spec["layer"],
+            spec["site"],
+            spec["fmt"],
+            spec["bits"],
+            spec["width"],
+            spec["global_scale"],
+            traj,
+            pos,
+            slot,
+            expert,
+            arrays["codes"],
+            arrays["scales"],
+        )
     return header, records
 
 
@@ -218,8 +249,17 @@ def step_prefix(prefix: str, rl_step: int) -> str:
     return f"{prefix.strip('/')}/step-{rl_step:06d}"
 
 
-def write_step(store, records: CaptureRecords, *, rl_step: int, policy_version: int, top_k: int,
-               prefix: str = "guidance", trajectories_per_shard: int = 64, run_id: str = "") -> dict:  # fmt: skip
+def write_step(
+    store,
+    records: CaptureRecords,
+    *,
+    rl_step: int,
+    policy_version: int,
+    top_k: int,
+    prefix: str = "guidance",
+    trajectories_per_shard: int = 64,
+    run_id: str = "",
+) -> dict:
     """Write a step's shards, then its manifest (last); returns the manifest.
     ``run_id`` names the run that rolled the step out, so that another run's
     reader refuses it."""
@@ -231,7 +271,9 @@ def write_step(store, records: CaptureRecords, *, rl_step: int, policy_version: 
         data = encode_shard(_split(records, group), rl_step=rl_step, policy_version=policy_version, top_k=top_k)
         key = f"{base}/shard-{len(shards):05d}.bin"
         store.put_bytes(key, data)
-        shards.append({"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "trajectories": group})
+        shards.append(
+            {"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "trajectories": group}
+        )
     tables = list(records.tables.values())
     manifest = {
         "format_version": FORMAT_VERSION,
@@ -270,7 +312,9 @@ def read_manifest(store, rl_step: int, prefix: str = "guidance", expect: dict | 
     if not isinstance(manifest, dict):
         raise GuidanceError(f"{name}: not a guidance manifest (a JSON {type(manifest).__name__}, not an object)")
     if manifest.get("format_version") != FORMAT_VERSION:
-        raise GuidanceError(f"{name}: format version {manifest.get('format_version')!r}, this reader reads {FORMAT_VERSION}")
+        raise GuidanceError(
+            f"{name}: format version {manifest.get('format_version')!r}, this reader reads {FORMAT_VERSION}"
+        )
     if manifest.get("sha256") != _manifest_digest(manifest):
         raise GuidanceError(f"{name}: checksum mismatch (the manifest was edited or corrupted)")
     for field_name, value in (expect or {}).items():
@@ -290,7 +334,9 @@ def read_shard(store, manifest: dict, entry: dict) -> CaptureRecords:
     expect = {k: manifest[k] for k in ("rl_step", "policy_version", "layers", "sites")}
     header, records = decode_shard(data, name, expect)
     if [t for t, _ in header["trajectories"]] != entry["trajectories"]:
-        raise GuidanceError(f"{name}: holds trajectories {header['trajectories']}, the manifest lists {entry['trajectories']}")
+        raise GuidanceError(
+            f"{name}: holds trajectories {header['trajectories']}, the manifest lists {entry['trajectories']}"
+        )
     return records
 
 
@@ -402,9 +448,18 @@ class GuidanceLoader:
     ``cached_shards`` decoded shards). Trajectories without guidance raise a
     :class:`GuidanceError` unless ``allow_rtn_fallback``; fallbacks are counted."""
 
-    def __init__(self, store, rl_step: int, microbatches: list[list[int]], *, prefix: str = "guidance",
-                 expect: dict | None = None, prefetch: int = 2, cached_shards: int = 2,
-                 allow_rtn_fallback: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        store,
+        rl_step: int,
+        microbatches: list[list[int]],
+        *,
+        prefix: str = "guidance",
+        expect: dict | None = None,
+        prefetch: int = 2,
+        cached_shards: int = 2,
+        allow_rtn_fallback: bool = False,
+    ):
         self.manifest = read_manifest(store, rl_step, prefix, expect)
         self.store, self.microbatches = store, microbatches
         self.allow_rtn_fallback = allow_rtn_fallback

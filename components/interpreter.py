@@ -236,11 +236,20 @@ class Machine:
                 raise ProgramError(f"position {s.pos}: 'range' of {x}; it needs 0..{MAX_LEN}")
             return list(range(x))
         ops = {
-            "+": lambda: x + n, "-": lambda: x - n, "*": lambda: x * n, "/": lambda: x // n, "%": lambda: x % n,
-            ">": lambda: int(x > n), "<": lambda: int(x < n), "=": lambda: int(x == n),
-            "sq": lambda: x * x, "neg": lambda: -x, "abs": lambda: abs(x),
-            "even": lambda: int(x % 2 == 0), "odd": lambda: int(x % 2 == 1),
-        }  # fmt: skip
+            "+": lambda: x + n,
+            "-": lambda: x - n,
+            "*": lambda: x * n,
+            "/": lambda: x // n,
+            "%": lambda: x % n,
+            ">": lambda: int(x > n),
+            "<": lambda: int(x < n),
+            "=": lambda: int(x == n),
+            "sq": lambda: x * x,
+            "neg": lambda: -x,
+            "abs": lambda: abs(x),
+            "even": lambda: int(x % 2 == 0),
+            "odd": lambda: int(x % 2 == 1),
+        }
         return _bounded(s, ops[s.op]())
 
 

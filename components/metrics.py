@@ -97,8 +97,13 @@ class RunMetrics:
     """The samples of one component run; ``publish`` writes and pushes them."""
 
     def __init__(self, *, pipeline: str, run_id: str, method: str, component: str, round: int | None = None):
-        self.grouping = {"pipeline": pipeline, "run_id": run_id, "method": method, "component": component,
-                         "round": "" if round is None else str(round)}  # fmt: skip
+        self.grouping = {
+            "pipeline": pipeline,
+            "run_id": run_id,
+            "method": method,
+            "component": component,
+            "round": "" if round is None else str(round),
+        }
         self.registry = CollectorRegistry()
         self._gauges: dict[str, Gauge] = {}
 
@@ -250,8 +255,14 @@ def _evaluate(m: RunMetrics, result: dict, config) -> None:
         if row["policy"] != "trained":
             continue
         for metric in ("pass@1", "mean@k"):
-            m.set("tracefp4_accuracy_ratio", row[metric], split="test", rollout_config=row["rollout"], task=row["task"],
-                  metric=metric)  # fmt: skip
+            m.set(
+                "tracefp4_accuracy_ratio",
+                row[metric],
+                split="test",
+                rollout_config=row["rollout"],
+                task=row["task"],
+                metric=metric,
+            )
     for row in result["throughput"]:
         _throughput(m, row, row["rollout"])
     for row in result["discrepancy"]:

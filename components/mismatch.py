@@ -28,7 +28,9 @@ def teacher_force(engine: TorchEngine, trajectories: list[Trajectory], keep_inpu
     capture = Capture(engine.model.cfg, engine.quant, config, engine.global_scales, engine.device, kv_from_forward=True)
     capture.begin(TokenMap.of([t.id for t in trajectories], positions, lengths))
     with torch.no_grad():
-        engine.model(tokens, positions, CausalAttention(lengths), QuantSites(engine.quant, engine.global_scales, capture))
+        engine.model(
+            tokens, positions, CausalAttention(lengths), QuantSites(engine.quant, engine.global_scales, capture)
+        )
     capture.end()
     return capture.drain()
 

@@ -70,7 +70,9 @@ class ModelConfig:
 
     def is_sparse(self, layer: int) -> bool:
         """Whether a layer's MLP is the routed MoE (transformers' rule)."""
-        return layer not in self.mlp_only_layers and self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
+        return (
+            layer not in self.mlp_only_layers and self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def sparse_layers(self) -> list[int]:
@@ -83,15 +85,26 @@ PRESETS = {
     "tiny": ModelConfig(),
     # ~0.3M parameters for fast tests
     "smoke": ModelConfig(
-        vocab_size=256, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=32,
-        num_experts=4, top_k=2, moe_intermediate_size=64, intermediate_size=128,
+        vocab_size=256,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=32,
+        num_experts=4,
+        top_k=2,
+        moe_intermediate_size=64,
+        intermediate_size=128,
     ),
     # qwen2_moe flavour of tiny: shared expert with a sigmoid gate, qkv bias
     "tiny-qwen2": ModelConfig(
-        model_type="qwen2_moe", shared_expert_intermediate_size=256, qkv_bias=True, qk_norm=False,
+        model_type="qwen2_moe",
+        shared_expert_intermediate_size=256,
+        qkv_bias=True,
+        qk_norm=False,
         norm_topk_prob=False,
     ),
-}  # fmt: skip
+}
 
 
 def get_preset(name: str) -> ModelConfig:
@@ -188,7 +201,9 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         # q, k and v projections fused into one matmul; the checkpoint splits them
-        self.qkv_proj = Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.qkv_proj = Linear(
+            cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias
+        )
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -200,7 +215,9 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x).view(b, s, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
         qk, v = qkv.split([cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads], dim=2)  # [B, S, heads, D]
         if cfg.qk_norm:  # q and k heads normalized together, each with its own weight
-            weight = torch.cat([self.q_norm.weight.expand(cfg.num_heads, -1), self.k_norm.weight.expand(cfg.num_kv_heads, -1)])
+            weight = torch.cat(
+                [self.q_norm.weight.expand(cfg.num_heads, -1), self.k_norm.weight.expand(cfg.num_kv_heads, -1)]
+            )
             qk = weight * F.rms_norm(qk.float(), qk.shape[-1:], eps=cfg.rms_norm_eps).to(x.dtype)
         q, k = apply_rope(qk.transpose(1, 2), cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         out = attend(layer, q, k, v.transpose(1, 2), sites)  # q [B, H, S, D], k/v [B, KV, S, D]
@@ -336,4 +353,3 @@ def build_model(cfg: ModelConfig | str, seed: int = 0, dtype: torch.dtype = torc
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     return model.to(dtype)
-

@@ -22,7 +22,8 @@ choice of block scale differs between the methods. Inputs must be finite
 (four_over_six, h_scale); ``nvfp4`` keeps the kernels' NaN/Inf rules.
 """
 
-from typing import Iterable, NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -228,7 +229,9 @@ def calibration_hessians(model: Transformer, tokens) -> dict[tuple[int, str], tu
     tokens = torch.as_tensor(tokens, device=device)
     tokens = tokens[None] if tokens.dim() == 1 else tokens
     if tokens.dim() != 2 or tokens.numel() == 0 or tokens.is_floating_point():
-        raise ValueError(f"calibration must be integer token ids [B, S] or [S], got {tokens.dtype} {tuple(tokens.shape)}")
+        raise ValueError(
+            f"calibration must be integer token ids [B, S] or [S], got {tokens.dtype} {tuple(tokens.shape)}"
+        )
     if bool((tokens < 0).any() | (tokens >= model.cfg.vocab_size).any()):
         raise ValueError(f"calibration token ids must lie in 0..{model.cfg.vocab_size - 1}")
     rec = _ExpertInputs(model.cfg.num_experts)

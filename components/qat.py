@@ -135,6 +135,7 @@ class TrainingSites:
         fmt = self.quant.weights
         if self.method in ("bf16", "tis_sc") or fmt is None:
             return gate_up, down
+
         # one global scale per expert and matrix, blocks along the input dim (as the rollout's)
         def fp4(w: Tensor) -> Tensor:
             rounded = w.detach().to(self.compute_dtype or w.dtype)

@@ -74,12 +74,13 @@ def kv_from_rows(rows: Tensor, batch: int, heads: int) -> Tensor:
 
 
 ROLLOUT_CONFIGS = ("bf16", "fp4_wa", "fp4_kv", "fp4_wa_kv", "w4a8_mxfp4_kv", "w4a4_mxfp4_kv")
+BF16 = QuantConfig()  # nothing quantized
 
 
 def rollout_config(name: str, fmt: str = "nvfp4") -> QuantConfig:
     """The paper's rollout configurations; ``fmt`` is the FP4 format of W/A (and of KV where it is FP4 KV)."""
     configs = {
-        "bf16": QuantConfig(),
+        "bf16": BF16,
         "fp4_wa": QuantConfig(fmt, fmt, None),
         "fp4_kv": QuantConfig(None, None, fmt),
         "fp4_wa_kv": QuantConfig(fmt, fmt, fmt),
@@ -163,7 +164,14 @@ class Recorder(Protocol):
     """Receives the FP4 outcome of every captured site (see :mod:`.capture`)."""
 
     def record(
-        self, layer: int, site: str, x: Tensor, q: FP4Tensor, token: Tensor | None, slot: Tensor | None, expert: Tensor | None
+        self,
+        layer: int,
+        site: str,
+        x: Tensor,
+        q: FP4Tensor,
+        token: Tensor | None,
+        slot: Tensor | None,
+        expert: Tensor | None,
     ) -> None:
         """``x`` rows were quantized to ``q``; see :meth:`Sites.moe_down_in` for token/slot/expert."""
 
@@ -216,4 +224,3 @@ class QuantSites:
         if self.recorder is not None:
             self.recorder.record(layer, site, rows, qt, None, None, None)
         return kv_from_rows(dequantize(qt).to(t.dtype), t.shape[0], t.shape[1])
-

@@ -32,13 +32,26 @@ from tracefp4.schemas import Method, RolloutConfigName, RunConfig  # noqa: E402
 
 ROLLOUTS = get_args(RolloutConfigName)  # row order of every table: bf16 first, as in the paper
 METHODS = get_args(Method)
-STEP_COLUMNS = ("round", "step", "reward_mean", "accuracy", "logprob_abs_diff_mean", "logprob_abs_diff_max", "k3_kl",
-                "guidance_coverage", "train_seconds")  # fmt: skip
+STEP_COLUMNS = (
+    "round",
+    "step",
+    "reward_mean",
+    "accuracy",
+    "logprob_abs_diff_mean",
+    "logprob_abs_diff_max",
+    "k3_kl",
+    "guidance_coverage",
+    "train_seconds",
+)
 DIFF_SERIES = (("mean", "logprob_abs_diff_mean"), ("max", "logprob_abs_diff_max"), ("min", "logprob_abs_diff_min"))
 ROUND_TIMES = (("rollout", "rollout_seconds"), ("upload", "upload_seconds"), ("compaction", "compaction_seconds"))
 STEP_TIMES = (("train", "train_seconds"), ("reload", "reload_seconds"))  # summed over the round's steps
-DISCREPANCY = (("code mismatch", "code_mismatch"), ("logprob |diff| mean", "logprob_abs_diff_mean"),
-               ("logprob |diff| max", "logprob_abs_diff_max"), ("k3 KL", "k3_kl"))  # fmt: skip
+DISCREPANCY = (
+    ("code mismatch", "code_mismatch"),
+    ("logprob |diff| mean", "logprob_abs_diff_mean"),
+    ("logprob |diff| max", "logprob_abs_diff_max"),
+    ("k3 KL", "k3_kl"),
+)
 
 
 # A report is a list of blocks: Heading, paragraph (str), bullet list (list[str]), Table or Plot.
@@ -193,8 +206,10 @@ def _accuracy_table(rows: list[dict], source: str, methods=METHODS) -> Table:
     columns = ["method", "policy", "rollout", *(f"{t} {m}" for t in tasks for m in ("pass@1", "mean@k"))]
     ks = ", ".join(map(str, _ordered(r.get("k") for r in rows))) or "?"
     prompts = ", ".join(map(str, _ordered(r.get("prompts") for r in rows))) or "?"
-    note = (f"pass@1 and mean@k (k = {ks}) over {prompts} test prompts per task; avg is the mean over tasks. "
-            "Policy initial: where RL started (after bootstrap); trained: after RL; ptq:<scheme>: post-training FP4.")
+    note = (
+        f"pass@1 and mean@k (k = {ks}) over {prompts} test prompts per task; avg is the mean over tasks. "
+        "Policy initial: where RL started (after bootstrap); trained: after RL; ptq:<scheme>: post-training FP4."
+    )
     return _table(out, [*columns, "avg pass@1", "avg mean@k"], source, keep=3, note=note)
 
 
@@ -215,10 +230,15 @@ def _ablation_table(evaluation: dict, source: str) -> Table | None:
         pass1 = {r.get("task"): r.get("pass@1") for r in acc if r.get("rollout") == rollout}
         tps = throughput.get(rollout, {}).get("tokens_per_second")
         rows.append(
-            {"rollout": rollout, **{f"{t} pass@1": pass1.get(t) for t in tasks},
-             "avg pass@1": _mean(map(pass1.get, tasks)), "tokens/s": tps,
-             "speedup vs bf16": tps / bf16 if tps and bf16 else None, **_discrepancy(discrepancy.get(rollout, {}))}
-        )  # fmt: skip
+            {
+                "rollout": rollout,
+                **{f"{t} pass@1": pass1.get(t) for t in tasks},
+                "avg pass@1": _mean(map(pass1.get, tasks)),
+                "tokens/s": tps,
+                "speedup vs bf16": tps / bf16 if tps and bf16 else None,
+                **_discrepancy(discrepancy.get(rollout, {})),
+            }
+        )
     columns = ["rollout", *(f"{t} pass@1" for t in tasks), "avg pass@1", "tokens/s", "speedup vs bf16"]
     note = f"Policy trained with `{method}`; discrepancy: its FP4 rollout against its training forward."
     return _table(rows, [*columns, *(label for label, _ in DISCREPANCY)], source, note=note)
@@ -289,11 +309,24 @@ def _discrepancy_blocks(evaluation: dict, source: str) -> list:
         mse_series.append(Series(rollout, list(mse), list(mse.values())))
         hist_series.append(Series(rollout, list(hist), list(hist.values())))
     return blocks + [
-        _plot("Relative excess MSE per layer", "layer", "relative excess train-rollout MSE", mse_series, source,
-              kind="bars"),
-        _plot("Codeword-difference histogram", "codeword difference (mismatched values)", "count", hist_series, source,
-              kind="bars", logy=True),
-    ]  # fmt: skip
+        _plot(
+            "Relative excess MSE per layer",
+            "layer",
+            "relative excess train-rollout MSE",
+            mse_series,
+            source,
+            kind="bars",
+        ),
+        _plot(
+            "Codeword-difference histogram",
+            "codeword difference (mismatched values)",
+            "count",
+            hist_series,
+            source,
+            kind="bars",
+            logy=True,
+        ),
+    ]
 
 
 def _step_blocks(history: list[dict], source: str) -> list:
@@ -326,19 +359,29 @@ def _time_blocks(history: list[dict], source: str) -> list:
         row |= {f"{label} s": _first(steps, key) for label, key in ROUND_TIMES}
         row |= {f"{label} s": _sum(steps, key) for label, key in STEP_TIMES}
         parts = [row[f"{label} s"] for label, _ in (*ROUND_TIMES, *STEP_TIMES) if row[f"{label} s"] is not None]
-        row |= {"total s": sum(parts) if parts else None, "offload s": _first(steps, "offload_seconds"),
-                "rollout tokens": _first(steps, "rollout_tokens"),
-                "rollout tokens/s": _first(steps, "rollout_tokens_per_second"),
-                "capture overhead": _first(steps, "capture_overhead_ratio")}  # fmt: skip
+        row |= {
+            "total s": sum(parts) if parts else None,
+            "offload s": _first(steps, "offload_seconds"),
+            "rollout tokens": _first(steps, "rollout_tokens"),
+            "rollout tokens/s": _first(steps, "rollout_tokens_per_second"),
+            "capture overhead": _first(steps, "capture_overhead_ratio"),
+        }
         times.append(row)
         coverage = [c for c in _col(steps, "guidance_coverage") if c is not None]
-        sizes.append({"round": rnd, "guidance bytes": _first(steps, "guidance_bytes"),
-                      "capture bytes": _first(steps, "capture_bytes"),
-                      "compaction fidelity": _first(steps, "compaction_fidelity"),
-                      "guidance coverage (mean)": sum(coverage) / len(coverage) if coverage else None})  # fmt: skip
+        sizes.append(
+            {
+                "round": rnd,
+                "guidance bytes": _first(steps, "guidance_bytes"),
+                "capture bytes": _first(steps, "capture_bytes"),
+                "compaction fidelity": _first(steps, "compaction_fidelity"),
+                "guidance coverage (mean)": sum(coverage) / len(coverage) if coverage else None,
+            }
+        )
     parts = [f"{label} s" for label, _ in (*ROUND_TIMES, *STEP_TIMES)]
-    note = ("rollout, upload and compaction per round; train and reload summed over the round's steps; total is their "
-            "sum. Offload runs asynchronously during the rollout and is not in the total.")  # fmt: skip
+    note = (
+        "rollout, upload and compaction per round; train and reload summed over the round's steps; total is their "
+        "sum. Offload runs asynchronously during the rollout and is not in the total."
+    )
     columns = ["round", "steps", *parts, "total s", "offload s", "rollout tokens", "rollout tokens/s"]
     blocks = [_table(times, [*columns, "capture overhead"], source, keep=2, note=note)]
     columns = ["round", "guidance bytes", "capture bytes", "compaction fidelity", "guidance coverage (mean)"]
@@ -381,34 +424,55 @@ def _comparison_blocks(config: RunConfig, evaluations: list[dict], histories: li
     acc = [r for e in evaluations for r in e.get("accuracy") or []]
     blocks += [Heading(2, "Accuracy: method x task"), _accuracy_table(acc, source, methods) if acc else "No accuracy."]
 
-    diffs = [{"method": m, "rollout": r.get("rollout"), "trajectories": r.get("trajectories"), **_discrepancy(r)}
-             for m, e in zip(methods, evaluations) for r in e.get("discrepancy") or []]  # fmt: skip
+    diffs = [
+        {"method": m, "rollout": r.get("rollout"), "trajectories": r.get("trajectories"), **_discrepancy(r)}
+        for m, e in zip(methods, evaluations)
+        for r in e.get("discrepancy") or []
+    ]
     columns = ["method", "rollout", "trajectories", *(label for label, _ in DISCREPANCY)]
     table = _table(diffs, columns, source, keep=2) if diffs else "No FP4 rollout configuration was evaluated."
     blocks += [Heading(2, "FP4 train-rollout log-prob |diff| per method"), table]
 
     training = [
-        {"method": m, "steps": len(h), "accuracy (last)": _last(h, "accuracy"),
-         "reward_mean (last)": _last(h, "reward_mean"), "logprob |diff| mean (last)": _last(h, "logprob_abs_diff_mean"),
-         "logprob |diff| max (all steps)": _max(h, "logprob_abs_diff_max"),
-         "k3 KL (last)": _last(h, "k3_kl")}
+        {
+            "method": m,
+            "steps": len(h),
+            "accuracy (last)": _last(h, "accuracy"),
+            "reward_mean (last)": _last(h, "reward_mean"),
+            "logprob |diff| mean (last)": _last(h, "logprob_abs_diff_mean"),
+            "logprob |diff| max (all steps)": _max(h, "logprob_abs_diff_max"),
+            "k3 KL (last)": _last(h, "k3_kl"),
+        }
         for m, h in zip(methods, histories)
-    ]  # fmt: skip
+    ]
     if training:
         blocks += [Heading(2, "Training per method"), _table(training, list(training[0]), source, keep=2)]
 
     def lines(key: str) -> list[Series]:
         return [Series(m, _steps(h), _col(h, key)) for m, h in zip(methods, histories)]
 
-    diff_lines = [Series(m, _steps(h), _col(h, "logprob_abs_diff_mean"),
-                         band=(_col(h, "logprob_abs_diff_min"), _col(h, "logprob_abs_diff_max")))
-                  for m, h in zip(methods, histories)]  # fmt: skip
+    diff_lines = [
+        Series(
+            m,
+            _steps(h),
+            _col(h, "logprob_abs_diff_mean"),
+            band=(_col(h, "logprob_abs_diff_min"), _col(h, "logprob_abs_diff_max")),
+        )
+        for m, h in zip(methods, histories)
+    ]
     blocks += [
-        _plot("Train-rollout log-prob |diff| per method", "RL step", "|logprob diff|", diff_lines, source,
-              logy=True, note="Line: mean |diff| per step; band: min to max."),
+        _plot(
+            "Train-rollout log-prob |diff| per method",
+            "RL step",
+            "|logprob diff|",
+            diff_lines,
+            source,
+            logy=True,
+            note="Line: mean |diff| per step; band: min to max.",
+        ),
         _plot("Accuracy per method", "RL step", "accuracy", lines("accuracy"), source),
         _plot("Reward per method", "RL step", "reward mean", lines("reward_mean"), source),
-    ]  # fmt: skip
+    ]
     return [b for b in blocks if b is not None]
 
 
@@ -498,8 +562,10 @@ def _html(title: str, blocks: list) -> str:
         elif isinstance(b, Plot):
             series = ", ".join(s.label for s in b.series)
             caption = f"{b.title}. {b.note + ' ' if b.note else ''}Series: {series}. Source: {b.source}."
-            parts.append(f'<figure><img alt="{html.escape(b.title)}" src="data:image/png;base64,{_png(b)}">'
-                         f"<figcaption>{_text(caption)}</figcaption></figure>")  # fmt: skip
+            parts.append(
+                f'<figure><img alt="{html.escape(b.title)}" src="data:image/png;base64,{_png(b)}">'
+                f"<figcaption>{_text(caption)}</figcaption></figure>"
+            )
         elif isinstance(b, list):
             parts.append("<ul>" + "".join(f"<li>{_text(item)}</li>" for item in b) + "</ul>")
         else:

@@ -22,6 +22,7 @@ from .checkpoint import hub_to_stacked, load_model, load_state
 from .device import bf16_op
 from .model import ModelConfig, Transformer, right_pad
 from .quant import (
+    BF16,
     KV_SITES,
     QuantConfig,
     QuantSites,
@@ -70,7 +71,9 @@ class Trajectory:
         return self.prompt + self.response
 
 
-def sample(logits: Tensor, params: SamplingParams, gen: torch.Generator) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+def sample(
+    logits: Tensor, params: SamplingParams, gen: torch.Generator
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
     """Tokens ``[B]`` drawn from ``logits [B, V]``, their log-probabilities, and
     (with ``record_topk``) the ``(logprobs, ids)`` of the k most likely tokens."""
     logits = logits.float()
@@ -132,7 +135,9 @@ class KVCache:
         self.visible = None if positions.shape[1] == 1 and bool(visible.all()) else visible[:, None]
 
     def bytes_per_token(self) -> float:
-        return sum(t[0].numel() * t.element_size() / t.shape[-2 if self.fmt is None else 1] for t in self.store.values())
+        return sum(
+            t[0].numel() * t.element_size() / t.shape[-2 if self.fmt is None else 1] for t in self.store.values()
+        )
 
     def _write(self, layer: int, site: str, t: Tensor) -> None:
         """Store K or V ``[B, KV, S, D]`` of the forward in flight at its positions."""
@@ -190,7 +195,7 @@ class TorchEngine:
     def __init__(
         self,
         model: Transformer,
-        quant: QuantConfig = QuantConfig(),
+        quant: QuantConfig = BF16,
         *,
         dtype: torch.dtype = torch.bfloat16,
         device: str | torch.device = "cpu",

@@ -30,7 +30,7 @@ from .device import resolve
 from .guidance import GuidanceRef, compact, compaction_report, encode_scales, read_step, select_layers, write_step
 from .mismatch import teacher_force
 from .model import build_model
-from .quant import QuantConfig, rollout_config
+from .quant import BF16, QuantConfig, rollout_config
 from .rl import group_advantages
 from .rollout import SamplingParams, TorchEngine, Trajectory
 from .store import open_store
@@ -40,10 +40,19 @@ from .trainer import SCORE_CENTERING_TOPK, TrainConfig, Trainer, read_state
 
 # A round's rollout and compaction figures, carried into each of its history rows.
 ROUND_KEYS = (
-    "rollout_seconds", "rollout_tokens", "rollout_tokens_per_second", "capture_overhead_ratio", "offload_seconds",
-    "upload_seconds", "guidance_bytes", "capture_bytes", "guidance_bits_per_element", "compaction_ratio",
-    "compaction_fidelity", "compaction_seconds",
-)  # fmt: skip
+    "rollout_seconds",
+    "rollout_tokens",
+    "rollout_tokens_per_second",
+    "capture_overhead_ratio",
+    "offload_seconds",
+    "upload_seconds",
+    "guidance_bytes",
+    "capture_bytes",
+    "guidance_bits_per_element",
+    "compaction_ratio",
+    "compaction_fidelity",
+    "compaction_seconds",
+)
 
 _NEWLINE = "\n"
 
@@ -105,12 +114,14 @@ def prepare(config: RunConfig, out: Path, run_id: str = "") -> dict:
         model = load_model(checkpoint, device=device)
     tokenizer = load_tokenizer(checkpoint) if checkpoint else build_tokenizer()
     if tokenizer.get_vocab_size() > model.cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.get_vocab_size()} tokens, the model only {model.cfg.vocab_size}")
+        raise ValueError(
+            f"the tokenizer has {tokenizer.get_vocab_size()} tokens, the model only {model.cfg.vocab_size}"
+        )
     problems = config.guided_layer_problems(model.cfg.num_layers, f"checkpoint {config.model.checkpoint}")
     if problems:  # before any work
         raise ValueError("\n".join(problems))
     stats = run_bootstrap(config, model, tokenizer) if config.bootstrap.enabled else {}
-    trainer = Trainer(model, train_config(config), QuantConfig(), {})
+    trainer = Trainer(model, train_config(config), BF16, {})
     trainer.save(out, extra={FILENAME: tokenizer.to_str().encode()}, run_id=run_id)
     return stats
 
@@ -119,23 +130,48 @@ def run_bootstrap(config: RunConfig, model, tokenizer) -> dict:
     """Bootstrap SFT of ``model`` (in place) on the run's train split, scored greedily on its test split."""
     b = config.bootstrap
     train, test = problems(config)
-    history = sft.bootstrap(model, tokenizer, train, test, sft.BootstrapConfig(
-        steps=b.steps, batch_size=b.batch_size, learning_rate=b.learning_rate, warmup=b.warmup, seed=config.seed,
-        max_len=config.model.max_seq_len, target_accuracy=b.target_accuracy, eval_every=b.eval_every,
-        eval_prompts=b.eval_prompts, max_new_tokens=config.rollout.max_new_tokens,
-    ))  # fmt: skip
-    return {"bootstrap_accuracy": history["accuracy"], "bootstrap_steps": history["steps"],
-            "bootstrap_loss": history["loss"][-1], "bootstrap_seconds": history["seconds"]}  # fmt: skip
+    history = sft.bootstrap(
+        model,
+        tokenizer,
+        train,
+        test,
+        sft.BootstrapConfig(
+            steps=b.steps,
+            batch_size=b.batch_size,
+            learning_rate=b.learning_rate,
+            warmup=b.warmup,
+            seed=config.seed,
+            max_len=config.model.max_seq_len,
+            target_accuracy=b.target_accuracy,
+            eval_every=b.eval_every,
+            eval_prompts=b.eval_prompts,
+            max_new_tokens=config.rollout.max_new_tokens,
+        ),
+    )
+    return {
+        "bootstrap_accuracy": history["accuracy"],
+        "bootstrap_steps": history["steps"],
+        "bootstrap_loss": history["loss"][-1],
+        "bootstrap_seconds": history["seconds"],
+    }
 
 
 def train_config(config: RunConfig) -> TrainConfig:
     rl = config.rl
     return TrainConfig(
-        method=config.method, learning_rate=rl.learning_rate, weight_decay=rl.weight_decay, betas=tuple(rl.adam_betas),
-        grad_clip=rl.grad_clip, microbatch_size=rl.microbatch_size, grad_accumulation=rl.grad_accumulation,
-        ppo_clip=rl.ppo_clip, tis_cap=rl.tis_cap,
-        kl_coef=rl.kl_coef, temperature=config.rollout.temperature or 1.0, compute_dtype=compute_dtype(config),
-    )  # fmt: skip
+        method=config.method,
+        learning_rate=rl.learning_rate,
+        weight_decay=rl.weight_decay,
+        betas=tuple(rl.adam_betas),
+        grad_clip=rl.grad_clip,
+        microbatch_size=rl.microbatch_size,
+        grad_accumulation=rl.grad_accumulation,
+        ppo_clip=rl.ppo_clip,
+        tis_cap=rl.tis_cap,
+        kl_coef=rl.kl_coef,
+        temperature=config.rollout.temperature or 1.0,
+        compute_dtype=compute_dtype(config),
+    )
 
 
 def _inline(config: RunConfig) -> bool:
@@ -165,7 +201,9 @@ def _engine(config: RunConfig, policy: Path, capture: bool, device: torch.device
         cfg = CaptureConfig(max_tokens=config.rollout.max_tokens_per_forward)
         if _inline(config):
             layers = select_layers(config.guidance.layers, list(range(model.cfg.num_layers)))
-            cfg = CaptureConfig(bits=config.guidance.bits, layers=layers, max_tokens=config.rollout.max_tokens_per_forward)
+            cfg = CaptureConfig(
+                bits=config.guidance.bits, layers=layers, max_tokens=config.rollout.max_tokens_per_forward
+            )
     quant, dtype = rollout_quant(config), compute_dtype(config)
     return TorchEngine(model, quant, dtype=dtype, device=device, capture=cfg, calibration_seed=config.seed)
 
@@ -175,8 +213,15 @@ def sampling(config: RunConfig, seed: int, tokenizer) -> SamplingParams:
     r = config.rollout
     newline = encode(tokenizer, _NEWLINE)[0]
     topk = SCORE_CENTERING_TOPK if config.method == "tis_sc" else 0
-    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                          stop_tokens=(EOS, newline), seed=seed, record_topk=topk)  # fmt: skip
+    return SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+        stop_tokens=(EOS, newline),
+        seed=seed,
+        record_topk=topk,
+    )
 
 
 def policy_version(policy: Path, run_id: str) -> int:
@@ -212,14 +257,29 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
     stats.update(capture_overhead_ratio=None, offload_seconds=None, upload_seconds=None)
     if records is not None:
         seconds = engine.capture.seconds
-        stats.update(capture_overhead_ratio=seconds["capture"] / stats["rollout_seconds"], offload_seconds=seconds["offload"])
+        stats.update(
+            capture_overhead_ratio=seconds["capture"] / stats["rollout_seconds"], offload_seconds=seconds["offload"]
+        )
         start = time.perf_counter()
-        write_step(_store(config), records, rl_step=round_index, policy_version=version,
-                   top_k=engine.model.cfg.top_k, prefix=store_prefix(config, run_id, "guidance" if _inline(config) else "capture"),
-                   trajectories_per_shard=config.guidance.trajectories_per_shard, run_id=run_id)  # fmt: skip
+        write_step(
+            _store(config),
+            records,
+            rl_step=round_index,
+            policy_version=version,
+            top_k=engine.model.cfg.top_k,
+            prefix=store_prefix(config, run_id, "guidance" if _inline(config) else "capture"),
+            trajectories_per_shard=config.guidance.trajectories_per_shard,
+            run_id=run_id,
+        )
         stats["upload_seconds"] = time.perf_counter() - start
-    header = {"run_id": run_id, "round": round_index, "policy_version": version, "quant": asdict(engine.quant),
-              "global_scales": encode_scales(engine.global_scales), "top_k": engine.model.cfg.top_k}  # fmt: skip
+    header = {
+        "run_id": run_id,
+        "round": round_index,
+        "policy_version": version,
+        "quant": asdict(engine.quant),
+        "global_scales": encode_scales(engine.global_scales),
+        "top_k": engine.model.cfg.top_k,
+    }
     write_trajectories(Path(out), header, trajectories, batch)
     return stats
 
@@ -243,8 +303,10 @@ def read_trajectories(path: Path, run_id: str, round_index: int) -> tuple[dict, 
     lines = Path(path).read_text().splitlines()
     header = json.loads(lines[0])["header"] if lines else {}
     if (header.get("run_id"), header.get("round")) != (run_id, round_index):
-        raise RunMismatch(f"{path}: trajectories of run {header.get('run_id')!r} round {header.get('round')}, "
-                          f"expected run {run_id!r} round {round_index}")  # fmt: skip
+        raise RunMismatch(
+            f"{path}: trajectories of run {header.get('run_id')!r} round {header.get('round')}, "
+            f"expected run {run_id!r} round {round_index}"
+        )
     trajectories, batch = [], []
     for line in lines[1:]:
         record = json.loads(line)
@@ -253,8 +315,9 @@ def read_trajectories(path: Path, run_id: str, round_index: int) -> tuple[dict, 
     return header, trajectories, batch
 
 
-def compaction(config: RunConfig, policy: Path, trajectories_file: Path, round_index: int,
-               run_id: str = "") -> tuple[GuidanceRef, dict]:  # fmt: skip
+def compaction(
+    config: RunConfig, policy: Path, trajectories_file: Path, round_index: int, run_id: str = ""
+) -> tuple[GuidanceRef, dict]:
     """The guidance training reads for a round, as a :class:`GuidanceRef`, and
     its size: offline, compacted from the round's full capture (with the
     compaction's fidelity, measured on the first microbatch's trajectories);
@@ -262,11 +325,25 @@ def compaction(config: RunConfig, policy: Path, trajectories_file: Path, round_i
     other than trace get a reference without shards: the rollout's numerics."""
     device = step_device(config)
     header, trajectories, _ = read_trajectories(trajectories_file, run_id, round_index)
-    stats = dict.fromkeys(("guidance_bytes", "capture_bytes", "guidance_bits_per_element", "compaction_ratio",
-                           "compaction_fidelity", "compaction_seconds"))  # fmt: skip
+    stats = dict.fromkeys(
+        (
+            "guidance_bytes",
+            "capture_bytes",
+            "guidance_bits_per_element",
+            "compaction_ratio",
+            "compaction_fidelity",
+            "compaction_seconds",
+        )
+    )
     stats.update(layers=[], bits=config.guidance.bits)
-    ref = GuidanceRef(run_id, round_index, header["policy_version"], QuantConfig(**header["quant"]),
-                      header["global_scales"], top_k=header["top_k"])  # fmt: skip
+    ref = GuidanceRef(
+        run_id,
+        round_index,
+        header["policy_version"],
+        QuantConfig(**header["quant"]),
+        header["global_scales"],
+        top_k=header["top_k"],
+    )
     if config.method != "trace":
         return ref, stats
     start = time.perf_counter()
@@ -277,21 +354,51 @@ def compaction(config: RunConfig, policy: Path, trajectories_file: Path, round_i
         kept = read_step(store, round_index, prefix, expect)
     else:
         full = read_step(store, round_index, store_prefix(config, run_id, "capture"), expect)
-        kept = compact(full, config.guidance.bits, select_layers(config.guidance.layers, sorted({layer for layer, _ in full.tables})))
-        write_step(store, kept, rl_step=round_index, policy_version=header["policy_version"], top_k=header["top_k"],
-                   prefix=prefix, trajectories_per_shard=config.guidance.trajectories_per_shard, run_id=run_id)  # fmt: skip
+        kept = compact(
+            full,
+            config.guidance.bits,
+            select_layers(config.guidance.layers, sorted({layer for layer, _ in full.tables})),
+        )
+        write_step(
+            store,
+            kept,
+            rl_step=round_index,
+            policy_version=header["policy_version"],
+            top_k=header["top_k"],
+            prefix=prefix,
+            trajectories_per_shard=config.guidance.trajectories_per_shard,
+            run_id=run_id,
+        )
         sample = trajectories[: config.rl.microbatch_size]
         training = teacher_force(_engine(config, policy, capture=False, device=device), sample, keep_inputs=True)
         ids = torch.tensor([t.id for t in sample])
         report = compaction_report(_restrict(full, ids), _restrict(kept, ids), training)
-        stats.update(capture_bytes=full.nbytes, compaction_ratio=kept.nbytes / full.nbytes, compaction_fidelity=report.total["fidelity"])
+        stats.update(
+            capture_bytes=full.nbytes,
+            compaction_ratio=kept.nbytes / full.nbytes,
+            compaction_fidelity=report.total["fidelity"],
+        )
     elements = sum(t.codes.shape[0] * t.width for t in kept.tables.values())
     layers = sorted({layer for layer, _ in kept.tables})
-    stats.update(layers=layers, guidance_bytes=kept.nbytes, guidance_bits_per_element=8 * kept.nbytes / elements if elements else None,
-                 compaction_seconds=time.perf_counter() - start)  # fmt: skip
-    ref = GuidanceRef(run_id, round_index, header["policy_version"], ref.quant, ref.global_scales, config.store.uri, prefix,
-                      bits=config.guidance.bits, layers=tuple(layers), sites=tuple(sorted({s for _, s in kept.tables})),
-                      top_k=header["top_k"])  # fmt: skip
+    stats.update(
+        layers=layers,
+        guidance_bytes=kept.nbytes,
+        guidance_bits_per_element=8 * kept.nbytes / elements if elements else None,
+        compaction_seconds=time.perf_counter() - start,
+    )
+    ref = GuidanceRef(
+        run_id,
+        round_index,
+        header["policy_version"],
+        ref.quant,
+        ref.global_scales,
+        config.store.uri,
+        prefix,
+        bits=config.guidance.bits,
+        layers=tuple(layers),
+        sites=tuple(sorted({s for _, s in kept.tables})),
+        top_k=header["top_k"],
+    )
     return ref, stats
 
 
@@ -299,8 +406,15 @@ def _restrict(records: CaptureRecords, trajectories: torch.Tensor) -> CaptureRec
     return CaptureRecords({k: t.select(torch.isin(t.traj, trajectories)) for k, t in records.tables.items()})
 
 
-def train(config: RunConfig, policy: Path, trajectories_file: Path, guidance: GuidanceRef, out: Path,
-          run_id: str = "", round_stats: dict | None = None) -> list[dict]:  # fmt: skip
+def train(
+    config: RunConfig,
+    policy: Path,
+    trajectories_file: Path,
+    guidance: GuidanceRef,
+    out: Path,
+    run_id: str = "",
+    round_stats: dict | None = None,
+) -> list[dict]:
     """``steps_per_round`` guided QAT steps over the round's trajectories, each
     an RL step (the schedule: docs/training.md); the new policy goes to ``out``.
     The training path quantizes with the rollout's numerics from ``guidance``,
@@ -314,43 +428,68 @@ def train(config: RunConfig, policy: Path, trajectories_file: Path, guidance: Gu
     trainer = Trainer.from_checkpoint(policy, train_config(config), guidance.quant, guidance.scales(), device)
     guidance.check(run_id, trainer.step)
     if header["policy_version"] != trainer.step:
-        raise RunMismatch(f"{trajectories_file}: rolled out by policy version {header['policy_version']}, "
-                          f"the policy to train is version {trainer.step}")  # fmt: skip
+        raise RunMismatch(
+            f"{trajectories_file}: rolled out by policy version {header['policy_version']}, "
+            f"the policy to train is version {trainer.step}"
+        )
     store = _store(config)
     full = None
     if config.rl.measure_mismatch:
-        full = read_step(store, round_index, store_prefix(config, run_id, "capture"),
-                         {"run_id": run_id, "policy_version": header["policy_version"]})  # fmt: skip
+        full = read_step(
+            store,
+            round_index,
+            store_prefix(config, run_id, "capture"),
+            {"run_id": run_id, "policy_version": header["policy_version"]},
+        )
     per_step = config.rollout.prompts_per_step * config.rollout.group_size
     history = []
     for s in range(config.rl.steps_per_round):
         start = time.perf_counter()
         part = slice(s * per_step, (s + 1) * per_step)
         step_trajectories, step_problems = trajectories[part], batch[part]
-        rewards = torch.tensor([get_task(p.task).reward(p, decode(tokenizer, t.response))
-                                for t, p in zip(step_trajectories, step_problems)])  # fmt: skip
+        rewards = torch.tensor(
+            [
+                get_task(p.task).reward(p, decode(tokenizer, t.response))
+                for t, p in zip(step_trajectories, step_problems)
+            ]
+        )
         loader = None
         if config.method == "trace":
             ids = [[t.id for t in mb] for mb in trainer.microbatches(step_trajectories)]
-            loader = guidance.loader(store, ids, prefetch=config.guidance.prefetch_microbatches,
-                                     allow_rtn_fallback=config.guidance.allow_rtn_fallback)  # fmt: skip
+            loader = guidance.loader(
+                store,
+                ids,
+                prefetch=config.guidance.prefetch_microbatches,
+                allow_rtn_fallback=config.guidance.allow_rtn_fallback,
+            )
         measured = _restrict(full, torch.tensor([t.id for t in step_trajectories])) if full is not None else None
-        stats = trainer.train_step(step_trajectories, group_advantages(rewards, config.rollout.group_size), loader, measured)
+        stats = trainer.train_step(
+            step_trajectories, group_advantages(rewards, config.rollout.group_size), loader, measured
+        )
         stats["train_seconds"] = time.perf_counter() - start - stats["reload_seconds"]
         lengths = torch.tensor([len(t.response) for t in step_trajectories], dtype=torch.float32)
         rollout_lp = torch.tensor([lp for t in step_trajectories for lp in t.logprobs])
-        history.append({
-            "method": config.method, "round": round_index, "step": trainer.step, "staleness": s,
-            "reward_mean": rewards.mean().item(), "accuracy": (rewards >= 1).float().mean().item(),
-            "entropy": -rollout_lp.mean().item(),  # per token, estimated from the sampled tokens
-            "response_length": lengths.mean().item(),
-            **stats, **{key: (round_stats or {}).get(key) for key in ROUND_KEYS},
-        })  # fmt: skip
+        history.append(
+            {
+                "method": config.method,
+                "round": round_index,
+                "step": trainer.step,
+                "staleness": s,
+                "reward_mean": rewards.mean().item(),
+                "accuracy": (rewards >= 1).float().mean().item(),
+                "entropy": -rollout_lp.mean().item(),  # per token, estimated from the sampled tokens
+                "response_length": lengths.mean().item(),
+                **stats,
+                **{key: (round_stats or {}).get(key) for key in ROUND_KEYS},
+            }
+        )
     trainer.save(out, extra={FILENAME: tokenizer.to_str().encode()}, run_id=run_id)
     return history
 
 
-def run_round(config: RunConfig, policy: Path, round_index: int, out: Path, workdir: Path, run_id: str = "") -> list[dict]:
+def run_round(
+    config: RunConfig, policy: Path, round_index: int, out: Path, workdir: Path, run_id: str = ""
+) -> list[dict]:
     """One round in one process, through the same three steps the pipeline runs
     as components: rollout -> compaction -> guided QAT, the new policy to ``out``."""
     trajectories = Path(workdir) / f"trajectories-{round_index}.jsonl"

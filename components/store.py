@@ -342,7 +342,8 @@ class S3Store(ArtifactStore):
     def put_bytes(self, key: str, data: bytes) -> None:
         name = self._name(key)
         self._call(
-            "put", key,
+            "put",
+            key,
             lambda: self._client.put_object(self.bucket, name, io.BytesIO(data), len(data), part_size=self.part_size),
         )
 
@@ -390,7 +391,7 @@ class S3Store(ArtifactStore):
             objects = self._client.list_objects(self.bucket, prefix=root + prefix, recursive=True)
             return [o.object_name for o in objects if not o.is_dir and not o.object_name.endswith("/")]
 
-        return sorted(name[len(root):] for name in self._call("list", prefix, names))
+        return sorted(name[len(root) :] for name in self._call("list", prefix, names))
 
 
 def open_store(
@@ -427,8 +428,14 @@ def open_store(
         except ValueError as e:
             raise ValueError(f"bad store URI {uri!r}: {e}") from None
         return S3Store(
-            parts.netloc, prefix, scheme=parts.scheme, env=env,
-            part_size=part_size, retries=retries, backoff_s=backoff_s, create_bucket=create_bucket,
+            parts.netloc,
+            prefix,
+            scheme=parts.scheme,
+            env=env,
+            part_size=part_size,
+            retries=retries,
+            backoff_s=backoff_s,
+            create_bucket=create_bucket,
         )
     raise ValueError(
         f"unsupported store URI {uri!r}: use file:///absolute/path, a plain path, "

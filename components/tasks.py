@@ -264,8 +264,12 @@ class Countdown(_Generated):
 
 # difficulty: (stages, lowest element, highest element, two-stage bodies under map/filter)
 PROGRAM_LEVELS = {
-    1: (1, 0, 9, False), 2: (2, 0, 9, False), 3: (2, -9, 9, False), 4: (3, -9, 9, True), 5: (4, -20, 20, True),
-}  # fmt: skip
+    1: (1, 0, 9, False),
+    2: (2, 0, 9, False),
+    3: (2, -9, 9, False),
+    4: (3, -9, 9, True),
+    5: (4, -20, 20, True),
+}
 _SHOWN_LEN = 8  # longest list an example shows
 _SHOWN_INT = 10**5  # largest integer an example shows
 

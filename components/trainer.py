@@ -60,7 +60,9 @@ class Trainer:
     rollout's numerics it fake-quantizes with (``quant``, ``global_scales``),
     all on the model's device."""
 
-    def __init__(self, model: Transformer, config: TrainConfig, quant: QuantConfig, global_scales: dict[tuple[int, str], Tensor]):
+    def __init__(
+        self, model: Transformer, config: TrainConfig, quant: QuantConfig, global_scales: dict[tuple[int, str], Tensor]
+    ):
         self.model = model.float().train()  # float32 master weights
         self.device = next(model.parameters()).device
         self.config, self.quant = config, quant
@@ -91,7 +93,9 @@ class Trainer:
         cfg = self.config
         batches = [SequenceBatch.of(mb, self.device) for mb in self.microbatches(trajectories)]
         group = cfg.grad_accumulation or len(batches)
-        group_tokens = [sum(int(b.response.sum()) for b in batches[i : i + group]) for i in range(0, len(batches), group)]
+        group_tokens = [
+            sum(int(b.response.sum()) for b in batches[i : i + group]) for i in range(0, len(batches), group)
+        ]
         total_tokens = sum(group_tokens)
         guidance = iter(loader) if loader is not None else iter([None] * len(batches))
         adv = dict(zip((t.id for t in trajectories), advantages.tolist()))
@@ -120,8 +124,12 @@ class Trainer:
                 grad_norms.append(self._optimizer_step())
         self.step += 1
         stats.update(self._alignment(alignment))
-        stats.update(grad_norm=max(grad_norms), optimizer_steps=len(grad_norms), reload_seconds=reload_s,
-                     guidance_coverage=guided / captured if captured else 0.0)  # fmt: skip
+        stats.update(
+            grad_norm=max(grad_norms),
+            optimizer_steps=len(grad_norms),
+            reload_seconds=reload_s,
+            guidance_coverage=guided / captured if captured else 0.0,
+        )
         if rollout_records is not None:
             stats.update(tally.summary())
         return stats
@@ -132,8 +140,15 @@ class Trainer:
         log-probs, sites and loss figures."""
         cfg = self.config
         sites, (logprobs, every) = self._forward(batch, guidance, recorder, full=True)
-        loss, stats = grpo_loss(logprobs, logprobs.detach(), batch.rollout_logprobs, advantages, batch.response,
-                                clip=cfg.ppo_clip, tis_cap=cfg.tis_cap)  # fmt: skip
+        loss, stats = grpo_loss(
+            logprobs,
+            logprobs.detach(),
+            batch.rollout_logprobs,
+            advantages,
+            batch.response,
+            clip=cfg.ppo_clip,
+            tis_cap=cfg.tis_cap,
+        )
         if cfg.method == "tis_sc":
             loss = loss + (advantages[:, None] * score_centering(every, batch, cfg.tis_cap))[batch.response].mean()
         if self.reference is not None:
@@ -148,8 +163,11 @@ class Trainer:
     @staticmethod
     def _alignment(parts: list[tuple[Tensor, SequenceBatch]]) -> dict:
         """Alignment metrics over the microbatches' ``(training log-probs, batch)``."""
-        return alignment_metrics(stack_rows([lp for lp, _ in parts]), stack_rows([b.rollout_logprobs for _, b in parts]),
-                                 stack_rows([b.response for _, b in parts]))  # fmt: skip
+        return alignment_metrics(
+            stack_rows([lp for lp, _ in parts]),
+            stack_rows([b.rollout_logprobs for _, b in parts]),
+            stack_rows([b.response for _, b in parts]),
+        )
 
     def _optimizer_step(self) -> float:
         """Clip, step and clear the gradients; returns the norm before clipping."""
@@ -163,16 +181,25 @@ class Trainer:
         return torch.autocast(batch.tokens.device.type, dtype=dtype, enabled=dtype != torch.float32)
 
     def _forward(self, batch: SequenceBatch, guidance, recorder: Capture | None, full: bool = False):
-        """The training path's log-probs of one microbatch (the method's fake quantization, guided where guidance is)."""
+        """The training path's log-probs of one microbatch: the method's fake quantization, guided where guidance is."""
         cfg = self.config
-        sites = TrainingSites(self.quant, cfg.method, self.global_scales, trajectories=batch.trajectories,
-                              seq_len=batch.tokens.shape[1], guidance=guidance, compute_dtype=cfg.compute_dtype,
-                              recorder=recorder)  # fmt: skip
+        sites = TrainingSites(
+            self.quant,
+            cfg.method,
+            self.global_scales,
+            trajectories=batch.trajectories,
+            seq_len=batch.tokens.shape[1],
+            guidance=guidance,
+            compute_dtype=cfg.compute_dtype,
+            recorder=recorder,
+        )
         with self._autocast(batch):
             return sites, token_logprobs(self.model, batch, sites, cfg.temperature, full=full)
 
     @torch.no_grad()
-    def measure(self, trajectories: list[Trajectory], loader: GuidanceLoader | None, rollout_records: CaptureRecords) -> dict:
+    def measure(
+        self, trajectories: list[Trajectory], loader: GuidanceLoader | None, rollout_records: CaptureRecords
+    ) -> dict:
         """The train-rollout discrepancy of the training path as it stands, without
         an update: log-prob alignment, and against the rollout's full capture the
         per-layer code mismatch, relative excess MSE and codeword-difference
@@ -193,7 +220,9 @@ class Trainer:
         keep_inputs = any(t.inputs is not None for t in rollout.tables.values())
         config = CaptureConfig(max_tokens=batch.tokens.numel(), inputs=keep_inputs)
         capture = Capture(self.model.cfg, self.quant, config, self.global_scales, self.device, kv_from_forward=True)
-        capture.begin(TokenMap.of(batch.trajectories, batch.positions, batch.lengths - 1))  # the positions the rollout fed
+        capture.begin(
+            TokenMap.of(batch.trajectories, batch.positions, batch.lengths - 1)
+        )  # the positions the rollout fed
         return capture
 
     def save(self, path, extra: dict[str, bytes] | None = None, run_id: str = "") -> Path:

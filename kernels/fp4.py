@@ -200,9 +200,7 @@ def fake_quantize(
             backend = _backend(x)
             if guide is not None:
                 _check_guide(x, f, guide, global_scale, scale_mode)
-                values = backend.fake_quantize_guided(
-                    x, f, guide.scales, guide.global_scale, guide.codes(), guide.bits
-                )
+                values = backend.fake_quantize_guided(x, f, guide.scales, guide.global_scale, guide.codes(), guide.bits)
             else:
                 values = backend.fake_quantize(
                     x, f, _global_scale(f, global_scale, x.device), _scale_mode(f, scale_mode)

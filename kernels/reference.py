@@ -179,7 +179,9 @@ def e2m1_decode_packed(packed: Tensor) -> Tensor:
 @functools.cache
 def _pool(workers: int) -> ThreadPoolExecutor:
     """Threads that each run whole chunks with one intra-op thread."""
-    return ThreadPoolExecutor(workers, thread_name_prefix="fp4-chunks", initializer=torch.set_num_threads, initargs=(1,))
+    return ThreadPoolExecutor(
+        workers, thread_name_prefix="fp4-chunks", initializer=torch.set_num_threads, initargs=(1,)
+    )
 
 
 os.register_at_fork(after_in_child=_pool.cache_clear)  # a forked child has none of the parent's threads

@@ -164,7 +164,9 @@ def _fp4_block_kernel(
 
 
 @triton.jit
-def _dequantize_kernel(codes_ptr, scales_ptr, global_ptr, out_ptr, n_blocks, BS: tl.constexpr, NVFP4: tl.constexpr, BLOCKS: tl.constexpr):
+def _dequantize_kernel(
+    codes_ptr, scales_ptr, global_ptr, out_ptr, n_blocks, BS: tl.constexpr, NVFP4: tl.constexpr, BLOCKS: tl.constexpr
+):
     blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     blk_ok = blk < n_blocks
     pair_offs = blk[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
@@ -231,20 +233,45 @@ def _launch(
     g = global_scale if fmt.has_global_scale else x
     grid = (triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)
     _fp4_block_kernel[grid](
-        xf, scales.view(torch.uint8), g, guidance.contiguous() if guided else x, codes, values, n_blocks,
-        BS=bs, NVFP4=fmt.has_global_scale, RCEIL=scale_mode == "rceil", GUIDED=guided, BITS=bits,
-        WRITE_CODES=write_codes, WRITE_VALUES=write_values, BLOCKS=BLOCKS_PER_PROGRAM,
+        xf,
+        scales.view(torch.uint8),
+        g,
+        guidance.contiguous() if guided else x,
+        codes,
+        values,
+        n_blocks,
+        BS=bs,
+        NVFP4=fmt.has_global_scale,
+        RCEIL=scale_mode == "rceil",
+        GUIDED=guided,
+        BITS=bits,
+        WRITE_CODES=write_codes,
+        WRITE_VALUES=write_values,
+        BLOCKS=BLOCKS_PER_PROGRAM,
     )
     return codes, values, scales, global_scale
 
 
 def quantize(x: Tensor, fmt: FP4Format, global_scale: Tensor | None, scale_mode: str):
-    codes, _, scales, g = _launch(x, fmt, global_scale=global_scale, scale_mode=scale_mode, write_codes=True, write_values=False)
+    codes, _, scales, g = _launch(
+        x, fmt, global_scale=global_scale, scale_mode=scale_mode, write_codes=True, write_values=False
+    )
     return codes, scales, g
 
 
-def quantize_guided(x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tensor | None, guidance: Tensor, bits: int):
-    codes, *_ = _launch(x, fmt, scales=scales, global_scale=global_scale, guidance=guidance, bits=bits, write_codes=True, write_values=False)
+def quantize_guided(
+    x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tensor | None, guidance: Tensor, bits: int
+):
+    codes, *_ = _launch(
+        x,
+        fmt,
+        scales=scales,
+        global_scale=global_scale,
+        guidance=guidance,
+        bits=bits,
+        write_codes=True,
+        write_values=False,
+    )
     return codes
 
 
@@ -252,8 +279,19 @@ def fake_quantize(x: Tensor, fmt: FP4Format, global_scale: Tensor | None, scale_
     return _launch(x, fmt, global_scale=global_scale, scale_mode=scale_mode, write_codes=False, write_values=True)[1]
 
 
-def fake_quantize_guided(x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tensor | None, guidance: Tensor, bits: int) -> Tensor:
-    return _launch(x, fmt, scales=scales, global_scale=global_scale, guidance=guidance, bits=bits, write_codes=False, write_values=True)[1]
+def fake_quantize_guided(
+    x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tensor | None, guidance: Tensor, bits: int
+) -> Tensor:
+    return _launch(
+        x,
+        fmt,
+        scales=scales,
+        global_scale=global_scale,
+        guidance=guidance,
+        bits=bits,
+        write_codes=False,
+        write_values=True,
+    )[1]
 
 
 def dequantize(packed: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tensor | None) -> Tensor:
@@ -262,7 +300,16 @@ def dequantize(packed: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Ten
     out = torch.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), dtype=torch.float32, device=packed.device)
     g = global_scale if fmt.has_global_scale else packed
     grid = (triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)
-    _dequantize_kernel[grid](packed.contiguous(), scales.contiguous().view(torch.uint8), g, out, n_blocks, BS=bs, NVFP4=fmt.has_global_scale, BLOCKS=BLOCKS_PER_PROGRAM)
+    _dequantize_kernel[grid](
+        packed.contiguous(),
+        scales.contiguous().view(torch.uint8),
+        g,
+        out,
+        n_blocks,
+        BS=bs,
+        NVFP4=fmt.has_global_scale,
+        BLOCKS=BLOCKS_PER_PROGRAM,
+    )
     return out
 
 

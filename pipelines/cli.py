@@ -12,15 +12,21 @@ from tracefp4.schemas import PRESETS, ConfigError, export_json_schema, load_conf
 
 
 def _config(preset: str | None, config_file: str | None, store: str | None = None, pushgateway: str | None = None):
-    overrides = {key: value for key, value in {"store.uri": store, "metrics.pushgateway_url": pushgateway}.items() if value}
+    overrides = {
+        key: value for key, value in {"store.uri": store, "metrics.pushgateway_url": pushgateway}.items() if value
+    }
     try:
         return load_config(config_file, preset=preset or (None if config_file else "tiny"), overrides=overrides or None)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
 
 
-preset_option = click.option("--preset", type=click.Choice(sorted(PRESETS)), help="Named configuration (default: tiny).")
-config_option = click.option("--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="YAML or JSON run config.")
+preset_option = click.option(
+    "--preset", type=click.Choice(sorted(PRESETS)), help="Named configuration (default: tiny)."
+)
+config_option = click.option(
+    "--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="YAML or JSON run config."
+)
 
 
 def _methods(ctx, param, value: str | None) -> list[str] | None:
@@ -48,7 +54,9 @@ def main():
 @main.command()
 @preset_option
 @config_option
-@click.option("--output", type=click.Path(file_okay=False), default="runs/latest", show_default=True, help="Run folder.")
+@click.option(
+    "--output", type=click.Path(file_okay=False), default="runs/latest", show_default=True, help="Run folder."
+)
 @click.option("--store", help="Artifact store URI for guidance and checkpoints (file://..., s3://bucket/prefix).")
 @click.option("--verbose", is_flag=True, help="Stream every component's log (it also goes to <output>/pipeline.log).")
 @compare_option
@@ -62,8 +70,10 @@ def run(preset, config_file, output, store, verbose, methods, pushgateway, resta
 
     config = _config(preset, config_file, store, pushgateway)
     output = Path(output)
-    click.echo(f"running {config.name}: {config.rl.rounds} round(s) of {config.rl.steps_per_round} step(s), "
-               f"method {', '.join(methods or [config.method])}; component logs in {output / 'pipeline.log'}")
+    click.echo(
+        f"running {config.name}: {config.rl.rounds} round(s) of {config.rl.steps_per_round} step(s), "
+        f"method {', '.join(methods or [config.method])}; component logs in {output / 'pipeline.log'}"
+    )
     try:
         report = run_local(config, output, methods=methods, verbose=verbose, restart=restart)
     except PipelineFailed as e:
@@ -78,16 +88,20 @@ def run(preset, config_file, output, store, verbose, methods, pushgateway, resta
 @main.command()
 @preset_option
 @config_option
-@click.option("--output", type=click.Path(file_okay=False), required=True, help="Folder of the bootstrapped checkpoint.")
+@click.option(
+    "--output", type=click.Path(file_okay=False), required=True, help="Folder of the bootstrapped checkpoint."
+)
 def bootstrap(preset, config_file, output):
-    """SFT of the config's initial policy on its tasks (the config's bootstrap settings, enabled); a Hugging Face checkpoint."""
+    """SFT of the config's initial policy on its tasks (its bootstrap settings, enabled): a Hugging Face checkpoint."""
     from tracefp4.components.steps import prepare
 
     config = _config(preset, config_file)
     config.bootstrap.enabled = True
     stats = prepare(config, Path(output))
-    click.echo(f"{output}: {stats['bootstrap_steps']} SFT steps in {stats['bootstrap_seconds']:.0f} s, "
-               f"greedy test accuracy {stats['bootstrap_accuracy']:.1%}")  # fmt: skip
+    click.echo(
+        f"{output}: {stats['bootstrap_steps']} SFT steps in {stats['bootstrap_seconds']:.0f} s, "
+        f"greedy test accuracy {stats['bootstrap_accuracy']:.1%}"
+    )
 
 
 @main.command()
@@ -108,14 +122,24 @@ def compile(preset, config_file, output, methods):
 def connection_options(command):
     """--host, --namespace and how to authenticate to the KFP API (shared by submit and runs)."""
     options = [
-        click.option("--host", required=True, envvar="KF_PIPELINES_ENDPOINT",
-                     help="KFP UI/API URL: http://localhost:8080, the Kubeflow gateway (env KF_PIPELINES_ENDPOINT)."),
+        click.option(
+            "--host",
+            required=True,
+            envvar="KF_PIPELINES_ENDPOINT",
+            help="KFP UI/API URL: http://localhost:8080, the Kubeflow gateway (env KF_PIPELINES_ENDPOINT).",
+        ),
         click.option("--namespace", help="Profile namespace of a multi-user Kubeflow."),
         click.option("--token", help="Bearer token (default: env KF_PIPELINES_TOKEN, else the pod's token)."),
-        click.option("--cookies", help="Cookie header of a logged-in session, e.g. authservice_session=... "
-                     "(default: env KF_PIPELINES_COOKIES)."),
-        click.option("--ca-bundle", type=click.Path(exists=True, dir_okay=False),
-                     help="CA certificate(s) that signed the server's certificate (PEM)."),
+        click.option(
+            "--cookies",
+            help="Cookie header of a logged-in session, e.g. authservice_session=... "
+            "(default: env KF_PIPELINES_COOKIES).",
+        ),
+        click.option(
+            "--ca-bundle",
+            type=click.Path(exists=True, dir_okay=False),
+            help="CA certificate(s) that signed the server's certificate (PEM).",
+        ),
         click.option("--insecure-skip-verify", is_flag=True, help="Accept any TLS certificate (self-signed gateways)."),
         click.option("--timeout", "timeout_s", type=float, default=30, show_default=True, help="Seconds per request."),
     ]
@@ -135,27 +159,38 @@ def _connection(host, namespace, token, cookies, ca_bundle, insecure_skip_verify
 @config_option
 @connection_options
 @click.option("--experiment", default="tracefp4", show_default=True, help="KFP experiment to file the run under.")
-@click.option("--store", help="Artifact store URI for guidance and checkpoints (s3://bucket/prefix; the pods share it).")
+@click.option(
+    "--store", help="Artifact store URI for guidance and checkpoints (s3://bucket/prefix; the pods share it)."
+)
 @click.option("--service-account", help="Service account of the run's pods (e.g. tracefp4-pipeline-runner).")
-@click.option("--pipeline-root", "root", help="Where KFP keeps this run's artifacts (default: the cluster's, e.g. "
-              "minio://mlpipeline/v2/artifacts); the minio overlay's is minio://tracefp4/pipeline-root.")
+@click.option(
+    "--pipeline-root",
+    "root",
+    help="Where KFP keeps this run's artifacts (default: the cluster's, e.g. "
+    "minio://mlpipeline/v2/artifacts); the minio overlay's is minio://tracefp4/pipeline-root.",
+)
 @compare_option
 def submit(preset, config_file, experiment, store, service_account, root, methods, **connection):
-    """Upload the pipeline (or with --compare the comparison pipeline, or a new version) to a KFP server and start a run."""
+    """Upload the pipeline (--compare: the comparison), or a new version of it, to a KFP server and start a run."""
     from tracefp4.pipelines.submit import SubmitError
     from tracefp4.pipelines.submit import submit as submit_run
 
     config = _config(preset, config_file, store)
     if config.store.uri.startswith("file://"):
-        click.echo(f"warning: store {config.store.uri} is local to each pod; use --store s3://... on a cluster", err=True)
+        click.echo(
+            f"warning: store {config.store.uri} is local to each pod; use --store s3://... on a cluster", err=True
+        )
     try:
         connection = _connection(**connection)
-        result = submit_run(config, connection, experiment, service_account=service_account, pipeline_root=root,
-                            methods=methods)
+        result = submit_run(
+            config, connection, experiment, service_account=service_account, pipeline_root=root, methods=methods
+        )
     except SubmitError as e:
         raise click.ClickException(str(e)) from None
-    click.echo(f"pipeline {result['pipeline_id']}, version {result['pipeline_version_id']}, "
-               f"experiment {result['experiment_id']}, run {result['run_id']}")  # fmt: skip
+    click.echo(
+        f"pipeline {result['pipeline_id']}, version {result['pipeline_version_id']}, "
+        f"experiment {result['experiment_id']}, run {result['run_id']}"
+    )
     click.echo(result["run_url"])
 
 
@@ -234,7 +269,9 @@ def schema(output):
 
 
 @main.command()
-@click.option("--output", type=click.Path(file_okay=False), default="manifests/base/grafana/dashboards", show_default=True)
+@click.option(
+    "--output", type=click.Path(file_okay=False), default="manifests/base/grafana/dashboards", show_default=True
+)
 def dashboards(output):
     """Write the Grafana dashboard JSON (built from the run metrics)."""
     try:
@@ -250,8 +287,10 @@ def presets():
     """List the named configurations."""
     for name, config in sorted(PRESETS.items()):
         model = config.model.preset or config.model.checkpoint
-        click.echo(f"{name:22} model {model}, {config.rollout.config} ({config.rollout.fmt}), method {config.method}, "
-                   f"{config.rl.rounds}x{config.rl.steps_per_round} steps")  # fmt: skip
+        click.echo(
+            f"{name:22} model {model}, {config.rollout.config} ({config.rollout.fmt}), method {config.method}, "
+            f"{config.rl.rounds}x{config.rl.steps_per_round} steps"
+        )
 
 
 @main.command()

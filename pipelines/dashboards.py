@@ -42,8 +42,17 @@ def _ref_id(i: int) -> str:
     return chr(ord("A") + i)
 
 
-def _panel(builder, title: str, unit: str, queries: list[tuple[str, str]], *, w: int = 8, h: int = 8,
-           instant: bool = False, fmt: PromQueryFormat | None = None):  # fmt: skip
+def _panel(
+    builder,
+    title: str,
+    unit: str,
+    queries: list[tuple[str, str]],
+    *,
+    w: int = 8,
+    h: int = 8,
+    instant: bool = False,
+    fmt: PromQueryFormat | None = None,
+):
     """A panel of Prometheus ``(expr, legend)`` targets, described by its metrics' help.
 
     An instant query reads each series' last sample in the dashboard's range
@@ -120,8 +129,10 @@ def _rounds(title, unit, *figures: str, w: int = 8, h: int = 8):
     for id_val, options in (
         ("convertFieldType", {"fields": {}, "conversions": [{"targetField": "round", "destinationType": "number"}]}),
         ("sortBy", {"fields": {}, "sort": [{"field": "round", "desc": False}]}),
-        ("groupingToMatrix", {"columnField": "series", "rowField": "round", "valueField": "Value",
-                              "emptyValue": "null"}),
+        (
+            "groupingToMatrix",
+            {"columnField": "series", "rowField": "round", "valueField": "Value", "emptyValue": "null"},
+        ),
     ):
         builder = builder.with_transformation(DataTransformerConfig(id_val=id_val, options=options))
     query = (" or ".join(figures), "")
@@ -132,86 +143,190 @@ def _rows() -> list[tuple[str, list]]:
     """(row title, panels): what a run is watched for, one row per question."""
     rollout = {"component": "rollout"}  # evaluate's throughput belongs to no round
     return [
-        ("Rollout throughput", [
-            _rounds("Rollout tokens/s by round", "short",
-                    per_round(sel("tracefp4_rollout_tokens_per_second", **rollout), ("rollout_config",))),
-            _rounds("Response tokens by round", "short",
-                    per_round(sel("tracefp4_rollout_tokens", **rollout), ("rollout_config",))),
-            _rounds("Rollout seconds by round", "s",
-                    per_round(sel("tracefp4_rollout_seconds", **rollout), ("rollout_config",))),
-            _stat("Rollout tokens/s over the run", "short",
-                  ("sum by (run_id, method, component, rollout_config) (" + sel("tracefp4_rollout_tokens") + ")"
-                   " / sum by (run_id, method, component, rollout_config) (" + sel("tracefp4_rollout_seconds") + ")",
-                   "{{component}} {{method}} {{rollout_config}}"), w=24, h=4),
-        ]),
-        ("Capture, offload, upload and reload overhead", [
-            _rounds("Capture overhead (share of rollout time)", "percentunit",
-                    per_round(sel("tracefp4_capture_overhead_ratio"))),
-            _rounds("Capture offload and guidance upload seconds", "s",
+        (
+            "Rollout throughput",
+            [
+                _rounds(
+                    "Rollout tokens/s by round",
+                    "short",
+                    per_round(sel("tracefp4_rollout_tokens_per_second", **rollout), ("rollout_config",)),
+                ),
+                _rounds(
+                    "Response tokens by round",
+                    "short",
+                    per_round(sel("tracefp4_rollout_tokens", **rollout), ("rollout_config",)),
+                ),
+                _rounds(
+                    "Rollout seconds by round",
+                    "s",
+                    per_round(sel("tracefp4_rollout_seconds", **rollout), ("rollout_config",)),
+                ),
+                _stat(
+                    "Rollout tokens/s over the run",
+                    "short",
+                    (
+                        "sum by (run_id, method, component, rollout_config) (" + sel("tracefp4_rollout_tokens") + ")"
+                        " / sum by (run_id, method, component, rollout_config) ("
+                        + sel("tracefp4_rollout_seconds")
+                        + ")",
+                        "{{component}} {{method}} {{rollout_config}}",
+                    ),
+                    w=24,
+                    h=4,
+                ),
+            ],
+        ),
+        (
+            "Capture, offload, upload and reload overhead",
+            [
+                _rounds(
+                    "Capture overhead (share of rollout time)",
+                    "percentunit",
+                    per_round(sel("tracefp4_capture_overhead_ratio")),
+                ),
+                _rounds(
+                    "Capture offload and guidance upload seconds",
+                    "s",
                     per_round(sel("tracefp4_capture_offload_seconds"), figure="offload"),
-                    per_round(sel("tracefp4_guidance_upload_seconds"), figure="upload")),
-            _rounds("Train step and guidance reload seconds", "s",
+                    per_round(sel("tracefp4_guidance_upload_seconds"), figure="upload"),
+                ),
+                _rounds(
+                    "Train step and guidance reload seconds",
+                    "s",
                     per_round(sel("tracefp4_train_step_seconds"), figure="step"),
-                    per_round(sel("tracefp4_guidance_reload_seconds"), figure="reload")),
-            _bars("Guidance reload share of a train step", "percentunit",
-                  ("max by (run_id, method, round) (" + sel("tracefp4_guidance_reload_seconds") + ")"
-                   " / max by (run_id, method, round) (" + sel("tracefp4_train_step_seconds") + ")",
-                   "{{method}} r{{round}}"), w=24, h=6),
-        ]),
-        ("Guidance storage and compaction", [
-            _rounds("Guidance and full capture bytes", "bytes",
+                    per_round(sel("tracefp4_guidance_reload_seconds"), figure="reload"),
+                ),
+                _bars(
+                    "Guidance reload share of a train step",
+                    "percentunit",
+                    (
+                        "max by (run_id, method, round) (" + sel("tracefp4_guidance_reload_seconds") + ")"
+                        " / max by (run_id, method, round) (" + sel("tracefp4_train_step_seconds") + ")",
+                        "{{method}} r{{round}}",
+                    ),
+                    w=24,
+                    h=6,
+                ),
+            ],
+        ),
+        (
+            "Guidance storage and compaction",
+            [
+                _rounds(
+                    "Guidance and full capture bytes",
+                    "bytes",
                     per_round(sel("tracefp4_guidance_bytes"), figure="guidance"),
-                    per_round(sel("tracefp4_capture_bytes"), figure="capture")),
-            _stat("Guidance bits per element", "none",
-                  (sel("tracefp4_guidance_bits_per_element"), "{{method}} r{{round}}")),
-            _rounds("Compaction ratio and fidelity", "percentunit",
+                    per_round(sel("tracefp4_capture_bytes"), figure="capture"),
+                ),
+                _stat(
+                    "Guidance bits per element",
+                    "none",
+                    (sel("tracefp4_guidance_bits_per_element"), "{{method}} r{{round}}"),
+                ),
+                _rounds(
+                    "Compaction ratio and fidelity",
+                    "percentunit",
                     per_round(sel("tracefp4_compaction_ratio"), figure="bytes kept"),
-                    per_round(sel("tracefp4_compaction_fidelity_ratio"), figure="fidelity")),
-            _rounds("Compaction seconds", "s", per_round(sel("tracefp4_compaction_seconds")), w=24, h=6),
-        ]),
-        ("Train-rollout mismatch", [
-            _rounds("Log-prob |train - rollout| by stat", "none",
-                    per_round(sel("tracefp4_train_rollout_logprob_abs_diff"), ("stat",))),
-            _rounds("KL(rollout || train) per token", "none", per_round(sel("tracefp4_train_rollout_kl"))),
-            _rounds("Guidance coverage", "percentunit", per_round(sel("tracefp4_guidance_coverage_ratio"))),
-            _bars("Code mismatch over all layers, mean relative excess MSE over layers", "percentunit",
-                  (sel("tracefp4_code_mismatch_ratio"), "mismatch {{method}} {{rollout_config}}"),
-                  ("avg by (run_id, method, rollout_config) (" + sel("tracefp4_layer_relative_excess_mse_ratio") + ")",
-                   "excess MSE {{method}} {{rollout_config}}"), w=12, h=10),
-            _table("Code mismatch and relative excess MSE by layer", "percentunit",
-                   {"code mismatch": sel("tracefp4_layer_code_mismatch_ratio"),
-                    "relative excess MSE": sel("tracefp4_layer_relative_excess_mse_ratio")},
-                   by="run_id, method, rollout_config, layer"),
-        ]),
-        ("Reward and accuracy", [
-            _rounds("Reward (round mean)", "none", per_round(sel("tracefp4_reward"))),
-            _rounds("Training accuracy (split=train)", "percentunit",
-                    per_round(sel("tracefp4_accuracy_ratio", split="train"), ("rollout_config", "task", "metric"))),
-            _stat("RL steps trained", "none",
-                  ("sum by (run_id, method) (" + sel("tracefp4_train_steps") + ")", "{{method}}")),
-            _table("Held-out accuracy (split=test)", "percentunit",
-                   {"accuracy": sel("tracefp4_accuracy_ratio", split="test")},
-                   by="run_id, method, rollout_config, task, metric", w=24),
-        ]),
-    ]  # fmt: skip
+                    per_round(sel("tracefp4_compaction_fidelity_ratio"), figure="fidelity"),
+                ),
+                _rounds("Compaction seconds", "s", per_round(sel("tracefp4_compaction_seconds")), w=24, h=6),
+            ],
+        ),
+        (
+            "Train-rollout mismatch",
+            [
+                _rounds(
+                    "Log-prob |train - rollout| by stat",
+                    "none",
+                    per_round(sel("tracefp4_train_rollout_logprob_abs_diff"), ("stat",)),
+                ),
+                _rounds("KL(rollout || train) per token", "none", per_round(sel("tracefp4_train_rollout_kl"))),
+                _rounds("Guidance coverage", "percentunit", per_round(sel("tracefp4_guidance_coverage_ratio"))),
+                _bars(
+                    "Code mismatch over all layers, mean relative excess MSE over layers",
+                    "percentunit",
+                    (sel("tracefp4_code_mismatch_ratio"), "mismatch {{method}} {{rollout_config}}"),
+                    (
+                        "avg by (run_id, method, rollout_config) ("
+                        + sel("tracefp4_layer_relative_excess_mse_ratio")
+                        + ")",
+                        "excess MSE {{method}} {{rollout_config}}",
+                    ),
+                    w=12,
+                    h=10,
+                ),
+                _table(
+                    "Code mismatch and relative excess MSE by layer",
+                    "percentunit",
+                    {
+                        "code mismatch": sel("tracefp4_layer_code_mismatch_ratio"),
+                        "relative excess MSE": sel("tracefp4_layer_relative_excess_mse_ratio"),
+                    },
+                    by="run_id, method, rollout_config, layer",
+                ),
+            ],
+        ),
+        (
+            "Reward and accuracy",
+            [
+                _rounds("Reward (round mean)", "none", per_round(sel("tracefp4_reward"))),
+                _rounds(
+                    "Training accuracy (split=train)",
+                    "percentunit",
+                    per_round(sel("tracefp4_accuracy_ratio", split="train"), ("rollout_config", "task", "metric")),
+                ),
+                _stat(
+                    "RL steps trained",
+                    "none",
+                    ("sum by (run_id, method) (" + sel("tracefp4_train_steps") + ")", "{{method}}"),
+                ),
+                _table(
+                    "Held-out accuracy (split=test)",
+                    "percentunit",
+                    {"accuracy": sel("tracefp4_accuracy_ratio", split="test")},
+                    by="run_id, method, rollout_config, task, metric",
+                    w=24,
+                ),
+            ],
+        ),
+    ]
 
 
 def _run_variable(name: str, *, after: tuple[str, ...]):
     """A multi-select of the label's values, narrowed by the variables ``after`` it."""
     narrowed = ", ".join(f'{v}=~"${v}"' for v in after)
-    return (dash.QueryVariable(name).label(name).datasource(DATASOURCE)
-            .query(f"label_values(tracefp4_rollout_seconds{{{narrowed}}}, {name})" if after
-                   else f"label_values(tracefp4_rollout_seconds, {name})")
-            .multi(True).include_all(True).all_value(".*").refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
-            .current(VariableOption(selected=True, text=["All"], value=["$__all"])))  # fmt: skip
+    return (
+        dash.QueryVariable(name)
+        .label(name)
+        .datasource(DATASOURCE)
+        .query(
+            f"label_values(tracefp4_rollout_seconds{{{narrowed}}}, {name})"
+            if after
+            else f"label_values(tracefp4_rollout_seconds, {name})"
+        )
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .refresh(VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .current(VariableOption(selected=True, text=["All"], value=["$__all"]))
+    )
 
 
 def dashboard() -> dict:
     """The run dashboard as Grafana's JSON model (a dict)."""
-    board = (dash.Dashboard(TITLE).uid(UID).tags(["tracefp4"]).time("now-24h", "now").refresh("1m")
-             .tooltip(DashboardCursorSync.CROSSHAIR).description("One TRACE FP4 RL run (or comparison) per selection: "
-             "rollout throughput, capture overhead, guidance storage, train-rollout mismatch, reward and accuracy.")
-             .with_variable(dash.DatasourceVariable("datasource").label("Prometheus").type("prometheus")))  # fmt: skip
+    board = (
+        dash.Dashboard(TITLE)
+        .uid(UID)
+        .tags(["tracefp4"])
+        .time("now-24h", "now")
+        .refresh("1m")
+        .tooltip(DashboardCursorSync.CROSSHAIR)
+        .description(
+            "One TRACE FP4 RL run (or comparison) per selection: "
+            "rollout throughput, capture overhead, guidance storage, train-rollout mismatch, reward and accuracy."
+        )
+        .with_variable(dash.DatasourceVariable("datasource").label("Prometheus").type("prometheus"))
+    )
     for i, name in enumerate(RUN_VARIABLES):
         board = board.with_variable(_run_variable(name, after=RUN_VARIABLES[:i]))
     for title, panels in _rows():
@@ -250,5 +365,8 @@ def panel_queries(dashboard: dict, variables: dict[str, str]) -> list[tuple[str,
         name = match[1] or match[2]
         return variables.get(name, match[0])
 
-    return [(panel.get("title", ""), _VARIABLE.sub(substitute, target["expr"]))
-            for panel in _walk(dashboard.get("panels", [])) for target in panel.get("targets", [])]  # fmt: skip
+    return [
+        (panel.get("title", ""), _VARIABLE.sub(substitute, target["expr"]))
+        for panel in _walk(dashboard.get("panels", []))
+        for target in panel.get("targets", [])
+    ]

@@ -176,7 +176,9 @@ def pipeline_signature(params: list[Parameter], config: RunConfig, extra: list[i
     """The pipeline function's signature: ``extra`` (e.g. run_id), then every parameter with its default."""
     values = defaults(config, params)
     typed = [
-        inspect.Parameter(p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=values[p.name], annotation=p.annotation)
+        inspect.Parameter(
+            p.name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=values[p.name], annotation=p.annotation
+        )
         for p in params
     ]
     return inspect.Signature(extra + typed)

@@ -140,10 +140,15 @@ class RolloutConfig(_Section):
     top_k: int = Field(default=0, ge=0, le=1 << 20, description="Top-k sampling; 0 disables it.")
     max_new_tokens: int = Field(default=64, ge=1, le=1 << 20, description="Response length limit, in tokens.")
     group_size: int = Field(default=4, ge=1, le=1024, description="Responses sampled per prompt (the advantage group).")
-    prompts_per_step: int = Field(default=8, ge=1, le=65536, description="Prompts rolled out per RL step. Bounded: held in memory at once.")
+    prompts_per_step: int = Field(
+        default=8, ge=1, le=65536, description="Prompts rolled out per RL step. Bounded: held in memory at once."
+    )
     max_tokens_per_forward: int = Field(
-        default=4096, ge=1, le=1 << 22, description="Rows of each capture buffer (token rows per forward before "
-        "offload). Bounded: held in memory at once."
+        default=4096,
+        ge=1,
+        le=1 << 22,
+        description="Rows of each capture buffer (token rows per forward before "
+        "offload). Bounded: held in memory at once.",
     )
     quads_compensated_channels: int = Field(
         default=8,
@@ -189,16 +194,23 @@ class RLConfig(_Section):
         default=1, ge=1, le=1024, description="RL steps (rollout batches) per round: rollout -> compaction -> train."
     )
     rounds: int = Field(
-        default=2, ge=1, le=200, description="Rounds of training; each is three pipeline tasks. Rounds are unrolled "
+        default=2,
+        ge=1,
+        le=200,
+        description="Rounds of training; each is three pipeline tasks. Rounds are unrolled "
         "into the DAG: 200 rounds compile in about 20 s, and more steps fit in off_policy rounds. Evaluation runs "
         "once, after the last round.",
     )
     learning_rate: float = Field(default=1e-4, gt=0.0, le=1.0, description="AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="AdamW decoupled weight decay.")
     grad_clip: float = Field(default=1.0, ge=0.0, description="Global gradient-norm clip; 0 disables it.")
-    microbatch_size: int = Field(default=8, ge=1, le=65536, description="Trajectories per training microbatch. Bounded: held in memory at once.")
+    microbatch_size: int = Field(
+        default=8, ge=1, le=65536, description="Trajectories per training microbatch. Bounded: held in memory at once."
+    )
     grad_accumulation: int = Field(
-        default=0, ge=0, description="Microbatches per optimizer step; 0: all of a step's microbatches (one "
+        default=0,
+        ge=0,
+        description="Microbatches per optimizer step; 0: all of a step's microbatches (one "
         "optimizer step per rollout batch).",
     )
     ppo_clip: float = Field(default=0.2, gt=0.0, le=1.0, description="PPO ratio clip epsilon.")
@@ -220,8 +232,12 @@ class TaskConfig(_Section):
 
     name: TaskName = Field(description="Task family.")
     difficulty: int = Field(default=1, ge=1, le=5, description="Difficulty level, 1 (easiest) to 5.")
-    train_size: int = Field(default=256, ge=1, le=1_000_000, description="Training prompts generated. Bounded: held in memory at once.")
-    test_size: int = Field(default=32, ge=1, le=1_000_000, description="Held-out test prompts generated. Bounded: held in memory at once.")
+    train_size: int = Field(
+        default=256, ge=1, le=1_000_000, description="Training prompts generated. Bounded: held in memory at once."
+    )
+    test_size: int = Field(
+        default=32, ge=1, le=1_000_000, description="Held-out test prompts generated. Bounded: held in memory at once."
+    )
     weight: float = Field(
         default=1.0, gt=0.0, le=1e6, description="Relative weight of this task when rollout draws a training prompt."
     )
@@ -233,7 +249,9 @@ class BootstrapConfig(_Section):
 
     enabled: bool = Field(default=False, description="Run bootstrap SFT in the prepare step.")
     steps: int = Field(default=300, ge=1, le=1_000_000, description="SFT optimizer steps.")
-    batch_size: int = Field(default=32, ge=1, le=65536, description="Examples per SFT step. Bounded: held in memory at once.")
+    batch_size: int = Field(
+        default=32, ge=1, le=65536, description="Examples per SFT step. Bounded: held in memory at once."
+    )
     learning_rate: float = Field(default=1e-3, gt=0.0, le=1.0, description="AdamW peak learning rate (warmup, cosine).")
     warmup: int = Field(default=30, ge=0, le=1_000_000, description="Linear warmup steps.")
     target_accuracy: float | None = Field(
@@ -252,13 +270,17 @@ class EvaluationConfig(_Section):
         description="Rollout configs the policy is evaluated under (each in rollout.fmt).",
     )
     samples_per_prompt: int = Field(default=4, ge=1, le=1024, description="k of mean@k: samples per test prompt.")
-    test_prompts: int = Field(default=32, ge=1, le=1_000_000, description="Test prompts per evaluation (drawn from the tasks).")
+    test_prompts: int = Field(
+        default=32, ge=1, le=1_000_000, description="Test prompts per evaluation (drawn from the tasks)."
+    )
     ptq_baselines: list[PTQMethod] = Field(
         default_factory=lambda: ["nvfp4", "four_over_six", "h_scale"],
-        description="PTQ baselines applied to the final policy of a bf16 run and evaluated under its FP4 rollout configs.",
+        description="PTQ baselines applied to the final policy of a bf16 run, evaluated under its FP4 rollout configs.",
     )
     discrepancy_prompts: int = Field(
-        default=8, ge=0, le=65536,
+        default=8,
+        ge=0,
+        le=65536,
         description="Test prompts (x samples_per_prompt) of the train-rollout discrepancy analysis; 0: none.",
     )
 
@@ -356,7 +378,8 @@ class ResourcesConfig(_Section):
         default="auto",
         pattern=DEVICE_PATTERN,
         description="Device of every step (policy, rollout engine, KV cache, capture, trainer): auto (CUDA when torch "
-        "sees a GPU, else CPU), cpu, cuda or cuda:N. A CUDA device the step's machine lacks fails the step at its start.",
+        "sees a GPU, else CPU), cpu, cuda or cuda:N. A CUDA device the step's machine lacks fails the step at its "
+        "start.",
     )
     cpu: str = Field(default="2", pattern=K8S_CPU, description="CPU request/limit (Kubernetes quantity: '2', '500m').")
     memory: str = Field(default="8Gi", pattern=K8S_MEMORY, description="Memory request/limit ('8Gi', '512Mi').")
@@ -394,7 +417,9 @@ class RunConfig(_Section):
     tasks: list[TaskConfig] = Field(
         default_factory=lambda: [TaskConfig(name="arithmetic")], min_length=1, description="Training task mix."
     )
-    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig, description="Evaluation after the last round.")
+    evaluation: EvaluationConfig = Field(
+        default_factory=EvaluationConfig, description="Evaluation after the last round."
+    )
     store: StoreConfig = Field(default_factory=StoreConfig, description="Artifact store.")
     metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="Metrics output.")
     resources: ResourcesConfig = Field(default_factory=ResourcesConfig, description="Per-step cluster resources.")
@@ -424,7 +449,9 @@ class RunConfig(_Section):
         if self.rl.measure_mismatch and self.guidance.compaction != "offline":
             problems.append("rl.measure_mismatch: needs the rollout's full capture, so guidance.compaction offline")
         if self.model.preset is not None:  # a checkpoint's depth is checked when prepare reads its config
-            problems += self.guided_layer_problems(model.PRESETS[self.model.preset].num_layers, f"model preset {self.model.preset}")
+            problems += self.guided_layer_problems(
+                model.PRESETS[self.model.preset].num_layers, f"model preset {self.model.preset}"
+            )
         if problems:
             raise ValueError("\n".join(problems))
         return self

@@ -11,67 +11,93 @@ from .config import RunConfig
 
 
 def _smoke() -> RunConfig:
-    return RunConfig.model_validate({
-        "name": "smoke",
-        "model": {"preset": "smoke", "max_seq_len": 64},
-        "rollout": {"max_new_tokens": 8, "group_size": 2, "prompts_per_step": 2, "max_tokens_per_forward": 256},
-        "guidance": {"bits": 1, "layers": 1, "trajectories_per_shard": 2},
-        "rl": {"steps_per_round": 1, "rounds": 1, "microbatch_size": 4},
-        "bootstrap": {"enabled": True, "steps": 2, "batch_size": 4, "warmup": 1, "eval_every": 0},
-        "tasks": [{"name": "arithmetic", "difficulty": 1, "train_size": 8, "test_size": 4}],
-        "evaluation": {"rollout_configs": ["bf16", "fp4_wa_kv"], "samples_per_prompt": 1, "test_prompts": 4},
-        "resources": {"cpu": "1", "memory": "2Gi"},
-    })  # fmt: skip
+    return RunConfig.model_validate(
+        {
+            "name": "smoke",
+            "model": {"preset": "smoke", "max_seq_len": 64},
+            "rollout": {"max_new_tokens": 8, "group_size": 2, "prompts_per_step": 2, "max_tokens_per_forward": 256},
+            "guidance": {"bits": 1, "layers": 1, "trajectories_per_shard": 2},
+            "rl": {"steps_per_round": 1, "rounds": 1, "microbatch_size": 4},
+            "bootstrap": {"enabled": True, "steps": 2, "batch_size": 4, "warmup": 1, "eval_every": 0},
+            "tasks": [{"name": "arithmetic", "difficulty": 1, "train_size": 8, "test_size": 4}],
+            "evaluation": {"rollout_configs": ["bf16", "fp4_wa_kv"], "samples_per_prompt": 1, "test_prompts": 4},
+            "resources": {"cpu": "1", "memory": "2Gi"},
+        }
+    )
 
 
 def _tiny() -> RunConfig:
     # R-1bit of the deeper half (2 of 4 layers), as R-1bit-L20 is of 40.
-    return RunConfig.model_validate({
-        "name": "tiny",
-        "model": {"preset": "tiny", "dtype": "bfloat16", "max_seq_len": 256},
-        "rollout": {"max_new_tokens": 64, "group_size": 4, "prompts_per_step": 8, "max_tokens_per_forward": 2048},
-        "guidance": {"bits": 1, "layers": 2},
-        # off-policy rounds of 5 steps: 3 rounds are 9 pipeline tasks instead of 45 on-policy
-        "rl": {"schedule": "off_policy", "steps_per_round": 5, "rounds": 3, "learning_rate": 3e-5, "microbatch_size": 8},
-        # SFT to ~34% greedy test accuracy in ~2.5 minutes (arithmetic d1 has 300 distinct problems: 268 + 32)
-        "bootstrap": {"enabled": True, "steps": 480, "learning_rate": 3e-3, "eval_every": 100},
-        "tasks": [
-            {"name": "arithmetic", "difficulty": 1, "train_size": 268, "test_size": 32},
-            {"name": "countdown", "difficulty": 1, "train_size": 1000, "test_size": 32},
-        ],
-        "evaluation": {"rollout_configs": ["bf16", "fp4_wa_kv"], "samples_per_prompt": 2, "test_prompts": 32},
-        "resources": {"cpu": "2", "memory": "4Gi"},
-    })  # fmt: skip
+    return RunConfig.model_validate(
+        {
+            "name": "tiny",
+            "model": {"preset": "tiny", "dtype": "bfloat16", "max_seq_len": 256},
+            "rollout": {"max_new_tokens": 64, "group_size": 4, "prompts_per_step": 8, "max_tokens_per_forward": 2048},
+            "guidance": {"bits": 1, "layers": 2},
+            # off-policy rounds of 5 steps: 3 rounds are 9 pipeline tasks instead of 45 on-policy
+            "rl": {
+                "schedule": "off_policy",
+                "steps_per_round": 5,
+                "rounds": 3,
+                "learning_rate": 3e-5,
+                "microbatch_size": 8,
+            },
+            # SFT to ~34% greedy test accuracy in ~2.5 minutes (arithmetic d1 has 300 distinct problems: 268 + 32)
+            "bootstrap": {"enabled": True, "steps": 480, "learning_rate": 3e-3, "eval_every": 100},
+            "tasks": [
+                {"name": "arithmetic", "difficulty": 1, "train_size": 268, "test_size": 32},
+                {"name": "countdown", "difficulty": 1, "train_size": 1000, "test_size": 32},
+            ],
+            "evaluation": {"rollout_configs": ["bf16", "fp4_wa_kv"], "samples_per_prompt": 2, "test_prompts": 32},
+            "resources": {"cpu": "2", "memory": "4Gi"},
+        }
+    )
 
 
 def _paper(name: str, fmt: str, config: str) -> RunConfig:
     # Qwen3.5-35B-A3B, 40 layers: R-1bit-L20 (the paper's default); 256 prompts x 16 = 4,096 trajectories a step.
-    return RunConfig.model_validate({
-        "name": name,
-        "model": {"checkpoint": "s3://models/qwen3.5-35b-a3b", "dtype": "bfloat16", "max_seq_len": 262144},
-        "rollout": {
-            "fmt": fmt, "config": config, "temperature": 1.0, "max_new_tokens": 258048,
-            "group_size": 16, "prompts_per_step": 256, "max_tokens_per_forward": 65536,
-        },
-        "guidance": {"bits": 1, "layers": 20, "compaction": "inline", "trajectories_per_shard": 64},
-        "method": "trace",
-        "rl": {
-            "schedule": "off_policy", "steps_per_round": 4, "rounds": 100, "learning_rate": 1e-6, "weight_decay": 0.01,
-            "microbatch_size": 1, "grad_accumulation": 16, "tis_cap": 2.0,
-        },
-        "tasks": [
-            {"name": "program", "difficulty": 5, "train_size": 20000, "test_size": 500},
-            {"name": "countdown", "difficulty": 5, "train_size": 20000, "test_size": 500},
-        ],
-        "evaluation": {"rollout_configs": ["bf16", config], "samples_per_prompt": 8, "test_prompts": 512},
-        "store": {"uri": "s3://tracefp4/runs"},
-        "resources": {
-            "cpu": "64", "memory": "512Gi", "gpus": 8, "accelerator_type": "nvidia.com/gpu",
-            "node_selector": {"nvidia.com/gpu.product": "NVIDIA-GB200"},
-            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
-        },
-        "image": "ghcr.io/tracefp4/tracefp4:0.1.0-cuda",
-    })  # fmt: skip
+    return RunConfig.model_validate(
+        {
+            "name": name,
+            "model": {"checkpoint": "s3://models/qwen3.5-35b-a3b", "dtype": "bfloat16", "max_seq_len": 262144},
+            "rollout": {
+                "fmt": fmt,
+                "config": config,
+                "temperature": 1.0,
+                "max_new_tokens": 258048,
+                "group_size": 16,
+                "prompts_per_step": 256,
+                "max_tokens_per_forward": 65536,
+            },
+            "guidance": {"bits": 1, "layers": 20, "compaction": "inline", "trajectories_per_shard": 64},
+            "method": "trace",
+            "rl": {
+                "schedule": "off_policy",
+                "steps_per_round": 4,
+                "rounds": 100,
+                "learning_rate": 1e-6,
+                "weight_decay": 0.01,
+                "microbatch_size": 1,
+                "grad_accumulation": 16,
+                "tis_cap": 2.0,
+            },
+            "tasks": [
+                {"name": "program", "difficulty": 5, "train_size": 20000, "test_size": 500},
+                {"name": "countdown", "difficulty": 5, "train_size": 20000, "test_size": 500},
+            ],
+            "evaluation": {"rollout_configs": ["bf16", config], "samples_per_prompt": 8, "test_prompts": 512},
+            "store": {"uri": "s3://tracefp4/runs"},
+            "resources": {
+                "cpu": "64",
+                "memory": "512Gi",
+                "gpus": 8,
+                "accelerator_type": "nvidia.com/gpu",
+                "node_selector": {"nvidia.com/gpu.product": "NVIDIA-GB200"},
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            },
+            "image": "ghcr.io/tracefp4/tracefp4:0.1.0-cuda",
+        }
+    )
 
 
 PRESETS: dict[str, RunConfig] = {

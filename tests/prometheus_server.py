@@ -47,22 +47,44 @@ class Prometheus:
     def __init__(self, root: Path):
         missing = [b for b in BINARIES if shutil.which(b) is None]
         if missing:
-            raise RuntimeError(f"{', '.join(missing)} not on PATH: `make install` installs the Debian packages "
-                               "(apt-get install prometheus prometheus-pushgateway)")  # fmt: skip
+            raise RuntimeError(
+                f"{', '.join(missing)} not on PATH: `make install` installs the Debian packages "
+                "(apt-get install prometheus prometheus-pushgateway)"
+            )
         gateway_port, port = _free_port(), _free_port()
         self.pushgateway, self.url = f"http://127.0.0.1:{gateway_port}", f"http://127.0.0.1:{port}"
         config = root / "prometheus.yml"
-        config.write_text(json.dumps({  # JSON is YAML
-            "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-            "scrape_configs": [{"job_name": "pushgateway", "honor_labels": True,
-                                "static_configs": [{"targets": [f"127.0.0.1:{gateway_port}"]}]}],
-        }))  # fmt: skip
+        config.write_text(
+            json.dumps(
+                {  # JSON is YAML
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "scrape_configs": [
+                        {
+                            "job_name": "pushgateway",
+                            "honor_labels": True,
+                            "static_configs": [{"targets": [f"127.0.0.1:{gateway_port}"]}],
+                        }
+                    ],
+                }
+            )
+        )
         self.processes = []
         for name, args, ready in (
-            ("prometheus-pushgateway", [f"--web.listen-address=127.0.0.1:{gateway_port}", "--persistence.file="], f"{self.pushgateway}/-/ready"),
-            ("prometheus", [f"--config.file={config}", f"--storage.tsdb.path={root / 'data'}",
-                            f"--web.listen-address=127.0.0.1:{port}"], f"{self.url}/-/ready"),
-        ):  # fmt: skip
+            (
+                "prometheus-pushgateway",
+                [f"--web.listen-address=127.0.0.1:{gateway_port}", "--persistence.file="],
+                f"{self.pushgateway}/-/ready",
+            ),
+            (
+                "prometheus",
+                [
+                    f"--config.file={config}",
+                    f"--storage.tsdb.path={root / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                ],
+                f"{self.url}/-/ready",
+            ),
+        ):
             log = root / f"{name}.log"
             process = subprocess.Popen([name, *args], stdout=open(log, "w"), stderr=subprocess.STDOUT)
             self.processes.append(process)

@@ -21,8 +21,14 @@ from tracefp4.components.store import S3Store, open_store
 # weed mini's maintenance worker dials the admin gRPC port at admin.port + 10000
 ADMIN_GRPC_OFFSET = 10000
 PORT_FLAGS = [
-    "master.port", "master.port.grpc", "volume.port", "volume.port.grpc",
-    "filer.port", "filer.port.grpc", "s3.port", "s3.port.grpc",
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
 ]
 
 
@@ -89,12 +95,23 @@ class S3Server:
         data = self.root / "data"
         data.mkdir(parents=True, exist_ok=True)
         return [
-            self.weed, "mini", f"-dir={data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            "-master.telemetry=false", "-webdav=false", "-admin.ui=false",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}", f"-bucket={self.bucket}",
+            self.weed,
+            "mini",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-master.telemetry=false",
+            "-webdav=false",
+            "-admin.ui=false",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-s3.config={config}",
+            f"-bucket={self.bucket}",
             *(f"-{flag}={port}" for flag, port in self.ports.items()),
-            f"-admin.port={self.admin_port}", f"-admin.port.grpc={self.admin_port + ADMIN_GRPC_OFFSET}",
-            f"-s3.localSocket={self.root / 's3.sock'}", "-volume.preStopSeconds=0",
+            f"-admin.port={self.admin_port}",
+            f"-admin.port.grpc={self.admin_port + ADMIN_GRPC_OFFSET}",
+            f"-s3.localSocket={self.root / 's3.sock'}",
+            "-volume.preStopSeconds=0",
         ]
 
     def log_tail(self, lines: int = 40) -> str:
@@ -109,8 +126,12 @@ class S3Server:
             raise RuntimeError("S3Server already started")
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
-                self._command(), cwd=self.root, stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                self._command(),
+                cwd=self.root,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         http = urllib3.PoolManager(timeout=urllib3.Timeout(connect=1.0, read=2.0), retries=False)
         client = Minio(self.endpoint, self.access_key, self.secret_key, secure=False, http_client=http)
@@ -133,7 +154,8 @@ class S3Server:
             time.sleep(0.1)
         self.stop()
         raise RuntimeError(
-            f"weed mini did not answer on {self.endpoint} within {timeout_s:.0f} s ({last}); log tail:\n{self.log_tail()}"
+            f"weed mini did not answer on {self.endpoint} within {timeout_s:.0f} s ({last}); "
+            f"log tail:\n{self.log_tail()}"
         )
 
     def _volumes_registered(self, http: urllib3.PoolManager) -> bool:

@@ -21,7 +21,10 @@ def test_figures_on_two_sequences():
     assert m["chi2_token"] == pytest.approx(float(w.pow(2).mean() - 1))
     assert m["rollout_is_eff_sample_size"] == pytest.approx(float(w.sum() ** 2 / (5 * w.pow(2).sum())))
     # log-perplexity per sequence: row 0 train -(log .5 + log .5)/2 vs rollout -(log .5 + log .25)/2; row 1 likewise
-    ppl = [abs(math.log(0.5) - (math.log(0.5) + math.log(0.25)) / 2), abs((math.log(0.25) + 2 * math.log(0.5)) / 3 - math.log(0.5))]
+    ppl = [
+        abs(math.log(0.5) - (math.log(0.5) + math.log(0.25)) / 2),
+        abs((math.log(0.25) + 2 * math.log(0.5)) / 3 - math.log(0.5)),
+    ]
     assert m["log_ppl_abs_diff"] == pytest.approx(sum(ppl) / 2)
 
 

@@ -30,7 +30,9 @@ def trained(arithmetic):
 
 
 def test_batch_marks_exactly_the_target():
-    problems = [p for task in ("arithmetic", "countdown", "program") for p in split(task, 2, 0, seed=0, difficulty=1)[0]]
+    problems = [
+        p for task in ("arithmetic", "countdown", "program") for p in split(task, 2, 0, seed=0, difficulty=1)[0]
+    ]
     batch = make_batch(TOK, problems, max_len=128)
     for i, p in enumerate(problems):
         prompt = encode(TOK, format_example(p), bos=True)

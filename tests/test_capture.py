@@ -14,7 +14,9 @@ from tracefp4.kernels import quantize
 
 def prompts(n, vocab, seed=0, longest=12):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (int(k),), generator=g).tolist() for k in torch.randint(2, longest, (n,), generator=g)]
+    return [
+        torch.randint(0, vocab, (int(k),), generator=g).tolist() for k in torch.randint(2, longest, (n,), generator=g)
+    ]
 
 
 @pytest.fixture(scope="module")

@@ -179,8 +179,11 @@ def test_missing_or_extra_tensors_are_named(tmp_path):
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     tensors["model.layers.0.extra.weight"] = tensors.pop("model.layers.1.mlp.experts.3.up_proj.weight")
     save_file(tensors, folder / SINGLE)
-    with pytest.raises(CheckpointError, match=r"missing \['model.layers.1.mlp.experts.3.up_proj.weight'\], "
-                       r"unexpected \['model.layers.0.extra.weight'\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"missing \['model.layers.1.mlp.experts.3.up_proj.weight'\], "
+        r"unexpected \['model.layers.0.extra.weight'\]",
+    ):
         load_model(folder)
 
 

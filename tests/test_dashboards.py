@@ -44,8 +44,13 @@ def test_dashboard_model(board):
     ids = [p["id"] for p in _panels(board["panels"])]
     assert len(ids) == len(set(ids))
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
-    assert rows == ["Rollout throughput", "Capture, offload, upload and reload overhead",
-                    "Guidance storage and compaction", "Train-rollout mismatch", "Reward and accuracy"]  # fmt: skip
+    assert rows == [
+        "Rollout throughput",
+        "Capture, offload, upload and reload overhead",
+        "Guidance storage and compaction",
+        "Train-rollout mismatch",
+        "Reward and accuracy",
+    ]
     for panel in _panels(board["panels"]):
         if panel["type"] != "row":
             assert panel["targets"] and panel["description"], panel["title"]
@@ -137,22 +142,36 @@ def test_per_round_figures_are_plotted_against_the_round(board):
         ids = [t["id"] for t in panel["transformations"]]
         assert ids.index("convertFieldType") < ids.index("sortBy") < ids.index("groupingToMatrix")  # rounds as numbers
         for part in target["expr"].split(" or "):  # every figure of the chart keeps round and names its series
-            assert part.startswith('label_join(') and "max by (round, method, " in part, panel["title"]
+            assert part.startswith("label_join(") and "max by (round, method, " in part, panel["title"]
             assert '"series", " "' in part and part.rstrip(")").endswith('"run_id"'), panel["title"]
     # no time series left: every figure is pushed once per component run, so time is not its axis
     assert not [p["title"] for p in _panels(board["panels"]) if p["type"] == "timeseries"]
 
 
 def test_panel_queries_substitution_forms():
-    board = {"panels": [{"type": "row", "title": "r", "panels": [
-        {"title": "p", "targets": [{"expr": 'm{a=~"$run_id", b=~"${run_id}", c=~"${run_id:regex}", d="$__interval"}'}]}
-    ]}]}  # fmt: skip
+    board = {
+        "panels": [
+            {
+                "type": "row",
+                "title": "r",
+                "panels": [
+                    {
+                        "title": "p",
+                        "targets": [{"expr": 'm{a=~"$run_id", b=~"${run_id}", c=~"${run_id:regex}", d="$__interval"}'}],
+                    }
+                ],
+            }
+        ]
+    }
     assert panel_queries(board, {"run_id": "x|y"}) == [("p", 'm{a=~"x|y", b=~"x|y", c=~"x|y", d="$__interval"}')]
 
 
 def test_cli_writes_the_dashboard(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    for args, path in [([], "manifests/base/grafana/dashboards/tracefp4.json"), (["--output", "out"], "out/tracefp4.json")]:
+    for args, path in [
+        ([], "manifests/base/grafana/dashboards/tracefp4.json"),
+        (["--output", "out"], "out/tracefp4.json"),
+    ]:
         result = CliRunner().invoke(main, ["dashboards", *args])
         assert result.exit_code == 0, result.output
         assert result.output.strip() == path

@@ -67,7 +67,7 @@ def test_every_step_fails_on_a_missing_gpu_before_any_work(tmp_path):
         "run_round": lambda: steps.run_round(config, missing, 0, tmp_path / "out", tmp_path, RUN),
         "evaluate": lambda: evaluation.evaluate(config, missing, missing),
     }
-    for name, call in calls.items():
+    for call in calls.values():
         with pytest.raises(RuntimeError, match="resources.device is 'cuda'"):
             call()
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, no store created
@@ -95,7 +95,9 @@ vendor_id\t: AuthenticAMD
 model name\t: AMD EPYC 7B13
 flags\t\t: fpu sse2 avx avx2 fma bmi2
 """
-SAPPHIRE_RAPIDS = "model name\t: Intel(R) Xeon(R) Platinum 8481C\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+SAPPHIRE_RAPIDS = (
+    "model name\t: Intel(R) Xeon(R) Platinum 8481C\nflags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+)
 GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\nCPU part\t: 0xd40\n"
 
 

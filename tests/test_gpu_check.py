@@ -22,4 +22,7 @@ def test_dry_run_runs_the_plan_and_ends_with_its_figures():
     assert kernels["device"] == rollout["device"] == "cpu" and kernels["elements"] == 256 * 256
     assert kernels["cpu_bf16"] == rollout["cpu_bf16"] == figures["cpu_bf16"]
     assert rollout["preset"] == "smoke" and rollout["b2_engine_tokens_per_s"] > 0
-    assert steps["smoke_pipeline"]["status"] == "passed" and steps["smoke_pipeline"]["figures"]["rollout_tokens_per_second"] > 0
+    assert (
+        steps["smoke_pipeline"]["status"] == "passed"
+        and steps["smoke_pipeline"]["figures"]["rollout_tokens_per_second"] > 0
+    )

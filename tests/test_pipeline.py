@@ -31,8 +31,14 @@ def smoke_run(tmp_path_factory):
 def test_smoke_preset_runs_the_whole_dag(smoke_run):
     out, report = smoke_run
     text = report.read_text()
-    assert "# tracefp4 run `smoke`" in text and "| trace | trained | bf16 |" in text and "| trace | trained | fp4_wa_kv |" in text
-    assert text.index("| trace | initial | bf16 |") < text.index("| trace | trained | bf16 |")  # where RL started, first
+    assert (
+        "# tracefp4 run `smoke`" in text
+        and "| trace | trained | bf16 |" in text
+        and "| trace | trained | fp4_wa_kv |" in text
+    )
+    assert text.index("| trace | initial | bf16 |") < text.index(
+        "| trace | trained | bf16 |"
+    )  # where RL started, first
     root = next((out / "pipeline_root").iterdir())
     assert {p.name for p in root.iterdir()} >= set(STEPS)
     policy = load_model(root / "train" / "new_policy")
@@ -42,7 +48,9 @@ def test_smoke_preset_runs_the_whole_dag(smoke_run):
     assert run_id and read_state(root / "prepare" / "policy")["run_id"] == run_id
     manifest = read_manifest(store, 0, store_prefix(get_preset("smoke"), run_id, "guidance"))
     assert manifest["bits"] == [1] and manifest["layers"] == [1]  # R-1bit on the deepest layer, as the preset says
-    guidance = json.loads((root / "compaction" / "guidance").read_text())  # the artifact on the compaction -> train edge
+    guidance = json.loads(
+        (root / "compaction" / "guidance").read_text()
+    )  # the artifact on the compaction -> train edge
     assert (guidance["run_id"], guidance["layers"], guidance["policy_version"]) == (run_id, [1], 0)
     history = [json.loads(line) for line in (root / "train" / "history").read_text().splitlines()]
     assert len(history) == 1 and history[0]["guidance_coverage"] > 0.9
@@ -53,8 +61,18 @@ def test_compiled_yaml_names_every_component_and_parameter(tmp_path):
     path = compile_pipeline(config, tmp_path / "pipeline.yaml")
     spec = next(yaml.safe_load_all(open(path)))
     tasks = spec["root"]["dag"]["tasks"]
-    assert set(tasks) == {"configure", "prepare", "rollout", "compaction", "train", "rollout-2", "compaction-2", "train-2",
-                          "evaluate", "report"}
+    assert set(tasks) == {
+        "configure",
+        "prepare",
+        "rollout",
+        "compaction",
+        "train",
+        "rollout-2",
+        "compaction-2",
+        "train-2",
+        "evaluate",
+        "report",
+    }
     inputs = spec["root"]["inputDefinitions"]["parameters"]
     assert inputs["rl_learning_rate"]["parameterType"] == "NUMBER_DOUBLE" and "rl_rounds" not in inputs
     train = spec["components"][tasks["train"]["componentRef"]["name"]]["inputDefinitions"]["artifacts"]
@@ -87,7 +105,17 @@ def test_cli(tmp_path):
     assert result.exit_code != 0 and "rl.learning_rate" in result.output and "tasks.0.name" in result.output
     result = runner.invoke(main, ["schema", "--output", str(tmp_path / "schemas")])
     assert result.exit_code == 0 and (tmp_path / "schemas" / "run-config.schema.json").exists()
-    for command in ("run", "bootstrap", "compile", "submit", "schema", "dashboards", "presets", "report", "delete-metrics"):
+    for command in (
+        "run",
+        "bootstrap",
+        "compile",
+        "submit",
+        "schema",
+        "dashboards",
+        "presets",
+        "report",
+        "delete-metrics",
+    ):
         assert runner.invoke(main, [command, "--help"]).exit_code == 0
 
 
@@ -113,7 +141,12 @@ def test_html_report_holds_the_tables_and_plots(smoke_run):
     assert parsed.tags.count("table") >= 6  # accuracy, ablation, sensitivity, discrepancy, per step, time breakdown
     assert len(parsed.images) >= 4 and all(i["src"].startswith("data:image/png;base64,") for i in parsed.images)
     alts = {i["alt"] for i in parsed.images}
-    assert {"Train-rollout log-prob |diff|", "Reward and accuracy", "Time breakdown per round", "Relative excess MSE per layer"} <= alts
+    assert {
+        "Train-rollout log-prob |diff|",
+        "Reward and accuracy",
+        "Time breakdown per round",
+        "Relative excess MSE per layer",
+    } <= alts
     assert "fp4_wa_kv" in parsed.cells and "arithmetic pass@1" in parsed.cells and "R-1bit" in parsed.cells
     assert any("run smoke: method trace" in c for c in parsed.cells)  # the page names its run and config
 
@@ -136,13 +169,19 @@ def test_comparison_pipeline_fans_out_over_methods(tmp_path):
     assert len(reports) == 2 and {"`bf16`" in r.read_text() for r in reports} == {True, False}  # each method's own
     store = open_store(localize(get_preset("smoke"), tmp_path).store.uri)
     keys = store.list("smoke/")
-    assert any("/trace/guidance/" in k for k in keys) and not any("/bf16/guidance/" in k for k in keys)  # only trace ships guidance
+    assert any("/trace/guidance/" in k for k in keys) and not any(
+        "/bf16/guidance/" in k for k in keys
+    )  # only trace ships guidance
     assert len({k.split("/")[1] for k in keys}) == 1  # the two branches of one run share its run id
     compiled = tmp_path / "compare.yaml"
     from kfp import compiler
 
     compiler.Compiler().compile(build_comparison_pipeline(get_preset("smoke"), ["trace", "qat"]), str(compiled))
-    assert "parameterIterator" in compiled.read_text() or "iteratorPolicy" in compiled.read_text() or "for-loop" in compiled.read_text()
+    assert (
+        "parameterIterator" in compiled.read_text()
+        or "iteratorPolicy" in compiled.read_text()
+        or "for-loop" in compiled.read_text()
+    )
     for methods, message in ((["trace", "trace"], "trace named more than once"), (["trace", "foo"], "unknown method")):
         with pytest.raises(ValueError, match=message):
             build_comparison_pipeline(get_preset("smoke"), methods)
@@ -184,44 +223,68 @@ def test_every_method_trains_through_the_steps(tmp_path, method):
 def test_offline_compaction_measures_size_and_fidelity(tmp_path):
     from tracefp4.components import steps
 
-    config = localize(load_config(None, preset="smoke", overrides={"guidance.compaction": "offline", "model.dtype": "bfloat16"}), tmp_path)
+    config = localize(
+        load_config(None, preset="smoke", overrides={"guidance.compaction": "offline", "model.dtype": "bfloat16"}),
+        tmp_path,
+    )
     policy, trajectories = tmp_path / "policy", tmp_path / "trajectories.jsonl"
     steps.prepare(config, policy, RUN)
     steps.rollout(config, policy, 0, trajectories, RUN)
     _, size = steps.compaction(config, policy, trajectories, 0, RUN)
     assert size["capture_bytes"] > size["guidance_bytes"] > 0
-    assert size["compaction_ratio"] == size["guidance_bytes"] / size["capture_bytes"] < 0.5  # one layer of two, 1 bit of 4
+    assert (
+        size["compaction_ratio"] == size["guidance_bytes"] / size["capture_bytes"] < 0.5
+    )  # one layer of two, 1 bit of 4
     assert 0.5 < size["compaction_fidelity"] <= 1
 
 
 def test_evaluation_of_a_bf16_run_holds_ptq_baselines_discrepancy_and_sensitivity(tmp_path):
     from tracefp4.components import evaluation, steps
 
-    config = localize(load_config(None, preset="smoke", overrides={"method": "bf16", "model.dtype": "bfloat16"}), tmp_path)
+    config = localize(
+        load_config(None, preset="smoke", overrides={"method": "bf16", "model.dtype": "bfloat16"}), tmp_path
+    )
     steps.prepare(config, tmp_path / "policy")
     result = evaluation.evaluate(config, tmp_path / "policy")
     policies = {(r["policy"], r["rollout"]) for r in result["accuracy"]}
-    assert policies == {("trained", "bf16"), ("trained", "fp4_wa_kv")} | {(f"ptq:{m}", "fp4_wa_kv") for m in ("nvfp4", "four_over_six", "h_scale")}
-    assert [t["rollout"] for t in result["throughput"]] == ["bf16", "fp4_wa_kv"] and all(t["tokens_per_second"] > 0 for t in result["throughput"])
+    assert policies == {("trained", "bf16"), ("trained", "fp4_wa_kv")} | {
+        (f"ptq:{m}", "fp4_wa_kv") for m in ("nvfp4", "four_over_six", "h_scale")
+    }
+    assert [t["rollout"] for t in result["throughput"]] == ["bf16", "fp4_wa_kv"] and all(
+        t["tokens_per_second"] > 0 for t in result["throughput"]
+    )
     (d,) = result["discrepancy"]
     assert d["rollout"] == "fp4_wa_kv" and d["logprob_abs_diff_mean"] > 0  # BF16 training against an FP4 rollout
     assert d["code_mismatch"] is None and not d["codeword_diff_hist"]  # a bf16 training path rounds nothing
     by_bits = {(r["bits"], r["layers"]): r for r in result["guidance_sensitivity"]}
     assert set(by_bits) == {(b, n) for b in (1, 2, 3, 4) for n in (1, 2)}
     assert by_bits[(4, 2)]["fidelity"] == 1.0 and by_bits[(4, 2)]["ratio_to_full"] == 1.0
-    assert by_bits[(1, 1)]["bits_per_element"] < by_bits[(2, 1)]["bits_per_element"] < by_bits[(2, 2)]["bits_per_element"]
+    assert (
+        by_bits[(1, 1)]["bits_per_element"] < by_bits[(2, 1)]["bits_per_element"] < by_bits[(2, 2)]["bits_per_element"]
+    )
 
 
 def test_evaluation_of_a_trace_run_measures_its_guided_training_path(tmp_path):
     from tracefp4.components import evaluation, steps
 
-    overrides = {"model.dtype": "bfloat16", "guidance.bits": 4, "guidance.layers": "all", "evaluation.ptq_baselines": []}
+    overrides = {
+        "model.dtype": "bfloat16",
+        "guidance.bits": 4,
+        "guidance.layers": "all",
+        "evaluation.ptq_baselines": [],
+    }
     config = localize(load_config(None, preset="smoke", overrides=overrides), tmp_path)
     steps.prepare(config, tmp_path / "policy")
     (d,) = evaluation.evaluate(config, tmp_path / "policy")["discrepancy"]
     qat = evaluation.evaluate(config.model_copy(update={"method": "qat"}), tmp_path / "policy")["discrepancy"][0]
-    assert qat["code_mismatch"] > 0 and set(qat["code_mismatch_by_layer"]) == {0, 1} and qat["relative_excess_mse_by_layer"]
-    assert d["code_mismatch"] < qat["code_mismatch"] / 5  # full guidance on every layer: the rollout's codes, nearly all
+    assert (
+        qat["code_mismatch"] > 0
+        and set(qat["code_mismatch_by_layer"]) == {0, 1}
+        and qat["relative_excess_mse_by_layer"]
+    )
+    assert (
+        d["code_mismatch"] < qat["code_mismatch"] / 5
+    )  # full guidance on every layer: the rollout's codes, nearly all
 
 
 def test_bootstrap_command_writes_a_bootstrapped_checkpoint(tmp_path):

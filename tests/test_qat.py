@@ -46,7 +46,12 @@ def training_pass(engine, out, mb, method, record=False):
         # the positions the rollout fed: all but each sequence's last token
         capture.begin(TokenMap.of(batch.trajectories, batch.positions, batch.lengths - 1))
     sites = TrainingSites(
-        engine.quant, method, engine.global_scales, trajectories=batch.trajectories, seq_len=s, guidance=mb,
+        engine.quant,
+        method,
+        engine.global_scales,
+        trajectories=batch.trajectories,
+        seq_len=s,
+        guidance=mb,
         recorder=capture,
     )
     with torch.no_grad():
@@ -63,7 +68,11 @@ def test_trace_aligns_training_with_rollout_better_than_qat(step):
         batch, sites, logprobs, codes = training_pass(engine, out, mb, method, record=True)
         report = compare(records, codes)
         mismatched = sum(m.mismatched for m in report.values()) / sum(m.elements for m in report.values())
-        results[method] = (alignment_metrics(logprobs, batch.rollout_logprobs, batch.response), mismatched, sites.coverage)
+        results[method] = (
+            alignment_metrics(logprobs, batch.rollout_logprobs, batch.response),
+            mismatched,
+            sites.coverage,
+        )
     qat, trace = results["qat"], results["trace"]
     assert trace[2].rate > 0.9 and qat[2].rate == 0.0  # guided wherever the same expert was routed
     assert trace[1] < 0.1 * qat[1]  # codes: the training path now rounds as the rollout did
@@ -81,7 +90,11 @@ def test_every_method_trains_through_fake_quantization(method, tmp_path):
     (guidance,) = GuidanceLoader(store, 0, [[t.id for t in trajectories]])
     batch = SequenceBatch.of(trajectories)
     sites = TrainingSites(
-        smoke.quant, method, smoke.global_scales, trajectories=batch.trajectories, seq_len=batch.tokens.shape[1],
+        smoke.quant,
+        method,
+        smoke.global_scales,
+        trajectories=batch.trajectories,
+        seq_len=batch.tokens.shape[1],
         guidance=guidance,
     )
     logprobs = token_logprobs(model, batch, sites)

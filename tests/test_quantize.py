@@ -4,11 +4,11 @@ agreement with an independent model on varied inputs, special values, errors."""
 import math
 
 import pytest
+import spec_model
 import torch
 
-import spec_model
 from tracefp4.kernels import FP4Tensor, dequantize, quantize, unpack_codes
-from tracefp4.kernels.formats import E2M1_ENCODINGS, E4M3_ENCODINGS, E2M1_VALUES
+from tracefp4.kernels.formats import E2M1_ENCODINGS, E2M1_VALUES, E4M3_ENCODINGS
 
 
 def unit_block(values, block=16):

@@ -12,23 +12,53 @@ from tracefp4.schemas.presets import get_preset
 
 TRACE = get_preset("smoke")  # run smoke, method trace, rollout fp4_wa_kv
 BF16 = TRACE.model_copy(update={"method": "bf16"})
-SECTIONS = ("Accuracy: method x task", "Rollout configuration ablation", "Guidance sensitivity: R-k bits x layers",
-            "PTQ baselines vs training", "Train-rollout discrepancy", "Training, per RL step", "Time breakdown per round")  # fmt: skip
-RUN_PLOTS = {"Train-rollout log-prob |diff|", "Reward and accuracy", "Relative excess MSE per layer",
-             "Codeword-difference histogram", "Time breakdown per round"}  # fmt: skip
+SECTIONS = (
+    "Accuracy: method x task",
+    "Rollout configuration ablation",
+    "Guidance sensitivity: R-k bits x layers",
+    "PTQ baselines vs training",
+    "Train-rollout discrepancy",
+    "Training, per RL step",
+    "Time breakdown per round",
+)
+RUN_PLOTS = {
+    "Train-rollout log-prob |diff|",
+    "Reward and accuracy",
+    "Relative excess MSE per layer",
+    "Codeword-difference histogram",
+    "Time breakdown per round",
+}
 
 
 def history(method: str, captures: bool, drift: float = 1.0) -> list[dict]:
     """2 rounds x 2 steps; round-level keys repeated in each row of the round; capture keys null without captures;
     `drift` scales the train-rollout log-prob |diff| of the later steps."""
     rounds = [
-        {"rollout_seconds": 12.0, "rollout_tokens": 4000, "rollout_tokens_per_second": 333.0, "offload_seconds": 0.4,
-         "upload_seconds": 0.2, "compaction_seconds": 0.1, "guidance_bytes": 12345, "capture_bytes": 40000,
-         "compaction_fidelity": 0.97, "capture_overhead_ratio": 0.03},
-        {"rollout_seconds": 11.0, "rollout_tokens": 4200, "rollout_tokens_per_second": 381.8, "offload_seconds": 0.5,
-         "upload_seconds": 0.25, "compaction_seconds": 0.15, "guidance_bytes": 12000, "capture_bytes": 41000,
-         "compaction_fidelity": 0.96, "capture_overhead_ratio": 0.04},
-    ]  # fmt: skip
+        {
+            "rollout_seconds": 12.0,
+            "rollout_tokens": 4000,
+            "rollout_tokens_per_second": 333.0,
+            "offload_seconds": 0.4,
+            "upload_seconds": 0.2,
+            "compaction_seconds": 0.1,
+            "guidance_bytes": 12345,
+            "capture_bytes": 40000,
+            "compaction_fidelity": 0.97,
+            "capture_overhead_ratio": 0.03,
+        },
+        {
+            "rollout_seconds": 11.0,
+            "rollout_tokens": 4200,
+            "rollout_tokens_per_second": 381.8,
+            "offload_seconds": 0.5,
+            "upload_seconds": 0.25,
+            "compaction_seconds": 0.15,
+            "guidance_bytes": 12000,
+            "capture_bytes": 41000,
+            "compaction_fidelity": 0.96,
+            "capture_overhead_ratio": 0.04,
+        },
+    ]
     steps = [  # reward, accuracy, |diff| mean/max/min, k3, coverage, train s, reload s
         (0.31, 0.25, 0.02, 0.9, 0.0, 0.001, 0.98, 3.1, 0.01),
         (0.35, 0.3, 0.025, 0.8, 0.0, 0.0012, 0.97, 2.9, 0.02),
@@ -38,12 +68,36 @@ def history(method: str, captures: bool, drift: float = 1.0) -> list[dict]:
     rows = []
     for i, (reward, acc, mean, high, low, k3, coverage, train, reload) in enumerate(steps):
         mean, high = (mean * drift, high * drift) if i >= 2 else (mean, high)
-        row = {"method": method, "round": i // 2, "step": i + 1, "reward_mean": reward, "accuracy": acc, "loss": 0.1,
-               "logprob_abs_diff_mean": mean, "logprob_abs_diff_max": high, "logprob_abs_diff_min": low, "k3_kl": k3,
-               "guidance_coverage": coverage, "train_seconds": train, "reload_seconds": reload, **rounds[i // 2]}  # fmt: skip
+        row = {
+            "method": method,
+            "round": i // 2,
+            "step": i + 1,
+            "reward_mean": reward,
+            "accuracy": acc,
+            "loss": 0.1,
+            "logprob_abs_diff_mean": mean,
+            "logprob_abs_diff_max": high,
+            "logprob_abs_diff_min": low,
+            "k3_kl": k3,
+            "guidance_coverage": coverage,
+            "train_seconds": train,
+            "reload_seconds": reload,
+            **rounds[i // 2],
+        }
         if not captures:
-            row |= {k: None for k in ("guidance_coverage", "guidance_bytes", "capture_bytes", "compaction_fidelity",
-                                      "upload_seconds", "compaction_seconds", "offload_seconds", "capture_overhead_ratio")}  # fmt: skip
+            row |= {
+                k: None
+                for k in (
+                    "guidance_coverage",
+                    "guidance_bytes",
+                    "capture_bytes",
+                    "compaction_fidelity",
+                    "upload_seconds",
+                    "compaction_seconds",
+                    "offload_seconds",
+                    "capture_overhead_ratio",
+                )
+            }
             del row["guidance_coverage"]  # missing, not only null
         rows.append(row)
     return rows
@@ -51,9 +105,18 @@ def history(method: str, captures: bool, drift: float = 1.0) -> list[dict]:
 
 def accuracy(method: str, policy: str, rollout: str, arithmetic: tuple, countdown: tuple) -> list[dict]:
     return [
-        {"method": method, "policy": policy, "rollout": rollout, "task": task, "pass@1": p, "mean@k": m, "k": 2, "prompts": 16}
+        {
+            "method": method,
+            "policy": policy,
+            "rollout": rollout,
+            "task": task,
+            "pass@1": p,
+            "mean@k": m,
+            "k": 2,
+            "prompts": 16,
+        }
         for task, (p, m) in (("arithmetic", arithmetic), ("countdown", countdown))
-    ]  # fmt: skip
+    ]
 
 
 THROUGHPUT = [
@@ -66,15 +129,30 @@ TRACE_EVALUATION = {
     + accuracy("trace", "trained", "fp4_wa_kv", (0.4, 0.3), (0.6, 0.5)),
     "throughput": THROUGHPUT,
     "discrepancy": [
-        {"rollout": "fp4_wa_kv", "trajectories": 32, "code_mismatch": 0.3, "code_mismatch_by_layer": {"0": 0.2, "1": 0.31},
-         "relative_excess_mse_by_layer": {"0": 1.2, "1": 0.8}, "codeword_diff_hist": {"1": 1000, "2": 3},
-         "logprob_abs_diff_mean": 0.02, "logprob_abs_diff_max": 0.5, "k3_kl": 0.001}
-    ],  # fmt: skip
+        {
+            "rollout": "fp4_wa_kv",
+            "trajectories": 32,
+            "code_mismatch": 0.3,
+            "code_mismatch_by_layer": {"0": 0.2, "1": 0.31},
+            "relative_excess_mse_by_layer": {"0": 1.2, "1": 0.8},
+            "codeword_diff_hist": {"1": 1000, "2": 3},
+            "logprob_abs_diff_mean": 0.02,
+            "logprob_abs_diff_max": 0.5,
+            "k3_kl": 0.001,
+        }
+    ],
     "guidance_sensitivity": [
-        {"bits": b, "layers": n, "layer_indices": [1] if n == 1 else [0, 1], "bits_per_element": b + 0.25,
-         "ratio_to_full": (b + 0.25) / 4.25, "fidelity": round(0.85 + 0.03 * b + 0.01 * n, 4)}
-        for b in (1, 2, 3, 4) for n in (1, 2)
-    ],  # fmt: skip
+        {
+            "bits": b,
+            "layers": n,
+            "layer_indices": [1] if n == 1 else [0, 1],
+            "bits_per_element": b + 0.25,
+            "ratio_to_full": (b + 0.25) / 4.25,
+            "fidelity": round(0.85 + 0.03 * b + 0.01 * n, 4),
+        }
+        for b in (1, 2, 3, 4)
+        for n in (1, 2)
+    ],
 }
 BF16_EVALUATION = {
     "method": "bf16",
@@ -85,10 +163,18 @@ BF16_EVALUATION = {
     + accuracy("bf16", "ptq:h_scale", "fp4_wa_kv", (0.42, 0.37), (0.54, 0.49)),
     "throughput": THROUGHPUT,
     "discrepancy": [
-        {"rollout": "fp4_wa_kv", "trajectories": 32, "code_mismatch": None, "code_mismatch_by_layer": {},
-         "relative_excess_mse_by_layer": {}, "codeword_diff_hist": {}, "logprob_abs_diff_mean": 0.05,
-         "logprob_abs_diff_max": 1.2, "k3_kl": 0.004}
-    ],  # fmt: skip
+        {
+            "rollout": "fp4_wa_kv",
+            "trajectories": 32,
+            "code_mismatch": None,
+            "code_mismatch_by_layer": {},
+            "relative_excess_mse_by_layer": {},
+            "codeword_diff_hist": {},
+            "logprob_abs_diff_mean": 0.05,
+            "logprob_abs_diff_max": 1.2,
+            "k3_kl": 0.004,
+        }
+    ],
     "guidance_sensitivity": [],
 }
 
@@ -168,21 +254,46 @@ def test_markdown_has_the_papers_tables_with_the_fixture_numbers(trace_files):
     for title in SECTIONS:
         assert (f"## {title}\n" in text) == (title != "PTQ baselines vs training")  # no PTQ rows for a trace run
     accuracy_rows = rows(section(text, "Accuracy: method x task"))
-    assert accuracy_rows[0] == ["method", "policy", "rollout", "arithmetic pass@1", "arithmetic mean@k", "countdown pass@1",
-                                "countdown mean@k", "avg pass@1", "avg mean@k"]  # fmt: skip
+    assert accuracy_rows[0] == [
+        "method",
+        "policy",
+        "rollout",
+        "arithmetic pass@1",
+        "arithmetic mean@k",
+        "countdown pass@1",
+        "countdown mean@k",
+        "avg pass@1",
+        "avg mean@k",
+    ]
     assert accuracy_rows[1:] == [  # bf16 rollout first, as in the paper
         ["trace", "trained", "bf16", "0.5", "0.45", "0.7", "0.6", "0.6", "0.525"],
         ["trace", "trained", "fp4_wa_kv", "0.4", "0.3", "0.6", "0.5", "0.5", "0.4"],
     ]
     ablation = rows(section(text, "Rollout configuration ablation"))
-    assert ablation[0] == ["rollout", "arithmetic pass@1", "countdown pass@1", "avg pass@1", "tokens/s", "speedup vs bf16",
-                           "code mismatch", "logprob \\|diff\\| mean", "logprob \\|diff\\| max", "k3 KL"]  # fmt: skip
+    assert ablation[0] == [
+        "rollout",
+        "arithmetic pass@1",
+        "countdown pass@1",
+        "avg pass@1",
+        "tokens/s",
+        "speedup vs bf16",
+        "code mismatch",
+        "logprob \\|diff\\| mean",
+        "logprob \\|diff\\| max",
+        "k3 KL",
+    ]
     assert ablation[1] == ["bf16", "0.5", "0.7", "0.6", "587", "1", "-", "-", "-", "-"]
     assert ablation[2] == ["fp4_wa_kv", "0.4", "0.6", "0.5", "1000", "1.704", "0.3", "0.02", "0.5", "0.001"]
     sensitivity = rows(section(text, "Guidance sensitivity: R-k bits x layers"))
     assert sensitivity[0] == ["guidance", "L1 fidelity", "L1 bits/element", "L2 fidelity", "L2 bits/element"]
     assert [r[0] for r in sensitivity[1:]] == ["R-1bit", "R-2bit", "R-3bit", "R-4bit"]
-    assert sensitivity[1] == ["R-1bit", "0.89", "1.25", "0.9", "1.25"] and sensitivity[4] == ["R-4bit", "0.98", "4.25", "0.99", "4.25"]
+    assert sensitivity[1] == ["R-1bit", "0.89", "1.25", "0.9", "1.25"] and sensitivity[4] == [
+        "R-4bit",
+        "0.98",
+        "4.25",
+        "0.99",
+        "4.25",
+    ]
     discrepancy = section(text, "Train-rollout discrepancy")
     assert ["fp4_wa_kv", "32", "0.3", "0.02", "0.5", "0.001"] in rows(discrepancy)
     per_layer = rows(discrepancy.split("**Per layer, `fp4_wa_kv`**", 1)[1].split("**", 1)[0])
@@ -193,28 +304,67 @@ def test_markdown_has_the_papers_tables_with_the_fixture_numbers(trace_files):
     assert steps[0] == list(report.STEP_COLUMNS) and len(steps) == 5
     assert steps[1] == ["0", "1", "0.31", "0.25", "0.02", "0.9", "0.001", "0.98", "3.1"]
     times = section(text, "Time breakdown per round")
-    assert rows(times)[0][:8] == ["round", "steps", "rollout s", "upload s", "compaction s", "train s", "reload s", "total s"]
+    assert rows(times)[0][:8] == [
+        "round",
+        "steps",
+        "rollout s",
+        "upload s",
+        "compaction s",
+        "train s",
+        "reload s",
+        "total s",
+    ]
     # rollout, upload, compaction per round; train and reload summed over the round's two steps
     assert ["0", "2", "12", "0.2", "0.1", "6", "0.03", "18.33", "0.4", "4000", "333", "0.03"] in rows(times)
     assert ["1", "2", "11", "0.25", "0.15", "6.2", "0.02", "17.62", "0.5", "4200", "381.8", "0.04"] in rows(times)
     assert ["0", "12345", "40000", "0.97", "0.975"] in rows(times)  # guidance data per round, coverage averaged
-    assert text.count("Source: run `smoke`: method `trace`") == sum(line.startswith("|---|") for line in text.splitlines())  # every table names its run
+    assert text.count("Source: run `smoke`: method `trace`") == sum(
+        line.startswith("|---|") for line in text.splitlines()
+    )  # every table names its run
 
 
 def test_markdown_of_a_bf16_run_compares_ptq_baselines_and_skips_absent_data(bf16_files):
     text = report.markdown(BF16, *bf16_files)
     assert "## Guidance sensitivity" not in text  # no sensitivity rows
     ptq = rows(section(text, "PTQ baselines vs training"))
-    assert ptq[0] == ["method", "policy", "rollout", "arithmetic pass@1", "countdown pass@1", "avg pass@1", "avg pass@1 vs trained"]
-    assert [r[1] for r in ptq[1:]] == ["ptq:nvfp4", "ptq:four_over_six", "ptq:h_scale", "trained"]  # baselines, then training
+    assert ptq[0] == [
+        "method",
+        "policy",
+        "rollout",
+        "arithmetic pass@1",
+        "countdown pass@1",
+        "avg pass@1",
+        "avg pass@1 vs trained",
+    ]
+    assert [r[1] for r in ptq[1:]] == [
+        "ptq:nvfp4",
+        "ptq:four_over_six",
+        "ptq:h_scale",
+        "trained",
+    ]  # baselines, then training
     assert ptq[3] == ["bf16", "ptq:h_scale", "fp4_wa_kv", "0.42", "0.54", "0.48", "0.08"]
     assert ptq[4] == ["bf16", "trained", "fp4_wa_kv", "0.35", "0.45", "0.4", "0"]
     assert len(rows(section(text, "Accuracy: method x task"))) == 1 + 5  # trained x 2 rollouts + 3 PTQ schemes
     discrepancy = section(text, "Train-rollout discrepancy")
     assert "does not quantize" in discrepancy and "Per layer" not in discrepancy
-    assert rows(discrepancy)[1] == ["fp4_wa_kv", "32", "0.05", "1.2", "0.004"]  # code mismatch: null, its column left out
+    assert rows(discrepancy)[1] == [
+        "fp4_wa_kv",
+        "32",
+        "0.05",
+        "1.2",
+        "0.004",
+    ]  # code mismatch: null, its column left out
     times = section(text, "Time breakdown per round")
-    assert rows(times)[0] == ["round", "steps", "rollout s", "train s", "reload s", "total s", "rollout tokens", "rollout tokens/s"]
+    assert rows(times)[0] == [
+        "round",
+        "steps",
+        "rollout s",
+        "train s",
+        "reload s",
+        "total s",
+        "rollout tokens",
+        "rollout tokens/s",
+    ]
     assert "Guidance data per round" not in times  # no guidance, no capture: the table is left out
     assert "guidance_coverage" not in rows(section(text, "Training, per RL step"))[0]
 
@@ -223,7 +373,9 @@ def test_html_is_self_contained_with_every_plot_embedded(trace_files):
     page = Page(report.html_report(TRACE, *trace_files))
     assert png_alts(page) == RUN_PLOTS and len(page.images) == len(RUN_PLOTS)
     assert not [link for link in page.links if "http" in link]
-    assert len(page.captions) == len(RUN_PLOTS) and all("run smoke: method trace, rollout fp4_wa_kv" in c for c in page.captions)
+    assert len(page.captions) == len(RUN_PLOTS) and all(
+        "run smoke: method trace, rollout fp4_wa_kv" in c for c in page.captions
+    )
     assert len(page.sources) == len(page.tables) == 9 and all("run smoke: method trace" in s for s in page.sources)
     headers = [t["headers"] for t in page.tables]
     accuracy = next(t for t in page.tables if t["headers"][:3] == ["method", "policy", "rollout"])
@@ -246,7 +398,9 @@ def test_html_leaves_out_plots_without_data(bf16_files, tmp_path):
 def test_an_empty_history_does_not_crash(tmp_path):
     files = write(tmp_path, "empty", [], TRACE_EVALUATION)
     text = report.markdown(TRACE, *files)
-    assert "RL steps: 0, rounds: 0;" in text and section(text, "Training, per RL step").strip() == "No RL steps recorded."
+    assert (
+        "RL steps: 0, rounds: 0;" in text and section(text, "Training, per RL step").strip() == "No RL steps recorded."
+    )
     page = Page(report.html_report(TRACE, *files))
     assert png_alts(page) == {"Relative excess MSE per layer", "Codeword-difference histogram"}
     assert report.load(*files) == ([], TRACE_EVALUATION)
@@ -261,11 +415,19 @@ def test_comparison_has_one_row_per_method_policy_and_one_line_per_method(trace_
     table = rows(section(text, "Accuracy: method x task"))[1:]
     keys = [tuple(r[:3]) for r in table]
     assert len(keys) == len(set(keys)) == 7  # (method, policy, rollout), PTQ rows included
-    assert {k[:2] for k in keys} == {("trace", "trained"), ("bf16", "trained"), ("bf16", "ptq:nvfp4"),
-                                     ("bf16", "ptq:four_over_six"), ("bf16", "ptq:h_scale")}  # fmt: skip
+    assert {k[:2] for k in keys} == {
+        ("trace", "trained"),
+        ("bf16", "trained"),
+        ("bf16", "ptq:nvfp4"),
+        ("bf16", "ptq:four_over_six"),
+        ("bf16", "ptq:h_scale"),
+    }
     assert ["trace", "trained", "fp4_wa_kv", "0.4", "0.3", "0.6", "0.5", "0.5", "0.4"] in table
     diffs = rows(section(text, "FP4 train-rollout log-prob |diff| per method"))
-    assert diffs[1:] == [["trace", "fp4_wa_kv", "32", "0.3", "0.02", "0.5", "0.001"], ["bf16", "fp4_wa_kv", "32", "-", "0.05", "1.2", "0.004"]]
+    assert diffs[1:] == [
+        ["trace", "fp4_wa_kv", "32", "0.3", "0.02", "0.5", "0.001"],
+        ["bf16", "fp4_wa_kv", "32", "-", "0.05", "1.2", "0.004"],
+    ]
     training = rows(section(text, "Training per method"))
     assert training[0][:4] == ["method", "steps", "accuracy (last)", "reward_mean (last)"]
     assert training[1][:2] == ["trace", "4"] and training[1][4:6] == ["0.028", "0.9"]
@@ -284,9 +446,12 @@ def test_comparison_has_one_row_per_method_policy_and_one_line_per_method(trace_
 
 def test_rows_with_missing_or_null_keys_skip_cells_not_the_report(tmp_path):
     sparse = [{"step": 1}, {"round": 0}, {}, {"round": 1, "step": 4, "logprob_abs_diff_max": None, "reward_mean": 0.2}]
-    evaluation = {"accuracy": [{"task": "arithmetic"}], "throughput": [{"rollout": "bf16"}],
-                  "discrepancy": [{"rollout": "fp4_kv", "codeword_diff_hist": None, "relative_excess_mse_by_layer": {"3": 1.0}}],
-                  "guidance_sensitivity": [{"bits": 1}]}  # fmt: skip
+    evaluation = {
+        "accuracy": [{"task": "arithmetic"}],
+        "throughput": [{"rollout": "bf16"}],
+        "discrepancy": [{"rollout": "fp4_kv", "codeword_diff_hist": None, "relative_excess_mse_by_layer": {"3": 1.0}}],
+        "guidance_sensitivity": [{"bits": 1}],
+    }
     files = write(tmp_path, "sparse", sparse, evaluation)
     text = report.markdown(TRACE, *files)
     assert rows(section(text, "Training, per RL step"))[0] == ["round", "step", "reward_mean"]

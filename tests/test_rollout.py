@@ -25,7 +25,12 @@ def prompts(n=5, seed=0):
 def teacher_forced_logprobs(engine: TorchEngine, traj) -> torch.Tensor:
     tokens = torch.tensor([traj.tokens])
     with torch.no_grad():
-        logits = engine.model(tokens, torch.arange(tokens.shape[1])[None], CausalAttention(), QuantSites(engine.quant, engine.global_scales))
+        logits = engine.model(
+            tokens,
+            torch.arange(tokens.shape[1])[None],
+            CausalAttention(),
+            QuantSites(engine.quant, engine.global_scales),
+        )
     logprobs = torch.log_softmax(logits[0, len(traj.prompt) - 1 : -1].float(), -1)
     return logprobs.gather(-1, torch.tensor(traj.response)[:, None])[:, 0]
 
@@ -95,12 +100,16 @@ def test_weight_sync_from_state_dict_and_checkpoint(model, tmp_path):
     engine.update_weights(other.state_dict())
     assert engine.policy_version == 1
     synced = engine.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=4))
-    fresh = TorchEngine(other, rollout_config("fp4_wa", "nvfp4")).generate(prompts(), SamplingParams(temperature=0, max_new_tokens=4))
+    fresh = TorchEngine(other, rollout_config("fp4_wa", "nvfp4")).generate(
+        prompts(), SamplingParams(temperature=0, max_new_tokens=4)
+    )
     assert [t.response for t in synced] == [t.response for t in fresh] != [t.response for t in before]
     save_model(model, tmp_path / "back")
     engine.update_weights(tmp_path / "back")
     assert engine.policy_version == 2
-    assert [t.response for t in engine.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=4))] == [t.response for t in before]
+    assert [t.response for t in engine.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=4))] == [
+        t.response for t in before
+    ]
 
 
 def test_bad_requests(model):
@@ -122,5 +131,7 @@ def test_residual_activation_compensation_brings_fp4_closer_to_bf16(model):
     err_plain = (plain.moe_in(0, x) - x).abs()
     err_comp = (compensated.moe_in(0, x) - x).abs()
     assert (err_comp.sum(0) == 0).sum() == 8 and err_comp.sum() < err_plain.sum()
-    out = TorchEngine(model, replace(rollout_config("fp4_wa"), compensated_channels=4)).generate([[1, 2]], SamplingParams(max_new_tokens=2))
+    out = TorchEngine(model, replace(rollout_config("fp4_wa"), compensated_channels=4)).generate(
+        [[1, 2]], SamplingParams(max_new_tokens=2)
+    )
     assert len(out[0].response) == 2

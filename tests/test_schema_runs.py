@@ -42,7 +42,9 @@ def _round(config: RunConfig, tmp_path):
 
 def _generate(config: RunConfig, tmp_path):
     for name in config.evaluation.rollout_configs:
-        engine = TorchEngine(build_model("smoke", seed=0), steps.rollout_quant(config, name), dtype=steps.compute_dtype(config))
+        engine = TorchEngine(
+            build_model("smoke", seed=0), steps.rollout_quant(config, name), dtype=steps.compute_dtype(config)
+        )
         assert len(engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=2))[0].response) == 2
 
 
@@ -97,7 +99,9 @@ def _with(path: str, value) -> dict:
     if path == "tasks.name":
         data["tasks"] = [{"name": value}]
     elif section == "resources.tolerations":
-        data["resources"]["tolerations"] = [{"key": "k", "operator": value, "value": None if value == "Exists" else "v"}]
+        data["resources"]["tolerations"] = [
+            {"key": "k", "operator": value, "value": None if value == "Exists" else "v"}
+        ]
         if leaf == "effect":
             data["resources"]["tolerations"][0].update(effect=value, operator="Exists", value=None)
     elif path.startswith("evaluation."):
@@ -129,4 +133,6 @@ def test_the_rejections_are_the_ones_we_mean():
             RunConfig.model_validate(_with(path, value))
         except pydantic.ValidationError:
             rejected.add((path, value))
-    assert rejected == {("rollout.config", "bf16")}  # trace (the smoke preset's method) guides nothing under a BF16 rollout
+    assert rejected == {
+        ("rollout.config", "bf16")
+    }  # trace (the smoke preset's method) guides nothing under a BF16 rollout

@@ -92,13 +92,15 @@ def test_exported_schema_files_are_in_sync(tmp_path):
 def test_invalid_file_lists_every_bad_field_with_its_path(tmp_path):
     path = tmp_path / "bad-run.yaml"
     path.write_text(
-        yaml.safe_dump({
-            "name": "Bad_Name",
-            "rl": {"learning_rate": -1.0, "adam_betas": [0.9, 1.5]},
-            "rollout": {"top_p": 0.0, "fmt": "fp3"},
-            "tasks": [{"name": "arithmetic"}, {"name": "countdown", "difficulty": 9}],
-            "resources": {"tolerations": [{"operator": "Sometimes"}]},
-        })  # fmt: skip
+        yaml.safe_dump(
+            {
+                "name": "Bad_Name",
+                "rl": {"learning_rate": -1.0, "adam_betas": [0.9, 1.5]},
+                "rollout": {"top_p": 0.0, "fmt": "fp3"},
+                "tasks": [{"name": "arithmetic"}, {"name": "countdown", "difficulty": 9}],
+                "resources": {"tolerations": [{"operator": "Sometimes"}]},
+            }
+        )
     )
     with pytest.raises(ConfigError) as info:
         load_config(path)
@@ -160,7 +162,12 @@ def test_model_needs_exactly_one_of_preset_and_checkpoint(model, state):
 
 
 def test_a_layer_naming_preset_or_checkpoint_replaces_the_other():
-    assert load_config(None, "paper-nvfp4-wa-kv", {"model": {"preset": "smoke"}, "guidance": {"layers": 1}}).model.checkpoint is None
+    assert (
+        load_config(
+            None, "paper-nvfp4-wa-kv", {"model": {"preset": "smoke"}, "guidance": {"layers": 1}}
+        ).model.checkpoint
+        is None
+    )
     with pytest.raises(ConfigError, match="guidance.layers: the deepest 20 layers; model preset smoke has 2"):
         load_config(None, "paper-nvfp4-wa-kv", {"model": {"preset": "smoke"}})  # known before any work
     with pytest.raises(ConfigError, match="guidance.layers: layer 5 does not exist; model preset smoke has 2"):
@@ -175,10 +182,16 @@ def test_secrets_come_from_the_environment_only(monkeypatch, tmp_path):
     assert config.store.access_key.get_secret_value() == SECRETS["TRACEFP4_S3_ACCESS_KEY"]
     assert config.store.secret_key.get_secret_value() == SECRETS["TRACEFP4_S3_SECRET_KEY"]
     outputs = [
-        repr(config), str(config), repr(config.store), str(config.store),
-        json.dumps(config.model_dump(mode="json")), str(config.model_dump()), config.model_dump_json(),
-        save_config(config, tmp_path / "run.yaml").read_text(), export_json_schema(tmp_path)[0].read_text(),
-    ]  # fmt: skip
+        repr(config),
+        str(config),
+        repr(config.store),
+        str(config.store),
+        json.dumps(config.model_dump(mode="json")),
+        str(config.model_dump()),
+        config.model_dump_json(),
+        save_config(config, tmp_path / "run.yaml").read_text(),
+        export_json_schema(tmp_path)[0].read_text(),
+    ]
     for text in outputs:
         for value in SECRETS.values():
             assert value not in text

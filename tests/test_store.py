@@ -143,7 +143,9 @@ def test_missing_env_names_variable(s3_server):
     with pytest.raises(StoreError, match="TRACEFP4_S3_SECRET_KEY"):
         open_store("s3://bucket/p", env={"TRACEFP4_S3_ENDPOINT": s3_server.endpoint, "TRACEFP4_S3_ACCESS_KEY": "k"})
     with pytest.raises(StoreError, match="host:port") as info:
-        open_store("s3://bucket/p", env=dict(s3_server.env, TRACEFP4_S3_ENDPOINT=f"http://u:pw1234@{s3_server.endpoint}"))
+        open_store(
+            "s3://bucket/p", env=dict(s3_server.env, TRACEFP4_S3_ENDPOINT=f"http://u:pw1234@{s3_server.endpoint}")
+        )
     assert "pw1234" not in str(info.value)
 
 
@@ -204,8 +206,11 @@ def test_untrusted_certificate_says_so(s3_server, tmp_path):
         thread = threading.Thread(target=handshake, daemon=True)
         thread.start()
         env = dict(s3_server.env, TRACEFP4_S3_ENDPOINT=f"https://127.0.0.1:{port}", TRACEFP4_S3_SECURE="")
-        with pytest.raises(StoreError, match=rf"the TLS certificate of https://127.0.0.1:{port} is not trusted: "
-                           r"set SSL_CERT_FILE to the CA bundle that signed it \(.*CERTIFICATE_VERIFY_FAILED"):
+        with pytest.raises(
+            StoreError,
+            match=rf"the TLS certificate of https://127.0.0.1:{port} is not trusted: "
+            r"set SSL_CERT_FILE to the CA bundle that signed it \(.*CERTIFICATE_VERIFY_FAILED",
+        ):
             open_store("s3://bucket/p", env=env, retries=0)
         thread.join(10)
 
@@ -216,8 +221,13 @@ def _self_signed(folder):
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
     now = datetime.datetime.now(datetime.UTC)
     cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
-        .serial_number(x509.random_serial_number()).not_valid_before(now).not_valid_after(now + datetime.timedelta(1))
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + datetime.timedelta(1))
         .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False)
         .sign(key, hashes.SHA256())
     )

@@ -103,7 +103,9 @@ class Handler(BaseHTTPRequestHandler):
             return self._answer(200, {"pipelines": found, "total_size": len(found)} if found else {})
         if method == "POST" and parts == ["pipelines", "upload"]:
             name = query["name"]
-            if any(p["display_name"] == name and p.get("namespace") == query.get("namespace") for p in s.pipelines.values()):
+            if any(
+                p["display_name"] == name and p.get("namespace") == query.get("namespace") for p in s.pipelines.values()
+            ):
                 return self._answer(409, {"error_message": f"pipeline {name} already exists", "code": 6})
             p = {"pipeline_id": s.new_id("pipeline"), "name": name, "display_name": query.get("display_name", name)}
             if query.get("namespace"):
@@ -226,17 +228,29 @@ def test_first_submission_uploads_the_pipeline_and_creates_experiment_and_run(kf
     assert body["pipeline_version_reference"] == {"pipeline_id": "pipeline-1", "pipeline_version_id": "version-3"}
     # the run's parameters: the compiled pipeline's inputs with their defaults (the config)
     inputs = spec["root"]["inputDefinitions"]["parameters"]
-    assert body["runtime_config"]["parameters"] == {k: p["defaultValue"] for k, p in inputs.items() if "defaultValue" in p}
+    assert body["runtime_config"]["parameters"] == {
+        k: p["defaultValue"] for k, p in inputs.items() if "defaultValue" in p
+    }
     assert body["runtime_config"]["parameters"]
     assert "pipeline_root" not in body["runtime_config"]  # the cluster's default unless asked
-    assert result == {"pipeline_id": "pipeline-1", "pipeline_version_id": "version-3", "experiment_id": "experiment-4",
-                      "run_id": "run-5", "run_url": f"{kfp_server.url}/#/runs/details/run-5"}
+    assert result == {
+        "pipeline_id": "pipeline-1",
+        "pipeline_version_id": "version-3",
+        "experiment_id": "experiment-4",
+        "run_id": "run-5",
+        "run_url": f"{kfp_server.url}/#/runs/details/run-5",
+    }
     assert all("authorization" not in r["headers"] and "cookie" not in r["headers"] for r in kfp_server.requests)
     assert "service_account" not in body  # KFP's default unless asked
 
 
 def test_a_run_can_name_its_service_account_and_pipeline_root(kfp_server, config):
-    submit(config, kfp_server.url, service_account="tracefp4-pipeline-runner", pipeline_root="minio://tracefp4/pipeline-root")
+    submit(
+        config,
+        kfp_server.url,
+        service_account="tracefp4-pipeline-runner",
+        pipeline_root="minio://tracefp4/pipeline-root",
+    )
     body = json.loads(kfp_server.requests[-1]["body"])
     assert body["service_account"] == "tracefp4-pipeline-runner"
     assert body["runtime_config"]["pipeline_root"] == "minio://tracefp4/pipeline-root"
@@ -251,7 +265,9 @@ def test_a_comparison_is_its_own_pipeline(kfp_server, config):
 
 def test_second_submission_uploads_a_version_and_a_third_reuses_it(kfp_server, config):
     kfp_server.pipelines["p-old"] = {"pipeline_id": "p-old", "display_name": "tracefp4-smoke"}
-    kfp_server.versions["p-old"] = [{"pipeline_id": "p-old", "pipeline_version_id": "v-old", "display_name": "0.0.9-old"}]
+    kfp_server.versions["p-old"] = [
+        {"pipeline_id": "p-old", "pipeline_version_id": "v-old", "display_name": "0.0.9-old"}
+    ]
     kfp_server.experiments["e-old"] = {"experiment_id": "e-old", "display_name": "tracefp4"}
     first = submit(config, kfp_server.url)
     assert kfp_server.calls()[1:] == [
@@ -263,7 +279,11 @@ def test_second_submission_uploads_a_version_and_a_third_reuses_it(kfp_server, c
     ]
     assert kfp_server.requests[3]["query"]["pipelineid"] == "p-old"
     assert uploaded_yaml(kfp_server.requests[3])["pipelineInfo"]["name"] == "tracefp4-smoke"
-    assert first["pipeline_id"] == "p-old" and first["experiment_id"] == "e-old" and first["pipeline_version_id"] != "v-old"
+    assert (
+        first["pipeline_id"] == "p-old"
+        and first["experiment_id"] == "e-old"
+        and first["pipeline_version_id"] != "v-old"
+    )
 
     kfp_server.requests.clear()
     second = submit(config, kfp_server.url)
@@ -299,9 +319,19 @@ def test_a_namespace_goes_to_pipeline_experiment_and_lookups_and_skips_the_healt
 @pytest.mark.parametrize(
     "status, route, answer, message",
     [
-        (500, ("POST", f"{API}/runs"), {"error": "internal", "code": 13, "message": "database is down"}, "database is down"),
+        (
+            500,
+            ("POST", f"{API}/runs"),
+            {"error": "internal", "code": 13, "message": "database is down"},
+            "database is down",
+        ),
         (403, ("GET", f"{API}/pipelines"), b"RBAC: access denied", "RBAC: access denied"),
-        (400, ("POST", f"{API}/pipelines/upload"), {"error_message": "Failed to read pipeline"}, "Failed to read pipeline"),
+        (
+            400,
+            ("POST", f"{API}/pipelines/upload"),
+            {"error_message": "Failed to read pipeline"},
+            "Failed to read pipeline",
+        ),
         (503, ("GET", f"{API}/healthz"), {"message": "upstream connect error"}, "upstream connect error"),
     ],
 )
@@ -341,7 +371,10 @@ def test_token_is_sent_and_never_shown(kfp_server, config, monkeypatch):
 
     kfp_server.requests.clear()
     monkeypatch.setenv("KF_PIPELINES_TOKEN", TOKEN)  # from the environment too; a server that echoes it back
-    kfp_server.fail[("POST", f"{API}/runs")] = (403, lambda h: {"message": f"token {h.headers['Authorization']} lacks access"})
+    kfp_server.fail[("POST", f"{API}/runs")] = (
+        403,
+        lambda h: {"message": f"token {h.headers['Authorization']} lacks access"},
+    )
     with pytest.raises(SubmitError) as e:
         submit(config, kfp_server.url)
     assert kfp_server.requests[-1]["headers"]["authorization"] == f"Bearer {TOKEN}"
@@ -439,11 +472,24 @@ def _finished_run(server, run_id):
         error={"code": 9, "message": "task rollout-r0 failed"},
         run_details={
             "task_details": [
-                {"task_id": "t1", "display_name": "prepare", "state": "SUCCEEDED", "start_time": "2026-11-20T10:00:00Z",
-                 "child_tasks": [{"pod_name": "smoke-abc-system-container-driver-1"},
-                                 {"pod_name": "smoke-abc-system-container-impl-2"}]},
-                {"task_id": "t2", "display_name": "rollout-r0", "state": "FAILED", "start_time": "2026-11-20T10:01:00Z",
-                 "error": {"code": 2, "message": "CUDA out of memory"}, "pod_name": "smoke-abc-system-container-impl-3"},
+                {
+                    "task_id": "t1",
+                    "display_name": "prepare",
+                    "state": "SUCCEEDED",
+                    "start_time": "2026-11-20T10:00:00Z",
+                    "child_tasks": [
+                        {"pod_name": "smoke-abc-system-container-driver-1"},
+                        {"pod_name": "smoke-abc-system-container-impl-2"},
+                    ],
+                },
+                {
+                    "task_id": "t2",
+                    "display_name": "rollout-r0",
+                    "state": "FAILED",
+                    "start_time": "2026-11-20T10:01:00Z",
+                    "error": {"code": 2, "message": "CUDA out of memory"},
+                    "pod_name": "smoke-abc-system-container-impl-3",
+                },
             ]
         },
     )
@@ -464,7 +510,8 @@ def test_runs_list_status_and_log_commands(kfp_server, config):
     status = run_status(connection, first["run_id"])
     assert status["state"] == "FAILED" and status["error"] == "task rollout-r0 failed"
     assert [(t["name"], t["state"], t["error"]) for t in status["tasks"]] == [
-        ("prepare", "SUCCEEDED", ""), ("rollout-r0", "FAILED", "CUDA out of memory")
+        ("prepare", "SUCCEEDED", ""),
+        ("rollout-r0", "FAILED", "CUDA out of memory"),
     ]
     assert log_commands(status, None) == [
         "kubectl -n kubeflow logs smoke-abc-system-container-driver-1 -c main",
@@ -477,8 +524,22 @@ def test_runs_list_status_and_log_commands(kfp_server, config):
 
 
 def test_cli_submit_and_runs(kfp_server, tmp_path):
-    result = CliRunner().invoke(main, ["submit", "--preset", "smoke", "--host", kfp_server.url, "--store", "s3://runs/smoke",
-                                       "--token", TOKEN, "--pipeline-root", "minio://tracefp4/pipeline-root"])
+    result = CliRunner().invoke(
+        main,
+        [
+            "submit",
+            "--preset",
+            "smoke",
+            "--host",
+            kfp_server.url,
+            "--store",
+            "s3://runs/smoke",
+            "--token",
+            TOKEN,
+            "--pipeline-root",
+            "minio://tracefp4/pipeline-root",
+        ],
+    )
     assert result.exit_code == 0, result.output
     assert f"{kfp_server.url}/#/runs/details/" in result.output and len(kfp_server.runs) == 1
     assert "Experiment details" not in result.output  # kfp.Client's own prints stay out

@@ -133,7 +133,13 @@ def test_countdown_checks_numbers_and_target():
 
 @pytest.mark.parametrize(
     "text, value, numbers",
-    [("2+3*4", 14, [2, 3, 4]), ("(2+3)*4", 20, [2, 3, 4]), ("8/4/2", 1, [8, 4, 2]), ("9-4-3", 2, [9, 4, 3]), ("0", 0, [0])],
+    [
+        ("2+3*4", 14, [2, 3, 4]),
+        ("(2+3)*4", 20, [2, 3, 4]),
+        ("8/4/2", 1, [8, 4, 2]),
+        ("9-4-3", 2, [9, 4, 3]),
+        ("0", 0, [0]),
+    ],
 )
 def test_evaluate_expression(text, value, numbers):
     assert evaluate_expression(text) == (value, numbers)
@@ -141,7 +147,22 @@ def test_evaluate_expression(text, value, numbers):
 
 @pytest.mark.parametrize(
     "text",
-    ["", "7/2", "8/0", "1+", "+1", "007", "2**3", "2 3", "()", "1e3", "١", "1" * 13, "(" * 20 + "1" + ")" * 20, "1+" * 101 + "1"],
+    [
+        "",
+        "7/2",
+        "8/0",
+        "1+",
+        "+1",
+        "007",
+        "2**3",
+        "2 3",
+        "()",
+        "1e3",
+        "١",
+        "1" * 13,
+        "(" * 20 + "1" + ")" * 20,
+        "1+" * 101 + "1",
+    ],
 )
 def test_evaluate_expression_refuses(text):
     with pytest.raises(ValueError):
@@ -156,7 +177,10 @@ def test_program_difficulty_sets_stages_and_values(problems):
             examples = [*p.meta["examples"], p.meta["hidden"]]
             assert len(p.meta["examples"]) == (2 if d == 1 else 3)
             assert all(low <= v <= high for x, _ in examples for v in x)
-            assert all(f"{interpreter.format_value(x)}->{interpreter.format_value(y)}" in p.prompt for x, y in p.meta["examples"])
+            assert all(
+                f"{interpreter.format_value(x)}->{interpreter.format_value(y)}" in p.prompt
+                for x, y in p.meta["examples"]
+            )
             assert p.meta["hidden"][0] not in [x for x, _ in p.meta["examples"]]
 
 

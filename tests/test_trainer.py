@@ -41,13 +41,30 @@ def rounds(config: RunConfig, tmp_path, n: int, run_id: str = RUN) -> list[dict]
 
 @pytest.mark.parametrize("method", ["trace", "qat", "quads", "tis_sc", "bf16"])
 def test_rounds_end_to_end(method, tmp_path):
-    config = smoke(tmp_path, method=method, model={"dtype": "bfloat16"}, guidance={"layers": [1], "compaction": "offline"},
-                   rl={"measure_mismatch": True, "learning_rate": 1e-3, "weight_decay": 0.1})  # fmt: skip
+    config = smoke(
+        tmp_path,
+        method=method,
+        model={"dtype": "bfloat16"},
+        guidance={"layers": [1], "compaction": "offline"},
+        rl={"measure_mismatch": True, "learning_rate": 1e-3, "weight_decay": 0.1},
+    )
     history = rounds(config, tmp_path, 2)
     assert [h["step"] for h in history] == [1, 2] and read_state(tmp_path / "policy-2")["step"] == 2
     for h in history:
-        for key in ("reward_mean", "accuracy", "entropy", "response_length", "loss", "logprob_abs_diff_mean", "k3_kl",
-                    "probs_diff_mean", "guidance_coverage", "rollout_seconds", "train_seconds", "reload_seconds"):  # fmt: skip
+        for key in (
+            "reward_mean",
+            "accuracy",
+            "entropy",
+            "response_length",
+            "loss",
+            "logprob_abs_diff_mean",
+            "k3_kl",
+            "probs_diff_mean",
+            "guidance_coverage",
+            "rollout_seconds",
+            "train_seconds",
+            "reload_seconds",
+        ):
             assert key in h, key
         assert h["optimizer_steps"] == 1  # on-policy: one per rollout batch
     # the untrained smoke policy earns no reward, so what moves the weights is the decay of the optimizer step
@@ -62,9 +79,16 @@ def test_rounds_end_to_end(method, tmp_path):
     if method == "trace":
         assert all(h["guidance_coverage"] > 0.9 for h in history)
         manifest = read_manifest(store, 1, guidance)
-        assert (manifest["layers"], manifest["bits"], manifest["policy_version"], manifest["run_id"]) == ([1], [1], 1, RUN)
+        assert (manifest["layers"], manifest["bits"], manifest["policy_version"], manifest["run_id"]) == (
+            [1],
+            [1],
+            1,
+            RUN,
+        )
     else:
-        assert not [k for k in store.list() if k.startswith(guidance)] and all(h["guidance_coverage"] == 0 for h in history)
+        assert not [k for k in store.list() if k.startswith(guidance)] and all(
+            h["guidance_coverage"] == 0 for h in history
+        )
 
 
 def test_off_policy_round_trains_every_batch_of_one_rollout(tmp_path):
@@ -101,7 +125,9 @@ def test_guidance_reference_round_trips_and_names_a_bad_artifact(tmp_path):
     ref, _ = steps.compaction(config, tmp_path / "p0", tmp_path / "t0.jsonl", 0, RUN)
     assert type(ref).from_json(ref.to_json(), "x") == ref
     assert ref.layers and ref.prefix == steps.store_prefix(config, RUN, "guidance")
-    assert set(ref.scales()) == {(layer, site) for layer in range(2) for site in ("moe_in", "moe_down_in", "k_cache", "v_cache")}
+    assert set(ref.scales()) == {
+        (layer, site) for layer in range(2) for site in ("moe_in", "moe_down_in", "k_cache", "v_cache")
+    }
     for bad in ("", "{}", '{"run_id": 1}', "[1]"):
         with pytest.raises(GuidanceError, match="artifact-7: not a guidance artifact"):
             type(ref).from_json(bad, "artifact-7")
@@ -151,9 +177,12 @@ def test_checkpoint_resume(tmp_path):
 
 def test_tiny_preset_round_with_kl_to_the_reference(tmp_path):
     """A round on the tiny model, with the KL penalty on."""
-    config = smoke(tmp_path, model={"preset": "tiny"}, guidance={"layers": [2, 3]},
-                   rl={"schedule": "off_policy", "steps_per_round": 2, "kl_coef": 0.1, "learning_rate": 1e-2,
-                       "weight_decay": 0.5})  # fmt: skip
+    config = smoke(
+        tmp_path,
+        model={"preset": "tiny"},
+        guidance={"layers": [2, 3]},
+        rl={"schedule": "off_policy", "steps_per_round": 2, "kl_coef": 0.1, "learning_rate": 1e-2, "weight_decay": 0.5},
+    )
     history = rounds(config, tmp_path, 1)  # no reward yet: the weight decay moves the policy off the reference
     assert history[0]["kl_to_reference"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
     assert history[1]["kl_to_reference"] > 0
@@ -163,17 +192,25 @@ def test_tiny_preset_round_with_kl_to_the_reference(tmp_path):
 def test_gradient_accumulation_groups_microbatches():
     engine, _ = setup("qat")
     trajectories = engine.generate([[5, 6, 7]] * 8, SamplingParams(max_new_tokens=3, seed=1))
-    grouped = Trainer(build_model("smoke", seed=0), TrainConfig(method="qat", microbatch_size=2, grad_accumulation=2),
-                      engine.quant, engine.global_scales)  # fmt: skip
+    grouped = Trainer(
+        build_model("smoke", seed=0),
+        TrainConfig(method="qat", microbatch_size=2, grad_accumulation=2),
+        engine.quant,
+        engine.global_scales,
+    )
     stats = grouped.train_step(trajectories, torch.tensor([1.0, -1.0] * 4), None)
     assert stats["optimizer_steps"] == 2 and grouped.step == 1  # 4 microbatches, 2 per optimizer step
-    whole = Trainer(build_model("smoke", seed=0), TrainConfig(method="qat", microbatch_size=2), engine.quant, engine.global_scales)
+    whole = Trainer(
+        build_model("smoke", seed=0), TrainConfig(method="qat", microbatch_size=2), engine.quant, engine.global_scales
+    )
     assert whole.train_step(trajectories, torch.tensor([1.0, -1.0] * 4), None)["optimizer_steps"] == 1
 
 
 def test_prepare_checks_guided_layers_against_a_checkpoint_before_any_work(tmp_path):
     steps.prepare(smoke(tmp_path, bootstrap={"enabled": False}), tmp_path / "base", RUN)
     config = smoke(tmp_path, model={"preset": None, "checkpoint": str(tmp_path / "base")}, guidance={"layers": [0, 5]})
-    with pytest.raises(ValueError, match=f"guidance.layers: layer 5 does not exist; checkpoint {tmp_path / 'base'} has 2"):
+    with pytest.raises(
+        ValueError, match=f"guidance.layers: layer 5 does not exist; checkpoint {tmp_path / 'base'} has 2"
+    ):
         steps.prepare(config, tmp_path / "p0", RUN)  # the bootstrap (enabled in smoke) never starts
     assert not (tmp_path / "p0").exists()

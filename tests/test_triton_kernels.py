@@ -80,7 +80,8 @@ def test_guided_quantize_and_fake_quantize(tk, fmt, bits):
     train = x + torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(DEVICE) * x.abs() * 0.05
     train[5, 3] = math.nan
     assert_same_bits(
-        reference.quantize_guided(train, fmt, scales, g, low, bits), tk.quantize_guided(train, fmt, scales, g, low, bits)
+        reference.quantize_guided(train, fmt, scales, g, low, bits),
+        tk.quantize_guided(train, fmt, scales, g, low, bits),
     )
     assert_same_bits(
         reference.fake_quantize_guided(train, fmt, scales, g, low, bits),
