@@ -38,6 +38,15 @@ from .tasks import Problem, format_example, get_task, split
 from .tokenizer import EOS, FILENAME, build_tokenizer, decode, encode, load_tokenizer
 from .trainer import SCORE_CENTERING_TOPK, TrainConfig, Trainer, read_state
 
+# The compaction step's figures (none for methods without guidance).
+COMPACTION_KEYS = (
+    "guidance_bytes",
+    "capture_bytes",
+    "guidance_bits_per_element",
+    "compaction_ratio",
+    "compaction_fidelity",
+    "compaction_seconds",
+)
 # A round's rollout and compaction figures, carried into each of its history rows.
 ROUND_KEYS = (
     "rollout_seconds",
@@ -46,13 +55,7 @@ ROUND_KEYS = (
     "capture_overhead_ratio",
     "offload_seconds",
     "upload_seconds",
-    "guidance_bytes",
-    "capture_bytes",
-    "guidance_bits_per_element",
-    "compaction_ratio",
-    "compaction_fidelity",
-    "compaction_seconds",
-)
+) + COMPACTION_KEYS
 
 _NEWLINE = "\n"
 
@@ -325,16 +328,7 @@ def compaction(
     other than trace get a reference without shards: the rollout's numerics."""
     device = step_device(config)
     header, trajectories, _ = read_trajectories(trajectories_file, run_id, round_index)
-    stats = dict.fromkeys(
-        (
-            "guidance_bytes",
-            "capture_bytes",
-            "guidance_bits_per_element",
-            "compaction_ratio",
-            "compaction_fidelity",
-            "compaction_seconds",
-        )
-    )
+    stats = dict.fromkeys(COMPACTION_KEYS)
     stats.update(layers=[], bits=config.guidance.bits)
     ref = GuidanceRef(
         run_id,
