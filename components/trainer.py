@@ -68,7 +68,11 @@ class Trainer:
         self.config, self.quant = config, quant
         self.global_scales = {key: g.to(self.device) for key, g in global_scales.items()}
         self.optimizer = torch.optim.AdamW(
-            model.parameters(), lr=config.learning_rate, betas=config.betas, weight_decay=config.weight_decay
+            model.parameters(),
+            lr=config.learning_rate,
+            betas=config.betas,
+            weight_decay=config.weight_decay,
+            fused=self.device.type == "cuda",  # one kernel per step on a GPU; the CPU keeps the reference loop
         )
         self.step = 0  # RL steps taken: the policy version of the weights
         self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if config.kl_coef > 0 else None
