@@ -16,7 +16,7 @@ on a GPU trains on a CPU and the reverse.
 import json
 import random
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -380,20 +380,11 @@ def compaction(
         guidance_bits_per_element=8 * kept.nbytes / elements if elements else None,
         compaction_seconds=time.perf_counter() - start,
     )
-    ref = GuidanceRef(
-        run_id,
-        round_index,
-        header["policy_version"],
-        ref.quant,
-        ref.global_scales,
-        config.store.uri,
-        prefix,
-        bits=config.guidance.bits,
-        layers=tuple(layers),
-        sites=tuple(sorted({s for _, s in kept.tables})),
-        top_k=header["top_k"],
+    sites = tuple(sorted({site for _, site in kept.tables}))
+    guided = replace(
+        ref, store_uri=config.store.uri, prefix=prefix, bits=config.guidance.bits, layers=tuple(layers), sites=sites
     )
-    return ref, stats
+    return guided, stats
 
 
 def _restrict(records: CaptureRecords, trajectories: torch.Tensor) -> CaptureRecords:

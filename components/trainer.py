@@ -252,11 +252,6 @@ class Trainer:
         trainer._load_optimizer(Path(path))
         return trainer
 
-    def resume(self, path) -> None:
-        """Load a checkpoint written by :meth:`save` into this trainer: weights, optimizer state and step."""
-        self.model.load_state_dict(load_model(path).state_dict())
-        self._load_optimizer(Path(path))
-
     def _load_optimizer(self, folder: Path) -> None:
         meta = read_state(folder)
         tensors = load_tensors((folder / OPTIMIZER_FILE).read_bytes())

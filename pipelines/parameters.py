@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import pydantic
 
-from tracefp4.schemas import RunConfig
+from tracefp4.schemas import ConfigError, RunConfig
 
 # Dotted paths (or section prefixes) fixed at compile time.
 DAG_FIELDS = ("name", "image", "rl.rounds", "resources", "store")
@@ -126,8 +126,6 @@ def apply(config_json: str, values: dict) -> str:
     """The compiled config with the run's parameter ``values`` (by parameter
     name) merged in, validated: what every later task reads. A bad value raises
     :class:`~tracefp4.schemas.ConfigError` naming the field path."""
-    from tracefp4.schemas import ConfigError
-
     data = json.loads(config_json)
     by_name = {p.name: p for p in parameters()}
     for name, value in values.items():

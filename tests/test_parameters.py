@@ -4,6 +4,7 @@ field that shapes the DAG is no parameter; a bad value fails the run's first
 task naming the field."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -23,10 +24,8 @@ def compiled_inputs(tmp_path, methods=None) -> dict:
     return spec["root"]["inputDefinitions"]["parameters"]
 
 
-def test_compiled_inputs_match_the_golden_file(tmp_path, monkeypatch):
+def test_compiled_inputs_match_the_golden_file(tmp_path):
     inputs = compiled_inputs(tmp_path)
-    import os
-
     if os.environ.get("TRACEFP4_REGENERATE_GOLDEN"):
         GOLDEN.parent.mkdir(exist_ok=True)
         GOLDEN.write_text(json.dumps(inputs, indent=1, sort_keys=True) + "\n")
