@@ -23,6 +23,7 @@ from .guidance import GuidanceLoader, compact, compaction_report, select_layers,
 from .mismatch import teacher_force
 from .ptq import apply_ptq
 from .rollout import TorchEngine
+from .stats import accuracy_row
 from .store import LocalStore
 from .tasks import Problem, format_example, get_task
 from .tokenizer import decode, encode, load_tokenizer
@@ -87,9 +88,9 @@ def _accuracy(
     for task in sorted({p.task for p in test}):
         idx = [i for i, p in enumerate(test) if p.task == task]
         score = lambda t, p: get_task(p.task).reward(p, decode(tokenizer, t.response))  # noqa: E731
-        pass1 = sum(score(greedy[i], test[i]) for i in idx) / len(idx)
-        mean_k = sum(score(sampled[i * k + j], test[i]) for i in idx for j in range(k)) / (len(idx) * k)
-        rows.append({"task": task, "pass@1": pass1, "mean@k": mean_k, "k": k, "prompts": len(idx)})
+        greedy_scores = [score(greedy[i], test[i]) for i in idx]
+        sampled_scores = [sum(score(sampled[i * k + j], test[i]) for j in range(k)) / k for i in idx]
+        rows.append(accuracy_row(task, [test[i].prompt for i in idx], greedy_scores, sampled_scores, k))
     return rows, speed
 
 

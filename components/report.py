@@ -30,6 +30,8 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from tracefp4.schemas import Method, RolloutConfigName, RunConfig  # noqa: E402
 
+from .stats import paired_difference  # noqa: E402
+
 ROLLOUTS = get_args(RolloutConfigName)  # row order of every table: bf16 first, as in the paper
 METHODS = get_args(Method)
 STEP_COLUMNS = (
@@ -196,18 +198,25 @@ def _accuracy_rows(rows: list[dict], methods=METHODS) -> tuple[list[str], list[d
         for metric in ("pass@1", "mean@k"):
             row |= {f"{t} {metric}": by_task.get(t, {}).get(metric) for t in tasks}
             row[f"avg {metric}"] = _mean(row[f"{t} {metric}"] for t in tasks)
+        row |= {f"{t} pass@1 95% CI": _interval(by_task.get(t, {}).get("pass@1_ci95")) for t in tasks}
         out.append(row)
     return tasks, out
+
+
+def _interval(bounds) -> str | None:
+    return f"[{bounds[0]:.3f}, {bounds[1]:.3f}]" if bounds else None
 
 
 def _accuracy_table(rows: list[dict], source: str, methods=METHODS) -> Table:
     """The paper's main table: a row per (method, policy, rollout), a column group per task, then the average."""
     tasks, out = _accuracy_rows(rows, methods)
-    columns = ["method", "policy", "rollout", *(f"{t} {m}" for t in tasks for m in ("pass@1", "mean@k"))]
+    metrics = ("pass@1", "pass@1 95% CI", "mean@k")
+    columns = ["method", "policy", "rollout", *(f"{t} {m}" for t in tasks for m in metrics)]
     ks = ", ".join(map(str, _ordered(r.get("k") for r in rows))) or "?"
     prompts = ", ".join(map(str, _ordered(r.get("prompts") for r in rows))) or "?"
     note = (
-        f"pass@1 and mean@k (k = {ks}) over {prompts} test prompts per task; avg is the mean over tasks. "
+        f"pass@1 (greedy; 95% Wilson interval) and mean@k (k = {ks}) over {prompts} test prompts per task; "
+        "avg is the mean over tasks. "
         "Policy initial: where RL started (after bootstrap); trained: after RL; ptq:<scheme>: post-training FP4."
     )
     return _table(out, [*columns, "avg pass@1", "avg mean@k"], source, keep=3, note=note)
@@ -403,6 +412,8 @@ def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict) -> lis
     summary += f"tasks: {tasks}."
     blocks = [Heading(1, f"tracefp4 run `{config.name}`"), source + ".", summary]
     blocks += [Heading(2, "Accuracy: method x task"), _accuracy_table(acc, source) if acc else "No accuracy rows."]
+    if gain := _paired_table(acc, source, "policy", ("trained", "initial")):
+        blocks += [Heading(2, "RL gain: trained vs initial policy"), gain]
     blocks += [Heading(2, "Rollout configuration ablation"), _ablation_table(evaluation, source) or "No evaluation."]
     if sensitivity := _sensitivity_table(evaluation.get("guidance_sensitivity") or [], source):
         blocks += [Heading(2, "Guidance sensitivity: R-k bits x layers"), sensitivity]
@@ -414,6 +425,42 @@ def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict) -> lis
     return [b for b in blocks if b is not None]
 
 
+def _paired_table(rows: list[dict], source: str, by: str, order) -> Table | None:
+    """Each value of ``by`` (method, or policy) against every later one in
+    ``order``, per rollout config and task, on the same prompts: pass@1
+    difference with its 95% paired-bootstrap interval. Rows without per-prompt
+    scores (older evaluations) give no table."""
+    scored = [r for r in rows if r.get("pass@1_per_prompt") is not None]
+    cells = {(r.get(by), r.get("rollout"), r.get("task")): r for r in scored}
+    out = []
+    for rollout in _ordered((r.get("rollout") for r in scored), ROLLOUTS):
+        for task in _ordered(r.get("task") for r in scored):
+            here = [v for v in order if (v, rollout, task) in cells]
+            for i, a in enumerate(here):
+                for b in here[i + 1 :]:
+                    d = paired_difference(cells[a, rollout, task], cells[b, rollout, task])
+                    low, high = d["ci95"]
+                    out.append(
+                        {
+                            "rollout": rollout,
+                            "task": task,
+                            "a": a,
+                            "b": b,
+                            "pass@1 a - b": d["difference"],
+                            "95% CI": _interval(d["ci95"]),
+                            "prompts": d["prompts"],
+                            "verdict": "a > b" if low > 0 else "a < b" if high < 0 else "not separated",
+                        }
+                    )
+    if not out:
+        return None
+    note = (
+        "Paired bootstrap over the prompts both answered (10,000 resamples, seed 0); "
+        "'not separated' when the interval contains 0."
+    )
+    return _table(out, list(out[0]), source, keep=8, note=note)
+
+
 def _comparison_blocks(config: RunConfig, evaluations: list[dict], histories: list[list[dict]]) -> list:
     histories = list(histories) + [[]] * (len(evaluations) - len(histories))
     methods = [e.get("method") or _first(h, "method") or "?" for e, h in zip(evaluations, histories)]
@@ -423,6 +470,10 @@ def _comparison_blocks(config: RunConfig, evaluations: list[dict], histories: li
 
     acc = [r for e in evaluations for r in e.get("accuracy") or []]
     blocks += [Heading(2, "Accuracy: method x task"), _accuracy_table(acc, source, methods) if acc else "No accuracy."]
+
+    trained = [r for r in acc if r.get("policy") == "trained"]
+    if paired := _paired_table(trained, source, "method", methods):
+        blocks += [Heading(2, "Paired differences between methods"), paired]
 
     diffs = [
         {"method": m, "rollout": r.get("rollout"), "trajectories": r.get("trajectories"), **_discrepancy(r)}

@@ -446,6 +446,13 @@ class RunConfig(_Section):
                 f"rl.steps_per_round 1 (got {self.rl.steps_per_round}) and rl.grad_accumulation 0 "
                 f"(got {self.rl.grad_accumulation}); use off_policy for more"
             )
+        share = -(-self.evaluation.test_prompts // len(self.tasks))  # every task's share of the test prompts
+        problems += [
+            f"tasks.{i}.test_size: {t.test_size} held-out {t.name} prompts, but evaluation.test_prompts "
+            f"{self.evaluation.test_prompts} asks {share} of each of the {len(self.tasks)} tasks"
+            for i, t in enumerate(self.tasks)
+            if t.test_size < share
+        ]
         if self.rl.measure_mismatch and self.guidance.compaction != "offline":
             problems.append("rl.measure_mismatch: needs the rollout's full capture, so guidance.compaction offline")
         if self.model.preset is not None:  # a checkpoint's depth is checked when prepare reads its config

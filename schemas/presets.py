@@ -86,7 +86,7 @@ def _paper(name: str, fmt: str, config: str) -> RunConfig:
                 {"name": "program", "difficulty": 5, "train_size": 20000, "test_size": 500},
                 {"name": "countdown", "difficulty": 5, "train_size": 20000, "test_size": 500},
             ],
-            "evaluation": {"rollout_configs": ["bf16", config], "samples_per_prompt": 8, "test_prompts": 512},
+            "evaluation": {"rollout_configs": ["bf16", config], "samples_per_prompt": 8, "test_prompts": 1000},
             "store": {"uri": "s3://tracefp4/runs"},
             "resources": {
                 "cpu": "64",

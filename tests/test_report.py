@@ -3,11 +3,13 @@ JSON), then the markdown tables' rows, the HTML page's structure and its embedde
 
 import base64
 import json
+import random
 from html.parser import HTMLParser
 
 import pytest
 
 from tracefp4.components import report
+from tracefp4.components.stats import accuracy_row
 from tracefp4.schemas.presets import get_preset
 
 TRACE = get_preset("smoke")  # run smoke, method trace, rollout fp4_wa_kv
@@ -461,3 +463,36 @@ def test_rows_with_missing_or_null_keys_skip_cells_not_the_report(tmp_path):
     page = Page(report.html_report(TRACE, *files))
     assert png_alts(page) == {"Reward and accuracy", "Relative excess MSE per layer"}
     Page(report.comparison_html(TRACE, [evaluation, {}], [sparse]))  # fewer histories than evaluations
+
+
+def scored(method: str, policy: str, p: float, seed: int) -> list[dict]:
+    """Accuracy rows as the evaluation writes them (per-prompt scores, Wilson interval), 400 prompts per task."""
+    rng = random.Random(seed)
+    prompts = [f"{i} + {i} =" for i in range(400)]
+    out = []
+    for task in ("arithmetic", "countdown"):
+        greedy = [float(rng.random() < p) for _ in prompts]
+        row = accuracy_row(task, prompts, greedy, greedy, k=1)
+        out.append({"method": method, "policy": policy, "rollout": "fp4_wa_kv", **row})
+    return out
+
+
+def test_accuracy_has_wilson_intervals_and_pairs_methods_and_policies(tmp_path):
+    trace = {"method": "trace", "accuracy": scored("trace", "trained", 0.6, 1) + scored("trace", "initial", 0.3, 2)}
+    files = write(tmp_path, "scored", [], trace)
+    text = report.markdown(TRACE, *files)
+    accuracy = rows(section(text, "Accuracy: method x task"))
+    assert accuracy[0][3:6] == ["arithmetic pass@1", "arithmetic pass@1 95% CI", "arithmetic mean@k"]
+    low, high = trace["accuracy"][0]["pass@1_ci95"]
+    assert accuracy[2][4] == f"[{low:.3f}, {high:.3f}]"  # trained after initial
+    gain = rows(section(text, "RL gain: trained vs initial policy"))
+    assert gain[0] == ["rollout", "task", "a", "b", "pass@1 a - b", "95% CI", "prompts", "verdict"]
+    assert [r[2:4] + r[6:] for r in gain[1:]] == [["trained", "initial", "400", "a > b"]] * 2
+
+    qat = {"method": "qat", "accuracy": scored("qat", "trained", 0.6, 1)}  # same scores as trace: not separated
+    text = report.comparison(TRACE, [trace, qat], [[], []])
+    paired = rows(section(text, "Paired differences between methods"))
+    assert [r[:5] for r in paired[1:]] == [
+        ["fp4_wa_kv", "arithmetic", "trace", "qat", "0"],
+        ["fp4_wa_kv", "countdown", "trace", "qat", "0"],
+    ] and {r[-1] for r in paired[1:]} == {"not separated"}

@@ -127,6 +127,15 @@ def test_cross_field_problems_are_reported_with_their_paths():
     assert {path for path, _ in info.value.problems} == {"rollout.max_new_tokens", "method"}
 
 
+def test_evaluation_never_asks_for_more_test_prompts_than_a_task_holds():
+    tasks = [{"name": "arithmetic", "test_size": 300}, {"name": "countdown", "test_size": 200}]
+    load_config(None, overrides={"tasks": tasks, "evaluation": {"test_prompts": 400}})  # 200 of each
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides={"tasks": tasks, "evaluation": {"test_prompts": 401}})  # 201 of each
+    assert [path for path, _ in info.value.problems] == ["tasks.1.test_size"]
+    assert "asks 201 of each of the 2 tasks" in str(info.value)
+
+
 @pytest.mark.parametrize(
     "overrides, path",
     [

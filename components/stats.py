@@ -1,0 +1,95 @@
+"""Error bars for accuracies measured on a finite set of held-out prompts.
+
+A pass@1 of 0.40 on 16 prompts and one on 500 prompts are not the same claim:
+the first is compatible with anything from about 0.2 to 0.64. The evaluation
+reports each pass@1 with its Wilson score interval (well behaved near 0 and 1
+and for small n, unlike the normal approximation), and a difference between
+two methods with a paired bootstrap interval over the prompts both answered:
+pairing removes the prompt-difficulty variance the two share, so a real
+difference shows up with far fewer prompts than two separate intervals need.
+"""
+
+import hashlib
+import math
+from collections.abc import Sequence
+from statistics import NormalDist
+
+import numpy as np
+
+
+def _z(confidence: float) -> float:
+    if not 0.0 < confidence < 1.0:
+        raise ValueError(f"confidence must lie strictly between 0 and 1, not {confidence}")
+    return NormalDist().inv_cdf(0.5 + confidence / 2)
+
+
+def wilson_interval(successes: float, n: int, confidence: float = 0.95) -> tuple[float, float]:
+    """The Wilson score interval of a success rate ``successes / n`` (Wilson 1927).
+    ``successes`` may be fractional (a mean of 0/1 outcomes times n)."""
+    if n <= 0:
+        raise ValueError(f"a success rate needs at least one trial, not n={n}")
+    if not 0.0 <= successes <= n:
+        raise ValueError(f"successes {successes} outside 0..{n}")
+    z = _z(confidence)
+    p = successes / n
+    center = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    low = 0.0 if successes == 0 else max(0.0, center - half)  # exact ends: no rounding residue at 0 and 1
+    high = 1.0 if successes == n else min(1.0, center + half)
+    return low, high
+
+
+def paired_bootstrap(
+    a: Sequence[float], b: Sequence[float], confidence: float = 0.95, resamples: int = 10_000, seed: int = 0
+) -> tuple[float, float, float]:
+    """mean(a) - mean(b) over paired per-prompt scores, with the percentile
+    bootstrap interval: prompts are resampled with replacement, each keeping its
+    pair. Deterministic for a seed."""
+    x = np.asarray(a, dtype=np.float64)
+    y = np.asarray(b, dtype=np.float64)
+    if x.shape != y.shape or x.ndim != 1 or x.size == 0:
+        raise ValueError(f"paired scores need two equal, non-empty 1-D sequences, not {x.shape} and {y.shape}")
+    if resamples < 1:
+        raise ValueError(f"resamples must be positive, not {resamples}")
+    _z(confidence)  # checks the level
+    d = x - y
+    rng = np.random.default_rng(seed)
+    chunk = max(1, 4_000_000 // d.size)  # bounded memory for thousands of prompts
+    means = np.concatenate(
+        [
+            d[rng.integers(0, d.size, size=(min(chunk, resamples - i), d.size))].mean(axis=1)
+            for i in range(0, resamples, chunk)
+        ]
+    )
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(means, [tail, 100 - tail])
+    return float(d.mean()), float(low), float(high)
+
+
+def accuracy_row(task: str, prompts: list[str], greedy: list[float], sampled: list[float], k: int) -> dict:
+    """One task's accuracy: pass@1 (greedy) with its 95% Wilson interval and
+    mean@k, plus the per-prompt scores and a digest of the prompts, so that two
+    policies evaluated on the same prompts can be compared pairwise
+    (``paired_difference``)."""
+    n = len(prompts)
+    low, high = wilson_interval(sum(greedy), n)
+    return {
+        "task": task,
+        "pass@1": sum(greedy) / n,
+        "pass@1_ci95": [low, high],
+        "mean@k": sum(sampled) / n,
+        "k": k,
+        "prompts": n,
+        "prompts_sha256": hashlib.sha256("\0".join(prompts).encode()).hexdigest(),
+        "pass@1_per_prompt": greedy,
+        "mean@k_per_prompt": sampled,
+    }
+
+
+def paired_difference(a: dict, b: dict, metric: str = "pass@1", seed: int = 0) -> dict:
+    """``a``'s metric minus ``b``'s over the prompts both were evaluated on, with
+    the 95% paired-bootstrap interval; rows over different prompts are refused."""
+    if a.get("prompts_sha256") is None or a.get("prompts_sha256") != b.get("prompts_sha256"):
+        raise ValueError(f"cannot pair {a.get('task')!r} rows evaluated on different prompts")
+    diff, low, high = paired_bootstrap(a[f"{metric}_per_prompt"], b[f"{metric}_per_prompt"], seed=seed)
+    return {"difference": diff, "ci95": [low, high], "prompts": a["prompts"]}
