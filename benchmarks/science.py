@@ -1,0 +1,307 @@
+"""The paper's claims at this project's scale, with error bars.
+
+Every method (bf16, qat, quads, trace, tis_sc) and, from the bf16 run, the PTQ
+baselines, each from the same bootstrapped base per seed, for the same RL
+steps through the pipeline's own round (components/steps.py run_round), then
+the held-out evaluation (components/evaluation.py) under BF16 and the FP4
+rollout. Repeated over seeds; each (seed, method) result is appended to the
+JSON file as soon as it exists (written atomically), so an interrupted run
+resumes where it stopped. Then the verdict per claim, from the JSON alone:
+accuracy differences with paired-bootstrap intervals over (seed, prompt)
+pairs, the train-rollout |logprob diff| over steps, and plots.
+
+    python benchmarks/science.py [--seeds 3] [--rounds 12] [--output docs/results/science.json]
+    python benchmarks/science.py --render docs/results/science.json   # claims + plots from the JSON only
+    python benchmarks/science.py --quick --output /tmp/science.json   # CI: the smoke model, 1 seed, 1 round
+
+The science preset: the tiny model on arithmetic at difficulty 2 (500 held-out
+prompts), bootstrapped until greedy accuracy reaches 30% so that RL has room
+both ways; off-policy rounds of 5 steps. Ends with one JSON line: the claims.
+"""
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from tracefp4.components import steps  # noqa: E402
+from tracefp4.components.evaluation import evaluate  # noqa: E402
+from tracefp4.components.stats import paired_bootstrap, wilson_interval  # noqa: E402
+from tracefp4.schemas import RunConfig, get_preset  # noqa: E402
+
+METHODS = ("bf16", "qat", "quads", "trace", "tis_sc")
+HISTORY_KEYS = ("round", "step", "reward_mean", "accuracy", "logprob_abs_diff_mean", "logprob_abs_diff_max", "k3_kl")
+CLOSE = 0.05  # "TRACE close to BF16": the whole interval of the difference within 5 points
+MIN_PAIRS = 100  # below this a bootstrap interval of 0/1 scores can collapse to a point: no verdict
+
+
+def science_config(seed: int, rounds: int) -> RunConfig:
+    data = get_preset("tiny").model_dump()
+    data.update(name="science", seed=seed)
+    data["tasks"] = [{"name": "arithmetic", "difficulty": 2, "train_size": 4000, "test_size": 500}]
+    data["bootstrap"].update(steps=2000, target_accuracy=0.3, eval_every=100, eval_prompts=64)
+    data["evaluation"].update(test_prompts=500, samples_per_prompt=2, discrepancy_prompts=8)
+    data["rl"]["rounds"] = rounds
+    return RunConfig.model_validate(data)
+
+
+def quick_config(seed: int, rounds: int) -> RunConfig:
+    data = get_preset("smoke").model_dump()
+    data.update(name="science-quick", seed=seed)
+    data["rl"]["rounds"] = rounds
+    return RunConfig.model_validate(data)
+
+
+def run_name(config: RunConfig) -> str:
+    return f"{config.name}-{config.seed}"
+
+
+def run_method(config: RunConfig, base: Path, work: Path) -> dict:
+    """One method's RL rounds from ``base`` in-process, then its evaluation (with the base as the initial policy)."""
+    run_id = run_name(config)  # the base's run: store prefixes keep the methods apart
+    work.mkdir(parents=True, exist_ok=True)
+    policy = base
+    history = []
+    for r in range(config.rl.rounds):
+        out = work / f"policy-{r + 1}"
+        history += steps.run_round(config, policy, r, out, work, run_id)
+        policy = out
+    result = evaluate(config, policy, base)
+    return {
+        "seed": config.seed,
+        "method": config.method,
+        "history": [{k: row.get(k) for k in HISTORY_KEYS} for row in history],
+        "accuracy": result["accuracy"],
+        "discrepancy": [
+            {k: v for k, v in d.items() if not isinstance(v, dict | list)} for d in result.get("discrepancy", [])
+        ],
+    }
+
+
+def _write(path: Path, data: dict) -> None:
+    """Write then rename: a reader never sees half a file, an interruption loses at most the running method."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+def run(args) -> dict:
+    make = quick_config if args.quick else science_config
+    data = json.loads(args.output.read_text()) if args.output.exists() else {"runs": []}
+    data["command"] = (
+        "python benchmarks/science.py "
+        + ("--quick " if args.quick else "")
+        + (f"--seeds {args.seeds} --rounds {args.rounds}")
+    )
+    done = {(r["seed"], r["method"]) for r in data["runs"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(args.seeds):
+            if all((seed, m) in done for m in args.methods):
+                continue
+            config = make(seed, args.rounds)
+            config.store.uri = (Path(tmp) / "store").as_uri()  # guidance and captures: scratch, like the policies
+            data.setdefault("config", json.loads(config.model_dump_json(exclude={"store", "metrics"})))
+            base = Path(tmp) / f"seed-{seed}" / "base"
+            start = time.perf_counter()
+            bootstrap = steps.prepare(config, base, run_name(config))  # once per seed, for every method
+            data.setdefault("bootstraps", {})[str(seed)] = {
+                k: v for k, v in bootstrap.items() if not isinstance(v, list)
+            } | {"seconds": time.perf_counter() - start}
+            for method in args.methods:
+                if (seed, method) in done:
+                    continue
+                start = time.perf_counter()
+                method_config = config.model_copy(update={"method": method})
+                method_config = RunConfig.model_validate(method_config.model_dump())
+                result = run_method(method_config, base, Path(tmp) / f"seed-{seed}" / method)
+                data["runs"].append(result | {"seconds": time.perf_counter() - start})
+                _write(args.output, data)
+                print(f"seed {seed} {method}: {time.perf_counter() - start:.0f} s", flush=True)
+    return data
+
+
+# -- claims, from the JSON only -------------------------------------------------------------------------------------
+
+
+def _scores(data: dict, method: str, policy: str, rollout: str) -> dict[tuple, float]:
+    """Greedy pass@1 per (seed, task, prompt index) of one policy under one rollout config."""
+    out = {}
+    for run in data["runs"]:
+        if run["method"] != method:
+            continue
+        for row in run["accuracy"]:
+            if row["policy"] == policy and row["rollout"] == rollout:
+                for i, score in enumerate(row["pass@1_per_prompt"]):
+                    out[run["seed"], row["task"], row["prompts_sha256"], i] = score
+    return out
+
+
+def _fp4(data: dict) -> str:
+    return next(c for c in data["config"]["evaluation"]["rollout_configs"] if c != "bf16")
+
+
+def accuracy_table(data: dict) -> list[dict]:
+    """Pooled pass@1 (all seeds and tasks) with its Wilson interval, per policy, under the FP4 rollout and for BF16."""
+    fp4 = _fp4(data)
+    arms = [(m, "trained", fp4) for m in METHODS] + [("bf16", "trained", "bf16")]
+    ptq = sorted({r["policy"] for run in data["runs"] for r in run["accuracy"] if r["policy"].startswith("ptq:")})
+    arms += [("bf16", p, fp4) for p in ptq] + [("bf16", "initial", fp4)]
+    rows = []
+    for method, policy, rollout in arms:
+        scores = _scores(data, method, policy, rollout)
+        if scores:
+            low, high = wilson_interval(sum(scores.values()), len(scores))
+            label = method if policy == "trained" else policy if policy != "initial" else "initial (base)"
+            rows.append(
+                {"policy": label, "rollout": rollout, "pass@1": sum(scores.values()) / len(scores), "ci95": [low, high]}
+            )
+            rows[-1]["n"] = len(scores)
+    return rows
+
+
+def _difference(data: dict, a: tuple, b: tuple) -> dict | None:
+    sa, sb = _scores(data, *a), _scores(data, *b)
+    keys = sorted(sa.keys() & sb.keys())
+    if not keys:
+        return None
+    diff, low, high = paired_bootstrap([sa[k] for k in keys], [sb[k] for k in keys])
+    return {"difference": diff, "ci95": [low, high], "pairs": len(keys)}
+
+
+def claims(data: dict) -> list[dict]:
+    """The paper's accuracy claims, each with our paired difference and a verdict."""
+    fp4 = _fp4(data)
+    arm = lambda m, p="trained", r=fp4: (m, p, r)  # noqa: E731
+    ptq = sorted({r["policy"] for run in data["runs"] for r in run["accuracy"] if r["policy"].startswith("ptq:")})
+    wanted = [
+        ("TRACE > QAT (FP4 rollout)", arm("trace"), arm("qat"), "+15.7 avg (75.3 vs 59.6)", ">"),
+        ("TRACE >= QUADS", arm("trace"), arm("quads"), "+6.5 (75.3 vs 68.8)", ">="),
+        ("QUADS > QAT", arm("quads"), arm("qat"), "+9.2 (68.8 vs 59.6)", ">"),
+        ("TRACE close to BF16 (BF16 rollout)", arm("trace"), arm("bf16", r="bf16"), "+0.4 (75.3 vs 74.9)", "~"),
+        ("TRACE >= TIS + score centering", arm("trace"), arm("tis_sc"), "+1.2 (75.3 vs 74.1)", ">="),
+    ]
+    paper_ptq = {"ptq:nvfp4": "+4.9 (75.3 vs 70.4)", "ptq:four_over_six": "+4.3", "ptq:h_scale": "+3.9"}
+    wanted += [(f"TRACE > {p}", arm("trace"), arm("bf16", p), paper_ptq.get(p, "?"), ">") for p in ptq]
+    out = []
+    for claim, a, b, paper, kind in wanted:
+        d = _difference(data, a, b)
+        if d is None:
+            continue
+        low, high = d["ci95"]
+        if d["pairs"] < MIN_PAIRS:
+            verdict = f"too few prompts ({d['pairs']} < {MIN_PAIRS})"
+        elif kind == "~":
+            verdict = (
+                "holds" if -CLOSE <= low and high <= CLOSE else "not shown" if low <= 0 <= high else "does not hold"
+            )
+        elif low > 0:
+            verdict = "holds"
+        elif high < 0:
+            verdict = "does not hold"
+        else:
+            verdict = "not separated"
+        out.append({"claim": claim, "paper": paper, **d, "verdict": verdict})
+    return out
+
+
+def dynamics(data: dict) -> list[dict]:
+    """Per method: train-rollout |logprob diff| over the first and the last fifth of the steps (mean over seeds)."""
+    out = []
+    for method in METHODS:
+        runs = [r["history"] for r in data["runs"] if r["method"] == method]
+        if not runs or not runs[0]:
+            continue
+        n = min(len(h) for h in runs)
+        fifth = max(1, n // 5)
+        diffs = [[x["logprob_abs_diff_mean"] for x in h[:n]] for h in runs]
+        first = [v for d in diffs for v in d[:fifth] if v is not None]
+        last = [v for d in diffs for v in d[n - fifth :] if v is not None]
+        if first and last:
+            out.append({"method": method, "steps": n, "first": sum(first) / len(first), "last": sum(last) / len(last)})
+    return out
+
+
+def plot(data: dict, folder: Path) -> list[Path]:
+    """|logprob diff| and training accuracy over steps: mean over seeds, band from min to max."""
+    paths = []
+    for key, label, log in (
+        ("logprob_abs_diff_mean", "train-rollout |logprob diff|", True),
+        ("accuracy", "accuracy", False),
+    ):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for method in METHODS:
+            runs = [r["history"] for r in data["runs"] if r["method"] == method and r["history"]]
+            if not runs:
+                continue
+            n = min(len(h) for h in runs)
+            columns = [[h[i][key] for h in runs if h[i][key] is not None] for i in range(n)]
+            x = [i + 1 for i, c in enumerate(columns) if c]
+            columns = [c for c in columns if c]
+            ax.plot(x, [sum(c) / len(c) for c in columns], label=method)
+            ax.fill_between(x, [min(c) for c in columns], [max(c) for c in columns], alpha=0.2)
+        ax.set(xlabel="RL step", ylabel=label, title=f"{label} (mean over seeds, band: min to max)")
+        if log:
+            ax.set_yscale("log")
+        ax.legend()
+        path = folder / f"science-{key}.png"
+        fig.savefig(path, dpi=100, bbox_inches="tight", metadata={"Software": None})
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def render(data: dict, folder: Path) -> str:
+    """The results section as markdown (tables, verdicts, plot links), from the JSON alone."""
+    seeds = sorted({r["seed"] for r in data["runs"]})
+    steps_run = max((len(r["history"]) for r in data["runs"]), default=0)
+    lines = [f"Command: `{data['command']}`; seeds {seeds}, {steps_run} RL steps per run.", ""]
+    lines += ["| policy | rollout | pass@1 | 95% CI | n |", "|---|---|---|---|---|"]
+    for r in accuracy_table(data):
+        low, high = r["ci95"]
+        lines.append(f"| {r['policy']} | {r['rollout']} | {r['pass@1']:.3f} | [{low:.3f}, {high:.3f}] | {r['n']} |")
+    lines += ["", "| claim | paper | ours: difference | 95% CI (paired bootstrap) | pairs | verdict |"]
+    lines += ["|---|---|---|---|---|---|"]
+    for c in claims(data):
+        lines.append(
+            f"| {c['claim']} | {c['paper']} | {c['difference']:+.3f} | [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}] | "
+            f"{c['pairs']} | {c['verdict']} |"
+        )
+    lines += ["", "| method | steps | |logprob diff| first fifth | last fifth |", "|---|---|---|---|"]
+    for d in dynamics(data):
+        lines.append(f"| {d['method']} | {d['steps']} | {d['first']:.4f} | {d['last']:.4f} |")
+    lines.append("")
+    lines += [f"![{p.stem}]({p.name})" for p in plot(data, folder)]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=12, help="off-policy rounds of 5 steps each (12: 60 steps)")
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--output", type=Path, default=Path("docs/results/science.json"))
+    parser.add_argument("--quick", action="store_true", help="the smoke model, 1 seed, 1 round: CI's check")
+    parser.add_argument("--render", type=Path, help="only render the claims of this JSON file")
+    args = parser.parse_args()
+    args.methods = args.methods.split(",")
+    if args.quick:
+        args.seeds, args.rounds = 1, 1
+    data = json.loads(args.render.read_text()) if args.render else run(args)
+    source = args.render or args.output
+    page = source.with_suffix(".md")
+    page.write_text(render(data, source.parent))
+    print(page.read_text())
+    print(json.dumps({"claims": claims(data), "accuracy": accuracy_table(data), "dynamics": dynamics(data)}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""benchmarks/science.py: the claims' verdicts from a results JSON (synthetic scores with known differences),
+and its --quick mode end to end (the smoke model, one seed, one round), resumed without redoing finished runs."""
+
+import importlib.util
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tracefp4.components.stats import accuracy_row
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("science", ROOT / "benchmarks" / "science.py")
+science = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(science)
+
+BF16_ONLY = [("trained", "bf16", 0.56), ("ptq:nvfp4", "fp4_wa_kv", 0.45)]  # the bf16 run's extra arms
+RATES = {"bf16": 0.55, "qat": 0.35, "quads": 0.5, "trace": 0.55, "tis_sc": 0.5}  # under the FP4 rollout
+
+
+def scored(policy: str, rollout: str, rate: float, difficulty: list[float], texts: list[str]) -> dict:
+    greedy = [float(d < rate) for d in difficulty]
+    return {"policy": policy, "rollout": rollout, **accuracy_row("arithmetic", texts, greedy, greedy, 1)}
+
+
+def synthetic(prompts: int) -> dict:
+    """Two seeds; each prompt has a difficulty every method shares, so paired differences are tight."""
+    runs = []
+    for seed in (0, 1):
+        rng = random.Random(seed)
+        difficulty = [rng.random() for _ in range(prompts)]
+        texts = [f"seed {seed} prompt {i}" for i in range(prompts)]
+        for method in RATES:
+            arms = [("trained", "fp4_wa_kv", RATES[method]), ("initial", "fp4_wa_kv", 0.3)] + BF16_ONLY * (
+                method == "bf16"
+            )
+            accuracy = [scored(*arm, difficulty, texts) for arm in arms]
+            history = [
+                {"logprob_abs_diff_mean": 0.01 * (1 + i * (method == "qat")), "accuracy": 0.4} for i in range(10)
+            ]
+            runs.append({"seed": seed, "method": method, "history": history, "accuracy": accuracy})
+    return {"command": "synthetic", "config": {"evaluation": {"rollout_configs": ["bf16", "fp4_wa_kv"]}}, "runs": runs}
+
+
+def test_verdicts_follow_the_paired_intervals(tmp_path):
+    data = synthetic(300)
+    verdicts = {c["claim"]: c for c in science.claims(data)}
+    assert verdicts["TRACE > QAT (FP4 rollout)"]["verdict"] == "holds"
+    assert verdicts["TRACE > QAT (FP4 rollout)"]["difference"] == pytest.approx(0.2, abs=0.05)
+    assert verdicts["TRACE > QAT (FP4 rollout)"]["pairs"] == 600  # (seed, prompt) pairs over both seeds
+    assert verdicts["TRACE >= QUADS"]["verdict"] == "holds"  # 0.55 vs 0.5 on shared difficulties: always ahead
+    assert verdicts["QUADS > QAT"]["verdict"] == "holds"
+    assert verdicts["TRACE close to BF16 (BF16 rollout)"]["verdict"] == "holds"  # 0.55 vs 0.56
+    assert verdicts["TRACE > ptq:nvfp4"]["verdict"] == "holds"
+    dynamics = {d["method"]: d for d in science.dynamics(data)}
+    assert dynamics["qat"]["last"] > 5 * dynamics["qat"]["first"] and dynamics["trace"]["last"] == 0.01
+    page = science.render(data, tmp_path)
+    assert "| TRACE > QAT (FP4 rollout) | +15.7 avg (75.3 vs 59.6) | +0." in page
+    assert {p.name for p in tmp_path.glob("*.png")} == {"science-logprob_abs_diff_mean.png", "science-accuracy.png"}
+
+
+def test_too_few_prompts_give_no_verdict():
+    assert {c["verdict"] for c in science.claims(synthetic(20))} == {"too few prompts (40 < 100)"}
+
+
+def test_quick_mode_runs_every_method_and_resumes(tmp_path):
+    output = tmp_path / "science.json"
+    command = [sys.executable, "benchmarks/science.py", "--quick", "--output", str(output)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    data = json.loads(output.read_text())
+    assert sorted(r["method"] for r in data["runs"]) == sorted(science.METHODS)
+    assert all(r["history"] and r["accuracy"] for r in data["runs"])
+    assert {a["policy"] for a in figures["accuracy"]} >= {*science.METHODS, "ptq:nvfp4", "initial (base)"}
+    assert {c["claim"] for c in figures["claims"]} >= {
+        "TRACE > QAT (FP4 rollout)",
+        "TRACE close to BF16 (BF16 rollout)",
+    }
+    assert output.with_suffix(".md").read_text().startswith("Command: `python benchmarks/science.py --quick")
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "seed 0" not in again.stdout  # every (seed, method) was done: nothing reruns
+    assert json.loads(output.read_text())["runs"] == data["runs"]
