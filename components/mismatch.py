@@ -126,6 +126,15 @@ class MismatchTally:
                 self.sq_quantized[layer] += m.mse_quantized * m.elements
                 self.sq_unquantized[layer] += m.mse_unquantized * m.elements
 
+    @classmethod
+    def merged(cls, tallies: "list[MismatchTally]") -> "MismatchTally":
+        """One tally of several (the ranks' of a distributed step)."""
+        total = cls()
+        for t in tallies:
+            for name in ("elements", "mismatched", "sq_quantized", "sq_unquantized", "distance"):
+                getattr(total, name).update(getattr(t, name))
+        return total
+
     def summary(self) -> dict:
         layers = sorted(layer for layer, n in self.elements.items() if n)
         total = sum(self.elements.values())

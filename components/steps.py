@@ -399,23 +399,28 @@ def train(
     out: Path,
     run_id: str = "",
     round_stats: dict | None = None,
+    open_trainer=Trainer.from_checkpoint,
 ) -> list[dict]:
     """``steps_per_round`` guided QAT steps over the round's trajectories, each
     an RL step (the schedule: docs/training.md); the new policy goes to ``out``.
     The training path quantizes with the rollout's numerics from ``guidance``,
     which must come from this run and the policy version being trained. One
     history row per step; the round's rollout and compaction figures
-    (``round_stats``) are repeated in each."""
+    (``round_stats``) are repeated in each. ``open_trainer`` makes the trainer
+    from the policy (:meth:`Trainer.from_checkpoint`; a distributed one, see
+    :mod:`.distributed`, may resume within the round: steps it already took,
+    listed in its ``history``, are not taken again)."""
     device = step_device(config)
     round_index = guidance.rl_step
     header, trajectories, batch = read_trajectories(trajectories_file, run_id, round_index)
     tokenizer = load_tokenizer(policy)
-    trainer = Trainer.from_checkpoint(policy, train_config(config), guidance.quant, guidance.scales(), device)
-    guidance.check(run_id, trainer.step)
-    if header["policy_version"] != trainer.step:
+    trainer = open_trainer(policy, train_config(config), guidance.quant, guidance.scales(), device)
+    version = trainer.step - len(trainer.history)  # the policy version the round trains
+    guidance.check(run_id, version)
+    if header["policy_version"] != version:
         raise RunMismatch(
             f"{trajectories_file}: rolled out by policy version {header['policy_version']}, "
-            f"the policy to train is version {trainer.step}"
+            f"the policy to train is version {version}"
         )
     store = _store(config)
     full = None
@@ -427,8 +432,8 @@ def train(
             {"run_id": run_id, "policy_version": header["policy_version"]},
         )
     per_step = config.rollout.prompts_per_step * config.rollout.group_size
-    history = []
-    for s in range(config.rl.steps_per_round):
+    history = list(trainer.history)
+    for s in range(len(history), config.rl.steps_per_round):
         start = time.perf_counter()
         part = slice(s * per_step, (s + 1) * per_step)
         step_trajectories, step_problems = trajectories[part], batch[part]
@@ -440,7 +445,9 @@ def train(
         )
         loader = None
         if config.method == "trace":
-            ids = [[t.id for t in mb] for mb in trainer.microbatches(step_trajectories)]
+            microbatches = trainer.microbatches(step_trajectories)
+            group = config.rl.grad_accumulation or len(microbatches)
+            ids = [[t.id for t in microbatches[i]] for i in trainer.owned(len(microbatches), group)]
             loader = guidance.loader(
                 store,
                 ids,
@@ -468,6 +475,7 @@ def train(
                 **{key: (round_stats or {}).get(key) for key in ROUND_KEYS},
             }
         )
+        trainer.step_done(history)
     trainer.save(out, extra={FILENAME: tokenizer.to_str().encode()}, run_id=run_id)
     return history
 

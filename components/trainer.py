@@ -63,19 +63,45 @@ class Trainer:
     def __init__(
         self, model: Transformer, config: TrainConfig, quant: QuantConfig, global_scales: dict[tuple[int, str], Tensor]
     ):
-        self.model = model.float().train()  # float32 master weights
+        model = model.float().train()  # float32 master weights
         self.device = next(model.parameters()).device
         self.config, self.quant = config, quant
         self.global_scales = {key: g.to(self.device) for key, g in global_scales.items()}
+        reference = copy.deepcopy(model).eval().requires_grad_(False) if config.kl_coef > 0 else None
+        self.reference = self.wrap(reference) if reference is not None else None
+        self.model = self.wrap(model)
         self.optimizer = torch.optim.AdamW(
-            model.parameters(),
+            self.model.parameters(),
             lr=config.learning_rate,
             betas=config.betas,
             weight_decay=config.weight_decay,
             fused=self.device.type == "cuda",  # one kernel per step on a GPU; the CPU keeps the reference loop
         )
         self.step = 0  # RL steps taken: the policy version of the weights
-        self.reference = copy.deepcopy(self.model).eval().requires_grad_(False) if config.kl_coef > 0 else None
+        self.history: list[dict] = []  # rows of this round's steps a resumed trainer already took
+
+    # -- data parallelism: one process here; components/distributed.py overrides these for its ranks
+
+    def wrap(self, model: Transformer) -> Transformer:
+        """The module this process trains (here ``model`` itself)."""
+        return model
+
+    def owned(self, microbatches: int, group: int) -> list[int]:
+        """The indices of a step's ``microbatches`` this process trains (here all),
+        optimizer steps every ``group`` of them."""
+        return list(range(microbatches))
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        """``values`` summed over the processes training together (here one)."""
+        return values
+
+    def all_gather(self, item: object) -> list:
+        """``item`` of every process training together, by rank (here one)."""
+        return [item]
+
+    def step_done(self, history: list[dict]) -> None:
+        """Called after each RL step with the round's rows so far (a distributed
+        trainer writes its resumable sharded checkpoint here)."""
 
     def microbatches(self, trajectories: list[Trajectory]) -> list[list[Trajectory]]:
         n = self.config.microbatch_size
@@ -95,19 +121,23 @@ class Trainer:
         rollout's full capture, the training path's codes are compared with it
         (per-layer mismatch, codeword-difference histogram)."""
         cfg = self.config
-        batches = [SequenceBatch.of(mb, self.device) for mb in self.microbatches(trajectories)]
-        group = cfg.grad_accumulation or len(batches)
-        group_tokens = [
-            sum(int(b.response.sum()) for b in batches[i : i + group]) for i in range(0, len(batches), group)
-        ]
+        everything = self.microbatches(trajectories)
+        group = cfg.grad_accumulation or len(everything)
+        owned = self.owned(len(everything), group)  # ``loader`` yields these microbatches' guidance, in order
+        batches = {i: SequenceBatch.of(everything[i], self.device) for i in owned}
+        tokens = self.all_sum(
+            [float(batches[i].response.sum()) if i in batches else 0.0 for i in range(len(everything))]
+        )
+        group_tokens = [sum(tokens[i : i + group]) for i in range(0, len(tokens), group)]
         total_tokens = sum(group_tokens)
-        guidance = iter(loader) if loader is not None else iter([None] * len(batches))
+        last_owned = {i // group: i for i in owned}  # the optimizer steps after a group's last microbatch
+        guidance = iter(loader) if loader is not None else iter([None] * len(owned))
         adv = dict(zip((t.id for t in trajectories), advantages.tolist()))
         stats, alignment, grad_norms, tally = {}, [], [], MismatchTally()
         guided = captured = 0
         reload_s = 0.0
         self.optimizer.zero_grad(set_to_none=True)
-        for index, batch in enumerate(batches):
+        for index, batch in batches.items():
             start = time.perf_counter()
             mb_guidance = next(guidance)
             reload_s += time.perf_counter() - start
@@ -121,21 +151,25 @@ class Trainer:
                 tally.add(compare(rollout_records, recorder.drain()))
             for k, v in loss_stats.items():
                 stats[k] = stats.get(k, 0.0) + v * tokens / total_tokens
-            alignment.append((logprobs.detach(), batch))
+            alignment.append((index, logprobs.detach(), batch.rollout_logprobs, batch.response))
             guided += sum(sites.coverage.guided.values())
             captured += sum(sites.coverage.total.values())
-            if (index + 1) % group == 0 or index + 1 == len(batches):
+            if last_owned[index // group] == index:
                 grad_norms.append(self._optimizer_step())
         self.step += 1
-        stats.update(self._alignment(alignment))
+        names = sorted(stats)
+        summed = self.all_sum([stats[k] for k in names] + [guided, captured])
+        stats = dict(zip(names, summed))
+        guided, captured = summed[-2:]
+        stats.update(self._alignment([part for rank in self.all_gather(alignment) for part in rank]))
         stats.update(
             grad_norm=max(grad_norms),
             optimizer_steps=len(grad_norms),
-            reload_seconds=reload_s,
+            reload_seconds=max(self.all_gather(reload_s)),
             guidance_coverage=guided / captured if captured else 0.0,
         )
         if rollout_records is not None:
-            stats.update(tally.summary())
+            stats.update(MismatchTally.merged(self.all_gather(tally)).summary())
         return stats
 
     def _loss(self, batch: SequenceBatch, guidance, recorder: Capture | None, advantages: Tensor):
@@ -165,13 +199,11 @@ class Trainer:
         return loss, logprobs, sites, {"loss": loss.item(), **stats}
 
     @staticmethod
-    def _alignment(parts: list[tuple[Tensor, SequenceBatch]]) -> dict:
-        """Alignment metrics over the microbatches' ``(training log-probs, batch)``."""
-        return alignment_metrics(
-            stack_rows([lp for lp, _ in parts]),
-            stack_rows([b.rollout_logprobs for _, b in parts]),
-            stack_rows([b.response for _, b in parts]),
-        )
+    def _alignment(parts: list[tuple[int, Tensor, Tensor, Tensor]]) -> dict:
+        """Alignment metrics over the microbatches' ``(index, training log-probs,
+        rollout log-probs, response mask)``, in microbatch order."""
+        parts = sorted(parts, key=lambda part: part[0])
+        return alignment_metrics(*(stack_rows([part[i] for part in parts]) for i in (1, 2, 3)))
 
     def _optimizer_step(self) -> float:
         """Clip, step and clear the gradients; returns the norm before clipping."""
@@ -211,12 +243,12 @@ class Trainer:
         parts = [SequenceBatch.of(mb, self.device) for mb in self.microbatches(trajectories)]
         guidance = iter(loader) if loader is not None else iter([None] * len(parts))
         tally, alignment = MismatchTally(), []
-        for batch in parts:
+        for index, batch in enumerate(parts):
             recorder = self._recorder(batch, rollout_records)
             _, logprobs = self._forward(batch, next(guidance), recorder)
             recorder.end()
             tally.add(compare(rollout_records, recorder.drain()))
-            alignment.append((logprobs, batch))
+            alignment.append((index, logprobs, batch.rollout_logprobs, batch.response))
         return {**self._alignment(alignment), **tally.summary()}
 
     def _recorder(self, batch: SequenceBatch, rollout: CaptureRecords) -> Capture:
@@ -232,15 +264,20 @@ class Trainer:
     def save(self, path, extra: dict[str, bytes] | None = None, run_id: str = "") -> Path:
         """Checkpoint: the model in the Hub layout plus optimizer, step (the
         policy version), the run that trained it and ``extra`` files, all-or-nothing."""
-        state = self.optimizer.state_dict()
-        tensors = {f"{i}.{name}": t for i, s in state["state"].items() for name, t in s.items()}
-        meta = {"step": self.step, "run_id": run_id, "param_groups": state["param_groups"]}
-        files = {
+        return save_model(
+            self.model, path, extra={**self.state_files(self.optimizer.state_dict(), run_id), **(extra or {})}
+        )
+
+    def state_files(self, optimizer_state: dict, run_id: str) -> dict[str, bytes]:
+        """The files beside the weights: the optimizer's ``state_dict()``
+        (parameters by index), the step and the run id."""
+        state = optimizer_state["state"]
+        tensors = {f"{i}.{name}": t for i, s in state.items() for name, t in s.items()}
+        meta = {"step": self.step, "run_id": run_id, "param_groups": optimizer_state["param_groups"]}
+        return {
             OPTIMIZER_FILE: save_tensors({k: v.contiguous().cpu() for k, v in tensors.items()}),
             STATE_FILE: json.dumps(meta).encode(),
-            **(extra or {}),
         }
-        return save_model(self.model, path, extra=files)
 
     @classmethod
     def from_checkpoint(
@@ -253,14 +290,23 @@ class Trainer:
         return trainer
 
     def _load_optimizer(self, folder: Path) -> None:
-        meta = read_state(folder)
-        tensors = load_tensors((folder / OPTIMIZER_FILE).read_bytes())
-        state: dict[int, dict] = {}
-        for key, t in tensors.items():
-            i, name = key.split(".", 1)
-            state.setdefault(int(i), {})[name] = t
-        self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-        self.step = meta["step"]
+        self.load_optimizer_state(read_optimizer(folder))
+        self.step = read_state(folder)["step"]
+
+    def load_optimizer_state(self, state: dict) -> None:
+        """Load an optimizer ``state_dict()`` (parameters by index) as :func:`read_optimizer` reads it."""
+        self.optimizer.load_state_dict(state)
+
+
+def read_optimizer(folder) -> dict:
+    """A trainer checkpoint's optimizer ``state_dict()`` (parameters by index)."""
+    folder = Path(folder)
+    tensors = load_tensors((folder / OPTIMIZER_FILE).read_bytes())
+    state: dict[int, dict] = {}
+    for key, t in tensors.items():
+        i, name = key.split(".", 1)
+        state.setdefault(int(i), {})[name] = t
+    return {"state": state, "param_groups": read_state(folder)["param_groups"]}
 
 
 def read_state(folder) -> dict:

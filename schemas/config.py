@@ -227,6 +227,45 @@ class RLConfig(_Section):
     )
 
 
+class TrainSection(_Section):
+    """Where guided QAT runs: one process in the train step, or several under
+    torch.distributed (FSDP2, docs/training.md) launched as docs/deploy.md says."""
+
+    nodes: int = Field(
+        default=1, ge=1, le=1024, description="Machines the train step trains on; more than 1 needs launcher trainjob."
+    )
+    processes_per_node: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Training processes per machine (one per GPU on a GPU node). nodes x processes_per_node = 1 "
+        "trains in the train step's own process; more shard the weights, gradients and optimizer state (FSDP2) "
+        "and split each RL step's microbatches over the processes, which must divide them evenly.",
+    )
+    launcher: Literal["torchrun", "trainjob"] = Field(
+        default="torchrun",
+        description="How the train step starts more than one process: torchrun (inside the train step's own "
+        "container or, for a local run, on this machine; one node) or trainjob (a Kubeflow Trainer TrainJob on "
+        "the cluster, runtime trainjob_runtime; needs Kubeflow Trainer installed, docs/deploy.md).",
+    )
+    trainjob_runtime: str = Field(
+        default="torch-distributed",
+        pattern=DNS_SUBDOMAIN,
+        description="The Kubeflow Trainer ClusterTrainingRuntime a TrainJob runs on.",
+    )
+    timeout_seconds: int = Field(
+        default=600,
+        ge=10,
+        le=86400,
+        description="How long a training process waits for the others at a collective before failing the step "
+        "(a rank that died or hangs); also how long a TrainJob may stay without progress before it is failed.",
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.processes_per_node
+
+
 class TaskConfig(_Section):
     """One verifiable task family in the training/evaluation mix."""
 
@@ -413,6 +452,7 @@ class RunConfig(_Section):
         description="Training method: bf16 (no QAT), qat (RTN), quads (weights-only QAT + rollout compensation), "
         "trace (rollout-guided rounding), tis_sc (TIS + score centering). docs/training.md.",
     )
+    train: TrainSection = Field(default_factory=TrainSection, description="Processes and machines of training.")
     bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig, description="SFT of the initial policy.")
     tasks: list[TaskConfig] = Field(
         default_factory=lambda: [TaskConfig(name="arithmetic")], min_length=1, description="Training task mix."
@@ -453,6 +493,7 @@ class RunConfig(_Section):
             for i, t in enumerate(self.tasks)
             if t.test_size < share
         ]
+        problems += self._train_problems()
         if self.rl.measure_mismatch and self.guidance.compaction != "offline":
             problems.append("rl.measure_mismatch: needs the rollout's full capture, so guidance.compaction offline")
         if self.model.preset is not None:  # a checkpoint's depth is checked when prepare reads its config
@@ -462,6 +503,23 @@ class RunConfig(_Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _train_problems(self) -> list[str]:
+        """Distributed training: one node unless a TrainJob launches it, and every
+        optimizer step's microbatches split evenly over the processes."""
+        t, problems = self.train, []
+        if t.nodes > 1 and t.launcher != "trainjob":
+            problems.append(f"train.nodes: {t.nodes} machines need train.launcher trainjob (torchrun runs on one)")
+        world = t.world_size
+        per_step = -(-self.rollout.prompts_per_step * self.rollout.group_size // self.rl.microbatch_size)
+        group = self.rl.grad_accumulation or per_step
+        if world > 1 and (per_step % world or group % world):
+            problems.append(
+                f"train: {world} training processes, but an RL step has {per_step} microbatches (rollout."
+                f"prompts_per_step x group_size / rl.microbatch_size) with an optimizer step every {group}: both "
+                "must be multiples of nodes x processes_per_node"
+            )
+        return problems
 
     def guided_layer_problems(self, depth: int, model_name: str) -> list[str]:
         """``guidance.layers`` against a model of ``depth`` layers, named ``model_name`` in the message."""

@@ -1,0 +1,329 @@
+"""Guided QAT over several processes with torch.distributed: FSDP2 sharding,
+each rank's share of the microbatches, metrics reduced over ranks, and
+checkpoints that survive a rank's death.
+
+One process (``train.nodes`` x ``train.processes_per_node`` = 1) trains in
+the train step itself (:class:`~.trainer.Trainer`). More run this module
+under torchrun semantics (``env://``: ``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``...), started by ``torchrun`` locally or by a Kubeflow Trainer
+TrainJob on a cluster (:mod:`tracefp4.pipelines.launch`); the round's inputs
+come as paths or store URIs. How it works:
+
+- every :class:`~.model.Block` and then the whole model is ``fully_shard``-ed
+  (FSDP2): each rank holds 1/world of the float32 master weights, gradients
+  and AdamW state; the layers are gathered for their forward and backward.
+  The compute dtype is the trainer's autocast (bf16), gradients are
+  reduce-scattered in float32; FSDP averages them and the optimizer step
+  multiplies by W (each rank's loss is already its share of the step's
+  token-weighted loss), so W ranks compute the gradient one process does, up
+  to float32 summation order;
+- rank r trains the microbatches ``i`` with ``i % W == r`` and loads only
+  their guidance; every optimizer step's group of microbatches must split
+  evenly, so every rank takes part in every collective;
+- after each RL step the sharded state (weights, optimizer, the round's
+  history so far) goes to the store through torch.distributed.checkpoint,
+  the ``.metadata`` object last: a step whose ``.metadata`` is missing is
+  incomplete and never read. A rerun of the round resumes from its last
+  complete step; at the end rank 0 writes the consolidated policy (the
+  Hugging Face folder with the optimizer state, what one process writes)
+  atomically.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.elastic.multiprocessing.errors import record
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from .checkpoint import fetch, load_model, load_state, save_model
+from .model import Transformer
+from .quant import QuantConfig
+from .store import ArtifactStore, open_store
+from .trainer import TrainConfig, Trainer, read_optimizer, read_state
+
+METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator: a complete checkpoint
+HISTORY = "history.json"
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+class DistributedError(RuntimeError):
+    """A distributed run that cannot go on as configured."""
+
+
+def init_process_group(timeout_s: float) -> None:
+    """Join the process group torchrun (or a TrainJob) describes in the
+    environment; gloo on CPU, NCCL on CUDA. A collective that waits longer than
+    ``timeout_s`` (a rank died or hangs) raises instead of waiting forever."""
+    backend = "nccl" if torch.cuda.is_available() and os.environ.get("TRACEFP4_DEVICE", "") != "cpu" else "gloo"
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+
+
+def mixed_precision() -> MixedPrecisionPolicy:
+    """FSDP2's precision: parameters gathered as the trainer holds them (float32
+    masters; its bf16 autocast sets the compute dtype, as in one process),
+    gradients reduced in float32."""
+    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+
+
+class DistributedTrainer(Trainer):
+    """A :class:`Trainer` whose model, gradients and optimizer state are sharded
+    over the ranks of the default process group, which must be initialized."""
+
+    def __init__(self, model: Transformer, config: TrainConfig, quant: QuantConfig, global_scales: dict):
+        if not dist.is_initialized():
+            raise DistributedError("a DistributedTrainer needs torch.distributed initialized (run under torchrun)")
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.mesh = init_device_mesh(next(model.parameters()).device.type, (self.world,))
+        self.checkpoints: ShardCheckpoints | None = None
+        super().__init__(model, config, quant, global_scales)
+
+    def wrap(self, model: Transformer) -> Transformer:
+        policy = mixed_precision()
+        for block in model.model.layers:
+            fully_shard(block, mesh=self.mesh, mp_policy=policy)
+        fully_shard(model, mesh=self.mesh, mp_policy=policy)
+        return model
+
+    def owned(self, microbatches: int, group: int) -> list[int]:
+        if microbatches % self.world or group % self.world:
+            raise DistributedError(
+                f"{microbatches} microbatches per RL step, optimizer steps every {group}: both must be multiples "
+                f"of the {self.world} training processes (set rl.microbatch_size, rl.grad_accumulation, "
+                "rollout.prompts_per_step or rollout.group_size to fit)"
+            )
+        return [i for i in range(microbatches) if i % self.world == self.rank]
+
+    def all_sum(self, values: list[float]) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def all_gather(self, item: object) -> list:
+        out = [None] * self.world
+        dist.all_gather_object(out, item)
+        return out
+
+    def _optimizer_step(self) -> float:
+        # FSDP averages the ranks' gradients; each rank's loss is already its share of the whole, so the
+        # sum is wanted (gloo has no pre-scaled sum to ask FSDP for it): exact for a power-of-two world
+        with torch.no_grad():
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(self.world)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+
+    def step_done(self, history: list[dict]) -> None:
+        if self.checkpoints is not None:
+            self.checkpoints.save(self, history)
+
+    def save(self, path, extra: dict[str, bytes] | None = None, run_id: str = "") -> Path:
+        """The consolidated checkpoint (what :meth:`Trainer.save` writes), written
+        by rank 0 atomically; every rank returns once it is in place."""
+        weights, optimizer = get_state_dict(self.model, self.optimizer, options=FULL)  # on rank 0 only
+        if self.rank == 0:
+            plain = Transformer(self.model.cfg)
+            load_state(plain, weights)
+            by_index = _by_index(optimizer, [name for name, _ in plain.named_parameters()])
+            save_model(plain, path, extra={**self.state_files(by_index, run_id), **(extra or {})})
+        dist.barrier()
+        return Path(path)
+
+    def load_optimizer_state(self, state: dict) -> None:
+        if not state["state"]:  # a fresh policy: torch.distributed would initialize the state by a zero step
+            for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
+                group.update({k: v for k, v in saved.items() if k != "params"})
+            return
+        names = [name for name, _ in self.model.named_parameters()]
+        set_optimizer_state_dict(
+            self.model, self.optimizer, _by_name(state, names), options=StateDictOptions(full_state_dict=True)
+        )
+
+
+def _by_index(state: dict, names: list[str]) -> dict:
+    """A full optimizer state dict keyed by parameter name (torch.distributed's
+    form) keyed by parameter index instead (``Optimizer.state_dict()``'s)."""
+    index = {name: i for i, name in enumerate(names)}
+    groups = [{**g, "params": [index[p] for p in g["params"]]} for g in state["param_groups"]]
+    return {"state": {index[name]: s for name, s in state["state"].items()}, "param_groups": groups}
+
+
+def _by_name(state: dict, names: list[str]) -> dict:
+    """The inverse of :func:`_by_index`."""
+    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
+    return {"state": {names[i]: s for i, s in state["state"].items()}, "param_groups": groups}
+
+
+class ShardCheckpoints:
+    """A round's sharded checkpoints in the store, one per RL step taken:
+    ``<prefix>/step-<policy version>/`` holds each rank's torch.distributed.checkpoint
+    files, the round's history so far, and last the ``.metadata`` that makes it complete."""
+
+    def __init__(self, store: ArtifactStore, prefix: str, run_id: str, start_version: int):
+        self.store, self.prefix = store, prefix.rstrip("/")
+        self.run_id, self.start_version = run_id, start_version
+
+    def _key(self, version: int) -> str:
+        return f"{self.prefix}/step-{version:06d}"
+
+    def latest(self) -> int | None:
+        """The policy version of the newest complete checkpoint of the round, if any."""
+        done = [key.split("/")[-2] for key in self.store.list(self.prefix + "/") if key.endswith("/" + METADATA)]
+        versions = [int(name.removeprefix("step-")) for name in done if name.startswith("step-")]
+        return max(versions, default=None)
+
+    def save(self, trainer: DistributedTrainer, history: list[dict]) -> None:
+        key = self._key(trainer.step)
+        model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+        with tempfile.TemporaryDirectory(prefix="tracefp4-dcp-") as local:
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=local)
+            for f in sorted(Path(local).iterdir()):
+                if f.name != METADATA:
+                    self.store.put_bytes(f"{key}/{f.name}", f.read_bytes())
+            dist.barrier()  # every rank's files are in the store
+            if trainer.rank == 0:
+                meta = {"run_id": self.run_id, "start_version": self.start_version, "step": trainer.step}
+                self.store.put_bytes(f"{key}/{HISTORY}", json.dumps({**meta, "history": history}).encode())
+                self.store.put_bytes(f"{key}/{METADATA}", (Path(local) / METADATA).read_bytes())  # complete
+        dist.barrier()
+
+    def load(self, trainer: DistributedTrainer, version: int) -> None:
+        """Resume ``trainer`` (on every rank) from the complete checkpoint at ``version``."""
+        key = self._key(version)
+        meta = json.loads(self.store.get_bytes(f"{key}/{HISTORY}"))
+        if (meta["run_id"], meta["start_version"]) != (self.run_id, self.start_version):
+            raise DistributedError(
+                f"{self.store.uri}/{key}: checkpoint of run {meta['run_id']!r} from policy version "
+                f"{meta['start_version']}, this round is run {self.run_id!r} from version {self.start_version}"
+            )
+        model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+        with tempfile.TemporaryDirectory(prefix="tracefp4-dcp-") as local:
+            for name in self.store.list(key + "/"):
+                self.store.download(name, Path(local) / name.rsplit("/", 1)[-1])
+            state = {"model": model_state, "optimizer": optimizer_state}
+            dcp.load(state, checkpoint_id=local)
+        set_state_dict(
+            trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        )
+        trainer.step, trainer.history = meta["step"], meta["history"]
+
+
+def open_trainer(checkpoints_prefix: str | None, store: ArtifactStore | None, run_id: str):
+    """``steps.train``'s ``open_trainer`` for a distributed round: the policy
+    folder sharded over the ranks, resumed from the round's newest complete
+    sharded checkpoint under ``checkpoints_prefix`` in ``store`` when there is one."""
+
+    def make(policy, config: TrainConfig, quant: QuantConfig, global_scales: dict, device) -> DistributedTrainer:
+        trainer = DistributedTrainer(load_model(policy, device=device), config, quant, global_scales)
+        trainer.load_optimizer_state(read_optimizer(policy))
+        trainer.step = read_state(policy)["step"]
+        if checkpoints_prefix is not None:
+            trainer.checkpoints = ShardCheckpoints(store, checkpoints_prefix, run_id, trainer.step)
+            latest = trainer.checkpoints.latest()
+            if latest is not None:
+                trainer.checkpoints.load(trainer, latest)
+                if trainer.rank == 0:
+                    print(f"resumed from {store.uri}/{checkpoints_prefix}: step {latest}", flush=True)
+        return trainer
+
+    return make
+
+
+# -- the program torchrun (or a TrainJob) starts on every rank --------------------------------------------------
+
+
+def _local(uri: str, workdir: Path) -> Path:
+    """A path for an input given as a path, a ``file://`` URI or a store object URI (downloaded)."""
+    if "://" not in uri or uri.startswith("file://"):
+        return fetch(uri)
+    base, _, name = uri.rpartition("/")
+    path = workdir / name
+    open_store(base).download(name, path)
+    return path
+
+
+@record  # a rank's exception goes into torchrun's failure summary, naming the rank
+def main(argv: list[str] | None = None) -> None:
+    from tracefp4.schemas import RunConfig
+
+    from . import steps
+    from .guidance import GuidanceRef
+
+    parser = argparse.ArgumentParser(description="One rank of a distributed train step (run under torchrun).")
+    parser.add_argument("--config", required=True, help="run config JSON: a path or a store URI")
+    parser.add_argument("--policy", required=True, help="the policy folder: a path or a store URI")
+    parser.add_argument("--trajectories", required=True, help="the round's trajectories: a path or a store URI")
+    parser.add_argument("--guidance", required=True, help="the round's GuidanceRef JSON: a path or a store URI")
+    parser.add_argument("--round-stats", required=True, help="the round's rollout/compaction figures (JSON)")
+    parser.add_argument("--run-id", required=True)
+    parser.add_argument("--out", required=True, help="the new policy: a folder, or a store URI uploaded to")
+    parser.add_argument("--history", required=True, help="the steps' history rows (JSON): a path or a store URI")
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="tracefp4-rank-") as tmp:
+        work = Path(tmp)
+        config = RunConfig.model_validate_json(_local(args.config, work).read_text())
+        init_process_group(config.train.timeout_seconds)
+        try:
+            guidance_file = _local(args.guidance, work)
+            ref = GuidanceRef.from_json(guidance_file.read_text(), args.guidance)
+            store = open_store(config.store.uri, create_bucket=config.store.create_bucket)
+            prefix = f"{steps.store_prefix(config, args.run_id, 'checkpoints')}/round-{ref.rl_step:06d}"
+            remote = "://" in args.out and not args.out.startswith("file://")
+            out = work / "policy" if remote else fetch(args.out)
+            rows = steps.train(
+                config,
+                _local(args.policy, work),
+                _local(args.trajectories, work),
+                ref,
+                out,
+                args.run_id,
+                json.loads(_local(args.round_stats, work).read_text()),
+                open_trainer=open_trainer(prefix, store, args.run_id),
+            )
+            if dist.get_rank() == 0:
+                _publish(out, args.out if remote else None, rows, args.history, work)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def _publish(out: Path, out_uri: str | None, rows: list[dict], history: str, work: Path) -> None:
+    """Rank 0's outputs: the history rows, and for a store URI the policy folder uploaded (its manifest last)."""
+    data = json.dumps(rows).encode()
+    if "://" in history and not history.startswith("file://"):
+        base, _, name = history.rpartition("/")
+        open_store(base).put_bytes(name, data)
+    else:
+        path = fetch(history)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    if out_uri is not None:
+        target = open_store(out_uri)
+        files = sorted(out.iterdir(), key=lambda f: f.name == "checksums.json")  # the manifest last: complete
+        for f in files:
+            target.put_bytes(f.name, f.read_bytes())
+        shutil.rmtree(out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,93 @@
+"""Starting a distributed train step on this machine: ``torchrun`` (torch.distributed.run)
+with one rank of :mod:`.distributed` per process.
+
+The train step hands over its inputs as files, runs torchrun as a child
+process, streams its output into the step's log and reads the history rows
+rank 0 wrote. torchrun watches its ranks: when one dies the others are
+stopped and torchrun exits non-zero, naming the rank and its error (the
+ranks' ``@record``); a rank that hangs trips the process group's timeout
+(``train.timeout_seconds``). Either way the step fails with that text, never
+hangs. A Kubeflow Trainer TrainJob (:mod:`tracefp4.pipelines.trainjob`)
+starts the same program on a cluster.
+"""
+
+import json
+import subprocess
+import sys
+from collections import deque
+from pathlib import Path
+
+from tracefp4.schemas import RunConfig
+
+from .distributed import DistributedError
+
+MODULE = "tracefp4.components.distributed"
+_TAIL = 60  # lines of torchrun's output kept for the error
+
+
+def rank_arguments(
+    config: str, policy: str, trajectories: str, guidance: str, round_stats: str, run_id: str, out: str, history: str
+) -> list[str]:
+    """The arguments of :func:`tracefp4.components.distributed.main` (paths or store URIs)."""
+    return [
+        *("--config", config, "--policy", policy, "--trajectories", trajectories, "--guidance", guidance),
+        *("--round-stats", round_stats, "--run-id", run_id, "--out", out, "--history", history),
+    ]
+
+
+def torchrun(
+    config: RunConfig,
+    policy: Path,
+    trajectories: Path,
+    guidance: Path,
+    out: Path,
+    workdir: Path,
+    run_id: str,
+    round_stats: dict,
+    echo=print,
+) -> list[dict]:
+    """The train step over ``config.train.processes_per_node`` local processes;
+    the new policy goes to ``out``. Returns the history rows; raises
+    :class:`DistributedError` with the failing rank's error."""
+    if config.train.nodes != 1:
+        raise DistributedError(f"torchrun starts one node; train.nodes is {config.train.nodes} (use a TrainJob)")
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    files = {"config.json": config.model_dump_json(), "round_stats.json": json.dumps(round_stats)}
+    for name, text in files.items():
+        (workdir / name).write_text(text)
+    history = workdir / "history.json"
+    history.unlink(missing_ok=True)
+    command = [
+        *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1"),
+        *("--nproc-per-node", str(config.train.processes_per_node), "--max-restarts", "0"),
+        *("-m", MODULE),
+        *rank_arguments(
+            str(workdir / "config.json"),
+            str(policy),
+            str(trajectories),
+            str(guidance),
+            str(workdir / "round_stats.json"),
+            run_id,
+            str(out),
+            str(history),
+        ),
+    ]
+    tail: deque[str] = deque(maxlen=_TAIL)
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as process:
+        for line in process.stdout:
+            tail.append(line.rstrip("\n"))
+            echo(line.rstrip("\n"))
+        code = process.wait()
+    if code != 0:
+        raise DistributedError(f"distributed training failed (torchrun exit {code}):\n{failure(list(tail))}")
+    return json.loads(history.read_text())
+
+
+def failure(lines: list[str]) -> str:
+    """torchrun's account of the first failure (rank, exit code, error) from
+    its last lines, or those lines when it printed none."""
+    for i, line in enumerate(lines):
+        if "Root Cause" in line:
+            return "\n".join(lines[i:])
+    return "\n".join(lines)

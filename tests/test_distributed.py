@@ -1,0 +1,194 @@
+"""Distributed guided QAT on CPU with gloo: two torchrun processes (FSDP2)
+train a round exactly as one process does, up to float32 summation order; a
+rerun resumes from the last complete sharded checkpoint; a killed rank fails
+the step within the timeout."""
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+from tracefp4.components import steps
+from tracefp4.components.checkpoint import load_model
+from tracefp4.components.distributed import DistributedError
+from tracefp4.components.launch import torchrun
+from tracefp4.components.store import open_store
+from tracefp4.components.tasks import END
+from tracefp4.components.tokenizer import decode, load_tokenizer
+from tracefp4.components.trainer import read_optimizer, read_state
+from tracefp4.schemas import RunConfig, get_preset
+
+RUN = "run-dist"
+
+
+def config_for(tmp_path, processes: int = 1, **rl) -> RunConfig:
+    """Smoke, trace: 3 off-policy steps of 4 trajectories in microbatches of 1, an optimizer step every 2."""
+    data = get_preset("smoke").model_dump()
+    data["store"]["uri"] = (tmp_path / "store").as_uri()
+    data["rl"].update(schedule="off_policy", steps_per_round=3, microbatch_size=1, grad_accumulation=2, **rl)
+    data["rl"]["learning_rate"] = 1e-2  # steps large enough that a wrong gradient shows
+    data["bootstrap"]["enabled"] = False
+    data["train"] = {"processes_per_node": processes, "timeout_seconds": 60}
+    return RunConfig.model_validate(data)
+
+
+@pytest.fixture(scope="module")
+def round_inputs(tmp_path_factory):
+    """A prepared policy, round 0's trajectories and guidance (the store under the same folder)."""
+    tmp = tmp_path_factory.mktemp("round")
+    config = config_for(tmp)
+    steps.prepare(config, tmp / "policy-0", RUN)
+    steps.rollout(config, tmp / "policy-0", 0, tmp / "trajectories.jsonl", RUN)
+    reward_first_of_each_group(tmp / "trajectories.jsonl", load_tokenizer(tmp / "policy-0"))
+    ref, stats = steps.compaction(config, tmp / "policy-0", tmp / "trajectories.jsonl", 0, RUN)
+    (tmp / "guidance.json").write_text(ref.to_json())
+    return tmp, ref, stats
+
+
+def reward_first_of_each_group(path, tokenizer) -> None:
+    """The untrained policy solves nothing, so every advantage is 0 and nothing
+    would train: take the first response of each group as its problem's answer."""
+    lines = path.read_text().splitlines()
+    for i in range(1, len(lines), 2):
+        record = json.loads(lines[i])
+        record["problem"]["answer"] = decode(tokenizer, record["trajectory"]["response"]).partition(END)[0].strip()
+        lines[i] = json.dumps(record)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def one_process(tmp, ref, stats):
+    config = config_for(tmp)
+    return steps.train(config, tmp / "policy-0", tmp / "trajectories.jsonl", ref, tmp / "one", RUN, stats)
+
+
+def two_processes(tmp, stats, out, **kwargs):
+    config = config_for(tmp, processes=2)
+    inputs = (tmp / "policy-0", tmp / "trajectories.jsonl", tmp / "guidance.json")
+    return torchrun(config, *inputs, out, tmp / f"work-{out.name}", RUN, stats, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def both(round_inputs):
+    tmp, ref, stats = round_inputs
+    return one_process(tmp, ref, stats), two_processes(tmp, stats, tmp / "two")
+
+
+def test_two_processes_train_what_one_does(round_inputs, both):
+    tmp, _, _ = round_inputs
+    one, two = both
+    assert [r["step"] for r in two] == [1, 2, 3] == [r["step"] for r in one]
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+        assert b["guidance_coverage"] == a["guidance_coverage"] > 0.5
+        assert b["optimizer_steps"] == a["optimizer_steps"] == 2
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+        assert b["logprob_abs_diff_mean"] == pytest.approx(a["logprob_abs_diff_mean"], rel=1e-4, abs=1e-6)
+    start = load_model(tmp / "policy-0").state_dict()
+    p1, p2 = load_model(tmp / "one").state_dict(), load_model(tmp / "two").state_dict()
+    moved = 0
+    for name in p1:
+        torch.testing.assert_close(p2[name], p1[name], rtol=1e-5, atol=1e-6, msg=name)
+        moved += not torch.equal(p1[name], start[name])
+    assert moved > len(p1) // 2  # the steps changed most tensors: the comparison is not of untouched weights
+    # the consolidated checkpoint carries the optimizer state one process resumes from
+    assert read_state(tmp / "two")["step"] == 3
+    s1, s2 = read_optimizer(tmp / "one")["state"], read_optimizer(tmp / "two")["state"]
+    assert sorted(s1) == sorted(s2)
+    for i in s1:
+        torch.testing.assert_close(s2[i]["exp_avg_sq"], s1[i]["exp_avg_sq"], rtol=1e-4, atol=1e-12)
+
+
+def test_sharded_checkpoints_are_written_each_step_and_a_rerun_resumes_from_the_last(round_inputs, both, capsys):
+    tmp, _, stats = round_inputs
+    config = config_for(tmp, processes=2)
+    store = open_store(config.store.uri)
+    prefix = f"{steps.store_prefix(config, RUN, 'checkpoints')}/round-000000"
+    keys = store.list(prefix + "/")
+    assert {k.split("/")[-2] for k in keys if k.endswith("/.metadata")} == {"step-000001", "step-000002", "step-000003"}
+    # the round is done: a rerun takes no step again, and writes the same policy
+    lines = []
+    rows = two_processes(tmp, stats, tmp / "again", echo=lines.append)
+    assert any("resumed from" in line and "step 3" in line for line in lines)
+    assert rows == both[1]
+    p2, again = load_model(tmp / "two").state_dict(), load_model(tmp / "again").state_dict()
+    assert all(torch.equal(p2[k], again[k]) for k in p2)
+
+
+def test_an_incomplete_checkpoint_is_never_read(round_inputs, both):
+    """Drop step 3's ``.metadata`` (a rank died while it was written): the rerun resumes from step 2."""
+    tmp, _, stats = round_inputs
+    config = config_for(tmp, processes=2)
+    root = tmp / "store" / steps.store_prefix(config, RUN, "checkpoints") / "round-000000"
+    (root / "step-000003" / ".metadata").unlink()
+    lines = []
+    rows = two_processes(tmp, stats, tmp / "resumed", echo=lines.append)
+    assert any("step 2" in line for line in lines if "resumed from" in line)
+    for a, b in zip(both[1], rows):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+    p2, resumed = load_model(tmp / "two").state_dict(), load_model(tmp / "resumed").state_dict()
+    for k in p2:
+        torch.testing.assert_close(resumed[k], p2[k], rtol=1e-6, atol=1e-7)
+
+
+def test_a_killed_rank_fails_the_step_within_the_timeout(round_inputs, tmp_path):
+    tmp, _, stats = round_inputs
+    config = config_for(tmp_path, processes=2)  # its own store: no checkpoint to resume from
+    killed = []
+
+    def kill_one_rank():
+        while not killed:  # as soon as a rank (a descendant of this test's process) runs
+            for pid in _rank_pids(os.getpid()):
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                break
+            time.sleep(0.2)
+
+    threading.Thread(target=kill_one_rank, daemon=True).start()
+    start = time.monotonic()
+    inputs = (tmp / "policy-0", tmp / "trajectories.jsonl", tmp / "guidance.json")
+    with pytest.raises(DistributedError) as failed:
+        torchrun(config, *inputs, tmp_path / "out", tmp_path / "work", RUN, stats, echo=lambda line: None)
+    assert killed and time.monotonic() - start < config.train.timeout_seconds
+    message = str(failed.value)
+    assert "torchrun exit" in message and "rank" in message and "SIGKILL" in message, message
+    assert not (tmp_path / "out").exists()
+
+
+def _rank_pids(ancestor: int) -> list[int]:
+    """Descendants of ``ancestor`` running one rank of the distributed train step (not torchrun itself)."""
+    parent, argv = {}, {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv[int(entry)] = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+
+    def descends(pid: int) -> bool:
+        while pid in parent and pid > 1:
+            pid = parent[pid]
+            if pid == ancestor:
+                return True
+        return False
+
+    return [
+        pid
+        for pid, args in argv.items()
+        if b"tracefp4.components.distributed" in args and b"torch.distributed.run" not in args and descends(pid)
+    ]
+
+
+def test_microbatches_that_do_not_split_over_the_processes_are_refused_by_the_schema(tmp_path):
+    data = config_for(tmp_path).model_dump()
+    data["train"]["processes_per_node"] = 3
+    with pytest.raises(ValueError, match="multiples of nodes x processes_per_node"):
+        RunConfig.model_validate(data)
+    data["train"].update(processes_per_node=1, nodes=2)
+    with pytest.raises(ValueError, match="launcher trainjob"):
+        RunConfig.model_validate(data)
