@@ -101,7 +101,9 @@ def train(
     history: Output[Dataset],
     metrics: Output[Metrics],
 ):
-    """Guided QAT over the round's trajectories, quantizing with the guidance's numerics; appends to the history."""
+    """Guided QAT over the round's trajectories, quantizing with the guidance's
+    numerics; appends to the history. One process trains here; more run under
+    torchrun beside this step or as a Kubeflow Trainer TrainJob (``train.launcher``)."""
     import json
     import shutil
 
@@ -109,13 +111,19 @@ def train(
     from tracefp4.components import steps
     from tracefp4.components.guidance import GuidanceRef
     from tracefp4.pipelines.resume import write_metrics
+    from tracefp4.pipelines.trainjob import distributed_train
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
     with open(guidance.path) as f:
         ref = GuidanceRef.from_json(f.read(), guidance.uri)
     round_stats = {**trajectories.metadata, **guidance.metadata}
-    rows = steps.train(config, policy.path, trajectories.path, ref, new_policy.path, run_id, round_stats)
+    if config.train.world_size == 1:
+        rows = steps.train(config, policy.path, trajectories.path, ref, new_policy.path, run_id, round_stats)
+    else:
+        rows = distributed_train(
+            config, policy.path, trajectories.path, guidance.path, new_policy.path, run_id, round_stats
+        )
     shutil.copyfile(previous.path, history.path)
     with open(history.path, "a") as f:
         for row in rows:

@@ -1,0 +1,269 @@
+"""A distributed train step on a cluster: a Kubeflow Trainer v2 TrainJob.
+
+KFP v2 has no resource op, so the train component itself creates the
+TrainJob (``trainer.kubeflow.org/v1alpha1``, runtime ``train.trainjob_runtime``,
+``torch-distributed`` by default) through the Kubernetes API with the
+pipeline runner's service account (its Role in
+manifests/base/kfp/pipeline-runner.yaml grants it), watches it and deletes it when done. The ranks cannot see the
+step's local files, so the round's inputs go to the store first and travel as
+store URIs; the ranks (:mod:`tracefp4.components.distributed`, under the
+runtime's torchrun) write the new policy and the history rows back there.
+
+Which launcher runs is the config's ``train.launcher``, never guessed: a
+TrainJob needs the in-cluster service account and fails at once without one.
+The object is built from the ``kubeflow-trainer-api`` models; tests check it
+against the Trainer release's CRD schema and run the create / watch / fail /
+delete flow against a loopback HTTP server.
+"""
+
+import hashlib
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from kubeflow_trainer_api import models
+from kubernetes import client
+from kubernetes import config as kube_config
+from kubernetes.client.exceptions import ApiException
+
+from tracefp4.components.checkpoint import MANIFEST, fetch
+from tracefp4.components.distributed import DistributedError
+from tracefp4.components.launch import MODULE, rank_arguments, torchrun
+from tracefp4.components.steps import store_prefix
+from tracefp4.components.store import open_store
+from tracefp4.schemas import RunConfig
+
+from .pipeline import SECRET_KEYS
+
+GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
+SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+
+
+def distributed_train(
+    config: RunConfig,
+    policy: str,
+    trajectories: str,
+    guidance: str,
+    out: str,
+    run_id: str,
+    round_stats: dict,
+) -> list[dict]:
+    """The train step over ``train.nodes`` x ``train.processes_per_node``
+    processes, started as ``train.launcher`` says; the new policy goes to ``out``."""
+    round_index = json.loads(Path(guidance).read_text())["rl_step"]
+    if config.train.launcher == "torchrun":
+        with tempfile.TemporaryDirectory(prefix="tracefp4-torchrun-") as work:
+            return torchrun(config, policy, trajectories, guidance, out, Path(work), run_id, round_stats)
+    return TrainJobRun(config, run_id, round_index, in_cluster_api()).run(
+        Path(policy), Path(trajectories), Path(guidance), Path(out), round_stats
+    )
+
+
+def in_cluster_api() -> client.ApiClient:
+    """The Kubernetes API as the step's service account sees it; outside a cluster, a clear error."""
+    try:
+        kube_config.load_incluster_config()
+    except kube_config.ConfigException as e:
+        raise DistributedError(
+            f"train.launcher trainjob creates a Kubeflow Trainer TrainJob from inside the cluster, but this step "
+            f"has no in-cluster service account ({e}); for a local run set train.launcher torchrun"
+        ) from None
+    return client.ApiClient()
+
+
+def trainjob_name(config: RunConfig, run_id: str, round_index: int) -> str:
+    """A DNS label naming the round's TrainJob: the same for a retry of the step."""
+    digest = hashlib.sha256(f"{run_id}/{config.method}".encode()).hexdigest()[:10]
+    return f"{config.name[:30].rstrip('-')}-{digest}-r{round_index}"
+
+
+def trainjob(config: RunConfig, name: str, namespace: str, args: list[str]) -> dict:
+    """The TrainJob running the distributed train step with ``args`` on every node."""
+    r = config.resources
+    limits = {"cpu": r.cpu, "memory": r.memory}
+    if r.gpus:
+        limits[r.accelerator_type] = str(r.gpus)
+    limits = {k: models.IoK8sApimachineryPkgApiResourceQuantity(actual_instance=v) for k, v in limits.items()}
+    env = [
+        models.IoK8sApiCoreV1EnvVar(
+            name=var,
+            valueFrom=models.IoK8sApiCoreV1EnvVarSource(
+                secretKeyRef=models.IoK8sApiCoreV1SecretKeySelector(
+                    name=config.store.secret_name, key=key, optional=config.store.uri.startswith("file://")
+                )
+            ),
+        )
+        for key, var in SECRET_KEYS.items()
+    ]
+    if config.store.endpoint:
+        env.append(models.IoK8sApiCoreV1EnvVar(name="TRACEFP4_S3_ENDPOINT", value=config.store.endpoint))
+    job = models.TrainerV1alpha1TrainJob(
+        apiVersion=f"{GROUP}/{VERSION}",
+        kind="TrainJob",
+        metadata=models.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
+            name=name, namespace=namespace, labels={"app.kubernetes.io/part-of": "tracefp4"}
+        ),
+        spec=models.TrainerV1alpha1TrainJobSpec(
+            runtimeRef=models.TrainerV1alpha1RuntimeRef(
+                name=config.train.trainjob_runtime, kind="ClusterTrainingRuntime", apiGroup=GROUP
+            ),
+            trainer=models.TrainerV1alpha1Trainer(
+                image=config.image,
+                command=["torchrun", "--max-restarts", "0", "-m", MODULE],  # the runtime sets torchrun's PET_* env
+                args=args,
+                env=env,
+                numNodes=config.train.nodes,
+                numProcPerNode=config.train.processes_per_node,
+                resourcesPerNode=models.IoK8sApiCoreV1ResourceRequirements(limits=limits, requests=limits),
+            ),
+        ),
+    )
+    return job.to_dict()
+
+
+class TrainJobRun:
+    """One round's TrainJob: upload the inputs, create, watch, fetch the outputs, delete."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        run_id: str,
+        round_index: int,
+        api: client.ApiClient,
+        namespace: str | None = None,
+        poll_s: float = 5.0,
+    ):
+        self.config, self.run_id, self.round_index = config, run_id, round_index
+        self.api = client.CustomObjectsApi(api)
+        self.poll_s = poll_s
+        self.name = trainjob_name(config, run_id, round_index)
+        self.namespace = namespace or _namespace()
+        self.prefix = f"{store_prefix(config, run_id, 'trainjob')}/round-{round_index:06d}"
+        self.store = open_store(config.store.uri, create_bucket=config.store.create_bucket)
+
+    def uri(self, name: str) -> str:
+        return f"{self.config.store.uri.rstrip('/')}/{self.prefix}/{name}"
+
+    def run(self, policy: Path, trajectories: Path, guidance: Path, out: Path, round_stats: dict, echo=print):
+        """The history rows; the new policy in ``out``. Raises :class:`DistributedError` with the TrainJob's reason."""
+        self.upload(policy, trajectories, guidance, round_stats)
+        args = rank_arguments(
+            self.uri("config.json"),
+            self.uri("policy"),
+            self.uri("trajectories.jsonl"),
+            self.uri("guidance.json"),
+            self.uri("round_stats.json"),
+            self.run_id,
+            self.uri("new-policy"),
+            self.uri("history.json"),
+        )
+        self.create(trainjob(self.config, self.name, self.namespace, args), echo)
+        try:
+            self.wait(echo)
+        finally:
+            self.delete(echo)
+        shutil.copytree(fetch(self.uri("new-policy")), out, dirs_exist_ok=True)
+        return json.loads(self.store.get_bytes(f"{self.prefix}/history.json"))
+
+    def upload(self, policy: Path, trajectories: Path, guidance: Path, round_stats: dict) -> None:
+        put = lambda name, data: self.store.put_bytes(f"{self.prefix}/{name}", data)  # noqa: E731
+        put("config.json", self.config.model_dump_json().encode())
+        put("round_stats.json", json.dumps(round_stats).encode())
+        put("trajectories.jsonl", Path(trajectories).read_bytes())
+        put("guidance.json", Path(guidance).read_bytes())
+        for f in sorted(Path(policy).iterdir(), key=lambda f: f.name == MANIFEST):  # the manifest last: complete
+            put(f"policy/{f.name}", f.read_bytes())
+
+    def create(self, body: dict, echo) -> None:
+        """Create the TrainJob; one left by an earlier attempt of the step is deleted first."""
+        for attempt in range(2):
+            try:
+                self.api.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
+                echo(f"trainjob {self.namespace}/{self.name}: created ({self.config.train.world_size} processes)")
+                return
+            except ApiException as e:
+                if e.status != 409 or attempt:
+                    raise DistributedError(f"creating TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
+                echo(f"trainjob {self.namespace}/{self.name}: left by an earlier attempt, deleting it")
+                self.delete(echo, wait=True)
+
+    def wait(self, echo) -> None:
+        """Until the TrainJob completes; its status changes go to the step's log.
+        Failed, deleted, or not picked up by the Trainer controller within
+        ``train.timeout_seconds`` (Trainer not installed, runtime missing): an error."""
+        start, last = time.monotonic(), None
+        while True:
+            try:
+                job = self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+            except ApiException as e:
+                raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
+            status = job.get("status") or {}
+            summary = _summary(status)
+            if summary != last:
+                echo(f"trainjob {self.namespace}/{self.name}: {summary}")
+                last = summary
+            conditions = {c["type"]: c for c in status.get("conditions", []) if c.get("status") == "True"}
+            if "Complete" in conditions:
+                return
+            if "Failed" in conditions:
+                c = conditions["Failed"]
+                raise DistributedError(
+                    f"TrainJob {self.namespace}/{self.name} failed: {c.get('reason', '?')}: {c.get('message', '')}"
+                )
+            if not status and time.monotonic() - start > self.config.train.timeout_seconds:
+                raise DistributedError(
+                    f"TrainJob {self.namespace}/{self.name} has no status after {self.config.train.timeout_seconds}"
+                    f" s: is Kubeflow Trainer installed with runtime {self.config.train.trainjob_runtime}? "
+                    "(docs/deploy.md)"
+                )
+            time.sleep(self.poll_s)
+
+    def delete(self, echo, wait: bool = False) -> None:
+        try:
+            self.api.delete_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, self.name, propagation_policy="Foreground"
+            )
+        except ApiException as e:
+            if e.status != 404:
+                raise DistributedError(f"deleting TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
+            return
+        echo(f"trainjob {self.namespace}/{self.name}: deleted")
+        while wait:
+            try:
+                self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+            except ApiException as e:
+                if e.status == 404:
+                    return
+                raise
+            time.sleep(self.poll_s)
+
+
+def _namespace() -> str:
+    """The step's own namespace (where the pipeline runner may create TrainJobs)."""
+    path = Path(SERVICE_ACCOUNT_NAMESPACE)
+    if not path.exists():
+        raise DistributedError(f"{path} is missing: a TrainJob is created from a pod inside the cluster")
+    return path.read_text().strip()
+
+
+def _summary(status: dict) -> str:
+    """One line of a TrainJob's status: its true conditions and its jobs' counts."""
+    if not status:
+        return "pending (no status yet)"
+    conditions = [
+        f"{c['type']}({c.get('reason', '')})" for c in status.get("conditions", []) if c.get("status") == "True"
+    ]
+    jobs = [
+        f"{j.get('name')}: " + ", ".join(f"{k} {j[k]}" for k in ("ready", "active", "succeeded", "failed") if j.get(k))
+        for j in status.get("jobsStatus", [])
+    ]
+    return "; ".join(conditions + jobs) or "running"
+
+
+def _reason(e: ApiException) -> str:
+    try:
+        return json.loads(e.body)["message"]
+    except (TypeError, ValueError, KeyError):
+        return f"HTTP {e.status} {e.reason}"

@@ -1,0 +1,267 @@
+"""The train step's Kubeflow Trainer TrainJob: the object it creates validates
+against the Trainer v2.3.0 CRD's OpenAPI schema (tests/data/README.md names
+its source), and the create / watch / fail / delete flow runs against a
+loopback HTTP server that answers those Kubernetes API calls. That server is
+not a cluster: no controller runs the TrainJob; the test plays its status
+(and, for a success, the ranks' outputs in the store)."""
+
+import copy
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from kubernetes import client
+
+from tracefp4.components import steps
+from tracefp4.components.distributed import DistributedError
+from tracefp4.components.model import build_model
+from tracefp4.components.quant import BF16
+from tracefp4.components.store import open_store
+from tracefp4.components.trainer import TrainConfig, Trainer
+from tracefp4.pipelines.trainjob import GROUP, PLURAL, VERSION, TrainJobRun, trainjob, trainjob_name
+from tracefp4.schemas import RunConfig, get_preset
+
+CRD = Path(__file__).parent / "data" / "trainer.kubeflow.org_trainjobs.yaml"
+NAMESPACE = "team-a"
+RUN = "run-tj"
+
+
+def strict(schema: dict) -> dict:
+    """The CRD's structural schema with unknown fields refused (the API server
+    would silently prune them: a misspelled field must fail here instead).
+    CEL rules (x-kubernetes-validations) are not evaluated."""
+    schema = copy.deepcopy(schema)
+
+    def walk(node):
+        if isinstance(node, dict):
+            if "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+                node.setdefault("additionalProperties", False)
+            for value in node.values():
+                walk(value)
+        elif isinstance(node, list):
+            for value in node:
+                walk(value)
+
+    walk(schema)
+    return schema
+
+
+@pytest.fixture(scope="module")
+def validator():
+    crd = yaml.safe_load(CRD.read_text())
+    assert crd["spec"]["group"] == GROUP and crd["spec"]["names"]["plural"] == PLURAL
+    (version,) = [v for v in crd["spec"]["versions"] if v["name"] == VERSION]
+    return jsonschema.Draft7Validator(strict(version["schema"]["openAPIV3Schema"]))
+
+
+def config(tmp_path, **train) -> RunConfig:
+    data = get_preset("smoke").model_dump()
+    data["store"]["uri"] = (tmp_path / "store").as_uri()
+    data["rl"]["microbatch_size"] = 1
+    data["train"] = {"launcher": "trainjob", "nodes": 2, "processes_per_node": 2, "timeout_seconds": 10, **train}
+    data["resources"].update(gpus=1, accelerator_type="nvidia.com/gpu")
+    return RunConfig.model_validate(data)
+
+
+def test_the_trainjob_validates_against_the_trainer_crd(tmp_path, validator):
+    c = config(tmp_path)
+    job = trainjob(c, trainjob_name(c, RUN, 3), NAMESPACE, ["--run-id", RUN])
+    validator.validate(job)
+    trainer = job["spec"]["trainer"]
+    assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 2)
+    assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "1"
+    assert job["spec"]["runtimeRef"] == {
+        "apiGroup": GROUP,
+        "kind": "ClusterTrainingRuntime",
+        "name": "torch-distributed",
+    }
+    # the validator is strict: a misspelled field or a wrong type fails
+    bad = copy.deepcopy(job)
+    bad["spec"]["trainer"]["numProcsPerNode"] = 2
+    with pytest.raises(jsonschema.ValidationError, match="numProcsPerNode"):
+        validator.validate(bad)
+    bad = copy.deepcopy(job)
+    bad["spec"]["trainer"]["numNodes"] = "2"
+    with pytest.raises(jsonschema.ValidationError):
+        validator.validate(bad)
+
+
+def test_trainjob_names_are_dns_labels_stable_per_round(tmp_path):
+    c = config(tmp_path)
+    name = trainjob_name(c, RUN, 12)
+    assert name == trainjob_name(c, RUN, 12) != trainjob_name(c, "other", 12)
+    assert len(name) <= 63 and name.replace("-", "").isalnum() and name.islower()
+
+
+class FakeKubernetes:
+    """Answers the TrainJob calls of the Kubernetes API on 127.0.0.1 (not a
+    cluster): create, get, delete; each get moves the job along ``script``,
+    a list of statuses, the last one repeated."""
+
+    def __init__(self, script: list[dict], on_complete=None):
+        self.script, self.on_complete = script, on_complete
+        self.calls: list[tuple[str, str]] = []
+        self.jobs: dict[str, dict] = {}
+        self.gets = 0
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _answer(self, code: int, body: dict):
+                data = json.dumps(body).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _route(self):
+                base = f"/apis/{GROUP}/{VERSION}/namespaces/{NAMESPACE}/{PLURAL}"
+                path = self.path.split("?")[0]
+                fake.calls.append((self.command, path))
+                if not path.startswith(base):
+                    return None
+                return path[len(base) :].strip("/")
+
+            def do_POST(self):
+                if self._route() != "":
+                    return self._answer(404, {"message": "not found"})
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                name = body["metadata"]["name"]
+                if name in fake.jobs:
+                    return self._answer(409, {"kind": "Status", "message": f'trainjobs "{name}" already exists'})
+                fake.jobs[name] = body
+                self._answer(201, body)
+
+            def do_GET(self):
+                name = self._route()
+                if name not in fake.jobs:
+                    return self._answer(404, {"kind": "Status", "message": f'trainjobs "{name}" not found'})
+                status = fake.script[min(fake.gets, len(fake.script) - 1)]
+                fake.gets += 1
+                if any(c["type"] == "Complete" for c in status.get("conditions", [])) and fake.on_complete:
+                    fake.on_complete(fake.jobs[name])
+                    fake.on_complete = None
+                self._answer(200, {**fake.jobs[name], "status": status})
+
+            def do_DELETE(self):
+                name = self._route()
+                if fake.jobs.pop(name, None) is None:
+                    return self._answer(404, {"kind": "Status", "message": f'trainjobs "{name}" not found'})
+                self._answer(200, {"kind": "Status", "status": "Success"})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def api(self) -> client.ApiClient:
+        cfg = client.Configuration()
+        cfg.host = f"http://127.0.0.1:{self.server.server_address[1]}"
+        return client.ApiClient(cfg)
+
+    def close(self):
+        self.server.shutdown()
+
+
+RUNNING = {"jobsStatus": [{"name": "node", "active": 2, "ready": 2}]}
+FAILED = {
+    "conditions": [{"type": "Failed", "status": "True", "reason": "JobsFailed", "message": "rank 3 exited with 1"}],
+    "jobsStatus": [{"name": "node", "failed": 1}],
+}
+COMPLETE = {"conditions": [{"type": "Complete", "status": "True", "reason": "JobsCompleted", "message": ""}]}
+
+
+def inputs(tmp_path) -> tuple[Path, Path, Path]:
+    policy = Trainer(build_model("smoke"), TrainConfig(), BF16, {}).save(tmp_path / "policy", run_id=RUN)
+    (tmp_path / "trajectories.jsonl").write_text('{"header": {}}\n')
+    (tmp_path / "guidance.json").write_text(json.dumps({"rl_step": 0}))
+    return policy, tmp_path / "trajectories.jsonl", tmp_path / "guidance.json"
+
+
+def test_a_failed_trainjob_fails_the_step_with_its_reason_and_is_deleted(tmp_path, validator):
+    fake = FakeKubernetes([{}, RUNNING, RUNNING, FAILED])
+    c = config(tmp_path)
+    log = []
+    try:
+        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
+        with pytest.raises(DistributedError, match="failed: JobsFailed: rank 3 exited with 1"):
+            job.run(*inputs(tmp_path), tmp_path / "out", {}, echo=log.append)
+    finally:
+        fake.close()
+    methods = [m for m, _ in fake.calls]
+    assert methods[0] == "POST" and methods[-1] == "DELETE" and methods.count("GET") == 4
+    assert not fake.jobs and not (tmp_path / "out").exists()
+    assert any("ready 2, active 2" in line for line in log) and any("Failed(JobsFailed)" in line for line in log)
+    # what was created is a valid TrainJob handing the ranks the round's inputs as store URIs, all uploaded
+    (created,) = [m for m, p in fake.calls if m == "POST"]
+    store = open_store(c.store.uri)
+    prefix = f"{steps.store_prefix(c, RUN, 'trainjob')}/round-000000"
+    assert {"config.json", "trajectories.jsonl", "guidance.json", "policy/checksums.json"} <= {
+        k.removeprefix(prefix + "/") for k in store.list(prefix + "/")
+    }
+
+
+def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, validator):
+    c = config(tmp_path)
+    store = open_store(c.store.uri)
+    prefix = f"{steps.store_prefix(c, RUN, 'trainjob')}/round-000000"
+    seen = []
+
+    def ranks_finished(job):  # what rank 0 uploads at the end (components/distributed.py)
+        validator.validate(job)
+        seen.append(job["spec"]["trainer"]["args"])
+        for f in sorted((tmp_path / "policy").iterdir()):
+            store.put_bytes(f"{prefix}/new-policy/{f.name}", f.read_bytes())
+        store.put_bytes(f"{prefix}/history.json", json.dumps([{"step": 1, "loss": 0.5}]).encode())
+
+    fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_finished)
+    try:
+        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
+        rows = job.run(*inputs(tmp_path), tmp_path / "out", {"rollout_seconds": 1.0}, echo=lambda line: None)
+    finally:
+        fake.close()
+    assert rows == [{"step": 1, "loss": 0.5}]
+    assert (tmp_path / "out" / "config.json").exists() and not fake.jobs
+    args = dict(zip(seen[0][::2], seen[0][1::2]))
+    assert args["--policy"] == f"{c.store.uri}/{prefix}/policy" and args["--run-id"] == RUN
+    assert json.loads(store.get_bytes(f"{prefix}/round_stats.json")) == {"rollout_seconds": 1.0}
+
+
+def test_a_trainjob_left_by_an_earlier_attempt_is_replaced(tmp_path):
+    c = config(tmp_path)
+    fake = FakeKubernetes([FAILED])
+    fake.jobs[trainjob_name(c, RUN, 0)] = {"metadata": {"name": "old"}}
+    log = []
+    try:
+        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
+        with pytest.raises(DistributedError, match="JobsFailed"):
+            job.run(*inputs(tmp_path), tmp_path / "out", {}, echo=log.append)
+    finally:
+        fake.close()
+    assert [m for m, _ in fake.calls][:3] == ["POST", "DELETE", "GET"]
+    assert any("earlier attempt" in line for line in log)
+
+
+def test_a_trainjob_no_controller_picks_up_fails_after_the_timeout(tmp_path):
+    c = config(tmp_path, timeout_seconds=10)
+    fake = FakeKubernetes([{}])
+    try:
+        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.5)
+        with pytest.raises(DistributedError, match="no status after 10 s: is Kubeflow Trainer installed"):
+            job.run(*inputs(tmp_path), tmp_path / "out", {}, echo=lambda line: None)
+    finally:
+        fake.close()
+    assert not fake.jobs  # deleted all the same
+
+
+def test_outside_a_cluster_the_trainjob_launcher_says_so(tmp_path, monkeypatch):
+    from tracefp4.pipelines import trainjob as module
+
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(DistributedError, match="no in-cluster service account.*train.launcher torchrun"):
+        module.in_cluster_api()
