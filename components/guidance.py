@@ -292,6 +292,28 @@ def write_step(
     return manifest
 
 
+def merge_steps(store, rl_step: int, sources: list[str], prefix: str, expect: dict | None = None) -> dict:
+    """One step at ``prefix`` made of the same step at each of ``sources`` (the
+    rollout workers' prefixes): a manifest listing every source's shards where
+    they lie, so that nothing is copied. The sources must agree on what they
+    hold and never share a trajectory. Returns the manifest (written last)."""
+    manifests = [read_manifest(store, rl_step, source, expect) for source in sources]
+    first = manifests[0]
+    same = ("run_id", "policy_version", "top_k", "fmt", "bits", "layers", "sites")
+    for source, m in zip(sources[1:], manifests[1:]):
+        differ = [k for k in same if m[k] != first[k]]
+        if differ:
+            raise GuidanceError(f"{store.uri}/{source}: step {rl_step} differs from {sources[0]}'s in {differ}")
+    shards = [entry for m in manifests for entry in m["shards"]]
+    trajectories = [t for entry in shards for t in entry["trajectories"]]
+    if len(set(trajectories)) != len(trajectories):
+        raise GuidanceError(f"{store.uri}: step {rl_step} of {sources}: a trajectory appears in two sources")
+    manifest = {**{k: v for k, v in first.items() if k != "sha256"}, "shards": shards}
+    manifest["sha256"] = _manifest_digest(manifest)
+    store.put_bytes(f"{step_prefix(prefix, rl_step)}/manifest.json", json.dumps(manifest, indent=1).encode())
+    return manifest
+
+
 def _manifest_digest(manifest: dict) -> str:
     """sha256 of the manifest's canonical JSON without this field: an edited or
     truncated manifest (a shard entry dropped, say) no longer matches."""

@@ -9,6 +9,7 @@ batch.
 """
 
 import copy
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -71,11 +72,19 @@ class Trajectory:
         return self.prompt + self.response
 
 
+def request_seed(seed: int, index: int) -> int:
+    """The sampling seed of request ``index`` of a generate call seeded ``seed``:
+    each request draws from its own generator, so that its tokens do not
+    depend on which other requests share its batch (rollout workers)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode()).digest()[:8], "little") >> 1
+
+
 def sample(
-    logits: Tensor, params: SamplingParams, gen: torch.Generator
+    logits: Tensor, params: SamplingParams, gens: list[torch.Generator]
 ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
-    """Tokens ``[B]`` drawn from ``logits [B, V]``, their log-probabilities, and
-    (with ``record_topk``) the ``(logprobs, ids)`` of the k most likely tokens."""
+    """Tokens ``[B]`` drawn from ``logits [B, V]`` (row b's uniform from
+    ``gens[b]``), their log-probabilities, and (with ``record_topk``) the
+    ``(logprobs, ids)`` of the k most likely tokens."""
     logits = logits.float()
     scaled = logits / params.temperature if params.temperature > 0 else logits
     logprobs = F.log_softmax(scaled, -1)
@@ -91,7 +100,7 @@ def sample(
             drop = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest set reaching top_p
             scaled = scaled.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
         cdf = scaled.softmax(-1).cumsum(-1)  # inverse-CDF draw: one uniform per row
-        u = torch.rand(cdf.shape[0], 1, generator=gen, device=cdf.device) * cdf[:, -1:]
+        u = torch.cat([torch.rand(1, 1, generator=g, device=cdf.device) for g in gens]) * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=cdf.shape[-1] - 1)
     topk = torch.topk(logprobs, params.record_topk, -1) if params.record_topk else None
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0], topk
@@ -245,25 +254,31 @@ class TorchEngine:
         return self.capture.drain()
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[Trajectory]:
-        """Sample one response per prompt."""
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingParams, first: int | None = None
+    ) -> list[Trajectory]:
+        """Sample one response per prompt. Prompt i is request ``first + i``
+        (default: numbered on from the last call): its trajectory id, and with
+        ``sampling.seed`` what seeds its draws, so that a request gives the
+        same response whatever else is in the batch."""
         self._check(prompts)
         dev, b = self.device, len(prompts)
-        ids = torch.arange(self._next_id, self._next_id + b, device=dev)
-        self._next_id += b
+        first = self._next_id if first is None else first
+        ids = torch.arange(first, first + b, device=dev)
+        self._next_id = first + b
         out = [Trajectory(i, list(p), [], [], "") for i, p in zip(ids.tolist(), prompts)]  # filled step by step
         if sampling.record_topk:
             for request in out:
                 request.topk_ids, request.topk_logprobs = [], []
         tokens, positions, lengths = right_pad(prompts, device=dev)
         cache = KVCache(self.model.cfg, b, tokens.shape[1] + sampling.max_new_tokens, self.sites, self.dtype, dev)
-        gen = torch.Generator(device=dev).manual_seed(sampling.seed)
+        gens = [torch.Generator(device=dev).manual_seed(request_seed(sampling.seed, i)) for i in ids.tolist()]
         stop = torch.tensor(sampling.stop_tokens or [-1], device=dev)
 
         logits = self._prefill(tokens, positions, lengths, ids, cache)
         rows = torch.arange(b, device=dev)  # the request (index into out) each batch row holds
         for step in range(sampling.max_new_tokens):
-            new = self._sample(logits, sampling, gen, [out[i] for i in rows.tolist()])
+            new = self._sample(logits, sampling, [gens[i] for i in rows.tolist()], [out[i] for i in rows.tolist()])
             lengths = lengths + 1  # sequence length including the new token
             stopped = torch.isin(new, stop)
             done = stopped | (step + 1 == sampling.max_new_tokens)
@@ -303,9 +318,12 @@ class TorchEngine:
         return self._forward(new[:, None], (lengths - 1)[:, None], lengths, ids, cache)[:, 0]
 
     @staticmethod
-    def _sample(logits: Tensor, sampling: SamplingParams, gen: torch.Generator, requests: list[Trajectory]) -> Tensor:
-        """Draw a token per row and append it, its logprob and top-k to row r's ``requests[r]``."""
-        new, logprobs, top = sample(logits, sampling, gen)
+    def _sample(
+        logits: Tensor, sampling: SamplingParams, gens: list[torch.Generator], requests: list[Trajectory]
+    ) -> Tensor:
+        """Draw a token per row (from its request's generator) and append it, its logprob and top-k to row r's
+        ``requests[r]``."""
+        new, logprobs, top = sample(logits, sampling, gens)
         for row, (request, token, logprob) in enumerate(zip(requests, new.tolist(), logprobs.tolist())):
             request.response.append(token)
             request.logprobs.append(logprob)

@@ -27,7 +27,16 @@ from . import bootstrap as sft
 from .capture import CaptureConfig, CaptureRecords
 from .checkpoint import fetch, load_model
 from .device import resolve
-from .guidance import GuidanceRef, compact, compaction_report, encode_scales, read_step, select_layers, write_step
+from .guidance import (
+    GuidanceRef,
+    compact,
+    compaction_report,
+    encode_scales,
+    merge_steps,
+    read_step,
+    select_layers,
+    write_step,
+)
 from .mismatch import teacher_force
 from .model import build_model
 from .quant import BF16, QuantConfig, rollout_config
@@ -235,12 +244,23 @@ def policy_version(policy: Path, run_id: str) -> int:
     return state["step"]
 
 
-def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id: str = "") -> dict:
+def worker_prefix(prefix: str, config: RunConfig, worker: int) -> str:
+    """Where rollout worker ``worker`` writes its capture (the run's own prefix with one worker)."""
+    return f"{prefix}/worker-{worker:03d}" if config.rollout.workers > 1 else prefix
+
+
+def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id: str = "", worker: int = 0) -> dict:
     """``steps_per_round`` steps' worth of trajectories from the current policy,
     to ``out`` (JSON lines behind a header); for trace (and when measuring
     mismatch), the capture goes to the store (step ``round_index``): full for
     offline compaction, already compacted inline. Returns the round's rollout
-    figures (time, tokens, capture overhead, upload)."""
+    figures (time, tokens, capture overhead, upload). With ``rollout.workers``
+    N > 1 this is worker ``worker``'s share: a contiguous slice of every RL
+    step's responses, numbered and seeded by their place in the round, so the
+    N shares (:func:`gather`) are what one worker rolls out."""
+    workers = config.rollout.workers
+    if not 0 <= worker < workers:
+        raise ValueError(f"rollout worker {worker} of {workers}")
     device = step_device(config)
     version = policy_version(policy, run_id)
     tokenizer = load_tokenizer(policy)
@@ -248,13 +268,15 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
     chosen = training_problems(config, round_index, steps * config.rollout.prompts_per_step)
     batch = [p for p in chosen for _ in range(config.rollout.group_size)]
     engine = _engine(config, policy, capture=_captures(config), device=device)
-    prompts = [encode(tokenizer, format_example(p), bos=True) for p in batch]
-    per_step = len(prompts) // steps
-    trajectories = []
+    per_step = len(batch) // steps
+    trajectories, mine = [], []
     start = time.perf_counter()
-    for s in range(steps):  # one RL step's batch per generate call
+    for s in range(steps):  # one RL step's batch (this worker's share of it) per generate call
+        lo, hi = s * per_step + per_step * worker // workers, s * per_step + per_step * (worker + 1) // workers
         params = sampling(config, config.seed + round_index * steps + s, tokenizer)
-        trajectories += engine.generate(prompts[s * per_step : (s + 1) * per_step], params)
+        prompts = [encode(tokenizer, format_example(p), bos=True) for p in batch[lo:hi]]
+        trajectories += engine.generate(prompts, params, first=lo)
+        mine += batch[lo:hi]
     records = engine.drain_capture() if engine.capture is not None else None  # the drain is part of the rollout
     stats = {f"rollout_{key}": value for key, value in throughput(trajectories, time.perf_counter() - start).items()}
     stats.update(capture_overhead_ratio=None, offload_seconds=None, upload_seconds=None)
@@ -270,7 +292,7 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
             rl_step=round_index,
             policy_version=version,
             top_k=engine.model.cfg.top_k,
-            prefix=store_prefix(config, run_id, "guidance" if _inline(config) else "capture"),
+            prefix=worker_prefix(store_prefix(config, run_id, _capture_kind(config)), config, worker),
             trajectories_per_shard=config.guidance.trajectories_per_shard,
             run_id=run_id,
         )
@@ -283,7 +305,50 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
         "global_scales": encode_scales(engine.global_scales),
         "top_k": engine.model.cfg.top_k,
     }
-    write_trajectories(Path(out), header, trajectories, batch)
+    write_trajectories(Path(out), header, trajectories, mine)
+    return stats
+
+
+def _capture_kind(config: RunConfig) -> str:
+    """What the rollout writes to the store: guidance (compacted inline) or the full capture."""
+    return "guidance" if _inline(config) else "capture"
+
+
+def gather(
+    config: RunConfig, parts: list[Path], part_stats: list[dict], round_index: int, out: Path, run_id: str = ""
+) -> dict:
+    """The round's trajectories from its rollout workers' ``parts`` (any
+    order), in the order one worker writes them, to ``out``; their figures
+    (``part_stats``) combined: tokens summed, times the slowest worker's."""
+    headers, rows = [], []
+    for part in parts:
+        header, trajectories, batch = read_trajectories(part, run_id, round_index)
+        headers.append(header)
+        rows += zip(trajectories, batch)
+    differ = [k for k in headers[0] if any(h[k] != headers[0][k] for h in headers[1:])]
+    if differ:
+        raise RunMismatch(f"rollout workers of round {round_index} disagree on {differ}")
+    rows.sort(key=lambda row: row[0].id)
+    expected = config.rl.steps_per_round * config.rollout.prompts_per_step * config.rollout.group_size
+    if [t.id for t, _ in rows] != list(range(expected)):
+        raise RunMismatch(
+            f"rollout workers of round {round_index}: trajectories {[t.id for t, _ in rows]}, "
+            f"expected 0..{expected - 1} once each"
+        )
+    write_trajectories(Path(out), headers[0], [t for t, _ in rows], [p for _, p in rows])
+    slowest = max(s["rollout_seconds"] for s in part_stats)
+    stats = {
+        "rollout_seconds": slowest,
+        "rollout_tokens": sum(s["rollout_tokens"] for s in part_stats),
+        "capture_overhead_ratio": None,
+        "offload_seconds": None,
+        "upload_seconds": None,
+    }
+    stats["rollout_tokens_per_second"] = stats["rollout_tokens"] / slowest
+    for key in ("capture_overhead_ratio", "offload_seconds", "upload_seconds"):
+        values = [s[key] for s in part_stats if s.get(key) is not None]
+        if values:
+            stats[key] = max(values)
     return stats
 
 
@@ -338,11 +403,15 @@ def compaction(
         header["global_scales"],
         top_k=header["top_k"],
     )
+    expect = {"run_id": run_id, "policy_version": header["policy_version"]}
+    if config.rollout.workers > 1 and _captures(config):  # one step of every worker's shards, where they lie
+        kind = store_prefix(config, run_id, _capture_kind(config))
+        sources = [worker_prefix(kind, config, w) for w in range(config.rollout.workers)]
+        merge_steps(_store(config), round_index, sources, kind, expect)
     if config.method != "trace":
         return ref, stats
     start = time.perf_counter()
     store = _store(config)
-    expect = {"run_id": run_id, "policy_version": header["policy_version"]}
     prefix = store_prefix(config, run_id, "guidance")
     if _inline(config):
         kept = read_step(store, round_index, prefix, expect)

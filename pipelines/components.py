@@ -50,14 +50,54 @@ def prepare(
     return run_id
 
 
-def rollout(config_json: str, run_id: str, round_index: int, policy: Input[Model], trajectories: Output[Dataset]):
-    """A round of FP4 rollout; the capture goes to the store, the round's figures to the trajectories' metadata."""
+def rollout(
+    config_json: str,
+    run_id: str,
+    round_index: int,
+    policy: Input[Model],
+    trajectories: Output[Dataset],
+    worker: int = 0,
+):
+    """A round of FP4 rollout (with ``rollout.workers`` > 1, worker ``worker``'s
+    share); the capture goes to the store, the figures to the trajectories' metadata."""
     from tracefp4.components import metrics as run_metrics
     from tracefp4.components import steps
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
-    stats = steps.rollout(config, policy.path, round_index, trajectories.path, run_id)
+    stats = steps.rollout(config, policy.path, round_index, trajectories.path, run_id, worker)
+    trajectories.metadata.update(round=round_index, worker=worker, **stats)
+    if config.rollout.workers == 1:  # workers' figures are published once combined, by gather
+        run_metrics.publish(config, run_id, "rollout", round_index, stats)
+
+
+def rollout_workers(config_json: str, run_id: str, round_index: int) -> list:
+    """The round's rollout workers, one loop item each. The items carry the
+    config and run id themselves: kfp.local hands a loop's tasks the loop item
+    in place of any other task's parameter output passed into the loop."""
+    import json
+
+    workers = json.loads(config_json)["rollout"]["workers"]
+    return [
+        {"config_json": config_json, "run_id": run_id, "round_index": round_index, "worker": w} for w in range(workers)
+    ]
+
+
+def gather(
+    config_json: str,
+    run_id: str,
+    round_index: int,
+    parts: Input[list[Dataset]],
+    trajectories: Output[Dataset],
+):
+    """The round's trajectories from every rollout worker, in one worker's order, with their figures combined."""
+    from tracefp4.components import metrics as run_metrics
+    from tracefp4.components import steps
+    from tracefp4.schemas import RunConfig
+
+    config = RunConfig.model_validate_json(config_json)
+    part_stats = [dict(part.metadata) for part in parts]
+    stats = steps.gather(config, [part.path for part in parts], part_stats, round_index, trajectories.path, run_id)
     trajectories.metadata.update(round=round_index, **stats)
     run_metrics.publish(config, run_id, "rollout", round_index, stats)
 
@@ -111,7 +151,6 @@ def train(
     from tracefp4.components import steps
     from tracefp4.components.guidance import GuidanceRef
     from tracefp4.pipelines.resume import write_metrics
-    from tracefp4.pipelines.trainjob import distributed_train
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
@@ -120,7 +159,9 @@ def train(
     round_stats = {**trajectories.metadata, **guidance.metadata}
     if config.train.world_size == 1:
         rows = steps.train(config, policy.path, trajectories.path, ref, new_policy.path, run_id, round_stats)
-    else:
+    else:  # torchrun or a TrainJob (train.launcher)
+        from tracefp4.pipelines.trainjob import distributed_train
+
         rows = distributed_train(
             config, policy.path, trajectories.path, guidance.path, new_policy.path, run_id, round_stats
         )
@@ -206,6 +247,8 @@ def compare(
 class Components:
     prepare: object
     rollout: object
+    rollout_workers: object
+    gather: object
     compaction: object
     train: object
     evaluate: object
@@ -216,4 +259,5 @@ class Components:
 def make_components(image: str) -> Components:
     """The components, built on ``image`` (which holds tracefp4 and its dependencies)."""
     make = dsl.component(base_image=image, install_kfp_package=False)
-    return Components(*(make(f) for f in (prepare, rollout, compaction, train, evaluate, report, compare)))
+    functions = (prepare, rollout, rollout_workers, gather, compaction, train, evaluate, report, compare)
+    return Components(*(make(f) for f in functions))

@@ -28,14 +28,10 @@ from kfp import compiler, dsl, kubernetes
 from kfp.dsl import Markdown
 
 from tracefp4.schemas import Method, RunConfig, schema_hash
+from tracefp4.schemas.config import SECRET_KEYS
 
 from . import parameters as run_parameters
 from .components import make_components
-
-SECRET_KEYS = {
-    "accesskey": "TRACEFP4_S3_ACCESS_KEY",
-    "secretkey": "TRACEFP4_S3_SECRET_KEY",
-}  # KFP's MinIO secret layout
 
 
 def pipeline_name(config: RunConfig) -> str:
@@ -135,8 +131,7 @@ def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
     run_id = prep.outputs["Output"]  # resolved once; with the round and component, the key of the pushed metrics
     policy, history = prep.outputs["policy"], prep.outputs["history"]
     for r in range(config.rl.rounds):
-        roll = configure(c.rollout(config_json=config_json, run_id=run_id, round_index=r, policy=policy))
-        trajectories = roll.outputs["trajectories"]
+        trajectories = _rollout(c, configure, config, config_json, run_id, r, policy)
         guide = configure(
             c.compaction(
                 config_json=config_json, run_id=run_id, round_index=r, policy=policy, trajectories=trajectories
@@ -155,6 +150,29 @@ def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
         policy, history = step.outputs["new_policy"], step.outputs["history"]
     ev = configure(c.evaluate(config_json=config_json, run_id=run_id, policy=policy, initial=prep.outputs["policy"]))
     return history, ev.outputs["results"]
+
+
+def _rollout(c, configure, config: RunConfig, config_json, run_id, round_index: int, policy):
+    """Round ``round_index``'s trajectories artifact: one rollout task, or
+    ``rollout.workers`` in parallel gathered into one."""
+    if config.rollout.workers == 1:
+        return configure(
+            c.rollout(config_json=config_json, run_id=run_id, round_index=round_index, policy=policy)
+        ).outputs["trajectories"]
+    workers = configure(c.rollout_workers(config_json=config_json, run_id=run_id, round_index=round_index))
+    with dsl.ParallelFor(workers.output) as item:  # the config and run id ride on the item (see rollout_workers)
+        part = configure(
+            c.rollout(
+                config_json=item.config_json,
+                run_id=item.run_id,
+                round_index=item.round_index,
+                worker=item.worker,
+                policy=policy,
+            )
+        )
+    parts = dsl.Collected(part.outputs["trajectories"])
+    merged = configure(c.gather(config_json=config_json, run_id=run_id, round_index=round_index, parts=parts))
+    return merged.outputs["trajectories"]
 
 
 def check_methods(methods: list[str]) -> list[str]:

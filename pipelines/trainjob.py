@@ -34,8 +34,7 @@ from tracefp4.components.launch import MODULE, rank_arguments, torchrun
 from tracefp4.components.steps import store_prefix
 from tracefp4.components.store import open_store
 from tracefp4.schemas import RunConfig
-
-from .pipeline import SECRET_KEYS
+from tracefp4.schemas.config import SECRET_KEYS
 
 GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"

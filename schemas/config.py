@@ -42,6 +42,8 @@ Schedule = Literal["on_policy", "off_policy"]
 
 # The only source of the S3 credentials; the store backend reads the same names.
 SECRET_ENV = {"access_key": "TRACEFP4_S3_ACCESS_KEY", "secret_key": "TRACEFP4_S3_SECRET_KEY"}
+# The Kubernetes secret `store.secret_name` in KFP's MinIO layout: its key -> the variable a step reads.
+SECRET_KEYS = {"accesskey": SECRET_ENV["access_key"], "secretkey": SECRET_ENV["secret_key"]}
 
 STORE_URI_PATTERN = r"^(file|s3|minio)://\S+$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
@@ -149,6 +151,14 @@ class RolloutConfig(_Section):
         le=1 << 22,
         description="Rows of each capture buffer (token rows per forward before "
         "offload). Bounded: held in memory at once.",
+    )
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="Rollout tasks per round, each with its own engine and capture shards, run in parallel "
+        "(dsl.ParallelFor); each takes a contiguous share of every RL step's prompts. Every response is seeded by "
+        "its place in the round, so any number of workers rolls out the same trajectories as one.",
     )
     quads_compensated_channels: int = Field(
         default=8,
@@ -494,6 +504,12 @@ class RunConfig(_Section):
             if t.test_size < share
         ]
         problems += self._train_problems()
+        per_step = self.rollout.prompts_per_step * self.rollout.group_size
+        if self.rollout.workers > per_step:
+            problems.append(
+                f"rollout.workers: {self.rollout.workers} workers, but an RL step rolls out only {per_step} "
+                "responses (rollout.prompts_per_step x group_size): a worker would have none"
+            )
         if self.rl.measure_mismatch and self.guidance.compaction != "offline":
             problems.append("rl.measure_mismatch: needs the rollout's full capture, so guidance.compaction offline")
         if self.model.preset is not None:  # a checkpoint's depth is checked when prepare reads its config

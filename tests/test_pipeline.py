@@ -292,3 +292,40 @@ def test_bootstrap_command_writes_a_bootstrapped_checkpoint(tmp_path):
     assert result.exit_code == 0, result.output
     assert "2 SFT steps" in result.output and "greedy test accuracy" in result.output
     assert load_model(tmp_path / "base").cfg.num_layers == 2 and (tmp_path / "base" / "tokenizer.json").exists()
+
+
+def test_rollout_workers_and_training_processes_through_kfp_local_match_one_of_each(tmp_path):
+    """smoke with rollout.workers 2 and train.processes_per_node 2 (torchrun,
+    gloo) against the same run with one of each: the same trajectories, the
+    same step loss and coverage, the same policy up to float32 summation order."""
+    import torch
+
+    def run(name, workers, processes):
+        config = load_config(
+            None,
+            preset="smoke",
+            overrides={"rl.microbatch_size": 2, "rollout.workers": workers, "train.processes_per_node": processes},
+        )
+        out = tmp_path / name
+        run_local(config, out)
+        root = next((out / "pipeline_root").iterdir())
+        return root
+
+    one, two = run("one", 1, 1), run("two", 2, 2)
+    assert {p.name for p in two.iterdir()} >= {"rollout-workers", "for-loop-1-iteration-1", "gather"}
+    single = [json.loads(line) for line in (one / "rollout" / "trajectories").read_text().splitlines()[1:]]
+    gathered = [json.loads(line) for line in (two / "gather" / "trajectories").read_text().splitlines()[1:]]
+    assert len(gathered) == len(single) == 4
+    for a, b in zip(single, gathered):  # the same requests, tokens and problems; log-probs to float32 rounding
+        # (the smoke policy computes in float32 on the CPU, where a matmul's rounding depends on the batch's size)
+        assert b["problem"] == a["problem"]
+        assert {k: v for k, v in b["trajectory"].items() if k != "logprobs"} == {
+            k: v for k, v in a["trajectory"].items() if k != "logprobs"
+        }
+        assert b["trajectory"]["logprobs"] == pytest.approx(a["trajectory"]["logprobs"], abs=1e-6)
+    h1, h2 = (json.loads((root / "train" / "history").read_text().splitlines()[0]) for root in (one, two))
+    assert h2["loss"] == pytest.approx(h1["loss"], rel=1e-4, abs=1e-6)
+    assert h2["guidance_coverage"] == h1["guidance_coverage"] > 0.9
+    p1, p2 = (load_model(root / "train" / "new_policy").state_dict() for root in (one, two))
+    for name in p1:
+        torch.testing.assert_close(p2[name], p1[name], rtol=1e-5, atol=1e-6)

@@ -1,0 +1,87 @@
+"""Rollout workers: a round's prompts split over N workers, each with its own
+engine and capture shards, give the trajectories one worker gives (each
+response is numbered and seeded by its place in the round), and compaction
+reads every worker's shards."""
+
+import pytest
+
+from tracefp4.components import steps
+from tracefp4.components.guidance import GuidanceError, merge_steps, read_manifest
+from tracefp4.components.store import open_store
+from tracefp4.schemas import RunConfig, get_preset
+
+RUN = "run-w"
+
+
+def config(tmp_path, workers: int, **guidance) -> RunConfig:
+    data = get_preset("smoke").model_dump()
+    data["store"]["uri"] = (tmp_path / f"store-{workers}").as_uri()
+    data["model"]["dtype"] = "bfloat16"
+    data["rollout"].update(workers=workers, prompts_per_step=3)  # 6 responses per step: uneven over 4 workers
+    data["rl"].update(microbatch_size=2, steps_per_round=2, schedule="off_policy")
+    data["guidance"].update(guidance)
+    data["bootstrap"]["enabled"] = False
+    return RunConfig.model_validate(data)
+
+
+@pytest.fixture(scope="module")
+def policy(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("workers")
+    steps.prepare(config(tmp, 1), tmp / "policy", RUN)
+    return tmp / "policy"
+
+
+def roll(tmp_path, policy, workers: int, **guidance):
+    c = config(tmp_path, workers, **guidance)
+    if workers == 1:
+        stats = steps.rollout(c, policy, 0, tmp_path / "one.jsonl", RUN)
+        return c, tmp_path / "one.jsonl", stats
+    parts = [tmp_path / f"part-{w}.jsonl" for w in range(workers)]
+    part_stats = [steps.rollout(c, policy, 0, part, RUN, worker=w) for w, part in enumerate(parts)]
+    stats = steps.gather(c, parts[::-1], part_stats[::-1], 0, tmp_path / "all.jsonl", RUN)  # any order
+    return c, tmp_path / "all.jsonl", stats
+
+
+@pytest.mark.parametrize("compaction", ["inline", "offline"])
+def test_four_workers_roll_out_what_one_does_and_compaction_reads_all_their_shards(tmp_path, policy, compaction):
+    c1, one, _ = roll(tmp_path, policy, 1, compaction=compaction)
+    c4, four, stats = roll(tmp_path, policy, 4, compaction=compaction)
+    _, a, pa = steps.read_trajectories(one, RUN, 0)
+    _, b, pb = steps.read_trajectories(four, RUN, 0)
+    assert len(a) == 12 and a == b and pa == pb  # ids, tokens, log-probs (bf16: exact), problems
+    assert stats["rollout_tokens"] == sum(len(t.response) for t in a)
+    # every worker wrote its own shards; compaction's step lists all of them, none copied
+    store = open_store(c4.store.uri)
+    kind = "guidance" if compaction == "inline" else "capture"
+    for w in range(4):
+        assert read_manifest(store, 0, steps.worker_prefix(steps.store_prefix(c4, RUN, kind), c4, w))["shards"]
+    ref1, s1 = steps.compaction(c1, policy, one, 0, RUN)
+    ref4, s4 = steps.compaction(c4, policy, four, 0, RUN)
+    assert (ref4.layers, ref4.sites, s4["guidance_bytes"]) == (ref1.layers, ref1.sites, s1["guidance_bytes"])
+    merged = read_manifest(store, 0, steps.store_prefix(c4, RUN, kind))
+    assert sorted(t for e in merged["shards"] for t in e["trajectories"]) == list(range(12))
+    assert any("/worker-003/" in e["key"] for e in merged["shards"])
+    loader = ref4.loader(store, [[t.id for t in b[:6]], [t.id for t in b[6:]]])
+    assert [len(mb.trajectories) for mb in loader] == [6, 6] and loader.fallback_trajectories == 0
+
+
+def test_a_missing_or_mismatched_worker_is_refused(tmp_path, policy):
+    c, _, _ = roll(tmp_path, policy, 2)
+    store = open_store(c.store.uri)
+    kind = steps.store_prefix(c, RUN, "guidance")
+    sources = [steps.worker_prefix(kind, c, w) for w in range(2)]
+    with pytest.raises(GuidanceError, match="no manifest"):
+        merge_steps(store, 0, sources + [f"{kind}/worker-002"], kind)
+    with pytest.raises(GuidanceError, match="appears in two sources"):
+        merge_steps(store, 0, [sources[0], sources[0]], kind)
+    with pytest.raises(steps.RunMismatch, match="expected 0..11 once each"):
+        steps.gather(
+            c, [tmp_path / "part-0.jsonl"], [{"rollout_seconds": 1, "rollout_tokens": 1}], 0, tmp_path / "x", RUN
+        )
+
+
+def test_more_workers_than_responses_are_refused_by_the_schema(tmp_path):
+    data = config(tmp_path, 1).model_dump()
+    data["rollout"]["workers"] = 7
+    with pytest.raises(ValueError, match="a worker would have none"):
+        RunConfig.model_validate(data)
