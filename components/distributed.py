@@ -53,6 +53,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from .checkpoint import fetch, load_model, load_state, save_model
+from .device import resolve
 from .model import Transformer
 from .quant import QuantConfig
 from .store import ArtifactStore, open_store
@@ -67,12 +68,20 @@ class DistributedError(RuntimeError):
     """A distributed run that cannot go on as configured."""
 
 
-def init_process_group(timeout_s: float) -> None:
+def init_process_group(config):
     """Join the process group torchrun (or a TrainJob) describes in the
-    environment; gloo on CPU, NCCL on CUDA. A collective that waits longer than
-    ``timeout_s`` (a rank died or hangs) raises instead of waiting forever."""
-    backend = "nccl" if torch.cuda.is_available() and os.environ.get("TRACEFP4_DEVICE", "") != "cpu" else "gloo"
-    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+    environment: gloo on CPU; on CUDA, NCCL with this rank on GPU
+    ``LOCAL_RANK`` of its node. A collective that waits longer than
+    ``train.timeout_seconds`` (a rank died or hangs) raises instead of waiting
+    forever. Returns the config with this rank's device."""
+    device = resolve(config.resources.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        config = config.model_copy(update={"resources": config.resources.model_copy(update={"device": str(device)})})
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=config.train.timeout_seconds))
+    return config
 
 
 def mixed_precision() -> MixedPrecisionPolicy:
@@ -280,8 +289,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="tracefp4-rank-") as tmp:
         work = Path(tmp)
-        config = RunConfig.model_validate_json(_local(args.config, work).read_text())
-        init_process_group(config.train.timeout_seconds)
+        config = init_process_group(RunConfig.model_validate_json(_local(args.config, work).read_text()))
         try:
             guidance_file = _local(args.guidance, work)
             ref = GuidanceRef.from_json(guidance_file.read_text(), args.guidance)

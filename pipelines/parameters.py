@@ -8,7 +8,8 @@ pipeline input named by its flattened path (``rl.learning_rate`` ->
 Literal is a str whose description names the allowed values; a list or a
 union as JSON), with the preset's value as default and the field's
 description. Fields that shape the DAG or the pods are not parameters: the run
-name, ``rl.rounds`` (rounds are unrolled), the image, the resources, the store
+name, ``rl.rounds`` (rounds are unrolled), ``rollout.workers`` (a loop of
+rollout tasks or one), the image, the resources, the store
 (its scheme decides whether credentials are mounted) and, in a comparison, the
 method. They stay as compiled, and the pipeline version's description names
 them.
@@ -30,7 +31,7 @@ import pydantic
 from tracefp4.schemas import ConfigError, RunConfig
 
 # Dotted paths (or section prefixes) fixed at compile time.
-DAG_FIELDS = ("name", "image", "rl.rounds", "resources", "store")
+DAG_FIELDS = ("name", "image", "rl.rounds", "rollout.workers", "resources", "store")
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ def fixed_fields(config: RunConfig, methods: list[str] | None = None) -> str:
     r = config.resources
     fixed = [
         f"rounds {config.rl.rounds}",
+        f"rollout workers {config.rollout.workers}",
         f"image {config.image}",
         f"store {config.store.uri}",
         f"resources cpu {r.cpu}, memory {r.memory}, gpus {r.gpus}",
