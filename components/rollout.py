@@ -73,9 +73,9 @@ class Trajectory:
 
 
 def request_seed(seed: int, index: int) -> int:
-    """The sampling seed of request ``index`` of a generate call seeded ``seed``:
-    each request draws from its own generator, so that its tokens do not
-    depend on which other requests share its batch (rollout workers)."""
+    """The sampling seed of the request at place ``index`` of a batch seeded
+    ``seed``: each request draws from its own generator, so that its tokens do
+    not depend on which other requests share its call (rollout workers)."""
     return int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode()).digest()[:8], "little") >> 1
 
 
@@ -255,12 +255,13 @@ class TorchEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, first: int | None = None
+        self, prompts: list[list[int]], sampling: SamplingParams, first: int | None = None, place: int = 0
     ) -> list[Trajectory]:
-        """Sample one response per prompt. Prompt i is request ``first + i``
-        (default: numbered on from the last call): its trajectory id, and with
-        ``sampling.seed`` what seeds its draws, so that a request gives the
-        same response whatever else is in the batch."""
+        """Sample one response per prompt. Prompt i gets trajectory id
+        ``first + i`` (default: numbered on from the last call) and draws from
+        its own generator, seeded by ``sampling.seed`` and its place ``place + i``
+        in its batch: a request gives the same response whatever else shares
+        the call (a batch split over rollout workers passes each share's place)."""
         self._check(prompts)
         dev, b = self.device, len(prompts)
         first = self._next_id if first is None else first
@@ -272,7 +273,7 @@ class TorchEngine:
                 request.topk_ids, request.topk_logprobs = [], []
         tokens, positions, lengths = right_pad(prompts, device=dev)
         cache = KVCache(self.model.cfg, b, tokens.shape[1] + sampling.max_new_tokens, self.sites, self.dtype, dev)
-        gens = [torch.Generator(device=dev).manual_seed(request_seed(sampling.seed, i)) for i in ids.tolist()]
+        gens = [torch.Generator(device=dev).manual_seed(request_seed(sampling.seed, place + i)) for i in range(b)]
         stop = torch.tensor(sampling.stop_tokens or [-1], device=dev)
 
         logits = self._prefill(tokens, positions, lengths, ids, cache)

@@ -275,7 +275,7 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
         lo, hi = s * per_step + per_step * worker // workers, s * per_step + per_step * (worker + 1) // workers
         params = sampling(config, config.seed + round_index * steps + s, tokenizer)
         prompts = [encode(tokenizer, format_example(p), bos=True) for p in batch[lo:hi]]
-        trajectories += engine.generate(prompts, params, first=lo)
+        trajectories += engine.generate(prompts, params, first=lo, place=lo - s * per_step)
         mine += batch[lo:hi]
     records = engine.drain_capture() if engine.capture is not None else None  # the drain is part of the rollout
     stats = {f"rollout_{key}": value for key, value in throughput(trajectories, time.perf_counter() - start).items()}
