@@ -23,10 +23,11 @@ come as paths or store URIs. How it works:
 - after each RL step the sharded state (weights, optimizer, the round's
   history so far) goes to the store through torch.distributed.checkpoint,
   the ``.metadata`` object last: a step whose ``.metadata`` is missing is
-  incomplete and never read. A rerun of the round resumes from its last
-  complete step; at the end rank 0 writes the consolidated policy (the
-  Hugging Face folder with the optimizer state, what one process writes)
-  atomically.
+  incomplete and never read, and the step before is deleted once the new
+  one is complete. A rerun of the round resumes from its last complete step;
+  at the end rank 0 writes the consolidated policy (the Hugging Face folder
+  with the optimizer state, what one process writes) atomically, and the
+  round's sharded checkpoints are deleted.
 """
 
 import argparse
@@ -213,7 +214,17 @@ class ShardCheckpoints:
                 meta = {"run_id": self.run_id, "start_version": self.start_version, "step": trainer.step}
                 self.store.put_bytes(f"{key}/{HISTORY}", json.dumps({**meta, "history": history}).encode())
                 self.store.put_bytes(f"{key}/{METADATA}", (Path(local) / METADATA).read_bytes())  # complete
+                self.clear(keep=trainer.step)
         dist.barrier()
+
+    def clear(self, keep: int | None = None) -> None:
+        """Delete the round's checkpoints but the one at version ``keep``; each
+        loses its ``.metadata`` first, so that a half-deleted one is never read."""
+        keys = [
+            k for k in self.store.list(self.prefix + "/") if keep is None or not k.startswith(self._key(keep) + "/")
+        ]
+        for key in sorted(keys, key=lambda k: not k.endswith("/" + METADATA)):
+            self.store.delete(key)
 
     def load(self, trainer: DistributedTrainer, version: int) -> None:
         """Resume ``trainer`` (on every rank) from the complete checkpoint at ``version``."""
@@ -309,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             if dist.get_rank() == 0:
                 _publish(out, args.out if remote else None, rows, args.history, work)
+                ShardCheckpoints(store, prefix, args.run_id, 0).clear()  # the round's policy is out: no resume needed
             dist.barrier()
         finally:
             dist.destroy_process_group()

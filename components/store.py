@@ -120,6 +120,10 @@ class ArtifactStore(ABC):
     def list(self, prefix: str = "") -> list[str]:
         """Sorted keys starting with ``prefix``."""
 
+    @abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object; a missing one is no error."""
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
 
@@ -188,6 +192,12 @@ class LocalStore(ArtifactStore):
                 if key.startswith(prefix):
                     keys.append(key)
         return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        try:
+            self._path(key).unlink(missing_ok=True)
+        except OSError as e:
+            raise self._error("delete", key, e) from e
 
 
 def _s3_settings(uri: str, env: Mapping[str, str]) -> dict:
@@ -392,6 +402,10 @@ class S3Store(ArtifactStore):
             return [o.object_name for o in objects if not o.is_dir and not o.object_name.endswith("/")]
 
         return sorted(name[len(root) :] for name in self._call("list", prefix, names))
+
+    def delete(self, key: str) -> None:
+        name = self._name(key)
+        self._call("delete", key, lambda: self._client.remove_object(self.bucket, name))  # S3: missing is no error
 
 
 def open_store(

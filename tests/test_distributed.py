@@ -91,7 +91,9 @@ def test_two_processes_train_what_one_does(round_inputs, both):
     p1, p2 = load_model(tmp / "one").state_dict(), load_model(tmp / "two").state_dict()
     moved = 0
     for name in p1:
-        torch.testing.assert_close(p2[name], p1[name], rtol=1e-5, atol=1e-6, msg=name)
+        # float32 sums in another order; AdamW's m / sqrt(v) scales a near-zero gradient's rounding up to
+        # ~1e-6 in a few elements, against updates of ~1e-2
+        torch.testing.assert_close(p2[name], p1[name], rtol=1e-4, atol=1e-5, msg=name)
         moved += not torch.equal(p1[name], start[name])
     assert moved > len(p1) // 2  # the steps changed most tensors: the comparison is not of untouched weights
     # the consolidated checkpoint carries the optimizer state one process resumes from
@@ -102,36 +104,58 @@ def test_two_processes_train_what_one_does(round_inputs, both):
         torch.testing.assert_close(s2[i]["exp_avg_sq"], s1[i]["exp_avg_sq"], rtol=1e-4, atol=1e-12)
 
 
-def test_sharded_checkpoints_are_written_each_step_and_a_rerun_resumes_from_the_last(round_inputs, both, capsys):
-    tmp, _, stats = round_inputs
+def test_a_finished_round_leaves_no_sharded_checkpoint(round_inputs, both):
+    tmp, _, _ = round_inputs
     config = config_for(tmp, processes=2)
-    store = open_store(config.store.uri)
-    prefix = f"{steps.store_prefix(config, RUN, 'checkpoints')}/round-000000"
-    keys = store.list(prefix + "/")
-    assert {k.split("/")[-2] for k in keys if k.endswith("/.metadata")} == {"step-000001", "step-000002", "step-000003"}
-    # the round is done: a rerun takes no step again, and writes the same policy
-    lines = []
-    rows = two_processes(tmp, stats, tmp / "again", echo=lines.append)
-    assert any("resumed from" in line and "step 3" in line for line in lines)
-    assert rows == both[1]
-    p2, again = load_model(tmp / "two").state_dict(), load_model(tmp / "again").state_dict()
-    assert all(torch.equal(p2[k], again[k]) for k in p2)
+    assert not open_store(config.store.uri).list(steps.store_prefix(config, RUN, "checkpoints") + "/")
 
 
-def test_an_incomplete_checkpoint_is_never_read(round_inputs, both):
-    """Drop step 3's ``.metadata`` (a rank died while it was written): the rerun resumes from step 2."""
+def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_incomplete_one(
+    round_inputs, both, tmp_path
+):
+    """Kill the ranks once step 2's checkpoint is complete: the rerun resumes
+    from it and ends where the uninterrupted run ended. Then the same with that
+    checkpoint's ``.metadata`` removed (as if the ranks died while writing
+    it): the rerun reads nothing of it and starts the round over."""
     tmp, _, stats = round_inputs
-    config = config_for(tmp, processes=2)
+    config = config_for(tmp, processes=2)  # the round's store (its guidance); no checkpoint left in it by now
     root = tmp / "store" / steps.store_prefix(config, RUN, "checkpoints") / "round-000000"
-    (root / "step-000003" / ".metadata").unlink()
-    lines = []
-    rows = two_processes(tmp, stats, tmp / "resumed", echo=lines.append)
-    assert any("step 2" in line for line in lines if "resumed from" in line)
-    for a, b in zip(both[1], rows):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
-    p2, resumed = load_model(tmp / "two").state_dict(), load_model(tmp / "resumed").state_dict()
-    for k in p2:
-        torch.testing.assert_close(resumed[k], p2[k], rtol=1e-6, atol=1e-7)
+    inputs = (tmp / "policy-0", tmp / "trajectories.jsonl", tmp / "guidance.json")
+
+    def interrupted(out):
+        killed = []
+
+        def kill_after_step_2():
+            while not (root / "step-000002" / ".metadata").exists():
+                time.sleep(0.02)
+            killed.extend(_rank_pids(os.getpid()))
+            for pid in killed:
+                os.kill(pid, signal.SIGKILL)
+
+        threading.Thread(target=kill_after_step_2, daemon=True).start()
+        with pytest.raises(DistributedError):
+            torchrun(config, *inputs, out, tmp_path / "work", RUN, stats, echo=lambda line: None)
+        assert killed
+        return sorted(p.parent.name for p in root.glob("*/.metadata"))  # complete checkpoints left
+
+    def rerun(out):
+        lines = []
+        rows = torchrun(config, *inputs, out, tmp_path / "work", RUN, stats, echo=lines.append)
+        for a, b in zip(both[1], rows):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
+        expected, got = load_model(tmp / "two").state_dict(), load_model(out).state_dict()
+        for k in expected:
+            torch.testing.assert_close(got[k], expected[k], rtol=1e-6, atol=1e-7)
+        return [line for line in lines if "resumed from" in line]
+
+    left = interrupted(tmp_path / "a")
+    assert left and left[-1] >= "step-000002" and len(left) == 1  # the step before is deleted
+    (resumed,) = rerun(tmp_path / "a")
+    assert resumed.endswith(f"step {int(left[-1].removeprefix('step-'))}")
+
+    left = interrupted(tmp_path / "b")
+    (root / left[-1] / ".metadata").unlink()  # incomplete now
+    assert rerun(tmp_path / "b") == []  # nothing read: the round trained from its start
 
 
 def test_a_killed_rank_fails_the_step_within_the_timeout(round_inputs, tmp_path):

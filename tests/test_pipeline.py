@@ -328,4 +328,4 @@ def test_rollout_workers_and_training_processes_through_kfp_local_match_one_of_e
     assert h2["guidance_coverage"] == h1["guidance_coverage"] > 0.9
     p1, p2 = (load_model(root / "train" / "new_policy").state_dict() for root in (one, two))
     for name in p1:
-        torch.testing.assert_close(p2[name], p1[name], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(p2[name], p1[name], rtol=1e-4, atol=1e-5)  # float32 summation order
