@@ -71,6 +71,16 @@ def test_list_prefixes_sorted(store):
     assert store.list("nothing/") == []
 
 
+def test_delete_removes_one_object_and_a_missing_one_is_no_error(store):
+    for key in ("ckpt/step-1/a", "ckpt/step-1/.metadata", "ckpt/step-2/a"):
+        store.put_bytes(key, b"x")
+    store.delete("ckpt/step-1/.metadata")
+    store.delete("ckpt/step-1/.metadata")
+    assert store.list("ckpt/") == ["ckpt/step-1/a", "ckpt/step-2/a"]
+    with pytest.raises(ArtifactNotFound):
+        store.get_bytes("ckpt/step-1/.metadata")
+
+
 def test_missing_key(store):
     with pytest.raises(ArtifactNotFound, match="nope/x.bin") as info:
         store.get_bytes("nope/x.bin")
