@@ -67,6 +67,25 @@ def _compile(config: RunConfig, tmp_path):
     assert compile_pipeline(config, tmp_path / "p.yaml")
 
 
+def _launch(config: RunConfig, tmp_path):
+    """Two training processes as ``train.launcher`` says: torchrun trains the
+    round; a TrainJob is built, and outside a cluster refused naming the fix."""
+    from tracefp4.components.distributed import DistributedError
+    from tracefp4.pipelines import trainjob
+
+    steps.prepare(config, tmp_path / "p0", "run")
+    steps.rollout(config, tmp_path / "p0", 0, tmp_path / "t.jsonl", "run")
+    ref, stats = steps.compaction(config, tmp_path / "p0", tmp_path / "t.jsonl", 0, "run")
+    (tmp_path / "g.json").write_text(ref.to_json())
+    inputs = (str(tmp_path / "p0"), str(tmp_path / "t.jsonl"), str(tmp_path / "g.json"), str(tmp_path / "p1"))
+    if config.train.launcher == "torchrun":
+        assert trainjob.distributed_train(config, *inputs, "run", stats)[0]["step"] == 1
+    else:
+        assert trainjob.trainjob(config, "x", "ns", [])["spec"]["trainer"]["numProcPerNode"] == 2
+        with pytest.raises(DistributedError, match="in-cluster"):
+            trainjob.distributed_train(config, *inputs, "run", stats)
+
+
 RUNNERS = {
     "model.preset": _prepare,
     "model.dtype": _generate,
@@ -81,6 +100,7 @@ RUNNERS = {
     "evaluation.ptq_baselines": _ptq,
     "resources.tolerations.operator": _compile,
     "resources.tolerations.effect": _compile,
+    "train.launcher": _launch,
 }
 CASES = [(path, value) for path, values in sorted(literal_fields(RunConfig).items()) for value in values]
 
@@ -113,6 +133,9 @@ def _with(path: str, value) -> dict:
         target[leaf] = value
     if path == "model.preset":
         data["model"]["max_seq_len"] = 64
+    if path == "train.launcher":  # two processes, one microbatch each
+        data["train"]["processes_per_node"] = 2
+        data["rl"]["microbatch_size"] = 2
     return data
 
 
