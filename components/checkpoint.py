@@ -50,7 +50,7 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG = "config.json"
 CACHE_ENV = "TRACEFP4_CACHE_DIR"  # root of the local cache of checkpoints fetched from a store
-MANIFEST = "checksums.json"  # {"files": {name: {"size": bytes, "sha256": hex}}}, written last by save_model
+MANIFEST = "checksums.json"  # {"files": {name: {"size": bytes, "sha256": hex}}, "provenance": {...}}, written last
 _MAX_SIZE = 2**24  # any config.json size above this is a typo or an attack: real models stay far below
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}  # safetensors' names of the weight dtypes we load
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -275,13 +275,62 @@ def _size_and_sha256(path: Path) -> tuple[int, str]:
         return os.fstat(f.fileno()).st_size, hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _write_manifest(folder: Path) -> None:
-    """Record the size and sha256 of every file in ``folder`` in :data:`MANIFEST`."""
+def _write_manifest(folder: Path, provenance: dict | None = None) -> None:
+    """Record the size and sha256 of every file in ``folder`` in :data:`MANIFEST`,
+    with ``provenance`` (who wrote the folder: run id, policy version) beside them."""
     files = {}
     for path in sorted(folder.iterdir()):
         size, digest = _size_and_sha256(path)
         files[path.name] = {"size": size, "sha256": digest}
-    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+    (folder / MANIFEST).write_text(json.dumps({"files": files, "provenance": provenance or {}}, indent=1))
+
+
+def commit_folder(tmp: Path, folder: Path, provenance: dict | None = None) -> Path:
+    """Finish a folder written at ``tmp``: the checksum manifest over its files
+    (with ``provenance``), everything synced, then renamed to ``folder`` in one
+    step (an existing ``folder`` is replaced), so that a reader never sees half of it."""
+    _write_manifest(tmp, provenance)  # last: it covers every file above
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+    if folder.exists():
+        folder.rename(old)
+    tmp.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def staging_folder(folder: Path) -> Path:
+    """An empty temporary folder beside ``folder``, for :func:`commit_folder`."""
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def provenance(folder: str | os.PathLike) -> dict:
+    """The ``provenance`` a tracefp4 save recorded in the folder's :data:`MANIFEST`
+    (for a policy: ``run_id`` and ``policy_version``); empty for a folder from elsewhere."""
+    path = Path(folder) / MANIFEST
+    if not path.exists():
+        return {}
+    try:
+        found = json.loads(path.read_bytes()).get("provenance", {})
+    except (ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a checksum manifest ({type(e).__name__}: {e})") from None
+    if not isinstance(found, dict):
+        raise CheckpointError(f"{path}: provenance must be an object, got {found!r}")
+    return found
+
+
+def folder_digest(folder: str | os.PathLike) -> str:
+    """sha256 of the folder's :data:`MANIFEST`: one value that names every file's
+    content (and the provenance), so that another artifact can pin this exact folder."""
+    path = Path(folder) / MANIFEST
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing, so {folder} was not saved by tracefp4")
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _manifest_entries(data: bytes, where: object) -> dict[str, tuple[int, str]]:
@@ -293,7 +342,7 @@ def _manifest_entries(data: bytes, where: object) -> dict[str, tuple[int, str]]:
         raise CheckpointError(f"{where}: not a checksum manifest ({type(e).__name__}: {e})") from None
 
 
-def _verify(folder: Path) -> None:
+def verify_folder(folder: Path) -> None:
     """Check every file against :data:`MANIFEST`, so that a corrupt, truncated
     or partly copied checkpoint fails here, naming the file, instead of loading
     wrong weights. A folder without a manifest (saved by transformers, say)
@@ -401,7 +450,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     config_file = folder / CONFIG
     if not config_file.exists():
         raise FileNotFoundError(f"{config_file} does not exist")
-    _verify(folder)
+    verify_folder(folder)
     try:
         cfg = config_from_hf(json.loads(_inside(folder, CONFIG, "the config").read_text()))
     except (CheckpointError, json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -436,19 +485,30 @@ def load_state(model: Transformer, state: dict[str, Tensor]) -> None:
 
 
 def save_model(
-    model: Transformer, path: str | os.PathLike, max_shard_bytes: int = 2 << 30, extra: dict[str, bytes] | None = None
+    model: Transformer,
+    path: str | os.PathLike,
+    max_shard_bytes: int = 2 << 30,
+    extra: dict[str, bytes] | None = None,
+    provenance: dict | None = None,
 ) -> Path:
     """Write ``model`` in the Hub layout at ``path``, sharded above
     ``max_shard_bytes``, with ``extra`` files beside it and the checksum
-    manifest over all of them, all at once (atomically)."""
+    manifest over all of them (recording ``provenance``), all at once (atomically)."""
     folder = Path(path)
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_folder(folder)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight")
-    hub = stacked_to_hub(state, model.cfg)
+    write_weights(stacked_to_hub(state, model.cfg), tmp, max_shard_bytes)
+    (tmp / CONFIG).write_text(json.dumps(config_to_hf(model.cfg), indent=2))
+    for name, data in (extra or {}).items():
+        (tmp / name).write_bytes(data)
+    return commit_folder(tmp, folder, provenance)
+
+
+def write_weights(hub: dict[str, Tensor], folder: Path, max_shard_bytes: int = 2 << 30) -> None:
+    """``hub`` tensors as :data:`SINGLE`, or above ``max_shard_bytes`` as numbered
+    shards with their :data:`INDEX`, the way transformers names them."""
     shards, current, size = [], {}, 0
     for key in sorted(hub):
         nbytes = hub[key].numel() * hub[key].element_size()
@@ -459,28 +519,15 @@ def save_model(
         size += nbytes
     shards.append(current)
     if len(shards) == 1:
-        save_file(shards[0], tmp / SINGLE, metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, tmp / name, metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, name))
-        total = sum(t.numel() * t.element_size() for t in hub.values())
-        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (tmp / CONFIG).write_text(json.dumps(config_to_hf(model.cfg), indent=2))
-    for name, data in (extra or {}).items():
-        (tmp / name).write_bytes(data)
-    _write_manifest(tmp)  # last: it covers every file above
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-    if folder.exists():
-        folder.rename(old)
-    tmp.rename(folder)
-    shutil.rmtree(old, ignore_errors=True)
-    return folder
+        save_file(shards[0], folder / SINGLE, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in hub.values())
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
 def cache_dir() -> Path:

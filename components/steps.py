@@ -2,8 +2,10 @@
 Kubeflow component calls, and :func:`run_round`, the same round in one process.
 
 A round is rollout -> compaction -> guided QAT (docs/training.md has the
-schedule). The policy travels as a Hugging Face checkpoint folder (with the
-optimizer state, the policy version and the run id beside it), trajectories
+schedule). The policy travels as a clean Hugging Face checkpoint folder (the
+run id and policy version recorded in its checksum manifest), the optimizer
+and step as a separate trainer-state folder pinned to it (only train reads
+it: :mod:`.trainer_state`), trajectories
 as JSON lines behind a header naming the run, round, policy version and the
 rollout's numerics, captures and guidance through the artifact store, and the
 guidance reference (:class:`~.guidance.GuidanceRef`) from compaction to train.
@@ -25,7 +27,7 @@ from tracefp4.schemas import RunConfig
 
 from . import bootstrap as sft
 from .capture import CaptureConfig, CaptureRecords
-from .checkpoint import fetch, load_model
+from .checkpoint import fetch, load_model, provenance, save_model
 from .device import resolve
 from .guidance import GuidanceRef, compact, compaction_report, encode_scales, read_step, select_layers, write_step
 from .mismatch import teacher_force
@@ -35,8 +37,10 @@ from .rl import group_advantages
 from .rollout import SamplingParams, TorchEngine, Trajectory
 from .store import open_store
 from .tasks import Problem, format_example, get_task, split
-from .tokenizer import EOS, FILENAME, build_tokenizer, decode, encode, load_tokenizer
-from .trainer import SCORE_CENTERING_TOPK, TrainConfig, Trainer, read_state
+from .tokenizer import BOS, EOS, FILENAME, PAD, build_tokenizer, decode, encode, load_tokenizer
+from .trainer import SCORE_CENTERING_TOPK, TrainConfig, Trainer
+
+GENERATION_CONFIG = "generation_config.json"
 
 # The compaction step's figures (none for methods without guidance).
 COMPACTION_KEYS = (
@@ -103,11 +107,11 @@ def training_problems(config: RunConfig, round_index: int, n: int) -> list[Probl
     return [rng.choice(pools[rng.choices(range(len(pools)), weights)[0]]) for _ in range(n)]
 
 
-def prepare(config: RunConfig, out: Path, run_id: str = "") -> dict:
+def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None = None) -> dict:
     """The initial policy (a preset with seeded weights, or a checkpoint) with its
-    tokenizer, as a trainer checkpoint of ``run_id`` at policy version 0;
-    bootstrapped by SFT on the tasks when configured. Returns the bootstrap's
-    figures (empty without one)."""
+    tokenizer, as a checkpoint of ``run_id`` at policy version 0, and with
+    ``state`` its initial trainer state (a fresh optimizer); bootstrapped by SFT
+    on the tasks when configured. Returns the bootstrap's figures (empty without one)."""
     device = step_device(config)
     out = Path(out)
     checkpoint = fetch(config.model.checkpoint) if config.model.checkpoint else None  # a store URI: downloaded, cached
@@ -125,8 +129,19 @@ def prepare(config: RunConfig, out: Path, run_id: str = "") -> dict:
         raise ValueError("\n".join(problems))
     stats = run_bootstrap(config, model, tokenizer) if config.bootstrap.enabled else {}
     trainer = Trainer(model, train_config(config), BF16, {})
-    trainer.save(out, extra={FILENAME: tokenizer.to_str().encode()}, run_id=run_id)
+    if state is None:
+        save_model(trainer.model, out, extra=policy_files(tokenizer), provenance={"run_id": run_id, "policy_version": 0})
+    else:
+        trainer.save(out, state, extra=policy_files(tokenizer), run_id=run_id)
     return stats
+
+
+def policy_files(tokenizer) -> dict[str, bytes]:
+    """The files a policy folder carries beside its weights: the tokenizer, and a
+    generation config naming its special tokens (what transformers' and serving
+    engines' ``generate`` stop and pad with)."""
+    generation = {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD}
+    return {FILENAME: tokenizer.to_str().encode(), GENERATION_CONFIG: json.dumps(generation, indent=2).encode()}
 
 
 def run_bootstrap(config: RunConfig, model, tokenizer) -> dict:
@@ -229,10 +244,10 @@ def sampling(config: RunConfig, seed: int, tokenizer) -> SamplingParams:
 
 def policy_version(policy: Path, run_id: str) -> int:
     """The policy checkpoint's version (RL steps taken), refusing a checkpoint of another run."""
-    state = read_state(policy)
-    if state.get("run_id") != run_id:
-        raise RunMismatch(f"{policy}: policy of run {state.get('run_id')!r}, this is run {run_id!r}")
-    return state["step"]
+    saved = provenance(policy)
+    if saved.get("run_id") != run_id or "policy_version" not in saved:
+        raise RunMismatch(f"{policy}: policy of run {saved.get('run_id')!r}, this is run {run_id!r}")
+    return saved["policy_version"]
 
 
 def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id: str = "") -> dict:
@@ -394,14 +409,17 @@ def _restrict(records: CaptureRecords, trajectories: torch.Tensor) -> CaptureRec
 def train(
     config: RunConfig,
     policy: Path,
+    state: Path,
     trajectories_file: Path,
     guidance: GuidanceRef,
     out: Path,
+    out_state: Path,
     run_id: str = "",
     round_stats: dict | None = None,
 ) -> list[dict]:
     """``steps_per_round`` guided QAT steps over the round's trajectories, each
-    an RL step (the schedule: docs/training.md); the new policy goes to ``out``.
+    an RL step (the schedule: docs/training.md), resuming from ``policy`` and its
+    trainer ``state``; the new policy goes to ``out``, its state to ``out_state``.
     The training path quantizes with the rollout's numerics from ``guidance``,
     which must come from this run and the policy version being trained. One
     history row per step; the round's rollout and compaction figures
@@ -410,7 +428,10 @@ def train(
     round_index = guidance.rl_step
     header, trajectories, batch = read_trajectories(trajectories_file, run_id, round_index)
     tokenizer = load_tokenizer(policy)
-    trainer = Trainer.from_checkpoint(policy, train_config(config), guidance.quant, guidance.scales(), device)
+    # the state is refused unless it is this run's and was saved with this very policy folder
+    trainer = Trainer.from_checkpoint(
+        policy, state, train_config(config), guidance.quant, guidance.scales(), device, run_id
+    )
     guidance.check(run_id, trainer.step)
     if header["policy_version"] != trainer.step:
         raise RunMismatch(
@@ -468,16 +489,25 @@ def train(
                 **{key: (round_stats or {}).get(key) for key in ROUND_KEYS},
             }
         )
-    trainer.save(out, extra={FILENAME: tokenizer.to_str().encode()}, run_id=run_id)
+    trainer.save(out, out_state, extra=policy_files(tokenizer), run_id=run_id)
     return history
 
 
 def run_round(
-    config: RunConfig, policy: Path, round_index: int, out: Path, workdir: Path, run_id: str = ""
+    config: RunConfig,
+    policy: Path,
+    state: Path,
+    round_index: int,
+    out: Path,
+    out_state: Path,
+    workdir: Path,
+    run_id: str = "",
 ) -> list[dict]:
     """One round in one process, through the same three steps the pipeline runs
-    as components: rollout -> compaction -> guided QAT, the new policy to ``out``."""
+    as components: rollout -> compaction -> guided QAT from ``policy`` and its
+    trainer ``state``; the new policy to ``out``, its state to ``out_state``."""
     trajectories = Path(workdir) / f"trajectories-{round_index}.jsonl"
     rollout_stats = rollout(config, policy, round_index, trajectories, run_id)
     guidance, compaction_stats = compaction(config, policy, trajectories, round_index, run_id)
-    return train(config, policy, trajectories, guidance, out, run_id, {**rollout_stats, **compaction_stats})
+    stats = {**rollout_stats, **compaction_stats}
+    return train(config, policy, state, trajectories, guidance, out, out_state, run_id, stats)

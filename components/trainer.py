@@ -3,8 +3,9 @@
 ``Trainer`` holds the float32 master weights and AdamW, runs the training
 path in the compute dtype (BF16 autocast) with the method's fake quantization,
 accumulates gradients over microbatches (guidance reloaded per microbatch),
-and saves checkpoints in the Hugging Face layout, atomically, with the
-optimizer state beside them so that a run resumes. It quantizes from the
+and saves two artifacts, each atomically: the policy as a clean Hugging Face
+checkpoint, and the trainer state (optimizer moments, step) that resumes it
+(:mod:`.trainer_state`). It quantizes from the
 rollout's numerics (quantization config and static global scales, carried by
 the guidance artifact), never from a rollout engine. It computes on the
 device of the model it is given; what it saves are CPU tensors. The loop
@@ -12,14 +13,11 @@ itself is :func:`tracefp4.components.steps.run_round`.
 """
 
 import copy
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 from torch import Tensor
 
 from .capture import Capture, CaptureConfig, CaptureRecords, TokenMap
@@ -31,10 +29,10 @@ from .qat import TrainingSites
 from .quant import QuantConfig
 from .rl import SequenceBatch, alignment_metrics, grpo_loss, score_centering, stack_rows, token_logprobs
 from .rollout import Trajectory
+from .trainer_state import load_state, save_state
 
-OPTIMIZER_FILE = "optimizer.safetensors"
 SCORE_CENTERING_TOPK = 8  # sampler tokens score centering looks at
-STATE_FILE = "trainer_state.json"
+OPTIMIZER_PREFIX = "optimizer."  # trainer-state tensors of the optimizer: optimizer.{param index}.{name}
 
 
 @dataclass(frozen=True)
@@ -229,44 +227,40 @@ class Trainer:
         )  # the positions the rollout fed
         return capture
 
-    def save(self, path, extra: dict[str, bytes] | None = None, run_id: str = "") -> Path:
-        """Checkpoint: the model in the Hub layout plus optimizer, step (the
-        policy version), the run that trained it and ``extra`` files, all-or-nothing."""
-        state = self.optimizer.state_dict()
-        tensors = {f"{i}.{name}": t for i, s in state["state"].items() for name, t in s.items()}
-        meta = {"step": self.step, "run_id": run_id, "param_groups": state["param_groups"]}
-        files = {
-            OPTIMIZER_FILE: save_tensors({k: v.contiguous().cpu() for k, v in tensors.items()}),
-            STATE_FILE: json.dumps(meta).encode(),
-            **(extra or {}),
+    def save(self, policy, state, extra: dict[str, bytes] | None = None, run_id: str = "") -> tuple[Path, Path]:
+        """The policy at ``policy`` (Hub layout, ``extra`` files beside it, the run
+        and policy version in its manifest) and the trainer state that resumes it
+        at ``state``, pinned to that policy; each all-or-nothing."""
+        provenance = {"run_id": run_id, "policy_version": self.step}
+        policy = save_model(self.model, policy, extra=extra, provenance=provenance)
+        optimizer = self.optimizer.state_dict()
+        tensors = {
+            f"{OPTIMIZER_PREFIX}{i}.{name}": t for i, s in optimizer["state"].items() for name, t in s.items()
         }
-        return save_model(self.model, path, extra=files)
+        meta = {**provenance, "param_groups": optimizer["param_groups"]}
+        return policy, save_state(state, tensors, meta, policy)
 
     @classmethod
     def from_checkpoint(
-        cls, path, config: TrainConfig, quant: QuantConfig, global_scales: dict, device: str | torch.device = "cpu"
+        cls,
+        policy,
+        state,
+        config: TrainConfig,
+        quant: QuantConfig,
+        global_scales: dict,
+        device: str | torch.device = "cpu",
+        run_id: str = "",
     ) -> "Trainer":
-        """A trainer on ``device`` resumed from a checkpoint written by :meth:`save`
-        (the weights read once; the optimizer state follows them to the device)."""
-        trainer = cls(load_model(path, device=device), config, quant, global_scales)
-        trainer._load_optimizer(Path(path))
-        return trainer
-
-    def _load_optimizer(self, folder: Path) -> None:
-        meta = read_state(folder)
-        tensors = load_tensors((folder / OPTIMIZER_FILE).read_bytes())
-        state: dict[int, dict] = {}
+        """A trainer on ``device`` resumed from the policy and trainer state
+        :meth:`save` wrote (the state refused unless it is run ``run_id``'s and
+        was saved with that policy; the optimizer state follows the weights to the device)."""
+        tensors, meta = load_state(state, policy, run_id)
+        trainer = cls(load_model(policy, device=device), config, quant, global_scales)
+        moments: dict[int, dict] = {}
         for key, t in tensors.items():
-            i, name = key.split(".", 1)
-            state.setdefault(int(i), {})[name] = t
-        self.optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
-        self.step = meta["step"]
-
-
-def read_state(folder) -> dict:
-    """A trainer checkpoint's ``step`` (its policy version), ``run_id`` and optimizer groups."""
-    path = Path(folder) / STATE_FILE
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: missing, so {folder} is not a trainer checkpoint") from None
+            if key.startswith(OPTIMIZER_PREFIX):
+                i, name = key.removeprefix(OPTIMIZER_PREFIX).split(".", 1)
+                moments.setdefault(int(i), {})[name] = t
+        trainer.optimizer.load_state_dict({"state": moments, "param_groups": meta["param_groups"]})
+        trainer.step = meta["policy_version"]
+        return trainer

@@ -8,7 +8,7 @@ comes from the run config, so the components are made per image by
 from dataclasses import dataclass
 
 from kfp import dsl
-from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
+from kfp.dsl import HTML, Artifact, Dataset, Input, Markdown, Metrics, Model, Output
 
 
 class Guidance(dsl.Artifact):
@@ -27,11 +27,13 @@ def prepare(
     run_id: str,
     job_id: str,
     policy: Output[Model],
+    trainer_state: Output[Artifact],
     history: Output[Dataset],
     metrics: Output[Metrics],
 ) -> str:
-    """The initial policy and tokenizer (bootstrapped when configured); an empty
-    training history. Returns the run id every later step checks its inputs
+    """The initial policy and tokenizer (bootstrapped when configured), a clean
+    Hugging Face folder; its trainer state (a fresh optimizer, policy version 0),
+    a separate artifact that only train reads; an empty training history. Returns the run id every later step checks its inputs
     against: ``run_id`` when given (a local run's, stable across resumes), else
     KFP's job id."""
     from tracefp4.components import metrics as run_metrics
@@ -41,7 +43,7 @@ def prepare(
 
     config = RunConfig.model_validate_json(config_json)
     run_id = run_id or job_id
-    stats = steps.prepare(config, policy.path, run_id)
+    stats = steps.prepare(config, policy.path, run_id, trainer_state.path)
     open(history.path, "w").close()
     for key, value in stats.items():
         metrics.log_metric(key, value)
@@ -94,14 +96,18 @@ def train(
     config_json: str,
     run_id: str,
     policy: Input[Model],
+    trainer_state: Input[Artifact],
     trajectories: Input[Dataset],
     guidance: Input[Guidance],
     previous: Input[Dataset],
     new_policy: Output[Model],
+    new_trainer_state: Output[Artifact],
     history: Output[Dataset],
     metrics: Output[Metrics],
 ):
-    """Guided QAT over the round's trajectories, quantizing with the guidance's numerics; appends to the history."""
+    """Guided QAT over the round's trajectories, quantizing with the guidance's
+    numerics, resumed from the policy and its trainer state (refused unless this
+    run saved them together); the new policy and its state; appends to the history."""
     import json
     import shutil
 
@@ -115,7 +121,17 @@ def train(
     with open(guidance.path) as f:
         ref = GuidanceRef.from_json(f.read(), guidance.uri)
     round_stats = {**trajectories.metadata, **guidance.metadata}
-    rows = steps.train(config, policy.path, trajectories.path, ref, new_policy.path, run_id, round_stats)
+    rows = steps.train(
+        config,
+        policy.path,
+        trainer_state.path,
+        trajectories.path,
+        ref,
+        new_policy.path,
+        new_trainer_state.path,
+        run_id,
+        round_stats,
+    )
     shutil.copyfile(previous.path, history.path)
     with open(history.path, "a") as f:
         for row in rows:

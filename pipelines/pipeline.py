@@ -134,6 +134,7 @@ def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
     prep = configure(c.prepare(config_json=config_json, run_id=run_id, job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER))
     run_id = prep.outputs["Output"]  # resolved once; with the round and component, the key of the pushed metrics
     policy, history = prep.outputs["policy"], prep.outputs["history"]
+    state = prep.outputs["trainer_state"]  # optimizer and step: only train reads it
     for r in range(config.rl.rounds):
         roll = configure(c.rollout(config_json=config_json, run_id=run_id, round_index=r, policy=policy))
         trajectories = roll.outputs["trajectories"]
@@ -147,12 +148,14 @@ def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
                 config_json=config_json,
                 run_id=run_id,
                 policy=policy,
+                trainer_state=state,
                 trajectories=trajectories,
                 guidance=guide.outputs["guidance"],
                 previous=history,
             )
         )
         policy, history = step.outputs["new_policy"], step.outputs["history"]
+        state = step.outputs["new_trainer_state"]
     ev = configure(c.evaluate(config_json=config_json, run_id=run_id, policy=policy, initial=prep.outputs["policy"]))
     return history, ev.outputs["results"]
 

@@ -36,8 +36,8 @@ def literal_fields(model: type[pydantic.BaseModel], prefix: str = "") -> dict[st
 
 
 def _round(config: RunConfig, tmp_path):
-    steps.prepare(config, tmp_path / "p0", "run")
-    steps.run_round(config, tmp_path / "p0", 0, tmp_path / "p1", tmp_path, "run")
+    steps.prepare(config, tmp_path / "p0", "run", tmp_path / "s0")
+    steps.run_round(config, tmp_path / "p0", tmp_path / "s0", 0, tmp_path / "p1", tmp_path / "s1", tmp_path, "run")
 
 
 def _generate(config: RunConfig, tmp_path):
