@@ -61,7 +61,17 @@ FORMATS = {
     "mxfp4": ("mxfp4-pack-quantized", 32, False),
 }
 SERVING_DTYPE = torch.bfloat16
-_ULP_SEARCH = (0, 1, -1, 2, -2, 3, -3, 4, -4)  # float32 steps around 1/g tried for the stored global scale, nearest first
+_ULP_SEARCH = (
+    0,
+    1,
+    -1,
+    2,
+    -2,
+    3,
+    -3,
+    4,
+    -4,
+)  # float32 steps around 1/g tried for the stored global scale, nearest first
 log = logging.getLogger("tracefp4.export")
 _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)$")
 _WEIGHT_FILES = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")

@@ -29,6 +29,7 @@ from . import bootstrap as sft
 from .capture import CaptureConfig, CaptureRecords
 from .checkpoint import fetch, load_model, provenance, save_model
 from .device import resolve
+from .export import export
 from .guidance import GuidanceRef, compact, compaction_report, encode_scales, read_step, select_layers, write_step
 from .mismatch import teacher_force
 from .model import build_model
@@ -130,7 +131,9 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
     stats = run_bootstrap(config, model, tokenizer) if config.bootstrap.enabled else {}
     trainer = Trainer(model, train_config(config), BF16, {})
     if state is None:
-        save_model(trainer.model, out, extra=policy_files(tokenizer), provenance={"run_id": run_id, "policy_version": 0})
+        save_model(
+            trainer.model, out, extra=policy_files(tokenizer), provenance={"run_id": run_id, "policy_version": 0}
+        )
     else:
         trainer.save(out, state, extra=policy_files(tokenizer), run_id=run_id)
     return stats
@@ -400,6 +403,20 @@ def compaction(
         ref, store_uri=config.store.uri, prefix=prefix, bits=config.guidance.bits, layers=tuple(layers), sites=sites
     )
     return guided, stats
+
+
+def export_policy(config: RunConfig, policy: Path, out: Path) -> dict:
+    """The policy for serving (compressed-tensors, in ``rollout.fmt``), quantized
+    as this run's rollout quantizes it: its dtype, device and calibration seed."""
+    device = step_device(config)
+    return export(
+        policy,
+        out,
+        config.rollout.fmt,
+        rollout_dtype=compute_dtype(config),
+        device=device,
+        calibration_seed=config.seed,
+    )
 
 
 def _restrict(records: CaptureRecords, trajectories: torch.Tensor) -> CaptureRecords:

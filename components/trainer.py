@@ -234,9 +234,7 @@ class Trainer:
         provenance = {"run_id": run_id, "policy_version": self.step}
         policy = save_model(self.model, policy, extra=extra, provenance=provenance)
         optimizer = self.optimizer.state_dict()
-        tensors = {
-            f"{OPTIMIZER_PREFIX}{i}.{name}": t for i, s in optimizer["state"].items() for name, t in s.items()
-        }
+        tensors = {f"{OPTIMIZER_PREFIX}{i}.{name}": t for i, s in optimizer["state"].items() for name, t in s.items()}
         meta = {**provenance, "param_groups": optimizer["param_groups"]}
         return policy, save_state(state, tensors, meta, policy)
 

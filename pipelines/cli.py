@@ -107,7 +107,11 @@ def bootstrap(preset, config_file, output):
 
 @main.command()
 @click.option(
-    "--format", "fmt", default="nvfp4", show_default=True, help="nvfp4 (nvfp4-pack-quantized) or mxfp4 (mxfp4-pack-quantized)."
+    "--format",
+    "fmt",
+    default="nvfp4",
+    show_default=True,
+    help="nvfp4 (nvfp4-pack-quantized) or mxfp4 (mxfp4-pack-quantized).",
 )
 @click.option(
     "--rollout-dtype",

@@ -33,9 +33,9 @@ def prepare(
 ) -> str:
     """The initial policy and tokenizer (bootstrapped when configured), a clean
     Hugging Face folder; its trainer state (a fresh optimizer, policy version 0),
-    a separate artifact that only train reads; an empty training history. Returns the run id every later step checks its inputs
-    against: ``run_id`` when given (a local run's, stable across resumes), else
-    KFP's job id."""
+    a separate artifact that only train reads; an empty training history.
+    Returns the run id every later step checks its inputs against: ``run_id``
+    when given (a local run's, stable across resumes), else KFP's job id."""
     from tracefp4.components import metrics as run_metrics
     from tracefp4.components import steps
     from tracefp4.pipelines.resume import write_metrics
@@ -142,6 +142,18 @@ def train(
     run_metrics.publish(config, run_id, "train", ref.rl_step, rows)
 
 
+def export(config_json: str, policy: Input[Model], exported: Output[Model]):
+    """The final policy for serving: a compressed-tensors FP4 checkpoint (routed
+    experts as the rollout quantized them, with its static activation scales;
+    the rest BF16) that vLLM and SGLang load."""
+    from tracefp4.components import steps
+    from tracefp4.schemas import RunConfig
+
+    config = RunConfig.model_validate_json(config_json)
+    stats = steps.export_policy(config, policy.path, exported.path)
+    exported.metadata.update({k: v for k, v in stats.items() if k != "input_global_scales"})
+
+
 def evaluate(
     config_json: str,
     run_id: str,
@@ -216,6 +228,7 @@ class Components:
     rollout: object
     compaction: object
     train: object
+    export: object
     evaluate: object
     report: object
     compare: object
@@ -224,4 +237,4 @@ class Components:
 def make_components(image: str) -> Components:
     """The components, built on ``image`` (which holds tracefp4 and its dependencies)."""
     make = dsl.component(base_image=image, install_kfp_package=False)
-    return Components(*(make(f) for f in (prepare, rollout, compaction, train, evaluate, report, compare)))
+    return Components(*(make(f) for f in (prepare, rollout, compaction, train, export, evaluate, report, compare)))

@@ -79,11 +79,11 @@ def localize(config: RunConfig, output: Path) -> RunConfig:
 
 
 def task_count(config: RunConfig, methods: list[str] | None = None) -> int:
-    """Tasks of the DAG: configure; prepare, 3 per round, evaluate, report; per
-    method (its own configure) and one collecting report for a comparison."""
+    """Tasks of the DAG: configure; prepare, 3 per round, export, evaluate, report;
+    per method (its own configure) and one collecting report for a comparison."""
     if methods:
-        return 1 + len(methods) * (3 * config.rl.rounds + 4) + 1
-    return 1 + 3 * config.rl.rounds + 3
+        return 1 + len(methods) * (3 * config.rl.rounds + 5) + 1
+    return 1 + 3 * config.rl.rounds + 4
 
 
 def progress_state(text: str) -> tuple[int, str | None, tuple[int, int] | None]:

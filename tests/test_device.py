@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from tracefp4.components import device, evaluation, steps
+from tracefp4.components.checkpoint import provenance
 from tracefp4.components.guidance import GuidanceRef
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import QuantConfig
-from tracefp4.components.checkpoint import provenance
 from tracefp4.components.trainer import TrainConfig, Trainer
 from tracefp4.components.trainer_state import TENSORS
 from tracefp4.schemas import RunConfig, get_preset
@@ -80,7 +80,9 @@ def test_every_step_fails_on_a_missing_gpu_before_any_work(tmp_path):
 def test_a_round_on_the_cpu_writes_device_independent_artifacts(tmp_path):
     config = smoke(tmp_path, "cpu")
     steps.prepare(config, tmp_path / "p0", RUN, tmp_path / "s0")
-    history = steps.run_round(config, tmp_path / "p0", tmp_path / "s0", 0, tmp_path / "p1", tmp_path / "s1", tmp_path, RUN)
+    history = steps.run_round(
+        config, tmp_path / "p0", tmp_path / "s0", 0, tmp_path / "p1", tmp_path / "s1", tmp_path, RUN
+    )
     assert history[0]["step"] == 1 and provenance(tmp_path / "p1")["policy_version"] == 1
     with safe_open(tmp_path / "s1" / TENSORS, framework="pt") as f:
         assert f.keys() and all(f.get_tensor(k).device.type == "cpu" for k in f.keys())

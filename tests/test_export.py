@@ -36,7 +36,9 @@ def policies(tmp_path_factory):
     out = {}
     for preset in ("smoke", "tiny-qwen2"):
         provenance_ = {"run_id": "run-a", "policy_version": 3}
-        save_model(build_model(preset, seed=5), root / preset, extra=policy_files(build_tokenizer()), provenance=provenance_)
+        save_model(
+            build_model(preset, seed=5), root / preset, extra=policy_files(build_tokenizer()), provenance=provenance_
+        )
         out[preset] = root / preset
     return out
 

@@ -8,18 +8,17 @@ import yaml
 from click.testing import CliRunner
 from kfp import components
 
-from tracefp4.components.checkpoint import load_model
+from tracefp4.components.checkpoint import folder_digest, load_model, provenance
 from tracefp4.components.guidance import read_manifest
 from tracefp4.components.steps import store_prefix
 from tracefp4.components.store import open_store
-from tracefp4.components.checkpoint import provenance
 from tracefp4.components.trainer_state import read_meta
 from tracefp4.pipelines.cli import main
 from tracefp4.pipelines.local import localize, run_local
 from tracefp4.pipelines.pipeline import build_comparison_pipeline, compile_pipeline, pipeline_version
 from tracefp4.schemas import get_preset, load_config
 
-STEPS = ("prepare", "rollout", "compaction", "train", "evaluate", "report")
+STEPS = ("prepare", "rollout", "compaction", "train", "export", "evaluate", "report")
 RUN = "run-a"
 
 
@@ -58,6 +57,9 @@ def test_smoke_preset_runs_the_whole_dag(smoke_run):
     assert (guidance["run_id"], guidance["layers"], guidance["policy_version"]) == (run_id, [1], 0)
     history = [json.loads(line) for line in (root / "train" / "history").read_text().splitlines()]
     assert len(history) == 1 and history[0]["guidance_coverage"] > 0.9
+    exported = json.loads((root / "export" / "exported" / "config.json").read_text())  # the final policy, for serving
+    assert exported["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    assert provenance(root / "export" / "exported")["exported_from"] == folder_digest(root / "train" / "new_policy")
 
 
 def test_compiled_yaml_names_every_component_and_parameter(tmp_path):
@@ -74,6 +76,7 @@ def test_compiled_yaml_names_every_component_and_parameter(tmp_path):
         "rollout-2",
         "compaction-2",
         "train-2",
+        "export",
         "evaluate",
         "report",
     }
@@ -206,7 +209,9 @@ def test_inline_compaction_writes_guidance_from_the_rollout(tmp_path):
     ref, size = steps.compaction(config, policy, trajectories, 0, RUN)
     assert size["layers"] == [1] and size["guidance_bytes"] > 0 and size["capture_bytes"] is None
     assert size["guidance_bits_per_element"] > 1  # one bit per element, plus the block scales
-    rows = steps.train(config, policy, state, trajectories, ref, tmp_path / "next", tmp_path / "s1", RUN, {**rollout, **size})
+    rows = steps.train(
+        config, policy, state, trajectories, ref, tmp_path / "next", tmp_path / "s1", RUN, {**rollout, **size}
+    )
     assert rows[0]["guidance_coverage"] > 0.9 and rows[0]["rollout_tokens"] == rollout["rollout_tokens"]
 
 

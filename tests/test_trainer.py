@@ -10,13 +10,13 @@ import torch
 
 from tracefp4.components import steps
 from tracefp4.components.capture import CaptureConfig
+from tracefp4.components.checkpoint import CheckpointError, provenance
 from tracefp4.components.guidance import GuidanceError, read_manifest
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rl import SequenceBatch, token_logprobs
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
-from tracefp4.components.checkpoint import CheckpointError, provenance
 from tracefp4.components.trainer import TrainConfig, Trainer
 from tracefp4.components.trainer_state import StateMismatch, read_meta
 from tracefp4.schemas import RunConfig, get_preset
@@ -117,7 +117,9 @@ def test_inputs_of_another_run_or_version_are_refused(tmp_path):
         ref.check("run-b", 0)
     stale = dataclasses.replace(ref, policy_version=3)
     with pytest.raises(GuidanceError, match="policy version 3, the policy to train is version 0"):
-        steps.train(config, tmp_path / "p0", tmp_path / "s0", trajectories, stale, tmp_path / "p1", tmp_path / "s1", RUN)
+        steps.train(
+            config, tmp_path / "p0", tmp_path / "s0", trajectories, stale, tmp_path / "p1", tmp_path / "s1", RUN
+        )
     forged = dataclasses.replace(ref, run_id="run-b")  # a reference that lies: the store's manifest still says run-a
     with pytest.raises(GuidanceError, match="run_id is 'run-a', expected 'run-b'"):
         list(forged.loader(open_store(config.store.uri), [[0]]))
@@ -170,7 +172,11 @@ def test_resume_from_policy_and_state_equals_uninterrupted_training(tmp_path):
     for t in (straight, interrupted):
         t.train_step(trajectories, advantages, None)
     interrupted.save(tmp_path / "policy", tmp_path / "state", run_id=RUN)
-    assert sorted(p.name for p in (tmp_path / "policy").iterdir()) == ["checksums.json", "config.json", "model.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "policy").iterdir()) == [
+        "checksums.json",
+        "config.json",
+        "model.safetensors",
+    ]
     assert provenance(tmp_path / "policy") == {"run_id": RUN, "policy_version": 1}
     resumed = Trainer.from_checkpoint(
         tmp_path / "policy", tmp_path / "state", interrupted.config, engine.quant, engine.global_scales, run_id=RUN
