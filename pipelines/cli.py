@@ -145,7 +145,8 @@ def export(fmt, rollout_dtype, calibration_seed, device, src, dst):
         raise click.ClickException(str(e)) from None
     click.echo(
         f"{dst}: {stats['format']}, {stats['expert_matrices']} expert matrices in {stats['expert_bytes']} bytes "
-        f"({stats['expert_bytes_bf16']} in BF16)"
+        f"({stats['expert_bytes_bf16']} in BF16); {stats['inexact_matrices']} of them dequantize one BF16 ulp "
+        "off the rollout's values at exact ties (docs/export.md)"
     )
 
 

@@ -10,7 +10,7 @@ import torch
 
 from tracefp4.components import steps
 from tracefp4.components.capture import CaptureConfig
-from tracefp4.components.checkpoint import CheckpointError, provenance
+from tracefp4.components.checkpoint import CheckpointError, load_model, provenance
 from tracefp4.components.guidance import GuidanceError, read_manifest
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
@@ -250,3 +250,20 @@ def test_prepare_checks_guided_layers_against_a_checkpoint_before_any_work(tmp_p
     ):
         steps.prepare(config, tmp_path / "p0", RUN)  # the bootstrap (enabled in smoke) never starts
     assert not (tmp_path / "p0").exists()
+
+
+def test_the_policy_folder_is_a_clean_hugging_face_checkpoint(tmp_path):
+    import transformers
+
+    config = smoke(tmp_path, bootstrap={"enabled": False})
+    steps.prepare(config, tmp_path / "p0", RUN, tmp_path / "s0")
+    files = sorted(p.name for p in (tmp_path / "p0").iterdir())
+    assert files == ["checksums.json", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in (tmp_path / "s0").iterdir()) == ["checksums.json", "state.json", "state.safetensors"]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "p0").eval()
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "p0")
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 0)
+    ours = load_model(tmp_path / "p0").eval()
+    tokens = torch.randint(0, ours.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (reference(tokens).logits - ours(tokens, torch.arange(9).expand(2, 9))).abs().max() < 1e-4
