@@ -149,11 +149,11 @@ def inverse_global_scale(g: Tensor, scales: Tensor) -> tuple[Tensor, bool]:
 def _compressed(weight: Tensor, fmt: str) -> tuple[dict[str, Tensor], bool]:
     """One matrix's compressed weight tensors from its weight ``[out, in]``
     (float32), and whether a loader dequantizes them to exactly our values."""
-    q = quantize(weight, fmt)
-    out = {"weight_packed": q.codes, "weight_scale": q.scales}
+    q = quantize(weight, fmt)  # on the weight's device (Triton on CUDA: the same bits)
+    out = {"weight_packed": q.codes.cpu(), "weight_scale": q.scales.cpu()}
     if q.global_scale is None:  # MXFP4: powers of two, exact in any float format
         return out, True
-    out["weight_global_scale"], exact = inverse_global_scale(q.global_scale, q.scales)
+    out["weight_global_scale"], exact = inverse_global_scale(q.global_scale.cpu(), out["weight_scale"])
     return out, exact
 
 
@@ -178,7 +178,7 @@ def _expert_tensors(key: str, stacked: Tensor, fmt: str) -> tuple[dict[str, Tens
                 for name, rows in (("gate_proj", slice(None, half)), ("up_proj", slice(half, None)))
             }
         for proj, tensors in parts.items():
-            out.update({f"{prefix}.{e}.{proj}.{k}": v.cpu().contiguous().clone() for k, v in tensors.items()})
+            out.update({f"{prefix}.{e}.{proj}.{k}": v.contiguous().clone() for k, v in tensors.items()})
     return out, inexact
 
 
@@ -225,9 +225,11 @@ def export(
         log.warning("%s: %d expert matrices dequantize up to one BF16 ulp off the rollout's values", source, inexact)
     # the rollout's calibration: on the FP4 expert weights, the seeded batch, its device and dtype
     quantize_expert_weights_(model, fmt)
-    scales = calibrate_global_scales(model, QuantConfig(fmt, fmt, None), seed=calibration_seed) if has_global else {}
-    for key in experts:
-        tensors.update(_input_scales(key, state[key].shape[0], scales) if has_global else {})
+    scales = {}
+    if has_global:
+        scales = calibrate_global_scales(model, QuantConfig(fmt, fmt, None), seed=calibration_seed)
+        for key in experts:
+            tensors.update(_input_scales(key, state[key].shape[0], scales))
     dense = {k: v.detach().cpu().to(SERVING_DTYPE) for k, v in state.items() if k not in experts}
     if cfg.tie_word_embeddings:
         dense.pop("lm_head.weight")
