@@ -22,10 +22,11 @@ from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
 
 
-@pytest.fixture(scope="module")
-def step(tmp_path_factory):
-    """A rollout of the tiny preset with full capture, its guidance written and loaded back."""
-    engine = TorchEngine(build_model("tiny", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
+@pytest.fixture(scope="module", params=["tiny", "tiny-qwen35"])
+def step(tmp_path_factory, request):
+    """A rollout of the tiny preset (and of its hybrid Qwen3.5-MoE flavour)
+    with full capture, its guidance written and loaded back."""
+    engine = TorchEngine(build_model(request.param, seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (8,), generator=g).tolist() for _ in range(8)]
     out = engine.generate(prompts, SamplingParams(max_new_tokens=12, seed=0))
