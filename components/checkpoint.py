@@ -428,11 +428,14 @@ def _headers(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
     return headers
 
 
-def _language_model(folder: Path, headers: dict) -> tuple[dict, dict[str, str]]:
-    """The language model's tensors of a multimodal checkpoint under the
-    policy's names (``model.language_model.X`` as ``model.X``), without the
-    vision tower and the MTP head, which are skipped with a note; also each
-    renamed tensor's name in the file."""
+def _language_model(folder: Path, headers: dict, cfg: ModelConfig) -> tuple[dict, dict[str, str]]:
+    """The language model's tensors of a (multimodal) qwen3_5_moe checkpoint
+    under the policy's names (``model.language_model.X`` as ``model.X``),
+    without the vision tower and the MTP head, which are skipped with a note;
+    also each renamed tensor's name in the file. Other models' tensors pass as
+    they are."""
+    if cfg.model_type != "qwen3_5_moe":
+        return headers, {}
     skipped = sorted({prefix for t in headers for prefix in _SKIPPED if t.startswith(prefix)})
     if skipped:
         log.info("%s: skipping %s (not part of the language model)", folder, ", ".join(p + "*" for p in skipped))
@@ -502,7 +505,7 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
         cfg = config_from_hf(json.loads(_inside(folder, CONFIG, "the config").read_text()))
     except (CheckpointError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{folder}: {e}") from None
-    headers, names = _language_model(folder, _headers(folder))
+    headers, names = _language_model(folder, _headers(folder), cfg)
     headers = _check_tensors(folder, cfg, headers)
     tensors = {}
     for shard in sorted({p for p, _, _ in headers.values()}):

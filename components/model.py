@@ -152,7 +152,7 @@ PRESETS = {
         qk_norm=False,
         norm_topk_prob=False,
     ),
-    # qwen3_5_moe flavour, ~2.5M parameters: 3 Gated DeltaNet layers then 1 gated full-attention layer (the
+    # qwen3_5_moe flavour, 2.2M parameters: 3 Gated DeltaNet layers then 1 gated full-attention layer (the
     # published 3:1 pattern), shared expert, a quarter of each head rotated
     "tiny-qwen35": ModelConfig(
         model_type="qwen3_5_moe",
@@ -181,8 +181,10 @@ PRESETS = {
 # 512 plus a 512 shared expert, vocab 248320, full attention every 4th layer); the transformers model doc
 # (docs/source/en/model_doc/qwen3_5_moe.md: "3:1 Gated DeltaNet/Gated Attention", "8 routed experts ... plus 1
 # shared expert"); rope theta 1e7 and rotary percent 0.25 from the miles recipe
-# (https://www.radixark.com/miles/docs/models/qwen/qwen3-5-moe). Special tokens as in the Qwen3.5 configs on the
-# Hub: <|endoftext|> 248044, <|im_end|> 248046 (eos of the instruct models), vision tokens 248053-248057.
+# (https://www.radixark.com/miles/docs/models/qwen/qwen3-5-moe); context 262144 as in the Qwen3.5 configs on the Hub.
+# Special tokens, from a transcript of the checkpoint's Qwen3_5MoeForConditionalGeneration config.json (public
+# code search): top level eos_token_id 248046, pad_token_id 248044, image 248056, video 248057, vision start/end
+# 248053/248054; text_config bos/eos 248044.
 QWEN35_35B_A3B = ModelConfig(
     model_type="qwen3_5_moe",
     vocab_size=248320,
@@ -206,7 +208,7 @@ QWEN35_35B_A3B = ModelConfig(
     linear_num_value_heads=32,
     linear_key_head_dim=128,
     linear_value_head_dim=128,
-    extra={"eos_token_id": 248046},
+    extra={"bos_token_id": 248044, "eos_token_id": 248044},
 )
 
 

@@ -10,6 +10,7 @@ import logging
 import pytest
 import torch
 import transformers
+from safetensors.torch import save_file
 
 from tracefp4.components.checkpoint import config_from_hf, config_to_hf, load_model, save_model
 from tracefp4.components.deltanet import chunked_delta_rule, recurrent_delta_rule
@@ -69,11 +70,16 @@ def test_multimodal_checkpoint_logits_equal_transformers(tmp_path, caplog):
     reference = transformers.Qwen3_5MoeForConditionalGeneration(config).eval()
     randomize(reference, 0)
     reference.save_pretrained(tmp_path / "hf", max_shard_size="40KB")  # sharded, with an index
-    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())["weight_map"]
-    assert any(k.startswith("model.visual.") for k in index)
+    index_file = tmp_path / "hf" / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    assert any(k.startswith("model.visual.") for k in index["weight_map"])
+    # the Hub's checkpoints also carry a multi-token-prediction head
+    save_file({"mtp.fc.weight": torch.zeros(4, 4)}, tmp_path / "hf" / "mtp.safetensors")
+    index["weight_map"]["mtp.fc.weight"] = "mtp.safetensors"
+    index_file.write_text(json.dumps(index))
     with caplog.at_level(logging.INFO, "tracefp4.checkpoint"):
         ours = load_model(tmp_path / "hf").eval()
-    assert "vision tower is skipped" in caplog.text and "model.visual.*" in caplog.text
+    assert "vision tower is skipped" in caplog.text and "model.visual.*, mtp.*" in caplog.text
     assert ours.cfg.model_type == "qwen3_5_moe" and ours.cfg.linear_layers == [0, 2]
     # 150 tokens: the chunked form runs three chunks of 64, the last one padded
     tokens = torch.randint(0, 96, (2, 150), generator=torch.Generator().manual_seed(1))
