@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from tracefp4.components.checkpoint import config_from_hf, config_to_hf, load_model, save_model
 from tracefp4.components.deltanet import chunked_delta_rule, recurrent_delta_rule
-from tracefp4.components.model import PRESETS, QWEN35_35B_A3B, CausalAttention, build_model
+from tracefp4.components.model import PRESETS, QWEN35_35B_A3B, CausalAttention, build_model, right_pad
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -162,3 +162,17 @@ def test_training_form_switch():
     assert (chunked - recurrent).abs().max() < 1e-4
     with pytest.raises(ValueError, match="delta_form"):
         CausalAttention(delta_form="fast")
+
+
+def test_right_padded_batch_equals_each_sequence_alone():
+    """Training batches are right-padded: padding comes after each sequence,
+    so the causal conv and the delta rule never see it."""
+    model = build_model("tiny-qwen35", seed=1)
+    gen = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 12, 70)]
+    tokens, positions, lengths = right_pad(sequences)
+    with torch.no_grad():
+        batch = model(tokens, positions, CausalAttention(lengths))
+        for row, seq in enumerate(sequences):
+            alone = model(torch.tensor([seq]), torch.arange(len(seq))[None])
+            assert (batch[row, : len(seq)] - alone[0]).abs().max() < 1e-5
