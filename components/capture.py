@@ -243,6 +243,7 @@ class Capture:
                     fmt is None
                     or not config.keeps(layer)
                     or (site in ACTIVATION_SITES and not model_cfg.is_sparse(layer))
+                    or (site not in ACTIVATION_SITES and model_cfg.is_linear(layer))  # no KV cache there
                 ):
                     continue
                 self._widths[(layer, site)] = width

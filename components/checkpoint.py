@@ -17,6 +17,13 @@ every file read must lie inside the folder. A folder from elsewhere has no
 manifest and loads with a warning that it is unverified. The manifest guards
 against corruption, not against someone who rewrites it along with the data.
 
+A ``qwen3_5_moe`` checkpoint is multimodal on the Hub: its config.json nests
+the language model's config under ``text_config`` and its weights live under
+``model.language_model.``; the vision tower (``model.visual.*``) and the
+multi-token-prediction head (``mtp.*``) are skipped with a logged note. Saving
+writes the language model alone, as transformers' ``Qwen3_5MoeForCausalLM``
+does (``model_type`` ``qwen3_5_moe_text``, keys under ``model.``).
+
 A checkpoint in the artifact store (``s3://``, ``minio://``) is fetched into a
 local cache first (:func:`fetch`), keyed by its checksums, checked against
 them before it is renamed into place, and then loaded from there like any
@@ -40,7 +47,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from .model import MODEL_TYPES, ModelConfig, Transformer
+from .model import LAYER_TYPES, MODEL_TYPES, ModelConfig, Transformer
 from .store import check_key, open_store
 from .tokenizer import FILENAME as TOKENIZER
 
@@ -57,6 +64,9 @@ _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down
 _QKV = re.compile(r"^(model\.layers\.\d+\.self_attn)\.([qkv])_proj\.(weight|bias)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_INDEX = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+QWEN35_TEXT = "qwen3_5_moe_text"  # model_type of Qwen3.5-MoE's language model alone (what save_model writes)
+_LANGUAGE_MODEL = "model.language_model."  # where a multimodal qwen3_5_moe checkpoint keeps the language model
+_SKIPPED = ("model.visual.", "mtp.")  # vision tower, multi-token prediction head: not part of the policy
 # config.json keys that config_from_hf reads or config_to_hf writes; the rest are kept in ModelConfig.extra
 _HF_KEYS = {
     "model_type",
@@ -85,6 +95,14 @@ _HF_KEYS = {
     "qkv_bias",
     "architectures",
     "hidden_act",
+    "layer_types",
+    "full_attention_interval",
+    "partial_rotary_factor",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
 }
 
 
@@ -101,7 +119,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     per forward, so max_position_embeddings sizes nothing and may be larger.)"""
     if not isinstance(hf, dict):
         raise CheckpointError(f"config.json must hold a JSON object, got {type(hf).__name__}")
-    model_type = hf.get("model_type")
+    hf = _text_config(hf)
+    model_type = "qwen3_5_moe" if hf.get("model_type") == QWEN35_TEXT else hf.get("model_type")
     if model_type not in MODEL_TYPES:
         raise CheckpointError(f"config.json has model_type {model_type!r}; tracefp4 loads {MODEL_TYPES}")
     rope = hf.get("rope_parameters") or {}
@@ -111,7 +130,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     rope_type = scaling.get("rope_type", scaling.get("type", "default")), rope.get("rope_type", "default")
     if rope_type != ("default", "default"):
         raise CheckpointError("config.json asks for scaled RoPE; tracefp4 implements the default RoPE only")
-    qwen3 = model_type == "qwen3_moe"
+    qwen3, qwen35 = model_type == "qwen3_moe", model_type == "qwen3_5_moe"
     missing = object()
 
     def get(key: str, default: object, source: dict) -> object:
@@ -164,22 +183,58 @@ def config_from_hf(hf: dict) -> ModelConfig:
         "rope_theta": positive("rope_theta", 10000.0, rope if "rope_theta" in rope else hf),
         "max_position_embeddings": size("max_position_embeddings", 4096, high=2**31 - 1),
         "tie_word_embeddings": flag("tie_word_embeddings", False),
-        "qkv_bias": flag("attention_bias", False) if qwen3 else flag("qkv_bias", True),
-        "qk_norm": qwen3,
+        "qkv_bias": flag("attention_bias", False) if qwen3 or qwen35 else flag("qkv_bias", True),
+        "qk_norm": qwen3 or qwen35,
     }
+    if qwen35:  # the hybrid layers (transformers' defaults where a key is absent)
+        interval = size("full_attention_interval", 4)
+        default_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+        types = hf.get("layer_types") or default_types
+        if not isinstance(types, list) or len(types) != layers or not set(types) <= set(LAYER_TYPES):
+            raise CheckpointError(f"config.json: layer_types must list {layers} of {LAYER_TYPES}, got {types!r}")
+        partial = rope if "partial_rotary_factor" in rope else hf
+        known |= {
+            "shared_expert_intermediate_size": size("shared_expert_intermediate_size"),
+            "norm_topk_prob": True,  # the router always renormalizes its top-k
+            "layer_types": tuple(types),
+            "attn_output_gate": True,
+            "partial_rotary_factor": positive("partial_rotary_factor", 0.25, partial),
+            "norm_unit_offset": True,
+            "linear_num_key_heads": size("linear_num_key_heads"),
+            "linear_num_value_heads": size("linear_num_value_heads"),
+            "linear_key_head_dim": size("linear_key_head_dim"),
+            "linear_value_head_dim": size("linear_value_head_dim"),
+            "linear_conv_kernel_dim": size("linear_conv_kernel_dim", 4, low=2),
+        }
     try:
         return ModelConfig(**known, extra={k: v for k, v in hf.items() if k not in _HF_KEYS})
     except ValueError as e:  # the cross-field checks: heads vs kv heads, top_k vs experts
         raise CheckpointError(f"config.json: {e}") from None
 
 
+def _text_config(hf: dict) -> dict:
+    """The language model's config: a multimodal ``qwen3_5_moe`` config.json
+    nests it under ``text_config`` (the vision tower's is skipped, with a note)."""
+    if hf.get("model_type") != "qwen3_5_moe":
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError("config.json: a qwen3_5_moe config needs a text_config object")
+    if hf.get("vision_config") is not None:
+        log.info("config.json has a vision_config: loading the language model only, the vision tower is skipped")
+    if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
+        text = {**text, "tie_word_embeddings": hf["tie_word_embeddings"]}
+    return text
+
+
 def config_to_hf(cfg: ModelConfig) -> dict:
     """A config.json that transformers and :func:`config_from_hf` both read."""
-    qwen3 = cfg.model_type == "qwen3_moe"
+    qwen3, qwen35 = cfg.model_type == "qwen3_moe", cfg.model_type == "qwen3_5_moe"
+    architecture = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
     hf = {
         **cfg.extra,
-        "architectures": ["Qwen3MoeForCausalLM" if qwen3 else "Qwen2MoeForCausalLM"],
-        "model_type": cfg.model_type,
+        "architectures": [architecture.get(cfg.model_type, "Qwen3_5MoeForCausalLM")],
+        "model_type": QWEN35_TEXT if qwen35 else cfg.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers,
@@ -199,7 +254,26 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "hidden_act": "silu",
     }
-    if qwen3:
+    if qwen35:
+        del hf["intermediate_size"], hf["decoder_sparse_step"], hf["mlp_only_layers"], hf["norm_topk_prob"]
+        del hf["rope_theta"]
+        rope = {
+            "rope_type": "default",
+            "rope_theta": cfg.rope_theta,
+            "partial_rotary_factor": cfg.partial_rotary_factor,
+        }
+        hf |= {
+            "attention_bias": cfg.qkv_bias,
+            "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+            "rope_parameters": rope,
+            "layer_types": list(cfg.layer_types),
+            "linear_num_key_heads": cfg.linear_num_key_heads,
+            "linear_num_value_heads": cfg.linear_num_value_heads,
+            "linear_key_head_dim": cfg.linear_key_head_dim,
+            "linear_value_head_dim": cfg.linear_value_head_dim,
+            "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim,
+        }
+    elif qwen3:
         hf["attention_bias"] = cfg.qkv_bias
     else:
         hf["qkv_bias"] = cfg.qkv_bias
@@ -248,7 +322,8 @@ def stacked_to_hub(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tens
             for e in range(cfg.num_experts):
                 out[f"{prefix}.{e}.down_proj.weight"] = t[e].T.contiguous()
         elif prefix.endswith(".qkv_proj"):
-            sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+            q_heads = cfg.num_heads * (2 if cfg.attn_output_gate else 1)  # each head's query, then its gate
+            sizes = [q_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
             attn = prefix.removesuffix(".qkv_proj")
             for part, piece in zip("qkv", t.split(sizes), strict=True):
                 out[f"{attn}.{part}_proj.{name}"] = piece.contiguous()
@@ -402,6 +477,30 @@ def _headers(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
     return headers
 
 
+def _language_model(folder: Path, headers: dict, cfg: ModelConfig) -> tuple[dict, dict[str, str]]:
+    """The language model's tensors of a (multimodal) qwen3_5_moe checkpoint
+    under the policy's names (``model.language_model.X`` as ``model.X``),
+    without the vision tower and the MTP head, which are skipped with a note;
+    also each renamed tensor's name in the file. Other models' tensors pass as
+    they are."""
+    if cfg.model_type != "qwen3_5_moe":
+        return headers, {}
+    skipped = sorted({prefix for t in headers for prefix in _SKIPPED if t.startswith(prefix)})
+    if skipped:
+        log.info("%s: skipping %s (not part of the language model)", folder, ", ".join(p + "*" for p in skipped))
+    kept, names = {}, {}
+    for tensor, header in headers.items():
+        if tensor.startswith(_SKIPPED):
+            continue
+        name = "model." + tensor.removeprefix(_LANGUAGE_MODEL) if tensor.startswith(_LANGUAGE_MODEL) else tensor
+        if name in kept:
+            raise CheckpointError(f"{folder}: holds {name} both with and without the {_LANGUAGE_MODEL} prefix")
+        kept[name] = header
+        if name != tensor:
+            names[name] = tensor
+    return kept, names
+
+
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The Hub tensor names and shapes of a model of ``cfg``, from a model on the
     meta device: nothing is allocated."""
@@ -455,11 +554,12 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
         cfg = config_from_hf(json.loads(_inside(folder, CONFIG, "the config").read_text()))
     except (CheckpointError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{folder}: {e}") from None
-    headers = _check_tensors(folder, cfg, _headers(folder))
+    headers, names = _language_model(folder, _headers(folder), cfg)
+    headers = _check_tensors(folder, cfg, headers)
     tensors = {}
     for shard in sorted({p for p, _, _ in headers.values()}):
         with safe_open(shard, framework="pt") as f:
-            tensors.update({t: f.get_tensor(t) for t, (p, _, _) in headers.items() if p == shard})
+            tensors.update({t: f.get_tensor(names.get(t, t)) for t, (p, _, _) in headers.items() if p == shard})
     model = Transformer(cfg)
     load_state(model, hub_to_stacked(tensors, cfg))
     return model.to(device=device, dtype=dtype)

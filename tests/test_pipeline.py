@@ -62,6 +62,22 @@ def test_smoke_preset_runs_the_whole_dag(smoke_run):
     assert provenance(root / "export" / "exported")["exported_from"] == folder_digest(root / "train" / "new_policy")
 
 
+def test_tiny_qwen35_preset_runs_the_smoke_pipeline(tmp_path):
+    """The smoke DAG on the hybrid Qwen3.5-MoE model: FP4 rollout with its
+    recurrent states, guided training on a linear- and a full-attention layer,
+    evaluation, the report."""
+    config = get_preset("tiny-qwen35")
+    text = run_local(config, tmp_path).read_text()
+    assert "# tracefp4 run `tiny-qwen35`" in text and "| trace | trained | fp4_wa_kv |" in text
+    root = next((tmp_path / "pipeline_root").iterdir())
+    policy = load_model(root / "train" / "new_policy")
+    assert policy.cfg.model_type == "qwen3_5_moe" and policy.cfg.linear_layers == [0, 1, 2]
+    guidance = json.loads((root / "compaction" / "guidance").read_text())
+    assert guidance["layers"] == [2, 3]
+    history = [json.loads(line) for line in (root / "train" / "history").read_text().splitlines()]
+    assert len(history) == 1 and history[0]["guidance_coverage"] > 0.9
+
+
 def test_compiled_yaml_names_every_component_and_parameter(tmp_path):
     config = load_config(None, preset="smoke", overrides={"rl.rounds": 2, "store.uri": "s3://runs/smoke"})
     path = compile_pipeline(config, tmp_path / "pipeline.yaml")
