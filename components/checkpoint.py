@@ -49,7 +49,7 @@ from torch import Tensor
 
 from .model import LAYER_TYPES, MODEL_TYPES, ModelConfig, Transformer
 from .store import check_key, open_store
-from .tokenizer import FILENAME as TOKENIZER
+from .tokenizer import FILES as TOKENIZER_FILES
 
 log = logging.getLogger("tracefp4.checkpoint")
 
@@ -648,7 +648,7 @@ def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None) ->
     used. Without a manifest every shard the index names must be there, and
     :func:`load_model` loads it with its unverified warning. Only the files
     loading reads are fetched: the weights, config.json, the index, the
-    manifest's files and tokenizer.json."""
+    manifest's files and the tokenizer's (:data:`.tokenizer.FILES`)."""
     text = os.fspath(uri)
     if "://" not in text:
         return Path(text)
@@ -669,7 +669,7 @@ def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None) ->
                 raise CheckpointError(f"{where}/{name}: listed in {MANIFEST} but missing from the store")
     else:
         wanted = _weights(store, listed, have)
-    wanted |= {TOKENIZER} & listed
+    wanted |= set(TOKENIZER_FILES) & listed
     unverified = sorted(wanted - set(entries) - {MANIFEST})  # keyed by their ETags instead of their checksums
     material = {
         "manifest": hashlib.sha256(have.get(MANIFEST, b"")).hexdigest(),

@@ -50,6 +50,7 @@ class SamplingParams:
     top_k: int = 0
     max_new_tokens: int = 64
     stop_tokens: tuple[int, ...] = ()
+    pad_token: int = 0  # fills a batch's rows past each prompt; masked, so no logit depends on it
     seed: int = 0
     record_topk: int = 0  # keep the sampler's k most likely tokens per step (score centering needs them)
 
@@ -301,7 +302,7 @@ class TorchEngine:
         if sampling.record_topk:
             for request in out:
                 request.topk_ids, request.topk_logprobs = [], []
-        tokens, positions, lengths = right_pad(prompts, device=dev)
+        tokens, positions, lengths = right_pad(prompts, pad=sampling.pad_token, device=dev)
         cache = KVCache(self.model.cfg, b, tokens.shape[1] + sampling.max_new_tokens, self.sites, self.dtype, dev)
         gen = torch.Generator(device=dev).manual_seed(sampling.seed)
         stop = torch.tensor(sampling.stop_tokens or [-1], device=dev)

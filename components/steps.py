@@ -38,10 +38,9 @@ from .rl import group_advantages
 from .rollout import SamplingParams, TorchEngine, Trajectory
 from .store import open_store
 from .tasks import Problem, format_example, get_task, split
-from .tokenizer import BOS, EOS, FILENAME, PAD, build_tokenizer, decode, encode, load_tokenizer
+from .tokenizer import build_tokenizer, load_tokenizer
 from .trainer import SCORE_CENTERING_TOPK, TrainConfig, Trainer
 
-GENERATION_CONFIG = "generation_config.json"
 
 # The compaction step's figures (none for methods without guidance).
 COMPACTION_KEYS = (
@@ -61,8 +60,6 @@ ROUND_KEYS = (
     "offload_seconds",
     "upload_seconds",
 ) + COMPACTION_KEYS
-
-_NEWLINE = "\n"
 
 
 class RunMismatch(ValueError):
@@ -121,10 +118,8 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
     else:
         model = load_model(checkpoint, device=device)
     tokenizer = load_tokenizer(checkpoint) if checkpoint else build_tokenizer()
-    if tokenizer.get_vocab_size() > model.cfg.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tokenizer.get_vocab_size()} tokens, the model only {model.cfg.vocab_size}"
-        )
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {model.cfg.vocab_size}")
     problems = config.guided_layer_problems(model.cfg.num_layers, f"checkpoint {config.model.checkpoint}")
     if problems:  # before any work
         raise ValueError("\n".join(problems))
@@ -132,19 +127,11 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
     trainer = Trainer(model, train_config(config), BF16, {})
     if state is None:
         save_model(
-            trainer.model, out, extra=policy_files(tokenizer), provenance={"run_id": run_id, "policy_version": 0}
+            trainer.model, out, extra=tokenizer.files(), provenance={"run_id": run_id, "policy_version": 0}
         )
     else:
-        trainer.save(out, state, extra=policy_files(tokenizer), run_id=run_id)
+        trainer.save(out, state, extra=tokenizer.files(), run_id=run_id)
     return stats
-
-
-def policy_files(tokenizer) -> dict[str, bytes]:
-    """The files a policy folder carries beside its weights: the tokenizer, and a
-    generation config naming its special tokens (what transformers' and serving
-    engines' ``generate`` stop and pad with)."""
-    generation = {"bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": PAD}
-    return {FILENAME: tokenizer.to_str().encode(), GENERATION_CONFIG: json.dumps(generation, indent=2).encode()}
 
 
 def run_bootstrap(config: RunConfig, model, tokenizer) -> dict:
@@ -230,16 +217,18 @@ def _engine(config: RunConfig, policy: Path, capture: bool, device: torch.device
 
 
 def sampling(config: RunConfig, seed: int, tokenizer) -> SamplingParams:
-    """The run's sampling; tis_sc's score centering also needs the sampler's top-k tokens."""
+    """The run's sampling, stopping on the tokenizer's stop ids (every eos; a
+    plain tokenizer's newline too) and padding with its pad id; tis_sc's score
+    centering also needs the sampler's top-k tokens."""
     r = config.rollout
-    newline = encode(tokenizer, _NEWLINE)[0]
     topk = SCORE_CENTERING_TOPK if config.method == "tis_sc" else 0
     return SamplingParams(
         temperature=r.temperature,
         top_p=r.top_p,
         top_k=r.top_k,
         max_new_tokens=r.max_new_tokens,
-        stop_tokens=(EOS, newline),
+        stop_tokens=tokenizer.stop_ids,
+        pad_token=tokenizer.pad_id,
         seed=seed,
         record_topk=topk,
     )
@@ -266,7 +255,7 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
     chosen = training_problems(config, round_index, steps * config.rollout.prompts_per_step)
     batch = [p for p in chosen for _ in range(config.rollout.group_size)]
     engine = _engine(config, policy, capture=_captures(config), device=device)
-    prompts = [encode(tokenizer, format_example(p), bos=True) for p in batch]
+    prompts = [tokenizer.encode_prompt(format_example(p)) for p in batch]
     per_step = len(prompts) // steps
     trajectories = []
     start = time.perf_counter()
@@ -471,10 +460,7 @@ def train(
         part = slice(s * per_step, (s + 1) * per_step)
         step_trajectories, step_problems = trajectories[part], batch[part]
         rewards = torch.tensor(
-            [
-                get_task(p.task).reward(p, decode(tokenizer, t.response))
-                for t, p in zip(step_trajectories, step_problems)
-            ]
+            [get_task(p.task).reward(p, tokenizer.decode(t.response)) for t, p in zip(step_trajectories, step_problems)]
         )
         loader = None
         if config.method == "trace":
@@ -506,7 +492,7 @@ def train(
                 **{key: (round_stats or {}).get(key) for key in ROUND_KEYS},
             }
         )
-    trainer.save(out, out_state, extra=policy_files(tokenizer), run_id=run_id)
+    trainer.save(out, out_state, extra=tokenizer.files(), run_id=run_id)
     return history
 
 

@@ -4,9 +4,12 @@
 run on the paper's model family (hybrid Gated DeltaNet + gated attention,
 Qwen3.5-MoE), `tiny` is `make run` on a 2-core CPU, and the two `paper-*`
 presets describe the paper's Qwen3.5-35B-A3B cluster setups (REFERENCE.md
-section 3). For those, the
-checkpoint URI, image and cluster resources are placeholders to adapt, and the
-RL hyperparameters the paper does not state are ours.
+section 3). Their checkpoint is the Hugging Face folder as published, copied
+into the user's store: its special tokens and chat template come from its own
+tokenizer files at load time (docs/pipeline.md, "The policy's checkpoint
+folder"), so a preset names only the URI. The bucket, image and cluster
+resources are placeholders to adapt, and the RL hyperparameters the paper does
+not state are ours.
 """
 
 from tracefp4.components.model import QWEN35_35B_A3B
