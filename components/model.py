@@ -331,7 +331,9 @@ class CausalAttention:
 def right_pad(sequences: list[list[int]], pad: int = 0, device="cpu") -> tuple[Tensor, Tensor, Tensor]:
     """Token sequences as one batch: ``tokens [B, S]`` (``pad`` after each
     sequence's end), ``positions [B, S]`` (0.. on every row) and ``lengths
-    [B]``, which :class:`CausalAttention` masks the padding with."""
+    [B]``, which :class:`CausalAttention` masks the padding with. No logit of
+    a real position depends on ``pad``; callers holding the tokenizer pass its
+    pad id, so that the batches read as the policy's own."""
     rows = [torch.tensor(s, dtype=torch.long) for s in sequences]
     tokens = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad).to(device)
     positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)

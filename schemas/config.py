@@ -110,7 +110,8 @@ class ModelConfig(_Section):
         default=None,
         min_length=1,
         description="Path or store URI (file://, s3://, minio://) of a Hugging Face qwen3_moe/qwen2_moe/"
-        "qwen3_5_moe folder (config.json + safetensors); exclusive with preset.",
+        "qwen3_5_moe folder (config.json, safetensors, tokenizer.json, tokenizer_config.json, optional "
+        "generation_config.json; docs/pipeline.md); exclusive with preset.",
     )
     dtype: Literal["bfloat16", "float32"] = Field(default="float32", description="Compute dtype of the rollout policy.")
     max_seq_len: int = Field(default=512, ge=8, le=1 << 20, description="Longest prompt + response, in tokens.")
