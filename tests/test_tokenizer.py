@@ -4,12 +4,16 @@ exactly as transformers does, stops on every eos, pads with its pad id, and
 bad files fail naming the file and field."""
 
 import json
+from dataclasses import replace
 
 import pytest
 from chat_checkpoint import ENDOFTEXT, IM_END, IM_START, TEMPLATE, tokenizer_files, train_bpe
 from transformers import AutoTokenizer
 
+from tracefp4.components import steps
 from tracefp4.components.bootstrap import make_batch
+from tracefp4.components.model import build_model, get_preset
+from tracefp4.components.rollout import TorchEngine
 from tracefp4.components.tasks import format_example, split
 from tracefp4.components.tokenizer import (
     BOS,
@@ -25,6 +29,7 @@ from tracefp4.components.tokenizer import (
     load_tokenizer,
     save_tokenizer,
 )
+from tracefp4.schemas import load_config
 
 BPE = train_bpe()
 IDS = {name: BPE.token_to_id(name) for name in (ENDOFTEXT, IM_START, IM_END)}
@@ -163,3 +168,24 @@ def test_a_template_from_chat_template_jinja_is_used_and_kept(tmp_path):
     broken = {**files, "chat_template.jinja": b"{% for %}"}
     with pytest.raises(TokenizerError, match="chat_template.jinja fails to render"):
         load_tokenizer(folder_of(tmp_path, broken, "broken"))
+
+
+def test_sampling_stops_each_trajectory_at_its_first_eos_and_pads_with_the_pad_id(chat):
+    """A random policy over the BPE vocabulary samples each eos now and then:
+    those trajectories end there, the others run to the token limit with none."""
+    tok = load_tokenizer(chat)
+    model = build_model(replace(get_preset("smoke"), vocab_size=tok.vocab_size), seed=3)
+    config = load_config(None, preset="smoke", overrides={"rollout.max_new_tokens": 16})
+    params = steps.sampling(config, seed=0, tokenizer=tok)
+    assert params.stop_tokens == tok.eos_ids and params.pad_token == tok.pad_id
+    prompts = [tok.encode_prompt(format_example(p)) for p in split("countdown", 48, 0, seed=0, difficulty=1)[0]]
+    trajectories = TorchEngine(model).generate(prompts, params)
+    ended = {eos: 0 for eos in tok.eos_ids}
+    for t in trajectories:
+        at = [i for i, token in enumerate(t.response) if token in tok.eos_ids]
+        if t.finish_reason == "stop":
+            assert at == [len(t.response) - 1]
+            ended[t.response[-1]] += 1
+        else:
+            assert not at and len(t.response) == 16
+    assert min(ended.values()) >= 2, ended  # both eos ids stopped trajectories
