@@ -4,11 +4,12 @@ and some of their answers, so that RL starts from partial accuracy.
 GRPO learns nothing from a group whose rewards are all 0, and a policy with
 seeded random weights scores 0 on every task; one already at the ceiling
 leaves RL nothing to show. ``bootstrap`` trains the policy in place on the
-teacher-forced loss of the answer after the prompt, laid out
-exactly as the rollout engine sees it (the prompt as the tokenizer encodes it,
-through the chat template when there is one, then the answer through its end:
-the end-of-turn eos, or a plain tokenizer's newline), and can stop early once the greedy test accuracy,
-measured with the real rollout engine, reaches a target below the ceiling.
+teacher-forced loss of the answer after the prompt, laid out exactly as the
+rollout engine sees it (the prompt as the tokenizer encodes it, through the
+chat template when there is one, then the answer through its end: the
+end-of-turn eos, or a plain tokenizer's newline), and can stop early once the
+greedy test accuracy, measured with the real rollout engine, reaches a target
+below the ceiling.
 Seeded: the same seed gives the same weights.
 """
 
