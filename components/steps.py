@@ -41,7 +41,6 @@ from .tasks import Problem, format_example, get_task, split
 from .tokenizer import build_tokenizer, load_tokenizer
 from .trainer import SCORE_CENTERING_TOPK, TrainConfig, Trainer
 
-
 # The compaction step's figures (none for methods without guidance).
 COMPACTION_KEYS = (
     "guidance_bytes",
@@ -126,9 +125,7 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
     stats = run_bootstrap(config, model, tokenizer) if config.bootstrap.enabled else {}
     trainer = Trainer(model, train_config(config), BF16, {})
     if state is None:
-        save_model(
-            trainer.model, out, extra=tokenizer.files(), provenance={"run_id": run_id, "policy_version": 0}
-        )
+        save_model(trainer.model, out, extra=tokenizer.files(), provenance={"run_id": run_id, "policy_version": 0})
     else:
         trainer.save(out, state, extra=tokenizer.files(), run_id=run_id)
     return stats

@@ -22,7 +22,6 @@ from tracefp4.components.export import export
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rollout import TorchEngine
-from tracefp4.components.steps import policy_files
 from tracefp4.components.tokenizer import build_tokenizer
 from tracefp4.pipelines.cli import main
 
@@ -36,9 +35,7 @@ def policies(tmp_path_factory):
     out = {}
     for preset in ("smoke", "tiny-qwen2"):
         provenance_ = {"run_id": "run-a", "policy_version": 3}
-        save_model(
-            build_model(preset, seed=5), root / preset, extra=policy_files(build_tokenizer()), provenance=provenance_
-        )
+        save_model(build_model(preset, seed=5), root / preset, extra=build_tokenizer().files(), provenance=provenance_)
         out[preset] = root / preset
     return out
 
@@ -63,6 +60,7 @@ def test_export_round_trips_through_compressed_tensors(policies, tmp_path, fmt, 
         "generation_config.json",
         "model.safetensors",
         "tokenizer.json",
+        "tokenizer_config.json",
     ]
     assert provenance(folder)["policy_version"] == 3 and provenance(folder)["format"] == f"{fmt}-pack-quantized"
     hf = json.loads((folder / "config.json").read_text())
