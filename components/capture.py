@@ -119,6 +119,16 @@ class SiteTable:
         inputs = None if self.inputs is None else self.inputs[rows]
         return replace(self, **pick, inputs=inputs)
 
+    def for_trajectories(self, ids: Tensor) -> "SiteTable":
+        """The rows of trajectories ``ids``."""
+        return self.select(torch.isin(self.traj, ids))
+
+    @staticmethod
+    def concat(tables: list["SiteTable"]) -> "SiteTable":
+        """Tables of one site (of other trajectories) as one, in the given order."""
+        cat = {f: torch.cat([getattr(t, f) for t in tables]) for f in ("traj", "pos", "slot", "expert", "codes", "scales")}
+        return replace(tables[0], **cat, inputs=None)
+
     def to(self, device) -> "SiteTable":
         """The table on ``device`` (itself where it is already there)."""
         if self.codes.device == torch.device(device):

@@ -30,13 +30,25 @@ from .capture import CaptureConfig, CaptureRecords
 from .checkpoint import fetch, load_model, provenance, save_model
 from .device import resolve
 from .export import export
-from .guidance import GuidanceRef, compact, compaction_report, encode_scales, read_step, select_layers, write_step
+from .guidance import (
+    GuidanceError,
+    GuidanceRef,
+    compact,
+    compaction_report,
+    encode_scales,
+    full_record_bytes,
+    read_step,
+    select_layers,
+    step_prefix,
+    write_step,
+)
 from .mismatch import teacher_force
 from .model import build_model
 from .quant import BF16, QuantConfig, rollout_config
 from .rl import group_advantages
 from .rollout import SamplingParams, TorchEngine, Trajectory
-from .store import open_store
+from .store import ArtifactNotFound, open_store
+from .syndrome import choose_rates, encode_table, first_rate, merge_decode_json
 from .tasks import Problem, format_example, get_task, split
 from .tokenizer import build_tokenizer, load_tokenizer
 from .trainer import SCORE_CENTERING_TOPK, TrainConfig, Trainer
@@ -50,6 +62,7 @@ COMPACTION_KEYS = (
     "compaction_fidelity",
     "compaction_seconds",
 )
+DECODE_FILE = "decode.json"  # beside a syndrome-coded step's manifest: its decode statistics, from training
 # A round's rollout and compaction figures, carried into each of its history rows.
 ROUND_KEYS = (
     "rollout_seconds",
@@ -184,6 +197,12 @@ def _inline(config: RunConfig) -> bool:
     return config.method == "trace" and config.guidance.compaction == "inline"
 
 
+def _rollout_writes_guidance(config: RunConfig) -> bool:
+    """Whether the rollout's shards are the guidance itself; else compaction
+    encodes them (offline compaction, or the syndrome codec)."""
+    return _inline(config) and config.guidance.codec == "bits"
+
+
 def _captures(config: RunConfig) -> bool:
     return config.method == "trace" or config.rl.measure_mismatch
 
@@ -274,7 +293,7 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
             rl_step=round_index,
             policy_version=version,
             top_k=engine.model.cfg.top_k,
-            prefix=store_prefix(config, run_id, "guidance" if _inline(config) else "capture"),
+            prefix=store_prefix(config, run_id, "guidance" if _rollout_writes_guidance(config) else "capture"),
             trajectories_per_shard=config.guidance.trajectories_per_shard,
             run_id=run_id,
         )
@@ -348,7 +367,10 @@ def compaction(
     store = _store(config)
     expect = {"run_id": run_id, "policy_version": header["policy_version"]}
     prefix = store_prefix(config, run_id, "guidance")
-    if _inline(config):
+    if config.guidance.codec == "syndrome":
+        kept = _syndrome_step(config, store, round_index, header, run_id)
+        stats.update(compaction_ratio=kept.nbytes / sum(full_record_bytes(t) for t in kept.tables.values()))
+    elif _inline(config):
         kept = read_step(store, round_index, prefix, expect)
     else:
         full = read_step(store, round_index, store_prefix(config, run_id, "capture"), expect)
@@ -376,7 +398,7 @@ def compaction(
             compaction_ratio=kept.nbytes / full.nbytes,
             compaction_fidelity=report.total["fidelity"],
         )
-    elements = sum(t.codes.shape[0] * t.width for t in kept.tables.values())
+    elements = sum(len(t.traj) * t.width for t in kept.tables.values())
     layers = sorted({layer for layer, _ in kept.tables})
     stats.update(
         layers=layers,
@@ -386,7 +408,13 @@ def compaction(
     )
     sites = tuple(sorted({site for _, site in kept.tables}))
     guided = replace(
-        ref, store_uri=config.store.uri, prefix=prefix, bits=config.guidance.bits, layers=tuple(layers), sites=sites
+        ref,
+        store_uri=config.store.uri,
+        prefix=prefix,
+        codec=config.guidance.codec,
+        bits=config.guidance.bits,
+        layers=tuple(layers),
+        sites=sites,
     )
     return guided, stats
 
@@ -403,6 +431,56 @@ def export_policy(config: RunConfig, policy: Path, out: Path) -> dict:
         device=device,
         calibration_seed=config.seed,
     )
+
+
+def _syndrome_step(
+    config: RunConfig, store, round_index: int, header: dict, run_id: str
+) -> CaptureRecords:
+    """Encode the round's capture (inline: R-1 of the selected layers; offline:
+    full) with the syndrome codec at rates chosen from the previous round's
+    decode statistics, and write it as the round's guidance; the rates and the
+    statistics they came from go into the manifest."""
+    expect = {"run_id": run_id, "policy_version": header["policy_version"]}
+    captured = read_step(store, round_index, store_prefix(config, run_id, "capture"), expect)
+    chosen = select_layers(config.guidance.layers, sorted({layer for layer, _ in captured.tables}))
+    kept = {key: t for key, t in captured.tables.items() if key[0] in chosen}
+    previous = read_decode_stats(store, store_prefix(config, run_id, "guidance"), round_index - 1)
+    rates = choose_rates(sorted(kept), previous, first_rate(config.guidance.syndrome_rate))
+    coded = CaptureRecords({key: encode_table(t, rates[key]) for key, t in kept.items()})
+    syndrome = {
+        "rates": {f"{layer}/{site}": [r.code_bits, r.scale_bits] for (layer, site), r in sorted(rates.items())},
+        "first_rate": config.guidance.syndrome_rate,
+        "previous_decode": previous,
+    }
+    write_step(
+        store,
+        coded,
+        rl_step=round_index,
+        policy_version=header["policy_version"],
+        top_k=header["top_k"],
+        prefix=store_prefix(config, run_id, "guidance"),
+        trajectories_per_shard=config.guidance.trajectories_per_shard,
+        run_id=run_id,
+        syndrome=syndrome,
+    )
+    return coded
+
+
+def read_decode_stats(store, prefix: str, rl_step: int) -> dict | None:
+    """A step's decode statistics (written by its training), or None where
+    there are none (the first step of a run)."""
+    key = f"{step_prefix(prefix, rl_step)}/{DECODE_FILE}"
+    try:
+        data = store.get_bytes(key)
+    except ArtifactNotFound:
+        return None
+    try:
+        stats = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GuidanceError(f"{store.uri}/{key}: not decode statistics (unreadable JSON: {e})") from None
+    if not isinstance(stats, dict):
+        raise GuidanceError(f"{store.uri}/{key}: not decode statistics (a JSON {type(stats).__name__})")
+    return stats
 
 
 def _restrict(records: CaptureRecords, trajectories: torch.Tensor) -> CaptureRecords:
@@ -451,7 +529,7 @@ def train(
             {"run_id": run_id, "policy_version": header["policy_version"]},
         )
     per_step = config.rollout.prompts_per_step * config.rollout.group_size
-    history = []
+    history, decoded = [], {}
     for s in range(config.rl.steps_per_round):
         start = time.perf_counter()
         part = slice(s * per_step, (s + 1) * per_step)
@@ -473,6 +551,8 @@ def train(
             step_trajectories, group_advantages(rewards, config.rollout.group_size), loader, measured
         )
         stats["train_seconds"] = time.perf_counter() - start - stats["reload_seconds"]
+        for key, found in stats.pop("guidance_decode").items():
+            decoded[key] = merge_decode_json(decoded.get(key), found)
         lengths = torch.tensor([len(t.response) for t in step_trajectories], dtype=torch.float32)
         rollout_lp = torch.tensor([lp for t in step_trajectories for lp in t.logprobs])
         history.append(
@@ -489,6 +569,8 @@ def train(
                 **{key: (round_stats or {}).get(key) for key in ROUND_KEYS},
             }
         )
+    if decoded:  # the next round's compaction chooses its syndrome rates from these
+        store.put_bytes(f"{step_prefix(guidance.prefix, round_index)}/{DECODE_FILE}", json.dumps(decoded).encode())
     trainer.save(out, out_state, extra=tokenizer.files(), run_id=run_id)
     return history
 

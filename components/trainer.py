@@ -30,6 +30,7 @@ from .quant import QuantConfig
 from .rl import SequenceBatch, alignment_metrics, grpo_loss, score_centering, stack_rows, token_logprobs
 from .rollout import Trajectory
 from .trainer_state import load_state, save_state
+from .syndrome import DecodeStats, decode_summary
 
 SCORE_CENTERING_TOPK = 8  # sampler tokens score centering looks at
 OPTIMIZER_PREFIX = "optimizer."  # trainer-state tensors of the optimizer: optimizer.{param index}.{name}
@@ -103,6 +104,7 @@ class Trainer:
         adv = dict(zip((t.id for t in trajectories), advantages.tolist()))
         stats, alignment, grad_norms, tally = {}, [], [], MismatchTally()
         guided = captured = 0
+        decode: dict = {}  # (layer, site) -> DecodeStats of syndrome-coded guidance
         reload_s = 0.0
         self.optimizer.zero_grad(set_to_none=True)
         for index, batch in enumerate(batches):
@@ -122,6 +124,8 @@ class Trainer:
             alignment.append((logprobs.detach(), batch))
             guided += sum(sites.coverage.guided.values())
             captured += sum(sites.coverage.total.values())
+            for key, found in sites.coverage.decode.items():
+                decode.setdefault(key, DecodeStats(found.rate)).merge(found)
             if (index + 1) % group == 0 or index + 1 == len(batches):
                 grad_norms.append(self._optimizer_step())
         self.step += 1
@@ -131,6 +135,7 @@ class Trainer:
             optimizer_steps=len(grad_norms),
             reload_seconds=reload_s,
             guidance_coverage=guided / captured if captured else 0.0,
+            **decode_summary(decode),
         )
         if rollout_records is not None:
             stats.update(tally.summary())

@@ -171,6 +171,19 @@ class GuidanceConfig(_Section):
     compaction: Literal["inline", "offline"] = Field(
         default="inline", description="Truncate codes during capture (inline) or after a full capture (offline)."
     )
+    codec: Literal["bits", "syndrome"] = Field(
+        default="bits",
+        description="bits: the low bits of every code and the block scales as they are (R-kbit). syndrome: R-1 "
+        "guidance as parity bits the training side decodes with its own values, ~0.3 bit per element with scales "
+        "(docs/guidance-format.md); needs bits 1.",
+    )
+    syndrome_rate: float = Field(
+        default=0.25,
+        ge=0.0625,
+        le=0.3125,
+        description="syndrome codec: bits per captured element (scales included) of a run's first step; later "
+        "steps choose each layer's and site's rate from the previous step's decode statistics.",
+    )
     trajectories_per_shard: int = Field(default=64, ge=1, le=65536, description="Trajectories per guidance shard file.")
     prefetch_microbatches: int = Field(default=2, ge=0, le=64, description="Microbatches of guidance loaded ahead.")
     allow_rtn_fallback: bool = Field(
@@ -454,6 +467,11 @@ class RunConfig(_Section):
             for i, t in enumerate(self.tasks)
             if t.test_size < share
         ]
+        if self.guidance.codec == "syndrome" and self.guidance.bits != 1:
+            problems.append(
+                f"guidance.codec: syndrome sends R-1 guidance (the low code bit), so guidance.bits must be 1, "
+                f"got {self.guidance.bits}"
+            )
         if self.rl.measure_mismatch and self.guidance.compaction != "offline":
             problems.append("rl.measure_mismatch: needs the rollout's full capture, so guidance.compaction offline")
         if self.model.preset is not None:  # a checkpoint's depth is checked when prepare reads its config
