@@ -83,7 +83,9 @@ def guided_forward(model, engine, trajectories, store, step: int) -> tuple[Captu
     """The training path's codes at every captured site in one guided forward
     over the trajectories (the step's guidance in ``store``; syndrome-coded
     tables decode inline, layer by layer), and the decode statistics."""
-    trainer = Trainer(copy.deepcopy(model), TrainConfig(microbatch_size=len(trajectories)), engine.quant, engine.global_scales)
+    trainer = Trainer(
+        copy.deepcopy(model), TrainConfig(microbatch_size=len(trajectories)), engine.quant, engine.global_scales
+    )
     batch = SequenceBatch.of(trajectories, trainer.device)
     config = CaptureConfig(max_tokens=batch.tokens.numel())
     recorder = Capture(model.cfg, engine.quant, config, engine.global_scales, trainer.device, kv_from_forward=True)
@@ -163,9 +165,7 @@ def bootstrapped_tiny(folder: Path, steps_override: int | None):
     """The tiny preset's model after its bootstrap SFT, its tokenizer and training prompts."""
     config = get_preset("tiny")
     if steps_override is not None:
-        config = config.model_copy(
-            update={"bootstrap": config.bootstrap.model_copy(update={"steps": steps_override})}
-        )
+        config = config.model_copy(update={"bootstrap": config.bootstrap.model_copy(update={"steps": steps_override})})
     figures = steps.prepare(config, folder, "bench")
     tokenizer = load_tokenizer(folder)
     problems = steps.training_problems(config, 0, 32)

@@ -126,7 +126,9 @@ class SiteTable:
     @staticmethod
     def concat(tables: list["SiteTable"]) -> "SiteTable":
         """Tables of one site (of other trajectories) as one, in the given order."""
-        cat = {f: torch.cat([getattr(t, f) for t in tables]) for f in ("traj", "pos", "slot", "expert", "codes", "scales")}
+        cat = {
+            f: torch.cat([getattr(t, f) for t in tables]) for f in ("traj", "pos", "slot", "expert", "codes", "scales")
+        }
         return replace(tables[0], **cat, inputs=None)
 
     def to(self, device) -> "SiteTable":

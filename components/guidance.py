@@ -158,7 +158,12 @@ def encode_shard(records: CaptureRecords, *, rl_step: int, policy_version: int, 
             raise GuidanceError(f"capture of layer {layer} {site} is not complete: every position needs its rows")
         if isinstance(t, SyndromeTable):
             arrays = {"code_parity": t.code_parity, "scale_parity": t.scale_parity}
-            codec = {"codec": "syndrome", "group": t.group, "code_bits": t.rate.code_bits, "scale_bits": t.rate.scale_bits}
+            codec = {
+                "codec": "syndrome",
+                "group": t.group,
+                "code_bits": t.rate.code_bits,
+                "scale_bits": t.rate.scale_bits,
+            }
         else:
             arrays, codec = {"codes": t.codes, "scales": t.scales}, {"codec": "bits"}
         if site == "moe_down_in":
@@ -551,4 +556,3 @@ class GuidanceLoader:
                 raise item
             self.fallback_trajectories += len(item.missing)
             yield item
-

@@ -140,7 +140,12 @@ class TrainingSites:
         rows = guide_rows[keep]
         f = get_format(table.fmt)
         guide = Guidance(
-            compact_codes(low[rows], 1), 1, scales[rows].view(f.scale_dtype), g, f.name, torch.Size((len(rows), table.width))
+            compact_codes(low[rows], 1),
+            1,
+            scales[rows].view(f.scale_dtype),
+            g,
+            f.name,
+            torch.Size((len(rows), table.width)),
         )
         return train_rows[keep], guide
 

@@ -433,9 +433,7 @@ def export_policy(config: RunConfig, policy: Path, out: Path) -> dict:
     )
 
 
-def _syndrome_step(
-    config: RunConfig, store, round_index: int, header: dict, run_id: str
-) -> CaptureRecords:
+def _syndrome_step(config: RunConfig, store, round_index: int, header: dict, run_id: str) -> CaptureRecords:
     """Encode the round's capture (inline: R-1 of the selected layers; offline:
     full) with the syndrome codec at rates chosen from the previous round's
     decode statistics, and write it as the round's guidance; the rates and the

@@ -26,7 +26,14 @@ import torch
 from torch import Tensor
 
 from tracefp4.kernels import compact_codes, expand_codes, get_format
-from tracefp4.kernels.syndrome import MAX_ERASURES, code_side_info, parity_matrix, scale_side_info, solve_erasures, syndrome
+from tracefp4.kernels.syndrome import (
+    MAX_ERASURES,
+    code_side_info,
+    parity_matrix,
+    scale_side_info,
+    solve_erasures,
+    syndrome,
+)
 
 from .capture import SiteTable
 

@@ -74,6 +74,7 @@ RUNNERS = {
     "rollout.config": _round,
     "method": _round,
     "guidance.compaction": _round,
+    "guidance.codec": _round,
     "guidance.layers": _round,
     "rl.schedule": _round,
     "tasks.name": _task,
