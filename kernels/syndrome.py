@@ -81,13 +81,24 @@ def solve_erasures(
     the erasures it needed (1 + the reliability rank of its last corrected
     position; 0 when the guess was right): what rate control learns from.
     """
-    nb, n = guess.shape
     rows = parity.shape[1]
-    erasures = min(erasures, n, MAX_ERASURES)
+    erasures = min(erasures, guess.shape[1], MAX_ERASURES)
     if erasures > rows:
         raise ValueError(f"{erasures} erasures need at least as many parity bits, got {rows}")
-    device = guess.device
     target = parity ^ syndrome(guess, matrix)  # [nb, rows]: the parity of the disagreement
+    bits = guess.clone()
+    ok = torch.ones(len(guess), dtype=torch.bool, device=guess.device)
+    needed = torch.zeros(len(guess), dtype=torch.int64, device=guess.device)
+    wrong = target.any(1).nonzero()[:, 0]  # blocks whose guess already satisfies every equation are done
+    if len(wrong):
+        bits[wrong], ok[wrong], needed[wrong] = _solve(guess[wrong], reliability[wrong], target[wrong], matrix, erasures)
+    return bits, ok, needed
+
+
+def _solve(guess: Tensor, reliability: Tensor, target: Tensor, matrix: Tensor, erasures: int):
+    """:func:`solve_erasures` of blocks whose guess violates some equation (``target``: which)."""
+    nb, rows = target.shape
+    device = guess.device
     order = torch.sort(reliability, dim=1, stable=True).indices[:, :erasures]  # [nb, L], least reliable first
     columns = matrix.to(device).T[order]  # [nb, L, rows]
     weights = torch.ones(erasures, dtype=torch.int64, device=device) << torch.arange(erasures, device=device)
