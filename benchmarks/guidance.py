@@ -39,7 +39,7 @@ from tracefp4.components.quant import rollout_config
 from tracefp4.components.rl import SequenceBatch
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
-from tracefp4.components.syndrome import DecodeStats, choose_rates, encode_table, first_rate
+from tracefp4.components.syndrome import choose_rates, encode_table, first_rate
 from tracefp4.components.tasks import format_example
 from tracefp4.components.tokenizer import encode, load_tokenizer
 from tracefp4.components.trainer import TrainConfig, Trainer
@@ -136,17 +136,14 @@ def syndrome_table(model, engine, trajectories, full: CaptureRecords) -> list[di
             if label.startswith("syndrome"):
                 decode = found
             fidelity = fidelity_by_layer(reference, guided)
-            stats = DecodeStats(None)
-            for d in found.values():
-                stats.merge(d)
             rows.append(
                 {
                     "coding": label,
                     "bits_per_element": 8 * coded.nbytes / elements,
                     "fidelity_by_layer": fidelity,
                     "min_layer_fidelity": min(fidelity.values()),
-                    "decode_blocks": stats.blocks if found else None,
-                    "decode_failed": stats.failed if found else None,
+                    "decode_blocks": sum(d.blocks for d in found.values()) if found else None,
+                    "decode_failed": sum(d.failed for d in found.values()) if found else None,
                 }
             )
     return rows

@@ -8,9 +8,9 @@ across trajectories (the loader selects by trajectory); per block it sends
 ``scale_bits`` parity bits of the scales' low bits and ``code_bits`` parity
 bits of the codes' low bits. The training side (:func:`decode_rows`), inline
 in its forward and so with the layers below already guided, first recovers the
-block scales from its own (:func:`~tracefp4.kernels.syndrome.scale_side_info`),
+block scales from its own (:func:`~tracefp4.kernels.scale_side_info`),
 then the low code bits under them
-(:func:`~tracefp4.kernels.syndrome.code_side_info`); guided rounding then
+(:func:`~tracefp4.kernels.code_side_info`); guided rounding then
 reads them exactly like R-1 guidance. A block that fails either check rounds
 to nearest and is counted.
 
@@ -25,10 +25,12 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from tracefp4.kernels import compact_codes, expand_codes, get_format
-from tracefp4.kernels.syndrome import (
+from tracefp4.kernels import (
     MAX_ERASURES,
     code_side_info,
+    compact_codes,
+    expand_codes,
+    get_format,
     parity_matrix,
     scale_side_info,
     solve_erasures,

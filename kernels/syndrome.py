@@ -91,7 +91,9 @@ def solve_erasures(
     needed = torch.zeros(len(guess), dtype=torch.int64, device=guess.device)
     wrong = target.any(1).nonzero()[:, 0]  # blocks whose guess already satisfies every equation are done
     if len(wrong):
-        bits[wrong], ok[wrong], needed[wrong] = _solve(guess[wrong], reliability[wrong], target[wrong], matrix, erasures)
+        bits[wrong], ok[wrong], needed[wrong] = _solve(
+            guess[wrong], reliability[wrong], target[wrong], matrix, erasures
+        )
     return bits, ok, needed
 
 

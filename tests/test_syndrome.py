@@ -22,8 +22,7 @@ from tracefp4.components.syndrome import (
     encode_table,
     first_rate,
 )
-from tracefp4.kernels import compact_codes, quantize, unpack_nibbles
-from tracefp4.kernels.syndrome import parity_matrix, solve_erasures, syndrome
+from tracefp4.kernels import compact_codes, parity_matrix, quantize, solve_erasures, syndrome, unpack_nibbles
 
 
 def test_parity_matrix_is_fixed():
@@ -213,3 +212,30 @@ def test_compact_parity_layout():
     # parity bits travel packed LSB first, as R-1 codes do
     bits = torch.tensor([[1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.uint8)
     assert compact_codes(bits, 1).tolist() == [[0b1000_0001, 0b1]]
+
+
+def test_rounds_decode_inline_and_the_next_round_chooses_its_rates(tmp_path):
+    from tracefp4.components import steps
+    from tracefp4.components.guidance import read_manifest
+    from tracefp4.schemas import get_preset
+
+    data = get_preset("smoke").model_dump()
+    data["bootstrap"]["enabled"] = False
+    data["guidance"].update(codec="syndrome", syndrome_rate=0.25)
+    data["store"]["uri"] = (tmp_path / "store").as_uri()
+    config = steps.RunConfig.model_validate(data)
+    steps.prepare(config, tmp_path / "p0", "run")
+    first = steps.run_round(config, tmp_path / "p0", 0, tmp_path / "p1", tmp_path, "run")
+    second = steps.run_round(config, tmp_path / "p1", 1, tmp_path / "p2", tmp_path, "run")
+    for row in first + second:
+        assert row["guidance_decode_blocks"] > 0 and row["guidance_decode_failures"] == 0
+        assert row["guidance_coverage"] == 1.0 and row["guidance_bits_per_element"] <= 0.35
+    store = open_store(config.store.uri)
+    prefix = steps.store_prefix(config, "run", "guidance")
+    m0, m1 = read_manifest(store, 0, prefix), read_manifest(store, 1, prefix)
+    assert m0["codec"] == ["syndrome"] and m0["syndrome"]["previous_decode"] is None
+    assert all(rate == [56, 8] for rate in m0["syndrome"]["rates"].values())
+    # the smoke model's training side agrees with its rollout: round 1 needs (and pays) far less
+    assert m1["syndrome"]["previous_decode"] == steps.read_decode_stats(store, prefix, 0)
+    assert all(code < 56 for code, _ in m1["syndrome"]["rates"].values())
+    assert second[0]["guidance_bits_per_element"] < first[0]["guidance_bits_per_element"]
