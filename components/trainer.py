@@ -29,8 +29,8 @@ from .qat import TrainingSites
 from .quant import QuantConfig
 from .rl import SequenceBatch, alignment_metrics, grpo_loss, score_centering, stack_rows, token_logprobs
 from .rollout import Trajectory
-from .trainer_state import load_state, save_state
 from .syndrome import DecodeStats, decode_summary
+from .trainer_state import load_state, save_state
 
 SCORE_CENTERING_TOPK = 8  # sampler tokens score centering looks at
 OPTIMIZER_PREFIX = "optimizer."  # trainer-state tensors of the optimizer: optimizer.{param index}.{name}
