@@ -224,9 +224,13 @@ def test_rounds_decode_inline_and_the_next_round_chooses_its_rates(tmp_path):
     data["guidance"].update(codec="syndrome", syndrome_rate=0.25)
     data["store"]["uri"] = (tmp_path / "store").as_uri()
     config = steps.RunConfig.model_validate(data)
-    steps.prepare(config, tmp_path / "p0", "run")
-    first = steps.run_round(config, tmp_path / "p0", 0, tmp_path / "p1", tmp_path, "run")
-    second = steps.run_round(config, tmp_path / "p1", 1, tmp_path / "p2", tmp_path, "run")
+    steps.prepare(config, tmp_path / "p0", "run", tmp_path / "s0")
+    first = steps.run_round(
+        config, tmp_path / "p0", tmp_path / "s0", 0, tmp_path / "p1", tmp_path / "s1", tmp_path, "run"
+    )
+    second = steps.run_round(
+        config, tmp_path / "p1", tmp_path / "s1", 1, tmp_path / "p2", tmp_path / "s2", tmp_path, "run"
+    )
     for row in first + second:
         assert row["guidance_decode_blocks"] > 0 and row["guidance_decode_failures"] == 0
         assert row["guidance_coverage"] == 1.0 and row["guidance_bits_per_element"] <= 0.35
