@@ -1,15 +1,18 @@
 """Guidance compaction and storage: bits per element and fidelity for R-1..R-4
 x {all, deeper half, deeper quarter, shallow half} layers on captures of the tiny
-preset; then the guidance store's write and read of one step's shards as a
-ratio to plain minio-SDK put/get of the same bytes on the same S3 server (a
-SeaweedFS started on loopback).
+preset; the syndrome codec side by side with R-1..R-4 on every layer, decoded
+inline in guided training forwards, on the tiny preset's random weights and
+after its bootstrap SFT; then the guidance store's write and read of one
+step's shards as a ratio to plain minio-SDK put/get of the same bytes on the
+same S3 server (a SeaweedFS started on loopback).
 
-    python benchmarks/guidance.py [--prompts 32] [--new-tokens 32] [--repeat 3]
+    python benchmarks/guidance.py [--prompts 32] [--new-tokens 32] [--repeat 3] [--bootstrap-steps 480]
 
 The last line is one JSON object with every figure.
 """
 
 import argparse
+import copy
 import io
 import json
 import sys
@@ -20,7 +23,9 @@ from pathlib import Path
 import torch
 from minio import Minio
 
-from tracefp4.components.capture import CaptureConfig
+from tracefp4.components import steps
+from tracefp4.components.capture import Capture, CaptureConfig, CaptureRecords, TokenMap
+from tracefp4.components.checkpoint import load_model
 from tracefp4.components.guidance import (
     GuidanceLoader,
     compact,
@@ -28,10 +33,17 @@ from tracefp4.components.guidance import (
     select_layers,
     write_step,
 )
-from tracefp4.components.mismatch import MismatchTally, compare, teacher_force
+from tracefp4.components.mismatch import MismatchTally, compare, join_rows, teacher_force
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
+from tracefp4.components.rl import SequenceBatch
 from tracefp4.components.rollout import SamplingParams, TorchEngine
+from tracefp4.components.store import open_store
+from tracefp4.components.syndrome import choose_rates, encode_table, first_rate
+from tracefp4.components.tasks import format_example
+from tracefp4.components.tokenizer import encode, load_tokenizer
+from tracefp4.components.trainer import TrainConfig, Trainer
+from tracefp4.schemas import get_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from s3_server import S3Server  # noqa: E402  (the test suite's SeaweedFS launcher)
@@ -65,6 +77,103 @@ def compaction_table(engine, trajectories, full) -> tuple[list[dict], dict]:
                 }
             )
     return rows, mismatch
+
+
+def guided_forward(model, engine, trajectories, store, step: int) -> tuple[CaptureRecords, dict]:
+    """The training path's codes at every captured site in one guided forward
+    over the trajectories (the step's guidance in ``store``; syndrome-coded
+    tables decode inline, layer by layer), and the decode statistics."""
+    trainer = Trainer(
+        copy.deepcopy(model), TrainConfig(microbatch_size=len(trajectories)), engine.quant, engine.global_scales
+    )
+    batch = SequenceBatch.of(trajectories, trainer.device)
+    config = CaptureConfig(max_tokens=batch.tokens.numel())
+    recorder = Capture(model.cfg, engine.quant, config, engine.global_scales, trainer.device, kv_from_forward=True)
+    recorder.begin(TokenMap.of(batch.trajectories, batch.positions, batch.lengths - 1))  # the positions the rollout fed
+    guidance = next(iter(GuidanceLoader(store, step, [batch.trajectories])))
+    with torch.no_grad():
+        sites, _ = trainer._forward(batch, guidance, recorder)
+    recorder.end()
+    return recorder.drain(), sites.coverage.decode
+
+
+def fidelity_by_layer(reference: CaptureRecords, guided: CaptureRecords) -> dict[int, float]:
+    """Per layer, the share of captured elements whose guided FP4 value (code
+    and block scale) equals the one full R-4 guidance gives (rows the two
+    forwards routed to different experts count as different)."""
+    same, total = {}, {}
+    for (layer, site), ref in reference.tables.items():
+        run = guided.tables[(layer, site)]
+        ref_rows, run_rows = join_rows(ref, run)
+        equal = int((ref.values()[ref_rows] == run.values()[run_rows]).sum())
+        same[layer] = same.get(layer, 0) + equal
+        total[layer] = total.get(layer, 0) + len(ref.traj) * ref.width
+    return {layer: same[layer] / total[layer] for layer in sorted(total)}
+
+
+def syndrome_table(model, engine, trajectories, full: CaptureRecords) -> list[dict]:
+    """R-1..R-4 on every layer and the syndrome codec (the first step's rate,
+    then rates chosen from that step's decode statistics) on the same capture:
+    bits per captured element (scales included), per-layer fidelity to R-4,
+    decode failures."""
+    layers = sorted({layer for layer, _ in full.tables})
+    elements = sum(len(t.traj) * t.width for t in full.tables.values())
+    codings = {f"R-{bits}": compact(full, bits, layers) for bits in (4, 3, 2, 1)}
+    rows, reference, decode = [], None, None
+    with tempfile.TemporaryDirectory() as tmp:
+        store = open_store(Path(tmp).as_uri())
+        step = 0
+        for label in [*codings, "syndrome, first step", "syndrome, rate control"]:
+            if label.startswith("syndrome"):
+                previous = {f"{layer}/{site}": d.to_json() for (layer, site), d in decode.items()} if decode else None
+                rates = choose_rates(sorted(full.tables), previous, first_rate(0.25))
+                codings[label] = CaptureRecords({key: encode_table(t, rates[key]) for key, t in full.tables.items()})
+            coded = codings[label]
+            write_step(store, coded, rl_step=step, policy_version=0, top_k=model.cfg.top_k)
+            guided, found = guided_forward(model, engine, trajectories, store, step)
+            step += 1
+            reference = reference or guided
+            if label.startswith("syndrome"):
+                decode = found
+            fidelity = fidelity_by_layer(reference, guided)
+            rows.append(
+                {
+                    "coding": label,
+                    "bits_per_element": 8 * coded.nbytes / elements,
+                    "fidelity_by_layer": fidelity,
+                    "min_layer_fidelity": min(fidelity.values()),
+                    "decode_blocks": sum(d.blocks for d in found.values()) if found else None,
+                    "decode_failed": sum(d.failed for d in found.values()) if found else None,
+                }
+            )
+    return rows
+
+
+def print_syndrome(title: str, rows: list[dict]) -> None:
+    print(f"\n{title}: every layer guided, fidelity to R-4 per layer (targets: syndrome <= 0.35 bit, >= 0.99)")
+    print(f"{'coding':>24} {'bits/elem':>9} {'min layer':>9}  per layer             failed blocks")
+    for r in rows:
+        per_layer = " ".join(f"{v:.4f}" for v in r["fidelity_by_layer"].values())
+        failed = "" if r["decode_blocks"] is None else f"{r['decode_failed']}/{r['decode_blocks']}"
+        print(f"{r['coding']:>24} {r['bits_per_element']:9.3f} {r['min_layer_fidelity']:9.4f}  {per_layer}  {failed}")
+
+
+def bootstrapped_tiny(folder: Path, steps_override: int | None):
+    """The tiny preset's model after its bootstrap SFT, its tokenizer and training prompts."""
+    config = get_preset("tiny")
+    if steps_override is not None:
+        config = config.model_copy(update={"bootstrap": config.bootstrap.model_copy(update={"steps": steps_override})})
+    figures = steps.prepare(config, folder, "bench")
+    tokenizer = load_tokenizer(folder)
+    problems = steps.training_problems(config, 0, 32)
+    prompts = [encode(tokenizer, format_example(p), bos=True) for p in problems]
+    return load_model(folder), prompts, figures
+
+
+def syndrome_on(model, prompts, new_tokens: int) -> list[dict]:
+    engine = TorchEngine(model, rollout_config("fp4_wa_kv"), capture=CaptureConfig(max_tokens=4096))
+    trajectories = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=0))
+    return syndrome_table(model, engine, trajectories, engine.drain_capture())
 
 
 def store_throughput(records, top_k: int, repeat: int) -> dict:
@@ -133,6 +242,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--bootstrap-steps", type=int, default=None, help="default: the tiny preset's")
     args = parser.parse_args()
     model = build_model("tiny", seed=0)
     engine = TorchEngine(model, rollout_config("fp4_wa_kv"), capture=CaptureConfig(max_tokens=4096))
@@ -148,13 +258,20 @@ def main() -> None:
             f"{r['bits']:>6} {r['layers']:>15} {r['bits_per_element']:9.3f} {r['ratio_to_full']:7.3f} "
             f"{r['fidelity']:8.4f}"
         )
+    random_weights = syndrome_table(model, engine, trajectories, full)
+    print_syndrome("Syndrome codec, tiny preset, random weights", random_weights)
+    with tempfile.TemporaryDirectory() as tmp:
+        tuned, task_prompts, bootstrap = bootstrapped_tiny(Path(tmp) / "policy", args.bootstrap_steps)
+    bootstrapped = syndrome_on(tuned, task_prompts, args.new_tokens)
+    print_syndrome(f"Syndrome codec, tiny preset after bootstrap SFT ({bootstrap})", bootstrapped)
     store = store_throughput(full, model.cfg.top_k, args.repeat)
     print(
         f"store vs plain minio SDK on one step ({store['step_bytes']} bytes): write "
         f"{store['write_throughput_vs_sdk']:.2f}x, read {store['read_throughput_vs_sdk']:.2f}x (target >= 0.8); "
         f"write_step {store['write_step_seconds']:.3f} s, load {store['load_step_seconds']:.3f} s"
     )
-    print(json.dumps({"compaction": rows, "layer_mismatch": mismatch, "store": store}))
+    syndrome = {"random_weights": random_weights, "bootstrapped": bootstrapped, "bootstrap": bootstrap}
+    print(json.dumps({"compaction": rows, "layer_mismatch": mismatch, "syndrome": syndrome, "store": store}))
 
 
 if __name__ == "__main__":

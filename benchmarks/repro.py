@@ -49,10 +49,13 @@ def run(label: str, args, base: Path, work: Path) -> list[dict]:
     """``args.steps`` on-policy rounds of one method from the bootstrapped base policy."""
     config = config_for(label, args, work / "store")
     folder = work / config.name
-    shutil.copytree(base, folder / "policy-0")
+    shutil.copytree(base, folder / "policy-0")  # a byte copy: its trainer state still pins it
+    shutil.copytree(base.with_name("base-state"), folder / "state-0")
     history = []
     for r in range(config.rl.rounds):
-        history += steps.run_round(config, folder / f"policy-{r}", r, folder / f"policy-{r + 1}", folder, RUN_ID)
+        policy, state = folder / f"policy-{r}", folder / f"state-{r}"
+        out, out_state = folder / f"policy-{r + 1}", folder / f"state-{r + 1}"
+        history += steps.run_round(config, policy, state, r, out, out_state, folder, RUN_ID)
     return history
 
 
@@ -66,7 +69,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         base_config = config_for("qat", args, work / "store")
-        bootstrap = steps.prepare(base_config, work / "base", RUN_ID)  # the tiny preset's bootstrap SFT, once
+        bootstrap = steps.prepare(base_config, work / "base", RUN_ID, work / "base-state")  # the bootstrap SFT, once
         histories = {label: run(label, args, work / "base", work) for label in RUNS}
 
     def mean(label, key):

@@ -1,14 +1,17 @@
 """Rollout throughput: this engine vs transformers' ``generate`` on the same
 checkpoint, batch and lengths (BF16, both with a KV cache); the cost of
-capture; bytes captured per token; KV cache bytes per token.
+capture; bytes captured per token; KV cache bytes per token; and how decode
+speed of Gated DeltaNet layers (qwen3_5_moe) holds up as the context grows.
 
     python benchmarks/rollout.py [--preset tiny] [--batches 32 128] [--prompt-len 32] [--new-tokens 64] [--repeat 3]
+    python benchmarks/rollout.py --linear-decode-only   # the Gated DeltaNet row alone
 
 The last line is one JSON object with every figure, and the CPU it was
 measured on (model, bf16 native or emulated: ``TRACEFP4_CPU_BF16``).
 """
 
 import argparse
+import dataclasses
 import json
 import logging
 import tempfile
@@ -19,9 +22,9 @@ import torch
 from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.checkpoint import save_model
 from tracefp4.components.device import cpu_kind
-from tracefp4.components.model import build_model
+from tracefp4.components.model import PRESETS, build_model, right_pad
 from tracefp4.components.quant import rollout_config
-from tracefp4.components.rollout import SamplingParams, TorchEngine
+from tracefp4.components.rollout import KVCache, SamplingParams, TorchEngine
 
 
 def tokens_per_second(fn, n_tokens: int) -> float:
@@ -59,6 +62,55 @@ def hf_generate(checkpoint: str, device: str):
     return run
 
 
+def decode_tokens_per_s(engine: TorchEngine, batch: int, context: int, steps: int) -> float:
+    """Greedy decode steps per second x batch after a prefill of ``context``
+    tokens: the decode loop alone, through the engine's own prefill and decode
+    steps (``generate`` would time the prefill too)."""
+    gen = torch.Generator().manual_seed(context)
+    prompts = torch.randint(0, engine.model.cfg.vocab_size, (batch, context), generator=gen).tolist()
+    tokens, positions, lengths = right_pad(prompts, device=engine.device)
+    cache = KVCache(engine.model.cfg, batch, context + steps, engine.sites, engine.dtype, engine.device)
+    ids = torch.arange(batch, device=engine.device)
+    with torch.no_grad():
+        new = engine._prefill(tokens, positions, lengths, ids, cache).argmax(-1)
+        start = time.perf_counter()
+        for _ in range(steps):
+            lengths = lengths + 1
+            new = engine._decode(new, lengths, ids, cache).argmax(-1)
+    return batch * steps / (time.perf_counter() - start)
+
+
+def linear_decode_scaling(args, device: str) -> dict:
+    """Decode tokens/s at a long vs a short context on tiny-qwen35 with every
+    layer Gated DeltaNet (O(1) state per sequence), and, for contrast, with every
+    layer full attention (the KV read grows with the context)."""
+    base = PRESETS["tiny-qwen35"]
+    figures = {}
+    for mixer in ("linear_attention", "full_attention"):
+        model = build_model(dataclasses.replace(base, layer_types=(mixer,) * base.num_layers), seed=0)
+        engine = TorchEngine(model, rollout_config("bf16"), device=device)
+        decode_tokens_per_s(engine, 2, 8, 2)  # warm-up
+        short, long = args.linear_contexts
+        rates = best_of(
+            args.repeat,
+            *(
+                lambda engine=engine, context=context: decode_tokens_per_s(
+                    engine, args.linear_batch, context, args.linear_steps
+                )
+                for context in (short, long)
+            ),
+        )
+        name = "linear" if mixer == "linear_attention" else "full"
+        figures[f"{name}_decode_tokens_per_s_ctx{short}"] = rates[0]
+        figures[f"{name}_decode_tokens_per_s_ctx{long}"] = rates[1]
+        figures[f"{name}_decode_ratio_ctx{long}_to_ctx{short}"] = rates[1] / rates[0]
+        print(
+            f"{mixer} layers only: decode {rates[0]:8.1f} tok/s at context {short}, {rates[1]:8.1f} at {long}: "
+            f"{rates[1] / rates[0]:.2f}x" + (" (target >= 0.8)" if name == "linear" else "")
+        )
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny")
@@ -66,9 +118,16 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=3, help="rounds; each figure is the best round")
+    parser.add_argument("--linear-contexts", type=int, nargs=2, default=[64, 512], help="short and long context")
+    parser.add_argument("--linear-batch", type=int, default=8)
+    parser.add_argument("--linear-steps", type=int, default=32, help="decode steps timed per context")
+    parser.add_argument("--linear-decode-only", action="store_true", help="only the Gated DeltaNet decode row")
     args = parser.parse_args()
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.linear_decode_only:
+        print(json.dumps({"device": device, **cpu_kind(), **linear_decode_scaling(args, device)}))
+        return
     model = build_model(args.preset, seed=0)
     figures: dict = {
         "device": device,
@@ -140,6 +199,7 @@ def main() -> None:
         kv_bytes_per_token_nvfp4=plain.kv_bytes_per_token(),
         kv_ratio_nvfp4_to_bf16=plain.kv_bytes_per_token() / bf16.kv_bytes_per_token(),
     )
+    figures.update(linear_decode_scaling(args, device))
     print(
         f"capture overhead {figures['capture_overhead']:.1%} full, "
         f"{figures['capture_overhead_r1_deeper_half']:.1%} R-1bit (target <= 5%); "

@@ -63,16 +63,17 @@ def run_name(config: RunConfig) -> str:
     return f"{config.name}-{config.seed}"
 
 
-def run_method(config: RunConfig, base: Path, work: Path) -> dict:
-    """One method's RL rounds from ``base`` in-process, then its evaluation (with the base as the initial policy)."""
+def run_method(config: RunConfig, base: Path, base_state: Path, work: Path) -> dict:
+    """One method's RL rounds from ``base`` (and its trainer state) in-process,
+    then its evaluation (with the base as the initial policy)."""
     run_id = run_name(config)  # the base's run: store prefixes keep the methods apart
     work.mkdir(parents=True, exist_ok=True)
-    policy = base
+    policy, state = base, base_state
     history = []
     for r in range(config.rl.rounds):
-        out = work / f"policy-{r + 1}"
-        history += steps.run_round(config, policy, r, out, work, run_id)
-        policy = out
+        out, out_state = work / f"policy-{r + 1}", work / f"state-{r + 1}"
+        history += steps.run_round(config, policy, state, r, out, out_state, work, run_id)
+        policy, state = out, out_state
     result = evaluate(config, policy, base)
     return {
         "seed": config.seed,
@@ -110,9 +111,9 @@ def run(args) -> dict:
             config = make(seed, args.rounds)
             config.store.uri = (Path(tmp) / "store").as_uri()  # guidance and captures: scratch, like the policies
             data.setdefault("config", json.loads(config.model_dump_json(exclude={"store", "metrics"})))
-            base = Path(tmp) / f"seed-{seed}" / "base"
+            base, base_state = Path(tmp) / f"seed-{seed}" / "base", Path(tmp) / f"seed-{seed}" / "base-state"
             start = time.perf_counter()
-            bootstrap = steps.prepare(config, base, run_name(config))  # once per seed, for every method
+            bootstrap = steps.prepare(config, base, run_name(config), base_state)  # once per seed, for every method
             data.setdefault("bootstraps", {})[str(seed)] = {
                 k: v for k, v in bootstrap.items() if not isinstance(v, list)
             } | {"seconds": time.perf_counter() - start}
@@ -122,7 +123,7 @@ def run(args) -> dict:
                 start = time.perf_counter()
                 method_config = config.model_copy(update={"method": method})
                 method_config = RunConfig.model_validate(method_config.model_dump())
-                result = run_method(method_config, base, Path(tmp) / f"seed-{seed}" / method)
+                result = run_method(method_config, base, base_state, Path(tmp) / f"seed-{seed}" / method)
                 data["runs"].append(result | {"seconds": time.perf_counter() - start})
                 _write(args.output, data)
                 print(f"seed {seed} {method}: {time.perf_counter() - start:.0f} s", flush=True)

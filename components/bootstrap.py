@@ -4,10 +4,12 @@ and some of their answers, so that RL starts from partial accuracy.
 GRPO learns nothing from a group whose rewards are all 0, and a policy with
 seeded random weights scores 0 on every task; one already at the ceiling
 leaves RL nothing to show. ``bootstrap`` trains the policy in place on the
-teacher-forced loss of :func:`.tasks.format_target` after the prompt, laid out
-exactly as the rollout engine sees it (``<bos>`` + prompt, then the answer and
-the newline end marker), and can stop early once the greedy test accuracy,
-measured with the real rollout engine, reaches a target below the ceiling.
+teacher-forced loss of the answer after the prompt, laid out exactly as the
+rollout engine sees it (the prompt as the tokenizer encodes it, through the
+chat template when there is one, then the answer through its end: the
+end-of-turn eos, or a plain tokenizer's newline), and can stop early once the
+greedy test accuracy, measured with the real rollout engine, reaches a target
+below the ceiling.
 Seeded: the same seed gives the same weights.
 """
 
@@ -18,13 +20,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from tokenizers import Tokenizer
 from torch import Tensor
 
 from .model import CausalAttention, Transformer, right_pad
 from .rollout import SamplingParams, TorchEngine
-from .tasks import END, Problem, format_example, format_target, get_task
-from .tokenizer import EOS, PAD, decode, encode
+from .tasks import Problem, format_example, get_task
+from .tokenizer import PolicyTokenizer
 
 # one line per step, "bootstrap step i/n ...": the local runner's progress bar reads it from the component log
 log = logging.getLogger(__name__)
@@ -62,9 +63,9 @@ class BootstrapConfig:
 
 @dataclass
 class SFTBatch:
-    """Examples right-padded into ``tokens [B, S]``; column t of ``target
-    [B, S-1]`` is True where token t+1 belongs to the target (answer + end
-    marker), the only positions that carry loss."""
+    """Examples right-padded (with the tokenizer's pad id) into ``tokens [B, S]``;
+    column t of ``target [B, S-1]`` is True where token t+1 belongs to the
+    target (the answer through its end), the only positions that carry loss."""
 
     tokens: Tensor
     positions: Tensor
@@ -72,20 +73,20 @@ class SFTBatch:
     target: Tensor
 
 
-def prompt_ids(tokenizer: Tokenizer, problem: Problem) -> list[int]:
+def prompt_ids(tokenizer: PolicyTokenizer, problem: Problem) -> list[int]:
     """The prompt as the pipeline's rollout encodes it."""
-    return encode(tokenizer, format_example(problem), bos=True)
+    return tokenizer.encode_prompt(format_example(problem))
 
 
-def make_batch(tokenizer: Tokenizer, problems: list[Problem], max_len: int, device="cpu") -> SFTBatch:
-    """``<bos>`` + prompt + answer + end marker per problem, the answer and end marker marked as target."""
+def make_batch(tokenizer: PolicyTokenizer, problems: list[Problem], max_len: int, device="cpu") -> SFTBatch:
+    """Prompt + answer (through its end) per problem, the answer marked as target."""
     examples = []
     for p in problems:
-        prompt, target = prompt_ids(tokenizer, p), encode(tokenizer, format_target(p))
+        prompt, target = prompt_ids(tokenizer, p), tokenizer.encode_answer(p.answer)
         if len(prompt) + len(target) > max_len:
             raise ValueError(f"a {p.task} example of {len(prompt) + len(target)} tokens exceeds max_len {max_len}")
         examples.append((prompt, target))
-    tokens, positions, lengths = right_pad([prompt + answer for prompt, answer in examples], pad=PAD)
+    tokens, positions, lengths = right_pad([prompt + answer for prompt, answer in examples], pad=tokenizer.pad_id)
     target = torch.zeros(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.bool)
     for i, (prompt, answer) in enumerate(examples):
         target[i, len(prompt) - 1 : len(prompt) + len(answer) - 1] = True
@@ -99,20 +100,23 @@ def sft_loss(model: Transformer, batch: SFTBatch) -> Tensor:
     return (ce * batch.target).sum() / batch.target.sum()
 
 
-def accuracy(model: Transformer, tokenizer: Tokenizer, problems: list[Problem], max_new_tokens: int = 32) -> float:
+def accuracy(
+    model: Transformer, tokenizer: PolicyTokenizer, problems: list[Problem], max_new_tokens: int = 32
+) -> float:
     """Greedy pass@1 through the rollout engine (float32, no quantization), scored by each task's reward."""
     device = next(model.parameters()).device
     engine = TorchEngine(model, dtype=torch.float32, device=device)
-    newline = encode(tokenizer, END)[0]
-    sampling = SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_tokens=(EOS, newline))
+    sampling = SamplingParams(
+        temperature=0.0, max_new_tokens=max_new_tokens, stop_tokens=tokenizer.stop_ids, pad_token=tokenizer.pad_id
+    )
     responses = engine.generate([prompt_ids(tokenizer, p) for p in problems], sampling)
-    rewards = [get_task(p.task).reward(p, decode(tokenizer, t.response)) for t, p in zip(responses, problems)]
+    rewards = [get_task(p.task).reward(p, tokenizer.decode(t.response)) for t, p in zip(responses, problems)]
     return sum(rewards) / len(problems)
 
 
 def bootstrap(
     model: Transformer,
-    tokenizer: Tokenizer,
+    tokenizer: PolicyTokenizer,
     train: list[Problem],
     test: list[Problem],
     config: BootstrapConfig = BootstrapConfig(),
@@ -122,10 +126,8 @@ def bootstrap(
     ``stopped_early``, ``seconds``, and ``accuracy`` (greedy, all of ``test``)."""
     if not train or not test:
         raise ValueError("bootstrap needs train and test problems")
-    if tokenizer.get_vocab_size() > model.cfg.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tokenizer.get_vocab_size()} tokens, the model only {model.cfg.vocab_size}"
-        )
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {model.cfg.vocab_size}")
     start = time.perf_counter()
     torch.manual_seed(config.seed)
     order = torch.Generator().manual_seed(config.seed)

@@ -119,6 +119,18 @@ class SiteTable:
         inputs = None if self.inputs is None else self.inputs[rows]
         return replace(self, **pick, inputs=inputs)
 
+    def for_trajectories(self, ids: Tensor) -> "SiteTable":
+        """The rows of trajectories ``ids``."""
+        return self.select(torch.isin(self.traj, ids))
+
+    @staticmethod
+    def concat(tables: list["SiteTable"]) -> "SiteTable":
+        """Tables of one site (of other trajectories) as one, in the given order."""
+        cat = {
+            f: torch.cat([getattr(t, f) for t in tables]) for f in ("traj", "pos", "slot", "expert", "codes", "scales")
+        }
+        return replace(tables[0], **cat, inputs=None)
+
     def to(self, device) -> "SiteTable":
         """The table on ``device`` (itself where it is already there)."""
         if self.codes.device == torch.device(device):
@@ -243,6 +255,7 @@ class Capture:
                     fmt is None
                     or not config.keeps(layer)
                     or (site in ACTIVATION_SITES and not model_cfg.is_sparse(layer))
+                    or (site not in ACTIVATION_SITES and model_cfg.is_linear(layer))  # no KV cache there
                 ):
                     continue
                 self._widths[(layer, site)] = width

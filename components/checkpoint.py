@@ -17,6 +17,13 @@ every file read must lie inside the folder. A folder from elsewhere has no
 manifest and loads with a warning that it is unverified. The manifest guards
 against corruption, not against someone who rewrites it along with the data.
 
+A ``qwen3_5_moe`` checkpoint is multimodal on the Hub: its config.json nests
+the language model's config under ``text_config`` and its weights live under
+``model.language_model.``; the vision tower (``model.visual.*``) and the
+multi-token-prediction head (``mtp.*``) are skipped with a logged note. Saving
+writes the language model alone, as transformers' ``Qwen3_5MoeForCausalLM``
+does (``model_type`` ``qwen3_5_moe_text``, keys under ``model.``).
+
 A checkpoint in the artifact store (``s3://``, ``minio://``) is fetched into a
 local cache first (:func:`fetch`), keyed by its checksums, checked against
 them before it is renamed into place, and then loaded from there like any
@@ -40,9 +47,9 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from .model import MODEL_TYPES, ModelConfig, Transformer
+from .model import LAYER_TYPES, MODEL_TYPES, ModelConfig, Transformer
 from .store import check_key, open_store
-from .tokenizer import FILENAME as TOKENIZER
+from .tokenizer import FILES as TOKENIZER_FILES
 
 log = logging.getLogger("tracefp4.checkpoint")
 
@@ -50,13 +57,16 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 CONFIG = "config.json"
 CACHE_ENV = "TRACEFP4_CACHE_DIR"  # root of the local cache of checkpoints fetched from a store
-MANIFEST = "checksums.json"  # {"files": {name: {"size": bytes, "sha256": hex}}}, written last by save_model
+MANIFEST = "checksums.json"  # {"files": {name: {"size": bytes, "sha256": hex}}, "provenance": {...}}, written last
 _MAX_SIZE = 2**24  # any config.json size above this is a typo or an attack: real models stay far below
 _FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}  # safetensors' names of the weight dtypes we load
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _QKV = re.compile(r"^(model\.layers\.\d+\.self_attn)\.([qkv])_proj\.(weight|bias)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_INDEX = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
+QWEN35_TEXT = "qwen3_5_moe_text"  # model_type of Qwen3.5-MoE's language model alone (what save_model writes)
+_LANGUAGE_MODEL = "model.language_model."  # where a multimodal qwen3_5_moe checkpoint keeps the language model
+_SKIPPED = ("model.visual.", "mtp.")  # vision tower, multi-token prediction head: not part of the policy
 # config.json keys that config_from_hf reads or config_to_hf writes; the rest are kept in ModelConfig.extra
 _HF_KEYS = {
     "model_type",
@@ -85,6 +95,14 @@ _HF_KEYS = {
     "qkv_bias",
     "architectures",
     "hidden_act",
+    "layer_types",
+    "full_attention_interval",
+    "partial_rotary_factor",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
 }
 
 
@@ -101,7 +119,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
     per forward, so max_position_embeddings sizes nothing and may be larger.)"""
     if not isinstance(hf, dict):
         raise CheckpointError(f"config.json must hold a JSON object, got {type(hf).__name__}")
-    model_type = hf.get("model_type")
+    hf = _text_config(hf)
+    model_type = "qwen3_5_moe" if hf.get("model_type") == QWEN35_TEXT else hf.get("model_type")
     if model_type not in MODEL_TYPES:
         raise CheckpointError(f"config.json has model_type {model_type!r}; tracefp4 loads {MODEL_TYPES}")
     rope = hf.get("rope_parameters") or {}
@@ -111,7 +130,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     rope_type = scaling.get("rope_type", scaling.get("type", "default")), rope.get("rope_type", "default")
     if rope_type != ("default", "default"):
         raise CheckpointError("config.json asks for scaled RoPE; tracefp4 implements the default RoPE only")
-    qwen3 = model_type == "qwen3_moe"
+    qwen3, qwen35 = model_type == "qwen3_moe", model_type == "qwen3_5_moe"
     missing = object()
 
     def get(key: str, default: object, source: dict) -> object:
@@ -164,22 +183,58 @@ def config_from_hf(hf: dict) -> ModelConfig:
         "rope_theta": positive("rope_theta", 10000.0, rope if "rope_theta" in rope else hf),
         "max_position_embeddings": size("max_position_embeddings", 4096, high=2**31 - 1),
         "tie_word_embeddings": flag("tie_word_embeddings", False),
-        "qkv_bias": flag("attention_bias", False) if qwen3 else flag("qkv_bias", True),
-        "qk_norm": qwen3,
+        "qkv_bias": flag("attention_bias", False) if qwen3 or qwen35 else flag("qkv_bias", True),
+        "qk_norm": qwen3 or qwen35,
     }
+    if qwen35:  # the hybrid layers (transformers' defaults where a key is absent)
+        interval = size("full_attention_interval", 4)
+        default_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
+        types = hf.get("layer_types") or default_types
+        if not isinstance(types, list) or len(types) != layers or not set(types) <= set(LAYER_TYPES):
+            raise CheckpointError(f"config.json: layer_types must list {layers} of {LAYER_TYPES}, got {types!r}")
+        partial = rope if "partial_rotary_factor" in rope else hf
+        known |= {
+            "shared_expert_intermediate_size": size("shared_expert_intermediate_size"),
+            "norm_topk_prob": True,  # the router always renormalizes its top-k
+            "layer_types": tuple(types),
+            "attn_output_gate": True,
+            "partial_rotary_factor": positive("partial_rotary_factor", 0.25, partial),
+            "norm_unit_offset": True,
+            "linear_num_key_heads": size("linear_num_key_heads"),
+            "linear_num_value_heads": size("linear_num_value_heads"),
+            "linear_key_head_dim": size("linear_key_head_dim"),
+            "linear_value_head_dim": size("linear_value_head_dim"),
+            "linear_conv_kernel_dim": size("linear_conv_kernel_dim", 4, low=2),
+        }
     try:
         return ModelConfig(**known, extra={k: v for k, v in hf.items() if k not in _HF_KEYS})
     except ValueError as e:  # the cross-field checks: heads vs kv heads, top_k vs experts
         raise CheckpointError(f"config.json: {e}") from None
 
 
+def _text_config(hf: dict) -> dict:
+    """The language model's config: a multimodal ``qwen3_5_moe`` config.json
+    nests it under ``text_config`` (the vision tower's is skipped, with a note)."""
+    if hf.get("model_type") != "qwen3_5_moe":
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError("config.json: a qwen3_5_moe config needs a text_config object")
+    if hf.get("vision_config") is not None:
+        log.info("config.json has a vision_config: loading the language model only, the vision tower is skipped")
+    if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
+        text = {**text, "tie_word_embeddings": hf["tie_word_embeddings"]}
+    return text
+
+
 def config_to_hf(cfg: ModelConfig) -> dict:
     """A config.json that transformers and :func:`config_from_hf` both read."""
-    qwen3 = cfg.model_type == "qwen3_moe"
+    qwen3, qwen35 = cfg.model_type == "qwen3_moe", cfg.model_type == "qwen3_5_moe"
+    architecture = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
     hf = {
         **cfg.extra,
-        "architectures": ["Qwen3MoeForCausalLM" if qwen3 else "Qwen2MoeForCausalLM"],
-        "model_type": cfg.model_type,
+        "architectures": [architecture.get(cfg.model_type, "Qwen3_5MoeForCausalLM")],
+        "model_type": QWEN35_TEXT if qwen35 else cfg.model_type,
         "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers,
@@ -199,7 +254,26 @@ def config_to_hf(cfg: ModelConfig) -> dict:
         "tie_word_embeddings": cfg.tie_word_embeddings,
         "hidden_act": "silu",
     }
-    if qwen3:
+    if qwen35:
+        del hf["intermediate_size"], hf["decoder_sparse_step"], hf["mlp_only_layers"], hf["norm_topk_prob"]
+        del hf["rope_theta"]
+        rope = {
+            "rope_type": "default",
+            "rope_theta": cfg.rope_theta,
+            "partial_rotary_factor": cfg.partial_rotary_factor,
+        }
+        hf |= {
+            "attention_bias": cfg.qkv_bias,
+            "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,
+            "rope_parameters": rope,
+            "layer_types": list(cfg.layer_types),
+            "linear_num_key_heads": cfg.linear_num_key_heads,
+            "linear_num_value_heads": cfg.linear_num_value_heads,
+            "linear_key_head_dim": cfg.linear_key_head_dim,
+            "linear_value_head_dim": cfg.linear_value_head_dim,
+            "linear_conv_kernel_dim": cfg.linear_conv_kernel_dim,
+        }
+    elif qwen3:
         hf["attention_bias"] = cfg.qkv_bias
     else:
         hf["qkv_bias"] = cfg.qkv_bias
@@ -248,7 +322,8 @@ def stacked_to_hub(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tens
             for e in range(cfg.num_experts):
                 out[f"{prefix}.{e}.down_proj.weight"] = t[e].T.contiguous()
         elif prefix.endswith(".qkv_proj"):
-            sizes = [cfg.num_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
+            q_heads = cfg.num_heads * (2 if cfg.attn_output_gate else 1)  # each head's query, then its gate
+            sizes = [q_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
             attn = prefix.removesuffix(".qkv_proj")
             for part, piece in zip("qkv", t.split(sizes), strict=True):
                 out[f"{attn}.{part}_proj.{name}"] = piece.contiguous()
@@ -275,13 +350,62 @@ def _size_and_sha256(path: Path) -> tuple[int, str]:
         return os.fstat(f.fileno()).st_size, hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _write_manifest(folder: Path) -> None:
-    """Record the size and sha256 of every file in ``folder`` in :data:`MANIFEST`."""
+def _write_manifest(folder: Path, provenance: dict | None = None) -> None:
+    """Record the size and sha256 of every file in ``folder`` in :data:`MANIFEST`,
+    with ``provenance`` (who wrote the folder: run id, policy version) beside them."""
     files = {}
     for path in sorted(folder.iterdir()):
         size, digest = _size_and_sha256(path)
         files[path.name] = {"size": size, "sha256": digest}
-    (folder / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+    (folder / MANIFEST).write_text(json.dumps({"files": files, "provenance": provenance or {}}, indent=1))
+
+
+def commit_folder(tmp: Path, folder: Path, provenance: dict | None = None) -> Path:
+    """Finish a folder written at ``tmp``: the checksum manifest over its files
+    (with ``provenance``), everything synced, then renamed to ``folder`` in one
+    step (an existing ``folder`` is replaced), so that a reader never sees half of it."""
+    _write_manifest(tmp, provenance)  # last: it covers every file above
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
+    if folder.exists():
+        folder.rename(old)
+    tmp.rename(folder)
+    shutil.rmtree(old, ignore_errors=True)
+    return folder
+
+
+def staging_folder(folder: Path) -> Path:
+    """An empty temporary folder beside ``folder``, for :func:`commit_folder`."""
+    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def provenance(folder: str | os.PathLike) -> dict:
+    """The ``provenance`` a tracefp4 save recorded in the folder's :data:`MANIFEST`
+    (for a policy: ``run_id`` and ``policy_version``); empty for a folder from elsewhere."""
+    path = Path(folder) / MANIFEST
+    if not path.exists():
+        return {}
+    try:
+        found = json.loads(path.read_bytes()).get("provenance", {})
+    except (ValueError, AttributeError) as e:
+        raise CheckpointError(f"{path}: not a checksum manifest ({type(e).__name__}: {e})") from None
+    if not isinstance(found, dict):
+        raise CheckpointError(f"{path}: provenance must be an object, got {found!r}")
+    return found
+
+
+def folder_digest(folder: str | os.PathLike) -> str:
+    """sha256 of the folder's :data:`MANIFEST`: one value that names every file's
+    content (and the provenance), so that another artifact can pin this exact folder."""
+    path = Path(folder) / MANIFEST
+    if not path.exists():
+        raise CheckpointError(f"{path}: missing, so {folder} was not saved by tracefp4")
+    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _manifest_entries(data: bytes, where: object) -> dict[str, tuple[int, str]]:
@@ -293,7 +417,7 @@ def _manifest_entries(data: bytes, where: object) -> dict[str, tuple[int, str]]:
         raise CheckpointError(f"{where}: not a checksum manifest ({type(e).__name__}: {e})") from None
 
 
-def _verify(folder: Path) -> None:
+def verify_folder(folder: Path) -> None:
     """Check every file against :data:`MANIFEST`, so that a corrupt, truncated
     or partly copied checkpoint fails here, naming the file, instead of loading
     wrong weights. A folder without a manifest (saved by transformers, say)
@@ -353,6 +477,30 @@ def _headers(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
     return headers
 
 
+def _language_model(folder: Path, headers: dict, cfg: ModelConfig) -> tuple[dict, dict[str, str]]:
+    """The language model's tensors of a (multimodal) qwen3_5_moe checkpoint
+    under the policy's names (``model.language_model.X`` as ``model.X``),
+    without the vision tower and the MTP head, which are skipped with a note;
+    also each renamed tensor's name in the file. Other models' tensors pass as
+    they are."""
+    if cfg.model_type != "qwen3_5_moe":
+        return headers, {}
+    skipped = sorted({prefix for t in headers for prefix in _SKIPPED if t.startswith(prefix)})
+    if skipped:
+        log.info("%s: skipping %s (not part of the language model)", folder, ", ".join(p + "*" for p in skipped))
+    kept, names = {}, {}
+    for tensor, header in headers.items():
+        if tensor.startswith(_SKIPPED):
+            continue
+        name = "model." + tensor.removeprefix(_LANGUAGE_MODEL) if tensor.startswith(_LANGUAGE_MODEL) else tensor
+        if name in kept:
+            raise CheckpointError(f"{folder}: holds {name} both with and without the {_LANGUAGE_MODEL} prefix")
+        kept[name] = header
+        if name != tensor:
+            names[name] = tensor
+    return kept, names
+
+
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The Hub tensor names and shapes of a model of ``cfg``, from a model on the
     meta device: nothing is allocated."""
@@ -401,16 +549,17 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
     config_file = folder / CONFIG
     if not config_file.exists():
         raise FileNotFoundError(f"{config_file} does not exist")
-    _verify(folder)
+    verify_folder(folder)
     try:
         cfg = config_from_hf(json.loads(_inside(folder, CONFIG, "the config").read_text()))
     except (CheckpointError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{folder}: {e}") from None
-    headers = _check_tensors(folder, cfg, _headers(folder))
+    headers, names = _language_model(folder, _headers(folder), cfg)
+    headers = _check_tensors(folder, cfg, headers)
     tensors = {}
     for shard in sorted({p for p, _, _ in headers.values()}):
         with safe_open(shard, framework="pt") as f:
-            tensors.update({t: f.get_tensor(t) for t, (p, _, _) in headers.items() if p == shard})
+            tensors.update({t: f.get_tensor(names.get(t, t)) for t, (p, _, _) in headers.items() if p == shard})
     model = Transformer(cfg)
     load_state(model, hub_to_stacked(tensors, cfg))
     return model.to(device=device, dtype=dtype)
@@ -436,19 +585,30 @@ def load_state(model: Transformer, state: dict[str, Tensor]) -> None:
 
 
 def save_model(
-    model: Transformer, path: str | os.PathLike, max_shard_bytes: int = 2 << 30, extra: dict[str, bytes] | None = None
+    model: Transformer,
+    path: str | os.PathLike,
+    max_shard_bytes: int = 2 << 30,
+    extra: dict[str, bytes] | None = None,
+    provenance: dict | None = None,
 ) -> Path:
     """Write ``model`` in the Hub layout at ``path``, sharded above
     ``max_shard_bytes``, with ``extra`` files beside it and the checksum
-    manifest over all of them, all at once (atomically)."""
+    manifest over all of them (recording ``provenance``), all at once (atomically)."""
     folder = Path(path)
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = staging_folder(folder)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight")
-    hub = stacked_to_hub(state, model.cfg)
+    write_weights(stacked_to_hub(state, model.cfg), tmp, max_shard_bytes)
+    (tmp / CONFIG).write_text(json.dumps(config_to_hf(model.cfg), indent=2))
+    for name, data in (extra or {}).items():
+        (tmp / name).write_bytes(data)
+    return commit_folder(tmp, folder, provenance)
+
+
+def write_weights(hub: dict[str, Tensor], folder: Path, max_shard_bytes: int = 2 << 30) -> None:
+    """``hub`` tensors as :data:`SINGLE`, or above ``max_shard_bytes`` as numbered
+    shards with their :data:`INDEX`, the way transformers names them."""
     shards, current, size = [], {}, 0
     for key in sorted(hub):
         nbytes = hub[key].numel() * hub[key].element_size()
@@ -459,28 +619,15 @@ def save_model(
         size += nbytes
     shards.append(current)
     if len(shards) == 1:
-        save_file(shards[0], tmp / SINGLE, metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards, 1):
-            name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, tmp / name, metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(shard, name))
-        total = sum(t.numel() * t.element_size() for t in hub.values())
-        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    (tmp / CONFIG).write_text(json.dumps(config_to_hf(model.cfg), indent=2))
-    for name, data in (extra or {}).items():
-        (tmp / name).write_bytes(data)
-    _write_manifest(tmp)  # last: it covers every file above
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-    if folder.exists():
-        folder.rename(old)
-    tmp.rename(folder)
-    shutil.rmtree(old, ignore_errors=True)
-    return folder
+        save_file(shards[0], folder / SINGLE, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, 1):
+        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, name))
+    total = sum(t.numel() * t.element_size() for t in hub.values())
+    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 
 
 def cache_dir() -> Path:
@@ -501,7 +648,7 @@ def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None) ->
     used. Without a manifest every shard the index names must be there, and
     :func:`load_model` loads it with its unverified warning. Only the files
     loading reads are fetched: the weights, config.json, the index, the
-    manifest's files and tokenizer.json."""
+    manifest's files and the tokenizer's (:data:`.tokenizer.FILES`)."""
     text = os.fspath(uri)
     if "://" not in text:
         return Path(text)
@@ -522,7 +669,7 @@ def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None) ->
                 raise CheckpointError(f"{where}/{name}: listed in {MANIFEST} but missing from the store")
     else:
         wanted = _weights(store, listed, have)
-    wanted |= {TOKENIZER} & listed
+    wanted |= set(TOKENIZER_FILES) & listed
     unverified = sorted(wanted - set(entries) - {MANIFEST})  # keyed by their ETags instead of their checksums
     material = {
         "manifest": hashlib.sha256(have.get(MANIFEST, b"")).hexdigest(),

@@ -53,12 +53,12 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import fetch, load_model, load_state, save_model
+from .checkpoint import fetch, load_state
 from .device import resolve
 from .model import Transformer
 from .quant import QuantConfig
 from .store import ArtifactStore, open_store
-from .trainer import TrainConfig, Trainer, read_optimizer, read_state
+from .trainer import TrainConfig, Trainer
 
 METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator: a complete checkpoint
 HISTORY = "history.json"
@@ -146,17 +146,17 @@ class DistributedTrainer(Trainer):
         if self.checkpoints is not None:
             self.checkpoints.save(self, history)
 
-    def save(self, path, extra: dict[str, bytes] | None = None, run_id: str = "") -> Path:
-        """The consolidated checkpoint (what :meth:`Trainer.save` writes), written
-        by rank 0 atomically; every rank returns once it is in place."""
+    def save(self, policy, state, extra: dict[str, bytes] | None = None, run_id: str = "") -> tuple[Path, Path]:
+        """The consolidated policy and trainer state (what :meth:`Trainer.save`
+        writes), written by rank 0, each atomically; every rank returns once both are in place."""
         weights, optimizer = get_state_dict(self.model, self.optimizer, options=FULL)  # on rank 0 only
         if self.rank == 0:
             plain = Transformer(self.model.cfg)
             load_state(plain, weights)
             by_index = _by_index(optimizer, [name for name, _ in plain.named_parameters()])
-            save_model(plain, path, extra={**self.state_files(by_index, run_id), **(extra or {})})
+            self.write(plain, by_index, policy, state, extra, run_id)
         dist.barrier()
-        return Path(path)
+        return Path(policy), Path(state)
 
     def load_optimizer_state(self, state: dict) -> None:
         if not state["state"]:  # a fresh policy: torch.distributed would initialize the state by a zero step
@@ -252,10 +252,10 @@ def open_trainer(checkpoints_prefix: str | None, store: ArtifactStore | None, ru
     folder sharded over the ranks, resumed from the round's newest complete
     sharded checkpoint under ``checkpoints_prefix`` in ``store`` when there is one."""
 
-    def make(policy, config: TrainConfig, quant: QuantConfig, global_scales: dict, device) -> DistributedTrainer:
-        trainer = DistributedTrainer(load_model(policy, device=device), config, quant, global_scales)
-        trainer.load_optimizer_state(read_optimizer(policy))
-        trainer.step = read_state(policy)["step"]
+    def make(
+        policy, state, config: TrainConfig, quant: QuantConfig, global_scales: dict, device, run_id: str
+    ) -> DistributedTrainer:
+        trainer = DistributedTrainer.from_checkpoint(policy, state, config, quant, global_scales, device, run_id)
         if checkpoints_prefix is not None:
             trainer.checkpoints = ShardCheckpoints(store, checkpoints_prefix, run_id, trainer.step)
             latest = trainer.checkpoints.latest()
@@ -290,12 +290,16 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description="One rank of a distributed train step (run under torchrun).")
     parser.add_argument("--config", required=True, help="run config JSON: a path or a store URI")
-    parser.add_argument("--policy", required=True, help="the policy folder: a path or a store URI")
+    parser.add_argument("--policy", required=True, help="the policy folder: a path or a store folder URI")
+    parser.add_argument(
+        "--state", required=True, help="the policy's trainer state folder: a path or a store folder URI"
+    )
     parser.add_argument("--trajectories", required=True, help="the round's trajectories: a path or a store URI")
     parser.add_argument("--guidance", required=True, help="the round's GuidanceRef JSON: a path or a store URI")
     parser.add_argument("--round-stats", required=True, help="the round's rollout/compaction figures (JSON)")
     parser.add_argument("--run-id", required=True)
     parser.add_argument("--out", required=True, help="the new policy: a folder, or a store URI uploaded to")
+    parser.add_argument("--out-state", required=True, help="the new trainer state: a folder, or a store URI")
     parser.add_argument("--history", required=True, help="the steps' history rows (JSON): a path or a store URI")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="tracefp4-rank-") as tmp:
@@ -306,30 +310,41 @@ def main(argv: list[str] | None = None) -> None:
             ref = GuidanceRef.from_json(guidance_file.read_text(), args.guidance)
             store = open_store(config.store.uri, create_bucket=config.store.create_bucket)
             prefix = f"{steps.store_prefix(config, args.run_id, 'checkpoints')}/round-{ref.rl_step:06d}"
-            remote = "://" in args.out and not args.out.startswith("file://")
-            out = work / "policy" if remote else fetch(args.out)
+            out, out_state = _output(args.out, work / "policy"), _output(args.out_state, work / "state")
             rows = steps.train(
                 config,
-                _local(args.policy, work),
+                fetch(args.policy),
+                fetch(args.state),
                 _local(args.trajectories, work),
                 ref,
                 out,
+                out_state,
                 args.run_id,
                 json.loads(_local(args.round_stats, work).read_text()),
                 open_trainer=open_trainer(prefix, store, args.run_id),
             )
             if dist.get_rank() == 0:
-                _publish(out, args.out if remote else None, rows, args.history, work)
+                _publish(rows, args.history, {out: args.out, out_state: args.out_state})
                 ShardCheckpoints(store, prefix, args.run_id, 0).clear()  # the round's policy is out: no resume needed
             dist.barrier()
         finally:
             dist.destroy_process_group()
 
 
-def _publish(out: Path, out_uri: str | None, rows: list[dict], history: str, work: Path) -> None:
-    """Rank 0's outputs: the history rows, and for a store URI the policy folder uploaded (its manifest last)."""
+def _remote(uri: str) -> bool:
+    return "://" in uri and not uri.startswith("file://")
+
+
+def _output(uri: str, staging: Path) -> Path:
+    """Where an output folder given as ``uri`` is written: the folder itself, or ``staging`` for a store URI."""
+    return staging if _remote(uri) else fetch(uri)
+
+
+def _publish(rows: list[dict], history: str, folders: dict[Path, str]) -> None:
+    """Rank 0's outputs: the history rows, and each output folder given as a store
+    URI uploaded there (its manifest last)."""
     data = json.dumps(rows).encode()
-    if "://" in history and not history.startswith("file://"):
+    if _remote(history):
         base, _, name = history.rpartition("/")
         open_store(base).put_bytes(name, data)
     else:
@@ -337,12 +352,14 @@ def _publish(out: Path, out_uri: str | None, rows: list[dict], history: str, wor
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)
-    if out_uri is not None:
-        target = open_store(out_uri)
-        files = sorted(out.iterdir(), key=lambda f: f.name == "checksums.json")  # the manifest last: complete
+    for folder, uri in folders.items():
+        if not _remote(uri):
+            continue
+        target = open_store(uri)
+        files = sorted(folder.iterdir(), key=lambda f: f.name == "checksums.json")  # the manifest last: complete
         for f in files:
             target.put_bytes(f.name, f.read_bytes())
-        shutil.rmtree(out)
+        shutil.rmtree(folder)
 
 
 if __name__ == "__main__":

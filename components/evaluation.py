@@ -26,7 +26,7 @@ from .rollout import TorchEngine
 from .stats import accuracy_row
 from .store import LocalStore
 from .tasks import Problem, format_example, get_task
-from .tokenizer import decode, encode, load_tokenizer
+from .tokenizer import load_tokenizer
 from .trainer import Trainer
 
 
@@ -41,7 +41,7 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
     _, test = steps.problems(config)
     per_task = -(-config.evaluation.test_prompts // len(config.tasks))  # the same share of every task
     test = [p for t in config.tasks for p in [q for q in test if q.task == t.name][:per_task]]
-    prompts = [encode(tokenizer, format_example(p), bos=True) for p in test]
+    prompts = [tokenizer.encode_prompt(format_example(p)) for p in test]
     model = load_model(policy, device=device)
     ptq = _ptq_models(config, model, prompts) if config.method == "bf16" else {}
     out = {"method": config.method, "accuracy": [], "throughput": [], "discrepancy": [], "guidance_sensitivity": []}
@@ -87,7 +87,7 @@ def _accuracy(
     rows = []
     for task in sorted({p.task for p in test}):
         idx = [i for i, p in enumerate(test) if p.task == task]
-        score = lambda t, p: get_task(p.task).reward(p, decode(tokenizer, t.response))  # noqa: E731
+        score = lambda t, p: get_task(p.task).reward(p, tokenizer.decode(t.response))  # noqa: E731
         greedy_scores = [score(greedy[i], test[i]) for i in idx]
         sampled_scores = [sum(score(sampled[i * k + j], test[i]) for j in range(k)) / k for i in idx]
         rows.append(accuracy_row(task, [test[i].prompt for i in idx], greedy_scores, sampled_scores, k))

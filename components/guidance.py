@@ -19,15 +19,17 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
-from tracefp4.kernels import Guidance, dequantize, quantize
+from tracefp4.kernels import Guidance, dequantize, get_format, quantize
 
 from .capture import CaptureRecords, SiteTable
 from .mismatch import join_rows
 from .quant import QuantConfig
 from .store import ArtifactNotFound
+from .syndrome import Rate, SyndromeTable
 
 MAGIC = b"TFP4GUID"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: a codec per table (bits | syndrome)
+CODECS = ("bits", "syndrome")
 _PREAMBLE = struct.Struct("<8sHI")  # magic, format version, header length
 _DIGEST = 32  # sha256 over everything before it
 
@@ -73,8 +75,9 @@ class CompactionReport:
     total: dict = field(default_factory=dict)
 
 
-def _row_bytes_full(t: SiteTable) -> int:
-    return t.codes.shape[0] * (t.width // 2 + t.scales.shape[1])
+def full_record_bytes(t: "SiteTable | SyndromeTable") -> int:
+    """Bytes of the table's rows as full records: 4-bit codes plus one scale byte per block."""
+    return len(t.traj) * (t.width // 2 + t.width // get_format(t.fmt).block_size)
 
 
 def compaction_report(full: CaptureRecords, compacted: CaptureRecords, training: CaptureRecords) -> CompactionReport:
@@ -104,7 +107,7 @@ def compaction_report(full: CaptureRecords, compacted: CaptureRecords, training:
         for target in (entry, sums):
             target["bytes"] += small.nbytes if small is not None else 0
             target["elements"] += rollout.codes.shape[0] * rollout.width
-            target["full_bytes"] += _row_bytes_full(rollout)
+            target["full_bytes"] += full_record_bytes(rollout)
             target["same"] += int((values == reference).sum())
             target["decisions"] += values.numel()
     for entry in [*report.per_layer.values(), sums]:
@@ -153,7 +156,16 @@ def encode_shard(records: CaptureRecords, *, rl_step: int, policy_version: int, 
         traj, pos, slot = _expected_keys(ranges, slots)
         if not (torch.equal(t.traj, traj) and torch.equal(t.pos, pos) and torch.equal(t.slot, slot)):
             raise GuidanceError(f"capture of layer {layer} {site} is not complete: every position needs its rows")
-        arrays = {"codes": t.codes, "scales": t.scales}
+        if isinstance(t, SyndromeTable):
+            arrays = {"code_parity": t.code_parity, "scale_parity": t.scale_parity}
+            codec = {
+                "codec": "syndrome",
+                "group": t.group,
+                "code_bits": t.rate.code_bits,
+                "scale_bits": t.rate.scale_bits,
+            }
+        else:
+            arrays, codec = {"codes": t.codes, "scales": t.scales}, {"codec": "bits"}
         if site == "moe_down_in":
             arrays["expert"] = t.expert.to(torch.int16)
         fields = {}
@@ -177,6 +189,7 @@ def encode_shard(records: CaptureRecords, *, rl_step: int, policy_version: int, 
                 "global_scale": t.global_scale,
                 "slots": slots,
                 "fields": fields,
+                **codec,
             }
         )
     header = {
@@ -185,6 +198,7 @@ def encode_shard(records: CaptureRecords, *, rl_step: int, policy_version: int, 
         "policy_version": policy_version,
         "fmt": sorted({t["fmt"] for t in tables}),
         "bits": sorted({t["bits"] for t in tables}),
+        "codec": sorted({t["codec"] for t in tables}),
         "layers": sorted({t["layer"] for t in tables}),
         "sites": sorted({t["site"] for t in tables}),
         "trajectories": [[t, n] for t, n in ranges.items()],  # id and positions 0..n-1
@@ -223,6 +237,9 @@ def decode_shard(data: bytes, name: str, expect: dict | None = None) -> tuple[di
             arrays[fname] = raw.view(getattr(torch, f["dtype"])).reshape(f["shape"])
         traj, pos, slot = _expected_keys(ranges, spec["slots"])
         expert = arrays["expert"].long() if "expert" in arrays else torch.full_like(traj, -1)
+        if spec.get("codec") == "syndrome":
+            records.tables[(spec["layer"], spec["site"])] = _syndrome_table(name, spec, arrays, traj, pos, slot, expert)
+            continue
         records.tables[(spec["layer"], spec["site"])] = SiteTable(
             spec["layer"],
             spec["site"],
@@ -240,9 +257,36 @@ def decode_shard(data: bytes, name: str, expect: dict | None = None) -> tuple[di
     return header, records
 
 
+def _syndrome_table(name: str, spec: dict, arrays: dict, traj, pos, slot, expert) -> SyndromeTable:
+    """A syndrome table read from a shard, its parity arrays checked against its blocks and rates."""
+    table = SyndromeTable(
+        spec["layer"],
+        spec["site"],
+        spec["fmt"],
+        spec["width"],
+        spec["global_scale"],
+        traj,
+        pos,
+        slot,
+        expert,
+        spec["group"],
+        Rate(spec["code_bits"], spec["scale_bits"]),
+        arrays["code_parity"],
+        arrays["scale_parity"],
+    )
+    blocks = int(table.block_of_rows()[0].max()) + 1 if len(traj) else 0
+    for field_name, bits in (("code_parity", table.rate.code_bits), ("scale_parity", table.rate.scale_bits)):
+        if tuple(arrays[field_name].shape) != (blocks, bits // 8):
+            raise GuidanceError(
+                f"{name}: layer {spec['layer']} {spec['site']} {field_name} has shape "
+                f"{tuple(arrays[field_name].shape)}, its {blocks} blocks of {bits} bits need ({blocks}, {bits // 8})"
+            )
+    return table
+
+
 def _split(records: CaptureRecords, trajectories: list[int]) -> CaptureRecords:
     ids = torch.tensor(trajectories)
-    return CaptureRecords({k: t.select(torch.isin(t.traj, ids)) for k, t in records.tables.items()})
+    return CaptureRecords({k: t.for_trajectories(ids) for k, t in records.tables.items()})
 
 
 def step_prefix(prefix: str, rl_step: int) -> str:
@@ -259,10 +303,12 @@ def write_step(
     prefix: str = "guidance",
     trajectories_per_shard: int = 64,
     run_id: str = "",
+    syndrome: dict | None = None,
 ) -> dict:
     """Write a step's shards, then its manifest (last); returns the manifest.
     ``run_id`` names the run that rolled the step out, so that another run's
-    reader refuses it."""
+    reader refuses it. ``syndrome`` (syndrome-coded tables): the rates chosen
+    and the decode statistics they were chosen from, carried in the manifest."""
     base = step_prefix(prefix, rl_step)
     trajectories = sorted(_trajectory_ranges(records))
     shards = []
@@ -283,10 +329,13 @@ def write_step(
         "top_k": top_k,
         "fmt": sorted({t.fmt for t in tables}),
         "bits": sorted({t.bits for t in tables}),
+        "codec": sorted({"syndrome" if isinstance(t, SyndromeTable) else "bits" for t in tables}),
         "layers": sorted({t.layer for t in tables}),
         "sites": sorted({t.site for t in tables}),
         "shards": shards,
     }
+    if syndrome is not None:
+        manifest["syndrome"] = syndrome
     manifest["sha256"] = _manifest_digest(manifest)
     store.put_bytes(f"{base}/manifest.json", json.dumps(manifest, indent=1).encode())
     return manifest
@@ -353,7 +402,7 @@ def read_shard(store, manifest: dict, entry: dict) -> CaptureRecords:
         raise GuidanceError(f"{name}: {len(data)} bytes, the manifest says {entry['bytes']}")
     if hashlib.sha256(data).hexdigest() != entry["sha256"]:
         raise GuidanceError(f"{name}: sha256 differs from the manifest's")
-    expect = {k: manifest[k] for k in ("rl_step", "policy_version", "layers", "sites")}
+    expect = {k: manifest[k] for k in ("rl_step", "policy_version", "layers", "sites", "codec")}
     header, records = decode_shard(data, name, expect)
     if [t for t, _ in header["trajectories"]] != entry["trajectories"]:
         raise GuidanceError(
@@ -369,7 +418,7 @@ def read_step(store, rl_step: int, prefix: str = "guidance", expect: dict | None
     for entry in manifest["shards"]:
         for key, table in read_shard(store, manifest, entry).tables.items():
             parts.setdefault(key, []).append(table)
-    return CaptureRecords({key: _concat(tables) for key, tables in parts.items()})
+    return CaptureRecords({key: type(tables[0]).concat(tables) for key, tables in parts.items()})
 
 
 # -- the artifact compaction hands to training ------------------------------------
@@ -455,10 +504,11 @@ class MicrobatchGuidance:
     lists trajectories that fall back to RTN."""
 
     trajectories: list[int]
-    tables: dict[tuple[int, str], SiteTable]
+    tables: dict[tuple[int, str], "SiteTable | SyndromeTable"]
     missing: list[int]
 
     def guidance(self, layer: int, site: str) -> Guidance | None:
+        """The guidance of a bits-coded table (syndrome-coded ones decode in the training forward)."""
         t = self.tables.get((layer, site))
         return None if t is None else t.guidance(torch.arange(t.codes.shape[0]))
 
@@ -510,8 +560,8 @@ class GuidanceLoader:
             if t in missing:
                 continue
             for key, table in self._shard(self._shard_of[t]).tables.items():
-                parts.setdefault(key, []).append(table.select(table.traj == t))
-        tables = {key: _concat(tabs) for key, tabs in parts.items()}
+                parts.setdefault(key, []).append(table.for_trajectories(torch.tensor([t])))
+        tables = {key: type(tabs[0]).concat(tabs) for key, tabs in parts.items()}
         return MicrobatchGuidance(list(trajectories), tables, missing)
 
     def _produce(self) -> None:
@@ -528,9 +578,3 @@ class GuidanceLoader:
                 raise item
             self.fallback_trajectories += len(item.missing)
             yield item
-
-
-def _concat(tables: list[SiteTable]) -> SiteTable:
-    first = tables[0]
-    cat = {f: torch.cat([getattr(t, f) for t in tables]) for f in ("traj", "pos", "slot", "expert", "codes", "scales")}
-    return SiteTable(first.layer, first.site, first.fmt, first.bits, first.width, first.global_scale, **cat)

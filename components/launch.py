@@ -26,28 +26,40 @@ _TAIL = 60  # lines of torchrun's output kept for the error
 
 
 def rank_arguments(
-    config: str, policy: str, trajectories: str, guidance: str, round_stats: str, run_id: str, out: str, history: str
+    config: str,
+    policy: str,
+    state: str,
+    trajectories: str,
+    guidance: str,
+    round_stats: str,
+    run_id: str,
+    out: str,
+    out_state: str,
+    history: str,
 ) -> list[str]:
     """The arguments of :func:`tracefp4.components.distributed.main` (paths or store URIs)."""
     return [
-        *("--config", config, "--policy", policy, "--trajectories", trajectories, "--guidance", guidance),
-        *("--round-stats", round_stats, "--run-id", run_id, "--out", out, "--history", history),
+        *("--config", config, "--policy", policy, "--state", state, "--trajectories", trajectories),
+        *("--guidance", guidance, "--round-stats", round_stats, "--run-id", run_id),
+        *("--out", out, "--out-state", out_state, "--history", history),
     ]
 
 
 def torchrun(
     config: RunConfig,
     policy: Path,
+    state: Path,
     trajectories: Path,
     guidance: Path,
     out: Path,
+    out_state: Path,
     workdir: Path,
     run_id: str,
     round_stats: dict,
     echo=print,
 ) -> list[dict]:
     """The train step over ``config.train.processes_per_node`` local processes;
-    the new policy goes to ``out``. Returns the history rows; raises
+    the new policy goes to ``out``, its trainer state to ``out_state``. Returns the history rows; raises
     :class:`DistributedError` with the failing rank's error."""
     if config.train.nodes != 1:
         raise DistributedError(f"torchrun starts one node; train.nodes is {config.train.nodes} (use a TrainJob)")
@@ -65,11 +77,13 @@ def torchrun(
         *rank_arguments(
             str(workdir / "config.json"),
             str(policy),
+            str(state),
             str(trajectories),
             str(guidance),
             str(workdir / "round_stats.json"),
             run_id,
             str(out),
+            str(out_state),
             str(history),
         ),
     ]

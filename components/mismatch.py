@@ -20,16 +20,25 @@ from .quant import QuantSites
 from .rollout import TorchEngine, Trajectory
 
 
-def teacher_force(engine: TorchEngine, trajectories: list[Trajectory], keep_inputs: bool = False) -> CaptureRecords:
+def teacher_force(
+    engine: TorchEngine, trajectories: list[Trajectory], keep_inputs: bool = False, delta_form: str = "chunked"
+) -> CaptureRecords:
     """Full 4-bit capture of the training path over the trajectories' tokens;
-    with ``keep_inputs`` the tables also hold the values before quantization."""
+    with ``keep_inputs`` the tables also hold the values before quantization.
+    ``delta_form`` is the Gated DeltaNet form of a hybrid model's
+    linear-attention layers: training's ``chunked``, or the rollout's
+    ``recurrent`` one (everything else the same), which isolates what the two
+    forms alone do to the codes."""
     tokens, positions, lengths = right_pad([t.tokens for t in trajectories], device=engine.device)
     config = CaptureConfig(bits=4, max_tokens=tokens.numel(), inputs=keep_inputs)
     capture = Capture(engine.model.cfg, engine.quant, config, engine.global_scales, engine.device, kv_from_forward=True)
     capture.begin(TokenMap.of([t.id for t in trajectories], positions, lengths))
     with torch.no_grad():
         engine.model(
-            tokens, positions, CausalAttention(lengths), QuantSites(engine.quant, engine.global_scales, capture)
+            tokens,
+            positions,
+            CausalAttention(lengths, delta_form),
+            QuantSites(engine.quant, engine.global_scales, capture),
         )
     capture.end()
     return capture.drain()

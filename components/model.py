@@ -1,9 +1,15 @@
-"""The policy: a decoder-only MoE transformer (Hugging Face ``qwen3_moe`` and
-``qwen2_moe``) in one readable file, after gpt-fast's ``model.py``.
+"""The policy: a decoder-only MoE transformer (Hugging Face ``qwen3_moe``,
+``qwen2_moe`` and ``qwen3_5_moe``) in one readable file, after gpt-fast's
+``model.py``.
 
 RMSNorm, GQA attention with RoPE (and q/k-norm for qwen3_moe), a top-k softmax
 router, SwiGLU routed experts stacked per layer, and for qwen2_moe a shared
-expert behind a sigmoid gate. Parameter names follow transformers' layout,
+expert behind a sigmoid gate. qwen3_5_moe is hybrid: its ``linear_attention``
+layers mix tokens with Gated DeltaNet (:mod:`.deltanet`), its
+``full_attention`` layers gate the attention output per channel
+(``attn_output_gate``) and rotate only part of each head
+(``partial_rotary_factor``), and its RMSNorms scale by ``1 + weight``
+(``norm_unit_offset``). Parameter names follow transformers' layout,
 except that routed experts are stacked per layer
 (``model.layers.{i}.mlp.experts.gate_up``); :mod:`.checkpoint` maps the Hub's
 per-expert weights onto them.
@@ -12,7 +18,10 @@ The forward takes two strategies, so that rollout and training share every
 line of the model:
 
 - ``attend(layer, q, k, v, sites)``: how attention reads K/V, a full causal
-  pass (:class:`CausalAttention`) or the rollout engine's KV cache;
+  pass (:class:`CausalAttention`) or the rollout engine's KV cache; for the
+  linear-attention layers the same object runs the stateful steps
+  (``attend.conv``, ``attend.delta``): over whole sequences, or from the
+  engine's per-sequence states;
 - ``sites``: what happens at the quantization sites (routed-expert inputs,
   K/V); ``None`` leaves them in the compute dtype.
 
@@ -28,9 +37,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .deltanet import GatedDeltaNet, causal_conv, chunked_delta_rule, recurrent_delta_rule
 from .device import bf16_op
 
-MODEL_TYPES = ("qwen3_moe", "qwen2_moe")
+MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe")
+LAYER_TYPES = ("full_attention", "linear_attention")
 
 
 @dataclass(frozen=True)
@@ -58,6 +69,17 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = True
+    # qwen3_5_moe: per-layer mixer ("full_attention" | "linear_attention"; empty: all full attention),
+    # the gated full attention, and the Gated DeltaNet sizes
+    layer_types: tuple[str, ...] = ()
+    attn_output_gate: bool = False
+    partial_rotary_factor: float = 1.0
+    norm_unit_offset: bool = False  # RMSNorm scales by 1 + weight
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
     extra: dict = field(default_factory=dict, compare=False)  # other config.json keys, kept on save
 
     def __post_init__(self):
@@ -67,6 +89,32 @@ class ModelConfig:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"top_k {self.top_k} must lie in 1..num_experts ({self.num_experts})")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types lists {len(self.layer_types)} layers, num_layers is {self.num_layers}")
+        if not set(self.layer_types) <= set(LAYER_TYPES):
+            raise ValueError(f"layer_types {sorted(set(self.layer_types))} must be among {LAYER_TYPES}")
+        if not 0 < self.partial_rotary_factor <= 1 or int(self.head_dim * self.partial_rotary_factor) % 2:
+            raise ValueError(f"partial_rotary_factor {self.partial_rotary_factor} must rotate an even part of a head")
+        sizes = (self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim)
+        if self.linear_layers and min(*sizes, self.linear_value_head_dim, self.linear_conv_kernel_dim - 1) < 1:
+            raise ValueError("linear_attention layers need linear head counts and dims >= 1 and a conv kernel >= 2")
+
+    def is_linear(self, layer: int) -> bool:
+        """Whether a layer mixes tokens with Gated DeltaNet instead of softmax attention."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear_attention"
+
+    @property
+    def attention_layers(self) -> list[int]:
+        """The full-attention layers: the ones with a KV cache."""
+        return [i for i in range(self.num_layers) if not self.is_linear(i)]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        return [i for i in range(self.num_layers) if self.is_linear(i)]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_sparse(self, layer: int) -> bool:
         """Whether a layer's MLP is the routed MoE (transformers' rule)."""
@@ -104,7 +152,64 @@ PRESETS = {
         qk_norm=False,
         norm_topk_prob=False,
     ),
+    # qwen3_5_moe flavour, 2.2M parameters: 3 Gated DeltaNet layers then 1 gated full-attention layer (the
+    # published 3:1 pattern), shared expert, a quarter of each head rotated
+    "tiny-qwen35": ModelConfig(
+        model_type="qwen3_5_moe",
+        hidden_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        moe_intermediate_size=128,
+        intermediate_size=128,  # no dense layers: transformers reads none, config_from_hf defaults it to this
+        shared_expert_intermediate_size=128,
+        rope_theta=10_000_000.0,
+        layer_types=("linear_attention",) * 3 + ("full_attention",),
+        attn_output_gate=True,
+        partial_rotary_factor=0.25,
+        norm_unit_offset=True,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+    ),
 }
+
+# The paper's policy, Qwen3.5-35B-A3B (described, never built here: the paper presets load its checkpoint).
+# Sources: transformers 5.24 Qwen3_5MoeTextConfig, whose defaults document "Qwen/Qwen3.5-35B-A3B" (40 layers,
+# hidden 2048, 16 heads / 2 KV heads of 256, Gated DeltaNet 16 key / 32 value heads of 128, 256 experts top-8 of
+# 512 plus a 512 shared expert, vocab 248320, full attention every 4th layer); the transformers model doc
+# (docs/source/en/model_doc/qwen3_5_moe.md: "3:1 Gated DeltaNet/Gated Attention", "8 routed experts ... plus 1
+# shared expert"); rope theta 1e7 and rotary percent 0.25 from the miles recipe
+# (https://www.radixark.com/miles/docs/models/qwen/qwen3-5-moe); context 262144 as in the Qwen3.5 configs on the Hub.
+# Special tokens, from a transcript of the checkpoint's Qwen3_5MoeForConditionalGeneration config.json (public
+# code search): top level eos_token_id 248046, pad_token_id 248044, image 248056, video 248057, vision start/end
+# 248053/248054; text_config bos/eos 248044.
+QWEN35_35B_A3B = ModelConfig(
+    model_type="qwen3_5_moe",
+    vocab_size=248320,
+    hidden_size=2048,
+    num_layers=40,
+    num_heads=16,
+    num_kv_heads=2,
+    head_dim=256,
+    num_experts=256,
+    top_k=8,
+    moe_intermediate_size=512,
+    intermediate_size=512,
+    shared_expert_intermediate_size=512,
+    rope_theta=10_000_000.0,
+    max_position_embeddings=262144,
+    layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(40)),
+    attn_output_gate=True,
+    partial_rotary_factor=0.25,
+    norm_unit_offset=True,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    extra={"bos_token_id": 248044, "eos_token_id": 248044},
+)
 
 
 def get_preset(name: str) -> ModelConfig:
@@ -115,28 +220,42 @@ def get_preset(name: str) -> ModelConfig:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """``unit_offset`` (qwen3_5_moe) scales by ``1 + weight`` in float32 before
+    rounding; otherwise the float32 result is rounded first and then scaled
+    (each as transformers does for that model)."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.unit_offset = eps, unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # normalize in float32, round to the input dtype, then scale (transformers' order)
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        return scale_normed(F.rms_norm(x.float(), x.shape[-1:], eps=self.eps), self.weight, self.unit_offset, x.dtype)
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin ``[B, 1, S, head_dim]`` for integer positions ``[B, S]`` (float32 math)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+def scale_normed(normed: Tensor, weight: Tensor, unit_offset: bool, dtype: torch.dtype) -> Tensor:
+    """An RMSNorm's float32 ``normed`` values times its ``weight``, in ``dtype``."""
+    if unit_offset:
+        return (normed * (1.0 + weight.float())).to(dtype)
+    return weight * normed.to(dtype)
+
+
+def rope_cos_sin(positions: Tensor, dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin ``[B, 1, S, dim]`` for integer positions ``[B, S]`` (float32
+    math); ``dim`` is the rotated part of a head."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat([freqs, freqs], -1)[:, None]
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
+    """Rotate the first ``cos.shape[-1]`` dims of each head (all of them unless RoPE is partial)."""
+    dim = cos.shape[-1]
+    x, rest = x[..., :dim], x[..., dim:]
+    half = dim // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rotated * sin
+    return torch.cat([x * cos + rotated * sin, rest], -1) if rest.shape[-1] else x * cos + rotated * sin
 
 
 class Linear(nn.Linear):
@@ -166,14 +285,37 @@ class Sites(Protocol):
 
 
 class Attend(Protocol):
+    """How the mixers read the past: attention over K/V, and the linear-attention layers' two stateful steps."""
+
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, sites: Sites | None) -> Tensor: ...
+
+    def conv(self, layer: int, x: Tensor, weight: Tensor) -> Tensor:
+        """The causal conv (with SiLU) of ``x [B, S, C]`` after what came before it."""
+
+    def delta(self, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+        """The gated delta rule's output ``[B, S, Hv, Dv]`` after what came before it."""
 
 
 @dataclass
 class CausalAttention:
-    """Full-sequence causal attention; ``lengths [B]`` masks right padding."""
+    """Full-sequence causal attention; ``lengths [B]`` masks right padding
+    (which comes after each sequence, so causal linear attention needs no mask).
+    The delta rule runs ``chunked`` (training, prefill) or ``recurrent``
+    token by token (the rollout's decode form, for measuring their mismatch)."""
 
     lengths: Tensor | None = None
+    delta_form: str = "chunked"
+
+    def __post_init__(self):
+        if self.delta_form not in ("chunked", "recurrent"):
+            raise ValueError(f"delta_form must be 'chunked' or 'recurrent', got {self.delta_form!r}")
+
+    def conv(self, layer: int, x: Tensor, weight: Tensor) -> Tensor:
+        return causal_conv(x, weight)
+
+    def delta(self, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+        rule = chunked_delta_rule if self.delta_form == "chunked" else recurrent_delta_rule
+        return rule(q, k, v, g, beta)[0]
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, sites: Sites | None) -> Tensor:
         if sites is not None:
@@ -189,7 +331,9 @@ class CausalAttention:
 def right_pad(sequences: list[list[int]], pad: int = 0, device="cpu") -> tuple[Tensor, Tensor, Tensor]:
     """Token sequences as one batch: ``tokens [B, S]`` (``pad`` after each
     sequence's end), ``positions [B, S]`` (0.. on every row) and ``lengths
-    [B]``, which :class:`CausalAttention` masks the padding with."""
+    [B]``, which :class:`CausalAttention` masks the padding with. No logit of
+    a real position depends on ``pad``; callers holding the tokenizer pass its
+    pad id, so that the batches read as the policy's own."""
     rows = [torch.tensor(s, dtype=torch.long) for s in sequences]
     tokens = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad).to(device)
     positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
@@ -200,28 +344,37 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        # q, k and v projections fused into one matmul; the checkpoint splits them
-        self.qkv_proj = Linear(
-            cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias
-        )
+        # q, k and v projections fused into one matmul; the checkpoint splits them. With the output
+        # gate, q_proj yields each head's query followed by its gate ([H, 2 * head_dim]).
+        q_width = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
+        self.qkv_proj = Linear(cfg.hidden_size, q_width + 2 * cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, layer: int, attend: Attend, sites: Sites | None) -> Tensor:
         b, s, _ = x.shape
         cfg = self.cfg
-        qkv = self.qkv_proj(x).view(b, s, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
+        qkv, gate = self.qkv_proj(x), None
+        if cfg.attn_output_gate:
+            q_gate, kv = qkv.split([2 * cfg.num_heads * cfg.head_dim, 2 * cfg.num_kv_heads * cfg.head_dim], -1)
+            q, gate = q_gate.view(b, s, cfg.num_heads, 2 * cfg.head_dim).chunk(2, -1)
+            qkv = torch.cat([q, kv.view(b, s, 2 * cfg.num_kv_heads, cfg.head_dim)], 2)
+        qkv = qkv.view(b, s, cfg.num_heads + 2 * cfg.num_kv_heads, cfg.head_dim)
         qk, v = qkv.split([cfg.num_heads + cfg.num_kv_heads, cfg.num_kv_heads], dim=2)  # [B, S, heads, D]
         if cfg.qk_norm:  # q and k heads normalized together, each with its own weight
             weight = torch.cat(
                 [self.q_norm.weight.expand(cfg.num_heads, -1), self.k_norm.weight.expand(cfg.num_kv_heads, -1)]
             )
-            qk = weight * F.rms_norm(qk.float(), qk.shape[-1:], eps=cfg.rms_norm_eps).to(x.dtype)
+            normed = F.rms_norm(qk.float(), qk.shape[-1:], eps=cfg.rms_norm_eps)
+            qk = scale_normed(normed, weight, cfg.norm_unit_offset, x.dtype)
         q, k = apply_rope(qk.transpose(1, 2), cos, sin).split([cfg.num_heads, cfg.num_kv_heads], dim=1)
         out = attend(layer, q, k, v.transpose(1, 2), sites)  # q [B, H, S, D], k/v [B, KV, S, D]
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        if gate is not None:
+            out = out * torch.sigmoid(gate.reshape(b, s, -1))
+        return self.o_proj(out)
 
 
 class MLP(nn.Module):
@@ -301,13 +454,28 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.layer = layer
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
+        if cfg.is_linear(layer):
+            self.linear_attn = GatedDeltaNet(
+                cfg.hidden_size,
+                cfg.linear_num_key_heads,
+                cfg.linear_num_value_heads,
+                cfg.linear_key_head_dim,
+                cfg.linear_value_head_dim,
+                cfg.linear_conv_kernel_dim,
+                cfg.rms_norm_eps,
+            )
+        else:
+            self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.mlp = MoE(cfg) if cfg.is_sparse(layer) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, attend: Attend, sites: Sites | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, self.layer, attend, sites)
+        h = self.input_layernorm(x)
+        if hasattr(self, "linear_attn"):
+            x = x + self.linear_attn(h, self.layer, attend)
+        else:
+            x = x + self.self_attn(h, cos, sin, self.layer, attend, sites)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, self.layer, sites) if isinstance(self.mlp, MoE) else self.mlp(h))
 
@@ -319,7 +487,7 @@ class Transformer(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
-        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -329,7 +497,7 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """Logits ``[B, S, vocab]`` of ``tokens [B, S]`` at ``positions [B, S]``."""
         x = self.model.embed_tokens(tokens)
-        cos, sin = rope_cos_sin(positions, self.cfg.head_dim, self.cfg.rope_theta, x.dtype)
+        cos, sin = rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         attend = attend or CausalAttention()
         for block in self.model.layers:
             x = block(x, cos, sin, attend, sites)
@@ -340,16 +508,21 @@ class Transformer(nn.Module):
 
 
 def build_model(cfg: ModelConfig | str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Transformer:
-    """A model with seeded random weights (normal, std 0.02; norms at 1)."""
+    """A model with seeded random weights (normal, std 0.02; norms scale by 1;
+    Gated DeltaNet's decay as transformers initializes it: ``dt_bias`` 1,
+    ``A = exp(A_log)`` uniform in [0.01, 16])."""
     cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
     gen = torch.Generator().manual_seed(seed)
     model = Transformer(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
+                unit_offset = cfg.norm_unit_offset and not name.endswith("linear_attn.norm.weight")
+                p.fill_(0.0 if unit_offset else 1.0)
+            elif name.endswith(".bias") or name.endswith(".dt_bias"):
+                p.fill_(1.0 if name.endswith(".dt_bias") else 0.0)
+            elif name.endswith(".A_log"):
+                p.copy_((torch.rand(p.shape, generator=gen) * 15.99 + 0.01).log())
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     return model.to(dtype)

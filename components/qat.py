@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from tracefp4.kernels import dequantize, fake_quantize, quantize
+from tracefp4.kernels import Guidance, compact_codes, dequantize, fake_quantize, get_format, quantize
 
 from .guidance import GuidanceError, MicrobatchGuidance
 from .quant import ACTIVATION_SITES, QuantConfig, Recorder, kv_from_rows, kv_rows
+from .syndrome import DecodeStats, SyndromeTable, decode_rows
 
 METHODS = ("bf16", "qat", "quads", "trace", "tis_sc")
 
@@ -39,6 +40,7 @@ class Coverage:
 
     guided: dict = field(default_factory=dict)
     total: dict = field(default_factory=dict)
+    decode: dict = field(default_factory=dict)  # (layer, site) -> DecodeStats, syndrome-coded guidance only
 
     def add(self, key, guided: int, total: int) -> None:
         self.guided[key] = self.guided.get(key, 0) + guided
@@ -110,14 +112,42 @@ class TrainingSites:
             table, train_rows, guide_rows = self._rows(key, x, expert)
             if table.global_scale != (None if g is None else float(g)):
                 raise GuidanceError(f"guidance for layer {layer} {site} was captured under another static scale")
+            if isinstance(table, SyndromeTable):
+                train_rows, guide = self._decode(table, x.detach(), train_rows, guide_rows, g)
+            else:
+                guide = table.guidance(guide_rows) if len(train_rows) else None
             if len(train_rows):
-                guided = quantize(x.detach()[train_rows], fmt, guide=table.guidance(guide_rows))
+                guided = quantize(x.detach()[train_rows], fmt, guide=guide)
                 q.codes.index_copy_(0, train_rows, guided.codes)
                 q.scales.view(torch.uint8).index_copy_(0, train_rows, guided.scales.view(torch.uint8))
             self.coverage.add(key, len(train_rows) * table.width, len(table.traj) * table.width)
         if self.recorder is not None:
             self.recorder.record(layer, site, x.detach(), q, token, slot, expert)
         return _straight_through(x, dequantize(q))
+
+    def _decode(self, table: SyndromeTable, x: Tensor, train_rows: Tensor, guide_rows: Tensor, g):
+        """Decode syndrome-coded guidance with this forward's values (the layers
+        below already guided) as side information: the training rows whose block
+        decoded, and their guidance. Failed blocks round to nearest, counted."""
+        values = x.new_zeros(len(table.traj), table.width, dtype=torch.float32)
+        values[guide_rows] = x[train_rows].float()
+        available = torch.zeros(len(table.traj), dtype=torch.bool, device=x.device)
+        available[guide_rows] = True
+        scales, low, ok, stats = decode_rows(table, values, available)
+        key = (table.layer, table.site)
+        self.coverage.decode.setdefault(key, DecodeStats(table.rate)).merge(stats)
+        keep = ok[guide_rows]
+        rows = guide_rows[keep]
+        f = get_format(table.fmt)
+        guide = Guidance(
+            compact_codes(low[rows], 1),
+            1,
+            scales[rows].view(f.scale_dtype),
+            g,
+            f.name,
+            torch.Size((len(rows), table.width)),
+        )
+        return train_rows[keep], guide
 
     def moe_in(self, layer, x):
         return self._fp4(layer, "moe_in", x)

@@ -8,7 +8,9 @@ Quantization sites, enumerable as ``(layer, site)``:
   token's experts see the same quantized row, as in FlashInfer/SGLang MoE);
 - ``moe_down_in``: the down-projection input, one row per (token, expert slot);
 - ``k_cache`` / ``v_cache``: K after RoPE and V, one row per position
-  (``kv_heads * head_dim`` elements, blocks along ``head_dim``).
+  (``kv_heads * head_dim`` elements, blocks along ``head_dim``); full-attention
+  layers only: a hybrid model's linear-attention layers have no KV cache, and
+  their conv and recurrent states stay in the compute dtype.
 
 Attention projections, router, shared experts, embeddings and lm_head stay in
 the compute dtype. Activation and KV global scales (NVFP4) are static per
@@ -99,7 +101,7 @@ def quant_sites(cfg: ModelConfig, q: QuantConfig) -> list[tuple[int, str]]:
         if cfg.is_sparse(layer):
             out += [(layer, "expert_weights")] if q.weights else []
             out += [(layer, s) for s in ACTIVATION_SITES] if q.activations else []
-        out += [(layer, s) for s in KV_SITES] if q.kv else []
+        out += [(layer, s) for s in KV_SITES] if q.kv and not cfg.is_linear(layer) else []
     return out
 
 

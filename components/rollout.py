@@ -6,6 +6,12 @@ capture of every FP4 outcome.
 of the right-padded prompts, then one decode step at a time; after each step
 the sequences that finished retire: their KV is captured and they leave the
 batch.
+
+On a hybrid model (qwen3_5_moe) only the full-attention layers have a KV
+cache; each linear-attention layer keeps, per sequence, its conv state (the
+last K-1 inputs of the causal conv) and its recurrent state (the delta rule's
+``[heads, Dk, Dv]`` matrix, fp32): O(1) memory and work per decoded token.
+Prefill runs the chunked form from a zero state, decode the recurrent form.
 """
 
 import copy
@@ -20,6 +26,7 @@ from tracefp4.kernels import FP4Tensor, dequantize, get_format
 
 from .capture import Capture, CaptureConfig, CaptureRecords, TokenMap
 from .checkpoint import hub_to_stacked, load_model, load_state
+from .deltanet import causal_conv, chunked_delta_rule, conv_history, recurrent_delta_rule
 from .device import bf16_op
 from .model import ModelConfig, Transformer, right_pad
 from .quant import (
@@ -44,6 +51,7 @@ class SamplingParams:
     top_k: int = 0
     max_new_tokens: int = 64
     stop_tokens: tuple[int, ...] = ()
+    pad_token: int = 0  # fills a batch's rows past each prompt; masked, so no logit depends on it
     seed: int = 0
     record_topk: int = 0  # keep the sampler's k most likely tokens per step (score centering needs them)
 
@@ -108,9 +116,10 @@ def sample(
 
 class KVCache:
     """K/V of a batch of sequences, ``[B, max_len, kv_heads * head_dim]`` per
-    layer: in the compute dtype, or (FP4 KV) packed codes + scale bytes that are
-    dequantized for attention. Attention reads through it (it is the model's
-    ``attend``)."""
+    full-attention layer: in the compute dtype, or (FP4 KV) packed codes + scale
+    bytes that are dequantized for attention; and the linear-attention layers'
+    conv and recurrent states per sequence, never quantized. The mixers read
+    through it (it is the model's ``attend``)."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, sites: QuantSites, dtype, device):
         self.cfg, self.sites, self.dtype = cfg, sites, dtype
@@ -128,15 +137,28 @@ class KVCache:
             }
         self.store = {
             (layer, site, part): torch.zeros(shape, dtype=dt, device=device)
-            for layer in range(cfg.num_layers)
+            for layer in cfg.attention_layers
             for site in KV_SITES
             for part, (shape, dt) in shapes.items()
         }
+        channels = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim
+        channels += cfg.linear_num_value_heads * cfg.linear_value_head_dim
+        state = (batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+        self.conv_states = {
+            layer: torch.zeros(batch, channels, cfg.linear_conv_kernel_dim - 1, dtype=dtype, device=device)
+            for layer in cfg.linear_layers
+        }  # [B, C, K-1]: the causal conv's last inputs
+        self.recurrent_states = {  # [B, Hv, Dk, Dv], fp32 as the delta rule computes
+            layer: torch.zeros(state, dtype=torch.float32, device=device) for layer in cfg.linear_layers
+        }
         self.positions: Tensor | None = None  # [B, S] of the forward in flight
 
-    def start(self, positions: Tensor) -> None:
-        """Prepare a forward that writes ``positions [B, S]`` and attends to everything before them."""
+    def start(self, positions: Tensor, lengths: Tensor) -> None:
+        """Prepare a forward that writes ``positions [B, S]`` and attends to
+        everything before them; row b's tokens at positions ``>= lengths[b]``
+        are padding, which the linear-attention states skip."""
         self.positions = positions
+        self.valid = positions < lengths[:, None]  # [B, S]; right padding: a prefix of each row
         self.span = int(positions.max()) + 1  # positions < span are read
         self.rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         visible = torch.arange(self.span, device=positions.device) <= positions[..., None]  # [B, S, span]
@@ -147,6 +169,30 @@ class KVCache:
         return sum(
             t[0].numel() * t.element_size() / t.shape[-2 if self.fmt is None else 1] for t in self.store.values()
         )
+
+    def state_bytes_per_sequence(self) -> int:
+        """Bytes of the linear-attention layers' states per sequence (independent of its length)."""
+        states = [*self.conv_states.values(), *self.recurrent_states.values()]
+        return sum(t[0].numel() * t.element_size() for t in states)
+
+    def conv(self, layer: int, x: Tensor, weight: Tensor) -> Tensor:
+        """The causal conv after each sequence's cached inputs; keeps the last K-1 valid inputs."""
+        history = self.conv_states[layer]
+        out = causal_conv(x, weight, history)
+        self.conv_states[layer] = conv_history(x, history, self.valid.sum(1))
+        return out
+
+    def delta(self, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
+        """The delta rule from each sequence's state: one recurrent step per
+        decoded token, the chunked form for a prefill (padding neither decays
+        nor writes the state)."""
+        state = self.recurrent_states[layer]
+        if q.shape[1] == 1:
+            out, self.recurrent_states[layer] = recurrent_delta_rule(q, k, v, g, beta, state)
+        else:
+            valid = self.valid[..., None]
+            out, self.recurrent_states[layer] = chunked_delta_rule(q, k, v, g * valid, beta * valid, state)
+        return out
 
     def _write(self, layer: int, site: str, t: Tensor) -> None:
         """Store K or V ``[B, KV, S, D]`` of the forward in flight at its positions."""
@@ -193,8 +239,9 @@ class KVCache:
 
     def keep(self, rows: Tensor) -> None:
         """Drop every sequence but ``rows`` (finished requests leave the batch)."""
-        for key, t in self.store.items():
-            self.store[key] = t.index_select(0, rows)
+        for states in (self.store, self.conv_states, self.recurrent_states):
+            for key, t in states.items():
+                states[key] = t.index_select(0, rows)
 
 
 class TorchEngine:
@@ -271,7 +318,7 @@ class TorchEngine:
         if sampling.record_topk:
             for request in out:
                 request.topk_ids, request.topk_logprobs = [], []
-        tokens, positions, lengths = right_pad(prompts, device=dev)
+        tokens, positions, lengths = right_pad(prompts, pad=sampling.pad_token, device=dev)
         cache = KVCache(self.model.cfg, b, tokens.shape[1] + sampling.max_new_tokens, self.sites, self.dtype, dev)
         gens = [torch.Generator(device=dev).manual_seed(request_seed(sampling.seed, place + i)) for i in range(b)]
         stop = torch.tensor(sampling.stop_tokens or [-1], device=dev)
@@ -301,7 +348,7 @@ class TorchEngine:
     def _forward(self, tokens: Tensor, positions: Tensor, lengths: Tensor, ids: Tensor, cache: KVCache) -> Tensor:
         """Logits ``[B, S, V]`` of ``tokens [B, S]`` at ``positions``, cached
         (and captured) as row b's trajectory ``ids[b]`` below ``lengths[b]``."""
-        cache.start(positions)
+        cache.start(positions, lengths)
         if self.capture is not None:
             self.capture.begin(TokenMap.of(ids, positions, lengths))
         logits = self.model(tokens, positions, cache, self.sites)
@@ -352,7 +399,7 @@ class TorchEngine:
         """Capture a finished request's KV codes: every position the rollout computed."""
         if self.capture is None or self.quant.kv is None:
             return
-        for layer in range(self.model.cfg.num_layers):
+        for layer in self.model.cfg.attention_layers:
             for site in KV_SITES:
                 q = cache.fp4_rows(layer, site, row, cached)
                 self.capture.record_kv(traj_id, layer, site, q.codes, q.scales.view(torch.uint8))

@@ -2,8 +2,10 @@
 Kubeflow component calls, and :func:`run_round`, the same round in one process.
 
 A round is rollout -> compaction -> guided QAT (docs/training.md has the
-schedule). The policy travels as a Hugging Face checkpoint folder (with the
-optimizer state, the policy version and the run id beside it), trajectories
+schedule). The policy travels as a clean Hugging Face checkpoint folder (the
+run id and policy version recorded in its checksum manifest), the optimizer
+and step as a separate trainer-state folder pinned to it (only train reads
+it: :mod:`.trainer_state`), trajectories
 as JSON lines behind a header naming the run, round, policy version and the
 rollout's numerics, captures and guidance through the artifact store, and the
 guidance reference (:class:`~.guidance.GuidanceRef`) from compaction to train.
@@ -25,16 +27,20 @@ from tracefp4.schemas import RunConfig
 
 from . import bootstrap as sft
 from .capture import CaptureConfig, CaptureRecords
-from .checkpoint import fetch, load_model
+from .checkpoint import fetch, load_model, provenance, save_model
 from .device import resolve
+from .export import export
 from .guidance import (
+    GuidanceError,
     GuidanceRef,
     compact,
     compaction_report,
     encode_scales,
+    full_record_bytes,
     merge_steps,
     read_step,
     select_layers,
+    step_prefix,
     write_step,
 )
 from .mismatch import teacher_force
@@ -42,10 +48,11 @@ from .model import build_model
 from .quant import BF16, QuantConfig, rollout_config
 from .rl import group_advantages
 from .rollout import SamplingParams, TorchEngine, Trajectory
-from .store import open_store
+from .store import ArtifactNotFound, open_store
+from .syndrome import choose_rates, encode_table, first_rate, merge_decode_json
 from .tasks import Problem, format_example, get_task, split
-from .tokenizer import EOS, FILENAME, build_tokenizer, decode, encode, load_tokenizer
-from .trainer import SCORE_CENTERING_TOPK, TrainConfig, Trainer, read_state
+from .tokenizer import build_tokenizer, load_tokenizer
+from .trainer import SCORE_CENTERING_TOPK, TrainConfig, Trainer
 
 # The compaction step's figures (none for methods without guidance).
 COMPACTION_KEYS = (
@@ -56,6 +63,7 @@ COMPACTION_KEYS = (
     "compaction_fidelity",
     "compaction_seconds",
 )
+DECODE_FILE = "decode.json"  # beside a syndrome-coded step's manifest: its decode statistics, from training
 # A round's rollout and compaction figures, carried into each of its history rows.
 ROUND_KEYS = (
     "rollout_seconds",
@@ -65,8 +73,6 @@ ROUND_KEYS = (
     "offload_seconds",
     "upload_seconds",
 ) + COMPACTION_KEYS
-
-_NEWLINE = "\n"
 
 
 class RunMismatch(ValueError):
@@ -112,11 +118,11 @@ def training_problems(config: RunConfig, round_index: int, n: int) -> list[Probl
     return [rng.choice(pools[rng.choices(range(len(pools)), weights)[0]]) for _ in range(n)]
 
 
-def prepare(config: RunConfig, out: Path, run_id: str = "") -> dict:
+def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None = None) -> dict:
     """The initial policy (a preset with seeded weights, or a checkpoint) with its
-    tokenizer, as a trainer checkpoint of ``run_id`` at policy version 0;
-    bootstrapped by SFT on the tasks when configured. Returns the bootstrap's
-    figures (empty without one)."""
+    tokenizer, as a checkpoint of ``run_id`` at policy version 0, and with
+    ``state`` its initial trainer state (a fresh optimizer); bootstrapped by SFT
+    on the tasks when configured. Returns the bootstrap's figures (empty without one)."""
     device = step_device(config)
     out = Path(out)
     checkpoint = fetch(config.model.checkpoint) if config.model.checkpoint else None  # a store URI: downloaded, cached
@@ -125,16 +131,17 @@ def prepare(config: RunConfig, out: Path, run_id: str = "") -> dict:
     else:
         model = load_model(checkpoint, device=device)
     tokenizer = load_tokenizer(checkpoint) if checkpoint else build_tokenizer()
-    if tokenizer.get_vocab_size() > model.cfg.vocab_size:
-        raise ValueError(
-            f"the tokenizer has {tokenizer.get_vocab_size()} tokens, the model only {model.cfg.vocab_size}"
-        )
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {model.cfg.vocab_size}")
     problems = config.guided_layer_problems(model.cfg.num_layers, f"checkpoint {config.model.checkpoint}")
     if problems:  # before any work
         raise ValueError("\n".join(problems))
     stats = run_bootstrap(config, model, tokenizer) if config.bootstrap.enabled else {}
     trainer = Trainer(model, train_config(config), BF16, {})
-    trainer.save(out, extra={FILENAME: tokenizer.to_str().encode()}, run_id=run_id)
+    if state is None:
+        save_model(trainer.model, out, extra=tokenizer.files(), provenance={"run_id": run_id, "policy_version": 0})
+    else:
+        trainer.save(out, state, extra=tokenizer.files(), run_id=run_id)
     return stats
 
 
@@ -191,6 +198,12 @@ def _inline(config: RunConfig) -> bool:
     return config.method == "trace" and config.guidance.compaction == "inline"
 
 
+def _rollout_writes_guidance(config: RunConfig) -> bool:
+    """Whether the rollout's shards are the guidance itself; else compaction
+    encodes them (offline compaction, or the syndrome codec)."""
+    return _inline(config) and config.guidance.codec == "bits"
+
+
 def _captures(config: RunConfig) -> bool:
     return config.method == "trace" or config.rl.measure_mismatch
 
@@ -221,16 +234,18 @@ def _engine(config: RunConfig, policy: Path, capture: bool, device: torch.device
 
 
 def sampling(config: RunConfig, seed: int, tokenizer) -> SamplingParams:
-    """The run's sampling; tis_sc's score centering also needs the sampler's top-k tokens."""
+    """The run's sampling, stopping on the tokenizer's stop ids (every eos; a
+    plain tokenizer's newline too) and padding with its pad id; tis_sc's score
+    centering also needs the sampler's top-k tokens."""
     r = config.rollout
-    newline = encode(tokenizer, _NEWLINE)[0]
     topk = SCORE_CENTERING_TOPK if config.method == "tis_sc" else 0
     return SamplingParams(
         temperature=r.temperature,
         top_p=r.top_p,
         top_k=r.top_k,
         max_new_tokens=r.max_new_tokens,
-        stop_tokens=(EOS, newline),
+        stop_tokens=tokenizer.stop_ids,
+        pad_token=tokenizer.pad_id,
         seed=seed,
         record_topk=topk,
     )
@@ -238,10 +253,10 @@ def sampling(config: RunConfig, seed: int, tokenizer) -> SamplingParams:
 
 def policy_version(policy: Path, run_id: str) -> int:
     """The policy checkpoint's version (RL steps taken), refusing a checkpoint of another run."""
-    state = read_state(policy)
-    if state.get("run_id") != run_id:
-        raise RunMismatch(f"{policy}: policy of run {state.get('run_id')!r}, this is run {run_id!r}")
-    return state["step"]
+    saved = provenance(policy)
+    if saved.get("run_id") != run_id or "policy_version" not in saved:
+        raise RunMismatch(f"{policy}: policy of run {saved.get('run_id')!r}, this is run {run_id!r}")
+    return saved["policy_version"]
 
 
 def worker_prefix(prefix: str, config: RunConfig, worker: int) -> str:
@@ -274,7 +289,7 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
     for s in range(steps):  # one RL step's batch (this worker's share of it) per generate call
         lo, hi = s * per_step + per_step * worker // workers, s * per_step + per_step * (worker + 1) // workers
         params = sampling(config, config.seed + round_index * steps + s, tokenizer)
-        prompts = [encode(tokenizer, format_example(p), bos=True) for p in batch[lo:hi]]
+        prompts = [tokenizer.encode_prompt(format_example(p)) for p in batch[lo:hi]]
         trajectories += engine.generate(prompts, params, first=lo, place=lo - s * per_step)
         mine += batch[lo:hi]
     records = engine.drain_capture() if engine.capture is not None else None  # the drain is part of the rollout
@@ -311,7 +326,7 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
 
 def _capture_kind(config: RunConfig) -> str:
     """What the rollout writes to the store: guidance (compacted inline) or the full capture."""
-    return "guidance" if _inline(config) else "capture"
+    return "guidance" if _rollout_writes_guidance(config) else "capture"
 
 
 def gather(
@@ -413,7 +428,10 @@ def compaction(
     start = time.perf_counter()
     store = _store(config)
     prefix = store_prefix(config, run_id, "guidance")
-    if _inline(config):
+    if config.guidance.codec == "syndrome":
+        kept = _syndrome_step(config, store, round_index, header, run_id)
+        stats.update(compaction_ratio=kept.nbytes / sum(full_record_bytes(t) for t in kept.tables.values()))
+    elif _inline(config):
         kept = read_step(store, round_index, prefix, expect)
     else:
         full = read_step(store, round_index, store_prefix(config, run_id, "capture"), expect)
@@ -441,7 +459,7 @@ def compaction(
             compaction_ratio=kept.nbytes / full.nbytes,
             compaction_fidelity=report.total["fidelity"],
         )
-    elements = sum(t.codes.shape[0] * t.width for t in kept.tables.values())
+    elements = sum(len(t.traj) * t.width for t in kept.tables.values())
     layers = sorted({layer for layer, _ in kept.tables})
     stats.update(
         layers=layers,
@@ -451,9 +469,77 @@ def compaction(
     )
     sites = tuple(sorted({site for _, site in kept.tables}))
     guided = replace(
-        ref, store_uri=config.store.uri, prefix=prefix, bits=config.guidance.bits, layers=tuple(layers), sites=sites
+        ref,
+        store_uri=config.store.uri,
+        prefix=prefix,
+        codec=config.guidance.codec,
+        bits=config.guidance.bits,
+        layers=tuple(layers),
+        sites=sites,
     )
     return guided, stats
+
+
+def export_policy(config: RunConfig, policy: Path, out: Path) -> dict:
+    """The policy for serving (compressed-tensors, in ``rollout.fmt``), quantized
+    as this run's rollout quantizes it: its dtype, device and calibration seed."""
+    device = step_device(config)
+    return export(
+        policy,
+        out,
+        config.rollout.fmt,
+        rollout_dtype=compute_dtype(config),
+        device=device,
+        calibration_seed=config.seed,
+    )
+
+
+def _syndrome_step(config: RunConfig, store, round_index: int, header: dict, run_id: str) -> CaptureRecords:
+    """Encode the round's capture (inline: R-1 of the selected layers; offline:
+    full) with the syndrome codec at rates chosen from the previous round's
+    decode statistics, and write it as the round's guidance; the rates and the
+    statistics they came from go into the manifest."""
+    expect = {"run_id": run_id, "policy_version": header["policy_version"]}
+    captured = read_step(store, round_index, store_prefix(config, run_id, "capture"), expect)
+    chosen = select_layers(config.guidance.layers, sorted({layer for layer, _ in captured.tables}))
+    kept = {key: t for key, t in captured.tables.items() if key[0] in chosen}
+    previous = read_decode_stats(store, store_prefix(config, run_id, "guidance"), round_index - 1)
+    rates = choose_rates(sorted(kept), previous, first_rate(config.guidance.syndrome_rate))
+    coded = CaptureRecords({key: encode_table(t, rates[key]) for key, t in kept.items()})
+    syndrome = {
+        "rates": {f"{layer}/{site}": [r.code_bits, r.scale_bits] for (layer, site), r in sorted(rates.items())},
+        "first_rate": config.guidance.syndrome_rate,
+        "previous_decode": previous,
+    }
+    write_step(
+        store,
+        coded,
+        rl_step=round_index,
+        policy_version=header["policy_version"],
+        top_k=header["top_k"],
+        prefix=store_prefix(config, run_id, "guidance"),
+        trajectories_per_shard=config.guidance.trajectories_per_shard,
+        run_id=run_id,
+        syndrome=syndrome,
+    )
+    return coded
+
+
+def read_decode_stats(store, prefix: str, rl_step: int) -> dict | None:
+    """A step's decode statistics (written by its training), or None where
+    there are none (the first step of a run)."""
+    key = f"{step_prefix(prefix, rl_step)}/{DECODE_FILE}"
+    try:
+        data = store.get_bytes(key)
+    except ArtifactNotFound:
+        return None
+    try:
+        stats = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise GuidanceError(f"{store.uri}/{key}: not decode statistics (unreadable JSON: {e})") from None
+    if not isinstance(stats, dict):
+        raise GuidanceError(f"{store.uri}/{key}: not decode statistics (a JSON {type(stats).__name__})")
+    return stats
 
 
 def _restrict(records: CaptureRecords, trajectories: torch.Tensor) -> CaptureRecords:
@@ -463,15 +549,18 @@ def _restrict(records: CaptureRecords, trajectories: torch.Tensor) -> CaptureRec
 def train(
     config: RunConfig,
     policy: Path,
+    state: Path,
     trajectories_file: Path,
     guidance: GuidanceRef,
     out: Path,
+    out_state: Path,
     run_id: str = "",
     round_stats: dict | None = None,
     open_trainer=Trainer.from_checkpoint,
 ) -> list[dict]:
     """``steps_per_round`` guided QAT steps over the round's trajectories, each
-    an RL step (the schedule: docs/training.md); the new policy goes to ``out``.
+    an RL step (the schedule: docs/training.md), resuming from ``policy`` and its
+    trainer ``state``; the new policy goes to ``out``, its state to ``out_state``.
     The training path quantizes with the rollout's numerics from ``guidance``,
     which must come from this run and the policy version being trained. One
     history row per step; the round's rollout and compaction figures
@@ -483,7 +572,8 @@ def train(
     round_index = guidance.rl_step
     header, trajectories, batch = read_trajectories(trajectories_file, run_id, round_index)
     tokenizer = load_tokenizer(policy)
-    trainer = open_trainer(policy, train_config(config), guidance.quant, guidance.scales(), device)
+    # the state is refused unless it is this run's and was saved with this very policy folder
+    trainer = open_trainer(policy, state, train_config(config), guidance.quant, guidance.scales(), device, run_id)
     version = trainer.step - len(trainer.history)  # the policy version the round trains
     guidance.check(run_id, version)
     if header["policy_version"] != version:
@@ -501,16 +591,13 @@ def train(
             {"run_id": run_id, "policy_version": header["policy_version"]},
         )
     per_step = config.rollout.prompts_per_step * config.rollout.group_size
-    history = list(trainer.history)
+    history, decoded = list(trainer.history), {}
     for s in range(len(history), config.rl.steps_per_round):
         start = time.perf_counter()
         part = slice(s * per_step, (s + 1) * per_step)
         step_trajectories, step_problems = trajectories[part], batch[part]
         rewards = torch.tensor(
-            [
-                get_task(p.task).reward(p, decode(tokenizer, t.response))
-                for t, p in zip(step_trajectories, step_problems)
-            ]
+            [get_task(p.task).reward(p, tokenizer.decode(t.response)) for t, p in zip(step_trajectories, step_problems)]
         )
         loader = None
         if config.method == "trace":
@@ -528,6 +615,8 @@ def train(
             step_trajectories, group_advantages(rewards, config.rollout.group_size), loader, measured
         )
         stats["train_seconds"] = time.perf_counter() - start - stats["reload_seconds"]
+        for key, found in stats.pop("guidance_decode").items():
+            decoded[key] = merge_decode_json(decoded.get(key), found)
         lengths = torch.tensor([len(t.response) for t in step_trajectories], dtype=torch.float32)
         rollout_lp = torch.tensor([lp for t in step_trajectories for lp in t.logprobs])
         history.append(
@@ -545,16 +634,27 @@ def train(
             }
         )
         trainer.step_done(history)
-    trainer.save(out, extra={FILENAME: tokenizer.to_str().encode()}, run_id=run_id)
+    if decoded:  # the next round's compaction chooses its syndrome rates from these
+        store.put_bytes(f"{step_prefix(guidance.prefix, round_index)}/{DECODE_FILE}", json.dumps(decoded).encode())
+    trainer.save(out, out_state, extra=tokenizer.files(), run_id=run_id)
     return history
 
 
 def run_round(
-    config: RunConfig, policy: Path, round_index: int, out: Path, workdir: Path, run_id: str = ""
+    config: RunConfig,
+    policy: Path,
+    state: Path,
+    round_index: int,
+    out: Path,
+    out_state: Path,
+    workdir: Path,
+    run_id: str = "",
 ) -> list[dict]:
     """One round in one process, through the same three steps the pipeline runs
-    as components: rollout -> compaction -> guided QAT, the new policy to ``out``."""
+    as components: rollout -> compaction -> guided QAT from ``policy`` and its
+    trainer ``state``; the new policy to ``out``, its state to ``out_state``."""
     trajectories = Path(workdir) / f"trajectories-{round_index}.jsonl"
     rollout_stats = rollout(config, policy, round_index, trajectories, run_id)
     guidance, compaction_stats = compaction(config, policy, trajectories, round_index, run_id)
-    return train(config, policy, trajectories, guidance, out, run_id, {**rollout_stats, **compaction_stats})
+    stats = {**rollout_stats, **compaction_stats}
+    return train(config, policy, state, trajectories, guidance, out, out_state, run_id, stats)

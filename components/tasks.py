@@ -9,7 +9,8 @@ Three families, each with difficulty 1 (easiest) to 5 and seeded generation:
   in the language of :mod:`.interpreter` (difficulty: stages, value range).
 
 A response is read up to the first newline (:data:`END`, the end marker a
-policy learns from :func:`format_target`); its reward is 1.0 when correct and
+policy with a plain tokenizer learns to write after its answer, see
+:meth:`.tokenizer.PolicyTokenizer.encode_answer`); its reward is 1.0 when correct and
 0.0 for anything else, garbage included, never an exception. Answers are
 checked by small parsers here and in :mod:`.interpreter`, never by Python's
 ``eval``.
@@ -56,11 +57,6 @@ class Task(Protocol):
 def format_example(problem: Problem) -> str:
     """What the policy is given."""
     return problem.prompt
-
-
-def format_target(problem: Problem) -> str:
-    """What a supervised bootstrap teaches it to write: the answer, then the end marker."""
-    return problem.answer + END
 
 
 def _answer_text(response: str) -> str:

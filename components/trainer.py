@@ -3,8 +3,9 @@
 ``Trainer`` holds the float32 master weights and AdamW, runs the training
 path in the compute dtype (BF16 autocast) with the method's fake quantization,
 accumulates gradients over microbatches (guidance reloaded per microbatch),
-and saves checkpoints in the Hugging Face layout, atomically, with the
-optimizer state beside them so that a run resumes. It quantizes from the
+and saves two artifacts, each atomically: the policy as a clean Hugging Face
+checkpoint, and the trainer state (optimizer moments, step) that resumes it
+(:mod:`.trainer_state`). It quantizes from the
 rollout's numerics (quantization config and static global scales, carried by
 the guidance artifact), never from a rollout engine. It computes on the
 device of the model it is given; what it saves are CPU tensors. The loop
@@ -12,14 +13,11 @@ itself is :func:`tracefp4.components.steps.run_round`.
 """
 
 import copy
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 from torch import Tensor
 
 from .capture import Capture, CaptureConfig, CaptureRecords, TokenMap
@@ -31,10 +29,11 @@ from .qat import TrainingSites
 from .quant import QuantConfig
 from .rl import SequenceBatch, alignment_metrics, grpo_loss, score_centering, stack_rows, token_logprobs
 from .rollout import Trajectory
+from .syndrome import DecodeStats, decode_summary
+from .trainer_state import load_state, save_state
 
-OPTIMIZER_FILE = "optimizer.safetensors"
 SCORE_CENTERING_TOPK = 8  # sampler tokens score centering looks at
-STATE_FILE = "trainer_state.json"
+OPTIMIZER_PREFIX = "optimizer."  # trainer-state tensors of the optimizer: optimizer.{param index}.{name}
 
 
 @dataclass(frozen=True)
@@ -135,6 +134,7 @@ class Trainer:
         adv = dict(zip((t.id for t in trajectories), advantages.tolist()))
         stats, alignment, grad_norms, tally = {}, [], [], MismatchTally()
         guided = captured = 0
+        decode: dict = {}  # (layer, site) -> DecodeStats of syndrome-coded guidance
         reload_s = 0.0
         self.optimizer.zero_grad(set_to_none=True)
         for index, batch in batches.items():
@@ -154,6 +154,8 @@ class Trainer:
             alignment.append((index, logprobs.detach(), batch.rollout_logprobs, batch.response))
             guided += sum(sites.coverage.guided.values())
             captured += sum(sites.coverage.total.values())
+            for key, found in sites.coverage.decode.items():
+                decode.setdefault(key, DecodeStats(found.rate)).merge(found)
             if last_owned[index // group] == index:
                 grad_norms.append(self._optimizer_step())
         self.step += 1
@@ -167,6 +169,7 @@ class Trainer:
             optimizer_steps=len(grad_norms),
             reload_seconds=max(self.all_gather(reload_s)),
             guidance_coverage=guided / captured if captured else 0.0,
+            **decode_summary(decode),
         )
         if rollout_records is not None:
             stats.update(MismatchTally.merged(self.all_gather(tally)).summary())
@@ -261,58 +264,53 @@ class Trainer:
         )  # the positions the rollout fed
         return capture
 
-    def save(self, path, extra: dict[str, bytes] | None = None, run_id: str = "") -> Path:
-        """Checkpoint: the model in the Hub layout plus optimizer, step (the
-        policy version), the run that trained it and ``extra`` files, all-or-nothing."""
-        return save_model(
-            self.model, path, extra={**self.state_files(self.optimizer.state_dict(), run_id), **(extra or {})}
-        )
+    def save(self, policy, state, extra: dict[str, bytes] | None = None, run_id: str = "") -> tuple[Path, Path]:
+        """The policy at ``policy`` (Hub layout, ``extra`` files beside it, the run
+        and policy version in its manifest) and the trainer state that resumes it
+        at ``state``, pinned to that policy; each all-or-nothing."""
+        return self.write(self.model, self.optimizer.state_dict(), policy, state, extra, run_id)
 
-    def state_files(self, optimizer_state: dict, run_id: str) -> dict[str, bytes]:
-        """The files beside the weights: the optimizer's ``state_dict()``
-        (parameters by index), the step and the run id."""
-        state = optimizer_state["state"]
-        tensors = {f"{i}.{name}": t for i, s in state.items() for name, t in s.items()}
-        meta = {"step": self.step, "run_id": run_id, "param_groups": optimizer_state["param_groups"]}
-        return {
-            OPTIMIZER_FILE: save_tensors({k: v.contiguous().cpu() for k, v in tensors.items()}),
-            STATE_FILE: json.dumps(meta).encode(),
-        }
+    def write(
+        self, model: Transformer, optimizer: dict, policy, state, extra: dict[str, bytes] | None, run_id: str
+    ) -> tuple[Path, Path]:
+        """:meth:`save` for ``model`` and an optimizer ``state_dict()`` (parameters
+        by index) held apart from this trainer (a distributed one gathers them)."""
+        provenance = {"run_id": run_id, "policy_version": self.step}
+        policy = save_model(model, policy, extra=extra, provenance=provenance)
+        tensors = {f"{OPTIMIZER_PREFIX}{i}.{name}": t for i, s in optimizer["state"].items() for name, t in s.items()}
+        meta = {**provenance, "param_groups": optimizer["param_groups"]}
+        return policy, save_state(state, tensors, meta, policy)
 
     @classmethod
     def from_checkpoint(
-        cls, path, config: TrainConfig, quant: QuantConfig, global_scales: dict, device: str | torch.device = "cpu"
+        cls,
+        policy,
+        state,
+        config: TrainConfig,
+        quant: QuantConfig,
+        global_scales: dict,
+        device: str | torch.device = "cpu",
+        run_id: str = "",
     ) -> "Trainer":
-        """A trainer on ``device`` resumed from a checkpoint written by :meth:`save`
-        (the weights read once; the optimizer state follows them to the device)."""
-        trainer = cls(load_model(path, device=device), config, quant, global_scales)
-        trainer._load_optimizer(Path(path))
+        """A trainer on ``device`` resumed from the policy and trainer state
+        :meth:`save` wrote (the state refused unless it is run ``run_id``'s and
+        was saved with that policy; the optimizer state follows the weights to the device)."""
+        tensors, meta = load_state(state, policy, run_id)
+        trainer = cls(load_model(policy, device=device), config, quant, global_scales)
+        trainer.load_optimizer_state(optimizer_state(tensors, meta))
+        trainer.step = meta["policy_version"]
         return trainer
 
-    def _load_optimizer(self, folder: Path) -> None:
-        self.load_optimizer_state(read_optimizer(folder))
-        self.step = read_state(folder)["step"]
-
     def load_optimizer_state(self, state: dict) -> None:
-        """Load an optimizer ``state_dict()`` (parameters by index) as :func:`read_optimizer` reads it."""
+        """Load an optimizer ``state_dict()`` (parameters by index) as :func:`optimizer_state` reads it."""
         self.optimizer.load_state_dict(state)
 
 
-def read_optimizer(folder) -> dict:
-    """A trainer checkpoint's optimizer ``state_dict()`` (parameters by index)."""
-    folder = Path(folder)
-    tensors = load_tensors((folder / OPTIMIZER_FILE).read_bytes())
-    state: dict[int, dict] = {}
+def optimizer_state(tensors: dict[str, Tensor], meta: dict) -> dict:
+    """The optimizer ``state_dict()`` (parameters by index) in a trainer state's tensors and metadata."""
+    moments: dict[int, dict] = {}
     for key, t in tensors.items():
-        i, name = key.split(".", 1)
-        state.setdefault(int(i), {})[name] = t
-    return {"state": state, "param_groups": read_state(folder)["param_groups"]}
-
-
-def read_state(folder) -> dict:
-    """A trainer checkpoint's ``step`` (its policy version), ``run_id`` and optimizer groups."""
-    path = Path(folder) / STATE_FILE
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: missing, so {folder} is not a trainer checkpoint") from None
+        if key.startswith(OPTIMIZER_PREFIX):
+            i, name = key.removeprefix(OPTIMIZER_PREFIX).split(".", 1)
+            moments.setdefault(int(i), {})[name] = t
+    return {"state": moments, "param_groups": meta["param_groups"]}

@@ -4,7 +4,8 @@ guided rounding and the guidance codec.
 Layout follows torchao's mx_formats: :mod:`.formats` holds spec constants,
 :mod:`.reference` the plain-torch reference (the CPU path), and
 :mod:`.triton_kernels` the CUDA path, tested bit for bit against the
-reference. :mod:`.fp4` is the API re-exported here, with the spec constants
+reference; :mod:`.syndrome` codes guidance bits as parity bits decoded with
+side information. :mod:`.fp4` is the API re-exported here, with the spec constants
 and the few reference building blocks code outside this package needs (so that
 it never imports :mod:`.reference` or :mod:`.formats` itself): the NVFP4
 global and block scales, E2M1 encoding and nibble packing.
@@ -35,6 +36,7 @@ from .fp4 import (
     unpack_codes,
 )
 from .reference import e2m1_encode, nvfp4_global_scale, nvfp4_scales, pack_nibbles, unpack_nibbles
+from .syndrome import MAX_ERASURES, code_side_info, parity_matrix, scale_side_info, solve_erasures, syndrome
 
 __all__ = [
     "E2M1_MAX",
@@ -44,11 +46,13 @@ __all__ = [
     "FORMATS",
     "GUIDANCE_BITS",
     "HAS_TRITON",
+    "MAX_ERASURES",
     "MXFP4",
     "NVFP4",
     "FP4Format",
     "FP4Tensor",
     "Guidance",
+    "code_side_info",
     "code_values",
     "compact_codes",
     "dequantize",
@@ -59,7 +63,11 @@ __all__ = [
     "nvfp4_global_scale",
     "nvfp4_scales",
     "pack_nibbles",
+    "parity_matrix",
     "quantize",
+    "scale_side_info",
+    "solve_erasures",
+    "syndrome",
     "unpack_codes",
     "unpack_nibbles",
 ]

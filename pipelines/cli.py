@@ -1,7 +1,8 @@
 """The ``tracefp4`` command: run the pipeline here, bootstrap a base policy,
-compile the pipeline for a cluster and submit it, export the config's JSON
-Schema and the Grafana dashboards, list presets, show a run's report, delete a
-run's metrics from a Pushgateway."""
+export a policy for serving (compressed-tensors NVFP4 / MXFP4), compile the
+pipeline for a cluster and submit it, write the config's JSON Schema and the
+Grafana dashboards, list presets, show a run's report, delete a run's metrics
+from a Pushgateway."""
 
 import sys
 from pathlib import Path
@@ -101,6 +102,51 @@ def bootstrap(preset, config_file, output):
     click.echo(
         f"{output}: {stats['bootstrap_steps']} SFT steps in {stats['bootstrap_seconds']:.0f} s, "
         f"greedy test accuracy {stats['bootstrap_accuracy']:.1%}"
+    )
+
+
+@main.command()
+@click.option(
+    "--format",
+    "fmt",
+    default="nvfp4",
+    show_default=True,
+    help="nvfp4 (nvfp4-pack-quantized) or mxfp4 (mxfp4-pack-quantized).",
+)
+@click.option(
+    "--rollout-dtype",
+    type=click.Choice(["bfloat16", "float32"]),
+    default="bfloat16",
+    show_default=True,
+    help="The dtype the run's rollout computed in (its model.dtype): the weights are quantized from it.",
+)
+@click.option(
+    "--calibration-seed",
+    type=int,
+    default=0,
+    show_default=True,
+    help="The run's seed: the rollout calibrates its static activation scales on a batch drawn with it.",
+)
+@click.option("--device", default="cpu", show_default=True, help="Device of the calibration (the rollout's).")
+@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("dst", type=click.Path(file_okay=False))
+def export(fmt, rollout_dtype, calibration_seed, device, src, dst):
+    """Write the policy folder SRC as a compressed-tensors checkpoint at DST for vLLM / SGLang:
+    routed experts FP4 as the rollout quantized them, everything else BF16."""
+    import torch
+
+    from tracefp4.components.export import export as export_policy
+
+    try:
+        stats = export_policy(
+            src, dst, fmt, rollout_dtype=getattr(torch, rollout_dtype), device=device, calibration_seed=calibration_seed
+        )
+    except ValueError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(
+        f"{dst}: {stats['format']}, {stats['expert_matrices']} expert matrices in {stats['expert_bytes']} bytes "
+        f"({stats['expert_bytes_bf16']} in BF16); {stats['inexact_matrices']} of them dequantize one BF16 ulp "
+        "off the rollout's values at exact ties (docs/export.md)"
     )
 
 

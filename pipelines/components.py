@@ -8,7 +8,7 @@ comes from the run config, so the components are made per image by
 from dataclasses import dataclass
 
 from kfp import dsl
-from kfp.dsl import HTML, Dataset, Input, Markdown, Metrics, Model, Output
+from kfp.dsl import HTML, Artifact, Dataset, Input, Markdown, Metrics, Model, Output
 
 
 class Guidance(dsl.Artifact):
@@ -27,13 +27,15 @@ def prepare(
     run_id: str,
     job_id: str,
     policy: Output[Model],
+    trainer_state: Output[Artifact],
     history: Output[Dataset],
     metrics: Output[Metrics],
 ) -> str:
-    """The initial policy and tokenizer (bootstrapped when configured); an empty
-    training history. Returns the run id every later step checks its inputs
-    against: ``run_id`` when given (a local run's, stable across resumes), else
-    KFP's job id."""
+    """The initial policy and tokenizer (bootstrapped when configured), a clean
+    Hugging Face folder; its trainer state (a fresh optimizer, policy version 0),
+    a separate artifact that only train reads; an empty training history.
+    Returns the run id every later step checks its inputs against: ``run_id``
+    when given (a local run's, stable across resumes), else KFP's job id."""
     from tracefp4.components import metrics as run_metrics
     from tracefp4.components import steps
     from tracefp4.pipelines.resume import write_metrics
@@ -41,7 +43,7 @@ def prepare(
 
     config = RunConfig.model_validate_json(config_json)
     run_id = run_id or job_id
-    stats = steps.prepare(config, policy.path, run_id)
+    stats = steps.prepare(config, policy.path, run_id, trainer_state.path)
     open(history.path, "w").close()
     for key, value in stats.items():
         metrics.log_metric(key, value)
@@ -134,16 +136,20 @@ def train(
     config_json: str,
     run_id: str,
     policy: Input[Model],
+    trainer_state: Input[Artifact],
     trajectories: Input[Dataset],
     guidance: Input[Guidance],
     previous: Input[Dataset],
     new_policy: Output[Model],
+    new_trainer_state: Output[Artifact],
     history: Output[Dataset],
     metrics: Output[Metrics],
 ):
     """Guided QAT over the round's trajectories, quantizing with the guidance's
-    numerics; appends to the history. One process trains here; more run under
-    torchrun beside this step or as a Kubeflow Trainer TrainJob (``train.launcher``)."""
+    numerics, resumed from the policy and its trainer state (refused unless this
+    run saved them together); the new policy and its state; appends to the
+    history. One process trains here; more run under torchrun beside this step
+    or as a Kubeflow Trainer TrainJob (``train.launcher``)."""
     import json
     import shutil
 
@@ -158,12 +164,30 @@ def train(
         ref = GuidanceRef.from_json(f.read(), guidance.uri)
     round_stats = {**trajectories.metadata, **guidance.metadata}
     if config.train.world_size == 1:
-        rows = steps.train(config, policy.path, trajectories.path, ref, new_policy.path, run_id, round_stats)
+        rows = steps.train(
+            config,
+            policy.path,
+            trainer_state.path,
+            trajectories.path,
+            ref,
+            new_policy.path,
+            new_trainer_state.path,
+            run_id,
+            round_stats,
+        )
     else:  # torchrun or a TrainJob (train.launcher)
         from tracefp4.pipelines.trainjob import distributed_train
 
         rows = distributed_train(
-            config, policy.path, trajectories.path, guidance.path, new_policy.path, run_id, round_stats
+            config,
+            policy.path,
+            trainer_state.path,
+            trajectories.path,
+            guidance.path,
+            new_policy.path,
+            new_trainer_state.path,
+            run_id,
+            round_stats,
         )
     shutil.copyfile(previous.path, history.path)
     with open(history.path, "a") as f:
@@ -173,6 +197,18 @@ def train(
         metrics.log_metric(key, rows[-1][key])
     write_metrics(metrics)
     run_metrics.publish(config, run_id, "train", ref.rl_step, rows)
+
+
+def export(config_json: str, policy: Input[Model], exported: Output[Model]):
+    """The final policy for serving: a compressed-tensors FP4 checkpoint (routed
+    experts as the rollout quantized them, with its static activation scales;
+    the rest BF16) that vLLM and SGLang load."""
+    from tracefp4.components import steps
+    from tracefp4.schemas import RunConfig
+
+    config = RunConfig.model_validate_json(config_json)
+    stats = steps.export_policy(config, policy.path, exported.path)
+    exported.metadata.update({k: v for k, v in stats.items() if k != "input_global_scales"})
 
 
 def evaluate(
@@ -251,6 +287,7 @@ class Components:
     gather: object
     compaction: object
     train: object
+    export: object
     evaluate: object
     report: object
     compare: object
@@ -259,5 +296,5 @@ class Components:
 def make_components(image: str) -> Components:
     """The components, built on ``image`` (which holds tracefp4 and its dependencies)."""
     make = dsl.component(base_image=image, install_kfp_package=False)
-    functions = (prepare, rollout, rollout_workers, gather, compaction, train, evaluate, report, compare)
+    functions = (prepare, rollout, rollout_workers, gather, compaction, train, export, evaluate, report, compare)
     return Components(*(make(f) for f in functions))

@@ -241,7 +241,12 @@ def _rows() -> list[tuple[str, list]]:
                     per_round(sel("tracefp4_train_rollout_logprob_abs_diff"), ("stat",)),
                 ),
                 _rounds("KL(rollout || train) per token", "none", per_round(sel("tracefp4_train_rollout_kl"))),
-                _rounds("Guidance coverage", "percentunit", per_round(sel("tracefp4_guidance_coverage_ratio"))),
+                _rounds(
+                    "Guidance coverage and syndrome decode failures",
+                    "percentunit",
+                    per_round(sel("tracefp4_guidance_coverage_ratio"), figure="coverage"),
+                    per_round(sel("tracefp4_guidance_decode_failure_ratio"), figure="decode failures"),
+                ),
                 _bars(
                     "Code mismatch over all layers, mean relative excess MSE over layers",
                     "percentunit",

@@ -80,13 +80,13 @@ def localize(config: RunConfig, output: Path) -> RunConfig:
 
 def task_count(config: RunConfig, methods: list[str] | None = None) -> int:
     """Tasks of the DAG: configure; prepare, 3 per round (with N rollout
-    workers N + 4: the workers' list, N rollouts, gather), evaluate, report;
-    per method (its own configure) and one collecting report for a comparison."""
+    workers N + 4: the workers' list, N rollouts, gather), export, evaluate,
+    report; per method (its own configure) and one collecting report for a comparison."""
     workers = config.rollout.workers
     per_round = 3 if workers == 1 else workers + 4
     if methods:
-        return 1 + len(methods) * (per_round * config.rl.rounds + 4) + 1
-    return 1 + per_round * config.rl.rounds + 3
+        return 1 + len(methods) * (per_round * config.rl.rounds + 5) + 1
+    return 1 + per_round * config.rl.rounds + 4
 
 
 def progress_state(text: str) -> tuple[int, str | None, tuple[int, int] | None]:

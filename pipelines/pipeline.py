@@ -1,6 +1,7 @@
 """The DAG, built from a validated run config and read as a picture:
 
     configure -> prepare -> R x (rollout -> compaction -> guided QAT) -> evaluate -> report
+                                                                      -> export (for serving)
 
 The run-time fields of the config are typed pipeline parameters
 (:mod:`.parameters`); ``configure`` merges them over the compiled config and
@@ -127,10 +128,12 @@ def build_pipeline(config: RunConfig, retries: bool = True):
 
 
 def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
-    """prepare -> R x (rollout -> compaction -> guided QAT) -> evaluate: (history, evaluation) artifacts."""
+    """prepare -> R x (rollout -> compaction -> guided QAT) -> evaluate, and the
+    final policy exported for serving: (history, evaluation) artifacts."""
     prep = configure(c.prepare(config_json=config_json, run_id=run_id, job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER))
     run_id = prep.outputs["Output"]  # resolved once; with the round and component, the key of the pushed metrics
     policy, history = prep.outputs["policy"], prep.outputs["history"]
+    state = prep.outputs["trainer_state"]  # optimizer and step: only train reads it
     for r in range(config.rl.rounds):
         trajectories = _rollout(c, configure, config, config_json, run_id, r, policy)
         guide = configure(
@@ -143,12 +146,15 @@ def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
                 config_json=config_json,
                 run_id=run_id,
                 policy=policy,
+                trainer_state=state,
                 trajectories=trajectories,
                 guidance=guide.outputs["guidance"],
                 previous=history,
             )
         )
         policy, history = step.outputs["new_policy"], step.outputs["history"]
+        state = step.outputs["new_trainer_state"]
+    configure(c.export(config_json=config_json, policy=policy))
     ev = configure(c.evaluate(config_json=config_json, run_id=run_id, policy=policy, initial=prep.outputs["policy"]))
     return history, ev.outputs["results"]
 

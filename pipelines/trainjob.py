@@ -43,20 +43,25 @@ SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/names
 def distributed_train(
     config: RunConfig,
     policy: str,
+    state: str,
     trajectories: str,
     guidance: str,
     out: str,
+    out_state: str,
     run_id: str,
     round_stats: dict,
 ) -> list[dict]:
     """The train step over ``train.nodes`` x ``train.processes_per_node``
-    processes, started as ``train.launcher`` says; the new policy goes to ``out``."""
+    processes, started as ``train.launcher`` says; the new policy goes to ``out``, its
+    trainer state to ``out_state``."""
     round_index = json.loads(Path(guidance).read_text())["rl_step"]
     if config.train.launcher == "torchrun":
         with tempfile.TemporaryDirectory(prefix="tracefp4-torchrun-") as work:
-            return torchrun(config, policy, trajectories, guidance, out, Path(work), run_id, round_stats)
+            return torchrun(
+                config, policy, state, trajectories, guidance, out, out_state, Path(work), run_id, round_stats
+            )
     return TrainJobRun(config, run_id, round_index, in_cluster_api()).run(
-        Path(policy), Path(trajectories), Path(guidance), Path(out), round_stats
+        Path(policy), Path(state), Path(trajectories), Path(guidance), Path(out), Path(out_state), round_stats
     )
 
 
@@ -145,17 +150,30 @@ class TrainJobRun:
     def uri(self, name: str) -> str:
         return f"{self.config.store.uri.rstrip('/')}/{self.prefix}/{name}"
 
-    def run(self, policy: Path, trajectories: Path, guidance: Path, out: Path, round_stats: dict, echo=print):
-        """The history rows; the new policy in ``out``. Raises :class:`DistributedError` with the TrainJob's reason."""
-        self.upload(policy, trajectories, guidance, round_stats)
+    def run(
+        self,
+        policy: Path,
+        state: Path,
+        trajectories: Path,
+        guidance: Path,
+        out: Path,
+        out_state: Path,
+        round_stats: dict,
+        echo=print,
+    ):
+        """The history rows; the new policy in ``out``, its trainer state in
+        ``out_state``. Raises :class:`DistributedError` with the TrainJob's reason."""
+        self.upload(policy, state, trajectories, guidance, round_stats)
         args = rank_arguments(
             self.uri("config.json"),
             self.uri("policy"),
+            self.uri("state"),
             self.uri("trajectories.jsonl"),
             self.uri("guidance.json"),
             self.uri("round_stats.json"),
             self.run_id,
             self.uri("new-policy"),
+            self.uri("new-state"),
             self.uri("history.json"),
         )
         self.create(trainjob(self.config, self.name, self.namespace, args), echo)
@@ -164,16 +182,18 @@ class TrainJobRun:
         finally:
             self.delete(echo)
         shutil.copytree(fetch(self.uri("new-policy")), out, dirs_exist_ok=True)
+        shutil.copytree(fetch(self.uri("new-state")), out_state, dirs_exist_ok=True)
         return json.loads(self.store.get_bytes(f"{self.prefix}/history.json"))
 
-    def upload(self, policy: Path, trajectories: Path, guidance: Path, round_stats: dict) -> None:
+    def upload(self, policy: Path, state: Path, trajectories: Path, guidance: Path, round_stats: dict) -> None:
         put = lambda name, data: self.store.put_bytes(f"{self.prefix}/{name}", data)  # noqa: E731
         put("config.json", self.config.model_dump_json().encode())
         put("round_stats.json", json.dumps(round_stats).encode())
         put("trajectories.jsonl", Path(trajectories).read_bytes())
         put("guidance.json", Path(guidance).read_bytes())
-        for f in sorted(Path(policy).iterdir(), key=lambda f: f.name == MANIFEST):  # the manifest last: complete
-            put(f"policy/{f.name}", f.read_bytes())
+        for name, folder in (("policy", policy), ("state", state)):
+            for f in sorted(Path(folder).iterdir(), key=lambda f: f.name == MANIFEST):  # the manifest last: complete
+                put(f"{name}/{f.name}", f.read_bytes())
 
     def create(self, body: dict, echo) -> None:
         """Create the TrainJob; one left by an earlier attempt of the step is deleted first."""

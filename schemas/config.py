@@ -111,8 +111,9 @@ class ModelConfig(_Section):
     checkpoint: str | None = Field(
         default=None,
         min_length=1,
-        description="Path or store URI (file://, s3://, minio://) of a Hugging Face qwen3_moe/qwen2_moe folder "
-        "(config.json + safetensors); exclusive with preset.",
+        description="Path or store URI (file://, s3://, minio://) of a Hugging Face qwen3_moe/qwen2_moe/"
+        "qwen3_5_moe folder (config.json, safetensors, tokenizer.json, tokenizer_config.json, optional "
+        "generation_config.json; docs/pipeline.md); exclusive with preset.",
     )
     dtype: Literal["bfloat16", "float32"] = Field(default="float32", description="Compute dtype of the rollout policy.")
     max_seq_len: int = Field(default=512, ge=8, le=1 << 20, description="Longest prompt + response, in tokens.")
@@ -179,6 +180,19 @@ class GuidanceConfig(_Section):
     )
     compaction: Literal["inline", "offline"] = Field(
         default="inline", description="Truncate codes during capture (inline) or after a full capture (offline)."
+    )
+    codec: Literal["bits", "syndrome"] = Field(
+        default="bits",
+        description="bits: the low bits of every code and the block scales as they are (R-kbit). syndrome: R-1 "
+        "guidance as parity bits the training side decodes with its own values, ~0.3 bit per element with scales "
+        "(docs/guidance-format.md); needs bits 1.",
+    )
+    syndrome_rate: float = Field(
+        default=0.25,
+        ge=0.0625,
+        le=0.3125,
+        description="syndrome codec: bits per captured element (scales included) of a run's first step; later "
+        "steps choose each layer's and site's rate from the previous step's decode statistics.",
     )
     trajectories_per_shard: int = Field(default=64, ge=1, le=65536, description="Trajectories per guidance shard file.")
     prefetch_microbatches: int = Field(default=2, ge=0, le=64, description="Microbatches of guidance loaded ahead.")
@@ -509,6 +523,11 @@ class RunConfig(_Section):
             problems.append(
                 f"rollout.workers: {self.rollout.workers} workers, but an RL step rolls out only {per_step} "
                 "responses (rollout.prompts_per_step x group_size): a worker would have none"
+            )
+        if self.guidance.codec == "syndrome" and self.guidance.bits != 1:
+            problems.append(
+                f"guidance.codec: syndrome sends R-1 guidance (the low code bit), so guidance.bits must be 1, "
+                f"got {self.guidance.bits}"
             )
         if self.rl.measure_mismatch and self.guidance.compaction != "offline":
             problems.append("rl.measure_mismatch: needs the rollout's full capture, so guidance.compaction offline")

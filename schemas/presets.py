@@ -1,11 +1,18 @@
 """Named starting points for a run; a config file or overrides refine one.
 
-`smoke` runs the whole DAG in tests in seconds, `tiny` is `make run` on a
-2-core CPU, and the two `paper-*` presets describe the paper's
-Qwen3.5-35B-A3B cluster setups (REFERENCE.md section 3). For those, the
-checkpoint URI, image and cluster resources are placeholders to adapt, and the
-RL hyperparameters the paper does not state are ours.
+`smoke` runs the whole DAG in tests in seconds, `tiny-qwen35` is the smoke
+run on the paper's model family (hybrid Gated DeltaNet + gated attention,
+Qwen3.5-MoE), `tiny` is `make run` on a 2-core CPU, and the two `paper-*`
+presets describe the paper's Qwen3.5-35B-A3B cluster setups (REFERENCE.md
+section 3). Their checkpoint is the Hugging Face folder as published, copied
+into the user's store: its special tokens and chat template come from its own
+tokenizer files at load time (docs/pipeline.md, "The policy's checkpoint
+folder"), so a preset names only the URI. The bucket, image and cluster
+resources are placeholders to adapt, and the RL hyperparameters the paper does
+not state are ours.
 """
+
+from tracefp4.components.model import QWEN35_35B_A3B
 
 from .config import RunConfig
 
@@ -24,6 +31,15 @@ def _smoke() -> RunConfig:
             "resources": {"cpu": "1", "memory": "2Gi"},
         }
     )
+
+
+def _tiny_qwen35() -> RunConfig:
+    # the smoke run on tiny-qwen35 (3 Gated DeltaNet layers, then 1 full-attention layer); R-1bit on the deeper two
+    # layers, so that guidance covers a linear-attention layer (expert sites only) and a full-attention one (+ KV)
+    config = _smoke().model_dump()
+    config |= {"name": "tiny-qwen35", "model": {"preset": "tiny-qwen35", "max_seq_len": 64}}
+    config["guidance"]["layers"] = 2
+    return RunConfig.model_validate(config)
 
 
 def _tiny() -> RunConfig:
@@ -56,7 +72,8 @@ def _tiny() -> RunConfig:
 
 
 def _paper(name: str, fmt: str, config: str) -> RunConfig:
-    # Qwen3.5-35B-A3B, 40 layers: R-1bit-L20 (the paper's default); 256 prompts x 16 = 4,096 trajectories a step.
+    # Qwen3.5-35B-A3B (components.model.QWEN35_35B_A3B, sources cited there), 40 layers: R-1bit-L20, the 20
+    # deepest (the paper's default); 256 prompts x 16 = 4,096 trajectories a step.
     return RunConfig.model_validate(
         {
             "name": name,
@@ -70,7 +87,12 @@ def _paper(name: str, fmt: str, config: str) -> RunConfig:
                 "prompts_per_step": 256,
                 "max_tokens_per_forward": 65536,
             },
-            "guidance": {"bits": 1, "layers": 20, "compaction": "inline", "trajectories_per_shard": 64},
+            "guidance": {
+                "bits": 1,
+                "layers": QWEN35_35B_A3B.num_layers // 2,
+                "compaction": "inline",
+                "trajectories_per_shard": 64,
+            },
             "method": "trace",
             "rl": {
                 "schedule": "off_policy",
@@ -103,6 +125,7 @@ def _paper(name: str, fmt: str, config: str) -> RunConfig:
 
 PRESETS: dict[str, RunConfig] = {
     "smoke": _smoke(),
+    "tiny-qwen35": _tiny_qwen35(),
     "tiny": _tiny(),
     "paper-nvfp4-wa-kv": _paper("paper-nvfp4-wa-kv", "nvfp4", "fp4_wa_kv"),
     "paper-w4a8-mxfp4-kv": _paper("paper-w4a8-mxfp4-kv", "mxfp4", "w4a8_mxfp4_kv"),

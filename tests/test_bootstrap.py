@@ -8,8 +8,8 @@ import torch
 
 from tracefp4.components.bootstrap import BootstrapConfig, accuracy, bootstrap, make_batch, sft_loss
 from tracefp4.components.model import build_model
-from tracefp4.components.tasks import format_example, format_target, split
-from tracefp4.components.tokenizer import PAD, build_tokenizer, decode, encode
+from tracefp4.components.tasks import format_example, split
+from tracefp4.components.tokenizer import BOS, PAD, build_tokenizer
 
 TOK = build_tokenizer()
 # smoke preset, arithmetic difficulty 1: 0.28-0.56 greedy test accuracy over six model/order seeds, ~7 s
@@ -35,11 +35,11 @@ def test_batch_marks_exactly_the_target():
     ]
     batch = make_batch(TOK, problems, max_len=128)
     for i, p in enumerate(problems):
-        prompt = encode(TOK, format_example(p), bos=True)
+        prompt = [BOS, *TOK.encode(format_example(p))]  # the character tokenizer's layout, unchanged
         n = int(batch.lengths[i])
         assert batch.tokens[i, : len(prompt)].tolist() == prompt  # what the engine is prompted with
         predicted = batch.tokens[i, 1:][batch.target[i]].tolist()  # tokens that carry loss
-        assert decode(TOK, predicted) == format_target(p) and predicted[-1] == encode(TOK, "\n")[0]
+        assert TOK.decode(predicted) == p.answer + "\n" and predicted[-1] == TOK.encode("\n")[0]
         assert batch.target[i].nonzero()[0].item() == len(prompt) - 1
         assert (batch.tokens[i, n:] == PAD).all() and not batch.target[i, n - 1 :].any()
 

@@ -2,18 +2,22 @@
 the s3_server plugin) into a local cache keyed by their checksums, verified
 before use, and loaded by the prepare step."""
 
+import io
 import json
 import logging
 import uuid
 
 import pytest
 import torch
+from chat_checkpoint import chat_checkpoint
 
 from tracefp4.components import steps
 from tracefp4.components.checkpoint import INDEX, MANIFEST, CheckpointError, fetch, load_model, save_model
 from tracefp4.components.model import build_model
 from tracefp4.components.store import S3Store
-from tracefp4.components.tokenizer import FILENAME, build_tokenizer, load_tokenizer
+from tracefp4.components.tasks import Problem, format_example
+from tracefp4.components.tokenizer import GENERATION_CONFIG, build_tokenizer, load_tokenizer
+from tracefp4.pipelines.local import run_local
 from tracefp4.schemas import load_config
 
 
@@ -39,7 +43,7 @@ def downloads(monkeypatch):
 
 def saved(tmp_path, seed=1, manifest=True):
     model = build_model("smoke", seed=seed)
-    extra = {FILENAME: build_tokenizer().to_str().encode()}
+    extra = build_tokenizer().files()
     folder = save_model(model, tmp_path / f"ckpt-{seed}", max_shard_bytes=100_000, extra=extra)
     if not manifest:
         (folder / MANIFEST).unlink()
@@ -77,7 +81,7 @@ def test_s3_checkpoint_loads_like_the_original_and_a_second_fetch_downloads_noth
     assert local.parent == cache and sorted(downloads) == sorted(p.name for p in folder.iterdir() if p.name != MANIFEST)
     assert sorted(p.name for p in local.iterdir()) == sorted(p.name for p in folder.iterdir())
     assert torch.equal(logits(load_model(local)), logits(model))
-    assert load_tokenizer(local).to_str() == build_tokenizer().to_str()
+    assert load_tokenizer(local).files() == build_tokenizer().files()
 
     downloads.clear()
     mtimes = {p.name: p.stat().st_mtime_ns for p in local.iterdir()}
@@ -156,4 +160,37 @@ def test_prepare_loads_an_s3_checkpoint(tmp_path, s3_env, cache):
     assert config.model.preset is None and config.model.checkpoint == uri
     steps.prepare(config, tmp_path / "p0", "run")
     assert torch.equal(logits(load_model(tmp_path / "p0")), logits(model))
-    assert load_tokenizer(tmp_path / "p0").to_str() == build_tokenizer().to_str()
+    assert load_tokenizer(tmp_path / "p0").files() == build_tokenizer().files()
+
+
+def test_the_smoke_pipeline_runs_from_an_s3_chat_checkpoint_and_stops_on_its_eos(tmp_path, s3_env, cache):
+    """A qwen3_moe checkpoint with a BPE tokenizer and a Qwen-style chat template,
+    from s3:// through the whole DAG: prompts are the template's rendering, a
+    response ends at the first eos it samples, and every saved policy carries
+    the tokenizer files."""
+    source = chat_checkpoint(tmp_path / "qwen")
+    tok = load_tokenizer(source)
+    # enough SFT for the policy to end some answers with <|im_end|> within the 8 new tokens
+    overrides = {"model.checkpoint": upload(s3_env, source), "bootstrap.steps": 40, "bootstrap.learning_rate": 1e-2}
+    config = load_config(None, preset="smoke", overrides=overrides)
+    run_local(config, tmp_path / "run", out=io.StringIO())
+    root = next((tmp_path / "run" / "pipeline_root").iterdir())
+    for policy in (root / "prepare" / "policy", root / "train" / "new_policy"):
+        assert load_tokenizer(policy).files() == tok.files()
+        generation = json.loads((policy / GENERATION_CONFIG).read_text())
+        assert generation["eos_token_id"] == list(tok.eos_ids) == [tok.end_id, tok.pad_id]
+    lines = (root / "rollout" / "trajectories").read_text().splitlines()
+    records = [json.loads(line) for line in lines[1:]]
+    assert len(records) == config.rollout.prompts_per_step * config.rollout.group_size
+    stopped = 0
+    for record in records:
+        t, problem = record["trajectory"], Problem(**record["problem"])
+        assert t["prompt"] == tok.encode_prompt(format_example(problem))
+        assert tok.hf.decode(t["prompt"]).startswith("<|im_start|>user\n")
+        eos_at = [i for i, token in enumerate(t["response"]) if token in tok.eos_ids]
+        if t["finish_reason"] == "stop":
+            assert eos_at == [len(t["response"]) - 1]  # ends at its first eos
+            stopped += 1
+        else:
+            assert not eos_at and len(t["response"]) == config.rollout.max_new_tokens
+    assert stopped > 0

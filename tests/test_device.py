@@ -11,10 +11,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from tracefp4.components import device, evaluation, steps
+from tracefp4.components.checkpoint import provenance
 from tracefp4.components.guidance import GuidanceRef
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import QuantConfig
-from tracefp4.components.trainer import OPTIMIZER_FILE, TrainConfig, Trainer, read_state
+from tracefp4.components.trainer import TrainConfig, Trainer
+from tracefp4.components.trainer_state import TENSORS
 from tracefp4.schemas import RunConfig, get_preset
 
 RUN = "run-d"
@@ -60,11 +62,13 @@ def test_every_step_fails_on_a_missing_gpu_before_any_work(tmp_path):
     missing = tmp_path / "missing"
     ref = GuidanceRef(RUN, 0, 0, QuantConfig(), {})
     calls = {
-        "prepare": lambda: steps.prepare(config, tmp_path / "out", RUN),
+        "prepare": lambda: steps.prepare(config, tmp_path / "out", RUN, tmp_path / "state"),
         "rollout": lambda: steps.rollout(config, missing, 0, tmp_path / "t.jsonl", RUN),
         "compaction": lambda: steps.compaction(config, missing, missing, 0, RUN),
-        "train": lambda: steps.train(config, missing, missing, ref, tmp_path / "out", RUN),
-        "run_round": lambda: steps.run_round(config, missing, 0, tmp_path / "out", tmp_path, RUN),
+        "train": lambda: steps.train(config, missing, missing, missing, ref, tmp_path / "out", tmp_path / "s", RUN),
+        "run_round": lambda: steps.run_round(
+            config, missing, missing, 0, tmp_path / "out", tmp_path / "s", tmp_path, RUN
+        ),
         "evaluate": lambda: evaluation.evaluate(config, missing, missing),
     }
     for call in calls.values():
@@ -75,14 +79,16 @@ def test_every_step_fails_on_a_missing_gpu_before_any_work(tmp_path):
 
 def test_a_round_on_the_cpu_writes_device_independent_artifacts(tmp_path):
     config = smoke(tmp_path, "cpu")
-    steps.prepare(config, tmp_path / "p0", RUN)
-    history = steps.run_round(config, tmp_path / "p0", 0, tmp_path / "p1", tmp_path, RUN)
-    assert history[0]["step"] == 1 and read_state(tmp_path / "p1")["step"] == 1
-    with safe_open(tmp_path / "p1" / OPTIMIZER_FILE, framework="pt") as f:
+    steps.prepare(config, tmp_path / "p0", RUN, tmp_path / "s0")
+    history = steps.run_round(
+        config, tmp_path / "p0", tmp_path / "s0", 0, tmp_path / "p1", tmp_path / "s1", tmp_path, RUN
+    )
+    assert history[0]["step"] == 1 and provenance(tmp_path / "p1")["policy_version"] == 1
+    with safe_open(tmp_path / "s1" / TENSORS, framework="pt") as f:
         assert f.keys() and all(f.get_tensor(k).device.type == "cpu" for k in f.keys())
     header = json.loads((tmp_path / "trajectories-0.jsonl").read_text().splitlines()[0])["header"]
     assert header["global_scales"] and all(isinstance(g, float) for g in header["global_scales"].values())
-    trainer = Trainer.from_checkpoint(tmp_path / "p1", TrainConfig(), QuantConfig(), {}, device="cpu")
+    trainer = Trainer.from_checkpoint(tmp_path / "p1", tmp_path / "s1", TrainConfig(), QuantConfig(), {}, "cpu", RUN)
     assert {t.device for s in trainer.optimizer.state.values() for t in s.values()} == {torch.device("cpu")}
     result = evaluation.evaluate(config, tmp_path / "p1")
     assert {row["rollout"] for row in result["accuracy"]} == set(config.evaluation.rollout_configs)

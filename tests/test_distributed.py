@@ -18,8 +18,9 @@ from tracefp4.components.distributed import DistributedError
 from tracefp4.components.launch import torchrun
 from tracefp4.components.store import open_store
 from tracefp4.components.tasks import END
-from tracefp4.components.tokenizer import decode, load_tokenizer
-from tracefp4.components.trainer import read_optimizer, read_state
+from tracefp4.components.tokenizer import load_tokenizer
+from tracefp4.components.trainer import optimizer_state
+from tracefp4.components.trainer_state import load_state
 from tracefp4.schemas import RunConfig, get_preset
 
 RUN = "run-dist"
@@ -41,7 +42,7 @@ def round_inputs(tmp_path_factory):
     """A prepared policy, round 0's trajectories and guidance (the store under the same folder)."""
     tmp = tmp_path_factory.mktemp("round")
     config = config_for(tmp)
-    steps.prepare(config, tmp / "policy-0", RUN)
+    steps.prepare(config, tmp / "policy-0", RUN, tmp / "state-0")
     steps.rollout(config, tmp / "policy-0", 0, tmp / "trajectories.jsonl", RUN)
     reward_first_of_each_group(tmp / "trajectories.jsonl", load_tokenizer(tmp / "policy-0"))
     ref, stats = steps.compaction(config, tmp / "policy-0", tmp / "trajectories.jsonl", 0, RUN)
@@ -55,20 +56,30 @@ def reward_first_of_each_group(path, tokenizer) -> None:
     lines = path.read_text().splitlines()
     for i in range(1, len(lines), 2):
         record = json.loads(lines[i])
-        record["problem"]["answer"] = decode(tokenizer, record["trajectory"]["response"]).partition(END)[0].strip()
+        record["problem"]["answer"] = tokenizer.decode(record["trajectory"]["response"]).partition(END)[0].strip()
         lines[i] = json.dumps(record)
     path.write_text("\n".join(lines) + "\n")
 
 
 def one_process(tmp, ref, stats):
     config = config_for(tmp)
-    return steps.train(config, tmp / "policy-0", tmp / "trajectories.jsonl", ref, tmp / "one", RUN, stats)
+    return steps.train(
+        config,
+        tmp / "policy-0",
+        tmp / "state-0",
+        tmp / "trajectories.jsonl",
+        ref,
+        tmp / "one",
+        tmp / "one-state",
+        RUN,
+        stats,
+    )
 
 
 def two_processes(tmp, stats, out, **kwargs):
     config = config_for(tmp, processes=2)
-    inputs = (tmp / "policy-0", tmp / "trajectories.jsonl", tmp / "guidance.json")
-    return torchrun(config, *inputs, out, tmp / f"work-{out.name}", RUN, stats, **kwargs)
+    inputs = (tmp / "policy-0", tmp / "state-0", tmp / "trajectories.jsonl", tmp / "guidance.json")
+    return torchrun(config, *inputs, out, tmp / f"{out.name}-state", tmp / f"work-{out.name}", RUN, stats, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +108,9 @@ def test_two_processes_train_what_one_does(round_inputs, both):
         moved += not torch.equal(p1[name], start[name])
     assert moved > len(p1) // 2  # the steps changed most tensors: the comparison is not of untouched weights
     # the consolidated checkpoint carries the optimizer state one process resumes from
-    assert read_state(tmp / "two")["step"] == 3
-    s1, s2 = read_optimizer(tmp / "one")["state"], read_optimizer(tmp / "two")["state"]
+    (t1, m1), (t2, m2) = (load_state(tmp / f"{n}-state", tmp / n, RUN) for n in ("one", "two"))
+    assert m2["policy_version"] == m1["policy_version"] == 3
+    s1, s2 = optimizer_state(t1, m1)["state"], optimizer_state(t2, m2)["state"]
     assert sorted(s1) == sorted(s2)
     for i in s1:
         torch.testing.assert_close(s2[i]["exp_avg_sq"], s1[i]["exp_avg_sq"], rtol=1e-4, atol=1e-12)
@@ -120,7 +132,7 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
     tmp, _, stats = round_inputs
     config = config_for(tmp, processes=2)  # the round's store (its guidance); no checkpoint left in it by now
     root = tmp / "store" / steps.store_prefix(config, RUN, "checkpoints") / "round-000000"
-    inputs = (tmp / "policy-0", tmp / "trajectories.jsonl", tmp / "guidance.json")
+    inputs = (tmp / "policy-0", tmp / "state-0", tmp / "trajectories.jsonl", tmp / "guidance.json")
 
     def interrupted(out):
         killed = []
@@ -134,13 +146,15 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
 
         threading.Thread(target=kill_after_step_2, daemon=True).start()
         with pytest.raises(DistributedError):
-            torchrun(config, *inputs, out, tmp_path / "work", RUN, stats, echo=lambda line: None)
+            torchrun(
+                config, *inputs, out, tmp_path / "out-state", tmp_path / "work", RUN, stats, echo=lambda line: None
+            )
         assert killed
         return sorted(p.parent.name for p in root.glob("*/.metadata"))  # complete checkpoints left
 
     def rerun(out):
         lines = []
-        rows = torchrun(config, *inputs, out, tmp_path / "work", RUN, stats, echo=lines.append)
+        rows = torchrun(config, *inputs, out, tmp_path / "out-state", tmp_path / "work", RUN, stats, echo=lines.append)
         for a, b in zip(both[1], rows):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-6)
         expected, got = load_model(tmp / "two").state_dict(), load_model(out).state_dict()
@@ -173,9 +187,18 @@ def test_a_killed_rank_fails_the_step_within_the_timeout(round_inputs, tmp_path)
 
     threading.Thread(target=kill_one_rank, daemon=True).start()
     start = time.monotonic()
-    inputs = (tmp / "policy-0", tmp / "trajectories.jsonl", tmp / "guidance.json")
+    inputs = (tmp / "policy-0", tmp / "state-0", tmp / "trajectories.jsonl", tmp / "guidance.json")
     with pytest.raises(DistributedError) as failed:
-        torchrun(config, *inputs, tmp_path / "out", tmp_path / "work", RUN, stats, echo=lambda line: None)
+        torchrun(
+            config,
+            *inputs,
+            tmp_path / "out",
+            tmp_path / "out-state",
+            tmp_path / "work",
+            RUN,
+            stats,
+            echo=lambda line: None,
+        )
     assert killed and time.monotonic() - start < config.train.timeout_seconds
     message = str(failed.value)
     assert "torchrun exit" in message and "rank" in message and "SIGKILL" in message, message

@@ -8,17 +8,17 @@ import yaml
 from click.testing import CliRunner
 from kfp import components
 
-from tracefp4.components.checkpoint import load_model
+from tracefp4.components.checkpoint import folder_digest, load_model, provenance
 from tracefp4.components.guidance import read_manifest
 from tracefp4.components.steps import store_prefix
 from tracefp4.components.store import open_store
-from tracefp4.components.trainer import read_state
+from tracefp4.components.trainer_state import read_meta
 from tracefp4.pipelines.cli import main
 from tracefp4.pipelines.local import localize, run_local
 from tracefp4.pipelines.pipeline import build_comparison_pipeline, compile_pipeline, pipeline_version
 from tracefp4.schemas import get_preset, load_config
 
-STEPS = ("prepare", "rollout", "compaction", "train", "evaluate", "report")
+STEPS = ("prepare", "rollout", "compaction", "train", "export", "evaluate", "report")
 RUN = "run-a"
 
 
@@ -44,14 +44,36 @@ def test_smoke_preset_runs_the_whole_dag(smoke_run):
     policy = load_model(root / "train" / "new_policy")
     assert policy.cfg.num_layers == 2 and (root / "train" / "new_policy" / "tokenizer.json").exists()
     store = open_store(localize(get_preset("smoke"), out).store.uri)
-    run_id = read_state(root / "train" / "new_policy")["run_id"]
-    assert run_id and read_state(root / "prepare" / "policy")["run_id"] == run_id
+    run_id = provenance(root / "train" / "new_policy")["run_id"]
+    assert run_id and provenance(root / "prepare" / "policy") == {"run_id": run_id, "policy_version": 0}
+    state = read_meta(root / "train" / "new_trainer_state")  # the optimizer travels beside the policy, not in it
+    assert (state["run_id"], state["policy_version"]) == (run_id, 1)
+    assert read_meta(root / "prepare" / "trainer_state")["policy_version"] == 0
     manifest = read_manifest(store, 0, store_prefix(get_preset("smoke"), run_id, "guidance"))
     assert manifest["bits"] == [1] and manifest["layers"] == [1]  # R-1bit on the deepest layer, as the preset says
     guidance = json.loads(
         (root / "compaction" / "guidance").read_text()
     )  # the artifact on the compaction -> train edge
     assert (guidance["run_id"], guidance["layers"], guidance["policy_version"]) == (run_id, [1], 0)
+    history = [json.loads(line) for line in (root / "train" / "history").read_text().splitlines()]
+    assert len(history) == 1 and history[0]["guidance_coverage"] > 0.9
+    exported = json.loads((root / "export" / "exported" / "config.json").read_text())  # the final policy, for serving
+    assert exported["quantization_config"]["format"] == "nvfp4-pack-quantized"
+    assert provenance(root / "export" / "exported")["exported_from"] == folder_digest(root / "train" / "new_policy")
+
+
+def test_tiny_qwen35_preset_runs_the_smoke_pipeline(tmp_path):
+    """The smoke DAG on the hybrid Qwen3.5-MoE model: FP4 rollout with its
+    recurrent states, guided training on a linear- and a full-attention layer,
+    evaluation, the report."""
+    config = get_preset("tiny-qwen35")
+    text = run_local(config, tmp_path).read_text()
+    assert "# tracefp4 run `tiny-qwen35`" in text and "| trace | trained | fp4_wa_kv |" in text
+    root = next((tmp_path / "pipeline_root").iterdir())
+    policy = load_model(root / "train" / "new_policy")
+    assert policy.cfg.model_type == "qwen3_5_moe" and policy.cfg.linear_layers == [0, 1, 2]
+    guidance = json.loads((root / "compaction" / "guidance").read_text())
+    assert guidance["layers"] == [2, 3]
     history = [json.loads(line) for line in (root / "train" / "history").read_text().splitlines()]
     assert len(history) == 1 and history[0]["guidance_coverage"] > 0.9
 
@@ -70,6 +92,7 @@ def test_compiled_yaml_names_every_component_and_parameter(tmp_path):
         "rollout-2",
         "compaction-2",
         "train-2",
+        "export",
         "evaluate",
         "report",
     }
@@ -191,8 +214,8 @@ def test_inline_compaction_writes_guidance_from_the_rollout(tmp_path):
     from tracefp4.components import steps
 
     config = localize(load_config(None, preset="smoke", overrides={"guidance.compaction": "inline"}), tmp_path)
-    policy, trajectories = tmp_path / "policy", tmp_path / "trajectories.jsonl"
-    assert steps.prepare(config, policy, RUN)["bootstrap_steps"] == 2
+    policy, state, trajectories = tmp_path / "policy", tmp_path / "state", tmp_path / "trajectories.jsonl"
+    assert steps.prepare(config, policy, RUN, state)["bootstrap_steps"] == 2
     rollout = steps.rollout(config, policy, 0, trajectories, RUN)
     assert rollout["rollout_tokens"] > 0 and 0 < rollout["capture_overhead_ratio"] < 1
     store = open_store(config.store.uri)
@@ -202,7 +225,9 @@ def test_inline_compaction_writes_guidance_from_the_rollout(tmp_path):
     ref, size = steps.compaction(config, policy, trajectories, 0, RUN)
     assert size["layers"] == [1] and size["guidance_bytes"] > 0 and size["capture_bytes"] is None
     assert size["guidance_bits_per_element"] > 1  # one bit per element, plus the block scales
-    rows = steps.train(config, policy, trajectories, ref, tmp_path / "next", RUN, {**rollout, **size})
+    rows = steps.train(
+        config, policy, state, trajectories, ref, tmp_path / "next", tmp_path / "s1", RUN, {**rollout, **size}
+    )
     assert rows[0]["guidance_coverage"] > 0.9 and rows[0]["rollout_tokens"] == rollout["rollout_tokens"]
 
 
@@ -211,12 +236,12 @@ def test_every_method_trains_through_the_steps(tmp_path, method):
     from tracefp4.components import steps
 
     config = localize(load_config(None, preset="smoke", overrides={"method": method}), tmp_path)
-    policy, trajectories = tmp_path / "policy", tmp_path / "trajectories.jsonl"
-    steps.prepare(config, policy, RUN)
+    policy, state, trajectories = tmp_path / "policy", tmp_path / "state", tmp_path / "trajectories.jsonl"
+    steps.prepare(config, policy, RUN, state)
     stats = steps.rollout(config, policy, 0, trajectories, RUN)
     ref, size = steps.compaction(config, policy, trajectories, 0, RUN)
     assert stats["capture_overhead_ratio"] is None and size["guidance_bytes"] is None and ref.prefix is None
-    (row,) = steps.train(config, policy, trajectories, ref, tmp_path / "next", RUN, stats)
+    (row,) = steps.train(config, policy, state, trajectories, ref, tmp_path / "next", tmp_path / "s1", RUN, stats)
     assert row["method"] == method and row["optimizer_steps"] == 1
 
 

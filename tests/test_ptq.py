@@ -181,9 +181,10 @@ def _tokens():
     return torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(0))
 
 
+@pytest.mark.parametrize("preset", ["smoke", "tiny-qwen35"])
 @pytest.mark.parametrize("method", ["nvfp4", "four_over_six", "h_scale"])
-def test_apply_ptq_touches_routed_experts_only(method):
-    model = build_model("smoke", seed=0)
+def test_apply_ptq_touches_routed_experts_only(method, preset):
+    model = build_model(preset, seed=0)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     apply_ptq(model, method, _tokens())
     expert = [n for n in before if ".experts." in n]
@@ -196,9 +197,9 @@ def test_apply_ptq_touches_routed_experts_only(method):
             assert torch.equal(p, before[n]), n
     tokens = _tokens()
     logits = model(tokens, torch.arange(16).expand(3, 16))
-    assert logits.shape == (3, 16, 256) and torch.isfinite(logits).all()
+    assert logits.shape == (3, 16, model.cfg.vocab_size) and torch.isfinite(logits).all()
     if method == "nvfp4":
-        ref = build_model("smoke", seed=0)
+        ref = build_model(preset, seed=0)
         quantize_expert_weights_(ref, "nvfp4")
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             assert torch.equal(p, q), n

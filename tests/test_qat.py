@@ -22,10 +22,11 @@ from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
 
 
-@pytest.fixture(scope="module")
-def step(tmp_path_factory):
-    """A rollout of the tiny preset with full capture, its guidance written and loaded back."""
-    engine = TorchEngine(build_model("tiny", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
+@pytest.fixture(scope="module", params=["tiny", "tiny-qwen35"])
+def step(tmp_path_factory, request):
+    """A rollout of the tiny preset (and of its hybrid Qwen3.5-MoE flavour)
+    with full capture, its guidance written and loaded back."""
+    engine = TorchEngine(build_model(request.param, seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (8,), generator=g).tolist() for _ in range(8)]
     out = engine.generate(prompts, SamplingParams(max_new_tokens=12, seed=0))
@@ -80,9 +81,10 @@ def test_trace_aligns_training_with_rollout_better_than_qat(step):
     assert trace[0]["k3_kl"] < qat[0]["k3_kl"]
 
 
+@pytest.mark.parametrize("preset", ["smoke", "tiny-qwen35"])
 @pytest.mark.parametrize("method", ["bf16", "qat", "quads", "trace"])
-def test_every_method_trains_through_fake_quantization(method, tmp_path):
-    model = build_model("smoke", seed=0)
+def test_every_method_trains_through_fake_quantization(method, preset, tmp_path):
+    model = build_model(preset, seed=0)
     smoke = TorchEngine(model, rollout_config("fp4_wa_kv"), capture=CaptureConfig())
     trajectories = smoke.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=4))
     store = open_store(str(tmp_path))
@@ -103,6 +105,9 @@ def test_every_method_trains_through_fake_quantization(method, tmp_path):
     grads = {n: p.grad for n, p in model.named_parameters()}
     assert grads["model.layers.0.mlp.experts.gate_up"].abs().sum() > 0  # straight through the FP4 weights
     assert all(g is not None for n, g in grads.items() if "layers" in n)
+    if model.cfg.linear_layers:  # through the chunked delta rule, the conv and the decay
+        for name in ("in_proj_qkv.weight", "conv1d.weight", "A_log", "dt_bias", "in_proj_b.weight"):
+            assert grads[f"model.layers.0.linear_attn.{name}"].abs().sum() > 0, name
 
 
 def test_methods_quantize_what_they_should():

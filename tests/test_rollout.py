@@ -135,3 +135,55 @@ def test_residual_activation_compensation_brings_fp4_closer_to_bf16(model):
         [[1, 2]], SamplingParams(max_new_tokens=2)
     )
     assert len(out[0].response) == 2
+
+
+@pytest.fixture(scope="module")
+def hybrid():
+    """Qwen3.5-MoE: 3 Gated DeltaNet layers and 1 gated full-attention layer."""
+    return build_model("tiny-qwen35", seed=0)
+
+
+def long_prompts(n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = [1, 3, 70, 90][:n]  # the long ones take two chunks of the chunked prefill
+    return [torch.randint(0, 512, (k,), generator=g).tolist() for k in lengths]
+
+
+@pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv"])
+def test_hybrid_prefill_and_decode_equal_a_full_forward(hybrid, config):
+    """Right-padded chunked prefill, then recurrent decode steps from each
+    sequence's conv and recurrent state, while finished rows leave the batch:
+    the logprobs are those of one full-sequence forward (fp32)."""
+    engine = TorchEngine(hybrid, rollout_config(config), dtype=torch.float32)
+    first = engine.generate(long_prompts(), SamplingParams(temperature=0, max_new_tokens=6))
+    stop = first[1].response[1]  # request 1 stops after two tokens: the batch shrinks mid-way
+    out = engine.generate(long_prompts(), SamplingParams(temperature=0, max_new_tokens=6, stop_tokens=(stop,)))
+    assert out[1].finish_reason == "stop" and any(t.finish_reason == "length" for t in out)
+    for traj in out:
+        expected = teacher_forced_logprobs(engine, traj)
+        assert torch.allclose(torch.tensor(traj.logprobs), expected, atol=1e-4), (traj.id, traj.logprobs, expected)
+
+
+def test_hybrid_state_is_constant_per_sequence_and_kv_only_on_full_attention(hybrid):
+    from tracefp4.components.rollout import KVCache
+
+    engine = TorchEngine(hybrid)
+    cfg = hybrid.cfg
+    assert engine.kv_bytes_per_token() == len(cfg.attention_layers) * 2 * cfg.num_kv_heads * cfg.head_dim * 2
+    short, long = (KVCache(cfg, 1, n, engine.sites, torch.bfloat16, "cpu") for n in (8, 4096))
+    assert short.state_bytes_per_sequence() == long.state_bytes_per_sequence() > 0
+    assert {layer for layer, _, _ in long.store} == set(cfg.attention_layers) == {3}
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_hybrid_fp4_rollout_captures_kv_of_full_attention_layers_only(hybrid, fmt):
+    from tracefp4.components.capture import CaptureConfig
+
+    engine = TorchEngine(hybrid, rollout_config("fp4_wa_kv", fmt), capture=CaptureConfig(bits=4))
+    out = engine.generate(long_prompts(3), SamplingParams(max_new_tokens=4, seed=1))
+    records = engine.drain_capture()
+    kv_layers = {layer for layer, site in records.tables if site in ("k_cache", "v_cache")}
+    moe_layers = {layer for layer, site in records.tables if site == "moe_in"}
+    assert kv_layers == {3} and moe_layers == {0, 1, 2, 3}
+    positions = sum(len(t.tokens) - 1 for t in out)
+    assert len(records.tables[(3, "k_cache")].traj) == positions

@@ -36,8 +36,8 @@ def literal_fields(model: type[pydantic.BaseModel], prefix: str = "") -> dict[st
 
 
 def _round(config: RunConfig, tmp_path):
-    steps.prepare(config, tmp_path / "p0", "run")
-    steps.run_round(config, tmp_path / "p0", 0, tmp_path / "p1", tmp_path, "run")
+    steps.prepare(config, tmp_path / "p0", "run", tmp_path / "s0")
+    steps.run_round(config, tmp_path / "p0", tmp_path / "s0", 0, tmp_path / "p1", tmp_path / "s1", tmp_path, "run")
 
 
 def _generate(config: RunConfig, tmp_path):
@@ -73,11 +73,19 @@ def _launch(config: RunConfig, tmp_path):
     from tracefp4.components.distributed import DistributedError
     from tracefp4.pipelines import trainjob
 
-    steps.prepare(config, tmp_path / "p0", "run")
+    steps.prepare(config, tmp_path / "p0", "run", tmp_path / "s0")
     steps.rollout(config, tmp_path / "p0", 0, tmp_path / "t.jsonl", "run")
     ref, stats = steps.compaction(config, tmp_path / "p0", tmp_path / "t.jsonl", 0, "run")
     (tmp_path / "g.json").write_text(ref.to_json())
-    inputs = (str(tmp_path / "p0"), str(tmp_path / "t.jsonl"), str(tmp_path / "g.json"), str(tmp_path / "p1"))
+    inputs = (
+        tmp_path / "p0",
+        tmp_path / "s0",
+        tmp_path / "t.jsonl",
+        tmp_path / "g.json",
+        tmp_path / "p1",
+        tmp_path / "s1",
+    )
+    inputs = tuple(str(path) for path in inputs)
     if config.train.launcher == "torchrun":
         assert trainjob.distributed_train(config, *inputs, "run", stats)[0]["step"] == 1
     else:
@@ -93,6 +101,7 @@ RUNNERS = {
     "rollout.config": _round,
     "method": _round,
     "guidance.compaction": _round,
+    "guidance.codec": _round,
     "guidance.layers": _round,
     "rl.schedule": _round,
     "tasks.name": _task,

@@ -18,22 +18,10 @@ from tracefp4.components.tasks import (
     Problem,
     evaluate_expression,
     format_example,
-    format_target,
     get_task,
     split,
 )
-from tracefp4.components.tokenizer import (
-    BOS,
-    EOS,
-    PAD,
-    UNK,
-    VOCAB_SIZE,
-    build_tokenizer,
-    decode,
-    encode,
-    load_tokenizer,
-    save_tokenizer,
-)
+from tracefp4.components.tokenizer import UNK, build_tokenizer
 from tracefp4.schemas import TaskName
 
 CASES = [(name, d) for name in TASKS for d in DIFFICULTIES]
@@ -57,9 +45,8 @@ def test_reference_answers_earn_full_reward(problems, name, difficulty):
     for problem in problems[name, difficulty]:
         assert problem.task == name
         assert format_example(problem) == problem.prompt
-        assert format_target(problem) == problem.answer + END
         assert task.reward(problem, problem.answer) == 1.0
-        assert task.reward(problem, format_target(problem)) == 1.0
+        assert task.reward(problem, problem.answer + END) == 1.0
         assert task.reward(problem, f"  {problem.answer}\nwhatever follows") == 1.0
 
 
@@ -219,41 +206,7 @@ def test_every_character_fits_the_smoke_vocabulary(problems, name):
     tok = build_tokenizer()
     for d in DIFFICULTIES:
         for p in problems[name, d]:
-            for text in (format_example(p), format_target(p)):
-                ids = encode(tok, text)
+            for text in (format_example(p), p.answer + END):
+                ids = tok.encode(text)
                 assert UNK not in ids and max(ids) < 256 and len(ids) == len(text)
-                assert decode(tok, ids) == text
-
-
-# -- tokenizer ------------------------------------------------------------------
-
-
-def test_tokenizer_vocabulary():
-    tok = build_tokenizer()
-    assert tok.get_vocab_size() == VOCAB_SIZE <= 256
-    assert [tok.token_to_id(t) for t in ("<pad>", "<bos>", "<eos>", "<unk>")] == [PAD, BOS, EOS, UNK]
-    assert build_tokenizer().to_str() == tok.to_str()  # deterministic
-    printable = "".join(chr(c) for c in range(32, 127)) + "\n"
-    assert decode(tok, encode(tok, printable)) == printable
-    assert encode(tok, "1é\x00") == [encode(tok, "1")[0], UNK, UNK]
-    assert encode(tok, "12", bos=True) == [BOS, *encode(tok, "12")]
-    assert decode(tok, [BOS, *encode(tok, "7+1="), EOS, PAD]) == "7+1="
-
-
-def test_tokenizer_save_and_load(tmp_path):
-    tok = build_tokenizer()
-    path = save_tokenizer(tok, tmp_path / "ckpt")
-    assert path == tmp_path / "ckpt" / "tokenizer.json"
-    assert [f.name for f in path.parent.iterdir()] == ["tokenizer.json"]  # no temp file left
-    loaded = load_tokenizer(tmp_path / "ckpt")
-    text = "numbers 3 7 25 target 46:25+3*7\n"
-    assert encode(loaded, text) == encode(tok, text) and decode(loaded, encode(loaded, text)) == text
-    save_tokenizer(tok, tmp_path / "ckpt")  # overwrites in place
-
-    transformers = pytest.importorskip("transformers")
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_file=str(path), eos_token="<eos>", pad_token="<pad>")
-    assert fast.encode(text, add_special_tokens=False) == encode(tok, text)
-    assert fast.eos_token_id == EOS and fast.decode(encode(tok, text) + [EOS], skip_special_tokens=True) == text
-
-    with pytest.raises(FileNotFoundError, match="no tokenizer at .*missing.*tokenizer.json"):
-        load_tokenizer(tmp_path / "missing")
+                assert tok.decode(ids) == text

@@ -10,13 +10,15 @@ import torch
 
 from tracefp4.components import steps
 from tracefp4.components.capture import CaptureConfig
+from tracefp4.components.checkpoint import CheckpointError, load_model, provenance
 from tracefp4.components.guidance import GuidanceError, read_manifest
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rl import SequenceBatch, token_logprobs
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
-from tracefp4.components.trainer import TrainConfig, Trainer, read_state
+from tracefp4.components.trainer import TrainConfig, Trainer
+from tracefp4.components.trainer_state import StateMismatch, read_meta
 from tracefp4.schemas import RunConfig, get_preset
 
 RUN = "run-a"
@@ -32,10 +34,12 @@ def smoke(tmp_path, **changes) -> RunConfig:
 
 
 def rounds(config: RunConfig, tmp_path, n: int, run_id: str = RUN) -> list[dict]:
-    steps.prepare(config, tmp_path / "policy-0", run_id)
+    steps.prepare(config, tmp_path / "policy-0", run_id, tmp_path / "state-0")
     history = []
     for r in range(n):
-        history += steps.run_round(config, tmp_path / f"policy-{r}", r, tmp_path / f"policy-{r + 1}", tmp_path, run_id)
+        policy, state = tmp_path / f"policy-{r}", tmp_path / f"state-{r}"
+        out, out_state = tmp_path / f"policy-{r + 1}", tmp_path / f"state-{r + 1}"
+        history += steps.run_round(config, policy, state, r, out, out_state, tmp_path, run_id)
     return history
 
 
@@ -49,7 +53,8 @@ def test_rounds_end_to_end(method, tmp_path):
         rl={"measure_mismatch": True, "learning_rate": 1e-3, "weight_decay": 0.1},
     )
     history = rounds(config, tmp_path, 2)
-    assert [h["step"] for h in history] == [1, 2] and read_state(tmp_path / "policy-2")["step"] == 2
+    assert [h["step"] for h in history] == [1, 2] and provenance(tmp_path / "policy-2")["policy_version"] == 2
+    assert read_meta(tmp_path / "state-2")["policy_version"] == 2
     for h in history:
         for key in (
             "reward_mean",
@@ -100,7 +105,7 @@ def test_off_policy_round_trains_every_batch_of_one_rollout(tmp_path):
 
 def test_inputs_of_another_run_or_version_are_refused(tmp_path):
     config = smoke(tmp_path, rl={"rounds": 2})
-    steps.prepare(config, tmp_path / "p0", RUN)
+    steps.prepare(config, tmp_path / "p0", RUN, tmp_path / "s0")
     trajectories = tmp_path / "t0.jsonl"
     steps.rollout(config, tmp_path / "p0", 0, trajectories, RUN)
     with pytest.raises(steps.RunMismatch, match="run 'run-a', this is run 'run-b'"):
@@ -112,7 +117,9 @@ def test_inputs_of_another_run_or_version_are_refused(tmp_path):
         ref.check("run-b", 0)
     stale = dataclasses.replace(ref, policy_version=3)
     with pytest.raises(GuidanceError, match="policy version 3, the policy to train is version 0"):
-        steps.train(config, tmp_path / "p0", trajectories, stale, tmp_path / "p1", RUN)
+        steps.train(
+            config, tmp_path / "p0", tmp_path / "s0", trajectories, stale, tmp_path / "p1", tmp_path / "s1", RUN
+        )
     forged = dataclasses.replace(ref, run_id="run-b")  # a reference that lies: the store's manifest still says run-a
     with pytest.raises(GuidanceError, match="run_id is 'run-a', expected 'run-b'"):
         list(forged.loader(open_store(config.store.uri), [[0]]))
@@ -157,22 +164,51 @@ def test_a_step_raises_the_likelihood_of_rewarded_responses():
     assert moved[advantages > 0].mean() > moved[advantages < 0].mean()
 
 
-def test_checkpoint_resume(tmp_path):
-    engine, trainer = setup("qat")
+def test_resume_from_policy_and_state_equals_uninterrupted_training(tmp_path):
+    engine, straight = setup("qat")
+    _, interrupted = setup("qat")
     trajectories = engine.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=4, seed=1))
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
-    trainer.train_step(trajectories, advantages, None)
-    trainer.save(tmp_path / "ckpt", run_id=RUN)
-    resumed = Trainer.from_checkpoint(tmp_path / "ckpt", trainer.config, engine.quant, engine.global_scales)
-    assert resumed.step == trainer.step == 1 and read_state(tmp_path / "ckpt")["run_id"] == RUN
-    for a, b in zip(trainer.model.parameters(), resumed.model.parameters()):
-        assert torch.equal(a, b)
-    state_a, state_b = trainer.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
-    assert all(torch.equal(state_a[i]["exp_avg"], state_b[i]["exp_avg"]) for i in state_a)
-    for t in (trainer, resumed):  # both continue identically from here
+    for t in (straight, interrupted):
         t.train_step(trajectories, advantages, None)
-    for a, b in zip(trainer.model.parameters(), resumed.model.parameters()):
-        assert torch.allclose(a, b, atol=1e-6)
+    interrupted.save(tmp_path / "policy", tmp_path / "state", run_id=RUN)
+    assert sorted(p.name for p in (tmp_path / "policy").iterdir()) == [
+        "checksums.json",
+        "config.json",
+        "model.safetensors",
+    ]
+    assert provenance(tmp_path / "policy") == {"run_id": RUN, "policy_version": 1}
+    resumed = Trainer.from_checkpoint(
+        tmp_path / "policy", tmp_path / "state", interrupted.config, engine.quant, engine.global_scales, run_id=RUN
+    )
+    assert resumed.step == 1
+    for step in (2, 3):  # two more steps each: the resumed run is the uninterrupted one, bit for bit
+        for t in (straight, resumed):
+            t.train_step(trajectories, advantages, None)
+        assert resumed.step == straight.step == step
+        for (name, a), b in zip(straight.model.named_parameters(), resumed.model.parameters()):
+            assert torch.equal(a, b), name
+    moments_a, moments_b = straight.optimizer.state_dict()["state"], resumed.optimizer.state_dict()["state"]
+    assert all(torch.equal(moments_a[i]["exp_avg_sq"], moments_b[i]["exp_avg_sq"]) for i in moments_a)
+
+
+def test_a_trainer_state_is_refused_with_another_run_or_policy(tmp_path):
+    engine, trainer = setup("qat")
+    trainer.save(tmp_path / "p0", tmp_path / "s0", run_id=RUN)
+    trainer.step = 1
+    trainer.save(tmp_path / "p1", tmp_path / "s1", run_id=RUN)
+    args = (trainer.config, engine.quant, engine.global_scales)
+    with pytest.raises(StateMismatch, match="trainer state of run 'run-a', this is run 'run-b'"):
+        Trainer.from_checkpoint(tmp_path / "p0", tmp_path / "s0", *args, run_id="run-b")
+    with pytest.raises(StateMismatch, match="trainer state of policy version 1 saved with another policy folder"):
+        Trainer.from_checkpoint(tmp_path / "p0", tmp_path / "s1", *args, run_id=RUN)
+    (tmp_path / "s0" / "state.json").write_text('{"run_id": "run-a"}')  # edited after saving
+    with pytest.raises(CheckpointError, match="state.json: .*checksums.json"):
+        Trainer.from_checkpoint(tmp_path / "p0", tmp_path / "s0", *args, run_id=RUN)
+    with pytest.raises(FileNotFoundError, match="is not a trainer state"):
+        Trainer.from_checkpoint(tmp_path / "p0", tmp_path / "missing", *args, run_id=RUN)
+    with pytest.raises(CheckpointError, match="state.json: unreadable"):  # a policy folder is no state
+        Trainer.from_checkpoint(tmp_path / "p0", tmp_path / "p1", *args, run_id=RUN)
 
 
 def test_tiny_preset_round_with_kl_to_the_reference(tmp_path):
@@ -214,3 +250,20 @@ def test_prepare_checks_guided_layers_against_a_checkpoint_before_any_work(tmp_p
     ):
         steps.prepare(config, tmp_path / "p0", RUN)  # the bootstrap (enabled in smoke) never starts
     assert not (tmp_path / "p0").exists()
+
+
+def test_the_policy_folder_is_a_clean_hugging_face_checkpoint(tmp_path):
+    import transformers
+
+    config = smoke(tmp_path, bootstrap={"enabled": False})
+    steps.prepare(config, tmp_path / "p0", RUN, tmp_path / "s0")
+    files = sorted(p.name for p in (tmp_path / "p0").iterdir())
+    assert files == ["checksums.json", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in (tmp_path / "s0").iterdir()) == ["checksums.json", "state.json", "state.safetensors"]
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "p0").eval()
+    generation = transformers.GenerationConfig.from_pretrained(tmp_path / "p0")
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 0)
+    ours = load_model(tmp_path / "p0").eval()
+    tokens = torch.randint(0, ours.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert (reference(tokens).logits - ours(tokens, torch.arange(9).expand(2, 9))).abs().max() < 1e-4

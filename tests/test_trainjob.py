@@ -176,11 +176,12 @@ FAILED = {
 COMPLETE = {"conditions": [{"type": "Complete", "status": "True", "reason": "JobsCompleted", "message": ""}]}
 
 
-def inputs(tmp_path) -> tuple[Path, Path, Path]:
-    policy = Trainer(build_model("smoke"), TrainConfig(), BF16, {}).save(tmp_path / "policy", run_id=RUN)
+def inputs(tmp_path) -> tuple[Path, Path, Path, Path]:
+    trainer = Trainer(build_model("smoke"), TrainConfig(), BF16, {})
+    policy, state = trainer.save(tmp_path / "policy", tmp_path / "state", run_id=RUN)
     (tmp_path / "trajectories.jsonl").write_text('{"header": {}}\n')
     (tmp_path / "guidance.json").write_text(json.dumps({"rl_step": 0}))
-    return policy, tmp_path / "trajectories.jsonl", tmp_path / "guidance.json"
+    return policy, state, tmp_path / "trajectories.jsonl", tmp_path / "guidance.json"
 
 
 def test_a_failed_trainjob_fails_the_step_with_its_reason_and_is_deleted(tmp_path, validator):
@@ -190,7 +191,7 @@ def test_a_failed_trainjob_fails_the_step_with_its_reason_and_is_deleted(tmp_pat
     try:
         job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
         with pytest.raises(DistributedError, match="failed: JobsFailed: rank 3 exited with 1"):
-            job.run(*inputs(tmp_path), tmp_path / "out", {}, echo=log.append)
+            job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=log.append)
     finally:
         fake.close()
     methods = [m for m, _ in fake.calls]
@@ -201,7 +202,7 @@ def test_a_failed_trainjob_fails_the_step_with_its_reason_and_is_deleted(tmp_pat
     (created,) = [m for m, p in fake.calls if m == "POST"]
     store = open_store(c.store.uri)
     prefix = f"{steps.store_prefix(c, RUN, 'trainjob')}/round-000000"
-    assert {"config.json", "trajectories.jsonl", "guidance.json", "policy/checksums.json"} <= {
+    assert {"config.json", "trajectories.jsonl", "guidance.json", "policy/checksums.json", "state/checksums.json"} <= {
         k.removeprefix(prefix + "/") for k in store.list(prefix + "/")
     }
 
@@ -215,20 +216,32 @@ def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, v
     def ranks_finished(job):  # what rank 0 uploads at the end (components/distributed.py)
         validator.validate(job)
         seen.append(job["spec"]["trainer"]["args"])
-        for f in sorted((tmp_path / "policy").iterdir()):
-            store.put_bytes(f"{prefix}/new-policy/{f.name}", f.read_bytes())
+        for name in ("policy", "state"):
+            for f in sorted((tmp_path / name).iterdir()):
+                store.put_bytes(f"{prefix}/new-{name}/{f.name}", f.read_bytes())
         store.put_bytes(f"{prefix}/history.json", json.dumps([{"step": 1, "loss": 0.5}]).encode())
 
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_finished)
     try:
         job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
-        rows = job.run(*inputs(tmp_path), tmp_path / "out", {"rollout_seconds": 1.0}, echo=lambda line: None)
+        rows = job.run(
+            *inputs(tmp_path),
+            tmp_path / "out",
+            tmp_path / "out-state",
+            {"rollout_seconds": 1.0},
+            echo=lambda line: None,
+        )
     finally:
         fake.close()
     assert rows == [{"step": 1, "loss": 0.5}]
-    assert (tmp_path / "out" / "config.json").exists() and not fake.jobs
+    assert (tmp_path / "out" / "config.json").exists() and (tmp_path / "out-state" / "state.json").exists()
+    assert not fake.jobs
     args = dict(zip(seen[0][::2], seen[0][1::2]))
     assert args["--policy"] == f"{c.store.uri}/{prefix}/policy" and args["--run-id"] == RUN
+    assert (
+        args["--state"] == f"{c.store.uri}/{prefix}/state"
+        and args["--out-state"] == f"{c.store.uri}/{prefix}/new-state"
+    )
     assert json.loads(store.get_bytes(f"{prefix}/round_stats.json")) == {"rollout_seconds": 1.0}
 
 
@@ -240,7 +253,7 @@ def test_a_trainjob_left_by_an_earlier_attempt_is_replaced(tmp_path):
     try:
         job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
         with pytest.raises(DistributedError, match="JobsFailed"):
-            job.run(*inputs(tmp_path), tmp_path / "out", {}, echo=log.append)
+            job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=log.append)
     finally:
         fake.close()
     assert [m for m, _ in fake.calls][:3] == ["POST", "DELETE", "GET"]
@@ -253,7 +266,7 @@ def test_a_trainjob_no_controller_picks_up_fails_after_the_timeout(tmp_path):
     try:
         job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.5)
         with pytest.raises(DistributedError, match="no status after 10 s: is Kubeflow Trainer installed"):
-            job.run(*inputs(tmp_path), tmp_path / "out", {}, echo=lambda line: None)
+            job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=lambda line: None)
     finally:
         fake.close()
     assert not fake.jobs  # deleted all the same

@@ -1,0 +1,261 @@
+"""Export of a trained policy for serving, as a compressed-tensors checkpoint:
+the format llm-compressor writes and vLLM and SGLang load.
+
+What the rollout served is what gets exported. The routed experts' weights are
+quantized exactly as :class:`~.rollout.TorchEngine` quantizes them (from the
+policy cast to the rollout dtype, one global scale per expert and matrix,
+blocks along the input dimension, :mod:`tracefp4.kernels`), and the static
+activation global scales are the ones its calibration computes for this policy
+(same seeded batch, same device), so that a serving engine rounds weights and
+activations as training assumed. Everything else (attention, router, shared
+experts, embeddings, norms, lm_head) is BF16 and listed in the ignore list.
+
+Layout, per routed expert and projection (``model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj``):
+
+- ``weight_packed``: uint8 ``[out, in/2]``, two E2M1 codes per byte, even element
+  in the low nibble (our packing, and compressed-tensors');
+- ``weight_scale``: NVFP4 float8_e4m3fn ``[out, in/16]``; MXFP4 uint8 biased
+  E8M0 exponents ``[out, in/32]``;
+- NVFP4 only: ``weight_global_scale`` and ``input_global_scale``, float32 ``[1]``,
+  in compressed-tensors' inverse convention (``448 * 6 / amax``, the reciprocal
+  of our ``amax / (6 * 448)``). gate and up share their expert's global scale
+  (our gate_up is one matrix; vLLM requires them equal) and their input scale
+  (the ``moe_in`` site); down takes ``moe_down_in``'s.
+
+MXFP4 activations are dynamic (per-block E8M0 scales at run time, as in our
+rollout), so an MXFP4 export has no input scales. The KV cache format is the
+serving engine's choice and is not recorded.
+"""
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from tracefp4.kernels import E2M1_VALUES, quantize
+
+from .checkpoint import (
+    CONFIG,
+    INDEX,
+    MANIFEST,
+    SINGLE,
+    commit_folder,
+    config_to_hf,
+    folder_digest,
+    load_model,
+    provenance,
+    stacked_to_hub,
+    staging_folder,
+    write_weights,
+)
+from .quant import QuantConfig, calibrate_global_scales, quantize_expert_weights_
+
+# our format -> compressed-tensors' format name, its block size, whether it has global scales
+FORMATS = {
+    "nvfp4": ("nvfp4-pack-quantized", 16, True),
+    "mxfp4": ("mxfp4-pack-quantized", 32, False),
+}
+SERVING_DTYPE = torch.bfloat16
+_ULP_SEARCH = (
+    0,
+    1,
+    -1,
+    2,
+    -2,
+    3,
+    -3,
+    4,
+    -4,
+)  # float32 steps around 1/g tried for the stored global scale, nearest first
+log = logging.getLogger("tracefp4.export")
+_EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)$")
+_WEIGHT_FILES = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+
+
+def quantization_config(fmt: str, ignore: list[str]) -> dict:
+    """config.json's ``quantization_config``: one group over the Linear layers
+    not in ``ignore`` (the routed experts), W4A4 in ``fmt``, as
+    ``compressed_tensors.QuantizationConfig`` writes it for its NVFP4 / MXFP4 presets."""
+    name, block, has_global = _format(fmt)
+    weights = {
+        "num_bits": 4,
+        "type": "float",
+        "symmetric": True,
+        "group_size": block,
+        "strategy": "tensor_group" if has_global else "group",
+        "dynamic": False,
+        "scale_dtype": "torch.float8_e4m3fn" if has_global else "torch.uint8",
+    }
+    # NVFP4: static global scale from calibration, block scales per token at run time ("local"); MXFP4: all dynamic
+    activations = {**weights, "dynamic": "local" if has_global else True}
+    if has_global:
+        activations["observer"] = "static_minmax"
+    group = {
+        "targets": ["Linear"],
+        "weights": weights,
+        "input_activations": activations,
+        "output_activations": None,
+        "format": name,
+    }
+    return {
+        "config_groups": {"group_0": group},
+        "quant_method": "compressed-tensors",
+        "kv_cache_scheme": None,
+        "format": name,
+        "quantization_status": "compressed",
+        "global_compression_ratio": None,
+        "ignore": ignore,
+    }
+
+
+def _format(fmt: str) -> tuple[str, int, bool]:
+    if fmt not in FORMATS:
+        raise ValueError(f"export format {fmt!r} is not one of {sorted(FORMATS)}")
+    return FORMATS[fmt]
+
+
+def inverse_global_scale(g: Tensor, scales: Tensor) -> tuple[Tensor, bool]:
+    """The float32 ``weight_global_scale`` to store for our global scale ``g``,
+    and whether a loader dequantizes the matrix to exactly our BF16 values.
+
+    Our values are ``e2m1 * (s * g)``; compressed-tensors (and so the
+    checkpoint's readers) computes ``e2m1 * (s / gs)`` in float32. ``1 / g`` is
+    rarely a float32, so with the nearest ``gs`` a product can land one float32
+    ulp off ours and, next to a BF16 rounding boundary, one BF16 ulp off in the
+    served weight. Any float32 within a few ulps of ``1 / g`` represents it
+    equally well, so the nearest one for which every (code, block scale) pair
+    the matrix uses dequantizes to exactly our BF16 value is taken. None exists
+    when our products fall exactly on BF16 ties in both directions, which
+    happens when ``g`` has few significant bits (e.g. ``7 * 2^-18``: a BF16
+    amax that is a multiple of 21); then the nearest ``1 / g`` and False, and
+    those pairs are served one BF16 ulp off."""
+    nearest = (1.0 / g.float()).reshape(1)
+    used = torch.unique(scales.reshape(-1).float())
+    values = torch.tensor(E2M1_VALUES[1:], dtype=torch.float32)[:, None]
+    ours = (values * (used * g.float())).to(SERVING_DTYPE)
+    bits = nearest.view(torch.int32)
+    for step in _ULP_SEARCH:
+        candidate = (bits + step).view(torch.float32)
+        if torch.equal((values * (used.to(SERVING_DTYPE).float() / candidate)).to(SERVING_DTYPE), ours):
+            return candidate, True
+    return nearest, False
+
+
+def _compressed(weight: Tensor, fmt: str) -> tuple[dict[str, Tensor], bool]:
+    """One matrix's compressed weight tensors from its weight ``[out, in]``
+    (float32), and whether a loader dequantizes them to exactly our values."""
+    q = quantize(weight, fmt)  # on the weight's device (Triton on CUDA: the same bits)
+    out = {"weight_packed": q.codes.cpu(), "weight_scale": q.scales.cpu()}
+    if q.global_scale is None:  # MXFP4: powers of two, exact in any float format
+        return out, True
+    out["weight_global_scale"], exact = inverse_global_scale(q.global_scale.cpu(), out["weight_scale"])
+    return out, exact
+
+
+def _expert_tensors(key: str, stacked: Tensor, fmt: str) -> tuple[dict[str, Tensor], int]:
+    """Hub names -> compressed weight tensors of every expert of one stacked
+    matrix (``gate_up [E, H, 2I]`` or ``down [E, I, H]``, ``x @ w`` layout), and
+    how many of its experts a loader would not dequantize exactly (see
+    :func:`inverse_global_scale`)."""
+    kind = _EXPERTS.match(key)[2]
+    prefix = key.rpartition(".")[0]
+    half = stacked.shape[-1] // 2
+    out, inexact = {}, 0
+    for e in range(stacked.shape[0]):
+        # the rollout's quantization: the whole matrix [out, in] at once, one global scale, blocks along in
+        q, exact = _compressed(stacked[e].T.float(), fmt)
+        inexact += not exact
+        if kind == "down":
+            parts = {"down_proj": q}
+        else:  # gate rows first, then up: the Hub split of gate_up (checkpoint.stacked_to_hub)
+            parts = {
+                name: {k: (v if k == "weight_global_scale" else v[rows]) for k, v in q.items()}
+                for name, rows in (("gate_proj", slice(None, half)), ("up_proj", slice(half, None)))
+            }
+        for proj, tensors in parts.items():
+            out.update({f"{prefix}.{e}.{proj}.{k}": v.contiguous().clone() for k, v in tensors.items()})
+    return out, inexact
+
+
+def _input_scales(key: str, experts: int, scales: dict) -> dict[str, Tensor]:
+    """``input_global_scale`` of every expert projection of one stacked matrix:
+    the layer's static ``moe_in`` (gate, up) or ``moe_down_in`` (down) scale, inverted."""
+    m = _EXPERTS.match(key)
+    layer, site = int(m[1]), "moe_in" if m[2] == "gate_up" else "moe_down_in"
+    if (layer, site) not in scales:
+        raise ValueError(f"no calibrated {site} global scale for layer {layer}")
+    value = (1.0 / scales[(layer, site)].float().cpu()).reshape(1)
+    prefix = key.rpartition(".")[0]
+    projections = ("down_proj",) if m[2] == "down" else ("gate_proj", "up_proj")
+    return {f"{prefix}.{e}.{p}.input_global_scale": value.clone() for e in range(experts) for p in projections}
+
+
+def export(
+    policy: str | os.PathLike,
+    out: str | os.PathLike,
+    fmt: str = "nvfp4",
+    *,
+    rollout_dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    calibration_seed: int = 0,
+    max_shard_bytes: int = 2 << 30,
+) -> dict:
+    """Write the policy folder ``policy`` at ``out`` as a compressed-tensors
+    ``fmt`` checkpoint (atomically), quantized as a rollout in ``rollout_dtype``
+    on ``device`` with ``calibration_seed`` quantizes it. Returns what was written."""
+    name, _, has_global = _format(fmt)
+    source = Path(policy)
+    model = load_model(source, device=device).to(rollout_dtype)
+    cfg = model.cfg
+    state = model.state_dict()
+    experts = [key for key in state if _EXPERTS.match(key)]
+    if not experts:
+        raise ValueError(f"{source}: no routed experts to quantize (model_type {cfg.model_type})")
+    tensors, inexact = {}, 0
+    for key in experts:  # before the in-place fake quantization below
+        compressed, missed = _expert_tensors(key, state[key].detach(), fmt)
+        tensors.update(compressed)
+        inexact += missed
+    if inexact:
+        log.warning("%s: %d expert matrices dequantize up to one BF16 ulp off the rollout's values", source, inexact)
+    # the rollout's calibration: on the FP4 expert weights, the seeded batch, its device and dtype
+    quantize_expert_weights_(model, fmt)
+    scales = {}
+    if has_global:
+        scales = calibrate_global_scales(model, QuantConfig(fmt, fmt, None), seed=calibration_seed)
+        for key in experts:
+            tensors.update(_input_scales(key, state[key].shape[0], scales))
+    dense = {k: v.detach().cpu().to(SERVING_DTYPE) for k, v in state.items() if k not in experts}
+    if cfg.tie_word_embeddings:
+        dense.pop("lm_head.weight")
+    dense = stacked_to_hub(dense, cfg)
+    ignore = sorted(k.removesuffix(".weight") for k, v in dense.items() if k.endswith(".weight") and v.dim() == 2)
+    ignore = [k for k in ignore if k != "model.embed_tokens"] + ([] if "lm_head" in ignore else ["lm_head"])
+    tensors.update(dense)
+
+    folder = Path(out)
+    tmp = staging_folder(folder)
+    write_weights(tensors, tmp, max_shard_bytes)
+    hf = {**config_to_hf(cfg), "dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    hf["quantization_config"] = quantization_config(fmt, ignore)
+    (tmp / CONFIG).write_text(json.dumps(hf, indent=2))
+    for path in sorted(source.iterdir()):  # tokenizer, generation config: everything but weights and manifest
+        if path.is_file() and path.name not in (CONFIG, INDEX, SINGLE, MANIFEST) and not _WEIGHT_FILES.match(path.name):
+            shutil.copyfile(path, tmp / path.name)
+    record = {**provenance(source), "format": name}
+    if (source / MANIFEST).exists():
+        record["exported_from"] = folder_digest(source)  # the policy folder's manifest, which names its weights
+    commit_folder(tmp, folder, record)
+    return {
+        "format": name,
+        "expert_matrices": sum(state[key].shape[0] for key in experts),
+        "inexact_matrices": inexact,
+        "expert_bytes": sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in dense),
+        "expert_bytes_bf16": sum(state[key].numel() * 2 for key in experts),
+        "input_global_scales": {f"{layer}.{site}": g.item() for (layer, site), g in sorted(scales.items())},
+    }

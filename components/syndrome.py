@@ -1,0 +1,332 @@
+"""The ``syndrome`` guidance codec: R-1 guidance (the low bit of every code and
+the block scales) sent as parity bits that the training side decodes with its
+own values as side information (docs/guidance-format.md, "Codec syndrome").
+
+The rollout side (:func:`encode_table`) sees only its own codes and scales.
+Rows are grouped into blocks of about :data:`BLOCK_ELEMENTS` elements, never
+across trajectories (the loader selects by trajectory); per block it sends
+``scale_bits`` parity bits of the scales' low bits and ``code_bits`` parity
+bits of the codes' low bits. The training side (:func:`decode_rows`), inline
+in its forward and so with the layers below already guided, first recovers the
+block scales from its own (:func:`~tracefp4.kernels.scale_side_info`),
+then the low code bits under them
+(:func:`~tracefp4.kernels.code_side_info`); guided rounding then
+reads them exactly like R-1 guidance. A block that fails either check rounds
+to nearest and is counted.
+
+Rate control (:func:`choose_rates`): per ``(layer, site)``, the erasures the
+previous step's decoded blocks needed, with a safety margin; the first step
+of a run uses a configured rate.
+"""
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor
+
+from tracefp4.kernels import (
+    MAX_ERASURES,
+    code_side_info,
+    compact_codes,
+    expand_codes,
+    get_format,
+    parity_matrix,
+    scale_side_info,
+    solve_erasures,
+    syndrome,
+)
+
+from .capture import SiteTable
+
+BLOCK_ELEMENTS = 256  # elements per block: rows are grouped up to this many (one row if wider)
+CODE_CHECK_BITS = 8  # code parity bits beyond the erasures: a wrong decode passes with probability 2^-8
+SCALE_CHECK_BITS = 4  # scale parity bits beyond the erasures (a wrong scale also fails the code check)
+MAX_CODE_BITS = 64  # 56 erasures + 8 check bits per block
+MAX_SCALE_BITS = 16
+CODE_SALT, SCALE_SALT = 1, 2  # parity matrices of the two stages differ
+SAFETY = 1.25  # rate control: erasures = SAFETY * the 98th percentile the previous step needed, plus 2
+NEEDED_QUANTILE = 0.98
+MAX_FAILED_SHARE = 0.05  # above this share of failed blocks the erasures grow by half
+
+
+def _round8(bits: float) -> int:
+    return max(8, 8 * math.ceil(bits / 8))
+
+
+@dataclass(frozen=True)
+class Rate:
+    """Parity bits per block of one ``(layer, site)``: codes and scales (multiples of 8)."""
+
+    code_bits: int
+    scale_bits: int
+
+    @property
+    def code_erasures(self) -> int:
+        return self.code_bits - CODE_CHECK_BITS
+
+    @property
+    def scale_erasures(self) -> int:
+        return self.scale_bits - SCALE_CHECK_BITS
+
+
+def first_rate(bits_per_element: float, block_elements: int = BLOCK_ELEMENTS) -> Rate:
+    """The rate of a step without previous decode statistics: ``bits_per_element`` over a block, scales' 8 included."""
+    total = _round8(bits_per_element * block_elements)
+    return Rate(min(MAX_CODE_BITS, max(CODE_CHECK_BITS + 8, total - 8)), 8)
+
+
+def group_rows(width: int) -> int:
+    """Rows per block: as many whole rows as fit :data:`BLOCK_ELEMENTS` (at least one)."""
+    return max(1, BLOCK_ELEMENTS // width)
+
+
+@dataclass
+class SyndromeTable:
+    """The syndrome-coded guidance of one ``(layer, site)``: the rows' keys (as
+    :class:`~.capture.SiteTable`'s) and per block (``group`` consecutive rows of
+    one trajectory) the parity bits of its scales' and codes' low bits."""
+
+    layer: int
+    site: str
+    fmt: str
+    width: int
+    global_scale: float | None
+    traj: Tensor
+    pos: Tensor
+    slot: Tensor
+    expert: Tensor
+    group: int
+    rate: Rate
+    code_parity: Tensor  # uint8 [blocks, code_bits / 8], bits packed LSB first (compact_codes with k = 1)
+    scale_parity: Tensor  # uint8 [blocks, scale_bits / 8]
+
+    bits = 1  # the guidance it carries: the low code bit, as R-1
+
+    @property
+    def nbytes(self) -> int:
+        return self.code_parity.numel() + self.scale_parity.numel()
+
+    @property
+    def elements(self) -> int:
+        return len(self.traj) * self.width
+
+    def block_of_rows(self) -> tuple[Tensor, Tensor]:
+        """Each row's block and place in it: blocks run over trajectories in row order."""
+        ids, counts = torch.unique_consecutive(self.traj, return_counts=True)
+        blocks = (counts + self.group - 1) // self.group
+        first_row = torch.cumsum(counts, 0) - counts
+        first_block = torch.cumsum(blocks, 0) - blocks
+        owner = torch.repeat_interleave(torch.arange(len(counts), device=self.traj.device), counts)
+        within = torch.arange(len(self.traj), device=self.traj.device) - first_row[owner]
+        return first_block[owner] + within // self.group, within % self.group
+
+    def for_trajectories(self, ids: Tensor) -> "SyndromeTable":
+        """The rows and blocks of trajectories ``ids`` (a block never spans two)."""
+        rows = torch.isin(self.traj, ids)
+        block, _ = self.block_of_rows()
+        blocks = torch.unique(block[rows])
+        pick = {f: getattr(self, f)[rows] for f in ("traj", "pos", "slot", "expert")}
+        return replace(self, **pick, code_parity=self.code_parity[blocks], scale_parity=self.scale_parity[blocks])
+
+    @staticmethod
+    def concat(tables: list["SyndromeTable"]) -> "SyndromeTable":
+        """Tables of one site (of other trajectories, of one rate) as one, in the given order."""
+        if len({t.rate for t in tables}) != 1:
+            raise ValueError(f"layer {tables[0].layer} {tables[0].site}: cannot join tables of different rates")
+        cat = {f: torch.cat([getattr(t, f) for t in tables]) for f in SYNDROME_FIELDS}
+        return replace(tables[0], **cat)
+
+    def to(self, device) -> "SyndromeTable":
+        if self.traj.device == torch.device(device):
+            return self
+        return replace(self, **{f: getattr(self, f).to(device) for f in SYNDROME_FIELDS})
+
+
+SYNDROME_FIELDS = ("traj", "pos", "slot", "expert", "code_parity", "scale_parity")
+
+
+def _blocks(rows: Tensor, table: SyndromeTable, fill) -> Tensor:
+    """Rows ``[N, m]`` laid out as blocks ``[blocks, group * m]``; missing rows hold ``fill``."""
+    block, within = table.block_of_rows()
+    n_blocks = int(block.max()) + 1 if len(block) else 0
+    out = torch.full((n_blocks, table.group, rows.shape[1]), fill, dtype=rows.dtype, device=rows.device)
+    out[block, within] = rows
+    return out.reshape(n_blocks, -1)
+
+
+def _unblock(blocks: Tensor, table: SyndromeTable) -> Tensor:
+    block, within = table.block_of_rows()
+    return blocks.reshape(blocks.shape[0], table.group, -1)[block, within]
+
+
+def encode_table(table: SiteTable, rate: Rate) -> SyndromeTable:
+    """The syndrome coding of a captured table (any ``bits``: only the low code bit and the scales are read)."""
+    f = get_format(table.fmt)
+    if table.width % f.block_size:
+        raise ValueError(f"layer {table.layer} {table.site}: width {table.width} is not whole {f.block_size}-blocks")
+    out = SyndromeTable(
+        table.layer,
+        table.site,
+        table.fmt,
+        table.width,
+        table.global_scale,
+        table.traj,
+        table.pos,
+        table.slot,
+        table.expert,
+        group_rows(table.width),
+        rate,
+        torch.empty(0, dtype=torch.uint8),
+        torch.empty(0, dtype=torch.uint8),
+    )
+    codes = _blocks(table.low_bits() & 1, out, 0)
+    scales = _blocks(table.scales & 1, out, 0)
+    code_h = parity_matrix(rate.code_bits, codes.shape[1], CODE_SALT)
+    scale_h = parity_matrix(rate.scale_bits, scales.shape[1], SCALE_SALT)
+    return replace(
+        out,
+        code_parity=compact_codes(syndrome(codes, code_h), 1),
+        scale_parity=compact_codes(syndrome(scales, scale_h), 1),
+    )
+
+
+@dataclass
+class DecodeStats:
+    """What decoding one ``(layer, site)`` found: blocks tried and failed, and
+    how many erasures decoded blocks needed (histogram), per stage."""
+
+    rate: Rate
+    blocks: int = 0
+    failed: int = 0
+    code_needed: list[int] = field(default_factory=lambda: [0] * (MAX_ERASURES + 1))
+    scale_needed: list[int] = field(default_factory=lambda: [0] * (MAX_ERASURES + 1))
+
+    def add(self, blocks: int, failed: int, code_needed: Tensor, scale_needed: Tensor) -> None:
+        self.blocks += blocks
+        self.failed += failed
+        for hist, needed in ((self.code_needed, code_needed), (self.scale_needed, scale_needed)):
+            for value, count in zip(*torch.unique(needed.cpu(), return_counts=True)):
+                hist[int(value)] += int(count)
+
+    def merge(self, other: "DecodeStats") -> None:
+        self.blocks += other.blocks
+        self.failed += other.failed
+        self.code_needed = [a + b for a, b in zip(self.code_needed, other.code_needed)]
+        self.scale_needed = [a + b for a, b in zip(self.scale_needed, other.scale_needed)]
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DecodeStats":
+        return cls(
+            Rate(data["code_bits"], data["scale_bits"]),
+            data["blocks"],
+            data["failed"],
+            list(data["code_needed"]),
+            list(data["scale_needed"]),
+        )
+
+    def to_json(self) -> dict:
+        return {
+            "code_bits": self.rate.code_bits,
+            "scale_bits": self.rate.scale_bits,
+            "blocks": self.blocks,
+            "failed": self.failed,
+            "code_needed": self.code_needed,
+            "scale_needed": self.scale_needed,
+        }
+
+
+def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Tensor, Tensor, Tensor, DecodeStats]:
+    """Decode a table from the training side's values ``x [rows, width]`` of its
+    rows (``available``: rows the training forward holds; the others are
+    unknown). Returns, per row, the recovered scale bytes and low code bits,
+    whether the row's block decoded, and the statistics."""
+    f = get_format(table.fmt)
+    table = table.to(x.device)
+    g = None if table.global_scale is None else torch.tensor(table.global_scale, device=x.device)
+    rate, unknown = table.rate, ~available[:, None]
+    stats = DecodeStats(rate)
+    # stage 1: the block scales
+    own, neighbour, distance = scale_side_info(x, f, g)
+    distance = torch.where(unknown, -torch.inf, distance)
+    n_scales = own.shape[1] * table.group
+    scale_h = parity_matrix(rate.scale_bits, n_scales, SCALE_SALT)
+    parity = expand_codes(table.scale_parity, 1, rate.scale_bits)
+    low, ok_s, scale_needed = solve_erasures(
+        _blocks(own & 1, table, 0), _blocks(distance, table, torch.inf), parity, scale_h, rate.scale_erasures
+    )
+    scales = torch.where(_unblock(low, table) == (own & 1), own, neighbour)
+    # stage 2: the low code bits under the recovered scales
+    low_code, distance = code_side_info(x, f, scales.view(f.scale_dtype), g)
+    distance = torch.where(unknown, -torch.inf, distance)
+    code_h = parity_matrix(rate.code_bits, table.group * table.width, CODE_SALT)
+    parity = expand_codes(table.code_parity, 1, rate.code_bits)
+    low, ok_c, code_needed = solve_erasures(
+        _blocks(low_code, table, 0), _blocks(distance, table, torch.inf), parity, code_h, rate.code_erasures
+    )
+    ok = ok_s & ok_c
+    tried = _blocks(available[:, None], table, False).any(1)  # blocks with rows in this forward
+    stats.add(int(tried.sum()), int((tried & ~ok).sum()), code_needed[tried & ok], scale_needed[tried & ok])
+    block, _ = table.block_of_rows()
+    return scales, _unblock(low, table), ok[block] & available, stats
+
+
+def decode_summary(decode: dict) -> dict:
+    """A step's decode figures: blocks tried, failed and their share (None
+    without syndrome-coded guidance), and ``guidance_decode`` per ``"layer/site"``
+    (:meth:`DecodeStats.to_json`): what the next step's rate control reads."""
+    blocks = sum(d.blocks for d in decode.values())
+    failed = sum(d.failed for d in decode.values())
+    return {
+        "guidance_decode_blocks": blocks if decode else None,
+        "guidance_decode_failures": failed if decode else None,
+        "guidance_decode_failed_share": failed / blocks if blocks else None,
+        "guidance_decode": {f"{layer}/{site}": d.to_json() for (layer, site), d in sorted(decode.items())},
+    }
+
+
+def merge_decode_json(a: dict | None, b: dict) -> dict:
+    """Two :meth:`DecodeStats.to_json` of one ``(layer, site)`` and rate (a round's steps) summed."""
+    if a is None:
+        return b
+    total = DecodeStats.from_json(a)
+    total.merge(DecodeStats.from_json(b))
+    return total.to_json()
+
+
+def choose_rates(keys, previous: dict | None, first: Rate) -> dict:
+    """Per ``(layer, site)`` in ``keys``, the rate for this step: from the
+    previous step's decode statistics (``{"layer/site": DecodeStats.to_json()}``)
+    where there are any, else ``first``. Erasures: the 98th percentile of what
+    decoded blocks needed, x1.25 plus 2; if more than 5% of blocks failed (their
+    need is unknown, so larger than the rate allowed), at least 1.5x the previous."""
+    rates = {}
+    for layer, site in keys:
+        seen = (previous or {}).get(f"{layer}/{site}")
+        if not seen or not seen["blocks"]:
+            rates[(layer, site)] = first
+            continue
+        failed_share = seen["failed"] / seen["blocks"]
+        bits = []
+        for name, check, cap in (
+            ("code", CODE_CHECK_BITS, MAX_CODE_BITS),
+            ("scale", SCALE_CHECK_BITS, MAX_SCALE_BITS),
+        ):
+            erasures = SAFETY * _quantile(seen[f"{name}_needed"], NEEDED_QUANTILE) + 2
+            if failed_share > MAX_FAILED_SHARE:
+                erasures = max(erasures, 1.5 * (seen[f"{name}_bits"] - check))
+            bits.append(min(cap, _round8(erasures + check)))
+        rates[(layer, site)] = Rate(*bits)
+    return rates
+
+
+def _quantile(histogram: list[int], q: float) -> int:
+    total = sum(histogram)
+    if not total:
+        return 0
+    seen = 0
+    for value, count in enumerate(histogram):
+        seen += count
+        if seen >= q * total:
+            return value
+    return len(histogram) - 1

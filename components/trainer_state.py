@@ -1,0 +1,77 @@
+"""The trainer-state artifact: what a trainer needs to continue besides the
+policy's weights, kept out of the policy folder so that the policy stays a
+clean Hugging Face checkpoint (a serving engine's ``*.safetensors`` glob sees
+only weights) and so that a step that only reads the policy (rollout,
+evaluation) never downloads optimizer moments.
+
+A state folder holds :data:`TENSORS` (any named tensors: optimizer moments,
+master weights; CPU, safetensors), :data:`META` (JSON: the run id, the policy
+version, the digest of the policy folder it belongs to, and whatever else the
+trainer records, e.g. optimizer groups) and the checksum manifest over both,
+written atomically like a checkpoint. Reading checks the checksums and refuses,
+naming both sides, a state of another run, of another policy version, or of
+another policy folder (in a comparison the methods share a run id and step
+count, so only the digest tells their states apart).
+"""
+
+import json
+import os
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from .checkpoint import MANIFEST, CheckpointError, commit_folder, folder_digest, staging_folder, verify_folder
+
+TENSORS = "state.safetensors"
+META = "state.json"
+_REQUIRED = ("run_id", "policy_version", "policy_sha256")
+
+
+class StateMismatch(ValueError):
+    """A trainer state that belongs to another run, policy version or policy folder."""
+
+
+def save_state(path: str | os.PathLike, tensors: dict[str, Tensor], meta: dict, policy: str | os.PathLike) -> Path:
+    """Write ``tensors`` and ``meta`` (which must name ``run_id`` and
+    ``policy_version``) at ``path``, pinned to the policy folder ``policy`` (already saved)."""
+    missing = [key for key in ("run_id", "policy_version") if key not in meta]
+    if missing:
+        raise ValueError(f"trainer state meta lacks {missing}")
+    folder = Path(path)
+    tmp = staging_folder(folder)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / TENSORS)
+    record = {**meta, "policy_sha256": folder_digest(policy)}
+    (tmp / META).write_text(json.dumps(record, indent=1))
+    return commit_folder(tmp, folder, {key: record[key] for key in ("run_id", "policy_version")})
+
+
+def read_meta(path: str | os.PathLike) -> dict:
+    """A state folder's metadata, after its files were checked against the manifest."""
+    folder = Path(path)
+    if not (folder / MANIFEST).exists():
+        raise FileNotFoundError(f"{folder / MANIFEST}: missing, so {folder} is not a trainer state")
+    verify_folder(folder)
+    try:
+        meta = json.loads((folder / META).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{folder / META}: unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or any(key not in meta for key in _REQUIRED):
+        raise CheckpointError(f"{folder / META}: must be an object with {list(_REQUIRED)}")
+    return meta
+
+
+def load_state(path: str | os.PathLike, policy: str | os.PathLike, run_id: str) -> tuple[dict[str, Tensor], dict]:
+    """The tensors and metadata of the state at ``path``, refused unless it was
+    saved by run ``run_id`` together with the policy folder ``policy``."""
+    folder = Path(path)
+    meta = read_meta(folder)
+    if meta["run_id"] != run_id:
+        raise StateMismatch(f"{folder}: trainer state of run {meta['run_id']!r}, this is run {run_id!r}")
+    digest = folder_digest(policy)
+    if meta["policy_sha256"] != digest:
+        raise StateMismatch(
+            f"{folder}: trainer state of policy version {meta['policy_version']} saved with another policy "
+            f"folder than {policy} (manifest sha256 {meta['policy_sha256'][:12]}..., found {digest[:12]}...)"
+        )
+    return load_file(folder / TENSORS), meta

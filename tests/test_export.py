@@ -1,0 +1,129 @@
+"""The serving export round-trips through compressed-tensors (PyPI): its config
+parses as compressed-tensors' own NVFP4 / MXFP4 presets, its matcher selects
+exactly the routed experts, its compressors decompress every expert weight to
+exactly the values the rollout computed with (bit for bit in BF16, except the
+expert matrices the export itself reports as one BF16 ulp off: exact ties, see
+export.inverse_global_scale), and the NVFP4 input scales are the rollout's
+static calibrated scales."""
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from compressed_tensors.compressors import BaseCompressor
+from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+from compressed_tensors.utils.match import is_match
+from safetensors.torch import load_file
+
+from tracefp4.components.checkpoint import load_model, provenance, save_model, stacked_to_hub
+from tracefp4.components.export import export
+from tracefp4.components.model import build_model
+from tracefp4.components.quant import rollout_config
+from tracefp4.components.rollout import TorchEngine
+from tracefp4.components.tokenizer import build_tokenizer
+from tracefp4.pipelines.cli import main
+
+PRESET = {"nvfp4": "NVFP4", "mxfp4": "MXFP4"}
+
+
+@pytest.fixture(scope="module")
+def policies(tmp_path_factory):
+    """Two saved policies: qwen3_moe (smoke) and qwen2_moe with shared experts, each with its tokenizer files."""
+    root = tmp_path_factory.mktemp("policies")
+    out = {}
+    for preset in ("smoke", "tiny-qwen2"):
+        provenance_ = {"run_id": "run-a", "policy_version": 3}
+        save_model(build_model(preset, seed=5), root / preset, extra=build_tokenizer().files(), provenance=provenance_)
+        out[preset] = root / preset
+    return out
+
+
+def _modules(tensors: dict) -> dict[str, dict]:
+    """Module name -> its tensors by local name."""
+    modules: dict[str, dict] = {}
+    for key, t in tensors.items():
+        module, _, local = key.rpartition(".")
+        modules.setdefault(module, {})[local] = t
+    return modules
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("preset", ["smoke", "tiny-qwen2"])
+def test_export_round_trips_through_compressed_tensors(policies, tmp_path, fmt, preset):
+    stats = export(policies[preset], tmp_path / "out", fmt, calibration_seed=11)
+    folder = tmp_path / "out"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "checksums.json",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert provenance(folder)["policy_version"] == 3 and provenance(folder)["format"] == f"{fmt}-pack-quantized"
+    hf = json.loads((folder / "config.json").read_text())
+    config = QuantizationConfig.model_validate(hf["quantization_config"])
+    assert config.format == f"{fmt}-pack-quantized" and config.quantization_status == "compressed"
+    (scheme,) = config.config_groups.values()
+    preset_scheme = preset_name_to_scheme(PRESET[fmt], ["Linear"])
+    for part in ("weights", "input_activations"):  # as llm-compressor writes its preset into config.json
+        assert getattr(scheme, part).model_dump() == getattr(preset_scheme, part).model_dump()
+
+    # what the rollout computes with: the engine's BF16 copy, experts fake-quantized, scales calibrated
+    policy = load_model(policies[preset])
+    bf16 = stacked_to_hub({k: v.to(torch.bfloat16) for k, v in policy.state_dict().items()}, policy.cfg)
+    engine = TorchEngine(policy, rollout_config("fp4_wa", fmt), dtype=torch.bfloat16, calibration_seed=11)
+    rollout = stacked_to_hub(engine.model.state_dict(), policy.cfg)
+    modules = _modules(load_file(folder / "model.safetensors"))
+    compressor = BaseCompressor.get_value_from_registry(config.format)
+    linear = torch.nn.Linear(1, 1)  # the matcher looks at names and at the class
+    experts = [m for m in modules if ".mlp.experts." in m]
+    assert len(experts) == stats["expert_matrices"] * 3 // 2  # gate_up splits into gate and up
+    off = set()  # (layer, expert, matrix) served one BF16 ulp off
+    for name, tensors in modules.items():
+        matched = is_match(name, linear, scheme.targets, config.ignore)
+        if name in experts:
+            assert matched, name
+            compressed = {k: v for k, v in tensors.items() if k != "input_global_scale"}
+            weight, expected = compressor.decompress(compressed, scheme)["weight"], rollout[f"{name}.weight"]
+            assert weight.dtype == torch.bfloat16 and weight.shape == expected.shape
+            if not torch.equal(weight, expected):
+                ulps = weight.view(torch.int16).int() - expected.view(torch.int16).int()
+                assert ulps.abs().max() == 1 and (ulps != 0).float().mean() < 0.1, name
+                off.add((name.split(".")[2], name.split(".")[5], "down" if name.endswith("down_proj") else "gate_up"))
+            if fmt == "nvfp4":
+                layer, site = int(name.split(".")[2]), "moe_down_in" if name.endswith("down_proj") else "moe_in"
+                assert tensors["input_global_scale"].item() == (1 / engine.global_scales[(layer, site)]).item()
+            else:
+                assert set(tensors) == {"weight_packed", "weight_scale"}  # MX activations: dynamic
+        else:
+            assert set(tensors) <= {"weight", "bias"}, name
+            for local, t in tensors.items():
+                assert t.dtype == torch.bfloat16 and torch.equal(t, bf16[f"{name}.{local}"])
+            if tensors["weight"].dim() == 2 and name != "model.embed_tokens":  # every other Linear: kept BF16
+                assert not matched, name
+    assert len(off) == stats["inexact_matrices"] <= stats["expert_matrices"] // 4
+    shared = [m for m in modules if ".shared_expert." in m]
+    assert bool(shared) == (preset == "tiny-qwen2") and all(m in config.ignore for m in shared)
+    assert "lm_head" in config.ignore and all(m in config.ignore for m in modules if m.endswith("mlp.gate"))
+    assert stats["expert_bytes"] < stats["expert_bytes_bf16"] / 3  # 4.25-4.5 bits against 16
+
+
+def test_export_command(policies, tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["export", "--format", "nvfp4", str(policies["smoke"]), str(tmp_path / "e")])
+    assert result.exit_code == 0, result.output
+    assert "nvfp4-pack-quantized" in result.output and (tmp_path / "e" / "model.safetensors").exists()
+    result = runner.invoke(main, ["export", "--format", "int4", str(policies["smoke"]), str(tmp_path / "x")])
+    assert result.exit_code != 0 and "'int4' is not one of" in result.output and not (tmp_path / "x").exists()
+
+
+def test_a_model_without_routed_experts_is_refused(tmp_path):
+    model = build_model("smoke", seed=0)
+    dense = dataclasses.replace(model.cfg, mlp_only_layers=(0, 1))
+    save_model(build_model(dense, seed=0), tmp_path / "dense")
+    with pytest.raises(ValueError, match="no routed experts to quantize"):
+        export(tmp_path / "dense", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,245 @@
+"""The syndrome guidance codec: exact recovery when the training side knows the
+truth or disagrees in a few unreliable places, detected and counted failure
+otherwise, rate control, and the shard round trip with corruption caught."""
+
+import random
+
+import pytest
+import torch
+
+from tracefp4.components.capture import CaptureRecords, SiteTable
+from tracefp4.components.guidance import GuidanceError, GuidanceLoader, decode_shard, encode_shard, write_step
+from tracefp4.components.store import open_store
+from tracefp4.components.syndrome import (
+    CODE_CHECK_BITS,
+    MAX_CODE_BITS,
+    DecodeStats,
+    Rate,
+    SyndromeTable,
+    choose_rates,
+    decode_rows,
+    decode_summary,
+    encode_table,
+    first_rate,
+)
+from tracefp4.kernels import compact_codes, parity_matrix, quantize, solve_erasures, syndrome, unpack_nibbles
+
+
+def test_parity_matrix_is_fixed():
+    # computed from integer hashes: the same bits on every platform and torch version
+    assert parity_matrix(2, 16, 0).flatten().tolist() == [int(b) for b in "01000111010110110001010111100000"]
+    assert not torch.equal(parity_matrix(4, 64, 1), parity_matrix(4, 64, 2))  # the stages' matrices differ
+
+
+def blocks(nb=400, n=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    truth = torch.randint(0, 2, (nb, n), generator=g, dtype=torch.uint8)
+    reliability = torch.rand(nb, n, generator=g)
+    return truth, reliability
+
+
+def test_side_information_equal_to_the_truth_decodes_exactly():
+    truth, reliability = blocks()
+    h = parity_matrix(32, 256, 1)
+    bits, ok, needed = solve_erasures(truth, reliability, syndrome(truth, h), h, 32 - CODE_CHECK_BITS)
+    assert ok.all() and torch.equal(bits, truth) and (needed == 0).all()
+
+
+def test_one_percent_flips_at_unreliable_positions_decode_exactly():
+    truth, reliability = blocks()
+    flips = (reliability < 0.01).to(torch.uint8)  # ~2.6 per block, among the least reliable
+    h = parity_matrix(64, 256, 1)
+    bits, ok, needed = solve_erasures(truth ^ flips, reliability, syndrome(truth, h), h, 56)
+    assert flips.sum() > 500 and ok.all() and torch.equal(bits, truth)
+    assert (needed == (flips.bool() * (reliability.argsort(1).argsort(1) + 1)).amax(1)).all()
+
+
+def test_disagreements_beyond_the_erasures_fail_detectably():
+    truth, reliability = blocks()
+    flips = torch.zeros_like(truth)
+    flips[:, reliability.argsort(1)[0, -1]] = 1  # one flip in a place each block is sure of
+    flips = torch.where(reliability >= 0.5, flips, 0)
+    h = parity_matrix(64, 256, 1)
+    bits, ok, _ = solve_erasures(truth ^ flips, reliability, syndrome(truth, h), h, 56)
+    wrong = flips.bool().any(1)
+    assert wrong.sum() > 100
+    # 8 check equations: a wrong block passes with probability 2^-8, so at most a few of ~200
+    assert (ok & wrong).sum() <= 3 and torch.equal(bits[~wrong], truth[~wrong])
+    assert torch.equal(bits[ok & ~wrong], truth[ok & ~wrong])
+
+
+def test_a_flipped_parity_bit_is_detected():
+    truth, reliability = blocks(nb=200)
+    h = parity_matrix(64, 256, 1)
+    parity = syndrome(truth, h)
+    parity[:, 5] ^= 1
+    _, ok, _ = solve_erasures(truth, reliability, parity, h, 56)
+    assert (~ok).sum() >= 195  # a consistent wrong solution needs the flipped row in the erasures' span: 2^-8
+
+
+def table_from(x: torch.Tensor, traj: torch.Tensor, fmt="nvfp4") -> SiteTable:
+    g = torch.tensor(x.abs().max().item() / (6 * 448))
+    q = quantize(x, fmt, global_scale=g if fmt == "nvfp4" else None)
+    n = len(traj)
+    pos = torch.cat([torch.arange(int(c)) for c in torch.unique_consecutive(traj, return_counts=True)[1]])
+    return SiteTable(
+        0,
+        "moe_in",
+        fmt,
+        4,
+        x.shape[1],
+        float(g) if fmt == "nvfp4" else None,
+        traj,
+        pos,
+        torch.zeros(n, dtype=torch.long),
+        torch.full((n,), -1),
+        q.codes,
+        q.scales.view(torch.uint8),
+    )
+
+
+def rows(n=120, width=128, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, width, generator=g) * torch.rand(n, 1, generator=g).add(0.5)
+    traj = torch.arange(n) // 17  # trajectories of 17 rows: blocks of 2 rows, a short last block each
+    return x, traj
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_table_round_trip_with_the_rollouts_own_values(fmt):
+    x, traj = rows()
+    table = table_from(x, traj, fmt)
+    coded = encode_table(table, Rate(32, 8))
+    per_trajectory = torch.unique_consecutive(traj, return_counts=True)[1]
+    assert coded.group == 2 and coded.code_parity.shape == (int(((per_trajectory + 1) // 2).sum()), 4)
+    scales, low, ok, stats = decode_rows(coded, x, torch.ones(len(x), dtype=torch.bool))
+    assert ok.all() and stats.failed == 0 and stats.blocks == coded.code_parity.shape[0]
+    assert torch.equal(scales, table.scales) and torch.equal(low, unpack_nibbles(table.codes) & 1)
+
+
+def test_one_codeword_flips_decode_and_failures_are_counted():
+    x, traj = rows(seed=1)
+    table = table_from(x, traj)
+    g = torch.Generator().manual_seed(2)
+    train = x * (1 + 2e-3 * torch.randn(x.shape, generator=g))  # the training side's values drift a little
+    rtn = unpack_nibbles(quantize(train, "nvfp4", global_scale=torch.tensor(table.global_scale)).codes)
+    disagree = ((rtn & 1) != (unpack_nibbles(table.codes) & 1)).float().mean()
+    assert 0.002 < disagree < 0.03
+    coded = encode_table(table, Rate(64, 16))
+    scales, low, ok, stats = decode_rows(coded, train, torch.ones(len(x), dtype=torch.bool))
+    truth = (low == unpack_nibbles(table.codes) & 1).all(1) & (scales == table.scales).all(1)
+    assert ok.float().mean() > 0.9 and truth[ok].all()  # decoded rows are exact
+    # far from the rollout's values most blocks fail, and each failure is counted
+    far = x + 0.5 * torch.randn(x.shape, generator=g)
+    _, low, ok, stats = decode_rows(coded, far, torch.ones(len(x), dtype=torch.bool))
+    block, _ = coded.block_of_rows()
+    assert stats.failed == len(torch.unique(block[~ok])) and stats.failed > 0.9 * stats.blocks
+
+
+def test_rows_the_training_forward_lacks_are_unknowns():
+    x, traj = rows(seed=3)
+    table = table_from(x, traj)
+    coded = encode_table(table, Rate(64, 16))
+    available = torch.ones(len(x), dtype=torch.bool)
+    available[::17] = False  # the first row of every trajectory: its block cannot decode
+    _, _, ok, stats = decode_rows(coded, x, available)
+    assert not ok[::17].any() and ok[available & (torch.arange(len(x)) % 17 >= 2)].all()
+
+
+def test_rate_control():
+    first = first_rate(0.25)
+    assert first == Rate(56, 8)
+    assert choose_rates([(0, "moe_in")], None, first) == {(0, "moe_in"): first}
+    seen = DecodeStats(first, blocks=100, failed=0)
+    seen.code_needed[10] = 100
+    seen.scale_needed[1] = 100
+    rates = choose_rates([(0, "moe_in"), (1, "moe_in")], {"0/moe_in": seen.to_json()}, first)
+    assert rates[(0, "moe_in")] == Rate(24, 8) and rates[(1, "moe_in")] == first  # 1.25 * 10 + 2 + 8 -> 24
+    seen.failed = 20  # failed blocks needed more than the rate allowed: grow by half
+    assert choose_rates([(0, "moe_in")], {"0/moe_in": seen.to_json()}, first)[(0, "moe_in")].code_bits == MAX_CODE_BITS
+    summary = decode_summary({(0, "moe_in"): seen})
+    assert summary["guidance_decode_failed_share"] == 0.2 and summary["guidance_decode"]["0/moe_in"]["blocks"] == 100
+
+
+def coded_records(seed=0) -> CaptureRecords:
+    x, traj = rows(seed=seed)
+    return CaptureRecords({(0, "moe_in"): encode_table(table_from(x, traj), Rate(40, 8))})
+
+
+def test_shard_and_loader_round_trip(tmp_path):
+    records = coded_records()
+    data = encode_shard(records, rl_step=1, policy_version=1, top_k=1)
+    header, back = decode_shard(data, "shard")
+    assert header["codec"] == ["syndrome"]
+    a, b = records.tables[(0, "moe_in")], back.tables[(0, "moe_in")]
+    assert isinstance(b, SyndromeTable) and a.rate == b.rate and a.group == b.group
+    for name in ("traj", "pos", "slot", "expert", "code_parity", "scale_parity"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    store = open_store(str(tmp_path))
+    manifest = write_step(
+        store, records, rl_step=1, policy_version=1, top_k=1, trajectories_per_shard=3, syndrome={"rates": {}}
+    )
+    assert manifest["codec"] == ["syndrome"] and manifest["syndrome"] == {"rates": {}}
+    (mb,) = GuidanceLoader(store, 1, [[5, 0, 4]])
+    t = mb.tables[(0, "moe_in")]
+    expected = torch.cat([a.for_trajectories(torch.tensor([i])).code_parity for i in (5, 0, 4)])
+    assert torch.equal(t.code_parity, expected) and t.traj.unique_consecutive().tolist() == [5, 0, 4]
+
+
+def test_a_corrupt_shard_is_a_guidance_error():
+    data = encode_shard(coded_records(), rl_step=0, policy_version=0, top_k=1)
+    rng = random.Random(0)
+    for _ in range(200):
+        bad = bytearray(data)
+        bit = rng.randrange(len(data) * 8)
+        bad[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(GuidanceError, match="shard-y"):
+            decode_shard(bytes(bad), "shard-y")
+
+
+def test_parity_arrays_of_the_wrong_shape_are_refused():
+    records = coded_records()
+    table = records.tables[(0, "moe_in")]
+    records.tables[(0, "moe_in")] = SyndromeTable(
+        **{**table.__dict__, "code_parity": table.code_parity[:-1]}  # a block's parity missing
+    )
+    data = encode_shard(records, rl_step=0, policy_version=0, top_k=1)
+    with pytest.raises(GuidanceError, match=r"code_parity has shape \(63, 5\), its 64 blocks of 40 bits"):
+        decode_shard(data, "shard-z")
+
+
+def test_compact_parity_layout():
+    # parity bits travel packed LSB first, as R-1 codes do
+    bits = torch.tensor([[1, 0, 0, 0, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.uint8)
+    assert compact_codes(bits, 1).tolist() == [[0b1000_0001, 0b1]]
+
+
+def test_rounds_decode_inline_and_the_next_round_chooses_its_rates(tmp_path):
+    from tracefp4.components import steps
+    from tracefp4.components.guidance import read_manifest
+    from tracefp4.schemas import get_preset
+
+    data = get_preset("smoke").model_dump()
+    data["bootstrap"]["enabled"] = False
+    data["guidance"].update(codec="syndrome", syndrome_rate=0.25)
+    data["store"]["uri"] = (tmp_path / "store").as_uri()
+    config = steps.RunConfig.model_validate(data)
+    steps.prepare(config, tmp_path / "p0", "run", tmp_path / "s0")
+    first = steps.run_round(
+        config, tmp_path / "p0", tmp_path / "s0", 0, tmp_path / "p1", tmp_path / "s1", tmp_path, "run"
+    )
+    second = steps.run_round(
+        config, tmp_path / "p1", tmp_path / "s1", 1, tmp_path / "p2", tmp_path / "s2", tmp_path, "run"
+    )
+    for row in first + second:
+        assert row["guidance_decode_blocks"] > 0 and row["guidance_decode_failures"] == 0
+        assert row["guidance_coverage"] == 1.0 and row["guidance_bits_per_element"] <= 0.35
+    store = open_store(config.store.uri)
+    prefix = steps.store_prefix(config, "run", "guidance")
+    m0, m1 = read_manifest(store, 0, prefix), read_manifest(store, 1, prefix)
+    assert m0["codec"] == ["syndrome"] and m0["syndrome"]["previous_decode"] is None
+    assert all(rate == [56, 8] for rate in m0["syndrome"]["rates"].values())
+    # the smoke model's training side agrees with its rollout: round 1 needs (and pays) far less
+    assert m1["syndrome"]["previous_decode"] == steps.read_decode_stats(store, prefix, 0)
+    assert all(code < 56 for code, _ in m1["syndrome"]["rates"].values())
+    assert second[0]["guidance_bits_per_element"] < first[0]["guidance_bits_per_element"]

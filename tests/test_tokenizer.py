@@ -1,0 +1,191 @@
+"""The policy's tokenizer: the character tokenizer keeps its ids and layout; a
+checkpoint's BPE tokenizer with a Qwen-style chat template renders prompts
+exactly as transformers does, stops on every eos, pads with its pad id, and
+bad files fail naming the file and field."""
+
+import json
+from dataclasses import replace
+
+import pytest
+from chat_checkpoint import ENDOFTEXT, IM_END, IM_START, TEMPLATE, tokenizer_files, train_bpe
+from transformers import AutoTokenizer
+
+from tracefp4.components import steps
+from tracefp4.components.bootstrap import make_batch
+from tracefp4.components.model import build_model, get_preset
+from tracefp4.components.rollout import TorchEngine
+from tracefp4.components.tasks import format_example, split
+from tracefp4.components.tokenizer import (
+    BOS,
+    EOS,
+    GENERATION_CONFIG,
+    PAD,
+    TOKENIZER,
+    TOKENIZER_CONFIG,
+    UNK,
+    VOCAB_SIZE,
+    TokenizerError,
+    build_tokenizer,
+    load_tokenizer,
+    save_tokenizer,
+)
+from tracefp4.schemas import load_config
+
+BPE = train_bpe()
+IDS = {name: BPE.token_to_id(name) for name in (ENDOFTEXT, IM_START, IM_END)}
+
+
+def folder_of(tmp_path, files: dict[str, bytes], name="ckpt"):
+    folder = tmp_path / name
+    folder.mkdir()
+    for file, data in files.items():
+        (folder / file).write_bytes(data)
+    return folder
+
+
+def edited(files: dict[str, bytes], name: str, **changes) -> dict[str, bytes]:
+    """``files`` with the JSON file ``name``'s keys changed (None: removed)."""
+    value = json.loads(files[name])
+    value.update(changes)
+    return {**files, name: json.dumps({k: v for k, v in value.items() if v is not None}).encode()}
+
+
+@pytest.fixture
+def chat(tmp_path):
+    return folder_of(tmp_path, tokenizer_files(BPE))
+
+
+# -- the character tokenizer of the presets -------------------------------------------------------------------------
+
+
+def test_character_tokenizer_keeps_its_ids_and_layout():
+    tok = build_tokenizer()
+    assert tok.vocab_size == VOCAB_SIZE == 100 and not tok.chat
+    assert [tok.hf.convert_tokens_to_ids(t) for t in ("<pad>", "<bos>", "<eos>", "<unk>")] == [PAD, BOS, EOS, UNK]
+    assert (tok.pad_id, tok.eos_ids, tok.end_id, tok.bos_id) == (0, (2,), 2, 1)
+    assert tok.encode_prompt("12+3=") == [1, 22, 23, 16, 24, 34]  # <bos> then one id per character, as ever
+    assert tok.encode_answer("15") == [22, 26, 4] and tok.stop_ids == (EOS, 4)  # the answer ends with the newline
+    printable = "".join(chr(c) for c in range(32, 127)) + "\n"
+    assert tok.decode(tok.encode(printable)) == printable
+    assert tok.encode("1é\x00") == [tok.encode("1")[0], UNK, UNK]
+    assert tok.decode([BOS, *tok.encode("7+1="), EOS, PAD]) == "7+1="
+    assert build_tokenizer().files() == tok.files()  # deterministic
+
+
+def test_character_tokenizer_files_round_trip_and_transformers_reads_them(tmp_path):
+    tok = build_tokenizer()
+    folder = save_tokenizer(tok, tmp_path / "ckpt")
+    assert sorted(p.name for p in folder.iterdir()) == sorted([TOKENIZER, TOKENIZER_CONFIG, GENERATION_CONFIG])
+    generation = json.loads((folder / GENERATION_CONFIG).read_text())
+    assert (generation["eos_token_id"], generation["pad_token_id"], generation["bos_token_id"]) == ([EOS], PAD, BOS)
+    loaded = load_tokenizer(folder)
+    assert loaded.files() == tok.files() and loaded.stop_ids == tok.stop_ids
+    text = "numbers 3 7 25 target 46:"
+    assert loaded.encode_prompt(text) == tok.encode_prompt(text)
+    hf = AutoTokenizer.from_pretrained(folder)  # what a serving engine reads
+    assert hf.encode(text, add_special_tokens=False) == tok.encode(text)
+    assert (hf.eos_token_id, hf.pad_token_id, hf.bos_token_id) == (EOS, PAD, BOS)
+
+
+# -- a checkpoint's BPE tokenizer with a chat template --------------------------------------------------------------
+
+
+def test_prompts_are_the_chat_template_rendering_transformers_gives(chat):
+    tok = load_tokenizer(chat)
+    hf = AutoTokenizer.from_pretrained(chat)
+    assert tok.chat and tok.vocab_size == BPE.get_vocab_size()
+    for task in ("arithmetic", "countdown", "program"):
+        for p in split(task, 4, 0, seed=1, difficulty=2)[0]:
+            messages = [{"role": "user", "content": format_example(p)}]
+            expected = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+            assert tok.encode_prompt(format_example(p)) == list(expected)
+    text = tok.hf.decode(tok.encode_prompt("12+3="))
+    assert text == f"{IM_START}user\n12+3={IM_END}\n{IM_START}assistant\n"
+
+
+def test_eos_list_ends_answers_and_stops_generation(chat, tmp_path):
+    tok = load_tokenizer(chat)
+    assert tok.eos_ids == (IDS[IM_END], IDS[ENDOFTEXT]) and tok.stop_ids == tok.eos_ids  # no newline stop
+    assert tok.end_id == IDS[IM_END] and tok.pad_id == IDS[ENDOFTEXT] and tok.bos_id is None
+    assert tok.encode_answer("25+3*7") == tok.encode("25+3*7") + [IDS[IM_END]]
+    assert tok.decode(tok.encode_answer("25+3*7")) == "25+3*7"
+    files = tokenizer_files(BPE)
+    single = load_tokenizer(folder_of(tmp_path, edited(files, GENERATION_CONFIG, eos_token_id=IDS[IM_END]), "one"))
+    assert single.eos_ids == (IDS[IM_END],)  # an int is a list of one
+    no_generation = {k: v for k, v in files.items() if k != GENERATION_CONFIG}
+    fallback = load_tokenizer(folder_of(tmp_path, no_generation, "none"))
+    assert fallback.eos_ids == (IDS[IM_END],) and fallback.pad_id == IDS[ENDOFTEXT]  # tokenizer_config's tokens
+    repeated = edited(files, GENERATION_CONFIG, eos_token_id=[IDS[IM_END], IDS[ENDOFTEXT], IDS[IM_END]])
+    assert load_tokenizer(folder_of(tmp_path, repeated, "repeated")).eos_ids == tok.eos_ids
+
+
+def test_pad_id_comes_from_the_files_and_pads_batches(chat, tmp_path):
+    tok = load_tokenizer(chat)
+    files = tokenizer_files(BPE)
+    from_generation = edited(files, TOKENIZER_CONFIG, pad_token=None)
+    assert load_tokenizer(folder_of(tmp_path, from_generation, "gen")).pad_id == IDS[ENDOFTEXT]
+    problems = split("arithmetic", 3, 0, seed=0, difficulty=1)[0] + split("program", 1, 0, seed=0, difficulty=1)[0]
+    batch = make_batch(tok, problems, max_len=128)
+    for i, p in enumerate(problems):
+        prompt, answer = tok.encode_prompt(format_example(p)), tok.encode_answer(p.answer)
+        n = int(batch.lengths[i])
+        assert batch.tokens[i, :n].tolist() == prompt + answer and (batch.tokens[i, n:] == tok.pad_id).all()
+        assert batch.tokens[i, 1:][batch.target[i]].tolist() == answer  # the SFT target ends with <|im_end|>
+    assert (batch.tokens == tok.pad_id).any()  # some row was padded
+    generation = json.loads(tok.files()[GENERATION_CONFIG])
+    assert generation["eos_token_id"] == [IDS[IM_END], IDS[ENDOFTEXT]] and generation["pad_token_id"] == tok.pad_id
+    assert generation["temperature"] == 0.6  # the source's other fields travel on
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"drop": TOKENIZER}, "tokenizer.json does not exist"),
+        ({"drop": TOKENIZER_CONFIG}, "tokenizer_config.json does not exist"),
+        ({GENERATION_CONFIG: {"eos_token_id": [IDS[IM_END], 5000]}}, "generation_config.json eos_token_id is 5000"),
+        ({GENERATION_CONFIG: {"eos_token_id": IDS[ENDOFTEXT]}}, "eos_token '<|im_end|>' .* is not among"),
+        ({GENERATION_CONFIG: {"pad_token_id": -1}, TOKENIZER_CONFIG: {"pad_token": None}}, "pad_token_id is -1"),
+        ({GENERATION_CONFIG: {"pad_token_id": None}, TOKENIZER_CONFIG: {"pad_token": None}}, "no pad: set pad_token"),
+        ({TOKENIZER_CONFIG: {"eos_token": "<|eot|>"}}, "eos_token '<|eot|>' is not a token of tokenizer.json"),
+        ({TOKENIZER_CONFIG: {"chat_template": "{{ messages[0]['content'] | nosuchfilter }}"}}, "chat_template fails"),
+        ({TOKENIZER_CONFIG: {"chat_template": "{{ raise_exception('no user turns') }}"}}, "chat_template fails"),
+    ],
+)
+def test_bad_tokenizer_files_fail_naming_the_file_and_field(tmp_path, change, message):
+    files = tokenizer_files(BPE)
+    for name, keys in change.items():
+        files = {k: v for k, v in files.items() if k != keys} if name == "drop" else edited(files, name, **keys)
+    with pytest.raises(TokenizerError, match=message):
+        load_tokenizer(folder_of(tmp_path, files))
+
+
+def test_a_template_from_chat_template_jinja_is_used_and_kept(tmp_path):
+    files = edited(tokenizer_files(BPE), TOKENIZER_CONFIG, chat_template=None)
+    files["chat_template.jinja"] = TEMPLATE.encode()
+    tok = load_tokenizer(folder_of(tmp_path, files))
+    assert tok.chat and tok.files()["chat_template.jinja"] == TEMPLATE.encode()
+    assert tok.hf.decode(tok.encode_prompt("1+1=")).endswith(f"{IM_START}assistant\n")
+    broken = {**files, "chat_template.jinja": b"{% for %}"}
+    with pytest.raises(TokenizerError, match="chat_template.jinja fails to render"):
+        load_tokenizer(folder_of(tmp_path, broken, "broken"))
+
+
+def test_sampling_stops_each_trajectory_at_its_first_eos_and_pads_with_the_pad_id(chat):
+    """A random policy over the BPE vocabulary samples each eos now and then:
+    those trajectories end there, the others run to the token limit with none."""
+    tok = load_tokenizer(chat)
+    model = build_model(replace(get_preset("smoke"), vocab_size=tok.vocab_size), seed=3)
+    config = load_config(None, preset="smoke", overrides={"rollout.max_new_tokens": 16})
+    params = steps.sampling(config, seed=0, tokenizer=tok)
+    assert params.stop_tokens == tok.eos_ids and params.pad_token == tok.pad_id
+    prompts = [tok.encode_prompt(format_example(p)) for p in split("countdown", 48, 0, seed=0, difficulty=1)[0]]
+    trajectories = TorchEngine(model).generate(prompts, params)
+    ended = {eos: 0 for eos in tok.eos_ids}
+    for t in trajectories:
+        at = [i for i, token in enumerate(t.response) if token in tok.eos_ids]
+        if t.finish_reason == "stop":
+            assert at == [len(t.response) - 1]
+            ended[t.response[-1]] += 1
+        else:
+            assert not at and len(t.response) == 16
+    assert min(ended.values()) >= 2, ended  # both eos ids stopped trajectories
