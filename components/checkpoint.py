@@ -310,7 +310,7 @@ def hub_to_stacked(tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Te
     tensor allocated once, in its first part's dtype); other keys pass through."""
     shapes = _stacked_shapes(cfg)
     parts: dict[str, set[str]] = {}  # stacked key -> the Hub keys that fill it
-    for hub in _expected_shapes(cfg):
+    for hub in hub_shapes(cfg):
         parts.setdefault(hub_slot(hub, cfg)[0], set()).add(hub)
     out, filled = {}, {}
     for key, t in tensors.items():
@@ -536,7 +536,7 @@ def _stacked_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(t.shape) for k, t in _meta_state(cfg).items()}
 
 
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def hub_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The Hub tensor names and shapes of a model of ``cfg``."""
     return {k: tuple(t.shape) for k, t in stacked_to_hub(_meta_state(cfg), cfg).items()}
 
@@ -555,7 +555,7 @@ def _check_tensors(folder: Path, cfg: ModelConfig, headers: dict) -> dict[str, t
     check_count("num_hidden_layers", cfg.num_layers, _LAYER, "model.layers.{}")
     if cfg.sparse_layers:  # only now: it walks the layers
         check_count("num_experts", cfg.num_experts, _EXPERT_INDEX, "experts.{}")
-    expected = _expected_shapes(cfg)
+    expected = hub_shapes(cfg)
     if cfg.tie_word_embeddings:
         headers = {k: v for k, v in headers.items() if k != "lm_head.weight"}  # transformers may save the tied copy
     missing, unexpected = sorted(set(expected) - set(headers)), sorted(set(headers) - set(expected))

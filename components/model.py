@@ -485,7 +485,11 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # left uninitialized (build_model and load_model fill every parameter): normal_ on the meta
+        # device would import torch's Python decompositions and sympy, ~150 MB in every loading process
+        self.model.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.model.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
