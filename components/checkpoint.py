@@ -4,7 +4,9 @@ safetensors only; pickle files are refused.
 
 On disk experts are per expert (``mlp.experts.{e}.gate_proj.weight``, the Hub
 layout, ``[out, in]``); in memory they are stacked in ``x @ w`` layout
-(``mlp.experts.gate_up [E, in, out]``). Saving
+(``mlp.experts.gate_up [E, in, out]``). Loading copies each tensor from the
+mapped file straight into its slot of a model allocated once, in the
+checkpoint's dtype (:func:`load_model`). Saving
 writes into a temporary folder and renames it into place, so a reader never
 sees a half-written checkpoint.
 
@@ -320,7 +322,10 @@ def hub_to_stacked(tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Te
             continue
         if name not in out:
             out[name] = t.new_empty(shapes[name])
-        view(out[name]).copy_(t)
+        slot = view(out[name])
+        if slot.shape != t.shape:
+            raise ValueError(f"{key} has shape {list(t.shape)}, but the config implies {list(slot.shape)}")
+        slot.copy_(t)
         filled.setdefault(name, set()).add(key)
     for name, keys in filled.items():
         missing = sorted(parts[name] - keys)

@@ -324,3 +324,6 @@ def test_weight_sync_conversion_names_missing_parts():
     del hub["model.layers.1.mlp.experts.2.up_proj.weight"], hub["model.layers.0.self_attn.v_proj.weight"]
     with pytest.raises(KeyError, match=r"lacks \['model.layers.0.self_attn.v_proj.weight'\] of .*qkv_proj.weight"):
         hub_to_stacked(hub, cfg)
+    hub["model.layers.0.self_attn.v_proj.weight"] = torch.zeros(3, 64)
+    with pytest.raises(ValueError, match=r"v_proj.weight has shape \[3, 64\], but the config implies \[32, 64\]"):
+        hub_to_stacked(hub, cfg)
