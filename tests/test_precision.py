@@ -9,7 +9,6 @@ import logging
 import pytest
 import torch
 from pydantic import ValidationError
-from safetensors.torch import load_file, save_file
 
 from tracefp4.components import device
 from tracefp4.components.capture import CaptureConfig
@@ -19,7 +18,7 @@ from tracefp4.components.precision import MasterWeights
 from tracefp4.components.quant import BF16, rollout_config
 from tracefp4.components.rl import SequenceBatch, token_logprobs
 from tracefp4.components.rollout import SamplingParams, TorchEngine
-from tracefp4.components.trainer import OPTIMIZER_FILE, TrainConfig, Trainer
+from tracefp4.components.trainer import TrainConfig, Trainer
 from tracefp4.schemas import RunConfig
 
 ADVANTAGES = torch.tensor([1.0, -1.0, 1.0, -1.0])
@@ -79,27 +78,25 @@ def test_the_bf16_forward_is_the_bf16_rollout_policys(precision, equal):
 def test_either_precision_resumes_the_others_checkpoint_exactly(tmp_path, saved, resumed):
     trainer, trajectories = trainer_and_batch(saved)
     trainer.train_step(trajectories, ADVANTAGES, None)
-    trainer.save(tmp_path / "ckpt")
+    trainer.save(tmp_path / "policy", tmp_path / "state", run_id="r")
     policy_dtype = {"bf16": torch.bfloat16, "fp32_master": torch.float32}[saved]
-    assert {p.dtype for p in load_model(tmp_path / "ckpt").parameters()} == {policy_dtype}
+    assert {p.dtype for p in load_model(tmp_path / "policy").parameters()} == {policy_dtype}
     config = TrainConfig(method="qat", microbatch_size=2, precision=resumed)
-    other = Trainer.from_checkpoint(tmp_path / "ckpt", config, trainer.quant, trainer.global_scales)
+    other = Trainer.from_checkpoint(
+        tmp_path / "policy", tmp_path / "state", config, trainer.quant, trainer.global_scales, run_id="r"
+    )
     for a, b in zip(trainer.weights.tensors(), other.weights.tensors()):  # the float32 master, whichever holds it
         assert torch.equal(a, b)
 
 
-def test_a_bf16_checkpoint_without_master_resumes_from_the_policy_with_a_warning(tmp_path, caplog):
-    trainer, trajectories = trainer_and_batch("bf16")
-    trainer.train_step(trajectories, ADVANTAGES, None)
-    trainer.save(tmp_path / "ckpt")
-    state = load_file(tmp_path / "ckpt" / OPTIMIZER_FILE)
-    save_file({k: v for k, v in state.items() if not k.startswith("master.")}, tmp_path / "ckpt" / OPTIMIZER_FILE)
-    (tmp_path / "ckpt" / "checksums.json").unlink()  # edited by hand: no longer what the save wrote
+def test_a_bf16_policy_without_saved_master_weights_starts_the_master_from_it_with_a_warning(caplog):
+    policy = build_model("smoke", seed=0, dtype=torch.bfloat16)
+    weights = MasterWeights(policy, "bf16")
     with caplog.at_level(logging.WARNING):
-        resumed = Trainer.from_checkpoint(tmp_path / "ckpt", trainer.config, trainer.quant, trainer.global_scales)
+        weights.load({})
     assert "master starts from the bf16 policy" in caplog.text
-    for p, m in zip(trainer.model.parameters(), resumed.weights.tensors()):
-        assert torch.equal(m, p.float())  # the bits below bf16 are gone
+    for p, m in zip(policy.parameters(), weights.tensors()):
+        assert m.dtype == torch.float32 and torch.equal(m, p.float())  # the bits below bf16 are gone
 
 
 def test_bf16_training_on_a_cpu_without_bf16_takes_the_emulated_matmuls(monkeypatch):

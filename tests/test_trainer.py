@@ -87,7 +87,7 @@ def test_rounds_end_to_end(method, precision, tmp_path):
     before, after = (steps.load_model(tmp_path / f"policy-{i}").model.layers[0].mlp.experts.gate_up for i in (0, 2))
     assert not torch.equal(before, after)
     assert after.dtype == {"bf16": torch.bfloat16, "fp32_master": torch.float32}[precision]  # the policy's dtype
-    assert read_state(tmp_path / "policy-2")["precision"] == precision
+    assert read_meta(tmp_path / "state-2")["precision"] == precision
     if method in ("qat", "trace"):  # FP4 activations in training: codes compared with the rollout's
         last = history[-1]
         assert set(last["code_mismatch_by_layer"]) == {0, 1}
