@@ -19,6 +19,7 @@ from .config import (
     TaskConfig,
     TaskName,
     Toleration,
+    TrainSection,
 )
 from .io import ConfigError, export_json_schema, load_config, save_config, schema_hash
 from .presets import PRESETS, get_preset
@@ -44,6 +45,7 @@ __all__ = [
     "TaskConfig",
     "TaskName",
     "Toleration",
+    "TrainSection",
     "export_json_schema",
     "get_preset",
     "load_config",

@@ -29,7 +29,7 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-from tracefp4.components import model, ptq, qat, quant, tasks
+from tracefp4.components import model, precision, ptq, qat, quant, tasks
 from tracefp4.components.device import DEVICE_PATTERN
 
 ModelPreset = Literal[tuple(model.PRESETS)]
@@ -39,6 +39,7 @@ Method = Literal[qat.METHODS]
 TaskName = Literal[tuple(tasks.TASKS)]
 PTQMethod = Literal[ptq.METHODS]
 Schedule = Literal["on_policy", "off_policy"]
+Precision = Literal[precision.PRECISIONS]
 
 # The only source of the S3 credentials; the store backend reads the same names.
 SECRET_ENV = {"access_key": "TRACEFP4_S3_ACCESS_KEY", "secret_key": "TRACEFP4_S3_SECRET_KEY"}
@@ -241,6 +242,21 @@ class RLConfig(_Section):
     )
 
 
+class TrainSection(_Section):
+    """How the trainer computes (docs/training.md). Named apart from the library's
+    ``components.trainer.TrainConfig``, the optimizer's hyperparameters (``rl``)."""
+
+    precision: Precision = Field(
+        default="bf16",
+        description="bf16: bf16 parameters and a bf16 forward (residual stream, norms, RoPE: as the rollout's bf16 "
+        "policy computes), AdamW over float32 master weights and moments, the parameters the master rounded after "
+        "each step: how Megatron (bf16, distributed optimizer) and FSDP2 (MixedPrecisionPolicy) train, and the "
+        "numerics closest to a bf16 rollout, so the default. fp32_master: float32 parameters under bf16 autocast "
+        "(the residual stream, norms and RoPE stay float32): more FP4 codes flip between training and rollout "
+        "(docs/results.md). Either way the master weights are saved with the optimizer state.",
+    )
+
+
 class TaskConfig(_Section):
     """One verifiable task family in the training/evaluation mix."""
 
@@ -422,6 +438,7 @@ class RunConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engine and sampling.")
     guidance: GuidanceConfig = Field(default_factory=GuidanceConfig, description="Rollout guidance kept for training.")
     rl: RLConfig = Field(default_factory=RLConfig, description="RL loop and optimizer.")
+    train: TrainSection = Field(default_factory=TrainSection, description="The trainer's numerics.")
     method: Method = Field(
         default="trace",
         description="Training method: bf16 (no QAT), qat (RTN), quads (weights-only QAT + rollout compensation), "

@@ -77,6 +77,7 @@ RUNNERS = {
     "guidance.codec": _round,
     "guidance.layers": _round,
     "rl.schedule": _round,
+    "train.precision": _round,
     "tasks.name": _task,
     "evaluation.rollout_configs": _generate,
     "evaluation.ptq_baselines": _ptq,
