@@ -275,7 +275,14 @@ def test_the_policy_folder_is_a_clean_hugging_face_checkpoint(tmp_path):
     config = smoke(tmp_path, bootstrap={"enabled": False})
     steps.prepare(config, tmp_path / "p0", RUN, tmp_path / "s0")
     files = sorted(p.name for p in (tmp_path / "p0").iterdir())
-    assert files == ["checksums.json", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert files == [
+        "checksums.json",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert sorted(p.name for p in (tmp_path / "s0").iterdir()) == ["checksums.json", "state.json", "state.safetensors"]
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "p0").eval()
     generation = transformers.GenerationConfig.from_pretrained(tmp_path / "p0")
