@@ -286,7 +286,7 @@ def test_the_policy_folder_is_a_clean_hugging_face_checkpoint(tmp_path):
     assert sorted(p.name for p in (tmp_path / "s0").iterdir()) == ["checksums.json", "state.json", "state.safetensors"]
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "p0").eval()
     generation = transformers.GenerationConfig.from_pretrained(tmp_path / "p0")
-    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 0)
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, [2], 0)  # eos: a list
     ours = load_model(tmp_path / "p0").eval()
     tokens = torch.randint(0, ours.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
