@@ -114,7 +114,7 @@ def main() -> None:
     engine = TorchEngine(build_model(args.preset, seed=0), quant)
     prompts = torch.randint(1, 64, (args.prompts, 6)).tolist()
     trajectories = engine.generate(prompts, SamplingParams(max_new_tokens=args.new_tokens, seed=0))
-    config = TrainConfig(method="qat", microbatch_size=max(1, args.prompts // 4))
+    config = TrainConfig(method="qat", microbatch_size=max(1, args.prompts // 4), precision="fp32_master")
     setup = {
         "preset": args.preset,
         "config": config,

@@ -5,9 +5,13 @@ same prompts, seeds and number of on-policy steps for every method. Prints,
 per method, the train-rollout log-prob |diff| and the code mismatch of its
 training path against each step's rollout (full capture), then what guiding
 R-1bit on all layers, the deeper half or the shallow half keeps of R-4bit's
-reduction of the mismatch: layer coverage, not bit depth, decides it.
+reduction of the mismatch: layer coverage, not bit depth, decides it. Each
+run trains under each ``--precision`` (``train.precision``: bf16 parameters
+and compute, or fp32 master weights under bf16 autocast), forked from the same
+base, so that what differs is the training forward's numerics alone.
 
     python benchmarks/repro.py [--steps 4] [--prompts 8] [--group 4] [--new-tokens 24]
+        [--precision bf16 fp32_master] [--runs qat trace-r1-all ...] [--bootstrap-steps 480]
 
 Prints a markdown table, then one JSON line.
 """
@@ -19,23 +23,27 @@ import tempfile
 from pathlib import Path
 
 from tracefp4.components import steps
+from tracefp4.components.precision import PRECISIONS
 from tracefp4.schemas import RunConfig, get_preset
 
-RUNS = {  # label: (method, guidance bits, guided layers of the tiny model's 4)
-    "qat": ("qat", 4, "all"),
-    "quads": ("quads", 4, "all"),
-    "trace, R-4bit all layers": ("trace", 4, "all"),
-    "trace, R-1bit all layers": ("trace", 1, "all"),
-    "trace, R-1bit deeper half": ("trace", 1, [2, 3]),
-    "trace, R-1bit shallow half": ("trace", 1, [0, 1]),
+RUNS = {  # name: (label, method, guidance bits, guided layers of the tiny model's 4)
+    "qat": ("qat", "qat", 4, "all"),
+    "quads": ("quads", "quads", 4, "all"),
+    "trace-r4-all": ("trace, R-4bit all layers", "trace", 4, "all"),
+    "trace-r1-all": ("trace, R-1bit all layers", "trace", 1, "all"),
+    "trace-r1-deeper": ("trace, R-1bit deeper half", "trace", 1, [2, 3]),
+    "trace-r1-shallow": ("trace, R-1bit shallow half", "trace", 1, [0, 1]),
 }
 RUN_ID = "repro"
 
 
-def config_for(label: str, args, store: Path) -> RunConfig:
-    method, bits, layers = RUNS[label]
+def config_for(name: str, args, store: Path, precision: str = "bf16") -> RunConfig:
+    _, method, bits, layers = RUNS[name]
     data = get_preset("tiny").model_dump()
-    data.update(name=f"repro-{list(RUNS).index(label)}", method=method)
+    data.update(name=f"repro-{list(RUNS).index(name)}-{precision.replace('_', '-')}", method=method)
+    data["train"]["precision"] = precision
+    if args.bootstrap_steps:
+        data["bootstrap"].update(steps=args.bootstrap_steps, warmup=min(30, args.bootstrap_steps // 10))
     data["rollout"].update(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens)
     data["guidance"].update(bits=bits, layers=layers, compaction="offline")
     data["rl"].update(
@@ -45,9 +53,9 @@ def config_for(label: str, args, store: Path) -> RunConfig:
     return RunConfig.model_validate(data)
 
 
-def run(label: str, args, base: Path, work: Path) -> list[dict]:
-    """``args.steps`` on-policy rounds of one method from the bootstrapped base policy."""
-    config = config_for(label, args, work / "store")
+def run(name: str, precision: str, args, base: Path, work: Path) -> list[dict]:
+    """``args.steps`` on-policy rounds of one method in one precision from the bootstrapped base policy."""
+    config = config_for(name, args, work / "store", precision)
     folder = work / config.name
     shutil.copytree(base, folder / "policy-0")  # a byte copy: its trainer state still pins it
     shutil.copytree(base.with_name("base-state"), folder / "state-0")
@@ -65,37 +73,51 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
+    parser.add_argument("--bootstrap-steps", type=int, default=0, help="SFT steps of the base (0: the preset's 480)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         base_config = config_for("qat", args, work / "store")
         bootstrap = steps.prepare(base_config, work / "base", RUN_ID, work / "base-state")  # the bootstrap SFT, once
-        histories = {label: run(label, args, work / "base", work) for label in RUNS}
+        histories = {
+            precision: {RUNS[name][0]: run(name, precision, args, work / "base", work) for name in args.runs}
+            for precision in args.precision
+        }
 
-    def mean(label, key):
-        values = [h[key] for h in histories[label] if h.get(key) is not None]
+    def mean(precision, label, key):
+        values = [h[key] for h in histories[precision][label] if h.get(key) is not None]
         return sum(values) / len(values) if values else None
 
     print(f"Base: tiny preset after bootstrap SFT (greedy test accuracy {bootstrap['bootstrap_accuracy']:.1%}).")
     print(f"Means over {args.steps} on-policy RL steps, each step's training path against that step's rollout:\n")
     print(
-        "| method | logprob abs diff mean | logprob abs diff max | k3 KL | code mismatch | guidance coverage | reward |"
+        "| precision | method | logprob abs diff mean | logprob abs diff max | k3 KL | code mismatch | "
+        "guidance coverage | reward |"
     )
-    print("|---|---|---|---|---|---|---|")
-    for label in RUNS:
-        mismatch = mean(label, "code_mismatch")
-        shown = "n/a (BF16 activations)" if mismatch is None else f"{mismatch:.4f}"
-        print(
-            f"| {label} | {mean(label, 'logprob_abs_diff_mean'):.5f} | {mean(label, 'logprob_abs_diff_max'):.4f} | "
-            f"{mean(label, 'k3_kl'):.2e} | {shown} | {mean(label, 'guidance_coverage'):.3f} | "
-            f"{mean(label, 'reward_mean'):.3f} |"
-        )
-    qat, r4 = mean("qat", "code_mismatch"), mean("trace, R-4bit all layers", "code_mismatch")
+    print("|---|---|---|---|---|---|---|---|")
+    for precision in args.precision:
+        for label in histories[precision]:
+            mismatch = mean(precision, label, "code_mismatch")
+            shown = "n/a (BF16 activations)" if mismatch is None else f"{mismatch:.4f}"
+            print(
+                f"| {precision} | {label} | {mean(precision, label, 'logprob_abs_diff_mean'):.5f} | "
+                f"{mean(precision, label, 'logprob_abs_diff_max'):.4f} | {mean(precision, label, 'k3_kl'):.2e} | "
+                f"{shown} | {mean(precision, label, 'guidance_coverage'):.3f} | "
+                f"{mean(precision, label, 'reward_mean'):.3f} |"
+            )
     kept = {}
-    for coverage in ("all layers", "deeper half", "shallow half"):
-        r1 = mean(f"trace, R-1bit {coverage}", "code_mismatch")
-        kept[coverage] = (qat - r1) / (qat - r4)
-        print(f"R-1bit on {coverage} keeps {kept[coverage]:.1%} of R-4bit-on-all-layers' code-mismatch reduction")
+    for precision in args.precision:
+        if not {"qat", "trace-r4-all"} <= set(args.runs):
+            break
+        qat, r4 = mean(precision, "qat", "code_mismatch"), mean(precision, RUNS["trace-r4-all"][0], "code_mismatch")
+        for name in ("trace-r1-all", "trace-r1-deeper", "trace-r1-shallow"):
+            if name in args.runs:
+                label = RUNS[name][0]
+                share = (qat - mean(precision, label, "code_mismatch")) / (qat - r4)
+                kept.setdefault(precision, {})[label] = share
+                print(f"{precision}: {label} keeps {share:.1%} of R-4bit-on-all-layers' code-mismatch reduction")
     print(json.dumps({"bootstrap": bootstrap, "histories": histories, "r1_share_of_r4_reduction": kept}))
 
 

@@ -4,7 +4,9 @@ safetensors only; pickle files are refused.
 
 On disk experts are per expert (``mlp.experts.{e}.gate_proj.weight``, the Hub
 layout, ``[out, in]``); in memory they are stacked in ``x @ w`` layout
-(``mlp.experts.gate_up [E, in, out]``). Saving
+(``mlp.experts.gate_up [E, in, out]``). Loading copies each tensor from the
+mapped file straight into its slot of a model allocated once, in the
+checkpoint's dtype (:func:`load_model`). Saving
 writes into a temporary folder and renames it into place, so a reader never
 sees a half-written checkpoint.
 
@@ -38,7 +40,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -47,7 +49,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from .model import LAYER_TYPES, MODEL_TYPES, ModelConfig, Transformer
+from .model import LAYER_TYPES, MODEL_TYPES, ModelConfig, Transformer, empty_model
 from .store import check_key, open_store
 from .tokenizer import FILES as TOKENIZER_FILES
 
@@ -59,7 +61,9 @@ CONFIG = "config.json"
 CACHE_ENV = "TRACEFP4_CACHE_DIR"  # root of the local cache of checkpoints fetched from a store
 MANIFEST = "checksums.json"  # {"files": {name: {"size": bytes, "sha256": hex}}, "provenance": {...}}, written last
 _MAX_SIZE = 2**24  # any config.json size above this is a typo or an attack: real models stay far below
-_FLOAT_DTYPES = {"F64", "F32", "F16", "BF16"}  # safetensors' names of the weight dtypes we load
+# safetensors' names of the weight dtypes we load
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_FLOAT_DTYPES = set(_TORCH_DTYPES)
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _QKV = re.compile(r"^(model\.layers\.\d+\.self_attn)\.([qkv])_proj\.(weight|bias)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -281,30 +285,52 @@ def config_to_hf(cfg: ModelConfig) -> dict:
     return hf
 
 
+def hub_slot(key: str, cfg: ModelConfig) -> tuple[str, Callable[[Tensor], Tensor]]:
+    """Where the Hub tensor ``key`` lives in the stacked state: the stacked key,
+    and the view of the stacked tensor that holds it, in the Hub tensor's
+    shape and orientation, so that copying the Hub tensor into the view places
+    it (``q_proj`` is the first rows of ``qkv_proj``; expert e's ``gate_proj``
+    the transposed first columns of ``gate_up[e]``). Other keys are their own
+    slot."""
+    if m := _EXPERT.match(key):
+        e, part, inter = int(m[2]), m[3], cfg.moe_intermediate_size
+        if part == "down":
+            return f"{m[1]}.down", lambda t: t[e].T
+        start = 0 if part == "gate" else inter
+        return f"{m[1]}.gate_up", lambda t: t[e, :, start : start + inter].T
+    if a := _QKV.match(key):
+        q_heads = cfg.num_heads * (2 if cfg.attn_output_gate else 1)  # each head's query, then its gate
+        q, kv = q_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[a[2]]
+        return f"{a[1]}.qkv_proj.{a[3]}", lambda t: t.narrow(0, start, size)
+    return key, lambda t: t
+
+
 def hub_to_stacked(tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """Fuse q/k/v into ``qkv_proj`` and stack per-expert Hub weights into
-    ``experts.gate_up [E, H, 2I]`` / ``experts.down [E, I, H]``."""
-    out, experts, qkv = {}, {}, {}
+    ``experts.gate_up [E, H, 2I]`` / ``experts.down [E, I, H]`` (each stacked
+    tensor allocated once, in its first part's dtype); other keys pass through."""
+    shapes = _stacked_shapes(cfg)
+    parts: dict[str, set[str]] = {}  # stacked key -> the Hub keys that fill it
+    for hub in hub_shapes(cfg):
+        parts.setdefault(hub_slot(hub, cfg)[0], set()).add(hub)
+    out, filled = {}, {}
     for key, t in tensors.items():
-        m, a = _EXPERT.match(key), _QKV.match(key)
-        if m:
-            experts.setdefault(m[1], {})[(int(m[2]), m[3])] = t
-        elif a:
-            qkv.setdefault((a[1], a[3]), {})[a[2]] = t
-        else:
+        name, view = hub_slot(key, cfg)
+        if name == key:
             out[key] = t
-    for (prefix, kind), parts in qkv.items():
-        if set(parts) != {"q", "k", "v"}:
-            raise KeyError(f"checkpoint has {sorted(parts)} but not all of q, k, v for {prefix}.*_proj.{kind}")
-        out[f"{prefix}.qkv_proj.{kind}"] = torch.cat([parts["q"], parts["k"], parts["v"]])
-    for prefix, parts in experts.items():
-        wanted = [(e, p) for e in range(cfg.num_experts) for p in ("gate", "up", "down")]
-        missing = [f"{prefix}.{e}.{p}_proj.weight" for e, p in wanted if (e, p) not in parts]
+            continue
+        if name not in out:
+            out[name] = t.new_empty(shapes[name])
+        slot = view(out[name])
+        if slot.shape != t.shape:
+            raise ValueError(f"{key} has shape {list(t.shape)}, but the config implies {list(slot.shape)}")
+        slot.copy_(t)
+        filled.setdefault(name, set()).add(key)
+    for name, keys in filled.items():
+        missing = sorted(parts[name] - keys)
         if missing:
-            raise KeyError(f"checkpoint lacks expert weights: {missing[:4]}{' ...' if len(missing) > 4 else ''}")
-        gate_up = [torch.cat([parts[(e, "gate")], parts[(e, "up")]]).T for e in range(cfg.num_experts)]
-        out[f"{prefix}.gate_up"] = torch.stack(gate_up)
-        out[f"{prefix}.down"] = torch.stack([parts[(e, "down")].T for e in range(cfg.num_experts)])
+            raise KeyError(f"checkpoint lacks {missing[:4]}{' ...' if len(missing) > 4 else ''} of {name}")
     return out
 
 
@@ -501,14 +527,23 @@ def _language_model(folder: Path, headers: dict, cfg: ModelConfig) -> tuple[dict
     return kept, names
 
 
-def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The Hub tensor names and shapes of a model of ``cfg``, from a model on the
-    meta device: nothing is allocated."""
+def _meta_state(cfg: ModelConfig) -> dict[str, Tensor]:
+    """The stacked state of a model of ``cfg`` on the meta device (nothing is
+    allocated), without the tied ``lm_head.weight``."""
     with torch.device("meta"):
         state = Transformer(cfg).state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight")
-    return {k: tuple(t.shape) for k, t in stacked_to_hub(state, cfg).items()}
+    return state
+
+
+def _stacked_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(t.shape) for k, t in _meta_state(cfg).items()}
+
+
+def hub_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The Hub tensor names and shapes of a model of ``cfg``."""
+    return {k: tuple(t.shape) for k, t in stacked_to_hub(_meta_state(cfg), cfg).items()}
 
 
 def _check_tensors(folder: Path, cfg: ModelConfig, headers: dict) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
@@ -525,7 +560,7 @@ def _check_tensors(folder: Path, cfg: ModelConfig, headers: dict) -> dict[str, t
     check_count("num_hidden_layers", cfg.num_layers, _LAYER, "model.layers.{}")
     if cfg.sparse_layers:  # only now: it walks the layers
         check_count("num_experts", cfg.num_experts, _EXPERT_INDEX, "experts.{}")
-    expected = _expected_shapes(cfg)
+    expected = hub_shapes(cfg)
     if cfg.tie_word_embeddings:
         headers = {k: v for k, v in headers.items() if k != "lm_head.weight"}  # transformers may save the tied copy
     missing, unexpected = sorted(set(expected) - set(headers)), sorted(set(headers) - set(expected))
@@ -542,9 +577,20 @@ def _check_tensors(folder: Path, cfg: ModelConfig, headers: dict) -> dict[str, t
     return headers
 
 
-def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Transformer:
+def load_model(
+    path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"
+) -> Transformer:
     """The policy saved at ``path`` (a Hugging Face folder), checked as the
-    module docstring says before any weight is read."""
+    module docstring says before any weight is read, in ``dtype`` (default: the
+    checkpoint's, see :func:`checkpoint_dtype`) on ``device``.
+
+    Lean: the model is built on the meta device and each parameter allocated
+    once, in ``dtype``; every Hub tensor is copied from the memory-mapped file
+    straight into its slot of the stacked layout (:func:`hub_slot`). Each shard
+    is mapped once per layer and unmapped after, since the pages read through
+    a mapping count in the process's resident memory until it is closed: peak
+    memory is the model plus about one layer's weights
+    (``benchmarks/load.py``)."""
     folder = Path(path)
     config_file = folder / CONFIG
     if not config_file.exists():
@@ -556,13 +602,28 @@ def load_model(path: str | os.PathLike, dtype: torch.dtype = torch.float32, devi
         raise CheckpointError(f"{folder}: {e}") from None
     headers, names = _language_model(folder, _headers(folder), cfg)
     headers = _check_tensors(folder, cfg, headers)
-    tensors = {}
-    for shard in sorted({p for p, _, _ in headers.values()}):
-        with safe_open(shard, framework="pt") as f:
-            tensors.update({t: f.get_tensor(names.get(t, t)) for t, (p, _, _) in headers.items() if p == shard})
-    model = Transformer(cfg)
-    load_state(model, hub_to_stacked(tensors, cfg))
-    return model.to(device=device, dtype=dtype)
+    model = empty_model(cfg, dtype or checkpoint_dtype(headers), device)
+    state = model.state_dict()
+    groups: dict[tuple[Path, int], list[str]] = {}  # (shard, layer or -1) -> its tensors
+    for tensor, (shard, _, _) in headers.items():
+        layer = _LAYER.match(tensor)
+        groups.setdefault((shard, int(layer[1]) if layer else -1), []).append(tensor)
+    with torch.no_grad():
+        for (shard, _), tensors in sorted(groups.items()):
+            with safe_open(shard, framework="pt") as f:
+                for tensor in tensors:
+                    name, view = hub_slot(tensor, cfg)
+                    view(state[name]).copy_(f.get_tensor(names.get(tensor, tensor)))
+    return model
+
+
+def checkpoint_dtype(headers: dict[str, tuple[Path, str, tuple[int, ...]]]) -> torch.dtype:
+    """The dtype the checkpoint's weights share; where they mix dtypes, the
+    widest of them (float32 for bf16 with fp16), so that loading loses nothing."""
+    dtypes = {dtype for _, dtype, _ in headers.values()}
+    if len(dtypes) == 1:
+        return _TORCH_DTYPES[dtypes.pop()]
+    return torch.float64 if "F64" in dtypes else torch.float32
 
 
 def load_state(model: Transformer, state: dict[str, Tensor]) -> None:

@@ -56,6 +56,7 @@ from torch.distributed.tensor import DTensor
 from .checkpoint import fetch, load_state
 from .device import resolve
 from .model import Transformer
+from .precision import MasterWeights
 from .quant import QuantConfig
 from .store import ArtifactStore, open_store
 from .trainer import TrainConfig, Trainer
@@ -99,6 +100,11 @@ class DistributedTrainer(Trainer):
     def __init__(self, model: Transformer, config: TrainConfig, quant: QuantConfig, global_scales: dict):
         if not dist.is_initialized():
             raise DistributedError("a DistributedTrainer needs torch.distributed initialized (run under torchrun)")
+        if config.precision != "fp32_master":
+            raise DistributedError(
+                f"train.precision {config.precision}: distributed training needs fp32_master (FSDP2 shards the "
+                "float32 parameters themselves; bf16 parameters with float32 masters beside them train in one process)"
+            )
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.mesh = init_device_mesh(next(model.parameters()).device.type, (self.world,))
         self.checkpoints: ShardCheckpoints | None = None
@@ -109,6 +115,8 @@ class DistributedTrainer(Trainer):
         for block in model.model.layers:
             fully_shard(block, mesh=self.mesh, mp_policy=policy)
         fully_shard(model, mesh=self.mesh, mp_policy=policy)
+        if model.training:  # the optimizer steps the sharded parameters (float32: they are their own master)
+            self.weights = MasterWeights(model, self.config.precision)
         return model
 
     def owned(self, microbatches: int, group: int) -> list[int]:

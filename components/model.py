@@ -485,11 +485,21 @@ class Transformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # left uninitialized (build_model and load_model fill every parameter): normal_ on the meta
+        # device would import torch's Python decompositions and sympy, ~150 MB in every loading process
+        self.model.embed_tokens = nn.Embedding(
+            cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size)
+        )
         self.model.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with ``lm_head`` (``tie_word_embeddings``). Again
+        after ``to_empty``: materializing a model built on the meta device
+        gives each module its own tensor."""
+        if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
@@ -507,13 +517,25 @@ class Transformer(nn.Module):
         return [b.mlp for b in self.model.layers if isinstance(b.mlp, MoE)]
 
 
+def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu") -> Transformer:
+    """A model whose parameters are allocated in ``dtype`` on ``device`` but not
+    initialized: built on the meta device, so that no init runs and no float32
+    copy exists; the caller fills every parameter. The model has no buffers
+    (RoPE is computed per forward), so parameters are all there is to fill."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    model.tie_weights()
+    return model
+
+
 def build_model(cfg: ModelConfig | str, seed: int = 0, dtype: torch.dtype = torch.float32) -> Transformer:
     """A model with seeded random weights (normal, std 0.02; norms scale by 1;
     Gated DeltaNet's decay as transformers initializes it: ``dt_bias`` 1,
     ``A = exp(A_log)`` uniform in [0.01, 16])."""
     cfg = get_preset(cfg) if isinstance(cfg, str) else cfg
     gen = torch.Generator().manual_seed(seed)
-    model = Transformer(cfg)
+    model = empty_model(cfg, dtype)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
@@ -524,5 +546,5 @@ def build_model(cfg: ModelConfig | str, seed: int = 0, dtype: torch.dtype = torc
             elif name.endswith(".A_log"):
                 p.copy_((torch.rand(p.shape, generator=gen) * 15.99 + 0.01).log())
             else:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
-    return model.to(dtype)
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)  # drawn in float32, rounded to dtype
+    return model

@@ -1,11 +1,13 @@
 """The training side of TRACE's RL loop: guided QAT steps over rolled-out trajectories.
 
-``Trainer`` holds the float32 master weights and AdamW, runs the training
-path in the compute dtype (BF16 autocast) with the method's fake quantization,
-accumulates gradients over microbatches (guidance reloaded per microbatch),
-and saves two artifacts, each atomically: the policy as a clean Hugging Face
-checkpoint, and the trainer state (optimizer moments, step) that resumes it
-(:mod:`.trainer_state`). It quantizes from the
+``Trainer`` holds the policy in its training precision (:mod:`.precision`:
+bf16 parameters and compute over float32 master weights, or float32
+parameters under BF16 autocast) and AdamW, runs the training path with the
+method's fake quantization, accumulates gradients over microbatches (guidance
+reloaded per microbatch), and saves two artifacts, each atomically: the policy
+as a clean Hugging Face checkpoint (in its parameters' dtype), and the trainer
+state (optimizer moments, the float32 master weights, step) that resumes it
+exactly (:mod:`.trainer_state`). It quantizes from the
 rollout's numerics (quantization config and static global scales, carried by
 the guidance artifact), never from a rollout engine. It computes on the
 device of the model it is given; what it saves are CPU tensors. The loop
@@ -25,6 +27,7 @@ from .checkpoint import load_model, save_model
 from .guidance import GuidanceLoader
 from .mismatch import MismatchTally, compare
 from .model import Transformer
+from .precision import MasterWeights
 from .qat import TrainingSites
 from .quant import QuantConfig
 from .rl import SequenceBatch, alignment_metrics, grpo_loss, score_centering, stack_rows, token_logprobs
@@ -32,6 +35,7 @@ from .rollout import Trajectory
 from .syndrome import DecodeStats, decode_summary
 from .trainer_state import load_state, save_state
 
+MASTER_PREFIX = "master."  # trainer-state tensors holding the float32 master weights, by parameter name
 SCORE_CENTERING_TOPK = 8  # sampler tokens score centering looks at
 OPTIMIZER_PREFIX = "optimizer."  # trainer-state tensors of the optimizer: optimizer.{param index}.{name}
 
@@ -51,18 +55,21 @@ class TrainConfig:
     tis_cap: float = 2.0
     kl_coef: float = 0.0  # > 0: penalize the k3 KL to the initial policy (the reference)
     temperature: float = 1.0
-    compute_dtype: torch.dtype = torch.bfloat16
+    compute_dtype: torch.dtype = torch.bfloat16  # the rollout's: fp32_master's autocast dtype, the W4 rounding
+    precision: str = "bf16"  # .precision.PRECISIONS
 
 
 class Trainer:
-    """The policy being trained (float32 master weights), its optimizer, and the
+    """The policy being trained (in ``config.precision``; the model is converted
+    in place), its optimizer over the float32 master weights, and the
     rollout's numerics it fake-quantizes with (``quant``, ``global_scales``),
     all on the model's device."""
 
     def __init__(
         self, model: Transformer, config: TrainConfig, quant: QuantConfig, global_scales: dict[tuple[int, str], Tensor]
     ):
-        model = model.float().train()  # float32 master weights
+        self.weights = MasterWeights(model, config.precision)  # the parameters in the precision's dtype
+        model = model.train()
         self.device = next(model.parameters()).device
         self.config, self.quant = config, quant
         self.global_scales = {key: g.to(self.device) for key, g in global_scales.items()}
@@ -70,7 +77,7 @@ class Trainer:
         self.reference = self.wrap(reference) if reference is not None else None
         self.model = self.wrap(model)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            self.weights.tensors(),
             lr=config.learning_rate,
             betas=config.betas,
             weight_decay=config.weight_decay,
@@ -146,6 +153,7 @@ class Trainer:
             loss, logprobs, sites, loss_stats = self._loss(batch, mb_guidance, recorder, mb_advantages)
             tokens = int(batch.response.sum())
             (loss * tokens / group_tokens[index // group]).backward()
+            self.weights.accumulate()
             if recorder is not None:
                 recorder.end()
                 tally.add(compare(rollout_records, recorder.drain()))
@@ -210,14 +218,17 @@ class Trainer:
 
     def _optimizer_step(self) -> float:
         """Clip, step and clear the gradients; returns the norm before clipping."""
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip).item()
+        norm = torch.nn.utils.clip_grad_norm_(self.weights.tensors(), self.config.grad_clip).item()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.weights.sync()
         return norm
 
     def _autocast(self, batch: SequenceBatch):
+        """fp32_master's autocast to the compute dtype; bf16 parameters compute in bf16 as they are."""
         dtype = self.config.compute_dtype
-        return torch.autocast(batch.tokens.device.type, dtype=dtype, enabled=dtype != torch.float32)
+        enabled = self.config.precision == "fp32_master" and dtype != torch.float32
+        return torch.autocast(batch.tokens.device.type, dtype=dtype, enabled=enabled)
 
     def _forward(self, batch: SequenceBatch, guidance, recorder: Capture | None, full: bool = False):
         """The training path's log-probs of one microbatch: the method's fake quantization, guided where guidance is."""
@@ -265,9 +276,10 @@ class Trainer:
         return capture
 
     def save(self, policy, state, extra: dict[str, bytes] | None = None, run_id: str = "") -> tuple[Path, Path]:
-        """The policy at ``policy`` (Hub layout, ``extra`` files beside it, the run
-        and policy version in its manifest) and the trainer state that resumes it
-        at ``state``, pinned to that policy; each all-or-nothing."""
+        """The policy at ``policy`` (Hub layout in its parameters' dtype, ``extra``
+        files beside it, the run and policy version in its manifest) and the
+        trainer state that resumes it at ``state`` (optimizer moments, float32
+        master weights, precision), pinned to that policy; each all-or-nothing."""
         return self.write(self.model, self.optimizer.state_dict(), policy, state, extra, run_id)
 
     def write(
@@ -278,7 +290,8 @@ class Trainer:
         provenance = {"run_id": run_id, "policy_version": self.step}
         policy = save_model(model, policy, extra=extra, provenance=provenance)
         tensors = {f"{OPTIMIZER_PREFIX}{i}.{name}": t for i, s in optimizer["state"].items() for name, t in s.items()}
-        meta = {**provenance, "param_groups": optimizer["param_groups"]}
+        tensors.update({MASTER_PREFIX + name: t for name, t in self.weights.state().items()})
+        meta = {**provenance, "precision": self.config.precision, "param_groups": optimizer["param_groups"]}
         return policy, save_state(state, tensors, meta, policy)
 
     @classmethod
@@ -294,9 +307,14 @@ class Trainer:
     ) -> "Trainer":
         """A trainer on ``device`` resumed from the policy and trainer state
         :meth:`save` wrote (the state refused unless it is run ``run_id``'s and
-        was saved with that policy; the optimizer state follows the weights to the device)."""
+        was saved with that policy; the optimizer state and the master weights
+        follow the weights to the device). Either precision resumes the other's
+        state: saved master weights are used where there are some."""
         tensors, meta = load_state(state, policy, run_id)
         trainer = cls(load_model(policy, device=device), config, quant, global_scales)
+        trainer.weights.load(
+            {k.removeprefix(MASTER_PREFIX): t for k, t in tensors.items() if k.startswith(MASTER_PREFIX)}
+        )
         trainer.load_optimizer_state(optimizer_state(tensors, meta))
         trainer.step = meta["policy_version"]
         return trainer

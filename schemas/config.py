@@ -29,7 +29,7 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-from tracefp4.components import model, ptq, qat, quant, tasks
+from tracefp4.components import model, precision, ptq, qat, quant, tasks
 from tracefp4.components.device import DEVICE_PATTERN
 
 ModelPreset = Literal[tuple(model.PRESETS)]
@@ -39,6 +39,7 @@ Method = Literal[qat.METHODS]
 TaskName = Literal[tuple(tasks.TASKS)]
 PTQMethod = Literal[ptq.METHODS]
 Schedule = Literal["on_policy", "off_policy"]
+Precision = Literal[precision.PRECISIONS]
 
 # The only source of the S3 credentials; the store backend reads the same names.
 SECRET_ENV = {"access_key": "TRACEFP4_S3_ACCESS_KEY", "secret_key": "TRACEFP4_S3_SECRET_KEY"}
@@ -252,9 +253,20 @@ class RLConfig(_Section):
 
 
 class TrainSection(_Section):
-    """Where guided QAT runs: one process in the train step, or several under
-    torch.distributed (FSDP2, docs/training.md) launched as docs/deploy.md says."""
+    """How and where guided QAT runs (docs/training.md): its numerics, and one
+    process in the train step or several under torch.distributed (FSDP2)
+    launched as docs/deploy.md says. Named apart from the library's
+    ``components.trainer.TrainConfig``, the optimizer's hyperparameters (``rl``)."""
 
+    precision: Precision = Field(
+        default="bf16",
+        description="bf16: bf16 parameters and a bf16 forward (residual stream, norms, RoPE: as the rollout's bf16 "
+        "policy computes), AdamW over float32 master weights and moments, the parameters the master rounded after "
+        "each step: how Megatron (bf16, distributed optimizer) and FSDP2 (MixedPrecisionPolicy) train, and the "
+        "numerics closest to a bf16 rollout, so the default. fp32_master: float32 parameters under bf16 autocast "
+        "(the residual stream, norms and RoPE stay float32): more FP4 codes flip between training and rollout "
+        "(docs/results.md). Either way the master weights are saved with the optimizer state.",
+    )
     nodes: int = Field(
         default=1, ge=1, le=1024, description="Machines the train step trains on; more than 1 needs launcher trainjob."
     )
@@ -264,7 +276,8 @@ class TrainSection(_Section):
         le=64,
         description="Training processes per machine (one per GPU on a GPU node). nodes x processes_per_node = 1 "
         "trains in the train step's own process; more shard the weights, gradients and optimizer state (FSDP2) "
-        "and split each RL step's microbatches over the processes, which must divide them evenly.",
+        "and split each RL step's microbatches over the processes, which must divide them evenly; more than 1 "
+        "needs precision fp32_master.",
     )
     launcher: Literal["torchrun", "trainjob"] = Field(
         default="torchrun",
@@ -471,6 +484,7 @@ class RunConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engine and sampling.")
     guidance: GuidanceConfig = Field(default_factory=GuidanceConfig, description="Rollout guidance kept for training.")
     rl: RLConfig = Field(default_factory=RLConfig, description="RL loop and optimizer.")
+    train: TrainSection = Field(default_factory=TrainSection, description="The trainer's numerics.")
     method: Method = Field(
         default="trace",
         description="Training method: bf16 (no QAT), qat (RTN), quads (weights-only QAT + rollout compensation), "
@@ -546,6 +560,11 @@ class RunConfig(_Section):
         if t.nodes > 1 and t.launcher != "trainjob":
             problems.append(f"train.nodes: {t.nodes} machines need train.launcher trainjob (torchrun runs on one)")
         world = t.world_size
+        if world > 1 and t.precision != "fp32_master":
+            problems.append(
+                f"train.precision: {world} training processes need fp32_master (FSDP2 shards the float32 "
+                f"parameters themselves), got {t.precision}"
+            )
         per_step = -(-self.rollout.prompts_per_step * self.rollout.group_size // self.rl.microbatch_size)
         group = self.rl.grad_accumulation or per_step
         if world > 1 and (per_step % world or group % world):

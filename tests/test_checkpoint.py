@@ -6,11 +6,13 @@ import hashlib
 import json
 import logging
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracefp4.components.checkpoint import (
     INDEX,
@@ -19,10 +21,12 @@ from tracefp4.components.checkpoint import (
     CheckpointError,
     config_from_hf,
     config_to_hf,
+    hub_to_stacked,
     load_model,
     save_model,
+    stacked_to_hub,
 )
-from tracefp4.components.model import PRESETS, build_model
+from tracefp4.components.model import PRESETS, Transformer, build_model, empty_model
 
 
 def saved(tmp_path, name="ckpt", sharded=False, manifest=True):
@@ -245,3 +249,81 @@ def test_unreadable_files_are_checkpoint_errors(tmp_path):
     (folder / SINGLE).write_bytes((folder / SINGLE).read_bytes()[:-4])
     with pytest.raises(CheckpointError, match=rf"{SINGLE}: not a readable safetensors file"):
         load_model(folder)
+
+
+def files_of(folder):
+    tensors = {}
+    for shard in folder.glob("*.safetensors"):
+        tensors.update(load_file(shard))
+    return tensors
+
+
+@pytest.mark.parametrize("preset, tied", [("smoke", False), ("smoke", True), ("tiny-qwen2", False)])
+def test_lean_load_holds_exactly_the_files_tensors_in_their_dtype(tmp_path, preset, tied):
+    model = build_model(replace(PRESETS[preset], tie_word_embeddings=tied), seed=4, dtype=torch.bfloat16)
+    folder = save_model(model, tmp_path / "ckpt", max_shard_bytes=100_000)  # experts of a layer span shards
+    loaded = load_model(folder)
+    assert all(p.dtype == torch.bfloat16 for p in loaded.parameters())
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tied
+    state = loaded.state_dict()
+    if tied:
+        state.pop("lm_head.weight")
+    on_disk, again = files_of(folder), stacked_to_hub(state, loaded.cfg)
+    assert sorted(on_disk) == sorted(again)
+    for key, t in on_disk.items():
+        assert t.dtype == again[key].dtype and torch.equal(t, again[key]), key
+    # the loader and the in-memory conversion (weight sync) agree, and a dtype asked for is honoured
+    stacked = hub_to_stacked(on_disk, loaded.cfg)
+    for key, t in loaded.state_dict().items():
+        if not (tied and key == "lm_head.weight"):
+            assert torch.equal(stacked[key], t), key
+    wide = load_model(folder, dtype=torch.float32)
+    for (key, t), w in zip(loaded.state_dict().items(), wide.state_dict().values()):
+        assert w.dtype == torch.float32 and torch.equal(w, t.float()), key
+
+
+class Allocations(TorchDispatchMode):
+    """Every new tensor with storage an aten op makes (no view, no in-place result): (dtype, elements)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        fresh = all(r.alias_info is None for r in func._schema.returns)
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if fresh and isinstance(t, torch.Tensor) and not t.is_meta:
+                self.made.append((t.dtype, t.numel()))
+        return out
+
+
+def test_a_bf16_checkpoint_loads_without_a_float32_copy(tmp_path):
+    folder = save_model(build_model("smoke", seed=2, dtype=torch.bfloat16), tmp_path / "ckpt")
+    with Allocations() as seen:
+        model = load_model(folder)
+    params = sum(p.numel() for p in model.parameters())
+    floats = [(dtype, n) for dtype, n in seen.made if dtype.is_floating_point and dtype != torch.bfloat16]
+    assert not floats, f"tensors of another float dtype made while loading: {floats[:5]}"
+    bf16 = sum(n for dtype, n in seen.made if dtype == torch.bfloat16 and n > 1)
+    assert bf16 <= params  # the parameters, allocated once: no second stacked copy of the experts
+
+
+def test_meta_init_has_no_storage_and_nothing_to_compute():
+    with torch.device("meta"):
+        model = Transformer(PRESETS["tiny"])
+    assert all(p.is_meta for p in model.parameters())
+    assert not list(model.buffers())  # else empty_model and load_model would have to compute them
+    empty = empty_model(PRESETS["smoke"], torch.bfloat16)
+    assert {p.dtype for p in empty.parameters()} == {torch.bfloat16} and not any(p.is_meta for p in empty.parameters())
+
+
+def test_weight_sync_conversion_names_missing_parts():
+    cfg = PRESETS["smoke"]
+    hub = stacked_to_hub(build_model(cfg).state_dict(), cfg)
+    del hub["model.layers.1.mlp.experts.2.up_proj.weight"], hub["model.layers.0.self_attn.v_proj.weight"]
+    with pytest.raises(KeyError, match=r"lacks \['model.layers.0.self_attn.v_proj.weight'\] of .*qkv_proj.weight"):
+        hub_to_stacked(hub, cfg)
+    hub["model.layers.0.self_attn.v_proj.weight"] = torch.zeros(3, 64)
+    with pytest.raises(ValueError, match=r"v_proj.weight has shape \[3, 64\], but the config implies \[32, 64\]"):
+        hub_to_stacked(hub, cfg)

@@ -155,7 +155,8 @@ def test_a_local_path_or_file_uri_is_the_folder_itself(tmp_path, cache):
 def test_prepare_loads_an_s3_checkpoint(tmp_path, s3_env, cache):
     model, folder = saved(tmp_path)
     uri = upload(s3_env, folder)
-    overrides = {"model.checkpoint": uri, "bootstrap.enabled": False}
+    # fp32_master keeps the policy in float32: the weights come back exactly (bf16 would round them)
+    overrides = {"model.checkpoint": uri, "bootstrap.enabled": False, "train.precision": "fp32_master"}
     config = load_config(None, preset="smoke", overrides=overrides)
     assert config.model.preset is None and config.model.checkpoint == uri
     steps.prepare(config, tmp_path / "p0", "run")

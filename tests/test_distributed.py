@@ -33,7 +33,7 @@ def config_for(tmp_path, processes: int = 1, **rl) -> RunConfig:
     data["rl"].update(schedule="off_policy", steps_per_round=3, microbatch_size=1, grad_accumulation=2, **rl)
     data["rl"]["learning_rate"] = 1e-2  # steps large enough that a wrong gradient shows
     data["bootstrap"]["enabled"] = False
-    data["train"] = {"processes_per_node": processes, "timeout_seconds": 60}
+    data["train"] = {"processes_per_node": processes, "timeout_seconds": 60, "precision": "fp32_master"}
     return RunConfig.model_validate(data)
 
 
@@ -238,4 +238,7 @@ def test_microbatches_that_do_not_split_over_the_processes_are_refused_by_the_sc
         RunConfig.model_validate(data)
     data["train"].update(processes_per_node=1, nodes=2)
     with pytest.raises(ValueError, match="launcher trainjob"):
+        RunConfig.model_validate(data)
+    data["train"].update(nodes=1, processes_per_node=2, precision="bf16")
+    with pytest.raises(ValueError, match="train.precision: 2 training processes need fp32_master"):
         RunConfig.model_validate(data)

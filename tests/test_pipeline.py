@@ -329,7 +329,12 @@ def test_rollout_workers_and_training_processes_through_kfp_local_match_one_of_e
         config = load_config(
             None,
             preset="smoke",
-            overrides={"rl.microbatch_size": 2, "rollout.workers": workers, "train.processes_per_node": processes},
+            overrides={
+                "rl.microbatch_size": 2,
+                "rollout.workers": workers,
+                "train.processes_per_node": processes,
+                "train.precision": "fp32_master",
+            },
         )
         out = tmp_path / name
         run_local(config, out)

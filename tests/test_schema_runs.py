@@ -104,6 +104,7 @@ RUNNERS = {
     "guidance.codec": _round,
     "guidance.layers": _round,
     "rl.schedule": _round,
+    "train.precision": _round,
     "tasks.name": _task,
     "evaluation.rollout_configs": _generate,
     "evaluation.ptq_baselines": _ptq,
@@ -142,8 +143,8 @@ def _with(path: str, value) -> dict:
         target[leaf] = value
     if path == "model.preset":
         data["model"]["max_seq_len"] = 64
-    if path == "train.launcher":  # two processes, one microbatch each
-        data["train"]["processes_per_node"] = 2
+    if path == "train.launcher":  # two processes (float32 parameters, sharded), one microbatch each
+        data["train"].update(processes_per_node=2, precision="fp32_master")
         data["rl"]["microbatch_size"] = 2
     return data
 

@@ -43,12 +43,23 @@ def rounds(config: RunConfig, tmp_path, n: int, run_id: str = RUN) -> list[dict]
     return history
 
 
-@pytest.mark.parametrize("method", ["trace", "qat", "quads", "tis_sc", "bf16"])
-def test_rounds_end_to_end(method, tmp_path):
+@pytest.mark.parametrize(
+    "method, precision",
+    [
+        ("trace", "bf16"),
+        ("trace", "fp32_master"),
+        ("qat", "bf16"),
+        ("quads", "bf16"),
+        ("tis_sc", "bf16"),
+        ("bf16", "bf16"),
+    ],
+)
+def test_rounds_end_to_end(method, precision, tmp_path):
     config = smoke(
         tmp_path,
         method=method,
         model={"dtype": "bfloat16"},
+        train={"precision": precision},
         guidance={"layers": [1], "compaction": "offline"},
         rl={"measure_mismatch": True, "learning_rate": 1e-3, "weight_decay": 0.1},
     )
@@ -75,6 +86,8 @@ def test_rounds_end_to_end(method, tmp_path):
     # the untrained smoke policy earns no reward, so what moves the weights is the decay of the optimizer step
     before, after = (steps.load_model(tmp_path / f"policy-{i}").model.layers[0].mlp.experts.gate_up for i in (0, 2))
     assert not torch.equal(before, after)
+    assert after.dtype == {"bf16": torch.bfloat16, "fp32_master": torch.float32}[precision]  # the policy's dtype
+    assert read_meta(tmp_path / "state-2")["precision"] == precision
     if method in ("qat", "trace"):  # FP4 activations in training: codes compared with the rollout's
         last = history[-1]
         assert set(last["code_mismatch_by_layer"]) == {0, 1}
@@ -140,14 +153,15 @@ def test_guidance_reference_round_trips_and_names_a_bad_artifact(tmp_path):
             type(ref).from_json(bad, "artifact-7")
 
 
-def setup(method, lr=1e-3):
+def setup(method, lr=1e-3, precision="bf16"):
     engine = TorchEngine(build_model("smoke", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig(inputs=True))
-    config = TrainConfig(method=method, learning_rate=lr, microbatch_size=4)
+    config = TrainConfig(method=method, learning_rate=lr, microbatch_size=4, precision=precision)
     return engine, Trainer(build_model("smoke", seed=0), config, engine.quant, engine.global_scales)
 
 
-def test_a_step_raises_the_likelihood_of_rewarded_responses():
-    engine, trainer = setup("qat", lr=1e-2)
+@pytest.mark.parametrize("precision", ["bf16", "fp32_master"])
+def test_a_step_raises_the_likelihood_of_rewarded_responses(precision):
+    engine, trainer = setup("qat", lr=1e-2, precision=precision)
     trajectories = engine.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=5, seed=3))
     engine.drain_capture()
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
@@ -164,9 +178,10 @@ def test_a_step_raises_the_likelihood_of_rewarded_responses():
     assert moved[advantages > 0].mean() > moved[advantages < 0].mean()
 
 
-def test_resume_from_policy_and_state_equals_uninterrupted_training(tmp_path):
-    engine, straight = setup("qat")
-    _, interrupted = setup("qat")
+@pytest.mark.parametrize("precision", ["bf16", "fp32_master"])
+def test_resume_from_policy_and_state_equals_uninterrupted_training(tmp_path, precision):
+    engine, straight = setup("qat", precision=precision)
+    _, interrupted = setup("qat", precision=precision)
     trajectories = engine.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=4, seed=1))
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])
     for t in (straight, interrupted):
@@ -182,6 +197,8 @@ def test_resume_from_policy_and_state_equals_uninterrupted_training(tmp_path):
         tmp_path / "policy", tmp_path / "state", interrupted.config, engine.quant, engine.global_scales, run_id=RUN
     )
     assert resumed.step == 1
+    for a, b in zip(interrupted.weights.tensors(), resumed.weights.tensors()):  # the float32 master, exactly
+        assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b)
     for step in (2, 3):  # two more steps each: the resumed run is the uninterrupted one, bit for bit
         for t in (straight, resumed):
             t.train_step(trajectories, advantages, None)
@@ -258,11 +275,18 @@ def test_the_policy_folder_is_a_clean_hugging_face_checkpoint(tmp_path):
     config = smoke(tmp_path, bootstrap={"enabled": False})
     steps.prepare(config, tmp_path / "p0", RUN, tmp_path / "s0")
     files = sorted(p.name for p in (tmp_path / "p0").iterdir())
-    assert files == ["checksums.json", "config.json", "generation_config.json", "model.safetensors", "tokenizer.json"]
+    assert files == [
+        "checksums.json",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
     assert sorted(p.name for p in (tmp_path / "s0").iterdir()) == ["checksums.json", "state.json", "state.safetensors"]
     reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "p0").eval()
     generation = transformers.GenerationConfig.from_pretrained(tmp_path / "p0")
-    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, 2, 0)
+    assert (generation.bos_token_id, generation.eos_token_id, generation.pad_token_id) == (1, [2], 0)  # eos: a list
     ours = load_model(tmp_path / "p0").eval()
     tokens = torch.randint(0, ours.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

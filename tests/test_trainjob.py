@@ -62,7 +62,14 @@ def config(tmp_path, **train) -> RunConfig:
     data = get_preset("smoke").model_dump()
     data["store"]["uri"] = (tmp_path / "store").as_uri()
     data["rl"]["microbatch_size"] = 1
-    data["train"] = {"launcher": "trainjob", "nodes": 2, "processes_per_node": 2, "timeout_seconds": 10, **train}
+    data["train"] = {
+        "launcher": "trainjob",
+        "nodes": 2,
+        "processes_per_node": 2,
+        "timeout_seconds": 10,
+        "precision": "fp32_master",
+        **train,
+    }
     data["resources"].update(gpus=1, accelerator_type="nvidia.com/gpu")
     return RunConfig.model_validate(data)
 

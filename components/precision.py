@@ -1,0 +1,100 @@
+"""Training precision (``train.precision``): the dtype the trainer's parameters
+and forward compute in, and the float32 weights its optimizer steps.
+
+- ``bf16``: bf16 parameters, and a forward in bf16 throughout (residual
+  stream, norms, RoPE, attention), as the rollout engine's bf16 policy
+  computes; the optimizer steps a float32 master copy of every parameter
+  (AdamW's moments in float32 too), gradients are accumulated over
+  microbatches in float32 on the master, and after each step the parameters
+  are the master rounded to bf16. This is how Megatron's bf16 training with
+  its distributed optimizer (fp32 main params and main grads) and FSDP2's
+  ``MixedPrecisionPolicy(param_dtype=bfloat16)`` over fp32 sharded
+  parameters run.
+- ``fp32_master``: float32 parameters are themselves the master weights; the
+  forward runs under bf16 autocast, which rounds matmul inputs to bf16 but
+  keeps the residual stream, norms and RoPE in float32: numerics no bf16
+  rollout engine has, so more FP4 codes flip between training and rollout
+  (docs/results.md).
+
+Either way the master weights are trainer state: :meth:`MasterWeights.state`
+gives the float32 copy that is not already the policy, to save beside the
+optimizer's moments, and :meth:`MasterWeights.load` takes it back.
+"""
+
+import logging
+
+import torch
+from torch import Tensor
+
+from .model import Transformer
+
+PRECISIONS = ("bf16", "fp32_master")
+
+log = logging.getLogger(__name__)
+
+
+class MasterWeights:
+    """A model's parameters in the precision's dtype (converted in place) and
+    the float32 tensors its optimizer steps, by parameter name."""
+
+    def __init__(self, model: Transformer, precision: str):
+        if precision not in PRECISIONS:
+            raise ValueError(f"unknown training precision {precision!r}; expected one of {PRECISIONS}")
+        self.precision = precision
+        self.params = dict(model.named_parameters())  # a tied weight once
+        # a master made from bf16 parameters lacks the bits below bf16 that a saved master would have
+        self.from_bf16 = precision == "bf16" and any(p.dtype == torch.bfloat16 for p in self.params.values())
+        if precision == "bf16":  # the master from the model as given: a float32 model loses nothing
+            self.master = {name: p.detach().float().clone() for name, p in self.params.items()}
+            model.to(torch.bfloat16)
+        else:
+            model.float()
+            self.master = self.params
+
+    def tensors(self) -> list[Tensor]:
+        """What the optimizer steps, in parameter order."""
+        return list(self.master.values())
+
+    def accumulate(self) -> None:
+        """Move the parameters' bf16 gradients of a backward into the master's float32 gradients."""
+        if self.master is self.params:
+            return
+        for name, p in self.params.items():
+            if p.grad is None:
+                continue
+            m = self.master[name]
+            if m.grad is None:
+                m.grad = p.grad.float()
+            else:
+                m.grad.add_(p.grad)
+            p.grad = None
+
+    @torch.no_grad()
+    def sync(self) -> None:
+        """The parameters after an optimizer step: the master rounded to their dtype."""
+        if self.master is not self.params:
+            for name, p in self.params.items():
+                p.copy_(self.master[name])
+
+    def state(self) -> dict[str, Tensor]:
+        """The float32 master weights that the saved policy does not hold exactly (none for ``fp32_master``)."""
+        return {} if self.master is self.params else self.master
+
+    @torch.no_grad()
+    def load(self, saved: dict[str, Tensor]) -> None:
+        """Take back saved master weights (all or none). Without them, a ``bf16``
+        trainer keeps the master it made from the policy it was given: from a
+        bf16 policy, the master's bits below bf16 are lost."""
+        if not saved:
+            if self.from_bf16:
+                log.warning("no float32 master weights saved: the master starts from the bf16 policy")
+            return
+        missing = sorted(set(self.master) - set(saved))
+        unexpected = sorted(set(saved) - set(self.master))
+        if missing or unexpected:
+            raise KeyError(
+                f"saved master weights do not match the model: missing {missing[:5]}, extra {unexpected[:5]}"
+            )
+        for name, m in self.master.items():
+            m.copy_(saved[name])
+        self.sync()
