@@ -222,6 +222,7 @@ def test_rounds_decode_inline_and_the_next_round_chooses_its_rates(tmp_path):
     data = get_preset("smoke").model_dump()
     data["bootstrap"]["enabled"] = False
     data["guidance"].update(codec="syndrome", syndrome_rate=0.25)
+    data["train"]["precision"] = "fp32_master"  # the smoke policy rolls out in float32: a bf16 trainer disagrees more
     data["store"]["uri"] = (tmp_path / "store").as_uri()
     config = steps.RunConfig.model_validate(data)
     steps.prepare(config, tmp_path / "p0", "run", tmp_path / "s0")
