@@ -188,4 +188,4 @@ def test_sampling_stops_each_trajectory_at_its_first_eos_and_pads_with_the_pad_i
             ended[t.response[-1]] += 1
         else:
             assert not at and len(t.response) == 16
-    assert min(ended.values()) >= 2, ended  # both eos ids stopped trajectories
+    assert min(ended.values()) >= 1, ended  # both eos ids stopped trajectories
