@@ -6,13 +6,22 @@ full-sequence forward, the same weights, round-to-nearest, the same static
 scales) and captures its codes like the rollout; ``compare`` joins both
 captures on ``(trajectory, position, slot)`` and counts, per ``(layer, site)``,
 the elements whose codeword differs and by how many codewords.
+
+End to end, a flip in one layer changes every later layer's inputs, so the
+mismatch of a deep layer is mostly inherited. ``rounded`` separates a site's
+own flips from the cascade: given a training capture whose forward was guided
+with the rollout's full codes at every site (each site's inputs then follow
+the rollout's values), it re-rounds those inputs RTN or under compacted
+guidance, and ``compare`` against the rollout counts the local flips.
 """
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
+
+from tracefp4.kernels import quantize
 
 from .capture import Capture, CaptureConfig, CaptureRecords, SiteTable, TokenMap, row_key
 from .model import CausalAttention, right_pad
@@ -113,6 +122,28 @@ def compare(rollout: CaptureRecords, training: CaptureRecords) -> dict[tuple[int
             m.mse_quantized = (r.values()[r_rows] - t.values()[t_rows]).pow(2).mean().item()
             m.mse_unquantized = (r.inputs[r_rows] - t.inputs[t_rows]).pow(2).mean().item()
         out[key] = m
+    return out
+
+
+def rounded(training: CaptureRecords, guidance: CaptureRecords) -> CaptureRecords:
+    """The codes the training path rounds ``training``'s captured inputs to
+    (a capture that kept them): guided rounding where ``guidance`` (compacted
+    rollout codes and scales) has the row, round-to-nearest under the
+    training path's own block scales and the static global scale elsewhere,
+    as :class:`~.qat.TrainingSites` rounds."""
+    out = CaptureRecords()
+    for key, t in training.tables.items():
+        if t.inputs is None:
+            raise ValueError(f"re-rounding needs the training capture's inputs; layer {key[0]} {key[1]} has none")
+        q = quantize(t.inputs, t.fmt, global_scale=t.global_scale if t.fmt == "nvfp4" else None)
+        codes, scales = q.codes, q.scales.view(torch.uint8)
+        if (small := guidance.tables.get(key)) is not None:
+            rows, train_rows = join_rows(small, t)
+            if len(rows):
+                guided = quantize(t.inputs[train_rows], t.fmt, guide=small.guidance(rows))
+                codes.index_copy_(0, train_rows, guided.codes)
+                scales.index_copy_(0, train_rows, guided.scales.view(torch.uint8))
+        out.tables[key] = replace(t, bits=4, codes=codes, scales=scales)
     return out
 
 

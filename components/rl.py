@@ -59,32 +59,56 @@ def token_logprobs(
     return (picked, every) if full else picked
 
 
-def alignment_metrics(train: Tensor, rollout: Tensor, mask: Tensor) -> dict[str, float]:
+SAFETY_BOUND = 20.0  # verl's clamp of a log importance ratio before exp (rollout_corr_helper.py)
+
+
+def alignment_metrics(train: Tensor, rollout: Tensor, mask: Tensor, tis_cap: float = 2.0) -> dict[str, float]:
     """Train-rollout mismatch over the response tokens (``mask``) of ``[B, T]``
-    log-probs, one sequence per row: ours (|logprob diff| mean, max, min; the
-    k3 KL; the probability diff) and the same figures under the names users of
-    slime and verl know (``train_rollout_logprob_abs_diff``, ``k3_kl``,
-    ``log_ppl_abs_diff``, ``chi2_token``, ``rollout_is_eff_sample_size``)."""
-    t, r = train.detach()[mask], rollout[mask]
+    log-probs, one sequence per row: ours (|logprob diff| per token: mean, max,
+    min; the probability diff) and the figures users of slime and verl know,
+    each as its upstream code computes it (the file named beside it), with
+    ``tis_cap`` the truncation of the importance weights ``pi_train / pi_rollout``
+    as :func:`grpo_loss` applies it."""
+    train = train.detach()
+    t, r = train[mask], rollout[mask]
     diff = (t - r).abs()
-    log_ratio = (t - r).clamp(-10, 10)
-    k3 = (log_ratio.exp() - 1 - log_ratio).mean()  # KL(rollout || train), k3 estimator
+    every_ratio = (train - rollout).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # log pi_train / pi_rollout, [B, T]
+    log_ratio = every_ratio[mask]
+    weights = log_ratio.exp()
+    truncated = weights.clamp(max=tis_cap)
     prob = (t.exp() - r.exp()).abs()
-    weights = log_ratio.exp()  # per-token importance weight pi_train / pi_rollout
-    tokens = mask.sum(1).clamp_min(1)
-    log_ppl = lambda lp: -(lp.detach() * mask).sum(1) / tokens  # noqa: E731 - per sequence
-    rows = mask.any(1)
+    rows = mask.any(1)  # sequences with response tokens (all of them in a step's batch)
+    tokens = mask.sum(1)[rows]
+
+    def per_sequence(values: Tensor) -> Tensor:
+        """Each sequence's mean of per-token ``values`` (``[B, T]``) over its response tokens."""
+        return (values * mask)[rows].sum(1) / tokens
+
     return {
         "logprob_abs_diff_mean": diff.mean().item(),
         "logprob_abs_diff_max": diff.max().item(),
         "logprob_abs_diff_min": diff.min().item(),
-        "k3_kl": k3.item(),
         "probs_diff_mean": prob.mean().item(),
         "probs_diff_max": prob.max().item(),
-        "train_rollout_logprob_abs_diff": diff.mean().item(),  # slime's name for the mean
-        "log_ppl_abs_diff": (log_ppl(train) - log_ppl(rollout)).abs()[rows].mean().item(),  # verl, per sequence
-        "chi2_token": (weights.pow(2).mean() - 1).item(),  # verl: E[w^2] - 1
-        "rollout_is_eff_sample_size": (weights.sum().pow(2) / (weights.numel() * weights.pow(2).sum())).item(),
+        # slime (THUDM/slime) slime/backends/megatron_utils/loss.py policy_loss_function:
+        # sum_of_sample_mean(|old - rollout|), a mean per sample, then over the samples (its default, without
+        # --calculate-per-token-loss)
+        "train_rollout_logprob_abs_diff": per_sequence((train - rollout).abs()).mean().item(),
+        # verl (volcengine/verl) verl/trainer/ppo/rollout_corr_helper.py compute_offpolicy_metrics:
+        # KL(rollout || train) by the k3 estimator, token mean of exp(lr) - lr - 1 with lr = log pi_train -
+        # log pi_rollout (clamped to +-SAFETY_BOUND here, as verl clamps it for chi2 and the IS weights: the
+        # same unless a ratio passes e^20)
+        "k3_kl": (weights - 1 - log_ratio).mean().item(),
+        # verl, same function: |mean log-prob of the rollout - of training| per sequence, mean over sequences
+        "log_ppl_abs_diff": (per_sequence(rollout) - per_sequence(train)).abs().mean().item(),
+        # verl, same function: chi^2(train || rollout) per token, E[rho^2] - 1 with rho clamped as above
+        "chi2_token": (weights.pow(2).mean() - 1).item(),
+        # verl, same file, compute_is_metrics (token level): ESS of the truncated weights over their count,
+        # 1 / E[(w / E[w])^2], 1 when every weight is equal
+        "rollout_is_eff_sample_size": (1 / (truncated / (truncated.mean() + 1e-8)).pow(2).mean()).item(),
+        # slime, slime/backends/megatron_utils/loss.py vanilla_tis_function: the tokens whose weight the
+        # truncation changed, a mean per sample, then over the samples (no lower clip here: tis_clip_low 0)
+        "tis_clipfrac": per_sequence((every_ratio.exp() > tis_cap).float()).mean().item(),
     }
 
 
@@ -123,7 +147,6 @@ def grpo_loss(
     return loss, {
         "clip_fraction": ((ratio - 1).abs() > clip)[mask].float().mean().item(),
         "tis_weight_mean": tis[mask].mean().item(),
-        "tis_truncated_fraction": (tis[mask] >= tis_cap).float().mean().item(),  # slime: tis_clipfrac
     }
 
 

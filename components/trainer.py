@@ -59,6 +59,21 @@ class TrainConfig:
     precision: str = "bf16"  # .precision.PRECISIONS
 
 
+@dataclass
+class TrainingPass:
+    """The training path's forward over rolled-out trajectories (:meth:`Trainer.teacher_force`):
+    its full capture, and ``[B, T]`` log-probs beside the rollout's over the response ``mask``."""
+
+    records: CaptureRecords
+    logprobs: Tensor
+    rollout_logprobs: Tensor
+    mask: Tensor
+    guidance_coverage: float  # share of captured elements rounded with guidance
+
+    def alignment(self, tis_cap: float) -> dict[str, float]:
+        return alignment_metrics(self.logprobs, self.rollout_logprobs, self.mask, tis_cap=tis_cap)
+
+
 class Trainer:
     """The policy being trained (in ``config.precision``; the model is converted
     in place), its optimizer over the float32 master weights, and the
@@ -148,7 +163,10 @@ class Trainer:
             start = time.perf_counter()
             mb_guidance = next(guidance)
             reload_s += time.perf_counter() - start
-            recorder = self._recorder(batch, rollout_records) if rollout_records is not None else None
+            recorder = None
+            if rollout_records is not None:
+                recorder = self._recorder(batch.tokens.numel(), rollout_records)
+                recorder.begin(TokenMap.of(batch.trajectories, batch.positions, batch.lengths - 1))
             mb_advantages = torch.tensor([adv[t] for t in batch.trajectories], device=self.device)
             loss, logprobs, sites, loss_stats = self._loss(batch, mb_guidance, recorder, mb_advantages)
             tokens = int(batch.response.sum())
@@ -209,12 +227,12 @@ class Trainer:
             stats["kl_to_reference"] = kl.item()
         return loss, logprobs, sites, {"loss": loss.item(), **stats}
 
-    @staticmethod
-    def _alignment(parts: list[tuple[int, Tensor, Tensor, Tensor]]) -> dict:
+    def _alignment(self, parts: list[tuple[int, Tensor, Tensor, Tensor]]) -> dict:
         """Alignment metrics over the microbatches' ``(index, training log-probs,
         rollout log-probs, response mask)``, in microbatch order."""
         parts = sorted(parts, key=lambda part: part[0])
-        return alignment_metrics(*(stack_rows([part[i] for part in parts]) for i in (1, 2, 3)))
+        stacked = (stack_rows([part[i] for part in parts]) for i in (1, 2, 3))
+        return alignment_metrics(*stacked, tis_cap=self.config.tis_cap)
 
     def _optimizer_step(self) -> float:
         """Clip, step and clear the gradients; returns the norm before clipping."""
@@ -254,26 +272,40 @@ class Trainer:
         an update: log-prob alignment, and against the rollout's full capture the
         per-layer code mismatch, relative excess MSE and codeword-difference
         histogram (empty for methods whose training path does not quantize)."""
+        forward = self.teacher_force(trajectories, loader, rollout_records)
+        tally = MismatchTally()
+        tally.add(compare(rollout_records, forward.records))
+        return {**forward.alignment(self.config.tis_cap), **tally.summary()}
+
+    @torch.no_grad()
+    def teacher_force(
+        self, trajectories: list[Trajectory], loader: GuidanceLoader | None, rollout_records: CaptureRecords
+    ) -> "TrainingPass":
+        """The training path over the trajectories' tokens without an update, as
+        the train step runs it (microbatches, guidance from ``loader``): its full
+        capture at the positions the rollout fed (with the values before
+        quantization when the rollout kept its own) and its log-probs."""
         parts = [SequenceBatch.of(mb, self.device) for mb in self.microbatches(trajectories)]
         guidance = iter(loader) if loader is not None else iter([None] * len(parts))
-        tally, alignment = MismatchTally(), []
+        recorder = self._recorder(max(b.tokens.numel() for b in parts), rollout_records)
+        alignment, guided, captured = [], 0, 0
         for index, batch in enumerate(parts):
-            recorder = self._recorder(batch, rollout_records)
-            _, logprobs = self._forward(batch, next(guidance), recorder)
+            recorder.begin(TokenMap.of(batch.trajectories, batch.positions, batch.lengths - 1))
+            sites, logprobs = self._forward(batch, next(guidance), recorder)
             recorder.end()
-            tally.add(compare(rollout_records, recorder.drain()))
             alignment.append((index, logprobs, batch.rollout_logprobs, batch.response))
-        return {**self._alignment(alignment), **tally.summary()}
+            guided += sum(sites.coverage.guided.values())
+            captured += sum(sites.coverage.total.values())
+        train, rollout, mask = (stack_rows([part[i] for part in alignment]) for i in (1, 2, 3))
+        return TrainingPass(recorder.drain(), train, rollout, mask, guided / captured if captured else 0.0)
 
-    def _recorder(self, batch: SequenceBatch, rollout: CaptureRecords) -> Capture:
-        """A capture of the training path's codes over the positions the rollout fed."""
+    def _recorder(self, max_tokens: int, rollout: CaptureRecords) -> Capture:
+        """A capture of the training path's codes (each forward: ``begin`` with
+        the positions the rollout fed, ``end``), keeping the values before
+        quantization when the rollout kept its own."""
         keep_inputs = any(t.inputs is not None for t in rollout.tables.values())
-        config = CaptureConfig(max_tokens=batch.tokens.numel(), inputs=keep_inputs)
-        capture = Capture(self.model.cfg, self.quant, config, self.global_scales, self.device, kv_from_forward=True)
-        capture.begin(
-            TokenMap.of(batch.trajectories, batch.positions, batch.lengths - 1)
-        )  # the positions the rollout fed
-        return capture
+        config = CaptureConfig(max_tokens=max_tokens, inputs=keep_inputs)
+        return Capture(self.model.cfg, self.quant, config, self.global_scales, self.device, kv_from_forward=True)
 
     def save(self, policy, state, extra: dict[str, bytes] | None = None, run_id: str = "") -> tuple[Path, Path]:
         """The policy at ``policy`` (Hub layout in its parameters' dtype, ``extra``

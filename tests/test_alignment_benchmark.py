@@ -1,0 +1,56 @@
+"""benchmarks/alignment.py: the adaptive coverage rule on hand-made rates, and
+its --quick mode end to end on the smoke model (both training precisions)."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("alignment", ROOT / "benchmarks" / "alignment.py")
+alignment = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(alignment)
+
+
+def test_adaptive_takes_the_highest_local_rates_within_half_the_elements():
+    rates = {0: 0.01, 1: 0.03, 2: 0.02, 3: 0.005}
+    assert alignment.adaptive_layers(rates, dict.fromkeys(rates, 100)) == (1, 2)
+    # layer 1 alone holds more than half the elements: skipped, the next ones fit
+    assert alignment.adaptive_layers(rates, {0: 100, 1: 500, 2: 100, 3: 100}) == (0, 2, 3)
+    assert alignment.adaptive_layers({0: 0.01, 1: 0.01}, {0: 10, 1: 10}) == (0,)  # a tie: the shallower
+
+
+def test_coverages_of_four_layers():
+    layers = [0, 1, 2, 3]
+    assert alignment.coverage_layers("deeper", layers, ()) == (2, 3)
+    assert alignment.coverage_layers("shallow", layers, ()) == (0, 1)
+    assert alignment.coverage_layers("all", layers, ()) == (0, 1, 2, 3)
+    assert alignment.coverage_layers("adaptive", layers, (1, 3)) == (1, 3)
+
+
+def test_quick_mode(capsys):
+    alignment.main(["--quick"])
+    out = capsys.readouterr().out
+    assert "| precision | guidance |" in out and "local RTN flip rate" in out
+    result = json.loads(out.strip().splitlines()[-1])
+    rows = {(r["precision"], r["guidance"]): r for r in result["table"]}
+    names = ["RTN (qat)"] + [f"R-{b} {c}" for b in (1, 4) for c in alignment.COVERAGES]
+    assert set(rows) == {(p, n) for p in ("bf16", "fp32_master") for n in names}
+    for precision in ("bf16", "fp32_master"):
+        rtn, r4 = rows[(precision, "RTN (qat)")], rows[(precision, "R-4 all")]
+        assert rtn["local_mismatch"] > 0  # the training path's own flips, the layers below held to the rollout's
+        assert rtn["e2e_mismatch"] > rtn["local_mismatch"]  # end to end, the flips below cascade
+        assert r4["local_mismatch"] < 1e-3 and r4["e2e_mismatch"] < 1e-3
+        assert r4["logprob_abs_diff_mean"] < rtn["logprob_abs_diff_mean"]
+        assert rows[(precision, "R-1 deeper")]["guided_layers"] == [[1]]
+        assert rows[(precision, "R-1 shallow")]["guided_layers"] == [[0]]
+        assert len(rows[(precision, "R-1 adaptive")]["guided_layers"][0]) == 1  # half of the smoke model's 2
+        for half in ("deeper", "shallow"):  # half the layers guided: between none and all
+            assert r4["e2e_mismatch"] <= rows[(precision, f"R-1 {half}")]["e2e_mismatch"] <= rtn["e2e_mismatch"]
+    assert set(result["paired"]) >= {"bf16: R-1 shallow - R-1 deeper", "RTN (qat): fp32_master - bf16"}
+
+
+def test_seeds_must_be_positive():
+    with pytest.raises(SystemExit):
+        alignment.main(["--seeds", "0"])
