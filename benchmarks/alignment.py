@@ -189,25 +189,20 @@ def label(row: dict) -> str:
 
 
 def aggregate(seeds: list[dict]) -> list[dict]:
-    """Rows pooled over seeds: rates weighted by elements (mismatch) or tokens (|logprob diff|)."""
+    """One row per (precision, guidance): each figure's mean over the seeds, the per-sequence |logprob diff| pooled."""
     pooled = {}
     for run in seeds:
         for row in run["rows"]:
             pooled.setdefault((row["precision"], label(row)), []).append(row)
     out = []
     for (precision, name), rows in pooled.items():
-
-        def mean(key):
-            values = [r[key] for r in rows if r[key] is not None]
-            return sum(values) / len(values) if values else None
-
         out.append(
             {
                 "precision": precision,
                 "guidance": name,
                 "guided_layers": sorted({tuple(r["guided_layers"]) for r in rows}),
                 **{
-                    key: mean(key)
+                    key: _mean(rows, key)
                     for key in (
                         "local_mismatch",
                         "local_one_codeword_share",
@@ -224,6 +219,11 @@ def aggregate(seeds: list[dict]) -> list[dict]:
             }
         )
     return out
+
+
+def _mean(rows: list[dict], key: str) -> float | None:
+    values = [r[key] for r in rows if r[key] is not None]
+    return sum(values) / len(values) if values else None
 
 
 def _mean_by_layer(rows: list[dict], key: str) -> dict:

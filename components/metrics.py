@@ -73,9 +73,29 @@ METRICS = {
         "0 with the bits codec."
     ),
     "tracefp4_train_rollout_logprob_abs_diff": Metric(
-        "|log pi_train - log pi_rollout| per response token over the round's steps.", ("stat",)
+        "|log pi_train - log pi_rollout| over the round's steps: stat=mean per response token, max, and "
+        "sequence_mean (a mean per sequence, then over sequences: slime's train_rollout_logprob_abs_diff).",
+        ("stat",),
     ),
-    "tracefp4_train_rollout_kl": Metric("k3 estimate of KL(rollout || train) per response token (round mean)."),
+    "tracefp4_train_rollout_kl": Metric(
+        "k3 estimate of KL(rollout || train) per response token (round mean; verl's rollout_corr/k3_kl)."
+    ),
+    "tracefp4_train_rollout_log_ppl_abs_diff": Metric(
+        "|log-perplexity of training - of the rollout| per sequence, mean over sequences "
+        "(round mean; verl's rollout_corr/log_ppl_abs_diff)."
+    ),
+    "tracefp4_train_rollout_chi2": Metric(
+        "chi^2(train || rollout) per token, E[(pi_train / pi_rollout)^2] - 1 "
+        "(round mean; verl's rollout_corr/chi2_token)."
+    ),
+    "tracefp4_tis_clip_ratio": Metric(
+        "Share of response tokens whose truncated importance weight the cap changed, per sequence then over "
+        "sequences (round mean; slime's tis_clipfrac)."
+    ),
+    "tracefp4_importance_weight_ess_ratio": Metric(
+        "Effective sample size of the truncated importance weights over the token count, 1 when all are equal "
+        "(round mean; verl's rollout_corr/rollout_is_eff_sample_size)."
+    ),
     "tracefp4_reward": Metric("Mean reward of the round's rollouts."),
     "tracefp4_accuracy_ratio": Metric(
         "Share of responses solved: training rollouts (split=train) or held-out evaluation (split=test).",
@@ -250,7 +270,14 @@ def _train(m: RunMetrics, rows: list[dict], config) -> None:
     m.set("tracefp4_guidance_decode_failure_ratio", (failed or 0.0) if config.method == "trace" else None)
     m.set("tracefp4_train_rollout_logprob_abs_diff", _mean(rows, "logprob_abs_diff_mean"), stat="mean")
     m.set("tracefp4_train_rollout_logprob_abs_diff", max(r["logprob_abs_diff_max"] for r in rows), stat="max")
+    m.set(
+        "tracefp4_train_rollout_logprob_abs_diff", _mean(rows, "train_rollout_logprob_abs_diff"), stat="sequence_mean"
+    )
     m.set("tracefp4_train_rollout_kl", _mean(rows, "k3_kl"))
+    m.set("tracefp4_train_rollout_log_ppl_abs_diff", _mean(rows, "log_ppl_abs_diff"))
+    m.set("tracefp4_train_rollout_chi2", _mean(rows, "chi2_token"))
+    m.set("tracefp4_tis_clip_ratio", _mean(rows, "tis_clipfrac"))
+    m.set("tracefp4_importance_weight_ess_ratio", _mean(rows, "rollout_is_eff_sample_size"))
     m.set("tracefp4_reward", _mean(rows, "reward_mean"))
     labels = {"split": "train", "rollout_config": config.rollout.config, "task": "all", "metric": "mean"}
     m.set("tracefp4_accuracy_ratio", _mean(rows, "accuracy"), **labels)

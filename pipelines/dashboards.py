@@ -242,6 +242,18 @@ def _rows() -> list[tuple[str, list]]:
                 ),
                 _rounds("KL(rollout || train) per token", "none", per_round(sel("tracefp4_train_rollout_kl"))),
                 _rounds(
+                    "Log-perplexity |diff| and chi^2 per token (verl's names)",
+                    "none",
+                    per_round(sel("tracefp4_train_rollout_log_ppl_abs_diff"), figure="log_ppl_abs_diff"),
+                    per_round(sel("tracefp4_train_rollout_chi2"), figure="chi2_token"),
+                ),
+                _rounds(
+                    "TIS clip fraction and importance-weight effective sample size",
+                    "percentunit",
+                    per_round(sel("tracefp4_tis_clip_ratio"), figure="tis_clipfrac"),
+                    per_round(sel("tracefp4_importance_weight_ess_ratio"), figure="ESS / tokens"),
+                ),
+                _rounds(
                     "Guidance coverage and syndrome decode failures",
                     "percentunit",
                     per_round(sel("tracefp4_guidance_coverage_ratio"), figure="coverage"),

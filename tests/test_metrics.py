@@ -97,6 +97,7 @@ def test_every_metric_is_named_in_base_units_with_the_prefix():
                 "_steps",
                 "_reward",
                 "_kl",
+                "_chi2",
                 "_abs_diff",
             )
         ), name
