@@ -3,9 +3,11 @@ pipeline's own round (components/steps.py run_round: rollout -> compaction ->
 guided QAT), on the tiny preset bootstrapped once and forked per method: the
 same prompts, seeds and number of on-policy steps for every method. Prints,
 per method, the train-rollout log-prob |diff| and the code mismatch of its
-training path against each step's rollout (full capture), then what guiding
-R-1bit on all layers, the deeper half or the shallow half keeps of R-4bit's
-reduction of the mismatch: layer coverage, not bit depth, decides it. Each
+training path against each step's rollout (full capture), then the share of
+R-4bit-on-all-layers' reduction of QAT's mismatch that R-1bit on all layers,
+the deeper half or the shallow half achieves (these rows change coverage and
+bit depth at once: benchmarks/alignment.py varies each alone, R-1 and R-4 on
+every coverage, with the local and the end-to-end mismatch). Each
 run trains under each ``--precision`` (``train.precision``: bf16 parameters
 and compute, or fp32 master weights under bf16 autocast), forked from the same
 base, so that what differs is the training forward's numerics alone.
@@ -117,7 +119,7 @@ def main() -> None:
                 label = RUNS[name][0]
                 share = (qat - mean(precision, label, "code_mismatch")) / (qat - r4)
                 kept.setdefault(precision, {})[label] = share
-                print(f"{precision}: {label} keeps {share:.1%} of R-4bit-on-all-layers' code-mismatch reduction")
+                print(f"{precision}: {label} achieves {share:.1%} of R-4bit-on-all-layers' code-mismatch reduction")
     print(json.dumps({"bootstrap": bootstrap, "histories": histories, "r1_share_of_r4_reduction": kept}))
 
 

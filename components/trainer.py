@@ -280,7 +280,7 @@ class Trainer:
     @torch.no_grad()
     def teacher_force(
         self, trajectories: list[Trajectory], loader: GuidanceLoader | None, rollout_records: CaptureRecords
-    ) -> "TrainingPass":
+    ) -> TrainingPass:
         """The training path over the trajectories' tokens without an update, as
         the train step runs it (microbatches, guidance from ``loader``): its full
         capture at the positions the rollout fed (with the values before

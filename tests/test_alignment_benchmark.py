@@ -1,6 +1,7 @@
 """benchmarks/alignment.py: the adaptive coverage rule on hand-made rates, and
 its --quick mode end to end on the smoke model (both training precisions)."""
 
+import argparse
 import importlib.util
 import json
 from pathlib import Path
@@ -54,3 +55,27 @@ def test_quick_mode(capsys):
 def test_seeds_must_be_positive():
     with pytest.raises(SystemExit):
         alignment.main(["--seeds", "0"])
+
+
+def test_rounding_the_captured_inputs_again_gives_the_training_paths_own_codes(tmp_path):
+    """mismatch.rounded without guidance is the training path's RTN, bit for bit, in both precisions."""
+    from dataclasses import replace
+
+    from tracefp4.components import steps
+    from tracefp4.components.capture import CaptureRecords
+    from tracefp4.components.checkpoint import load_model
+    from tracefp4.components.mismatch import compare, rounded
+    from tracefp4.components.trainer import Trainer
+
+    args = argparse.Namespace(preset="smoke", bootstrap_steps=0, prompts=2, group=2, new_tokens=8)
+    config = alignment.bench_config(args)
+    config.bootstrap.enabled = False
+    steps.prepare(config, tmp_path / "base", alignment.RUN_ID)
+    engine, trajectories, records = alignment.rollout(config, tmp_path / "base", 0)
+    for precision in ("bf16", "fp32_master"):
+        train_config = replace(steps.train_config(config), method="qat", precision=precision)
+        trainer = Trainer(load_model(tmp_path / "base"), train_config, engine.quant, engine.global_scales)
+        training = trainer.teacher_force(trajectories, None, records).records
+        again = rounded(training, CaptureRecords())
+        for key, m in compare(training, again).items():
+            assert m.elements > 0 and m.mismatched == 0 and m.scale_mismatched == 0, (precision, key)
