@@ -77,8 +77,10 @@ class CompactionReport:
 
 
 def full_record_bytes(t: "SiteTable | SyndromeTable") -> int:
-    """Bytes of the table's rows as full records: 4-bit codes plus one scale byte per block."""
-    return len(t.traj) * (t.width // 2 + t.width // get_format(t.fmt).block_size)
+    """Bytes of the table's rows as full records: 4-bit codes plus one scale byte
+    per block (and a float32 global scale per row under per-token scales)."""
+    per_row = 4 if getattr(t, "row_global_scales", None) is not None else 0
+    return len(t.traj) * (t.width // 2 + t.width // get_format(t.fmt).block_size + per_row)
 
 
 def compaction_report(full: CaptureRecords, compacted: CaptureRecords, training: CaptureRecords) -> CompactionReport:
