@@ -6,8 +6,9 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tracefp4.components import steps
 from tracefp4.components.capture import Capture, CaptureConfig, TokenMap
-from tracefp4.components.guidance import GuidanceError, GuidanceLoader, write_step
+from tracefp4.components.guidance import GuidanceError, GuidanceLoader, read_step, write_step
 from tracefp4.components.mismatch import compare
 from tracefp4.components.model import build_model
 from tracefp4.components.qat import TrainingSites
@@ -22,6 +23,7 @@ from tracefp4.components.rl import (
 )
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
+from tracefp4.schemas import RunConfig, get_preset
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-qwen35"])
@@ -223,3 +225,26 @@ def test_guidance_of_another_global_scale_mode_is_refused(per_token_step):
     )
     with pytest.raises(GuidanceError, match="captured under per-token global scales, training uses static ones"):
         token_logprobs(engine.model, batch, sites)
+
+
+def test_a_round_with_per_token_global_scales(tmp_path):
+    """End to end (steps.run_round, the pipeline's three steps in one process):
+    the rollout's per-token scales reach the store, training is guided under
+    them, and its code mismatch against the rollout's full capture is far below
+    RTN's (qat), which recomputes each row's scale from the training values."""
+    base = get_preset("smoke").model_dump()
+    base["bootstrap"]["enabled"] = False
+    base["rollout"]["activation_global_scale"] = "per_token"
+    base["guidance"].update(layers="all", bits=4, compaction="offline")
+    base["rl"]["measure_mismatch"] = True
+    history = {}
+    for method in ("qat", "trace"):
+        config = RunConfig.model_validate({**base, "method": method, "store": {"uri": (tmp_path / "s").as_uri()}})
+        work = tmp_path / method
+        steps.prepare(config, work / "p0", "run", work / "s0")
+        (history[method],) = steps.run_round(config, work / "p0", work / "s0", 0, work / "p1", work / "s1", work, "run")
+        records = read_step(steps._store(config), 0, steps.store_prefix(config, "run", "capture"))
+        scales = {site: t.row_global_scales is not None for (_, site), t in records.tables.items()}
+        assert scales == {"moe_in": True, "moe_down_in": True, "k_cache": False, "v_cache": False}
+    assert history["trace"]["guidance_coverage"] > 0.9 and history["qat"]["guidance_coverage"] == 0.0
+    assert history["trace"]["code_mismatch"] < 0.1 * history["qat"]["code_mismatch"]
