@@ -10,10 +10,14 @@ bit depth at once: benchmarks/alignment.py varies each alone, R-1 and R-4 on
 every coverage, with the local and the end-to-end mismatch). Each
 run trains under each ``--precision`` (``train.precision``: bf16 parameters
 and compute, or fp32 master weights under bf16 autocast), forked from the same
-base, so that what differs is the training forward's numerics alone.
+base, so that what differs is the training forward's numerics alone; and
+under each ``--activation-global-scale`` (``rollout.activation_global_scale``:
+static per-site NVFP4 activation global scales, or per-token ones as SGLang's
+``nvfp4_online`` computes them), which the training path reproduces.
 
     python benchmarks/repro.py [--steps 4] [--prompts 8] [--group 4] [--new-tokens 24]
-        [--precision bf16 fp32_master] [--runs qat trace-r1-all ...] [--bootstrap-steps 480]
+        [--precision bf16 fp32_master] [--activation-global-scale static per_token]
+        [--runs qat trace-r1-all ...] [--bootstrap-steps 480]
 
 Prints a markdown table, then one JSON line.
 """
@@ -26,6 +30,7 @@ from pathlib import Path
 
 from tracefp4.components import steps
 from tracefp4.components.precision import PRECISIONS
+from tracefp4.components.quant import ACTIVATION_GLOBAL_SCALES
 from tracefp4.schemas import RunConfig, get_preset
 
 RUNS = {  # name: (label, method, guidance bits, guided layers of the tiny model's 4)
@@ -39,11 +44,13 @@ RUNS = {  # name: (label, method, guidance bits, guided layers of the tiny model
 RUN_ID = "repro"
 
 
-def config_for(name: str, args, store: Path, precision: str = "bf16") -> RunConfig:
+def config_for(name: str, args, store: Path, precision: str = "bf16", scale: str = "static") -> RunConfig:
     _, method, bits, layers = RUNS[name]
     data = get_preset("tiny").model_dump()
-    data.update(name=f"repro-{list(RUNS).index(name)}-{precision.replace('_', '-')}", method=method)
+    numerics = f"{precision}-{scale}".replace("_", "-")
+    data.update(name=f"repro-{list(RUNS).index(name)}-{numerics}", method=method)
     data["train"]["precision"] = precision
+    data["rollout"]["activation_global_scale"] = scale
     if args.bootstrap_steps:
         data["bootstrap"].update(steps=args.bootstrap_steps, warmup=min(30, args.bootstrap_steps // 10))
     data["rollout"].update(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens)
@@ -55,9 +62,10 @@ def config_for(name: str, args, store: Path, precision: str = "bf16") -> RunConf
     return RunConfig.model_validate(data)
 
 
-def run(name: str, precision: str, args, base: Path, work: Path) -> list[dict]:
-    """``args.steps`` on-policy rounds of one method in one precision from the bootstrapped base policy."""
-    config = config_for(name, args, work / "store", precision)
+def run(name: str, precision: str, scale: str, args, base: Path, work: Path) -> list[dict]:
+    """``args.steps`` on-policy rounds of one method in one precision and activation
+    scale mode from the bootstrapped base policy."""
+    config = config_for(name, args, work / "store", precision, scale)
     folder = work / config.name
     shutil.copytree(base, folder / "policy-0")  # a byte copy: its trainer state still pins it
     shutil.copytree(base.with_name("base-state"), folder / "state-0")
@@ -76,6 +84,7 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=4)
     parser.add_argument("--new-tokens", type=int, default=24)
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
+    parser.add_argument("--activation-global-scale", nargs="+", choices=ACTIVATION_GLOBAL_SCALES, default=["static"])
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
     parser.add_argument("--bootstrap-steps", type=int, default=0, help="SFT steps of the base (0: the preset's 480)")
     args = parser.parse_args()
@@ -83,9 +92,12 @@ def main() -> None:
         work = Path(tmp)
         base_config = config_for("qat", args, work / "store")
         bootstrap = steps.prepare(base_config, work / "base", RUN_ID, work / "base-state")  # the bootstrap SFT, once
-        histories = {
-            precision: {RUNS[name][0]: run(name, precision, args, work / "base", work) for name in args.runs}
+        histories = {  # per numerics: the precision, and " per_token" under per-token activation scales
+            precision + ("" if scale == "static" else f" {scale}"): {
+                RUNS[name][0]: run(name, precision, scale, args, work / "base", work) for name in args.runs
+            }
             for precision in args.precision
+            for scale in args.activation_global_scale
         }
 
     def mean(precision, label, key):
@@ -99,7 +111,7 @@ def main() -> None:
         "guidance coverage | reward |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    for precision in args.precision:
+    for precision in histories:
         for label in histories[precision]:
             mismatch = mean(precision, label, "code_mismatch")
             shown = "n/a (BF16 activations)" if mismatch is None else f"{mismatch:.4f}"
@@ -110,7 +122,7 @@ def main() -> None:
                 f"{mean(precision, label, 'reward_mean'):.3f} |"
             )
     kept = {}
-    for precision in args.precision:
+    for precision in histories:
         if not {"qat", "trace-r4-all"} <= set(args.runs):
             break
         qat, r4 = mean(precision, "qat", "code_mismatch"), mean(precision, RUNS["trace-r4-all"][0], "code_mismatch")

@@ -54,6 +54,7 @@ class CaptureConfig:
 KEY_SLOT_BITS = 8  # slots per position: 1, or a MoE's top_k expert slots
 KEY_POS_BITS = 24  # positions in a sequence
 KEY_TRAJ_BITS = 31  # trajectory ids; 8 + 24 + 31 = 63 bits leave the sign bit clear
+ROW_FIELDS = ("traj", "pos", "slot", "expert", "codes", "scales")  # a SiteTable's tensors, one row each
 
 
 def row_key(traj: Tensor, pos: Tensor, slot: Tensor) -> Tensor:
@@ -93,7 +94,9 @@ class SiteTable:
     """The captured outcomes of one ``(layer, site)``, one row per captured
     vector, sorted by ``(traj, pos, slot)``. ``codes`` holds the low ``bits``
     of each code packed by ``compact_codes`` (bits = 4 is the FP4 nibble
-    layout); ``scales`` the raw E4M3 / E8M0 scale bytes."""
+    layout); ``scales`` the raw E4M3 / E8M0 scale bytes. NVFP4 global scales:
+    ``global_scale``, one static scale for every row, or (per-token activation
+    scales) ``row_global_scales``, float32 ``[N, 1]``, one per row."""
 
     layer: int
     site: str
@@ -108,14 +111,27 @@ class SiteTable:
     codes: Tensor
     scales: Tensor
     inputs: Tensor | None = None  # float32 [N, width], the values before quantization (CaptureConfig.inputs)
+    row_global_scales: Tensor | None = None  # float32 [N, 1], per-token NVFP4 global scales
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() + self.scales.numel()
+        extra = 0 if self.row_global_scales is None else self.row_global_scales.numel() * 4
+        return self.codes.numel() + self.scales.numel() + extra
+
+    def _rows_fields(self) -> tuple[str, ...]:
+        """The per-row tensors this table holds (row_global_scales where it has them)."""
+        return ROW_FIELDS + (() if self.row_global_scales is None else ("row_global_scales",))
+
+    def global_scales(self, rows: Tensor | None = None) -> Tensor | None:
+        """The NVFP4 global scale of ``rows`` (None: all): the static scalar, or
+        float32 ``[n, 1]`` per row; None for MXFP4."""
+        if self.row_global_scales is not None:
+            return self.row_global_scales if rows is None else self.row_global_scales[rows]
+        return None if self.global_scale is None else torch.tensor(self.global_scale, device=self.codes.device)
 
     def select(self, rows: Tensor) -> "SiteTable":
         """The table restricted to ``rows`` (a bool mask or indices), in that order."""
-        pick = {f: getattr(self, f)[rows] for f in ("traj", "pos", "slot", "expert", "codes", "scales")}
+        pick = {f: getattr(self, f)[rows] for f in self._rows_fields()}
         inputs = None if self.inputs is None else self.inputs[rows]
         return replace(self, **pick, inputs=inputs)
 
@@ -126,16 +142,17 @@ class SiteTable:
     @staticmethod
     def concat(tables: list["SiteTable"]) -> "SiteTable":
         """Tables of one site (of other trajectories) as one, in the given order."""
-        cat = {
-            f: torch.cat([getattr(t, f) for t in tables]) for f in ("traj", "pos", "slot", "expert", "codes", "scales")
-        }
+        modes = {t.row_global_scales is None for t in tables}
+        if len(modes) > 1:
+            raise ValueError(f"layer {tables[0].layer} {tables[0].site}: tables of static and per-token global scales")
+        cat = {f: torch.cat([getattr(t, f) for t in tables]) for f in tables[0]._rows_fields()}
         return replace(tables[0], **cat, inputs=None)
 
     def to(self, device) -> "SiteTable":
         """The table on ``device`` (itself where it is already there)."""
         if self.codes.device == torch.device(device):
             return self
-        moved = {f: getattr(self, f).to(device) for f in ("traj", "pos", "slot", "expert", "codes", "scales")}
+        moved = {f: getattr(self, f).to(device) for f in self._rows_fields()}
         return replace(self, **moved, inputs=None if self.inputs is None else self.inputs.to(device))
 
     def compacted(self, bits: int) -> "SiteTable":
@@ -149,9 +166,14 @@ class SiteTable:
         if self.bits != 4:
             raise ValueError(f"dequantizing needs full codes; this table keeps {self.bits} bits")
         f = get_format(self.fmt)
-        g = None if self.global_scale is None else torch.tensor(self.global_scale)
         return dequantize(
-            FP4Tensor(self.codes, self.scales.view(f.scale_dtype), g, self.fmt, (len(self.codes), self.width))
+            FP4Tensor(
+                self.codes,
+                self.scales.view(f.scale_dtype),
+                self.global_scales(),
+                self.fmt,
+                (len(self.codes), self.width),
+            )
         )
 
     def low_bits(self) -> Tensor:
@@ -162,7 +184,7 @@ class SiteTable:
         """Guidance for the selected rows (training-side guided rounding)."""
         f = get_format(self.fmt)
         scales = self.scales[rows].view(f.scale_dtype)
-        g = None if self.global_scale is None else torch.tensor(self.global_scale, device=self.codes.device)
+        g = self.global_scales(rows)
         return Guidance(self.codes[rows], self.bits, scales, g, self.fmt, torch.Size((len(rows), self.width)))
 
 
@@ -182,7 +204,12 @@ class _Buffer:
     per captured site, codes, scale bytes and (expert slots) routing."""
 
     def __init__(
-        self, shapes: dict[tuple[int, str], tuple[int, int, int, int]], max_tokens: int, device, keep_inputs: bool
+        self,
+        shapes: dict[tuple[int, str], tuple[int, int, int, int]],
+        max_tokens: int,
+        device,
+        keep_inputs: bool,
+        per_token: set,
     ):
         def rows(per_token: int, width: int, dtype=torch.uint8) -> Tensor:
             return torch.empty(max_tokens * per_token, width, dtype=dtype, device=device)
@@ -190,6 +217,8 @@ class _Buffer:
         self.tokens = torch.empty(max_tokens, 2, dtype=torch.int64, device=device)
         self.codes = {k: rows(per, nbytes) for k, (per, nbytes, _, _) in shapes.items()}
         self.scales = {k: rows(per, nscales) for k, (per, _, nscales, _) in shapes.items()}
+        # the per-row NVFP4 global scales of sites with per-token activation scales
+        self.globals = {k: rows(per, 1, torch.float32) for k, (per, _, _, _) in shapes.items() if k in per_token}
         self.inputs = {}  # the unquantized rows, when asked for (teacher forcing)
         if keep_inputs:
             self.inputs = {k: rows(per, nbytes * 2, torch.float32) for k, (per, nbytes, _, _) in shapes.items()}
@@ -262,10 +291,11 @@ class Capture:
                 if site in ACTIVATION_SITES or kv_from_forward:
                     nscales = width // get_format(fmt).block_size
                     shapes[(layer, site)] = (per_token, width // 2, nscales, site == "moe_down_in")
-        self._buffers = [_Buffer(shapes, config.max_tokens, device, config.inputs) for _ in range(2)]
+        per_token = {k for k in shapes if quant.per_token(k[1])}
+        self._buffers = [_Buffer(shapes, config.max_tokens, device, config.inputs, per_token) for _ in range(2)]
         self._turn = 0
         self._forward_tokens = 0  # tokens of the forward in flight, 0 between forwards
-        self._chunks: dict[tuple[int, str], list[list[Tensor]]] = {}
+        self._chunks: dict[tuple[int, str], list[dict[str, Tensor]]] = {}
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
         # host time spent capturing on the rollout thread, and busy time of the offload thread
@@ -308,6 +338,11 @@ class Capture:
         buf.scales[key][start : start + n] = q.scales.view(torch.uint8)
         if buf.inputs:
             buf.inputs[key][start : start + n] = x
+        if key in buf.globals:
+            if q.global_scale is None or tuple(q.global_scale.shape) != (n, 1):
+                shape = None if q.global_scale is None else tuple(q.global_scale.shape)
+                raise ValueError(f"layer {layer} {site} takes per-token global scales ({n}, 1), got {shape}")
+            buf.globals[key][start : start + n] = q.global_scale
         if key in buf.routing:
             buf.routing[key][start : start + n] = torch.stack([token + buf.n_tokens, slot, expert], 1)
         buf.rows[key] = start + n
@@ -371,14 +406,17 @@ class Capture:
             else:
                 token, slot, expert = torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.full((n,), -1)
             meta = torch.stack([tokens[token, 0], tokens[token, 1], slot, expert], 1)
-            inputs = [buf.inputs[key][:n]] if buf.inputs else []
-            self._append(key, buf.codes[key][:n], buf.scales[key][:n], meta, *inputs)
+            extra = {"inputs": buf.inputs[key][:n]} if buf.inputs else {}
+            if key in buf.globals:
+                extra["row_global_scales"] = buf.globals[key][:n]
+            self._append(key, buf.codes[key][:n], buf.scales[key][:n], meta, **extra)
 
-    def _append(self, key, codes: Tensor, scales: Tensor, meta: Tensor, *inputs: Tensor) -> None:
+    def _append(self, key, codes: Tensor, scales: Tensor, meta: Tensor, **extra: Tensor) -> None:
+        """Keep a chunk of rows on the host; ``extra``: their inputs and per-row global scales, where kept."""
         if self.config.bits < 4:  # compact on the device, before the copy to host
             codes = compact_codes(unpack_nibbles(codes), self.config.bits)
-        host = [t.to("cpu", copy=True) for t in (codes, scales, meta, *inputs)]
-        self._chunks.setdefault(key, []).append(host)
+        parts = {"codes": codes, "scales": scales, "meta": meta, **extra}
+        self._chunks.setdefault(key, []).append({name: t.to("cpu", copy=True) for name, t in parts.items()})
 
     def pending(self) -> bool:
         """Whether anything was captured since the last drain."""
@@ -404,7 +442,8 @@ class Capture:
         chunks, self._chunks = self._chunks, {}
         records = CaptureRecords()
         for (layer, site), parts in sorted(chunks.items()):
-            codes, scales, meta, *inputs = (torch.cat(col) for col in zip(*parts))
+            cat = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+            codes, scales, meta = cat["codes"], cat["scales"], cat["meta"]
             order = (meta[:, 0] >= 0).nonzero()[:, 0]  # padding rows go
             order = order[torch.argsort(row_key(*meta[order, :3].unbind(1)), stable=True)]
             traj, pos, slot, expert = (meta[order, i] for i in range(4))
@@ -421,7 +460,8 @@ class Capture:
                 expert,
                 codes[order],
                 scales[order],
-                inputs[0][order] if inputs else None,
+                cat["inputs"][order] if "inputs" in cat else None,
+                cat["row_global_scales"][order] if "row_global_scales" in cat else None,
             )
         return records
 

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import Tensor
 
-from tracefp4.kernels import Guidance, dequantize, get_format, quantize
+from tracefp4.kernels import Guidance, dequantize, get_format, per_token_global_scale, quantize
 
 from .capture import CaptureRecords, SiteTable
 from .mismatch import join_rows
@@ -28,7 +28,8 @@ from .store import ArtifactNotFound
 from .syndrome import Rate, SyndromeTable
 
 MAGIC = b"TFP4GUID"
-FORMAT_VERSION = 2  # 2: a codec per table (bits | syndrome)
+FORMAT_VERSION = 3  # 2: a codec per table (bits | syndrome); 3: per-row global scales (per-token activations)
+READ_VERSIONS = (2, 3)  # a version 2 step is a version 3 one without per-row global scales
 CODECS = ("bits", "syndrome")
 _PREAMBLE = struct.Struct("<8sHI")  # magic, format version, header length
 _DIGEST = 32  # sha256 over everything before it
@@ -76,8 +77,10 @@ class CompactionReport:
 
 
 def full_record_bytes(t: "SiteTable | SyndromeTable") -> int:
-    """Bytes of the table's rows as full records: 4-bit codes plus one scale byte per block."""
-    return len(t.traj) * (t.width // 2 + t.width // get_format(t.fmt).block_size)
+    """Bytes of the table's rows as full records: 4-bit codes plus one scale byte
+    per block (and a float32 global scale per row under per-token scales)."""
+    per_row = 4 if getattr(t, "row_global_scales", None) is not None else 0
+    return len(t.traj) * (t.width // 2 + t.width // get_format(t.fmt).block_size + per_row)
 
 
 def compaction_report(full: CaptureRecords, compacted: CaptureRecords, training: CaptureRecords) -> CompactionReport:
@@ -98,8 +101,10 @@ def compaction_report(full: CaptureRecords, compacted: CaptureRecords, training:
         small = compacted.tables.get((layer, site))
         if small is not None:
             values = dequantize(quantize(x, small.fmt, guide=small.guidance(rows)))
-        else:  # RTN with the training path's own block scales (and the static global scale)
+        else:  # RTN with the training path's own block scales (and the static, or its own per-token, global scale)
             g = rollout.global_scale if rollout.fmt == "nvfp4" else None
+            if rollout.row_global_scales is not None:
+                g = per_token_global_scale(x)
             values = dequantize(quantize(x, rollout.fmt, global_scale=g))
         entry = report.per_layer.setdefault(
             layer, {"bytes": 0, "elements": 0, "full_bytes": 0, "same": 0, "decisions": 0}
@@ -166,6 +171,8 @@ def encode_shard(records: CaptureRecords, *, rl_step: int, policy_version: int, 
             }
         else:
             arrays, codec = {"codes": t.codes, "scales": t.scales}, {"codec": "bits"}
+            if t.row_global_scales is not None:
+                arrays["row_global_scales"] = t.row_global_scales
         if site == "moe_down_in":
             arrays["expert"] = t.expert.to(torch.int16)
         fields = {}
@@ -217,8 +224,8 @@ def decode_shard(data: bytes, name: str, expect: dict | None = None) -> tuple[di
     magic, version, head_len = _PREAMBLE.unpack_from(data)
     if magic != MAGIC:
         raise GuidanceError(f"{name}: not a tracefp4 guidance shard (magic {magic!r})")
-    if version != FORMAT_VERSION:
-        raise GuidanceError(f"{name}: format version {version}, this reader reads {FORMAT_VERSION}")
+    if version not in READ_VERSIONS:
+        raise GuidanceError(f"{name}: format version {version}, this reader reads {READ_VERSIONS}")
     if hashlib.sha256(data[:-_DIGEST]).digest() != data[-_DIGEST:]:
         raise GuidanceError(f"{name}: checksum mismatch (corrupted or truncated)")
     header = json.loads(data[_PREAMBLE.size : _PREAMBLE.size + head_len])
@@ -253,8 +260,25 @@ def decode_shard(data: bytes, name: str, expect: dict | None = None) -> tuple[di
             expert,
             arrays["codes"],
             arrays["scales"],
+            row_global_scales=_row_global_scales(name, spec, arrays, len(traj)),
         )
     return header, records
+
+
+def _row_global_scales(name: str, spec: dict, arrays: dict, rows: int) -> Tensor | None:
+    """A bits table's per-row global scales (per-token activations), checked: one
+    float32 per row, and in place of a static scale, never beside one."""
+    g = arrays.get("row_global_scales")
+    if g is None:
+        return None
+    where = f"{name}: layer {spec['layer']} {spec['site']}"
+    if spec["global_scale"] is not None or spec["fmt"] != "nvfp4":
+        raise GuidanceError(
+            f"{where} has per-row global scales beside a static one ({spec['global_scale']}, {spec['fmt']})"
+        )
+    if g.dtype != torch.float32 or tuple(g.shape) != (rows, 1):
+        raise GuidanceError(f"{where}: row_global_scales is {g.dtype} {tuple(g.shape)}, expected float32 ({rows}, 1)")
+    return g
 
 
 def _syndrome_table(name: str, spec: dict, arrays: dict, traj, pos, slot, expert) -> SyndromeTable:
@@ -382,9 +406,9 @@ def read_manifest(store, rl_step: int, prefix: str = "guidance", expect: dict | 
         raise GuidanceError(f"{name}: not a guidance manifest (unreadable JSON: {e})") from None
     if not isinstance(manifest, dict):
         raise GuidanceError(f"{name}: not a guidance manifest (a JSON {type(manifest).__name__}, not an object)")
-    if manifest.get("format_version") != FORMAT_VERSION:
+    if manifest.get("format_version") not in READ_VERSIONS:
         raise GuidanceError(
-            f"{name}: format version {manifest.get('format_version')!r}, this reader reads {FORMAT_VERSION}"
+            f"{name}: format version {manifest.get('format_version')!r}, this reader reads {READ_VERSIONS}"
         )
     if manifest.get("sha256") != _manifest_digest(manifest):
         raise GuidanceError(f"{name}: checksum mismatch (the manifest was edited or corrupted)")

@@ -17,7 +17,10 @@ QaRL (TBPO) is not offered: its sequence-level objective is not specified
 precisely enough in the sources we have to implement it faithfully.
 
 All methods share the rollout's static global scales, so that the only
-differences are the rounding and, for guided rows, the block scales.
+differences are the rounding and, for guided rows, the block scales. Under
+per-token activation global scales (``QuantConfig.activation_global_scale``)
+RTN computes each row's scale from the training values, as the serving engine
+computes it from the rollout's; guided rows take the rollout's own, captured.
 """
 
 from dataclasses import dataclass, field
@@ -105,13 +108,12 @@ class TrainingSites:
             return fake_quantize(x, "fp8")
         if fmt is None:
             return x
-        g = self.global_scales.get((layer, site)) if fmt == "nvfp4" else None
+        g = self.quant.global_scale(site, x.detach(), self.global_scales, layer)
         q = quantize(x.detach(), fmt, global_scale=g)
         key = (layer, site)
         if self.method == "trace" and key in self.guidance.tables:
             table, train_rows, guide_rows = self._rows(key, x, expert)
-            if table.global_scale != (None if g is None else float(g)):
-                raise GuidanceError(f"guidance for layer {layer} {site} was captured under another static scale")
+            self._check_scales(table, g, self.quant.per_token(site))
             if isinstance(table, SyndromeTable):
                 train_rows, guide = self._decode(table, x.detach(), train_rows, guide_rows, g)
             else:
@@ -120,10 +122,27 @@ class TrainingSites:
                 guided = quantize(x.detach()[train_rows], fmt, guide=guide)
                 q.codes.index_copy_(0, train_rows, guided.codes)
                 q.scales.view(torch.uint8).index_copy_(0, train_rows, guided.scales.view(torch.uint8))
+                if q.global_scale is not None and q.global_scale.dim():  # per-token: the rollout's row scales too
+                    q.global_scale.index_copy_(0, train_rows, guided.global_scale)
             self.coverage.add(key, len(train_rows) * table.width, len(table.traj) * table.width)
         if self.recorder is not None:
             self.recorder.record(layer, site, x.detach(), q, token, slot, expert)
         return _straight_through(x, dequantize(q))
+
+    @staticmethod
+    def _check_scales(table, g, per_token: bool) -> None:
+        """Guidance must come from a rollout with this path's global scales: the
+        same static scale, or per-token scales on both sides."""
+        where = f"guidance for layer {table.layer} {table.site}"
+        captured_per_token = getattr(table, "row_global_scales", None) is not None
+        if captured_per_token != per_token:
+            modes = {True: "per-token", False: "static"}
+            raise GuidanceError(
+                f"{where} was captured under {modes[captured_per_token]} global scales, "
+                f"training uses {modes[per_token]} ones"
+            )
+        if not per_token and table.global_scale != (None if g is None else float(g)):
+            raise GuidanceError(f"{where} was captured under another static scale")
 
     def _decode(self, table: SyndromeTable, x: Tensor, train_rows: Tensor, guide_rows: Tensor, g):
         """Decode syndrome-coded guidance with this forward's values (the layers

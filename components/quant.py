@@ -13,9 +13,16 @@ Quantization sites, enumerable as ``(layer, site)``:
   their conv and recurrent states stay in the compute dtype.
 
 Attention projections, router, shared experts, embeddings and lm_head stay in
-the compute dtype. Activation and KV global scales (NVFP4) are static per
-``(layer, site)``, calibrated on a seeded batch at every weight sync like a
-checkpoint's ``input_scale``; weights use their own amax.
+the compute dtype. NVFP4 global scales of the activation sites come in the two
+modes serving engines use (``QuantConfig.activation_global_scale``):
+
+- ``static``: one per ``(layer, site)``, calibrated on a seeded batch at every
+  weight sync like a checkpoint's ``input_scale`` (SGLang ``modelopt_fp4``);
+- ``per_token``: one per row, ``amax(row) / (6 * 448)`` computed from the
+  row itself at run time (FlashInfer's per-token NVFP4 quantizer, SGLang
+  ``nvfp4_online``).
+
+KV global scales are static in both; weights use their own amax.
 """
 
 from dataclasses import dataclass
@@ -24,13 +31,22 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from tracefp4.kernels import FORMATS, FP4Tensor, dequantize, fake_quantize, nvfp4_global_scale, quantize
+from tracefp4.kernels import (
+    FORMATS,
+    FP4Tensor,
+    dequantize,
+    fake_quantize,
+    nvfp4_global_scale,
+    per_token_global_scale,
+    quantize,
+)
 
 from .model import CausalAttention, ModelConfig, Transformer
 
 ACTIVATION_SITES = ("moe_in", "moe_down_in")
 KV_SITES = ("k_cache", "v_cache")
 FP4_FORMATS = tuple(FORMATS)  # ("nvfp4", "mxfp4")
+ACTIVATION_GLOBAL_SCALES = ("static", "per_token")
 
 
 @dataclass(frozen=True)
@@ -44,10 +60,20 @@ class QuantConfig:
     # QUADS-style residual activation compensation: per FP4 activation tensor, the
     # channels with the largest mean quantization error take back their exact values
     compensated_channels: int = 0
+    # NVFP4 activation global scales: static per (layer, site), or per_token (one per row)
+    activation_global_scale: str = "static"
 
     def __post_init__(self):
         if self.compensated_channels < 0:
             raise ValueError(f"compensated_channels must be >= 0, got {self.compensated_channels}")
+        if self.activation_global_scale not in ACTIVATION_GLOBAL_SCALES:
+            raise ValueError(
+                f"activation_global_scale {self.activation_global_scale!r} is not one of {ACTIVATION_GLOBAL_SCALES}"
+            )
+        if self.activation_global_scale == "per_token" and self.activations != "nvfp4":
+            raise ValueError(
+                f"per_token activation global scales are NVFP4's; activations are {self.activations or 'BF16'}"
+            )
         for part, value, allowed in [
             ("weights", self.weights, FP4_FORMATS),
             ("activations", self.activations, FP4_FORMATS + ("fp8",)),
@@ -60,6 +86,18 @@ class QuantConfig:
         """The FP4 format a captured site is quantized to, None if it is not FP4."""
         fmt = self.activations if site in ACTIVATION_SITES else self.kv if site in KV_SITES else self.weights
         return fmt if fmt in FP4_FORMATS else None
+
+    def per_token(self, site: str) -> bool:
+        """Whether ``site`` takes one NVFP4 global scale per row, computed from the row."""
+        return self.activation_global_scale == "per_token" and site in ACTIVATION_SITES
+
+    def global_scale(self, site: str, x: Tensor, static: dict, layer: int) -> Tensor | None:
+        """The NVFP4 global scale to quantize rows ``x`` of ``(layer, site)`` with:
+        the rows' own (per_token), else the static one of ``static``, None where
+        it has none (the tensor's own amax then) or the site is not NVFP4."""
+        if self.site_format(site) != "nvfp4":
+            return None
+        return per_token_global_scale(x) if self.per_token(site) else static.get((layer, site))
 
 
 def kv_rows(t: Tensor) -> Tensor:
@@ -147,7 +185,8 @@ def calibrate_global_scales(
     model: Transformer, q: QuantConfig, *, batch: int = 4, length: int = 64, seed: int = 0
 ) -> dict[tuple[int, str], Tensor]:
     """Static NVFP4 global scales ``amax / (6 * 448)`` per ``(layer, site)``,
-    from one forward of seeded random tokens. Sites in other formats get none."""
+    from one forward of seeded random tokens. Sites in other formats, and
+    activation sites with per-token scales, get none."""
     recorder = _AmaxRecorder()
     gen = torch.Generator().manual_seed(seed)
     device = next(model.parameters()).device
@@ -158,7 +197,7 @@ def calibrate_global_scales(
     return {
         key: nvfp4_global_scale(torch.tensor(amax, device=device))
         for key, amax in recorder.amax.items()
-        if q.site_format(key[1]) == "nvfp4"
+        if q.site_format(key[1]) == "nvfp4" and not q.per_token(key[1])
     }
 
 
@@ -188,8 +227,9 @@ class QuantSites:
         self.recorder = recorder
 
     def quantize(self, layer: int, site: str, x: Tensor) -> FP4Tensor:
-        fmt = self.q.site_format(site)
-        return quantize(x, fmt, global_scale=self.global_scales.get((layer, site)) if fmt == "nvfp4" else None)
+        return quantize(
+            x, self.q.site_format(site), global_scale=self.q.global_scale(site, x, self.global_scales, layer)
+        )
 
     def _activation(self, layer, site, x, token=None, slot=None, expert=None):
         if self.q.activations is None:

@@ -211,11 +211,14 @@ def _captures(config: RunConfig) -> bool:
 
 def rollout_quant(config: RunConfig, name: str | None = None) -> QuantConfig:
     """What the run's rollout quantizes under rollout config ``name`` (default:
-    the run's); QUADS' rollout also compensates its worst activation channels."""
+    the run's); QUADS' rollout also compensates its worst activation channels.
+    ``rollout.activation_global_scale`` applies where activations are NVFP4
+    (the schema refuses it for a run whose own config has none; another
+    config evaluated beside it may have FP8 or BF16 activations)."""
     quant = rollout_config(name or config.rollout.config, config.rollout.fmt)
-    if config.method == "quads":
-        return QuantConfig(quant.weights, quant.activations, quant.kv, config.rollout.quads_compensated_channels)
-    return quant
+    channels = config.rollout.quads_compensated_channels if config.method == "quads" else 0
+    mode = config.rollout.activation_global_scale if quant.activations == "nvfp4" else "static"
+    return replace(quant, compensated_channels=channels, activation_global_scale=mode)
 
 
 def _engine(config: RunConfig, policy: Path, capture: bool, device: torch.device) -> TorchEngine:

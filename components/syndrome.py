@@ -165,6 +165,8 @@ def encode_table(table: SiteTable, rate: Rate) -> SyndromeTable:
     f = get_format(table.fmt)
     if table.width % f.block_size:
         raise ValueError(f"layer {table.layer} {table.site}: width {table.width} is not whole {f.block_size}-blocks")
+    if table.row_global_scales is not None:  # the side information would need each row's scale: not coded
+        raise ValueError(f"layer {table.layer} {table.site}: the syndrome codec carries static global scales only")
     out = SyndromeTable(
         table.layer,
         table.site,

@@ -32,6 +32,7 @@ from .fp4 import (
     dequantize,
     expand_codes,
     fake_quantize,
+    per_token_global_scale,
     quantize,
     unpack_codes,
 )
@@ -64,6 +65,7 @@ __all__ = [
     "nvfp4_scales",
     "pack_nibbles",
     "parity_matrix",
+    "per_token_global_scale",
     "quantize",
     "scale_side_info",
     "solve_erasures",

@@ -25,7 +25,8 @@ class FP4Tensor:
 
     codes: uint8 ``[..., K//2]``, two E2M1 codes per byte, even element low.
     scales: NVFP4 float8_e4m3fn ``[..., K//16]``; MXFP4 uint8 biased E8M0 ``[..., K//32]``.
-    global_scale: NVFP4 float32 scalar tensor; MXFP4 None.
+    global_scale: NVFP4 float32, a scalar tensor (per tensor) or ``[..., 1]``
+    (one per row, per-token activation scales); MXFP4 None.
     """
 
     codes: Tensor
@@ -80,17 +81,36 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"guidance bits must be one of {GUIDANCE_BITS}, got {bits!r}")
 
 
-def _global_scale(fmt: FP4Format, global_scale, device) -> Tensor | None:
+def _global_scale(fmt: FP4Format, global_scale, x: Tensor) -> Tensor | None:
+    """A given global scale checked and as float32 on ``x``'s device: a scalar
+    (any one-element input), or one per row, shape ``x.shape[:-1] + (1,)``.
+
+    A scalar must be positive and finite. Per-row scales may also be NaN: the
+    mark :func:`per_token_global_scale` gives a row holding NaN or Inf, which
+    then dequantizes to NaN, as the default per-tensor scale does for a tensor.
+    """
     if global_scale is None:
         return None
     if not fmt.has_global_scale:
         raise ValueError(f"{fmt.name} has no global scale; pass global_scale only with nvfp4")
-    g = torch.as_tensor(global_scale, dtype=torch.float32, device=device)
-    if g.numel() != 1:
-        raise ValueError(f"global_scale must be a scalar, got shape {tuple(g.shape)}")
-    if not bool((g > 0) & torch.isfinite(g)):
-        raise ValueError(f"global_scale must be positive and finite, got {g.item()}")
-    return g.reshape(())
+    g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
+    rows = tuple(x.shape[:-1]) + (1,)
+    if g.numel() == 1 and g.dim() <= 1 and tuple(g.shape) != rows:
+        if not bool((g > 0) & torch.isfinite(g)):
+            raise ValueError(f"global_scale must be positive and finite, got {g.item()}")
+        return g.reshape(())
+    if tuple(g.shape) != rows:
+        raise ValueError(
+            f"global_scale must be a scalar or one per row, shape {rows} for input shape {tuple(x.shape)}, "
+            f"got shape {tuple(g.shape)}"
+        )
+    bad = ~(g > 0) & ~torch.isnan(g) | torch.isinf(g)
+    if bool(bad.any()):
+        raise ValueError(
+            f"per-row global_scale must be positive and finite (or NaN for a row holding NaN/Inf), "
+            f"got {g[bad][0].item()} at row {tuple(bad.nonzero()[0].tolist()[:-1])}"
+        )
+    return g
 
 
 def _scale_mode(fmt: FP4Format, scale_mode: str | None) -> str:
@@ -110,6 +130,12 @@ def _check_guide(x: Tensor, fmt: FP4Format, guide: Guidance, global_scale, scale
         raise ValueError(f"guidance is {guide.fmt}, but {fmt.name} was asked for")
     if tuple(guide.shape) != tuple(x.shape):
         raise ValueError(f"guidance covers shape {tuple(guide.shape)}, input has shape {tuple(x.shape)}")
+    g = guide.global_scale
+    if fmt.has_global_scale and (g is None or (g.dim() and tuple(g.shape) != tuple(x.shape[:-1]) + (1,))):
+        shape = None if g is None else tuple(g.shape)
+        raise ValueError(
+            f"guidance's global scale must be a scalar or one per row {tuple(x.shape[:-1]) + (1,)}, got {shape}"
+        )
     _check_bits(guide.bits)
 
 
@@ -125,6 +151,9 @@ def quantize(
 
     Rounding is to nearest, ties to the even code, saturating at +-6; with
     ``guide`` it is TRACE's guided rounding under the rollout's scales.
+    ``global_scale`` (NVFP4): a scalar, or one per row ``[..., 1]`` such as
+    :func:`per_token_global_scale` gives; by default ``amax / (6 * 448)`` of
+    the whole tensor.
 
     Special values: a block holding NaN gets a NaN scale (E4M3 0x7F, E8M0 0xFF)
     and dequantizes to NaN. MXFP4 treats +-Inf the same way. NVFP4 with a
@@ -141,8 +170,20 @@ def quantize(
         _check_guide(x, f, guide, global_scale, scale_mode)
         codes = backend.quantize_guided(x, f, guide.scales, guide.global_scale, guide.codes(), guide.bits)
         return FP4Tensor(codes, guide.scales, guide.global_scale, f.name, x.shape)
-    codes, scales, g = backend.quantize(x, f, _global_scale(f, global_scale, x.device), _scale_mode(f, scale_mode))
+    codes, scales, g = backend.quantize(x, f, _global_scale(f, global_scale, x), _scale_mode(f, scale_mode))
     return FP4Tensor(codes, scales, g, f.name, x.shape)
+
+
+def per_token_global_scale(x: Tensor) -> Tensor:
+    """NVFP4 global scales of ``x``'s rows, float32 ``[..., 1]``: ``amax(row) /
+    (6 * 448)``, the per-token activation scale of FlashInfer's per-token NVFP4
+    quantizer (SGLang ``nvfp4_online``); 1.0 for an all-zero row, NaN for a row
+    holding NaN or Inf."""
+    if x.dtype not in _FLOAT_INPUTS or x.dim() == 0:
+        raise TypeError(
+            f"per-token global scales need a float32 or bfloat16 tensor of rows, got {x.dtype} {tuple(x.shape)}"
+        )
+    return reference.per_token_global_scale(x)
 
 
 def dequantize(q: FP4Tensor) -> Tensor:
@@ -202,9 +243,7 @@ def fake_quantize(
                 _check_guide(x, f, guide, global_scale, scale_mode)
                 values = backend.fake_quantize_guided(x, f, guide.scales, guide.global_scale, guide.codes(), guide.bits)
             else:
-                values = backend.fake_quantize(
-                    x, f, _global_scale(f, global_scale, x.device), _scale_mode(f, scale_mode)
-                )
+                values = backend.fake_quantize(x, f, _global_scale(f, global_scale, x), _scale_mode(f, scale_mode))
     return _StraightThrough.apply(x, values.to(x.dtype).reshape(x.shape))
 
 

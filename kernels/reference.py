@@ -36,7 +36,8 @@ def block_amax(xb: Tensor) -> Tensor:
 
 
 def nvfp4_global_scale(amax: Tensor) -> Tensor:
-    """``amax / (6 * 448)`` as ModelOpt and torchao define it (float32 scalar).
+    """``amax / (6 * 448)`` as ModelOpt and torchao define it, float32, of each
+    amax given (a scalar for a tensor, ``[..., 1]`` for rows).
 
     A non-finite amax (the tensor holds NaN or Inf) gives NaN, so that every
     element dequantizes to NaN instead of to a silently wrong finite value; a
@@ -45,6 +46,22 @@ def nvfp4_global_scale(amax: Tensor) -> Tensor:
     g = amax.float() / (E2M1_MAX * E4M3_MAX)
     g = torch.where(g == 0, 1.0, g)
     return torch.where(torch.isfinite(g), g, torch.nan)
+
+
+def per_token_global_scale(x: Tensor) -> Tensor:
+    """One NVFP4 global scale per row ``[..., 1]``: ``amax(row) / (6 * 448)``, as
+    FlashInfer's per-token NVFP4 quantizer (SGLang's ``nvfp4_online``) computes
+    it at run time instead of a static per-tensor ``input_scale``."""
+    return nvfp4_global_scale(x.abs().amax(-1, keepdim=True))
+
+
+def per_block(global_scale: Tensor | None, shape: torch.Size, block_size: int) -> Tensor | None:
+    """The global scale of each block of a ``shape`` tensor, flat ``[n_blocks]``
+    (a per-row ``[..., 1]`` scale repeated over the row's blocks), or the
+    scalar (or None) as it is."""
+    if global_scale is None or global_scale.dim() == 0:
+        return global_scale
+    return global_scale.expand(*shape[:-1], shape[-1] // block_size).reshape(-1)
 
 
 def nvfp4_scales(amax: Tensor, global_scale: Tensor) -> Tensor:
@@ -229,7 +246,8 @@ def _encode(xb: Tensor, units: Tensor, encode) -> Tensor:
 def quantize(
     x: Tensor, fmt: FP4Format, global_scale: Tensor | None, scale_mode: str
 ) -> tuple[Tensor, Tensor, Tensor | None]:
-    """RTN quantization: ``(packed codes, block scales, global scale)``."""
+    """RTN quantization: ``(packed codes, block scales, global scale)``; the
+    global scale is a scalar or one per row ``[..., 1]`` (NVFP4)."""
     xb = blocked(x, fmt.block_size).reshape(-1, fmt.block_size)
     amax = torch.empty(xb.shape[0], dtype=torch.float32, device=x.device)
 
@@ -240,10 +258,11 @@ def quantize(
     if fmt.has_global_scale:
         if global_scale is None:
             global_scale = nvfp4_global_scale(amax.amax() if amax.numel() else amax.new_zeros(()))
-        scales = nvfp4_scales(amax, global_scale)
+        scales = nvfp4_scales(amax, per_block(global_scale, x.shape, fmt.block_size))
     else:
         scales = mxfp4_scales(amax, scale_mode)
-    codes = _encode(xb, scale_units(fmt, scales, global_scale), lambda y, rows: e2m1_encode(y))
+    units = scale_units(fmt, scales, per_block(global_scale, x.shape, fmt.block_size))
+    codes = _encode(xb, units, lambda y, rows: e2m1_encode(y))
     return codes.reshape(*x.shape[:-1], -1), scales.reshape(*x.shape[:-1], -1), global_scale
 
 
@@ -253,7 +272,7 @@ def quantize_guided(
     """Packed codes of ``x`` rounded under the rollout's scales as its guidance says."""
     xb = blocked(x, fmt.block_size).reshape(-1, fmt.block_size)
     guidance = guidance.reshape(xb.shape)
-    units = scale_units(fmt, scales.reshape(-1), global_scale)
+    units = scale_units(fmt, scales.reshape(-1), per_block(global_scale, x.shape, fmt.block_size))
     codes = _encode(xb, units, lambda y, rows: e2m1_encode_guided(y, guidance[rows], bits))
     return codes.reshape(*x.shape[:-1], -1)
 
@@ -264,7 +283,8 @@ def e2m1_decode(codes: Tensor) -> Tensor:
 
 
 def dequantize(packed: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tensor | None) -> Tensor:
-    """Float32 values ``e2m1(code) * unit``."""
+    """Float32 values ``e2m1(code) * unit``; a per-row global scale ``[..., 1]``
+    broadcasts over the row's blocks ``[..., n_blocks]``."""
     values = blocked(e2m1_decode_packed(packed), fmt.block_size)
     return (values * scale_units(fmt, scales, global_scale).unsqueeze(-1)).flatten(-2)
 

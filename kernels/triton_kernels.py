@@ -8,7 +8,8 @@ and divisions use ``div_rn`` so that they round as torch's do.
 
 One kernel, :func:`_fp4_block_kernel`, serves quantize+pack, guided quantize
 and both fake-quant paths; compile-time flags pick where scales come from and
-what is written.
+what is written. An NVFP4 global scale is a scalar or one per row
+(``PER_ROW``: block ``b`` reads the scale of row ``b // blocks_per_row``).
 """
 
 import torch
@@ -91,16 +92,26 @@ def _mxfp4_exponent(amax, RCEIL: tl.constexpr):
 
 
 @triton.jit
+def _global(global_ptr, blk, blk_ok, blocks_per_row, PER_ROW: tl.constexpr):
+    # the NVFP4 global scale of each block: its row's, or the one scalar
+    if PER_ROW:
+        return tl.load(global_ptr + blk // blocks_per_row, mask=blk_ok, other=1.0)
+    return tl.load(global_ptr)
+
+
+@triton.jit
 def _fp4_block_kernel(
     x_ptr,
     scales_ptr,  # uint8 [n_blocks]: written unless GUIDED, read if GUIDED
-    global_ptr,  # float32 scalar (NVFP4)
+    global_ptr,  # float32 scalar, or [n_rows] with PER_ROW (NVFP4)
     guidance_ptr,  # uint8 [n_blocks * BS]: low bits of the rollout codes (GUIDED)
     codes_ptr,  # uint8 [n_blocks * BS // 2] (WRITE_CODES)
     values_ptr,  # float32 [n_blocks * BS] (WRITE_VALUES)
     n_blocks,
+    blocks_per_row,
     BS: tl.constexpr,
     NVFP4: tl.constexpr,
+    PER_ROW: tl.constexpr,
     RCEIL: tl.constexpr,
     GUIDED: tl.constexpr,
     BITS: tl.constexpr,
@@ -113,6 +124,8 @@ def _fp4_block_kernel(
     offs = blk[:, None] * BS + tl.arange(0, BS)[None, :]
     ok = blk_ok[:, None]
     x = tl.load(x_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    if NVFP4:
+        g = _global(global_ptr, blk, blk_ok, blocks_per_row, PER_ROW)
 
     if GUIDED:
         s = tl.load(scales_ptr + blk, mask=blk_ok, other=0).to(tl.int32)
@@ -120,14 +133,13 @@ def _fp4_block_kernel(
         amax = tl.max(tl.abs(x), axis=1)
         amax = tl.where(tl.max((x != x).to(tl.int32), axis=1) > 0, float("nan"), amax)
         if NVFP4:
-            g = tl.load(global_ptr)
             s = _e4m3_encode(tl.div_rn(amax, 6.0 * g))
             s = tl.where(s == 0, 0x38, s)  # a zero scale becomes 1.0
         else:
             s = _mxfp4_exponent(amax, RCEIL)
         tl.store(scales_ptr + blk, s.to(tl.uint8), mask=blk_ok)
     if NVFP4:
-        unit = _e4m3_decode(s) * tl.load(global_ptr)
+        unit = _e4m3_decode(s) * g
     else:
         unit = _e8m0_decode(s)
 
@@ -165,7 +177,16 @@ def _fp4_block_kernel(
 
 @triton.jit
 def _dequantize_kernel(
-    codes_ptr, scales_ptr, global_ptr, out_ptr, n_blocks, BS: tl.constexpr, NVFP4: tl.constexpr, BLOCKS: tl.constexpr
+    codes_ptr,
+    scales_ptr,
+    global_ptr,
+    out_ptr,
+    n_blocks,
+    blocks_per_row,
+    BS: tl.constexpr,
+    NVFP4: tl.constexpr,
+    PER_ROW: tl.constexpr,
+    BLOCKS: tl.constexpr,
 ):
     blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
     blk_ok = blk < n_blocks
@@ -174,7 +195,7 @@ def _dequantize_kernel(
     codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCKS, BS))
     s = tl.load(scales_ptr + blk, mask=blk_ok, other=0).to(tl.int32)
     if NVFP4:
-        unit = _e4m3_decode(s) * tl.load(global_ptr)
+        unit = _e4m3_decode(s) * _global(global_ptr, blk, blk_ok, blocks_per_row, PER_ROW)
     else:
         unit = _e8m0_decode(s)
     v = _e2m1_value(codes & 7)
@@ -230,7 +251,7 @@ def _launch(
         scales = torch.empty(x.shape[:-1] + (x.shape[-1] // bs,), dtype=fmt.scale_dtype, device=x.device)
     codes = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=torch.uint8, device=x.device) if write_codes else x
     values = torch.empty(x.shape, dtype=torch.float32, device=x.device) if write_values else x
-    g = global_scale if fmt.has_global_scale else x
+    g = global_scale.contiguous() if fmt.has_global_scale else x
     grid = (triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)
     _fp4_block_kernel[grid](
         xf,
@@ -240,8 +261,10 @@ def _launch(
         codes,
         values,
         n_blocks,
+        x.shape[-1] // bs,
         BS=bs,
         NVFP4=fmt.has_global_scale,
+        PER_ROW=fmt.has_global_scale and global_scale.dim() > 0,
         RCEIL=scale_mode == "rceil",
         GUIDED=guided,
         BITS=bits,
@@ -298,7 +321,7 @@ def dequantize(packed: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Ten
     bs = fmt.block_size
     n_blocks = packed.numel() * 2 // bs
     out = torch.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), dtype=torch.float32, device=packed.device)
-    g = global_scale if fmt.has_global_scale else packed
+    g = global_scale.contiguous() if fmt.has_global_scale else packed
     grid = (triton.cdiv(n_blocks, BLOCKS_PER_PROGRAM),)
     _dequantize_kernel[grid](
         packed.contiguous(),
@@ -306,8 +329,10 @@ def dequantize(packed: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Ten
         g,
         out,
         n_blocks,
+        packed.shape[-1] * 2 // bs,
         BS=bs,
         NVFP4=fmt.has_global_scale,
+        PER_ROW=fmt.has_global_scale and global_scale.dim() > 0,
         BLOCKS=BLOCKS_PER_PROGRAM,
     )
     return out

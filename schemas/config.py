@@ -35,6 +35,11 @@ from tracefp4.components.device import DEVICE_PATTERN
 ModelPreset = Literal[tuple(model.PRESETS)]
 RolloutConfigName = Literal[quant.ROLLOUT_CONFIGS]
 FP4Format = Literal[quant.FP4_FORMATS]
+ActivationGlobalScale = Literal[quant.ACTIVATION_GLOBAL_SCALES]
+# rollout configs whose routed-expert activations are FP4 (the others: BF16 or FP8)
+FP4_ACTIVATION_CONFIGS = tuple(
+    n for n in quant.ROLLOUT_CONFIGS if quant.rollout_config(n).activations in quant.FP4_FORMATS
+)
 Method = Literal[qat.METHODS]
 TaskName = Literal[tuple(tasks.TASKS)]
 PTQMethod = Literal[ptq.METHODS]
@@ -161,6 +166,15 @@ class RolloutConfig(_Section):
         description="Rollout tasks per round, each with its own engine and capture shards, run in parallel "
         "(dsl.ParallelFor); each takes a contiguous share of every RL step's prompts. Every response is seeded by "
         "its place in the round, so any number of workers rolls out the same trajectories as one.",
+    )
+    activation_global_scale: ActivationGlobalScale = Field(
+        default="static",
+        description="NVFP4 global scales of the routed-expert activations, as serving engines set them: static, "
+        "one per layer and site calibrated at every weight sync (a checkpoint's input_scale, SGLang modelopt_fp4); "
+        "per_token, one per token row, amax(row) / (6 * 448) at run time (FlashInfer's per-token NVFP4, SGLang "
+        "nvfp4_online). Training reproduces it: RTN from its own rows, trace from the rollout's captured scales. "
+        "Needs NVFP4 activations (rollout.fmt nvfp4, a config with FP4 activations) and guidance.codec bits. "
+        "Weights and the KV cache keep static scales.",
     )
     quads_compensated_channels: int = Field(
         default=8,
@@ -543,6 +557,7 @@ class RunConfig(_Section):
                 f"guidance.codec: syndrome sends R-1 guidance (the low code bit), so guidance.bits must be 1, "
                 f"got {self.guidance.bits}"
             )
+        problems += self._activation_scale_problems()
         if self.rl.measure_mismatch and self.guidance.compaction != "offline":
             problems.append("rl.measure_mismatch: needs the rollout's full capture, so guidance.compaction offline")
         if self.model.preset is not None:  # a checkpoint's depth is checked when prepare reads its config
@@ -552,6 +567,28 @@ class RunConfig(_Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _activation_scale_problems(self) -> list[str]:
+        """Per-token global scales are NVFP4's, of FP4 activations, and the syndrome codec carries static ones only."""
+        if self.rollout.activation_global_scale != "per_token":
+            return []
+        problems = []
+        if self.rollout.fmt != "nvfp4":
+            problems.append(
+                f"rollout.activation_global_scale: per_token sets NVFP4 global scales; rollout.fmt {self.rollout.fmt} "
+                "has none"
+            )
+        if self.rollout.config not in FP4_ACTIVATION_CONFIGS:
+            problems.append(
+                f"rollout.activation_global_scale: per_token applies to FP4 activations; rollout.config "
+                f"{self.rollout.config} has none (configs with them: {', '.join(FP4_ACTIVATION_CONFIGS)})"
+            )
+        if self.guidance.codec == "syndrome":
+            problems.append(
+                "rollout.activation_global_scale: per_token needs guidance.codec bits (the syndrome codec carries "
+                "one static global scale per layer and site)"
+            )
+        return problems
 
     def _train_problems(self) -> list[str]:
         """Distributed training: one node unless a TrainJob launches it, and every

@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from tracefp4.kernels import dequantize, fake_quantize, quantize
+from tracefp4.kernels import (
+    Guidance,
+    code_values,
+    dequantize,
+    fake_quantize,
+    per_token_global_scale,
+    quantize,
+    unpack_codes,
+)
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
@@ -52,3 +60,46 @@ def test_fp8_block_size_errors():
         fake_quantize(torch.ones(1, 64), "fp8", block_size=24)
     with pytest.raises(ValueError, match="block_size applies to fp8 only"):
         fake_quantize(torch.ones(1, 64), "nvfp4", block_size=16)
+
+
+@pytest.mark.parametrize("bits", [1, 4])
+def test_guided_rounding_under_per_token_global_scales_reproduces_the_rollout(bits):
+    """The rollout quantizes with per-token global scales; training, whose values
+    differ a little (so its own per-token amax differs too), rounds under the
+    rollout's per-row global and block scales to the rollout's codes wherever
+    the rollout's code is one of its two neighbours."""
+    gen = torch.Generator().manual_seed(7)
+    rollout_x = torch.randn(6, 64, generator=gen) * torch.logspace(-2, 2, 6)[:, None]
+    rollout = quantize(rollout_x, "nvfp4", global_scale=per_token_global_scale(rollout_x))
+    guide = Guidance.from_rollout(rollout, bits)
+    assert guide.global_scale.shape == (6, 1)
+    assert torch.equal(quantize(rollout_x, "nvfp4", guide=guide).codes, rollout.codes)
+
+    train_x = rollout_x * (1 + 0.02 * torch.randn(6, 64, generator=gen))
+    guided = quantize(train_x, "nvfp4", guide=guide)
+    assert torch.equal(guided.global_scale, rollout.global_scale) and torch.equal(
+        guided.scales.view(torch.uint8), rollout.scales.view(torch.uint8)
+    )
+    # the neighbours of each training value under the rollout's units
+    units = (rollout.scales.float() * rollout.global_scale).repeat_interleave(16, -1)
+    y = train_x / units
+    grid = code_values(torch.arange(16, dtype=torch.uint8))
+    lower = torch.where(grid[None, None, :] <= y[..., None], grid, -math.inf).amax(-1)
+    upper = torch.where(grid[None, None, :] >= y[..., None], grid, math.inf).amin(-1)
+    rollout_values = code_values(unpack_codes(rollout))
+    neighbour = (rollout_values == lower) | (rollout_values == upper)
+    same = code_values(unpack_codes(guided)) == rollout_values
+    assert neighbour.float().mean() > 0.9
+    assert same[neighbour].all()
+    rtn = quantize(train_x, "nvfp4", global_scale=per_token_global_scale(train_x))
+    assert (code_values(unpack_codes(rtn)) * rtn.global_scale != rollout_values * rollout.global_scale).any()
+    values = fake_quantize(train_x, "nvfp4", guide=guide)
+    assert torch.equal(values, dequantize(guided))
+
+
+def test_guidance_with_a_global_scale_of_another_shape_is_refused():
+    x = torch.randn(4, 32)
+    q = quantize(x, "nvfp4", global_scale=per_token_global_scale(x))
+    bad = Guidance(q.codes[:2], 4, q.scales[:2], q.global_scale, "nvfp4", torch.Size((2, 32)))
+    with pytest.raises(ValueError, match=r"global scale must be a scalar or one per row \(2, 1\), got \(4, 1\)"):
+        quantize(x[:2], "nvfp4", guide=bad)

@@ -1,11 +1,14 @@
 """The training path: each method's fake quantization, TRACE's guided rounding
 against the rollout's captures, and the GRPO / TIS loss."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
+from tracefp4.components import steps
 from tracefp4.components.capture import Capture, CaptureConfig, TokenMap
-from tracefp4.components.guidance import GuidanceLoader, write_step
+from tracefp4.components.guidance import GuidanceError, GuidanceLoader, read_step, write_step
 from tracefp4.components.mismatch import compare
 from tracefp4.components.model import build_model
 from tracefp4.components.qat import TrainingSites
@@ -20,6 +23,7 @@ from tracefp4.components.rl import (
 )
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
+from tracefp4.schemas import RunConfig, get_preset
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-qwen35"])
@@ -158,3 +162,89 @@ def test_score_centering_vanishes_on_policy():
     assert score_centering(every, shifted, tis_cap=2.0)[batch.response].abs().max() > 1e-3
     with pytest.raises(ValueError, match="record_topk"):
         score_centering(every, SequenceBatch.of(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))), 2.0)
+
+
+@pytest.fixture(scope="module")
+def per_token_step(tmp_path_factory):
+    """The tiny preset's rollout with per-token NVFP4 activation global scales
+    (SGLang nvfp4_online), fully captured, its guidance written and loaded back."""
+    quant = replace(rollout_config("fp4_wa_kv"), activation_global_scale="per_token")
+    engine = TorchEngine(build_model("tiny", seed=0), quant, capture=CaptureConfig())
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (8,), generator=g).tolist() for _ in range(8)]
+    out = engine.generate(prompts, SamplingParams(max_new_tokens=12, seed=0))
+    records = engine.drain_capture()
+    store = open_store(str(tmp_path_factory.mktemp("store")))
+    write_step(store, records, rl_step=0, policy_version=0, top_k=engine.model.cfg.top_k)
+    (mb,) = GuidanceLoader(store, 0, [[t.id for t in out]])
+    return engine, out, records, mb
+
+
+def test_per_token_rollout_captures_each_rows_global_scale(per_token_step):
+    engine, out, records, mb = per_token_step
+    assert not any(site in ("moe_in", "moe_down_in") for _, site in engine.global_scales)  # none calibrated
+    for (layer, site), table in records.tables.items():
+        if site in ("moe_in", "moe_down_in"):
+            assert table.global_scale is None and table.row_global_scales.shape == (len(table.traj), 1)
+            # each row's scale is its own amax / (6 * 448): the largest block scale of every row is 448
+            assert (table.scales.view(torch.float8_e4m3fn).float().amax(-1) == 448).all()
+            assert torch.equal(mb.tables[(layer, site)].row_global_scales, table.row_global_scales)
+        else:  # the KV cache keeps its static scale
+            assert table.row_global_scales is None and table.global_scale == float(engine.global_scales[(layer, site)])
+
+
+def test_trace_reproduces_a_per_token_rollout(per_token_step):
+    """RTN recomputes each row's scale from the training values; guided rounding
+    takes the rollout's row scales and codes, and so rounds as the rollout did."""
+    engine, out, records, mb = per_token_step
+    results = {}
+    for method in ("qat", "trace"):
+        batch, sites, logprobs, codes = training_pass(engine, out, mb, method, record=True)
+        report = compare(records, codes)
+        mismatched = sum(m.mismatched for m in report.values()) / sum(m.elements for m in report.values())
+        results[method] = (alignment_metrics(logprobs, batch.rollout_logprobs, batch.response), mismatched, codes)
+    qat, trace = results["qat"], results["trace"]
+    assert trace[1] < 0.1 * qat[1]
+    assert trace[0]["logprob_abs_diff_mean"] < qat[0]["logprob_abs_diff_mean"]
+    for (layer, site), table in trace[2].tables.items():  # the training capture holds the scales it used
+        if site == "moe_in":  # every row guided: the rollout's own scales
+            rollout = records.tables[(layer, site)]
+            assert torch.equal(table.row_global_scales, rollout.row_global_scales)
+
+
+def test_guidance_of_another_global_scale_mode_is_refused(per_token_step):
+    engine, out, _, mb = per_token_step
+    batch = SequenceBatch.of(out)
+    sites = TrainingSites(
+        replace(engine.quant, activation_global_scale="static"),
+        "trace",
+        engine.global_scales,
+        trajectories=batch.trajectories,
+        seq_len=batch.tokens.shape[1],
+        guidance=mb,
+    )
+    with pytest.raises(GuidanceError, match="captured under per-token global scales, training uses static ones"):
+        token_logprobs(engine.model, batch, sites)
+
+
+def test_a_round_with_per_token_global_scales(tmp_path):
+    """End to end (steps.run_round, the pipeline's three steps in one process):
+    the rollout's per-token scales reach the store, training is guided under
+    them, and its code mismatch against the rollout's full capture is far below
+    RTN's (qat), which recomputes each row's scale from the training values."""
+    base = get_preset("smoke").model_dump()
+    base["bootstrap"]["enabled"] = False
+    base["rollout"]["activation_global_scale"] = "per_token"
+    base["guidance"].update(layers="all", bits=4, compaction="offline")
+    base["rl"]["measure_mismatch"] = True
+    history = {}
+    for method in ("qat", "trace"):
+        config = RunConfig.model_validate({**base, "method": method, "store": {"uri": (tmp_path / "s").as_uri()}})
+        work = tmp_path / method
+        steps.prepare(config, work / "p0", "run", work / "s0")
+        (history[method],) = steps.run_round(config, work / "p0", work / "s0", 0, work / "p1", work / "s1", work, "run")
+        records = read_step(steps._store(config), 0, steps.store_prefix(config, "run", "capture"))
+        scales = {site: t.row_global_scales is not None for (_, site), t in records.tables.items()}
+        assert scales == {"moe_in": True, "moe_down_in": True, "k_cache": False, "v_cache": False}
+    assert history["trace"]["guidance_coverage"] > 0.9 and history["qat"]["guidance_coverage"] == 0.0
+    assert history["trace"]["code_mismatch"] < 0.1 * history["qat"]["code_mismatch"]

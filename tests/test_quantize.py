@@ -7,7 +7,7 @@ import pytest
 import spec_model
 import torch
 
-from tracefp4.kernels import FP4Tensor, dequantize, quantize, unpack_codes
+from tracefp4.kernels import FP4Tensor, dequantize, fake_quantize, per_token_global_scale, quantize, unpack_codes
 from tracefp4.kernels.formats import E2M1_ENCODINGS, E2M1_VALUES, E4M3_ENCODINGS
 
 
@@ -224,3 +224,59 @@ def test_fp4tensor_fields():
     assert isinstance(q, FP4Tensor)
     assert q.codes.shape == (3, 5, 32) and q.scales.shape == (3, 5, 2)
     assert unpack_codes(q).shape == (3, 5, 64)
+
+
+class TestPerTokenGlobalScale:
+    """NVFP4 with one global scale per row: FlashInfer's per-token activation
+    scales (SGLang ``nvfp4_online``), ``amax(row) / (6 * 448)``."""
+
+    @pytest.mark.parametrize("kind", ["normal", "heavy", "tiny", "ties"])
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_each_row_matches_the_model_with_its_own_amax(self, kind, dtype):
+        x = _inputs(kind, 8, 64).to(dtype).reshape(2, 4, 64)
+        g = per_token_global_scale(x)
+        assert g.shape == (2, 4, 1) and g.dtype == torch.float32
+        q = quantize(x, "nvfp4", global_scale=g)
+        assert q.global_scale.shape == (2, 4, 1)
+        for r, row in enumerate(x.float().reshape(8, 64)):
+            # the model's default global scale of a one-row tensor is that row's amax / (6 * 448)
+            codes, scales, row_g = spec_model.nvfp4(row.reshape(-1, 16).tolist())
+            assert g.reshape(-1)[r].item() == row_g
+            assert q.scales.view(torch.uint8).reshape(8, 4)[r].tolist() == scales
+            assert unpack_codes(q).reshape(8, 4, 16)[r].tolist() == codes
+
+    def test_dequantize_multiplies_each_row_by_its_own_scale(self):
+        x = torch.randn(3, 32, generator=torch.Generator().manual_seed(5)) * torch.tensor([[1e-3], [1.0], [1e3]])
+        q = quantize(x, "nvfp4", global_scale=per_token_global_scale(x))
+        grid = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES))
+        units = q.scales.float() * q.global_scale  # [3, 2] * [3, 1]
+        expected = grid[unpack_codes(q).long()].reshape(3, 2, 16) * units[..., None]
+        assert torch.equal(dequantize(q), expected.reshape(3, 32))
+        assert torch.equal(fake_quantize(x, "nvfp4", global_scale=q.global_scale), dequantize(q))
+        # each row's largest value lands on +-6 at block scale 448: the row's own range, up to float32 rounding
+        assert q.scales.float().amax(-1).tolist() == [448.0] * 3
+        torch.testing.assert_close(dequantize(q).abs().amax(-1), x.abs().amax(-1), rtol=1e-6, atol=0)
+
+    def test_special_rows(self):
+        x = torch.ones(3, 16)
+        x[0] = 0.0
+        x[2, 4] = math.nan
+        g = per_token_global_scale(x)
+        assert g[:2, 0].tolist() == [1.0, float(torch.tensor(1.0) / 2688)] and math.isnan(g[2, 0])
+        out = dequantize(quantize(x, "nvfp4", global_scale=g))
+        assert (out[0] == 0).all() and (out[1] == 1).all() and out[2].isnan().all()
+
+    def test_misuse(self):
+        x = torch.ones(2, 3, 16)
+        with pytest.raises(ValueError, match=r"scalar or one per row, shape \(2, 3, 1\).*got shape \(2, 1\)"):
+            quantize(x, "nvfp4", global_scale=torch.ones(2, 1))
+        with pytest.raises(ValueError, match=r"positive and finite .* got 0.0 at row \(1, 2\)"):
+            g = torch.ones(2, 3, 1)
+            g[1, 2] = 0.0
+            quantize(x, "nvfp4", global_scale=g)
+        with pytest.raises(ValueError, match="got inf"):
+            quantize(x, "nvfp4", global_scale=torch.full((2, 3, 1), math.inf))
+        with pytest.raises(ValueError, match="mxfp4 has no global scale"):
+            quantize(torch.ones(2, 32), "mxfp4", global_scale=torch.ones(2, 1))
+        with pytest.raises(TypeError, match="float32 or bfloat16"):
+            per_token_global_scale(torch.ones(2, 16, dtype=torch.int32))

@@ -99,6 +99,7 @@ RUNNERS = {
     "model.dtype": _generate,
     "rollout.fmt": _generate,
     "rollout.config": _round,
+    "rollout.activation_global_scale": _round,
     "method": _round,
     "guidance.compaction": _round,
     "guidance.codec": _round,
