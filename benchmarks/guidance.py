@@ -41,7 +41,7 @@ from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
 from tracefp4.components.syndrome import choose_rates, encode_table, first_rate
 from tracefp4.components.tasks import format_example
-from tracefp4.components.tokenizer import encode, load_tokenizer
+from tracefp4.components.tokenizer import load_tokenizer
 from tracefp4.components.trainer import TrainConfig, Trainer
 from tracefp4.schemas import get_preset
 
@@ -166,7 +166,7 @@ def bootstrapped_tiny(folder: Path, steps_override: int | None):
     figures = steps.prepare(config, folder, "bench")
     tokenizer = load_tokenizer(folder)
     problems = steps.training_problems(config, 0, 32)
-    prompts = [encode(tokenizer, format_example(p), bos=True) for p in problems]
+    prompts = [tokenizer.encode_prompt(format_example(p)) for p in problems]
     return load_model(folder), prompts, figures
 
 
