@@ -148,6 +148,8 @@ SYNDROME_FIELDS = ("traj", "pos", "slot", "expert", "code_parity", "scale_parity
 
 def _blocks(rows: Tensor, table: SyndromeTable, fill) -> Tensor:
     """Rows ``[N, m]`` laid out as blocks ``[blocks, group * m]``; missing rows hold ``fill``."""
+    if table.group == 1:
+        return rows  # one row a block: the layout already
     block, within = table.block_of_rows()
     n_blocks = int(block.max()) + 1 if len(block) else 0
     out = torch.full((n_blocks, table.group, rows.shape[1]), fill, dtype=rows.dtype, device=rows.device)
@@ -156,8 +158,19 @@ def _blocks(rows: Tensor, table: SyndromeTable, fill) -> Tensor:
 
 
 def _unblock(blocks: Tensor, table: SyndromeTable) -> Tensor:
+    if table.group == 1:
+        return blocks
     block, within = table.block_of_rows()
     return blocks.reshape(blocks.shape[0], table.group, -1)[block, within]
+
+
+def _low_code_bits(table: SiteTable) -> Tensor:
+    """Each element's low code bit, one uint8 per element ``[N, width]``
+    (from the FP4 nibble layout directly: the low bit of each nibble)."""
+    if table.bits != 4:
+        return table.low_bits() & 1
+    c = table.codes
+    return torch.stack((c & 1, (c >> 4) & 1), -1).reshape(len(c), table.width)
 
 
 def encode_table(table: SiteTable, rate: Rate) -> SyndromeTable:
@@ -180,7 +193,7 @@ def encode_table(table: SiteTable, rate: Rate) -> SyndromeTable:
         torch.empty(0, dtype=torch.uint8),
         torch.empty(0, dtype=torch.uint8),
     )
-    codes = _blocks(table.low_bits() & 1, out, 0)
+    codes = _blocks(_low_code_bits(table), out, 0)
     scales = _blocks(table.scales & 1, out, 0)
     code_h = parity_matrix(rate.code_bits, codes.shape[1], CODE_SALT)
     scale_h = parity_matrix(rate.scale_bits, scales.shape[1], SCALE_SALT)
