@@ -261,7 +261,7 @@ def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Ten
     stats = DecodeStats(rate)
     # stage 1: the block scales
     own, neighbour, distance = scale_side_info(x, f, g)
-    distance = torch.where(unknown, -torch.inf, distance)
+    distance = distance.masked_fill_(unknown, -torch.inf)
     n_scales = own.shape[1] * table.group
     scale_h = parity_matrix(rate.scale_bits, n_scales, SCALE_SALT)
     parity = expand_codes(table.scale_parity, 1, rate.scale_bits)
@@ -271,7 +271,7 @@ def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Ten
     scales = torch.where(_unblock(low, table) == (own & 1), own, neighbour)
     # stage 2: the low code bits under the recovered scales
     low_code, distance = code_side_info(x, f, scales.view(f.scale_dtype), g)
-    distance = torch.where(unknown, -torch.inf, distance)
+    distance = distance.masked_fill_(unknown, -torch.inf)
     code_h = parity_matrix(rate.code_bits, table.group * table.width, CODE_SALT)
     parity = expand_codes(table.code_parity, 1, rate.code_bits)
     low, ok_c, code_needed = solve_erasures(

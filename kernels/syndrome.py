@@ -95,14 +95,16 @@ def solve_erasures(
     if not len(wrong):
         return bits, ok, needed
     columns = pack_words(matrix.to(guess.device).T)  # [n]: column i of the matrix as a word, bit j = row j
-    order = torch.topk(reliability[wrong], erasures, dim=1, largest=False).indices  # [w, L], least reliable first
-    words, target = columns[order], target[wrong]
+    reliability, target = reliability[wrong], target[wrong]
+    order = torch.zeros(len(wrong), erasures, dtype=torch.int64, device=guess.device)
     flips = torch.zeros(len(wrong), erasures, dtype=torch.uint8, device=guess.device)
     solved = torch.zeros(len(wrong), dtype=torch.bool, device=guess.device)
     pending = torch.arange(len(wrong), device=guess.device)
     for tier in _tiers(erasures):  # most blocks need few unknowns: solve for fewer first (cost grows as L^2)
+        # the tier's least reliable positions, least first (a prefix of the next tier's)
+        order[pending, :tier] = torch.topk(reliability[pending], tier, dim=1, largest=False).indices
         for part in pending.split(chunk):
-            flips[part, :tier], solved[part], needed[wrong[part]] = _solve(words[part, :tier], target[part])
+            flips[part, :tier], solved[part], needed[wrong[part]] = _solve(columns[order[part, :tier]], target[part])
         pending = pending[~solved[pending]]
     ok[wrong] = solved
     picked = guess[wrong]
