@@ -107,8 +107,9 @@ def solve_erasures(
             flips[part, :tier], solved[part], needed[wrong[part]] = _solve(columns[order[part, :tier]], target[part])
         pending = pending[~solved[pending]]
     ok[wrong] = solved
-    picked = guess[wrong]
-    bits[wrong] = picked.scatter_(1, order, picked.gather(1, order) ^ flips)
+    # entries past a block's last tier point at position 0 with no flip: add, so that they change nothing
+    flipped = torch.zeros(len(wrong), guess.shape[1], dtype=torch.int32, device=guess.device)
+    bits[wrong] ^= flipped.scatter_add_(1, order, flips.to(torch.int32)).to(torch.uint8)
     return bits, ok, needed
 
 
