@@ -186,19 +186,21 @@ def code_side_info(x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tens
     How: ``q(a)`` maps the E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 onto
     0..7 piecewise linearly (slope 2 below 2, 1 up to 4, 1/2 above), so every
     rounding boundary lands on a half-integer; ``round(q)`` (half to even, as
-    E2M1 rounds its ties) is the magnitude index, and the boundary distance is
-    ``0.5 - |q - round(q)|`` over the slope (magnitudes clamp at 6)."""
+    E2M1 rounds its ties) is the magnitude index, and the boundaries either
+    side are ``round(q) -+ 0.5`` mapped back (magnitudes clamp at 6)."""
     xb = blocked(x.float(), fmt.block_size)
     units = scale_units(fmt, scales, global_scale).unsqueeze(-1)  # [..., blocks, 1]
     a = (xb / units).abs_().clamp_(max=E2M1_MAX)
-    above2, above4 = (a - 2).clamp_(min=0), (a - 4).clamp_(min=0)
-    q = 2 * a - above2 - 0.5 * above4
-    n = torch.round(q)
-    distance = q.sub_(n).abs_().neg_().add_(0.5)
-    distance *= above2.sign_().add_(above4.sign_()).exp2_().mul_(0.5)  # 1 / slope: 0.5, 1, 2
+    n = torch.round(2 * a - (a - 2).clamp_(min=0) - 0.5 * (a - 4).clamp_(min=0))
+    distance = torch.minimum(a - _magnitude_at(n - 0.5), _magnitude_at(n + 0.5) - a)
     row_amax = x.float().abs().amax(-1, keepdim=True).unsqueeze(-1)  # [..., 1, 1]
     distance *= units / row_amax
     return (n.to(torch.uint8) & 1).reshape(x.shape), distance.reshape(x.shape)
+
+
+def _magnitude_at(q: Tensor) -> Tensor:
+    """The inverse of ``code_side_info``'s map: the magnitude whose ``q`` this is."""
+    return q / 2 + (q - 4).clamp(min=0) / 2 + (q - 6).clamp(min=0)
 
 
 def scale_side_info(x: Tensor, fmt: FP4Format, global_scale: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
