@@ -7,6 +7,7 @@ step's shards as a ratio to plain minio-SDK put/get of the same bytes on the
 same S3 server (a SeaweedFS started on loopback).
 
     python benchmarks/guidance.py [--prompts 32] [--new-tokens 32] [--repeat 3] [--bootstrap-steps 480]
+        [--parts compaction,syndrome,bootstrapped,speed,store] [--speed-rows 16384] [--threads N]
 
 The last line is one JSON object with every figure.
 """
@@ -15,6 +16,7 @@ import argparse
 import copy
 import io
 import json
+import os
 import sys
 import tempfile
 import time
@@ -24,7 +26,7 @@ import torch
 from minio import Minio
 
 from tracefp4.components import steps
-from tracefp4.components.capture import Capture, CaptureConfig, CaptureRecords, TokenMap
+from tracefp4.components.capture import Capture, CaptureConfig, CaptureRecords, SiteTable, TokenMap
 from tracefp4.components.checkpoint import load_model
 from tracefp4.components.guidance import (
     GuidanceLoader,
@@ -39,10 +41,11 @@ from tracefp4.components.quant import rollout_config
 from tracefp4.components.rl import SequenceBatch
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
-from tracefp4.components.syndrome import choose_rates, encode_table, first_rate
+from tracefp4.components.syndrome import choose_rates, decode_rows, encode_table, first_rate
 from tracefp4.components.tasks import format_example
-from tracefp4.components.tokenizer import encode, load_tokenizer
+from tracefp4.components.tokenizer import load_tokenizer
 from tracefp4.components.trainer import TrainConfig, Trainer
+from tracefp4.kernels import quantize, unpack_nibbles
 from tracefp4.schemas import get_preset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -166,7 +169,7 @@ def bootstrapped_tiny(folder: Path, steps_override: int | None):
     figures = steps.prepare(config, folder, "bench")
     tokenizer = load_tokenizer(folder)
     problems = steps.training_problems(config, 0, 32)
-    prompts = [encode(tokenizer, format_example(p), bos=True) for p in problems]
+    prompts = [tokenizer.encode_prompt(format_example(p)) for p in problems]
     return load_model(folder), prompts, figures
 
 
@@ -174,6 +177,53 @@ def syndrome_on(model, prompts, new_tokens: int) -> list[dict]:
     engine = TorchEngine(model, rollout_config("fp4_wa_kv"), capture=CaptureConfig(max_tokens=4096))
     trajectories = engine.generate(prompts, SamplingParams(max_new_tokens=new_tokens, seed=0))
     return syndrome_table(model, engine, trajectories, engine.drain_capture())
+
+
+def codec_speed(rows: int, threads: int, repeat: int) -> dict:
+    """Encode and decode rates of the syndrome codec's CPU path (vectorized
+    torch), in captured elements per second, best of ``repeat``, on ``rows``
+    rows of 256 elements (one row a block) at the first step's rate; the
+    training side's values drift from the rollout's so that about 1% of the low
+    code bits disagree, as measured with the layers below guided. Rates per
+    second of wall time and per second of this process's CPU time (on a shared
+    machine the two differ by the time other processes held the cores)."""
+    torch.set_num_threads(threads)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 256, generator=gen) * torch.rand(rows, 1, generator=gen).add(0.5)
+    g = torch.tensor(x.abs().max().item() / (6 * 448))
+    q = quantize(x, "nvfp4", global_scale=g)
+    n = torch.zeros(rows, dtype=torch.long)
+    table = SiteTable(
+        0, "moe_in", "nvfp4", 4, 256, float(g), n, torch.arange(rows), n, n - 1, q.codes, q.scales.view(torch.uint8)
+    )
+    train = x * (1 + 4e-3 * torch.randn(x.shape, generator=gen))
+    own = unpack_nibbles(quantize(train, "nvfp4", global_scale=g).codes) & 1
+    disagreement = float((own != unpack_nibbles(q.codes) & 1).float().mean())
+    available = torch.ones(rows, dtype=torch.bool)
+    rate = first_rate(0.25)
+    best = {}  # per stage: (wall seconds, CPU seconds of this process), best of repeat
+
+    def timed(stage, run, *args):
+        start, cpu = time.perf_counter(), time.process_time()
+        result = run(*args)
+        seconds = (time.perf_counter() - start, time.process_time() - cpu)
+        best[stage] = min(best.get(stage, seconds), seconds)
+        return result
+
+    for _ in range(repeat):
+        coded = timed("encode", encode_table, table, rate)
+        ok = timed("decode", decode_rows, coded, train, available)[2]
+    return {
+        "elements": rows * 256,
+        "threads": threads,
+        "load_average": os.getloadavg()[0],
+        "low_bit_disagreement": disagreement,
+        "decoded_share": float(ok.float().mean()),
+        "encode_melem_per_s": rows * 256 / best["encode"][0] / 1e6,
+        "decode_melem_per_s": rows * 256 / best["decode"][0] / 1e6,
+        "encode_melem_per_cpu_s": rows * 256 / best["encode"][1] / 1e6,
+        "decode_melem_per_cpu_s": rows * 256 / best["decode"][1] / 1e6,
+    }
 
 
 def store_throughput(records, top_k: int, repeat: int) -> dict:
@@ -237,41 +287,67 @@ def _time_step(server: S3Server, records, top_k: int, repeat: int) -> dict:
     }
 
 
+PARTS = ("compaction", "syndrome", "bootstrapped", "speed", "store")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--bootstrap-steps", type=int, default=None, help="default: the tiny preset's")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
+    parser.add_argument("--speed-rows", type=int, default=16384, help="rows of 256 elements the codec is timed on")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for the timing")
     args = parser.parse_args()
+    parts = args.parts.split(",")
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"unknown parts {sorted(unknown)}; choose from {PARTS}")
     model = build_model("tiny", seed=0)
     engine = TorchEngine(model, rollout_config("fp4_wa_kv"), capture=CaptureConfig(max_tokens=4096))
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.cfg.vocab_size, (24,), generator=gen).tolist() for _ in range(args.prompts)]
     trajectories = engine.generate(prompts, SamplingParams(max_new_tokens=args.new_tokens, seed=0))
     full = engine.drain_capture()
-
-    rows, mismatch = compaction_table(engine, trajectories, full)
-    print(f"{'R-bits':>6} {'layers':>15} {'bits/elem':>9} {'x full':>7} {'fidelity':>8}")
-    for r in rows:
-        print(
-            f"{r['bits']:>6} {r['layers']:>15} {r['bits_per_element']:9.3f} {r['ratio_to_full']:7.3f} "
-            f"{r['fidelity']:8.4f}"
+    out = {}
+    if "compaction" in parts:
+        rows, out["layer_mismatch"] = compaction_table(engine, trajectories, full)
+        out["compaction"] = rows
+        print(f"{'R-bits':>6} {'layers':>15} {'bits/elem':>9} {'x full':>7} {'fidelity':>8}")
+        for r in rows:
+            print(
+                f"{r['bits']:>6} {r['layers']:>15} {r['bits_per_element']:9.3f} {r['ratio_to_full']:7.3f} "
+                f"{r['fidelity']:8.4f}"
+            )
+    syndrome = out["syndrome"] = {}
+    if "syndrome" in parts:
+        syndrome["random_weights"] = syndrome_table(model, engine, trajectories, full)
+        print_syndrome("Syndrome codec, tiny preset, random weights", syndrome["random_weights"])
+    if "bootstrapped" in parts:
+        with tempfile.TemporaryDirectory() as tmp:
+            tuned, task_prompts, syndrome["bootstrap"] = bootstrapped_tiny(Path(tmp) / "policy", args.bootstrap_steps)
+        syndrome["bootstrapped"] = syndrome_on(tuned, task_prompts[: args.prompts], args.new_tokens)
+        print_syndrome(
+            f"Syndrome codec, tiny preset after bootstrap SFT ({syndrome['bootstrap']})", syndrome["bootstrapped"]
         )
-    random_weights = syndrome_table(model, engine, trajectories, full)
-    print_syndrome("Syndrome codec, tiny preset, random weights", random_weights)
-    with tempfile.TemporaryDirectory() as tmp:
-        tuned, task_prompts, bootstrap = bootstrapped_tiny(Path(tmp) / "policy", args.bootstrap_steps)
-    bootstrapped = syndrome_on(tuned, task_prompts, args.new_tokens)
-    print_syndrome(f"Syndrome codec, tiny preset after bootstrap SFT ({bootstrap})", bootstrapped)
-    store = store_throughput(full, model.cfg.top_k, args.repeat)
-    print(
-        f"store vs plain minio SDK on one step ({store['step_bytes']} bytes): write "
-        f"{store['write_throughput_vs_sdk']:.2f}x, read {store['read_throughput_vs_sdk']:.2f}x (target >= 0.8); "
-        f"write_step {store['write_step_seconds']:.3f} s, load {store['load_step_seconds']:.3f} s"
-    )
-    syndrome = {"random_weights": random_weights, "bootstrapped": bootstrapped, "bootstrap": bootstrap}
-    print(json.dumps({"compaction": rows, "layer_mismatch": mismatch, "syndrome": syndrome, "store": store}))
+    if "speed" in parts:
+        speed = syndrome["speed"] = codec_speed(args.speed_rows, args.threads, args.repeat)
+        print(
+            f"syndrome codec, CPU ({speed['threads']} threads, load average {speed['load_average']:.1f}), "
+            f"{speed['elements']} elements at {speed['low_bit_disagreement']:.2%} low-bit disagreement: "
+            f"encode {speed['encode_melem_per_s']:.1f} M elements/s ({speed['encode_melem_per_cpu_s']:.1f} per CPU s; "
+            f"target >= 50), decode {speed['decode_melem_per_s']:.1f} M elements/s "
+            f"({speed['decode_melem_per_cpu_s']:.1f} per CPU s; target >= 20), "
+            f"{speed['decoded_share']:.2%} of blocks decoded"
+        )
+    if "store" in parts:
+        store = out["store"] = store_throughput(full, model.cfg.top_k, args.repeat)
+        print(
+            f"store vs plain minio SDK on one step ({store['step_bytes']} bytes): write "
+            f"{store['write_throughput_vs_sdk']:.2f}x, read {store['read_throughput_vs_sdk']:.2f}x (target >= 0.8); "
+            f"write_step {store['write_step_seconds']:.3f} s, load {store['load_step_seconds']:.3f} s"
+        )
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

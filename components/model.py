@@ -283,6 +283,11 @@ class Sites(Protocol):
         """The routed experts' weights as this forward uses them (training
         fake-quantizes them; rollout quantized them in place at weight sync)."""
 
+    def routing(self, layer: int, experts: Tensor) -> Tensor:
+        """The experts ``[T, k]`` each token goes to, given the router's own
+        top-k choice: that choice, or (training under syndrome-coded guidance)
+        the rollout's, whose side information needs the rollout's routing."""
+
 
 class Attend(Protocol):
     """How the mixers read the past: attention over K/V, and the linear-attention layers' two stateful steps."""
@@ -410,10 +415,16 @@ class MoE(nn.Module):
             self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
             self.shared_expert_gate = Linear(cfg.hidden_size, 1, bias=False)
 
-    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Top-k experts ``[T, k]`` and their weights, from a float32 softmax."""
+    def route(self, x: Tensor, sites: Sites | None = None, layer: int = 0) -> tuple[Tensor, Tensor]:
+        """Top-k experts ``[T, k]`` and their weights, from a float32 softmax
+        (``sites`` may replace the experts: :meth:`Sites.routing`; the weights
+        are then the chosen experts' probabilities)."""
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)
         weights, experts = torch.topk(probs, self.cfg.top_k, dim=-1)
+        if sites is not None:
+            chosen = sites.routing(layer, experts)
+            if chosen is not experts:
+                weights, experts = probs.gather(1, chosen), chosen
         if self.cfg.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         return weights.to(x.dtype), experts
@@ -421,7 +432,7 @@ class MoE(nn.Module):
     def forward(self, x: Tensor, layer: int, sites: Sites | None) -> Tensor:
         b, s, h = x.shape
         x = x.reshape(-1, h)  # T = B * S tokens
-        weights, experts = self.route(x)  # [T, k]
+        weights, experts = self.route(x, sites, layer)  # [T, k]
         w_gate_up, w_down = self.experts.gate_up, self.experts.down
         xq = x
         if sites is not None:

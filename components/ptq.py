@@ -220,6 +220,9 @@ class _ExpertInputs:
     def expert_weights(self, layer, gate_up, down):
         return gate_up, down
 
+    def routing(self, layer, experts):
+        return experts
+
 
 def calibration_hessians(model: Transformer, tokens) -> dict[tuple[int, str], tuple[Tensor, Tensor]]:
     """Per ``(layer, "gate_up" | "down")``: ``(h [E, in], n [E])``, each expert's

@@ -168,6 +168,23 @@ class TrainingSites:
         )
         return train_rows[keep], guide
 
+    def routing(self, layer: int, experts: Tensor) -> Tensor:
+        """Under syndrome-coded guidance, each guided token goes to the experts
+        the rollout chose (the ``expert`` its ``moe_down_in`` rows carry): a
+        near-tie the two numerics break differently would send the token to
+        another expert, so every later site of that token, and of the positions
+        attending to it, disagrees with the rollout in most elements, which no
+        fraction of a bit per element recovers (docs/guidance-format.md)."""
+        table = self.guidance.tables.get((layer, "moe_down_in")) if self.method == "trace" else None
+        if not isinstance(table, SyndromeTable):
+            return experts
+        b = torch.tensor([self.row_of.get(t, -1) for t in table.traj.tolist()], dtype=torch.long)
+        token = (b * self.seq_len + table.pos).to(experts.device)
+        ok = ((b >= 0).to(experts.device)) & (token < experts.shape[0])
+        chosen = experts.clone()
+        chosen[token[ok], table.slot.to(experts.device)[ok]] = table.expert.to(experts.device)[ok].long()
+        return chosen
+
     def moe_in(self, layer, x):
         return self._fp4(layer, "moe_in", x)
 

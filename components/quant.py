@@ -180,6 +180,9 @@ class _AmaxRecorder:
     def expert_weights(self, layer, gate_up, down):
         return gate_up, down
 
+    def routing(self, layer, experts):
+        return experts
+
 
 def calibrate_global_scales(
     model: Transformer, q: QuantConfig, *, batch: int = 4, length: int = 64, seed: int = 0
@@ -253,6 +256,9 @@ class QuantSites:
 
     def expert_weights(self, layer, gate_up, down):
         return gate_up, down  # quantized in place at weight sync
+
+    def routing(self, layer, experts):
+        return experts
 
     def kv(self, layer, k, v):
         """Cache-less pass (teacher forcing): K/V through FP4, as the cache would store them."""

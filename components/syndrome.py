@@ -148,6 +148,8 @@ SYNDROME_FIELDS = ("traj", "pos", "slot", "expert", "code_parity", "scale_parity
 
 def _blocks(rows: Tensor, table: SyndromeTable, fill) -> Tensor:
     """Rows ``[N, m]`` laid out as blocks ``[blocks, group * m]``; missing rows hold ``fill``."""
+    if table.group == 1:
+        return rows  # one row a block: the layout already
     block, within = table.block_of_rows()
     n_blocks = int(block.max()) + 1 if len(block) else 0
     out = torch.full((n_blocks, table.group, rows.shape[1]), fill, dtype=rows.dtype, device=rows.device)
@@ -156,8 +158,19 @@ def _blocks(rows: Tensor, table: SyndromeTable, fill) -> Tensor:
 
 
 def _unblock(blocks: Tensor, table: SyndromeTable) -> Tensor:
+    if table.group == 1:
+        return blocks
     block, within = table.block_of_rows()
     return blocks.reshape(blocks.shape[0], table.group, -1)[block, within]
+
+
+def _low_code_bits(table: SiteTable) -> Tensor:
+    """Each element's low code bit, one uint8 per element ``[N, width]``
+    (from the FP4 nibble layout directly: the low bit of each nibble)."""
+    if table.bits != 4:
+        return table.low_bits() & 1
+    c = table.codes
+    return torch.stack((c & 1, (c >> 4) & 1), -1).reshape(len(c), table.width)
 
 
 def encode_table(table: SiteTable, rate: Rate) -> SyndromeTable:
@@ -182,7 +195,7 @@ def encode_table(table: SiteTable, rate: Rate) -> SyndromeTable:
         torch.empty(0, dtype=torch.uint8),
         torch.empty(0, dtype=torch.uint8),
     )
-    codes = _blocks(table.low_bits() & 1, out, 0)
+    codes = _blocks(_low_code_bits(table), out, 0)
     scales = _blocks(table.scales & 1, out, 0)
     code_h = parity_matrix(rate.code_bits, codes.shape[1], CODE_SALT)
     scale_h = parity_matrix(rate.scale_bits, scales.shape[1], SCALE_SALT)
@@ -250,7 +263,7 @@ def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Ten
     stats = DecodeStats(rate)
     # stage 1: the block scales
     own, neighbour, distance = scale_side_info(x, f, g)
-    distance = torch.where(unknown, -torch.inf, distance)
+    distance = distance.masked_fill_(unknown, -torch.inf)
     n_scales = own.shape[1] * table.group
     scale_h = parity_matrix(rate.scale_bits, n_scales, SCALE_SALT)
     parity = expand_codes(table.scale_parity, 1, rate.scale_bits)
@@ -260,7 +273,7 @@ def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Ten
     scales = torch.where(_unblock(low, table) == (own & 1), own, neighbour)
     # stage 2: the low code bits under the recovered scales
     low_code, distance = code_side_info(x, f, scales.view(f.scale_dtype), g)
-    distance = torch.where(unknown, -torch.inf, distance)
+    distance = distance.masked_fill_(unknown, -torch.inf)
     code_h = parity_matrix(rate.code_bits, table.group * table.width, CODE_SALT)
     parity = expand_codes(table.code_parity, 1, rate.code_bits)
     low, ok_c, code_needed = solve_erasures(

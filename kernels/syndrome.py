@@ -30,13 +30,11 @@ import functools
 import torch
 from torch import Tensor
 
-from .formats import E2M1_MAX, E2M1_VALUES, E4M3_MAX, E8M0_NAN, FP4Format
-from .reference import blocked, e2m1_encode, e2m1_magnitude, mxfp4_scales, nvfp4_scales, scale_units
+from .formats import E2M1_MAX, E4M3_MAX, E8M0_NAN, FP4Format
+from .reference import blocked, mxfp4_scales, nvfp4_scales, scale_units
 
-MAX_ERASURES = 62  # unknowns per block: one int64 per equation holds them and the right-hand side (bit 62)
-_RHS = 62
+MAX_ERASURES = 62  # unknowns per block: a bit mask of them fits a non-negative int64
 _MASK32 = 0xFFFFFFFF
-_E2M1 = torch.tensor(E2M1_VALUES)
 
 
 def _hash32(v: Tensor) -> Tensor:
@@ -68,7 +66,7 @@ def syndrome(bits: Tensor, matrix: Tensor) -> Tensor:
 
 
 def solve_erasures(
-    guess: Tensor, reliability: Tensor, parity: Tensor, matrix: Tensor, erasures: int
+    guess: Tensor, reliability: Tensor, parity: Tensor, matrix: Tensor, erasures: int, chunk: int = 4096
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Recover blocks ``[nb, n]`` of bits from the training side's ``guess``
     (0/1 uint8), the ``reliability`` of each guessed bit (float; lower is less
@@ -80,79 +78,129 @@ def solve_erasures(
     system was consistent (a failed block's bits are the guess), and per block
     the erasures it needed (1 + the reliability rank of its last corrected
     position; 0 when the guess was right): what rate control learns from.
+    Blocks are solved ``chunk`` at a time, so that the elimination's working
+    set stays in the CPU's cache.
     """
     rows = parity.shape[1]
     erasures = min(erasures, guess.shape[1], MAX_ERASURES)
     if erasures > rows:
         raise ValueError(f"{erasures} erasures need at least as many parity bits, got {rows}")
-    target = parity ^ syndrome(guess, matrix)  # [nb, rows]: the parity of the disagreement
+    if rows > 64:
+        raise ValueError(f"at most 64 parity bits a block (one int64 word), got {rows}")
+    target = pack_words(parity ^ syndrome(guess, matrix))  # [nb]: the parity of the disagreement
     bits = guess.clone()
     ok = torch.ones(len(guess), dtype=torch.bool, device=guess.device)
     needed = torch.zeros(len(guess), dtype=torch.int64, device=guess.device)
-    wrong = target.any(1).nonzero()[:, 0]  # blocks whose guess already satisfies every equation are done
-    if len(wrong):
-        bits[wrong], ok[wrong], needed[wrong] = _solve(
-            guess[wrong], reliability[wrong], target[wrong], matrix, erasures
-        )
+    wrong = (target != 0).nonzero()[:, 0]  # blocks whose guess already satisfies every equation are done
+    if not len(wrong):
+        return bits, ok, needed
+    columns = pack_words(matrix.to(guess.device).T)  # [n]: column i of the matrix as a word, bit j = row j
+    reliability, target = reliability[wrong], target[wrong]
+    order = torch.zeros(len(wrong), erasures, dtype=torch.int64, device=guess.device)
+    flips = torch.zeros(len(wrong), erasures, dtype=torch.uint8, device=guess.device)
+    solved = torch.zeros(len(wrong), dtype=torch.bool, device=guess.device)
+    pending = torch.arange(len(wrong), device=guess.device)
+    for tier in _tiers(erasures):  # most blocks need few unknowns: solve for fewer first (cost grows as L^2)
+        # the tier's least reliable positions, least first (a prefix of the next tier's)
+        order[pending, :tier] = torch.topk(reliability[pending], tier, dim=1, largest=False).indices
+        for part in pending.split(chunk):
+            flips[part, :tier], solved[part], needed[wrong[part]] = _solve(columns[order[part, :tier]], target[part])
+        pending = pending[~solved[pending]]
+    ok[wrong] = solved
+    # entries past a block's last tier point at position 0 with no flip: add, so that they change nothing
+    flipped = torch.zeros(len(wrong), guess.shape[1], dtype=torch.int32, device=guess.device)
+    bits[wrong] ^= flipped.scatter_add_(1, order, flips.to(torch.int32)).to(torch.uint8)
     return bits, ok, needed
 
 
-def _solve(guess: Tensor, reliability: Tensor, target: Tensor, matrix: Tensor, erasures: int):
-    """:func:`solve_erasures` of blocks whose guess violates some equation (``target``: which)."""
-    nb, rows = target.shape
-    device = guess.device
-    order = torch.sort(reliability, dim=1, stable=True).indices[:, :erasures]  # [nb, L], least reliable first
-    columns = matrix.to(device).T[order]  # [nb, L, rows]
-    weights = torch.ones(erasures, dtype=torch.int64, device=device) << torch.arange(erasures, device=device)
-    system = (columns.to(torch.int64) * weights[:, None]).sum(1)  # [nb, rows]: bit k = unknown k's coefficient
-    system |= target.to(torch.int64) << _RHS
-    used = torch.zeros(nb, rows, dtype=torch.bool, device=device)
-    pivot = torch.full((nb, erasures), -1, dtype=torch.int64, device=device)
-    arange = torch.arange(rows, device=device)
-    for k in range(erasures):  # Gauss-Jordan over GF(2), every block at once
-        has = ((system >> k) & 1).bool()
-        candidates = has & ~used
-        found = candidates.any(1)
-        p = candidates.to(torch.uint8).argmax(1)
-        prow = system.gather(1, p[:, None])  # [nb, 1]
-        clear = has & (arange[None, :] != p[:, None]) & found[:, None]
-        system = torch.where(clear, system ^ prow, system)
-        used[torch.arange(nb, device=device), p] |= found
-        pivot[:, k] = torch.where(found, p, -1)
-    # an equation left without a pivot has no unknowns left: its right-hand side must be 0
-    ok = ~(((system >> _RHS) & 1).bool() & ~used).any(1)
-    solved = (system.gather(1, pivot.clamp(min=0)) >> _RHS) & 1
-    flips = (solved.bool() & (pivot >= 0) & ok[:, None]).to(torch.uint8)  # free unknowns stay as guessed
-    bits = guess.clone()
-    bits.scatter_(1, order, guess.gather(1, order) ^ flips)
-    rank = torch.arange(1, erasures + 1, device=device)
-    needed = (flips.to(torch.int64) * rank).amax(1) if erasures else torch.zeros(nb, dtype=torch.int64)
-    return bits, ok, needed
+def _tiers(erasures: int) -> list[int]:
+    """The unknowns tried in turn: 8, 24, then all. A block consistent with
+    fewer unknowns has the same solution as with all (the system's solution is
+    unique when consistent, up to the check's 2^-check), and more of its
+    equations checked it."""
+    return [t for t in (8, 24) if t < erasures] + [erasures]
+
+
+def pack_words(bits: Tensor) -> Tensor:
+    """0/1 ``[..., r]`` (r <= 64) as one int64 word each, bit j = entry j (bit 63 is the sign bit)."""
+    shifts = torch.arange(bits.shape[-1], dtype=torch.int64, device=bits.device)
+    return (bits.to(torch.int64) << shifts).sum(-1)  # distinct powers of two: the sum is their OR
+
+
+def _solve(columns: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Solve ``sum_k e_k columns[:, k] = target`` over GF(2) for each block
+    (``columns [b, L]``, ``target [b]``: int64 words of parity bits).
+
+    Column elimination: column k's lowest set bit (after the earlier columns'
+    pivots were cleared from it) is its pivot, cleared from every later column;
+    ``combo`` tracks which original columns each reduced column sums. Back
+    substitution from the last column reads each pivot bit off the target; a
+    target left non-zero means the system is inconsistent. Unknowns whose
+    column became zero stay 0 (the guess). Returns ``(flips [b, L] uint8, ok, needed)``.
+    """
+    b, erasures = columns.shape
+    device = columns.device
+    columns = columns.clone()
+    unit = torch.ones(erasures, dtype=torch.int64, device=device) << torch.arange(erasures, device=device)
+    combo = unit.expand(b, -1).clone()
+    pivots = torch.zeros(b, erasures, dtype=torch.int64, device=device)
+    for k in range(erasures):
+        col = columns[:, k]
+        p = col & -col  # the lowest set bit; 0 for a dependent column
+        pivots[:, k] = p
+        later = columns[:, k + 1 :]
+        hit = (later & p[:, None]) != 0
+        later ^= torch.where(hit, col[:, None], 0)
+        combo[:, k + 1 :] ^= torch.where(hit, combo[:, k : k + 1], 0)
+    t = target.clone()
+    solution = torch.zeros(b, dtype=torch.int64, device=device)
+    for k in range(erasures):  # pivot bit k is in no later column, and the earlier ones were taken out of t
+        use = (t & pivots[:, k]) != 0
+        t ^= torch.where(use, columns[:, k], 0)
+        solution ^= torch.where(use, combo[:, k], 0)
+    ok = t == 0
+    solution = torch.where(ok, solution, 0)
+    flips = ((solution[:, None] & unit) != 0).to(torch.uint8)
+    return flips, ok, _bit_length(solution)
+
+
+def _bit_length(words: Tensor) -> Tensor:
+    """1 + the index of the highest set bit of non-negative int64 words (0 for 0)."""
+    length = torch.zeros_like(words)
+    for step in (32, 16, 8, 4, 2, 1):
+        up = (words >> (length + step)) != 0
+        length += step * up
+    return length + (words != 0)
 
 
 def code_side_info(x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tensor | None) -> tuple[Tensor, Tensor]:
     """The training side's low code bits of ``x [..., K]`` rounded to nearest
     under the given block ``scales``, and their reliability: the distance of
-    ``x`` to the rounding boundary between the nearest codeword and its other
-    neighbour, relative to the row's largest magnitude (+inf where there is no
-    other neighbour: on a codeword, beyond 6, NaN). Relative to the row, not
-    the block or the element: the training side's values drift from the
-    rollout's by amounts that scale with the row (measured on the tiny preset,
-    this ordering put the disagreements in fewer of the least reliable
-    positions than either alternative)."""
+    ``x`` to the nearest rounding boundary (crossing either one flips the low
+    bit), relative to the row's largest magnitude. Relative to the row, not the
+    block or the element: the training side's values drift from the rollout's
+    by amounts that scale with the row (measured on the tiny preset, this
+    ordering put the disagreements in fewer of the least reliable positions
+    than either alternative).
+
+    How: ``q(a)`` maps the E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 onto
+    0..7 piecewise linearly (slope 2 below 2, 1 up to 4, 1/2 above), so every
+    rounding boundary lands on a half-integer; ``round(q)`` (half to even, as
+    E2M1 rounds its ties) is the magnitude index, and the boundaries either
+    side are ``round(q) -+ 0.5`` mapped back (magnitudes clamp at 6)."""
     xb = blocked(x.float(), fmt.block_size)
-    units = scale_units(fmt, scales, global_scale).unsqueeze(-1)
-    y = xb / units
-    a = torch.clamp(y.abs(), max=E2M1_MAX)
-    n = e2m1_magnitude(a)
-    grid = _E2M1.to(x.device)
-    on_n = grid[n.int()]
-    other = (n.int() + (a > on_n).int() - (a < on_n).int()).clamp(0, 7)
+    units = scale_units(fmt, scales, global_scale).unsqueeze(-1)  # [..., blocks, 1]
+    a = (xb / units).abs_().clamp_(max=E2M1_MAX)
+    n = torch.round(2 * a - (a - 2).clamp_(min=0) - 0.5 * (a - 4).clamp_(min=0))
+    distance = torch.minimum(a - _magnitude_at(n - 0.5), _magnitude_at(n + 0.5) - a)
     row_amax = x.float().abs().amax(-1, keepdim=True).unsqueeze(-1)  # [..., 1, 1]
-    distance = (a - (on_n + grid[other]) / 2).abs() * units / row_amax
-    distance = torch.where((other == n.int()) | torch.isnan(distance), torch.inf, distance)
-    low = e2m1_encode(y.contiguous()) & 1
-    return low.reshape(x.shape), distance.reshape(x.shape)
+    distance *= units / row_amax
+    return (n.to(torch.uint8) & 1).reshape(x.shape), distance.reshape(x.shape)
+
+
+def _magnitude_at(q: Tensor) -> Tensor:
+    """The inverse of ``code_side_info``'s map: the magnitude whose ``q`` this is."""
+    return q / 2 + (q - 4).clamp(min=0) / 2 + (q - 6).clamp(min=0)
 
 
 def scale_side_info(x: Tensor, fmt: FP4Format, global_scale: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:

@@ -244,3 +244,54 @@ def test_rounds_decode_inline_and_the_next_round_chooses_its_rates(tmp_path):
     assert m1["syndrome"]["previous_decode"] == steps.read_decode_stats(store, prefix, 0)
     assert all(code < 56 for code, _ in m1["syndrome"]["rates"].values())
     assert second[0]["guidance_bits_per_element"] < first[0]["guidance_bits_per_element"]
+
+
+def test_blocks_needing_every_tier_decode_exactly():
+    # flips at reliability ranks up to 50: solved with 8, 24 or all 56 unknowns
+    truth, reliability = blocks(nb=300, seed=4)
+    rank = reliability.argsort(1).argsort(1)
+    g = torch.Generator().manual_seed(5)
+    deepest = torch.randint(0, 50, (300, 1), generator=g)
+    flips = ((rank == deepest) | (rank == deepest // 2)).to(torch.uint8)
+    h = parity_matrix(64, 256, 1)
+    bits, ok, needed = solve_erasures(truth ^ flips, reliability, syndrome(truth, h), h, 56)
+    assert ok.all() and torch.equal(bits, truth)
+    assert torch.equal(needed, deepest[:, 0] + 1) and (needed > 24).sum() > 50 and (needed <= 8).sum() > 20
+
+
+def test_code_side_information_is_the_round_to_nearest_low_bit():
+    from tracefp4.kernels import code_side_info, get_format
+
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(500, 256, generator=g) * 3
+    for fmt in ("nvfp4", "mxfp4"):
+        gs = torch.tensor(x.abs().max().item() / (6 * 448)) if fmt == "nvfp4" else None
+        q = quantize(x, fmt, global_scale=gs)
+        low, distance = code_side_info(x, get_format(fmt), q.scales, gs)
+        assert (low == (unpack_nibbles(q.codes) & 1)).float().mean() > 0.99999
+        assert (distance >= 0).all() and torch.isfinite(distance).all()
+        # a value moved by less than its distance keeps its low bit
+        nudged, _ = code_side_info(x + 0.9 * distance * x.abs().amax(1, keepdim=True), get_format(fmt), q.scales, gs)
+        assert (nudged == low).float().mean() > 0.999
+
+
+def test_training_under_syndrome_guidance_routes_as_the_rollout():
+    from tracefp4.components.guidance import MicrobatchGuidance
+    from tracefp4.components.qat import TrainingSites
+    from tracefp4.components.quant import rollout_config
+
+    n = 6  # trajectory 7's positions 0..5, two slots each
+    traj, pos = torch.full((2 * n,), 7), torch.arange(n).repeat_interleave(2)
+    slot = torch.arange(2).repeat(n)
+    rollout = torch.tensor([[3, 1], [0, 2], [5, 4], [1, 0], [2, 3], [4, 5]])
+    table = SyndromeTable(
+        0, "moe_down_in", "nvfp4", 16, 1.0, traj, pos, slot, rollout.flatten(), 1, Rate(16, 8), *[torch.empty(0)] * 2
+    )
+    own = torch.zeros(2 * 8, 2, dtype=torch.long)  # 2 sequences of 8 positions; trajectory 7 is the second
+    guidance = MicrobatchGuidance([3, 7], {(0, "moe_down_in"): table}, [])
+    sites = TrainingSites(rollout_config("fp4_wa_kv"), "trace", {}, trajectories=[3, 7], seq_len=8, guidance=guidance)
+    chosen = sites.routing(0, own)
+    assert torch.equal(chosen[8:14], rollout) and (chosen[:8] == 0).all() and (chosen[14:] == 0).all()
+    assert sites.routing(1, own) is own  # no guidance for layer 1: the router's own choice
+    qat = TrainingSites(rollout_config("fp4_wa_kv"), "qat", {}, trajectories=[3, 7], seq_len=8)
+    assert qat.routing(0, own) is own
