@@ -30,7 +30,13 @@ from tracefp4.schemas import RunConfig, get_preset
 def step(tmp_path_factory, request):
     """A rollout of the tiny preset (and of its hybrid Qwen3.5-MoE flavour)
     with full capture, its guidance written and loaded back."""
-    engine = TorchEngine(build_model(request.param, seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
+    return captured_step(tmp_path_factory, request.param, rollout_config("fp4_wa_kv"))
+
+
+def captured_step(tmp_path_factory, preset, quant):
+    """Eight seeded prompts rolled out under ``quant`` with full capture; the
+    guidance written to a fresh store and loaded back as one microbatch."""
+    engine = TorchEngine(build_model(preset, seed=0), quant, capture=CaptureConfig())
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 512, (8,), generator=g).tolist() for _ in range(8)]
     out = engine.generate(prompts, SamplingParams(max_new_tokens=12, seed=0))
@@ -169,15 +175,7 @@ def per_token_step(tmp_path_factory):
     """The tiny preset's rollout with per-token NVFP4 activation global scales
     (SGLang nvfp4_online), fully captured, its guidance written and loaded back."""
     quant = replace(rollout_config("fp4_wa_kv"), activation_global_scale="per_token")
-    engine = TorchEngine(build_model("tiny", seed=0), quant, capture=CaptureConfig())
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 512, (8,), generator=g).tolist() for _ in range(8)]
-    out = engine.generate(prompts, SamplingParams(max_new_tokens=12, seed=0))
-    records = engine.drain_capture()
-    store = open_store(str(tmp_path_factory.mktemp("store")))
-    write_step(store, records, rl_step=0, policy_version=0, top_k=engine.model.cfg.top_k)
-    (mb,) = GuidanceLoader(store, 0, [[t.id for t in out]])
-    return engine, out, records, mb
+    return captured_step(tmp_path_factory, "tiny", quant)
 
 
 def test_per_token_rollout_captures_each_rows_global_scale(per_token_step):
