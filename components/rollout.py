@@ -270,6 +270,7 @@ class KVCache:
         weights = torch.softmax(scores, -2, dtype=torch.float32).to(q.dtype)
         return bf16_op(torch.matmul, weights.transpose(-1, -2), values).view(b, h, 1, d)
 
+
 # Tokens decoded between two reads of the device (which requests finished): the only host sync of the decode loop
 DEFAULT_STOP_CHECK = 8
 
