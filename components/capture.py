@@ -6,8 +6,9 @@ for the KV cache, the codes and scales of every position when the request
 ends. Writes go into preallocated per-site buffers (two, used in turn), and a
 background thread offloads each filled buffer to host memory while the next
 forward runs (on CUDA: into pinned host memory on a side stream that waits
-for the buffer's writes, so that the copy overlaps the next forwards). Inline compaction keeps only the low ``bits`` of each code and
-only the selected layers, with the foundation's codec, before offload.
+for the buffer's writes, so that the copy overlaps the next forwards).
+Inline compaction keeps only the low ``bits`` of each code and only the
+selected layers, with the foundation's codec, before offload.
 """
 
 import contextlib

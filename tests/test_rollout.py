@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.checkpoint import save_model
 from tracefp4.components.model import CausalAttention, build_model
 from tracefp4.components.quant import ROLLOUT_CONFIGS, QuantSites, rollout_config
-from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.rollout import KVCache, SamplingParams, TorchEngine, batch_buckets, bucket_for
 from tracefp4.kernels import fake_quantize
 
@@ -102,7 +102,9 @@ def test_stop_check_interval_changes_nothing(model, config):
         engine = TorchEngine(model, rollout_config(config), capture=CaptureConfig(bits=4), stop_check_every=every)
         sizes = []
         forward = engine._forward
-        engine._forward = lambda tokens, *a: sizes.append(tokens.shape[0]) or forward(tokens, *a)
+        engine._forward = lambda tokens, *a, sizes=sizes, forward=forward: (
+            sizes.append(tokens.shape[0]) or forward(tokens, *a)
+        )
         stops = staggered_stops(engine, 12, 16)
         engine.drain_capture() if engine.capture else None
         sizes.clear()
