@@ -10,7 +10,7 @@ import torch
 from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.checkpoint import save_model
 from tracefp4.components.model import CausalAttention, build_model
-from tracefp4.components.quant import ROLLOUT_CONFIGS, QuantSites, rollout_config
+from tracefp4.components.quant import ACTIVATION_SITES, ROLLOUT_CONFIGS, QuantSites, rollout_config
 from tracefp4.components.rollout import KVCache, SamplingParams, TorchEngine, batch_buckets, bucket_for
 from tracefp4.kernels import fake_quantize
 
@@ -92,14 +92,17 @@ def staggered_stops(engine, batch, max_new):
     return tuple({t.response[i] for t, i in zip(first, (1, 2, 3, 5, 7, 9, 11, 13)) if i < len(t.response)})
 
 
-@pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv"])
+@pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv", "fp4_wa_kv/per_token"])
 def test_stop_check_interval_changes_nothing(model, config):
     """Checking for stops every 8 tokens (finished rows decode into padding
     meanwhile, the batch moves to a smaller bucket later) gives every token,
-    logprob, top-k and captured record of checking every token."""
+    logprob, top-k and captured record of checking every token, per-token
+    activation global scales included."""
+    name, _, scales = config.partition("/")
+    quant = replace(rollout_config(name), activation_global_scale=scales or "static")
     runs = {}
     for every in (1, 3, 8):
-        engine = TorchEngine(model, rollout_config(config), capture=CaptureConfig(bits=4), stop_check_every=every)
+        engine = TorchEngine(model, quant, capture=CaptureConfig(bits=4), stop_check_every=every)
         sizes = []
         forward = engine._forward
         engine._forward = lambda tokens, *a, sizes=sizes, forward=forward: (
@@ -125,7 +128,9 @@ def test_stop_check_interval_changes_nothing(model, config):
             assert records.tables.keys() == other_records.tables.keys()
             for key, table in records.tables.items():
                 mine = other_records.tables[key]
-                for f in ("traj", "pos", "slot", "expert", "codes", "scales"):
+                per_row = scales == "per_token" and key[1] in ACTIVATION_SITES  # KV global scales stay static
+                assert (table.row_global_scales is not None) == (mine.row_global_scales is not None) == per_row
+                for f in ("traj", "pos", "slot", "expert", "codes", "scales") + ("row_global_scales",) * per_row:
                     assert torch.equal(getattr(table, f), getattr(mine, f)), (every, key, f)
 
 
