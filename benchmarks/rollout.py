@@ -74,9 +74,9 @@ def decode_tokens_per_s(engine: TorchEngine, batch: int, context: int, steps: in
     with torch.no_grad():
         new = engine._prefill(tokens, positions, lengths, ids, cache).argmax(-1)
         start = time.perf_counter()
-        for _ in range(steps):
+        for step in range(steps):
             lengths = lengths + 1
-            new = engine._decode(new, lengths, ids, cache).argmax(-1)
+            new = engine._decode(new, lengths, ids, cache, context + step + 1, masked=False).argmax(-1)
     return batch * steps / (time.perf_counter() - start)
 
 
@@ -142,6 +142,8 @@ def main() -> None:
         save_model(model, f"{tmp}/policy")
         hf = hf_generate(f"{tmp}/policy", device)
         bf16 = TorchEngine(model, rollout_config("bf16"), device=device)
+        figures["engine_cuda_graphs"] = bf16.uses_cuda_graphs()
+        figures["stop_check_every"] = bf16.stop_check_every
         for batch in args.batches:
             prompts = torch.randint(0, model.cfg.vocab_size, (batch, args.prompt_len), device=device)
             n = batch * args.new_tokens

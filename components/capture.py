@@ -5,10 +5,13 @@ scales it produced, keyed by ``(trajectory, position, layer, site, slot)``;
 for the KV cache, the codes and scales of every position when the request
 ends. Writes go into preallocated per-site buffers (two, used in turn), and a
 background thread offloads each filled buffer to host memory while the next
-forward runs. Inline compaction keeps only the low ``bits`` of each code and
-only the selected layers, with the foundation's codec, before offload.
+forward runs (on CUDA: into pinned host memory on a side stream that waits
+for the buffer's writes, so that the copy overlaps the next forwards).
+Inline compaction keeps only the low ``bits`` of each code and only the
+selected layers, with the foundation's codec, before offload.
 """
 
+import contextlib
 import functools
 import queue
 import threading
@@ -354,7 +357,7 @@ class Capture:
 
     def _flush(self) -> "_Buffer":
         """Send the current buffer to the offload thread; return the other, once it is free."""
-        self._jobs.put(("buffer", self._buffers[self._turn]))
+        self._jobs.put(("buffer", self._buffers[self._turn], _written(self.device)))
         self._turn = 1 - self._turn
         buf = self._buffers[self._turn]
         buf.free.wait()
@@ -371,22 +374,24 @@ class Capture:
         meta = torch.stack(
             [torch.full((n,), traj), torch.arange(n), torch.zeros(n, dtype=torch.int64), torch.full((n,), -1)], 1
         )
-        self._jobs.put(("kv", ((layer, site), codes.clone(), scales.clone(), meta.to(codes.device))))
+        job = ((layer, site), codes.clone(), scales.clone(), meta.to(codes.device))
+        self._jobs.put(("kv", job, _written(codes.device)))
 
     # -- the offload side -------------------------------------------------
     def _offload_loop(self) -> None:
         torch.set_num_threads(1)  # this thread's ops only: the forward keeps the cores
         while True:
-            kind, job = self._jobs.get()
+            kind, job, written = self._jobs.get()
             if kind == "stop":
                 self._jobs.task_done()
                 return
             start = time.perf_counter()
             try:
-                if kind == "buffer":
-                    self._offload(job)
-                else:
-                    self._append(*job)
+                with _side_stream(written):
+                    if kind == "buffer":
+                        self._offload(job)
+                    else:
+                        self._append(*job)
             except BaseException as e:  # surfaced on the forward side
                 self._error = e
             finally:
@@ -416,7 +421,7 @@ class Capture:
         if self.config.bits < 4:  # compact on the device, before the copy to host
             codes = compact_codes(unpack_nibbles(codes), self.config.bits)
         parts = {"codes": codes, "scales": scales, "meta": meta, **extra}
-        self._chunks.setdefault(key, []).append({name: t.to("cpu", copy=True) for name, t in parts.items()})
+        self._chunks.setdefault(key, []).append({name: _to_host(t) for name, t in parts.items()})
 
     def pending(self) -> bool:
         """Whether anything was captured since the last drain."""
@@ -466,6 +471,40 @@ class Capture:
         return records
 
 
+def _written(device) -> "torch.cuda.Event | None":
+    """On CUDA, an event after the work queued so far (the capture writes an
+    offload job copies); None on the CPU."""
+    if torch.device(device).type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+
+
+@contextlib.contextmanager
+def _side_stream(written):
+    """On CUDA, run the offload on a side stream that starts after ``written``
+    and is finished on exit, so that copies to host overlap the next forwards
+    on the rollout's stream; nothing on the CPU."""
+    if written is None:
+        yield
+        return
+    stream = torch.cuda.Stream()
+    stream.wait_event(written)
+    with torch.cuda.stream(stream):
+        yield
+    stream.synchronize()
+
+
+def _to_host(t: Tensor) -> Tensor:
+    """A host copy of ``t``: from CUDA into pinned memory, asynchronously on the current (side) stream."""
+    if not t.is_cuda:
+        return t.to("cpu", copy=True)
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
+
+
 def _stop_worker(jobs: queue.Queue, worker: threading.Thread) -> None:
-    jobs.put(("stop", None))
+    jobs.put(("stop", None, None))
     worker.join()

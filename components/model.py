@@ -444,7 +444,8 @@ class MoE(nn.Module):
         k, n_experts = self.cfg.top_k, self.cfg.num_experts
         flat = experts.reshape(-1)  # row r = token r // k, slot r % k
         rank = F.one_hot(flat, n_experts).cumsum(0).gather(1, flat[:, None])[:, 0] - 1
-        width = int(rank.max()) + 1
+        # a CUDA graph capture cannot read the device: there every expert gets room for every token
+        width = flat.numel() if x.is_cuda and torch.cuda.is_current_stream_capturing() else int(rank.max()) + 1
         grid = x.new_zeros(n_experts, width, h)
         grid[flat, rank] = xq[:, None].expand(-1, k, -1).reshape(-1, h)
         gate, up = bf16_op(torch.bmm, grid, w_gate_up).chunk(2, dim=-1)

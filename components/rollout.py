@@ -2,10 +2,14 @@
 or packed FP4 codes + scales), FP4 weights/activations, weight sync, and
 capture of every FP4 outcome.
 
-``TorchEngine`` (CPU and CUDA) follows gpt-fast's ``generate.py``: a prefill
-of the right-padded prompts, then one decode step at a time; after each step
-the sequences that finished retire: their KV is captured and they leave the
-batch.
+``TorchEngine`` (CPU and CUDA) serves a batch as a static-shape engine: one
+KV cache allocated per ``generate`` call, a prefill of the right-padded
+prompts, then decode steps whose tensors have fixed shapes per batch-size
+bucket (on CUDA each bucket's step is a CUDA graph, replayed per token; on
+the CPU the same step runs eagerly). The host reads the device only at a stop
+check every ``stop_check_every`` tokens: the requests that finished retire
+(their KV is captured) and the batch moves to the smallest bucket that holds
+the rest.
 
 On a hybrid model (qwen3_5_moe) only the full-attention layers have a KV
 cache; each linear-attention layer keeps, per sequence, its conv state (the
@@ -88,11 +92,12 @@ def request_seed(seed: int, index: int) -> int:
 
 
 def sample(
-    logits: Tensor, params: SamplingParams, gens: list[torch.Generator]
+    logits: Tensor, params: SamplingParams, uniforms: Tensor | None
 ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
-    """Tokens ``[B]`` drawn from ``logits [B, V]`` (row b's uniform from
-    ``gens[b]``), their log-probabilities, and (with ``record_topk``) the
-    ``(logprobs, ids)`` of the k most likely tokens."""
+    """Tokens ``[B]`` drawn from ``logits [B, V]`` by inverse CDF at
+    ``uniforms [B]`` in [0, 1) (None when greedy), their log-probabilities,
+    and (with ``record_topk``) the ``(logprobs, ids)`` of the k most likely
+    tokens. Nothing here reads the device."""
     logits = logits.float()
     scaled = logits / params.temperature if params.temperature > 0 else logits
     logprobs = F.log_softmax(scaled, -1)
@@ -108,22 +113,29 @@ def sample(
             drop = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest set reaching top_p
             scaled = scaled.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
         cdf = scaled.softmax(-1).cumsum(-1)  # inverse-CDF draw: one uniform per row
-        u = torch.cat([torch.rand(1, 1, generator=g, device=cdf.device) for g in gens]) * cdf[:, -1:]
+        u = uniforms[:, None].to(cdf.dtype) * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=cdf.shape[-1] - 1)
     topk = torch.topk(logprobs, params.record_topk, -1) if params.record_topk else None
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0], topk
 
 
 class KVCache:
-    """K/V of a batch of sequences, ``[B, max_len, kv_heads * head_dim]`` per
-    full-attention layer: in the compute dtype, or (FP4 KV) packed codes + scale
-    bytes that are dequantized for attention; and the linear-attention layers'
-    conv and recurrent states per sequence, never quantized. The mixers read
-    through it (it is the model's ``attend``)."""
+    """K/V of a batch of sequences, ``[rows, max_len, kv_heads * head_dim]``
+    per full-attention layer: in the compute dtype, or (FP4 KV) packed codes +
+    scale bytes that are dequantized for attention; and the linear-attention
+    layers' conv and recurrent states per sequence, never quantized. The mixers
+    read through it (it is the model's ``attend``).
+
+    Allocated once per ``generate`` call for the largest batch bucket and never
+    reallocated: a forward uses the first ``active`` rows (views, so a CUDA
+    graph captured on them writes into the same memory at every replay), and
+    :meth:`compact` moves the rows that stay to the front when the batch
+    moves to a smaller bucket. Every write is in place."""
 
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, sites: QuantSites, dtype, device):
         self.cfg, self.sites, self.dtype = cfg, sites, dtype
         self.fmt = sites.q.kv
+        self.max_len, self.active = max_len, batch
         width = cfg.num_kv_heads * cfg.head_dim
         if self.fmt is None:  # attention's own layout: reads need no copy
             shapes = {"values": ((batch, cfg.num_kv_heads, max_len, cfg.head_dim), dtype)}
@@ -153,17 +165,36 @@ class KVCache:
         }
         self.positions: Tensor | None = None  # [B, S] of the forward in flight
 
-    def start(self, positions: Tensor, lengths: Tensor) -> None:
-        """Prepare a forward that writes ``positions [B, S]`` and attends to
-        everything before them; row b's tokens at positions ``>= lengths[b]``
-        are padding, which the linear-attention states skip."""
+    def start(self, positions: Tensor, lengths: Tensor, span: int, masked: bool = True) -> None:
+        """Prepare a forward of the first ``positions.shape[0]`` rows that
+        writes ``positions [B, S]`` and attends to positions ``< span`` up to
+        its own (``masked``; a decode step whose rows all sit at ``span - 1``
+        needs no mask); row b's tokens at positions ``>= lengths[b]`` are
+        padding, which the linear-attention states skip. ``span`` comes from
+        the caller, who knows it without reading the device."""
+        self.active = positions.shape[0]
         self.positions = positions
         self.valid = positions < lengths[:, None]  # [B, S]; right padding: a prefix of each row
-        self.span = int(positions.max()) + 1  # positions < span are read
+        self.span = span
         self.rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        visible = torch.arange(self.span, device=positions.device) <= positions[..., None]  # [B, S, span]
-        # a decode step whose rows all sit at the same position sees every cached entry
-        self.visible = None if positions.shape[1] == 1 and bool(visible.all()) else visible[:, None]
+        visible = torch.arange(span, device=positions.device) <= positions[..., None]  # [B, S, span]
+        self.visible = visible[:, None] if masked else None
+
+    def compact(self, rows: Tensor, active: int) -> None:
+        """Move ``rows`` (indices of the current active rows, the ones that
+        stay first) to the front, in that order; then use the first ``active``."""
+        for states in (self.store, self.conv_states, self.recurrent_states):
+            for t in states.values():
+                t[: len(rows)] = t.index_select(0, rows)
+        self.active = active
+
+    def snapshot_states(self) -> list[Tensor]:
+        """Copies of the linear-attention states (a CUDA graph's warm-up step must not advance them)."""
+        return [t.clone() for t in (*self.conv_states.values(), *self.recurrent_states.values())]
+
+    def restore_states(self, states: list[Tensor]) -> None:
+        for t, saved in zip((*self.conv_states.values(), *self.recurrent_states.values()), states):
+            t.copy_(saved)
 
     def bytes_per_token(self) -> float:
         return sum(
@@ -177,38 +208,40 @@ class KVCache:
 
     def conv(self, layer: int, x: Tensor, weight: Tensor) -> Tensor:
         """The causal conv after each sequence's cached inputs; keeps the last K-1 valid inputs."""
-        history = self.conv_states[layer]
+        history = self.conv_states[layer][: self.active]
         out = causal_conv(x, weight, history)
-        self.conv_states[layer] = conv_history(x, history, self.valid.sum(1))
+        history.copy_(conv_history(x, history, self.valid.sum(1)))
         return out
 
     def delta(self, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
         """The delta rule from each sequence's state: one recurrent step per
         decoded token, the chunked form for a prefill (padding neither decays
         nor writes the state)."""
-        state = self.recurrent_states[layer]
+        state = self.recurrent_states[layer][: self.active]
         if q.shape[1] == 1:
-            out, self.recurrent_states[layer] = recurrent_delta_rule(q, k, v, g, beta, state)
+            out, new = recurrent_delta_rule(q, k, v, g, beta, state)
         else:
             valid = self.valid[..., None]
-            out, self.recurrent_states[layer] = chunked_delta_rule(q, k, v, g * valid, beta * valid, state)
+            out, new = chunked_delta_rule(q, k, v, g * valid, beta * valid, state)
+        state.copy_(new)
         return out
 
     def _write(self, layer: int, site: str, t: Tensor) -> None:
         """Store K or V ``[B, KV, S, D]`` of the forward in flight at its positions."""
         if self.fmt is None:
-            self.store[(layer, site, "values")][self.rows, :, self.positions] = t.transpose(1, 2)
+            self.store[(layer, site, "values")][: self.active][self.rows, :, self.positions] = t.transpose(1, 2)
         else:
             b, s = self.positions.shape
             q = self.sites.quantize(layer, site, kv_rows(t))
-            self.store[(layer, site, "codes")][self.rows, self.positions] = q.codes.view(b, s, -1)
-            self.store[(layer, site, "scales")][self.rows, self.positions] = q.scales.view(torch.uint8).view(b, s, -1)
+            codes, scales = (self.store[(layer, site, part)][: self.active] for part in ("codes", "scales"))
+            codes[self.rows, self.positions] = q.codes.view(b, s, -1)
+            scales[self.rows, self.positions] = q.scales.view(torch.uint8).view(b, s, -1)
 
     def _read(self, layer: int, site: str, span: int) -> Tensor:
         """K or V ``[B, KV, span, D]`` of positions ``< span``, in the compute dtype."""
         if self.fmt is None:
-            return self.store[(layer, site, "values")][:, :, :span]
-        rows = dequantize(self.fp4_rows(layer, site, slice(None), span)).to(self.dtype)
+            return self.store[(layer, site, "values")][: self.active, :, :span]
+        rows = dequantize(self.fp4_rows(layer, site, slice(0, self.active), span)).to(self.dtype)
         return kv_from_rows(rows, rows.shape[0], self.cfg.num_kv_heads)
 
     def fp4_rows(self, layer: int, site: str, rows, span: int) -> FP4Tensor:
@@ -237,16 +270,20 @@ class KVCache:
         weights = torch.softmax(scores, -2, dtype=torch.float32).to(q.dtype)
         return bf16_op(torch.matmul, weights.transpose(-1, -2), values).view(b, h, 1, d)
 
-    def keep(self, rows: Tensor) -> None:
-        """Drop every sequence but ``rows`` (finished requests leave the batch)."""
-        for states in (self.store, self.conv_states, self.recurrent_states):
-            for key, t in states.items():
-                states[key] = t.index_select(0, rows)
+
+# Tokens decoded between two reads of the device (which requests finished): the only host sync of the decode loop
+DEFAULT_STOP_CHECK = 8
 
 
 class TorchEngine:
     """The torch rollout engine: runs FP4 rollout as the configuration says,
-    on its own copy of the policy (``dtype``, default BF16)."""
+    on its own copy of the policy (``dtype``, default BF16).
+
+    ``stop_check_every`` (N) is how many tokens it decodes between stop checks,
+    the decode loop's only reads of the device; finished requests keep
+    decoding into padding until the next check, so N changes speed, never
+    results. ``cuda_graphs``: on CUDA, without capture, each batch bucket's
+    decode step is a CUDA graph (:class:`DecodeGraphs`)."""
 
     def __init__(
         self,
@@ -257,7 +294,12 @@ class TorchEngine:
         device: str | torch.device = "cpu",
         capture: CaptureConfig | None = None,
         calibration_seed: int = 0,
+        stop_check_every: int = DEFAULT_STOP_CHECK,
+        cuda_graphs: bool = True,
     ):
+        if stop_check_every < 1:
+            raise ValueError(f"stop_check_every must be >= 1 token, got {stop_check_every}")
+        self.stop_check_every, self.cuda_graphs = stop_check_every, cuda_graphs
         self.quant, self.dtype, self.device = quant, dtype, torch.device(device)
         self.model = copy.deepcopy(model).to(device=self.device, dtype=dtype).eval()
         self.capture_config = capture
@@ -290,6 +332,12 @@ class TorchEngine:
         self.policy_version += 1
         self._prepare()
 
+    def uses_cuda_graphs(self) -> bool:
+        """Whether decode steps replay CUDA graphs: on CUDA, unless switched
+        off, and not while capturing (capture's host-side bookkeeping runs per
+        forward)."""
+        return self.cuda_graphs and self.device.type == "cuda" and self.capture is None
+
     def kv_bytes_per_token(self) -> float:
         """Bytes the KV cache holds per cached token, all layers."""
         return KVCache(self.model.cfg, 1, 1, self.sites, self.dtype, "cpu").bytes_per_token()
@@ -310,33 +358,21 @@ class TorchEngine:
         in its batch: a request gives the same response whatever else shares
         the call (a batch split over rollout workers passes each share's place)."""
         self._check(prompts)
-        dev, b = self.device, len(prompts)
+        dev, b, n_new = self.device, len(prompts), sampling.max_new_tokens
         first = self._next_id if first is None else first
         ids = torch.arange(first, first + b, device=dev)
         self._next_id = first + b
-        out = [Trajectory(i, list(p), [], [], "") for i, p in zip(ids.tolist(), prompts)]  # filled step by step
-        if sampling.record_topk:
-            for request in out:
-                request.topk_ids, request.topk_logprobs = [], []
         tokens, positions, lengths = right_pad(prompts, pad=sampling.pad_token, device=dev)
-        cache = KVCache(self.model.cfg, b, tokens.shape[1] + sampling.max_new_tokens, self.sites, self.dtype, dev)
-        gens = [torch.Generator(device=dev).manual_seed(request_seed(sampling.seed, place + i)) for i in range(b)]
-        stop = torch.tensor(sampling.stop_tokens or [-1], device=dev)
-
+        cache = KVCache(self.model.cfg, b, tokens.shape[1] + n_new, self.sites, self.dtype, dev)
         logits = self._prefill(tokens, positions, lengths, ids, cache)
-        rows = torch.arange(b, device=dev)  # the request (index into out) each batch row holds
-        for step in range(sampling.max_new_tokens):
-            new = self._sample(logits, sampling, [gens[i] for i in rows.tolist()], [out[i] for i in rows.tolist()])
-            lengths = lengths + 1  # sequence length including the new token
-            stopped = torch.isin(new, stop)
-            done = stopped | (step + 1 == sampling.max_new_tokens)
-            if done.any():
-                keep = self._retire(out, rows, lengths, stopped, done, cache)
-                if not len(keep):
+        run = _Decode(self, sampling, [len(p) for p in prompts], first, ids, lengths, cache, place)
+        for step in range(n_new):
+            run.sample(logits, step)
+            if (step + 1) % self.stop_check_every == 0 or step + 1 == n_new:
+                if not run.check(step):
                     break
-                rows, lengths, new = rows[keep], lengths[keep], new[keep]
-            logits = self._decode(new, lengths, ids[rows], cache)
-        return out
+            logits = run.decode()
+        return run.trajectories(prompts)
 
     def _check(self, prompts: list[list[int]]) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -345,10 +381,20 @@ class TorchEngine:
         if any(t < 0 or t >= vocab for p in prompts for t in p):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
 
-    def _forward(self, tokens: Tensor, positions: Tensor, lengths: Tensor, ids: Tensor, cache: KVCache) -> Tensor:
-        """Logits ``[B, S, V]`` of ``tokens [B, S]`` at ``positions``, cached
-        (and captured) as row b's trajectory ``ids[b]`` below ``lengths[b]``."""
-        cache.start(positions, lengths)
+    def _forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        lengths: Tensor,
+        ids: Tensor,
+        cache: KVCache,
+        span: int,
+        masked: bool = True,
+    ) -> Tensor:
+        """Logits ``[B, S, V]`` of ``tokens [B, S]`` at ``positions`` attending
+        to positions ``< span``, cached (and captured) as row b's trajectory
+        ``ids[b]`` (-1: captured as padding) below ``lengths[b]``."""
+        cache.start(positions, lengths, span, masked)
         if self.capture is not None:
             self.capture.begin(TokenMap.of(ids, positions, lengths))
         logits = self.model(tokens, positions, cache, self.sites)
@@ -358,42 +404,17 @@ class TorchEngine:
 
     def _prefill(self, tokens: Tensor, positions: Tensor, lengths: Tensor, ids: Tensor, cache: KVCache) -> Tensor:
         """One forward over the right-padded prompts; logits ``[B, V]`` after each prompt's last token."""
-        logits = self._forward(tokens, positions, lengths, ids, cache)
+        logits = self._forward(tokens, positions, lengths, ids, cache, tokens.shape[1])
         return logits[torch.arange(len(tokens), device=tokens.device), lengths - 1]
 
-    def _decode(self, new: Tensor, lengths: Tensor, ids: Tensor, cache: KVCache) -> Tensor:
-        """One decode step: logits ``[B, V]`` after each row's ``new`` token, at position ``lengths - 1``."""
-        return self._forward(new[:, None], (lengths - 1)[:, None], lengths, ids, cache)[:, 0]
-
-    @staticmethod
-    def _sample(
-        logits: Tensor, sampling: SamplingParams, gens: list[torch.Generator], requests: list[Trajectory]
+    def _decode(
+        self, new: Tensor, lengths: Tensor, ids: Tensor, cache: KVCache, span: int, masked: bool = True
     ) -> Tensor:
-        """Draw a token per row (from its request's generator) and append it, its logprob and top-k to row r's
-        ``requests[r]``."""
-        new, logprobs, top = sample(logits, sampling, gens)
-        for row, (request, token, logprob) in enumerate(zip(requests, new.tolist(), logprobs.tolist())):
-            request.response.append(token)
-            request.logprobs.append(logprob)
-            if top is not None:
-                request.topk_ids.append(top.indices[row].tolist())
-                request.topk_logprobs.append(top.values[row].tolist())
-        return new
-
-    def _retire(
-        self, out: list[Trajectory], rows: Tensor, lengths: Tensor, stopped: Tensor, done: Tensor, cache: KVCache
-    ) -> Tensor:
-        """Finish the ``done`` rows' requests: capture their KV, set their
-        finish reason, and drop them from the cache. Returns the batch rows
-        that stay."""
-        for row in done.nonzero()[:, 0].tolist():
-            request = out[int(rows[row])]
-            self._capture_kv(cache, row, request.id, int(lengths[row]) - 1)
-            request.finish_reason = "stop" if stopped[row] else "length"
-        keep = (~done).nonzero()[:, 0]
-        if len(keep):
-            cache.keep(keep)
-        return keep
+        """The decode step: logits ``[B, V]`` after each row's ``new`` token,
+        at position ``lengths - 1``. Every tensor's shape depends on the batch
+        bucket ``B`` and ``span`` alone, and nothing reads the device: on CUDA
+        it is what :class:`DecodeGraphs` captures."""
+        return self._forward(new[:, None], (lengths - 1)[:, None], lengths, ids, cache, span, masked)[:, 0]
 
     def _capture_kv(self, cache: KVCache, row: int, traj_id: int, cached: int) -> None:
         """Capture a finished request's KV codes: every position the rollout computed."""
@@ -403,3 +424,169 @@ class TorchEngine:
             for site in KV_SITES:
                 q = cache.fp4_rows(layer, site, row, cached)
                 self.capture.record_kv(traj_id, layer, site, q.codes, q.scales.view(torch.uint8))
+
+
+def batch_buckets(batch: int) -> list[int]:
+    """The batch sizes a ``generate`` call of ``batch`` requests decodes at:
+    the powers of two below it, and itself. A CUDA graph is captured per
+    bucket used; a smaller bucket is taken at a stop check when the requests
+    still running fit it."""
+    if batch < 1:
+        raise ValueError(f"a batch needs at least one request, got {batch}")
+    return [1 << i for i in range(batch.bit_length()) if 1 << i < batch] + [batch]
+
+
+def bucket_for(n: int, buckets: list[int]) -> int:
+    """The smallest bucket that holds ``n`` rows."""
+    return next(b for b in buckets if b >= n)
+
+
+class _Decode:
+    """The decode loop of one ``generate`` call, with its host and device state.
+
+    Rows of the batch hold requests (``reqs``); every step samples a token per
+    row into ``[requests, max_new_tokens]`` device tables and notes the first
+    stop token, without reading the device. At a stop check (:meth:`check`,
+    every ``stop_check_every`` tokens) the host reads which requests finished:
+    they retire (their KV is captured), and the batch moves to the smallest
+    bucket that holds the rest. Until then a finished row keeps decoding: its
+    extra tokens land past its end and are dropped, and its forwards are
+    captured as padding, so results are those of checking every token."""
+
+    def __init__(self, engine, sampling, prompt_lens, first, ids, lengths, cache, place):
+        dev, b, n_new = engine.device, len(prompt_lens), sampling.max_new_tokens
+        self.engine, self.sampling, self.cache, self.ids = engine, sampling, cache, ids
+        self.prompt_lens, self.n_new = prompt_lens, n_new
+        self.buckets = batch_buckets(b)
+        self.graphs = DecodeGraphs(engine, cache) if engine.uses_cuda_graphs() else None
+        self.uniforms = None
+        if sampling.temperature > 0:  # request i's draws, in order: its generator's stream (CPU, on any device)
+            gens = (torch.Generator().manual_seed(request_seed(sampling.seed, place + i)) for i in range(b))
+            self.uniforms = torch.stack([torch.rand(n_new, generator=g) for g in gens]).to(dev)
+        self.stop = torch.tensor(sampling.stop_tokens or [-1], device=dev)
+        self.tokens = torch.zeros(b, n_new, dtype=torch.long, device=dev)
+        self.logprobs = torch.zeros(b, n_new, dtype=torch.float32, device=dev)
+        k = sampling.record_topk
+        self.top_ids = torch.zeros(b, n_new, k, dtype=torch.long, device=dev) if k else None
+        self.top_logprobs = torch.zeros(b, n_new, k, dtype=torch.float32, device=dev) if k else None
+        self.stopped_at = torch.full((b,), n_new, device=dev)  # step of each request's first stop token
+        self.reqs = torch.arange(b, device=dev)  # the request each row holds
+        self.host_reqs = list(range(b))
+        self.live = list(range(b))  # the rows whose requests have not retired
+        self.first = first
+        self.lengths = lengths.clone()  # per row, including the newest token once sampled
+        self.step = 0
+        self._bucket_moved()
+
+    def sample(self, logits: Tensor, step: int) -> None:
+        """Draw row r's token from its request's ``step``-th uniform and note it."""
+        self.step = step
+        u = None if self.uniforms is None else self.uniforms[self.reqs, step]
+        new, logprobs, top = sample(logits, self.sampling, u)
+        self.tokens[self.reqs, step] = new
+        self.logprobs[self.reqs, step] = logprobs
+        if top is not None:
+            self.top_ids[self.reqs, step] = top.indices
+            self.top_logprobs[self.reqs, step] = top.values
+        first_stop = torch.isin(new, self.stop) & (self.stopped_at[self.reqs] == self.n_new)
+        self.stopped_at[self.reqs] = torch.where(first_stop, step, self.stopped_at[self.reqs])
+        self.lengths += 1
+        self.new = new
+
+    def decode(self) -> Tensor:
+        """Logits after each row's newest token; a finished row's forward is captured as padding."""
+        new = self.new
+        traj = torch.where(self.stopped_at[self.reqs] < self.n_new, -1, self.ids[self.reqs])
+        if self.graphs is not None:
+            return self.graphs(new, self.lengths, traj)
+        span = self.max_prompt + self.step + 1  # the longest row's length: every row grew by step + 1
+        return self.engine._decode(new, self.lengths, traj, self.cache, span, self.masked)
+
+    def check(self, step: int) -> bool:
+        """The stop check after ``step``: retire the requests that finished
+        (at the last step, all) and move to the smallest bucket that holds the
+        rest; whether any runs on."""
+        stopped_at = self.stopped_at.tolist()  # the host reads the device here, and only here
+        last = step + 1 == self.n_new
+        done = [r for r in self.live if last or stopped_at[self.host_reqs[r]] <= step]
+        for row in done:
+            request = self.host_reqs[row]
+            end = min(stopped_at[request], self.n_new - 1)  # positions the rollout computed: all but the last token
+            self.engine._capture_kv(self.cache, row, self.first + request, self.prompt_lens[request] + end)
+        self.live = [r for r in self.live if r not in done]
+        bucket = bucket_for(max(len(self.live), 1), self.buckets)
+        if self.live and bucket < len(self.host_reqs):  # the running rows first, then finished ones to fill
+            order = self.live + [r for r in range(len(self.host_reqs)) if r not in self.live]
+            index = torch.tensor(order[:bucket], device=self.reqs.device)
+            self.cache.compact(index, bucket)
+            self.reqs, self.lengths, self.new = self.reqs[index], self.lengths[index], self.new[index]
+            self.host_reqs = [self.host_reqs[r] for r in order[:bucket]]
+            self.live = list(range(len(self.live)))
+            self._bucket_moved()
+        return bool(self.live)
+
+    def _bucket_moved(self) -> None:
+        """Host facts of the rows in the bucket: the longest prompt, and whether rows sit at different positions."""
+        lens = [self.prompt_lens[r] for r in self.host_reqs]
+        self.max_prompt, self.masked = max(lens), min(lens) != max(lens)
+
+    def trajectories(self, prompts: list[list[int]]) -> list[Trajectory]:
+        """Each request's response up to its first stop token (or the length limit)."""
+        stopped_at = self.stopped_at.tolist()
+        tokens, logprobs = self.tokens.tolist(), self.logprobs.tolist()
+        top = None if self.top_ids is None else (self.top_ids.tolist(), self.top_logprobs.tolist())
+        out = []
+        for i, prompt in enumerate(prompts):
+            end = min(stopped_at[i], self.n_new - 1) + 1
+            t = Trajectory(self.first + i, list(prompt), tokens[i][:end], logprobs[i][:end], "")
+            t.finish_reason = "stop" if stopped_at[i] < self.n_new else "length"
+            if top is not None:
+                t.topk_ids, t.topk_logprobs = top[0][i][:end], top[1][i][:end]
+            out.append(t)
+        return out
+
+
+class DecodeGraphs:
+    """The decode step replayed as one CUDA graph per batch bucket (CUDA
+    only; on the CPU the same step runs eagerly).
+
+    A bucket's graph is captured the first time the loop decodes at that
+    size, on static copies of the step's inputs (new tokens, lengths, row
+    trajectory ids), attending over the cache's whole length with a mask, so
+    that no shape depends on the step; every step copies its inputs in,
+    replays, and reads the logits the graph wrote. Graphs share one memory
+    pool: buckets only shrink during a call, so a replaced graph never runs
+    again."""
+
+    def __init__(self, engine: "TorchEngine", cache: KVCache):
+        self.engine, self.cache = engine, cache
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, list[Tensor], Tensor]] = {}
+
+    def __call__(self, new: Tensor, lengths: Tensor, traj: Tensor) -> Tensor:
+        if new.shape[0] not in self.graphs:
+            self.graphs[new.shape[0]] = self._capture(new, lengths, traj)
+        graph, inputs, logits = self.graphs[new.shape[0]]
+        for static, t in zip(inputs, (new, lengths, traj)):
+            static.copy_(t)
+        graph.replay()
+        return logits
+
+    def _capture(self, new: Tensor, lengths: Tensor, traj: Tensor):
+        inputs = [t.clone() for t in (new, lengths, traj)]
+
+        def step() -> Tensor:
+            return self.engine._decode(*inputs, self.cache, self.cache.max_len)
+
+        states = self.cache.snapshot_states()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a warm-up outside the graph: lazy initialization, library workspaces
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        # the warm-up advanced the linear-attention states (restored here); its KV writes are the step's own
+        self.cache.restore_states(states)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = step()
+        return graph, inputs, logits

@@ -1,14 +1,17 @@
 """The rollout engine: sampling, logprobs, batching, FP4 KV cache, weight sync."""
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 
+from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.checkpoint import save_model
 from tracefp4.components.model import CausalAttention, build_model
-from tracefp4.components.quant import ROLLOUT_CONFIGS, QuantSites, rollout_config
-from tracefp4.components.rollout import SamplingParams, TorchEngine
+from tracefp4.components.quant import ACTIVATION_SITES, ROLLOUT_CONFIGS, QuantSites, rollout_config
+from tracefp4.components.rollout import KVCache, SamplingParams, TorchEngine, batch_buckets, bucket_for
 from tracefp4.kernels import fake_quantize
 
 
@@ -57,7 +60,7 @@ def test_same_seed_same_samples_and_greedy_is_argmax(model):
 
 
 def test_stop_tokens_end_requests_and_finished_requests_leave_the_batch(model):
-    engine = TorchEngine(model)
+    engine = TorchEngine(model, stop_check_every=1)
     first = engine.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=8))
     stop = first[0].response[2]  # request 0 stops at its third token
     batch_sizes = []
@@ -67,8 +70,115 @@ def test_stop_tokens_end_requests_and_finished_requests_leave_the_batch(model):
     assert out[0].finish_reason == "stop" and out[0].response == first[0].response[:3]
     assert all(t.finish_reason == "length" or t.response[-1] == stop for t in out)
     assert all(len(t.response) == 8 for t in out if t.finish_reason == "length")
-    assert batch_sizes[0] == 5 and min(batch_sizes) < 5  # the stopped request was dropped
+    # the stopped request was dropped: the batch moved to the bucket of 4 rows
+    assert batch_sizes[0] == 5 and min(batch_sizes) == 4 and set(batch_sizes) <= set(batch_buckets(5))
     assert sorted(batch_sizes, reverse=True) == batch_sizes
+
+
+def test_batch_buckets():
+    assert batch_buckets(1) == [1] and batch_buckets(2) == [1, 2]
+    assert batch_buckets(5) == [1, 2, 4, 5] and batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(128) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert [bucket_for(n, batch_buckets(100)) for n in (1, 3, 33, 64, 65, 100)] == [1, 4, 64, 64, 100, 100]
+    with pytest.raises(ValueError, match="at least one request"):
+        batch_buckets(0)
+    with pytest.raises(ValueError, match="stop_check_every"):
+        TorchEngine(build_model("smoke"), stop_check_every=0)
+
+
+def staggered_stops(engine, batch, max_new):
+    """Stop tokens that end requests at different steps (taken from a run without them)."""
+    first = engine.generate(prompts(batch, seed=4), SamplingParams(max_new_tokens=max_new, seed=2))
+    return tuple({t.response[i] for t, i in zip(first, (1, 2, 3, 5, 7, 9, 11, 13)) if i < len(t.response)})
+
+
+@pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv", "fp4_wa_kv/per_token"])
+def test_stop_check_interval_changes_nothing(model, config):
+    """Checking for stops every 8 tokens (finished rows decode into padding
+    meanwhile, the batch moves to a smaller bucket later) gives every token,
+    logprob, top-k and captured record of checking every token, per-token
+    activation global scales included."""
+    name, _, scales = config.partition("/")
+    quant = replace(rollout_config(name), activation_global_scale=scales or "static")
+    runs = {}
+    for every in (1, 3, 8):
+        engine = TorchEngine(model, quant, capture=CaptureConfig(bits=4), stop_check_every=every)
+        sizes = []
+        forward = engine._forward
+        engine._forward = lambda tokens, *a, sizes=sizes, forward=forward: (
+            sizes.append(tokens.shape[0]) or forward(tokens, *a)
+        )
+        stops = staggered_stops(engine, 12, 16)
+        engine.drain_capture() if engine.capture else None
+        sizes.clear()
+        params = SamplingParams(max_new_tokens=16, seed=2, top_p=0.95, record_topk=3, stop_tokens=stops)
+        out = engine.generate(prompts(12, seed=4), params)
+        records = engine.drain_capture() if engine.capture else None
+        runs[every] = (out, records, sizes)
+    out, records, sizes = runs[1]
+    assert {t.finish_reason for t in out} == {"stop", "length"} and len({len(t.response) for t in out}) > 2
+    assert min(sizes) < 12  # checking every token, the batch shrank
+    for every in (3, 8):
+        other, other_records, other_sizes = runs[every]
+        assert [(t.response, t.logprobs, t.topk_ids, t.topk_logprobs, t.finish_reason) for t in other] == [
+            (t.response, t.logprobs, t.topk_ids, t.topk_logprobs, t.finish_reason) for t in out
+        ]
+        assert sum(other_sizes) >= sum(sizes) and sum(runs[8][2]) > sum(sizes)  # rows decoded into padding
+        if records is not None:
+            assert records.tables.keys() == other_records.tables.keys()
+            for key, table in records.tables.items():
+                mine = other_records.tables[key]
+                per_row = scales == "per_token" and key[1] in ACTIVATION_SITES  # KV global scales stay static
+                assert (table.row_global_scales is not None) == (mine.row_global_scales is not None) == per_row
+                for f in ("traj", "pos", "slot", "expert", "codes", "scales") + ("row_global_scales",) * per_row:
+                    assert torch.equal(getattr(table, f), getattr(mine, f)), (every, key, f)
+
+
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "rollout-trajectories.json").read_text())
+
+
+@pytest.mark.parametrize("every", [1, 8])
+@pytest.mark.parametrize("case", sorted(GOLDEN))
+def test_same_trajectories_as_the_engine_before_the_static_cache(case, every):
+    """tests/golden/rollout-trajectories.json holds what the engine gave before
+    the static cache and stop checks (commit da35dc0: a cache that shrank as
+    requests finished, one generator draw per row and step), float32, with
+    stop tokens that end rows at different steps: same tokens, finish reasons
+    and top-k ids, logprobs to float32 rounding."""
+    spec = GOLDEN[case]
+    engine = TorchEngine(
+        build_model(spec["preset"], seed=0), rollout_config(spec["config"]), dtype=torch.float32, stop_check_every=every
+    )
+    params = SamplingParams(**{**spec["params"], "stop_tokens": tuple(spec["params"]["stop_tokens"])})
+    out = engine.generate(spec["prompts"], params)
+    for traj, want in zip(out, spec["trajectories"], strict=True):
+        assert (traj.response, traj.finish_reason, traj.topk_ids) == (
+            want["response"],
+            want["finish_reason"],
+            want["topk_ids"],
+        )
+        assert traj.logprobs == pytest.approx(want["logprobs"], abs=1e-5)
+
+
+def test_the_cache_is_allocated_once_and_compacted_in_place(model, monkeypatch):
+    made = []
+    init = KVCache.__init__
+    monkeypatch.setattr(KVCache, "__init__", lambda self, *a: made.append(self) or init(self, *a))
+    engine = TorchEngine(model, stop_check_every=1)
+    stops = staggered_stops(engine, 12, 16)
+    made.clear()
+    pointers = None
+    compact = KVCache.compact
+
+    def watch(self, rows, active):
+        nonlocal pointers
+        pointers = pointers or [t.data_ptr() for t in self.store.values()]
+        compact(self, rows, active)
+        assert [t.data_ptr() for t in self.store.values()] == pointers and self.active == active
+
+    monkeypatch.setattr(KVCache, "compact", watch)
+    engine.generate(prompts(12, seed=4), SamplingParams(max_new_tokens=16, seed=2, stop_tokens=stops))
+    assert len(made) == 1 and pointers is not None
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
