@@ -44,6 +44,7 @@ from tracefp4.schemas import RunConfig, get_preset  # noqa: E402
 METHODS = ("bf16", "qat", "quads", "trace", "tis_sc")
 HISTORY_KEYS = ("round", "step", "reward_mean", "accuracy", "logprob_abs_diff_mean", "logprob_abs_diff_max", "k3_kl")
 CLOSE = 0.05  # "TRACE close to BF16": the whole interval of the difference within 5 points
+NOT_HELD, NOT_SEPARABLE = "does not hold at this scale", "not separable at this scale"
 MIN_PAIRS = 100  # below this a bootstrap interval of 0/1 scores can collapse to a point: no verdict
 
 
@@ -174,7 +175,7 @@ def accuracy_table(data: dict) -> list[dict]:
     return rows
 
 
-def _difference(data: dict, a: tuple, b: tuple) -> dict | None:
+def difference(data: dict, a: tuple, b: tuple) -> dict | None:
     sa, sb = _scores(data, *a), _scores(data, *b)
     keys = sorted(sa.keys() & sb.keys())
     if not keys:
@@ -195,26 +196,28 @@ def claims(data: dict) -> list[dict]:
         ("TRACE close to BF16 (BF16 rollout)", arm("trace"), arm("bf16", r="bf16"), "+0.4 (75.3 vs 74.9)", "~"),
         ("TRACE >= TIS + score centering", arm("trace"), arm("tis_sc"), "+1.2 (75.3 vs 74.1)", ">="),
     ]
-    paper_ptq = {"ptq:nvfp4": "+4.9 (75.3 vs 70.4)", "ptq:four_over_six": "+4.3", "ptq:h_scale": "+3.9"}
+    paper_ptq = {
+        "ptq:nvfp4": "+4.9 (75.3 vs 70.4)",
+        "ptq:four_over_six": "+4.3 (75.3 vs 71.0)",
+        "ptq:h_scale": "+3.9 (75.3 vs 71.4)",
+    }
     wanted += [(f"TRACE > {p}", arm("trace"), arm("bf16", p), paper_ptq.get(p, "?"), ">") for p in ptq]
     out = []
     for claim, a, b, paper, kind in wanted:
-        d = _difference(data, a, b)
+        d = difference(data, a, b)
         if d is None:
             continue
         low, high = d["ci95"]
         if d["pairs"] < MIN_PAIRS:
             verdict = f"too few prompts ({d['pairs']} < {MIN_PAIRS})"
         elif kind == "~":
-            verdict = (
-                "holds" if -CLOSE <= low and high <= CLOSE else "not shown" if low <= 0 <= high else "does not hold"
-            )
+            verdict = "holds" if -CLOSE <= low and high <= CLOSE else NOT_SEPARABLE if low <= 0 <= high else NOT_HELD
         elif low > 0:
             verdict = "holds"
         elif high < 0:
-            verdict = "does not hold"
+            verdict = NOT_HELD
         else:
-            verdict = "not separated"
+            verdict = NOT_SEPARABLE
         out.append({"claim": claim, "paper": paper, **d, "verdict": verdict})
     return out
 
@@ -234,6 +237,47 @@ def dynamics(data: dict) -> list[dict]:
         if first and last:
             out.append({"method": method, "steps": n, "first": sum(first) / len(first), "last": sum(last) / len(last)})
     return out
+
+
+def rl_effects(data: dict) -> list[dict]:
+    """Per method: its trained policy's pass@1 minus the base's under the FP4 rollout, paired over (seed, prompt):
+    how far RL moved accuracy at all, the scale against which the claims' differences are read."""
+    fp4 = _fp4(data)
+    out = []
+    for method in METHODS:
+        d = difference(data, (method, "trained", fp4), ("bf16", "initial", fp4))
+        if d is not None:
+            out.append({"method": method, **d})
+    return out
+
+
+def alignment_gaps(data: dict, method: str = "qat") -> dict | None:
+    """TRACE's train-rollout |logprob diff| minus ``method``'s, paired over (seed, RL step), and ``method``'s own
+    last fifth of steps minus its first fifth, paired by position (does its mismatch grow over training?)."""
+
+    def steps_of(m: str) -> dict[int, list[float]]:
+        return {r["seed"]: [x["logprob_abs_diff_mean"] for x in r["history"]] for r in data["runs"] if r["method"] == m}
+
+    trace, other = steps_of("trace"), steps_of(method)
+    seeds = sorted(trace.keys() & other.keys())
+    pairs = [(a, b) for s in seeds for a, b in zip(trace[s], other[s], strict=False) if a is not None and b is not None]
+    if not pairs:
+        return None
+    diff, low, high = paired_bootstrap([a for a, _ in pairs], [b for _, b in pairs])
+    n = min(len(other[s]) for s in seeds)
+    fifth = max(1, n // 5)
+    ends = [
+        (a, b)
+        for s in seeds
+        for a, b in zip(other[s][:fifth], other[s][n - fifth : n], strict=True)
+        if a is not None and b is not None
+    ]
+    growth, g_low, g_high = paired_bootstrap([b for _, b in ends], [a for a, _ in ends])
+    return {
+        "method": method,
+        "trace_minus": {"difference": diff, "ci95": [low, high], "pairs": len(pairs)},
+        "growth": {"difference": growth, "ci95": [g_low, g_high], "pairs": len(ends), "steps": n},
+    }
 
 
 def plot(data: dict, folder: Path) -> list[Path]:
