@@ -10,6 +10,8 @@ Sources (each JSON names its command):
 
 - ``science.json``: ``benchmarks/science.py``, accuracy of every method from one bootstrapped base, over seeds;
 - ``alignment.json``: ``benchmarks/alignment.py``, layer coverage x bit depth x training precision;
+- ``repro*.json``: ``benchmarks/repro.py --output``, methods in the same RL loop under each numerics (the
+  ``PENDING`` commands say which the page expects);
 - any other ``*.json`` with a top-level ``section`` object ``{"title", "command", "markdown"}``: a section written
   by its own benchmark (e.g. ``syndrome_rl.json``), included after the core sections in file-name order.
 
@@ -43,6 +45,18 @@ PAPER_ONE_CODEWORD = "over 99% of mismatched values one codeword apart"
 PAPER_BITS = "R-1bit-L40 75.8 vs R-4bit-L40 75.9 (avg accuracy)"
 PAPER_DEEPER = "R-1bit-L20 (deeper 20 of 40 layers) 75.3 vs R-1bit-L40 75.8"
 SOURCE = {"science.json": "section 1 (science.json)", "alignment.json": "section 2 (alignment.json)"}
+PENDING = {  # repro.py outputs the page renders once committed: what each measures, the command that writes it
+    "repro.json": (
+        "TRACE against QAT and QUADS in the same on-policy RL loop, with per-step code mismatch",
+        "python benchmarks/repro.py --precision bf16 --output docs/results/repro.json",
+    ),
+    "repro-per-token.json": (
+        "activation global scales static against per-token (`rollout.activation_global_scale`)",
+        "python benchmarks/repro.py --steps 2 --prompts 4 --precision bf16 --activation-global-scale static "
+        "per_token --runs qat trace-r1-all trace-r1-deeper --bootstrap-steps 20 --output "
+        "docs/results/repro-per-token.json",
+    ),
+}
 PAPER_ALIGNED = "TRACE stays aligned, QAT's |logprob diff| grows and its score degrades"
 
 
@@ -428,6 +442,66 @@ def external_section(name: str, data: dict) -> tuple[str, str, list[str]]:
     return section["title"], section["command"], section["markdown"].rstrip("\n").split("\n")
 
 
+def repro_section(name: str, data: dict) -> tuple[str, str, list[str]]:
+    """``benchmarks/repro.py --output``: each method's mean over its on-policy RL steps, per numerics (training
+    precision, and the activation scale mode when not static). The JSON holds step means only, so no interval."""
+    numerics = list(data["histories"])
+    boot = data["bootstrap"]
+    lines = [
+        f"From `docs/results/{name}`. The tiny preset bootstrapped for {boot['bootstrap_steps']} SFT steps (greedy "
+        f"accuracy {100 * boot['bootstrap_accuracy']:.1f}%), then each method forked from that base for on-policy "
+        "RL steps through the pipeline's own round, under each numerics (`train.precision`, and "
+        "`rollout.activation_global_scale` where not static, which the training path reproduces), its training "
+        "path compared with each step's rollout (full capture). Means over the steps:",
+        "",
+        "| numerics | method | steps | logprob abs diff mean | logprob abs diff max | k3 KL | code mismatch | "
+        "guidance coverage | guidance bits per element | response length |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
+    def mean(rows: list[dict], key: str) -> float | None:
+        values = [r[key] for r in rows if r.get(key) is not None]
+        return sum(values) / len(values) if values else None
+
+    fmt = alignment.fmt
+    for n in numerics:
+        for label, rows in data["histories"][n].items():
+            lines.append(
+                f"| {n} | {label} | {len(rows)} | {fmt(mean(rows, 'logprob_abs_diff_mean'), '.5f')} | "
+                f"{fmt(mean(rows, 'logprob_abs_diff_max'), '.4f')} | {fmt(mean(rows, 'k3_kl'), '.2e')} | "
+                f"{fmt(mean(rows, 'code_mismatch'))} | {fmt(mean(rows, 'guidance_coverage'), '.3f')} | "
+                f"{fmt(mean(rows, 'guidance_bits_per_element'), '.2f')} | {fmt(mean(rows, 'response_length'), '.1f')} |"
+            )
+    lines += [""]
+    for n in numerics:
+        rows = data["histories"][n]
+        trace = next((label for label in rows if "all layers" in label), None)
+        if "qat" in rows and trace:
+            qat, guided = (mean(rows[x], "logprob_abs_diff_mean") for x in ("qat", trace))
+            lines.append(
+                f"- {n}: {trace} has {fmt(mean(rows[trace], 'code_mismatch'))} code mismatch against QAT's "
+                f"{fmt(mean(rows['qat'], 'code_mismatch'))}, and a mean |logprob diff| {qat / guided:.1f}x below QAT's."
+            )
+    lines += [
+        "",
+        "Step means of a few steps: no interval is computed, so only each numerics' QAT-to-TRACE contrast is read, "
+        "not rows across numerics (each numerics' rollout samples its own trajectories).",
+    ]
+    title = "The same RL loop under each numerics: " + ", ".join(f"`{n}`" for n in numerics)
+    return title, data["command"], lines
+
+
+def section_of(name: str, data: dict) -> tuple[str, str, list[str]]:
+    if "section" in data:
+        return external_section(name, data)
+    if "histories" in data and "command" in data:
+        return repro_section(name, data)
+    raise ValueError(
+        f"docs/results/{name}: neither a core source ({', '.join(CORE)}), a repro.py --output file, nor a section "
+        '{"section": {"title", "command", "markdown"}}: results_page.py has no renderer for it'
+    )
+
+
 # -- the page -------------------------------------------------------------------------------------------------------
 
 
@@ -438,19 +512,13 @@ def load(folder: Path) -> dict[str, dict]:
             raise FileNotFoundError(f"{folder / name}: the page's core source is missing")
         if "command" not in files[name]:
             raise ValueError(f"{folder / name}: no 'command' key, so no figure from it could name its command")
-    for name, data in files.items():
-        if name not in CORE and "section" not in data:
-            raise ValueError(
-                f"{folder / name}: neither a core source ({', '.join(CORE)}) nor a section "
-                '{"section": {"title", "command", "markdown"}}: results_page.py has no renderer for it'
-            )
     return files
 
 
 def render(folder: Path) -> str:
     files = load(folder)
     science_data, alignment_data = files["science.json"], files["alignment.json"]
-    extra = [external_section(n, d) for n, d in files.items() if n not in CORE]
+    extra = [section_of(n, d) for n, d in files.items() if n not in CORE]
     claims = science_claims(science_data) + alignment_claims(alignment_data)
     lines = [
         "# Results",
@@ -481,18 +549,13 @@ def render(folder: Path) -> str:
         "## Not on this page: figures without a committed JSON",
         "",
         "Earlier versions of this page carried tables copied by hand from runs whose output was not committed. "
-        "They are gone until their JSON is; these commands write it (tens of minutes each on the shared 2-core "
-        "machine), and a renderer added here would bring them back:",
+        "They stay off it until their JSON is; these commands write it (tens of minutes each on the shared "
+        "2-core machine), and this page renders it:",
         "",
-        "- TRACE against QAT and QUADS in the same on-policy RL loop, with per-step code mismatch (QUADS included): "
-        "`python benchmarks/repro.py --precision bf16 --output docs/results/repro.json`;",
-        "- activation global scales static against per-token (`rollout.activation_global_scale`): "
-        "`python benchmarks/repro.py --steps 2 --prompts 4 --precision bf16 --activation-global-scale static "
-        "per_token --runs qat trace-r1-all trace-r1-deeper --bootstrap-steps 20 --output "
-        "docs/results/repro-per-token.json`;",
+        *[f"- {what}: `{command}`;" for name, (what, command) in PENDING.items() if name not in files],
         "- bf16 parameters against fp32 master weights: section 2 measures both, locally and end to end; "
-        "every method through the kfp.local pipeline (`benchmarks/compare.py`, 16 prompts per task): section 1 "
-        "replaces it with more held-out prompts and seeds.",
+        "every method through the kfp.local pipeline (`benchmarks/compare.py`, a handful of prompts per task): "
+        "section 1 replaces it with more held-out prompts and seeds.",
         "",
     ]
     return "\n".join(lines)

@@ -56,12 +56,32 @@ def test_a_section_from_another_benchmark_is_included_from_its_json(tmp_path):
 
 def test_a_json_file_without_a_renderer_is_an_error(tmp_path):
     folder = results_copy(tmp_path)
-    (folder / "repro.json").write_text(json.dumps({"command": "python benchmarks/repro.py", "histories": {}}))
-    with pytest.raises(ValueError, match="repro.json: neither a core source"):
+    (folder / "other.json").write_text(json.dumps({"command": "python benchmarks/other.py", "rows": []}))
+    with pytest.raises(ValueError, match="other.json: neither a core source"):
         results_page.render(folder)
-    (folder / "repro.json").write_text(json.dumps({"section": {"title": "t", "command": "c"}}))
-    with pytest.raises(ValueError, match=r"repro.json: its 'section' lacks \['markdown'\]"):
+    (folder / "other.json").write_text(json.dumps({"section": {"title": "t", "command": "c"}}))
+    with pytest.raises(ValueError, match=r"other.json: its 'section' lacks \['markdown'\]"):
         results_page.render(folder)
+
+
+def test_a_repro_output_is_rendered_and_leaves_the_pending_list(tmp_path):
+    folder = results_copy(tmp_path)
+    step = {"logprob_abs_diff_mean": 0.004, "logprob_abs_diff_max": 0.1, "k3_kl": 1e-4, "guidance_coverage": 0.0}
+    qat = [step | {"code_mismatch": 0.006 + 0.002 * i} for i in range(2)]
+    trace = [step | {"logprob_abs_diff_mean": 0.001, "code_mismatch": 0.0, "guidance_coverage": 1.0}] * 2
+    histories = {n: {"qat": qat, "trace, R-1bit all layers": trace} for n in ("bf16", "bf16 per_token")}
+    data = {
+        "command": "python benchmarks/repro.py --output x",
+        "bootstrap": {"bootstrap_steps": 20, "bootstrap_accuracy": 0.03125},
+        "histories": histories,
+    }
+    assert "repro-per-token.json" in results_page.render(folder)  # pending: its command is listed
+    (folder / "repro-per-token.json").write_text(json.dumps(data))
+    page = results_page.render(folder)
+    assert "`python benchmarks/repro.py --output x`" in page
+    assert "| bf16 per_token | qat | 2 | 0.00400 | 0.1000 | 1.00e-04 | 0.0070 | 0.000 | - | - |" in page
+    assert "- bf16 per_token: trace, R-1bit all layers has 0.0000 code mismatch against QAT's 0.0070" in page
+    assert "4.0x below QAT's" in page and "--output docs/results/repro-per-token.json" not in page
 
 
 def test_a_source_that_does_not_name_its_command_is_an_error(tmp_path):
