@@ -13,6 +13,8 @@ pairs, the train-rollout |logprob diff| over steps, and plots.
     python benchmarks/science.py [--seeds 3] [--rounds 12] [--output docs/results/science.json]
     python benchmarks/science.py --render docs/results/science.json   # claims + plots from the JSON only
     python benchmarks/science.py --quick --output /tmp/science.json   # CI: the smoke model, 1 seed, 1 round
+    python benchmarks/science.py --bootstrap-only --seeds 1 --train-size 2353 --sft-lr 0.001 \
+        --output docs/results/bootstrap_probe.json   # the bootstrap alone under other levers: a results-page section
 
 The science preset: the tiny model on countdown at difficulty 1 (2,853
 distinct problems: 500 held out, 2,000 to train on; arithmetic at difficulty 1
@@ -48,11 +50,26 @@ NOT_HELD, NOT_SEPARABLE = "does not hold at this scale", "not separable at this 
 MIN_PAIRS = 100  # below this a bootstrap interval of 0/1 scores can collapse to a point: no verdict
 
 
-def science_config(seed: int, rounds: int) -> RunConfig:
+# The bootstrap's levers (--train-size, --sft-steps, --sft-lr; None: the tiny preset's learning rate), and the
+# band issue #19 asks the base to start in, so that RL has room both ways.
+SFT = {"train_size": 2000, "sft_steps": 2000, "sft_lr": None}
+BAND = (0.30, 0.50)
+OUTPUT = Path("docs/results/science.json")
+
+
+def science_config(
+    seed: int,
+    rounds: int,
+    train_size: int = SFT["train_size"],
+    sft_steps: int = SFT["sft_steps"],
+    sft_lr: float | None = SFT["sft_lr"],
+) -> RunConfig:
     data = get_preset("tiny").model_dump()
     data.update(name="science", seed=seed)
-    data["tasks"] = [{"name": "countdown", "difficulty": 1, "train_size": 2000, "test_size": 500}]
-    data["bootstrap"].update(steps=2000, target_accuracy=0.3, eval_every=100, eval_prompts=64)
+    data["tasks"] = [{"name": "countdown", "difficulty": 1, "train_size": train_size, "test_size": 500}]
+    data["bootstrap"].update(steps=sft_steps, target_accuracy=0.3, eval_every=100, eval_prompts=64)
+    if sft_lr is not None:
+        data["bootstrap"]["learning_rate"] = sft_lr
     data["evaluation"].update(test_prompts=500, samples_per_prompt=2, discrepancy_prompts=8)
     data["rl"]["rounds"] = rounds
     return RunConfig.model_validate(data)
@@ -101,14 +118,23 @@ def _write(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def run(args) -> dict:
-    make = quick_config if args.quick else science_config
-    data = json.loads(args.output.read_text()) if args.output.exists() else {"runs": []}
-    data["command"] = (
-        "python benchmarks/science.py "
-        + ("--quick " if args.quick else "")
-        + (f"--seeds {args.seeds} --rounds {args.rounds}")
+def command_of(args) -> str:
+    """The command line that reproduces this run (the bootstrap's levers only where they differ from SFT)."""
+    levers = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k, v in SFT.items() if getattr(args, k) != v]
+    mode = ["--bootstrap-only"] * args.bootstrap_only + ["--quick"] * args.quick
+    return " ".join(
+        ["python benchmarks/science.py", *mode, f"--seeds {args.seeds}"]
+        + [f"--rounds {args.rounds}"] * (not args.bootstrap_only)
+        + levers
+        + [f"--output {args.output}"] * (args.output != OUTPUT)
     )
+
+
+def run(args) -> dict:
+    levers = {k: getattr(args, k) for k in SFT}
+    make = quick_config if args.quick else lambda seed, rounds: science_config(seed, rounds, **levers)
+    data = json.loads(args.output.read_text()) if args.output.exists() else {"runs": []}
+    data["command"] = command_of(args)
     done = {(r["seed"], r["method"]) for r in data["runs"]}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
@@ -134,6 +160,51 @@ def run(args) -> dict:
                 _write(args.output, data)
                 print(f"seed {seed} {method}: {time.perf_counter() - start:.0f} s", flush=True)
     return data
+
+
+def probe(args) -> dict:
+    """Only the bootstrap, per seed, under the given levers: does the base land in the band? Each seed's figures
+    go to the JSON as soon as they exist, with the section results_page.py shows."""
+    data = {"command": command_of(args), "bootstraps": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(args.seeds):
+            config = science_config(seed, args.rounds, **{k: getattr(args, k) for k in SFT})
+            data.setdefault("config", json.loads(config.model_dump_json(include={"tasks", "bootstrap", "model"})))
+            start = time.perf_counter()
+            bootstrap = steps.prepare(config, Path(tmp) / f"seed-{seed}", run_name(config))
+            data["bootstraps"][str(seed)] = bootstrap | {"seconds": time.perf_counter() - start}
+            data["section"] = probe_section(data)
+            _write(args.output, data)
+            print(f"seed {seed}: {bootstrap}", flush=True)
+    return data
+
+
+def probe_section(data: dict) -> dict:
+    """The probe as a results-page section: per seed, the base's greedy accuracy with its Wilson interval."""
+    config = data["config"]
+    boot, tasks = config["bootstrap"], config["tasks"]
+    test = sum(t["test_size"] for t in tasks)
+    lines = [
+        f"The bootstrap alone (no RL) under other settings than section 1's: {boot['steps']} SFT steps at most at "
+        f"learning rate {boot['learning_rate']:g} on {sum(t['train_size'] for t in tasks)} training problems, "
+        f"stopping early once greedy accuracy on the first {boot['eval_prompts']} held-out prompts reaches "
+        f"{100 * boot['target_accuracy']:.0f}%. A setting that reaches the {100 * BAND[0]:.0f}-{100 * BAND[1]:.0f}% "
+        "band is what the next science run should use (the same command without `--bootstrap-only`, with "
+        "`--rounds 12`).",
+        "",
+        f"| seed | SFT steps run | final SFT loss | base greedy accuracy ({test} held-out prompts) | 95% CI (Wilson) | "
+        "in band |",
+        "|---|---|---|---|---|---|",
+    ]
+    for seed, b in data["bootstraps"].items():
+        acc = b["bootstrap_accuracy"]
+        low, high = wilson_interval(round(acc * test), test)
+        lines.append(
+            f"| {seed} | {b['bootstrap_steps']} | {b['bootstrap_loss']:.3f} | {100 * acc:.1f}% | "
+            f"[{100 * low:.1f}, {100 * high:.1f}] | {'yes' if BAND[0] <= acc <= BAND[1] else 'no'} |"
+        )
+    title = "Bootstrap probe: which SFT setting starts the base in the band"
+    return {"title": title, "command": data["command"], "markdown": "\n".join(lines) + "\n"}
 
 
 # -- claims, from the JSON only -------------------------------------------------------------------------------------
@@ -338,13 +409,25 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=12, help="off-policy rounds of 5 steps each (12: 60 steps)")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--output", type=Path, default=Path("docs/results/science.json"))
+    parser.add_argument("--output", type=Path, default=OUTPUT)
     parser.add_argument("--quick", action="store_true", help="the smoke model, 1 seed, 1 round: CI's check")
     parser.add_argument("--render", type=Path, help="only render the claims of this JSON file")
+    parser.add_argument("--bootstrap-only", action="store_true", help="probe the bootstrap's levers: no RL")
+    parser.add_argument("--train-size", type=int, default=SFT["train_size"], help="countdown problems to train on")
+    parser.add_argument("--sft-steps", type=int, default=SFT["sft_steps"], help="bootstrap SFT steps at most")
+    parser.add_argument("--sft-lr", type=float, default=SFT["sft_lr"], help="bootstrap learning rate (the preset's)")
     args = parser.parse_args()
     args.methods = args.methods.split(",")
     if args.quick:
         args.seeds, args.rounds = 1, 1
+    if args.bootstrap_only:
+        if args.quick or args.render or args.output == OUTPUT:
+            parser.error(
+                "--bootstrap-only runs the science preset's bootstrap: not with --quick or --render, and "
+                f"to its own --output, not the science run's {OUTPUT}"
+            )
+        print(json.dumps(probe(args)["bootstraps"]))
+        return
     data = json.loads(args.render.read_text()) if args.render else run(args)
     source = args.render or args.output
     page = source.with_suffix(".md")
