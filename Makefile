@@ -44,7 +44,7 @@ test: install-dev
 run: install
 	$(PY) -m tracefp4.pipelines.cli run --preset tiny --output runs/tiny
 
-# docs/results.md (and the science plots) from the committed JSON under docs/results/ alone.
+# docs/results.md (and docs/results/science.md with its plots) from the committed JSON under docs/results/ alone.
 results: install
 	$(PY) benchmarks/results_page.py
 

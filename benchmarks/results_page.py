@@ -17,7 +17,7 @@ Sources (each JSON names its command):
 
 A JSON file under docs/results/ that fits none of these is an error, not skipped.
 
-    python benchmarks/results_page.py            # writes docs/results.md and the science plots
+    python benchmarks/results_page.py            # writes docs/results.md, docs/results/science.md and its plots
     python benchmarks/results_page.py --check    # exits 1 if docs/results.md is not what the JSON gives
 """
 
@@ -152,7 +152,8 @@ def science_claims(data: dict) -> list[dict]:
                 "paper": PAPER_ALIGNED,
                 "ours": f"TRACE - QAT {t['difference']:+.4f} {ci_abs(t['ci95'])}, {t['pairs']} (seed, step) pairs",
                 "verdict": verdict_of(t["ci95"], "<"),
-                "why": "the guided rounding removes most of QAT's code flips in every step (section 2)",
+                "why": f"TRACE runs the preset's guidance ({setup['guidance']}), which rounds those layers' "
+                "values to the rollout's codes at every step; section 2 measures what each coverage removes",
                 "source": SOURCE["science.json"],
             }
         )
@@ -163,8 +164,8 @@ def science_claims(data: dict) -> list[dict]:
                 "ours": f"last fifth - first fifth of {g['steps']} steps {g['difference']:+.4f} {ci_abs(g['ci95'])}",
                 "verdict": verdict_of(g["ci95"], ">"),
                 "why": (
-                    f"{g['steps']} steps at learning rate {setup['lr']:g} move the policy little; the paper's QAT "
-                    "drifts over hundreds of steps on a 35B model"
+                    f"{g['steps']} steps at learning rate {setup['lr']:g} move the policy little; the paper's drift "
+                    "comes from a long RL run on a 35B model"
                 ),
                 "source": SOURCE["science.json"],
             }
@@ -571,7 +572,8 @@ def main(argv: list[str] | None = None) -> None:
         if not args.page.exists() or args.page.read_text() != page:
             sys.exit(f"{args.page} differs from what {args.results}/*.json gives: run {COMMAND}")
         return
-    science.plot(json.loads((args.results / "science.json").read_text()), args.results)
+    data = json.loads((args.results / "science.json").read_text())
+    (args.results / "science.md").write_text(science.render(data, args.results))  # and its plots
     tmp = args.page.with_name(f".{args.page.name}.tmp")
     tmp.write_text(page)
     tmp.replace(args.page)

@@ -203,7 +203,10 @@ def probe_section(data: dict) -> dict:
             f"| {seed} | {b['bootstrap_steps']} | {b['bootstrap_loss']:.3f} | {100 * acc:.1f}% | "
             f"[{100 * low:.1f}, {100 * high:.1f}] | {'yes' if BAND[0] <= acc <= BAND[1] else 'no'} |"
         )
-    title = "Bootstrap probe: which SFT setting starts the base in the band"
+    title = (
+        f"Bootstrap probe: {sum(t['train_size'] for t in tasks)} training problems, {boot['steps']} SFT steps at "
+        f"most, learning rate {boot['learning_rate']:g}"
+    )
     return {"title": title, "command": data["command"], "markdown": "\n".join(lines) + "\n"}
 
 

@@ -27,6 +27,11 @@ def test_committed_page_is_the_render_of_the_committed_json(committed):
     assert page == committed, "docs/results.md is stale or hand-edited: run python benchmarks/results_page.py"
 
 
+def test_committed_science_page_is_the_render_of_its_json(tmp_path):
+    data = json.loads((results_page.RESULTS / "science.json").read_text())
+    assert (results_page.RESULTS / "science.md").read_text() == results_page.science.render(data, tmp_path)
+
+
 def test_every_claim_has_a_verdict_and_an_interval(committed):
     rows = [line for line in committed.split("## 1.")[0].splitlines() if line.startswith("| ") and "---" not in line]
     verdicts = {"**holds**", f"**{results_page.science.NOT_HELD}**", f"**{results_page.science.NOT_SEPARABLE}**"}

@@ -110,7 +110,9 @@ def test_bootstrap_probe_names_its_levers_and_renders_a_results_section():
         "bootstraps": {"0": {"bootstrap_accuracy": 0.32, "bootstrap_steps": 700, "bootstrap_loss": 0.5}},
     }
     section = science.probe_section(data)
-    assert section["command"] == command and section["title"].startswith("Bootstrap probe")
+    assert section["command"] == command and section["title"] == (
+        "Bootstrap probe: 2353 training problems, 2000 SFT steps at most, learning rate 0.001"
+    )
     assert "| 0 | 700 | 0.500 | 32.0% | [28.1, 36.2] | yes |" in section["markdown"]  # 160 of 500, Wilson
 
 
