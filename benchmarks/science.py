@@ -399,7 +399,7 @@ def render(data: dict, folder: Path) -> str:
             f"| {c['claim']} | {c['paper']} | {c['difference']:+.3f} | [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}] | "
             f"{c['pairs']} | {c['verdict']} |"
         )
-    lines += ["", "| method | steps | |logprob diff| first fifth | last fifth |", "|---|---|---|---|"]
+    lines += ["", "| method | steps | \\|logprob diff\\| first fifth | last fifth |", "|---|---|---|---|"]
     for d in dynamics(data):
         lines.append(f"| {d['method']} | {d['steps']} | {d['first']:.4f} | {d['last']:.4f} |")
     lines.append("")
