@@ -487,7 +487,8 @@ def repro_section(name: str, data: dict) -> tuple[str, str, list[str]]:
         "Step means of a few steps: no interval is computed, so only each numerics' QAT-to-TRACE contrast is read, "
         "not rows across numerics (each numerics' rollout samples its own trajectories).",
     ]
-    title = "The same RL loop under each numerics: " + ", ".join(f"`{n}`" for n in numerics)
+    what = PENDING[name][0] if name in PENDING else "methods in the same RL loop (`benchmarks/repro.py`)"
+    title = what[0].upper() + what[1:] + ": " + ", ".join(f"`{n}`" for n in numerics)
     return title, data["command"], lines
 
 
