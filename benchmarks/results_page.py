@@ -475,13 +475,21 @@ def repro_section(name: str, data: dict) -> tuple[str, str, list[str]]:
     lines += [""]
     for n in numerics:
         rows = data["histories"][n]
-        trace = next((label for label in rows if "all layers" in label), None)
+        guided_all = [label for label in rows if "all layers" in label]
+        trace = next((label for label in guided_all if "R-1bit" in label), guided_all[0] if guided_all else None)
         if "qat" in rows and trace:
             qat, guided = (mean(rows[x], "logprob_abs_diff_mean") for x in ("qat", trace))
             lines.append(
                 f"- {n}: {trace} has {fmt(mean(rows[trace], 'code_mismatch'))} code mismatch against QAT's "
                 f"{fmt(mean(rows['qat'], 'code_mismatch'))}, and a mean |logprob diff| {qat / guided:.1f}x below QAT's."
             )
+        for label, share in data.get("r1_share_of_r4_reduction", {}).get(n, {}).items():
+            lines.append(
+                f"- {n}: {label} removes {100 * share:.1f}% of what R-4bit on all layers removes of QAT's code "
+                "mismatch (halves differ from all layers in coverage, not bit depth: section 2)."
+            )
+    if any(mean(rows, "code_mismatch") is None for h in data["histories"].values() for rows in h.values()):
+        lines.append("- code mismatch `-`: the method's training path has no FP4 activations to compare (QUADS).")
     lines += [
         "",
         "Step means of a few steps: no interval is computed, so only each numerics' QAT-to-TRACE contrast is read, "
@@ -546,17 +554,22 @@ def render(folder: Path) -> str:
     lines += ["", *science_section(science_data), *alignment_section(alignment_data)]
     for i, (title, command, body) in enumerate(extra, start=3):
         lines += [f"## {i}. {title}", "", f"`{command}`", "", *body, ""]
+    pending = [f"- {what}: `{command}`" for name, (what, command) in PENDING.items() if name not in files]
+    if pending:
+        lines += ["## Not on this page yet: figures without a committed JSON", ""]
+        lines += [
+            "These commands write the JSON this page renders; until it is committed, none of their figures is shown.",
+            "",
+            *pending,
+            "",
+        ]
     lines += [
-        "## Not on this page: figures without a committed JSON",
+        "## Earlier measurements this page no longer carries",
         "",
-        "Earlier versions of this page carried tables copied by hand from runs whose output was not committed. "
-        "They stay off it until their JSON is; these commands write it (tens of minutes each on the shared "
-        "2-core machine), and this page renders it:",
-        "",
-        *[f"- {what}: `{command}`;" for name, (what, command) in PENDING.items() if name not in files],
-        "- bf16 parameters against fp32 master weights: section 2 measures both, locally and end to end; "
-        "every method through the kfp.local pipeline (`benchmarks/compare.py`, a handful of prompts per task): "
-        "section 1 replaces it with more held-out prompts and seeds.",
+        "- bf16 parameters against fp32 master weights in the RL loop: section 2 measures both precisions, "
+        "locally and end to end, with paired intervals.",
+        "- every method through the kfp.local pipeline (`benchmarks/compare.py`, a handful of held-out prompts per "
+        "task): section 1 replaces it with more held-out prompts and seeds.",
         "",
     ]
     return "\n".join(lines)

@@ -56,7 +56,7 @@ def test_a_section_from_another_benchmark_is_included_from_its_json(tmp_path):
     (folder / "syndrome_rl.json").write_text(json.dumps({"section": section, "rows": []}))
     page = results_page.render(folder)
     assert "## 3. Syndrome guidance in the RL loop\n\n`python benchmarks/x.py`\n\n| a |\n" in page
-    assert page.index("## 2.") < page.index("## 3.") < page.index("## Not on this page")
+    assert page.index("## 2.") < page.index("## 3. Syndrome") < page.index("## Earlier measurements")
 
 
 def test_a_json_file_without_a_renderer_is_an_error(tmp_path):
