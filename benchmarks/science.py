@@ -189,8 +189,8 @@ def probe_section(data: dict) -> dict:
         f"learning rate {boot['learning_rate']:g} on {sum(t['train_size'] for t in tasks)} training problems, "
         f"stopping early once greedy accuracy on the first {boot['eval_prompts']} held-out prompts reaches "
         f"{100 * boot['target_accuracy']:.0f}%. A setting that reaches the {100 * BAND[0]:.0f}-{100 * BAND[1]:.0f}% "
-        "band is what the next science run should use (the same command without `--bootstrap-only`, with "
-        "`--rounds 12`).",
+        "band is what the next science run should use: `python benchmarks/science.py --seeds 3 --rounds 12` with "
+        "the same `--train-size`, `--sft-steps` and `--sft-lr`.",
         "",
         f"| seed | SFT steps run | final SFT loss | base greedy accuracy ({test} held-out prompts) | 95% CI (Wilson) | "
         "in band |",
