@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv install install-dev test run image gpu-check
+.PHONY: venv install install-dev test run results image gpu-check
 
 # Debian's own python3 makes venvs only with its python3-venv package.
 venv:
@@ -43,6 +43,10 @@ test: install-dev
 # a rerun resumes after the last finished task (--restart starts over).
 run: install
 	$(PY) -m tracefp4.pipelines.cli run --preset tiny --output runs/tiny
+
+# docs/results.md (and docs/results/science.md with its plots) from the committed JSON under docs/results/ alone.
+results: install
+	$(PY) benchmarks/results_page.py
 
 # Everything that needs a GPU, at most 8 minutes on one (docs/performance.md);
 # DRY=1 runs the same plan on the CPU with the smallest sizes.

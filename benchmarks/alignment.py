@@ -35,12 +35,15 @@ flip rate, and the share of those flips one codeword apart.
     python benchmarks/alignment.py --quick   # CI: the smoke model, one seed
 
 Prints the table, the per-layer audit (local RTN flips against end-to-end QAT
-mismatch per layer: the cascade), then one JSON line.
+mismatch per layer: the cascade), then one JSON line, which names its command;
+``--output FILE`` also writes it there (docs/results/alignment.json feeds
+benchmarks/results_page.py).
 """
 
 import argparse
 import copy
 import json
+import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -288,7 +291,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bootstrap-steps", type=int, default=0, help="SFT steps of the base (0: the preset's)")
     parser.add_argument("--precision", nargs="+", choices=PRECISIONS, default=list(PRECISIONS))
     parser.add_argument("--quick", action="store_true", help="the smoke model, one seed, 2 prompts x 2 (CI)")
+    parser.add_argument("--output", type=Path, help="also write the JSON line to this file")
     args = parser.parse_args(argv)
+    command = " ".join(["python benchmarks/alignment.py", *(sys.argv[1:] if argv is None else argv)])
     if args.quick:
         args.preset, args.seeds, args.prompts, args.group, args.new_tokens = "smoke", 1, 2, 2, 8
     if args.seeds < 1:
@@ -309,7 +314,14 @@ def main(argv: list[str] | None = None) -> None:
     pairs = report(table, args.precision)
     for row in table:
         del row["per_sequence"]
-    print(json.dumps({"preset": args.preset, "bootstrap": bootstrap, "table": table, "paired": pairs, "seeds": seeds}))
+    result = {"command": command, "preset": args.preset, "bootstrap": bootstrap, "table": table, "paired": pairs}
+    line = json.dumps(result | {"seeds": seeds})
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        tmp = args.output.with_name(f".{args.output.name}.tmp")
+        tmp.write_text(line + "\n")
+        tmp.replace(args.output)
+    print(line)
 
 
 if __name__ == "__main__":

@@ -19,12 +19,14 @@ static per-site NVFP4 activation global scales, or per-token ones as SGLang's
         [--precision bf16 fp32_master] [--activation-global-scale static per_token]
         [--runs qat trace-r1-all ...] [--bootstrap-steps 480]
 
-Prints a markdown table, then one JSON line.
+Prints a markdown table, then one JSON line; ``--output FILE`` also writes it
+there, with the command that made it, for docs/results/ (benchmarks/results_page.py).
 """
 
 import argparse
 import json
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -87,6 +89,7 @@ def main() -> None:
     parser.add_argument("--activation-global-scale", nargs="+", choices=ACTIVATION_GLOBAL_SCALES, default=["static"])
     parser.add_argument("--runs", nargs="+", choices=list(RUNS), default=list(RUNS))
     parser.add_argument("--bootstrap-steps", type=int, default=0, help="SFT steps of the base (0: the preset's 480)")
+    parser.add_argument("--output", type=Path, help="also write the JSON line, with this command, to this file")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -132,7 +135,13 @@ def main() -> None:
                 share = (qat - mean(precision, label, "code_mismatch")) / (qat - r4)
                 kept.setdefault(precision, {})[label] = share
                 print(f"{precision}: {label} achieves {share:.1%} of R-4bit-on-all-layers' code-mismatch reduction")
-    print(json.dumps({"bootstrap": bootstrap, "histories": histories, "r1_share_of_r4_reduction": kept}))
+    result = {"bootstrap": bootstrap, "histories": histories, "r1_share_of_r4_reduction": kept}
+    if args.output:
+        command = " ".join(["python benchmarks/repro.py", *sys.argv[1:]])
+        tmp = args.output.with_name(f".{args.output.name}.tmp")
+        tmp.write_text(json.dumps({"command": command} | result) + "\n")
+        tmp.replace(args.output)
+    print(json.dumps(result))
 
 
 if __name__ == "__main__":

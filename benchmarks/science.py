@@ -13,6 +13,8 @@ pairs, the train-rollout |logprob diff| over steps, and plots.
     python benchmarks/science.py [--seeds 3] [--rounds 12] [--output docs/results/science.json]
     python benchmarks/science.py --render docs/results/science.json   # claims + plots from the JSON only
     python benchmarks/science.py --quick --output /tmp/science.json   # CI: the smoke model, 1 seed, 1 round
+    python benchmarks/science.py --bootstrap-only --seeds 1 --train-size 2353 --sft-lr 0.001 \
+        --output docs/results/bootstrap_probe.json   # the bootstrap alone under other levers: a results-page section
 
 The science preset: the tiny model on countdown at difficulty 1 (2,853
 distinct problems: 500 held out, 2,000 to train on; arithmetic at difficulty 1
@@ -44,14 +46,30 @@ from tracefp4.schemas import RunConfig, get_preset  # noqa: E402
 METHODS = ("bf16", "qat", "quads", "trace", "tis_sc")
 HISTORY_KEYS = ("round", "step", "reward_mean", "accuracy", "logprob_abs_diff_mean", "logprob_abs_diff_max", "k3_kl")
 CLOSE = 0.05  # "TRACE close to BF16": the whole interval of the difference within 5 points
+NOT_HELD, NOT_SEPARABLE = "does not hold at this scale", "not separable at this scale"
 MIN_PAIRS = 100  # below this a bootstrap interval of 0/1 scores can collapse to a point: no verdict
 
 
-def science_config(seed: int, rounds: int) -> RunConfig:
+# The bootstrap's levers (--train-size, --sft-steps, --sft-lr; None: the tiny preset's learning rate), and the
+# band issue #19 asks the base to start in, so that RL has room both ways.
+SFT = {"train_size": 2000, "sft_steps": 2000, "sft_lr": None}
+BAND = (0.30, 0.50)
+OUTPUT = Path("docs/results/science.json")
+
+
+def science_config(
+    seed: int,
+    rounds: int,
+    train_size: int = SFT["train_size"],
+    sft_steps: int = SFT["sft_steps"],
+    sft_lr: float | None = SFT["sft_lr"],
+) -> RunConfig:
     data = get_preset("tiny").model_dump()
     data.update(name="science", seed=seed)
-    data["tasks"] = [{"name": "countdown", "difficulty": 1, "train_size": 2000, "test_size": 500}]
-    data["bootstrap"].update(steps=2000, target_accuracy=0.3, eval_every=100, eval_prompts=64)
+    data["tasks"] = [{"name": "countdown", "difficulty": 1, "train_size": train_size, "test_size": 500}]
+    data["bootstrap"].update(steps=sft_steps, target_accuracy=0.3, eval_every=100, eval_prompts=64)
+    if sft_lr is not None:
+        data["bootstrap"]["learning_rate"] = sft_lr
     data["evaluation"].update(test_prompts=500, samples_per_prompt=2, discrepancy_prompts=8)
     data["rl"]["rounds"] = rounds
     return RunConfig.model_validate(data)
@@ -100,14 +118,23 @@ def _write(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def run(args) -> dict:
-    make = quick_config if args.quick else science_config
-    data = json.loads(args.output.read_text()) if args.output.exists() else {"runs": []}
-    data["command"] = (
-        "python benchmarks/science.py "
-        + ("--quick " if args.quick else "")
-        + (f"--seeds {args.seeds} --rounds {args.rounds}")
+def command_of(args) -> str:
+    """The command line that reproduces this run (the bootstrap's levers only where they differ from SFT)."""
+    levers = [f"--{k.replace('_', '-')} {getattr(args, k)}" for k, v in SFT.items() if getattr(args, k) != v]
+    mode = ["--bootstrap-only"] * args.bootstrap_only + ["--quick"] * args.quick
+    return " ".join(
+        ["python benchmarks/science.py", *mode, f"--seeds {args.seeds}"]
+        + [f"--rounds {args.rounds}"] * (not args.bootstrap_only)
+        + levers
+        + [f"--output {args.output}"] * (args.output != OUTPUT)
     )
+
+
+def run(args) -> dict:
+    levers = {k: getattr(args, k) for k in SFT}
+    make = quick_config if args.quick else lambda seed, rounds: science_config(seed, rounds, **levers)
+    data = json.loads(args.output.read_text()) if args.output.exists() else {"runs": []}
+    data["command"] = command_of(args)
     done = {(r["seed"], r["method"]) for r in data["runs"]}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
@@ -133,6 +160,54 @@ def run(args) -> dict:
                 _write(args.output, data)
                 print(f"seed {seed} {method}: {time.perf_counter() - start:.0f} s", flush=True)
     return data
+
+
+def probe(args) -> dict:
+    """Only the bootstrap, per seed, under the given levers: does the base land in the band? Each seed's figures
+    go to the JSON as soon as they exist, with the section results_page.py shows."""
+    data = {"command": command_of(args), "bootstraps": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in range(args.seeds):
+            config = science_config(seed, args.rounds, **{k: getattr(args, k) for k in SFT})
+            data.setdefault("config", json.loads(config.model_dump_json(include={"tasks", "bootstrap", "model"})))
+            start = time.perf_counter()
+            bootstrap = steps.prepare(config, Path(tmp) / f"seed-{seed}", run_name(config))
+            data["bootstraps"][str(seed)] = bootstrap | {"seconds": time.perf_counter() - start}
+            data["section"] = probe_section(data)
+            _write(args.output, data)
+            print(f"seed {seed}: {bootstrap}", flush=True)
+    return data
+
+
+def probe_section(data: dict) -> dict:
+    """The probe as a results-page section: per seed, the base's greedy accuracy with its Wilson interval."""
+    config = data["config"]
+    boot, tasks = config["bootstrap"], config["tasks"]
+    test = sum(t["test_size"] for t in tasks)
+    lines = [
+        f"The bootstrap alone (no RL) under other settings than section 1's: {boot['steps']} SFT steps at most at "
+        f"learning rate {boot['learning_rate']:g} on {sum(t['train_size'] for t in tasks)} training problems, "
+        f"stopping early once greedy accuracy on the first {boot['eval_prompts']} held-out prompts reaches "
+        f"{100 * boot['target_accuracy']:.0f}%. A setting that reaches the {100 * BAND[0]:.0f}-{100 * BAND[1]:.0f}% "
+        "band is what the next science run should use: `python benchmarks/science.py --seeds 3 --rounds 12` with "
+        "the same `--train-size`, `--sft-steps` and `--sft-lr`.",
+        "",
+        f"| seed | SFT steps run | final SFT loss | base greedy accuracy ({test} held-out prompts) | 95% CI (Wilson) | "
+        "in band |",
+        "|---|---|---|---|---|---|",
+    ]
+    for seed, b in data["bootstraps"].items():
+        acc = b["bootstrap_accuracy"]
+        low, high = wilson_interval(round(acc * test), test)
+        lines.append(
+            f"| {seed} | {b['bootstrap_steps']} | {b['bootstrap_loss']:.3f} | {100 * acc:.1f}% | "
+            f"[{100 * low:.1f}, {100 * high:.1f}] | {'yes' if BAND[0] <= acc <= BAND[1] else 'no'} |"
+        )
+    title = (
+        f"Bootstrap probe: {sum(t['train_size'] for t in tasks)} training problems, {boot['steps']} SFT steps at "
+        f"most, learning rate {boot['learning_rate']:g}"
+    )
+    return {"title": title, "command": data["command"], "markdown": "\n".join(lines) + "\n"}
 
 
 # -- claims, from the JSON only -------------------------------------------------------------------------------------
@@ -174,7 +249,7 @@ def accuracy_table(data: dict) -> list[dict]:
     return rows
 
 
-def _difference(data: dict, a: tuple, b: tuple) -> dict | None:
+def difference(data: dict, a: tuple, b: tuple) -> dict | None:
     sa, sb = _scores(data, *a), _scores(data, *b)
     keys = sorted(sa.keys() & sb.keys())
     if not keys:
@@ -195,26 +270,28 @@ def claims(data: dict) -> list[dict]:
         ("TRACE close to BF16 (BF16 rollout)", arm("trace"), arm("bf16", r="bf16"), "+0.4 (75.3 vs 74.9)", "~"),
         ("TRACE >= TIS + score centering", arm("trace"), arm("tis_sc"), "+1.2 (75.3 vs 74.1)", ">="),
     ]
-    paper_ptq = {"ptq:nvfp4": "+4.9 (75.3 vs 70.4)", "ptq:four_over_six": "+4.3", "ptq:h_scale": "+3.9"}
+    paper_ptq = {
+        "ptq:nvfp4": "+4.9 (75.3 vs 70.4)",
+        "ptq:four_over_six": "+4.3 (75.3 vs 71.0)",
+        "ptq:h_scale": "+3.9 (75.3 vs 71.4)",
+    }
     wanted += [(f"TRACE > {p}", arm("trace"), arm("bf16", p), paper_ptq.get(p, "?"), ">") for p in ptq]
     out = []
     for claim, a, b, paper, kind in wanted:
-        d = _difference(data, a, b)
+        d = difference(data, a, b)
         if d is None:
             continue
         low, high = d["ci95"]
         if d["pairs"] < MIN_PAIRS:
             verdict = f"too few prompts ({d['pairs']} < {MIN_PAIRS})"
         elif kind == "~":
-            verdict = (
-                "holds" if -CLOSE <= low and high <= CLOSE else "not shown" if low <= 0 <= high else "does not hold"
-            )
+            verdict = "holds" if -CLOSE <= low and high <= CLOSE else NOT_SEPARABLE if low <= 0 <= high else NOT_HELD
         elif low > 0:
             verdict = "holds"
         elif high < 0:
-            verdict = "does not hold"
+            verdict = NOT_HELD
         else:
-            verdict = "not separated"
+            verdict = NOT_SEPARABLE
         out.append({"claim": claim, "paper": paper, **d, "verdict": verdict})
     return out
 
@@ -234,6 +311,47 @@ def dynamics(data: dict) -> list[dict]:
         if first and last:
             out.append({"method": method, "steps": n, "first": sum(first) / len(first), "last": sum(last) / len(last)})
     return out
+
+
+def rl_effects(data: dict) -> list[dict]:
+    """Per method: its trained policy's pass@1 minus the base's under the FP4 rollout, paired over (seed, prompt):
+    how far RL moved accuracy at all, the scale against which the claims' differences are read."""
+    fp4 = _fp4(data)
+    out = []
+    for method in METHODS:
+        d = difference(data, (method, "trained", fp4), ("bf16", "initial", fp4))
+        if d is not None:
+            out.append({"method": method, **d})
+    return out
+
+
+def alignment_gaps(data: dict, method: str = "qat") -> dict | None:
+    """TRACE's train-rollout |logprob diff| minus ``method``'s, paired over (seed, RL step), and ``method``'s own
+    last fifth of steps minus its first fifth, paired by position (does its mismatch grow over training?)."""
+
+    def steps_of(m: str) -> dict[int, list[float]]:
+        return {r["seed"]: [x["logprob_abs_diff_mean"] for x in r["history"]] for r in data["runs"] if r["method"] == m}
+
+    trace, other = steps_of("trace"), steps_of(method)
+    seeds = sorted(trace.keys() & other.keys())
+    pairs = [(a, b) for s in seeds for a, b in zip(trace[s], other[s], strict=False) if a is not None and b is not None]
+    if not pairs:
+        return None
+    diff, low, high = paired_bootstrap([a for a, _ in pairs], [b for _, b in pairs])
+    n = min(len(other[s]) for s in seeds)
+    fifth = max(1, n // 5)
+    ends = [
+        (a, b)
+        for s in seeds
+        for a, b in zip(other[s][:fifth], other[s][n - fifth : n], strict=True)
+        if a is not None and b is not None
+    ]
+    growth, g_low, g_high = paired_bootstrap([b for _, b in ends], [a for a, _ in ends])
+    return {
+        "method": method,
+        "trace_minus": {"difference": diff, "ci95": [low, high], "pairs": len(pairs)},
+        "growth": {"difference": growth, "ci95": [g_low, g_high], "pairs": len(ends), "steps": n},
+    }
 
 
 def plot(data: dict, folder: Path) -> list[Path]:
@@ -281,7 +399,7 @@ def render(data: dict, folder: Path) -> str:
             f"| {c['claim']} | {c['paper']} | {c['difference']:+.3f} | [{c['ci95'][0]:+.3f}, {c['ci95'][1]:+.3f}] | "
             f"{c['pairs']} | {c['verdict']} |"
         )
-    lines += ["", "| method | steps | |logprob diff| first fifth | last fifth |", "|---|---|---|---|"]
+    lines += ["", "| method | steps | \\|logprob diff\\| first fifth | last fifth |", "|---|---|---|---|"]
     for d in dynamics(data):
         lines.append(f"| {d['method']} | {d['steps']} | {d['first']:.4f} | {d['last']:.4f} |")
     lines.append("")
@@ -294,13 +412,25 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=12, help="off-policy rounds of 5 steps each (12: 60 steps)")
     parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--output", type=Path, default=Path("docs/results/science.json"))
+    parser.add_argument("--output", type=Path, default=OUTPUT)
     parser.add_argument("--quick", action="store_true", help="the smoke model, 1 seed, 1 round: CI's check")
     parser.add_argument("--render", type=Path, help="only render the claims of this JSON file")
+    parser.add_argument("--bootstrap-only", action="store_true", help="probe the bootstrap's levers: no RL")
+    parser.add_argument("--train-size", type=int, default=SFT["train_size"], help="countdown problems to train on")
+    parser.add_argument("--sft-steps", type=int, default=SFT["sft_steps"], help="bootstrap SFT steps at most")
+    parser.add_argument("--sft-lr", type=float, default=SFT["sft_lr"], help="bootstrap learning rate (the preset's)")
     args = parser.parse_args()
     args.methods = args.methods.split(",")
     if args.quick:
         args.seeds, args.rounds = 1, 1
+    if args.bootstrap_only:
+        if args.quick or args.render or args.output == OUTPUT:
+            parser.error(
+                "--bootstrap-only runs the science preset's bootstrap: not with --quick or --render, and "
+                f"to its own --output, not the science run's {OUTPUT}"
+            )
+        print(json.dumps(probe(args)["bootstraps"]))
+        return
     data = json.loads(args.render.read_text()) if args.render else run(args)
     source = args.render or args.output
     page = source.with_suffix(".md")

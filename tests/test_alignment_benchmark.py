@@ -30,11 +30,13 @@ def test_coverages_of_four_layers():
     assert alignment.coverage_layers("adaptive", layers, (1, 3)) == (1, 3)
 
 
-def test_quick_mode(capsys):
-    alignment.main(["--quick"])
+def test_quick_mode(capsys, tmp_path):
+    alignment.main(["--quick", "--output", str(tmp_path / "alignment.json")])
     out = capsys.readouterr().out
     assert "| precision | guidance |" in out and "local RTN flip rate" in out
     result = json.loads(out.strip().splitlines()[-1])
+    assert json.loads((tmp_path / "alignment.json").read_text()) == result  # the file results_page.py reads
+    assert result["command"] == f"python benchmarks/alignment.py --quick --output {tmp_path / 'alignment.json'}"
     rows = {(r["precision"], r["guidance"]): r for r in result["table"]}
     names = ["RTN (qat)"] + [f"R-{b} {c}" for b in (1, 4) for c in alignment.COVERAGES]
     assert set(rows) == {(p, n) for p in ("bf16", "fp32_master") for n in names}

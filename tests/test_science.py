@@ -1,6 +1,7 @@
 """benchmarks/science.py: the claims' verdicts from a results JSON (synthetic scores with known differences),
 and its --quick mode end to end (the smoke model, one seed, one round), resumed without redoing finished runs."""
 
+import argparse
 import importlib.util
 import json
 import random
@@ -84,3 +85,38 @@ def test_quick_mode_runs_every_method_and_resumes(tmp_path):
     again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "seed 0" not in again.stdout  # every (seed, method) was done: nothing reruns
     assert json.loads(output.read_text())["runs"] == data["runs"]
+
+
+def test_bootstrap_probe_names_its_levers_and_renders_a_results_section():
+    args = argparse.Namespace(
+        seeds=1,
+        rounds=12,
+        bootstrap_only=True,
+        quick=False,
+        train_size=2353,
+        sft_steps=2000,
+        sft_lr=0.001,
+        output=Path("docs/results/bootstrap_probe.json"),
+    )
+    command = science.command_of(args)
+    assert command == (
+        "python benchmarks/science.py --bootstrap-only --seeds 1 --train-size 2353 --sft-lr 0.001 "
+        "--output docs/results/bootstrap_probe.json"
+    )
+    boot = {"steps": 2000, "learning_rate": 0.001, "eval_prompts": 64, "target_accuracy": 0.3}
+    data = {
+        "command": command,
+        "config": {"tasks": [{"train_size": 2353, "test_size": 500}], "bootstrap": boot},
+        "bootstraps": {"0": {"bootstrap_accuracy": 0.32, "bootstrap_steps": 700, "bootstrap_loss": 0.5}},
+    }
+    section = science.probe_section(data)
+    assert section["command"] == command and section["title"] == (
+        "Bootstrap probe: 2353 training problems, 2000 SFT steps at most, learning rate 0.001"
+    )
+    assert "| 0 | 700 | 0.500 | 32.0% | [28.1, 36.2] | yes |" in section["markdown"]  # 160 of 500, Wilson
+
+
+def test_bootstrap_probe_refuses_the_science_runs_output():
+    command = [sys.executable, "benchmarks/science.py", "--bootstrap-only"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "not the science run's docs/results/science.json" in done.stderr
