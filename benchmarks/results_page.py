@@ -39,7 +39,8 @@ CORE = ("science.json", "alignment.json")
 COMMAND = "python benchmarks/results_page.py"
 # "as good as" for guidance: the paired interval's upper end within this share of R-4-all's |logprob diff| reduction
 EQUIVALENT = 0.1
-# The paper's figures (Wang et al. 2026, Qwen3.5-35B-A3B; /work/shared/REFERENCE.md section 3).
+# The paper's figures (Wang et al. 2026, "Rollout-Guided Quantization-Aware Training for FP4
+# Reinforcement Learning of MoE Language Models", Qwen3.5-35B-A3B).
 PAPER_ONE_CODEWORD = "over 99% of mismatched values one codeword apart"
 PAPER_BITS = "R-1bit-L40 75.8 vs R-4bit-L40 75.9 (avg accuracy)"
 PAPER_DEEPER = "R-1bit-L20 (deeper 20 of 40 layers) 75.3 vs R-1bit-L40 75.8"
@@ -538,7 +539,8 @@ def render(folder: Path) -> str:
         "names the command that wrote its JSON, and `tests/test_results_page.py` checks that this page is what "
         "the committed JSON gives, byte for byte. The runs are on the 2-core development machine (CPU, torch "
         "reference path) with the project's tiny model; the paper's figures are from Qwen3.5-35B-A3B "
-        "(reasoning RL, average of LiveCodeBench, AIME24, AIME25, HMMT25; /work/shared/REFERENCE.md section 3).",
+        "(reasoning RL, average of LiveCodeBench, AIME24, AIME25, HMMT25; Wang et al. 2026, "
+        '"Rollout-Guided Quantization-Aware Training for FP4 Reinforcement Learning of MoE Language Models").',
         "",
         "Verdicts: **holds** (the 95% interval is on the claimed side), **does not hold at this scale** (the "
         "interval is on the other side), **not separable at this scale** (the interval contains 0).",
