@@ -30,8 +30,8 @@ import functools
 import torch
 from torch import Tensor
 
-from .formats import E2M1_MAX, E4M3_MAX, E8M0_NAN, FP4Format
-from .reference import blocked, mxfp4_scales, nvfp4_scales, scale_units
+from .formats import E2M1_MAX, E2M1_VALUES, E4M3_MAX, E8M0_NAN, FP4Format
+from .reference import _each_chunk, blocked, mxfp4_scales, nvfp4_scales, scale_units
 
 MAX_ERASURES = 62  # unknowns per block: a bit mask of them fits a non-negative int64
 _MASK32 = 0xFFFFFFFF
@@ -66,7 +66,7 @@ def syndrome(bits: Tensor, matrix: Tensor) -> Tensor:
 
 
 def solve_erasures(
-    guess: Tensor, reliability: Tensor, parity: Tensor, matrix: Tensor, erasures: int, chunk: int = 4096
+    guess: Tensor, reliability: Tensor, parity: Tensor, matrix: Tensor, erasures: int, chunk: int = 8192
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Recover blocks ``[nb, n]`` of bits from the training side's ``guess``
     (0/1 uint8), the ``reliability`` of each guessed bit (float; lower is less
@@ -95,22 +95,61 @@ def solve_erasures(
     if not len(wrong):
         return bits, ok, needed
     columns = pack_words(matrix.to(guess.device).T)  # [n]: column i of the matrix as a word, bit j = row j
-    reliability, target = reliability[wrong], target[wrong]
-    order = torch.zeros(len(wrong), erasures, dtype=torch.int64, device=guess.device)
-    flips = torch.zeros(len(wrong), erasures, dtype=torch.uint8, device=guess.device)
-    solved = torch.zeros(len(wrong), dtype=torch.bool, device=guess.device)
-    pending = torch.arange(len(wrong), device=guess.device)
+    pending = wrong
     for tier in _tiers(erasures):  # most blocks need few unknowns: solve for fewer first (cost grows as L^2)
-        # the tier's least reliable positions, least first (a prefix of the next tier's)
-        order[pending, :tier] = torch.topk(reliability[pending], tier, dim=1, largest=False).indices
-        for part in pending.split(chunk):
-            flips[part, :tier], solved[part], needed[wrong[part]] = _solve(columns[order[part, :tier]], target[part])
-        pending = pending[~solved[pending]]
-    ok[wrong] = solved
-    # entries past a block's last tier point at position 0 with no flip: add, so that they change nothing
-    flipped = torch.zeros(len(wrong), guess.shape[1], dtype=torch.int32, device=guess.device)
-    bits[wrong] ^= flipped.scatter_add_(1, order, flips.to(torch.int32)).to(torch.uint8)
+        order = least_reliable(reliability, pending, tier)
+        for blocks, positions in zip(pending.split(chunk), order.split(chunk)):
+            solution, ok[blocks] = _solve(columns[positions], target[blocks])
+            needed[blocks] = _bit_length(solution)
+            block, rank = (((solution[:, None] >> torch.arange(tier, device=guess.device)) & 1) != 0).nonzero().T
+            bits[blocks[block], positions[block, rank]] ^= 1  # flips land on distinct positions
+        pending = pending[~ok[pending]]
+        if not len(pending):
+            break
     return bits, ok, needed
+
+
+def least_reliable(reliability: Tensor, rows: Tensor, k: int) -> Tensor:
+    """Positions ``[len(rows), k]`` of the ``k`` least reliable entries of
+    ``reliability[rows]``, least first (as ``topk(largest=False)``; equal
+    reliabilities may come in another order).
+
+    Why not topk alone: it partially sorts every row (about 11 ns an entry on
+    this CPU), and on CPU that was the decoder's largest cost. Here a
+    threshold (from a sample of the rows) leaves about ``2k`` candidates a row
+    (one compare and one nonzero pass, about 4 ns an entry); they are packed,
+    in position order, into a ``[rows, 4k]`` table that topk sorts at a
+    fraction of the cost. A row with fewer than ``k`` candidates, or more than
+    the table holds, takes plain topk.
+    """
+    n, width = len(rows), reliability.shape[1]
+    cap = 4 * k
+    if cap >= width or n < 256:
+        return torch.topk(reliability[rows], k, dim=1, largest=False).indices
+    if 2 * n < len(reliability):  # a few of the rows: copy them rather than pass over all
+        return least_reliable(reliability[rows], torch.arange(n, device=rows.device), k)
+    device = rows.device
+    sample = reliability[rows[:: n // 64]].flatten()
+    threshold = torch.kthvalue(sample, 2 * k * len(sample) // width).values
+    row, col = (reliability < threshold).nonzero().unbind(1)  # every row's candidates, row-major
+    if n < len(reliability):
+        within = torch.full((len(reliability),), -1, dtype=torch.int64, device=device)
+        within[rows] = torch.arange(n, device=device)  # a candidate's row among ``rows`` (-1: not asked for)
+        row = within[row]
+        row, col = row[row >= 0], col[row >= 0]
+    count = torch.bincount(row, minlength=n)
+    slot = torch.arange(len(row), device=device) - (torch.cumsum(count, 0) - count)[row]
+    keep = slot < cap
+    row, col, slot = row[keep], col[keep], slot[keep]
+    values = torch.full((n, cap), torch.inf, device=device)
+    values[row, slot] = reliability[rows[row], col]
+    positions = torch.zeros(n, cap, dtype=torch.int64, device=device)
+    positions[row, slot] = col
+    out = torch.gather(positions, 1, torch.topk(values, k, dim=1, largest=False).indices)
+    short = ((count < k) | (count > cap)).nonzero()[:, 0]
+    if len(short):
+        out[short] = torch.topk(reliability[rows[short]], k, dim=1, largest=False).indices
+    return out
 
 
 def _tiers(erasures: int) -> list[int]:
@@ -127,41 +166,36 @@ def pack_words(bits: Tensor) -> Tensor:
     return (bits.to(torch.int64) << shifts).sum(-1)  # distinct powers of two: the sum is their OR
 
 
-def _solve(columns: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _solve(columns: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     """Solve ``sum_k e_k columns[:, k] = target`` over GF(2) for each block
     (``columns [b, L]``, ``target [b]``: int64 words of parity bits).
 
     Column elimination: column k's lowest set bit (after the earlier columns'
     pivots were cleared from it) is its pivot, cleared from every later column;
-    ``combo`` tracks which original columns each reduced column sums. Back
-    substitution from the last column reads each pivot bit off the target; a
-    target left non-zero means the system is inconsistent. Unknowns whose
-    column became zero stay 0 (the guess). Returns ``(flips [b, L] uint8, ok, needed)``.
+    each reduced column carries, as a second word, which original columns it
+    sums (one op updates both). Back substitution from the first column reads
+    each pivot bit off the target; a target left non-zero means the system is
+    inconsistent. Unknowns whose column became zero stay 0 (the guess).
+    Returns ``(solution, ok)``: per block the word of unknowns to flip (0 where
+    inconsistent) and whether the system was consistent.
     """
     b, erasures = columns.shape
     device = columns.device
-    columns = columns.clone()
     unit = torch.ones(erasures, dtype=torch.int64, device=device) << torch.arange(erasures, device=device)
-    combo = unit.expand(b, -1).clone()
-    pivots = torch.zeros(b, erasures, dtype=torch.int64, device=device)
+    work = torch.stack((columns, unit.expand(b, -1)), -1)  # [b, L, 2]: reduced column, its original columns
+    pivots = torch.empty(b, erasures, dtype=torch.int64, device=device)
     for k in range(erasures):
-        col = columns[:, k]
+        head = work[:, k]
+        col = head[:, 0]
         p = col & -col  # the lowest set bit; 0 for a dependent column
         pivots[:, k] = p
-        later = columns[:, k + 1 :]
-        hit = (later & p[:, None]) != 0
-        later ^= torch.where(hit, col[:, None], 0)
-        combo[:, k + 1 :] ^= torch.where(hit, combo[:, k : k + 1], 0)
-    t = target.clone()
-    solution = torch.zeros(b, dtype=torch.int64, device=device)
+        later = work[:, k + 1 :]
+        later ^= head[:, None] * ((later[..., 0] & p[:, None]) != 0)[..., None]
+    state = torch.stack((target, torch.zeros_like(target)), -1)  # [b, 2]: what is left of the target, the solution
     for k in range(erasures):  # pivot bit k is in no later column, and the earlier ones were taken out of t
-        use = (t & pivots[:, k]) != 0
-        t ^= torch.where(use, columns[:, k], 0)
-        solution ^= torch.where(use, combo[:, k], 0)
-    ok = t == 0
-    solution = torch.where(ok, solution, 0)
-    flips = ((solution[:, None] & unit) != 0).to(torch.uint8)
-    return flips, ok, _bit_length(solution)
+        state ^= work[:, k] * ((state[:, 0] & pivots[:, k]) != 0)[:, None]
+    ok = state[:, 0] == 0
+    return torch.where(ok, state[:, 1], 0), ok
 
 
 def _bit_length(words: Tensor) -> Tensor:
@@ -171,6 +205,19 @@ def _bit_length(words: Tensor) -> Tensor:
         up = (words >> (length + step)) != 0
         length += step * up
     return length + (words != 0)
+
+
+# Cells of ``b = 4 |y|`` (``y = x / unit``, clamped at 4 * 6): every E2M1
+# rounding boundary (the midpoints of E2M1_VALUES, x4: 1, 3, 5, 7, 10, 14, 20) is
+# an integer, so on cell ``k = floor(b)`` the rounded magnitude index and the
+# boundaries either side are constant: one table lookup each instead of a
+# dozen elementwise passes. Below 0 and above 24 the "boundaries" -1 and 28
+# are never nearer than the real one on the other side.
+_BOUNDARIES4 = [2 * (lo + hi) for lo, hi in zip(E2M1_VALUES, E2M1_VALUES[1:])]
+_CELL_INDEX = [sum(boundary <= k for boundary in _BOUNDARIES4) for k in range(4 * int(E2M1_MAX) + 1)]
+_CELL_LOW = torch.tensor([([-1.0] + _BOUNDARIES4)[n] for n in _CELL_INDEX])
+_CELL_HIGH = torch.tensor([(_BOUNDARIES4 + [4 * E2M1_MAX + 4])[n] for n in _CELL_INDEX])
+_CELL_BIT = torch.tensor([n & 1 for n in _CELL_INDEX], dtype=torch.uint8)
 
 
 def code_side_info(x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -183,24 +230,30 @@ def code_side_info(x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tens
     ordering put the disagreements in fewer of the least reliable positions
     than either alternative).
 
-    How: ``q(a)`` maps the E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 onto
-    0..7 piecewise linearly (slope 2 below 2, 1 up to 4, 1/2 above), so every
-    rounding boundary lands on a half-integer; ``round(q)`` (half to even, as
-    E2M1 rounds its ties) is the magnitude index, and the boundaries either
-    side are ``round(q) -+ 0.5`` mapped back (magnitudes clamp at 6)."""
-    xb = blocked(x.float(), fmt.block_size)
-    units = scale_units(fmt, scales, global_scale).unsqueeze(-1)  # [..., blocks, 1]
-    a = (xb / units).abs_().clamp_(max=E2M1_MAX)
-    n = torch.round(2 * a - (a - 2).clamp_(min=0) - 0.5 * (a - 4).clamp_(min=0))
-    distance = torch.minimum(a - _magnitude_at(n - 0.5), _magnitude_at(n + 0.5) - a)
-    row_amax = x.float().abs().amax(-1, keepdim=True).unsqueeze(-1)  # [..., 1, 1]
-    distance *= units / row_amax
-    return (n.to(torch.uint8) & 1).reshape(x.shape), distance.reshape(x.shape)
+    How: in ``b = 4 |x / unit|`` every rounding boundary is an integer, so the
+    cell ``floor(b)`` gives the low bit and both boundaries by table lookup
+    (:data:`_CELL_LOW`, ...). A value exactly on a boundary is a tie: distance 0
+    and, as E2M1 rounds ties to the even code, low bit 0. Rows are done in
+    cache-sized chunks (:func:`~.reference._each_chunk`)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    quarter = scale_units(fmt, scales.reshape(len(x2), -1), global_scale).div_(4).unsqueeze(-1)  # [rows, blocks, 1]
+    low = torch.empty(x2.shape, dtype=torch.uint8, device=x.device)
+    distance = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+    tables = [t.to(x.device) for t in (_CELL_LOW, _CELL_HIGH, _CELL_BIT)]
 
+    def chunk(rows: slice) -> None:
+        b = torch.div(blocked(x2[rows], fmt.block_size), quarter[rows]).abs_()  # float32 for any x dtype
+        # the row's amax (|x| to within a rounding of each element): relative distances
+        relative = quarter[rows] / (b.amax(-1, keepdim=True) * quarter[rows]).amax(-2, keepdim=True)
+        cell = b.clamp_(max=4 * E2M1_MAX).int().clamp_(0, 4 * int(E2M1_MAX)).view(-1)  # NaN: any int, clamped
+        under, over, bit = (t.index_select(0, cell).view(b.shape) for t in tables)
+        d = torch.minimum(torch.sub(b, under, out=under), torch.sub(over, b, out=over), out=under)
+        torch.mul(bit, d > 0, out=low[rows].view(b.shape))
+        torch.mul(d, relative, out=distance[rows].view(b.shape))
 
-def _magnitude_at(q: Tensor) -> Tensor:
-    """The inverse of ``code_side_info``'s map: the magnitude whose ``q`` this is."""
-    return q / 2 + (q - 4).clamp(min=0) / 2 + (q - 6).clamp(min=0)
+    _each_chunk(chunk, *x2.shape)
+    return low.view(shape), distance.view(shape)
 
 
 def scale_side_info(x: Tensor, fmt: FP4Format, global_scale: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
