@@ -271,8 +271,9 @@ def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Ten
     rate, unknown = table.rate, ~available[:, None]
     stats = DecodeStats(rate)
     # stage 1: the block scales
+    everything = bool(available.all())  # the usual case: no row to mark unknown
     own, neighbour, distance = scale_side_info(x, f, g)
-    distance = distance.masked_fill_(unknown, -torch.inf)
+    distance = distance if everything else distance.masked_fill_(unknown, -torch.inf)
     n_scales = own.shape[1] * table.group
     scale_h = parity_matrix(rate.scale_bits, n_scales, SCALE_SALT)
     parity = expand_codes(table.scale_parity, 1, rate.scale_bits)
@@ -282,7 +283,7 @@ def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Ten
     scales = torch.where(_unblock(low, table) == (own & 1), own, neighbour)
     # stage 2: the low code bits under the recovered scales
     low_code, distance = code_side_info(x, f, scales.view(f.scale_dtype), g)
-    distance = distance.masked_fill_(unknown, -torch.inf)
+    distance = distance if everything else distance.masked_fill_(unknown, -torch.inf)
     code_h = parity_matrix(rate.code_bits, table.group * table.width, CODE_SALT)
     parity = expand_codes(table.code_parity, 1, rate.code_bits)
     low, ok_c, code_needed = solve_erasures(

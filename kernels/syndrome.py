@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .formats import E2M1_MAX, E2M1_VALUES, E4M3_MAX, E8M0_NAN, FP4Format
-from .reference import _each_chunk, blocked, mxfp4_scales, nvfp4_scales, scale_units
+from .reference import _each_chunk, block_amaxes, blocked, mxfp4_scales, nvfp4_scales, scale_units
 
 MAX_ERASURES = 62  # unknowns per block: a bit mask of them fits a non-negative int64
 _MASK32 = 0xFFFFFFFF
@@ -59,10 +59,45 @@ def parity_matrix(rows: int, n: int, salt: int) -> Tensor:
 
 
 def syndrome(bits: Tensor, matrix: Tensor) -> Tensor:
-    """Parity bits ``matrix @ bits mod 2`` of blocks ``bits [nb, n]`` (0/1 uint8): ``[nb, rows]`` uint8.
-    A float32 matmul counts the ones exactly (n < 2^24)."""
-    counts = bits.float() @ matrix.to(bits.device).float().T
-    return (counts.to(torch.int64) & 1).to(torch.uint8)
+    """Parity bits ``matrix @ bits mod 2`` of blocks ``bits [nb, n]`` (0/1 uint8): ``[nb, rows]`` uint8."""
+    shifts = torch.arange(matrix.shape[0], device=bits.device)
+    return ((syndrome_words(bits, matrix)[:, None] >> shifts) & 1).to(torch.uint8)
+
+
+_GATHER_BITS = 0x0102040810204080  # times 8 bytes of 0/1 (one int64): byte j's bit lands at bit 56 + j, no carries
+
+
+def syndrome_words(bits: Tensor, matrix: Tensor) -> Tensor:
+    """:func:`syndrome` as one int64 word per block (bit j = parity bit j; at most 64 rows).
+
+    How: every 8 entries (read as one int64 of 0/1 bytes) packed into a byte
+    value by one multiply, a table of the parity word of every value at every
+    byte position (the XOR of the matrix columns its set bits name), one lookup
+    per byte, and an XOR over a block's bytes: integer work on an eighth of the
+    elements (a float matmul over every bit cost as much as the rest of the
+    encoder)."""
+    rows, n = matrix.shape
+    if rows > 64:
+        raise ValueError(f"at most 64 parity bits a block (one int64 word), got {rows}")
+    device = bits.device
+    nbytes = -(-n // 8)
+    bits = torch.nn.functional.pad(bits, (0, 8 * nbytes - n)) if n % 8 else bits.contiguous()
+    byte_values = ((bits.view(torch.int64) * _GATHER_BITS) >> 56) & 0xFF  # [nb, nbytes]
+    columns = torch.nn.functional.pad(pack_words(matrix.to(device).T), (0, 8 * nbytes - n)).view(nbytes, 8)
+    value_bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1  # [256, 8]
+    table = torch.zeros(nbytes, 256, dtype=torch.int64, device=device)  # [byte position, byte value]
+    for j in range(8):
+        table ^= columns[:, j : j + 1] * value_bits[:, j]
+    offsets = torch.arange(0, 256 * nbytes, 256, device=device)[:, None]
+    index = (byte_values.T + offsets).contiguous().view(-1)  # [nbytes, nb]: byte positions as rows, to fold contiguously
+    words = table.view(-1).index_select(0, index).view(nbytes, len(bits))
+    while len(words) > 1:  # XOR the halves (an odd last row into the first)
+        half = len(words) // 2
+        folded = words[:half] ^ words[half : 2 * half]
+        if len(words) % 2:
+            folded[0] ^= words[-1]
+        words = folded
+    return words[0] if nbytes else torch.zeros(len(bits), dtype=torch.int64, device=device)
 
 
 def solve_erasures(
@@ -87,7 +122,7 @@ def solve_erasures(
         raise ValueError(f"{erasures} erasures need at least as many parity bits, got {rows}")
     if rows > 64:
         raise ValueError(f"at most 64 parity bits a block (one int64 word), got {rows}")
-    target = pack_words(parity ^ syndrome(guess, matrix))  # [nb]: the parity of the disagreement
+    target = pack_words(parity) ^ syndrome_words(guess, matrix)  # [nb]: the parity of the disagreement
     bits = guess.clone()
     ok = torch.ones(len(guess), dtype=torch.bool, device=guess.device)
     needed = torch.zeros(len(guess), dtype=torch.int64, device=guess.device)
@@ -97,7 +132,7 @@ def solve_erasures(
     columns = pack_words(matrix.to(guess.device).T)  # [n]: column i of the matrix as a word, bit j = row j
     pending = wrong
     for tier in _tiers(erasures):  # most blocks need few unknowns: solve for fewer first (cost grows as L^2)
-        order = least_reliable(reliability, pending, tier)
+        order = torch.topk(reliability[pending], tier, dim=1, largest=False).indices  # least reliable first
         for blocks, positions in zip(pending.split(chunk), order.split(chunk)):
             solution, ok[blocks] = _solve(columns[positions], target[blocks])
             needed[blocks] = _bit_length(solution)
@@ -107,49 +142,6 @@ def solve_erasures(
         if not len(pending):
             break
     return bits, ok, needed
-
-
-def least_reliable(reliability: Tensor, rows: Tensor, k: int) -> Tensor:
-    """Positions ``[len(rows), k]`` of the ``k`` least reliable entries of
-    ``reliability[rows]``, least first (as ``topk(largest=False)``; equal
-    reliabilities may come in another order).
-
-    Why not topk alone: it partially sorts every row (about 11 ns an entry on
-    this CPU), and on CPU that was the decoder's largest cost. Here a
-    threshold (from a sample of the rows) leaves about ``2k`` candidates a row
-    (one compare and one nonzero pass, about 4 ns an entry); they are packed,
-    in position order, into a ``[rows, 4k]`` table that topk sorts at a
-    fraction of the cost. A row with fewer than ``k`` candidates, or more than
-    the table holds, takes plain topk.
-    """
-    n, width = len(rows), reliability.shape[1]
-    cap = 4 * k
-    if cap >= width or n < 256:
-        return torch.topk(reliability[rows], k, dim=1, largest=False).indices
-    if 2 * n < len(reliability):  # a few of the rows: copy them rather than pass over all
-        return least_reliable(reliability[rows], torch.arange(n, device=rows.device), k)
-    device = rows.device
-    sample = reliability[rows[:: n // 64]].flatten()
-    threshold = torch.kthvalue(sample, 2 * k * len(sample) // width).values
-    row, col = (reliability < threshold).nonzero().unbind(1)  # every row's candidates, row-major
-    if n < len(reliability):
-        within = torch.full((len(reliability),), -1, dtype=torch.int64, device=device)
-        within[rows] = torch.arange(n, device=device)  # a candidate's row among ``rows`` (-1: not asked for)
-        row = within[row]
-        row, col = row[row >= 0], col[row >= 0]
-    count = torch.bincount(row, minlength=n)
-    slot = torch.arange(len(row), device=device) - (torch.cumsum(count, 0) - count)[row]
-    keep = slot < cap
-    row, col, slot = row[keep], col[keep], slot[keep]
-    values = torch.full((n, cap), torch.inf, device=device)
-    values[row, slot] = reliability[rows[row], col]
-    positions = torch.zeros(n, cap, dtype=torch.int64, device=device)
-    positions[row, slot] = col
-    out = torch.gather(positions, 1, torch.topk(values, k, dim=1, largest=False).indices)
-    short = ((count < k) | (count > cap)).nonzero()[:, 0]
-    if len(short):
-        out[short] = torch.topk(reliability[rows[short]], k, dim=1, largest=False).indices
-    return out
 
 
 def _tiers(erasures: int) -> list[int]:
@@ -170,32 +162,32 @@ def _solve(columns: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     """Solve ``sum_k e_k columns[:, k] = target`` over GF(2) for each block
     (``columns [b, L]``, ``target [b]``: int64 words of parity bits).
 
-    Column elimination: column k's lowest set bit (after the earlier columns'
-    pivots were cleared from it) is its pivot, cleared from every later column;
-    each reduced column carries, as a second word, which original columns it
-    sums (one op updates both). Back substitution from the first column reads
-    each pivot bit off the target; a target left non-zero means the system is
-    inconsistent. Unknowns whose column became zero stay 0 (the guess).
-    Returns ``(solution, ok)``: per block the word of unknowns to flip (0 where
-    inconsistent) and whether the system was consistent.
+    Column elimination with the target as one more column: column k's lowest
+    set bit (after the earlier columns' pivots were cleared from it) is its
+    pivot, cleared from every later column and the target; each column carries,
+    as a second word, which original columns it sums (one op updates both),
+    the target's starting empty. Clearing the pivots from the target in column
+    order is the substitution, so its second word ends as the solution, and a
+    target left non-zero is an inconsistent system (any non-zero sum of the
+    reduced columns holds the pivot of its first). Unknowns whose column became
+    zero stay 0 (the guess). Returns ``(solution, ok)``: per block the word of
+    unknowns to flip (0 where inconsistent) and whether the system was
+    consistent.
     """
     b, erasures = columns.shape
     device = columns.device
     unit = torch.ones(erasures, dtype=torch.int64, device=device) << torch.arange(erasures, device=device)
-    work = torch.stack((columns, unit.expand(b, -1)), -1)  # [b, L, 2]: reduced column, its original columns
-    pivots = torch.empty(b, erasures, dtype=torch.int64, device=device)
+    words = torch.cat((columns, target[:, None]), 1)
+    combos = torch.cat((unit.expand(b, -1), torch.zeros(b, 1, dtype=torch.int64, device=device)), 1)
+    work = torch.stack((words, combos), -1)  # [b, L + 1, 2]: reduced column, the original columns it sums
     for k in range(erasures):
         head = work[:, k]
         col = head[:, 0]
         p = col & -col  # the lowest set bit; 0 for a dependent column
-        pivots[:, k] = p
         later = work[:, k + 1 :]
         later ^= head[:, None] * ((later[..., 0] & p[:, None]) != 0)[..., None]
-    state = torch.stack((target, torch.zeros_like(target)), -1)  # [b, 2]: what is left of the target, the solution
-    for k in range(erasures):  # pivot bit k is in no later column, and the earlier ones were taken out of t
-        state ^= work[:, k] * ((state[:, 0] & pivots[:, k]) != 0)[:, None]
-    ok = state[:, 0] == 0
-    return torch.where(ok, state[:, 1], 0), ok
+    ok = work[:, erasures, 0] == 0
+    return torch.where(ok, work[:, erasures, 1], 0), ok
 
 
 def _bit_length(words: Tensor) -> Tensor:
@@ -263,7 +255,7 @@ def scale_side_info(x: Tensor, fmt: FP4Format, global_scale: Tensor | None) -> t
     (+inf where no other scale is possible: all-zero or non-finite blocks,
     saturation). Adjacent scale bytes differ in their lowest bit, so the
     rollout's low scale bit picks one of the two."""
-    amax = blocked(x.float(), fmt.block_size).abs().amax(-1)
+    amax = block_amaxes(blocked(x, fmt.block_size).reshape(-1, fmt.block_size)).view(*x.shape[:-1], -1)
     if fmt.has_global_scale:
         v = amax / (E2M1_MAX * global_scale)
         own = nvfp4_scales(amax, global_scale).view(torch.uint8)
