@@ -89,9 +89,8 @@ def syndrome_words(bits: Tensor, matrix: Tensor) -> Tensor:
     for j in range(8):
         table ^= columns[:, j : j + 1] * value_bits[:, j]
     offsets = torch.arange(0, 256 * nbytes, 256, device=device)[:, None]
-    index = (
-        (byte_values.T + offsets).contiguous().view(-1)
-    )  # [nbytes, nb]: byte positions as rows, to fold contiguously
+    # [nbytes, nb]: byte positions as rows, so that the XOR below folds contiguous halves
+    index = (byte_values.T + offsets).contiguous().view(-1)
     words = table.view(-1).index_select(0, index).view(nbytes, len(bits))
     while len(words) > 1:  # XOR the halves (an odd last row into the first)
         half = len(words) // 2
