@@ -276,6 +276,33 @@ def test_code_side_information_is_the_round_to_nearest_low_bit():
         assert (nudged == low).float().mean() > 0.999
 
 
+def test_code_side_information_at_ties_and_saturation():
+    from tracefp4.kernels import code_side_info, get_format
+
+    # one NVFP4 block whose unit is 1 (scale 1.0 as E4M3 0x38, global scale 1): values are E2M1 magnitudes
+    boundaries = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    x = torch.tensor([[*boundaries, 0.0, 0.5, 1.6, 2.2, 4.4, 6.0, 7.5, -5.0, -0.7]])
+    one = torch.tensor([[0x38]], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    low, distance = code_side_info(x, get_format("nvfp4"), one, torch.tensor(1.0))
+    assert low[0, :7].tolist() == [0] * 7 and distance[0, :7].tolist() == [0.0] * 7  # ties: the even code, no margin
+    # 0 -> 0, 0.5 -> 1, 1.6 -> 1.5 (3), 2.2 -> 2 (4), 4.4 -> 4 (6), 6 and 7.5 -> 6 (7), -5 -> 4 (tie), -0.7 -> 0.5
+    assert low[0, 7:].tolist() == [0, 1, 1, 0, 0, 1, 1, 0, 1]
+    margins = torch.tensor([0.25, 0.25, 0.15, 0.3, 0.6, 1.0, 1.0, 0.0, 0.05]) / 7.5  # relative to the row's amax
+    assert torch.allclose(distance[0, 7:], margins, atol=1e-6)
+
+
+def test_syndrome_words_are_the_matrix_product():
+    from tracefp4.kernels.syndrome import syndrome_words
+
+    g = torch.Generator().manual_seed(7)
+    for n, rows in ((256, 64), (16, 16), (24, 8), (13, 40), (1, 8)):  # whole and partial bytes, up to 64 rows
+        bits = torch.randint(0, 2, (50, n), generator=g, dtype=torch.uint8)
+        h = parity_matrix(rows, n, 1)
+        product = (bits.float() @ h.float().T).long() & 1
+        assert torch.equal(syndrome(bits, h), product.to(torch.uint8))
+        assert torch.equal(syndrome_words(bits, h), (product << torch.arange(rows)).sum(1))
+
+
 def test_training_under_syndrome_guidance_routes_as_the_rollout():
     from tracefp4.components.guidance import MicrobatchGuidance
     from tracefp4.components.qat import TrainingSites
