@@ -12,7 +12,8 @@ How it decodes (erasure decoding, ordered by reliability): the ``L = r - c``
 least reliable positions of the training side's guess are treated as unknown,
 every other position as known. The parity equations restricted to the unknown
 positions, ``H[:, E] e = H u_rollout ^ H u_train``, are solved over GF(2) by
-Gaussian elimination (one batched elimination over every block at once). The
+Gaussian elimination, batched over blocks (vectorized torch ops over all
+blocks of a tier at once; no Python loop over blocks). The
 ``c`` equations beyond the unknowns are the block's check: a block whose
 disagreements are not all among its ``L`` least reliable positions gives an
 inconsistent system with probability ``1 - 2^-c`` and is reported as failed
