@@ -5,7 +5,9 @@ same prompts, seeds and number of on-policy steps for every method. Prints,
 per method, the train-rollout log-prob |diff| and the code mismatch of its
 training path against each step's rollout (full capture), then the share of
 R-4bit-on-all-layers' reduction of QAT's mismatch that R-1bit on all layers,
-the deeper half or the shallow half achieves (these rows change coverage and
+the deeper half or the shallow half achieves, and the |logprob diff| of the
+``syndrome`` codec on all layers as a ratio to R-4bit on all layers (issue
+#18's target: within 10%; these R-1 rows change coverage and
 bit depth at once: benchmarks/alignment.py varies each alone, R-1 and R-4 on
 every coverage, with the local and the end-to-end mismatch). Each
 run trains under each ``--precision`` (``train.precision``: bf16 parameters
@@ -35,19 +37,20 @@ from tracefp4.components.precision import PRECISIONS
 from tracefp4.components.quant import ACTIVATION_GLOBAL_SCALES
 from tracefp4.schemas import RunConfig, get_preset
 
-RUNS = {  # name: (label, method, guidance bits, guided layers of the tiny model's 4)
-    "qat": ("qat", "qat", 4, "all"),
-    "quads": ("quads", "quads", 4, "all"),
-    "trace-r4-all": ("trace, R-4bit all layers", "trace", 4, "all"),
-    "trace-r1-all": ("trace, R-1bit all layers", "trace", 1, "all"),
-    "trace-r1-deeper": ("trace, R-1bit deeper half", "trace", 1, [2, 3]),
-    "trace-r1-shallow": ("trace, R-1bit shallow half", "trace", 1, [0, 1]),
+RUNS = {  # name: (label, method, guidance bits, guided layers of the tiny model's 4, guidance codec)
+    "qat": ("qat", "qat", 4, "all", "bits"),
+    "quads": ("quads", "quads", 4, "all", "bits"),
+    "trace-r4-all": ("trace, R-4bit all layers", "trace", 4, "all", "bits"),
+    "trace-r1-all": ("trace, R-1bit all layers", "trace", 1, "all", "bits"),
+    "trace-r1-deeper": ("trace, R-1bit deeper half", "trace", 1, [2, 3], "bits"),
+    "trace-r1-shallow": ("trace, R-1bit shallow half", "trace", 1, [0, 1], "bits"),
+    "trace-syndrome-all": ("trace, syndrome all layers", "trace", 1, "all", "syndrome"),
 }
 RUN_ID = "repro"
 
 
 def config_for(name: str, args, store: Path, precision: str = "bf16", scale: str = "static") -> RunConfig:
-    _, method, bits, layers = RUNS[name]
+    _, method, bits, layers, codec = RUNS[name]
     data = get_preset("tiny").model_dump()
     numerics = f"{precision}-{scale}".replace("_", "-")
     data.update(name=f"repro-{list(RUNS).index(name)}-{numerics}", method=method)
@@ -56,7 +59,7 @@ def config_for(name: str, args, store: Path, precision: str = "bf16", scale: str
     if args.bootstrap_steps:
         data["bootstrap"].update(steps=args.bootstrap_steps, warmup=min(30, args.bootstrap_steps // 10))
     data["rollout"].update(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens)
-    data["guidance"].update(bits=bits, layers=layers, compaction="offline")
+    data["guidance"].update(bits=bits, layers=layers, compaction="offline", codec=codec)
     data["rl"].update(
         schedule="on_policy", steps_per_round=1, rounds=args.steps, measure_mismatch=True, microbatch_size=16
     )
@@ -135,7 +138,27 @@ def main() -> None:
                 share = (qat - mean(precision, label, "code_mismatch")) / (qat - r4)
                 kept.setdefault(precision, {})[label] = share
                 print(f"{precision}: {label} achieves {share:.1%} of R-4bit-on-all-layers' code-mismatch reduction")
-    result = {"bootstrap": bootstrap, "histories": histories, "r1_share_of_r4_reduction": kept}
+    syndrome_vs_r4 = {}
+    if {"trace-r4-all", "trace-syndrome-all"} <= set(args.runs):
+        label, r4_label = RUNS["trace-syndrome-all"][0], RUNS["trace-r4-all"][0]
+        for precision in histories:
+            ratio = mean(precision, label, "logprob_abs_diff_mean") / mean(precision, r4_label, "logprob_abs_diff_mean")
+            syndrome_vs_r4[precision] = {
+                "logprob_abs_diff_ratio": ratio,
+                "bits_per_element": mean(precision, label, "guidance_bits_per_element"),
+                "decode_failed_share": mean(precision, label, "guidance_decode_failed_share"),
+            }
+            print(
+                f"{precision}: {label}: |logprob diff| {ratio:.3f}x R-4bit on all layers' (target <= 1.10), "
+                f"{syndrome_vs_r4[precision]['bits_per_element']:.3f} bit per element, "
+                f"{syndrome_vs_r4[precision]['decode_failed_share']:.2%} of blocks failed to decode"
+            )
+    result = {
+        "bootstrap": bootstrap,
+        "histories": histories,
+        "r1_share_of_r4_reduction": kept,
+        "syndrome_vs_r4": syndrome_vs_r4,
+    }
     if args.output:
         command = " ".join(["python benchmarks/repro.py", *sys.argv[1:]])
         tmp = args.output.with_name(f".{args.output.name}.tmp")

@@ -232,6 +232,17 @@ def _each_chunk(fn, n_blocks: int, block_size: int) -> None:
         pass
 
 
+def block_amaxes(xb: Tensor) -> Tensor:
+    """:func:`block_amax` of flat blocks ``[n_blocks, block_size]``, a cache-sized chunk at a time: ``[n_blocks]``."""
+    amax = torch.empty(xb.shape[0], dtype=torch.float32, device=xb.device)
+
+    def chunk(rows: slice) -> None:
+        amax[rows] = block_amax(xb[rows])
+
+    _each_chunk(chunk, *xb.shape)
+    return amax
+
+
 def _encode(xb: Tensor, units: Tensor, encode) -> Tensor:
     """Packed codes ``encode(x / unit, rows)`` of flat blocks ``[n_blocks, block_size]``."""
     codes = torch.empty(xb.shape[0], xb.shape[1] // 2, dtype=torch.uint8, device=xb.device)
@@ -249,12 +260,7 @@ def quantize(
     """RTN quantization: ``(packed codes, block scales, global scale)``; the
     global scale is a scalar or one per row ``[..., 1]`` (NVFP4)."""
     xb = blocked(x, fmt.block_size).reshape(-1, fmt.block_size)
-    amax = torch.empty(xb.shape[0], dtype=torch.float32, device=x.device)
-
-    def chunk(rows: slice) -> None:
-        amax[rows] = block_amax(xb[rows])
-
-    _each_chunk(chunk, *xb.shape)
+    amax = block_amaxes(xb)
     if fmt.has_global_scale:
         if global_scale is None:
             global_scale = nvfp4_global_scale(amax.amax() if amax.numel() else amax.new_zeros(()))

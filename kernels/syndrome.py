@@ -12,7 +12,8 @@ How it decodes (erasure decoding, ordered by reliability): the ``L = r - c``
 least reliable positions of the training side's guess are treated as unknown,
 every other position as known. The parity equations restricted to the unknown
 positions, ``H[:, E] e = H u_rollout ^ H u_train``, are solved over GF(2) by
-Gaussian elimination (one batched elimination over every block at once). The
+Gaussian elimination, batched over blocks (vectorized torch ops over all
+blocks of a tier at once; no Python loop over blocks). The
 ``c`` equations beyond the unknowns are the block's check: a block whose
 disagreements are not all among its ``L`` least reliable positions gives an
 inconsistent system with probability ``1 - 2^-c`` and is reported as failed
@@ -30,8 +31,8 @@ import functools
 import torch
 from torch import Tensor
 
-from .formats import E2M1_MAX, E4M3_MAX, E8M0_NAN, FP4Format
-from .reference import blocked, mxfp4_scales, nvfp4_scales, scale_units
+from .formats import E2M1_MAX, E2M1_VALUES, E4M3_MAX, E8M0_NAN, FP4Format
+from .reference import _each_chunk, block_amaxes, blocked, mxfp4_scales, nvfp4_scales, scale_units
 
 MAX_ERASURES = 62  # unknowns per block: a bit mask of them fits a non-negative int64
 _MASK32 = 0xFFFFFFFF
@@ -59,14 +60,50 @@ def parity_matrix(rows: int, n: int, salt: int) -> Tensor:
 
 
 def syndrome(bits: Tensor, matrix: Tensor) -> Tensor:
-    """Parity bits ``matrix @ bits mod 2`` of blocks ``bits [nb, n]`` (0/1 uint8): ``[nb, rows]`` uint8.
-    A float32 matmul counts the ones exactly (n < 2^24)."""
-    counts = bits.float() @ matrix.to(bits.device).float().T
-    return (counts.to(torch.int64) & 1).to(torch.uint8)
+    """Parity bits ``matrix @ bits mod 2`` of blocks ``bits [nb, n]`` (0/1 uint8): ``[nb, rows]`` uint8."""
+    shifts = torch.arange(matrix.shape[0], device=bits.device)
+    return ((syndrome_words(bits, matrix)[:, None] >> shifts) & 1).to(torch.uint8)
+
+
+_GATHER_BITS = 0x0102040810204080  # times 8 bytes of 0/1 (one int64): byte j's bit lands at bit 56 + j, no carries
+
+
+def syndrome_words(bits: Tensor, matrix: Tensor) -> Tensor:
+    """:func:`syndrome` as one int64 word per block (bit j = parity bit j; at most 64 rows).
+
+    How: every 8 entries (read as one int64 of 0/1 bytes) packed into a byte
+    value by one multiply, a table of the parity word of every value at every
+    byte position (the XOR of the matrix columns its set bits name), one lookup
+    per byte, and an XOR over a block's bytes: integer work on an eighth of the
+    elements (a float matmul over every bit cost as much as the rest of the
+    encoder)."""
+    rows, n = matrix.shape
+    if rows > 64:
+        raise ValueError(f"at most 64 parity bits a block (one int64 word), got {rows}")
+    device = bits.device
+    nbytes = -(-n // 8)
+    bits = torch.nn.functional.pad(bits, (0, 8 * nbytes - n)) if n % 8 else bits.contiguous()
+    byte_values = ((bits.view(torch.int64) * _GATHER_BITS) >> 56) & 0xFF  # [nb, nbytes]
+    columns = torch.nn.functional.pad(pack_words(matrix.to(device).T), (0, 8 * nbytes - n)).view(nbytes, 8)
+    value_bits = (torch.arange(256, device=device)[:, None] >> torch.arange(8, device=device)) & 1  # [256, 8]
+    table = torch.zeros(nbytes, 256, dtype=torch.int64, device=device)  # [byte position, byte value]
+    for j in range(8):
+        table ^= columns[:, j : j + 1] * value_bits[:, j]
+    offsets = torch.arange(0, 256 * nbytes, 256, device=device)[:, None]
+    # [nbytes, nb]: byte positions as rows, so that the XOR below folds contiguous halves
+    index = (byte_values.T + offsets).contiguous().view(-1)
+    words = table.view(-1).index_select(0, index).view(nbytes, len(bits))
+    while len(words) > 1:  # XOR the halves (an odd last row into the first)
+        half = len(words) // 2
+        folded = words[:half] ^ words[half : 2 * half]
+        if len(words) % 2:
+            folded[0] ^= words[-1]
+        words = folded
+    return words[0] if nbytes else torch.zeros(len(bits), dtype=torch.int64, device=device)
 
 
 def solve_erasures(
-    guess: Tensor, reliability: Tensor, parity: Tensor, matrix: Tensor, erasures: int, chunk: int = 4096
+    guess: Tensor, reliability: Tensor, parity: Tensor, matrix: Tensor, erasures: int, chunk: int = 8192
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Recover blocks ``[nb, n]`` of bits from the training side's ``guess``
     (0/1 uint8), the ``reliability`` of each guessed bit (float; lower is less
@@ -87,7 +124,7 @@ def solve_erasures(
         raise ValueError(f"{erasures} erasures need at least as many parity bits, got {rows}")
     if rows > 64:
         raise ValueError(f"at most 64 parity bits a block (one int64 word), got {rows}")
-    target = pack_words(parity ^ syndrome(guess, matrix))  # [nb]: the parity of the disagreement
+    target = pack_words(parity) ^ syndrome_words(guess, matrix)  # [nb]: the parity of the disagreement
     bits = guess.clone()
     ok = torch.ones(len(guess), dtype=torch.bool, device=guess.device)
     needed = torch.zeros(len(guess), dtype=torch.int64, device=guess.device)
@@ -95,21 +132,17 @@ def solve_erasures(
     if not len(wrong):
         return bits, ok, needed
     columns = pack_words(matrix.to(guess.device).T)  # [n]: column i of the matrix as a word, bit j = row j
-    reliability, target = reliability[wrong], target[wrong]
-    order = torch.zeros(len(wrong), erasures, dtype=torch.int64, device=guess.device)
-    flips = torch.zeros(len(wrong), erasures, dtype=torch.uint8, device=guess.device)
-    solved = torch.zeros(len(wrong), dtype=torch.bool, device=guess.device)
-    pending = torch.arange(len(wrong), device=guess.device)
+    pending = wrong
     for tier in _tiers(erasures):  # most blocks need few unknowns: solve for fewer first (cost grows as L^2)
-        # the tier's least reliable positions, least first (a prefix of the next tier's)
-        order[pending, :tier] = torch.topk(reliability[pending], tier, dim=1, largest=False).indices
-        for part in pending.split(chunk):
-            flips[part, :tier], solved[part], needed[wrong[part]] = _solve(columns[order[part, :tier]], target[part])
-        pending = pending[~solved[pending]]
-    ok[wrong] = solved
-    # entries past a block's last tier point at position 0 with no flip: add, so that they change nothing
-    flipped = torch.zeros(len(wrong), guess.shape[1], dtype=torch.int32, device=guess.device)
-    bits[wrong] ^= flipped.scatter_add_(1, order, flips.to(torch.int32)).to(torch.uint8)
+        order = torch.topk(reliability[pending], tier, dim=1, largest=False).indices  # least reliable first
+        for blocks, positions in zip(pending.split(chunk), order.split(chunk)):
+            solution, ok[blocks] = _solve(columns[positions], target[blocks])
+            needed[blocks] = _bit_length(solution)
+            block, rank = (((solution[:, None] >> torch.arange(tier, device=guess.device)) & 1) != 0).nonzero().T
+            bits[blocks[block], positions[block, rank]] ^= 1  # flips land on distinct positions
+        pending = pending[~ok[pending]]
+        if not len(pending):
+            break
     return bits, ok, needed
 
 
@@ -127,41 +160,36 @@ def pack_words(bits: Tensor) -> Tensor:
     return (bits.to(torch.int64) << shifts).sum(-1)  # distinct powers of two: the sum is their OR
 
 
-def _solve(columns: Tensor, target: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _solve(columns: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
     """Solve ``sum_k e_k columns[:, k] = target`` over GF(2) for each block
     (``columns [b, L]``, ``target [b]``: int64 words of parity bits).
 
-    Column elimination: column k's lowest set bit (after the earlier columns'
-    pivots were cleared from it) is its pivot, cleared from every later column;
-    ``combo`` tracks which original columns each reduced column sums. Back
-    substitution from the last column reads each pivot bit off the target; a
-    target left non-zero means the system is inconsistent. Unknowns whose
-    column became zero stay 0 (the guess). Returns ``(flips [b, L] uint8, ok, needed)``.
+    Column elimination with the target as one more column: column k's lowest
+    set bit (after the earlier columns' pivots were cleared from it) is its
+    pivot, cleared from every later column and the target; each column carries,
+    as a second word, which original columns it sums (one op updates both),
+    the target's starting empty. Clearing the pivots from the target in column
+    order is the substitution, so its second word ends as the solution, and a
+    target left non-zero is an inconsistent system (any non-zero sum of the
+    reduced columns holds the pivot of its first). Unknowns whose column became
+    zero stay 0 (the guess). Returns ``(solution, ok)``: per block the word of
+    unknowns to flip (0 where inconsistent) and whether the system was
+    consistent.
     """
     b, erasures = columns.shape
     device = columns.device
-    columns = columns.clone()
     unit = torch.ones(erasures, dtype=torch.int64, device=device) << torch.arange(erasures, device=device)
-    combo = unit.expand(b, -1).clone()
-    pivots = torch.zeros(b, erasures, dtype=torch.int64, device=device)
+    words = torch.cat((columns, target[:, None]), 1)
+    combos = torch.cat((unit.expand(b, -1), torch.zeros(b, 1, dtype=torch.int64, device=device)), 1)
+    work = torch.stack((words, combos), -1)  # [b, L + 1, 2]: reduced column, the original columns it sums
     for k in range(erasures):
-        col = columns[:, k]
+        head = work[:, k]
+        col = head[:, 0]
         p = col & -col  # the lowest set bit; 0 for a dependent column
-        pivots[:, k] = p
-        later = columns[:, k + 1 :]
-        hit = (later & p[:, None]) != 0
-        later ^= torch.where(hit, col[:, None], 0)
-        combo[:, k + 1 :] ^= torch.where(hit, combo[:, k : k + 1], 0)
-    t = target.clone()
-    solution = torch.zeros(b, dtype=torch.int64, device=device)
-    for k in range(erasures):  # pivot bit k is in no later column, and the earlier ones were taken out of t
-        use = (t & pivots[:, k]) != 0
-        t ^= torch.where(use, columns[:, k], 0)
-        solution ^= torch.where(use, combo[:, k], 0)
-    ok = t == 0
-    solution = torch.where(ok, solution, 0)
-    flips = ((solution[:, None] & unit) != 0).to(torch.uint8)
-    return flips, ok, _bit_length(solution)
+        later = work[:, k + 1 :]
+        later ^= head[:, None] * ((later[..., 0] & p[:, None]) != 0)[..., None]
+    ok = work[:, erasures, 0] == 0
+    return torch.where(ok, work[:, erasures, 1], 0), ok
 
 
 def _bit_length(words: Tensor) -> Tensor:
@@ -171,6 +199,19 @@ def _bit_length(words: Tensor) -> Tensor:
         up = (words >> (length + step)) != 0
         length += step * up
     return length + (words != 0)
+
+
+# Cells of ``b = 4 |y|`` (``y = x / unit``, clamped at 4 * 6): every E2M1
+# rounding boundary (the midpoints of E2M1_VALUES, x4: 1, 3, 5, 7, 10, 14, 20) is
+# an integer, so on cell ``k = floor(b)`` the rounded magnitude index and the
+# boundaries either side are constant: one table lookup each instead of a
+# dozen elementwise passes. Below 0 and above 24 the "boundaries" -1 and 28
+# are never nearer than the real one on the other side.
+_BOUNDARIES4 = [2 * (lo + hi) for lo, hi in zip(E2M1_VALUES, E2M1_VALUES[1:])]
+_CELL_INDEX = [sum(boundary <= k for boundary in _BOUNDARIES4) for k in range(4 * int(E2M1_MAX) + 1)]
+_CELL_LOW = torch.tensor([([-1.0] + _BOUNDARIES4)[n] for n in _CELL_INDEX])
+_CELL_HIGH = torch.tensor([(_BOUNDARIES4 + [4 * E2M1_MAX + 4])[n] for n in _CELL_INDEX])
+_CELL_BIT = torch.tensor([n & 1 for n in _CELL_INDEX], dtype=torch.uint8)
 
 
 def code_side_info(x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -183,24 +224,30 @@ def code_side_info(x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tens
     ordering put the disagreements in fewer of the least reliable positions
     than either alternative).
 
-    How: ``q(a)`` maps the E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 onto
-    0..7 piecewise linearly (slope 2 below 2, 1 up to 4, 1/2 above), so every
-    rounding boundary lands on a half-integer; ``round(q)`` (half to even, as
-    E2M1 rounds its ties) is the magnitude index, and the boundaries either
-    side are ``round(q) -+ 0.5`` mapped back (magnitudes clamp at 6)."""
-    xb = blocked(x.float(), fmt.block_size)
-    units = scale_units(fmt, scales, global_scale).unsqueeze(-1)  # [..., blocks, 1]
-    a = (xb / units).abs_().clamp_(max=E2M1_MAX)
-    n = torch.round(2 * a - (a - 2).clamp_(min=0) - 0.5 * (a - 4).clamp_(min=0))
-    distance = torch.minimum(a - _magnitude_at(n - 0.5), _magnitude_at(n + 0.5) - a)
-    row_amax = x.float().abs().amax(-1, keepdim=True).unsqueeze(-1)  # [..., 1, 1]
-    distance *= units / row_amax
-    return (n.to(torch.uint8) & 1).reshape(x.shape), distance.reshape(x.shape)
+    How: in ``b = 4 |x / unit|`` every rounding boundary is an integer, so the
+    cell ``floor(b)`` gives the low bit and both boundaries by table lookup
+    (:data:`_CELL_LOW`, ...). A value exactly on a boundary is a tie: distance 0
+    and, as E2M1 rounds ties to the even code, low bit 0. Rows are done in
+    cache-sized chunks (:func:`~.reference._each_chunk`)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    quarter = scale_units(fmt, scales.reshape(len(x2), -1), global_scale).div_(4).unsqueeze(-1)  # [rows, blocks, 1]
+    low = torch.empty(x2.shape, dtype=torch.uint8, device=x.device)
+    distance = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
+    tables = [t.to(x.device) for t in (_CELL_LOW, _CELL_HIGH, _CELL_BIT)]
 
+    def chunk(rows: slice) -> None:
+        b = torch.div(blocked(x2[rows], fmt.block_size), quarter[rows]).abs_()  # float32 for any x dtype
+        # the row's amax (|x| to within a rounding of each element): relative distances
+        relative = quarter[rows] / (b.amax(-1, keepdim=True) * quarter[rows]).amax(-2, keepdim=True)
+        cell = b.clamp_(max=4 * E2M1_MAX).int().clamp_(0, 4 * int(E2M1_MAX)).view(-1)  # NaN: any int, clamped
+        under, over, bit = (t.index_select(0, cell).view(b.shape) for t in tables)
+        d = torch.minimum(torch.sub(b, under, out=under), torch.sub(over, b, out=over), out=under)
+        torch.mul(bit, d > 0, out=low[rows].view(b.shape))
+        torch.mul(d, relative, out=distance[rows].view(b.shape))
 
-def _magnitude_at(q: Tensor) -> Tensor:
-    """The inverse of ``code_side_info``'s map: the magnitude whose ``q`` this is."""
-    return q / 2 + (q - 4).clamp(min=0) / 2 + (q - 6).clamp(min=0)
+    _each_chunk(chunk, *x2.shape)
+    return low.view(shape), distance.view(shape)
 
 
 def scale_side_info(x: Tensor, fmt: FP4Format, global_scale: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -210,7 +257,7 @@ def scale_side_info(x: Tensor, fmt: FP4Format, global_scale: Tensor | None) -> t
     (+inf where no other scale is possible: all-zero or non-finite blocks,
     saturation). Adjacent scale bytes differ in their lowest bit, so the
     rollout's low scale bit picks one of the two."""
-    amax = blocked(x.float(), fmt.block_size).abs().amax(-1)
+    amax = block_amaxes(blocked(x, fmt.block_size).reshape(-1, fmt.block_size)).view(*x.shape[:-1], -1)
     if fmt.has_global_scale:
         v = amax / (E2M1_MAX * global_scale)
         own = nvfp4_scales(amax, global_scale).view(torch.uint8)

@@ -148,7 +148,8 @@ def test_rows_the_training_forward_lacks_are_unknowns():
 
 def test_rate_control():
     first = first_rate(0.25)
-    assert first == Rate(56, 8)
+    assert first == Rate(48, 16)  # a quarter of the block's 64 bits for its 16 scales
+    assert first_rate(0.0625) == Rate(16, 8) and first_rate(0.3125) == Rate(64, 16)
     assert choose_rates([(0, "moe_in")], None, first) == {(0, "moe_in"): first}
     seen = DecodeStats(first, blocks=100, failed=0)
     seen.code_needed[10] = 100
@@ -239,10 +240,10 @@ def test_rounds_decode_inline_and_the_next_round_chooses_its_rates(tmp_path):
     prefix = steps.store_prefix(config, "run", "guidance")
     m0, m1 = read_manifest(store, 0, prefix), read_manifest(store, 1, prefix)
     assert m0["codec"] == ["syndrome"] and m0["syndrome"]["previous_decode"] is None
-    assert all(rate == [56, 8] for rate in m0["syndrome"]["rates"].values())
+    assert all(rate == [48, 16] for rate in m0["syndrome"]["rates"].values())
     # the smoke model's training side agrees with its rollout: round 1 needs (and pays) far less
     assert m1["syndrome"]["previous_decode"] == steps.read_decode_stats(store, prefix, 0)
-    assert all(code < 56 for code, _ in m1["syndrome"]["rates"].values())
+    assert all(code < 48 for code, _ in m1["syndrome"]["rates"].values())
     assert second[0]["guidance_bits_per_element"] < first[0]["guidance_bits_per_element"]
 
 
@@ -273,6 +274,33 @@ def test_code_side_information_is_the_round_to_nearest_low_bit():
         # a value moved by less than its distance keeps its low bit
         nudged, _ = code_side_info(x + 0.9 * distance * x.abs().amax(1, keepdim=True), get_format(fmt), q.scales, gs)
         assert (nudged == low).float().mean() > 0.999
+
+
+def test_code_side_information_at_ties_and_saturation():
+    from tracefp4.kernels import code_side_info, get_format
+
+    # one NVFP4 block whose unit is 1 (scale 1.0 as E4M3 0x38, global scale 1): values are E2M1 magnitudes
+    boundaries = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
+    x = torch.tensor([[*boundaries, 0.0, 0.5, 1.6, 2.2, 4.4, 6.0, 7.5, -5.0, -0.7]])
+    one = torch.tensor([[0x38]], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    low, distance = code_side_info(x, get_format("nvfp4"), one, torch.tensor(1.0))
+    assert low[0, :7].tolist() == [0] * 7 and distance[0, :7].tolist() == [0.0] * 7  # ties: the even code, no margin
+    # 0 -> 0, 0.5 -> 1, 1.6 -> 1.5 (3), 2.2 -> 2 (4), 4.4 -> 4 (6), 6 and 7.5 -> 6 (7), -5 -> 4 (tie), -0.7 -> 0.5
+    assert low[0, 7:].tolist() == [0, 1, 1, 0, 0, 1, 1, 0, 1]
+    margins = torch.tensor([0.25, 0.25, 0.15, 0.3, 0.6, 1.0, 1.0, 0.0, 0.05]) / 7.5  # relative to the row's amax
+    assert torch.allclose(distance[0, 7:], margins, atol=1e-6)
+
+
+def test_syndrome_words_are_the_matrix_product():
+    from tracefp4.kernels.syndrome import syndrome_words
+
+    g = torch.Generator().manual_seed(7)
+    for n, rows in ((256, 64), (16, 16), (24, 8), (13, 40), (1, 8)):  # whole and partial bytes, up to 64 rows
+        bits = torch.randint(0, 2, (50, n), generator=g, dtype=torch.uint8)
+        h = parity_matrix(rows, n, 1)
+        product = (bits.float() @ h.float().T).long() & 1
+        assert torch.equal(syndrome(bits, h), product.to(torch.uint8))
+        assert torch.equal(syndrome_words(bits, h), (product << torch.arange(rows)).sum(1))
 
 
 def test_training_under_syndrome_guidance_routes_as_the_rollout():
