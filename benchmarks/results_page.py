@@ -46,6 +46,11 @@ PAPER_BITS = "R-1bit-L40 75.8 vs R-4bit-L40 75.9 (avg accuracy)"
 PAPER_DEEPER = "R-1bit-L20 (deeper 20 of 40 layers) 75.3 vs R-1bit-L40 75.8"
 SOURCE = {"science.json": "section 1 (science.json)", "alignment.json": "section 2 (alignment.json)"}
 PENDING = {  # repro.py outputs the page renders once committed: what each measures, the command that writes it
+    "repro-syndrome.json": (
+        "syndrome guidance against R-4bit, every layer guided, in the same on-policy RL loop",
+        "python benchmarks/repro.py --runs trace-r4-all trace-syndrome-all --precision bf16 --output "
+        "docs/results/repro-syndrome.json",
+    ),
     "repro.json": (
         "TRACE against QAT and QUADS in the same on-policy RL loop, with per-step code mismatch",
         "python benchmarks/repro.py --precision bf16 --output docs/results/repro.json",
@@ -488,6 +493,14 @@ def repro_section(name: str, data: dict) -> tuple[str, str, list[str]]:
             lines.append(
                 f"- {n}: {label} removes {100 * share:.1f}% of what R-4bit on all layers removes of QAT's code "
                 "mismatch (halves differ from all layers in coverage, not bit depth: section 2)."
+            )
+        if syndrome := data.get("syndrome_vs_r4", {}).get(n):
+            ratio = syndrome["logprob_abs_diff_ratio"]
+            lines.append(
+                f"- {n}: the syndrome codec on all layers has {ratio:.3f}x the mean |logprob diff| of R-4bit on all "
+                f"layers (issue #18's target: at most 1.10, {'met' if ratio <= 1.10 else 'not met'}) at "
+                f"{syndrome['bits_per_element']:.3f} bit per element, {100 * syndrome['decode_failed_share']:.2f}% of "
+                "blocks failing to decode (they round to nearest, counted)."
             )
     if any(mean(rows, "code_mismatch") is None for h in data["histories"].values() for rows in h.values()):
         lines.append("- code mismatch `-`: the method's training path has no FP4 activations to compare (QUADS).")
