@@ -16,8 +16,8 @@ pairs, the train-rollout |logprob diff| over steps, and plots.
     python benchmarks/science.py --bootstrap-only --seeds 1 --train-size 2353 --sft-lr 0.001 \
         --output docs/results/bootstrap_probe.json   # the bootstrap alone under other levers: a results-page section
 
-The science preset: the tiny model on countdown at difficulty 1 (2,853
-distinct problems: 500 held out, 2,000 to train on; arithmetic at difficulty 1
+The science preset: the tiny model on countdown at difficulty 1 (the
+generator yields 2,700 distinct problems but not 2,800: 500 held out, 2,000 to train on; arithmetic at difficulty 1
 has only 300, and at difficulty 2 a probe reached only 5.8% after 720 SFT
 steps), bootstrap SFT stopping early once greedy accuracy on 64 test prompts
 reaches 30% (the tiny preset's 480 steps reach 38% on countdown), so RL
