@@ -2,6 +2,7 @@
 against the rollout's captures, and the GRPO / TIS loss."""
 
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -72,23 +73,27 @@ def training_pass(engine, out, mb, method, record=False):
     return batch, sites, logprobs, capture.drain() if capture else None
 
 
+def against_rollout(engine, out, records, mb, method) -> SimpleNamespace:
+    """One training pass of ``method`` set against the rollout it replays: its
+    alignment metrics, the share of captured codes it rounded differently, its
+    guidance coverage and its own capture."""
+    batch, sites, logprobs, codes = training_pass(engine, out, mb, method, record=True)
+    report = compare(records, codes)
+    return SimpleNamespace(
+        metrics=alignment_metrics(logprobs, batch.rollout_logprobs, batch.response),
+        mismatched=sum(m.mismatched for m in report.values()) / sum(m.elements for m in report.values()),
+        coverage=sites.coverage,
+        codes=codes,
+    )
+
+
 def test_trace_aligns_training_with_rollout_better_than_qat(step):
     engine, out, records, mb = step
-    results = {}
-    for method in ("qat", "trace"):
-        batch, sites, logprobs, codes = training_pass(engine, out, mb, method, record=True)
-        report = compare(records, codes)
-        mismatched = sum(m.mismatched for m in report.values()) / sum(m.elements for m in report.values())
-        results[method] = (
-            alignment_metrics(logprobs, batch.rollout_logprobs, batch.response),
-            mismatched,
-            sites.coverage,
-        )
-    qat, trace = results["qat"], results["trace"]
-    assert trace[2].rate > 0.9 and qat[2].rate == 0.0  # guided wherever the same expert was routed
-    assert trace[1] < 0.1 * qat[1]  # codes: the training path now rounds as the rollout did
-    assert trace[0]["logprob_abs_diff_mean"] < qat[0]["logprob_abs_diff_mean"]
-    assert trace[0]["k3_kl"] < qat[0]["k3_kl"]
+    qat, trace = (against_rollout(engine, out, records, mb, method) for method in ("qat", "trace"))
+    assert trace.coverage.rate > 0.9 and qat.coverage.rate == 0.0  # guided wherever the same expert was routed
+    assert trace.mismatched < 0.1 * qat.mismatched  # codes: the training path now rounds as the rollout did
+    assert trace.metrics["logprob_abs_diff_mean"] < qat.metrics["logprob_abs_diff_mean"]
+    assert trace.metrics["k3_kl"] < qat.metrics["k3_kl"]
 
 
 @pytest.mark.parametrize("preset", ["smoke", "tiny-qwen35"])
@@ -195,16 +200,10 @@ def test_trace_reproduces_a_per_token_rollout(per_token_step):
     """RTN recomputes each row's scale from the training values; guided rounding
     takes the rollout's row scales and codes, and so rounds as the rollout did."""
     engine, out, records, mb = per_token_step
-    results = {}
-    for method in ("qat", "trace"):
-        batch, sites, logprobs, codes = training_pass(engine, out, mb, method, record=True)
-        report = compare(records, codes)
-        mismatched = sum(m.mismatched for m in report.values()) / sum(m.elements for m in report.values())
-        results[method] = (alignment_metrics(logprobs, batch.rollout_logprobs, batch.response), mismatched, codes)
-    qat, trace = results["qat"], results["trace"]
-    assert trace[1] < 0.1 * qat[1]
-    assert trace[0]["logprob_abs_diff_mean"] < qat[0]["logprob_abs_diff_mean"]
-    for (layer, site), table in trace[2].tables.items():  # the training capture holds the scales it used
+    qat, trace = (against_rollout(engine, out, records, mb, method) for method in ("qat", "trace"))
+    assert trace.mismatched < 0.1 * qat.mismatched
+    assert trace.metrics["logprob_abs_diff_mean"] < qat.metrics["logprob_abs_diff_mean"]
+    for (layer, site), table in trace.codes.tables.items():  # the training capture holds the scales it used
         if site == "moe_in":  # every row guided: the rollout's own scales
             rollout = records.tables[(layer, site)]
             assert torch.equal(table.row_global_scales, rollout.row_global_scales)
