@@ -77,16 +77,6 @@ def ci_abs(ci: list[float], spec: str = "+.4f") -> str:
     return f"[{ci[0]:{spec}}, {ci[1]:{spec}}]"
 
 
-def verdict_of(ci: list[float], expect: str) -> str:
-    """``expect`` "<" or ">": the claimed sign of a difference."""
-    low, high = ci
-    if (low > 0 and expect == ">") or (high < 0 and expect == "<"):
-        return "holds"
-    if low <= 0 <= high:
-        return science.NOT_SEPARABLE
-    return science.NOT_HELD
-
-
 # -- science.json: accuracy ----------------------------------------------------------------------------------------
 
 
@@ -157,7 +147,7 @@ def science_claims(data: dict) -> list[dict]:
                 "claim": "TRACE's training path stays closer to its FP4 rollout than QAT's (|logprob diff| over RL)",
                 "paper": PAPER_ALIGNED,
                 "ours": f"TRACE - QAT {t['difference']:+.4f} {ci_abs(t['ci95'])}, {t['pairs']} (seed, step) pairs",
-                "verdict": verdict_of(t["ci95"], "<"),
+                "verdict": science.verdict_of(t["ci95"], "<"),
                 "why": f"TRACE runs the preset's guidance ({setup['guidance']}), which rounds those layers' "
                 "values to the rollout's codes at every step; section 2 measures what each coverage removes",
                 "source": SOURCE["science.json"],
@@ -168,7 +158,7 @@ def science_claims(data: dict) -> list[dict]:
                 "claim": "QAT's |logprob diff| grows over training",
                 "paper": PAPER_ALIGNED,
                 "ours": f"last fifth - first fifth of {g['steps']} steps {g['difference']:+.4f} {ci_abs(g['ci95'])}",
-                "verdict": verdict_of(g["ci95"], ">"),
+                "verdict": science.verdict_of(g["ci95"], ">"),
                 "why": (
                     f"{g['steps']} steps at learning rate {setup['lr']:g} move the policy little; the paper's drift "
                     "comes from a long RL run on a 35B model"

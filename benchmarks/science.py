@@ -57,6 +57,16 @@ BAND = (0.30, 0.50)
 OUTPUT = Path("docs/results/science.json")
 
 
+def verdict_of(ci: list[float], expect: str) -> str:
+    """``expect`` "<" or ">": the claimed sign of a difference, judged by its 95% interval."""
+    low, high = ci
+    if (low > 0 and expect == ">") or (high < 0 and expect == "<"):
+        return "holds"
+    if low <= 0 <= high:
+        return NOT_SEPARABLE
+    return NOT_HELD
+
+
 def science_config(
     seed: int,
     rounds: int,
@@ -286,12 +296,8 @@ def claims(data: dict) -> list[dict]:
             verdict = f"too few prompts ({d['pairs']} < {MIN_PAIRS})"
         elif kind == "~":
             verdict = "holds" if -CLOSE <= low and high <= CLOSE else NOT_SEPARABLE if low <= 0 <= high else NOT_HELD
-        elif low > 0:
-            verdict = "holds"
-        elif high < 0:
-            verdict = NOT_HELD
         else:
-            verdict = NOT_SEPARABLE
+            verdict = verdict_of(d["ci95"], ">")
         out.append({"claim": claim, "paper": paper, **d, "verdict": verdict})
     return out
 

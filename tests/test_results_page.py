@@ -116,4 +116,4 @@ def test_check_mode_fails_on_a_stale_page(tmp_path):
     ],
 )
 def test_verdicts_follow_the_interval(ci, expect, verdict):
-    assert results_page.verdict_of(ci, expect) == verdict
+    assert results_page.science.verdict_of(ci, expect) == verdict
