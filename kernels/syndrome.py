@@ -32,9 +32,11 @@ import torch
 from torch import Tensor
 
 from .formats import E2M1_MAX, E2M1_VALUES, E4M3_MAX, E8M0_NAN, FP4Format
+from .fp4 import HAS_TRITON
 from .reference import _each_chunk, block_amaxes, blocked, mxfp4_scales, nvfp4_scales, scale_units
 
 MAX_ERASURES = 62  # unknowns per block: a bit mask of them fits a non-negative int64
+TIERS = (8, 24)  # unknowns tried before all of them (:func:`_tiers`)
 _MASK32 = 0xFFFFFFFF
 
 
@@ -76,7 +78,11 @@ def syndrome_words(bits: Tensor, matrix: Tensor) -> Tensor:
     byte position (the XOR of the matrix columns its set bits name), one lookup
     per byte, and an XOR over a block's bytes: integer work on an eighth of the
     elements (a float matmul over every bit cost as much as the rest of the
-    encoder)."""
+    encoder). CUDA tensors go to :mod:`.triton_syndrome`."""
+    if bits.is_cuda and HAS_TRITON:
+        from . import triton_syndrome
+
+        return triton_syndrome.syndrome_words(bits, matrix)
     rows, n = matrix.shape
     if rows > 64:
         raise ValueError(f"at most 64 parity bits a block (one int64 word), got {rows}")
@@ -116,8 +122,12 @@ def solve_erasures(
     the erasures it needed (1 + the reliability rank of its last corrected
     position; 0 when the guess was right): what rate control learns from.
     Blocks are solved ``chunk`` at a time, so that the elimination's working
-    set stays in the CPU's cache.
+    set stays in the CPU's cache. CUDA tensors go to :mod:`.triton_syndrome`.
     """
+    if guess.is_cuda and HAS_TRITON:
+        from . import triton_syndrome
+
+        return triton_syndrome.solve_erasures(guess, reliability, parity, matrix, erasures)
     rows = parity.shape[1]
     erasures = min(erasures, guess.shape[1], MAX_ERASURES)
     if erasures > rows:
@@ -151,7 +161,7 @@ def _tiers(erasures: int) -> list[int]:
     fewer unknowns has the same solution as with all (the system's solution is
     unique when consistent, up to the check's 2^-check), and more of its
     equations checked it."""
-    return [t for t in (8, 24) if t < erasures] + [erasures]
+    return [t for t in TIERS if t < erasures] + [erasures]
 
 
 def pack_words(bits: Tensor) -> Tensor:

@@ -133,3 +133,69 @@ def test_per_row_global_scales(tk, dtype):
         reference.fake_quantize_guided(train, NVFP4, scales, g, low, 1),
         tk.fake_quantize_guided(train, NVFP4, scales, g, low, 1),
     )
+
+
+@pytest.fixture(scope="module")
+def ts():
+    from tracefp4.kernels import triton_syndrome
+
+    return triton_syndrome
+
+
+@pytest.mark.parametrize("rows,n", [(8, 16), (40, 100), (64, 256), (24, 1000)])
+def test_syndrome_words(ts, rows, n):
+    """Blocks of a few to a thousand elements (one block per program), odd sizes, a 64-bit word's sign bit."""
+    from tracefp4.kernels.syndrome import parity_matrix, syndrome_words
+
+    bits = torch.randint(0, 2, (37, n), generator=torch.Generator().manual_seed(n), dtype=torch.uint8).to(DEVICE)
+    h = parity_matrix(rows, n, 1)
+    assert_same_bits(syndrome_words(bits.cpu(), h).to(DEVICE), ts.syndrome_words(bits, h))
+
+
+def erasure_blocks(nb: int, n: int, seed: int, deepest: int):
+    """Truth, a guess with flips at reliability ranks below ``deepest`` (some
+    blocks also one flip at a sure position: those fail), distinct reliabilities."""
+    g = torch.Generator().manual_seed(seed)
+    truth = torch.randint(0, 2, (nb, n), generator=g, dtype=torch.uint8)
+    reliability = torch.randperm(nb * n, generator=g).float().view(nb, n) / (nb * n)
+    rank = reliability.argsort(1).argsort(1)
+    flips = (rank < torch.randint(0, deepest + 1, (nb, 1), generator=g)) & (torch.rand(nb, n, generator=g) < 0.3)
+    flips[: nb // 5] |= rank[: nb // 5] == n - 1  # beyond every tier's unknowns
+    return truth, truth ^ flips.to(torch.uint8), reliability
+
+
+@pytest.mark.parametrize("n,rows,erasures", [(256, 64, 56), (256, 16, 8), (96, 40, 30), (600, 32, 24), (20, 64, 56)])
+def test_solve_erasures(ts, n, rows, erasures):
+    """Bits, failures and erasures needed as the reference's, over every tier
+    (flips at reliability ranks up to the last unknown) and blocks that fail;
+    several blocks a program and one wide block a program; fewer elements than unknowns."""
+    from tracefp4.kernels.syndrome import parity_matrix, solve_erasures, syndrome
+
+    truth, guess, reliability = erasure_blocks(32, n, seed=n + rows, deepest=min(erasures, n))
+    h = parity_matrix(rows, n, 3)
+    parity = syndrome(truth, h)
+    expected = solve_erasures(guess, reliability, parity, h, erasures)
+    got = ts.solve_erasures(guess.to(DEVICE), reliability.to(DEVICE), parity.to(DEVICE), h, erasures)
+    for e, t in zip(expected, got):
+        assert_same_bits(e.to(DEVICE), t)
+    bits, ok, needed = expected
+    assert ok.sum() >= 16 and ((~ok).sum() >= 4 or n <= erasures)  # both kinds of block, unless all are unknowns
+    assert (needed > 8).any() or erasures <= 8
+
+
+def test_solve_erasures_with_equal_reliabilities(ts):
+    """Unknown (-inf) and certain (+inf) positions tie among themselves: the
+    blocks decode to the same bits (the order of tied unknowns is free)."""
+    from tracefp4.kernels.syndrome import parity_matrix, solve_erasures, syndrome
+
+    truth, guess, reliability = erasure_blocks(32, 256, seed=9, deepest=20)
+    reliability[:, :5] = -math.inf
+    guess[:, :5] = 0
+    reliability[:, 200:] = math.inf
+    h = parity_matrix(64, 256, 1)
+    parity = syndrome(truth, h)
+    e_bits, e_ok, _ = solve_erasures(guess, reliability, parity, h, 56)
+    bits, ok, _ = ts.solve_erasures(guess.to(DEVICE), reliability.to(DEVICE), parity.to(DEVICE), h, 56)
+    assert_same_bits(e_bits.to(DEVICE), bits)
+    assert_same_bits(e_ok.to(DEVICE), ok)
+    assert e_ok.sum() >= 12 and (~e_ok).sum() >= 5
