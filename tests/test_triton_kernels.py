@@ -164,7 +164,9 @@ def erasure_blocks(nb: int, n: int, seed: int, deepest: int):
     return truth, truth ^ flips.to(torch.uint8), reliability
 
 
-@pytest.mark.parametrize("n,rows,erasures", [(256, 64, 56), (256, 16, 8), (96, 40, 30), (600, 32, 24), (20, 64, 56)])
+@pytest.mark.parametrize(
+    "n,rows,erasures", [(256, 64, 56), (256, 16, 8), (96, 40, 30), (600, 32, 24), (20, 64, 56), (64, 8, 0)]
+)
 def test_solve_erasures(ts, n, rows, erasures):
     """Bits, failures and erasures needed as the reference's, over every tier
     (flips at reliability ranks up to the last unknown) and blocks that fail;
@@ -181,6 +183,7 @@ def test_solve_erasures(ts, n, rows, erasures):
     bits, ok, needed = expected
     assert ok.sum() >= 16 and ((~ok).sum() >= 4 or n <= erasures)  # both kinds of block, unless all are unknowns
     assert (needed > 8).any() or erasures <= 8
+    assert erasures or torch.equal(ok, (parity == syndrome(guess, h)).all(1))  # no unknowns: the check alone
 
 
 def test_solve_erasures_with_equal_reliabilities(ts):
