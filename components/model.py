@@ -25,7 +25,7 @@ line of the model:
 - ``sites``: what happens at the quantization sites (routed-expert inputs,
   K/V); ``None`` leaves them in the compute dtype.
 
-Its matmuls (:class:`Linear`, the experts' ``bmm``) go through
+Its matmuls (:class:`Linear`, the experts' ``bmm``: :class:`ExpertRows`) go through
 :func:`.device.bf16_op`, so that a bf16 model on a CPU without bf16 units
 computes them in fp32 and rounds to bf16 instead of crawling.
 """
@@ -405,6 +405,51 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(e, i, h))
 
 
+def grouped_matmuls(x: Tensor, weights: Tensor) -> bool:
+    """Whether a MoE layer multiplies its rows by their experts' weights with
+    ``F.grouped_mm``: bf16 on a CUDA device of SM 8.0 or later (what it supports)."""
+    bf16 = x.dtype == weights.dtype == torch.bfloat16
+    return x.is_cuda and bf16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+
+
+class ExpertRows:
+    """The rows of a MoE layer, one per (token, slot) (row r = token r // k,
+    slot r % k), each multiplied by its expert's weights in one batched op.
+
+    Where :func:`grouped_matmuls` (CUDA): the rows sorted by expert, one
+    ``F.grouped_mm`` over the jagged groups; the group offsets never leave the
+    device, so a step needs no host sync and a CUDA graph captures it without
+    room to spare. Elsewhere: a zero-padded grid ``[E, width, .]`` (each row at
+    its expert and its rank among that expert's rows; ``width`` the busiest
+    expert's rows) and one ``bmm`` (on the CPU faster than ``grouped_mm``,
+    which runs there expert by expert); a CUDA graph capture cannot read the
+    width from the device, so there every expert gets room for every row."""
+
+    def __init__(self, experts: Tensor, n_experts: int, grouped: bool):
+        self.flat, self.n_experts, self.grouped = experts.reshape(-1), n_experts, grouped
+        flat = self.flat
+        if grouped:
+            self.order = torch.argsort(flat, stable=True)  # rows by expert, in row order within each
+            self.unsort = torch.empty_like(self.order)
+            self.unsort[self.order] = torch.arange(len(flat), device=flat.device)
+            counts = torch.zeros(n_experts, dtype=torch.int32, device=flat.device)
+            self.offsets = counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(
+                0, dtype=torch.int32
+            )
+        else:
+            self.rank = F.one_hot(flat, n_experts).cumsum(0).gather(1, flat[:, None])[:, 0] - 1
+            capturing = flat.is_cuda and torch.cuda.is_current_stream_capturing()
+            self.width = len(flat) if capturing else int(self.rank.max()) + 1
+
+    def matmul(self, rows: Tensor, weights: Tensor) -> Tensor:
+        """``rows [T*k, in]`` times their experts' ``weights [E, in, out]``: ``[T*k, out]``, in row order."""
+        if self.grouped:
+            return F.grouped_mm(rows[self.order], weights, offs=self.offsets)[self.unsort]
+        grid = rows.new_zeros(self.n_experts, self.width, rows.shape[-1])
+        grid[self.flat, self.rank] = rows
+        return bf16_op(torch.bmm, grid, weights)[self.flat, self.rank]
+
+
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -438,24 +483,14 @@ class MoE(nn.Module):
         if sites is not None:
             w_gate_up, w_down = sites.expert_weights(layer, w_gate_up, w_down)
             xq = sites.moe_in(layer, x)
-        # each (token, slot) row gets a cell of a zero-padded grid [E, width, .]:
-        # its expert, and its rank among that expert's rows; then every expert
-        # runs in one batched matmul
-        k, n_experts = self.cfg.top_k, self.cfg.num_experts
-        flat = experts.reshape(-1)  # row r = token r // k, slot r % k
-        rank = F.one_hot(flat, n_experts).cumsum(0).gather(1, flat[:, None])[:, 0] - 1
-        # a CUDA graph capture cannot read the device: there every expert gets room for every token
-        width = flat.numel() if x.is_cuda and torch.cuda.is_current_stream_capturing() else int(rank.max()) + 1
-        grid = x.new_zeros(n_experts, width, h)
-        grid[flat, rank] = xq[:, None].expand(-1, k, -1).reshape(-1, h)
-        gate, up = bf16_op(torch.bmm, grid, w_gate_up).chunk(2, dim=-1)
-        inter = (F.silu(gate) * up)[flat, rank]  # [T*k, I]
+        k = self.cfg.top_k
+        expert_rows = ExpertRows(experts, self.cfg.num_experts, grouped_matmuls(xq, w_gate_up))
+        gate, up = expert_rows.matmul(xq[:, None].expand(-1, k, -1).reshape(-1, h), w_gate_up).chunk(2, dim=-1)
+        inter = F.silu(gate) * up  # [T*k, I]: row r = token r // k, slot r % k
         if sites is not None:
-            rows = torch.arange(flat.numel(), device=x.device)
-            inter = sites.moe_down_in(layer, inter, rows // k, rows % k, flat)
-        grid = inter.new_zeros(n_experts, width, inter.shape[-1])
-        grid[flat, rank] = inter
-        out = bf16_op(torch.bmm, grid, w_down)[flat, rank].view(-1, k, h)  # [T, k, H]
+            rows = torch.arange(inter.shape[0], device=x.device)
+            inter = sites.moe_down_in(layer, inter, rows // k, rows % k, expert_rows.flat)
+        out = expert_rows.matmul(inter, w_down).view(-1, k, h)  # [T, k, H]
         routed = (out * weights[..., None]).sum(1)
         if self.cfg.shared_expert_intermediate_size:
             routed = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

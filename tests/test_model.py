@@ -129,3 +129,35 @@ def test_quantization_sites():
         rollout_config("fp3")
     with pytest.raises(ValueError, match="kv format 'fp8'"):
         QuantConfig(kv="fp8")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_expert_matmuls_equal_the_padded_grid(monkeypatch, dtype):
+    """The CUDA layout of the experts' matmuls (rows sorted by expert, one
+    ``F.grouped_mm``; it also runs on the CPU) gives the padded grid's logits
+    and gradients, here forced on the CPU; so does the rollout engine with
+    FP4 sites, token for token."""
+    from tracefp4.components import model as model_module
+    from tracefp4.components.rollout import SamplingParams, TorchEngine
+
+    model = build_model("smoke", seed=3, dtype=dtype)
+    tokens = torch.randint(0, model.cfg.vocab_size, (3, 11), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(11).expand(3, -1)
+    prompts = tokens[:, :5].tolist()
+
+    def run():
+        model.zero_grad()
+        logits = model(tokens, positions)
+        logits.float().logsumexp(-1).sum().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        engine = TorchEngine(model, rollout_config("fp4_wa_kv"))
+        sampled = engine.generate(prompts, SamplingParams(max_new_tokens=6, seed=1))
+        return logits.detach(), grads, [(t.response, t.logprobs) for t in sampled]
+
+    grid = run()
+    monkeypatch.setattr(model_module, "grouped_matmuls", lambda x, w: True)
+    grouped = run()
+    torch.testing.assert_close(grouped[0], grid[0], rtol=0, atol=0)
+    for name in grid[1]:
+        torch.testing.assert_close(grouped[1][name], grid[1][name], rtol=1e-5, atol=1e-6, msg=name)
+    assert grouped[2] == grid[2]
