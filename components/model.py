@@ -407,9 +407,11 @@ class Experts(nn.Module):
 
 def grouped_matmuls(x: Tensor, weights: Tensor) -> bool:
     """Whether a MoE layer multiplies its rows by their experts' weights with
-    ``F.grouped_mm``: bf16 on a CUDA device of SM 8.0 or later (what it supports)."""
+    ``F.grouped_mm``: what it supports, bf16 on a CUDA device of SM 8.0 or
+    later, with rows of whole 16 bytes (dimensions multiples of 8)."""
     bf16 = x.dtype == weights.dtype == torch.bfloat16
-    return x.is_cuda and bf16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    aligned = weights.shape[-1] % 8 == 0 and weights.shape[-2] % 8 == 0
+    return x.is_cuda and bf16 and aligned and torch.cuda.get_device_capability(x.device) >= (8, 0)
 
 
 class ExpertRows:
