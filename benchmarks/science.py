@@ -39,8 +39,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from tracefp4.components import steps  # noqa: E402
+from tracefp4.components.bootstrap import accuracy  # noqa: E402
 from tracefp4.components.evaluation import evaluate  # noqa: E402
+from tracefp4.components.model import build_model  # noqa: E402
 from tracefp4.components.stats import paired_bootstrap, wilson_interval  # noqa: E402
+from tracefp4.components.tokenizer import build_tokenizer  # noqa: E402
 from tracefp4.schemas import RunConfig, get_preset  # noqa: E402
 
 METHODS = ("bf16", "qat", "quads", "trace", "tis_sc")
@@ -50,9 +53,11 @@ NOT_HELD, NOT_SEPARABLE = "does not hold at this scale", "not separable at this 
 MIN_PAIRS = 100  # below this a bootstrap interval of 0/1 scores can collapse to a point: no verdict
 
 
-# The bootstrap's levers (--train-size, --sft-steps, --sft-lr; None: the tiny preset's learning rate), and the
-# band issue #19 asks the base to start in, so that RL has room both ways.
-SFT = {"train_size": 2000, "sft_steps": 2000, "sft_lr": None}
+# The bootstrap's levers (--train-size, --sft-steps, --sft-lr, --sft-weight-decay, --sft-extra; None: the tiny
+# preset's learning rate), and the band issue #19 asks the base to start in, so that RL has room both ways.
+SFT = {"train_size": 2000, "sft_steps": 2000, "sft_lr": None, "sft_weight_decay": 0.0, "sft_extra": 0}
+EXTRA_DIFFICULTY = 2  # --sft-extra's countdown problems: 3 numbers up to 25, a superset of difficulty 1's up to 10
+TRAIN_PROBES = 500  # a probe's greedy accuracy on this many training problems: memorization against learning
 BAND = (0.30, 0.50)
 OUTPUT = Path("docs/results/science.json")
 
@@ -73,11 +78,16 @@ def science_config(
     train_size: int = SFT["train_size"],
     sft_steps: int = SFT["sft_steps"],
     sft_lr: float | None = SFT["sft_lr"],
+    sft_weight_decay: float = SFT["sft_weight_decay"],
+    sft_extra: int = SFT["sft_extra"],
 ) -> RunConfig:
     data = get_preset("tiny").model_dump()
     data.update(name="science", seed=seed)
     data["tasks"] = [{"name": "countdown", "difficulty": 1, "train_size": train_size, "test_size": 500}]
     data["bootstrap"].update(steps=sft_steps, target_accuracy=0.3, eval_every=100, eval_prompts=64)
+    data["bootstrap"].update(weight_decay=sft_weight_decay)
+    if sft_extra:
+        data["bootstrap"]["extra_problems"] = [{"name": "countdown", "difficulty": EXTRA_DIFFICULTY, "size": sft_extra}]
     if sft_lr is not None:
         data["bootstrap"]["learning_rate"] = sft_lr
     data["evaluation"].update(test_prompts=500, samples_per_prompt=2, discrepancy_prompts=8)
@@ -173,49 +183,63 @@ def run(args) -> dict:
 
 
 def probe(args) -> dict:
-    """Only the bootstrap, per seed, under the given levers: does the base land in the band? Each seed's figures
-    go to the JSON as soon as they exist, with the section results_page.py shows."""
+    """Only the bootstrap, per seed, under the given levers: does the base land in the band? Beside its greedy
+    accuracy on the held-out prompts, the same on the first TRAIN_PROBES training problems of the run's task (not
+    the extra ones), through the same code path: far above held-out is memorization. Each seed's figures go to the
+    JSON as soon as they exist, with the section results_page.py shows."""
     data = {"command": command_of(args), "bootstraps": {}}
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in range(args.seeds):
-            config = science_config(seed, args.rounds, **{k: getattr(args, k) for k in SFT})
-            data.setdefault("config", json.loads(config.model_dump_json(include={"tasks", "bootstrap", "model"})))
-            start = time.perf_counter()
-            bootstrap = steps.prepare(config, Path(tmp) / f"seed-{seed}", run_name(config))
-            data["bootstraps"][str(seed)] = bootstrap | {"seconds": time.perf_counter() - start}
-            data["section"] = probe_section(data)
-            _write(args.output, data)
-            print(f"seed {seed}: {bootstrap}", flush=True)
+    for seed in range(args.seeds):
+        config = science_config(seed, args.rounds, **{k: getattr(args, k) for k in SFT})
+        data.setdefault("config", json.loads(config.model_dump_json(include={"tasks", "bootstrap", "model"})))
+        start = time.perf_counter()
+        model = build_model(config.model.preset, seed=config.seed).to(steps.step_device(config))
+        tokenizer = build_tokenizer()
+        bootstrap = steps.run_bootstrap(config, model, tokenizer)
+        train = steps.problems(config)[0][:TRAIN_PROBES]
+        bootstrap["train_accuracy"] = accuracy(model, tokenizer, train, config.rollout.max_new_tokens)
+        data["bootstraps"][str(seed)] = bootstrap | {"seconds": time.perf_counter() - start}
+        data["section"] = probe_section(data)
+        _write(args.output, data)
+        print(f"seed {seed}: {bootstrap}", flush=True)
     return data
 
 
 def probe_section(data: dict) -> dict:
-    """The probe as a results-page section: per seed, the base's greedy accuracy with its Wilson interval."""
+    """The probe as a results-page section: per seed, the base's greedy accuracy with its Wilson interval, and on
+    training problems."""
     config = data["config"]
     boot, tasks = config["bootstrap"], config["tasks"]
     test = sum(t["test_size"] for t in tasks)
+    train = sum(t["train_size"] for t in tasks)
+    extra = "".join(
+        f" and {e['size']} {e['name']} problems at difficulty {e['difficulty']} (none a prompt of the split)"
+        for e in boot.get("extra_problems", [])
+    )
+    decay = f", AdamW weight decay {boot['weight_decay']:g}" if boot.get("weight_decay") else ""
     lines = [
         f"The bootstrap alone (no RL) under other settings than section 1's: {boot['steps']} SFT steps at most at "
-        f"learning rate {boot['learning_rate']:g} on {sum(t['train_size'] for t in tasks)} training problems, "
+        f"learning rate {boot['learning_rate']:g}{decay} on {train} training problems{extra}, "
         f"stopping early once greedy accuracy on the first {boot['eval_prompts']} held-out prompts reaches "
         f"{100 * boot['target_accuracy']:.0f}%. A setting that reaches the {100 * BAND[0]:.0f}-{100 * BAND[1]:.0f}% "
         "band is what the next science run should use: `python benchmarks/science.py --seeds 3 --rounds 12` with "
-        "the same `--train-size`, `--sft-steps` and `--sft-lr`.",
+        "the same levers (`--train-size`, `--sft-steps`, `--sft-lr`, `--sft-weight-decay`, `--sft-extra`).",
         "",
         f"| seed | SFT steps run | final SFT loss | base greedy accuracy ({test} held-out prompts) | 95% CI (Wilson) | "
-        "in band |",
-        "|---|---|---|---|---|---|",
+        f"in band | on {TRAIN_PROBES} training problems |",
+        "|---|---|---|---|---|---|---|",
     ]
     for seed, b in data["bootstraps"].items():
         acc = b["bootstrap_accuracy"]
         low, high = wilson_interval(round(acc * test), test)
+        on_train = f"{100 * b['train_accuracy']:.1f}%" if "train_accuracy" in b else "not measured"
         lines.append(
             f"| {seed} | {b['bootstrap_steps']} | {b['bootstrap_loss']:.3f} | {100 * acc:.1f}% | "
-            f"[{100 * low:.1f}, {100 * high:.1f}] | {'yes' if BAND[0] <= acc <= BAND[1] else 'no'} |"
+            f"[{100 * low:.1f}, {100 * high:.1f}] | {'yes' if BAND[0] <= acc <= BAND[1] else 'no'} | {on_train} |"
         )
+    extra_size = sum(e["size"] for e in boot.get("extra_problems", []))
     title = (
-        f"Bootstrap probe: {sum(t['train_size'] for t in tasks)} training problems, {boot['steps']} SFT steps at "
-        f"most, learning rate {boot['learning_rate']:g}"
+        f"Bootstrap probe: {train} training problems{f' + {extra_size} extra' if extra_size else ''}, "
+        f"{boot['steps']} SFT steps at most, learning rate {boot['learning_rate']:g}{decay}"
     )
     return {"title": title, "command": data["command"], "markdown": "\n".join(lines) + "\n"}
 
@@ -425,6 +449,13 @@ def main() -> None:
     parser.add_argument("--train-size", type=int, default=SFT["train_size"], help="countdown problems to train on")
     parser.add_argument("--sft-steps", type=int, default=SFT["sft_steps"], help="bootstrap SFT steps at most")
     parser.add_argument("--sft-lr", type=float, default=SFT["sft_lr"], help="bootstrap learning rate (the preset's)")
+    parser.add_argument("--sft-weight-decay", type=float, default=SFT["sft_weight_decay"], help="bootstrap AdamW decay")
+    parser.add_argument(
+        "--sft-extra",
+        type=int,
+        default=SFT["sft_extra"],
+        help=f"countdown difficulty {EXTRA_DIFFICULTY} problems the bootstrap also trains on (none a test prompt)",
+    )
     args = parser.parse_args()
     args.methods = args.methods.split(",")
     if args.quick:

@@ -145,10 +145,22 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
     return stats
 
 
-def run_bootstrap(config: RunConfig, model, tokenizer) -> dict:
-    """Bootstrap SFT of ``model`` (in place) on the run's train split, scored greedily on its test split."""
-    b = config.bootstrap
+def sft_problems(config: RunConfig) -> tuple[list[Problem], list[Problem]]:
+    """The bootstrap's train and test problems: the run's splits, and to train on besides,
+    ``bootstrap.extra_problems``, seeded, none with a prompt of the splits or of each other."""
     train, test = problems(config)
+    exclude = {p.prompt for p in train + test}
+    for extra in config.bootstrap.extra_problems:
+        train += get_task(extra.name).generate(extra.size, config.seed, extra.difficulty, frozenset(exclude))
+        exclude.update(p.prompt for p in train[-extra.size :])
+    return train, test
+
+
+def run_bootstrap(config: RunConfig, model, tokenizer) -> dict:
+    """Bootstrap SFT of ``model`` (in place) on the run's train split (and any extra problems), scored greedily
+    on its test split."""
+    b = config.bootstrap
+    train, test = sft_problems(config)
     history = sft.bootstrap(
         model,
         tokenizer,
@@ -159,6 +171,7 @@ def run_bootstrap(config: RunConfig, model, tokenizer) -> dict:
             batch_size=b.batch_size,
             learning_rate=b.learning_rate,
             warmup=b.warmup,
+            weight_decay=b.weight_decay,
             seed=config.seed,
             max_len=config.model.max_seq_len,
             target_accuracy=b.target_accuracy,

@@ -45,8 +45,8 @@ class Problem:
 class Task(Protocol):
     name: str
 
-    def generate(self, n: int, seed: int, difficulty: int) -> list[Problem]:
-        """``n`` problems with distinct prompts, the same for the same arguments."""
+    def generate(self, n: int, seed: int, difficulty: int, exclude: frozenset[str] = frozenset()) -> list[Problem]:
+        """``n`` problems with distinct prompts, none in ``exclude``, the same for the same arguments."""
         ...
 
     def reward(self, problem: Problem, response: str) -> float:
@@ -73,20 +73,23 @@ class _Generated(ABC):
     def draw(self, rng: random.Random, difficulty: int) -> Problem | None:
         """One random problem, or None to draw again."""
 
-    def generate(self, n: int, seed: int, difficulty: int) -> list[Problem]:
+    def generate(self, n: int, seed: int, difficulty: int, exclude: frozenset[str] = frozenset()) -> list[Problem]:
         if difficulty not in DIFFICULTIES:
             raise ValueError(f"difficulty {difficulty} is outside 1..5")
         if n < 0:
             raise ValueError(f"cannot generate {n} problems")
         # a string seed keys the stream by task and difficulty, the same in every process
         rng = random.Random(f"{self.name}/{difficulty}/{seed}")
-        problems, seen, misses = [], set(), 0
+        problems, seen, misses = [], set(exclude), 0
         while len(problems) < n:
             problem = self.draw(rng, difficulty)
             if problem is None or problem.prompt in seen:
                 misses += 1
                 if misses > 1000 + 10 * n:
-                    raise ValueError(f"{self.name} at difficulty {difficulty} has fewer than {n} distinct problems")
+                    raise ValueError(
+                        f"{self.name} at difficulty {difficulty} has fewer than {n} distinct problems"
+                        + f" outside the {len(exclude)} excluded" * bool(exclude)
+                    )
                 continue
             seen.add(problem.prompt)
             problems.append(problem)

@@ -333,6 +333,16 @@ class TaskConfig(_Section):
     )
 
 
+class ExtraProblems(_Section):
+    """Problems bootstrap SFT trains on besides the tasks' training splits, never one of their prompts: more
+    distinct problems than a task's difficulty holds (countdown at difficulty 1 has 2,700), so that the base
+    learns the task rather than memorizing its training split. RL and evaluation never see them."""
+
+    name: TaskName = Field(description="Task family.")
+    difficulty: int = Field(default=1, ge=1, le=5, description="Difficulty level, 1 (easiest) to 5.")
+    size: int = Field(ge=1, le=1_000_000, description="Problems generated. Bounded: held in memory at once.")
+
+
 class BootstrapConfig(_Section):
     """Supervised fine-tuning of the initial policy on the tasks before RL, so that
     RL starts from partial accuracy (components/bootstrap.py)."""
@@ -344,6 +354,12 @@ class BootstrapConfig(_Section):
     )
     learning_rate: float = Field(default=1e-3, gt=0.0, le=1.0, description="AdamW peak learning rate (warmup, cosine).")
     warmup: int = Field(default=30, ge=0, le=1_000_000, description="Linear warmup steps.")
+    weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="AdamW weight decay of SFT.")
+    extra_problems: list[ExtraProblems] = Field(
+        default_factory=list,
+        description="Training-only problems mixed into SFT besides the tasks' training splits (none of the tasks' "
+        "prompts).",
+    )
     target_accuracy: float | None = Field(
         default=None, gt=0.0, le=1.0, description="Stop early once greedy accuracy on the eval prompts reaches it."
     )

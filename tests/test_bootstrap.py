@@ -6,10 +6,14 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tracefp4.components import steps
 from tracefp4.components.bootstrap import BootstrapConfig, accuracy, bootstrap, make_batch, sft_loss
 from tracefp4.components.model import build_model
+from tracefp4.components.steps import sft_problems
 from tracefp4.components.tasks import format_example, split
 from tracefp4.components.tokenizer import BOS, PAD, build_tokenizer
+from tracefp4.schemas import get_preset
+from tracefp4.schemas.config import ExtraProblems, TaskConfig
 
 TOK = build_tokenizer()
 # smoke preset, arithmetic difficulty 1: 0.28-0.56 greedy test accuracy over six model/order seeds, ~7 s
@@ -96,3 +100,28 @@ def test_target_accuracy_stops_early(arithmetic):
     assert history["stopped_early"] and history["steps"] < config.steps
     assert history["steps"] == history["evals"][-1]["step"] and history["evals"][-1]["accuracy"] >= 0.25
     assert len(history["evals"]) > 1 and all(e["accuracy"] < 0.25 for e in history["evals"][:-1])
+
+
+def test_extra_problems_join_training_never_a_test_prompt():
+    config = get_preset("smoke")
+    config.tasks = [TaskConfig(name="countdown", train_size=2000, test_size=500)]
+    config.bootstrap.extra_problems = [ExtraProblems(name="countdown", difficulty=2, size=3000)]
+    train, test = sft_problems(config)
+    assert (train[:2000], test) == steps.problems(config)  # the run's own splits first, as RL and evaluation see them
+    extra = train[2000:]
+    assert len(extra) == 3000 and all(p.task == "countdown" for p in extra)
+    assert len({p.prompt for p in train}) == 5000 and not {p.prompt for p in train} & {p.prompt for p in test}
+    assert max(max(p.meta["numbers"]) for p in extra) > 10  # difficulty 2's numbers, up to 25
+    assert sft_problems(config) == (train, test)  # seeded
+
+
+def test_weight_decay_reaches_the_optimizer():
+    def weights(decay: float) -> torch.Tensor:
+        config = get_preset("smoke")
+        config.bootstrap.learning_rate, config.bootstrap.weight_decay = 1e-2, decay
+        model = build_model("smoke", seed=0)
+        steps.run_bootstrap(config, model, TOK)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    plain, decayed = weights(0.0), weights(0.5)
+    assert decayed.norm() < plain.norm()  # decoupled decay shrinks the weights a little more each step

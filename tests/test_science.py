@@ -96,6 +96,8 @@ def test_bootstrap_probe_names_its_levers_and_renders_a_results_section():
         train_size=2353,
         sft_steps=2000,
         sft_lr=0.001,
+        sft_weight_decay=0.0,
+        sft_extra=0,
         output=Path("docs/results/bootstrap_probe.json"),
     )
     command = science.command_of(args)
@@ -113,7 +115,27 @@ def test_bootstrap_probe_names_its_levers_and_renders_a_results_section():
     assert section["command"] == command and section["title"] == (
         "Bootstrap probe: 2353 training problems, 2000 SFT steps at most, learning rate 0.001"
     )
-    assert "| 0 | 700 | 0.500 | 32.0% | [28.1, 36.2] | yes |" in section["markdown"]  # 160 of 500, Wilson
+    assert "| 0 | 700 | 0.500 | 32.0% | [28.1, 36.2] | yes | not measured |" in section["markdown"]  # 160 of 500
+
+    args.train_size, args.sft_lr, args.sft_weight_decay, args.sft_extra = 2000, None, 0.1, 20000
+    command = science.command_of(args)
+    assert command == (
+        "python benchmarks/science.py --bootstrap-only --seeds 1 --sft-weight-decay 0.1 --sft-extra 20000 "
+        "--output docs/results/bootstrap_probe.json"
+    )
+    config = science.science_config(0, 12, sft_weight_decay=0.1, sft_extra=20000)
+    assert config.bootstrap.weight_decay == 0.1 and [e.model_dump() for e in config.bootstrap.extra_problems] == [
+        {"name": "countdown", "difficulty": 2, "size": 20000}
+    ]
+    data["config"] = json.loads(config.model_dump_json(include={"tasks", "bootstrap"}))
+    data["bootstraps"]["0"]["train_accuracy"] = 0.9
+    section = science.probe_section(data)
+    assert section["title"] == (
+        "Bootstrap probe: 2000 training problems + 20000 extra, 2000 SFT steps at most, learning rate 0.003, "
+        "AdamW weight decay 0.1"
+    )
+    assert "and 20000 countdown problems at difficulty 2" in section["markdown"]
+    assert "| 32.0% | [28.1, 36.2] | yes | 90.0% |" in section["markdown"]
 
 
 def test_bootstrap_probe_refuses_the_science_runs_output():

@@ -201,6 +201,16 @@ def test_generation_limits():
     assert len(get_task("arithmetic").generate(288, seed=0, difficulty=1)) == 288  # the tiny preset's size
 
 
+def test_generation_skips_excluded_prompts():
+    every = get_task("arithmetic").generate(300, seed=0, difficulty=1)  # all of difficulty 1
+    excluded = frozenset(p.prompt for p in every[:250])
+    rest = get_task("arithmetic").generate(50, seed=0, difficulty=1, exclude=excluded)
+    assert {p.prompt for p in rest} == {p.prompt for p in every[250:]}
+    assert rest == get_task("arithmetic").generate(50, seed=0, difficulty=1, exclude=excluded)  # seeded
+    with pytest.raises(ValueError, match="fewer than 51 distinct problems outside the 250 excluded"):
+        get_task("arithmetic").generate(51, seed=0, difficulty=1, exclude=excluded)
+
+
 @pytest.mark.parametrize("name", TASKS)
 def test_every_character_fits_the_smoke_vocabulary(problems, name):
     tok = build_tokenizer()
