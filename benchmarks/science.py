@@ -231,7 +231,15 @@ def probe_section(data: dict) -> dict:
         f"stopping early once greedy accuracy on the first {boot['eval_prompts']} held-out prompts reaches "
         f"{100 * boot['target_accuracy']:.0f}%. A setting that reaches the {100 * BAND[0]:.0f}-{100 * BAND[1]:.0f}% "
         "band is what the next science run should use: `python benchmarks/science.py --seeds 3 --rounds 12` with "
-        "the same levers (`--train-size`, `--sft-steps`, `--sft-lr`, `--sft-weight-decay`, `--sft-extra`).",
+        "the same levers (`--train-size`, `--sft-steps`, `--sft-lr`, `--sft-weight-decay`, `--sft-extra`). "
+        f"The last column is the same greedy accuracy on the first {TRAIN_PROBES} training problems of the split: "
+        "far above the held-out one is memorization."
+        + (
+            " The held-out prompts are a seeded random share of the problems drawn (`tasks.split`); section 1 and "
+            "probes without this column held out the first ones drawn, the head of the distribution."
+            if any("train_accuracy" in b for b in data["bootstraps"].values())
+            else ""
+        ),
         "",
         f"| seed | SFT steps run | final SFT loss | base greedy accuracy ({test} held-out prompts) | 95% CI (Wilson) | "
         f"in band | on {TRAIN_PROBES} training problems |",
