@@ -116,6 +116,7 @@ def test_bootstrap_probe_names_its_levers_and_renders_a_results_section():
         "Bootstrap probe: 2353 training problems, 2000 SFT steps at most, learning rate 0.001"
     )
     assert "| 0 | 700 | 0.500 | 32.0% | [28.1, 36.2] | yes | not measured |" in section["markdown"]  # 160 of 500
+    assert "a seeded random share" not in section["markdown"]  # no training column: a probe before the split fix
 
     args.train_size, args.sft_lr, args.sft_weight_decay, args.sft_extra = 2000, None, 0.1, 20000
     command = science.command_of(args)
@@ -136,6 +137,7 @@ def test_bootstrap_probe_names_its_levers_and_renders_a_results_section():
     )
     assert "and 20000 countdown problems at difficulty 2" in section["markdown"]
     assert "| 32.0% | [28.1, 36.2] | yes | 90.0% |" in section["markdown"]
+    assert "a seeded random share of the problems drawn" in section["markdown"]  # the split it measured on
 
 
 def test_bootstrap_probe_refuses_the_science_runs_output():
