@@ -58,6 +58,14 @@ def _task(config: RunConfig, tmp_path):
         assert get_task(t.name).reward(train[0], train[0].answer) == 1.0
 
 
+def _extra(config: RunConfig, tmp_path):
+    train, test = steps.sft_problems(config)
+    (extra,) = config.bootstrap.extra_problems
+    for p in train[-extra.size :]:
+        assert p.task == extra.name and get_task(p.task).reward(p, p.answer) == 1.0
+        assert p.prompt not in {q.prompt for q in train[: -extra.size] + test}
+
+
 def _ptq(config: RunConfig, tmp_path):
     for method in config.evaluation.ptq_baselines:
         apply_ptq(build_model("smoke", seed=0), method, torch.randint(0, 100, (2, 16)))
@@ -107,6 +115,7 @@ RUNNERS = {
     "rl.schedule": _round,
     "train.precision": _round,
     "tasks.name": _task,
+    "bootstrap.extra_problems.name": _extra,
     "evaluation.rollout_configs": _generate,
     "evaluation.ptq_baselines": _ptq,
     "resources.tolerations.operator": _compile,
@@ -129,6 +138,8 @@ def _with(path: str, value) -> dict:
     section, _, leaf = path.rpartition(".")
     if path == "tasks.name":
         data["tasks"] = [{"name": value}]
+    elif path == "bootstrap.extra_problems.name":
+        data["bootstrap"]["extra_problems"] = [{"name": value, "size": 4}]
     elif section == "resources.tolerations":
         data["resources"]["tolerations"] = [
             {"key": "k", "operator": value, "value": None if value == "Exists" else "v"}
