@@ -73,6 +73,8 @@ EXTRA_DIFFICULTY = 2  # --sft-extra's countdown problems: 3 numbers up to 25, a 
 TRAIN_PROBES = 500  # a probe's greedy accuracy on this many training problems: memorization against learning
 BAND = (0.30, 0.50)
 OUTPUT = Path("docs/results/science.json")
+# how the held-out prompts were chosen (tasks.split); runs without it held out the first problems drawn
+SPLIT = "seeded random share"
 
 
 def verdict_of(ci: list[float], expect: str) -> str:
@@ -168,6 +170,7 @@ def run(args) -> dict:
     make = quick_config if args.quick else lambda seed, rounds: science_config(seed, rounds, **levers)
     data = json.loads(args.output.read_text()) if args.output.exists() else {"runs": []}
     data["command"] = command_of(args)
+    data["split"] = SPLIT
     done = {(r["seed"], r["method"]) for r in data["runs"]}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
