@@ -490,7 +490,13 @@ def repro_section(name: str, data: dict) -> tuple[str, str, list[str]]:
                 f"- {n}: the syndrome codec on all layers has {ratio:.3f}x the mean |logprob diff| of R-4bit on all "
                 f"layers (issue #18's target: at most 1.10, {'met' if ratio <= 1.10 else 'not met'}) at "
                 f"{syndrome['bits_per_element']:.3f} bit per element, {100 * syndrome['decode_failed_share']:.2f}% of "
-                "blocks failing to decode (they round to nearest, counted)."
+                "blocks failing to decode (they round to nearest, counted)"
+                + (
+                    f"; R-1bit on all layers, the guidance the codec carries uncoded, has "
+                    f"{syndrome['r1_logprob_abs_diff_ratio']:.3f}x."
+                    if "r1_logprob_abs_diff_ratio" in syndrome
+                    else "."
+                )
             )
     if any(mean(rows, "code_mismatch") is None for h in data["histories"].values() for rows in h.values()):
         lines.append("- code mismatch `-`: the method's training path has no FP4 activations to compare (QUADS).")

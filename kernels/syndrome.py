@@ -142,15 +142,20 @@ def solve_erasures(
     if not len(wrong):
         return bits, ok, needed
     columns = pack_words(matrix.to(guess.device).T)  # [n]: column i of the matrix as a word, bit j = row j
-    pending = wrong
-    for tier in _tiers(erasures):  # most blocks need few unknowns: solve for fewer first (cost grows as L^2)
-        order = torch.topk(reliability[pending], tier, dim=1, largest=False).indices  # least reliable first
+    pending, tiers = wrong, _tiers(erasures)
+    selected = torch.empty(0, 0, dtype=torch.int64)  # [pending, width]: each pending block's least reliable positions
+    for i, tier in enumerate(tiers):  # most blocks need few unknowns: solve for fewer first (cost grows as L^2)
+        if selected.shape[1] < tier:  # the first selection serves the second tier too: one topk, not two
+            width = tiers[min(i + 1, len(tiers) - 1)] if i == 0 else tier
+            selected = torch.topk(reliability[pending], width, dim=1, largest=False).indices  # least reliable first
+        order = selected[:, :tier]
         for blocks, positions in zip(pending.split(chunk), order.split(chunk)):
             solution, ok[blocks] = _solve(columns[positions], target[blocks])
             needed[blocks] = _bit_length(solution)
             block, rank = (((solution[:, None] >> torch.arange(tier, device=guess.device)) & 1) != 0).nonzero().T
             bits[blocks[block], positions[block, rank]] ^= 1  # flips land on distinct positions
-        pending = pending[~ok[pending]]
+        still = ~ok[pending]
+        pending, selected = pending[still], selected[still]
         if not len(pending):
             break
     return bits, ok, needed
