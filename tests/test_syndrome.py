@@ -409,3 +409,17 @@ def test_training_under_syndrome_guidance_routes_as_the_rollout():
     assert sites.routing(1, own) is own  # no guidance for layer 1: the router's own choice
     qat = TrainingSites(rollout_config("fp4_wa_kv"), "qat", {}, trajectories=[3, 7], seq_len=8)
     assert qat.routing(0, own) is own
+
+
+def test_least_reliable_positions_are_chosen_by_value():
+    # the solver compares reliabilities as int32 bit patterns: the same order as the float values it is given
+    values = torch.tensor([-torch.inf, 0.0, 1e-30, 1e-3, 0.5, 1.0, 3.0, 1e30, torch.inf])
+    keys = values.view(torch.int32)
+    assert torch.equal(keys.argsort(), values.argsort())
+    truth, reliability = blocks(nb=50)
+    flips = (reliability < 0.02).to(torch.uint8)
+    h = parity_matrix(32, 256, 1)
+    with pytest.raises(ValueError, match="float32"):
+        solve_erasures(truth ^ flips, reliability.double(), syndrome(truth, h), h, 24)
+    bits, ok, _ = solve_erasures(truth ^ flips, reliability.mul(1e-20), syndrome(truth, h), h, 24)  # tiny values too
+    assert ok.all() and torch.equal(bits, truth)
