@@ -48,7 +48,7 @@ SOURCE = {"science.json": "section 1 (science.json)", "alignment.json": "section
 PENDING = {  # repro.py outputs the page renders once committed: what each measures, the command that writes it
     "repro-syndrome.json": (
         "syndrome guidance against R-4bit, every layer guided, in the same on-policy RL loop",
-        "python benchmarks/repro.py --runs trace-r4-all trace-syndrome-all --precision bf16 --output "
+        "python benchmarks/repro.py --runs trace-r4-all trace-r1-all trace-syndrome-all --precision bf16 --output "
         "docs/results/repro-syndrome.json",
     ),
     "repro.json": (
