@@ -151,9 +151,9 @@ def solve_erasures(
         return bits, ok, needed
     columns = pack_words(matrix.to(guess.device).T)  # [n]: column i of the matrix as a word, bit j = row j
     pending, tiers = wrong, _tiers(erasures)
-    selected = torch.empty(0, 0, dtype=torch.int64)  # [pending, width]: each pending block's least reliable positions
+    selected = None  # [pending, width]: each pending block's least reliable positions, least first
     for i, tier in enumerate(tiers):  # most blocks need few unknowns: solve for fewer first (cost grows as L^2)
-        if selected.shape[1] < tier:  # the first selection serves the second tier too: one topk, not two
+        if selected is None or selected.shape[1] < tier:  # the first selection serves the second tier too
             width = tiers[min(i + 1, len(tiers) - 1)] if i == 0 else tier
             keys = reliability.view(torch.int32)[pending]  # float32 bits: ordered as the values (docstring)
             selected = torch.topk(keys, width, dim=1, largest=False).indices  # least reliable first

@@ -423,3 +423,12 @@ def test_least_reliable_positions_are_chosen_by_value():
         solve_erasures(truth ^ flips, reliability.double(), syndrome(truth, h), h, 24)
     bits, ok, _ = solve_erasures(truth ^ flips, reliability.mul(1e-20), syndrome(truth, h), h, 24)  # tiny values too
     assert ok.all() and torch.equal(bits, truth)
+
+
+def test_no_unknowns_is_the_check_alone():
+    truth, reliability = blocks(nb=40)
+    h = parity_matrix(16, 256, 1)
+    guess = truth.clone()
+    guess[::2, 0] ^= 1  # every other block disagrees once
+    bits, ok, needed = solve_erasures(guess, reliability, syndrome(truth, h), h, 0)
+    assert torch.equal(ok, torch.arange(40) % 2 == 1) and torch.equal(bits, guess) and (needed == 0).all()
