@@ -7,7 +7,8 @@ training path against each step's rollout (full capture), then the share of
 R-4bit-on-all-layers' reduction of QAT's mismatch that R-1bit on all layers,
 the deeper half or the shallow half achieves, and the |logprob diff| of the
 ``syndrome`` codec on all layers as a ratio to R-4bit on all layers (issue
-#18's target: within 10%; these R-1 rows change coverage and
+#18's target: within 10%), beside R-1bit on all layers' (the guidance the
+codec carries, uncoded: the floor a decode reaches) when it runs too (these R-1 rows change coverage and
 bit depth at once: benchmarks/alignment.py varies each alone, R-1 and R-4 on
 every coverage, with the local and the end-to-end mismatch). Each
 run trains under each ``--precision`` (``train.precision``: bf16 parameters
@@ -153,6 +154,13 @@ def main() -> None:
                 f"{syndrome_vs_r4[precision]['bits_per_element']:.3f} bit per element, "
                 f"{syndrome_vs_r4[precision]['decode_failed_share']:.2%} of blocks failed to decode"
             )
+            if "trace-r1-all" in args.runs:  # the guidance the codec carries, uncoded: what a decode can reach
+                r1 = RUNS["trace-r1-all"][0]
+                floor = mean(precision, r1, "logprob_abs_diff_mean") / mean(
+                    precision, r4_label, "logprob_abs_diff_mean"
+                )
+                syndrome_vs_r4[precision]["r1_logprob_abs_diff_ratio"] = floor
+                print(f"{precision}: {r1}: |logprob diff| {floor:.3f}x R-4bit on all layers' (the codec's floor)")
     result = {
         "bootstrap": bootstrap,
         "histories": histories,

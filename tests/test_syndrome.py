@@ -2,6 +2,7 @@
 truth or disagrees in a few unreliable places, detected and counted failure
 otherwise, rate control, and the shard round trip with corruption caught."""
 
+import math
 import random
 
 import pytest
@@ -12,7 +13,9 @@ from tracefp4.components.guidance import GuidanceError, GuidanceLoader, decode_s
 from tracefp4.components.store import open_store
 from tracefp4.components.syndrome import (
     CODE_CHECK_BITS,
-    MAX_CODE_BITS,
+    MAX_SCALE_BITS,
+    MIN_CODE_BITS,
+    TARGET_FAILED_SHARE,
     DecodeStats,
     Rate,
     SyndromeTable,
@@ -20,9 +23,18 @@ from tracefp4.components.syndrome import (
     decode_rows,
     decode_summary,
     encode_table,
+    erasures_for,
     first_rate,
 )
-from tracefp4.kernels import compact_codes, parity_matrix, quantize, solve_erasures, syndrome, unpack_nibbles
+from tracefp4.kernels import (
+    MAX_ERASURES,
+    compact_codes,
+    parity_matrix,
+    quantize,
+    solve_erasures,
+    syndrome,
+    unpack_nibbles,
+)
 
 
 def test_parity_matrix_is_fixed():
@@ -146,20 +158,94 @@ def test_rows_the_training_forward_lacks_are_unknowns():
     assert not ok[::17].any() and ok[available & (torch.arange(len(x)) % 17 >= 2)].all()
 
 
-def test_rate_control():
+def test_first_rate():
     first = first_rate(0.25)
     assert first == Rate(48, 16)  # a quarter of the block's 64 bits for its 16 scales
     assert first_rate(0.0625) == Rate(16, 8) and first_rate(0.3125) == Rate(64, 16)
     assert choose_rates([(0, "moe_in")], None, first) == {(0, "moe_in"): first}
-    seen = DecodeStats(first, blocks=100, failed=0)
-    seen.code_needed[10] = 100
-    seen.scale_needed[1] = 100
-    rates = choose_rates([(0, "moe_in"), (1, "moe_in")], {"0/moe_in": seen.to_json()}, first)
-    assert rates[(0, "moe_in")] == Rate(24, 8) and rates[(1, "moe_in")] == first  # 1.25 * 10 + 2 + 8 -> 24
-    seen.failed = 20  # failed blocks needed more than the rate allowed: grow by half
-    assert choose_rates([(0, "moe_in")], {"0/moe_in": seen.to_json()}, first)[(0, "moe_in")].code_bits == MAX_CODE_BITS
+
+
+def stats_of(rate: Rate, code: dict, code_failed=0, scale: dict | None = None, scale_failed=0) -> DecodeStats:
+    """Hand-made decode statistics: ``{need: blocks}`` per stage (the scale stage: every block needing 0 by default)."""
+    seen = DecodeStats(rate, scale_failed=scale_failed, code_failed=code_failed)
+    for n, count in code.items():
+        seen.code_needed[n] += count
+    for n, count in (scale or {0: sum(code.values()) + code_failed}).items():
+        seen.scale_needed[n] += count
+    seen.blocks = sum(seen.scale_needed) + scale_failed
+    return seen
+
+
+def geometric(rho: float, total: int, erasures: int) -> tuple[dict, int]:
+    """Expected histogram of ``total`` needs with ``P(need > n) = rho^(n + 1)``, censored at ``erasures``."""
+    code = {n: round(total * (1 - rho) * rho**n) for n in range(erasures + 1)}
+    return code, round(total * rho ** (erasures + 1))
+
+
+def test_rate_control_reads_failed_blocks_as_the_top_of_the_distribution():
+    # a step at 16 code erasures failed 2.3% of blocks; geometric needs: P(need > n) = 0.8^(n + 1)
+    code, failed = geometric(0.8, 100_000, 16)
+    assert 0.02 < failed / 100_000 < 0.025
+    erasures = erasures_for(list_of(code), failed, 16)
+    # the true tail leaves 0.1% undecoded above n = 29.96: the chosen erasures reach it, with the margin on top
+    assert 29.96 < erasures < 29.96 * 1.3
+    rates = choose_rates(
+        [(0, "moe_in")], {"0/moe_in": stats_of(Rate(24, 16), code, failed).to_json()}, first_rate(0.25)
+    )
+    assert rates[(0, "moe_in")] == Rate(48, 8)  # 34.4 erasures + 8 check bits, in bytes; scales fall a byte
+    # the former rule (1.25 x the 98th percentile of the decoded blocks, plus 2) left over 3x the target undecoded
+    decoded = sorted(n for n, c in code.items() for _ in range(c))
+    former = 8 * math.ceil((1.25 * decoded[int(0.98 * len(decoded))] + 2 + CODE_CHECK_BITS) / 8) - CODE_CHECK_BITS
+    assert 0.8 ** (former + 1) > 3 * TARGET_FAILED_SHARE
+
+
+def list_of(code: dict) -> list[int]:
+    return [code.get(n, 0) for n in range(MAX_ERASURES + 1)]
+
+
+def test_rate_control_meets_the_target_on_a_known_tail():
+    # no failures at 56 erasures; P(need > n) = 0.75^(n + 1): 0.1% is left above n = 23.0
+    code, failed = geometric(0.75, 50_000, 56)
+    assert failed == 0
+    erasures = erasures_for(list_of(code), failed, 56)
+    assert 0.75 ** (erasures + 1) <= TARGET_FAILED_SHARE and erasures < 23 + 0.3 * 23
+
+
+def test_rate_control_with_a_tail_of_failed_blocks_only_grows():
+    # every block beyond the 8 the rate solved for failed: nothing bounds the tail
+    code = {0: 50, 1: 20, 2: 10}
+    assert erasures_for(list_of(code), 40, 8) == 12.0  # 1.5 x 8
+    assert erasures_for([0] * (MAX_ERASURES + 1), 0, 8) is None
+
+
+def test_rate_control_falls_a_byte_a_step_and_keeps_the_floor():
+    first = first_rate(0.25)
+    clean = stats_of(first, {0: 300})  # the training side guessed every block: zero erasures needed
+    rates = choose_rates([(0, "moe_in"), (1, "moe_in")], {"0/moe_in": clean.to_json()}, first)
+    assert rates[(0, "moe_in")] == Rate(40, 8) and rates[(1, "moe_in")] == first  # layer 1 had no statistics
+    rate = first
+    for _ in range(6):
+        rate = choose_rates([(0, "moe_in")], {"0/moe_in": stats_of(rate, {0: 300}).to_json()}, first)[(0, "moe_in")]
+    assert rate == Rate(MIN_CODE_BITS, 8)
+
+
+def test_rate_control_censors_each_stage_on_its_own():
+    # 5% of blocks failed their scales, every scale-decoded block decoded its codes needing at most 3
+    seen = stats_of(Rate(32, 8), {3: 950}, scale={0: 700, 2: 150, 4: 100}, scale_failed=50)
+    rate = choose_rates([(0, "moe_in")], {"0/moe_in": seen.to_json()}, first_rate(0.25))[(0, "moe_in")]
+    assert rate.scale_bits == MAX_SCALE_BITS and rate.code_bits == 24  # codes fall a byte, scales rise to the cap
     summary = decode_summary({(0, "moe_in"): seen})
-    assert summary["guidance_decode_failed_share"] == 0.2 and summary["guidance_decode"]["0/moe_in"]["blocks"] == 100
+    assert summary["guidance_decode_failures"] == 50 and summary["guidance_decode_failed_share"] == 0.05
+
+
+def test_decode_statistics_of_another_version_are_refused():
+    data = stats_of(Rate(32, 8), {0: 10}).to_json()
+    del data["code_failed"]
+    with pytest.raises(ValueError, match="code_failed"):
+        choose_rates([(0, "moe_in")], {"0/moe_in": data}, first_rate(0.25))
+    data = stats_of(Rate(32, 8), {0: 10}, code_failed=2).to_json() | {"failed": 5}
+    with pytest.raises(ValueError, match="failed 5"):
+        DecodeStats.from_json(data)
 
 
 def coded_records(seed=0) -> CaptureRecords:
@@ -323,3 +409,26 @@ def test_training_under_syndrome_guidance_routes_as_the_rollout():
     assert sites.routing(1, own) is own  # no guidance for layer 1: the router's own choice
     qat = TrainingSites(rollout_config("fp4_wa_kv"), "qat", {}, trajectories=[3, 7], seq_len=8)
     assert qat.routing(0, own) is own
+
+
+def test_least_reliable_positions_are_chosen_by_value():
+    # the solver compares reliabilities as int32 bit patterns: the same order as the float values it is given
+    values = torch.tensor([-torch.inf, 0.0, 1e-30, 1e-3, 0.5, 1.0, 3.0, 1e30, torch.inf])
+    keys = values.view(torch.int32)
+    assert torch.equal(keys.argsort(), values.argsort())
+    truth, reliability = blocks(nb=50)
+    flips = (reliability < 0.02).to(torch.uint8)
+    h = parity_matrix(32, 256, 1)
+    with pytest.raises(ValueError, match="float32"):
+        solve_erasures(truth ^ flips, reliability.double(), syndrome(truth, h), h, 24)
+    bits, ok, _ = solve_erasures(truth ^ flips, reliability.mul(1e-20), syndrome(truth, h), h, 24)  # tiny values too
+    assert ok.all() and torch.equal(bits, truth)
+
+
+def test_no_unknowns_is_the_check_alone():
+    truth, reliability = blocks(nb=40)
+    h = parity_matrix(16, 256, 1)
+    guess = truth.clone()
+    guess[::2, 0] ^= 1  # every other block disagrees once
+    bits, ok, needed = solve_erasures(guess, reliability, syndrome(truth, h), h, 0)
+    assert torch.equal(ok, torch.arange(40) % 2 == 1) and torch.equal(bits, guess) and (needed == 0).all()
