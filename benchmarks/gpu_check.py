@@ -1,6 +1,6 @@
 """Everything that needs a GPU, in one command of at most 8 minutes on one GPU:
 the Triton kernel tests on CUDA (bit-exact against the CPU torch reference),
-the kernel and rollout benchmarks, and the smoke pipeline with
+the kernel, rollout and syndrome codec benchmarks, and the smoke pipeline with
 ``resources.device=cuda``; then one JSON line with every figure.
 
     python benchmarks/gpu_check.py             # or: make gpu-check
@@ -52,6 +52,7 @@ def plan(device: str, run_dir: Path) -> list[Step]:
     """The steps, at most ``GPU_BUDGET_S`` together (the sum of the time limits)."""
     py = sys.executable
     triton_tests = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_kernels.py"]
+    syndrome_speed = [py, "benchmarks/guidance.py", "--parts", "speed", "--device", device]
     smoke_run = ["run", "--config", str(smoke_config(device, run_dir)), "--output", str(run_dir / "run")]
     smallest_rollout = [
         "--preset",
@@ -73,10 +74,11 @@ def plan(device: str, run_dir: Path) -> list[Step]:
         "2",
     ]
     return [
-        Step("triton_kernel_tests", triton_tests, 150, needs_cuda="the Triton kernels take CUDA tensors only"),
-        Step("kernels", [py, "benchmarks/kernels.py"], 60, dry_args=["--size", "256", "--repeat", "1"]),
-        Step("rollout", [py, "benchmarks/rollout.py"], 120, dry_args=smallest_rollout),
-        Step("smoke_pipeline", [py, "-m", "tracefp4.pipelines.cli", *smoke_run], 150),
+        Step("triton_kernel_tests", triton_tests, 130, needs_cuda="the Triton kernels take CUDA tensors only"),
+        Step("kernels", [py, "benchmarks/kernels.py"], 55, dry_args=["--size", "256", "--repeat", "1"]),
+        Step("rollout", [py, "benchmarks/rollout.py"], 115, dry_args=smallest_rollout),
+        Step("syndrome_codec", syndrome_speed, 45, dry_args=["--speed-rows", "256", "--repeat", "1"]),
+        Step("smoke_pipeline", [py, "-m", "tracefp4.pipelines.cli", *smoke_run], 135),
     ]
 
 

@@ -28,6 +28,7 @@ from minio import Minio
 from tracefp4.components import steps
 from tracefp4.components.capture import Capture, CaptureConfig, CaptureRecords, SiteTable, TokenMap
 from tracefp4.components.checkpoint import load_model
+from tracefp4.components.device import resolve
 from tracefp4.components.guidance import (
     GuidanceLoader,
     compact,
@@ -179,9 +180,10 @@ def syndrome_on(model, prompts, new_tokens: int) -> list[dict]:
     return syndrome_table(model, engine, trajectories, engine.drain_capture())
 
 
-def codec_speed(rows: int, threads: int, repeat: int) -> dict:
-    """Encode and decode rates of the syndrome codec's CPU path (vectorized
-    torch), in captured elements per second, best of ``repeat``, on ``rows``
+def codec_speed(rows: int, threads: int, repeat: int, device: str = "cpu") -> dict:
+    """Encode and decode rates of the syndrome codec on ``device`` (the CPU:
+    vectorized torch; CUDA: the Triton kernels of kernels/triton_syndrome.py),
+    in captured elements per second, best of ``repeat``, on ``rows``
     rows of 256 elements (one row a block) at the first step's rate; the
     training side's values drift from the rollout's so that about 1% of the low
     code bits disagree, as measured with the layers below guided. Rates per
@@ -191,21 +193,35 @@ def codec_speed(rows: int, threads: int, repeat: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(rows, 256, generator=gen) * torch.rand(rows, 1, generator=gen).add(0.5)
     g = torch.tensor(x.abs().max().item() / (6 * 448))
+    x, g = x.to(device), g.to(device)
     q = quantize(x, "nvfp4", global_scale=g)
-    n = torch.zeros(rows, dtype=torch.long)
+    n = torch.zeros(rows, dtype=torch.long, device=device)
     table = SiteTable(
-        0, "moe_in", "nvfp4", 4, 256, float(g), n, torch.arange(rows), n, n - 1, q.codes, q.scales.view(torch.uint8)
+        0,
+        "moe_in",
+        "nvfp4",
+        4,
+        256,
+        float(g),
+        n,
+        torch.arange(rows, device=device),
+        n,
+        n - 1,
+        q.codes,
+        q.scales.view(torch.uint8),
     )
-    train = x * (1 + 4e-3 * torch.randn(x.shape, generator=gen))
+    train = x * (1 + 4e-3 * torch.randn(x.shape, generator=gen)).to(device)
     own = unpack_nibbles(quantize(train, "nvfp4", global_scale=g).codes) & 1
     disagreement = float((own != unpack_nibbles(q.codes) & 1).float().mean())
-    available = torch.ones(rows, dtype=torch.bool)
+    available = torch.ones(rows, dtype=torch.bool, device=device)
     rate = first_rate(0.25)
     best = {}  # per stage: (wall seconds, CPU seconds of this process), best of repeat
 
     def timed(stage, run, *args):
         start, cpu = time.perf_counter(), time.process_time()
         result = run(*args)
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
         seconds = (time.perf_counter() - start, time.process_time() - cpu)
         best[stage] = min(best.get(stage, seconds), seconds)
         return result
@@ -214,6 +230,7 @@ def codec_speed(rows: int, threads: int, repeat: int) -> dict:
         coded = timed("encode", encode_table, table, rate)
         ok = timed("decode", decode_rows, coded, train, available)[2]
     return {
+        "device": device,
         "elements": rows * 256,
         "threads": threads,
         "load_average": os.getloadavg()[0],
@@ -299,6 +316,7 @@ def main() -> None:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {PARTS}")
     parser.add_argument("--speed-rows", type=int, default=16384, help="rows of 256 elements the codec is timed on")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch threads for the timing")
+    parser.add_argument("--device", default="cpu", help="where the speed part runs the codec (cuda: Triton kernels)")
     args = parser.parse_args()
     parts = args.parts.split(",")
     if unknown := set(parts) - set(PARTS):
@@ -332,9 +350,9 @@ def main() -> None:
             f"Syndrome codec, tiny preset after bootstrap SFT ({syndrome['bootstrap']})", syndrome["bootstrapped"]
         )
     if "speed" in parts:
-        speed = syndrome["speed"] = codec_speed(args.speed_rows, args.threads, args.repeat)
+        speed = syndrome["speed"] = codec_speed(args.speed_rows, args.threads, args.repeat, str(resolve(args.device)))
         print(
-            f"syndrome codec, CPU ({speed['threads']} threads, load average {speed['load_average']:.1f}), "
+            f"syndrome codec, {args.device} ({speed['threads']} threads, load average {speed['load_average']:.1f}), "
             f"{speed['elements']} elements at {speed['low_bit_disagreement']:.2%} low-bit disagreement: "
             f"encode {speed['encode_melem_per_s']:.1f} M elements/s ({speed['encode_melem_per_cpu_s']:.1f} per CPU s; "
             f"target >= 50), decode {speed['decode_melem_per_s']:.1f} M elements/s "

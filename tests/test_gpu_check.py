@@ -15,7 +15,7 @@ spec.loader.exec_module(gpu_check)
 
 def test_the_plan_fits_the_gpu_budget(tmp_path):
     steps = gpu_check.plan("cuda", tmp_path)
-    assert [s.name for s in steps] == ["triton_kernel_tests", "kernels", "rollout", "smoke_pipeline"]
+    assert [s.name for s in steps] == ["triton_kernel_tests", "kernels", "rollout", "syndrome_codec", "smoke_pipeline"]
     assert sum(s.timeout_s for s in steps) <= gpu_check.GPU_BUDGET_S == 8 * 60
 
 
@@ -37,6 +37,9 @@ def test_dry_run_runs_the_plan_and_ends_with_its_figures(tmp_path):
     assert kernels["cpu_bf16"] == rollout["cpu_bf16"] == figures["cpu_bf16"]
     assert rollout["preset"] == "smoke" and rollout["b2_engine_tokens_per_s"] > 0
     assert rollout["linear_decode_tokens_per_s_ctx16"] > 0 and rollout["full_decode_tokens_per_s_ctx16"] > 0
+    codec = steps["syndrome_codec"]["figures"]["syndrome"]["speed"]
+    assert codec["device"] == "cpu" and codec["elements"] == 256 * 256 and codec["decode_melem_per_s"] > 0
+    assert codec["decoded_share"] > 0.9
     assert (
         steps["smoke_pipeline"]["status"] == "passed"
         and steps["smoke_pipeline"]["figures"]["rollout_tokens_per_second"] > 0
