@@ -130,18 +130,11 @@ def solve_erasures(
     Blocks are solved ``chunk`` at a time, so that the elimination's working
     set stays in the CPU's cache. CUDA tensors go to :mod:`.triton_syndrome`.
     """
-    if reliability.dtype != torch.float32:
-        raise ValueError(f"reliability must be float32 (its bits are compared as int32), got {reliability.dtype}")
+    erasures = checked_erasures(guess, reliability, parity, erasures)
     if guess.is_cuda and HAS_TRITON:
         from . import triton_syndrome
 
         return triton_syndrome.solve_erasures(guess, reliability, parity, matrix, erasures)
-    rows = parity.shape[1]
-    erasures = min(erasures, guess.shape[1], MAX_ERASURES)
-    if erasures > rows:
-        raise ValueError(f"{erasures} erasures need at least as many parity bits, got {rows}")
-    if rows > 64:
-        raise ValueError(f"at most 64 parity bits a block (one int64 word), got {rows}")
     target = pack_words(parity) ^ syndrome_words(guess, matrix)  # [nb]: the parity of the disagreement
     bits = guess.clone()
     ok = torch.ones(len(guess), dtype=torch.bool, device=guess.device)
@@ -168,6 +161,20 @@ def solve_erasures(
         if not len(pending):
             break
     return bits, ok, needed
+
+
+def checked_erasures(guess: Tensor, reliability: Tensor, parity: Tensor, erasures: int) -> int:
+    """The unknowns :func:`solve_erasures` solves for (at most a block's elements
+    and :data:`MAX_ERASURES`), once its inputs are checked."""
+    if reliability.dtype != torch.float32:
+        raise ValueError(f"reliability must be float32 (its bits are compared as int32), got {reliability.dtype}")
+    rows = parity.shape[1]
+    erasures = min(erasures, guess.shape[1], MAX_ERASURES)
+    if erasures > rows:
+        raise ValueError(f"{erasures} erasures need at least as many parity bits, got {rows}")
+    if rows > 64:
+        raise ValueError(f"at most 64 parity bits a block (one int64 word), got {rows}")
+    return erasures
 
 
 def _tiers(erasures: int) -> list[int]:

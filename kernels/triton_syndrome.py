@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .syndrome import MAX_ERASURES, TIERS, pack_words
+from .syndrome import TIERS, checked_erasures, pack_words
 
 TILE = 4096  # block elements a program holds at once: several blocks of a few hundred elements, or one wide block
 _INT64_MAX = 0x7FFFFFFFFFFFFFFF
@@ -129,12 +129,7 @@ def solve_erasures(
     guess: Tensor, reliability: Tensor, parity: Tensor, matrix: Tensor, erasures: int, chunk: int = 8192
 ) -> tuple[Tensor, Tensor, Tensor]:
     del chunk  # the reference's cache blocking; a program here holds its blocks in registers
-    rows = parity.shape[1]
-    erasures = min(erasures, guess.shape[1], MAX_ERASURES)
-    if erasures > rows:
-        raise ValueError(f"{erasures} erasures need at least as many parity bits, got {rows}")
-    if rows > 64:
-        raise ValueError(f"at most 64 parity bits a block (one int64 word), got {rows}")
+    erasures = checked_erasures(guess, reliability, parity, erasures)
     nb, n = guess.shape
     guess = guess.contiguous()
     target = pack_words(parity) ^ syndrome_words(guess, matrix)
@@ -145,7 +140,7 @@ def solve_erasures(
     tier1, tier2 = TIERS
     _solve_kernel[(triton.cdiv(nb, blocks),)](
         target,
-        reliability.float().contiguous(),
+        reliability.contiguous(),
         pack_words(matrix.to(guess.device).T).contiguous(),
         guess,
         bits,
