@@ -22,7 +22,7 @@ The science preset: the tiny model on countdown at difficulty 1 (the
 generator yields 2,700 distinct problems but not 2,800: 500 held out, 2,000 to train on; arithmetic at difficulty 1
 has only 300, and at difficulty 2 a probe reached only 5.8% after 720 SFT
 steps), bootstrap SFT stopping early once greedy accuracy on 64 test prompts
-reaches 30% (the tiny preset's 480 steps reach 38% on countdown), so RL
+reaches 30%, so RL
 starts with room; off-policy rounds of 5 steps. Each seed's bootstrap
 accuracy is in the JSON. Ends with one JSON line:
 the claims.
