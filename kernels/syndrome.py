@@ -84,8 +84,7 @@ def syndrome_words(bits: Tensor, matrix: Tensor) -> Tensor:
 
         return triton_syndrome.syndrome_words(bits, matrix)
     rows, n = matrix.shape
-    if rows > 64:
-        raise ValueError(f"at most 64 parity bits a block (one int64 word), got {rows}")
+    check_parity_rows(rows)
     device = bits.device
     nbytes = -(-n // 8)
     bits = torch.nn.functional.pad(bits, (0, 8 * nbytes - n)) if n % 8 else bits.contiguous()
@@ -130,11 +129,11 @@ def solve_erasures(
     Blocks are solved ``chunk`` at a time, so that the elimination's working
     set stays in the CPU's cache. CUDA tensors go to :mod:`.triton_syndrome`.
     """
-    erasures = checked_erasures(guess, reliability, parity, erasures)
     if guess.is_cuda and HAS_TRITON:
         from . import triton_syndrome
 
         return triton_syndrome.solve_erasures(guess, reliability, parity, matrix, erasures)
+    erasures = checked_erasures(guess, reliability, parity, erasures)
     target = pack_words(parity) ^ syndrome_words(guess, matrix)  # [nb]: the parity of the disagreement
     bits = guess.clone()
     ok = torch.ones(len(guess), dtype=torch.bool, device=guess.device)
@@ -172,9 +171,14 @@ def checked_erasures(guess: Tensor, reliability: Tensor, parity: Tensor, erasure
     erasures = min(erasures, guess.shape[1], MAX_ERASURES)
     if erasures > rows:
         raise ValueError(f"{erasures} erasures need at least as many parity bits, got {rows}")
+    check_parity_rows(rows)
+    return erasures
+
+
+def check_parity_rows(rows: int) -> None:
+    """A block's parity bits are one int64 word: at most 64."""
     if rows > 64:
         raise ValueError(f"at most 64 parity bits a block (one int64 word), got {rows}")
-    return erasures
 
 
 def _tiers(erasures: int) -> list[int]:

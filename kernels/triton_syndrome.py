@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .syndrome import TIERS, checked_erasures, pack_words
+from .syndrome import TIERS, check_parity_rows, checked_erasures, pack_words
 
 TILE = 4096  # block elements a program holds at once: several blocks of a few hundred elements, or one wide block
 _INT64_MAX = 0x7FFFFFFFFFFFFFFF
@@ -60,10 +60,9 @@ def _solve_kernel(
     inside = live[:, None] & (pos[None, :] < n)
     offsets = blk[:, None] * n + pos[None, :]
 
-    # sort keys: the reliability's float32 bits made order-preserving as int32, then the position
+    # sort keys: the reliability's float32 bits read as int32, as the reference orders them, then the position
     raw = tl.load(reliability_ptr + offsets, mask=inside, other=0.0).to(tl.int32, bitcast=True)
-    ordered = tl.where(raw < 0, raw ^ 0x7FFFFFFF, raw)
-    keys = tl.where(inside, (ordered.to(tl.int64) << 32) | pos[None, :], _INT64_MAX)
+    keys = tl.where(inside, (raw.to(tl.int64) << 32) | pos[None, :], _INT64_MAX)
 
     col = tl.arange(0, L_POW2).to(tl.int64)
     work = tl.zeros((BLOCKS, L_POW2), dtype=tl.int64)  # reduced columns of the unknowns, in reliability order
@@ -115,8 +114,7 @@ def _blocks_per_program(n: int) -> tuple[int, int]:
 
 def syndrome_words(bits: Tensor, matrix: Tensor) -> Tensor:
     rows, n = matrix.shape
-    if rows > 64:
-        raise ValueError(f"at most 64 parity bits a block (one int64 word), got {rows}")
+    check_parity_rows(rows)
     bits = bits.contiguous()
     columns = pack_words(matrix.to(bits.device).T).contiguous()
     out = torch.empty(len(bits), dtype=torch.int64, device=bits.device)
