@@ -195,21 +195,8 @@ def codec_speed(rows: int, threads: int, repeat: int, device: str = "cpu") -> di
     g = torch.tensor(x.abs().max().item() / (6 * 448))
     x, g = x.to(device), g.to(device)
     q = quantize(x, "nvfp4", global_scale=g)
-    n = torch.zeros(rows, dtype=torch.long, device=device)
-    table = SiteTable(
-        0,
-        "moe_in",
-        "nvfp4",
-        4,
-        256,
-        float(g),
-        n,
-        torch.arange(rows, device=device),
-        n,
-        n - 1,
-        q.codes,
-        q.scales.view(torch.uint8),
-    )
+    n, pos = torch.zeros(rows, dtype=torch.long, device=device), torch.arange(rows, device=device)
+    table = SiteTable(0, "moe_in", "nvfp4", 4, 256, float(g), n, pos, n, n - 1, q.codes, q.scales.view(torch.uint8))
     train = x * (1 + 4e-3 * torch.randn(x.shape, generator=gen)).to(device)
     own = unpack_nibbles(quantize(train, "nvfp4", global_scale=g).codes) & 1
     disagreement = float((own != unpack_nibbles(q.codes) & 1).float().mean())

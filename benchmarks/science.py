@@ -99,8 +99,9 @@ def science_config(
     data = get_preset("tiny").model_dump()
     data.update(name="science", seed=seed)
     data["tasks"] = [{"name": "countdown", "difficulty": 1, "train_size": train_size, "test_size": 500}]
-    data["bootstrap"].update(steps=sft_steps, target_accuracy=0.3, eval_every=100, eval_prompts=64)
-    data["bootstrap"].update(weight_decay=sft_weight_decay)
+    data["bootstrap"].update(
+        steps=sft_steps, weight_decay=sft_weight_decay, target_accuracy=0.3, eval_every=100, eval_prompts=64
+    )
     if sft_extra:
         data["bootstrap"]["extra_problems"] = [{"name": "countdown", "difficulty": EXTRA_DIFFICULTY, "size": sft_extra}]
     if sft_lr is not None:

@@ -151,8 +151,9 @@ def sft_problems(config: RunConfig) -> tuple[list[Problem], list[Problem]]:
     train, test = problems(config)
     exclude = {p.prompt for p in train + test}
     for extra in config.bootstrap.extra_problems:
-        train += get_task(extra.name).generate(extra.size, config.seed, extra.difficulty, frozenset(exclude))
-        exclude.update(p.prompt for p in train[-extra.size :])
+        drawn = get_task(extra.name).generate(extra.size, config.seed, extra.difficulty, frozenset(exclude))
+        train += drawn
+        exclude.update(p.prompt for p in drawn)
     return train, test
 
 

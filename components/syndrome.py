@@ -45,6 +45,7 @@ BLOCK_ELEMENTS = 256  # elements per block: rows are grouped up to this many (on
 CODE_CHECK_BITS = 8  # code parity bits beyond the erasures: a wrong decode passes with probability 2^-8
 SCALE_CHECK_BITS = 4  # scale parity bits beyond the erasures (a wrong scale also fails the code check)
 MIN_CODE_BITS = 16  # 8 erasures + 8 check bits
+MIN_SCALE_BITS = 8  # 4 erasures + 4 check bits
 MAX_CODE_BITS = 64  # 56 erasures + 8 check bits per block
 MAX_SCALE_BITS = 16
 CODE_SALT, SCALE_SALT = 1, 2  # parity matrices of the two stages differ
@@ -91,7 +92,7 @@ def first_rate(bits_per_element: float, block_elements: int = BLOCK_ELEMENTS) ->
     per element, against 0.992 with 48 + 16: benchmarks/guidance.py)."""
     total = _round8(bits_per_element * block_elements)
     scale_bits = min(MAX_SCALE_BITS, _round8(total / 4))
-    return Rate(min(MAX_CODE_BITS, max(CODE_CHECK_BITS + 8, total - scale_bits)), scale_bits)
+    return Rate(min(MAX_CODE_BITS, max(MIN_CODE_BITS, total - scale_bits)), scale_bits)
 
 
 def group_rows(width: int) -> int:
@@ -374,10 +375,10 @@ def choose_rates(keys, previous: dict | None, first: Rate) -> dict:
             rates[(layer, site)] = first
             continue
         stats = DecodeStats.from_json(seen)
-        bits = []
+        bits, rate = [], stats.rate
         for needed, failed, had, check, floor, cap in (
-            (stats.code_needed, stats.code_failed, stats.rate.code_bits, CODE_CHECK_BITS, MIN_CODE_BITS, MAX_CODE_BITS),
-            (stats.scale_needed, stats.scale_failed, stats.rate.scale_bits, SCALE_CHECK_BITS, 8, MAX_SCALE_BITS),
+            (stats.code_needed, stats.code_failed, rate.code_bits, CODE_CHECK_BITS, MIN_CODE_BITS, MAX_CODE_BITS),
+            (stats.scale_needed, stats.scale_failed, rate.scale_bits, SCALE_CHECK_BITS, MIN_SCALE_BITS, MAX_SCALE_BITS),
         ):
             erasures = erasures_for(needed, failed, had - check)
             chosen = had if erasures is None else min(cap, max(floor, _round8(erasures + check)))
