@@ -81,21 +81,23 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"guidance bits must be one of {GUIDANCE_BITS}, got {bits!r}")
 
 
-def _global_scale(fmt: FP4Format, global_scale, x: Tensor) -> Tensor | None:
+def _global_scale(fmt: FP4Format, global_scale, x: Tensor, check_values: bool = True) -> Tensor | None:
     """A given global scale checked and as float32 on ``x``'s device: a scalar
     (any one-element input), or one per row, shape ``x.shape[:-1] + (1,)``.
 
     A scalar must be positive and finite. Per-row scales may also be NaN: the
     mark :func:`per_token_global_scale` gives a row holding NaN or Inf, which
     then dequantizes to NaN, as the default per-tensor scale does for a tensor.
+    The value checks read the device (a host sync on CUDA); without
+    ``check_values``, and inside a CUDA graph capture, which cannot read it,
+    only the shape is checked.
     """
     if global_scale is None:
         return None
     if not fmt.has_global_scale:
         raise ValueError(f"{fmt.name} has no global scale; pass global_scale only with nvfp4")
     g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
-    # the value checks read the device; inside a CUDA graph capture they cannot (the scales were checked at calibration)
-    check = not (g.is_cuda and torch.cuda.is_current_stream_capturing())
+    check = check_values and not (g.is_cuda and torch.cuda.is_current_stream_capturing())
     rows = tuple(x.shape[:-1]) + (1,)
     if g.numel() == 1 and g.dim() <= 1 and tuple(g.shape) != rows:
         if check and not bool((g > 0) & torch.isfinite(g)):
@@ -149,6 +151,7 @@ def quantize(
     global_scale: float | Tensor | None = None,
     scale_mode: str | None = None,
     guide: Guidance | None = None,
+    check_scale: bool = True,
 ) -> FP4Tensor:
     """Quantize ``x`` (float32/bfloat16 ``[..., K]``) to NVFP4 or MXFP4.
 
@@ -156,7 +159,9 @@ def quantize(
     ``guide`` it is TRACE's guided rounding under the rollout's scales.
     ``global_scale`` (NVFP4): a scalar, or one per row ``[..., 1]`` such as
     :func:`per_token_global_scale` gives; by default ``amax / (6 * 448)`` of
-    the whole tensor.
+    the whole tensor. ``check_scale=False`` skips reading its values back to
+    check them (a host sync on CUDA), for callers whose scales were checked
+    where they were made.
 
     Special values: a block holding NaN gets a NaN scale (E4M3 0x7F, E8M0 0xFF)
     and dequantizes to NaN. MXFP4 treats +-Inf the same way. NVFP4 with a
@@ -173,7 +178,8 @@ def quantize(
         _check_guide(x, f, guide, global_scale, scale_mode)
         codes = backend.quantize_guided(x, f, guide.scales, guide.global_scale, guide.codes(), guide.bits)
         return FP4Tensor(codes, guide.scales, guide.global_scale, f.name, x.shape)
-    codes, scales, g = backend.quantize(x, f, _global_scale(f, global_scale, x), _scale_mode(f, scale_mode))
+    g = _global_scale(f, global_scale, x, check_scale)
+    codes, scales, g = backend.quantize(x, f, g, _scale_mode(f, scale_mode))
     return FP4Tensor(codes, scales, g, f.name, x.shape)
 
 
