@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from tracefp4.components.distributed import DistributedTrainer
@@ -52,7 +53,7 @@ def measured(cls):
     class Measured(cls):
         grad_bytes = 0
 
-        def _optimizer_step(self) -> float:
+        def _optimizer_step(self) -> Tensor:
             self.grad_bytes = max(
                 self.grad_bytes, _bytes(p.grad for p in self.model.parameters() if p.grad is not None)
             )

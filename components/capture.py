@@ -183,12 +183,13 @@ class SiteTable:
         """One uint8 per element ``[N, width]``: the low ``bits`` of each code."""
         return expand_codes(self.codes, self.bits, self.width)
 
-    def guidance(self, rows: Tensor) -> Guidance:
-        """Guidance for the selected rows (training-side guided rounding)."""
+    def guidance(self, rows: Tensor | None = None) -> Guidance:
+        """Guidance for the selected rows (None: all; training-side guided rounding)."""
         f = get_format(self.fmt)
-        scales = self.scales[rows].view(f.scale_dtype)
+        codes = self.codes if rows is None else self.codes[rows]
+        scales = (self.scales if rows is None else self.scales[rows]).view(f.scale_dtype)
         g = self.global_scales(rows)
-        return Guidance(self.codes[rows], self.bits, scales, g, self.fmt, torch.Size((len(rows), self.width)))
+        return Guidance(codes, self.bits, scales, g, self.fmt, torch.Size((len(codes), self.width)))
 
 
 @dataclass

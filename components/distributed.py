@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -138,7 +139,7 @@ class DistributedTrainer(Trainer):
         dist.all_gather_object(out, item)
         return out
 
-    def _optimizer_step(self) -> float:
+    def _optimizer_step(self) -> Tensor:
         # FSDP averages the ranks' gradients; each rank's loss is already its share of the whole, so the
         # sum is wanted (gloo has no pre-scaled sum to ask FSDP for it): exact for a power-of-two world
         with torch.no_grad():
@@ -148,7 +149,7 @@ class DistributedTrainer(Trainer):
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return (norm.full_tensor() if isinstance(norm, DTensor) else norm).item()
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm  # read with the step's other figures
 
     def step_done(self, history: list[dict]) -> None:
         if self.checkpoints is not None:

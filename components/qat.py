@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from tracefp4.kernels import Guidance, compact_codes, dequantize, fake_quantize, get_format, quantize
+from tracefp4.kernels import FP4Tensor, Guidance, compact_codes, dequantize, fake_quantize, get_format, quantize
 
 from .guidance import GuidanceError, MicrobatchGuidance
 from .quant import ACTIVATION_SITES, QuantConfig, Recorder, kv_from_rows, kv_rows
@@ -39,24 +39,43 @@ METHODS = ("bf16", "qat", "quads", "trace", "tis_sc")
 
 @dataclass
 class Coverage:
-    """Captured elements that were rounded with guidance, per ``(layer, site)``."""
+    """Captured elements that were rounded with guidance, per ``(layer, site)``:
+    ``guided`` counts are 0-dim tensors on the forward's device (counting reads
+    nothing from it), ``total`` counts are the tables' sizes, known on the host."""
 
     guided: dict = field(default_factory=dict)
     total: dict = field(default_factory=dict)
     decode: dict = field(default_factory=dict)  # (layer, site) -> DecodeStats, syndrome-coded guidance only
 
-    def add(self, key, guided: int, total: int) -> None:
+    def add(self, key, guided: Tensor, total: int) -> None:
         self.guided[key] = self.guided.get(key, 0) + guided
         self.total[key] = self.total.get(key, 0) + total
 
     @property
     def rate(self) -> float:
         total = sum(self.total.values())
-        return sum(self.guided.values()) / total if total else 0.0
+        return float(sum(self.guided.values())) / total if total else 0.0
 
 
 def _straight_through(x: Tensor, values: Tensor) -> Tensor:
     return x + (values.to(x.dtype) - x).detach()
+
+
+def _take_rows(q: FP4Tensor, guided: FP4Tensor, train: Tensor, ok: Tensor) -> None:
+    """Row ``train[i]`` of ``q`` replaced, in place, by row i of ``guided`` where
+    ``ok[i]`` (each row of ``q`` guided by one row at most). Each row of ``q``
+    looks up the row guiding it, rows ``ok`` leaves out landing on a spare slot
+    past the end: selecting the ``ok`` rows instead would give a shape read
+    from the device (a host sync on CUDA)."""
+    n = q.codes.shape[0]
+    source = torch.full((n + 1,), -1, dtype=torch.long, device=train.device)
+    source = source.index_copy_(0, torch.where(ok, train, n), torch.arange(len(train), device=train.device))[:n]
+    hit, source = (source >= 0)[:, None], source.clamp(min=0)
+    q.codes.copy_(torch.where(hit, guided.codes[source], q.codes))
+    scales = q.scales.view(torch.uint8)
+    scales.copy_(torch.where(hit, guided.scales.view(torch.uint8)[source], scales))
+    if q.global_scale is not None and q.global_scale.dim():  # per-token: the rollout's row scales too
+        q.global_scale.copy_(torch.where(hit, guided.global_scale[source], q.global_scale))
 
 
 class TrainingSites:
@@ -75,6 +94,7 @@ class TrainingSites:
         guidance: MicrobatchGuidance | None = None,
         recorder: Recorder | None = None,
         compute_dtype: torch.dtype | None = None,
+        scale_values: dict[tuple[int, str], float] | None = None,
     ):
         if method not in METHODS:
             raise ValueError(f"unknown training method {method!r}; implemented: {METHODS}")
@@ -84,11 +104,16 @@ class TrainingSites:
         self.guidance, self.recorder, self.seq_len = guidance, recorder, seq_len
         self.compute_dtype = compute_dtype  # weights are rounded to it first, as the rollout's copy is
         self.row_of = {t: b for b, t in enumerate(trajectories or [])}
+        self.scale_values = scale_values or {}  # global_scales as host floats: checked without reading the device
         self.coverage = Coverage()
 
     def _rows(self, key, x: Tensor, expert: Tensor | None):
-        """The guidance table on ``x``'s device (the loader yields CPU tables),
-        and its (training rows, guidance rows) of the captured rows this forward holds."""
+        """The guidance table on ``x``'s device (the loader yields CPU tables) and,
+        per table row, the row of ``x`` it guides (``train``, clamped into ``x``)
+        and whether it guides one (``ok``: not a row of another microbatch, nor
+        past ``x``, nor a slot training routed to another expert). Every table
+        row is kept, so shapes are the table's, known on the host: selecting
+        the valid rows would read their count from the device (a host sync on CUDA)."""
         table, n_rows = self.guidance.tables[key], x.shape[0]
         b = torch.tensor([self.row_of.get(t, -1) for t in table.traj.tolist()], dtype=torch.long, device=x.device)
         table = table.to(x.device)
@@ -96,9 +121,10 @@ class TrainingSites:
         if key[1] == "moe_down_in":  # rows are (token, slot): k slots per token
             train = train * (n_rows // (len(self.row_of) * self.seq_len)) + table.slot
         ok = (b >= 0) & (train < n_rows)
+        train = train.clamp(0, n_rows - 1)
         if expert is not None:  # the slot must have gone to the same expert in training
-            ok &= expert[train.clamp(max=n_rows - 1)] == table.expert
-        return table, train[ok], ok.nonzero()[:, 0]
+            ok &= expert[train] == table.expert
+        return table, train, ok
 
     def _fp4(self, layer: int, site: str, x: Tensor, expert: Tensor | None = None, token=None, slot=None) -> Tensor:
         fmt = self.quant.site_format(site)
@@ -109,30 +135,28 @@ class TrainingSites:
         if fmt is None:
             return x
         g = self.quant.global_scale(site, x.detach(), self.global_scales, layer)
-        q = quantize(x.detach(), fmt, global_scale=g)
+        # unchecked (checking reads the device): static scales were checked where made, per-token ones are valid as made
+        q = quantize(x.detach(), fmt, global_scale=g, check_scale=False)
         key = (layer, site)
         if self.method == "trace" and key in self.guidance.tables:
-            table, train_rows, guide_rows = self._rows(key, x, expert)
-            self._check_scales(table, g, self.quant.per_token(site))
+            table, train, ok = self._rows(key, x, expert)
+            self._check_scales(key, table, g, self.quant.per_token(site))
             if isinstance(table, SyndromeTable):
-                train_rows, guide = self._decode(table, x.detach(), train_rows, guide_rows, g)
+                ok, guide = self._decode(table, x.detach(), train, ok, g)
             else:
-                guide = table.guidance(guide_rows) if len(train_rows) else None
-            if len(train_rows):
-                guided = quantize(x.detach()[train_rows], fmt, guide=guide)
-                q.codes.index_copy_(0, train_rows, guided.codes)
-                q.scales.view(torch.uint8).index_copy_(0, train_rows, guided.scales.view(torch.uint8))
-                if q.global_scale is not None and q.global_scale.dim():  # per-token: the rollout's row scales too
-                    q.global_scale.index_copy_(0, train_rows, guided.global_scale)
-            self.coverage.add(key, len(train_rows) * table.width, len(table.traj) * table.width)
+                guide = table.guidance()
+            if len(table.traj):
+                _take_rows(q, quantize(x.detach()[train], fmt, guide=guide), train, ok)
+            self.coverage.add(key, ok.sum() * table.width, len(table.traj) * table.width)
         if self.recorder is not None:
             self.recorder.record(layer, site, x.detach(), q, token, slot, expert)
         return _straight_through(x, dequantize(q))
 
-    @staticmethod
-    def _check_scales(table, g, per_token: bool) -> None:
+    def _check_scales(self, key, table, g, per_token: bool) -> None:
         """Guidance must come from a rollout with this path's global scales: the
-        same static scale, or per-token scales on both sides."""
+        same static scale, or per-token scales on both sides. The static scale
+        is compared as a host float (``scale_values`` where given: reading ``g``
+        from the device would be a host sync)."""
         where = f"guidance for layer {table.layer} {table.site}"
         captured_per_token = getattr(table, "row_global_scales", None) is not None
         if captured_per_token != per_token:
@@ -141,32 +165,28 @@ class TrainingSites:
                 f"{where} was captured under {modes[captured_per_token]} global scales, "
                 f"training uses {modes[per_token]} ones"
             )
-        if not per_token and table.global_scale != (None if g is None else float(g)):
+        if per_token:
+            return
+        static = self.scale_values.get(key) if g is not None else None
+        if g is not None and static is None:
+            static = float(g)
+        if table.global_scale != static:
             raise GuidanceError(f"{where} was captured under another static scale")
 
-    def _decode(self, table: SyndromeTable, x: Tensor, train_rows: Tensor, guide_rows: Tensor, g):
+    def _decode(self, table: SyndromeTable, x: Tensor, train: Tensor, ok: Tensor, g):
         """Decode syndrome-coded guidance with this forward's values (the layers
-        below already guided) as side information: the training rows whose block
-        decoded, and their guidance. Failed blocks round to nearest, counted."""
-        values = x.new_zeros(len(table.traj), table.width, dtype=torch.float32)
-        values[guide_rows] = x[train_rows].float()
-        available = torch.zeros(len(table.traj), dtype=torch.bool, device=x.device)
-        available[guide_rows] = True
-        scales, low, ok, stats = decode_rows(table, values, available)
+        below already guided) as side information: which table rows guide their
+        training row (``ok`` and decoded), and every row's guidance. Failed
+        blocks round to nearest, counted."""
+        values = torch.where(ok[:, None], x[train].float(), 0.0)
+        scales, low, decoded, stats = decode_rows(table, values, ok)
         key = (table.layer, table.site)
         self.coverage.decode.setdefault(key, DecodeStats(table.rate)).merge(stats)
-        keep = ok[guide_rows]
-        rows = guide_rows[keep]
         f = get_format(table.fmt)
         guide = Guidance(
-            compact_codes(low[rows], 1),
-            1,
-            scales[rows].view(f.scale_dtype),
-            g,
-            f.name,
-            torch.Size((len(rows), table.width)),
+            compact_codes(low, 1), 1, scales.view(f.scale_dtype), g, f.name, torch.Size((len(low), table.width))
         )
-        return train_rows[keep], guide
+        return ok & decoded, guide
 
     def routing(self, layer: int, experts: Tensor) -> Tensor:
         """Under syndrome-coded guidance, each guided token goes to the experts

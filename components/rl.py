@@ -16,7 +16,10 @@ from .rollout import Trajectory
 class SequenceBatch:
     """Trajectories right-padded into ``tokens [B, S]``. Column t of the
     ``[B, S-1]`` tensors is the prediction of token t+1; ``response`` marks the
-    sampled tokens, whose rollout logprobs are in ``rollout_logprobs``."""
+    sampled tokens, whose rollout logprobs are in ``rollout_logprobs``.
+    ``response_index`` holds their (row, column) indices, found on the host:
+    ``t[response_index]`` is ``t[response]`` without the device read a boolean
+    mask costs (its count of selected tokens: a host sync on CUDA)."""
 
     trajectories: list[int]
     tokens: Tensor
@@ -24,6 +27,7 @@ class SequenceBatch:
     lengths: Tensor
     response: Tensor
     rollout_logprobs: Tensor
+    response_index: tuple[Tensor, Tensor]
     topk_ids: Tensor | None = None  # [B, S-1, K]: the sampler's top-k tokens, when recorded
     topk_logprobs: Tensor | None = None
 
@@ -42,8 +46,10 @@ class SequenceBatch:
             rollout[i, span] = torch.tensor(t.logprobs)
             if k:
                 topk_ids[i, span], topk_lp[i, span] = torch.tensor(t.topk_ids), torch.tensor(t.topk_logprobs)
-        tensors = [tokens, positions, lengths, response, rollout] + ([topk_ids, topk_lp] if k else [])
-        return cls([t.id for t in trajectories], *(x.to(device) for x in tensors))
+        index = tuple(i.to(device) for i in response.nonzero(as_tuple=True))
+        topk = {"topk_ids": topk_ids.to(device), "topk_logprobs": topk_lp.to(device)} if k else {}
+        tensors = (x.to(device) for x in (tokens, positions, lengths, response, rollout))
+        return cls([t.id for t in trajectories], *tensors, response_index=index, **topk)
 
 
 def token_logprobs(
@@ -131,22 +137,25 @@ def grpo_loss(
     old_logprobs: Tensor,
     rollout_logprobs: Tensor,
     advantages: Tensor,
-    mask: Tensor,
+    mask: Tensor | tuple[Tensor, Tensor],
     *,
     clip: float = 0.2,
     tis_cap: float = 2.0,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO-clipped GRPO loss with truncated importance sampling: each token is
     weighted by ``min(pi_old / pi_rollout, tis_cap)``, correcting for the
-    rollout policy (FP4) not being the training policy. Token-mean over ``mask``."""
+    rollout policy (FP4) not being the training policy. Token-mean over
+    ``mask``: a boolean ``[B, T]`` mask, or its indices
+    (:attr:`SequenceBatch.response_index`, which read nothing from the device).
+    The figures are detached 0-dim tensors, for the caller to read when it syncs."""
     ratio = (logprobs - old_logprobs).exp()
     adv = advantages[:, None].expand_as(logprobs)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
     tis = (old_logprobs - rollout_logprobs).exp().clamp(max=tis_cap).detach()
     loss = -(tis * surrogate)[mask].mean()
     return loss, {
-        "clip_fraction": ((ratio - 1).abs() > clip)[mask].float().mean().item(),
-        "tis_weight_mean": tis[mask].mean().item(),
+        "clip_fraction": ((ratio - 1).abs() > clip)[mask].float().mean(),
+        "tis_weight_mean": tis[mask].mean(),
     }
 
 

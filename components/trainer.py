@@ -15,6 +15,7 @@ itself is :func:`tracefp4.components.steps.run_round`.
 """
 
 import copy
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,6 +89,11 @@ class Trainer:
         self.device = next(model.parameters()).device
         self.config, self.quant = config, quant
         self.global_scales = {key: g.to(self.device) for key, g in global_scales.items()}
+        # host copies: the training path checks guidance against them and quantizes unchecked, without device reads
+        self.scale_values = {key: float(g) for key, g in global_scales.items()}
+        bad = {f"{layer}/{site}": g for (layer, site), g in self.scale_values.items() if not 0 < g < math.inf}
+        if bad:
+            raise ValueError(f"global scales must be positive and finite, got {bad}")
         reference = copy.deepcopy(model).eval().requires_grad_(False) if config.kl_coef > 0 else None
         self.reference = self.wrap(reference) if reference is not None else None
         self.model = self.wrap(model)
@@ -146,16 +152,19 @@ class Trainer:
         group = cfg.grad_accumulation or len(everything)
         owned = self.owned(len(everything), group)  # ``loader`` yields these microbatches' guidance, in order
         batches = {i: SequenceBatch.of(everything[i], self.device) for i in owned}
-        tokens = self.all_sum(
-            [float(batches[i].response.sum()) if i in batches else 0.0 for i in range(len(everything))]
-        )
+        adv = dict(zip((t.id for t in trajectories), advantages.tolist()))
+        mb_advantages = {
+            i: torch.tensor([adv[t] for t in b.trajectories], device=self.device) for i, b in batches.items()
+        }
+        tokens = [sum(len(t.response) for t in mb) for mb in everything]  # every process holds every trajectory
         group_tokens = [sum(tokens[i : i + group]) for i in range(0, len(tokens), group)]
         total_tokens = sum(group_tokens)
         last_owned = {i // group: i for i in owned}  # the optimizer steps after a group's last microbatch
         guidance = iter(loader) if loader is not None else iter([None] * len(owned))
-        adv = dict(zip((t.id for t in trajectories), advantages.tolist()))
-        stats, alignment, grad_norms, tally = {}, [], [], MismatchTally()
-        guided = captured = 0
+        # read from the device once, after the last microbatch: each microbatch's loss figures, the gradient norms
+        loss_stats: list[tuple[int, dict[str, Tensor]]] = []
+        alignment, grad_norms, tally = [], [], MismatchTally()
+        guided, captured = 0, 0
         decode: dict = {}  # (layer, site) -> DecodeStats of syndrome-coded guidance
         reload_s = 0.0
         self.optimizer.zero_grad(set_to_none=True)
@@ -167,16 +176,13 @@ class Trainer:
             if rollout_records is not None:
                 recorder = self._recorder(batch.tokens.numel(), rollout_records)
                 recorder.begin(TokenMap.of(batch.trajectories, batch.positions, batch.lengths - 1))
-            mb_advantages = torch.tensor([adv[t] for t in batch.trajectories], device=self.device)
-            loss, logprobs, sites, loss_stats = self._loss(batch, mb_guidance, recorder, mb_advantages)
-            tokens = int(batch.response.sum())
-            (loss * tokens / group_tokens[index // group]).backward()
+            loss, logprobs, sites, figures = self._loss(batch, mb_guidance, recorder, mb_advantages[index])
+            (loss * tokens[index] / group_tokens[index // group]).backward()
             self.weights.accumulate()
             if recorder is not None:
                 recorder.end()
                 tally.add(compare(rollout_records, recorder.drain()))
-            for k, v in loss_stats.items():
-                stats[k] = stats.get(k, 0.0) + v * tokens / total_tokens
+            loss_stats.append((tokens[index], figures))
             alignment.append((index, logprobs.detach(), batch.rollout_logprobs, batch.response))
             guided += sum(sites.coverage.guided.values())
             captured += sum(sites.coverage.total.values())
@@ -185,6 +191,12 @@ class Trainer:
             if last_owned[index // group] == index:
                 grad_norms.append(self._optimizer_step())
         self.step += 1
+        read = iter(to_host([v for _, figures in loss_stats for v in figures.values()] + grad_norms + [guided]))
+        stats = {}
+        for n, figures in loss_stats:
+            for k in figures:
+                stats[k] = stats.get(k, 0.0) + next(read) * n / total_tokens
+        grad_norms, guided = [next(read) for _ in grad_norms], next(read)
         names = sorted(stats)
         summed = self.all_sum([stats[k] for k in names] + [guided, captured])
         stats = dict(zip(names, summed))
@@ -204,28 +216,30 @@ class Trainer:
     def _loss(self, batch: SequenceBatch, guidance, recorder: Capture | None, advantages: Tensor):
         """A microbatch's loss (GRPO with truncated IS; plus score centering for
         tis_sc and the k3 KL to the reference when configured), its training-path
-        log-probs, sites and loss figures."""
+        log-probs, sites and loss figures (detached 0-dim tensors: reading them
+        here would sync the host with the device every microbatch)."""
         cfg = self.config
         sites, (logprobs, every) = self._forward(batch, guidance, recorder, full=True)
+        response = batch.response_index  # picks what the mask picks, without a device read
         loss, stats = grpo_loss(
             logprobs,
             logprobs.detach(),
             batch.rollout_logprobs,
             advantages,
-            batch.response,
+            response,
             clip=cfg.ppo_clip,
             tis_cap=cfg.tis_cap,
         )
         if cfg.method == "tis_sc":
-            loss = loss + (advantages[:, None] * score_centering(every, batch, cfg.tis_cap))[batch.response].mean()
+            loss = loss + (advantages[:, None] * score_centering(every, batch, cfg.tis_cap))[response].mean()
         if self.reference is not None:
             with torch.no_grad(), self._autocast(batch):
                 ref = token_logprobs(self.reference, batch, sites, cfg.temperature)
-            log_ratio = (ref - logprobs)[batch.response].clamp(-10, 10)
+            log_ratio = (ref - logprobs)[response].clamp(-10, 10)
             kl = (log_ratio.exp() - log_ratio - 1).mean()  # k3 estimate of KL(policy || reference)
             loss = loss + cfg.kl_coef * kl
-            stats["kl_to_reference"] = kl.item()
-        return loss, logprobs, sites, {"loss": loss.item(), **stats}
+            stats["kl_to_reference"] = kl.detach()
+        return loss, logprobs, sites, {"loss": loss.detach(), **stats}
 
     def _alignment(self, parts: list[tuple[int, Tensor, Tensor, Tensor]]) -> dict:
         """Alignment metrics over the microbatches' ``(index, training log-probs,
@@ -234,9 +248,10 @@ class Trainer:
         stacked = (stack_rows([part[i] for part in parts]) for i in (1, 2, 3))
         return alignment_metrics(*stacked, tis_cap=self.config.tis_cap)
 
-    def _optimizer_step(self) -> float:
-        """Clip, step and clear the gradients; returns the norm before clipping."""
-        norm = torch.nn.utils.clip_grad_norm_(self.weights.tensors(), self.config.grad_clip).item()
+    def _optimizer_step(self) -> Tensor:
+        """Clip, step and clear the gradients; returns the norm before clipping
+        (a 0-dim tensor, read with the step's other figures)."""
+        norm = torch.nn.utils.clip_grad_norm_(self.weights.tensors(), self.config.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.weights.sync()
@@ -260,6 +275,7 @@ class Trainer:
             guidance=guidance,
             compute_dtype=cfg.compute_dtype,
             recorder=recorder,
+            scale_values=self.scale_values,
         )
         with self._autocast(batch):
             return sites, token_logprobs(self.model, batch, sites, cfg.temperature, full=full)
@@ -297,7 +313,7 @@ class Trainer:
             guided += sum(sites.coverage.guided.values())
             captured += sum(sites.coverage.total.values())
         train, rollout, mask = (stack_rows([part[i] for part in alignment]) for i in (1, 2, 3))
-        return TrainingPass(recorder.drain(), train, rollout, mask, guided / captured if captured else 0.0)
+        return TrainingPass(recorder.drain(), train, rollout, mask, float(guided) / captured if captured else 0.0)
 
     def _recorder(self, max_tokens: int, rollout: CaptureRecords) -> Capture:
         """A capture of the training path's codes (each forward: ``begin`` with
@@ -364,3 +380,13 @@ def optimizer_state(tensors: dict[str, Tensor], meta: dict) -> dict:
             i, name = key.removeprefix(OPTIMIZER_PREFIX).split(".", 1)
             moments.setdefault(int(i), {})[name] = t
     return {"state": moments, "param_groups": meta["param_groups"]}
+
+
+def to_host(values: list) -> list:
+    """``values`` with their tensors (0-dim, on one device) as Python floats,
+    read from the device at once: a training step's one read, after its last
+    microbatch (``.item()`` per figure would sync the host with the device each
+    time). Through float64, so each reads as its own ``.item()`` would."""
+    tensors = [v for v in values if isinstance(v, Tensor)]
+    read = iter(torch.stack([t.double() for t in tensors]).tolist() if tensors else [])
+    return [next(read) if isinstance(v, Tensor) else v for v in values]
