@@ -1,0 +1,124 @@
+"""A training step reads the device once, after its last microbatch.
+
+On CUDA every read of a value from the device (``.item()``, ``float(t)``,
+``.tolist()``, a shape that depends on values: ``nonzero``, boolean-mask
+indexing) makes the host wait for the GPU, so the host can no longer queue the
+next microbatch's kernels while the GPU works. These tests run on the CPU,
+where nothing syncs, so they watch the ops themselves: between a step's first
+microbatch and its one read of the figures (``trainer.to_host``) none of those
+ops may run, but for two that read the host alone."""
+
+import sys
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tracefp4.components import trainer as trainer_module
+from tracefp4.components.capture import CaptureConfig
+from tracefp4.components.guidance import GuidanceLoader, write_step
+from tracefp4.components.model import build_model
+from tracefp4.components.quant import rollout_config
+from tracefp4.components.rollout import SamplingParams, TorchEngine
+from tracefp4.components.store import open_store
+from tracefp4.components.trainer import TrainConfig, Trainer
+
+aten = torch.ops.aten
+# values to Python (item, float, bool: _local_scalar_dense) and outputs whose shape depends on values
+READS = {
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._unique2.default,
+    aten.unique_consecutive.default,
+    aten.unique_dim.default,
+}
+INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+# reads that are host reads by design: the CPU's expert grid reads its width (bf16 on CUDA multiplies with
+# grouped_mm, which reads nothing); the reference AdamW's step counters live on the host (fused AdamW: on the device)
+HOST_ONLY = ("ExpertRows.__init__", "torch/optim/")
+
+
+class DeviceReads(TorchDispatchMode):
+    """While ``watching``, the ops that would read the device on CUDA, each with
+    the calls it came from. ``tolist`` dispatches nothing on the CPU: the tensors
+    made while watching are kept (weakly), and ``tolist`` of one of them counts."""
+
+    def __init__(self):
+        super().__init__()
+        self.watching, self.reads, self.host_reads = False, [], 0
+        self.made: dict[int, weakref.ref] = {}  # by id: a WeakSet would compare tensors with ==
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.watching:
+            masks = args[1] if func in INDEXING else ()
+            if func in READS or any(isinstance(m, torch.Tensor) and m.dtype == torch.bool for m in masks):
+                self.record(str(func))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.made[id(t)] = weakref.ref(t)
+        return out
+
+    def was_made(self, t: torch.Tensor) -> bool:
+        ref = self.made.get(id(t))
+        return ref is not None and ref() is t
+
+    def record(self, what: str) -> None:
+        frame, calls = sys._getframe(1), []
+        while frame is not None:
+            calls.append(f"{frame.f_code.co_filename}:{frame.f_code.co_qualname}:{frame.f_lineno}")
+            frame = frame.f_back
+        if not any(allowed in call for call in calls for allowed in HOST_ONLY):
+            self.reads.append((what, [c for c in calls if "/components/" in c or "/kernels/" in c][:3]))
+
+
+@pytest.fixture
+def reads(monkeypatch):
+    """A :class:`DeviceReads` (to enter around a step) that starts watching at
+    the step's first microbatch (``Trainer._loss``) and stops at its read of
+    the figures (``to_host``, counted in ``host_reads``)."""
+    mode = DeviceReads()
+    loss, to_host, tolist = Trainer._loss, trainer_module.to_host, torch.Tensor.tolist
+
+    def watched_loss(self, *args, **kwargs):
+        mode.watching = True
+        return loss(self, *args, **kwargs)
+
+    def watched_to_host(values):
+        mode.watching = False
+        mode.host_reads += 1
+        return to_host(values)
+
+    def watched_tolist(t):
+        if mode.watching and mode.was_made(t):
+            mode.record("tolist")
+        return tolist(t)
+
+    monkeypatch.setattr(Trainer, "_loss", watched_loss)
+    monkeypatch.setattr(trainer_module, "to_host", watched_to_host)
+    monkeypatch.setattr(torch.Tensor, "tolist", watched_tolist)
+    return mode
+
+
+@pytest.mark.parametrize(
+    "method, changes",
+    [
+        ("trace", {"kl_coef": 0.1, "grad_accumulation": 1}),  # guided, the KL, two optimizer steps
+        ("tis_sc", {}),  # score centering
+    ],
+)
+def test_a_step_reads_the_device_only_after_its_last_microbatch(reads, method, changes, tmp_path):
+    engine = TorchEngine(build_model("tiny", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
+    trajectories = engine.generate([[5, 6, 7, 8]] * 4, SamplingParams(max_new_tokens=5, seed=0, record_topk=2))
+    store = open_store(str(tmp_path))
+    write_step(store, engine.drain_capture(), rl_step=0, policy_version=0, top_k=engine.model.cfg.top_k)
+    config = TrainConfig(method=method, microbatch_size=2, **changes)
+    trainer = Trainer(build_model("tiny", seed=0), config, engine.quant, engine.global_scales)
+    loader = GuidanceLoader(store, 0, [[t.id for t in mb] for mb in trainer.microbatches(trajectories)])
+    with reads:
+        stats = trainer.train_step(trajectories, torch.tensor([1.0, -1.0, 1.0, -1.0]), loader)
+    assert reads.reads == [], "read from the device during the step (op, innermost calls)"
+    assert reads.host_reads == 1 and stats["optimizer_steps"] == (2 if changes else 1)
+    assert method != "trace" or stats["guidance_coverage"] > 0.5  # the guided path ran
