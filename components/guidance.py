@@ -534,7 +534,7 @@ class MicrobatchGuidance:
     def guidance(self, layer: int, site: str) -> Guidance | None:
         """The guidance of a bits-coded table (syndrome-coded ones decode in the training forward)."""
         t = self.tables.get((layer, site))
-        return None if t is None else t.guidance(torch.arange(t.codes.shape[0]))
+        return None if t is None else t.guidance()
 
 
 class GuidanceLoader:
