@@ -16,6 +16,7 @@ from tracefp4.components.tasks import (
     PROGRAM_LEVELS,
     TASKS,
     Problem,
+    canonical_answer,
     evaluate_expression,
     format_example,
     get_task,
@@ -105,6 +106,14 @@ def test_countdown_instances_are_solvable_and_scale(problems):
             assert p.prompt == f"numbers {' '.join(map(str, numbers))} target {target}:"
             value, used = evaluate_expression(p.answer)
             assert value == target and Counter(used) == Counter(numbers)
+            assert p.answer == canonical_answer(numbers, target)
+
+
+def test_countdown_answer_is_one_per_prompt():
+    """The reference answer depends on the prompt alone (the multiset and the target), whatever the draw built."""
+    assert canonical_answer([2, 3, 7], 13) == canonical_answer([7, 2, 3], 13) == "7+3*2"
+    assert canonical_answer([3, 8, 8], 40) == "8*(8-3)"
+    assert canonical_answer([2, 3, 7], 1000) is None  # unreachable with each number once
 
 
 def test_countdown_checks_numbers_and_target():
