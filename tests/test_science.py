@@ -94,7 +94,7 @@ def test_bootstrap_probe_names_its_levers_and_renders_a_results_section():
         bootstrap_only=True,
         quick=False,
         train_size=2353,
-        sft_steps=2000,
+        sft_steps=1000,
         sft_lr=0.001,
         sft_weight_decay=0.0,
         sft_extra=0,
@@ -105,18 +105,20 @@ def test_bootstrap_probe_names_its_levers_and_renders_a_results_section():
         "python benchmarks/science.py --bootstrap-only --seeds 1 --train-size 2353 --sft-lr 0.001 "
         "--output docs/results/bootstrap_probe.json"
     )
-    boot = {"steps": 2000, "learning_rate": 0.001, "eval_prompts": 64, "target_accuracy": 0.3}
+    boot = {"steps": 2000, "learning_rate": 0.001, "eval_prompts": 64, "target_accuracy": 0.4}
     data = {
         "command": command,
         "config": {"tasks": [{"train_size": 2353, "test_size": 500}], "bootstrap": boot},
-        "bootstraps": {"0": {"bootstrap_accuracy": 0.32, "bootstrap_steps": 700, "bootstrap_loss": 0.5}},
+        "bootstraps": {
+            "0": {"bootstrap_accuracy": 0.32, "bootstrap_steps": 700, "bootstrap_loss": 0.5, "train_accuracy": 0.9}
+        },
     }
     section = science.probe_section(data)
     assert section["command"] == command and section["title"] == (
         "Bootstrap probe: 2353 training problems, 2000 SFT steps at most, learning rate 0.001"
     )
-    assert "| 0 | 700 | 0.500 | 32.0% | [28.1, 36.2] | yes | not measured |" in section["markdown"]  # 160 of 500
-    assert "a seeded random share" not in section["markdown"]  # no training column: a probe before the split fix
+    assert "| 0 | 700 | 0.500 | 32.0% | [28.1, 36.2] | yes | 90.0% |" in section["markdown"]  # 160 of 500
+    assert "reaches 40%" in section["markdown"]
 
     args.train_size, args.sft_lr, args.sft_weight_decay, args.sft_extra = 2000, None, 0.1, 20000
     command = science.command_of(args)
@@ -129,15 +131,12 @@ def test_bootstrap_probe_names_its_levers_and_renders_a_results_section():
         {"name": "countdown", "difficulty": 2, "size": 20000}
     ]
     data["config"] = json.loads(config.model_dump_json(include={"tasks", "bootstrap"}))
-    data["bootstraps"]["0"]["train_accuracy"] = 0.9
     section = science.probe_section(data)
     assert section["title"] == (
-        "Bootstrap probe: 2000 training problems + 20000 extra, 2000 SFT steps at most, learning rate 0.003, "
+        "Bootstrap probe: 2000 training problems + 20000 extra, 1000 SFT steps at most, learning rate 0.003, "
         "AdamW weight decay 0.1"
     )
     assert "and 20000 countdown problems at difficulty 2" in section["markdown"]
-    assert "| 32.0% | [28.1, 36.2] | yes | 90.0% |" in section["markdown"]
-    assert "a seeded random share of the problems drawn" in section["markdown"]  # the split it measured on
 
 
 def test_bootstrap_probe_refuses_the_science_runs_output():
