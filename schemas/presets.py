@@ -58,8 +58,8 @@ def _tiny() -> RunConfig:
                 "learning_rate": 3e-5,
                 "microbatch_size": 8,
             },
-            # SFT to 23.4% greedy test accuracy in about 3 minutes on the 2-core development machine (arithmetic
-            # d1 has 300 distinct problems: 268 + 32)
+            # SFT to 21.9% greedy test accuracy in about 3 minutes on the 2-core development machine
+            # (`tracefp4 bootstrap --preset tiny`; arithmetic d1 has 300 distinct problems: 268 + 32)
             "bootstrap": {"enabled": True, "steps": 480, "learning_rate": 3e-3, "eval_every": 100},
             "tasks": [
                 {"name": "arithmetic", "difficulty": 1, "train_size": 268, "test_size": 32},
