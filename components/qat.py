@@ -167,9 +167,10 @@ class TrainingSites:
             )
         if per_token:
             return
-        static = self.scale_values.get(key) if g is not None else None
-        if g is not None and static is None:
-            static = float(g)
+        if g is None:
+            static = None
+        else:  # callers without host copies (benchmarks, mismatch tools) read g
+            static = self.scale_values[key] if key in self.scale_values else float(g)
         if table.global_scale != static:
             raise GuidanceError(f"{where} was captured under another static scale")
 

@@ -15,13 +15,14 @@ itself is :func:`tracefp4.components.steps.run_round`.
 """
 
 import copy
-import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from tracefp4.kernels import valid_global_scale
 
 from .capture import Capture, CaptureConfig, CaptureRecords, TokenMap
 from .checkpoint import load_model, save_model
@@ -91,7 +92,7 @@ class Trainer:
         self.global_scales = {key: g.to(self.device) for key, g in global_scales.items()}
         # host copies: the training path checks guidance against them and quantizes unchecked, without device reads
         self.scale_values = {key: float(g) for key, g in global_scales.items()}
-        bad = {f"{layer}/{site}": g for (layer, site), g in self.scale_values.items() if not 0 < g < math.inf}
+        bad = {f"{layer}/{site}": g for (layer, site), g in self.scale_values.items() if not valid_global_scale(g)}
         if bad:
             raise ValueError(f"global scales must be positive and finite, got {bad}")
         reference = copy.deepcopy(model).eval().requires_grad_(False) if config.kl_coef > 0 else None

@@ -35,6 +35,7 @@ from .fp4 import (
     per_token_global_scale,
     quantize,
     unpack_codes,
+    valid_global_scale,
 )
 from .reference import e2m1_encode, nvfp4_global_scale, nvfp4_scales, pack_nibbles, unpack_nibbles
 from .syndrome import MAX_ERASURES, code_side_info, parity_matrix, scale_side_info, solve_erasures, syndrome
@@ -72,4 +73,5 @@ __all__ = [
     "syndrome",
     "unpack_codes",
     "unpack_nibbles",
+    "valid_global_scale",
 ]

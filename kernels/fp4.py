@@ -6,6 +6,7 @@ torch reference; both give the same bits. Input checks live here, once.
 """
 
 import importlib.util
+import math
 from dataclasses import dataclass
 
 import torch
@@ -81,6 +82,11 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"guidance bits must be one of {GUIDANCE_BITS}, got {bits!r}")
 
 
+def valid_global_scale(value: float) -> bool:
+    """Whether a static (per-tensor) global scale can scale a tensor: positive and finite."""
+    return 0 < value < math.inf
+
+
 def _global_scale(fmt: FP4Format, global_scale, x: Tensor, check_values: bool = True) -> Tensor | None:
     """A given global scale checked and as float32 on ``x``'s device: a scalar
     (any one-element input), or one per row, shape ``x.shape[:-1] + (1,)``.
@@ -100,7 +106,7 @@ def _global_scale(fmt: FP4Format, global_scale, x: Tensor, check_values: bool = 
     check = check_values and not (g.is_cuda and torch.cuda.is_current_stream_capturing())
     rows = tuple(x.shape[:-1]) + (1,)
     if g.numel() == 1 and g.dim() <= 1 and tuple(g.shape) != rows:
-        if check and not bool((g > 0) & torch.isfinite(g)):
+        if check and not valid_global_scale(g.item()):
             raise ValueError(f"global_scale must be positive and finite, got {g.item()}")
         return g.reshape(())
     if tuple(g.shape) != rows:

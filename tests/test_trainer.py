@@ -159,6 +159,19 @@ def setup(method, lr=1e-3, precision="bf16"):
     return engine, Trainer(build_model("smoke", seed=0), config, engine.quant, engine.global_scales)
 
 
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), float("nan")])
+def test_a_trainer_refuses_a_static_global_scale_that_cannot_scale(bad):
+    engine, _ = setup("qat")
+    scales = dict(engine.global_scales)
+    layer, site = next(iter(scales))
+    scales[(layer, site)] = torch.tensor(bad)
+    config = TrainConfig(method="qat", microbatch_size=4)
+    with pytest.raises(
+        ValueError, match=rf"global scales must be positive and finite, got {{'{layer}/{site}': {bad}}}"
+    ):
+        Trainer(build_model("smoke", seed=0), config, engine.quant, scales)
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp32_master"])
 def test_a_step_raises_the_likelihood_of_rewarded_responses(precision):
     engine, trainer = setup("qat", lr=1e-2, precision=precision)
