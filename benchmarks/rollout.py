@@ -163,6 +163,14 @@ def main() -> None:
             )
 
     batch = args.batches[0]
+    # the decode step's fixed cost: a step of one sequence against one of the first batch size
+    one, full = best_of(
+        args.repeat,
+        lambda: decode_tokens_per_s(bf16, 1, args.prompt_len, args.new_tokens),
+        lambda: decode_tokens_per_s(bf16, batch, args.prompt_len, args.new_tokens),
+    )
+    figures[f"decode_step_b1_over_b{batch}"] = (1 / one) / (batch / full)
+    print(f"a decode step of 1 sequence takes {figures[f'decode_step_b1_over_b{batch}']:.2f}x one of {batch}")
     prompts = torch.randint(0, model.cfg.vocab_size, (batch, args.prompt_len)).tolist()
     n = batch * args.new_tokens
     max_tokens = batch * args.prompt_len
