@@ -104,7 +104,7 @@ def _science_setup(data: dict) -> dict:
 def band_place(base) -> str:
     """Where the seeds' base accuracies sit against science.BAND: inside, below, above or across it."""
     low, high = min(base), max(base)
-    if science.BAND[0] <= low and high <= science.BAND[1]:
+    if science.in_band(low) and science.in_band(high):
         return "inside"
     return "below" if high < science.BAND[0] else "above" if low > science.BAND[1] else "partly outside"
 
@@ -202,7 +202,7 @@ def science_section(data: dict) -> list[str]:
         "|---|---|---|",
     ]
     for seed, acc in s["base"].items():
-        lines.append(f"| {seed} | {100 * acc:.1f}% | {'yes' if science.BAND[0] <= acc <= science.BAND[1] else 'no'} |")
+        lines.append(f"| {seed} | {100 * acc:.1f}% | {'yes' if science.in_band(acc) else 'no'} |")
     lines += ["", "How far RL moved each method's pass@1 from its base (FP4 rollout, paired):", ""]
     lines += ["| method | trained - base (points) | 95% CI | pairs |", "|---|---|---|---|"]
     for e in science.rl_effects(data):

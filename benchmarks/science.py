@@ -73,6 +73,11 @@ SFT_STOP = 0.4
 OUTPUT = Path("docs/results/science.json")
 
 
+def in_band(accuracy: float) -> bool:
+    """Whether a base's greedy accuracy lies in BAND."""
+    return BAND[0] <= accuracy <= BAND[1]
+
+
 def verdict_of(ci: list[float], expect: str) -> str:
     """``expect`` "<" or ">": the claimed sign of a difference, judged by its 95% interval."""
     low, high = ci
@@ -244,7 +249,7 @@ def probe_section(data: dict) -> dict:
         low, high = wilson_interval(round(acc * test), test)
         lines.append(
             f"| {seed} | {b['bootstrap_steps']} | {b['bootstrap_loss']:.3f} | {100 * acc:.1f}% | "
-            f"[{100 * low:.1f}, {100 * high:.1f}] | {'yes' if BAND[0] <= acc <= BAND[1] else 'no'} | "
+            f"[{100 * low:.1f}, {100 * high:.1f}] | {'yes' if in_band(acc) else 'no'} | "
             f"{100 * b['train_accuracy']:.1f}% |"
         )
     extra_size = sum(e["size"] for e in boot.get("extra_problems", []))
