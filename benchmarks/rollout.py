@@ -76,7 +76,7 @@ def decode_tokens_per_s(engine: TorchEngine, batch: int, context: int, steps: in
         start = time.perf_counter()
         for step in range(steps):
             lengths = lengths + 1
-            new = engine._decode(new, lengths, ids, cache, context + step + 1, masked=False).argmax(-1)
+            new = engine._decode(new, lengths, ids, cache, context + step + 1).argmax(-1)
     return batch * steps / (time.perf_counter() - start)
 
 

@@ -112,7 +112,8 @@ def _computes_bf16_on_cpu(x: Tensor) -> bool:
 
 
 def bf16_op(op, *args: Tensor | None) -> Tensor:
-    """``op(*args)`` (a matmul: ``F.linear``, ``torch.bmm``, ``torch.matmul``);
+    """``op(*args)`` (a matmul: ``F.linear``, ``torch.bmm``, ``torch.matmul``;
+    or attention: ``F.scaled_dot_product_attention`` with its other arguments bound);
     where it would compute bf16 on a CPU without bf16 units, in fp32 on the
     operands rounded to bf16 (as autocast rounds them), the output rounded to
     bf16. ``None`` arguments (a missing bias) pass through."""

@@ -25,11 +25,13 @@ line of the model:
 - ``sites``: what happens at the quantization sites (routed-expert inputs,
   K/V); ``None`` leaves them in the compute dtype.
 
-Its matmuls (:class:`Linear`, the experts' ``bmm``: :class:`ExpertRows`) go through
+Its matmuls (:class:`Linear`, the experts' ``bmm``: :class:`ExpertRows`) and
+its attention (:func:`attention`, for both strategies) go through
 :func:`.device.bf16_op`, so that a bf16 model on a CPU without bf16 units
 computes them in fp32 and rounds to bf16 instead of crawling.
 """
 
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -330,7 +332,16 @@ class CausalAttention:
         if self.lengths is not None:
             mask = mask & (torch.arange(s, device=q.device) < self.lengths[:, None])[:, None, None, :]
             mask = mask | torch.eye(s, dtype=torch.bool, device=q.device)  # padded rows attend to themselves
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+        return attention(q, k, v, mask)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Softmax attention of ``q [B, H, S, D]`` over ``k, v [B, KV, L, D]``
+    (grouped when KV < H) where the boolean ``mask [B or 1, 1, S, L]`` allows:
+    one SDPA call, the same in training and in the rollout's prefill and decode
+    steps; in fp32 on a CPU without bf16 units (:func:`.device.bf16_op`)."""
+    sdpa = functools.partial(F.scaled_dot_product_attention, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return bf16_op(sdpa, q, k, v)
 
 
 def right_pad(sequences: list[list[int]], pad: int = 0, device="cpu") -> tuple[Tensor, Tensor, Tensor]:
@@ -439,17 +450,18 @@ class ExpertRows:
                 0, dtype=torch.int32
             )
         else:
-            self.rank = F.one_hot(flat, n_experts).cumsum(0).gather(1, flat[:, None])[:, 0] - 1
+            rank = F.one_hot(flat, n_experts).cumsum(0).gather(1, flat[:, None])[:, 0] - 1
             capturing = flat.is_cuda and torch.cuda.is_current_stream_capturing()
-            self.width = len(flat) if capturing else int(self.rank.max()) + 1
+            self.width = len(flat) if capturing else int(rank.max()) + 1
+            self.slot = flat * self.width + rank  # each row's place in the grid, flattened
 
     def matmul(self, rows: Tensor, weights: Tensor) -> Tensor:
         """``rows [T*k, in]`` times their experts' ``weights [E, in, out]``: ``[T*k, out]``, in row order."""
         if self.grouped:
             return F.grouped_mm(rows[self.order], weights, offs=self.offsets)[self.unsort]
-        grid = rows.new_zeros(self.n_experts, self.width, rows.shape[-1])
-        grid[self.flat, self.rank] = rows
-        return bf16_op(torch.bmm, grid, weights)[self.flat, self.rank]
+        grid = rows.new_zeros(self.n_experts * self.width, rows.shape[-1]).index_copy(0, self.slot, rows)
+        out = bf16_op(torch.bmm, grid.view(self.n_experts, self.width, -1), weights)
+        return out.view(-1, out.shape[-1]).index_select(0, self.slot)  # on the CPU far faster than out[e, r]
 
 
 class MoE(nn.Module):
@@ -493,7 +505,9 @@ class MoE(nn.Module):
             rows = torch.arange(inter.shape[0], device=x.device)
             inter = sites.moe_down_in(layer, inter, rows // k, rows % k, expert_rows.flat)
         out = expert_rows.matmul(inter, w_down).view(-1, k, h)  # [T, k, H]
-        routed = (out * weights[..., None]).sum(1)
+        routed = out[:, 0] * weights[:, :1]
+        for slot in range(1, k):  # slot by slot: on the CPU a sum over the small middle axis is slow
+            routed = routed + out[:, slot] * weights[:, slot, None]
         if self.cfg.shared_expert_intermediate_size:
             routed = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed.reshape(b, s, h)

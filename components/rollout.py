@@ -31,8 +31,7 @@ from tracefp4.kernels import FP4Tensor, dequantize, get_format
 from .capture import Capture, CaptureConfig, CaptureRecords, TokenMap
 from .checkpoint import hub_to_stacked, load_model, load_state
 from .deltanet import causal_conv, chunked_delta_rule, conv_history, recurrent_delta_rule
-from .device import bf16_op
-from .model import ModelConfig, Transformer, right_pad
+from .model import ModelConfig, Transformer, attention, right_pad
 from .quant import (
     BF16,
     KV_SITES,
@@ -119,6 +118,12 @@ def sample(
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0], topk
 
 
+# Attention reads the cache in spans of whole 32-position blocks (the rest masked): SDPA's CPU kernel sums in
+# an order that depends on the span's length past multiples of its vector width (16 fp32 lanes with AVX-512),
+# and a row's logits must not depend on which other rows share its batch (they set the span)
+SPAN_BLOCK = 32
+
+
 class KVCache:
     """K/V of a batch of sequences, ``[rows, max_len, kv_heads * head_dim]``
     per full-attention layer: in the compute dtype, or (FP4 KV) packed codes +
@@ -135,6 +140,7 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, sites: QuantSites, dtype, device):
         self.cfg, self.sites, self.dtype = cfg, sites, dtype
         self.fmt = sites.q.kv
+        max_len = -(-max_len // SPAN_BLOCK) * SPAN_BLOCK  # room for a whole last span block
         self.max_len, self.active = max_len, batch
         width = cfg.num_kv_heads * cfg.head_dim
         if self.fmt is None:  # attention's own layout: reads need no copy
@@ -165,20 +171,20 @@ class KVCache:
         }
         self.positions: Tensor | None = None  # [B, S] of the forward in flight
 
-    def start(self, positions: Tensor, lengths: Tensor, span: int, masked: bool = True) -> None:
+    def start(self, positions: Tensor, lengths: Tensor, span: int) -> None:
         """Prepare a forward of the first ``positions.shape[0]`` rows that
         writes ``positions [B, S]`` and attends to positions ``< span`` up to
-        its own (``masked``; a decode step whose rows all sit at ``span - 1``
-        needs no mask); row b's tokens at positions ``>= lengths[b]`` are
-        padding, which the linear-attention states skip. ``span`` comes from
-        the caller, who knows it without reading the device."""
+        its own; row b's tokens at positions ``>= lengths[b]`` are padding,
+        which the linear-attention states skip. ``span`` comes from the caller,
+        who knows it without reading the device; attention reads it rounded
+        up to a whole :data:`SPAN_BLOCK`, the rest masked."""
         self.active = positions.shape[0]
         self.positions = positions
         self.valid = positions < lengths[:, None]  # [B, S]; right padding: a prefix of each row
-        self.span = span
+        self.span = min(-(-span // SPAN_BLOCK) * SPAN_BLOCK, self.max_len)
         self.rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
-        visible = torch.arange(span, device=positions.device) <= positions[..., None]  # [B, S, span]
-        self.visible = visible[:, None] if masked else None
+        visible = torch.arange(self.span, device=positions.device) <= positions[..., None]  # [B, S, span]
+        self.visible = visible[:, None]
 
     def compact(self, rows: Tensor, active: int) -> None:
         """Move ``rows`` (indices of the current active rows, the ones that
@@ -257,18 +263,9 @@ class KVCache:
         self._write(layer, "k_cache", k)
         self._write(layer, "v_cache", v)
         keys, values = self._read(layer, "k_cache", self.span), self._read(layer, "v_cache", self.span)
-        if q.shape[2] > 1:  # prefill
-            gqa = q.shape[1] != keys.shape[1]
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=self.visible, enable_gqa=gqa)
-        # one decode step: plain matmuls beat SDPA's CPU kernel at a single query
-        b, h, _, d = q.shape
-        kv = keys.shape[1]
-        # keys and values stay as stored; the small query side is transposed
-        scores = bf16_op(torch.matmul, keys, q.view(b, kv, h // kv, d).transpose(-1, -2) * d**-0.5)  # [B, KV, span, G]
-        if self.visible is not None:
-            scores = scores.masked_fill(~self.visible.view(b, 1, -1, 1), float("-inf"))
-        weights = torch.softmax(scores, -2, dtype=torch.float32).to(q.dtype)
-        return bf16_op(torch.matmul, weights.transpose(-1, -2), values).view(b, h, 1, d)
+        # prefill and decode alike: at a single query SDPA's CPU kernel also beats a matmul, a softmax and a
+        # matmul, and sums in fp32 where those round scores and weights to bf16 (docs/rollout.md)
+        return attention(q, keys, values, self.visible)
 
 
 # Tokens decoded between two reads of the device (which requests finished): the only host sync of the decode loop
@@ -389,12 +386,11 @@ class TorchEngine:
         ids: Tensor,
         cache: KVCache,
         span: int,
-        masked: bool = True,
     ) -> Tensor:
         """Logits ``[B, S, V]`` of ``tokens [B, S]`` at ``positions`` attending
         to positions ``< span``, cached (and captured) as row b's trajectory
         ``ids[b]`` (-1: captured as padding) below ``lengths[b]``."""
-        cache.start(positions, lengths, span, masked)
+        cache.start(positions, lengths, span)
         if self.capture is not None:
             self.capture.begin(TokenMap.of(ids, positions, lengths))
         logits = self.model(tokens, positions, cache, self.sites)
@@ -407,14 +403,12 @@ class TorchEngine:
         logits = self._forward(tokens, positions, lengths, ids, cache, tokens.shape[1])
         return logits[torch.arange(len(tokens), device=tokens.device), lengths - 1]
 
-    def _decode(
-        self, new: Tensor, lengths: Tensor, ids: Tensor, cache: KVCache, span: int, masked: bool = True
-    ) -> Tensor:
+    def _decode(self, new: Tensor, lengths: Tensor, ids: Tensor, cache: KVCache, span: int) -> Tensor:
         """The decode step: logits ``[B, V]`` after each row's ``new`` token,
         at position ``lengths - 1``. Every tensor's shape depends on the batch
         bucket ``B`` and ``span`` alone, and nothing reads the device: on CUDA
         it is what :class:`DecodeGraphs` captures."""
-        return self._forward(new[:, None], (lengths - 1)[:, None], lengths, ids, cache, span, masked)[:, 0]
+        return self._forward(new[:, None], (lengths - 1)[:, None], lengths, ids, cache, span)[:, 0]
 
     def _capture_kv(self, cache: KVCache, row: int, traj_id: int, cached: int) -> None:
         """Capture a finished request's KV codes: every position the rollout computed."""
@@ -476,7 +470,7 @@ class _Decode:
         self.first = first
         self.lengths = lengths.clone()  # per row, including the newest token once sampled
         self.step = 0
-        self._bucket_moved()
+        self.max_prompt = max(prompt_lens)
 
     def sample(self, logits: Tensor, step: int) -> None:
         """Draw row r's token from its request's ``step``-th uniform and note it."""
@@ -499,8 +493,8 @@ class _Decode:
         traj = torch.where(self.stopped_at[self.reqs] < self.n_new, -1, self.ids[self.reqs])
         if self.graphs is not None:
             return self.graphs(new, self.lengths, traj)
-        span = self.max_prompt + self.step + 1  # the longest row's length: every row grew by step + 1
-        return self.engine._decode(new, self.lengths, traj, self.cache, span, self.masked)
+        span = self.max_prompt + self.step + 1  # the longest prompt's row: every row grew by step + 1
+        return self.engine._decode(new, self.lengths, traj, self.cache, span)
 
     def check(self, step: int) -> bool:
         """The stop check after ``step``: retire the requests that finished
@@ -522,13 +516,7 @@ class _Decode:
             self.reqs, self.lengths, self.new = self.reqs[index], self.lengths[index], self.new[index]
             self.host_reqs = [self.host_reqs[r] for r in order[:bucket]]
             self.live = list(range(len(self.live)))
-            self._bucket_moved()
         return bool(self.live)
-
-    def _bucket_moved(self) -> None:
-        """Host facts of the rows in the bucket: the longest prompt, and whether rows sit at different positions."""
-        lens = [self.prompt_lens[r] for r in self.host_reqs]
-        self.max_prompt, self.masked = max(lens), min(lens) != max(lens)
 
     def trajectories(self, prompts: list[list[int]]) -> list[Trajectory]:
         """Each request's response up to its first stop token (or the length limit)."""

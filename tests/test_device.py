@@ -13,7 +13,7 @@ from safetensors import safe_open
 from tracefp4.components import device, evaluation, steps
 from tracefp4.components.checkpoint import provenance
 from tracefp4.components.guidance import GuidanceRef
-from tracefp4.components.model import build_model
+from tracefp4.components.model import attention, build_model
 from tracefp4.components.quant import QuantConfig
 from tracefp4.components.trainer import TrainConfig, Trainer
 from tracefp4.components.trainer_state import TENSORS
@@ -160,6 +160,23 @@ def test_emulated_bf16_matmul_is_a_bf16_matmul_up_to_accumulation_order(op, shap
     assert emulated.dtype == torch.bfloat16 and torch.equal(emulated, op(*(a.float() for a in args)).bfloat16())
     same_sign = native.sign() == emulated.sign()
     assert same_sign.float().mean() > 0.99 and _ulps(native[same_sign], emulated[same_sign]).max() <= 1
+
+
+def test_emulated_attention_is_fp32_attention_of_the_bf16_operands(monkeypatch):
+    """The model's one attention (training, the rollout's prefill and decode)
+    emulated: SDPA in fp32 on the bf16 operands, rounded once. Native bf16 SDPA
+    also rounds its softmax weights to bf16, so the two differ by more than
+    accumulation order, though little."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(s, generator=gen).bfloat16() for s in [(3, 4, 6, 32), (3, 2, 40, 32), (3, 2, 40, 32)])
+    mask = (torch.arange(40) < torch.tensor([40, 17, 33])[:, None])[:, None, None]  # [B, 1, 1, L]
+    monkeypatch.setenv(device.CPU_BF16_ENV, "emulate")
+    emulated = attention(q, k, v, mask)
+    fp32 = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, enable_gqa=True)
+    assert emulated.dtype == torch.bfloat16 and torch.equal(emulated, fp32.bfloat16())
+    monkeypatch.setenv(device.CPU_BF16_ENV, "native")
+    native = attention(q, k, v, mask)
+    assert native.dtype == torch.bfloat16 and (native.float() - emulated.float()).abs().max() < 1 / 64
 
 
 def test_emulation_under_autocast_rounds_operands_as_autocast_does(monkeypatch):

@@ -88,7 +88,7 @@ def test_batch_buckets():
 
 def staggered_stops(engine, batch, max_new):
     """Stop tokens that end requests at different steps (taken from a run without them)."""
-    first = engine.generate(prompts(batch, seed=4), SamplingParams(max_new_tokens=max_new, seed=2))
+    first = engine.generate(prompts(batch, seed=7), SamplingParams(max_new_tokens=max_new, seed=2))
     return tuple({t.response[i] for t, i in zip(first, (1, 2, 3, 5, 7, 9, 11, 13)) if i < len(t.response)})
 
 
@@ -112,7 +112,7 @@ def test_stop_check_interval_changes_nothing(model, config):
         engine.drain_capture() if engine.capture else None
         sizes.clear()
         params = SamplingParams(max_new_tokens=16, seed=2, top_p=0.95, record_topk=3, stop_tokens=stops)
-        out = engine.generate(prompts(12, seed=4), params)
+        out = engine.generate(prompts(12, seed=7), params)
         records = engine.drain_capture() if engine.capture else None
         runs[every] = (out, records, sizes)
     out, records, sizes = runs[1]
@@ -160,6 +160,19 @@ def test_same_trajectories_as_the_engine_before_the_static_cache(case, every):
         assert traj.logprobs == pytest.approx(want["logprobs"], abs=1e-5)
 
 
+def test_a_request_gives_the_same_bits_whatever_shares_its_batch(model):
+    """A longer prompt beside a request widens every step's attention span by
+    blocks (``SPAN_BLOCK``): the request's tokens and logprobs stay bit for bit
+    those it gets alone (BF16 and FP4 KV)."""
+    short, long = prompts(1, seed=5)[0][:3], list(range(1, 80))
+    for config in ("bf16", "fp4_wa_kv"):
+        engine = TorchEngine(model, rollout_config(config))
+        params = SamplingParams(max_new_tokens=12, seed=9)
+        alone = engine.generate([short], params)[0]
+        shared = engine.generate([short, long], params)[0]
+        assert (shared.response, shared.logprobs) == (alone.response, alone.logprobs), config
+
+
 def test_the_cache_is_allocated_once_and_compacted_in_place(model, monkeypatch):
     made = []
     init = KVCache.__init__
@@ -177,7 +190,7 @@ def test_the_cache_is_allocated_once_and_compacted_in_place(model, monkeypatch):
         assert [t.data_ptr() for t in self.store.values()] == pointers and self.active == active
 
     monkeypatch.setattr(KVCache, "compact", watch)
-    engine.generate(prompts(12, seed=4), SamplingParams(max_new_tokens=16, seed=2, stop_tokens=stops))
+    engine.generate(prompts(12, seed=7), SamplingParams(max_new_tokens=16, seed=2, stop_tokens=stops))
     assert len(made) == 1 and pointers is not None
 
 
