@@ -505,7 +505,7 @@ class MoE(nn.Module):
             rows = torch.arange(inter.shape[0], device=x.device)
             inter = sites.moe_down_in(layer, inter, rows // k, rows % k, expert_rows.flat)
         out = expert_rows.matmul(inter, w_down).view(-1, k, h)  # [T, k, H]
-        routed = out[:, 0] * weights[:, :1]
+        routed = out[:, 0] * weights[:, 0, None]
         for slot in range(1, k):  # slot by slot: on the CPU a sum over the small middle axis is slow
             routed = routed + out[:, slot] * weights[:, slot, None]
         if self.cfg.shared_expert_intermediate_size:

@@ -119,9 +119,15 @@ def sample(
 
 
 # Attention reads the cache in spans of whole 32-position blocks (the rest masked): SDPA's CPU kernel sums in
-# an order that depends on the span's length past multiples of its vector width (16 fp32 lanes with AVX-512),
-# and a row's logits must not depend on which other rows share its batch (they set the span)
+# an order that depends on the span's length (its vector loop and remainder), and a row's logits must not depend
+# on which other rows share its batch, which set the span (with 1 here, tests/test_rollout.py -k whatever_shares
+# fails)
 SPAN_BLOCK = 32
+
+
+def whole_span_blocks(positions: int) -> int:
+    """``positions`` rounded up to a multiple of :data:`SPAN_BLOCK`."""
+    return -(-positions // SPAN_BLOCK) * SPAN_BLOCK
 
 
 class KVCache:
@@ -140,7 +146,7 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, batch: int, max_len: int, sites: QuantSites, dtype, device):
         self.cfg, self.sites, self.dtype = cfg, sites, dtype
         self.fmt = sites.q.kv
-        max_len = -(-max_len // SPAN_BLOCK) * SPAN_BLOCK  # room for a whole last span block
+        max_len = whole_span_blocks(max_len)  # room for a whole last span block
         self.max_len, self.active = max_len, batch
         width = cfg.num_kv_heads * cfg.head_dim
         if self.fmt is None:  # attention's own layout: reads need no copy
@@ -181,7 +187,7 @@ class KVCache:
         self.active = positions.shape[0]
         self.positions = positions
         self.valid = positions < lengths[:, None]  # [B, S]; right padding: a prefix of each row
-        self.span = min(-(-span // SPAN_BLOCK) * SPAN_BLOCK, self.max_len)
+        self.span = whole_span_blocks(span)  # at most max_len, itself whole blocks
         self.rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         visible = torch.arange(self.span, device=positions.device) <= positions[..., None]  # [B, S, span]
         self.visible = visible[:, None]
