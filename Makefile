@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv install install-dev test run results image gpu-check
+.PHONY: venv install install-dev test run results image gpu-check gpu-wheels
 
 # Debian's own python3 makes venvs only with its python3-venv package.
 venv:
@@ -52,6 +52,13 @@ results: install
 # DRY=1 runs the same plan on the CPU with the smallest sizes.
 gpu-check: install-dev
 	$(PY) benchmarks/gpu_check.py $(if $(DRY),--dry-run)
+
+# The wheels that let a GPU machine without internet run the GPU check (docs/performance.md):
+# GPU_PYTHON is its Python, GPU_HAVE what that Python already holds.
+GPU_PYTHON ?= 3.12
+GPU_HAVE ?= torch triton 'nvidia-*'
+gpu-wheels: install-dev
+	$(PY) benchmarks/offline_wheels.py --output .whl --python $(GPU_PYTHON) --have $(GPU_HAVE)
 
 # The component images, multi-arch (amd64, and arm64 for GB200/GH200 nodes), built
 # with docker buildx and pushed to IMAGE (a multi-arch image cannot be loaded into

@@ -1,5 +1,6 @@
 """`make gpu-check DRY=1` runs the GPU check's whole plan on the CPU, so that
-the command a GPU machine runs cannot rot where there is none."""
+the command a GPU machine runs cannot rot where there is none; and
+`make gpu-wheels` picks the wheels a GPU machine without internet needs."""
 
 import importlib.util
 import json
@@ -7,10 +8,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
-spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-gpu_check = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gpu_check)
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_check, offline_wheels = load("gpu_check"), load("offline_wheels")
 
 
 def test_the_plan_fits_the_gpu_budget(tmp_path):
@@ -44,3 +54,25 @@ def test_dry_run_runs_the_plan_and_ends_with_its_figures(tmp_path):
         steps["smoke_pipeline"]["status"] == "passed"
         and steps["smoke_pipeline"]["figures"]["rollout_tokens_per_second"] > 0
     )
+
+
+def test_the_offline_wheels_are_what_the_target_lacks_at_the_versions_here():
+    env = offline_wheels.target_environment("3.12", "x86_64")
+    needed = offline_wheels.closure(["tracefp4"], ["torch", "nvidia-*"], env)
+    from importlib import metadata
+
+    # direct and indirect requirements (kfp-server-api only through kfp), pinned to what is installed here
+    assert {"pydantic", "pydantic-core", "kfp", "kfp-server-api", "minio", "triton"} <= needed.keys()
+    assert needed["pydantic-core"] == metadata.version("pydantic-core")
+    assert "torch" not in needed
+    # a package the target has is taken with what it requires
+    assert "kfp-server-api" not in offline_wheels.closure(["tracefp4"], ["torch", "kfp"], env)
+    # requirements' markers are read for the target: tracefp4 asks for triton on x86_64 Linux only
+    arm = offline_wheels.target_environment("3.12", "aarch64")
+    assert "triton" not in offline_wheels.closure(["tracefp4"], ["torch"], arm)
+
+
+def test_an_offline_wheel_that_is_not_installed_here_is_named():
+    env = offline_wheels.target_environment("3.12", "x86_64")
+    with pytest.raises(SystemExit, match="no-such-distribution is required but not installed here"):
+        offline_wheels.closure(["no-such-distribution"], [], env)
