@@ -53,7 +53,8 @@ def target_environment(python: str, machine: str) -> dict[str, str]:
     }
 
 
-def is_had(name: str, have: list[str]) -> bool:
+def target_has(name: str, have: list[str]) -> bool:
+    """Whether ``name`` matches one of the globs of what the target holds."""
     return any(fnmatch.fnmatch(canonicalize_name(name), canonicalize_name(p)) for p in have)
 
 
@@ -65,7 +66,7 @@ def closure(roots: list[str], have: list[str], env: dict[str, str]) -> dict[str,
     todo = list(roots)
     while todo:
         name = canonicalize_name(todo.pop())
-        if name in found or is_had(name, have):
+        if name in found or target_has(name, have):
             continue
         try:
             dist = metadata.distribution(name)
