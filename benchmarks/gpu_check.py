@@ -5,6 +5,7 @@ the kernel, rollout and syndrome codec benchmarks, and the smoke pipeline with
 
     python benchmarks/gpu_check.py             # or: make gpu-check
     python benchmarks/gpu_check.py --dry-run   # or: make gpu-check DRY=1
+    python benchmarks/gpu_check.py --only rollout smoke_pipeline   # a rerun of some steps after a fix
 
 ``--dry-run`` runs the same plan on the CPU (CUDA hidden) with the smallest
 sizes and skips what needs CUDA, saying so, so that the plan is exercised on
@@ -145,6 +146,7 @@ def main() -> int:
     parser.add_argument(
         "--dry-run", action="store_true", help="the same plan on the CPU, smallest sizes, CUDA steps skipped"
     )
+    parser.add_argument("--only", nargs="+", metavar="STEP", help="these steps of the plan alone, in its order")
     args = parser.parse_args()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     if args.dry_run:
@@ -163,7 +165,12 @@ def main() -> int:
         figures["gpu"] = torch.cuda.get_device_name(0)
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        steps = {step.name: run_step(step, args.dry_run, env, Path(tmp)) for step in plan(device, Path(tmp))}
+        planned = plan(device, Path(tmp))
+        unknown = sorted(set(args.only or ()) - {step.name for step in planned})
+        if unknown:
+            parser.error(f"--only {' '.join(unknown)}: the plan's steps are {', '.join(s.name for s in planned)}")
+        chosen = [step for step in planned if not args.only or step.name in args.only]
+        steps = {step.name: run_step(step, args.dry_run, env, Path(tmp)) for step in chosen}
     figures.update(seconds=time.perf_counter() - start, steps=steps)
     print(json.dumps(figures))
     return 0 if all(s["status"] in ("passed", "skipped") for s in steps.values()) else 1

@@ -56,6 +56,17 @@ def test_dry_run_runs_the_plan_and_ends_with_its_figures(tmp_path):
     )
 
 
+def test_only_runs_the_named_steps_and_refuses_an_unknown_one():
+    command = [sys.executable, "benchmarks/gpu_check.py", "--dry-run", "--only", "kernels"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = json.loads(done.stdout.strip().splitlines()[-1])["steps"]
+    assert list(steps) == ["kernels"] and steps["kernels"]["status"] == "passed"
+    command[-1] = "kernel"
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "--only kernel: the plan's steps are triton_kernel_tests, kernels" in done.stderr
+
+
 def test_the_offline_wheels_are_what_the_target_lacks_at_the_versions_here():
     env = offline_wheels.target_environment("3.12", "x86_64")
     needed = offline_wheels.closure(["tracefp4"], ["torch", "nvidia-*"], env)
