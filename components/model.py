@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tracefp4.kernels import graph_capturing
+
 from .deltanet import GatedDeltaNet, causal_conv, chunked_delta_rule, recurrent_delta_rule
 from .device import bf16_op
 
@@ -450,9 +452,10 @@ class ExpertRows:
                 0, dtype=torch.int32
             )
         else:
-            rank = F.one_hot(flat, n_experts).cumsum(0).gather(1, flat[:, None])[:, 0] - 1
-            capturing = flat.is_cuda and torch.cuda.is_current_stream_capturing()
-            self.width = len(flat) if capturing else int(rank.max()) + 1
+            # each row's rank among its expert's rows (one_hot would check its input's range on the CPU, a device read)
+            chosen = flat[:, None] == torch.arange(n_experts, device=flat.device)
+            rank = chosen.long().cumsum(0).gather(1, flat[:, None])[:, 0] - 1
+            self.width = len(flat) if graph_capturing(flat) else int(rank.max()) + 1
             self.slot = flat * self.width + rank  # each row's place in the grid, flattened
 
     def matmul(self, rows: Tensor, weights: Tensor) -> Tensor:

@@ -60,6 +60,12 @@ class Guidance:
         return expand_codes(self.low_bits, self.bits, self.shape[-1])
 
 
+def graph_capturing(x: Tensor) -> bool:
+    """Whether a CUDA graph is being captured on ``x``'s device, when nothing
+    may read the device (never for a CPU tensor; torch's CPU builds cannot ask)."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def _backend(t: Tensor):
     if t.is_cuda and HAS_TRITON:
         from . import triton_kernels
@@ -103,7 +109,7 @@ def _global_scale(fmt: FP4Format, global_scale, x: Tensor, check_values: bool = 
     if not fmt.has_global_scale:
         raise ValueError(f"{fmt.name} has no global scale; pass global_scale only with nvfp4")
     g = torch.as_tensor(global_scale, dtype=torch.float32, device=x.device)
-    check = check_values and not (g.is_cuda and torch.cuda.is_current_stream_capturing())
+    check = check_values and not graph_capturing(g)
     rows = tuple(x.shape[:-1]) + (1,)
     if g.numel() == 1 and g.dim() <= 1 and tuple(g.shape) != rows:
         if check and not valid_global_scale(g.item()):
