@@ -22,7 +22,7 @@ import tracefp4.components.model as model_module
 import tracefp4.kernels.fp4 as fp4_module
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
-from tracefp4.components.rollout import DecodeGraphs, SamplingParams, TorchEngine
+from tracefp4.components.rollout import DecodeGraphs, SamplingParams, TorchEngine, _Decode
 
 aten = torch.ops.aten
 DEVICE_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.nonzero_static.default}
@@ -92,6 +92,18 @@ class Capture(TorchDispatchMode):
                     garbage(t)
 
 
+class DeviceReads(TorchDispatchMode):
+    """Counts the ops that read the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in DEVICE_READS
+        return func(*args, **(kwargs or {}))
+
+
 class Stream:
     def wait_stream(self, other) -> None:
         pass
@@ -147,11 +159,12 @@ def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     "preset, config",
     [("smoke", "bf16"), ("smoke", "fp4_wa_kv"), ("smoke", "fp4_wa_kv/per_token"), ("tiny-qwen35", "bf16")],
 )
-def test_decode_replayed_from_graphs_gives_the_eager_results(emulated_cuda_graphs, preset, config):
+def test_decode_replayed_from_graphs_gives_the_eager_results(emulated_cuda_graphs, preset, config, monkeypatch):
     """A batch of 12 whose requests stop at different steps: decoding by graph
     replays (one graph per batch bucket, captured over the cache's whole
     length and every expert's room for every row) gives the tokens and
-    logprobs of the eager decode, bit for bit."""
+    logprobs of the eager decode, bit for bit; sampling a token reads nothing
+    from the device (a replay cannot), so between stop checks nothing does."""
     model = build_model(preset, seed=0)
     name, _, scales = config.partition("/")
     quant = replace(rollout_config(name), activation_global_scale=scales or "static")
@@ -162,7 +175,15 @@ def test_decode_replayed_from_graphs_gives_the_eager_results(emulated_cuda_graph
     stops = tuple({t.response[i] for t, i in zip(first, (1, 3, 6, 9, 13)) if i < len(t.response)})
     params = SamplingParams(max_new_tokens=20, seed=1, stop_tokens=stops, record_topk=2)
     want = eager.generate(batch, params)
+    reads, sample = DeviceReads(), _Decode.sample
+
+    def counted(self, *args):
+        with reads:
+            sample(self, *args)
+
+    monkeypatch.setattr(_Decode, "sample", counted)
     got = replayed.generate(batch, params)
+    assert reads.count == 0
     assert len(emulated_cuda_graphs) > 1  # the batch moved to smaller buckets, each captured on first use
     assert {t.finish_reason for t in want} == {"stop", "length"}
     assert [(t.response, t.logprobs, t.topk_ids, t.finish_reason) for t in got] == [
