@@ -25,6 +25,7 @@ modes serving engines use (``QuantConfig.activation_global_scale``):
 KV global scales are static in both; weights use their own amax.
 """
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -39,6 +40,7 @@ from tracefp4.kernels import (
     nvfp4_global_scale,
     per_token_global_scale,
     quantize,
+    valid_global_scale,
 )
 
 from .model import CausalAttention, ModelConfig, Transformer
@@ -161,8 +163,9 @@ class _AmaxRecorder:
         self.amax: dict[tuple[int, str], float] = {}
 
     def _see(self, layer: int, site: str, t: Tensor) -> None:
-        key = (layer, site)
-        self.amax[key] = max(self.amax.get(key, 0.0), t.detach().abs().amax().item())
+        key, amax = (layer, site), t.detach().abs().amax().item()
+        seen = self.amax.get(key, 0.0)
+        self.amax[key] = amax if math.isnan(amax) or amax > seen else seen  # NaN sticks (max() would drop it)
 
     def moe_in(self, layer, x):
         self._see(layer, "moe_in", x)
@@ -197,11 +200,18 @@ def calibrate_global_scales(
     positions = torch.arange(length, device=device).expand(batch, length)
     with torch.no_grad():
         model(tokens, positions, CausalAttention(), recorder)
-    return {
+    scales = {
         key: nvfp4_global_scale(torch.tensor(amax, device=device))
         for key, amax in recorder.amax.items()
         if q.site_format(key[1]) == "nvfp4" and not q.per_token(key[1])
     }
+    # checked once here, so that quantizing with them never reads the device to check them again
+    bad = sorted(key for key, g in scales.items() if not valid_global_scale(float(g)))
+    if bad:
+        raise ValueError(
+            f"calibration found activations holding NaN or Inf at (layer, site) {bad}: no NVFP4 global scale"
+        )
+    return scales
 
 
 class Recorder(Protocol):
@@ -230,9 +240,11 @@ class QuantSites:
         self.recorder = recorder
 
     def quantize(self, layer: int, site: str, x: Tensor) -> FP4Tensor:
-        return quantize(
-            x, self.q.site_format(site), global_scale=self.q.global_scale(site, x, self.global_scales, layer)
-        )
+        """Static scales were checked at calibration, per-token ones are valid
+        by construction (NaN for a row holding NaN or Inf): no check reads the
+        device, which on CUDA would stall every quantize of the rollout."""
+        g = self.q.global_scale(site, x, self.global_scales, layer)
+        return quantize(x, self.q.site_format(site), global_scale=g, check_scale=False)
 
     def _activation(self, layer, site, x, token=None, slot=None, expert=None):
         if self.q.activations is None:

@@ -1,5 +1,6 @@
-"""The CUDA-graph decode (``DecodeGraphs``) on the CPU, with torch.cuda's
-graph API emulated here: what a capture records is the list of ops it
+"""The decode loop on CUDA's terms, on the CPU: no device reads between stop
+checks, and the CUDA-graph decode (``DecodeGraphs``) with torch.cuda's graph
+API emulated here: what a capture records is the list of ops it
 dispatched, and a replay runs that list again on the same tensors.
 
 The emulation keeps the contract a real graph holds a step to: a capture
@@ -20,7 +21,8 @@ from torch.utils._pytree import tree_leaves
 
 import tracefp4.components.model as model_module
 import tracefp4.kernels.fp4 as fp4_module
-from tracefp4.components.model import build_model
+from tracefp4.components.capture import CaptureConfig
+from tracefp4.components.model import ExpertRows, build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rollout import DecodeGraphs, SamplingParams, TorchEngine, _Decode
 
@@ -189,3 +191,26 @@ def test_decode_replayed_from_graphs_gives_the_eager_results(emulated_cuda_graph
     assert [(t.response, t.logprobs, t.topk_ids, t.finish_reason) for t in got] == [
         (t.response, t.logprobs, t.topk_ids, t.finish_reason) for t in want
     ]
+
+
+def test_a_capturing_fp4_rollout_reads_the_device_only_at_stop_checks(monkeypatch):
+    """With capture on there are no graphs, and every decode step runs eagerly:
+    still nothing in it reads the device (quantizing under static or
+    per-token global scales included), but the CPU's padded expert grid,
+    which reads its width where CUDA's ``F.grouped_mm`` reads nothing."""
+    reads, init = DeviceReads(), ExpertRows.__init__
+
+    def unread(self, *args):
+        with torch.utils._python_dispatch._disable_current_modes():
+            init(self, *args)
+
+    monkeypatch.setattr(ExpertRows, "__init__", unread)
+    model = build_model("smoke", seed=0)
+    for scales in ("static", "per_token"):
+        quant = replace(rollout_config("fp4_wa_kv"), activation_global_scale=scales)
+        engine = TorchEngine(model, quant, capture=CaptureConfig(bits=4), stop_check_every=4)
+        batch = prompts(12, model.cfg.vocab_size, seed=3)
+        with reads:
+            out = engine.generate(batch, SamplingParams(max_new_tokens=12, seed=1))
+        assert reads.count == 0, scales
+        assert engine.drain_capture().nbytes > 0 and len(out) == 12

@@ -201,6 +201,17 @@ def test_every_rollout_config_runs(model, config, fmt):
     assert all(len(t.response) == 3 for t in out)
 
 
+def test_activations_without_a_finite_range_stop_the_calibration(model):
+    """A policy whose activations hold NaN gets no static NVFP4 scale: the
+    engine stops at calibration and names the sites (quantizing never checks
+    the scales again, since on CUDA a check is a host sync)."""
+    broken = build_model("smoke", seed=0)
+    with torch.no_grad():
+        broken.model.embed_tokens.weight[3] = float("nan")
+    with pytest.raises(ValueError, match=r"NaN or Inf at \(layer, site\) \[\(0, 'k_cache'\)"):
+        TorchEngine(broken, rollout_config("fp4_wa_kv"))
+
+
 def test_kv_cache_bytes(model):
     bf16 = TorchEngine(model).kv_bytes_per_token()
     cfg = model.cfg
