@@ -16,18 +16,16 @@ from dataclasses import replace
 
 import pytest
 import torch
+from device_reads import DeviceReads, reads_device
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import tracefp4.components.model as model_module
 import tracefp4.kernels.fp4 as fp4_module
 from tracefp4.components.capture import CaptureConfig
-from tracefp4.components.model import ExpertRows, build_model
+from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rollout import DecodeGraphs, SamplingParams, TorchEngine, _Decode
-
-aten = torch.ops.aten
-DEVICE_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.nonzero_static.default}
 
 
 def garbage(t: torch.Tensor) -> None:
@@ -65,7 +63,7 @@ class Capture(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in DEVICE_READS:
+        if reads_device(func, args):
             raise RuntimeError(f"{func} reads the device inside a CUDA graph capture")
         schema = func._schema
         if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
@@ -92,18 +90,6 @@ class Capture(TorchDispatchMode):
             for t in made:
                 if t is not None:
                     garbage(t)
-
-
-class DeviceReads(TorchDispatchMode):
-    """Counts the ops that read the device."""
-
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in DEVICE_READS
-        return func(*args, **(kwargs or {}))
 
 
 class Stream:
@@ -178,6 +164,7 @@ def test_decode_replayed_from_graphs_gives_the_eager_results(emulated_cuda_graph
     params = SamplingParams(max_new_tokens=20, seed=1, stop_tokens=stops, record_topk=2)
     want = eager.generate(batch, params)
     reads, sample = DeviceReads(), _Decode.sample
+    reads.watching = True
 
     def counted(self, *args):
         with reads:
@@ -185,7 +172,7 @@ def test_decode_replayed_from_graphs_gives_the_eager_results(emulated_cuda_graph
 
     monkeypatch.setattr(_Decode, "sample", counted)
     got = replayed.generate(batch, params)
-    assert reads.count == 0
+    assert reads.reads == []
     assert len(emulated_cuda_graphs) > 1  # the batch moved to smaller buckets, each captured on first use
     assert {t.finish_reason for t in want} == {"stop", "length"}
     assert [(t.response, t.logprobs, t.topk_ids, t.finish_reason) for t in got] == [
@@ -193,18 +180,13 @@ def test_decode_replayed_from_graphs_gives_the_eager_results(emulated_cuda_graph
     ]
 
 
-def test_a_capturing_fp4_rollout_reads_the_device_only_at_stop_checks(monkeypatch):
+def test_a_capturing_fp4_rollout_reads_the_device_only_at_stop_checks():
     """With capture on there are no graphs, and every decode step runs eagerly:
     still nothing in it reads the device (quantizing under static or
     per-token global scales included), but the CPU's padded expert grid,
     which reads its width where CUDA's ``F.grouped_mm`` reads nothing."""
-    reads, init = DeviceReads(), ExpertRows.__init__
-
-    def unread(self, *args):
-        with torch.utils._python_dispatch._disable_current_modes():
-            init(self, *args)
-
-    monkeypatch.setattr(ExpertRows, "__init__", unread)
+    reads = DeviceReads()
+    reads.watching = True
     model = build_model("smoke", seed=0)
     for scales in ("static", "per_token"):
         quant = replace(rollout_config("fp4_wa_kv"), activation_global_scale=scales)
@@ -212,5 +194,5 @@ def test_a_capturing_fp4_rollout_reads_the_device_only_at_stop_checks(monkeypatc
         batch = prompts(12, model.cfg.vocab_size, seed=3)
         with reads:
             out = engine.generate(batch, SamplingParams(max_new_tokens=12, seed=1))
-        assert reads.count == 0, scales
+        assert reads.reads == [], scales
         assert engine.drain_capture().nbytes > 0 and len(out) == 12
