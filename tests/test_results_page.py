@@ -86,7 +86,8 @@ def test_a_repro_output_is_rendered_and_leaves_the_pending_list(tmp_path):
     assert "`python benchmarks/repro.py --output x`" in page
     assert "| bf16 per_token | qat | 2 | 0.00400 | 0.1000 | 1.00e-04 | 0.0070 | 0.000 | - | - |" in page
     assert "- bf16 per_token: trace, R-1bit all layers has 0.0000 code mismatch against QAT's 0.0070" in page
-    assert "4.0x below QAT's" in page and "--output docs/results/repro-per-token.json" not in page
+    assert "a mean |logprob diff| of 0.00100 against QAT's 0.00400" in page
+    assert "--output docs/results/repro-per-token.json" not in page
 
 
 def test_a_source_that_does_not_name_its_command_is_an_error(tmp_path):
@@ -117,3 +118,13 @@ def test_check_mode_fails_on_a_stale_page(tmp_path):
 )
 def test_verdicts_follow_the_interval(ci, expect, verdict):
     assert results_page.science.verdict_of(ci, expect) == verdict
+
+
+def test_a_threshold_claim_is_not_separable_when_its_interval_straddles_the_threshold():
+    science = results_page.science
+    assert results_page.within([0.992, 1.0], low=0.99) == "holds"
+    assert results_page.within([0.987, 1.0], low=0.99) == science.NOT_SEPARABLE
+    assert results_page.within([0.95, 0.98], low=0.99) == science.NOT_HELD
+    assert results_page.within([0.001, 0.004], high=0.002) == science.NOT_SEPARABLE
+    assert results_page.combined(["holds", science.NOT_SEPARABLE]) == science.NOT_SEPARABLE
+    assert results_page.combined([science.NOT_SEPARABLE, science.NOT_HELD]) == science.NOT_HELD
