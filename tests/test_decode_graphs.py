@@ -5,9 +5,11 @@ dispatched, and a replay runs that list again on the same tensors.
 
 The emulation keeps the contract a real graph holds a step to: a capture
 runs nothing (whatever its ops wrote is put back, and what they made holds
-garbage until the first replay), no op may read the device (``item``,
-``tolist``, ``nonzero``: a capture error on CUDA, an error here), and a replay
-sees only what was copied into the captured tensors. It is not a GPU: it
+garbage until the first replay), no op may read the device (what
+tests/device_reads.py counts: ``item``, ``nonzero``, boolean-mask indexing; a
+capture error on CUDA, an error here; ``tolist`` dispatches nothing on the CPU
+and goes unseen), and a replay sees only what was copied into the captured
+tensors. It is not a GPU: it
 cannot show that CUDA kernels capture, only that the step's own logic fits a
 graph, which is what ``make gpu-check`` then takes to the hardware."""
 
