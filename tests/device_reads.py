@@ -39,9 +39,9 @@ class DeviceReads(TorchDispatchMode):
     the calls it came from. ``tolist`` dispatches nothing on the CPU: the tensors
     made while watching are kept (weakly), and ``tolist`` of one of them counts."""
 
-    def __init__(self):
+    def __init__(self, watching: bool = False):
         super().__init__()
-        self.watching, self.reads, self.host_reads = False, [], 0
+        self.watching, self.reads, self.host_reads = watching, [], 0
         self.made: dict[int, weakref.ref] = {}  # by id: a WeakSet would compare tensors with ==
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

@@ -165,8 +165,7 @@ def test_decode_replayed_from_graphs_gives_the_eager_results(emulated_cuda_graph
     stops = tuple({t.response[i] for t, i in zip(first, (1, 3, 6, 9, 13)) if i < len(t.response)})
     params = SamplingParams(max_new_tokens=20, seed=1, stop_tokens=stops, record_topk=2)
     want = eager.generate(batch, params)
-    reads, sample = DeviceReads(), _Decode.sample
-    reads.watching = True
+    reads, sample = DeviceReads(watching=True), _Decode.sample
 
     def counted(self, *args):
         with reads:
@@ -187,8 +186,7 @@ def test_a_capturing_fp4_rollout_reads_the_device_only_at_stop_checks():
     still nothing in it reads the device (quantizing under static or
     per-token global scales included), but the CPU's padded expert grid,
     which reads its width where CUDA's ``F.grouped_mm`` reads nothing."""
-    reads = DeviceReads()
-    reads.watching = True
+    reads = DeviceReads(watching=True)
     model = build_model("smoke", seed=0)
     for scales in ("static", "per_token"):
         quant = replace(rollout_config("fp4_wa_kv"), activation_global_scale=scales)

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -70,8 +71,6 @@ def test_only_runs_the_named_steps_and_refuses_an_unknown_one():
 def test_the_offline_wheels_are_what_the_target_lacks_at_the_versions_here():
     env = offline_wheels.target_environment("3.12", "x86_64")
     needed = offline_wheels.closure(["tracefp4"], ["torch", "nvidia-*"], env)
-    from importlib import metadata
-
     # direct and indirect requirements (kfp-server-api only through kfp), pinned to what is installed here
     assert {"pydantic", "pydantic-core", "kfp", "kfp-server-api", "minio", "triton"} <= needed.keys()
     assert needed["pydantic-core"] == metadata.version("pydantic-core")

@@ -201,7 +201,7 @@ def test_every_rollout_config_runs(model, config, fmt):
     assert all(len(t.response) == 3 for t in out)
 
 
-def test_activations_without_a_finite_range_stop_the_calibration(model):
+def test_activations_without_a_finite_range_stop_the_calibration():
     """A policy whose activations hold NaN gets no static NVFP4 scale: the
     engine stops at calibration and names the sites (quantizing never checks
     the scales again, since on CUDA a check is a host sync)."""
