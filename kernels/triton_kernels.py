@@ -4,7 +4,8 @@ Every launcher here has the signature of the function of the same name in
 :mod:`reference` and returns the same bits; the tests check that on CPU
 tensors under ``TRITON_INTERPRET=1``. E4M3 and E8M0 are encoded and decoded
 with integer bit operations only (the interpreter's float8 casts are wrong),
-and divisions use ``div_rn`` so that they round as torch's do.
+divisions use ``div_rn`` so that they round as torch's do, and signs are set
+as bits, never by negating a float (:func:`_e2m1_signed` says why).
 
 One kernel, :func:`_fp4_block_kernel`, serves quantize+pack, guided quantize
 and both fake-quant paths; compile-time flags pick where scales come from and
@@ -41,6 +42,14 @@ def _e2m1_magnitude(a):
 def _e2m1_value(m):
     # magnitude index -> 0, .5, 1, 1.5 | 2, 3 | 4, 6
     return tl.where(m < 4, m * 0.5, tl.where(m < 6, m - 2.0, (m - 4) * 2.0))
+
+
+@triton.jit
+def _e2m1_signed(m, negative):
+    # magnitude index and sign -> the code's value, code 8 being -0.0: the sign bit is set, never negated (Triton
+    # 3.6, the one torch 2.11 pins, compiles a float's unary minus as 0 - x, which is +0.0 where x is 0.0)
+    magnitude = _e2m1_value(m).to(tl.int32, bitcast=True)
+    return (magnitude | (negative.to(tl.int32) << 31)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -153,8 +162,7 @@ def _fp4_block_kernel(
         on_n = _e2m1_value(n)
         other = n + (a > on_n).to(tl.int32) - (a < on_n).to(tl.int32)
         if BITS == 4:
-            rollout = _e2m1_value(guide & 7)
-            rollout = tl.where((guide & 8) != 0, -rollout, rollout)
+            rollout = _e2m1_signed(guide & 7, (guide & 8) != 0)
             signed = tl.where(y < 0, -1.0, 1.0)
             pick = tl.abs(signed * _e2m1_value(other) - rollout) < tl.abs(signed * on_n - rollout)
         else:
@@ -168,8 +176,7 @@ def _fp4_block_kernel(
         pair_offs = blk[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
         tl.store(codes_ptr + pair_offs, (lo | (hi << 4)).to(tl.uint8), mask=ok)
     if WRITE_VALUES:
-        v = _e2m1_value(n)
-        v = tl.where(sign != 0, -v, v) * unit[:, None]
+        v = _e2m1_signed(n, sign != 0) * unit[:, None]
         if GUIDED:
             v = tl.where(x != x, x, v)  # the rollout's scale cannot carry a NaN
         tl.store(values_ptr + offs, v, mask=ok)
@@ -198,8 +205,7 @@ def _dequantize_kernel(
         unit = _e4m3_decode(s) * _global(global_ptr, blk, blk_ok, blocks_per_row, PER_ROW)
     else:
         unit = _e8m0_decode(s)
-    v = _e2m1_value(codes & 7)
-    v = tl.where((codes & 8) != 0, -v, v)
+    v = _e2m1_signed(codes & 7, (codes & 8) != 0)
     offs = blk[:, None] * BS + tl.arange(0, BS)[None, :]
     tl.store(out_ptr + offs, v * unit[:, None], mask=blk_ok[:, None])
 

@@ -142,6 +142,31 @@ def ts():
     return triton_syndrome
 
 
+@pytest.fixture(scope="module")
+def runtime_loops():
+    """Skips where Triton's interpreter cannot loop to a bound passed as a kernel argument, as the erasure solver
+    does: Triton 3.6's takes ``int()`` of a one-element array, which numpy 2 refuses. Compiled kernels, on a GPU,
+    are not affected."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def count(out_ptr, n):
+        total = 0
+        for _ in range(0, n):
+            total += 1
+        tl.store(out_ptr, total)
+
+    out = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    try:
+        count[(1,)](out, 3)
+    except Exception as e:  # the interpreter wraps numpy's TypeError in its own error type
+        if DEVICE == "cuda" or "0-dimensional arrays" not in str(e):
+            raise
+        pytest.skip(f"Triton {triton.__version__}'s interpreter cannot loop to a runtime bound here: {e}")
+    assert out.item() == 3
+
+
 @pytest.mark.parametrize("rows,n", [(8, 16), (40, 100), (64, 256), (24, 1000)])
 def test_syndrome_words(ts, rows, n):
     """Blocks of a few to a thousand elements (one block per program), odd sizes, a 64-bit word's sign bit."""
@@ -167,7 +192,7 @@ def erasure_blocks(nb: int, n: int, seed: int, deepest: int):
 @pytest.mark.parametrize(
     "n,rows,erasures", [(256, 64, 56), (256, 16, 8), (96, 40, 30), (600, 32, 24), (20, 64, 56), (64, 8, 0)]
 )
-def test_solve_erasures(ts, n, rows, erasures):
+def test_solve_erasures(ts, runtime_loops, n, rows, erasures):
     """Bits, failures and erasures needed as the reference's, over every tier
     (flips at reliability ranks up to the last unknown) and blocks that fail;
     several blocks a program and one wide block a program; fewer elements than unknowns."""
@@ -186,7 +211,7 @@ def test_solve_erasures(ts, n, rows, erasures):
     assert erasures or torch.equal(ok, (parity == syndrome(guess, h)).all(1))  # no unknowns: the check alone
 
 
-def test_solve_erasures_with_equal_reliabilities(ts):
+def test_solve_erasures_with_equal_reliabilities(ts, runtime_loops):
     """Unknown (-inf) and certain (+inf) positions tie among themselves: the
     blocks decode to the same bits (the order of tied unknowns is free)."""
     from tracefp4.kernels.syndrome import parity_matrix, solve_erasures, syndrome
