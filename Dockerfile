@@ -8,7 +8,7 @@ FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /opt/tracefp4
 
-# torch first, from the CPU wheel index (amd64 and arm64), so that torch>=2.13 is satisfied
+# torch first, from the CPU wheel index (amd64 and arm64), so that torch>=2.11 is satisfied
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
 
 # The dependencies alone, read from pyproject.toml, Triton left out: this layer is

@@ -15,7 +15,7 @@ venv:
 		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq python3-venv && $(PYTHON) -m venv $(VENV); }
 
 # What the run needs; torch first: 2.13.0 is the CPU wheel on local disk, and
-# it then satisfies torch>=2.13. A stamp per environment: reinstalled when
+# it then satisfies torch>=2.11. A stamp per environment: reinstalled when
 # pyproject.toml changes.
 $(VENV)/.tracefp4-run: pyproject.toml | venv
 	$(PIP) install --quiet torch==2.13.0
