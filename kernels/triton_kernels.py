@@ -2,7 +2,9 @@
 
 Every launcher here has the signature of the function of the same name in
 :mod:`reference` and returns the same bits; the tests check that on CPU
-tensors under ``TRITON_INTERPRET=1``. E4M3 and E8M0 are encoded and decoded
+tensors under ``TRITON_INTERPRET=1``, and compile every kernel for sm_90 and
+sm_100 (tests/test_triton_compile.py: the interpreter never runs the compiler,
+which rejects code the interpreter runs). E4M3 and E8M0 are encoded and decoded
 with integer bit operations only (the interpreter's float8 casts are wrong),
 divisions use ``div_rn`` so that they round as torch's do, and signs are set
 as bits, never by negating a float (:func:`_e2m1_signed` says why).
@@ -102,10 +104,13 @@ def _mxfp4_exponent(amax, RCEIL: tl.constexpr):
 
 @triton.jit
 def _global(global_ptr, blk, blk_ok, blocks_per_row, PER_ROW: tl.constexpr):
-    # the NVFP4 global scale of each block: its row's, or the one scalar
+    # the NVFP4 global scale of each block: its row's, or the one scalar. One return: the compiler goes on past a
+    # return inside a constexpr branch, so both returns would have to be of one type (the interpreter returns)
     if PER_ROW:
-        return tl.load(global_ptr + blk // blocks_per_row, mask=blk_ok, other=1.0)
-    return tl.load(global_ptr)
+        g = tl.load(global_ptr + blk // blocks_per_row, mask=blk_ok, other=1.0)
+    else:
+        g = tl.load(global_ptr)
+    return g
 
 
 @triton.jit

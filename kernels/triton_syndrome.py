@@ -6,7 +6,8 @@ program takes a group of blocks and does the whole decode in registers: the
 least reliable positions, the GF(2) elimination with the tiers' checkpoints,
 and the flips. :func:`syndrome_words` and :func:`solve_erasures` have the
 reference's signatures and return the same bits (tests/test_triton_kernels.py,
-under ``TRITON_INTERPRET=1`` on CPU tensors).
+under ``TRITON_INTERPRET=1`` on CPU tensors; tests/test_triton_compile.py
+compiles them for sm_90 and sm_100).
 
 Ties: the reference takes the least reliable positions with ``torch.topk``,
 which orders equal reliabilities in no specified way; here equal reliabilities
@@ -22,7 +23,7 @@ from torch import Tensor
 from .syndrome import TIERS, check_parity_rows, checked_erasures, pack_words
 
 TILE = 4096  # block elements a program holds at once: several blocks of a few hundred elements, or one wide block
-_INT64_MAX = 0x7FFFFFFFFFFFFFFF
+_INT64_MAX = tl.constexpr(0x7FFFFFFFFFFFFFFF)  # a kernel reads a global only as a constexpr
 
 
 @triton.jit
