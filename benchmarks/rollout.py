@@ -71,12 +71,15 @@ def decode_tokens_per_s(engine: TorchEngine, batch: int, context: int, steps: in
     tokens, positions, lengths = right_pad(prompts, device=engine.device)
     cache = KVCache(engine.model.cfg, batch, context + steps, engine.sites, engine.dtype, engine.device)
     ids = torch.arange(batch, device=engine.device)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else lambda: None  # a GPU's steps run queued
     with torch.no_grad():
         new = engine._prefill(tokens, positions, lengths, ids, cache).argmax(-1)
+        sync()
         start = time.perf_counter()
         for step in range(steps):
             lengths = lengths + 1
             new = engine._decode(new, lengths, ids, cache, context + step + 1).argmax(-1)
+        sync()
     return batch * steps / (time.perf_counter() - start)
 
 

@@ -472,29 +472,37 @@ class Capture:
         return records
 
 
-def _written(device) -> "torch.cuda.Event | None":
-    """On CUDA, an event after the work queued so far (the capture writes an
-    offload job copies); None on the CPU."""
-    if torch.device(device).type != "cuda":
+def _written(device) -> "tuple[torch.device, torch.cuda.Event] | None":
+    """On CUDA, the device and an event after the work queued on it so far (the
+    capture writes an offload job copies); None on the CPU. The event is
+    recorded on ``device``'s current stream, which need not be the current
+    device's (``resources.device=cuda:1`` without ``torch.cuda.set_device``)."""
+    device = torch.device(device)
+    if device.type != "cuda":
         return None
     event = torch.cuda.Event()
-    event.record()
-    return event
+    event.record(torch.cuda.current_stream(device))
+    return device, event
 
 
 @contextlib.contextmanager
 def _side_stream(written):
-    """On CUDA, run the offload on a side stream that starts after ``written``
-    and is finished on exit, so that copies to host overlap the next forwards
-    on the rollout's stream; nothing on the CPU."""
+    """On CUDA, run the offload on a side stream of the written device that
+    starts after the writes and is finished on exit, so that copies to host
+    overlap the next forwards on the rollout's stream; nothing on the CPU. The
+    device is set for the block: the offload thread's current device is its
+    own (cuda:0 unless set), and a device-to-host copy runs on the current
+    stream of the source's device."""
     if written is None:
         yield
         return
-    stream = torch.cuda.Stream()
-    stream.wait_event(written)
-    with torch.cuda.stream(stream):
-        yield
-    stream.synchronize()
+    device, event = written
+    with torch.cuda.device(device):
+        stream = torch.cuda.Stream()
+        stream.wait_event(event)
+        with torch.cuda.stream(stream):
+            yield
+        stream.synchronize()
 
 
 def _to_host(t: Tensor) -> Tensor:

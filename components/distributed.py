@@ -94,6 +94,15 @@ def mixed_precision() -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
 
 
+def on_host(item: object) -> object:
+    """``item`` with every tensor in it (in lists and tuples, nested) copied to the host."""
+    if isinstance(item, Tensor):
+        return item.cpu()
+    if isinstance(item, (list, tuple)):
+        return type(item)(on_host(part) for part in item)
+    return item
+
+
 class DistributedTrainer(Trainer):
     """A :class:`Trainer` whose model, gradients and optimizer state are sharded
     over the ranks of the default process group, which must be initialized."""
@@ -130,13 +139,14 @@ class DistributedTrainer(Trainer):
         return [i for i in range(microbatches) if i % self.world == self.rank]
 
     def all_sum(self, values: list[float]) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)  # NCCL reduces GPU tensors only
         dist.all_reduce(t)
         return t.tolist()
 
     def all_gather(self, item: object) -> list:
+        # tensors travel as host tensors: a pickled CUDA tensor loads on the GPU of the rank that sent it
         out = [None] * self.world
-        dist.all_gather_object(out, item)
+        dist.all_gather_object(out, on_host(item))
         return out
 
     def _optimizer_step(self) -> Tensor:

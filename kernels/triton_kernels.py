@@ -6,8 +6,9 @@ tensors under ``TRITON_INTERPRET=1``, and compile every kernel for sm_90 and
 sm_100 (tests/test_triton_compile.py: the interpreter never runs the compiler,
 which rejects code the interpreter runs). E4M3 and E8M0 are encoded and decoded
 with integer bit operations only (the interpreter's float8 casts are wrong),
-divisions use ``div_rn`` so that they round as torch's do, and signs are set
-as bits, never by negating a float (:func:`_e2m1_signed` says why).
+divisions use ``div_rn`` so that they round as torch's do, signs are set
+as bits, never by negating a float (:func:`_e2m1_signed` says why), and
+offsets are int64 (a KV cache dequantized whole can pass 2^31 elements).
 
 One kernel, :func:`_fp4_block_kernel`, serves quantize+pack, guided quantize
 and both fake-quant paths; compile-time flags pick where scales come from and
@@ -133,7 +134,7 @@ def _fp4_block_kernel(
     WRITE_VALUES: tl.constexpr,
     BLOCKS: tl.constexpr,
 ):
-    blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     blk_ok = blk < n_blocks
     offs = blk[:, None] * BS + tl.arange(0, BS)[None, :]
     ok = blk_ok[:, None]
@@ -200,7 +201,7 @@ def _dequantize_kernel(
     PER_ROW: tl.constexpr,
     BLOCKS: tl.constexpr,
 ):
-    blk = tl.program_id(0) * BLOCKS + tl.arange(0, BLOCKS)
+    blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
     blk_ok = blk < n_blocks
     pair_offs = blk[:, None] * (BS // 2) + tl.arange(0, BS // 2)[None, :]
     packed = tl.load(codes_ptr + pair_offs, mask=blk_ok[:, None], other=0).to(tl.int32)
@@ -217,7 +218,7 @@ def _dequantize_kernel(
 
 @triton.jit
 def _compact_kernel(codes_ptr, out_ptr, n, n_bytes, BITS: tl.constexpr, GROUPS: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     col = group[:, None] * 8 + tl.arange(0, 8)[None, :]
     c = tl.load(codes_ptr + row * n + col, mask=col < n, other=0).to(tl.int64)
@@ -229,7 +230,7 @@ def _compact_kernel(codes_ptr, out_ptr, n, n_bytes, BITS: tl.constexpr, GROUPS: 
 
 @triton.jit
 def _expand_kernel(packed_ptr, out_ptr, n, n_bytes, BITS: tl.constexpr, GROUPS: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1) * GROUPS + tl.arange(0, GROUPS)
     word = tl.zeros((GROUPS,), dtype=tl.int64)
     for b in tl.static_range(BITS):

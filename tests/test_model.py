@@ -3,13 +3,14 @@ checkpoints round-trip in the Hugging Face layout."""
 
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 import transformers
 
 from tracefp4.components.checkpoint import config_from_hf, config_to_hf, load_model, save_model
-from tracefp4.components.model import PRESETS, CausalAttention, build_model
+from tracefp4.components.model import PRESETS, CausalAttention, build_model, grouped_matmuls
 from tracefp4.components.quant import ROLLOUT_CONFIGS, QuantConfig, quant_sites, rollout_config
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -161,3 +162,15 @@ def test_grouped_expert_matmuls_equal_the_padded_grid(monkeypatch, dtype):
     for name in grid[1]:
         torch.testing.assert_close(grouped[1][name], grid[1][name], rtol=1e-5, atol=1e-6, msg=name)
     assert grouped[2] == grid[2]
+
+
+@pytest.mark.parametrize(
+    "capability,grouped", [((8, 0), False), ((8, 9), False), ((9, 0), True), ((10, 0), True), ((12, 0), False)]
+)
+def test_grouped_matmuls_only_where_torch_has_the_cutlass_kernel(monkeypatch, capability, grouped):
+    """Elsewhere torch's grouped_mm syncs with the host at every call (a CUDA graph cannot capture it): bmm serves."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    x = SimpleNamespace(is_cuda=True, dtype=torch.bfloat16, device="cuda:0")  # a CUDA tensor, as far as it asks
+    weights = torch.empty(4, 64, 128, dtype=torch.bfloat16)
+    assert grouped_matmuls(x, weights) is grouped
+    assert not grouped_matmuls(x, weights.float())
