@@ -87,8 +87,13 @@ def store_prefix(config: RunConfig, run_id: str, kind: str) -> str:
 
 
 def step_device(config: RunConfig) -> torch.device:
-    """The device the step computes on; a CUDA device this machine lacks fails here, before any work."""
-    return resolve(config.resources.device)
+    """The device the step computes on; a CUDA device this machine lacks fails here, before any work.
+    A CUDA device becomes the current one: Triton launches its kernels there, and streams and CUDA
+    graphs are made there, whatever device their tensors are on (``cuda:1`` would otherwise meet cuda:0)."""
+    device = resolve(config.resources.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device
 
 
 def _store(config: RunConfig):

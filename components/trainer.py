@@ -369,8 +369,13 @@ class Trainer:
         return trainer
 
     def load_optimizer_state(self, state: dict) -> None:
-        """Load an optimizer ``state_dict()`` (parameters by index) as :func:`optimizer_state` reads it."""
-        self.optimizer.load_state_dict(state)
+        """Load an optimizer ``state_dict()`` (parameters by index) as :func:`optimizer_state` reads it,
+        keeping this trainer's ``fused``: torch would take the saved flag, so a state saved on the CPU
+        would resume on a GPU unfused, its step counts left on the host (torch moves them to the
+        parameters' device for a fused group only), and a GPU's would run fused on the CPU."""
+        fused = self.optimizer.param_groups[0]["fused"]
+        groups = [dict(group, fused=fused) for group in state["param_groups"]]
+        self.optimizer.load_state_dict({**state, "param_groups": groups})
 
 
 def optimizer_state(tensors: dict[str, Tensor], meta: dict) -> dict:

@@ -4,6 +4,7 @@ the command a GPU machine runs cannot rot where there is none; and
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 from importlib import metadata
@@ -66,6 +67,16 @@ def test_only_runs_the_named_steps_and_refuses_an_unknown_one():
     command[-1] = "kernel"
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "--only kernel: the plan's steps are triton_kernel_tests, kernels" in done.stderr
+
+
+def test_an_installed_tracefp4_older_than_the_checkout_is_named(tmp_path):
+    """The check runs the checkout's tests on the installed library: a stale wheel is refused before any step."""
+    for package in gpu_check.PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    assert gpu_check.stale_install(tmp_path) == []  # the editable install here is the checkout
+    (tmp_path / "kernels" / "fp4.py").write_text("# a newer commit\n", encoding="utf-8")
+    (tmp_path / "components" / "added.py").write_text("", encoding="utf-8")
+    assert gpu_check.stale_install(tmp_path) == ["kernels/fp4.py", "components/added.py"]
 
 
 def test_the_offline_wheels_are_what_the_target_lacks_at_the_versions_here():

@@ -222,6 +222,20 @@ def test_resume_from_policy_and_state_equals_uninterrupted_training(tmp_path, pr
     assert all(torch.equal(moments_a[i]["exp_avg_sq"], moments_b[i]["exp_avg_sq"]) for i in moments_a)
 
 
+def test_an_optimizer_state_resumes_with_this_devices_fused_flag():
+    """A state saved on a GPU (fused AdamW) resumes on the CPU unfused, with the same moments."""
+    engine, trainer = setup("qat", precision="fp32_master")
+    trajectories = engine.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=4, seed=1))
+    trainer.train_step(trajectories, torch.tensor([1.0, -1.0, 1.0, -1.0]), None)
+    state = trainer.optimizer.state_dict()
+    on_gpu = {**state, "param_groups": [dict(group, fused=True) for group in state["param_groups"]]}
+    _, resumed = setup("qat", precision="fp32_master")
+    resumed.load_optimizer_state(on_gpu)
+    assert [group["fused"] for group in resumed.optimizer.param_groups] == [False]
+    moments = resumed.optimizer.state_dict()["state"]
+    assert all(torch.equal(moments[i]["exp_avg"], state["state"][i]["exp_avg"]) for i in state["state"])
+
+
 def test_a_trainer_state_is_refused_with_another_run_or_policy(tmp_path):
     engine, trainer = setup("qat")
     trainer.save(tmp_path / "p0", tmp_path / "s0", run_id=RUN)

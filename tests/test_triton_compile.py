@@ -28,14 +28,14 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from tracefp4.kernels import HAS_TRITON, MXFP4, NVFP4
+from tracefp4.kernels import GUIDANCE_BITS, HAS_TRITON, MXFP4, NVFP4
 
 ARCHS = (90, 100)  # H100 and H200; B200
 SHARED_MEMORY_PER_BLOCK = 227 * 1024  # both archs' most; a kernel over it compiles, then fails every launch
 MODES = [(NVFP4, "floor"), (MXFP4, "floor"), (MXFP4, "rceil")]
-GUIDANCE_BITS = (1, 2, 3, 4)
-# (block length n, parity rows, erasures): the smallest and widest blocks a program holds, and tiers in between
-CODEC_SIZES = [(16, 8, 0), (96, 40, 30), (256, 64, 56), (600, 32, 24), (4096, 64, 62)]
+# (block length n, parity rows, erasures): the smallest and widest blocks a program holds, the scale stage's
+# (16 scales, 12 unknowns), and tiers in between
+CODEC_SIZES = [(16, 8, 0), (16, 16, 12), (96, 40, 30), (256, 64, 56), (600, 32, 24), (4096, 64, 62)]
 
 
 @dataclass
