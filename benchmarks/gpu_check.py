@@ -171,7 +171,7 @@ def main() -> int:
     stale = stale_install()
     if stale:
         print(
-            f"the installed tracefp4 is not this checkout's: {', '.join(stale)} differ "
+            f"the installed tracefp4 differs from this checkout in {', '.join(stale)} "
             "(reinstall it, or rebuild the offline wheels: make gpu-wheels)",
             file=sys.stderr,
         )
