@@ -480,6 +480,8 @@ def _written(device) -> "tuple[torch.device, torch.cuda.Event] | None":
     device = torch.device(device)
     if device.type != "cuda":
         return None
+    if device.index is None:  # "cuda" is this thread's current device, which the offload thread's need not be
+        device = torch.device("cuda", torch.cuda.current_device())
     event = torch.cuda.Event()
     event.record(torch.cuda.current_stream(device))
     return device, event
