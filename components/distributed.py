@@ -178,6 +178,7 @@ class DistributedTrainer(Trainer):
         return Path(policy), Path(state)
 
     def load_optimizer_state(self, state: dict) -> None:
+        state = self.with_own_fused(state)
         if not state["state"]:  # a fresh policy: torch.distributed would initialize the state by a zero step
             for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
                 group.update({k: v for k, v in saved.items() if k != "params"})

@@ -369,13 +369,16 @@ class Trainer:
         return trainer
 
     def load_optimizer_state(self, state: dict) -> None:
-        """Load an optimizer ``state_dict()`` (parameters by index) as :func:`optimizer_state` reads it,
-        keeping this trainer's ``fused``: torch would take the saved flag, so a state saved on the CPU
-        would resume on a GPU unfused, its step counts left on the host (torch moves them to the
-        parameters' device for a fused group only), and a GPU's would run fused on the CPU."""
+        """Load an optimizer ``state_dict()`` (parameters by index) as :func:`optimizer_state` reads it."""
+        self.optimizer.load_state_dict(self.with_own_fused(state))
+
+    def with_own_fused(self, state: dict) -> dict:
+        """An optimizer state with this trainer's ``fused`` in its groups. Loading takes the saved
+        flag, so a state saved on the CPU would resume on a GPU unfused, its step counts left on the
+        host (torch moves them to the parameters' device for a fused group only), and a GPU's would
+        run fused on the CPU."""
         fused = self.optimizer.param_groups[0]["fused"]
-        groups = [dict(group, fused=fused) for group in state["param_groups"]]
-        self.optimizer.load_state_dict({**state, "param_groups": groups})
+        return {**state, "param_groups": [dict(group, fused=fused) for group in state["param_groups"]]}
 
 
 def optimizer_state(tensors: dict[str, Tensor], meta: dict) -> dict:
