@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +36,6 @@ from tracefp4.components.device import cpu_kind, resolve
 from tracefp4.schemas import get_preset
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("kernels", "components", "pipelines", "schemas")  # the folders that install as tracefp4.<name>
 GPU_BUDGET_S = 8 * 60  # the whole check on one GPU: the sum of the steps' limits
 DRY_TIME_FACTOR = 2
 
@@ -152,13 +152,18 @@ def stale_install(root: Path = ROOT) -> list[str]:
     library from wherever it is installed: a wheel built from an older commit
     (the offline install) would spend GPU time on old code."""
     stale = []
-    for package in PACKAGES:
-        installed = Path(importlib.util.find_spec(f"tracefp4.{package}").submodule_search_locations[0])
-        for source in sorted((root / package).glob("*.py")):
+    for package, folder in package_folders(root).items():
+        installed = Path(importlib.util.find_spec(package).submodule_search_locations[0])
+        for source in sorted((root / folder).glob("*.py")):
             copy = installed / source.name
             if not copy.is_file() or copy.read_bytes() != source.read_bytes():
-                stale.append(f"{package}/{source.name}")
+                stale.append(f"{folder}/{source.name}")
     return stale
+
+
+def package_folders(root: Path = ROOT) -> dict[str, str]:
+    """Each tracefp4 subpackage and the checkout folder it installs from, as pyproject.toml maps them."""
+    return tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]["package-dir"]
 
 
 def main() -> int:

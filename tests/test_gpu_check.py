@@ -71,8 +71,9 @@ def test_only_runs_the_named_steps_and_refuses_an_unknown_one():
 
 def test_an_installed_tracefp4_older_than_the_checkout_is_named(tmp_path):
     """The check runs the checkout's tests on the installed library: a stale wheel is refused before any step."""
-    for package in gpu_check.PACKAGES:
-        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    for folder in gpu_check.package_folders().values():
+        shutil.copytree(ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__"))
     assert gpu_check.stale_install(tmp_path) == []  # the editable install here is the checkout
     (tmp_path / "kernels" / "fp4.py").write_text("# a newer commit\n", encoding="utf-8")
     (tmp_path / "components" / "added.py").write_text("", encoding="utf-8")
