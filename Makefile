@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: venv install install-dev test run results image gpu-check gpu-wheels
+.PHONY: venv install install-dev test test-avx2 run results image gpu-check gpu-wheels
 
 # Debian's own python3 makes venvs only with its python3-venv package.
 venv:
@@ -38,6 +38,11 @@ test: install-dev
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 	PATH="$(VENV)/bin:$$PATH" $(PY) -m pytest
+
+# The suite as on a CPU without bf16 units (AVX2 only), on one with them: oneDNN, torch's own kernels and MKL
+# capped at AVX2 (docs/performance.md, "The other kind").
+test-avx2: install-dev
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 PATH="$(VENV)/bin:$$PATH" $(PY) -m pytest
 
 # The main job: the whole pipeline on this machine (kfp.local), the tiny preset;
 # a rerun resumes after the last finished task (--restart starts over).

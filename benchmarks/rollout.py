@@ -5,6 +5,7 @@ speed of Gated DeltaNet layers (qwen3_5_moe) holds up as the context grows.
 
     python benchmarks/rollout.py [--preset tiny] [--batches 32 128] [--prompt-len 32] [--new-tokens 64] [--repeat 3]
     python benchmarks/rollout.py --linear-decode-only   # the Gated DeltaNet row alone
+    python benchmarks/rollout.py --speed-only           # the engine against generate alone
 
 The last line is one JSON object with every figure, and the CPU it was
 measured on (model, bf16 native or emulated: ``TRACEFP4_CPU_BF16``).
@@ -125,6 +126,7 @@ def main() -> None:
     parser.add_argument("--linear-batch", type=int, default=8)
     parser.add_argument("--linear-steps", type=int, default=32, help="decode steps timed per context")
     parser.add_argument("--linear-decode-only", action="store_true", help="only the Gated DeltaNet decode row")
+    parser.add_argument("--speed-only", action="store_true", help="only the engine against generate")
     args = parser.parse_args()
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -164,6 +166,9 @@ def main() -> None:
                 f"batch {batch:4}: engine {ours:8.1f} tok/s, transformers generate {theirs:8.1f} tok/s, "
                 f"{ours / theirs:.2f}x (target >= 2)"
             )
+    if args.speed_only:
+        print(json.dumps(figures))
+        return
 
     batch = args.batches[0]
     # the decode step's fixed cost: a step of one sequence against one of the first batch size

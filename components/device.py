@@ -13,6 +13,13 @@ runs a bf16 matmul in fp32 on the bf16-rounded inputs and rounds the output to
 bf16: the values of a bf16 matmul (which accumulates in fp32) up to
 accumulation order. ``TRACEFP4_CPU_BF16`` forces it: ``native``, ``emulate``
 or ``auto`` (the default: emulate where the CPU lacks bf16).
+
+oneDNN, which runs torch's bf16 matmuls on x86, can be capped below the CPU's
+ISA (``ONEDNN_MAX_CPU_ISA``); capped below ``AVX512_CORE_BF16`` it computes
+bf16 without the bf16 units, so ``auto`` emulates there too. With the cap at
+``AVX2`` (and ``ATEN_CPU_CAPABILITY=avx2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``
+for torch's own kernels and MKL) a machine with bf16 units stands in for one
+without: docs/performance.md measures both kinds that way.
 """
 
 import functools
@@ -28,6 +35,11 @@ CPU_BF16_ENV = "TRACEFP4_CPU_BF16"
 CPU_BF16_MODES = ("auto", "native", "emulate")
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
 _BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 flags; "bf16" is Arm's Features entry (FEAT_BF16)
+# oneDNN's x86 ISA caps below AVX512_CORE_BF16: capped there, its bf16 matmuls convert to fp32 and back
+# (AVX512_CORE) or fall to its reference code (AVX2); AVX2_VNNI_2's bf16 kernels need avx_ne_convert, which the
+# bf16 flags above do not imply
+ONEDNN_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+_ISA_CAPS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
 
 
 def resolve(spec: str) -> torch.device:
@@ -78,15 +90,22 @@ def cpu_info() -> tuple[str, frozenset[str]]:
         return platform.processor() or platform.machine(), frozenset()
 
 
+def onednn_isa_cap() -> str | None:
+    """The ISA oneDNN is capped at (``ONEDNN_MAX_CPU_ISA``, or its older name ``DNNL_MAX_CPU_ISA``), if set."""
+    cap = next((os.environ[name] for name in ONEDNN_ISA_ENV if os.environ.get(name)), None)
+    return cap.strip().upper() if cap else None
+
+
 def cpu_bf16_native(flags: frozenset[str] | None = None) -> bool:
-    """Whether the CPU computes bf16 natively. Without flags to read (not
-    Linux) it is assumed to, leaving torch's own choice alone."""
+    """Whether the CPU computes bf16 natively: it has bf16 units and oneDNN
+    is not capped below them (:func:`onednn_isa_cap`). Without flags to read
+    (not Linux) it is assumed to, leaving torch's own choice alone."""
     flags = cpu_info()[1] if flags is None else flags
-    return not flags or bool(flags & _BF16_FLAGS)
+    return (not flags or bool(flags & _BF16_FLAGS)) and onednn_isa_cap() not in _ISA_CAPS_WITHOUT_BF16
 
 
 def bf16_emulated() -> bool:
-    """Whether bf16 matmuls on the CPU run as fp32 (``TRACEFP4_CPU_BF16``, else the CPU's flags)."""
+    """Whether bf16 matmuls on the CPU run as fp32 (``TRACEFP4_CPU_BF16``, else :func:`cpu_bf16_native`)."""
     mode = os.environ.get(CPU_BF16_ENV, "auto")
     if mode not in CPU_BF16_MODES:
         raise ValueError(f"{CPU_BF16_ENV}={mode!r}: expected one of {CPU_BF16_MODES}")
@@ -94,11 +113,15 @@ def bf16_emulated() -> bool:
 
 
 def cpu_kind() -> dict:
-    """The CPU next to a figure: its model, whether bf16 is native or emulated, torch's threads."""
+    """The CPU next to a figure: its model, whether bf16 is native or emulated,
+    torch's threads, the vector ISA torch's own kernels run, and oneDNN's ISA
+    cap where one is set (a machine standing in for another kind)."""
     return {
         "cpu": cpu_info()[0],
         "cpu_bf16": "emulated" if bf16_emulated() else "native",
         "cpu_threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_onednn_isa_cap": onednn_isa_cap(),
     }
 
 

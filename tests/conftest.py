@@ -3,10 +3,30 @@ CPU tensors; the variable must be set before anything imports triton."""
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tracefp4.components import device  # noqa: E402  (after the variable: nothing may import triton before it)
+
 # real servers on loopback: S3 (SeaweedFS) for the store, Prometheus and a Pushgateway for the metrics
 pytest_plugins = ["s3_server", "prometheus_server"]
+
+
+@pytest.fixture(scope="module")
+def native_bf16():
+    """bf16 matmuls on torch's own bf16 kernels, also on a CPU without bf16
+    units (slower there, not wrong), from the first test that asks for it to
+    the end of its module (module-scoped, so that data fixtures of the module
+    are computed under it too). For tests whose subject is what those kernels
+    do: the train-rollout mismatch that their shape-dependent sums create,
+    layouts that give the same bits, transformers' own bf16 forward. The fp32
+    emulation that ``auto`` picks on such a CPU (:func:`device.bf16_op`)
+    rounds the same values but sums in another order, and its float32 sums
+    hardly depend on the shapes: bf16 training and rollout of the test models
+    then round to the same FP4 codes (docs/performance.md)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(device.CPU_BF16_ENV, "native")
+        yield

@@ -30,7 +30,7 @@ def test_coverages_of_four_layers():
     assert alignment.coverage_layers("adaptive", layers, (1, 3)) == (1, 3)
 
 
-def test_quick_mode(capsys, tmp_path):
+def test_quick_mode(capsys, tmp_path, native_bf16):
     alignment.main(["--quick", "--output", str(tmp_path / "alignment.json")])
     out = capsys.readouterr().out
     assert "| precision | guidance |" in out and "local RTN flip rate" in out

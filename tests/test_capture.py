@@ -100,7 +100,7 @@ def test_capture_rejects_bad_configs(smoke):
         engine.generate(prompts(4, 256, longest=12), SamplingParams(max_new_tokens=2))
 
 
-def test_train_rollout_mismatch_is_rare_present_and_mostly_one_codeword():
+def test_train_rollout_mismatch_is_rare_present_and_mostly_one_codeword(native_bf16):
     """The phenomenon: the training path (full-sequence forward, same weights,
     RTN) rounds some values to other codewords than the rollout did."""
     model = build_model("tiny", seed=0)

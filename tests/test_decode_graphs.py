@@ -149,7 +149,9 @@ def prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     "preset, config",
     [("smoke", "bf16"), ("smoke", "fp4_wa_kv"), ("smoke", "fp4_wa_kv/per_token"), ("tiny-qwen35", "bf16")],
 )
-def test_decode_replayed_from_graphs_gives_the_eager_results(emulated_cuda_graphs, preset, config, monkeypatch):
+def test_decode_replayed_from_graphs_gives_the_eager_results(
+    emulated_cuda_graphs, native_bf16, preset, config, monkeypatch
+):
     """A batch of 12 whose requests stop at different steps: decoding by graph
     replays (one graph per batch bucket, captured over the cache's whole
     length and every expert's room for every row) gives the tokens and

@@ -103,8 +103,8 @@ def test_two_processes_train_what_one_does(round_inputs, both):
     moved = 0
     for name in p1:
         # float32 sums in another order; AdamW's m / sqrt(v) scales a near-zero gradient's rounding up to
-        # ~1e-6 in a few elements, against updates of ~1e-2
-        torch.testing.assert_close(p2[name], p1[name], rtol=1e-4, atol=1e-5, msg=name)
+        # ~1e-6 in a few elements (~2e-5 with MKL's AVX2 kernels), against updates of ~6e-2
+        torch.testing.assert_close(p2[name], p1[name], rtol=1e-4, atol=1e-4, msg=name)
         moved += not torch.equal(p1[name], start[name])
     assert moved > len(p1) // 2  # the steps changed most tensors: the comparison is not of untouched weights
     # the consolidated checkpoint carries the optimizer state one process resumes from

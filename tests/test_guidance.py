@@ -24,7 +24,7 @@ from tracefp4.components.guidance import (
     select_layers,
     write_step,
 )
-from tracefp4.components.mismatch import teacher_force
+from tracefp4.components.mismatch import compare, teacher_force
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rollout import SamplingParams, TorchEngine
@@ -37,7 +37,7 @@ def prompts(n=6, seed=0):
 
 
 @pytest.fixture(scope="module")
-def captured():
+def captured(native_bf16):
     """A full capture of a small rollout, and the engine and trajectories behind it."""
     engine = TorchEngine(build_model("smoke", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
     out = engine.generate(prompts(), SamplingParams(max_new_tokens=6, seed=1))
@@ -113,7 +113,12 @@ def test_compaction_report_sizes_and_fidelity(captured):
     assert r1.total["bits_per_element"] == pytest.approx(1 + 8 / 16)  # one bit plus an E4M3 byte per 16
     assert r1.total["ratio_to_full"] == pytest.approx(1.5 / 4.5)
     nothing = compaction_report(full, compact(full, 1, []), training)
-    assert nothing.total["bytes"] == 0 and nothing.total["fidelity"] < r1.total["fidelity"]
+    # without guidance training rounds RTN: below full fidelity exactly where its codes differ from the rollout's,
+    # which depends on the CPU's bf16 kernels (with some, none do for this small model; test_capture pins that
+    # some do on the tiny preset)
+    mismatched = sum(m.mismatched for m in compare(full, training).values())
+    assert nothing.total["bytes"] == 0 and (nothing.total["fidelity"] < 1.0) == (mismatched > 0)
+    assert nothing.total["fidelity"] <= r1.total["fidelity"]
 
 
 def test_every_bit_flip_and_truncation_is_caught(captured):
@@ -201,7 +206,7 @@ def test_prefetch_is_bounded(captured, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def per_token_captured():
+def per_token_captured(native_bf16):
     """A full capture of a small rollout with per-token NVFP4 activation global scales."""
     quant = replace(rollout_config("fp4_wa_kv"), activation_global_scale="per_token")
     engine = TorchEngine(build_model("smoke", seed=0), quant, capture=CaptureConfig())
@@ -239,7 +244,8 @@ def test_compaction_fidelity_under_per_token_global_scales(per_token_captured):
     exact = compaction_report(full, compact(full, 4, [0, 1]), training)
     assert exact.total["fidelity"] == 1.0 and exact.total["ratio_to_full"] == 1.0
     nothing = compaction_report(full, compact(full, 1, []), training)
-    assert nothing.total["fidelity"] < 1.0
+    mismatched = sum(m.mismatched for m in compare(full, training).values())
+    assert (nothing.total["fidelity"] < 1.0) == (mismatched > 0)  # as above
 
 
 def test_a_version_2_shard_is_still_read(captured):

@@ -133,11 +133,11 @@ def test_quantization_sites():
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_grouped_expert_matmuls_equal_the_padded_grid(monkeypatch, dtype):
+def test_grouped_expert_matmuls_equal_the_padded_grid(monkeypatch, native_bf16, dtype):
     """The CUDA layout of the experts' matmuls (rows sorted by expert, one
     ``F.grouped_mm``; it also runs on the CPU) gives the padded grid's logits
-    and gradients, here forced on the CPU; so does the rollout engine with
-    FP4 sites, token for token."""
+    and gradients up to the order of float32 sums, here forced on the CPU; so
+    does the rollout engine with FP4 sites, token for token."""
     from tracefp4.components import model as model_module
     from tracefp4.components.rollout import SamplingParams, TorchEngine
 
@@ -158,7 +158,9 @@ def test_grouped_expert_matmuls_equal_the_padded_grid(monkeypatch, dtype):
     grid = run()
     monkeypatch.setattr(model_module, "grouped_matmuls", lambda x, w: True)
     grouped = run()
-    torch.testing.assert_close(grouped[0], grid[0], rtol=0, atol=0)
+    # float32 sums may differ in order between the two matmul shapes (MKL's AVX2 kernels do: 1 ulp in 15% of the
+    # smoke logits); in bf16 the tolerance is below one ulp, so the bits must be equal
+    torch.testing.assert_close(grouped[0], grid[0], rtol=1e-5, atol=1e-6)
     for name in grid[1]:
         torch.testing.assert_close(grouped[1][name], grid[1][name], rtol=1e-5, atol=1e-6, msg=name)
     assert grouped[2] == grid[2]

@@ -289,7 +289,7 @@ def test_evaluation_of_a_bf16_run_holds_ptq_baselines_discrepancy_and_sensitivit
     )
 
 
-def test_evaluation_of_a_trace_run_measures_its_guided_training_path(tmp_path):
+def test_evaluation_of_a_trace_run_measures_its_guided_training_path(tmp_path, native_bf16):
     from tracefp4.components import evaluation, steps
 
     overrides = {

@@ -28,7 +28,7 @@ from tracefp4.schemas import RunConfig, get_preset
 
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-qwen35"])
-def step(tmp_path_factory, request):
+def step(tmp_path_factory, request, native_bf16):
     """A rollout of the tiny preset (and of its hybrid Qwen3.5-MoE flavour)
     with full capture, its guidance written and loaded back."""
     return captured_step(tmp_path_factory, request.param, rollout_config("fp4_wa_kv"))
@@ -176,7 +176,7 @@ def test_score_centering_vanishes_on_policy():
 
 
 @pytest.fixture(scope="module")
-def per_token_step(tmp_path_factory):
+def per_token_step(tmp_path_factory, native_bf16):
     """The tiny preset's rollout with per-token NVFP4 activation global scales
     (SGLang nvfp4_online), fully captured, its guidance written and loaded back."""
     quant = replace(rollout_config("fp4_wa_kv"), activation_global_scale="per_token")

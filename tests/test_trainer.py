@@ -91,7 +91,10 @@ def test_rounds_end_to_end(method, precision, tmp_path):
     if method in ("qat", "trace"):  # FP4 activations in training: codes compared with the rollout's
         last = history[-1]
         assert set(last["code_mismatch_by_layer"]) == {0, 1}
-        assert 0 <= last["code_mismatch"] < 0.5 and sum(last["codeword_diff_hist"].values()) > 0
+        # how many codes differ depends on the CPU's kernels (none in bf16 emulated: conftest.native_bf16 says
+        # why); the histogram counts exactly the ones that do (test_capture pins that some do)
+        assert 0 <= last["code_mismatch"] < 0.5 and 0 not in last["codeword_diff_hist"]
+        assert (sum(last["codeword_diff_hist"].values()) > 0) == (last["code_mismatch"] > 0)
     store = open_store(config.store.uri)
     guidance = steps.store_prefix(config, RUN, "guidance")
     if method == "trace":
@@ -296,7 +299,7 @@ def test_prepare_checks_guided_layers_against_a_checkpoint_before_any_work(tmp_p
     assert not (tmp_path / "p0").exists()
 
 
-def test_the_policy_folder_is_a_clean_hugging_face_checkpoint(tmp_path):
+def test_the_policy_folder_is_a_clean_hugging_face_checkpoint(native_bf16, tmp_path):
     import transformers
 
     config = smoke(tmp_path, bootstrap={"enabled": False})

@@ -1,0 +1,24 @@
+"""`benchmarks/rollout.py --speed-only` runs in the tests at the smallest
+sizes, so that the command behind the engine-against-generate figures
+(docs/performance.md, both CPU kinds) cannot rot; the full benchmark runs in
+the GPU check's dry run (tests/test_gpu_check.py)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_speed_only_ends_with_the_engine_against_generate_alone():
+    command = [sys.executable, "benchmarks/rollout.py", "--speed-only", "--preset", "smoke", "--batches", "2", "3"]
+    command += ["--prompt-len", "4", "--new-tokens", "3", "--repeat", "1"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    for batch in (2, 3):
+        ours, theirs = figures[f"b{batch}_engine_tokens_per_s"], figures[f"b{batch}_hf_generate_tokens_per_s"]
+        assert ours > 0 and theirs > 0 and figures[f"b{batch}_speedup_vs_hf"] == ours / theirs
+    assert figures["cpu_bf16"] in ("native", "emulated") and "cpu_onednn_isa_cap" in figures
+    assert not any(key.startswith(("capture", "fp4_", "linear_", "decode_step")) for key in figures)
