@@ -125,6 +125,13 @@ def cpu_kind() -> dict:
     }
 
 
+def hardware(device: torch.device) -> dict:
+    """Where a step computed, recorded next to its figures: the device, and the GPU's name or the CPU's kind."""
+    if device.type == "cuda":
+        return {"device": str(device), "gpu": torch.cuda.get_device_name(device)}
+    return {"device": str(device), **cpu_kind()}
+
+
 def _computes_bf16_on_cpu(x: Tensor) -> bool:
     """Whether a matmul on ``x`` computes in bf16 on the CPU: bf16 operands, or a bf16 autocast region."""
     if x.device.type != "cpu":

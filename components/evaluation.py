@@ -19,6 +19,7 @@ from tracefp4.schemas import RunConfig
 from . import steps
 from .capture import CaptureConfig
 from .checkpoint import load_model
+from .device import hardware
 from .guidance import GuidanceLoader, compact, compaction_report, select_layers, write_step
 from .mismatch import teacher_force
 from .ptq import apply_ptq
@@ -44,7 +45,14 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
     prompts = [tokenizer.encode_prompt(format_example(p)) for p in test]
     model = load_model(policy, device=device)
     ptq = _ptq_models(config, model, prompts) if config.method == "bf16" else {}
-    out = {"method": config.method, "accuracy": [], "throughput": [], "discrepancy": [], "guidance_sensitivity": []}
+    out = {
+        "method": config.method,
+        "hardware": hardware(device),  # what the throughput and discrepancy figures were computed on
+        "accuracy": [],
+        "throughput": [],
+        "discrepancy": [],
+        "guidance_sensitivity": [],
+    }
     start_model = load_model(initial, device=device) if initial is not None else None
     n = min(config.evaluation.discrepancy_prompts, len(test))
 

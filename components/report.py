@@ -403,6 +403,29 @@ def _time_blocks(history: list[dict], source: str) -> list:
 # -- the reports --------------------------------------------------------------------------------------------------
 
 
+def _hardware(evaluations: list[dict]) -> list[str]:
+    """Where the evaluations computed, once per distinct machine kind; on a CPU
+    that emulates bf16, what that does to the train-rollout figures."""
+    lines = []
+    for hw in (e.get("hardware") for e in evaluations):
+        if not hw:  # an evaluation written before the field
+            continue
+        if "gpu" in hw:
+            line = f"Evaluated on {hw['device']} ({hw['gpu']})."
+        else:
+            line = f"Evaluated on {hw['device']}: {hw.get('cpu')}, bf16 {hw.get('cpu_bf16')}, "
+            line += f"{hw.get('cpu_threads')} threads."
+        if hw.get("cpu_bf16") == "emulated":
+            line += (
+                " This CPU runs bf16 matmuls in fp32, whose sums hardly depend on the batch's shape: training and"
+                " rollout round alike, so the train-rollout discrepancy can vanish (`TRACEFP4_CPU_BF16=native`"
+                " brings it back, slowly; docs/performance.md)."
+            )
+        if line not in lines:
+            lines.append(line)
+    return lines
+
+
 def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict) -> list:
     source = describe(config)
     acc = evaluation.get("accuracy") or []
@@ -410,7 +433,7 @@ def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict) -> lis
     tasks = ", ".join(_ordered(r.get("task") for r in acc)) or "none"
     summary = f"RL steps: {len(history)}, rounds: {len(_rounds(history))}; evaluated rollout configs: {rollouts}; "
     summary += f"tasks: {tasks}."
-    blocks = [Heading(1, f"tracefp4 run `{config.name}`"), source + ".", summary]
+    blocks = [Heading(1, f"tracefp4 run `{config.name}`"), source + ".", summary, *_hardware([evaluation])]
     blocks += [Heading(2, "Accuracy: method x task"), _accuracy_table(acc, source) if acc else "No accuracy rows."]
     if gain := _paired_table(acc, source, "policy", ("trained", "initial")):
         blocks += [Heading(2, "RL gain: trained vs initial policy"), gain]
@@ -467,6 +490,7 @@ def _comparison_blocks(config: RunConfig, evaluations: list[dict], histories: li
     source = describe(config, methods)
     runs = [describe(config.model_copy(update={"method": m})) for m in methods]
     blocks = [Heading(1, f"tracefp4 comparison `{config.name}`"), f"{len(methods)} methods; each method's run:", runs]
+    blocks += _hardware(evaluations)
 
     acc = [r for e in evaluations for r in e.get("accuracy") or []]
     blocks += [Heading(2, "Accuracy: method x task"), _accuracy_table(acc, source, methods) if acc else "No accuracy."]

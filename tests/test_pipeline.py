@@ -278,6 +278,7 @@ def test_evaluation_of_a_bf16_run_holds_ptq_baselines_discrepancy_and_sensitivit
     assert [t["rollout"] for t in result["throughput"]] == ["bf16", "fp4_wa_kv"] and all(
         t["tokens_per_second"] > 0 for t in result["throughput"]
     )
+    assert result["hardware"]["device"] == "cpu" and result["hardware"]["cpu_bf16"] in ("native", "emulated")
     (d,) = result["discrepancy"]
     assert d["rollout"] == "fp4_wa_kv" and d["logprob_abs_diff_mean"] > 0  # BF16 training against an FP4 rollout
     assert d["code_mismatch"] is None and not d["codeword_diff_hist"]  # a bf16 training path rounds nothing

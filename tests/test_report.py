@@ -446,6 +446,29 @@ def test_comparison_has_one_row_per_method_policy_and_one_line_per_method(trace_
     assert Page(empty).images == []
 
 
+def test_the_report_says_where_the_evaluation_computed(tmp_path):
+    """Throughput and the train-rollout figures depend on the machine: the
+    report names it, and where the CPU emulates bf16 (training and rollout
+    then round alike), says what that does to the discrepancy."""
+    cpu = {"device": "cpu", "cpu": "AMD EPYC 7B13", "cpu_bf16": "emulated", "cpu_threads": 2}
+    gpu = {"device": "cuda:0", "gpu": "NVIDIA H200"}
+    emulated = write(tmp_path, "emulated", [], TRACE_EVALUATION | {"hardware": cpu})
+    text = report.markdown(TRACE, *emulated)
+    line = next(line for line in text.splitlines() if line.startswith("Evaluated on"))
+    assert line.startswith("Evaluated on cpu: AMD EPYC 7B13, bf16 emulated, 2 threads. This CPU runs bf16")
+    assert "`TRACEFP4_CPU_BF16=native`" in line
+    assert text.index(line) < text.index("## Accuracy")  # in the header, before the figures
+    native = write(tmp_path, "native", [], TRACE_EVALUATION | {"hardware": cpu | {"cpu_bf16": "native"}})
+    assert "Evaluated on cpu: AMD EPYC 7B13, bf16 native, 2 threads.\n" in report.markdown(TRACE, *native)
+    assert "Evaluated on" not in report.markdown(TRACE, *write(tmp_path, "old", [], TRACE_EVALUATION))
+    comparison = report.comparison(
+        TRACE, [TRACE_EVALUATION | {"hardware": gpu}, BF16_EVALUATION | {"hardware": gpu}, BF16_EVALUATION], [[]]
+    )
+    assert [line for line in comparison.splitlines() if line.startswith("Evaluated")] == [
+        "Evaluated on cuda:0 (NVIDIA H200)."  # once for the two evaluations on the same machine
+    ]
+
+
 def test_rows_with_missing_or_null_keys_skip_cells_not_the_report(tmp_path):
     sparse = [{"step": 1}, {"round": 0}, {}, {"round": 1, "step": 4, "logprob_abs_diff_max": None, "reward_mean": 0.2}]
     evaluation = {
