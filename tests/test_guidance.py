@@ -37,7 +37,7 @@ def prompts(n=6, seed=0):
 
 
 @pytest.fixture(scope="module")
-def captured(native_bf16):
+def captured():
     """A full capture of a small rollout, and the engine and trajectories behind it."""
     engine = TorchEngine(build_model("smoke", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
     out = engine.generate(prompts(), SamplingParams(max_new_tokens=6, seed=1))
@@ -206,7 +206,7 @@ def test_prefetch_is_bounded(captured, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def per_token_captured(native_bf16):
+def per_token_captured():
     """A full capture of a small rollout with per-token NVFP4 activation global scales."""
     quant = replace(rollout_config("fp4_wa_kv"), activation_global_scale="per_token")
     engine = TorchEngine(build_model("smoke", seed=0), quant, capture=CaptureConfig())
