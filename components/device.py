@@ -90,8 +90,11 @@ def cpu_info() -> tuple[str, frozenset[str]]:
         return platform.processor() or platform.machine(), frozenset()
 
 
+@functools.cache
 def onednn_isa_cap() -> str | None:
-    """The ISA oneDNN is capped at (``ONEDNN_MAX_CPU_ISA``, or its older name ``DNNL_MAX_CPU_ISA``), if set."""
+    """The ISA oneDNN is capped at (``ONEDNN_MAX_CPU_ISA``, or its older name
+    ``DNNL_MAX_CPU_ISA``), if set. Read once, as oneDNN reads it: every bf16
+    matmul on the CPU asks :func:`bf16_emulated`."""
     cap = next((os.environ[name] for name in ONEDNN_ISA_ENV if os.environ.get(name)), None)
     return cap.strip().upper() if cap else None
 

@@ -107,9 +107,25 @@ SAPPHIRE_RAPIDS = (
 GRAVITON3 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\nCPU part\t: 0xd40\n"
 
 
-def test_cpuinfo_tells_native_bf16(monkeypatch):
-    for name in device.ONEDNN_ISA_ENV:  # no oneDNN cap (the next test sets one)
-        monkeypatch.delenv(name, raising=False)
+@pytest.fixture
+def onednn_cap(monkeypatch):
+    """Sets (or with None, clears) a oneDNN ISA cap variable, the other name cleared; the cap is read once
+    per process, so the cache goes too, before and after the test."""
+
+    def cap(value: str | None, name: str = "ONEDNN_MAX_CPU_ISA") -> None:
+        for variable in device.ONEDNN_ISA_ENV:
+            monkeypatch.delenv(variable, raising=False)
+        if value is not None:
+            monkeypatch.setenv(name, value)
+        device.onednn_isa_cap.cache_clear()
+
+    cap(None)
+    yield cap
+    monkeypatch.undo()
+    device.onednn_isa_cap.cache_clear()
+
+
+def test_cpuinfo_tells_native_bf16(onednn_cap):
     model, flags = device.parse_cpuinfo(AVX2_EPYC)
     assert model == "AMD EPYC 7B13" and not device.cpu_bf16_native(flags)
     assert device.cpu_bf16_native(device.parse_cpuinfo(SAPPHIRE_RAPIDS)[1])
@@ -120,21 +136,18 @@ def test_cpuinfo_tells_native_bf16(monkeypatch):
     "cap, native",
     [("AVX2", False), ("avx512_core", False), ("AVX512_CORE_VNNI", False), ("AVX512_CORE_BF16", True), ("ALL", True)],
 )
-def test_onednn_capped_below_bf16_is_a_cpu_without_it(cap, native, monkeypatch):
+def test_onednn_capped_below_bf16_is_a_cpu_without_it(cap, native, onednn_cap):
     """oneDNN runs torch's bf16 matmuls on x86: capped below AVX512_CORE_BF16
     it leaves the bf16 units unused, so ``auto`` emulates as on a CPU without them."""
     sapphire_rapids = device.parse_cpuinfo(SAPPHIRE_RAPIDS)[1]
-    for name in device.ONEDNN_ISA_ENV:
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    onednn_cap(cap)
     assert device.onednn_isa_cap() == cap.upper()
     assert device.cpu_bf16_native(sapphire_rapids) == native
     assert device.cpu_kind()["cpu_onednn_isa_cap"] == cap.upper()
     assert not device.cpu_bf16_native(device.parse_cpuinfo(AVX2_EPYC)[1])  # no cap gives bf16 units
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
-    monkeypatch.setenv("DNNL_MAX_CPU_ISA", cap)  # the variable's older name
+    onednn_cap(cap, "DNNL_MAX_CPU_ISA")  # the variable's older name
     assert device.cpu_bf16_native(sapphire_rapids) == native
-    monkeypatch.delenv("DNNL_MAX_CPU_ISA")
+    onednn_cap(None)
     assert device.onednn_isa_cap() is None and device.cpu_bf16_native(sapphire_rapids)
 
 
