@@ -29,10 +29,12 @@ RUN pip install --no-deps . \
     && ! python -c "import triton" 2>/dev/null
 
 # A user of its own (numeric, so that runAsNonRoot can check it). KFP's launcher
-# keeps artifacts under /gcs, /minio and /s3 in the container: writable for it
-# (group 0 too, for clusters that run images under an arbitrary UID).
+# keeps artifacts under /gcs, /minio and /s3 in the container, and a step writes
+# its metrics file (metrics.metrics_file, relative) in the working directory: all
+# writable for it (group 0 too, for clusters that run images under an arbitrary UID).
 RUN useradd --uid 1000 --gid 0 --create-home --shell /usr/sbin/nologin tracefp4 \
-    && mkdir -p /gcs /minio /s3 && chown 1000:0 /gcs /minio /s3 && chmod 0775 /gcs /minio /s3
+    && mkdir -p /gcs /minio /s3 && chown 1000:0 /gcs /minio /s3 /opt/tracefp4 \
+    && chmod 0775 /gcs /minio /s3 /opt/tracefp4
 ENV HOME=/home/tracefp4
 USER 1000
 

@@ -14,11 +14,11 @@ The guidance of a round is an artifact on the edge compaction -> train; the
 run id comes out of prepare (the local runner's, or KFP's job id) and keys
 every store prefix, so no step ever reads another run's data.
 
-Every task gets the config's resources, the store's credentials from a
-Kubernetes secret (optional with a file:// store), retries with backoff on a cluster (none for a
-local run, where a failure is deterministic), and no caching (steps write to
-the store). Name and version: the run name; the package version and a hash of
-the config schema.
+Every task gets the store's credentials from a Kubernetes secret (optional
+with a file:// store), the config's node selector and tolerations, and no
+caching (steps write to the store); its resources and retries depend on its
+role (:data:`COMPUTE`, :data:`HOST`, :data:`CONTROL`). Name and version: the
+run name; the package version and a hash of the config schema.
 """
 
 import inspect
@@ -43,12 +43,23 @@ def pipeline_version() -> str:
     return f"{version('tracefp4')}-{schema_hash()}"
 
 
-def _configure(task, config: RunConfig, retries: bool):
+# A task's role decides its resources and retries.
+# - COMPUTE: the model on the device (prepare, rollout, compaction, train, evaluate, export): all of `resources`.
+# - HOST: moves a round's data, computes nothing on the device (gather; train when its ranks run in a TrainJob):
+#   `resources` without the GPUs, which the TrainJob's ranks would otherwise wait for.
+# - CONTROL: configure, rollout_workers, report, compare: small whatever the model, and their failures are
+#   deterministic (a bad run parameter), so they are not retried: a retry would only delay the error.
+COMPUTE, HOST, CONTROL = "compute", "host", "control"
+CONTROL_CPU, CONTROL_MEMORY = "1", "2Gi"
+
+
+def _configure(task, config: RunConfig, retries: bool, role: str = COMPUTE):
     r = config.resources
-    task.set_cpu_limit(r.cpu).set_memory_limit(r.memory).set_caching_options(False)
-    if retries:  # a pod evicted or a node lost: try again later
+    cpu, memory = (CONTROL_CPU, CONTROL_MEMORY) if role == CONTROL else (r.cpu, r.memory)
+    task.set_cpu_limit(cpu).set_memory_limit(memory).set_caching_options(False)
+    if retries and role != CONTROL:  # Argo retries any failure: a pod evicted, a node lost, but also an error
         task.set_retry(num_retries=2, backoff_duration="30s", backoff_factor=2.0)
-    if r.gpus:
+    if r.gpus and role == COMPUTE:
         task.set_accelerator_type(r.accelerator_type).set_accelerator_limit(r.gpus)
     if r.node_selector:
         for label, value in r.node_selector.items():
@@ -114,14 +125,15 @@ def build_pipeline(config: RunConfig, retries: bool = True):
     """The pipeline for ``config``: rounds unrolled; the config's run-time
     fields typed parameters with its values as defaults; ``run_id`` empty means KFP's job id."""
     c = make_components(config.image)
-    configure = lambda task: _configure(task, config, retries)  # noqa: E731
+    configure = lambda task, role=COMPUTE: _configure(task, config, retries, role)  # noqa: E731
     params = run_parameters.parameters()
     configure_op = _configure_component(config, params)
 
     def body(values, run_id):
-        config_json = configure(configure_op(config_json=config.model_dump_json(), **values)).output
+        config_json = configure(configure_op(config_json=config.model_dump_json(), **values), CONTROL).output
         history, evaluation = _train_and_evaluate(c, configure, config, config_json, run_id)
-        return configure(c.report(config_json=config_json, history=history, evaluation=evaluation)).outputs["markdown"]
+        report = c.report(config_json=config_json, history=history, evaluation=evaluation)
+        return configure(report, CONTROL).outputs["markdown"]
 
     summary = f"TRACE FP4 RL ({config.method}, {config.rollout.config}). {fixed_fields(config)}"
     return _typed_pipeline(body, config, params, pipeline_name(config), summary)
@@ -150,7 +162,8 @@ def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
                 trajectories=trajectories,
                 guidance=guide.outputs["guidance"],
                 previous=history,
-            )
+            ),
+            HOST if config.train.launcher == "trainjob" else COMPUTE,
         )
         policy, history = step.outputs["new_policy"], step.outputs["history"]
         state = step.outputs["new_trainer_state"]
@@ -166,7 +179,7 @@ def _rollout(c, configure, config: RunConfig, config_json, run_id, round_index: 
         return configure(
             c.rollout(config_json=config_json, run_id=run_id, round_index=round_index, policy=policy)
         ).outputs["trajectories"]
-    workers = configure(c.rollout_workers(config_json=config_json, run_id=run_id, round_index=round_index))
+    workers = configure(c.rollout_workers(config_json=config_json, run_id=run_id, round_index=round_index), CONTROL)
     with dsl.ParallelFor(workers.output) as item:  # the config and run id ride on the item (see rollout_workers)
         part = configure(
             c.rollout(
@@ -178,7 +191,7 @@ def _rollout(c, configure, config: RunConfig, config_json, run_id, round_index: 
             )
         )
     parts = dsl.Collected(part.outputs["trajectories"])
-    merged = configure(c.gather(config_json=config_json, run_id=run_id, round_index=round_index, parts=parts))
+    merged = configure(c.gather(config_json=config_json, run_id=run_id, round_index=round_index, parts=parts), HOST)
     return merged.outputs["trajectories"]
 
 
@@ -203,7 +216,7 @@ def build_comparison_pipeline(config: RunConfig, methods: list[str], retries: bo
     item, so no task output crosses into the loop."""
     methods = check_methods(list(methods))
     c = make_components(config.image)
-    configure = lambda task: _configure(task, config, retries)  # noqa: E731
+    configure = lambda task, role=COMPUTE: _configure(task, config, retries, role)  # noqa: E731
     params = run_parameters.parameters(comparison=True)
     method_param = next(p for p in run_parameters.parameters() if p.name == "method")
     configure_op = _configure_component(config, params)
@@ -212,12 +225,12 @@ def build_comparison_pipeline(config: RunConfig, methods: list[str], retries: bo
 
     def body(values, run_id):
         with dsl.ParallelFor(methods) as method:
-            branch = configure(configure_branch_op(config_json=compiled, method=method, **values)).output
+            branch = configure(configure_branch_op(config_json=compiled, method=method, **values), CONTROL).output
             history, evaluation = _train_and_evaluate(c, configure, config, branch, run_id)
-            configure(c.report(config_json=branch, history=history, evaluation=evaluation))  # each method's own
-        config_json = configure(configure_op(config_json=compiled, **values)).output
+            configure(c.report(config_json=branch, history=history, evaluation=evaluation), CONTROL)  # its own
+        config_json = configure(configure_op(config_json=compiled, **values), CONTROL).output
         evaluations, histories = dsl.Collected(evaluation), dsl.Collected(history)
-        rep = configure(c.compare(config_json=config_json, evaluations=evaluations, histories=histories))
+        rep = configure(c.compare(config_json=config_json, evaluations=evaluations, histories=histories), CONTROL)
         return rep.outputs["markdown"]
 
     summary = f"TRACE FP4 RL: {', '.join(methods)} side by side. {fixed_fields(config, methods)}"

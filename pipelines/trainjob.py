@@ -14,6 +14,11 @@ TrainJob needs the in-cluster service account and fails at once without one.
 The object is built from the ``kubeflow-trainer-api`` models; tests check it
 against the Trainer release's CRD schema and run the create / watch / fail /
 delete flow against a loopback HTTP server.
+
+What the runtime's pod template cannot know about a run (its node selector
+and tolerations, no Istio sidecar) reaches the rank pods through the
+TrainJob's ``spec.runtimePatches``, which the Trainer merges into the
+runtime's JobSet template.
 """
 
 import hashlib
@@ -38,6 +43,13 @@ from tracefp4.schemas.config import SECRET_KEYS
 
 GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+# The replicated job of the Trainer's runtimes that runs the trainer (the Trainer's constants.Node; the only
+# job of torch-distributed): a runtime patch names it, and the Trainer refuses a name the runtime lacks.
+TRAINER_JOB = "node"
+# Who owns this step's runtime patch; the Trainer's webhook wants a domain-prefixed path.
+PATCH_MANAGER = "tracefp4/train-step"
+# A TrainJob's name must start with a letter (its CRD's rule); a run name may start with a digit.
+NAME_PREFIX = "tj-"
 
 
 def distributed_train(
@@ -78,9 +90,41 @@ def in_cluster_api() -> client.ApiClient:
 
 
 def trainjob_name(config: RunConfig, run_id: str, round_index: int) -> str:
-    """A DNS label naming the round's TrainJob: the same for a retry of the step."""
+    """An RFC 1035 label naming the round's TrainJob: the same for a retry of the step. A run name
+    starting with a digit ("7b-run") gets ``NAME_PREFIX``, which the TrainJob CRD needs; others keep
+    their name as it is."""
     digest = hashlib.sha256(f"{run_id}/{config.method}".encode()).hexdigest()[:10]
-    return f"{config.name[:30].rstrip('-')}-{digest}-r{round_index}"
+    stem = config.name[:30].rstrip("-")
+    return f"{NAME_PREFIX if stem[0].isdigit() else ''}{stem}-{digest}-r{round_index}"
+
+
+def rank_pod_patch(config: RunConfig) -> models.TrainerV1alpha1RuntimePatch:
+    """What the runtime's pod template lacks for this run's rank pods, as a runtime patch of its
+    ``TRAINER_JOB``: the run's ``resources.node_selector`` and ``tolerations`` (GPU nodes are tainted,
+    docs/deploy.md: without them the ranks stay Pending or land elsewhere), and no Istio sidecar (a
+    profile namespace injects one, which keeps the Job from completing and can break torchrun's
+    rendezvous; KFP opts its own pods out the same way)."""
+    r = config.resources
+    pod = models.TrainerV1alpha1PodTemplatePatch(
+        metadata=models.IoK8sApimachineryPkgApisMetaV1ObjectMeta(annotations={"sidecar.istio.io/inject": "false"}),
+        spec=models.TrainerV1alpha1PodSpecPatch(
+            nodeSelector=r.node_selector or None,
+            tolerations=[models.IoK8sApiCoreV1Toleration(**t.model_dump(exclude_none=True)) for t in r.tolerations]
+            or None,
+        ),
+    )
+    job = models.TrainerV1alpha1ReplicatedJobPatch(
+        name=TRAINER_JOB,
+        template=models.TrainerV1alpha1JobTemplatePatch(spec=models.TrainerV1alpha1JobSpecPatch(template=pod)),
+    )
+    return models.TrainerV1alpha1RuntimePatch(
+        manager=PATCH_MANAGER,
+        trainingRuntimeSpec=models.TrainerV1alpha1TrainingRuntimeSpecPatch(
+            template=models.TrainerV1alpha1JobSetTemplatePatch(
+                spec=models.TrainerV1alpha1JobSetSpecPatch(replicatedJobs=[job])
+            )
+        ),
+    )
 
 
 def trainjob(config: RunConfig, name: str, namespace: str, args: list[str]) -> dict:
@@ -122,6 +166,7 @@ def trainjob(config: RunConfig, name: str, namespace: str, args: list[str]) -> d
                 numProcPerNode=config.train.processes_per_node,
                 resourcesPerNode=models.IoK8sApiCoreV1ResourceRequirements(limits=limits, requests=limits),
             ),
+            runtimePatches=[rank_pod_patch(config)],
         ),
     )
     return job.to_dict()
@@ -210,9 +255,13 @@ class TrainJobRun:
 
     def wait(self, echo) -> None:
         """Until the TrainJob completes; its status changes go to the step's log.
-        Failed, deleted, or not picked up by the Trainer controller within
-        ``train.timeout_seconds`` (Trainer not installed, runtime missing): an error."""
-        start, last = time.monotonic(), None
+        Failed, deleted, or ``train.timeout_seconds`` without progress: an error.
+        Progress is a replicated job with all its pods ready or done (``ready``
+        or ``succeeded`` in the Trainer's ``status.jobsStatus``); ``active``
+        counts Pending pods too, so unschedulable ranks, or a Trainer that
+        never picks the job up, would otherwise keep the step waiting forever.
+        Every poll that shows progress restarts the clock: a long run is not cut short."""
+        since, last = time.monotonic(), None
         while True:
             try:
                 job = self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
@@ -231,13 +280,26 @@ class TrainJobRun:
                 raise DistributedError(
                     f"TrainJob {self.namespace}/{self.name} failed: {c.get('reason', '?')}: {c.get('message', '')}"
                 )
-            if not status and time.monotonic() - start > self.config.train.timeout_seconds:
-                raise DistributedError(
-                    f"TrainJob {self.namespace}/{self.name} has no status after {self.config.train.timeout_seconds}"
-                    f" s: is Kubeflow Trainer installed with runtime {self.config.train.trainjob_runtime}? "
-                    "(docs/deploy.md)"
-                )
+            if _progressing(status):
+                since = time.monotonic()
+            elif time.monotonic() - since > self.config.train.timeout_seconds:
+                raise DistributedError(self.stalled(status))
             time.sleep(self.poll_s)
+
+    def stalled(self, status: dict) -> str:
+        """Why the TrainJob made no progress for ``train.timeout_seconds``, and where to look."""
+        timeout, where = self.config.train.timeout_seconds, f"TrainJob {self.namespace}/{self.name}"
+        if not status:
+            return (
+                f"{where} has no status after {timeout} s: is Kubeflow Trainer installed with runtime "
+                f"{self.config.train.trainjob_runtime}? (docs/deploy.md)"
+            )
+        return (
+            f"{where}: waited {timeout} s (train.timeout_seconds) for the pods of a replicated job to be ready, "
+            f"last status: {_summary(status)}; `kubectl -n {self.namespace} describe pods -l "
+            f"jobset.sigs.k8s.io/jobset-name={self.name}` says why (unschedulable: resources, "
+            "resources.node_selector, resources.tolerations; image pull)"
+        )
 
     def delete(self, echo, wait: bool = False) -> None:
         try:
@@ -265,6 +327,11 @@ def _namespace() -> str:
     if not path.exists():
         raise DistributedError(f"{path} is missing: a TrainJob is created from a pod inside the cluster")
     return path.read_text().strip()
+
+
+def _progressing(status: dict) -> bool:
+    """Whether a replicated job has all its pods ready, or has finished (the Trainer's JobStatus counts child Jobs)."""
+    return any(j.get("ready") or j.get("succeeded") for j in status.get("jobsStatus", []))
 
 
 def _summary(status: dict) -> str:

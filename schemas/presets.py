@@ -94,6 +94,9 @@ def _paper(name: str, fmt: str, config: str) -> RunConfig:
                 "trajectories_per_shard": 64,
             },
             "method": "trace",
+            # training shards 35B parameters with their float32 master, gradients and AdamW moments (16 bytes a
+            # parameter, about 560 GB) over 2 nodes x 4 GPUs, about 70 GB a GPU; a GB200 compute tray has 4 GPUs
+            "train": {"precision": "fp32_master", "nodes": 2, "processes_per_node": 4, "launcher": "trainjob"},
             "rl": {
                 "schedule": "off_policy",
                 "steps_per_round": 4,
@@ -113,7 +116,7 @@ def _paper(name: str, fmt: str, config: str) -> RunConfig:
             "resources": {
                 "cpu": "64",
                 "memory": "512Gi",
-                "gpus": 8,
+                "gpus": 4,  # one GB200 compute tray: a step's pod, or a TrainJob node
                 "accelerator_type": "nvidia.com/gpu",
                 "node_selector": {"nvidia.com/gpu.product": "NVIDIA-GB200"},
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],

@@ -227,8 +227,9 @@ def test_minio_overlay_overrides_the_provider_for_its_bucket_only(rendered):
     launcher = one(objects, "ConfigMap", "kfp-launcher")
     assert launcher["metadata"]["namespace"] == "kubeflow"
     minio = yaml.safe_load(launcher["data"]["providers"])["minio"]
-    # the launcher's built-in default restated (the launcher wants one next to overrides): other pipelines unchanged
-    assert minio["default"]["endpoint"] == "minio-service.kubeflow:9000"
+    # the launcher's built-in default restated (the launcher wants one next to overrides, and with one set no
+    # longer falls back to its own): KFP's store, so that other pipelines keep theirs
+    assert "http://" + minio["default"]["endpoint"] == KFP_STORE
     assert minio["default"]["credentials"] == {
         "fromEnv": False,
         "secretRef": {
@@ -402,7 +403,10 @@ def test_images_cache_dependencies_and_run_as_a_user(dockerfile):
     users = [args for op, args in steps if op == "USER"]
     assert users and users[-1].isdigit() and users[-1] != "0", "the image's last USER is a numeric non-root uid"
     assert all(op != "RUN" for op, _ in steps[steps.index(("USER", users[-1])) :]), "nothing runs as root after USER"
-    assert any(op == "RUN" and "/minio" in args and "chown 1000" in args for op, args in steps)  # KFP's artifact paths
+    owned = " ".join(args.split("chown 1000:0", 1)[1].split("&&")[0] for op, args in steps if "chown 1000:0" in args)
+    workdir = next(args for op, args in steps if op == "WORKDIR")
+    # KFP's artifact paths, and the working directory a step writes its metrics file in (metrics.metrics_file)
+    assert {"/minio", workdir} <= set(owned.split())
 
 
 def test_cpu_image_has_no_triton_and_cuda_image_has():

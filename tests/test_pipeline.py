@@ -101,7 +101,8 @@ def test_compiled_yaml_names_every_component_and_parameter(tmp_path):
     train = spec["components"][tasks["train"]["componentRef"]["name"]]["inputDefinitions"]["artifacts"]
     assert tasks["train"]["inputs"]["artifacts"]["guidance"]["taskOutputArtifact"]["producerTask"] == "compaction"
     assert train["guidance"]["artifactType"]["schemaTitle"] == "system.Artifact"
-    assert all("retryPolicy" in tasks[t] for t in tasks)  # a cluster retries (with backoff); run_local does not
+    retried = {t for t in tasks if "retryPolicy" in tasks[t]}  # a cluster retries (with backoff); run_local does not
+    assert retried == set(tasks) - {"configure", "report"}  # whose failures are deterministic
     assert "rounds 2" in spec["pipelineInfo"]["description"]  # fixed at compile time, and said so
     executors = spec["deploymentSpec"]["executors"]
     assert all(e["container"]["image"] == config.image for e in executors.values())
@@ -114,6 +115,61 @@ def test_compiled_yaml_names_every_component_and_parameter(tmp_path):
     assert text.count("TRACEFP4_S3_ENDPOINT") == text.count("TRACEFP4_S3_SECRET_KEY") > 0  # every task gets it
     assert components.load_component_from_file(path).name == "tracefp4-smoke"
     assert pipeline_version().startswith("0.1.0-")
+
+
+def _leaf_tasks(spec: dict) -> dict:
+    """Every container task of a compiled pipeline, loops' bodies included: name -> (resources, retried)."""
+    executors, components_ = spec["deploymentSpec"]["executors"], spec["components"]
+    out = {}
+
+    def walk(dag):
+        for name, task in dag["tasks"].items():
+            component = components_[task["componentRef"]["name"]]
+            if "dag" in component:
+                walk(component["dag"])
+            else:
+                resources = executors[component["executorLabel"]]["container"]["resources"]
+                out[name] = (resources, "retryPolicy" in task)
+
+    walk(spec["root"]["dag"])
+    return out
+
+
+def test_only_steps_that_run_the_model_hold_gpus(tmp_path):
+    """On a GPU cluster the control tasks run small and are not retried, and
+    the tasks that only move data (gather; train when its ranks are a TrainJob)
+    hold no GPU: the TrainJob's ranks would otherwise wait for the GPUs its own
+    launching pod holds."""
+    overrides = {
+        "store.uri": "s3://runs/smoke",
+        "rollout.workers": 2,
+        "resources.gpus": 2,
+        "resources.accelerator_type": "nvidia.com/gpu",
+        "resources.cpu": "8",
+        "resources.memory": "64Gi",
+        "rl.microbatch_size": 1,
+        "train.precision": "fp32_master",
+        "train.nodes": 2,
+        "train.launcher": "trainjob",
+    }
+    config = load_config(None, preset="smoke", overrides=overrides)
+    tasks = _leaf_tasks(next(yaml.safe_load_all(open(compile_pipeline(config, tmp_path / "gpu.yaml")))))
+    compute = {"prepare", "rollout", "compaction", "evaluate", "export"}
+    host, control = {"gather", "train"}, {"configure", "rollout-workers", "report"}
+    assert set(tasks) == compute | host | control
+    for name, (resources, retried) in tasks.items():
+        assert ("accelerator" in resources) == (name in compute), name
+        assert resources["resourceCpuLimit"] == ("1" if name in control else "8"), name
+        assert resources["resourceMemoryLimit"] == ("2Gi" if name in control else "64Gi"), name
+        assert retried == (name not in control), name
+    spec = next(yaml.safe_load_all(open(compile_pipeline(config, tmp_path / "compare.yaml", ["qat", "trace"]))))
+    compared = _leaf_tasks(spec)
+    assert "accelerator" not in compared["compare"][0] and not compared["compare"][1]
+    config.train.launcher, config.train.nodes = "torchrun", 1  # the ranks in the train step's own pod: its GPUs
+    train, _ = _leaf_tasks(next(yaml.safe_load_all(open(compile_pipeline(config, tmp_path / "torchrun.yaml")))))[
+        "train"
+    ]
+    assert train["accelerator"]["count"] == "2"
 
 
 def test_cli(tmp_path):

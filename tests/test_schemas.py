@@ -52,7 +52,10 @@ def test_presets_set_what_they_promise():
         p = PRESETS[name]
         assert p.model.checkpoint == "s3://models/qwen3.5-35b-a3b" and p.model.preset is None
         assert (p.method, p.guidance.bits, p.guidance.layers, p.rollout.config) == ("trace", 1, 20, config)
-        assert p.resources.gpus == 8 and p.resources.accelerator_type
+        assert p.resources.gpus == 4 and p.resources.accelerator_type  # a GB200 tray's GPUs
+        # 35B parameters' training state sharded over TrainJob nodes, one process per GPU
+        assert p.train.launcher == "trainjob" and p.train.processes_per_node == p.resources.gpus
+        assert p.train.world_size == 8 and p.train.precision == "fp32_master"
     assert PRESETS["paper-nvfp4-wa-kv"].rollout.fmt == "nvfp4"
 
 

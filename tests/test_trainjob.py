@@ -7,6 +7,7 @@ not a cluster: no controller runs the TrainJob; the test plays its status
 
 import copy
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -22,7 +23,17 @@ from tracefp4.components.model import build_model
 from tracefp4.components.quant import BF16
 from tracefp4.components.store import open_store
 from tracefp4.components.trainer import TrainConfig, Trainer
-from tracefp4.pipelines.trainjob import GROUP, PLURAL, VERSION, TrainJobRun, trainjob, trainjob_name
+from tracefp4.pipelines import trainjob as module
+from tracefp4.pipelines.trainjob import (
+    GROUP,
+    PATCH_MANAGER,
+    PLURAL,
+    TRAINER_JOB,
+    VERSION,
+    TrainJobRun,
+    trainjob,
+    trainjob_name,
+)
 from tracefp4.schemas import RunConfig, get_preset
 
 CRD = Path(__file__).parent / "data" / "trainer.kubeflow.org_trainjobs.yaml"
@@ -51,11 +62,46 @@ def strict(schema: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def validator():
+def schema() -> dict:
     crd = yaml.safe_load(CRD.read_text())
     assert crd["spec"]["group"] == GROUP and crd["spec"]["names"]["plural"] == PLURAL
     (version,) = [v for v in crd["spec"]["versions"] if v["name"] == VERSION]
-    return jsonschema.Draft7Validator(strict(version["schema"]["openAPIV3Schema"]))
+    return version["schema"]["openAPIV3Schema"]
+
+
+@pytest.fixture(scope="module")
+def validator(schema):
+    return jsonschema.Draft7Validator(strict(schema))
+
+
+def name_errors(schema: dict, name: str) -> list[str]:
+    """The messages of the CRD's CEL rules on ``metadata.name`` that ``name`` breaks (the API
+    server evaluates them, jsonschema does not). A rule of another form fails the test, so that a
+    new release's rules are not skipped unseen."""
+    errors = []
+    for check in schema["x-kubernetes-validations"]:
+        if m := re.fullmatch(r"self\.metadata\.name\.matches\('(.+)'\)", check["rule"]):
+            ok = re.search(m[1], name) is not None  # CEL matches(): RE2, unanchored unless the pattern is
+        elif m := re.fullmatch(r"size\(self\.metadata\.name\) <= (\d+)", check["rule"]):
+            ok = len(name) <= int(m[1])
+        else:
+            raise AssertionError(f"a CRD rule this test cannot evaluate: {check['rule']}")
+        if not ok:
+            errors.append(check["message"])
+    return errors
+
+
+def domain_prefixed_path(value: str) -> bool:
+    """k8s.io/apimachinery's validation.IsDomainPrefixedPath, which the Trainer's webhook applies to
+    a runtime patch's manager: a DNS-1123 subdomain, '/', an HTTP path."""
+    host, sep, path = value.partition("/")
+    subdomain = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+    return bool(
+        sep
+        and len(host) <= 253
+        and re.fullmatch(subdomain, host)
+        and re.fullmatch(r"[A-Za-z0-9/\-._~%!$&'()*+,;=:]+", path)
+    )
 
 
 def config(tmp_path, **train) -> RunConfig:
@@ -97,11 +143,67 @@ def test_the_trainjob_validates_against_the_trainer_crd(tmp_path, validator):
         validator.validate(bad)
 
 
-def test_trainjob_names_are_dns_labels_stable_per_round(tmp_path):
+def test_trainjob_names_are_dns_labels_stable_per_round(tmp_path, schema):
     c = config(tmp_path)
     name = trainjob_name(c, RUN, 12)
     assert name == trainjob_name(c, RUN, 12) != trainjob_name(c, "other", 12)
     assert len(name) <= 63 and name.replace("-", "").isalnum() and name.islower()
+    assert name.startswith(f"{c.name}-") and not name_errors(schema, name)  # a name that is valid stays as it was
+
+
+@pytest.mark.parametrize("run_name", ["7b-run", "0", "9" * 63, "a" * 63, "x-" * 31 + "y"])
+def test_trainjob_names_meet_the_crd_rules_whatever_the_run_name(tmp_path, schema, validator, run_name):
+    c = config(tmp_path)
+    c.name = run_name  # validated: any DNS label, so it may start with a digit
+    stem = run_name[:30].rstrip("-")
+    # the CRD refuses a TrainJob named after the run as it is when the run name starts with a digit
+    assert bool(name_errors(schema, f"{stem}-0123456789-r0")) == run_name[0].isdigit()
+    for round_index in (0, 199, 10**9):
+        name = trainjob_name(c, RUN, round_index)
+        assert name_errors(schema, name) == [] and name == trainjob_name(c, RUN, round_index)
+        validator.validate(trainjob(c, name, NAMESPACE, []))
+        # the prefix only where it is needed
+        assert name.startswith(f"tj-{stem}-" if run_name[0].isdigit() else f"{stem}-")
+
+
+def test_the_rank_pods_get_the_runs_node_selector_tolerations_and_no_istio_sidecar(tmp_path, validator):
+    c = config(tmp_path)
+    # the GPU run config of docs/deploy.md
+    c.resources.node_selector = {"nvidia.com/gpu.present": "true"}
+    c.resources.tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    job = trainjob(c, trainjob_name(c, RUN, 0), NAMESPACE, [])
+    validator.validate(job)
+    # one patch, keyed by a manager the Trainer's webhook accepts
+    (patch,) = job["spec"]["runtimePatches"]
+    assert patch["manager"] == PATCH_MANAGER and domain_prefixed_path(PATCH_MANAGER)
+    assert not domain_prefixed_path("tracefp4") and not domain_prefixed_path("Tracefp4/x")
+    # on the replicated job the TrainJob's trainer runs as: "node" in every runtime of Trainer v2.3.0
+    # (manifests/base/runtimes/torch_distributed.yaml, pkg/constants Node); the Trainer refuses another name
+    (replicated,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert replicated["name"] == TRAINER_JOB == "node"
+    pod = replicated["template"]["spec"]["template"]  # the Job's pod template
+    assert pod["spec"] == {
+        "nodeSelector": {"nvidia.com/gpu.present": "true"},
+        "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    }
+    assert pod["metadata"] == {"annotations": {"sidecar.istio.io/inject": "false"}}
+    # the strict validator knows the path: a pod field the patch does not allow is refused
+    bad = copy.deepcopy(job)
+    bad["spec"]["runtimePatches"][0]["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"][
+        "spec"
+    ]["template"]["spec"]["priorityClassName"] = "high"
+    with pytest.raises(jsonschema.ValidationError, match="priorityClassName"):
+        validator.validate(bad)
+    # without a selector or tolerations the patch still turns the sidecar off, and sets nothing else
+    c.resources.node_selector, c.resources.tolerations = {}, []
+    job = trainjob(c, trainjob_name(c, RUN, 0), NAMESPACE, [])
+    validator.validate(job)
+    (patch,) = job["spec"]["runtimePatches"]
+    (replicated,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    assert replicated["template"]["spec"]["template"] == {
+        "metadata": {"annotations": {"sidecar.istio.io/inject": "false"}},
+        "spec": {},
+    }
 
 
 class FakeKubernetes:
@@ -176,6 +278,8 @@ class FakeKubernetes:
 
 
 RUNNING = {"jobsStatus": [{"name": "node", "active": 2, "ready": 2}]}
+# what the Trainer reports while a rank pod is Pending (unschedulable): the child Job is active, not ready
+PENDING = {"jobsStatus": [{"name": "node", "ready": 0, "succeeded": 0, "failed": 0, "active": 1, "suspended": 0}]}
 FAILED = {
     "conditions": [{"type": "Failed", "status": "True", "reason": "JobsFailed", "message": "rank 3 exited with 1"}],
     "jobsStatus": [{"name": "node", "failed": 1}],
@@ -267,7 +371,29 @@ def test_a_trainjob_left_by_an_earlier_attempt_is_replaced(tmp_path):
     assert any("earlier attempt" in line for line in log)
 
 
-def test_a_trainjob_no_controller_picks_up_fails_after_the_timeout(tmp_path):
+class Clock:
+    """The watch's clock (``time`` of the module): ``sleep`` moves it on at once. Waiting
+    forever ends in an AssertionError instead of a hung test."""
+
+    def __init__(self, limit_s: float = 3600):
+        self.now, self.limit_s = 0.0, limit_s
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+        assert self.now < self.limit_s, f"still waiting after {self.limit_s} s"
+
+
+@pytest.fixture
+def clock(monkeypatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(module, "time", clock)
+    return clock
+
+
+def test_a_trainjob_no_controller_picks_up_fails_after_the_timeout(tmp_path, clock):
     c = config(tmp_path, timeout_seconds=10)
     fake = FakeKubernetes([{}])
     try:
@@ -277,11 +403,42 @@ def test_a_trainjob_no_controller_picks_up_fails_after_the_timeout(tmp_path):
     finally:
         fake.close()
     assert not fake.jobs  # deleted all the same
+    assert 10 < clock.now <= 11
+
+
+def test_a_trainjob_whose_pods_never_get_ready_fails_after_the_timeout(tmp_path, clock):
+    c = config(tmp_path, timeout_seconds=30)
+    fake = FakeKubernetes([{}, PENDING])  # the Trainer reports the job at once; its pods stay Pending
+    log = []
+    try:
+        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=1)
+        with pytest.raises(DistributedError) as failed:
+            job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=log.append)
+    finally:
+        fake.close()
+    message = str(failed.value)
+    assert f"TrainJob {NAMESPACE}/{job.name}: waited 30 s (train.timeout_seconds)" in message
+    assert "pods of a replicated job to be ready" in message and "node: active 1" in message
+    assert f"jobset.sigs.k8s.io/jobset-name={job.name}" in message
+    assert 30 < clock.now <= 32 and not fake.jobs
+    assert "node: active 1" in log[-2] and log[-1].endswith("deleted")
+
+
+def test_a_trainjob_whose_pods_are_ready_is_not_timed_out_however_long_it_runs(tmp_path, clock):
+    c = config(tmp_path, timeout_seconds=30)
+    # 25 s Pending, 10 min running (all pods ready, then rank pods done), 25 s of pods not ready, complete
+    running = [RUNNING] * 550 + [{"jobsStatus": [{"name": "node", "active": 1, "succeeded": 1}]}] * 50
+    fake = FakeKubernetes([{}] * 5 + [PENDING] * 20 + running + [PENDING] * 25 + [COMPLETE])
+    try:
+        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=1)
+        fake.jobs[job.name] = trainjob(c, job.name, NAMESPACE, [])
+        job.wait(echo=lambda line: None)
+    finally:
+        fake.close()
+    assert clock.now == 650
 
 
 def test_outside_a_cluster_the_trainjob_launcher_says_so(tmp_path, monkeypatch):
-    from tracefp4.pipelines import trainjob as module
-
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(DistributedError, match="no in-cluster service account.*train.launcher torchrun"):
         module.in_cluster_api()
