@@ -44,17 +44,21 @@ _ISA_CAPS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "A
 
 def resolve(spec: str) -> torch.device:
     """The device ``resources.device`` names: ``auto`` is CUDA where torch sees
-    a GPU, else CPU. A CUDA device that torch cannot see is a RuntimeError
-    saying what torch sees."""
+    a GPU, else CPU; CUDA with its index (``cuda`` is the current device:
+    ``torch.cuda.set_device`` refuses a device without one, and ``cuda`` never
+    equals a tensor's ``cuda:0``). A CUDA device that torch cannot see is a
+    RuntimeError saying what torch sees."""
     if not re.match(DEVICE_PATTERN, spec):
         raise ValueError(f"resources.device {spec!r}: expected auto, cpu, cuda or cuda:N")
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        spec = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(spec)
     if device.type == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if (device.index or 0) >= count:
             raise RuntimeError(f"resources.device is {spec!r}, but {cuda_seen()}; use 'cpu' or 'auto' on this machine")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 

@@ -422,11 +422,12 @@ def grouped_matmuls(x: Tensor, weights: Tensor) -> bool:
     """Whether a MoE layer multiplies its rows by their experts' weights with
     ``F.grouped_mm``: where torch runs it as one CUTLASS kernel, bf16 on a CUDA
     device of SM 9.x or 10.x (H100/H200, B200), with rows of whole 16 bytes
-    (dimensions multiples of 8). On other GPUs torch's fallback copies the
+    (the hidden and intermediate sizes multiples of 8). On other GPUs torch's fallback copies the
     group offsets to the host and loops over the groups: a host sync per MoE
     layer, which a CUDA graph cannot capture; the padded ``bmm`` serves there."""
     bf16 = x.dtype == weights.dtype == torch.bfloat16
-    aligned = weights.shape[-1] % 8 == 0 and weights.shape[-2] % 8 == 0
+    # gate_up [E, H, 2I]: H and the down matmul's row width I (so 2I in 16s) whole multiples of 8
+    aligned = weights.shape[-1] % 16 == 0 and weights.shape[-2] % 8 == 0
     return x.is_cuda and bf16 and aligned and torch.cuda.get_device_capability(x.device)[0] in (9, 10)
 
 

@@ -34,6 +34,7 @@ from tracefp4.kernels import (
     NVFP4,
     FP4Tensor,
     code_values,
+    divide,
     e2m1_encode,
     fake_quantize,
     nvfp4_global_scale,
@@ -135,7 +136,7 @@ def four_over_six(w: Tensor) -> PTQResult:
     wb = _blocks(w)
     amax = wb.abs().amax()
     ratio = wb.abs().amax(-1) * FOUR_OVER_SIX_E4M3_MAX / torch.where(amax > 0, amax, 1.0)
-    g = torch.where(amax > 0, amax / (E2M1_MAX * FOUR_OVER_SIX_E4M3_MAX), 1.0)
+    g = torch.where(amax > 0, divide(amax, E2M1_MAX * FOUR_OVER_SIX_E4M3_MAX), 1.0)
 
     def e4m3_bits(v: Tensor) -> Tensor:  # v <= 384: never saturates
         bits = v.to(torch.float8_e4m3fn).view(torch.uint8)

@@ -38,7 +38,7 @@ from .fp4 import (
     unpack_codes,
     valid_global_scale,
 )
-from .reference import e2m1_encode, nvfp4_global_scale, nvfp4_scales, pack_nibbles, unpack_nibbles
+from .reference import divide, e2m1_encode, nvfp4_global_scale, nvfp4_scales, pack_nibbles, unpack_nibbles
 from .syndrome import MAX_ERASURES, code_side_info, parity_matrix, scale_side_info, solve_erasures, syndrome
 
 __all__ = [
@@ -59,6 +59,7 @@ __all__ = [
     "code_values",
     "compact_codes",
     "dequantize",
+    "divide",
     "e2m1_encode",
     "expand_codes",
     "fake_quantize",

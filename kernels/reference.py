@@ -35,6 +35,16 @@ def block_amax(xb: Tensor) -> Tensor:
     return xb.abs().amax(-1).float()
 
 
+def divide(x: Tensor, c: float) -> Tensor:
+    """``x / c`` correctly rounded on every device. CUDA divides a tensor by a
+    host number as ``x * (1 / c)`` (PyTorch's true-division kernel), which
+    lands one ulp off the CPU's ``x / c`` for a quarter to a half of all values
+    (``c`` 2688 or 448), and with it a scale, and the codes under it; a divisor
+    on ``x``'s own device is divided exactly. ``torch.full`` makes it without a
+    host copy, so that a CUDA graph captures it."""
+    return x / torch.full((), c, dtype=x.dtype, device=x.device)
+
+
 def nvfp4_global_scale(amax: Tensor) -> Tensor:
     """``amax / (6 * 448)`` as ModelOpt and torchao define it, float32, of each
     amax given (a scalar for a tensor, ``[..., 1]`` for rows).
@@ -43,7 +53,7 @@ def nvfp4_global_scale(amax: Tensor) -> Tensor:
     element dequantizes to NaN instead of to a silently wrong finite value; a
     zero one (an all-zero tensor, or one too small for float32) gives 1.0.
     """
-    g = amax.float() / (E2M1_MAX * E4M3_MAX)
+    g = divide(amax.float(), E2M1_MAX * E4M3_MAX)
     g = torch.where(g == 0, 1.0, g)
     return torch.where(torch.isfinite(g), g, torch.nan)
 
@@ -83,7 +93,7 @@ def mxfp4_scales(amax: Tensor, scale_mode: str = "floor") -> Tensor:
         exponent = (amax.view(torch.int32) >> 23) & 0xFF
         biased = torch.clamp(exponent - 2, min=0)
     elif scale_mode == "rceil":
-        v = (amax / E2M1_MAX).view(torch.int32)
+        v = divide(amax, E2M1_MAX).view(torch.int32)
         exponent, mantissa = (v >> 23) & 0xFF, v & 0x7FFFFF
         # ceil(log2 v): the exponent, plus one unless v is an exact power of two;
         # below the normal range only values above 2^-127 need 2^-126
@@ -315,7 +325,7 @@ def fp8_fake_quantize(x: Tensor, block_size: int | None = None) -> Tensor:
     per block of ``block_size`` along the last dimension: ``amax / 448``, 1.0
     for an all-zero row. A row (block) holding NaN or Inf becomes NaN."""
     xb = blocked(x, block_size or x.shape[-1]).float()
-    scale = xb.abs().amax(-1, keepdim=True) / E4M3_MAX
+    scale = divide(xb.abs().amax(-1, keepdim=True), E4M3_MAX)
     scale = torch.where(scale == 0, 1.0, scale)
     q = (xb / scale).to(torch.float8_e4m3fn).float() * scale
     return q.flatten(-2)

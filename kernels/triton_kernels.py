@@ -261,6 +261,8 @@ def _launch(
         global_scale = nvfp4_global_scale(x.abs().amax() if x.numel() else x.new_zeros(()))
     if scales is None:
         scales = torch.empty(x.shape[:-1] + (x.shape[-1] // bs,), dtype=fmt.scale_dtype, device=x.device)
+    else:  # the rollout's, which the kernel reads as one flat array
+        scales = scales.contiguous()
     codes = torch.empty(x.shape[:-1] + (x.shape[-1] // 2,), dtype=torch.uint8, device=x.device) if write_codes else x
     values = torch.empty(x.shape, dtype=torch.float32, device=x.device) if write_values else x
     g = global_scale.contiguous() if fmt.has_global_scale else x

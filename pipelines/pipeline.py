@@ -165,6 +165,8 @@ def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
             ),
             HOST if config.train.launcher == "trainjob" else COMPUTE,
         )
+        if config.train.launcher == "torchrun" and config.train.world_size > 1:  # its processes share the pod
+            kubernetes.empty_dir_mount(step, volume_name="dshm", mount_path="/dev/shm", medium="Memory")
         policy, history = step.outputs["new_policy"], step.outputs["history"]
         state = step.outputs["new_trainer_state"]
     configure(c.export(config_json=config_json, policy=policy))

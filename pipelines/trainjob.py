@@ -43,9 +43,15 @@ from tracefp4.schemas.config import SECRET_KEYS
 
 GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
-# The replicated job of the Trainer's runtimes that runs the trainer (the Trainer's constants.Node; the only
-# job of torch-distributed): a runtime patch names it, and the Trainer refuses a name the runtime lacks.
+# The replicated job of the Trainer's runtimes that runs the trainer, and its container (the Trainer's
+# constants.Node; the only job of torch-distributed): a runtime patch names them, and the Trainer refuses a name
+# the runtime lacks.
 TRAINER_JOB = "node"
+# NCCL's shared-memory transport needs more /dev/shm than a container's default 64 MiB (pipeline.py gives the
+# train step's own pod the same volume when torchrun starts its processes there)
+SHARED_MEMORY = models.IoK8sApiCoreV1Volume(
+    name="dshm", emptyDir=models.IoK8sApiCoreV1EmptyDirVolumeSource(medium="Memory")
+)
 # Who owns this step's runtime patch; the Trainer's webhook wants a domain-prefixed path.
 PATCH_MANAGER = "tracefp4/train-step"
 # A TrainJob's name must start with a letter (its CRD's rule); a run name may start with a digit.
@@ -101,9 +107,9 @@ def trainjob_name(config: RunConfig, run_id: str, round_index: int) -> str:
 def rank_pod_patch(config: RunConfig) -> models.TrainerV1alpha1RuntimePatch:
     """What the runtime's pod template lacks for this run's rank pods, as a runtime patch of its
     ``TRAINER_JOB``: the run's ``resources.node_selector`` and ``tolerations`` (GPU nodes are tainted,
-    docs/deploy.md: without them the ranks stay Pending or land elsewhere), and no Istio sidecar (a
-    profile namespace injects one, which keeps the Job from completing and can break torchrun's
-    rendezvous; KFP opts its own pods out the same way)."""
+    docs/deploy.md: without them the ranks stay Pending or land elsewhere), a memory-backed /dev/shm
+    (:data:`SHARED_MEMORY`), and no Istio sidecar (a profile namespace injects one, which keeps the Job
+    from completing and can break torchrun's rendezvous; KFP opts its own pods out the same way)."""
     r = config.resources
     pod = models.TrainerV1alpha1PodTemplatePatch(
         metadata=models.IoK8sApimachineryPkgApisMetaV1ObjectMeta(annotations={"sidecar.istio.io/inject": "false"}),
@@ -111,6 +117,13 @@ def rank_pod_patch(config: RunConfig) -> models.TrainerV1alpha1RuntimePatch:
             nodeSelector=r.node_selector or None,
             tolerations=[models.IoK8sApiCoreV1Toleration(**t.model_dump(exclude_none=True)) for t in r.tolerations]
             or None,
+            volumes=[SHARED_MEMORY],
+            containers=[
+                models.TrainerV1alpha1ContainerPatch(
+                    name=TRAINER_JOB,
+                    volumeMounts=[models.IoK8sApiCoreV1VolumeMount(name=SHARED_MEMORY.name, mountPath="/dev/shm")],
+                )
+            ],
         ),
     )
     job = models.TrainerV1alpha1ReplicatedJobPatch(

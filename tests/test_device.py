@@ -42,9 +42,27 @@ def test_the_schema_takes_device_names_only(tmp_path):
 
 def test_resolve():
     assert device.resolve("cpu") == torch.device("cpu")
-    assert device.resolve("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    auto = device.resolve("auto")
+    assert auto == (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    )
     with pytest.raises(ValueError, match="resources.device"):
         device.resolve("tpu")
+
+
+def test_a_step_on_cuda_makes_its_indexed_device_current(monkeypatch, tmp_path):
+    """``cuda`` and ``auto`` resolve to the current CUDA device with its index:
+    torch.cuda.set_device (which every step calls) refuses one without. CUDA
+    is faked down to the driver call, so that set_device's own check runs."""
+    current = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch._C, "_cuda_setDevice", current.append, raising=False)
+    for spec, index in (("cuda", 1), ("auto", 1), ("cuda:0", 0)):
+        assert device.resolve(spec) == torch.device("cuda", index)
+        assert steps.step_device(smoke(tmp_path, spec)) == torch.device("cuda", index)
+    assert current == [1, 1, 0]
 
 
 @needs_no_gpu

@@ -176,3 +176,5 @@ def test_grouped_matmuls_only_where_torch_has_the_cutlass_kernel(monkeypatch, ca
     weights = torch.empty(4, 64, 128, dtype=torch.bfloat16)
     assert grouped_matmuls(x, weights) is grouped
     assert not grouped_matmuls(x, weights.float())
+    # rows of whole 16 bytes in both matmuls: the down matmul's are moe_intermediate_size (here 60) wide
+    assert not grouped_matmuls(x, torch.empty(4, 64, 120, dtype=torch.bfloat16))

@@ -165,11 +165,15 @@ def test_only_steps_that_run_the_model_hold_gpus(tmp_path):
     spec = next(yaml.safe_load_all(open(compile_pipeline(config, tmp_path / "compare.yaml", ["qat", "trace"]))))
     compared = _leaf_tasks(spec)
     assert "accelerator" not in compared["compare"][0] and not compared["compare"][1]
-    config.train.launcher, config.train.nodes = "torchrun", 1  # the ranks in the train step's own pod: its GPUs
-    train, _ = _leaf_tasks(next(yaml.safe_load_all(open(compile_pipeline(config, tmp_path / "torchrun.yaml")))))[
-        "train"
-    ]
+    config.train.launcher, config.train.nodes, config.train.processes_per_node = "torchrun", 1, 2  # in its own pod
+    spec, platform = yaml.safe_load_all(open(compile_pipeline(config, tmp_path / "torchrun.yaml")))
+    train, _ = _leaf_tasks(spec)["train"]
     assert train["accelerator"]["count"] == "2"
+    # and a memory-backed /dev/shm for NCCL between them, larger than a container's 64 MiB
+    executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    mounts = {label: e.get("emptyDirMounts", []) for label, e in executors.items()}
+    assert [label for label, m in mounts.items() if m] == ["exec-train"]
+    assert mounts["exec-train"] == [{"volumeName": "dshm", "mountPath": "/dev/shm", "medium": "Memory"}]
 
 
 def test_cli(tmp_path):

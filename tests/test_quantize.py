@@ -281,3 +281,36 @@ class TestPerTokenGlobalScale:
             quantize(torch.ones(2, 32), "mxfp4", global_scale=torch.ones(2, 1))
         with pytest.raises(TypeError, match="float32 or bfloat16"):
             per_token_global_scale(torch.ones(2, 16, dtype=torch.int32))
+
+
+def test_scales_never_divide_by_a_host_number():
+    """CUDA divides a tensor by a host number as a multiplication by its
+    reciprocal, one ulp off the CPU's division for many values, so a scale
+    computed that way would differ between a CPU and a CUDA run (and with it
+    the codes under it). Every scale divides by a tensor on the data's device,
+    or by a power of two, which both round alike; checked here on the CPU by
+    watching every division the quantizers dispatch."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from tracefp4.components.ptq import four_over_six, h_scale
+
+    host_divisors = []
+
+    class WatchDivisions(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            divisor = args[1] if len(args) > 1 else None
+            if func.overloadpacket in (torch.ops.aten.div, torch.ops.aten.div_) and isinstance(divisor, float):
+                if not math.log2(abs(divisor)).is_integer():
+                    host_divisors.append((str(func), divisor))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    with WatchDivisions():
+        quantize(x, "nvfp4")
+        quantize(x, "mxfp4", scale_mode="rceil")
+        per_token_global_scale(x)
+        fake_quantize(x, "fp8")
+        fake_quantize(x, "fp8", block_size=32)
+        four_over_six(x)
+        h_scale(x, torch.randn(16, 64, generator=torch.Generator().manual_seed(1)))
+    assert host_divisors == []

@@ -166,7 +166,7 @@ def test_trainjob_names_meet_the_crd_rules_whatever_the_run_name(tmp_path, schem
         assert name.startswith(f"tj-{stem}-" if run_name[0].isdigit() else f"{stem}-")
 
 
-def test_the_rank_pods_get_the_runs_node_selector_tolerations_and_no_istio_sidecar(tmp_path, validator):
+def test_the_rank_pods_get_the_runs_placement_shared_memory_and_no_istio_sidecar(tmp_path, validator):
     c = config(tmp_path)
     # the GPU run config of docs/deploy.md
     c.resources.node_selector = {"nvidia.com/gpu.present": "true"}
@@ -182,9 +182,14 @@ def test_the_rank_pods_get_the_runs_node_selector_tolerations_and_no_istio_sidec
     (replicated,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
     assert replicated["name"] == TRAINER_JOB == "node"
     pod = replicated["template"]["spec"]["template"]  # the Job's pod template
+    shm = {  # NCCL's shared-memory transport: more than the container's default 64 MiB
+        "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory"}}],
+        "containers": [{"name": "node", "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"}]}],
+    }
     assert pod["spec"] == {
         "nodeSelector": {"nvidia.com/gpu.present": "true"},
         "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+        **shm,
     }
     assert pod["metadata"] == {"annotations": {"sidecar.istio.io/inject": "false"}}
     # the strict validator knows the path: a pod field the patch does not allow is refused
@@ -194,7 +199,7 @@ def test_the_rank_pods_get_the_runs_node_selector_tolerations_and_no_istio_sidec
     ]["template"]["spec"]["priorityClassName"] = "high"
     with pytest.raises(jsonschema.ValidationError, match="priorityClassName"):
         validator.validate(bad)
-    # without a selector or tolerations the patch still turns the sidecar off, and sets nothing else
+    # without a selector or tolerations the patch still turns the sidecar off and mounts /dev/shm, and sets nothing else
     c.resources.node_selector, c.resources.tolerations = {}, []
     job = trainjob(c, trainjob_name(c, RUN, 0), NAMESPACE, [])
     validator.validate(job)
@@ -202,7 +207,7 @@ def test_the_rank_pods_get_the_runs_node_selector_tolerations_and_no_istio_sidec
     (replicated,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
     assert replicated["template"]["spec"]["template"] == {
         "metadata": {"annotations": {"sidecar.istio.io/inject": "false"}},
-        "spec": {},
+        "spec": shm,
     }
 
 
