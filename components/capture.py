@@ -33,6 +33,7 @@ from tracefp4.kernels import (
     unpack_nibbles,
 )
 
+from .device import to_device
 from .model import ModelConfig
 from .quant import ACTIVATION_SITES, QuantConfig
 
@@ -130,7 +131,9 @@ class SiteTable:
         float32 ``[n, 1]`` per row; None for MXFP4."""
         if self.row_global_scales is not None:
             return self.row_global_scales if rows is None else self.row_global_scales[rows]
-        return None if self.global_scale is None else torch.tensor(self.global_scale, device=self.codes.device)
+        if self.global_scale is None:
+            return None
+        return torch.full((), self.global_scale, dtype=torch.float32, device=self.codes.device)  # no host copy
 
     def select(self, rows: Tensor) -> "SiteTable":
         """The table restricted to ``rows`` (a bool mask or indices), in that order."""
@@ -152,11 +155,9 @@ class SiteTable:
         return replace(tables[0], **cat, inputs=None)
 
     def to(self, device) -> "SiteTable":
-        """The table on ``device`` (itself where it is already there)."""
-        if self.codes.device == torch.device(device):
-            return self
-        moved = {f: getattr(self, f).to(device) for f in self._rows_fields()}
-        return replace(self, **moved, inputs=None if self.inputs is None else self.inputs.to(device))
+        """The table on ``device``, copied there without waiting (:func:`.device.to_device`)."""
+        moved = {f: to_device(getattr(self, f), device) for f in self._rows_fields()}
+        return replace(self, **moved, inputs=None if self.inputs is None else to_device(self.inputs, device))
 
     def compacted(self, bits: int) -> "SiteTable":
         """The same rows keeping only the low ``bits`` of each code."""

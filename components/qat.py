@@ -30,6 +30,7 @@ from torch import Tensor
 
 from tracefp4.kernels import FP4Tensor, Guidance, compact_codes, dequantize, fake_quantize, get_format, quantize
 
+from .device import to_device
 from .guidance import GuidanceError, MicrobatchGuidance
 from .quant import ACTIVATION_SITES, QuantConfig, Recorder, kv_from_rows, kv_rows
 from .syndrome import DecodeStats, SyndromeTable, decode_rows
@@ -115,7 +116,7 @@ class TrainingSites:
         row is kept, so shapes are the table's, known on the host: selecting
         the valid rows would read their count from the device (a host sync on CUDA)."""
         table, n_rows = self.guidance.tables[key], x.shape[0]
-        b = torch.tensor([self.row_of.get(t, -1) for t in table.traj.tolist()], dtype=torch.long, device=x.device)
+        b = to_device(torch.tensor([self.row_of.get(t, -1) for t in table.traj.tolist()], dtype=torch.long), x.device)
         table = table.to(x.device)
         train = b * self.seq_len + table.pos
         if key[1] == "moe_down_in":  # rows are (token, slot): k slots per token
@@ -199,11 +200,13 @@ class TrainingSites:
         table = self.guidance.tables.get((layer, "moe_down_in")) if self.method == "trace" else None
         if not isinstance(table, SyndromeTable):
             return experts
+        # the rows chosen on the host, where the table lives (a mask on the device would read it there)
         b = torch.tensor([self.row_of.get(t, -1) for t in table.traj.tolist()], dtype=torch.long)
-        token = (b * self.seq_len + table.pos).to(experts.device)
-        ok = ((b >= 0).to(experts.device)) & (token < experts.shape[0])
+        token = b * self.seq_len + table.pos.long()
+        ok = (b >= 0) & (token < experts.shape[0])
+        rows, slots, rollout = (to_device(t[ok].long(), experts.device) for t in (token, table.slot, table.expert))
         chosen = experts.clone()
-        chosen[token[ok], table.slot.to(experts.device)[ok]] = table.expert.to(experts.device)[ok].long()
+        chosen[rows, slots] = rollout
         return chosen
 
     def moe_in(self, layer, x):

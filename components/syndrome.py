@@ -40,6 +40,7 @@ from tracefp4.kernels import (
 )
 
 from .capture import SiteTable
+from .device import to_device
 
 BLOCK_ELEMENTS = 256  # elements per block: rows are grouped up to this many (one row if wider)
 CODE_CHECK_BITS = 8  # code parity bits beyond the erasures: a wrong decode passes with probability 2^-8
@@ -157,9 +158,8 @@ class SyndromeTable:
         return replace(tables[0], **cat)
 
     def to(self, device) -> "SyndromeTable":
-        if self.traj.device == torch.device(device):
-            return self
-        return replace(self, **{f: getattr(self, f).to(device) for f in SYNDROME_FIELDS})
+        """The table on ``device``, copied there without waiting (:func:`.device.to_device`)."""
+        return replace(self, **{f: to_device(getattr(self, f), device) for f in SYNDROME_FIELDS})
 
 
 SYNDROME_FIELDS = ("traj", "pos", "slot", "expert", "code_parity", "scale_parity")
@@ -297,7 +297,7 @@ def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Ten
     whether the row's block decoded, and the statistics."""
     f = get_format(table.fmt)
     table = table.to(x.device)
-    g = None if table.global_scale is None else torch.tensor(table.global_scale, device=x.device)
+    g = None if table.global_scale is None else torch.full((), table.global_scale, device=x.device)  # no host copy
     rate, unknown = table.rate, ~available[:, None]
     stats = DecodeStats(rate)
     # stage 1: the block scales

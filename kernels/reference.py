@@ -23,6 +23,14 @@ _BYTE_PAIRS = torch.stack([_E2M1_SIGNED.repeat(16), _E2M1_SIGNED.repeat_interlea
 _BYTE_PAIRS_I64 = _BYTE_PAIRS.contiguous().view(torch.int64).view(-1)
 
 
+@functools.cache
+def on_device(table: Tensor, device: torch.device) -> Tensor:
+    """A constant lookup table on ``device``, copied there once: a copy at every
+    call would make the host wait for the GPU each time (a plain copy onto a GPU
+    synchronizes its stream)."""
+    return table.to(device)
+
+
 def blocked(x: Tensor, block_size: int) -> Tensor:
     """View ``[..., K]`` as ``[..., K // block_size, block_size]``."""
     if x.shape[-1] % block_size:
@@ -152,7 +160,7 @@ def e2m1_encode(y: Tensor) -> Tensor:
         return _e2m1_encode_rule(y)
     bits = y.contiguous().view(torch.int32)
     index = ((bits >> 20) & 0xFFE) | ((bits & 0x1FFFFF) != 0)
-    return torch.index_select(_ENCODE_TABLE.to(y.device), 0, index.view(-1)).view(y.shape)
+    return torch.index_select(on_device(_ENCODE_TABLE, y.device), 0, index.view(-1)).view(y.shape)
 
 
 def e2m1_encode_guided(y: Tensor, guidance: Tensor, bits: int) -> Tensor:
@@ -172,7 +180,7 @@ def e2m1_encode_guided(y: Tensor, guidance: Tensor, bits: int) -> Tensor:
     """
     a = torch.clamp(y.abs(), max=E2M1_MAX)  # beyond 6 the only candidate is 6
     n = e2m1_magnitude(a)
-    grid = _E2M1_SIGNED.to(a.device)
+    grid = on_device(_E2M1_SIGNED, a.device)
     on_n = grid[n.int()]
     other = (n.int() + (a > on_n).int() - (a < on_n).int()).to(torch.uint8)
     sign = (y < 0).to(torch.uint8) << 3
@@ -199,7 +207,7 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
 
 def e2m1_decode_packed(packed: Tensor) -> Tensor:
     """Float32 values of packed codes, ``[..., K//2] -> [..., K]``, one lookup per byte."""
-    table = _BYTE_PAIRS_I64.to(packed.device)
+    table = on_device(_BYTE_PAIRS_I64, packed.device)
     return torch.take(table, packed.long()).view(torch.float32).reshape(*packed.shape[:-1], -1)
 
 
@@ -295,7 +303,7 @@ def quantize_guided(
 
 def e2m1_decode(codes: Tensor) -> Tensor:
     """Float32 values of unpacked codes (no scale)."""
-    return _E2M1_SIGNED.to(codes.device)[codes.int()]
+    return on_device(_E2M1_SIGNED, codes.device)[codes.int()]
 
 
 def dequantize(packed: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tensor | None) -> Tensor:

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from .formats import E2M1_MAX, E2M1_VALUES, E4M3_MAX, E8M0_NAN, FP4Format
 from .fp4 import HAS_TRITON
-from .reference import _each_chunk, block_amaxes, blocked, mxfp4_scales, nvfp4_scales, scale_units
+from .reference import _each_chunk, block_amaxes, blocked, mxfp4_scales, nvfp4_scales, on_device, scale_units
 
 MAX_ERASURES = 62  # unknowns per block: a bit mask of them fits a non-negative int64
 TIERS = (8, 24)  # unknowns tried before all of them (:func:`_tiers`)
@@ -269,7 +269,7 @@ def code_side_info(x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tens
     quarter = scale_units(fmt, scales.reshape(len(x2), -1), global_scale).div_(4).unsqueeze(-1)  # [rows, blocks, 1]
     low = torch.empty(x2.shape, dtype=torch.uint8, device=x.device)
     distance = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
-    tables = [t.to(x.device) for t in (_CELL_LOW, _CELL_HIGH, _CELL_BIT)]
+    tables = [on_device(t, x.device) for t in (_CELL_LOW, _CELL_HIGH, _CELL_BIT)]
 
     def chunk(rows: slice) -> None:
         b = torch.div(blocked(x2[rows], fmt.block_size), quarter[rows]).abs_()  # float32 for any x dtype

@@ -44,10 +44,29 @@ def reads(monkeypatch):
             mode.record("tolist")
         return tolist(t)
 
+    def watched_to(t, *args, **kwargs):  # a host tensor to the device: on CUDA it waits unless non_blocking
+        copies = mode.watching and not mode.was_made(t) and _names_a_device(args, kwargs)
+        if copies and "non_blocking" not in kwargs:  # components.device.to_device says, for the device it copies to
+            mode.record("blocking copy to the device")
+        return to(t, *args, **kwargs)
+
+    def watched_tensor(data, *args, **kwargs):  # the same, from Python values
+        if mode.watching and kwargs.get("device") is not None:
+            mode.record("blocking copy to the device")
+        return tensor(data, *args, **kwargs)
+
+    to, tensor = torch.Tensor.to, torch.tensor
     monkeypatch.setattr(Trainer, "_loss", watched_loss)
     monkeypatch.setattr(trainer_module, "to_host", watched_to_host)
     monkeypatch.setattr(torch.Tensor, "tolist", watched_tolist)
+    monkeypatch.setattr(torch.Tensor, "to", watched_to)
+    monkeypatch.setattr(torch, "tensor", watched_tensor)
     return mode
+
+
+def _names_a_device(args, kwargs) -> bool:
+    """Whether a ``Tensor.to`` call names a device (not only a dtype)."""
+    return kwargs.get("device") is not None or any(isinstance(a, (torch.device, str, torch.Tensor)) for a in args)
 
 
 @pytest.mark.parametrize(
