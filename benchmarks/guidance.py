@@ -42,7 +42,7 @@ from tracefp4.components.quant import rollout_config
 from tracefp4.components.rl import SequenceBatch
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
-from tracefp4.components.syndrome import choose_rates, decode_rows, encode_table, first_rate
+from tracefp4.components.syndrome import DecodeStats, choose_rates, decode_rows, encode_table, first_rate
 from tracefp4.components.tasks import format_example
 from tracefp4.components.tokenizer import load_tokenizer
 from tracefp4.components.trainer import TrainConfig, Trainer
@@ -98,7 +98,8 @@ def guided_forward(model, engine, trajectories, store, step: int) -> tuple[Captu
     with torch.no_grad():
         sites, _ = trainer._forward(batch, guidance, recorder)
     recorder.end()
-    return recorder.drain(), sites.coverage.decode
+    decode = {key: DecodeStats.from_tally(rate, tally.tolist()) for key, (rate, tally) in sites.coverage.decode.items()}
+    return recorder.drain(), decode
 
 
 def fidelity_by_layer(reference: CaptureRecords, guided: CaptureRecords) -> dict[int, float]:

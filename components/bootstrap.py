@@ -26,6 +26,7 @@ from .model import CausalAttention, Transformer, right_pad
 from .rollout import SamplingParams, TorchEngine
 from .tasks import Problem, format_example, get_task
 from .tokenizer import PolicyTokenizer
+from .trainer import clip_gradients
 
 # one line per step, "bootstrap step i/n ...": the local runner's progress bar reads it from the component log
 log = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ def bootstrap(
             loss = sft_loss(model, batch)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip)
+        clip_gradients(model.parameters(), config.grad_clip)
         optimizer.step()
         scheduler.step()
         history["loss"].append(loss.item())

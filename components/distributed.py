@@ -60,7 +60,7 @@ from .model import Transformer
 from .precision import MasterWeights
 from .quant import QuantConfig
 from .store import ArtifactStore, open_store
-from .trainer import TrainConfig, Trainer
+from .trainer import TrainConfig, Trainer, clip_gradients
 
 METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator: a complete checkpoint
 HISTORY = "history.json"
@@ -156,7 +156,7 @@ class DistributedTrainer(Trainer):
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.mul_(self.world)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.grad_clip)
+        norm = clip_gradients(self.model.parameters(), self.config.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm  # read with the step's other figures

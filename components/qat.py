@@ -33,7 +33,7 @@ from tracefp4.kernels import FP4Tensor, Guidance, compact_codes, dequantize, fak
 from .device import to_device
 from .guidance import GuidanceError, MicrobatchGuidance
 from .quant import ACTIVATION_SITES, QuantConfig, Recorder, kv_from_rows, kv_rows
-from .syndrome import DecodeStats, SyndromeTable, decode_rows
+from .syndrome import SyndromeTable, add_tally, decode_rows
 
 METHODS = ("bf16", "qat", "quads", "trace", "tis_sc")
 
@@ -46,7 +46,7 @@ class Coverage:
 
     guided: dict = field(default_factory=dict)
     total: dict = field(default_factory=dict)
-    decode: dict = field(default_factory=dict)  # (layer, site) -> DecodeStats, syndrome-coded guidance only
+    decode: dict = field(default_factory=dict)  # syndrome-coded guidance: (layer, site) -> (rate, tally on the device)
 
     def add(self, key, guided: Tensor, total: int) -> None:
         self.guided[key] = self.guided.get(key, 0) + guided
@@ -181,9 +181,8 @@ class TrainingSites:
         training row (``ok`` and decoded), and every row's guidance. Failed
         blocks round to nearest, counted."""
         values = torch.where(ok[:, None], x[train].float(), 0.0)
-        scales, low, decoded, stats = decode_rows(table, values, ok)
-        key = (table.layer, table.site)
-        self.coverage.decode.setdefault(key, DecodeStats(table.rate)).merge(stats)
+        scales, low, decoded, tally = decode_rows(table, values, ok)
+        add_tally(self.coverage.decode, (table.layer, table.site), table.rate, tally)
         f = get_format(table.fmt)
         guide = Guidance(
             compact_codes(low, 1), 1, scales.view(f.scale_dtype), g, f.name, torch.Size((len(low), table.width))
@@ -200,14 +199,14 @@ class TrainingSites:
         table = self.guidance.tables.get((layer, "moe_down_in")) if self.method == "trace" else None
         if not isinstance(table, SyndromeTable):
             return experts
-        # the rows chosen on the host, where the table lives (a mask on the device would read it there)
         b = torch.tensor([self.row_of.get(t, -1) for t in table.traj.tolist()], dtype=torch.long)
         token = b * self.seq_len + table.pos.long()
-        ok = (b >= 0) & (token < experts.shape[0])
-        rows, slots, rollout = (to_device(t[ok].long(), experts.device) for t in (token, table.slot, table.expert))
-        chosen = experts.clone()
-        chosen[rows, slots] = rollout
-        return chosen
+        n = experts.shape[0]
+        spare = torch.where((b >= 0) & (token < n), token, n)  # a table row of no token here writes a spare row
+        chosen = torch.cat([experts, experts.new_zeros(1, experts.shape[1])])
+        rows, slots, rollout = (to_device(t.long(), experts.device) for t in (spare, table.slot, table.expert))
+        chosen[rows, slots] = rollout  # every table row written: selecting the valid ones would read them
+        return chosen[:n]
 
     def moe_in(self, layer, x):
         return self._fp4(layer, "moe_in", x)

@@ -132,14 +132,16 @@ class SyndromeTable:
         return len(self.traj) * self.width
 
     def block_of_rows(self) -> tuple[Tensor, Tensor]:
-        """Each row's block and place in it: blocks run over trajectories in row order."""
-        ids, counts = torch.unique_consecutive(self.traj, return_counts=True)
-        blocks = (counts + self.group - 1) // self.group
-        first_row = torch.cumsum(counts, 0) - counts
-        first_block = torch.cumsum(blocks, 0) - blocks
-        owner = torch.repeat_interleave(torch.arange(len(counts), device=self.traj.device), counts)
-        within = torch.arange(len(self.traj), device=self.traj.device) - first_row[owner]
-        return first_block[owner] + within // self.group, within % self.group
+        """Each row's block and place in it: blocks run over trajectories in row
+        order (a trajectory's rows are contiguous), a new one at every
+        ``group``-th row of a trajectory. Shapes are the table's: nothing reads
+        values back, so that it runs on the device without a host sync."""
+        index = torch.arange(len(self.traj), device=self.traj.device)
+        starts = torch.ones_like(self.traj, dtype=torch.bool)
+        starts[1:] = self.traj[1:] != self.traj[:-1]
+        within = index - torch.where(starts, index, 0).cummax(0).values  # the row's place in its trajectory
+        place = within % self.group
+        return (place == 0).cumsum(0) - 1, place
 
     def for_trajectories(self, ids: Tensor) -> "SyndromeTable":
         """The rows and blocks of trajectories ``ids`` (a block never spans two)."""
@@ -165,22 +167,35 @@ class SyndromeTable:
 SYNDROME_FIELDS = ("traj", "pos", "slot", "expert", "code_parity", "scale_parity")
 
 
-def _blocks(rows: Tensor, table: SyndromeTable, fill) -> Tensor:
-    """Rows ``[N, m]`` laid out as blocks ``[blocks, group * m]``; missing rows hold ``fill``."""
-    if table.group == 1:
-        return rows  # one row a block: the layout already
-    block, within = table.block_of_rows()
-    n_blocks = int(block.max()) + 1 if len(block) else 0
-    out = torch.full((n_blocks, table.group, rows.shape[1]), fill, dtype=rows.dtype, device=rows.device)
-    out[block, within] = rows
-    return out.reshape(n_blocks, -1)
+@dataclass(frozen=True)
+class _Layout:
+    """Where a table's rows sit in its blocks (:meth:`SyndromeTable.block_of_rows`)."""
 
+    group: int
+    n_blocks: int
+    block: Tensor
+    within: Tensor
 
-def _unblock(blocks: Tensor, table: SyndromeTable) -> Tensor:
-    if table.group == 1:
-        return blocks
-    block, within = table.block_of_rows()
-    return blocks.reshape(blocks.shape[0], table.group, -1)[block, within]
+    @classmethod
+    def of(cls, table: SyndromeTable, n_blocks: int | None = None) -> "_Layout":
+        """``n_blocks``: the table's, where its parity is not there to count them (encoding)."""
+        block, within = table.block_of_rows()
+        if n_blocks is None:
+            n_blocks = int(block[-1]) + 1 if len(block) else 0
+        return cls(table.group, n_blocks, block, within)
+
+    def blocks(self, rows: Tensor, fill) -> Tensor:
+        """Rows ``[N, m]`` laid out as blocks ``[blocks, group * m]``; missing rows hold ``fill``."""
+        if self.group == 1:
+            return rows  # one row a block: the layout already
+        out = torch.full((self.n_blocks, self.group, rows.shape[1]), fill, dtype=rows.dtype, device=rows.device)
+        out[self.block, self.within] = rows
+        return out.reshape(self.n_blocks, -1)
+
+    def unblock(self, blocks: Tensor) -> Tensor:
+        if self.group == 1:
+            return blocks
+        return blocks.reshape(blocks.shape[0], self.group, -1)[self.block, self.within]
 
 
 def _low_code_bits(table: SiteTable) -> Tensor:
@@ -214,8 +229,9 @@ def encode_table(table: SiteTable, rate: Rate) -> SyndromeTable:
         torch.empty(0, dtype=torch.uint8),
         torch.empty(0, dtype=torch.uint8),
     )
-    codes = _blocks(_low_code_bits(table), out, 0)
-    scales = _blocks(table.scales & 1, out, 0)
+    layout = _Layout.of(out)
+    codes = layout.blocks(_low_code_bits(table), 0)
+    scales = layout.blocks(table.scales & 1, 0)
     code_h = parity_matrix(rate.code_bits, codes.shape[1], CODE_SALT)
     scale_h = parity_matrix(rate.scale_bits, scales.shape[1], SCALE_SALT)
     return replace(
@@ -245,13 +261,12 @@ class DecodeStats:
     def failed(self) -> int:
         return self.scale_failed + self.code_failed
 
-    def add(self, blocks: int, scale_failed: int, code_failed: int, code_needed: Tensor, scale_needed: Tensor) -> None:
-        self.blocks += blocks
-        self.scale_failed += scale_failed
-        self.code_failed += code_failed
-        for hist, needed in ((self.code_needed, code_needed), (self.scale_needed, scale_needed)):
-            for value, count in zip(*torch.unique(needed.cpu(), return_counts=True)):
-                hist[int(value)] += int(count)
+    @classmethod
+    def from_tally(cls, rate: Rate, tally: list) -> "DecodeStats":
+        """The statistics of a :func:`decode_rows` tally (summed over decodes), read from the device."""
+        counts = [int(v) for v in tally]
+        hist = MAX_ERASURES + 1
+        return cls(rate, *counts[:3], counts[3 : 3 + hist], counts[3 + hist :])
 
     def merge(self, other: "DecodeStats") -> None:
         self.blocks += other.blocks
@@ -290,46 +305,63 @@ class DecodeStats:
         }
 
 
-def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Tensor, Tensor, Tensor, DecodeStats]:
+def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Decode a table from the training side's values ``x [rows, width]`` of its
     rows (``available``: rows the training forward holds; the others are
     unknown). Returns, per row, the recovered scale bytes and low code bits,
-    whether the row's block decoded, and the statistics."""
+    whether the row's block decoded, and the statistics as a tally on the
+    device (:func:`_tally`, read with the step's figures: nothing here reads
+    the device, which on CUDA would make the host wait for it)."""
     f = get_format(table.fmt)
     table = table.to(x.device)
+    layout = _Layout.of(table, len(table.code_parity))
     g = None if table.global_scale is None else torch.full((), table.global_scale, device=x.device)  # no host copy
     rate, unknown = table.rate, ~available[:, None]
-    stats = DecodeStats(rate)
     # stage 1: the block scales
-    everything = bool(available.all())  # the usual case: no row to mark unknown
     own, neighbour, distance = scale_side_info(x, f, g)
-    distance = distance if everything else distance.masked_fill_(unknown, -torch.inf)
+    distance = distance.masked_fill_(unknown, -torch.inf)
     n_scales = own.shape[1] * table.group
     scale_h = parity_matrix(rate.scale_bits, n_scales, SCALE_SALT)
     parity = expand_codes(table.scale_parity, 1, rate.scale_bits)
     low, ok_s, scale_needed = solve_erasures(
-        _blocks(own & 1, table, 0), _blocks(distance, table, torch.inf), parity, scale_h, rate.scale_erasures
+        layout.blocks(own & 1, 0), layout.blocks(distance, torch.inf), parity, scale_h, rate.scale_erasures
     )
-    scales = torch.where(_unblock(low, table) == (own & 1), own, neighbour)
+    scales = torch.where(layout.unblock(low) == (own & 1), own, neighbour)
     # stage 2: the low code bits under the recovered scales
     low_code, distance = code_side_info(x, f, scales.view(f.scale_dtype), g)
-    distance = distance if everything else distance.masked_fill_(unknown, -torch.inf)
+    distance = distance.masked_fill_(unknown, -torch.inf)
     code_h = parity_matrix(rate.code_bits, table.group * table.width, CODE_SALT)
     parity = expand_codes(table.code_parity, 1, rate.code_bits)
     low, ok_c, code_needed = solve_erasures(
-        _blocks(low_code, table, 0), _blocks(distance, table, torch.inf), parity, code_h, rate.code_erasures
+        layout.blocks(low_code, 0), layout.blocks(distance, torch.inf), parity, code_h, rate.code_erasures
     )
+    tried = layout.blocks(available[:, None], False).any(1)  # blocks with rows in this forward
     ok = ok_s & ok_c
-    tried = _blocks(available[:, None], table, False).any(1)  # blocks with rows in this forward
-    stats.add(
-        int(tried.sum()),
-        int((tried & ~ok_s).sum()),
-        int((tried & ok_s & ~ok_c).sum()),
-        code_needed[tried & ok],
-        scale_needed[tried & ok_s],
+    return (
+        scales,
+        layout.unblock(low),
+        ok[layout.block] & available,
+        _tally(tried, ok_s, ok_c, code_needed, scale_needed),
     )
-    block, _ = table.block_of_rows()
-    return scales, _unblock(low, table), ok[block] & available, stats
+
+
+def add_tally(tallies: dict, key, rate: Rate, tally: Tensor) -> None:
+    """Sum a decode's ``tally`` (:func:`decode_rows`) into ``tallies``: ``(layer, site) -> (rate, tally)``."""
+    previous = tallies.get(key)
+    tallies[key] = (rate, tally if previous is None else previous[1] + tally)
+
+
+def _tally(tried: Tensor, ok_s: Tensor, ok_c: Tensor, code_needed: Tensor, scale_needed: Tensor) -> Tensor:
+    """A decode's statistics as one int64 tensor on the device, summed over a
+    step's decodes and read once (:meth:`DecodeStats.from_tally`): blocks tried,
+    failed at the scale stage, failed at the code stage, then the histograms of
+    the erasures that the decoded blocks needed, codes then scales."""
+    counts = torch.stack([tried.sum(), (tried & ~ok_s).sum(), (tried & ok_s & ~ok_c).sum()])
+    hists = [
+        torch.zeros(MAX_ERASURES + 1, dtype=torch.int64, device=tried.device).scatter_add_(0, needed, chosen.long())
+        for needed, chosen in ((code_needed, tried & ok_s & ok_c), (scale_needed, tried & ok_s))
+    ]
+    return torch.cat([counts.long(), *hists])
 
 
 def decode_summary(decode: dict) -> dict:

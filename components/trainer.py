@@ -15,6 +15,7 @@ itself is :func:`tracefp4.components.steps.run_round`.
 """
 
 import copy
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from .qat import TrainingSites
 from .quant import QuantConfig
 from .rl import SequenceBatch, alignment_metrics, grpo_loss, score_centering, stack_rows, token_logprobs
 from .rollout import Trajectory
-from .syndrome import DecodeStats, decode_summary
+from .syndrome import DecodeStats, add_tally, decode_summary
 from .trainer_state import load_state, save_state
 
 MASTER_PREFIX = "master."  # trainer-state tensors holding the float32 master weights, by parameter name
@@ -55,7 +56,7 @@ class TrainConfig:
     grad_accumulation: int = 0  # microbatches per optimizer step; 0: one optimizer step per RL step
     ppo_clip: float = 0.2
     tis_cap: float = 2.0
-    kl_coef: float = 0.0  # > 0: penalize the k3 KL to the initial policy (the reference)
+    kl_coef: float = 0.0  # > 0: penalize the k3 KL to the policy this trainer started from (the reference)
     temperature: float = 1.0
     compute_dtype: torch.dtype = torch.bfloat16  # the rollout's: fp32_master's autocast dtype, the W4 rounding
     precision: str = "bf16"  # .precision.PRECISIONS
@@ -166,7 +167,7 @@ class Trainer:
         loss_stats: list[tuple[int, dict[str, Tensor]]] = []
         alignment, grad_norms, tally = [], [], MismatchTally()
         guided, captured = 0, 0
-        decode: dict = {}  # (layer, site) -> DecodeStats of syndrome-coded guidance
+        decode: dict = {}  # syndrome-coded guidance: (layer, site) -> (rate, tally on the device)
         reload_s = 0.0
         self.optimizer.zero_grad(set_to_none=True)
         for index, batch in batches.items():
@@ -187,17 +188,19 @@ class Trainer:
             alignment.append((index, logprobs.detach(), batch.rollout_logprobs, batch.response))
             guided += sum(sites.coverage.guided.values())
             captured += sum(sites.coverage.total.values())
-            for key, found in sites.coverage.decode.items():
-                decode.setdefault(key, DecodeStats(found.rate)).merge(found)
+            for key, (rate, tally) in sites.coverage.decode.items():
+                add_tally(decode, key, rate, tally)
             if last_owned[index // group] == index:
                 grad_norms.append(self._optimizer_step())
         self.step += 1
-        read = iter(to_host([v for _, figures in loss_stats for v in figures.values()] + grad_norms + [guided]))
+        figures = [v for _, figures in loss_stats for v in figures.values()]
+        read = iter(to_host(figures + grad_norms + [guided] + [tally for _, tally in decode.values()]))
         stats = {}
         for n, figures in loss_stats:
             for k in figures:
                 stats[k] = stats.get(k, 0.0) + next(read) * n / total_tokens
         grad_norms, guided = [next(read) for _ in grad_norms], next(read)
+        decode = {key: DecodeStats.from_tally(rate, next(read)) for key, (rate, _) in decode.items()}
         names = sorted(stats)
         summed = self.all_sum([stats[k] for k in names] + [guided, captured])
         stats = dict(zip(names, summed))
@@ -252,7 +255,7 @@ class Trainer:
     def _optimizer_step(self) -> Tensor:
         """Clip, step and clear the gradients; returns the norm before clipping
         (a 0-dim tensor, read with the step's other figures)."""
-        norm = torch.nn.utils.clip_grad_norm_(self.weights.tensors(), self.config.grad_clip)
+        norm = clip_gradients(self.weights.tensors(), self.config.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.weights.sync()
@@ -391,11 +394,25 @@ def optimizer_state(tensors: dict[str, Tensor], meta: dict) -> dict:
     return {"state": moments, "param_groups": meta["param_groups"]}
 
 
+def clip_gradients(parameters, max_norm: float) -> Tensor:
+    """The gradients' global norm, clipped to ``max_norm``; 0 leaves them as they
+    are, as the config says (``clip_grad_norm_`` with 0 would zero them all)."""
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm if max_norm > 0 else math.inf)
+
+
 def to_host(values: list) -> list:
-    """``values`` with their tensors (0-dim, on one device) as Python floats,
-    read from the device at once: a training step's one read, after its last
-    microbatch (``.item()`` per figure would sync the host with the device each
-    time). Through float64, so each reads as its own ``.item()`` would."""
+    """``values`` with their tensors (on one device) as Python floats (0-dim)
+    or lists of them, read from the device at once: a training step's one
+    read, after its last microbatch (``.item()`` per figure would sync the host
+    with the device each time). Through float64, so each reads as its own
+    ``.item()`` would."""
     tensors = [v for v in values if isinstance(v, Tensor)]
-    read = iter(torch.stack([t.double() for t in tensors]).tolist() if tensors else [])
-    return [next(read) if isinstance(v, Tensor) else v for v in values]
+    flat = torch.cat([t.double().reshape(-1) for t in tensors]).tolist() if tensors else []
+    out, at = [], 0
+    for v in values:
+        if isinstance(v, Tensor):
+            out.append(flat[at] if v.dim() == 0 else flat[at : at + v.numel()])
+            at += v.numel()
+        else:
+            out.append(v)
+    return out

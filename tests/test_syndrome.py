@@ -117,6 +117,12 @@ def rows(n=120, width=128, seed=0):
     return x, traj
 
 
+def decode(coded, x, available):
+    """:func:`decode_rows` with its tally read as statistics."""
+    scales, low, ok, tally = decode_rows(coded, x, available)
+    return scales, low, ok, DecodeStats.from_tally(coded.rate, tally.tolist())
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_table_round_trip_with_the_rollouts_own_values(fmt):
     x, traj = rows()
@@ -124,7 +130,7 @@ def test_table_round_trip_with_the_rollouts_own_values(fmt):
     coded = encode_table(table, Rate(32, 8))
     per_trajectory = torch.unique_consecutive(traj, return_counts=True)[1]
     assert coded.group == 2 and coded.code_parity.shape == (int(((per_trajectory + 1) // 2).sum()), 4)
-    scales, low, ok, stats = decode_rows(coded, x, torch.ones(len(x), dtype=torch.bool))
+    scales, low, ok, stats = decode(coded, x, torch.ones(len(x), dtype=torch.bool))
     assert ok.all() and stats.failed == 0 and stats.blocks == coded.code_parity.shape[0]
     assert torch.equal(scales, table.scales) and torch.equal(low, unpack_nibbles(table.codes) & 1)
 
@@ -138,12 +144,12 @@ def test_one_codeword_flips_decode_and_failures_are_counted():
     disagree = ((rtn & 1) != (unpack_nibbles(table.codes) & 1)).float().mean()
     assert 0.002 < disagree < 0.03
     coded = encode_table(table, Rate(64, 16))
-    scales, low, ok, stats = decode_rows(coded, train, torch.ones(len(x), dtype=torch.bool))
+    scales, low, ok, stats = decode(coded, train, torch.ones(len(x), dtype=torch.bool))
     truth = (low == unpack_nibbles(table.codes) & 1).all(1) & (scales == table.scales).all(1)
     assert ok.float().mean() > 0.9 and truth[ok].all()  # decoded rows are exact
     # far from the rollout's values most blocks fail, and each failure is counted
     far = x + 0.5 * torch.randn(x.shape, generator=g)
-    _, low, ok, stats = decode_rows(coded, far, torch.ones(len(x), dtype=torch.bool))
+    _, low, ok, stats = decode(coded, far, torch.ones(len(x), dtype=torch.bool))
     block, _ = coded.block_of_rows()
     assert stats.failed == len(torch.unique(block[~ok])) and stats.failed > 0.9 * stats.blocks
 
@@ -154,7 +160,7 @@ def test_rows_the_training_forward_lacks_are_unknowns():
     coded = encode_table(table, Rate(64, 16))
     available = torch.ones(len(x), dtype=torch.bool)
     available[::17] = False  # the first row of every trajectory: its block cannot decode
-    _, _, ok, stats = decode_rows(coded, x, available)
+    _, _, ok, stats = decode(coded, x, available)
     assert not ok[::17].any() and ok[available & (torch.arange(len(x)) % 17 >= 2)].all()
 
 

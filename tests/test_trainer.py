@@ -156,9 +156,9 @@ def test_guidance_reference_round_trips_and_names_a_bad_artifact(tmp_path):
             type(ref).from_json(bad, "artifact-7")
 
 
-def setup(method, lr=1e-3, precision="bf16"):
+def setup(method, lr=1e-3, precision="bf16", grad_clip=1.0):
     engine = TorchEngine(build_model("smoke", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig(inputs=True))
-    config = TrainConfig(method=method, learning_rate=lr, microbatch_size=4, precision=precision)
+    config = TrainConfig(method=method, learning_rate=lr, microbatch_size=4, precision=precision, grad_clip=grad_clip)
     return engine, Trainer(build_model("smoke", seed=0), config, engine.quant, engine.global_scales)
 
 
@@ -175,9 +175,11 @@ def test_a_trainer_refuses_a_static_global_scale_that_cannot_scale(bad):
         Trainer(build_model("smoke", seed=0), config, engine.quant, scales)
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32_master"])
-def test_a_step_raises_the_likelihood_of_rewarded_responses(precision):
-    engine, trainer = setup("qat", lr=1e-2, precision=precision)
+@pytest.mark.parametrize("precision, grad_clip", [("bf16", 1.0), ("fp32_master", 1.0), ("bf16", 0.0)])
+def test_a_step_raises_the_likelihood_of_rewarded_responses(precision, grad_clip):
+    """Also with ``grad_clip`` 0, which the config documents as no clipping
+    (torch's clip_grad_norm_ with a limit of 0 zeroes every gradient)."""
+    engine, trainer = setup("qat", lr=1e-2, precision=precision, grad_clip=grad_clip)
     trajectories = engine.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=5, seed=3))
     engine.drain_capture()
     advantages = torch.tensor([1.0, -1.0, 1.0, -1.0])

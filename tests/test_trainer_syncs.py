@@ -13,12 +13,13 @@ import torch
 from device_reads import DeviceReads
 
 from tracefp4.components import trainer as trainer_module
-from tracefp4.components.capture import CaptureConfig
+from tracefp4.components.capture import CaptureConfig, CaptureRecords
 from tracefp4.components.guidance import GuidanceLoader, write_step
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
+from tracefp4.components.syndrome import encode_table, first_rate
 from tracefp4.components.trainer import TrainConfig, Trainer
 
 
@@ -70,17 +71,21 @@ def _names_a_device(args, kwargs) -> bool:
 
 
 @pytest.mark.parametrize(
-    "method, changes",
+    "method, changes, codec",
     [
-        ("trace", {"kl_coef": 0.1, "grad_accumulation": 1}),  # guided, the KL, two optimizer steps
-        ("tis_sc", {}),  # score centering
+        ("trace", {"kl_coef": 0.1, "grad_accumulation": 1}, "bits"),  # guided, the KL, two optimizer steps
+        ("trace", {}, "syndrome"),  # guidance decoded from side information, tokens routed as the rollout
+        ("tis_sc", {}, "bits"),  # score centering
     ],
 )
-def test_a_step_reads_the_device_only_after_its_last_microbatch(reads, method, changes, tmp_path):
+def test_a_step_reads_the_device_only_after_its_last_microbatch(reads, method, changes, codec, tmp_path):
     engine = TorchEngine(build_model("tiny", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
     trajectories = engine.generate([[5, 6, 7, 8]] * 4, SamplingParams(max_new_tokens=5, seed=0, record_topk=2))
     store = open_store(str(tmp_path))
-    write_step(store, engine.drain_capture(), rl_step=0, policy_version=0, top_k=engine.model.cfg.top_k)
+    records = engine.drain_capture()
+    if codec == "syndrome":
+        records = CaptureRecords({key: encode_table(t, first_rate(0.25)) for key, t in records.tables.items()})
+    write_step(store, records, rl_step=0, policy_version=0, top_k=engine.model.cfg.top_k)
     config = TrainConfig(method=method, microbatch_size=2, **changes)
     trainer = Trainer(build_model("tiny", seed=0), config, engine.quant, engine.global_scales)
     loader = GuidanceLoader(store, 0, [[t.id for t in mb] for mb in trainer.microbatches(trajectories)])
@@ -89,3 +94,4 @@ def test_a_step_reads_the_device_only_after_its_last_microbatch(reads, method, c
     assert reads.reads == [], "read from the device during the step (op, innermost calls)"
     assert reads.host_reads == 1 and stats["optimizer_steps"] == (2 if changes else 1)
     assert method != "trace" or stats["guidance_coverage"] > 0.5  # the guided path ran
+    assert codec != "syndrome" or stats["guidance_decode_blocks"] > 0  # and decoded, its figures read with the rest
