@@ -3,7 +3,14 @@
 safetensors only; pickle files are refused.
 
 On disk experts are per expert (``mlp.experts.{e}.gate_proj.weight``, the Hub
-layout, ``[out, in]``); in memory they are stacked in ``x @ w`` layout
+layout, ``[out, in]``) or fused per layer the way transformers 5 holds them
+(``mlp.experts.gate_up_proj [E, 2I, H]``, gate rows first, and
+``mlp.experts.down_proj [E, H, I]``: each expert's ``[out, in]`` stacked). The
+published Qwen3.5-MoE checkpoints are fused, and transformers writes fused
+tensors for any of our model types when nothing reverts them (a model it loaded
+from fused files, or ``save_original_format=False``), so loading takes either
+layout, but one per checkpoint; saving writes per expert, which every reader
+takes. In memory experts are stacked in ``x @ w`` layout
 (``mlp.experts.gate_up [E, in, out]``). Loading copies each tensor from the
 mapped file straight into its slot of a model allocated once, in the
 checkpoint's dtype (:func:`load_model`). Saving
@@ -40,7 +47,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from urllib.parse import unquote
 
@@ -65,6 +72,11 @@ _MAX_SIZE = 2**24  # any config.json size above this is a typo or an attack: rea
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _FLOAT_DTYPES = set(_TORCH_DTYPES)
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+_FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)_proj$")  # a layer's experts in one tensor
+_FUSED_DIMS = {  # what a fused tensor's dims are, for the message when its shape is wrong
+    "gate_up": "[num_experts, 2 * moe_intermediate_size, hidden_size], gate rows first",
+    "down": "[num_experts, hidden_size, moe_intermediate_size]",
+}
 _QKV = re.compile(r"^(model\.layers\.\d+\.self_attn)\.([qkv])_proj\.(weight|bias)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_INDEX = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
@@ -162,7 +174,18 @@ def config_from_hf(hf: dict) -> ModelConfig:
             raise CheckpointError(f"config.json: {key} must be true or false, got {value!r}")
         return value
 
+    # with it transformers masks attention to a window (in every layer of qwen3_moe, in the sliding_attention
+    # layer_types of qwen2_moe); tracefp4 attends to the whole prefix, so it would load a different model
+    if flag("use_sliding_window", False):
+        raise CheckpointError(
+            f"config.json: use_sliding_window is true (sliding_window {hf.get('sliding_window')!r}); "
+            "tracefp4 implements full causal attention only"
+        )
     hidden, heads, layers = size("hidden_size"), size("num_attention_heads"), size("num_hidden_layers")
+    types = hf.get("layer_types")  # transformers writes it for qwen2_moe too, all full_attention
+    kinds = LAYER_TYPES if qwen35 else ("full_attention",)
+    if types and (not isinstance(types, list) or len(types) != layers or not set(types) <= set(kinds)):
+        raise CheckpointError(f"config.json: layer_types must list {layers} of {kinds}, got {types!r}")
     mlp_only = hf.get("mlp_only_layers") or []
     if not isinstance(mlp_only, list) or any(type(i) is not int or not 0 <= i < layers for i in mlp_only):
         raise CheckpointError(f"config.json: mlp_only_layers must list layers in 0..{layers - 1}, got {mlp_only!r}")
@@ -193,9 +216,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     if qwen35:  # the hybrid layers (transformers' defaults where a key is absent)
         interval = size("full_attention_interval", 4)
         default_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
-        types = hf.get("layer_types") or default_types
-        if not isinstance(types, list) or len(types) != layers or not set(types) <= set(LAYER_TYPES):
-            raise CheckpointError(f"config.json: layer_types must list {layers} of {LAYER_TYPES}, got {types!r}")
+        types = types or default_types
         partial = rope if "partial_rotary_factor" in rope else hf
         known |= {
             "shared_expert_intermediate_size": size("shared_expert_intermediate_size"),
@@ -290,8 +311,11 @@ def hub_slot(key: str, cfg: ModelConfig) -> tuple[str, Callable[[Tensor], Tensor
     and the view of the stacked tensor that holds it, in the Hub tensor's
     shape and orientation, so that copying the Hub tensor into the view places
     it (``q_proj`` is the first rows of ``qkv_proj``; expert e's ``gate_proj``
-    the transposed first columns of ``gate_up[e]``). Other keys are their own
-    slot."""
+    the transposed first columns of ``gate_up[e]``; a fused ``gate_up_proj``
+    all of ``gate_up`` with each expert's matrix transposed). Other keys are
+    their own slot."""
+    if f := _FUSED.match(key):
+        return f"{f[1]}.{f[2]}", lambda t: t.transpose(1, 2)
     if m := _EXPERT.match(key):
         e, part, inter = int(m[2]), m[3], cfg.moe_intermediate_size
         if part == "down":
@@ -307,12 +331,13 @@ def hub_slot(key: str, cfg: ModelConfig) -> tuple[str, Callable[[Tensor], Tensor
 
 
 def hub_to_stacked(tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Fuse q/k/v into ``qkv_proj`` and stack per-expert Hub weights into
-    ``experts.gate_up [E, H, 2I]`` / ``experts.down [E, I, H]`` (each stacked
-    tensor allocated once, in its first part's dtype); other keys pass through."""
+    """Fuse q/k/v into ``qkv_proj`` and stack per-expert (or transpose fused)
+    Hub weights into ``experts.gate_up [E, H, 2I]`` / ``experts.down [E, I, H]``
+    (each stacked tensor allocated once, in its first part's dtype); other keys
+    pass through."""
     shapes = _stacked_shapes(cfg)
     parts: dict[str, set[str]] = {}  # stacked key -> the Hub keys that fill it
-    for hub in hub_shapes(cfg):
+    for hub in hub_shapes(cfg, _experts_fused(tensors, "the state")):
         parts.setdefault(hub_slot(hub, cfg)[0], set()).add(hub)
     out, filled = {}, {}
     for key, t in tensors.items():
@@ -541,15 +566,37 @@ def _stacked_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {k: tuple(t.shape) for k, t in _meta_state(cfg).items()}
 
 
-def hub_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The Hub tensor names and shapes of a model of ``cfg``."""
-    return {k: tuple(t.shape) for k, t in stacked_to_hub(_meta_state(cfg), cfg).items()}
+def hub_shapes(cfg: ModelConfig, fused: bool = False) -> dict[str, tuple[int, ...]]:
+    """The Hub tensor names and shapes of a model of ``cfg``; with ``fused``,
+    each layer's experts as its two fused tensors (:data:`_FUSED`), shaped as
+    their slots (:func:`hub_slot`), instead of three per expert."""
+    state = _meta_state(cfg)
+    experts = [k for k in state if fused and k.endswith((".experts.gate_up", ".experts.down"))]
+    hub = stacked_to_hub({k: t for k, t in state.items() if k not in experts}, cfg)
+    hub |= {f"{k}_proj": hub_slot(f"{k}_proj", cfg)[1](state[k]) for k in experts}
+    return {k: tuple(t.shape) for k, t in hub.items()}
+
+
+def _experts_fused(tensors: Iterable[str], where: object) -> bool:
+    """Whether the tensor names hold the routed experts fused per layer
+    (:data:`_FUSED`) rather than one by one. transformers writes a checkpoint in
+    one layout or the other, so a mix (fused tensors beside an expert's own) is
+    a broken conversion and refused, naming one tensor of each."""
+    fused = next((t for t in tensors if _FUSED.match(t)), None)
+    single = next((t for t in tensors if _EXPERT.match(t)), None)
+    if fused and single:
+        raise CheckpointError(
+            f"{where}: holds {fused} (a layer's experts fused) and {single} (one expert's): "
+            "the experts must be all fused or all per expert"
+        )
+    return fused is not None
 
 
 def _check_tensors(folder: Path, cfg: ModelConfig, headers: dict) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
     """The tensors to load, once config.json agrees with their names, dtypes and
     shapes. Layer and expert counts are compared first, so that an absurd count
-    fails before a model of that size is even described."""
+    fails before a model of that size is even described (fused experts hold
+    their count in their shape, which describing does not walk)."""
 
     def check_count(key: str, said: int, pattern: re.Pattern, name: str) -> None:
         held = 1 + max((int(m[1]) for t in headers if (m := pattern.match(t))), default=-1)
@@ -558,9 +605,10 @@ def _check_tensors(folder: Path, cfg: ModelConfig, headers: dict) -> dict[str, t
             raise CheckpointError(f"{folder / CONFIG}: {key} is {said}, but the weights hold {held} ({gap})")
 
     check_count("num_hidden_layers", cfg.num_layers, _LAYER, "model.layers.{}")
-    if cfg.sparse_layers:  # only now: it walks the layers
+    fused = _experts_fused(headers, folder)
+    if cfg.sparse_layers and not fused:  # only now: it walks the layers
         check_count("num_experts", cfg.num_experts, _EXPERT_INDEX, "experts.{}")
-    expected = hub_shapes(cfg)
+    expected = hub_shapes(cfg, fused)
     if cfg.tie_word_embeddings:
         headers = {k: v for k, v in headers.items() if k != "lm_head.weight"}  # transformers may save the tied copy
     missing, unexpected = sorted(set(expected) - set(headers)), sorted(set(headers) - set(expected))
@@ -573,7 +621,8 @@ def _check_tensors(folder: Path, cfg: ModelConfig, headers: dict) -> dict[str, t
         if dtype not in _FLOAT_DTYPES:
             raise CheckpointError(f"{path}: {tensor} is {dtype}; weights must be one of {sorted(_FLOAT_DTYPES)}")
         if got != shape:
-            raise CheckpointError(f"{path}: {tensor} has shape {list(got)}, but {CONFIG} implies {list(shape)}")
+            dims = f" ({_FUSED_DIMS[f[2]]})" if (f := _FUSED.match(tensor)) else ""
+            raise CheckpointError(f"{path}: {tensor} has shape {list(got)}, but {CONFIG} implies {list(shape)}{dims}")
     return headers
 
 

@@ -10,8 +10,11 @@ from dataclasses import replace
 
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from test_model import hf_model
+from test_qwen35 import TEXT, VISION, randomize
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracefp4.components.checkpoint import (
@@ -135,6 +138,10 @@ def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path, caplog):
         ({"num_experts_per_tok": 9}, "top_k 9 must lie in 1..num_experts"),
         ({"num_experts_per_tok": None}, "lacks num_experts_per_tok"),
         ({"rope_scaling": {"rope_type": "yarn"}}, "scaled RoPE"),
+        ({"use_sliding_window": True, "sliding_window": 4096}, r"use_sliding_window is true \(sliding_window 4096\)"),
+        ({"use_sliding_window": "no"}, "use_sliding_window must be true or false"),
+        ({"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types must list 2 of \('full_attention',\)"),
+        ({"layer_types": ["linear_attention", "full_attention"]}, r"layer_types must list 2 of \('full_attention',\)"),
     ],
 )
 def test_absurd_config_is_a_value_error_naming_the_field(tmp_path, changes, message):
@@ -327,3 +334,118 @@ def test_weight_sync_conversion_names_missing_parts():
     hub["model.layers.0.self_attn.v_proj.weight"] = torch.zeros(3, 64)
     with pytest.raises(ValueError, match=r"v_proj.weight has shape \[3, 64\], but the config implies \[32, 64\]"):
         hub_to_stacked(hub, cfg)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_sliding_window_attention_is_refused(tmp_path, kind):
+    """transformers masks attention to a window where use_sliding_window is
+    true (every layer of qwen3_moe, the sliding_attention layer_types of
+    qwen2_moe); tracefp4 attends to the whole prefix, so such a config is
+    refused rather than loaded as another model. Its own configs, which say
+    false (as the published ones do), load."""
+    hf_model(kind).save_pretrained(tmp_path / "hf")
+    folder = tmp_path / "hf"
+    written = json.loads((folder / "config.json").read_text())
+    assert written["use_sliding_window"] is False
+    assert written.get("layer_types", ["full_attention"] * 3) == ["full_attention"] * 3  # qwen2_moe writes them
+    load_model(folder)
+    edit_config(folder, use_sliding_window=True, sliding_window=8, max_window_layers=3)
+    with pytest.raises(CheckpointError, match=r"config.json: use_sliding_window is true \(sliding_window 8\)"):
+        load_model(folder)
+    edit_config(folder, use_sliding_window=False, layer_types=["sliding_attention", "full_attention", "full_attention"])
+    with pytest.raises(CheckpointError, match=r"layer_types must list 3 of \('full_attention',\), got \['sliding"):
+        load_model(folder)
+
+
+def transformers_model(kind):
+    """A small random transformers model of ``kind``; qwen3_5_moe is the
+    multimodal one the Hub publishes."""
+    if kind != "qwen3_5_moe":
+        return hf_model(kind)
+    config = transformers.Qwen3_5MoeConfig(text_config=TEXT, vision_config=VISION)
+    model = transformers.Qwen3_5MoeForConditionalGeneration(config).eval()
+    randomize(model, 0)
+    return model
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "qwen3_5_moe"])
+def test_fused_experts_load_like_transformers(tmp_path, kind):
+    """transformers 5 holds a layer's experts fused and writes them so where
+    nothing reverts it (``save_original_format=False``, a resave of fused
+    files); the published Qwen3.5-MoE checkpoints are fused. They load to
+    transformers' logits and to the very bits of the per-expert layout, and
+    saving still writes per expert."""
+    reference = transformers_model(kind)
+    reference.save_pretrained(tmp_path / "fused", save_original_format=False, max_shard_size="40KB")
+    reference.save_pretrained(tmp_path / "per_expert")
+    fused = tmp_path / "fused"
+    index = json.loads((fused / INDEX).read_text())
+    experts = ("model.language_model." if kind == "qwen3_5_moe" else "model.") + "layers.0.mlp.experts"
+    on_disk = files_of(fused)
+    text = reference.config.get_text_config()
+    e, i, h = text.num_experts, text.moe_intermediate_size, text.hidden_size
+    assert on_disk[f"{experts}.gate_up_proj"].shape == (e, 2 * i, h)
+    assert on_disk[f"{experts}.down_proj"].shape == (e, h, i)
+    assert not any(".experts.0." in k for k in on_disk)
+    if kind == "qwen3_5_moe":  # the Hub's multi-token-prediction head keeps its experts one by one: skipped
+        save_file({"mtp.layers.0.mlp.experts.0.gate_proj.weight": torch.zeros(i, h)}, fused / "mtp.safetensors")
+        index["weight_map"]["mtp.layers.0.mlp.experts.0.gate_proj.weight"] = "mtp.safetensors"
+        (fused / INDEX).write_text(json.dumps(index))
+    ours = load_model(fused).eval()
+    tokens = torch.randint(0, 96, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = reference(input_ids=tokens).logits
+        got = ours(tokens, torch.arange(17).expand(2, -1))
+    assert (got - expected).abs().max().item() < 1e-4
+    per_expert = load_model(tmp_path / "per_expert")
+    for (name, a), b in zip(ours.state_dict().items(), per_expert.state_dict().values()):
+        assert torch.equal(a, b), name
+    if kind != "qwen3_5_moe":  # a weight sync takes transformers' in-memory (fused) state as it is
+        stacked = hub_to_stacked(reference.state_dict(), ours.cfg)
+        for name, t in ours.state_dict().items():
+            assert torch.equal(stacked[name], t), name
+    saved = files_of(save_model(ours, tmp_path / "ours"))
+    assert sorted(saved) == sorted(stacked_to_hub(ours.state_dict(), ours.cfg))
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in saved and not any(k.endswith("_proj") for k in saved)
+
+
+def test_fused_experts_are_checked(tmp_path):
+    """A fused tensor of the wrong shape fails naming it and its dims, an
+    absurd expert count fails before anything is described, and a mix of the
+    two layouts is refused, by the loader and by the weight sync alike."""
+    hf_model("qwen3_moe").save_pretrained(tmp_path / "hf", save_original_format=False)
+    folder, experts = tmp_path / "hf", "model.layers.0.mlp.experts"
+    good = load_file(folder / SINGLE)
+    rewrite_tensor(folder / SINGLE, f"{experts}.down_proj", good[f"{experts}.down_proj"].transpose(1, 2).contiguous())
+    with pytest.raises(
+        CheckpointError,
+        match=r"down_proj has shape \[4, 32, 64\], but config.json implies \[4, 64, 32\] "
+        r"\(\[num_experts, hidden_size, moe_intermediate_size\]\)",
+    ):
+        load_model(folder)
+    save_file(good, folder / SINGLE)
+    edit_config(folder, num_experts=16_000_000)
+    start = time.monotonic()  # the router is compared first
+    with pytest.raises(
+        CheckpointError, match=r"gate.weight has shape \[4, 64\], but config.json implies \[16000000, 64"
+    ):
+        load_model(folder)
+    assert time.monotonic() - start < 5
+    edit_config(folder, num_experts=4)
+    mixed = dict(good)
+    gate, up = mixed.pop(f"{experts}.gate_up_proj").chunk(2, dim=1)  # layer 0: gate and up per expert, down fused
+    for e in range(4):
+        mixed[f"{experts}.{e}.gate_proj.weight"], mixed[f"{experts}.{e}.up_proj.weight"] = gate[e], up[e]
+    save_file({k: t.contiguous() for k, t in mixed.items()}, folder / SINGLE)
+    message = (
+        rf"holds {experts}.down_proj \(a layer's experts fused\) and {experts}.0.gate_proj.weight "
+        r"\(one expert's\): the experts must be all fused or all per expert"
+    )
+    with pytest.raises(CheckpointError, match=message):
+        load_model(folder)
+    with pytest.raises(ValueError, match=message):
+        hub_to_stacked(mixed, config_from_hf(json.loads((folder / "config.json").read_text())))
+    del good[f"{experts}.down_proj"]
+    save_file(good, folder / SINGLE)
+    with pytest.raises(CheckpointError, match=rf"missing \['{experts}.down_proj'\]"):
+        load_model(folder)
