@@ -39,12 +39,16 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
     With the ``initial`` policy, its accuracy too (where RL started)."""
     device = steps.step_device(config)
     tokenizer = load_tokenizer(policy)
-    _, test = steps.problems(config)
     per_task = -(-config.evaluation.test_prompts // len(config.tasks))  # the same share of every task
-    test = [p for t in config.tasks for p in [q for q in test if q.task == t.name][:per_task]]
+    train, test = (
+        [p for t in config.tasks for p in [q for q in ps if q.task == t.name][:per_task]]
+        for ps in steps.problems(config)
+    )
     prompts = [tokenizer.encode_prompt(format_example(p)) for p in test]
     model = load_model(policy, device=device)
-    ptq = _ptq_models(config, model, prompts) if config.method == "bf16" else {}
+    ptq = {}
+    if config.method == "bf16":  # calibrated on training prompts, as many: the test prompts stay unseen
+        ptq = _ptq_models(config, model, [tokenizer.encode_prompt(format_example(p)) for p in train])
     out = {
         "method": config.method,
         "hardware": hardware(device),  # what the throughput and discrepancy figures were computed on
@@ -105,7 +109,7 @@ def _accuracy(
 def _ptq_models(config: RunConfig, model, prompts: list[list[int]]) -> dict:
     """The policy with each configured PTQ baseline applied to its routed experts."""
     width = min(len(p) for p in prompts)
-    calibration = torch.tensor([p[:width] for p in prompts])  # h_scale's Hessian diagonal, from the test prompts
+    calibration = torch.tensor([p[:width] for p in prompts])  # h_scale's Hessian diagonal
     out = {}
     for method in config.evaluation.ptq_baselines:
         out[method] = copy.deepcopy(model)

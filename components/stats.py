@@ -40,27 +40,45 @@ def wilson_interval(successes: float, n: int, confidence: float = 0.95) -> tuple
 
 
 def paired_bootstrap(
-    a: Sequence[float], b: Sequence[float], confidence: float = 0.95, resamples: int = 10_000, seed: int = 0
+    a: Sequence[float],
+    b: Sequence[float],
+    confidence: float = 0.95,
+    resamples: int = 10_000,
+    seed: int = 0,
+    clusters: Sequence | None = None,
 ) -> tuple[float, float, float]:
     """mean(a) - mean(b) over paired per-prompt scores, with the percentile
     bootstrap interval: prompts are resampled with replacement, each keeping its
-    pair. Deterministic for a seed."""
+    pair. With ``clusters`` (each pair's run, say its seed), runs are resampled
+    first and then prompts within each (a two-stage bootstrap): two RL runs
+    differ by more than their prompts do, and resampling prompts alone would
+    count every prompt of one run as independent evidence. Deterministic for a seed."""
     x = np.asarray(a, dtype=np.float64)
     y = np.asarray(b, dtype=np.float64)
     if x.shape != y.shape or x.ndim != 1 or x.size == 0:
         raise ValueError(f"paired scores need two equal, non-empty 1-D sequences, not {x.shape} and {y.shape}")
     if resamples < 1:
         raise ValueError(f"resamples must be positive, not {resamples}")
+    if clusters is not None and len(clusters) != x.size:
+        raise ValueError(f"clusters name {len(clusters)} pairs, the scores hold {x.size}")
     _z(confidence)  # checks the level
     d = x - y
     rng = np.random.default_rng(seed)
-    chunk = max(1, 4_000_000 // d.size)  # bounded memory for thousands of prompts
-    means = np.concatenate(
-        [
-            d[rng.integers(0, d.size, size=(min(chunk, resamples - i), d.size))].mean(axis=1)
-            for i in range(0, resamples, chunk)
-        ]
-    )
+    if clusters is None:
+        chunk = max(1, 4_000_000 // d.size)  # bounded memory for thousands of prompts
+        means = np.concatenate(
+            [
+                d[rng.integers(0, d.size, size=(min(chunk, resamples - i), d.size))].mean(axis=1)
+                for i in range(0, resamples, chunk)
+            ]
+        )
+    else:
+        labels = np.asarray([str(c) for c in clusters])
+        groups = [d[labels == c] for c in sorted(set(labels))]
+        means = np.empty(resamples)
+        for r in range(resamples):
+            picked = [groups[g] for g in rng.integers(0, len(groups), len(groups))]
+            means[r] = np.concatenate([g[rng.integers(0, g.size, g.size)] for g in picked]).mean()
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(means, [tail, 100 - tail])
     return float(d.mean()), float(low), float(high)

@@ -28,6 +28,9 @@ from . import interpreter
 from .interpreter import ProgramError, format_value
 
 END = "\n"
+# Qwen3 and Qwen3.5 chat templates think first by default: "<think>...</think>" then the answer (Qwen3.5's
+# generation prompt itself ends with "<think>\n", so its responses hold only the closing tag)
+THINK_START, THINK_END = "<think>", "</think>"
 DIFFICULTIES = (1, 2, 3, 4, 5)
 MAX_EXPRESSION = 200  # characters of a countdown answer
 _EXPRESSION_DEPTH = 16
@@ -62,8 +65,17 @@ def format_example(problem: Problem) -> str:
 
 
 def _answer_text(response: str) -> str:
-    """The part of a response that counts: up to the end marker, trimmed."""
-    return response.partition(END)[0].strip() if isinstance(response, str) else ""
+    """The part of a response that counts: after a thinking policy's reasoning
+    (none while it is still open, cut off by the length limit), up to the end
+    marker, trimmed."""
+    if not isinstance(response, str):
+        return ""
+    _, thought, answer = response.rpartition(THINK_END)
+    if thought:
+        response = answer.lstrip()
+    elif THINK_START in response:
+        return ""
+    return response.partition(END)[0].strip()
 
 
 class _Generated(ABC):

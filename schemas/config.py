@@ -256,7 +256,12 @@ class RLConfig(_Section):
     tis_cap: float = Field(
         default=2.0, ge=1.0, description="Truncated importance sampling cap C: weight min(pi_train / pi_rollout, C)."
     )
-    kl_coef: float = Field(default=0.0, ge=0.0, description="KL penalty to the reference policy; 0 disables it.")
+    kl_coef: float = Field(
+        default=0.0,
+        ge=0.0,
+        description="k3 KL penalty to the policy the round started from (the rollout's, in training numerics); 0 "
+        "disables it. off_policy only: an on_policy round trains that very policy, so the penalty would be 0.",
+    )
     adam_betas: tuple[Beta, Beta] = Field(default=(0.9, 0.999), description="AdamW (beta1, beta2).")
     measure_mismatch: bool = Field(
         default=False,
@@ -548,6 +553,11 @@ class RunConfig(_Section):
             )
         if self.method == "trace" and self.rollout.config == "bf16":
             problems.append("method: trace guides training with FP4 rollout codes; rollout.config bf16 records none")
+        if self.rl.schedule == "on_policy" and self.rl.kl_coef > 0:
+            problems.append(
+                f"rl.kl_coef: {self.rl.kl_coef} penalizes the KL to the policy the round started from, which an "
+                "on_policy round trains (one optimizer step): the penalty and its gradient are 0; use off_policy"
+            )
         if self.rl.schedule == "on_policy" and (self.rl.steps_per_round != 1 or self.rl.grad_accumulation != 0):
             problems.append(
                 "rl.schedule: on_policy trains each rollout batch with one optimizer step; it needs "

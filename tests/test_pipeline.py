@@ -323,14 +323,25 @@ def test_offline_compaction_measures_size_and_fidelity(tmp_path):
     assert 0.5 < size["compaction_fidelity"] <= 1
 
 
-def test_evaluation_of_a_bf16_run_holds_ptq_baselines_discrepancy_and_sensitivity(tmp_path):
+def test_evaluation_of_a_bf16_run_holds_ptq_baselines_discrepancy_and_sensitivity(tmp_path, monkeypatch):
     from tracefp4.components import evaluation, steps
+    from tracefp4.components.tasks import format_example
+    from tracefp4.components.tokenizer import load_tokenizer
 
     config = localize(
         load_config(None, preset="smoke", overrides={"method": "bf16", "model.dtype": "bfloat16"}), tmp_path
     )
     steps.prepare(config, tmp_path / "policy")
+    calibrated, ptq_models = [], evaluation._ptq_models
+    monkeypatch.setattr(
+        evaluation, "_ptq_models", lambda c, m, prompts: calibrated.extend(prompts) or ptq_models(c, m, prompts)
+    )
     result = evaluation.evaluate(config, tmp_path / "policy")
+    tokenizer, (train, test) = load_tokenizer(tmp_path / "policy"), steps.problems(config)
+    encoded = lambda problems: {tuple(tokenizer.encode_prompt(format_example(p))) for p in problems}  # noqa: E731
+    assert calibrated and {tuple(p) for p in calibrated} <= encoded(train) - encoded(
+        test
+    )  # H-Scale never sees the test
     policies = {(r["policy"], r["rollout"]) for r in result["accuracy"]}
     assert policies == {("trained", "bf16"), ("trained", "fp4_wa_kv")} | {
         (f"ptq:{m}", "fp4_wa_kv") for m in ("nvfp4", "four_over_six", "h_scale")

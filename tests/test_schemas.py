@@ -130,6 +130,15 @@ def test_cross_field_problems_are_reported_with_their_paths():
     assert {path for path, _ in info.value.problems} == {"rollout.max_new_tokens", "method"}
 
 
+def test_a_kl_penalty_that_would_be_zero_is_refused():
+    """The KL reference is the policy a round started from: an on_policy round trains exactly it."""
+    with pytest.raises(ConfigError, match="rl.kl_coef") as info:
+        load_config(None, overrides={"rl.kl_coef": 0.1})
+    assert [path for path, _ in info.value.problems] == ["rl.kl_coef"]
+    off_policy = {"rl": {"kl_coef": 0.1, "schedule": "off_policy", "steps_per_round": 2}}
+    assert load_config(None, overrides=off_policy).rl.kl_coef == 0.1
+
+
 def test_evaluation_never_asks_for_more_test_prompts_than_a_task_holds():
     tasks = [{"name": "arithmetic", "test_size": 300}, {"name": "countdown", "test_size": 200}]
     load_config(None, overrides={"tasks": tasks, "evaluation": {"test_prompts": 400}})  # 200 of each

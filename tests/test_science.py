@@ -18,7 +18,7 @@ spec = importlib.util.spec_from_file_location("science", ROOT / "benchmarks" / "
 science = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(science)
 
-BF16_ONLY = [("trained", "bf16", 0.56), ("ptq:nvfp4", "fp4_wa_kv", 0.45)]  # the bf16 run's extra arms
+BF16_ONLY = [("trained", "bf16", 0.555), ("ptq:nvfp4", "fp4_wa_kv", 0.45)]  # the bf16 run's extra arms
 RATES = {"bf16": 0.55, "qat": 0.35, "quads": 0.5, "trace": 0.55, "tis_sc": 0.5}  # under the FP4 rollout
 
 
@@ -54,7 +54,7 @@ def test_verdicts_follow_the_paired_intervals(tmp_path):
     assert verdicts["TRACE > QAT (FP4 rollout)"]["pairs"] == 600  # (seed, prompt) pairs over both seeds
     assert verdicts["TRACE >= QUADS"]["verdict"] == "holds"  # 0.55 vs 0.5 on shared difficulties: always ahead
     assert verdicts["QUADS > QAT"]["verdict"] == "holds"
-    assert verdicts["TRACE close to BF16 (BF16 rollout)"]["verdict"] == "holds"  # 0.55 vs 0.56
+    assert verdicts["TRACE close to BF16 (BF16 rollout)"]["verdict"] == "holds"  # 0.55 vs 0.555: within 1 point
     assert verdicts["TRACE > ptq:nvfp4"]["verdict"] == "holds"
     dynamics = {d["method"]: d for d in science.dynamics(data)}
     assert dynamics["qat"]["last"] > 5 * dynamics["qat"]["first"] and dynamics["trace"]["last"] == 0.01

@@ -60,6 +60,26 @@ def test_paired_bootstrap_of_identical_scores_is_zero_and_deterministic():
     assert paired_bootstrap(x, y, seed=7) == paired_bootstrap(x, y, seed=7)
 
 
+def test_clustered_bootstrap_counts_runs_not_prompts():
+    """Five runs of 200 prompts whose differences disagree from run to run: the
+    prompt bootstrap sees 1,000 independent pairs and a tight interval around a
+    positive mean; resampling the runs too gives the wide interval five runs
+    support. One run of every pair: the same interval as prompts alone."""
+    a, b, runs = [], [], []
+    for run, flip in enumerate([0.3, 0.0, 0.25, 0.0, 0.2]):
+        x, y = _paired(200, 0.4, flip, seed=10 + run)
+        a, b, runs = a + y, b + x, runs + [run] * 200
+    diff, low, high = paired_bootstrap(a, b)
+    c_diff, c_low, c_high = paired_bootstrap(a, b, clusters=runs)
+    assert c_diff == diff and 0 < low and c_low < low and high < c_high
+    assert (c_high - c_low) > 2 * (high - low)
+    assert paired_bootstrap(a, b, clusters=runs, seed=3) == paired_bootstrap(a, b, clusters=runs, seed=3)
+    one = paired_bootstrap(a[:200], b[:200], resamples=2000, clusters=[0] * 200)
+    assert one == pytest.approx(paired_bootstrap(a[:200], b[:200], resamples=2000), abs=0.01)
+    with pytest.raises(ValueError, match="clusters name 3 pairs"):
+        paired_bootstrap(a, b, clusters=[0, 1, 2])
+
+
 @pytest.mark.parametrize("a, b", [([], []), ([1.0], [1.0, 0.0]), ([[1.0]], [[1.0]])])
 def test_paired_bootstrap_rejects_unpaired_input(a, b):
     with pytest.raises(ValueError, match="paired scores"):

@@ -49,6 +49,9 @@ def test_reference_answers_earn_full_reward(problems, name, difficulty):
         assert task.reward(problem, problem.answer) == 1.0
         assert task.reward(problem, problem.answer + END) == 1.0
         assert task.reward(problem, f"  {problem.answer}\nwhatever follows") == 1.0
+        # a thinking policy (Qwen3, Qwen3.5 chat templates): the answer after its reasoning; Qwen3.5's prompt opens it
+        assert task.reward(problem, f"<think>\nfirst this\n{END}</think>\n\n{problem.answer}{END}") == 1.0
+        assert task.reward(problem, f"first this\n</think>\n\n{problem.answer}") == 1.0
 
 
 BAD_RESPONSES = [
@@ -76,7 +79,8 @@ BAD_RESPONSES = [
 def test_bad_responses_earn_nothing(problems, name):
     task = get_task(name)
     for problem in problems[name, 3][:10]:
-        for response in BAD_RESPONSES + [f"garbage{END}{problem.answer}", problem.answer + "("]:
+        cut_off = f"<think>\n{problem.answer}{END}"  # reasoning the length limit cut: no answer yet
+        for response in BAD_RESPONSES + [f"garbage{END}{problem.answer}", problem.answer + "(", cut_off]:
             assert task.reward(problem, response) == 0.0, (problem, response)
     wrong = {"arithmetic": "1" + problems[name, 3][0].answer, "countdown": "1+1", "program": "len | neg | -1"}[name]
     assert task.reward(problems[name, 3][0], wrong) == 0.0
