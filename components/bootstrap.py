@@ -111,7 +111,7 @@ def accuracy(
         temperature=0.0, max_new_tokens=max_new_tokens, stop_tokens=tokenizer.stop_ids, pad_token=tokenizer.pad_id
     )
     responses = engine.generate([prompt_ids(tokenizer, p) for p in problems], sampling)
-    rewards = [get_task(p.task).reward(p, tokenizer.decode(t.response)) for t, p in zip(responses, problems)]
+    rewards = [get_task(p.task).reward(p, tokenizer.response_text(t.response)) for t, p in zip(responses, problems)]
     return sum(rewards) / len(problems)
 
 

@@ -620,7 +620,10 @@ def train(
         part = slice(s * per_step, (s + 1) * per_step)
         step_trajectories, step_problems = trajectories[part], batch[part]
         rewards = torch.tensor(
-            [get_task(p.task).reward(p, tokenizer.decode(t.response)) for t, p in zip(step_trajectories, step_problems)]
+            [
+                get_task(p.task).reward(p, tokenizer.response_text(t.response))
+                for t, p in zip(step_trajectories, step_problems)
+            ]
         )
         loader = None
         if config.method == "trace":

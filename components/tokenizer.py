@@ -32,6 +32,7 @@ the source's files as read, with ``generation_config.json`` stating the eos
 list and pad id resolved here.
 """
 
+import functools
 import json
 import os
 import tempfile
@@ -42,7 +43,7 @@ from jinja2 import TemplateError
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from .tasks import END
+from .tasks import END, THINK_END, THINK_START
 
 TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -110,6 +111,21 @@ class PolicyTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Text of ``ids`` without the special tokens (so without the eos that ended it)."""
         return self.hf.decode(list(ids), skip_special_tokens=True)
+
+    def response_text(self, ids: list[int]) -> str:
+        """A response as the tasks read it (:meth:`decode`), behind the
+        ``<think>`` the generation prompt left open where it left one (Qwen3.5's
+        template opens the reasoning itself): reasoning the length limit cut
+        off is then no answer, as with a template whose policy opens it."""
+        text = self.decode(ids)
+        return THINK_START + text if self._prompt_opens_thinking else text
+
+    @functools.cached_property
+    def _prompt_opens_thinking(self) -> bool:
+        if not self.chat:
+            return False
+        prompt = self.hf.decode(self._render([{"role": "user", "content": "1+1="}]))
+        return prompt.rfind(THINK_START) > prompt.rfind(THINK_END)
 
     def files(self) -> dict[str, bytes]:
         """The tokenizer files a checkpoint of the policy carries: the sources

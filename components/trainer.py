@@ -188,13 +188,13 @@ class Trainer:
             alignment.append((index, logprobs.detach(), batch.rollout_logprobs, batch.response))
             guided += sum(sites.coverage.guided.values())
             captured += sum(sites.coverage.total.values())
-            for key, (rate, tally) in sites.coverage.decode.items():
-                add_tally(decode, key, rate, tally)
+            for key, (rate, found) in sites.coverage.decode.items():
+                add_tally(decode, key, rate, found)
             if last_owned[index // group] == index:
                 grad_norms.append(self._optimizer_step())
         self.step += 1
         figures = [v for _, figures in loss_stats for v in figures.values()]
-        read = iter(to_host(figures + grad_norms + [guided] + [tally for _, tally in decode.values()]))
+        read = iter(to_host(figures + grad_norms + [guided] + [found for _, found in decode.values()]))
         stats = {}
         for n, figures in loss_stats:
             for k in figures:

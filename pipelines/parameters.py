@@ -30,8 +30,19 @@ import pydantic
 
 from tracefp4.schemas import ConfigError, RunConfig
 
-# Dotted paths (or section prefixes) fixed at compile time.
-DAG_FIELDS = ("name", "image", "rl.rounds", "rollout.workers", "resources", "store")
+# Dotted paths (or section prefixes) fixed at compile time: what shapes the DAG, and what places its pods (the
+# train step's GPUs and /dev/shm follow how its processes are started)
+DAG_FIELDS = (
+    "name",
+    "image",
+    "rl.rounds",
+    "rollout.workers",
+    "resources",
+    "store",
+    "train.launcher",
+    "train.nodes",
+    "train.processes_per_node",
+)
 
 
 @dataclass(frozen=True)

@@ -89,6 +89,7 @@ def fixed_fields(config: RunConfig, methods: list[str] | None = None) -> str:
         f"image {config.image}",
         f"store {config.store.uri}",
         f"resources cpu {r.cpu}, memory {r.memory}, gpus {r.gpus}",
+        f"training {config.train.nodes} x {config.train.processes_per_node} processes by {config.train.launcher}",
     ]
     if methods:
         fixed.append(f"methods {', '.join(methods)}")

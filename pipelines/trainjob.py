@@ -308,7 +308,7 @@ class TrainJobRun:
                 f"{self.config.train.trainjob_runtime}? (docs/deploy.md)"
             )
         return (
-            f"{where}: waited {timeout} s (train.timeout_seconds) for the pods of a replicated job to be ready, "
+            f"{where}: waited {timeout} s (train.timeout_seconds) for the pods of its {TRAINER_JOB} job to be ready, "
             f"last status: {_summary(status)}; `kubectl -n {self.namespace} describe pods -l "
             f"jobset.sigs.k8s.io/jobset-name={self.name}` says why (unschedulable: resources, "
             "resources.node_selector, resources.tolerations; image pull)"
@@ -343,8 +343,12 @@ def _namespace() -> str:
 
 
 def _progressing(status: dict) -> bool:
-    """Whether a replicated job has all its pods ready, or has finished (the Trainer's JobStatus counts child Jobs)."""
-    return any(j.get("ready") or j.get("succeeded") for j in status.get("jobsStatus", []))
+    """Whether the trainer's replicated job (:data:`TRAINER_JOB`) has all its pods
+    ready, or has finished (the Trainer's JobStatus counts child Jobs); a
+    runtime's initializer jobs finishing says nothing of the ranks."""
+    return any(
+        j.get("name") == TRAINER_JOB and (j.get("ready") or j.get("succeeded")) for j in status.get("jobsStatus", [])
+    )
 
 
 def _summary(status: dict) -> str:

@@ -41,7 +41,7 @@ def test_inputs_are_typed_with_the_presets_defaults_and_the_fields_descriptions(
     )
     assert inputs["rollout_group_size"]["defaultValue"] == get_preset("smoke").rollout.group_size
     assert "One of: bf16, qat, quads, trace, tis_sc." in inputs["method"]["description"]
-    for fixed in ("rl_rounds", "image", "resources_cpu", "store_uri", "name", "config_json"):
+    for fixed in ("rl_rounds", "image", "resources_cpu", "store_uri", "name", "config_json", "train_launcher"):
         assert fixed not in inputs  # shapes the DAG or the pods: compiled in
     assert "method" not in compiled_inputs(tmp_path, ["trace", "qat"])  # a comparison's branches set it
 

@@ -189,3 +189,22 @@ def test_sampling_stops_each_trajectory_at_its_first_eos_and_pads_with_the_pad_i
         else:
             assert not at and len(t.response) == 16
     assert min(ended.values()) >= 1, ended  # both eos ids stopped trajectories
+
+
+def test_reasoning_a_template_opens_and_the_length_limit_cuts_is_no_answer(tmp_path, chat):
+    """Qwen3.5's generation prompt ends inside ``<think>``, so its responses hold
+    only the closing tag: read as they come, the first line of reasoning cut
+    off by the length limit would be taken for the answer."""
+    from tracefp4.components.tasks import get_task
+
+    opening = TEMPLATE.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>\\n'")
+    assert opening != TEMPLATE
+    thinking = load_tokenizer(folder_of(tmp_path, tokenizer_files(BPE, template=opening), "thinking"))
+    problem, task = split("arithmetic", 4, 1, seed=0, difficulty=1)[0][0], get_task("arithmetic")
+    finished = thinking.encode(f"so it is\n</think>\n\n{problem.answer}\n")
+    cut_off = thinking.encode(f"{problem.answer}\nso it")
+    assert task.reward(problem, thinking.response_text(finished)) == 1.0
+    assert task.reward(problem, thinking.response_text(cut_off)) == 0.0
+    plain = load_tokenizer(chat)  # a template that leaves the reasoning to the policy: the response as it is
+    assert plain.response_text(cut_off) == plain.decode(cut_off)
+    assert task.reward(problem, plain.response_text(cut_off)) == 1.0

@@ -44,23 +44,24 @@ def rounds(config: RunConfig, tmp_path, n: int, run_id: str = RUN) -> list[dict]
 
 
 @pytest.mark.parametrize(
-    "method, precision",
+    "method, precision, codec",
     [
-        ("trace", "bf16"),
-        ("trace", "fp32_master"),
-        ("qat", "bf16"),
-        ("quads", "bf16"),
-        ("tis_sc", "bf16"),
-        ("bf16", "bf16"),
+        ("trace", "bf16", "bits"),
+        ("trace", "fp32_master", "bits"),
+        ("trace", "bf16", "syndrome"),  # decode figures and the mismatch tally in one step
+        ("qat", "bf16", "bits"),
+        ("quads", "bf16", "bits"),
+        ("tis_sc", "bf16", "bits"),
+        ("bf16", "bf16", "bits"),
     ],
 )
-def test_rounds_end_to_end(method, precision, tmp_path):
+def test_rounds_end_to_end(method, precision, codec, tmp_path):
     config = smoke(
         tmp_path,
         method=method,
         model={"dtype": "bfloat16"},
         train={"precision": precision},
-        guidance={"layers": [1], "compaction": "offline"},
+        guidance={"layers": [1], "compaction": "offline", "codec": codec},
         rl={"measure_mismatch": True, "learning_rate": 1e-3, "weight_decay": 0.1},
     )
     history = rounds(config, tmp_path, 2)

@@ -413,7 +413,8 @@ def test_a_trainjob_no_controller_picks_up_fails_after_the_timeout(tmp_path, clo
 
 def test_a_trainjob_whose_pods_never_get_ready_fails_after_the_timeout(tmp_path, clock):
     c = config(tmp_path, timeout_seconds=30)
-    fake = FakeKubernetes([{}, PENDING])  # the Trainer reports the job at once; its pods stay Pending
+    # the Trainer reports the job at once; its pods stay Pending (a runtime's initializer finishing is no progress)
+    fake = FakeKubernetes([{}, {"jobsStatus": [{"name": "model-initializer", "succeeded": 1}, *PENDING["jobsStatus"]]}])
     log = []
     try:
         job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=1)
@@ -423,7 +424,7 @@ def test_a_trainjob_whose_pods_never_get_ready_fails_after_the_timeout(tmp_path,
         fake.close()
     message = str(failed.value)
     assert f"TrainJob {NAMESPACE}/{job.name}: waited 30 s (train.timeout_seconds)" in message
-    assert "pods of a replicated job to be ready" in message and "node: active 1" in message
+    assert "pods of its node job to be ready" in message and "node: active 1" in message
     assert f"jobset.sigs.k8s.io/jobset-name={job.name}" in message
     assert 30 < clock.now <= 32 and not fake.jobs
     assert "node: active 1" in log[-2] and log[-1].endswith("deleted")
