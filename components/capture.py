@@ -30,10 +30,10 @@ from tracefp4.kernels import (
     dequantize,
     expand_codes,
     get_format,
+    to_device,
     unpack_nibbles,
 )
 
-from .device import to_device
 from .model import ModelConfig
 from .quant import ACTIVATION_SITES, QuantConfig
 
@@ -155,7 +155,7 @@ class SiteTable:
         return replace(tables[0], **cat, inputs=None)
 
     def to(self, device) -> "SiteTable":
-        """The table on ``device``, copied there without waiting (:func:`.device.to_device`)."""
+        """The table on ``device``, copied there without waiting (:func:`tracefp4.kernels.to_device`)."""
         moved = {f: to_device(getattr(self, f), device) for f in self._rows_fields()}
         return replace(self, **moved, inputs=None if self.inputs is None else to_device(self.inputs, device))
 

@@ -62,16 +62,6 @@ def resolve(spec: str) -> torch.device:
     return device
 
 
-def to_device(t: Tensor, device: torch.device | str) -> Tensor:
-    """``t`` (a host tensor) on ``device`` without making the host wait: a plain
-    copy onto a GPU synchronizes its stream (PyTorch waits for the copy, and so
-    for every kernel queued before it), which inside a training or decode step
-    stalls the host. A copy from pageable memory is staged before the call
-    returns, so ``t`` may go at once."""
-    device = torch.device(device)
-    return t.to(device, non_blocking=device.type == "cuda")
-
-
 def cuda_seen() -> str:
     """What torch sees of CUDA, in words."""
     if torch.version.cuda is None:

@@ -28,9 +28,17 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from tracefp4.kernels import FP4Tensor, Guidance, compact_codes, dequantize, fake_quantize, get_format, quantize
+from tracefp4.kernels import (
+    FP4Tensor,
+    Guidance,
+    compact_codes,
+    dequantize,
+    fake_quantize,
+    get_format,
+    quantize,
+    to_device,
+)
 
-from .device import to_device
 from .guidance import GuidanceError, MicrobatchGuidance
 from .quant import ACTIVATION_SITES, QuantConfig, Recorder, kv_from_rows, kv_rows
 from .syndrome import SyndromeTable, add_tally, decode_rows
@@ -116,7 +124,7 @@ class TrainingSites:
         row is kept, so shapes are the table's, known on the host: selecting
         the valid rows would read their count from the device (a host sync on CUDA)."""
         table, n_rows = self.guidance.tables[key], x.shape[0]
-        b = to_device(torch.tensor([self.row_of.get(t, -1) for t in table.traj.tolist()], dtype=torch.long), x.device)
+        b = to_device(self._sequences(table), x.device)
         table = table.to(x.device)
         train = b * self.seq_len + table.pos
         if key[1] == "moe_down_in":  # rows are (token, slot): k slots per token
@@ -126,6 +134,10 @@ class TrainingSites:
         if expert is not None:  # the slot must have gone to the same expert in training
             ok &= expert[train] == table.expert
         return table, train, ok
+
+    def _sequences(self, table) -> Tensor:
+        """Per row of a (host) guidance table, the microbatch sequence of its trajectory (-1: another microbatch's)."""
+        return torch.tensor([self.row_of.get(t, -1) for t in table.traj.tolist()], dtype=torch.long)
 
     def _fp4(self, layer: int, site: str, x: Tensor, expert: Tensor | None = None, token=None, slot=None) -> Tensor:
         fmt = self.quant.site_format(site)
@@ -199,7 +211,7 @@ class TrainingSites:
         table = self.guidance.tables.get((layer, "moe_down_in")) if self.method == "trace" else None
         if not isinstance(table, SyndromeTable):
             return experts
-        b = torch.tensor([self.row_of.get(t, -1) for t in table.traj.tolist()], dtype=torch.long)
+        b = self._sequences(table)
         token = b * self.seq_len + table.pos.long()
         n = experts.shape[0]
         spare = torch.where((b >= 0) & (token < n), token, n)  # a table row of no token here writes a spare row

@@ -37,10 +37,10 @@ from tracefp4.kernels import (
     scale_side_info,
     solve_erasures,
     syndrome,
+    to_device,
 )
 
 from .capture import SiteTable
-from .device import to_device
 
 BLOCK_ELEMENTS = 256  # elements per block: rows are grouped up to this many (one row if wider)
 CODE_CHECK_BITS = 8  # code parity bits beyond the erasures: a wrong decode passes with probability 2^-8
@@ -160,7 +160,7 @@ class SyndromeTable:
         return replace(tables[0], **cat)
 
     def to(self, device) -> "SyndromeTable":
-        """The table on ``device``, copied there without waiting (:func:`.device.to_device`)."""
+        """The table on ``device``, copied there without waiting (:func:`tracefp4.kernels.to_device`)."""
         return replace(self, **{f: to_device(getattr(self, f), device) for f in SYNDROME_FIELDS})
 
 

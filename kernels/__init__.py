@@ -38,7 +38,15 @@ from .fp4 import (
     unpack_codes,
     valid_global_scale,
 )
-from .reference import divide, e2m1_encode, nvfp4_global_scale, nvfp4_scales, pack_nibbles, unpack_nibbles
+from .reference import (
+    divide,
+    e2m1_encode,
+    nvfp4_global_scale,
+    nvfp4_scales,
+    pack_nibbles,
+    to_device,
+    unpack_nibbles,
+)
 from .syndrome import MAX_ERASURES, code_side_info, parity_matrix, scale_side_info, solve_erasures, syndrome
 
 __all__ = [
@@ -74,6 +82,7 @@ __all__ = [
     "scale_side_info",
     "solve_erasures",
     "syndrome",
+    "to_device",
     "unpack_codes",
     "unpack_nibbles",
     "valid_global_scale",

@@ -23,12 +23,20 @@ _BYTE_PAIRS = torch.stack([_E2M1_SIGNED.repeat(16), _E2M1_SIGNED.repeat_interlea
 _BYTE_PAIRS_I64 = _BYTE_PAIRS.contiguous().view(torch.int64).view(-1)
 
 
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """``t`` (a host tensor) on ``device`` without making the host wait: a plain
+    copy onto a GPU synchronizes its stream (PyTorch waits for the copy, and so
+    for every kernel queued before it), which inside a training or decode step
+    stalls the host. A copy from pageable memory is staged before the call
+    returns, so ``t`` may go at once."""
+    device = torch.device(device)
+    return t.to(device, non_blocking=device.type == "cuda")
+
+
 @functools.cache
 def on_device(table: Tensor, device: torch.device) -> Tensor:
-    """A constant lookup table on ``device``, copied there once: a copy at every
-    call would make the host wait for the GPU each time (a plain copy onto a GPU
-    synchronizes its stream)."""
-    return table.to(device)
+    """A constant lookup table on ``device``, copied there once (not at every call)."""
+    return to_device(table, device)
 
 
 def blocked(x: Tensor, block_size: int) -> Tensor:

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from .reference import to_device
 from .syndrome import TIERS, check_parity_rows, checked_erasures, pack_words
 
 TILE = 4096  # block elements a program holds at once: several blocks of a few hundred elements, or one wide block
@@ -108,12 +109,6 @@ def _solve_kernel(
     tl.store(needed_ptr + blk, needed.to(tl.int64), mask=live)
 
 
-def _on(matrix: Tensor, device: torch.device) -> Tensor:
-    """The (host) parity matrix on ``device`` without making the host wait: a
-    plain copy onto a GPU synchronizes the stream, here once per decoded site."""
-    return matrix.to(device, non_blocking=True)
-
-
 def _blocks_per_program(n: int) -> tuple[int, int]:
     n_pow2 = triton.next_power_of_2(max(n, 1))
     return max(1, TILE // n_pow2), n_pow2
@@ -123,7 +118,7 @@ def syndrome_words(bits: Tensor, matrix: Tensor) -> Tensor:
     rows, n = matrix.shape
     check_parity_rows(rows)
     bits = bits.contiguous()
-    columns = pack_words(_on(matrix, bits.device).T).contiguous()
+    columns = pack_words(to_device(matrix, bits.device).T).contiguous()
     out = torch.empty(len(bits), dtype=torch.int64, device=bits.device)
     blocks, n_pow2 = _blocks_per_program(n)
     _syndrome_kernel[(triton.cdiv(len(bits), blocks),)](bits, columns, out, len(bits), n, BLOCKS=blocks, N_POW2=n_pow2)
@@ -146,7 +141,7 @@ def solve_erasures(
     _solve_kernel[(triton.cdiv(nb, blocks),)](
         target,
         reliability.contiguous(),
-        pack_words(_on(matrix, guess.device).T).contiguous(),
+        pack_words(to_device(matrix, guess.device).T).contiguous(),
         guess,
         bits,
         ok,

@@ -269,8 +269,8 @@ class TrainJobRun:
     def wait(self, echo) -> None:
         """Until the TrainJob completes; its status changes go to the step's log.
         Failed, deleted, or ``train.timeout_seconds`` without progress: an error.
-        Progress is a replicated job with all its pods ready or done (``ready``
-        or ``succeeded`` in the Trainer's ``status.jobsStatus``); ``active``
+        Progress is the ranks' job (:data:`TRAINER_JOB`) with all its pods ready
+        or done (``ready`` or ``succeeded`` in the Trainer's ``status.jobsStatus``); ``active``
         counts Pending pods too, so unschedulable ranks, or a Trainer that
         never picks the job up, would otherwise keep the step waiting forever.
         Every poll that shows progress restarts the clock: a long run is not cut short."""

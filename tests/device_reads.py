@@ -25,9 +25,9 @@ READS = {
 INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
 # reads that are host reads by design: the CPU's expert grid reads its width (bf16 on CUDA multiplies with
 # grouped_mm, which reads nothing); the reference AdamW's step counters live on the host (fused AdamW: on the
-# device); a constant lookup table is copied to a device once per process; the CPU's erasure solver selects its
-# pending blocks (on CUDA the Triton solver, kernels/triton_syndrome.py, reads nothing)
-HOST_ONLY = ("ExpertRows.__init__", "torch/optim/", "reference.py:on_device", "kernels/syndrome.py:solve_erasures")
+# device); the CPU's erasure solver selects its pending blocks (on CUDA the Triton solver,
+# kernels/triton_syndrome.py, reads nothing)
+HOST_ONLY = ("ExpertRows.__init__", "torch/optim/", "kernels/syndrome.py:solve_erasures")
 
 
 def reads_device(func, args) -> bool:

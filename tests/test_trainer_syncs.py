@@ -47,7 +47,7 @@ def reads(monkeypatch):
 
     def watched_to(t, *args, **kwargs):  # a host tensor to the device: on CUDA it waits unless non_blocking
         copies = mode.watching and not mode.was_made(t) and _names_a_device(args, kwargs)
-        if copies and "non_blocking" not in kwargs:  # components.device.to_device says, for the device it copies to
+        if copies and "non_blocking" not in kwargs:  # tracefp4.kernels.to_device says, for the device it copies to
             mode.record("blocking copy to the device")
         return to(t, *args, **kwargs)
 
