@@ -628,8 +628,7 @@ def train(
         loader = None
         if config.method == "trace":
             microbatches = trainer.microbatches(step_trajectories)
-            group = config.rl.grad_accumulation or len(microbatches)
-            ids = [[t.id for t in microbatches[i]] for i in trainer.owned(len(microbatches), group)]
+            ids = [[t.id for t in microbatches[i]] for i in trainer.guidance_order(len(microbatches))]
             loader = guidance.loader(
                 store,
                 ids,

@@ -15,6 +15,7 @@ itself is :func:`tracefp4.components.steps.run_round`.
 """
 
 import copy
+import itertools
 import math
 import time
 from dataclasses import dataclass
@@ -136,6 +137,14 @@ class Trainer:
         n = self.config.microbatch_size
         return [trajectories[i : i + n] for i in range(0, len(trajectories), n)]
 
+    def guidance_order(self, microbatches: int) -> list[int]:
+        """The microbatches (of a step of ``microbatches``) whose guidance :meth:`train_step`
+        reads, in its order: first those this process trains after one of the step's
+        optimizer steps (their old policy's pass), then every one it trains (the loss)."""
+        group = self.config.grad_accumulation or microbatches
+        owned = self.owned(microbatches, group)
+        return [i for i in owned if i >= group] + owned
+
     def train_step(
         self,
         trajectories: list[Trajectory],
@@ -152,7 +161,8 @@ class Trainer:
         cfg = self.config
         everything = self.microbatches(trajectories)
         group = cfg.grad_accumulation or len(everything)
-        owned = self.owned(len(everything), group)  # ``loader`` yields these microbatches' guidance, in order
+        owned = self.owned(len(everything), group)
+        order = self.guidance_order(len(everything))  # ``loader`` yields these microbatches' guidance, in order
         batches = {i: SequenceBatch.of(everything[i], self.device) for i in owned}
         adv = dict(zip((t.id for t in trajectories), advantages.tolist()))
         mb_advantages = {
@@ -162,30 +172,39 @@ class Trainer:
         group_tokens = [sum(tokens[i : i + group]) for i in range(0, len(tokens), group)]
         total_tokens = sum(group_tokens)
         last_owned = {i // group: i for i in owned}  # the optimizer steps after a group's last microbatch
-        guidance = iter(loader) if loader is not None else iter([None] * len(owned))
+        loaded = iter(loader) if loader is not None else itertools.repeat(None)
+        reload_s = 0.0
+
+        def next_guidance():
+            nonlocal reload_s
+            start = time.perf_counter()
+            mb_guidance = next(loaded)
+            reload_s += time.perf_counter() - start
+            return mb_guidance
+
         # read from the device once, after the last microbatch: each microbatch's loss figures, the gradient norms
         loss_stats: list[tuple[int, dict[str, Tensor]]] = []
         alignment, grad_norms, tally = [], [], MismatchTally()
         guided, captured = 0, 0
         decode: dict = {}  # syndrome-coded guidance: (layer, site) -> (rate, tally on the device)
-        reload_s = 0.0
+        old: dict[int, Tensor] = {}  # pi_old of the microbatches that come after an optimizer step
+        for index in order[: len(order) - len(owned)]:
+            recorder = self._recording(batches[index], rollout_records)
+            with torch.no_grad():
+                _, old[index] = self._forward(batches[index], next_guidance(), recorder)
+            self._compare(recorder, rollout_records, tally)
         self.optimizer.zero_grad(set_to_none=True)
         for index, batch in batches.items():
-            start = time.perf_counter()
-            mb_guidance = next(guidance)
-            reload_s += time.perf_counter() - start
-            recorder = None
-            if rollout_records is not None:
-                recorder = self._recorder(batch.tokens.numel(), rollout_records)
-                recorder.begin(TokenMap.of(batch.trajectories, batch.positions, batch.lengths - 1))
-            loss, logprobs, sites, figures = self._loss(batch, mb_guidance, recorder, mb_advantages[index])
+            mb_guidance = next_guidance()
+            recorder = None if index in old else self._recording(batch, rollout_records)
+            loss, logprobs, sites, figures = self._loss(
+                batch, mb_guidance, recorder, mb_advantages[index], old.get(index)
+            )
             (loss * tokens[index] / group_tokens[index // group]).backward()
             self.weights.accumulate()
-            if recorder is not None:
-                recorder.end()
-                tally.add(compare(rollout_records, recorder.drain()))
+            self._compare(recorder, rollout_records, tally)
             loss_stats.append((tokens[index], figures))
-            alignment.append((index, logprobs.detach(), batch.rollout_logprobs, batch.response))
+            alignment.append((index, old.get(index, logprobs.detach()), batch.rollout_logprobs, batch.response))
             guided += sum(sites.coverage.guided.values())
             captured += sum(sites.coverage.total.values())
             for key, (rate, found) in sites.coverage.decode.items():
@@ -217,17 +236,19 @@ class Trainer:
             stats.update(MismatchTally.merged(self.all_gather(tally)).summary())
         return stats
 
-    def _loss(self, batch: SequenceBatch, guidance, recorder: Capture | None, advantages: Tensor):
-        """A microbatch's loss (GRPO with truncated IS; plus score centering for
-        tis_sc and the k3 KL to the reference when configured), its training-path
-        log-probs, sites and loss figures (detached 0-dim tensors: reading them
-        here would sync the host with the device every microbatch)."""
+    def _loss(self, batch: SequenceBatch, guidance, recorder: Capture | None, advantages: Tensor, old: Tensor | None):
+        """A microbatch's loss (GRPO with truncated IS against the ``old`` policy's
+        log-probs, or its own when the policy has not moved since the step began;
+        plus score centering for tis_sc and the k3 KL to the reference when
+        configured), its training-path log-probs, sites and loss figures
+        (detached 0-dim tensors: reading them here would sync the host with the
+        device every microbatch)."""
         cfg = self.config
         sites, (logprobs, every) = self._forward(batch, guidance, recorder, full=True)
         response = batch.response_index  # picks what the mask picks, without a device read
         loss, stats = grpo_loss(
             logprobs,
-            logprobs.detach(),
+            logprobs.detach() if old is None else old,
             batch.rollout_logprobs,
             advantages,
             response,
@@ -318,6 +339,20 @@ class Trainer:
             captured += sum(sites.coverage.total.values())
         train, rollout, mask = (stack_rows([part[i] for part in alignment]) for i in (1, 2, 3))
         return TrainingPass(recorder.drain(), train, rollout, mask, float(guided) / captured if captured else 0.0)
+
+    def _recording(self, batch: SequenceBatch, rollout: CaptureRecords | None) -> Capture | None:
+        """A capture of ``batch``'s training-path codes, begun, when there is the rollout's to compare with."""
+        if rollout is None:
+            return None
+        recorder = self._recorder(batch.tokens.numel(), rollout)
+        recorder.begin(TokenMap.of(batch.trajectories, batch.positions, batch.lengths - 1))
+        return recorder
+
+    def _compare(self, recorder: Capture | None, rollout: CaptureRecords | None, tally: MismatchTally) -> None:
+        """End ``recorder``'s capture and tally its codes against the rollout's."""
+        if recorder is not None:
+            recorder.end()
+            tally.add(compare(rollout, recorder.drain()))
 
     def _recorder(self, max_tokens: int, rollout: CaptureRecords) -> Capture:
         """A capture of the training path's codes (each forward: ``begin`` with

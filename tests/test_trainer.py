@@ -14,7 +14,7 @@ from tracefp4.components.checkpoint import CheckpointError, load_model, provenan
 from tracefp4.components.guidance import GuidanceError, read_manifest
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
-from tracefp4.components.rl import SequenceBatch, token_logprobs
+from tracefp4.components.rl import SequenceBatch, alignment_metrics, stack_rows, token_logprobs
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
 from tracefp4.components.trainer import TrainConfig, Trainer
@@ -114,9 +114,12 @@ def test_rounds_end_to_end(method, precision, codec, tmp_path):
 
 
 def test_off_policy_round_trains_every_batch_of_one_rollout(tmp_path):
-    config = smoke(tmp_path, rl={"schedule": "off_policy", "steps_per_round": 2})
-    history = rounds(config, tmp_path, 1)
+    """Two optimizer steps per RL step, too: the guidance loader yields each microbatch's
+    guidance twice (the old policy's pass, then the loss), in the trainer's order."""
+    rl = {"schedule": "off_policy", "steps_per_round": 2, "microbatch_size": 2, "grad_accumulation": 1}
+    history = rounds(smoke(tmp_path, rl=rl), tmp_path, 1)
     assert [(h["step"], h["staleness"]) for h in history] == [(1, 0), (2, 1)]
+    assert all(h["optimizer_steps"] == 2 for h in history)
     assert all(h["guidance_coverage"] > 0.9 for h in history)  # both batches guided by the one rollout's capture
 
 
@@ -290,6 +293,32 @@ def test_gradient_accumulation_groups_microbatches():
         build_model("smoke", seed=0), TrainConfig(method="qat", microbatch_size=2), engine.quant, engine.global_scales
     )
     assert whole.train_step(trajectories, torch.tensor([1.0, -1.0] * 4), None)["optimizer_steps"] == 1
+
+
+def test_ppo_old_policy_is_the_one_the_step_starts_from():
+    """After a step's first optimizer step, PPO's ratio, the TIS weight and the
+    alignment figures read the log-probs of the policy the step started from
+    (a no-grad pass before it), not the updated policy's own (a ratio of 1)."""
+    engine, _ = setup("qat")
+    trajectories = engine.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=3, seed=1))
+    config = TrainConfig(method="qat", microbatch_size=2, grad_accumulation=1, learning_rate=0.05)
+    trainer = Trainer(build_model("smoke", seed=0), config, engine.quant, engine.global_scales)
+    before = Trainer(build_model("smoke", seed=0), config, engine.quant, engine.global_scales)
+    with torch.no_grad():
+        parts = [SequenceBatch.of(mb) for mb in before.microbatches(trajectories)]
+        start = [before._forward(batch, None, None)[1] for batch in parts]
+    stats = trainer.train_step(trajectories, torch.tensor([1.0, -1.0, -1.0, 1.0]), None)
+    assert stats["optimizer_steps"] == 2
+    expected = alignment_metrics(
+        stack_rows(start),
+        stack_rows([b.rollout_logprobs for b in parts]),
+        stack_rows([b.response for b in parts]),
+        tis_cap=config.tis_cap,
+    )
+    assert stats["logprob_abs_diff_mean"] == expected["logprob_abs_diff_mean"]
+    assert stats["k3_kl"] == expected["k3_kl"]
+    assert stats["clip_fraction"] > 0  # the second microbatch's ratio moved past the clip
+    assert trainer.guidance_order(4) == [1, 2, 3, 0, 1, 2, 3]
 
 
 def test_prepare_checks_guided_layers_against_a_checkpoint_before_any_work(tmp_path):

@@ -26,14 +26,15 @@ from tracefp4.components.trainer import TrainConfig, Trainer
 @pytest.fixture
 def reads(monkeypatch):
     """A :class:`DeviceReads` (to enter around a step) that starts watching at
-    the step's first microbatch (``Trainer._loss``) and stops at its read of
+    the step's first forward (``Trainer._forward``: the old policy's pass, or
+    the first microbatch's loss) and stops at its read of
     the figures (``to_host``, counted in ``host_reads``)."""
     mode = DeviceReads()
-    loss, to_host, tolist = Trainer._loss, trainer_module.to_host, torch.Tensor.tolist
+    forward, to_host, tolist = Trainer._forward, trainer_module.to_host, torch.Tensor.tolist
 
-    def watched_loss(self, *args, **kwargs):
+    def watched_forward(self, *args, **kwargs):
         mode.watching = True
-        return loss(self, *args, **kwargs)
+        return forward(self, *args, **kwargs)
 
     def watched_to_host(values):
         mode.watching = False
@@ -57,7 +58,7 @@ def reads(monkeypatch):
         return tensor(data, *args, **kwargs)
 
     to, tensor = torch.Tensor.to, torch.tensor
-    monkeypatch.setattr(Trainer, "_loss", watched_loss)
+    monkeypatch.setattr(Trainer, "_forward", watched_forward)
     monkeypatch.setattr(trainer_module, "to_host", watched_to_host)
     monkeypatch.setattr(torch.Tensor, "tolist", watched_tolist)
     monkeypatch.setattr(torch.Tensor, "to", watched_to)
@@ -73,7 +74,11 @@ def _names_a_device(args, kwargs) -> bool:
 @pytest.mark.parametrize(
     "method, changes, codec",
     [
-        ("trace", {"kl_coef": 0.1, "grad_accumulation": 1}, "bits"),  # guided, the KL, two optimizer steps
+        (
+            "trace",
+            {"kl_coef": 0.1, "grad_accumulation": 1},
+            "bits",
+        ),  # guided, the KL, two optimizer steps (the old policy's pass)
         ("trace", {}, "syndrome"),  # guidance decoded from side information, tokens routed as the rollout
         ("tis_sc", {}, "bits"),  # score centering
     ],
@@ -88,7 +93,9 @@ def test_a_step_reads_the_device_only_after_its_last_microbatch(reads, method, c
     write_step(store, records, rl_step=0, policy_version=0, top_k=engine.model.cfg.top_k)
     config = TrainConfig(method=method, microbatch_size=2, **changes)
     trainer = Trainer(build_model("tiny", seed=0), config, engine.quant, engine.global_scales)
-    loader = GuidanceLoader(store, 0, [[t.id for t in mb] for mb in trainer.microbatches(trajectories)])
+    microbatches = trainer.microbatches(trajectories)
+    order = trainer.guidance_order(len(microbatches))
+    loader = GuidanceLoader(store, 0, [[t.id for t in microbatches[i]] for i in order])
     with reads:
         stats = trainer.train_step(trajectories, torch.tensor([1.0, -1.0, 1.0, -1.0]), loader)
     assert reads.reads == [], "read from the device during the step (op, innermost calls)"
