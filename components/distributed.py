@@ -228,12 +228,12 @@ class ShardCheckpoints:
             dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=local)
             for f in sorted(Path(local).iterdir()):
                 if f.name != METADATA:
-                    self.store.put_bytes(f"{key}/{f.name}", f.read_bytes())
+                    self.store.upload(f"{key}/{f.name}", f)
             dist.barrier()  # every rank's files are in the store
             if trainer.rank == 0:
                 meta = {"run_id": self.run_id, "start_version": self.start_version, "step": trainer.step}
                 self.store.put_bytes(f"{key}/{HISTORY}", json.dumps({**meta, "history": history}).encode())
-                self.store.put_bytes(f"{key}/{METADATA}", (Path(local) / METADATA).read_bytes())  # complete
+                self.store.upload(f"{key}/{METADATA}", Path(local) / METADATA)  # complete
                 self.clear(keep=trainer.step)
         dist.barrier()
 
@@ -378,7 +378,7 @@ def _publish(rows: list[dict], history: str, folders: dict[Path, str]) -> None:
         target = open_store(uri)
         files = sorted(folder.iterdir(), key=lambda f: f.name == "checksums.json")  # the manifest last: complete
         for f in files:
-            target.put_bytes(f.name, f.read_bytes())
+            target.upload(f.name, f)
         shutil.rmtree(folder)
 
 

@@ -103,6 +103,12 @@ class ArtifactStore(ABC):
         """Store ``data`` under ``key``; readers see the whole object or nothing."""
 
     @abstractmethod
+    def upload(self, key: str, path: str | os.PathLike) -> None:
+        """Store the file ``path`` under ``key``, streamed: memory holds one part,
+        not the file (a trainer state can outgrow the pod's memory); readers see
+        the whole object or nothing."""
+
+    @abstractmethod
     def get_bytes(self, key: str) -> bytes:
         """Return the object; ArtifactNotFound if it is missing."""
 
@@ -147,6 +153,14 @@ class LocalStore(ArtifactStore):
             _write_atomic(path, lambda f: f.write(data))
         except OSError as e:
             raise self._error("put", key, e) from e
+
+    def upload(self, key: str, path: str | os.PathLike) -> None:
+        target = self._path(key)
+        try:
+            with open(path, "rb") as src:
+                _write_atomic(target, lambda f: shutil.copyfileobj(src, f, _CHUNK))
+        except OSError as e:
+            raise self._error("upload", key, e) from e
 
     def get_bytes(self, key: str) -> bytes:
         path = self._path(key)
@@ -356,6 +370,23 @@ class S3Store(ArtifactStore):
             key,
             lambda: self._client.put_object(self.bucket, name, io.BytesIO(data), len(data), part_size=self.part_size),
         )
+
+    def upload(self, key: str, path: str | os.PathLike) -> None:
+        name = self._name(key)
+
+        def put() -> None:  # a retry reads the file from its start
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                # one part at a time: minio's parallel uploads queue every part read ahead, unbounded, so a file
+                # read faster than the network takes it would end up whole in memory
+                self._client.put_object(self.bucket, name, f, size, part_size=self.part_size, num_parallel_uploads=1)
+
+        try:
+            self._call("upload", key, put)
+        except StoreError:
+            raise
+        except OSError as e:  # the local side: a file we may not read
+            raise StoreError(f"{self.uri}: upload {path} to {key!r} failed: {e}") from e
 
     def get_bytes(self, key: str) -> bytes:
         name = self._name(key)

@@ -46,7 +46,8 @@ def pipeline_version() -> str:
 # A task's role decides its resources and retries.
 # - COMPUTE: the model on the device (prepare, rollout, compaction, train, evaluate, export): all of `resources`.
 # - HOST: moves a round's data, computes nothing on the device (gather; train when its ranks run in a TrainJob):
-#   `resources` without the GPUs, which the TrainJob's ranks would otherwise wait for.
+#   `resources` without the GPUs, which the TrainJob's ranks would otherwise wait for, and with `host_cpu` and
+#   `host_memory` where set (on a node the ranks share, a step's full share could keep a rank from scheduling).
 # - CONTROL: configure, rollout_workers, report, compare: small whatever the model, and their failures are
 #   deterministic (a bad run parameter), so they are not retried: a retry would only delay the error.
 COMPUTE, HOST, CONTROL = "compute", "host", "control"
@@ -55,7 +56,10 @@ CONTROL_CPU, CONTROL_MEMORY = "1", "2Gi"
 
 def _configure(task, config: RunConfig, retries: bool, role: str = COMPUTE):
     r = config.resources
-    cpu, memory = (CONTROL_CPU, CONTROL_MEMORY) if role == CONTROL else (r.cpu, r.memory)
+    cpu, memory = {
+        CONTROL: (CONTROL_CPU, CONTROL_MEMORY),
+        HOST: (r.host_cpu or r.cpu, r.host_memory or r.memory),
+    }.get(role, (r.cpu, r.memory))
     task.set_cpu_limit(cpu).set_memory_limit(memory).set_caching_options(False)
     if retries and role != CONTROL:  # Argo retries any failure: a pod evicted, a node lost, but also an error
         task.set_retry(num_retries=2, backoff_duration="30s", backoff_factor=2.0)

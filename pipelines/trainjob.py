@@ -244,14 +244,13 @@ class TrainJobRun:
         return json.loads(self.store.get_bytes(f"{self.prefix}/history.json"))
 
     def upload(self, policy: Path, state: Path, trajectories: Path, guidance: Path, round_stats: dict) -> None:
-        put = lambda name, data: self.store.put_bytes(f"{self.prefix}/{name}", data)  # noqa: E731
-        put("config.json", self.config.model_dump_json().encode())
-        put("round_stats.json", json.dumps(round_stats).encode())
-        put("trajectories.jsonl", Path(trajectories).read_bytes())
-        put("guidance.json", Path(guidance).read_bytes())
+        self.store.put_bytes(f"{self.prefix}/config.json", self.config.model_dump_json().encode())
+        self.store.put_bytes(f"{self.prefix}/round_stats.json", json.dumps(round_stats).encode())
+        self.store.upload(f"{self.prefix}/trajectories.jsonl", trajectories)
+        self.store.upload(f"{self.prefix}/guidance.json", guidance)
         for name, folder in (("policy", policy), ("state", state)):
             for f in sorted(Path(folder).iterdir(), key=lambda f: f.name == MANIFEST):  # the manifest last: complete
-                put(f"{name}/{f.name}", f.read_bytes())
+                self.store.upload(f"{self.prefix}/{name}/{f.name}", f)
 
     def create(self, body: dict, echo) -> None:
         """Create the TrainJob; one left by an earlier attempt of the step is deleted first."""

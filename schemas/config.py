@@ -494,6 +494,17 @@ class ResourcesConfig(_Section):
     )
     cpu: str = Field(default="2", pattern=K8S_CPU, description="CPU request/limit (Kubernetes quantity: '2', '500m').")
     memory: str = Field(default="8Gi", pattern=K8S_MEMORY, description="Memory request/limit ('8Gi', '512Mi').")
+    host_cpu: str | None = Field(
+        default=None,
+        pattern=K8S_CPU,
+        description="CPU of the steps that only move a round's data (gather; train when its ranks run in a "
+        "TrainJob, which streams checkpoints through the store): they compute nothing on the device. None: cpu.",
+    )
+    host_memory: str | None = Field(
+        default=None,
+        pattern=K8S_MEMORY,
+        description="Memory of those steps (gather holds a round's trajectories). None: memory.",
+    )
     gpus: int = Field(default=0, ge=0, le=64, description="Accelerators per step.")
     accelerator_type: str | None = Field(
         default=None,

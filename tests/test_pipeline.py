@@ -139,7 +139,8 @@ def test_only_steps_that_run_the_model_hold_gpus(tmp_path):
     """On a GPU cluster the control tasks run small and are not retried, and
     the tasks that only move data (gather; train when its ranks are a TrainJob)
     hold no GPU: the TrainJob's ranks would otherwise wait for the GPUs its own
-    launching pod holds."""
+    launching pod holds; they take `host_cpu` and `host_memory`, so that on a
+    node the ranks share they leave room for a rank."""
     overrides = {
         "store.uri": "s3://runs/smoke",
         "rollout.workers": 2,
@@ -147,6 +148,8 @@ def test_only_steps_that_run_the_model_hold_gpus(tmp_path):
         "resources.accelerator_type": "nvidia.com/gpu",
         "resources.cpu": "8",
         "resources.memory": "64Gi",
+        "resources.host_cpu": "2",
+        "resources.host_memory": "16Gi",
         "rl.microbatch_size": 1,
         "train.precision": "fp32_master",
         "train.nodes": 2,
@@ -159,8 +162,8 @@ def test_only_steps_that_run_the_model_hold_gpus(tmp_path):
     assert set(tasks) == compute | host | control
     for name, (resources, retried) in tasks.items():
         assert ("accelerator" in resources) == (name in compute), name
-        assert resources["resourceCpuLimit"] == ("1" if name in control else "8"), name
-        assert resources["resourceMemoryLimit"] == ("2Gi" if name in control else "64Gi"), name
+        cpu, memory = ("1", "2Gi") if name in control else ("2", "16Gi") if name in host else ("8", "64Gi")
+        assert (resources["resourceCpuLimit"], resources["resourceMemoryLimit"]) == (cpu, memory), name
         assert retried == (name not in control), name
     spec = next(yaml.safe_load_all(open(compile_pipeline(config, tmp_path / "compare.yaml", ["qat", "trace"]))))
     compared = _leaf_tasks(spec)
@@ -168,7 +171,7 @@ def test_only_steps_that_run_the_model_hold_gpus(tmp_path):
     config.train.launcher, config.train.nodes, config.train.processes_per_node = "torchrun", 1, 2  # in its own pod
     spec, platform = yaml.safe_load_all(open(compile_pipeline(config, tmp_path / "torchrun.yaml")))
     train, _ = _leaf_tasks(spec)["train"]
-    assert train["accelerator"]["count"] == "2"
+    assert train["accelerator"]["count"] == "2" and train["resourceMemoryLimit"] == "64Gi"  # it computes
     # and a memory-backed /dev/shm for NCCL between them, larger than a container's 64 MiB
     executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     mounts = {label: e.get("emptyDirMounts", []) for label, e in executors.items()}
