@@ -9,6 +9,7 @@ run, and the size and fidelity of guidance by R-k bits and layers
 import copy
 import tempfile
 import time
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -58,11 +59,13 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
         "guidance_sensitivity": [],
     }
     start_model = load_model(initial, device=device) if initial is not None else None
-    n = min(config.evaluation.discrepancy_prompts, len(test))
+    analysed = [prompts[i] for i in across_tasks(test, config.evaluation.discrepancy_prompts)]
 
     def score(policy_label: str, weights, rollout: str, quant) -> dict:
         """Accuracy rows of one policy under one rollout config; returns the greedy pass's throughput."""
-        engine = TorchEngine(weights, quant, dtype=steps.compute_dtype(config), device=device)
+        engine = TorchEngine(
+            weights, quant, dtype=steps.compute_dtype(config), device=device, calibration_seed=config.seed
+        )
         rows, speed = _accuracy(config, engine, tokenizer, test, prompts)
         out["accuracy"] += [{"method": config.method, "policy": policy_label, "rollout": rollout, **r} for r in rows]
         return speed
@@ -76,13 +79,24 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
             continue
         for label, ptq_model in ptq.items():  # PTQ weights as they are; activations and KV as the config quantizes them
             score(f"ptq:{label}", ptq_model, name, replace(quant, weights=None))
-        if n:
+        if analysed:
             analysis = _discrepancy(
-                config, model, name, tokenizer, prompts[:n], sensitivity=not out["guidance_sensitivity"]
+                config, model, name, tokenizer, analysed, sensitivity=not out["guidance_sensitivity"]
             )
             out["discrepancy"].append(analysis.pop("discrepancy"))
             out["guidance_sensitivity"] = out["guidance_sensitivity"] or analysis["guidance_sensitivity"]
     return out
+
+
+def across_tasks(problems: list[Problem], n: int) -> list[int]:
+    """The indices of ``n`` of ``problems`` (listed task by task) taking each task in
+    turn, so that an analysis of the first few covers every task, not only the first."""
+    seen: Counter[str] = Counter()
+    turn = []
+    for p in problems:
+        turn.append(seen[p.task])
+        seen[p.task] += 1
+    return sorted(range(len(problems)), key=lambda i: (turn[i], i))[:n]
 
 
 def _accuracy(

@@ -64,7 +64,9 @@ METRICS = {
         "Share of training rounding decisions the compacted guidance makes as full guidance would (sampled)."
     ),
     "tracefp4_compaction_seconds": Metric("Wall time of the compaction step."),
-    "tracefp4_train_step_seconds": Metric("Mean wall time of an RL training step (guided QAT forward and backward)."),
+    "tracefp4_train_step_seconds": Metric(
+        "Mean wall time of an RL training step (guided QAT forward and backward), without its wait for guidance."
+    ),
     "tracefp4_train_steps": Metric("RL steps trained by the component run."),
     "tracefp4_guidance_reload_seconds": Metric("Mean time a training step waited for guidance from the store."),
     "tracefp4_guidance_coverage_ratio": Metric("Share of captured training elements rounded with guidance."),
@@ -259,6 +261,28 @@ def _compaction(m: RunMetrics, stats: dict, config) -> None:
 def _mean(rows: list[dict], key: str) -> float | None:
     values = [r[key] for r in rows if r.get(key) is not None]
     return sum(values) / len(values) if values else None
+
+
+# what the train component logs as KFP metrics: the round's figures users compare runs by
+ROUND_FIGURES = (
+    "reward_mean",
+    "accuracy",
+    "logprob_abs_diff_mean",
+    "k3_kl",
+    "guidance_coverage",
+    "train_rollout_logprob_abs_diff",
+    "log_ppl_abs_diff",
+    "chi2_token",
+    "tis_clipfrac",
+    "rollout_is_eff_sample_size",
+)
+
+
+def round_means(rows: list[dict]) -> dict[str, float]:
+    """The round's mean of each of :data:`ROUND_FIGURES` over its steps' history
+    ``rows``, as Prometheus gets them (those no step has are left out)."""
+    means = {key: _mean(rows, key) for key in ROUND_FIGURES}
+    return {key: value for key, value in means.items() if value is not None}
 
 
 def _train(m: RunMetrics, rows: list[dict], config) -> None:

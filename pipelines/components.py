@@ -193,19 +193,8 @@ def train(
     with open(history.path, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    for key in (
-        "reward_mean",
-        "accuracy",
-        "logprob_abs_diff_mean",
-        "k3_kl",
-        "guidance_coverage",
-        "train_rollout_logprob_abs_diff",
-        "log_ppl_abs_diff",
-        "chi2_token",
-        "tis_clipfrac",
-        "rollout_is_eff_sample_size",
-    ):
-        metrics.log_metric(key, rows[-1][key])
+    for key, value in run_metrics.round_means(rows).items():
+        metrics.log_metric(key, value)
     write_metrics(metrics)
     run_metrics.publish(config, run_id, "train", ref.rl_step, rows)
 

@@ -199,9 +199,10 @@ def _rows() -> list[tuple[str, list]]:
                 _bars(
                     "Guidance reload share of a train step",
                     "percentunit",
-                    (
+                    (  # the step's own seconds leave out its wait for guidance: the share is of their sum
                         "max by (run_id, method, round) (" + sel("tracefp4_guidance_reload_seconds") + ")"
-                        " / max by (run_id, method, round) (" + sel("tracefp4_train_step_seconds") + ")",
+                        " / (max by (run_id, method, round) (" + sel("tracefp4_guidance_reload_seconds") + ")"
+                        " + max by (run_id, method, round) (" + sel("tracefp4_train_step_seconds") + "))",
                         "{{method}} r{{round}}",
                     ),
                     w=24,

@@ -392,7 +392,8 @@ class EvaluationConfig(_Section):
         default=8,
         ge=0,
         le=65536,
-        description="Test prompts (x samples_per_prompt) of the train-rollout discrepancy analysis; 0: none.",
+        description="Test prompts (x samples_per_prompt) of the train-rollout discrepancy analysis, each task "
+        "in turn; 0: none.",
     )
 
     @field_validator("rollout_configs", "ptq_baselines")

@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from tracefp4.components.metrics import METRICS, PUBLISH_FAILED, RunMetrics, delete_run, read_file
+from tracefp4.components.metrics import METRICS, PUBLISH_FAILED, RunMetrics, delete_run, read_file, round_means
 from tracefp4.pipelines.dashboards import _walk, dashboard, panel_queries
 from tracefp4.pipelines.local import run_local
 from tracefp4.schemas import get_preset
@@ -147,6 +147,13 @@ def test_every_dashboard_panel_query_returns_data_from_the_pushed_run(prometheus
     by_round = [prometheus.query(q) for t, q in queries if t == "Reward (round mean)"][0]
     assert sorted(int(s["metric"]["round"]) for s in by_round) == list(range(get_preset("smoke").rl.rounds)), by_round
     assert {s["metric"]["series"] for s in by_round} == {f"trace {run_id}"}
+    # a train step's seconds leave out its wait for guidance: the share is of their sum
+    (share,) = [prometheus.query(q) for t, q in queries if t == "Guidance reload share of a train step"]
+    seconds = {(name, labels["round"]): value for name, labels, value in read_file(pushed_run / "metrics.prom")}
+    for sample in share:
+        r = sample["metric"]["round"]
+        reload, step = seconds["tracefp4_guidance_reload_seconds", r], seconds["tracefp4_train_step_seconds", r]
+        assert float(sample["value"][1]) == pytest.approx(reload / (reload + step)), r
 
 
 def test_the_metrics_file_holds_what_prometheus_scraped(prometheus, pushed_run):
@@ -160,6 +167,15 @@ def test_the_metrics_file_holds_what_prometheus_scraped(prometheus, pushed_run):
         matchers = ",".join(f'{k}="{v}"' for k, v in labels.items())
         result = prometheus.wait_for(f"{name}{{{matchers}}}")
         assert len(result) == 1 and float(result[0]["value"][1]) == pytest.approx(value), (name, labels)
+
+
+def test_kfp_gets_the_round_means_prometheus_gets():
+    """The train component logs each figure's mean over the round's steps (not its last step's), as it publishes them."""
+    rows = [
+        {"reward_mean": 0.25, "k3_kl": 1e-3, "guidance_coverage": 0.5, "chi2_token": None},
+        {"reward_mean": 0.75, "k3_kl": 3e-3, "guidance_coverage": 1.0, "chi2_token": None},
+    ]
+    assert round_means(rows) == pytest.approx({"reward_mean": 0.5, "k3_kl": 2e-3, "guidance_coverage": 0.75})
 
 
 def test_aggregate_and_per_layer_series_never_share_a_name():

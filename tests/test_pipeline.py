@@ -331,15 +331,19 @@ def test_evaluation_of_a_bf16_run_holds_ptq_baselines_discrepancy_and_sensitivit
     from tracefp4.components.tasks import format_example
     from tracefp4.components.tokenizer import load_tokenizer
 
-    config = localize(
-        load_config(None, preset="smoke", overrides={"method": "bf16", "model.dtype": "bfloat16"}), tmp_path
-    )
+    overrides = {"method": "bf16", "model.dtype": "bfloat16", "seed": 3}
+    config = localize(load_config(None, preset="smoke", overrides=overrides), tmp_path)
     steps.prepare(config, tmp_path / "policy")
     calibrated, ptq_models = [], evaluation._ptq_models
     monkeypatch.setattr(
         evaluation, "_ptq_models", lambda c, m, prompts: calibrated.extend(prompts) or ptq_models(c, m, prompts)
     )
+    seeds, engine = [], evaluation.TorchEngine
+    monkeypatch.setattr(
+        evaluation, "TorchEngine", lambda *a, **kw: seeds.append(kw.get("calibration_seed")) or engine(*a, **kw)
+    )
     result = evaluation.evaluate(config, tmp_path / "policy")
+    assert len(seeds) > 2 and set(seeds) == {3}  # every engine quantizes with the run's static scales
     tokenizer, (train, test) = load_tokenizer(tmp_path / "policy"), steps.problems(config)
     encoded = lambda problems: {tuple(tokenizer.encode_prompt(format_example(p))) for p in problems}  # noqa: E731
     assert calibrated and {tuple(p) for p in calibrated} <= encoded(train) - encoded(
@@ -362,6 +366,15 @@ def test_evaluation_of_a_bf16_run_holds_ptq_baselines_discrepancy_and_sensitivit
     assert (
         by_bits[(1, 1)]["bits_per_element"] < by_bits[(2, 1)]["bits_per_element"] < by_bits[(2, 2)]["bits_per_element"]
     )
+
+
+def test_the_discrepancy_analysis_takes_each_task_in_turn():
+    from tracefp4.components.evaluation import across_tasks
+    from tracefp4.components.tasks import Problem
+
+    test = [Problem(task, f"{task}{i}", "", {}) for task, n in (("arithmetic", 3), ("countdown", 2)) for i in range(n)]
+    assert [test[i].prompt for i in across_tasks(test, 3)] == ["arithmetic0", "countdown0", "arithmetic1"]
+    assert sorted(across_tasks(test, 99)) == list(range(5))
 
 
 def test_evaluation_of_a_trace_run_measures_its_guided_training_path(tmp_path, native_bf16):
