@@ -170,7 +170,7 @@ def test_the_metrics_file_holds_what_prometheus_scraped(prometheus, pushed_run):
 
 
 def test_kfp_gets_the_round_means_prometheus_gets():
-    """The train component logs each figure's mean over the round's steps (not its last step's), as it publishes them."""
+    """The train component logs each figure's mean over the round's steps (not its last step's)."""
     rows = [
         {"reward_mean": 0.25, "k3_kl": 1e-3, "guidance_coverage": 0.5, "chi2_token": None},
         {"reward_mean": 0.75, "k3_kl": 3e-3, "guidance_coverage": 1.0, "chi2_token": None},
