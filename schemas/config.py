@@ -144,11 +144,22 @@ class RolloutConfig(_Section):
     config: RolloutConfigName = Field(
         default="fp4_wa_kv", description="Which sites the rollout quantizes (components.quant.rollout_config)."
     )
-    temperature: float = Field(default=1.0, ge=0.0, le=10.0, description="Sampling temperature; 0 is greedy.")
+    temperature: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=10.0,
+        description="Sampling temperature of the rollouts (greedy ones would make a group's responses alike, and "
+        "every advantage 0; evaluation scores greedily besides).",
+    )
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 disables it.")
     top_k: int = Field(default=0, ge=0, le=1 << 20, description="Top-k sampling; 0 disables it.")
     max_new_tokens: int = Field(default=64, ge=1, le=1 << 20, description="Response length limit, in tokens.")
-    group_size: int = Field(default=4, ge=1, le=1024, description="Responses sampled per prompt (the advantage group).")
+    group_size: int = Field(
+        default=4,
+        ge=2,
+        le=1024,
+        description="Responses sampled per prompt (the advantage group: GRPO compares them, so at least 2).",
+    )
     prompts_per_step: int = Field(
         default=8, ge=1, le=65536, description="Prompts rolled out per RL step. Bounded: held in memory at once."
     )
@@ -210,7 +221,7 @@ class GuidanceConfig(_Section):
         "steps choose each layer's and site's rate from the previous step's decode statistics.",
     )
     trajectories_per_shard: int = Field(default=64, ge=1, le=65536, description="Trajectories per guidance shard file.")
-    prefetch_microbatches: int = Field(default=2, ge=0, le=64, description="Microbatches of guidance loaded ahead.")
+    prefetch_microbatches: int = Field(default=2, ge=1, le=64, description="Microbatches of guidance loaded ahead.")
     allow_rtn_fallback: bool = Field(
         default=False, description="Round a trajectory without guidance RTN (counted) instead of failing."
     )
@@ -254,13 +265,14 @@ class RLConfig(_Section):
     )
     ppo_clip: float = Field(default=0.2, gt=0.0, le=1.0, description="PPO ratio clip epsilon.")
     tis_cap: float = Field(
-        default=2.0, ge=1.0, description="Truncated importance sampling cap C: weight min(pi_train / pi_rollout, C)."
+        default=2.0, ge=1.0, description="Truncated importance sampling cap C: weight min(pi_old / pi_rollout, C)."
     )
     kl_coef: float = Field(
         default=0.0,
         ge=0.0,
         description="k3 KL penalty to the policy the round started from (the rollout's, in training numerics); 0 "
-        "disables it. off_policy only: an on_policy round trains that very policy, so the penalty would be 0.",
+        "disables it. Needs more than one optimizer step a round (off_policy with steps_per_round > 1 or "
+        "grad_accumulation > 0): a round of one trains that very policy, so the penalty would be 0.",
     )
     adam_betas: tuple[Beta, Beta] = Field(default=(0.9, 0.999), description="AdamW (beta1, beta2).")
     measure_mismatch: bool = Field(
@@ -370,6 +382,15 @@ class BootstrapConfig(_Section):
     )
     eval_every: int = Field(default=50, ge=0, le=1_000_000, description="Steps between accuracy checks (0: none).")
     eval_prompts: int = Field(default=16, ge=1, le=65536, description="Test prompts of each accuracy check.")
+
+    @model_validator(mode="after")
+    def _target_is_checked(self) -> "BootstrapConfig":
+        if self.target_accuracy is not None and not 0 < self.eval_every < self.steps:
+            raise ValueError(
+                f"target_accuracy {self.target_accuracy} is checked every eval_every steps before the last: "
+                f"eval_every must lie in 1..{self.steps - 1} (steps {self.steps}), got {self.eval_every}"
+            )
+        return self
 
 
 class EvaluationConfig(_Section):
@@ -531,13 +552,14 @@ class RunConfig(_Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engine and sampling.")
     guidance: GuidanceConfig = Field(default_factory=GuidanceConfig, description="Rollout guidance kept for training.")
     rl: RLConfig = Field(default_factory=RLConfig, description="RL loop and optimizer.")
-    train: TrainSection = Field(default_factory=TrainSection, description="The trainer's numerics.")
     method: Method = Field(
         default="trace",
         description="Training method: bf16 (no QAT), qat (RTN), quads (weights-only QAT + rollout compensation), "
         "trace (rollout-guided rounding), tis_sc (TIS + score centering). docs/training.md.",
     )
-    train: TrainSection = Field(default_factory=TrainSection, description="Processes and machines of training.")
+    train: TrainSection = Field(
+        default_factory=TrainSection, description="The trainer's numerics, and the processes and machines it runs on."
+    )
     bootstrap: BootstrapConfig = Field(default_factory=BootstrapConfig, description="SFT of the initial policy.")
     tasks: list[TaskConfig] = Field(
         default_factory=lambda: [TaskConfig(name="arithmetic")], min_length=1, description="Training task mix."
@@ -565,11 +587,13 @@ class RunConfig(_Section):
             )
         if self.method == "trace" and self.rollout.config == "bf16":
             problems.append("method: trace guides training with FP4 rollout codes; rollout.config bf16 records none")
-        if self.rl.schedule == "on_policy" and self.rl.kl_coef > 0:
+        if self.rl.kl_coef > 0 and self.rl.steps_per_round == 1 and self.rl.grad_accumulation == 0:
             problems.append(
-                f"rl.kl_coef: {self.rl.kl_coef} penalizes the KL to the policy the round started from, which an "
-                "on_policy round trains (one optimizer step): the penalty and its gradient are 0; use off_policy"
+                f"rl.kl_coef: {self.rl.kl_coef} penalizes the KL to the policy the round started from, which a "
+                "round of one optimizer step trains: the penalty and its gradient are 0; use off_policy with "
+                "rl.steps_per_round > 1 or rl.grad_accumulation > 0"
             )
+
         if self.rl.schedule == "on_policy" and (self.rl.steps_per_round != 1 or self.rl.grad_accumulation != 0):
             problems.append(
                 "rl.schedule: on_policy trains each rollout batch with one optimizer step; it needs "

@@ -137,6 +137,24 @@ def test_a_kl_penalty_that_would_be_zero_is_refused():
     assert [path for path, _ in info.value.problems] == ["rl.kl_coef"]
     off_policy = {"rl": {"kl_coef": 0.1, "schedule": "off_policy", "steps_per_round": 2}}
     assert load_config(None, overrides=off_policy).rl.kl_coef == 0.1
+    with pytest.raises(ConfigError, match="rl.kl_coef"):  # off_policy, but still one optimizer step a round
+        load_config(None, overrides={"rl": {"kl_coef": 0.1, "schedule": "off_policy", "steps_per_round": 1}})
+
+
+@pytest.mark.parametrize(
+    "overrides, path",
+    [
+        ({"rollout.group_size": 1}, "rollout.group_size"),  # a group of one: every advantage 0
+        ({"rollout.temperature": 0.0}, "rollout.temperature"),  # a group of alike responses: the same
+        ({"guidance.prefetch_microbatches": 0}, "guidance.prefetch_microbatches"),  # a queue of 0 is unbounded
+        ({"bootstrap": {"target_accuracy": 0.5, "eval_every": 0}}, "bootstrap"),  # a target never checked
+        ({"bootstrap": {"target_accuracy": 0.5, "eval_every": 300, "steps": 300}}, "bootstrap"),
+    ],
+)
+def test_values_that_would_run_without_effect_are_refused(overrides, path):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides=overrides)
+    assert [p for p, _ in info.value.problems] == [path]
 
 
 def test_evaluation_never_asks_for_more_test_prompts_than_a_task_holds():
