@@ -378,6 +378,19 @@ def decode_summary(decode: dict) -> dict:
     }
 
 
+def merge_decodes(parts: list[dict]) -> dict:
+    """Per ``(layer, site)``, the :class:`DecodeStats` of every share of a step
+    (one per training process, each decoding its own microbatches) summed."""
+    total: dict = {}
+    for part in parts:
+        for key, stats in part.items():
+            if key in total:
+                total[key].merge(stats)
+            else:
+                total[key] = replace(stats)  # merge replaces its lists, so the copy need not copy them
+    return total
+
+
 def merge_decode_json(a: dict | None, b: dict) -> dict:
     """Two :meth:`DecodeStats.to_json` of one ``(layer, site)`` and rate (a round's steps) summed."""
     if a is None:

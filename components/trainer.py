@@ -36,7 +36,7 @@ from .qat import TrainingSites
 from .quant import QuantConfig
 from .rl import SequenceBatch, alignment_metrics, grpo_loss, score_centering, stack_rows, token_logprobs
 from .rollout import Trajectory
-from .syndrome import DecodeStats, add_tally, decode_summary
+from .syndrome import DecodeStats, add_tally, decode_summary, merge_decodes
 from .trainer_state import load_state, save_state
 
 MASTER_PREFIX = "master."  # trainer-state tensors holding the float32 master weights, by parameter name
@@ -219,7 +219,9 @@ class Trainer:
             for k in figures:
                 stats[k] = stats.get(k, 0.0) + next(read) * n / total_tokens
         grad_norms, guided = [next(read) for _ in grad_norms], next(read)
-        decode = {key: DecodeStats.from_tally(rate, next(read)) for key, (rate, _) in decode.items()}
+        decode = merge_decodes(
+            self.all_gather({key: DecodeStats.from_tally(rate, next(read)) for key, (rate, _) in decode.items()})
+        )
         names = sorted(stats)
         summed = self.all_sum([stats[k] for k in names] + [guided, captured])
         stats = dict(zip(names, summed))

@@ -15,6 +15,7 @@ import torch
 from tracefp4.components import steps
 from tracefp4.components.checkpoint import load_model
 from tracefp4.components.distributed import DistributedError
+from tracefp4.components.guidance import step_prefix
 from tracefp4.components.launch import torchrun
 from tracefp4.components.store import open_store
 from tracefp4.components.tasks import END
@@ -30,7 +31,9 @@ def config_for(tmp_path, processes: int = 1, **rl) -> RunConfig:
     """Smoke, trace: 3 off-policy steps of 4 trajectories in microbatches of 1, an optimizer step every 2."""
     data = get_preset("smoke").model_dump()
     data["store"]["uri"] = (tmp_path / "store").as_uri()
-    data["rl"].update(schedule="off_policy", steps_per_round=3, microbatch_size=1, grad_accumulation=2, **rl)
+    data["rl"].update(
+        {"schedule": "off_policy", "steps_per_round": 3, "microbatch_size": 1, "grad_accumulation": 2, **rl}
+    )
     data["rl"]["learning_rate"] = 1e-2  # steps large enough that a wrong gradient shows
     data["bootstrap"]["enabled"] = False
     data["train"] = {"processes_per_node": processes, "timeout_seconds": 60, "precision": "fp32_master"}
@@ -114,6 +117,32 @@ def test_two_processes_train_what_one_does(round_inputs, both):
     assert sorted(s1) == sorted(s2)
     for i in s1:
         torch.testing.assert_close(s2[i]["exp_avg_sq"], s1[i]["exp_avg_sq"], rtol=1e-4, atol=1e-12)
+
+
+def test_two_processes_count_the_whole_steps_syndrome_decode(tmp_path):
+    """Each rank decodes its own microbatches' guidance: the step's decode figures,
+    and the statistics the next round's rate control reads, sum the ranks' counts."""
+
+    def syndrome(processes: int) -> RunConfig:
+        data = config_for(tmp_path, processes, steps_per_round=1).model_dump()
+        data["guidance"].update(codec="syndrome", bits=1)
+        return RunConfig.model_validate(data)
+
+    config = syndrome(1)
+    steps.prepare(config, tmp_path / "policy-0", RUN, tmp_path / "state-0")
+    steps.rollout(config, tmp_path / "policy-0", 0, tmp_path / "trajectories.jsonl", RUN)
+    ref, stats = steps.compaction(config, tmp_path / "policy-0", tmp_path / "trajectories.jsonl", 0, RUN)
+    (tmp_path / "guidance.json").write_text(ref.to_json())
+    inputs = (tmp_path / "policy-0", tmp_path / "state-0", tmp_path / "trajectories.jsonl")
+    store, key = open_store(config.store.uri), f"{step_prefix(ref.prefix, 0)}/{steps.DECODE_FILE}"
+    (one,) = steps.train(config, *inputs, ref, tmp_path / "one", tmp_path / "one-state", RUN, stats)
+    decoded_by_one = json.loads(store.get_bytes(key))
+    store.delete(key)
+    (two,) = torchrun(
+        syndrome(2), *inputs, tmp_path / "guidance.json", tmp_path / "two", tmp_path / "two-state", tmp_path, RUN, stats
+    )
+    assert two["guidance_decode_blocks"] == one["guidance_decode_blocks"] > 0
+    assert json.loads(store.get_bytes(key)) == decoded_by_one
 
 
 def test_a_finished_round_leaves_no_sharded_checkpoint(round_inputs, both):
