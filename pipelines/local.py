@@ -278,7 +278,8 @@ def run_local(
     output = Path(output).resolve()
     output.mkdir(parents=True, exist_ok=True)
     config = localize(config, output)
-    run_id, resumed = resume.run_id(output, config.model_dump_json() + repr(methods), restart)
+    request = config.model_dump_json() + repr(methods) + resume.code_digest()
+    run_id, resumed = resume.run_id(output, request, restart)
     note = ", resumed: finished tasks are reused, not rerun" if resumed else ""
     print(f"run id {run_id}{note}", file=out, flush=True)
     if methods:

@@ -10,8 +10,11 @@ that was interrupted or failed has no entry, so its partial outputs are never
 read: the rerun runs it again into a fresh folder. The run folder holds:
 
 - ``run.json``: the run id (created once, reused on every resume) and the
-  hash of what was asked for (config and methods). The same config resumes;
-  another config starts a new run id, whose keys match nothing recorded.
+  hash of what was asked for (config and methods) and of the code asked to
+  do it (:func:`code_digest`). The same config on the same code resumes;
+  another config, or changed code, starts a new run id, whose keys match
+  nothing recorded (kfp.local's key holds a component's own few lines, not
+  the library code they call).
 - ``completed/``: kfp.local's cache entries, one JSON file per finished task.
 
 kfp.local takes an output artifact without a file for a lost one (a miss),
@@ -24,6 +27,7 @@ the local copy of the spec only.
 """
 
 import hashlib
+import importlib
 import json
 import os
 import uuid
@@ -31,6 +35,18 @@ from pathlib import Path
 
 RUN_FILE = "run.json"
 COMPLETED = "completed"
+PACKAGES = ("tracefp4.kernels", "tracefp4.components", "tracefp4.pipelines", "tracefp4.schemas")
+
+
+def code_digest() -> str:
+    """sha256 of the tracefp4 code the tasks run: every Python file of its packages, by name and content."""
+    digest = hashlib.sha256()
+    for name in PACKAGES:
+        root = Path(importlib.import_module(name).__path__[0])
+        for path in sorted(root.rglob("*.py")):
+            digest.update(f"{name}/{path.relative_to(root).as_posix()}\0".encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def run_id(output: Path, request: str, restart: bool = False) -> tuple[str, bool]:

@@ -81,6 +81,21 @@ def test_a_run_folder_keeps_its_run_id_while_the_request_is_the_same(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == [resume.RUN_FILE]  # written through a renamed temporary file
 
 
+def test_the_code_digest_follows_the_code(tmp_path, monkeypatch):
+    """A run folder resumes only on the code that began it: kfp.local's task cache
+    keys a component's own lines, not the library code they call."""
+    digest = resume.code_digest()
+    assert digest == resume.code_digest() and len(digest) == 64
+    package = tmp_path / "fake"
+    package.mkdir()
+    (package / "steps.py").write_text("STEP = 1\n")
+    monkeypatch.setattr(resume, "PACKAGES", ("fake",))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = resume.code_digest()
+    (package / "steps.py").write_text("STEP = 2\n")
+    assert resume.code_digest() != before
+
+
 def test_local_pipelines_cache_every_task_and_never_retry():
     config = get_preset("smoke")
     comparison = build_comparison_pipeline(config, ["trace", "qat"], retries=False)
