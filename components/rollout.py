@@ -359,12 +359,21 @@ class TorchEngine:
         ``first + i`` (default: numbered on from the last call) and draws from
         its own generator, seeded by ``sampling.seed`` and its place ``place + i``
         in its batch: a request gives the same response whatever else shares
-        the call (a batch split over rollout workers passes each share's place)."""
+        the call (a batch split over rollout workers passes each share's place).
+        A capturing engine rolls out in waves whose prefill fits a capture
+        buffer (``CaptureConfig.max_tokens`` token rows): the same responses."""
         self._check(prompts)
         dev, b, n_new = self.device, len(prompts), sampling.max_new_tokens
         first = self._next_id if first is None else first
-        ids = torch.arange(first, first + b, device=dev)
         self._next_id = first + b
+        wave = self._wave(prompts)
+        if wave < b:
+            return [
+                t
+                for i in range(0, b, wave)
+                for t in self.generate(prompts[i : i + wave], sampling, first + i, place + i)
+            ]
+        ids = torch.arange(first, first + b, device=dev)
         tokens, positions, lengths = right_pad(prompts, pad=sampling.pad_token, device=dev)
         cache = KVCache(self.model.cfg, b, tokens.shape[1] + n_new, self.sites, self.dtype, dev)
         logits = self._prefill(tokens, positions, lengths, ids, cache)
@@ -376,6 +385,13 @@ class TorchEngine:
                     break
             logits = run.decode()
         return run.trajectories(prompts)
+
+    def _wave(self, prompts: list[list[int]]) -> int:
+        """How many of ``prompts`` one prefill takes: all, unless their right-padded
+        tokens overflow a capture buffer (a prompt alone too long still fails there)."""
+        if self.capture is None:
+            return len(prompts)
+        return max(1, self.capture.config.max_tokens // max(len(p) for p in prompts))
 
     def _check(self, prompts: list[list[int]]) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):

@@ -167,8 +167,8 @@ class RolloutConfig(_Section):
         default=4096,
         ge=1,
         le=1 << 22,
-        description="Rows of each capture buffer (token rows per forward before "
-        "offload). Bounded: held in memory at once.",
+        description="Rows of each capture buffer (token rows per forward before offload): a capturing rollout "
+        "prefills as many prompts at once as their padded tokens fit, in waves. Bounded: held in memory at once.",
     )
     workers: int = Field(
         default=1,

@@ -48,6 +48,21 @@ def test_capture_is_complete_and_keyed(smoke):
         assert records.tables[(layer, "k_cache")].width == cfg.num_kv_heads * cfg.head_dim
 
 
+def test_a_batch_whose_prefill_overflows_a_buffer_rolls_out_in_waves(smoke):
+    """Prefill of 6 prompts of up to 11 tokens: 66 rows, over a 24-row buffer.
+    The engine rolls out 2 prompts a wave, with the responses and the capture
+    of one call (each request draws from its own generator)."""
+    _, whole, records = rollout(smoke, CaptureConfig())
+    engine, waves, waved = rollout(smoke, CaptureConfig(max_tokens=24))
+    assert max(len(p) for p in prompts(6, smoke.cfg.vocab_size)) == 11 and engine._wave(prompts(6, 256)) == 2
+    assert [(t.id, t.tokens, t.logprobs) for t in waves] == [(t.id, t.tokens, t.logprobs) for t in whole]
+    assert records.tables.keys() == waved.tables.keys()
+    for key, table in records.tables.items():
+        other = waved.tables[key]
+        for field in ("traj", "pos", "slot", "codes", "scales"):
+            assert torch.equal(getattr(table, field), getattr(other, field)), (key, field)
+
+
 def test_captured_kv_is_what_the_cache_held(smoke):
     # layer 0's K and V depend on each token alone: recomputing them over the
     # full sequences must give exactly the codes the cache held at request end
