@@ -282,16 +282,9 @@ class Capture:
             "v_cache": (kv_width, 1),
         }
         self._widths, shapes = {}, {}
-        for layer in range(model_cfg.num_layers):
-            for site, (width, per_token) in site_shapes.items():
-                fmt = quant.site_format(site)
-                if (
-                    fmt is None
-                    or not config.keeps(layer)
-                    or (site in ACTIVATION_SITES and not model_cfg.is_sparse(layer))
-                    or (site not in ACTIVATION_SITES and model_cfg.is_linear(layer))  # no KV cache there
-                ):
-                    continue
+        for layer in filter(config.keeps, range(model_cfg.num_layers)):
+            for site in quant.fp4_sites(model_cfg, layer):
+                fmt, (width, per_token) = quant.site_format(site), site_shapes[site]
                 self._widths[(layer, site)] = width
                 if site in ACTIVATION_SITES or kv_from_forward:
                     nscales = width // get_format(fmt).block_size

@@ -89,6 +89,21 @@ class QuantConfig:
         fmt = self.activations if site in ACTIVATION_SITES else self.kv if site in KV_SITES else self.weights
         return fmt if fmt in FP4_FORMATS else None
 
+    def fp4_sites(self, cfg: ModelConfig, layer: int) -> list[str]:
+        """The captured sites of ``layer`` that are FP4 here (what a rollout records
+        there): expert activations in a routed-MoE layer, the KV cache in a
+        full-attention one."""
+        return [
+            site
+            for site in ACTIVATION_SITES + KV_SITES
+            if self.site_format(site) is not None
+            and (cfg.is_sparse(layer) if site in ACTIVATION_SITES else not cfg.is_linear(layer))
+        ]
+
+    def fp4_layers(self, cfg: ModelConfig) -> list[int]:
+        """The layers with an FP4 site (:meth:`fp4_sites`): the ones guidance can cover."""
+        return [layer for layer in range(cfg.num_layers) if self.fp4_sites(cfg, layer)]
+
     def per_token(self, site: str) -> bool:
         """Whether ``site`` takes one NVFP4 global scale per row, computed from the row."""
         return self.activation_global_scale == "per_token" and site in ACTIVATION_SITES

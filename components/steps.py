@@ -138,7 +138,7 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
     tokenizer = load_tokenizer(checkpoint) if checkpoint else build_tokenizer()
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {model.cfg.vocab_size}")
-    problems = config.guided_layer_problems(model.cfg.num_layers, f"checkpoint {config.model.checkpoint}")
+    problems = config.guided_layer_problems(model.cfg, f"checkpoint {config.model.checkpoint}")
     if problems:  # before any work
         raise ValueError("\n".join(problems))
     stats = run_bootstrap(config, model, tokenizer) if config.bootstrap.enabled else {}

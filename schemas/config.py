@@ -201,8 +201,9 @@ class GuidanceConfig(_Section):
     bits: int = Field(default=1, ge=1, le=4, description="Low bits kept per FP4 code: R-kbit (4 keeps the whole code).")
     layers: LayerSelection = Field(
         default="all",
-        description="Layers guided: 'all', N (the deepest N) or a list of layer indices. Coverage decides "
-        "alignment more than bit depth (docs/results.md): a mismatch left in one layer cascades into the next.",
+        description="Layers guided, of those with FP4 sites under the rollout config: 'all', N (the deepest N) "
+        "or a list of layer indices. Coverage decides alignment more than bit depth (docs/results.md): a mismatch "
+        "left in one layer cascades into the next.",
     )
     compaction: Literal["inline", "offline"] = Field(
         default="inline", description="Truncate codes during capture (inline) or after a full capture (offline)."
@@ -622,9 +623,9 @@ class RunConfig(_Section):
         problems += self._activation_scale_problems()
         if self.rl.measure_mismatch and self.guidance.compaction != "offline":
             problems.append("rl.measure_mismatch: needs the rollout's full capture, so guidance.compaction offline")
-        if self.model.preset is not None:  # a checkpoint's depth is checked when prepare reads its config
+        if self.model.preset is not None:  # a checkpoint's layers are checked when prepare reads its config
             problems += self.guided_layer_problems(
-                model.PRESETS[self.model.preset].num_layers, f"model preset {self.model.preset}"
+                model.PRESETS[self.model.preset], f"model preset {self.model.preset}"
             )
         if problems:
             raise ValueError("\n".join(problems))
@@ -674,11 +675,26 @@ class RunConfig(_Section):
             )
         return problems
 
-    def guided_layer_problems(self, depth: int, model_name: str) -> list[str]:
-        """``guidance.layers`` against a model of ``depth`` layers, named ``model_name`` in the message."""
+    def guided_layer_problems(self, cfg: "model.ModelConfig", model_name: str) -> list[str]:
+        """``guidance.layers`` against the layers of ``cfg`` (``model_name`` in the
+        message) that have FP4 sites under the run's rollout config and, for trace,
+        whose discrepancy analysis guides the same layers, under each FP4 config
+        evaluation rolls out with (a hybrid model's linear-attention layers hold
+        no KV cache, a dense layer no expert activations)."""
         layers = self.guidance.layers
-        if isinstance(layers, list) and max(layers) >= depth:
-            return [f"guidance.layers: layer {max(layers)} does not exist; {model_name} has {depth}"]
-        if isinstance(layers, int) and layers > depth:
-            return [f"guidance.layers: the deepest {layers} layers; {model_name} has {depth}"]
-        return []
+        if isinstance(layers, list) and max(layers) >= cfg.num_layers:
+            return [f"guidance.layers: layer {max(layers)} does not exist; {model_name} has {cfg.num_layers}"]
+        names = [self.rollout.config]
+        if self.method == "trace" and self.evaluation.discrepancy_prompts:
+            names += [name for name in self.evaluation.rollout_configs if name not in names]
+        problems = []
+        for name in names:
+            fp4 = quant.rollout_config(name, self.rollout.fmt).fp4_layers(cfg)
+            where = f"{model_name} has FP4 sites in layers {fp4} under rollout config {name}"
+            if not fp4:  # bf16: nothing captured to guide (trace with a bf16 rollout is refused on its own)
+                continue
+            if isinstance(layers, int) and layers > len(fp4):
+                problems.append(f"guidance.layers: the deepest {layers} layers with FP4 sites; {where}")
+            if isinstance(layers, list) and (missing := sorted(set(layers) - set(fp4))):
+                problems.append(f"guidance.layers: layers {missing} have no FP4 site; {where}")
+        return problems

@@ -207,11 +207,33 @@ def test_a_layer_naming_preset_or_checkpoint_replaces_the_other():
         ).model.checkpoint
         is None
     )
-    with pytest.raises(ConfigError, match="guidance.layers: the deepest 20 layers; model preset smoke has 2"):
+    deepest = (
+        r"guidance.layers: the deepest 20 layers with FP4 sites; model preset smoke has FP4 sites in layers \[0, 1\]"
+    )
+    with pytest.raises(ConfigError, match=deepest):
         load_config(None, "paper-nvfp4-wa-kv", {"model": {"preset": "smoke"}})  # known before any work
     with pytest.raises(ConfigError, match="guidance.layers: layer 5 does not exist; model preset smoke has 2"):
         load_config(None, "smoke", {"guidance.layers": [0, 5]})
     assert load_config(None, "smoke", {"model.checkpoint": "/ckpt/qwen3"}).model.preset is None
+
+
+def test_guided_layers_need_fp4_sites_under_every_rollout_config_that_guides_them():
+    """tiny-qwen35: 3 Gated DeltaNet layers (no KV cache), then 1 full-attention one; all four are MoE."""
+    kv_only = {"rollout.config": "fp4_kv", "evaluation.rollout_configs": ["fp4_kv"]}
+    with pytest.raises(
+        ConfigError, match=r"layers \[0\] have no FP4 site; .* layers \[3\] under rollout config fp4_kv"
+    ):
+        load_config(None, "tiny-qwen35", {**kv_only, "guidance.layers": [0]})
+    with pytest.raises(
+        ConfigError, match=r"the deepest 2 layers with FP4 sites; .* layers \[3\] under rollout config fp4_kv"
+    ):
+        load_config(None, "tiny-qwen35", {**kv_only, "guidance.layers": 2})
+    # the run's own config guides layers 2 and 3; trace's discrepancy analysis under fp4_kv would guide them too
+    evaluated = {"evaluation.rollout_configs": ["bf16", "fp4_wa_kv", "fp4_kv"]}
+    with pytest.raises(ConfigError, match="rollout config fp4_kv"):
+        load_config(None, "tiny-qwen35", evaluated)
+    assert load_config(None, "tiny-qwen35", {**evaluated, "evaluation.discrepancy_prompts": 0})
+    assert load_config(None, "tiny-qwen35", {**evaluated, "method": "qat"})  # its evaluation guides nothing
 
 
 def test_secrets_come_from_the_environment_only(monkeypatch, tmp_path):
