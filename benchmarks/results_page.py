@@ -196,13 +196,15 @@ def science_section(data: dict) -> list[str]:
         f"runs {s['steps']} RL steps from that base ({s['batch']} per step, learning rate {s['lr']:g}; TRACE with "
         f"{s['guidance']}, the preset's guidance) through the pipeline's own round, and each final policy is "
         f"evaluated greedily on the same {s['test_size']} held-out problems per seed under the FP4 rollout "
-        f"(`{fp4}`) and, for the BF16-trained policy, under BF16 and after each PTQ baseline. Differences are "
+        f"(`{fp4}`) and, for the BF16-trained policy, under BF16 and after each PTQ baseline (`ptq:nvfp4`, "
+        "round-to-nearest NVFP4 weights, is what that rollout does to the BF16 policy's experts anyway, so its "
+        "row equals the BF16-trained one under the FP4 rollout by construction). Differences are "
         "paired over (seed, prompt) with a 10,000-resample bootstrap that resamples the seeds (each its own RL "
         "run) and then the prompts within each (`stats.paired_bootstrap` with clusters). That is conservative: "
         "resampling both stages counts the spread within a run twice. Resampling the prompts alone, as this page "
         "did before, gave intervals 14-39% narrower, but it counts every prompt as a run of its own, and part of "
-        "the gap is the two-stage method's own widening. Single rates carry Wilson intervals over the pooled "
-        "prompts, which leave the run-to-run spread out.",
+        "the gap is the two-stage method's own widening. Single rates carry the same two-stage bootstrap "
+        "(`stats.bootstrap_mean`); a Wilson interval over the pooled prompts would leave the run-to-run spread out.",
         "",
         "The base's greedy accuracy per seed after the bootstrap, against the "
         f"{100 * science.BAND[0]:.0f}-{100 * science.BAND[1]:.0f}% band the issue asks for:",
@@ -217,7 +219,7 @@ def science_section(data: dict) -> list[str]:
     for e in science.rl_effects(data):
         lines.append(f"| {e['method']} | {pts(e['difference'])} | {ci_pts(e['ci95'])} | {e['pairs']} |")
     lines += ["", "Pass@1 pooled over seeds and prompts:", ""]
-    lines += ["| policy | rollout | pass@1 | 95% CI (Wilson) | n |", "|---|---|---|---|---|"]
+    lines += ["| policy | rollout | pass@1 | 95% CI (runs, then prompts) | n |", "|---|---|---|---|---|"]
     for r in science.accuracy_table(data):
         low, high = r["ci95"]
         lines.append(f"| {r['policy']} | {r['rollout']} | {r['pass@1']:.3f} | [{low:.3f}, {high:.3f}] | {r['n']} |")

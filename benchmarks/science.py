@@ -50,7 +50,7 @@ from tracefp4.components import steps  # noqa: E402
 from tracefp4.components.bootstrap import accuracy  # noqa: E402
 from tracefp4.components.evaluation import evaluate  # noqa: E402
 from tracefp4.components.model import build_model  # noqa: E402
-from tracefp4.components.stats import paired_bootstrap, wilson_interval  # noqa: E402
+from tracefp4.components.stats import bootstrap_mean, paired_bootstrap, wilson_interval  # noqa: E402
 from tracefp4.components.tokenizer import build_tokenizer  # noqa: E402
 from tracefp4.schemas import RunConfig, get_preset  # noqa: E402
 
@@ -283,7 +283,9 @@ def _fp4(data: dict) -> str:
 
 
 def accuracy_table(data: dict) -> list[dict]:
-    """Pooled pass@1 (all seeds and tasks) with its Wilson interval, per policy, under the FP4 rollout and for BF16."""
+    """Pooled pass@1 (all seeds and tasks) per policy, under the FP4 rollout and for BF16, with its bootstrap
+    interval resampling the seeds' runs, then prompts within each (a Wilson interval over every prompt of every
+    run would take them as independent, narrower than a handful of runs supports)."""
     fp4 = _fp4(data)
     arms = [(m, "trained", fp4) for m in METHODS] + [("bf16", "trained", "bf16")]
     ptq = sorted({r["policy"] for run in data["runs"] for r in run["accuracy"] if r["policy"].startswith("ptq:")})
@@ -292,7 +294,8 @@ def accuracy_table(data: dict) -> list[dict]:
     for method, policy, rollout in arms:
         scores = _scores(data, method, policy, rollout)
         if scores:
-            low, high = wilson_interval(sum(scores.values()), len(scores))
+            keys = sorted(scores)  # (seed, task, prompts, index)
+            _, low, high = bootstrap_mean([scores[k] for k in keys], clusters=[k[0] for k in keys])
             label = method if policy == "trained" else policy if policy != "initial" else "initial (base)"
             rows.append(
                 {"policy": label, "rollout": rollout, "pass@1": sum(scores.values()) / len(scores), "ci95": [low, high]}
@@ -444,7 +447,7 @@ def render(data: dict, folder: Path) -> str:
     seeds = sorted({r["seed"] for r in data["runs"]})
     steps_run = max((len(r["history"]) for r in data["runs"]), default=0)
     lines = [f"Command: `{data['command']}`; seeds {seeds}, {steps_run} RL steps per run.", ""]
-    lines += ["| policy | rollout | pass@1 | 95% CI | n |", "|---|---|---|---|---|"]
+    lines += ["| policy | rollout | pass@1 | 95% CI (runs, then prompts) | n |", "|---|---|---|---|---|"]
     for r in accuracy_table(data):
         low, high = r["ci95"]
         lines.append(f"| {r['policy']} | {r['rollout']} | {r['pass@1']:.3f} | [{low:.3f}, {high:.3f}] | {r['n']} |")

@@ -48,24 +48,38 @@ def paired_bootstrap(
     clusters: Sequence | None = None,
 ) -> tuple[float, float, float]:
     """mean(a) - mean(b) over paired per-prompt scores, with the percentile
-    bootstrap interval: prompts are resampled with replacement, each keeping its
-    pair. With ``clusters`` (each pair's run, say its seed), runs are resampled
-    first and then prompts within each (a two-stage bootstrap): two RL runs
-    differ by more than their prompts do, and resampling prompts alone would
-    count every prompt of one run as independent evidence. The interval is
-    conservative: resampling both stages counts the variance within a run
-    twice (Davison and Hinkley 1997, section 3.8), which with a handful of runs
-    is the safer error. Deterministic for a seed."""
+    bootstrap interval of :func:`bootstrap_mean` over the pairs' differences:
+    each prompt keeps its pair."""
     x = np.asarray(a, dtype=np.float64)
     y = np.asarray(b, dtype=np.float64)
     if x.shape != y.shape or x.ndim != 1 or x.size == 0:
         raise ValueError(f"paired scores need two equal, non-empty 1-D sequences, not {x.shape} and {y.shape}")
+    return bootstrap_mean(x - y, confidence, resamples, seed, clusters)
+
+
+def bootstrap_mean(
+    values: Sequence[float],
+    confidence: float = 0.95,
+    resamples: int = 10_000,
+    seed: int = 0,
+    clusters: Sequence | None = None,
+) -> tuple[float, float, float]:
+    """The mean of per-prompt ``values`` with its percentile bootstrap interval:
+    prompts are resampled with replacement. With ``clusters`` (each value's run,
+    say its seed), runs are resampled first and then prompts within each (a
+    two-stage bootstrap): two RL runs differ by more than their prompts do, and
+    resampling prompts alone would count every prompt of one run as independent
+    evidence. The interval is conservative: resampling both stages counts the
+    variance within a run twice (Davison and Hinkley 1997, section 3.8), which
+    with a handful of runs is the safer error. Deterministic for a seed."""
+    d = np.asarray(values, dtype=np.float64)
+    if d.ndim != 1 or d.size == 0:
+        raise ValueError(f"the values need a non-empty 1-D sequence, not shape {d.shape}")
     if resamples < 1:
         raise ValueError(f"resamples must be positive, not {resamples}")
-    if clusters is not None and len(clusters) != x.size:
-        raise ValueError(f"clusters name {len(clusters)} pairs, the scores hold {x.size}")
+    if clusters is not None and len(clusters) != d.size:
+        raise ValueError(f"clusters name {len(clusters)} values, there are {d.size}")
     _z(confidence)  # checks the level
-    d = x - y
     rng = np.random.default_rng(seed)
     if clusters is None:
         chunk = max(1, 4_000_000 // d.size)  # bounded memory for thousands of prompts

@@ -5,7 +5,13 @@ import random
 
 import pytest
 
-from tracefp4.components.stats import accuracy_row, paired_bootstrap, paired_difference, wilson_interval
+from tracefp4.components.stats import (
+    accuracy_row,
+    bootstrap_mean,
+    paired_bootstrap,
+    paired_difference,
+    wilson_interval,
+)
 
 
 @pytest.mark.parametrize(
@@ -76,8 +82,14 @@ def test_clustered_bootstrap_counts_runs_not_prompts():
     assert paired_bootstrap(a, b, clusters=runs, seed=3) == paired_bootstrap(a, b, clusters=runs, seed=3)
     one = paired_bootstrap(a[:200], b[:200], resamples=2000, clusters=[0] * 200)
     assert one == pytest.approx(paired_bootstrap(a[:200], b[:200], resamples=2000), abs=0.01)
-    with pytest.raises(ValueError, match="clusters name 3 pairs"):
+    with pytest.raises(ValueError, match="clusters name 3 values, there are 1000"):
         paired_bootstrap(a, b, clusters=[0, 1, 2])
+    # one arm's mean, runs resampled too: the interval of the per-prompt values themselves
+    mean, low, high = bootstrap_mean(a, clusters=runs)
+    assert mean == pytest.approx(sum(a) / len(a)) and low < mean < high
+    assert (mean, low, high) == bootstrap_mean(a, clusters=runs) and high - low > bootstrap_mean(a)[2] - bootstrap_mean(
+        a
+    )[1]
 
 
 @pytest.mark.parametrize("a, b", [([], []), ([1.0], [1.0, 0.0]), ([[1.0]], [[1.0]])])
