@@ -209,7 +209,7 @@ def train_config(config: RunConfig) -> TrainConfig:
         kl_coef=rl.kl_coef,
         temperature=config.rollout.temperature or 1.0,
         compute_dtype=compute_dtype(config),
-        precision=config.train.precision,
+        precision=config.train_precision,
     )
 
 

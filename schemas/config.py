@@ -290,14 +290,16 @@ class TrainSection(_Section):
     launched as docs/deploy.md says. Named apart from the library's
     ``components.trainer.TrainConfig``, the optimizer's hyperparameters (``rl``)."""
 
-    precision: Precision = Field(
-        default="bf16",
+    precision: Precision | None = Field(
+        default=None,
         description="bf16: bf16 parameters and a bf16 forward (residual stream, norms, RoPE: as the rollout's bf16 "
         "policy computes), AdamW over float32 master weights and moments, the parameters the master rounded after "
         "each step: how Megatron (bf16, distributed optimizer) and FSDP2 (MixedPrecisionPolicy) train, and the "
-        "numerics closest to a bf16 rollout, so the default. fp32_master: float32 parameters under bf16 autocast "
-        "(the residual stream, norms and RoPE stay float32): more FP4 codes flip between training and rollout "
-        "(docs/results.md). Either way the master weights are saved with the optimizer state.",
+        "numerics closest to a bf16 rollout. fp32_master: float32 parameters under autocast to the rollout's dtype "
+        "(the residual stream, norms and RoPE stay float32): against a bf16 rollout more FP4 codes flip between "
+        "training and rollout (docs/results.md); against a float32 one, the same numerics. None: the rollout's, "
+        "bf16 for a bfloat16 model.dtype and fp32_master for float32, and fp32_master for several training "
+        "processes. Either way the master weights are saved with the optimizer state.",
     )
     nodes: int = Field(
         default=1, ge=1, le=1024, description="Machines the train step trains on; more than 1 needs launcher trainjob."
@@ -653,6 +655,15 @@ class RunConfig(_Section):
             )
         return problems
 
+    @property
+    def train_precision(self) -> str:
+        """``train.precision``, or where unset the rollout's numerics (:class:`TrainSection`)."""
+        if self.train.precision is not None:
+            return self.train.precision
+        if self.train.world_size > 1 or self.model.dtype == "float32":
+            return "fp32_master"
+        return "bf16"
+
     def _train_problems(self) -> list[str]:
         """Distributed training: one node unless a TrainJob launches it, and every
         optimizer step's microbatches split evenly over the processes."""
@@ -660,7 +671,7 @@ class RunConfig(_Section):
         if t.nodes > 1 and t.launcher != "trainjob":
             problems.append(f"train.nodes: {t.nodes} machines need train.launcher trainjob (torchrun runs on one)")
         world = t.world_size
-        if world > 1 and t.precision != "fp32_master":
+        if world > 1 and self.train_precision != "fp32_master":
             problems.append(
                 f"train.precision: {world} training processes need fp32_master (FSDP2 shards the float32 "
                 f"parameters themselves), got {t.precision}"

@@ -109,11 +109,21 @@ def test_bf16_training_on_a_cpu_without_bf16_takes_the_emulated_matmuls(monkeypa
     assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
 
 
+def test_unset_precision_is_the_rollouts_numerics():
+    """A float32 rollout is matched by float32 training (fp32_master's autocast to float32 is off), a bf16
+    one by bf16 parameters; several processes train fp32_master (FSDP2 shards the float32 parameters)."""
+    assert RunConfig().train.precision is None and RunConfig().train_precision == "fp32_master"  # model.dtype float32
+    assert RunConfig.model_validate({"model": {"preset": "tiny", "dtype": "bfloat16"}}).train_precision == "bf16"
+    several = {"model": {"preset": "tiny", "dtype": "bfloat16"}, "train": {"processes_per_node": 2}}
+    assert RunConfig.model_validate(several).train_precision == "fp32_master"
+    chosen = {"model": {"preset": "tiny", "dtype": "float32"}, "train": {"precision": "bf16"}}
+    assert RunConfig.model_validate(chosen).train_precision == "bf16"
+
+
 def test_precision_names_are_checked():
     with pytest.raises(ValueError, match="unknown training precision 'fp16'"):
         MasterWeights(build_model("smoke"), "fp16")
-    assert RunConfig().train.precision == "bf16"
     assert RunConfig.model_validate({"train": {"precision": "fp32_master"}}).train.precision == "fp32_master"
-    for bad in ("fp16", "bfloat16", None):
+    for bad in ("fp16", "bfloat16"):
         with pytest.raises(ValidationError, match="train.precision"):
             RunConfig.model_validate({"train": {"precision": bad}})
