@@ -54,7 +54,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import fetch, load_state
+from .checkpoint import fetch, folder_digest, load_state
 from .device import resolve
 from .model import Transformer
 from .precision import MasterWeights
@@ -206,11 +206,14 @@ def _by_name(state: dict, names: list[str]) -> dict:
 class ShardCheckpoints:
     """A round's sharded checkpoints in the store, one per RL step taken:
     ``<prefix>/step-<policy version>/`` holds each rank's torch.distributed.checkpoint
-    files, the round's history so far, and last the ``.metadata`` that makes it complete."""
+    files, the round's history so far, and last the ``.metadata`` that makes it complete.
+    Each is pinned to the round's run, starting version and policy folder
+    (``policy``: its :func:`~.checkpoint.folder_digest`): a run id given twice
+    must not resume one run's round onto another's policy."""
 
-    def __init__(self, store: ArtifactStore, prefix: str, run_id: str, start_version: int):
+    def __init__(self, store: ArtifactStore, prefix: str, run_id: str, start_version: int, policy: str):
         self.store, self.prefix = store, prefix.rstrip("/")
-        self.run_id, self.start_version = run_id, start_version
+        self.run_id, self.start_version, self.policy = run_id, start_version, policy
 
     def _key(self, version: int) -> str:
         return f"{self.prefix}/step-{version:06d}"
@@ -231,20 +234,20 @@ class ShardCheckpoints:
                     self.store.upload(f"{key}/{f.name}", f)
             dist.barrier()  # every rank's files are in the store
             if trainer.rank == 0:
-                meta = {"run_id": self.run_id, "start_version": self.start_version, "step": trainer.step}
+                meta = {
+                    "run_id": self.run_id,
+                    "start_version": self.start_version,
+                    "policy": self.policy,
+                    "step": trainer.step,
+                }
                 self.store.put_bytes(f"{key}/{HISTORY}", json.dumps({**meta, "history": history}).encode())
                 self.store.upload(f"{key}/{METADATA}", Path(local) / METADATA)  # complete
                 self.clear(keep=trainer.step)
         dist.barrier()
 
     def clear(self, keep: int | None = None) -> None:
-        """Delete the round's checkpoints but the one at version ``keep``; each
-        loses its ``.metadata`` first, so that a half-deleted one is never read."""
-        keys = [
-            k for k in self.store.list(self.prefix + "/") if keep is None or not k.startswith(self._key(keep) + "/")
-        ]
-        for key in sorted(keys, key=lambda k: not k.endswith("/" + METADATA)):
-            self.store.delete(key)
+        """Delete the round's checkpoints but the one at version ``keep``."""
+        clear_checkpoints(self.store, self.prefix, None if keep is None else self._key(keep))
 
     def load(self, trainer: DistributedTrainer, version: int) -> None:
         """Resume ``trainer`` (on every rank) from the complete checkpoint at ``version``."""
@@ -254,6 +257,11 @@ class ShardCheckpoints:
             raise DistributedError(
                 f"{self.store.uri}/{key}: checkpoint of run {meta['run_id']!r} from policy version "
                 f"{meta['start_version']}, this round is run {self.run_id!r} from version {self.start_version}"
+            )
+        if meta.get("policy") != self.policy:
+            raise DistributedError(
+                f"{self.store.uri}/{key}: checkpoint of a round from another policy folder (digest "
+                f"{meta.get('policy')}, this round's {self.policy}): is run id {self.run_id!r} used by two runs?"
             )
         model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
         with tempfile.TemporaryDirectory(prefix="tracefp4-dcp-") as local:
@@ -267,6 +275,14 @@ class ShardCheckpoints:
         trainer.step, trainer.history = meta["step"], meta["history"]
 
 
+def clear_checkpoints(store: ArtifactStore, prefix: str, keep: str | None = None) -> None:
+    """Delete the sharded checkpoints under ``prefix`` but the one under ``keep``; each
+    loses its ``.metadata`` first, so that a half-deleted one is never read."""
+    keys = [k for k in store.list(prefix.rstrip("/") + "/") if keep is None or not k.startswith(keep + "/")]
+    for key in sorted(keys, key=lambda k: not k.endswith("/" + METADATA)):
+        store.delete(key)
+
+
 def open_trainer(checkpoints_prefix: str | None, store: ArtifactStore | None, run_id: str):
     """``steps.train``'s ``open_trainer`` for a distributed round: the policy
     folder sharded over the ranks, resumed from the round's newest complete
@@ -277,7 +293,9 @@ def open_trainer(checkpoints_prefix: str | None, store: ArtifactStore | None, ru
     ) -> DistributedTrainer:
         trainer = DistributedTrainer.from_checkpoint(policy, state, config, quant, global_scales, device, run_id)
         if checkpoints_prefix is not None:
-            trainer.checkpoints = ShardCheckpoints(store, checkpoints_prefix, run_id, trainer.step)
+            trainer.checkpoints = ShardCheckpoints(
+                store, checkpoints_prefix, run_id, trainer.step, folder_digest(policy)
+            )
             latest = trainer.checkpoints.latest()
             if latest is not None:
                 trainer.checkpoints.load(trainer, latest)
@@ -345,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
             )
             if dist.get_rank() == 0:
                 _publish(rows, args.history, {out: args.out, out_state: args.out_state})
-                ShardCheckpoints(store, prefix, args.run_id, 0).clear()  # the round's policy is out: no resume needed
+                clear_checkpoints(store, prefix)  # the round's policy is out: no resume needed
             dist.barrier()
         finally:
             dist.destroy_process_group()

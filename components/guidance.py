@@ -329,11 +329,14 @@ def write_step(
     run_id: str = "",
     syndrome: dict | None = None,
 ) -> dict:
-    """Write a step's shards, then its manifest (last); returns the manifest.
+    """Write a step's shards, then its manifest (last); returns the manifest. A
+    step written before (a retried task's) loses its manifest first: while the
+    shards are rewritten the step does not exist, rather than fail its checksums.
     ``run_id`` names the run that rolled the step out, so that another run's
     reader refuses it. ``syndrome`` (syndrome-coded tables): the rates chosen
     and the decode statistics they were chosen from, carried in the manifest."""
     base = step_prefix(prefix, rl_step)
+    store.delete(f"{base}/manifest.json")  # a retry's: its shards are overwritten below, so the step is gone
     trajectories = sorted(_trajectory_ranges(records))
     shards = []
     for i in range(0, max(len(trajectories), 1), trajectories_per_shard):

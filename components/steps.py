@@ -48,7 +48,7 @@ from .model import build_model
 from .quant import BF16, QuantConfig, rollout_config
 from .rl import group_advantages
 from .rollout import SamplingParams, TorchEngine, Trajectory
-from .store import ArtifactNotFound, open_store
+from .store import ArtifactNotFound, open_store, write_atomic
 from .syndrome import choose_rates, encode_table, first_rate, merge_decode_json
 from .tasks import Problem, format_example, get_task, split
 from .tokenizer import build_tokenizer, load_tokenizer
@@ -396,28 +396,37 @@ def throughput(trajectories: list[Trajectory], seconds: float) -> dict:
 
 
 def write_trajectories(path: Path, header: dict, trajectories: list[Trajectory], batch: list[Problem]) -> Path:
-    """JSON lines: the header, then one trajectory with its problem per line."""
-    with open(path, "w") as f:
-        f.write(json.dumps({"header": header}) + "\n")
+    """JSON lines: the header, then one trajectory with its problem per line; whole or not at all."""
+
+    def fill(f) -> None:
+        f.write((json.dumps({"header": header}) + "\n").encode())
         for t, p in zip(trajectories, batch):
-            f.write(json.dumps({"trajectory": asdict(t), "problem": asdict(p)}) + "\n")
+            f.write((json.dumps({"trajectory": asdict(t), "problem": asdict(p)}) + "\n").encode())
+
+    write_atomic(Path(path), fill)
     return path
 
 
 def read_trajectories(path: Path, run_id: str, round_index: int) -> tuple[dict, list[Trajectory], list[Problem]]:
     """A round's trajectories file, refused if another run or round wrote it."""
     lines = Path(path).read_text().splitlines()
-    header = json.loads(lines[0])["header"] if lines else {}
+    try:
+        header = json.loads(lines[0])["header"] if lines else {}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}, line 1: not a trajectories header ({e})") from None
     if (header.get("run_id"), header.get("round")) != (run_id, round_index):
         raise RunMismatch(
             f"{path}: trajectories of run {header.get('run_id')!r} round {header.get('round')}, "
             f"expected run {run_id!r} round {round_index}"
         )
     trajectories, batch = [], []
-    for line in lines[1:]:
-        record = json.loads(line)
-        trajectories.append(Trajectory(**record["trajectory"]))
-        batch.append(Problem(**record["problem"]))
+    for number, line in enumerate(lines[1:], 2):
+        try:
+            record = json.loads(line)
+            trajectories.append(Trajectory(**record["trajectory"]))
+            batch.append(Problem(**record["problem"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}, line {number}: not a trajectory record ({e})") from None
     return header, trajectories, batch
 
 

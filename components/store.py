@@ -76,7 +76,7 @@ def check_key(key: str, *, allow_empty: bool = False) -> str:
     return key
 
 
-def _write_atomic(path: Path, fill: Callable[[BinaryIO], None]) -> None:
+def write_atomic(path: Path, fill: Callable[[BinaryIO], None]) -> None:
     """Write ``path`` through a temp file in its folder: fsync, then rename into place."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
@@ -150,7 +150,7 @@ class LocalStore(ArtifactStore):
     def put_bytes(self, key: str, data: bytes) -> None:
         path = self._path(key)
         try:
-            _write_atomic(path, lambda f: f.write(data))
+            write_atomic(path, lambda f: f.write(data))
         except OSError as e:
             raise self._error("put", key, e) from e
 
@@ -158,7 +158,7 @@ class LocalStore(ArtifactStore):
         target = self._path(key)
         try:
             with open(path, "rb") as src:
-                _write_atomic(target, lambda f: shutil.copyfileobj(src, f, _CHUNK))
+                write_atomic(target, lambda f: shutil.copyfileobj(src, f, _CHUNK))
         except OSError as e:
             raise self._error("upload", key, e) from e
 
@@ -180,7 +180,7 @@ class LocalStore(ArtifactStore):
             raise self._error("download", key, e) from e
         try:
             with src:
-                _write_atomic(Path(path), lambda f: shutil.copyfileobj(src, f, _CHUNK))
+                write_atomic(Path(path), lambda f: shutil.copyfileobj(src, f, _CHUNK))
         except OSError as e:
             raise self._error("download", key, e) from e
 
@@ -407,7 +407,7 @@ class S3Store(ArtifactStore):
         def get() -> None:  # a retry starts a fresh temp file: a dropped connection leaves nothing behind
             response = self._client.get_object(self.bucket, name)
             try:  # urllib3 checks the length against Content-Length: a short body raises, and is retried
-                _write_atomic(Path(path), lambda f: shutil.copyfileobj(response, f, _CHUNK))
+                write_atomic(Path(path), lambda f: shutil.copyfileobj(response, f, _CHUNK))
             finally:
                 response.close()
                 response.release_conn()

@@ -193,6 +193,13 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
 
     left = interrupted(tmp_path / "a")
     assert left and left[-1] >= "step-000002" and len(left) == 1  # the step before is deleted
+    # another policy under the same run id (given twice, say) never resumes this round's checkpoint
+    steps.prepare(config.model_copy(update={"seed": 1}), tmp_path / "other", RUN, tmp_path / "other-state")
+    lines = []
+    with pytest.raises(DistributedError):
+        other = (tmp_path / "other", tmp_path / "other-state", *inputs[2:])
+        torchrun(config, *other, tmp_path / "c", tmp_path / "c-state", tmp_path / "work", RUN, stats, echo=lines.append)
+    assert any("checkpoint of a round from another policy folder" in line for line in lines), lines[-5:]
     (resumed,) = rerun(tmp_path / "a")
     assert resumed.endswith(f"step {int(left[-1].removeprefix('step-'))}")
 

@@ -161,6 +161,27 @@ def test_mismatched_and_missing_guidance_fail_clearly(captured, tmp_path):
         list(GuidanceLoader(store, 5, [[out[0].id]]))
 
 
+def test_a_step_being_rewritten_does_not_exist_until_its_new_manifest(captured, tmp_path, monkeypatch):
+    """A retried task rewrites its step's shards: if it dies among them, the
+    earlier attempt's manifest must not vouch for shards it no longer matches."""
+    _, out, records = captured
+    store = open_store(str(tmp_path))
+    write_step(store, records, rl_step=5, policy_version=1, top_k=2, trajectories_per_shard=1)
+    put, written = store.put_bytes, []
+
+    def dies_after_one_shard(key, data):
+        if written:
+            raise OSError("killed")
+        written.append(key)
+        put(key, data)
+
+    monkeypatch.setattr(store, "put_bytes", dies_after_one_shard)
+    with pytest.raises(OSError, match="killed"):
+        write_step(store, records, rl_step=5, policy_version=2, top_k=2, trajectories_per_shard=1)
+    with pytest.raises(GuidanceError, match="no manifest, so step 5 is missing or incomplete"):
+        read_manifest(store, 5)
+
+
 def test_a_bad_manifest_is_a_guidance_error_naming_it(captured, tmp_path):
     engine, out, records = captured
     store = open_store(str(tmp_path))

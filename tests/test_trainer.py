@@ -143,6 +143,12 @@ def test_inputs_of_another_run_or_version_are_refused(tmp_path):
     forged = dataclasses.replace(ref, run_id="run-b")  # a reference that lies: the store's manifest still says run-a
     with pytest.raises(GuidanceError, match="run_id is 'run-a', expected 'run-b'"):
         list(forged.loader(open_store(config.store.uri), [[0]]))
+    assert [p.name for p in tmp_path.glob(".t0.jsonl*")] == []  # written through a renamed temporary file
+    cut = tmp_path / "cut.jsonl"
+    cut.write_text(trajectories.read_text()[:-20])  # a file cut in its last line names itself and the line
+    lines = len(trajectories.read_text().splitlines())
+    with pytest.raises(ValueError, match=rf"cut.jsonl, line {lines}: not a trajectory record"):
+        steps.read_trajectories(cut, RUN, 0)
 
 
 def test_guidance_reference_round_trips_and_names_a_bad_artifact(tmp_path):
