@@ -27,7 +27,7 @@ from .ptq import apply_ptq
 from .rollout import TorchEngine
 from .stats import accuracy_row
 from .store import LocalStore
-from .tasks import Problem, format_example, get_task
+from .tasks import Problem, get_task
 from .tokenizer import load_tokenizer
 from .trainer import Trainer
 
@@ -45,11 +45,11 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
         [p for t in config.tasks for p in [q for q in ps if q.task == t.name][:per_task]]
         for ps in steps.problems(config)
     )
-    prompts = [tokenizer.encode_prompt(format_example(p)) for p in test]
+    prompts = steps.encode_prompts(config, tokenizer, test)
     model = load_model(policy, device=device)
     ptq = {}
     if config.method == "bf16":  # calibrated on training prompts, as many: the test prompts stay unseen
-        ptq = _ptq_models(config, model, [tokenizer.encode_prompt(format_example(p)) for p in train])
+        ptq = _ptq_models(config, model, steps.encode_prompts(config, tokenizer, train))
     out = {
         "method": config.method,
         "hardware": hardware(device),  # what the throughput and discrepancy figures were computed on

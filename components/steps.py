@@ -312,7 +312,7 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
     for s in range(steps):  # one RL step's batch (this worker's share of it) per generate call
         lo, hi = s * per_step + per_step * worker // workers, s * per_step + per_step * (worker + 1) // workers
         params = sampling(config, config.seed + round_index * steps + s, tokenizer)
-        prompts = [tokenizer.encode_prompt(format_example(p)) for p in batch[lo:hi]]
+        prompts = encode_prompts(config, tokenizer, batch[lo:hi])
         trajectories += engine.generate(prompts, params, first=lo, place=lo - s * per_step)
         mine += batch[lo:hi]
     records = engine.drain_capture() if engine.capture is not None else None  # the drain is part of the rollout
@@ -393,6 +393,21 @@ def gather(
 def throughput(trajectories: list[Trajectory], seconds: float) -> dict:
     tokens = sum(len(t.response) for t in trajectories)
     return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
+
+
+def encode_prompts(config: RunConfig, tokenizer, problems: list[Problem]) -> list[list[int]]:
+    """The problems' prompts as the policy reads them (through the chat template
+    where there is one), each refused unless it leaves ``rollout.max_new_tokens``
+    within ``model.max_seq_len``, the longest sequence the run allows."""
+    prompts = [tokenizer.encode_prompt(format_example(p)) for p in problems]
+    room = config.model.max_seq_len - config.rollout.max_new_tokens
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]), default=None)
+    if longest is not None and len(prompts[longest]) > room:
+        raise ValueError(
+            f"a prompt of {len(prompts[longest])} tokens ({problems[longest].prompt!r}) and rollout.max_new_tokens "
+            f"{config.rollout.max_new_tokens} exceed model.max_seq_len {config.model.max_seq_len}"
+        )
+    return prompts
 
 
 def write_trajectories(path: Path, header: dict, trajectories: list[Trajectory], batch: list[Problem]) -> Path:

@@ -151,6 +151,16 @@ def test_inputs_of_another_run_or_version_are_refused(tmp_path):
         steps.read_trajectories(cut, RUN, 0)
 
 
+def test_a_prompt_without_room_for_its_response_is_refused_before_the_rollout(tmp_path):
+    config = smoke(tmp_path, model={"max_seq_len": 12}, rollout={"max_new_tokens": 8})  # 4 tokens of prompt
+    steps.prepare(config, tmp_path / "p0", RUN)
+    with pytest.raises(
+        ValueError, match=r"a prompt of \d+ tokens .* and rollout.max_new_tokens 8 exceed model.max_seq_len 12"
+    ):
+        steps.rollout(config, tmp_path / "p0", 0, tmp_path / "t0.jsonl", RUN)
+    assert not (tmp_path / "t0.jsonl").exists()
+
+
 def test_guidance_reference_round_trips_and_names_a_bad_artifact(tmp_path):
     config = smoke(tmp_path)
     steps.prepare(config, tmp_path / "p0", RUN)
