@@ -1,30 +1,42 @@
 """Export of a trained policy for serving, as a compressed-tensors checkpoint:
 the format llm-compressor writes and vLLM and SGLang load.
 
-What the rollout served is what gets exported. The routed experts' weights are
-quantized exactly as :class:`~.rollout.TorchEngine` quantizes them (from the
-policy cast to the rollout dtype, one global scale per expert and matrix,
-blocks along the input dimension, :mod:`tracefp4.kernels`), and the static
-activation global scales are the ones its calibration computes for this policy
-(same seeded batch, same device), so that a serving engine rounds weights and
-activations as training assumed. Everything else (attention, router, shared
-experts, embeddings, norms, lm_head) is BF16 and listed in the ignore list.
+What the rollout served is what gets exported: :func:`export` takes the run's
+rollout :class:`~.quant.QuantConfig` and writes its numerics, so that a serving
+engine rounds weights and activations as training assumed.
 
-Layout, per routed expert and projection (``model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj``):
+- FP4 routed-expert weights are quantized exactly as :class:`~.rollout.TorchEngine`
+  quantizes them (from the policy cast to the rollout dtype, one global scale per
+  expert and matrix, blocks along the input dimension, :mod:`tracefp4.kernels`).
+- Their input activations are described as the rollout quantizes them: NVFP4
+  with the static global scales its calibration computes for this policy (same
+  seeded batch, same device); MXFP4 dynamic (per-block E8M0 scales at run
+  time); FP8 (W4A8) dynamic per token (one E4M3 scale ``amax / 448`` per row).
+- A rollout that left the weights in the compute dtype (``fp4_kv``, ``bf16``) is
+  exported unquantized: no ``quantization_config``, experts BF16.
+- NVFP4 activations with per-token global scales are refused: a compressed-tensors
+  module holds one input global scale (a static ``[1]`` tensor, or none at all
+  when the activations are fully dynamic), so no checkpoint can say the rollout
+  took one per row from the row itself.
+
+Everything else (attention, router, shared experts, embeddings, norms, lm_head)
+is BF16 and listed in the ignore list. The KV cache format is the serving
+engine's choice and is not recorded; neither is QUADS' channel compensation,
+which no serving format expresses.
+
+Layout, per routed expert and projection (``model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj``)
+when the weights are FP4:
 
 - ``weight_packed``: uint8 ``[out, in/2]``, two E2M1 codes per byte, even element
   in the low nibble (our packing, and compressed-tensors');
 - ``weight_scale``: NVFP4 float8_e4m3fn ``[out, in/16]``; MXFP4 uint8 biased
   E8M0 exponents ``[out, in/32]``;
-- NVFP4 only: ``weight_global_scale`` and ``input_global_scale``, float32 ``[1]``,
-  in compressed-tensors' inverse convention (``448 * 6 / amax``, the reciprocal
-  of our ``amax / (6 * 448)``). gate and up share their expert's global scale
-  (our gate_up is one matrix; vLLM requires them equal) and their input scale
-  (the ``moe_in`` site); down takes ``moe_down_in``'s.
-
-MXFP4 activations are dynamic (per-block E8M0 scales at run time, as in our
-rollout), so an MXFP4 export has no input scales. The KV cache format is the
-serving engine's choice and is not recorded.
+- NVFP4 only: ``weight_global_scale``, float32 ``[1]``, in compressed-tensors'
+  inverse convention (``448 * 6 / amax``, the reciprocal of our
+  ``amax / (6 * 448)``); gate and up share their expert's global scale (our
+  gate_up is one matrix; vLLM requires them equal);
+- NVFP4 activations only: ``input_global_scale``, float32 ``[1]``, inverted
+  likewise: gate and up take the ``moe_in`` site's, down ``moe_down_in``'s.
 """
 
 import json
@@ -32,6 +44,7 @@ import logging
 import os
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -53,12 +66,46 @@ from .checkpoint import (
     staging_folder,
     write_weights,
 )
-from .quant import QuantConfig, calibrate_global_scales, quantize_expert_weights_
+from .quant import QuantConfig, calibrate_global_scales, quantize_expert_weights_, rollout_config
 
-# our format -> compressed-tensors' format name, its block size, whether it has global scales
-FORMATS = {
-    "nvfp4": ("nvfp4-pack-quantized", 16, True),
-    "mxfp4": ("mxfp4-pack-quantized", 32, False),
+# FP4 weight format -> compressed-tensors' format name
+FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
+# compressed-tensors' QuantizationArgs, as it serializes its NVFP4 / MXFP4 presets' weights
+WEIGHT_ARGS = {
+    "nvfp4": {
+        "num_bits": 4,
+        "type": "float",
+        "symmetric": True,
+        "group_size": 16,
+        "strategy": "tensor_group",
+        "dynamic": False,
+        "scale_dtype": "torch.float8_e4m3fn",
+    },
+    "mxfp4": {
+        "num_bits": 4,
+        "type": "float",
+        "symmetric": True,
+        "group_size": 32,
+        "strategy": "group",
+        "dynamic": False,
+        "scale_dtype": "torch.uint8",
+    },
+}
+# ... and the input activations as the rollout quantizes them
+INPUT_ARGS = {
+    # static global scale from calibration, block scales per token at run time ("local"): the NVFP4 preset's
+    "nvfp4": {**WEIGHT_ARGS["nvfp4"], "dynamic": "local", "observer": "static_minmax"},
+    # every scale at run time: the MXFP4 preset's
+    "mxfp4": {**WEIGHT_ARGS["mxfp4"], "dynamic": True},
+    # kernels.fake_quantize(x, "fp8"): E4M3 with one amax/448 scale per row (token) at run time: FP8_DYNAMIC's
+    "fp8": {
+        "num_bits": 8,
+        "type": "float",
+        "symmetric": True,
+        "group_size": None,
+        "strategy": "token",
+        "dynamic": True,
+    },
 }
 SERVING_DTYPE = torch.bfloat16
 _ULP_SEARCH = (
@@ -77,28 +124,16 @@ _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)$")
 _WEIGHT_FILES = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
 
-def quantization_config(fmt: str, ignore: list[str]) -> dict:
-    """config.json's ``quantization_config``: one group over the Linear layers
-    not in ``ignore`` (the routed experts), W4A4 in ``fmt``, as
-    ``compressed_tensors.QuantizationConfig`` writes it for its NVFP4 / MXFP4 presets."""
-    name, block, has_global = _format(fmt)
-    weights = {
-        "num_bits": 4,
-        "type": "float",
-        "symmetric": True,
-        "group_size": block,
-        "strategy": "tensor_group" if has_global else "group",
-        "dynamic": False,
-        "scale_dtype": "torch.float8_e4m3fn" if has_global else "torch.uint8",
-    }
-    # NVFP4: static global scale from calibration, block scales per token at run time ("local"); MXFP4: all dynamic
-    activations = {**weights, "dynamic": "local" if has_global else True}
-    if has_global:
-        activations["observer"] = "static_minmax"
+def quantization_config(quant: QuantConfig, ignore: list[str]) -> dict:
+    """config.json's ``quantization_config`` for a rollout with FP4 expert
+    weights: one group over the Linear layers not in ``ignore`` (the routed
+    experts), weights and input activations as ``quant`` quantizes them, as
+    ``compressed_tensors.QuantizationConfig`` writes them."""
+    name = FORMATS[quant.weights]
     group = {
         "targets": ["Linear"],
-        "weights": weights,
-        "input_activations": activations,
+        "weights": dict(WEIGHT_ARGS[quant.weights]),
+        "input_activations": dict(INPUT_ARGS[quant.activations]) if quant.activations else None,
         "output_activations": None,
         "format": name,
     }
@@ -113,10 +148,21 @@ def quantization_config(fmt: str, ignore: list[str]) -> dict:
     }
 
 
-def _format(fmt: str) -> tuple[str, int, bool]:
-    if fmt not in FORMATS:
-        raise ValueError(f"export format {fmt!r} is not one of {sorted(FORMATS)}")
-    return FORMATS[fmt]
+def check_exportable(quant: QuantConfig) -> None:
+    """Refuse a rollout whose numerics a compressed-tensors checkpoint cannot
+    state, rather than write one that serves other numerics than it trained against."""
+    if quant.activation_global_scale == "per_token":
+        raise ValueError(
+            "rollout.activation_global_scale per_token cannot be exported: compressed-tensors keeps one NVFP4 "
+            "input global scale per module (static, or none when the activations are fully dynamic), not one "
+            "per token computed from the token, so a serving engine would round the activations under another "
+            "scale than the rollout did"
+        )
+    if quant.activations and not quant.weights:
+        raise ValueError(
+            f"a rollout with {quant.activations} activations on BF16 expert weights has no export "
+            "(no rollout config quantizes the activations alone)"
+        )
 
 
 def inverse_global_scale(g: Tensor, scales: Tensor) -> tuple[Tensor, bool]:
@@ -198,51 +244,59 @@ def _input_scales(key: str, experts: int, scales: dict) -> dict[str, Tensor]:
 def export(
     policy: str | os.PathLike,
     out: str | os.PathLike,
-    fmt: str = "nvfp4",
+    quant: QuantConfig | str = "nvfp4",
     *,
     rollout_dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     calibration_seed: int = 0,
     max_shard_bytes: int = 2 << 30,
 ) -> dict:
-    """Write the policy folder ``policy`` at ``out`` as a compressed-tensors
-    ``fmt`` checkpoint (atomically), quantized as a rollout in ``rollout_dtype``
-    on ``device`` with ``calibration_seed`` quantizes it. Returns what was written."""
-    name, _, has_global = _format(fmt)
+    """Write the policy folder ``policy`` at ``out`` (atomically) as the rollout
+    ``quant`` served it: quantized as a rollout in ``rollout_dtype`` on
+    ``device`` with ``calibration_seed`` quantizes it, as a compressed-tensors
+    checkpoint, or unquantized in BF16 where the rollout left the weights
+    alone. A format name for ``quant`` means the W4A4 rollout in it
+    (``fp4_wa``). Returns what was written."""
+    if isinstance(quant, str):
+        quant = rollout_config("fp4_wa", quant)
+    check_exportable(quant)
+    name = FORMATS[quant.weights] if quant.weights else "bf16"
     source = Path(policy)
     model = load_model(source, device=device).to(rollout_dtype)
     cfg = model.cfg
     state = model.state_dict()
     experts = [key for key in state if _EXPERTS.match(key)]
-    if not experts:
+    if quant.weights and not experts:
         raise ValueError(f"{source}: no routed experts to quantize (model_type {cfg.model_type})")
+    packed = experts if quant.weights else []  # the matrices written FP4; everything else goes out BF16
     tensors, inexact = {}, 0
-    for key in experts:  # before the in-place fake quantization below
-        compressed, missed = _expert_tensors(key, state[key].detach(), fmt)
+    for key in packed:  # before the in-place fake quantization below
+        compressed, missed = _expert_tensors(key, state[key].detach(), quant.weights)
         tensors.update(compressed)
         inexact += missed
     if inexact:
         log.warning("%s: %d expert matrices dequantize up to one BF16 ulp off the rollout's values", source, inexact)
-    # the rollout's calibration: on the FP4 expert weights, the seeded batch, its device and dtype
-    quantize_expert_weights_(model, fmt)
     scales = {}
-    if has_global:
-        scales = calibrate_global_scales(model, QuantConfig(fmt, fmt, None), seed=calibration_seed)
-        for key in experts:
+    if quant.activations == "nvfp4":
+        # the rollout's calibration: on the FP4 expert weights, the seeded batch, its device and dtype
+        quantize_expert_weights_(model, quant.weights)
+        scales = calibrate_global_scales(model, replace(quant, kv=None), seed=calibration_seed)
+        for key in packed:
             tensors.update(_input_scales(key, state[key].shape[0], scales))
-    dense = {k: v.detach().cpu().to(SERVING_DTYPE) for k, v in state.items() if k not in experts}
+    dense = {k: v.detach().cpu().to(SERVING_DTYPE) for k, v in state.items() if k not in packed}
     if cfg.tie_word_embeddings:
         dense.pop("lm_head.weight")
     dense = stacked_to_hub(dense, cfg)
-    ignore = sorted(k.removesuffix(".weight") for k, v in dense.items() if k.endswith(".weight") and v.dim() == 2)
-    ignore = [k for k in ignore if k != "model.embed_tokens"] + ([] if "lm_head" in ignore else ["lm_head"])
     tensors.update(dense)
 
     folder = Path(out)
     tmp = staging_folder(folder)
     write_weights(tensors, tmp, max_shard_bytes)
     hf = {**config_to_hf(cfg), "dtype": "bfloat16", "torch_dtype": "bfloat16"}
-    hf["quantization_config"] = quantization_config(fmt, ignore)
+    if quant.weights:
+        ignore = sorted(k.removesuffix(".weight") for k, v in dense.items() if k.endswith(".weight") and v.dim() == 2)
+        ignore = [k for k in ignore if k != "model.embed_tokens"] + ([] if "lm_head" in ignore else ["lm_head"])
+        hf["quantization_config"] = quantization_config(quant, ignore)
     (tmp / CONFIG).write_text(json.dumps(hf, indent=2))
     for path in sorted(source.iterdir()):  # tokenizer, generation config: everything but weights and manifest
         if path.is_file() and path.name not in (CONFIG, INDEX, SINGLE, MANIFEST) and not _WEIGHT_FILES.match(path.name):
@@ -255,7 +309,7 @@ def export(
         "format": name,
         "expert_matrices": sum(state[key].shape[0] for key in experts),
         "inexact_matrices": inexact,
-        "expert_bytes": sum(t.numel() * t.element_size() for k, t in tensors.items() if k not in dense),
+        "expert_bytes": sum(t.numel() * t.element_size() for k, t in tensors.items() if ".mlp.experts." in k),
         "expert_bytes_bf16": sum(state[key].numel() * 2 for key in experts),
         "input_global_scales": {f"{layer}.{site}": g.item() for (layer, site), g in sorted(scales.items())},
     }

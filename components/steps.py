@@ -528,13 +528,14 @@ def compaction(
 
 
 def export_policy(config: RunConfig, policy: Path, out: Path) -> dict:
-    """The policy for serving (compressed-tensors, in ``rollout.fmt``), quantized
-    as this run's rollout quantizes it: its dtype, device and calibration seed."""
+    """The policy for serving as this run's rollout served it (:func:`rollout_quant`:
+    compressed-tensors where it quantized the expert weights, BF16 where it did
+    not), quantized as the rollout quantizes it: its dtype, device and calibration seed."""
     device = step_device(config)
     return export(
         policy,
         out,
-        config.rollout.fmt,
+        rollout_quant(config),
         rollout_dtype=compute_dtype(config),
         device=device,
         calibration_seed=config.seed,

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from tracefp4.components.quant import ROLLOUT_CONFIGS, rollout_config
 from tracefp4.schemas import PRESETS, ConfigError, export_json_schema, load_config
 
 
@@ -111,7 +112,16 @@ def bootstrap(preset, config_file, output):
     "fmt",
     default="nvfp4",
     show_default=True,
-    help="nvfp4 (nvfp4-pack-quantized) or mxfp4 (mxfp4-pack-quantized).",
+    help="The run's rollout.fmt: nvfp4 (nvfp4-pack-quantized) or mxfp4 (mxfp4-pack-quantized).",
+)
+@click.option(
+    "--rollout-config",
+    "config_name",
+    type=click.Choice(ROLLOUT_CONFIGS),
+    default="fp4_wa_kv",
+    show_default=True,
+    help="The run's rollout.config: what its rollout quantized is what is exported (fp4_kv and bf16 left the "
+    "weights BF16: an unquantized BF16 checkpoint).",
 )
 @click.option(
     "--rollout-dtype",
@@ -130,16 +140,22 @@ def bootstrap(preset, config_file, output):
 @click.option("--device", default="cpu", show_default=True, help="Device of the calibration (the rollout's).")
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.argument("dst", type=click.Path(file_okay=False))
-def export(fmt, rollout_dtype, calibration_seed, device, src, dst):
-    """Write the policy folder SRC as a compressed-tensors checkpoint at DST for vLLM / SGLang:
-    routed experts FP4 as the rollout quantized them, everything else BF16."""
+def export(fmt, config_name, rollout_dtype, calibration_seed, device, src, dst):
+    """Write the policy folder SRC at DST for vLLM / SGLang as the run's rollout served it: a
+    compressed-tensors checkpoint with the routed experts FP4 as the rollout quantized them and
+    everything else BF16, or all BF16 where the rollout left the weights BF16."""
     import torch
 
     from tracefp4.components.export import export as export_policy
 
     try:
         stats = export_policy(
-            src, dst, fmt, rollout_dtype=getattr(torch, rollout_dtype), device=device, calibration_seed=calibration_seed
+            src,
+            dst,
+            rollout_config(config_name, fmt),
+            rollout_dtype=getattr(torch, rollout_dtype),
+            device=device,
+            calibration_seed=calibration_seed,
         )
     except ValueError as e:
         raise click.ClickException(str(e)) from None

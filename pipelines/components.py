@@ -200,9 +200,10 @@ def train(
 
 
 def export(config_json: str, policy: Input[Model], exported: Output[Model]):
-    """The final policy for serving: a compressed-tensors FP4 checkpoint (routed
-    experts as the rollout quantized them, with its static activation scales;
-    the rest BF16) that vLLM and SGLang load."""
+    """The final policy for serving as the run's rollout served it: a
+    compressed-tensors FP4 checkpoint (routed experts as the rollout quantized
+    them, with their activations' scheme; the rest BF16) that vLLM and SGLang
+    load, or BF16 where the rollout left the weights BF16."""
     from tracefp4.components import steps
     from tracefp4.schemas import RunConfig
 

@@ -155,9 +155,24 @@ def apply(config_json: str, values: dict) -> str:
             node = node[key]
         node[leaf] = value
     try:
-        return RunConfig.model_validate(data).model_dump_json()
+        config = RunConfig.model_validate(data)
     except pydantic.ValidationError as e:
         raise ConfigError.from_validation(e, "the run's parameters") from None
+    check_servable(config)
+    return config.model_dump_json()
+
+
+def check_servable(config: RunConfig) -> None:
+    """The pipeline ends by exporting the policy as its rollout served it: a
+    rollout that no serving format expresses is refused before any work, when
+    the pipeline is built and when the run's parameters are applied."""
+    from tracefp4.components.export import check_exportable
+    from tracefp4.components.steps import rollout_quant
+
+    try:
+        check_exportable(rollout_quant(config))
+    except ValueError as e:
+        raise ConfigError([("", f"{e}; the pipeline ends with that export")]) from None
 
 
 def configure_function(params: list[Parameter]):

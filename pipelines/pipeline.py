@@ -129,6 +129,7 @@ def _typed_pipeline(body, config: RunConfig, params: list, name: str, summary: s
 def build_pipeline(config: RunConfig, retries: bool = True):
     """The pipeline for ``config``: rounds unrolled; the config's run-time
     fields typed parameters with its values as defaults; ``run_id`` empty means KFP's job id."""
+    run_parameters.check_servable(config)
     c = make_components(config.image)
     configure = lambda task, role=COMPUTE: _configure(task, config, retries, role)  # noqa: E731
     params = run_parameters.parameters()
@@ -222,6 +223,7 @@ def build_comparison_pipeline(config: RunConfig, methods: list[str], retries: bo
     method: kfp.local replaces any task output passed into a loop by the loop
     item, so no task output crosses into the loop."""
     methods = check_methods(list(methods))
+    run_parameters.check_servable(config)
     c = make_components(config.image)
     configure = lambda task, role=COMPUTE: _configure(task, config, retries, role)  # noqa: E731
     params = run_parameters.parameters(comparison=True)

@@ -1,12 +1,16 @@
 """The serving export round-trips through compressed-tensors (PyPI): its config
-parses as compressed-tensors' own NVFP4 / MXFP4 presets, its matcher selects
-exactly the routed experts, its compressors decompress every expert weight to
-exactly the values the rollout computed with (bit for bit in BF16, except the
-expert matrices the export itself reports as one BF16 ulp off: exact ties, see
-export.inverse_global_scale), and the NVFP4 input scales are the rollout's
-static calibrated scales."""
+parses as compressed-tensors' own NVFP4 / MXFP4 presets (W4A8: with
+FP8_DYNAMIC's per-token activations, which compressed-tensors quantizes as the
+rollout does), its matcher selects exactly the routed experts, its compressors
+decompress every expert weight to exactly the values the rollout computed with
+(bit for bit in BF16, except the expert matrices the export itself reports as
+one BF16 ulp off: exact ties, see export.inverse_global_scale), and the NVFP4
+input scales are the rollout's static calibrated scales. A rollout with BF16
+weights exports them unquantized; per-token NVFP4 activation scales, which
+compressed-tensors cannot state, are refused."""
 
 import dataclasses
+import hashlib
 import json
 
 import pytest
@@ -14,6 +18,8 @@ import torch
 from click.testing import CliRunner
 from compressed_tensors.compressors import BaseCompressor
 from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+from compressed_tensors.quantization.lifecycle.forward import fake_quantize as ct_fake_quantize
+from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
 from compressed_tensors.utils.match import is_match
 from safetensors.torch import load_file
 
@@ -23,6 +29,7 @@ from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rollout import TorchEngine
 from tracefp4.components.tokenizer import build_tokenizer
+from tracefp4.kernels import fake_quantize
 from tracefp4.pipelines.cli import main
 
 PRESET = {"nvfp4": "NVFP4", "mxfp4": "MXFP4"}
@@ -49,10 +56,24 @@ def _modules(tensors: dict) -> dict[str, dict]:
     return modules
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("preset", ["smoke", "tiny-qwen2"])
-def test_export_round_trips_through_compressed_tensors(policies, tmp_path, fmt, preset):
-    stats = export(policies[preset], tmp_path / "out", fmt, calibration_seed=11)
+def _digests(folder) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize(
+    ("rollout_name", "fmt", "preset"),
+    [
+        ("fp4_wa_kv", "nvfp4", "smoke"),
+        ("fp4_wa_kv", "nvfp4", "tiny-qwen2"),
+        ("fp4_wa_kv", "mxfp4", "smoke"),
+        ("fp4_wa_kv", "mxfp4", "tiny-qwen2"),
+        ("w4a8_mxfp4_kv", "nvfp4", "smoke"),  # FP4 weights in rollout.fmt, FP8 activations
+        ("w4a8_mxfp4_kv", "mxfp4", "tiny-qwen2"),
+    ],
+)
+def test_export_round_trips_through_compressed_tensors(policies, tmp_path, rollout_name, fmt, preset):
+    quant = rollout_config(rollout_name, fmt)
+    stats = export(policies[preset], tmp_path / "out", quant, calibration_seed=11)
     folder = tmp_path / "out"
     assert sorted(p.name for p in folder.iterdir()) == [
         "checksums.json",
@@ -67,14 +88,20 @@ def test_export_round_trips_through_compressed_tensors(policies, tmp_path, fmt, 
     config = QuantizationConfig.model_validate(hf["quantization_config"])
     assert config.format == f"{fmt}-pack-quantized" and config.quantization_status == "compressed"
     (scheme,) = config.config_groups.values()
-    preset_scheme = preset_name_to_scheme(PRESET[fmt], ["Linear"])
-    for part in ("weights", "input_activations"):  # as llm-compressor writes its preset into config.json
-        assert getattr(scheme, part).model_dump() == getattr(preset_scheme, part).model_dump()
+    # as llm-compressor writes its presets into config.json: the weights' FP4 preset, the activations' own
+    inputs = preset_name_to_scheme("FP8_DYNAMIC" if quant.activations == "fp8" else PRESET[fmt], ["Linear"])
+    assert scheme.weights.model_dump() == preset_name_to_scheme(PRESET[fmt], ["Linear"]).weights.model_dump()
+    assert scheme.input_activations.model_dump() == inputs.input_activations.model_dump()
+    if quant.activations == "fp8":  # compressed-tensors' dynamic per-token FP8 is the rollout's, row for row
+        x = torch.randn(1, 64, 256, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 64)[:, None]
+        x[0, 5] = 0
+        scale, zero = compute_dynamic_scales_and_zp(x, scheme.input_activations, torch.nn.Linear(1, 1))
+        assert torch.equal(ct_fake_quantize(x, scale, zero, scheme.input_activations)[0], fake_quantize(x[0], "fp8"))
 
     # what the rollout computes with: the engine's BF16 copy, experts fake-quantized, scales calibrated
     policy = load_model(policies[preset])
     bf16 = stacked_to_hub({k: v.to(torch.bfloat16) for k, v in policy.state_dict().items()}, policy.cfg)
-    engine = TorchEngine(policy, rollout_config("fp4_wa", fmt), dtype=torch.bfloat16, calibration_seed=11)
+    engine = TorchEngine(policy, quant, dtype=torch.bfloat16, calibration_seed=11)
     rollout = stacked_to_hub(engine.model.state_dict(), policy.cfg)
     modules = _modules(load_file(folder / "model.safetensors"))
     compressor = BaseCompressor.get_value_from_registry(config.format)
@@ -93,11 +120,11 @@ def test_export_round_trips_through_compressed_tensors(policies, tmp_path, fmt, 
                 ulps = weight.view(torch.int16).int() - expected.view(torch.int16).int()
                 assert ulps.abs().max() == 1 and (ulps != 0).float().mean() < 0.1, name
                 off.add((name.split(".")[2], name.split(".")[5], "down" if name.endswith("down_proj") else "gate_up"))
-            if fmt == "nvfp4":
+            if quant.activations == "nvfp4":
                 layer, site = int(name.split(".")[2]), "moe_down_in" if name.endswith("down_proj") else "moe_in"
                 assert tensors["input_global_scale"].item() == (1 / engine.global_scales[(layer, site)]).item()
-            else:
-                assert set(tensors) == {"weight_packed", "weight_scale"}  # MX activations: dynamic
+            else:  # MXFP4 and FP8 activations: dynamic, no input scale; the compressor's own list
+                assert set(tensors) == set(compressor.compression_param_names(scheme))
         else:
             assert set(tensors) <= {"weight", "bias"}, name
             for local, t in tensors.items():
@@ -111,6 +138,43 @@ def test_export_round_trips_through_compressed_tensors(policies, tmp_path, fmt, 
     assert stats["expert_bytes"] < stats["expert_bytes_bf16"] / 3  # 4.25-4.5 bits against 16
 
 
+def test_the_kv_cache_format_leaves_a_w4a4_export_unchanged(policies, tmp_path):
+    """fp4_wa_kv (the pipeline's default) and w4a4_mxfp4_kv export what fp4_wa and a bare
+    format name do, byte for byte: the KV cache format is not recorded."""
+    export(policies["smoke"], tmp_path / "fmt", "nvfp4", calibration_seed=11)
+    for config in ("fp4_wa", "fp4_wa_kv", "w4a4_mxfp4_kv"):
+        export(policies["smoke"], tmp_path / config, rollout_config(config, "nvfp4"), calibration_seed=11)
+        assert _digests(tmp_path / config) == _digests(tmp_path / "fmt")
+
+
+@pytest.mark.parametrize("config", ["fp4_kv", "bf16"])
+def test_a_rollout_with_bf16_weights_is_exported_unquantized(policies, tmp_path, config):
+    quant = rollout_config(config, "nvfp4")
+    stats = export(policies["tiny-qwen2"], tmp_path / "out", quant, rollout_dtype=torch.float32)
+    folder = tmp_path / "out"
+    hf = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in hf and hf["dtype"] == "bfloat16"
+    assert provenance(folder)["format"] == stats["format"] == "bf16" and provenance(folder)["policy_version"] == 3
+    assert stats["input_global_scales"] == {} and stats["expert_bytes"] == stats["expert_bytes_bf16"]
+    # the weights the rollout served (its experts untouched), in BF16; a plain policy folder again
+    policy = load_model(policies["tiny-qwen2"])
+    engine = TorchEngine(policy, quant, dtype=torch.float32)
+    served = stacked_to_hub({k: v.to(torch.bfloat16) for k, v in engine.model.state_dict().items()}, policy.cfg)
+    written = load_file(folder / "model.safetensors")
+    assert any(".mlp.experts." in k for k in written) and all(t.dtype == torch.bfloat16 for t in written.values())
+    assert set(written) == set(served) - ({"lm_head.weight"} if policy.cfg.tie_word_embeddings else set())
+    assert all(torch.equal(t, served[k]) for k, t in written.items())
+    reloaded = load_model(folder).state_dict()
+    assert all(torch.equal(t, engine.model.state_dict()[k].to(torch.bfloat16)) for k, t in reloaded.items())
+
+
+def test_per_token_activation_global_scales_are_refused(policies, tmp_path):
+    quant = dataclasses.replace(rollout_config("fp4_wa_kv", "nvfp4"), activation_global_scale="per_token")
+    with pytest.raises(ValueError, match="rollout.activation_global_scale per_token cannot be exported"):
+        export(policies["smoke"], tmp_path / "out", quant)
+    assert not (tmp_path / "out").exists()
+
+
 def test_export_command(policies, tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["export", "--format", "nvfp4", str(policies["smoke"]), str(tmp_path / "e")])
@@ -118,6 +182,10 @@ def test_export_command(policies, tmp_path):
     assert "nvfp4-pack-quantized" in result.output and (tmp_path / "e" / "model.safetensors").exists()
     result = runner.invoke(main, ["export", "--format", "int4", str(policies["smoke"]), str(tmp_path / "x")])
     assert result.exit_code != 0 and "'int4' is not one of" in result.output and not (tmp_path / "x").exists()
+    result = runner.invoke(main, ["export", "--rollout-config", "fp4_kv", str(policies["smoke"]), str(tmp_path / "b")])
+    assert result.exit_code == 0, result.output  # the rollout left the weights BF16: so does the export
+    assert provenance(tmp_path / "b")["format"] == "bf16"
+    assert "quantization_config" not in json.loads((tmp_path / "b" / "config.json").read_text())
 
 
 def test_a_model_without_routed_experts_is_refused(tmp_path):

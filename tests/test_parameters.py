@@ -13,7 +13,7 @@ import yaml
 from tracefp4.components.trainer_state import read_meta
 from tracefp4.pipelines.parameters import apply, defaults, parameters
 from tracefp4.pipelines.pipeline import build_pipeline, compile_pipeline
-from tracefp4.schemas import ConfigError, get_preset
+from tracefp4.schemas import ConfigError, get_preset, load_config
 
 GOLDEN = Path(__file__).parent / "golden" / "smoke-inputs.json"
 REGENERATE = "TRACEFP4_REGENERATE_GOLDEN=1 python -m pytest tests/test_parameters.py -k golden"
@@ -65,6 +65,18 @@ def test_apply_merges_and_validates_naming_the_field():
         apply(config.model_dump_json(), {**values, "rl_learning_rate": -1.0})
     with pytest.raises(ConfigError, match="method: Input should be"):
         apply(config.model_dump_json(), {**values, "method": "qarl"})
+
+
+def test_a_rollout_no_serving_format_expresses_is_refused_before_any_work():
+    """The pipeline ends by exporting the policy as its rollout served it; compressed-tensors has
+    no per-token NVFP4 activation global scale, so such a run is refused when built or configured."""
+    per_token = load_config(None, "smoke", {"rollout.activation_global_scale": "per_token"})
+    with pytest.raises(ConfigError, match="per_token cannot be exported.*the pipeline ends with that export"):
+        build_pipeline(per_token)
+    config = get_preset("smoke")
+    values = defaults(config, parameters())
+    with pytest.raises(ConfigError, match="per_token cannot be exported"):
+        apply(config.model_dump_json(), {**values, "rollout_activation_global_scale": "per_token"})
 
 
 def test_an_override_reaches_the_steps(tmp_path):
