@@ -102,8 +102,13 @@ def science_config(
     data = get_preset("tiny").model_dump()
     data.update(name="science", seed=seed)
     data["tasks"] = [{"name": "countdown", "difficulty": 1, "train_size": train_size, "test_size": 500}]
+    stops = sft_steps > 1  # checked every 100 steps before the last
     data["bootstrap"].update(
-        steps=sft_steps, weight_decay=sft_weight_decay, target_accuracy=SFT_STOP, eval_every=100, eval_prompts=64
+        steps=sft_steps,
+        weight_decay=sft_weight_decay,
+        target_accuracy=SFT_STOP if stops else None,
+        eval_every=min(100, sft_steps - 1),
+        eval_prompts=64,
     )
     if sft_extra:
         data["bootstrap"]["extra_problems"] = [{"name": "countdown", "difficulty": EXTRA_DIFFICULTY, "size": sft_extra}]

@@ -138,9 +138,11 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
     tokenizer = load_tokenizer(checkpoint) if checkpoint else build_tokenizer()
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {model.cfg.vocab_size}")
-    problems = config.guided_layer_problems(model.cfg, f"checkpoint {config.model.checkpoint}")
-    if problems:  # before any work
-        raise ValueError("\n".join(problems))
+    unguidable = config.guided_layer_problems(model.cfg, f"checkpoint {config.model.checkpoint}")
+    if unguidable:  # before any work
+        raise ValueError("\n".join(unguidable))
+    train, test = problems(config)
+    encode_prompts(config, tokenizer, train + test)  # every prompt a round or evaluation may draw fits
     stats = run_bootstrap(config, model, tokenizer) if config.bootstrap.enabled else {}
     trainer = Trainer(model, train_config(config), BF16, {})
     if state is None:
@@ -243,16 +245,16 @@ def rollout_quant(config: RunConfig, name: str | None = None) -> QuantConfig:
 def _engine(config: RunConfig, policy: Path, capture: bool, device: torch.device) -> TorchEngine:
     """The rollout engine on ``device``; a capturing one keeps everything, or
     with inline compaction only the selected layers' low bits."""
-    model = load_model(policy)
+    model, quant = load_model(policy), rollout_quant(config)
     cfg = None
     if capture:
         cfg = CaptureConfig(max_tokens=config.rollout.max_tokens_per_forward)
-        if _inline(config):
-            layers = select_layers(config.guidance.layers, list(range(model.cfg.num_layers)))
+        if _inline(config):  # of the layers with FP4 sites, as offline compaction and the schema choose them
+            layers = select_layers(config.guidance.layers, quant.fp4_layers(model.cfg))
             cfg = CaptureConfig(
                 bits=config.guidance.bits, layers=layers, max_tokens=config.rollout.max_tokens_per_forward
             )
-    quant, dtype = rollout_quant(config), compute_dtype(config)
+    dtype = compute_dtype(config)
     return TorchEngine(model, quant, dtype=dtype, device=device, capture=cfg, calibration_seed=config.seed)
 
 

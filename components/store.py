@@ -33,6 +33,7 @@ T = TypeVar("T")
 _TMP_SUFFIX = ".partial"  # temp files of atomic writes: ".<name>.<random>.partial"
 _MAX_BACKOFF_S = 5.0
 _MIN_PART = 5 * 2**20  # S3's smallest multipart part
+_MAX_PARTS = 10_000  # S3's most parts of one object
 _CHUNK = 2**20  # download buffer: a multi-GB object streams to disk, it is never held in memory
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"}
 # what OpenSSL says when the other side answers a TLS hello with something else, plain HTTP most likely
@@ -368,8 +369,16 @@ class S3Store(ArtifactStore):
         self._call(
             "put",
             key,
-            lambda: self._client.put_object(self.bucket, name, io.BytesIO(data), len(data), part_size=self.part_size),
+            lambda: self._client.put_object(
+                self.bucket, name, io.BytesIO(data), len(data), part_size=self._part_size(len(data))
+            ),
         )
+
+    def _part_size(self, size: int) -> int:
+        """``part_size``, or for an object of more than 10,000 such parts (S3's
+        limit: 156 GiB at 16 MiB, less than a large trainer state) the whole MiB
+        that makes 10,000."""
+        return max(self.part_size, -(-size // (_MAX_PARTS * 2**20)) * 2**20)
 
     def upload(self, key: str, path: str | os.PathLike) -> None:
         name = self._name(key)
@@ -379,7 +388,9 @@ class S3Store(ArtifactStore):
                 size = os.fstat(f.fileno()).st_size
                 # one part at a time: minio's parallel uploads queue every part read ahead, unbounded, so a file
                 # read faster than the network takes it would end up whole in memory
-                self._client.put_object(self.bucket, name, f, size, part_size=self.part_size, num_parallel_uploads=1)
+                self._client.put_object(
+                    self.bucket, name, f, size, part_size=self._part_size(size), num_parallel_uploads=1
+                )
 
         try:
             self._call("upload", key, put)

@@ -28,7 +28,7 @@ from tracefp4.kernels import valid_global_scale
 
 from .capture import Capture, CaptureConfig, CaptureRecords, TokenMap
 from .checkpoint import load_model, save_model
-from .guidance import GuidanceLoader
+from .guidance import GuidanceError, GuidanceLoader
 from .mismatch import MismatchTally, compare
 from .model import Transformer
 from .precision import MasterWeights
@@ -175,11 +175,16 @@ class Trainer:
         loaded = iter(loader) if loader is not None else itertools.repeat(None)
         reload_s = 0.0
 
-        def next_guidance():
+        def next_guidance(batch: SequenceBatch):
             nonlocal reload_s
             start = time.perf_counter()
             mb_guidance = next(loaded)
             reload_s += time.perf_counter() - start
+            if mb_guidance is not None and mb_guidance.trajectories != batch.trajectories:
+                raise GuidanceError(
+                    f"the loader's next guidance is of trajectories {mb_guidance.trajectories}, the microbatch "
+                    f"holds {batch.trajectories}: load the microbatches in Trainer.guidance_order"
+                )
             return mb_guidance
 
         # read from the device once, after the last microbatch: each microbatch's loss figures, the gradient norms
@@ -191,11 +196,11 @@ class Trainer:
         for index in order[: len(order) - len(owned)]:
             recorder = self._recording(batches[index], rollout_records)
             with torch.no_grad():
-                _, old[index] = self._forward(batches[index], next_guidance(), recorder)
+                _, old[index] = self._forward(batches[index], next_guidance(batches[index]), recorder)
             self._compare(recorder, rollout_records, tally)
         self.optimizer.zero_grad(set_to_none=True)
         for index, batch in batches.items():
-            mb_guidance = next_guidance()
+            mb_guidance = next_guidance(batch)
             recorder = None if index in old else self._recording(batch, rollout_records)
             loss, logprobs, sites, figures = self._loss(
                 batch, mb_guidance, recorder, mb_advantages[index], old.get(index)

@@ -590,11 +590,13 @@ class RunConfig(_Section):
             )
         if self.method == "trace" and self.rollout.config == "bf16":
             problems.append("method: trace guides training with FP4 rollout codes; rollout.config bf16 records none")
-        if self.rl.kl_coef > 0 and self.rl.steps_per_round == 1 and self.rl.grad_accumulation == 0:
+        microbatches = -(-self.rollout.prompts_per_step * self.rollout.group_size // self.rl.microbatch_size)
+        per_step = -(-microbatches // (self.rl.grad_accumulation or microbatches))  # optimizer steps an RL step
+        if self.rl.kl_coef > 0 and self.rl.steps_per_round * per_step == 1:
             problems.append(
                 f"rl.kl_coef: {self.rl.kl_coef} penalizes the KL to the policy the round started from, which a "
                 "round of one optimizer step trains: the penalty and its gradient are 0; use off_policy with "
-                "rl.steps_per_round > 1 or rl.grad_accumulation > 0"
+                "rl.steps_per_round > 1, or rl.grad_accumulation below the microbatches of an RL step"
             )
 
         if self.rl.schedule == "on_policy" and (self.rl.steps_per_round != 1 or self.rl.grad_accumulation != 0):

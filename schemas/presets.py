@@ -117,7 +117,7 @@ def _paper(name: str, fmt: str, config: str) -> RunConfig:
                 "cpu": "64",
                 "memory": "512Gi",
                 "host_cpu": "8",  # gather and the TrainJob launcher, which must leave the ranks room on a tray
-                "host_memory": "64Gi",
+                "host_memory": "128Gi",  # gather holds a round of 16,384 trajectories: ~100 B per token
                 "gpus": 4,  # one GB200 compute tray: a step's pod, or a TrainJob node
                 "accelerator_type": "nvidia.com/gpu",
                 "node_selector": {"nvidia.com/gpu.product": "NVIDIA-GB200"},

@@ -139,6 +139,10 @@ def test_a_kl_penalty_that_would_be_zero_is_refused():
     assert load_config(None, overrides=off_policy).rl.kl_coef == 0.1
     with pytest.raises(ConfigError, match="rl.kl_coef"):  # off_policy, but still one optimizer step a round
         load_config(None, overrides={"rl": {"kl_coef": 0.1, "schedule": "off_policy", "steps_per_round": 1}})
+    one_group = {"kl_coef": 0.1, "schedule": "off_policy", "microbatch_size": 1}  # 32 microbatches an RL step
+    with pytest.raises(ConfigError, match="rl.kl_coef"):  # accumulated over all of them: one optimizer step
+        load_config(None, overrides={"rl": {**one_group, "grad_accumulation": 64}})
+    assert load_config(None, overrides={"rl": {**one_group, "grad_accumulation": 16}}).rl.kl_coef == 0.1
 
 
 @pytest.mark.parametrize(

@@ -135,6 +135,13 @@ def test_bad_keys(store, key):
         store.get_bytes(key)
 
 
+def test_s3_parts_grow_so_that_no_object_needs_more_than_10000(s3_server):
+    store = s3_server.store(_prefix(), part_size=16 * MiB)
+    assert store._part_size(12 * MiB) == 16 * MiB
+    assert store._part_size(280 * 10**9) == 27 * MiB  # a 35B model's AdamW moments: 26.7 MiB parts
+    assert -(-280 * 10**9 // store._part_size(280 * 10**9)) <= 10_000
+
+
 def test_s3_multipart_upload(s3_server):
     store = s3_server.store(_prefix(), part_size=5 * MiB)
     data = os.urandom(12 * MiB + 123)

@@ -11,7 +11,7 @@ import torch
 from tracefp4.components import steps
 from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.checkpoint import CheckpointError, load_model, provenance
-from tracefp4.components.guidance import GuidanceError, read_manifest
+from tracefp4.components.guidance import GuidanceError, GuidanceLoader, read_manifest, write_step
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rl import SequenceBatch, alignment_metrics, stack_rows, token_logprobs
@@ -114,8 +114,8 @@ def test_rounds_end_to_end(method, precision, codec, tmp_path):
 
 
 def test_off_policy_round_trains_every_batch_of_one_rollout(tmp_path):
-    """Two optimizer steps per RL step, too: the guidance loader yields each microbatch's
-    guidance twice (the old policy's pass, then the loss), in the trainer's order."""
+    """Two optimizer steps per RL step, too: the guidance loader yields the second
+    microbatch's guidance twice (the old policy's pass, then the loss), in the trainer's order."""
     rl = {"schedule": "off_policy", "steps_per_round": 2, "microbatch_size": 2, "grad_accumulation": 1}
     history = rounds(smoke(tmp_path, rl=rl), tmp_path, 1)
     assert [(h["step"], h["staleness"]) for h in history] == [(1, 0), (2, 1)]
@@ -151,12 +151,37 @@ def test_inputs_of_another_run_or_version_are_refused(tmp_path):
         steps.read_trajectories(cut, RUN, 0)
 
 
-def test_a_prompt_without_room_for_its_response_is_refused_before_the_rollout(tmp_path):
+def test_inline_guidance_keeps_the_deepest_layers_with_fp4_sites(tmp_path, monkeypatch):
+    """A hybrid model whose deepest layer is linear attention holds no KV cache
+    there: under fp4_kv, guidance.layers 1 is the deepest full-attention layer,
+    for the inline capture as for the schema and offline compaction."""
+    from tracefp4.components import model
+
+    hybrid = ("linear_attention", "linear_attention", "full_attention", "linear_attention")
+    monkeypatch.setitem(
+        model.PRESETS, "tiny-qwen35", dataclasses.replace(model.PRESETS["tiny-qwen35"], layer_types=hybrid)
+    )
+    data = get_preset("tiny-qwen35").model_dump()
+    data["store"]["uri"] = (tmp_path / "store").as_uri()
+    data["rollout"]["config"], data["evaluation"]["rollout_configs"] = "fp4_kv", ["fp4_kv"]
+    data["guidance"].update(layers=1, compaction="inline", codec="bits")
+    data["bootstrap"]["enabled"] = False
+    config = RunConfig.model_validate(data)
+    steps.prepare(config, tmp_path / "p0", RUN, tmp_path / "s0")
+    (row,) = steps.run_round(
+        config, tmp_path / "p0", tmp_path / "s0", 0, tmp_path / "p1", tmp_path / "s1", tmp_path, RUN
+    )
+    manifest = read_manifest(open_store(config.store.uri), 0, steps.store_prefix(config, RUN, "guidance"))
+    assert manifest["layers"] == [2] and row["guidance_coverage"] > 0.9
+
+
+def test_a_prompt_without_room_for_its_response_is_refused_before_any_work(tmp_path):
     config = smoke(tmp_path, model={"max_seq_len": 12}, rollout={"max_new_tokens": 8})  # 4 tokens of prompt
-    steps.prepare(config, tmp_path / "p0", RUN)
-    with pytest.raises(
-        ValueError, match=r"a prompt of \d+ tokens .* and rollout.max_new_tokens 8 exceed model.max_seq_len 12"
-    ):
+    too_long = r"a prompt of \d+ tokens .* and rollout.max_new_tokens 8 exceed model.max_seq_len 12"
+    with pytest.raises(ValueError, match=too_long):  # every problem of the run, before the bootstrap
+        steps.prepare(config, tmp_path / "p0", RUN)
+    steps.prepare(smoke(tmp_path), tmp_path / "p0", RUN)  # a policy from a config that fits
+    with pytest.raises(ValueError, match=too_long):  # the rollout checks its own batch too
         steps.rollout(config, tmp_path / "p0", 0, tmp_path / "t0.jsonl", RUN)
     assert not (tmp_path / "t0.jsonl").exists()
 
@@ -335,6 +360,18 @@ def test_ppo_old_policy_is_the_one_the_step_starts_from():
     assert stats["k3_kl"] == expected["k3_kl"]
     assert stats["clip_fraction"] > 0  # the second microbatch's ratio moved past the clip
     assert trainer.guidance_order(4) == [1, 2, 3, 0, 1, 2, 3]
+
+
+def test_guidance_loaded_in_another_order_than_the_trainers_is_refused(tmp_path):
+    engine = TorchEngine(build_model("smoke", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
+    trajectories = engine.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=3, seed=1))
+    store = open_store(str(tmp_path))
+    write_step(store, engine.drain_capture(), rl_step=0, policy_version=0, top_k=engine.model.cfg.top_k)
+    config = TrainConfig(method="trace", microbatch_size=2, grad_accumulation=1)
+    trainer = Trainer(build_model("smoke", seed=0), config, engine.quant, engine.global_scales)
+    one_pass = GuidanceLoader(store, 0, [[t.id for t in mb] for mb in trainer.microbatches(trajectories)])
+    with pytest.raises(GuidanceError, match=r"trajectories \[0, 1\], the microbatch holds \[2, 3\]"):
+        trainer.train_step(trajectories, torch.tensor([1.0, -1.0, 1.0, -1.0]), one_pass)
 
 
 def test_prepare_checks_guided_layers_against_a_checkpoint_before_any_work(tmp_path):
