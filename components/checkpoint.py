@@ -396,7 +396,8 @@ def _inside(folder: Path, name: object, what: str) -> Path:
     return path
 
 
-def _size_and_sha256(path: Path) -> tuple[int, str]:
+def size_and_sha256(path: Path) -> tuple[int, str]:
+    """A file's size and sha256, read a block at a time (checkpoint files can be hundreds of GB)."""
     with open(path, "rb") as f:
         return os.fstat(f.fileno()).st_size, hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -406,7 +407,7 @@ def _write_manifest(folder: Path, provenance: dict | None = None) -> None:
     with ``provenance`` (who wrote the folder: run id, policy version) beside them."""
     files = {}
     for path in sorted(folder.iterdir()):
-        size, digest = _size_and_sha256(path)
+        size, digest = size_and_sha256(path)
         files[path.name] = {"size": size, "sha256": digest}
     (folder / MANIFEST).write_text(json.dumps({"files": files, "provenance": provenance or {}}, indent=1))
 
@@ -482,7 +483,7 @@ def verify_folder(folder: Path) -> None:
         file = _inside(folder, name, MANIFEST)
         if not file.is_file():
             raise CheckpointError(f"{file}: listed in {MANIFEST} but missing")
-        got_size, got_digest = _size_and_sha256(file)
+        got_size, got_digest = size_and_sha256(file)
         if got_size != size:
             raise CheckpointError(f"{file}: {got_size} bytes, but {MANIFEST} says {size}: truncated or changed since")
         if got_digest != digest:
@@ -800,7 +801,7 @@ def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None) ->
             else:
                 store.download(name, tmp / name)
             if name in entries:
-                size, digest = _size_and_sha256(tmp / name)
+                size, digest = size_and_sha256(tmp / name)
                 if size != entries[name][0]:
                     raise CheckpointError(f"{where}/{name}: {size} bytes, but {MANIFEST} says {entries[name][0]}")
                 if digest != entries[name][1]:

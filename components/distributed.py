@@ -54,7 +54,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import fetch, folder_digest, load_state
+from .checkpoint import fetch, folder_digest, load_state, size_and_sha256
 from .device import resolve
 from .model import Transformer
 from .precision import MasterWeights
@@ -206,10 +206,12 @@ def _by_name(state: dict, names: list[str]) -> dict:
 class ShardCheckpoints:
     """A round's sharded checkpoints in the store, one per RL step taken:
     ``<prefix>/step-<policy version>/`` holds each rank's torch.distributed.checkpoint
-    files, the round's history so far, and last the ``.metadata`` that makes it complete.
-    Each is pinned to the round's run, starting version and policy folder
-    (``policy``: its :func:`~.checkpoint.folder_digest`): a run id given twice
-    must not resume one run's round onto another's policy."""
+    files, the round's history so far with every file's size and sha256, and
+    last the ``.metadata`` that makes it complete. A resume reads the files
+    the history names and refuses one that differs. Each is pinned to the
+    round's run, starting version and policy folder (``policy``: its
+    :func:`~.checkpoint.folder_digest`): a run id given twice must not resume
+    one run's round onto another's policy."""
 
     def __init__(self, store: ArtifactStore, prefix: str, run_id: str, start_version: int, policy: str):
         self.store, self.prefix = store, prefix.rstrip("/")
@@ -229,16 +231,20 @@ class ShardCheckpoints:
         model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
         with tempfile.TemporaryDirectory(prefix="tracefp4-dcp-") as local:
             dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=local)
-            for f in sorted(Path(local).iterdir()):
+            written = sorted(Path(local).iterdir())  # the coordinator's include .metadata
+            for f in written:
                 if f.name != METADATA:
                     self.store.upload(f"{key}/{f.name}", f)
-            dist.barrier()  # every rank's files are in the store
+            sums = {f.name: size_and_sha256(f) for f in written}
+            # gathered from each rank after its uploads: every rank's files are in the store
+            files = {name: s for rank in trainer.all_gather(sums) for name, s in rank.items()}
             if trainer.rank == 0:
                 meta = {
                     "run_id": self.run_id,
                     "start_version": self.start_version,
                     "policy": self.policy,
                     "step": trainer.step,
+                    "files": files,
                 }
                 self.store.put_bytes(f"{key}/{HISTORY}", json.dumps({**meta, "history": history}).encode())
                 self.store.upload(f"{key}/{METADATA}", Path(local) / METADATA)  # complete
@@ -263,10 +269,21 @@ class ShardCheckpoints:
                 f"{self.store.uri}/{key}: checkpoint of a round from another policy folder (digest "
                 f"{meta.get('policy')}, this round's {self.policy}): is run id {self.run_id!r} used by two runs?"
             )
+        if "files" not in meta:
+            raise DistributedError(
+                f"{self.store.uri}/{key}: written without checksums (by an older tracefp4); "
+                f"delete {self.store.uri}/{key}/ to train the round from its start"
+            )
         model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
         with tempfile.TemporaryDirectory(prefix="tracefp4-dcp-") as local:
-            for name in self.store.list(key + "/"):
-                self.store.download(name, Path(local) / name.rsplit("/", 1)[-1])
+            for name, (size, sha256) in meta["files"].items():
+                path = Path(local) / name
+                self.store.download(f"{key}/{name}", path)
+                if size_and_sha256(path) != (size, sha256):
+                    raise DistributedError(
+                        f"{self.store.uri}/{key}/{name}: not the file this checkpoint wrote (size or sha256 "
+                        f"differs); delete {self.store.uri}/{key}/ to train the round from its start"
+                    )
             state = {"model": model_state, "optimizer": optimizer_state}
             dcp.load(state, checkpoint_id=local)
         set_state_dict(

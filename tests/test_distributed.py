@@ -155,9 +155,10 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
     round_inputs, both, tmp_path
 ):
     """Kill the ranks once step 2's checkpoint is complete: the rerun resumes
-    from it and ends where the uninterrupted run ended. Then the same with that
-    checkpoint's ``.metadata`` removed (as if the ranks died while writing
-    it): the rerun reads nothing of it and starts the round over."""
+    from it and ends where the uninterrupted run ended. Then the same with a
+    bit of that checkpoint flipped: the rerun refuses it, naming the file. And
+    with its ``.metadata`` removed (as if the ranks died while writing it): the
+    rerun reads nothing of it and starts the round over."""
     tmp, _, stats = round_inputs
     config = config_for(tmp, processes=2)  # the round's store (its guidance); no checkpoint left in it by now
     root = tmp / "store" / steps.store_prefix(config, RUN, "checkpoints") / "round-000000"
@@ -204,6 +205,15 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
     assert resumed.endswith(f"step {int(left[-1].removeprefix('step-'))}")
 
     left = interrupted(tmp_path / "b")
+    shard = next((root / left[-1]).glob("*.distcp"))
+    data = shard.read_bytes()
+    shard.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit flipped in the store
+    lines = []
+    with pytest.raises(DistributedError):
+        torchrun(
+            config, *inputs, tmp_path / "b", tmp_path / "out-state", tmp_path / "work", RUN, stats, echo=lines.append
+        )
+    assert any(f"{shard.name}: not the file this checkpoint wrote" in line for line in lines), lines[-5:]
     (root / left[-1] / ".metadata").unlink()  # incomplete now
     assert rerun(tmp_path / "b") == []  # nothing read: the round trained from its start
 
