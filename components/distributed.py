@@ -161,9 +161,9 @@ class DistributedTrainer(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
         return norm.full_tensor() if isinstance(norm, DTensor) else norm  # read with the step's other figures
 
-    def step_done(self, history: list[dict]) -> None:
+    def step_done(self, history: list[dict], decoded: dict[str, dict]) -> None:
         if self.checkpoints is not None:
-            self.checkpoints.save(self, history)
+            self.checkpoints.save(self, history, decoded)
 
     def save(self, policy, state, extra: dict[str, bytes] | None = None, run_id: str = "") -> tuple[Path, Path]:
         """The consolidated policy and trainer state (what :meth:`Trainer.save`
@@ -206,12 +206,12 @@ def _by_name(state: dict, names: list[str]) -> dict:
 class ShardCheckpoints:
     """A round's sharded checkpoints in the store, one per RL step taken:
     ``<prefix>/step-<policy version>/`` holds each rank's torch.distributed.checkpoint
-    files, the round's history so far with every file's size and sha256, and
-    last the ``.metadata`` that makes it complete. A resume reads the files
-    the history names and refuses one that differs. Each is pinned to the
-    round's run, starting version and policy folder (``policy``: its
-    :func:`~.checkpoint.folder_digest`): a run id given twice must not resume
-    one run's round onto another's policy."""
+    files, the round's history and syndrome decode statistics so far with
+    every file's size and sha256, and last the ``.metadata`` that makes it
+    complete. A resume reads the files the history names and refuses one that
+    differs. Each is pinned to the round's run, starting version and policy
+    folder (``policy``: its :func:`~.checkpoint.folder_digest`): a run id
+    given twice must not resume one run's round onto another's policy."""
 
     def __init__(self, store: ArtifactStore, prefix: str, run_id: str, start_version: int, policy: str):
         self.store, self.prefix = store, prefix.rstrip("/")
@@ -226,7 +226,7 @@ class ShardCheckpoints:
         versions = [int(name.removeprefix("step-")) for name in done if name.startswith("step-")]
         return max(versions, default=None)
 
-    def save(self, trainer: DistributedTrainer, history: list[dict]) -> None:
+    def save(self, trainer: DistributedTrainer, history: list[dict], decoded: dict[str, dict]) -> None:
         key = self._key(trainer.step)
         model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
         with tempfile.TemporaryDirectory(prefix="tracefp4-dcp-") as local:
@@ -246,7 +246,8 @@ class ShardCheckpoints:
                     "step": trainer.step,
                     "files": files,
                 }
-                self.store.put_bytes(f"{key}/{HISTORY}", json.dumps({**meta, "history": history}).encode())
+                record = {**meta, "history": history, "decoded": decoded}
+                self.store.put_bytes(f"{key}/{HISTORY}", json.dumps(record).encode())
                 self.store.upload(f"{key}/{METADATA}", Path(local) / METADATA)  # complete
                 self.clear(keep=trainer.step)
         dist.barrier()
@@ -289,7 +290,7 @@ class ShardCheckpoints:
         set_state_dict(
             trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
-        trainer.step, trainer.history = meta["step"], meta["history"]
+        trainer.step, trainer.history, trainer.decoded = meta["step"], meta["history"], meta["decoded"]
 
 
 def clear_checkpoints(store: ArtifactStore, prefix: str, keep: str | None = None) -> None:

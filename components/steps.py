@@ -641,7 +641,7 @@ def train(
             {"run_id": run_id, "policy_version": header["policy_version"]},
         )
     per_step = config.rollout.prompts_per_step * config.rollout.group_size
-    history, decoded = list(trainer.history), {}
+    history, decoded = list(trainer.history), dict(trainer.decoded)
     for s in range(len(history), config.rl.steps_per_round):
         start = time.perf_counter()
         part = slice(s * per_step, (s + 1) * per_step)
@@ -685,7 +685,7 @@ def train(
                 **{key: (round_stats or {}).get(key) for key in ROUND_KEYS},
             }
         )
-        trainer.step_done(history)
+        trainer.step_done(history, decoded)
     if decoded:  # the next round's compaction chooses its syndrome rates from these
         store.put_bytes(f"{step_prefix(guidance.prefix, round_index)}/{DECODE_FILE}", json.dumps(decoded).encode())
     trainer.save(out, out_state, extra=tokenizer.files(), run_id=run_id)

@@ -109,6 +109,7 @@ class Trainer:
         )
         self.step = 0  # RL steps taken: the policy version of the weights
         self.history: list[dict] = []  # rows of this round's steps a resumed trainer already took
+        self.decoded: dict[str, dict] = {}  # and their syndrome decode statistics, merged per "layer/site"
 
     # -- data parallelism: one process here; components/distributed.py overrides these for its ranks
 
@@ -129,9 +130,10 @@ class Trainer:
         """``item`` of every process training together, by rank (here one)."""
         return [item]
 
-    def step_done(self, history: list[dict]) -> None:
-        """Called after each RL step with the round's rows so far (a distributed
-        trainer writes its resumable sharded checkpoint here)."""
+    def step_done(self, history: list[dict], decoded: dict[str, dict]) -> None:
+        """Called after each RL step with the round's rows and merged decode
+        statistics so far (a distributed trainer writes its resumable sharded
+        checkpoint here)."""
 
     def microbatches(self, trajectories: list[Trajectory]) -> list[list[Trajectory]]:
         n = self.config.microbatch_size

@@ -121,10 +121,11 @@ def test_two_processes_train_what_one_does(round_inputs, both):
 
 def test_two_processes_count_the_whole_steps_syndrome_decode(tmp_path):
     """Each rank decodes its own microbatches' guidance: the step's decode figures,
-    and the statistics the next round's rate control reads, sum the ranks' counts."""
+    and the statistics the next round's rate control reads, sum the ranks' counts;
+    a round resumed after its first step counts that step's too."""
 
     def syndrome(processes: int) -> RunConfig:
-        data = config_for(tmp_path, processes, steps_per_round=1).model_dump()
+        data = config_for(tmp_path, processes, steps_per_round=2).model_dump()
         data["guidance"].update(codec="syndrome", bits=1)
         return RunConfig.model_validate(data)
 
@@ -135,14 +136,29 @@ def test_two_processes_count_the_whole_steps_syndrome_decode(tmp_path):
     (tmp_path / "guidance.json").write_text(ref.to_json())
     inputs = (tmp_path / "policy-0", tmp_path / "state-0", tmp_path / "trajectories.jsonl")
     store, key = open_store(config.store.uri), f"{step_prefix(ref.prefix, 0)}/{steps.DECODE_FILE}"
-    (one,) = steps.train(config, *inputs, ref, tmp_path / "one", tmp_path / "one-state", RUN, stats)
+    one = steps.train(config, *inputs, ref, tmp_path / "one", tmp_path / "one-state", RUN, stats)
     decoded_by_one = json.loads(store.get_bytes(key))
     store.delete(key)
-    (two,) = torchrun(
-        syndrome(2), *inputs, tmp_path / "guidance.json", tmp_path / "two", tmp_path / "two-state", tmp_path, RUN, stats
-    )
-    assert two["guidance_decode_blocks"] == one["guidance_decode_blocks"] > 0
+
+    def two_processes(out, echo=print):
+        inputs_two = (*inputs, tmp_path / "guidance.json")
+        return torchrun(syndrome(2), *inputs_two, out, tmp_path / f"{out.name}-state", tmp_path, RUN, stats, echo=echo)
+
+    two = two_processes(tmp_path / "two")
+    assert [r["guidance_decode_blocks"] for r in two] == [r["guidance_decode_blocks"] for r in one]
+    assert all(r["guidance_decode_blocks"] > 0 for r in one)
     assert json.loads(store.get_bytes(key)) == decoded_by_one
+    store.delete(key)
+
+    round_0 = tmp_path / "store" / steps.store_prefix(config, RUN, "checkpoints") / "round-000000"
+    killed = kill_ranks_once(round_0 / "step-000001" / ".metadata")
+    with pytest.raises(DistributedError):
+        two_processes(tmp_path / "resumed", echo=lambda line: None)
+    assert killed and not store.list(key)
+    lines = []
+    two_processes(tmp_path / "resumed", echo=lines.append)
+    assert any(line.endswith("step 1") and "resumed from" in line for line in lines)
+    assert json.loads(store.get_bytes(key)) == decoded_by_one  # step 1's statistics too
 
 
 def test_a_finished_round_leaves_no_sharded_checkpoint(round_inputs, both):
@@ -165,16 +181,7 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
     inputs = (tmp / "policy-0", tmp / "state-0", tmp / "trajectories.jsonl", tmp / "guidance.json")
 
     def interrupted(out):
-        killed = []
-
-        def kill_after_step_2():
-            while not (root / "step-000002" / ".metadata").exists():
-                time.sleep(0.02)
-            killed.extend(_rank_pids(os.getpid()))
-            for pid in killed:
-                os.kill(pid, signal.SIGKILL)
-
-        threading.Thread(target=kill_after_step_2, daemon=True).start()
+        killed = kill_ranks_once(root / "step-000002" / ".metadata")
         with pytest.raises(DistributedError):
             torchrun(
                 config, *inputs, out, tmp_path / "out-state", tmp_path / "work", RUN, stats, echo=lambda line: None
@@ -249,6 +256,22 @@ def test_a_killed_rank_fails_the_step_within_the_timeout(round_inputs, tmp_path)
     message = str(failed.value)
     assert "torchrun exit" in message and "rank" in message and "SIGKILL" in message, message
     assert not (tmp_path / "out").exists()
+
+
+def kill_ranks_once(done) -> list[int]:
+    """Kill this test's ranks as soon as the file ``done`` exists (a checkpoint
+    complete, say), from a thread; the list returned gets their pids."""
+    killed = []
+
+    def watch():
+        while not done.exists():
+            time.sleep(0.02)
+        killed.extend(_rank_pids(os.getpid()))
+        for pid in killed:
+            os.kill(pid, signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True).start()
+    return killed
 
 
 def _rank_pids(ancestor: int) -> list[int]:
