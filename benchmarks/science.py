@@ -243,7 +243,7 @@ def probe_section(data: dict) -> dict:
     lines = [
         f"The bootstrap alone (no RL) under other settings than section 1's: {boot['steps']} SFT steps at most at "
         f"learning rate {boot['learning_rate']:g}{decay} on {train} training problems{extra}, "
-        f"stopping early once greedy accuracy on the first {boot['eval_prompts']} held-out prompts reaches "
+        f"stopping early once greedy accuracy on {boot['eval_prompts']} held-out prompts reaches "
         f"{100 * boot['target_accuracy']:.0f}%. The last column is the same greedy accuracy on the first "
         f"{TRAIN_PROBES} training problems of the split: far above the held-out one is memorization.",
         "",

@@ -46,9 +46,8 @@ class BootstrapConfig:
     grad_clip: float = 1.0
     seed: int = 0
     max_len: int = 128  # longest prompt + target in tokens; a longer example is an error
-    target_accuracy: float | None = None  # stop once the greedy accuracy on the eval prompts reaches it
-    eval_every: int = 50  # steps between accuracy checks (0: none)
-    eval_prompts: int = 16  # the first test problems, checked every ``eval_every`` steps
+    target_accuracy: float | None = None  # stop once the greedy accuracy on the check problems reaches it
+    eval_every: int = 50  # steps between accuracy checks on the check problems (0: none)
     max_new_tokens: int = 32
     compute_dtype: torch.dtype = torch.float32  # bfloat16: BF16 autocast over the float32 weights
 
@@ -119,14 +118,20 @@ def bootstrap(
     model: Transformer,
     tokenizer: PolicyTokenizer,
     train: list[Problem],
+    checks: list[Problem],
     test: list[Problem],
     config: BootstrapConfig = BootstrapConfig(),
 ) -> dict:
-    """Train ``model`` in place; returns the history: ``loss`` per step,
-    ``evals`` (step, accuracy on the eval prompts), ``steps`` run,
-    ``stopped_early``, ``seconds``, and ``accuracy`` (greedy, all of ``test``)."""
+    """Train ``model`` in place on ``train``; returns the history: ``loss`` per
+    step, ``evals`` (step, greedy accuracy on ``checks`` every ``eval_every``
+    steps, which ``target_accuracy`` stops on), ``steps`` run,
+    ``stopped_early``, ``seconds``, and ``accuracy`` (greedy, all of
+    ``test``). The checks are problems of neither other list: a stop decided
+    on test problems would favour the test set the accuracy is reported on."""
     if not train or not test:
         raise ValueError("bootstrap needs train and test problems")
+    if 0 < config.eval_every < config.steps and not checks:
+        raise ValueError(f"bootstrap checks accuracy every {config.eval_every} steps: it needs check problems")
     if tokenizer.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {model.cfg.vocab_size}")
     start = time.perf_counter()
@@ -160,7 +165,7 @@ def bootstrap(
         history["loss"].append(loss.item())
         log.info("bootstrap step %d/%d, loss %.4f", step + 1, config.steps, history["loss"][-1])
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
-            acc = accuracy(model, tokenizer, test[: config.eval_prompts], config.max_new_tokens)
+            acc = accuracy(model, tokenizer, checks, config.max_new_tokens)
             history["evals"].append({"step": step + 1, "accuracy": acc})
             if config.target_accuracy is not None and acc >= config.target_accuracy:
                 history["stopped_early"] = True

@@ -106,19 +106,20 @@ def compute_dtype(config: RunConfig) -> torch.dtype:
 
 def problems(config: RunConfig) -> tuple[list[Problem], list[Problem]]:
     """The run's train and test problems, every task's split concatenated (seeded)."""
-    train, test = [], []
-    for t in config.tasks:
-        a, b = split(t.name, t.train_size, t.test_size, config.seed, t.difficulty)
-        train += a
-        test += b
-    return train, test
+    splits = task_splits(config)
+    return [p for train, _ in splits for p in train], [p for _, test in splits for p in test]
+
+
+def task_splits(config: RunConfig) -> list[tuple[list[Problem], list[Problem]]]:
+    """Each task's train and test problems (seeded)."""
+    return [split(t.name, t.train_size, t.test_size, config.seed, t.difficulty) for t in config.tasks]
 
 
 def training_problems(config: RunConfig, round_index: int, n: int) -> list[Problem]:
     """``n`` training problems for a round: a task drawn by the tasks' weights,
     then one of its training problems, uniformly (seeded per round)."""
     rng = random.Random(f"{config.seed}/rollout/{round_index}")
-    pools = [split(t.name, t.train_size, t.test_size, config.seed, t.difficulty)[0] for t in config.tasks]
+    pools = [train for train, _ in task_splits(config)]
     weights = [t.weight for t in config.tasks]
     return [rng.choice(pools[rng.choices(range(len(pools)), weights)[0]]) for _ in range(n)]
 
@@ -152,27 +153,37 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
     return stats
 
 
-def sft_problems(config: RunConfig) -> tuple[list[Problem], list[Problem]]:
-    """The bootstrap's train and test problems: the run's splits, and to train on besides,
-    ``bootstrap.extra_problems``, seeded, none with a prompt of the splits or of each other."""
-    train, test = problems(config)
-    exclude = {p.prompt for p in train + test}
+def sft_problems(config: RunConfig) -> tuple[list[Problem], list[Problem], list[Problem]]:
+    """The bootstrap's problems: to train on, to check every ``bootstrap.eval_every``
+    steps (the early stop), and to score at its end (the run's test split). The
+    checks, ``bootstrap.eval_prompts`` with ``eval_every``, are the last of each
+    task's training problems in turn (the split is a seeded shuffle: a sample of
+    the same distribution), and SFT does not train on them; RL later does. To
+    train on besides, ``bootstrap.extra_problems``, seeded, none with a prompt
+    of the splits or of each other."""
+    train, checks, test = [], [], []
+    for (task_train, task_test), share in zip(task_splits(config), config.bootstrap_checks):
+        train += task_train[: len(task_train) - share]
+        checks += task_train[len(task_train) - share :]
+        test += task_test
+    exclude = {p.prompt for p in train + checks + test}
     for extra in config.bootstrap.extra_problems:
         drawn = get_task(extra.name).generate(extra.size, config.seed, extra.difficulty, frozenset(exclude))
         train += drawn
         exclude.update(p.prompt for p in drawn)
-    return train, test
+    return train, checks, test
 
 
 def run_bootstrap(config: RunConfig, model, tokenizer) -> dict:
     """Bootstrap SFT of ``model`` (in place) on the run's train split (and any extra problems), scored greedily
-    on its test split."""
+    on its test split (:func:`sft_problems`)."""
     b = config.bootstrap
-    train, test = sft_problems(config)
+    train, checks, test = sft_problems(config)
     history = sft.bootstrap(
         model,
         tokenizer,
         train,
+        checks,
         test,
         sft.BootstrapConfig(
             steps=b.steps,
@@ -184,7 +195,6 @@ def run_bootstrap(config: RunConfig, model, tokenizer) -> dict:
             max_len=config.model.max_seq_len,
             target_accuracy=b.target_accuracy,
             eval_every=b.eval_every,
-            eval_prompts=b.eval_prompts,
             max_new_tokens=config.rollout.max_new_tokens,
         ),
     )

@@ -381,10 +381,19 @@ class BootstrapConfig(_Section):
         "prompts).",
     )
     target_accuracy: float | None = Field(
-        default=None, gt=0.0, le=1.0, description="Stop early once greedy accuracy on the eval prompts reaches it."
+        default=None,
+        gt=0.0,
+        le=1.0,
+        description="Stop early once greedy accuracy on the check problems (eval_prompts) reaches it.",
     )
     eval_every: int = Field(default=50, ge=0, le=1_000_000, description="Steps between accuracy checks (0: none).")
-    eval_prompts: int = Field(default=16, ge=1, le=65536, description="Test prompts of each accuracy check.")
+    eval_prompts: int = Field(
+        default=16,
+        ge=1,
+        le=65536,
+        description="Problems of each accuracy check: held out of SFT from the tasks' training splits, never "
+        "test problems.",
+    )
 
     @model_validator(mode="after")
     def _target_is_checked(self) -> "BootstrapConfig":
@@ -612,6 +621,12 @@ class RunConfig(_Section):
             for i, t in enumerate(self.tasks)
             if t.test_size < share
         ]
+        problems += [
+            f"tasks.{i}.train_size: {t.train_size} {t.name} problems, of which bootstrap SFT holds out {k} to check "
+            f"its accuracy on (bootstrap.eval_prompts {self.bootstrap.eval_prompts}): none left to train on"
+            for i, (t, k) in enumerate(zip(self.tasks, self.bootstrap_checks))
+            if k >= t.train_size
+        ]
         problems += self._train_problems()
         per_step = self.rollout.prompts_per_step * self.rollout.group_size
         if self.rollout.workers > per_step:
@@ -656,6 +671,15 @@ class RunConfig(_Section):
                 "one static global scale per layer and site)"
             )
         return problems
+
+    @property
+    def bootstrap_checks(self) -> list[int]:
+        """How many of each task's training problems bootstrap SFT holds out to check
+        its accuracy on (``bootstrap.eval_prompts``, the tasks in turn; none
+        without checks)."""
+        b, n = self.bootstrap, len(self.tasks)
+        checks = b.eval_prompts if b.enabled and 0 < b.eval_every < b.steps else 0
+        return [checks // n + (i < checks % n) for i in range(n)]
 
     @property
     def train_precision(self) -> str:

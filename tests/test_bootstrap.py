@@ -12,7 +12,7 @@ from tracefp4.components.model import build_model
 from tracefp4.components.steps import sft_problems
 from tracefp4.components.tasks import format_example, split
 from tracefp4.components.tokenizer import BOS, PAD, build_tokenizer
-from tracefp4.schemas import get_preset
+from tracefp4.schemas import RunConfig, get_preset
 from tracefp4.schemas.config import ExtraProblems, TaskConfig
 
 TOK = build_tokenizer()
@@ -30,7 +30,7 @@ def trained(arithmetic):
     train, test = arithmetic
     model = build_model("smoke", seed=0)
     untrained = accuracy(model, TOK, test)
-    return untrained, bootstrap(model, TOK, train, test, SMALL)
+    return untrained, bootstrap(model, TOK, train, [], test, SMALL)
 
 
 def test_batch_marks_exactly_the_target():
@@ -85,7 +85,7 @@ def test_same_seed_same_weights(arithmetic):
 
     def weights(seed: int) -> dict:
         model = build_model("smoke", seed=0)
-        bootstrap(model, TOK, train, test[:2], replace(config, seed=seed))
+        bootstrap(model, TOK, train, [], test[:2], replace(config, seed=seed))
         return model.state_dict()
 
     first, again, other = weights(0), weights(0), weights(1)
@@ -95,8 +95,10 @@ def test_same_seed_same_weights(arithmetic):
 
 def test_target_accuracy_stops_early(arithmetic):
     train, test = arithmetic
-    config = BootstrapConfig(steps=600, learning_rate=3e-3, eval_every=25, eval_prompts=16, target_accuracy=0.25)
-    history = bootstrap(build_model("smoke", seed=0), TOK, train, test, config)
+    config = BootstrapConfig(steps=600, learning_rate=3e-3, eval_every=25, target_accuracy=0.25)
+    with pytest.raises(ValueError, match="needs check problems"):
+        bootstrap(build_model("smoke", seed=0), TOK, train, [], test, config)
+    history = bootstrap(build_model("smoke", seed=0), TOK, train[:-16], train[-16:], test, config)
     assert history["stopped_early"] and history["steps"] < config.steps
     assert history["steps"] == history["evals"][-1]["step"] and history["evals"][-1]["accuracy"] >= 0.25
     assert len(history["evals"]) > 1 and all(e["accuracy"] < 0.25 for e in history["evals"][:-1])
@@ -106,13 +108,30 @@ def test_extra_problems_join_training_never_a_test_prompt():
     config = get_preset("smoke")
     config.tasks = [TaskConfig(name="countdown", train_size=2000, test_size=500)]
     config.bootstrap.extra_problems = [ExtraProblems(name="countdown", difficulty=2, size=3000)]
-    train, test = sft_problems(config)
+    train, checks, test = sft_problems(config)
+    assert not checks  # the smoke preset checks nothing (bootstrap.eval_every 0)
     assert (train[:2000], test) == steps.problems(config)  # the run's own splits first, as RL and evaluation see them
     extra = train[2000:]
     assert len(extra) == 3000 and all(p.task == "countdown" for p in extra)
     assert len({p.prompt for p in train}) == 5000 and not {p.prompt for p in train} & {p.prompt for p in test}
     assert max(max(p.meta["numbers"]) for p in extra) > 10  # difficulty 2's numbers, up to 25
-    assert sft_problems(config) == (train, test)  # seeded
+    assert sft_problems(config) == (train, checks, test)  # seeded
+
+
+def test_the_early_stop_checks_training_problems_that_sft_holds_out_never_test_ones():
+    config = get_preset("tiny")  # two tasks; bootstrap.eval_every 100
+    config.bootstrap.eval_prompts = 5
+    train, checks, test = sft_problems(config)
+    (run_train, run_test), splits = steps.problems(config), steps.task_splits(config)
+    assert test == run_test and [p.task for p in checks] == ["arithmetic"] * 3 + ["countdown"] * 2
+    assert checks == splits[0][0][-3:] + splits[1][0][-2:]  # the end of each task's (shuffled) training split
+    assert train == splits[0][0][:-3] + splits[1][0][:-2] and len(train + checks) == len(run_train)
+    config.bootstrap.eval_every = 0
+    assert sft_problems(config) == (run_train, [], run_test)  # nothing to check: SFT trains on every problem
+    data = get_preset("smoke").model_dump()
+    data["bootstrap"].update(eval_every=1, eval_prompts=8)
+    with pytest.raises(ValueError, match="bootstrap SFT holds out 8 to check its accuracy on"):
+        RunConfig.model_validate(data)  # smoke's 8 training problems: none left
 
 
 def test_weight_decay_reaches_the_optimizer():
