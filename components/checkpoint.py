@@ -414,8 +414,11 @@ def _write_manifest(folder: Path, provenance: dict | None = None) -> None:
 
 def commit_folder(tmp: Path, folder: Path, provenance: dict | None = None) -> Path:
     """Finish a folder written at ``tmp``: the checksum manifest over its files
-    (with ``provenance``), everything synced, then renamed to ``folder`` in one
-    step (an existing ``folder`` is replaced), so that a reader never sees half of it."""
+    (with ``provenance``), everything synced, then renamed to ``folder``, so
+    that a reader never sees half of it. An existing ``folder`` is moved aside
+    first and then deleted (POSIX renames no folder over a non-empty one): a
+    crash between the two renames leaves no ``folder``, and the old one
+    whole as ``.<name>.old-<pid>`` beside it."""
     _write_manifest(tmp, provenance)  # last: it covers every file above
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
@@ -424,6 +427,11 @@ def commit_folder(tmp: Path, folder: Path, provenance: dict | None = None) -> Pa
     if folder.exists():
         folder.rename(old)
     tmp.rename(folder)
+    parent = os.open(folder.parent, os.O_RDONLY)
+    try:
+        os.fsync(parent)  # the renames themselves reach the disk
+    finally:
+        os.close(parent)
     shutil.rmtree(old, ignore_errors=True)
     return folder
 

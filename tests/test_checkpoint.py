@@ -5,6 +5,7 @@ anything is allocated, and every file read stays inside the folder."""
 import hashlib
 import json
 import logging
+import os
 import time
 from dataclasses import replace
 
@@ -71,6 +72,16 @@ def test_save_writes_a_manifest_of_every_file(tmp_path):
         data = (folder / name).read_bytes()
         assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # written in a temp folder, renamed into place
+
+
+def test_a_saved_folder_replaces_the_old_one_and_its_rename_is_synced(tmp_path, monkeypatch):
+    save_model(build_model("smoke", seed=0), tmp_path / "ckpt")
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd))
+    save_model(build_model("smoke", seed=1), tmp_path / "ckpt")
+    assert str(tmp_path) in synced  # the folder holding the renamed entries, after the renames
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the old folder moved aside, then deleted
+    assert torch.equal(load_model(tmp_path / "ckpt").lm_head.weight, build_model("smoke", seed=1).lm_head.weight)
 
 
 def test_flipped_byte_fails_naming_the_file(tmp_path):
