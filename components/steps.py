@@ -175,8 +175,8 @@ def sft_problems(config: RunConfig) -> tuple[list[Problem], list[Problem], list[
 
 
 def run_bootstrap(config: RunConfig, model, tokenizer) -> dict:
-    """Bootstrap SFT of ``model`` (in place) on the run's train split (and any extra problems), scored greedily
-    on its test split (:func:`sft_problems`)."""
+    """Bootstrap SFT of ``model`` (in place) on the run's train split but its checks (and any extra problems),
+    scored greedily on its test split (:func:`sft_problems`)."""
     b = config.bootstrap
     train, checks, test = sft_problems(config)
     history = sft.bootstrap(
