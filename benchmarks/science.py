@@ -69,7 +69,7 @@ SFT = {"train_size": 2000, "sft_steps": 1000, "sft_lr": None, "sft_weight_decay"
 EXTRA_DIFFICULTY = 2  # --sft-extra's countdown problems: 3 numbers up to 25, a superset of difficulty 1's up to 10
 TRAIN_PROBES = 500  # a probe's greedy accuracy on this many training problems: memorization against learning
 BAND = (0.30, 0.50)
-# SFT stops early once greedy accuracy on the first 64 held-out prompts reaches this: inside the band with room for
+# SFT stops early once greedy accuracy on 64 held-out prompts reaches this: inside the band with room for
 # that check's noise (a 64-prompt figure is +-12 points), so that the base is not trained past the band
 SFT_STOP = 0.4
 OUTPUT = Path("docs/results/science.json")

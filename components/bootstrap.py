@@ -167,6 +167,7 @@ def bootstrap(
         if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
             acc = accuracy(model, tokenizer, checks, config.max_new_tokens)
             history["evals"].append({"step": step + 1, "accuracy": acc})
+            log.info("bootstrap step %d: greedy accuracy %.3f on %d check problems", step + 1, acc, len(checks))
             if config.target_accuracy is not None and acc >= config.target_accuracy:
                 history["stopped_early"] = True
                 break

@@ -423,17 +423,23 @@ def commit_folder(tmp: Path, folder: Path, provenance: dict | None = None) -> Pa
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
+    _fsync_folder(tmp)  # the files' names
     old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
     if folder.exists():
         folder.rename(old)
     tmp.rename(folder)
-    parent = os.open(folder.parent, os.O_RDONLY)
-    try:
-        os.fsync(parent)  # the renames themselves reach the disk
-    finally:
-        os.close(parent)
+    _fsync_folder(folder.parent)  # the renames
     shutil.rmtree(old, ignore_errors=True)
     return folder
+
+
+def _fsync_folder(folder: Path) -> None:
+    """Put a folder's entries on disk (fsync of a file syncs its data, not the name that points to it)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def staging_folder(folder: Path) -> Path:

@@ -270,9 +270,9 @@ class ShardCheckpoints:
                 f"{self.store.uri}/{key}: checkpoint of a round from another policy folder (digest "
                 f"{meta.get('policy')}, this round's {self.policy}): is run id {self.run_id!r} used by two runs?"
             )
-        if "files" not in meta:
+        if "files" not in meta or "decoded" not in meta:
             raise DistributedError(
-                f"{self.store.uri}/{key}: written without checksums (by an older tracefp4); "
+                f"{self.store.uri}/{key}: written without checksums or decode statistics (by an older tracefp4); "
                 f"delete {self.store.uri}/{key}/ to train the round from its start"
             )
         model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)

@@ -13,10 +13,17 @@ from tracefp4.components.quant import ROLLOUT_CONFIGS, rollout_config
 from tracefp4.schemas import PRESETS, ConfigError, export_json_schema, load_config
 
 
-def _config(preset: str | None, config_file: str | None, store: str | None = None, pushgateway: str | None = None):
+def _config(
+    preset: str | None,
+    config_file: str | None,
+    store: str | None = None,
+    pushgateway: str | None = None,
+    settings: dict | None = None,
+):
+    """The run config, validated with the options' values and ``settings`` (dotted keys) in it."""
     overrides = {
         key: value for key, value in {"store.uri": store, "metrics.pushgateway_url": pushgateway}.items() if value
-    }
+    } | (settings or {})
     try:
         return load_config(config_file, preset=preset or (None if config_file else "tiny"), overrides=overrides or None)
     except ConfigError as e:
@@ -97,8 +104,7 @@ def bootstrap(preset, config_file, output):
     """SFT of the config's initial policy on its tasks (its bootstrap settings, enabled): a Hugging Face checkpoint."""
     from tracefp4.components.steps import prepare
 
-    config = _config(preset, config_file)
-    config.bootstrap.enabled = True
+    config = _config(preset, config_file, settings={"bootstrap.enabled": True})  # validated with it on
     stats = prepare(config, Path(output))
     click.echo(
         f"{output}: {stats['bootstrap_steps']} SFT steps in {stats['bootstrap_seconds']:.0f} s, "

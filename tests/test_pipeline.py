@@ -418,6 +418,12 @@ def test_bootstrap_command_writes_a_bootstrapped_checkpoint(tmp_path):
     assert result.exit_code == 0, result.output
     assert "2 SFT steps" in result.output and "greedy test accuracy" in result.output
     assert load_model(tmp_path / "base").cfg.num_layers == 2 and (tmp_path / "base" / "tokenizer.json").exists()
+    # a config that holds valid with the bootstrap off is checked again with it on, as the command runs it
+    data = load_config(None, preset="smoke").model_dump(mode="json")
+    data["bootstrap"].update(enabled=False, eval_every=1, eval_prompts=8)  # smoke's 8 training problems
+    (tmp_path / "off.json").write_text(json.dumps(data))
+    result = CliRunner().invoke(main, ["bootstrap", "--config", str(tmp_path / "off.json"), "--output", "unused"])
+    assert result.exit_code != 0 and "none left to train on" in result.output, result.output
 
 
 def test_rollout_workers_and_training_processes_through_kfp_local_match_one_of_each(tmp_path):

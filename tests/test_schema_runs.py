@@ -59,7 +59,7 @@ def _task(config: RunConfig, tmp_path):
 
 
 def _extra(config: RunConfig, tmp_path):
-    train, test = steps.sft_problems(config)
+    train, _, test = steps.sft_problems(config)
     (extra,) = config.bootstrap.extra_problems
     for p in train[-extra.size :]:
         assert p.task == extra.name and get_task(p.task).reward(p, p.answer) == 1.0
