@@ -92,13 +92,33 @@ def bootstrap_mean(
     else:
         labels = np.asarray([str(c) for c in clusters])
         groups = [d[labels == c] for c in sorted(set(labels))]
-        means = np.empty(resamples)
-        for r in range(resamples):
-            picked = [groups[g] for g in rng.integers(0, len(groups), len(groups))]
-            means[r] = np.concatenate([g[rng.integers(0, g.size, g.size)] for g in picked]).mean()
+        picks = rng.integers(0, len(groups), size=(resamples, len(groups)))  # each resample's runs
+        sums = np.zeros(picks.shape)
+        for g, run in enumerate(groups):
+            slots = np.flatnonzero(picks == g)
+            sums.flat[slots] = _resampled_sums(run, slots.size, rng)
+        means = sums.sum(axis=1) / np.array([g.size for g in groups])[picks].sum(axis=1)
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(means, [tail, 100 - tail])
     return float(d.mean()), float(low), float(high)
+
+
+def _resampled_sums(values: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
+    """The sums of ``n`` resamples of ``values`` with replacement. Scores take few
+    distinct values (0, 1/k, ..., 1 and their differences), so a resample's sum
+    follows from how often it draws each: one multinomial over the distinct
+    values instead of a draw per value, the same distribution."""
+    levels, counts = np.unique(values, return_counts=True)
+    if levels.size * 4 <= values.size:
+        return rng.multinomial(values.size, counts / values.size, size=n) @ levels
+    chunk = max(1, 4_000_000 // values.size)  # bounded memory
+    return np.concatenate(
+        [
+            values[rng.integers(0, values.size, size=(min(chunk, n - i), values.size))].sum(axis=1)
+            for i in range(0, n, chunk)
+        ]
+        or [np.zeros(0)]
+    )
 
 
 def accuracy_row(task: str, prompts: list[str], greedy: list[float], sampled: list[float], k: int) -> dict:
