@@ -85,6 +85,7 @@ def test_an_override_reaches_the_steps(tmp_path):
 
     config = get_preset("smoke")
     config.bootstrap.enabled = False
+    config.evaluation.rollout_configs = ["bf16"]  # what is checked here is the training step
     config.store.uri = (tmp_path / "store").as_uri()
     config.metrics.metrics_file = str(tmp_path / "metrics.prom")
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))

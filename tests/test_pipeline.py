@@ -441,6 +441,7 @@ def test_rollout_workers_and_training_processes_through_kfp_local_match_one_of_e
                 "rollout.workers": workers,
                 "train.processes_per_node": processes,
                 "train.precision": "fp32_master",
+                "evaluation.rollout_configs": ["bf16"],  # compared here: rollout and training, not evaluation
             },
         )
         out = tmp_path / name
