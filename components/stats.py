@@ -82,13 +82,7 @@ def bootstrap_mean(
     _z(confidence)  # checks the level
     rng = np.random.default_rng(seed)
     if clusters is None:
-        chunk = max(1, 4_000_000 // d.size)  # bounded memory for thousands of prompts
-        means = np.concatenate(
-            [
-                d[rng.integers(0, d.size, size=(min(chunk, resamples - i), d.size))].mean(axis=1)
-                for i in range(0, resamples, chunk)
-            ]
-        )
+        means = _resampled_sums(d, resamples, rng) / d.size
     else:
         labels = np.asarray([str(c) for c in clusters])
         groups = [d[labels == c] for c in sorted(set(labels))]
@@ -111,7 +105,7 @@ def _resampled_sums(values: np.ndarray, n: int, rng: np.random.Generator) -> np.
     levels, counts = np.unique(values, return_counts=True)
     if levels.size * 4 <= values.size:
         return rng.multinomial(values.size, counts / values.size, size=n) @ levels
-    chunk = max(1, 4_000_000 // values.size)  # bounded memory
+    chunk = max(1, 4_000_000 // values.size)  # bounded memory for thousands of prompts
     return np.concatenate(
         [
             values[rng.integers(0, values.size, size=(min(chunk, n - i), values.size))].sum(axis=1)
