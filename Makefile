@@ -34,15 +34,22 @@ install: $(VENV)/.tracefp4-run
 install-dev: $(VENV)/.tracefp4-dev
 
 # The environment's bin first: the tests start its tools (weed, kubectl, tracefp4).
+# Test files run side by side in TEST_WORKERS processes (pytest-xdist), a file
+# whole in one, so that a module's fixture (a pipeline run that several tests
+# read) runs once. Most of the suite's time is single-threaded (kfp.local
+# starting a Python per component), so two workers keep CI's two cores busy.
+TEST_WORKERS ?= 2
+PYTEST := PATH="$(VENV)/bin:$$PATH" $(PY) -m pytest --numprocesses $(TEST_WORKERS) --dist loadfile
+
 test: install-dev
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
-	PATH="$(VENV)/bin:$$PATH" $(PY) -m pytest
+	$(PYTEST)
 
 # The suite as on a CPU without bf16 units (AVX2 only), on one with them: oneDNN, torch's own kernels and MKL
 # capped at AVX2 (docs/performance.md, "The other kind").
 test-avx2: install-dev
-	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 PATH="$(VENV)/bin:$$PATH" $(PY) -m pytest
+	ONEDNN_MAX_CPU_ISA=AVX2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 $(PYTEST)
 
 # The main job: the whole pipeline on this machine (kfp.local), the tiny preset;
 # a rerun resumes after the last finished task (--restart starts over).

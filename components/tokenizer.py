@@ -38,10 +38,13 @@ import os
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+if TYPE_CHECKING:  # transformers loads in about 2 s: only a step that reads a tokenizer pays for it
+    from transformers import PreTrainedTokenizerBase
 
 from .tasks import END, THINK_END, THINK_START
 
@@ -71,7 +74,7 @@ class PolicyTokenizer:
     ``end_id``. ``sources`` are the files it was read from, written back by
     :meth:`files`."""
 
-    hf: PreTrainedTokenizerBase
+    hf: "PreTrainedTokenizerBase"
     pad_id: int
     eos_ids: tuple[int, ...]
     end_id: int
@@ -240,6 +243,8 @@ def _from_sources(sources: dict[str, bytes], where: str) -> PolicyTokenizer:
         if not isinstance(content, str) or backend.token_to_id(content) is None:
             raise TokenizerError(f"{where}/{TOKENIZER_CONFIG}: {key} {content!r} is not a token of {TOKENIZER}")
         ids[key] = backend.token_to_id(content)
+    from transformers import AutoTokenizer
+
     with tempfile.TemporaryDirectory() as tmp:  # transformers reads a folder, as a serving engine does
         for name, data in sources.items():
             Path(tmp, name).write_bytes(data)
