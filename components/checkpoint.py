@@ -57,7 +57,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from .model import LAYER_TYPES, MODEL_TYPES, ModelConfig, Transformer, empty_model
-from .store import check_key, open_store
+from .store import check_key, fsync_folder, open_store
 from .tokenizer import FILES as TOKENIZER_FILES
 
 log = logging.getLogger("tracefp4.checkpoint")
@@ -423,23 +423,14 @@ def commit_folder(tmp: Path, folder: Path, provenance: dict | None = None) -> Pa
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-    _fsync_folder(tmp)  # the files' names
+    fsync_folder(tmp)  # the files' names
     old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
     if folder.exists():
         folder.rename(old)
     tmp.rename(folder)
-    _fsync_folder(folder.parent)  # the renames
+    fsync_folder(folder.parent)  # the renames
     shutil.rmtree(old, ignore_errors=True)
     return folder
-
-
-def _fsync_folder(folder: Path) -> None:
-    """Put a folder's entries on disk (fsync of a file syncs its data, not the name that points to it)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def staging_folder(folder: Path) -> Path:

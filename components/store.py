@@ -78,7 +78,8 @@ def check_key(key: str, *, allow_empty: bool = False) -> str:
 
 
 def write_atomic(path: Path, fill: Callable[[BinaryIO], None]) -> None:
-    """Write ``path`` through a temp file in its folder: fsync, then rename into place."""
+    """Write ``path`` through a temp file in its folder: fsync, rename into
+    place, fsync the folder (so the new name, not only the data, survives a crash)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
     try:
@@ -92,6 +93,16 @@ def write_atomic(path: Path, fill: Callable[[BinaryIO], None]) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    fsync_folder(path.parent)
+
+
+def fsync_folder(folder: Path) -> None:
+    """Put a folder's entries on disk (fsync of a file syncs its data, not the name that points to it)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class ArtifactStore(ABC):

@@ -185,20 +185,6 @@ def build_tokenizer() -> PolicyTokenizer:
     return _from_sources(sources, "the character tokenizer")
 
 
-def save_tokenizer(tok: PolicyTokenizer, folder: str | os.PathLike) -> Path:
-    """Write ``tok``'s files into ``folder``, each atomically (a reader never sees half a file)."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, data in tok.files().items():
-        tmp = folder / f".{name}.tmp-{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, folder / name)
-    return folder
-
-
 def load_tokenizer(folder: str | os.PathLike) -> PolicyTokenizer:
     """The tokenizer of the checkpoint folder ``folder``: ``tokenizer.json``
     and ``tokenizer_config.json`` must be there; ``generation_config.json``

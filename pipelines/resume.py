@@ -29,9 +29,10 @@ the local copy of the spec only.
 import hashlib
 import importlib
 import json
-import os
 import uuid
 from pathlib import Path
+
+from tracefp4.components.store import write_atomic
 
 RUN_FILE = "run.json"
 COMPLETED = "completed"
@@ -65,7 +66,8 @@ def run_id(output: Path, request: str, restart: bool = False) -> tuple[str, bool
         except (ValueError, KeyError, TypeError):
             pass  # unreadable: a new run id below, nothing recorded under it can match
     new = f"local-{uuid.uuid4().hex[:12]}"
-    _write_atomically(path, json.dumps({"run_id": new, "request_sha256": digest}, indent=2) + "\n")
+    record = json.dumps({"run_id": new, "request_sha256": digest}, indent=2) + "\n"
+    write_atomic(path, lambda f: f.write(record.encode()))
     return new, False
 
 
@@ -84,9 +86,3 @@ def cache_every_task(pipeline) -> None:
     for dag in dags:
         for task in dag.tasks.values():
             task.caching_options.enable_cache = True
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)

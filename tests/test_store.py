@@ -380,3 +380,11 @@ def test_local_readers_never_see_partial_objects(tmp_path):
     assert seen["bad"] == 0
     assert seen["missing"] > 0 and seen["full"] > 0
     assert store.list() == ["shard.bin"]  # no temp file left behind
+
+
+def test_a_local_write_syncs_the_file_then_the_folder_that_names_it(tmp_path, monkeypatch):
+    synced, fsync = [], os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(os.readlink(f"/proc/self/fd/{fd}")) or fsync(fd))
+    LocalStore(tmp_path).put_bytes("run/shard.bin", b"x")
+    assert len(synced) == 2 and synced[0].startswith(str(tmp_path / "run" / ".shard.bin."))  # the temp file's data
+    assert synced[1] == str(tmp_path / "run")  # then the rename, after it

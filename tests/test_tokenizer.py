@@ -27,7 +27,6 @@ from tracefp4.components.tokenizer import (
     TokenizerError,
     build_tokenizer,
     load_tokenizer,
-    save_tokenizer,
 )
 from tracefp4.schemas import load_config
 
@@ -74,7 +73,10 @@ def test_character_tokenizer_keeps_its_ids_and_layout():
 
 def test_character_tokenizer_files_round_trip_and_transformers_reads_them(tmp_path):
     tok = build_tokenizer()
-    folder = save_tokenizer(tok, tmp_path / "ckpt")
+    folder = tmp_path / "ckpt"  # as a checkpoint carries them (checkpoint.save_model's extra files)
+    folder.mkdir()
+    for name, data in tok.files().items():
+        (folder / name).write_bytes(data)
     assert sorted(p.name for p in folder.iterdir()) == sorted([TOKENIZER, TOKENIZER_CONFIG, GENERATION_CONFIG])
     generation = json.loads((folder / GENERATION_CONFIG).read_text())
     assert (generation["eos_token_id"], generation["pad_token_id"], generation["bos_token_id"]) == ([EOS], PAD, BOS)
