@@ -59,7 +59,7 @@ from .device import resolve
 from .model import Transformer
 from .precision import MasterWeights
 from .quant import QuantConfig
-from .store import ArtifactStore, open_store
+from .store import ArtifactStore, open_store, write_atomic
 from .trainer import TrainConfig, Trainer, clip_gradients
 
 METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator: a complete checkpoint
@@ -404,10 +404,7 @@ def _publish(rows: list[dict], history: str, folders: dict[Path, str]) -> None:
         base, _, name = history.rpartition("/")
         open_store(base).put_bytes(name, data)
     else:
-        path = fetch(history)
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        write_atomic(fetch(history), lambda f: f.write(data))
     for folder, uri in folders.items():
         if not _remote(uri):
             continue
