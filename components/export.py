@@ -66,7 +66,7 @@ from .checkpoint import (
     staging_folder,
     write_weights,
 )
-from .quant import QuantConfig, calibrate_global_scales, quantize_expert_weights_, rollout_config
+from .quant import QuantConfig, calibrate_global_scales, quantize_expert_weights_
 
 # FP4 weight format -> compressed-tensors' format name
 FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
@@ -244,7 +244,7 @@ def _input_scales(key: str, experts: int, scales: dict) -> dict[str, Tensor]:
 def export(
     policy: str | os.PathLike,
     out: str | os.PathLike,
-    quant: QuantConfig | str = "nvfp4",
+    quant: QuantConfig,
     *,
     rollout_dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
@@ -255,10 +255,7 @@ def export(
     ``quant`` served it: quantized as a rollout in ``rollout_dtype`` on
     ``device`` with ``calibration_seed`` quantizes it, as a compressed-tensors
     checkpoint, or unquantized in BF16 where the rollout left the weights
-    alone. A format name for ``quant`` means the W4A4 rollout in it
-    (``fp4_wa``). Returns what was written."""
-    if isinstance(quant, str):
-        quant = rollout_config("fp4_wa", quant)
+    alone. Returns what was written."""
     check_exportable(quant)
     name = FORMATS[quant.weights] if quant.weights else "bf16"
     source = Path(policy)

@@ -139,12 +139,11 @@ def test_export_round_trips_through_compressed_tensors(policies, tmp_path, rollo
 
 
 def test_the_kv_cache_format_leaves_a_w4a4_export_unchanged(policies, tmp_path):
-    """fp4_wa_kv (the pipeline's default) and w4a4_mxfp4_kv export what fp4_wa and a bare
-    format name do, byte for byte: the KV cache format is not recorded."""
-    export(policies["smoke"], tmp_path / "fmt", "nvfp4", calibration_seed=11)
+    """fp4_wa_kv (the pipeline's default) and w4a4_mxfp4_kv export what fp4_wa
+    does, byte for byte: the KV cache format is not recorded."""
     for config in ("fp4_wa", "fp4_wa_kv", "w4a4_mxfp4_kv"):
         export(policies["smoke"], tmp_path / config, rollout_config(config, "nvfp4"), calibration_seed=11)
-        assert _digests(tmp_path / config) == _digests(tmp_path / "fmt")
+        assert _digests(tmp_path / config) == _digests(tmp_path / "fp4_wa")
 
 
 @pytest.mark.parametrize("config", ["fp4_kv", "bf16"])
@@ -193,5 +192,5 @@ def test_a_model_without_routed_experts_is_refused(tmp_path):
     dense = dataclasses.replace(model.cfg, mlp_only_layers=(0, 1))
     save_model(build_model(dense, seed=0), tmp_path / "dense")
     with pytest.raises(ValueError, match="no routed experts to quantize"):
-        export(tmp_path / "dense", tmp_path / "out")
+        export(tmp_path / "dense", tmp_path / "out", rollout_config("fp4_wa"))
     assert not (tmp_path / "out").exists()
