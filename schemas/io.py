@@ -16,6 +16,8 @@ from pathlib import Path
 
 from pydantic import SecretStr, ValidationError
 
+from tracefp4.components.store import write_atomic
+
 from .config import PATTERN_HINTS, SECRET_ENV, RunConfig
 from .presets import get_preset
 
@@ -149,7 +151,7 @@ def load_config(
 
 
 def save_config(config: RunConfig, path: str | Path) -> Path:
-    """Write a config as .yaml/.yml or .json (secrets are never written); load_config reads it back."""
+    """Write a config as .yaml/.yml or .json (secrets are never written), atomically; load_config reads it back."""
     path = Path(path)
     data = config.model_dump(mode="json")
     suffix = path.suffix.lower()
@@ -159,7 +161,7 @@ def save_config(config: RunConfig, path: str | Path) -> Path:
         text = _yaml().safe_dump(data, sort_keys=False)
     else:
         raise ConfigError([("", f"unknown config file extension {path.suffix!r}; use .yaml, .yml or .json")], path)
-    path.write_text(text, encoding="utf-8")
+    write_atomic(path, lambda f: f.write(text.encode("utf-8")))
     return path
 
 

@@ -88,7 +88,11 @@ class Prometheus:
             log = root / f"{name}.log"
             process = subprocess.Popen([name, *args], stdout=open(log, "w"), stderr=subprocess.STDOUT)
             self.processes.append(process)
-            _wait_ready(ready, process, log)
+            try:
+                _wait_ready(ready, process, log)
+            except RuntimeError:
+                self.stop()
+                raise
 
     def query(self, promql: str) -> list[dict]:
         """An instant query's result vector (an error names the query)."""
@@ -113,6 +117,12 @@ class Prometheus:
 
 @pytest.fixture(scope="session")
 def prometheus(tmp_path_factory):
-    server = Prometheus(tmp_path_factory.mktemp("prometheus"))
+    for attempt in range(3):  # the ports are free when chosen, but another test file's process may take one first
+        try:
+            server = Prometheus(tmp_path_factory.mktemp("prometheus"))
+            break
+        except RuntimeError:
+            if attempt == 2:
+                raise
     yield server
     server.stop()
