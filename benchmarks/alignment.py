@@ -58,7 +58,7 @@ from tracefp4.components.mismatch import MismatchTally, compare, rounded
 from tracefp4.components.precision import PRECISIONS
 from tracefp4.components.rollout import TorchEngine
 from tracefp4.components.stats import paired_bootstrap
-from tracefp4.components.store import LocalStore
+from tracefp4.components.store import LocalStore, write_atomic
 from tracefp4.components.tasks import format_example
 from tracefp4.components.tokenizer import load_tokenizer
 from tracefp4.components.trainer import Trainer
@@ -317,10 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"command": command, "preset": args.preset, "bootstrap": bootstrap, "table": table, "paired": pairs}
     line = json.dumps(result | {"seeds": seeds})
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        tmp = args.output.with_name(f".{args.output.name}.tmp")
-        tmp.write_text(line + "\n")
-        tmp.replace(args.output)
+        write_atomic(args.output, lambda f: f.write(f"{line}\n".encode()))
     print(line)
 
 

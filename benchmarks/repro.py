@@ -36,6 +36,7 @@ from pathlib import Path
 from tracefp4.components import steps
 from tracefp4.components.precision import PRECISIONS
 from tracefp4.components.quant import ACTIVATION_GLOBAL_SCALES
+from tracefp4.components.store import write_atomic
 from tracefp4.schemas import RunConfig, get_preset
 
 RUNS = {  # name: (label, method, guidance bits, guided layers of the tiny model's 4, guidance codec)
@@ -169,9 +170,8 @@ def main() -> None:
     }
     if args.output:
         command = " ".join(["python benchmarks/repro.py", *sys.argv[1:]])
-        tmp = args.output.with_name(f".{args.output.name}.tmp")
-        tmp.write_text(json.dumps({"command": command} | result) + "\n")
-        tmp.replace(args.output)
+        record = json.dumps({"command": command} | result) + "\n"
+        write_atomic(args.output, lambda f: f.write(record.encode()))
     print(json.dumps(result))
 
 

@@ -32,6 +32,7 @@ import science
 
 from tracefp4.components.model import PRESETS
 from tracefp4.components.stats import paired_bootstrap, wilson_interval
+from tracefp4.components.store import write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs" / "results"
@@ -650,9 +651,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     data = json.loads((args.results / "science.json").read_text())
     (args.results / "science.md").write_text(science.render(data, args.results))  # and its plots
-    tmp = args.page.with_name(f".{args.page.name}.tmp")
-    tmp.write_text(page)
-    tmp.replace(args.page)
+    write_atomic(args.page, lambda f: f.write(page.encode()))
     print(f"wrote {args.page}")
 
 

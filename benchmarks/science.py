@@ -36,7 +36,6 @@ difficulty 2, up to 25, none a prompt of the split) and ``--sft-weight-decay`` r
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -51,6 +50,7 @@ from tracefp4.components.bootstrap import accuracy  # noqa: E402
 from tracefp4.components.evaluation import evaluate  # noqa: E402
 from tracefp4.components.model import build_model  # noqa: E402
 from tracefp4.components.stats import bootstrap_mean, paired_bootstrap, wilson_interval  # noqa: E402
+from tracefp4.components.store import write_atomic  # noqa: E402
 from tracefp4.components.tokenizer import build_tokenizer  # noqa: E402
 from tracefp4.schemas import RunConfig, get_preset  # noqa: E402
 
@@ -155,11 +155,8 @@ def run_method(config: RunConfig, base: Path, base_state: Path, work: Path) -> d
 
 def _write(path: Path, data: dict) -> None:
     """Write then rename: a reader never sees half a file, an interruption loses at most the running method."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    text = json.dumps(data, indent=1)
+    write_atomic(path, lambda f: f.write(text.encode()))
 
 
 def command_of(args) -> str:
