@@ -1,7 +1,8 @@
 """Rollout throughput: this engine vs transformers' ``generate`` on the same
-checkpoint, batch and lengths (BF16, both with a KV cache); the cost of
-capture; bytes captured per token; KV cache bytes per token; and how decode
-speed of Gated DeltaNet layers (qwen3_5_moe) holds up as the context grows.
+checkpoint, batch and lengths (BF16, both with a KV cache), and the torch
+calls each makes per decode step; the cost of capture; bytes captured per
+token; KV cache bytes per token; and how decode speed of Gated DeltaNet
+layers (qwen3_5_moe) holds up as the context grows.
 
     python benchmarks/rollout.py [--preset tiny] [--batches 32 128] [--prompt-len 32] [--new-tokens 64] [--repeat 3]
     python benchmarks/rollout.py --linear-decode-only   # the Gated DeltaNet row alone
@@ -19,6 +20,7 @@ import tempfile
 import time
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.checkpoint import save_model
@@ -38,6 +40,31 @@ def best_of(repeat: int, *runs):
     """Each run's best figure over ``repeat`` interleaved rounds: noise on a shared machine hits all alike."""
     figures = [[run() for run in runs] for _ in range(repeat)]
     return [max(column) for column in zip(*figures)]
+
+
+class CountCalls(TorchFunctionMode):
+    """Counts the torch functions and tensor methods Python calls (property
+    reads such as ``.shape`` left out): each is a trip through torch's
+    dispatcher, whose fixed cost sets the pace of a small model's decode step
+    on a CPU (docs/rollout.md)."""
+
+    calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += getattr(func, "__name__", "") != "__get__"
+        return func(*args, **(kwargs or {}))
+
+
+def calls_per_decode_step(generate) -> float:
+    """Torch calls per decode step of ``generate(new_tokens)``: the difference
+    between 24 and 16 new tokens, so that the prefill and setup cancel (both
+    span one of the engine's stop checks)."""
+    counts = []
+    for new_tokens in (16, 24):
+        with CountCalls() as counter:
+            generate(new_tokens)
+        counts.append(counter.calls)
+    return (counts[1] - counts[0]) / 8
 
 
 def hf_generate(checkpoint: str, device: str):
@@ -162,9 +189,14 @@ def main() -> None:
             figures[f"b{batch}_engine_tokens_per_s"] = ours
             figures[f"b{batch}_hf_generate_tokens_per_s"] = theirs
             figures[f"b{batch}_speedup_vs_hf"] = ours / theirs
+            calls = [
+                calls_per_decode_step(lambda k, p=prompts: bf16.generate(p.tolist(), SamplingParams(max_new_tokens=k))),
+                calls_per_decode_step(lambda k, p=prompts: hf(p, k)),
+            ]
+            figures[f"b{batch}_engine_calls_per_decode_step"], figures[f"b{batch}_hf_calls_per_decode_step"] = calls
             print(
                 f"batch {batch:4}: engine {ours:8.1f} tok/s, transformers generate {theirs:8.1f} tok/s, "
-                f"{ours / theirs:.2f}x (target >= 2)"
+                f"{ours / theirs:.2f}x (target >= 2); torch calls per decode step {calls[0]:.0f} and {calls[1]:.0f}"
             )
     if args.speed_only:
         print(json.dumps(figures))

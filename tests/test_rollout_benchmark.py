@@ -20,5 +20,8 @@ def test_speed_only_ends_with_the_engine_against_generate_alone():
     for batch in (2, 3):
         ours, theirs = figures[f"b{batch}_engine_tokens_per_s"], figures[f"b{batch}_hf_generate_tokens_per_s"]
         assert ours > 0 and theirs > 0 and figures[f"b{batch}_speedup_vs_hf"] == ours / theirs
+        # a decode step of the 2-layer model is dozens of torch calls on either side, the prefill not counted
+        calls = figures[f"b{batch}_engine_calls_per_decode_step"], figures[f"b{batch}_hf_calls_per_decode_step"]
+        assert all(50 < c < 1000 for c in calls), calls
     assert figures["cpu_bf16"] in ("native", "emulated") and "cpu_onednn_isa_cap" in figures
     assert not any(key.startswith(("capture", "fp4_", "linear_", "decode_step")) for key in figures)
