@@ -80,7 +80,8 @@ METRICS = {
         ("stat",),
     ),
     "tracefp4_train_rollout_kl": Metric(
-        "k3 estimate of KL(rollout || train) per response token (round mean; verl's rollout_corr/k3_kl)."
+        "k3 estimate of KL(rollout || train) per response token (mean over the round's response tokens; "
+        "verl's rollout_corr/k3_kl)."
     ),
     "tracefp4_train_rollout_log_ppl_abs_diff": Metric(
         "|log-perplexity of training - of the rollout| per sequence, mean over sequences "
@@ -88,7 +89,7 @@ METRICS = {
     ),
     "tracefp4_train_rollout_chi2": Metric(
         "chi^2(train || rollout) per token, E[(pi_train / pi_rollout)^2] - 1 "
-        "(round mean; verl's rollout_corr/chi2_token)."
+        "(mean over the round's response tokens; verl's rollout_corr/chi2_token)."
     ),
     "tracefp4_tis_clip_ratio": Metric(
         "Share of response tokens whose truncated importance weight the cap changed, per sequence then over "
@@ -258,9 +259,21 @@ def _compaction(m: RunMetrics, stats: dict, config) -> None:
     m.set("tracefp4_compaction_fidelity_ratio", stats["compaction_fidelity"])
 
 
+# figures that are means over a step's response tokens: their round mean is one over the round's tokens
+PER_TOKEN_FIGURES = frozenset({"logprob_abs_diff_mean", "k3_kl", "chi2_token"})
+
+
 def _mean(rows: list[dict], key: str) -> float | None:
-    values = [r[key] for r in rows if r.get(key) is not None]
-    return sum(values) / len(values) if values else None
+    """The round's mean of ``key`` over its steps' history ``rows`` (None when no
+    step has it). A :data:`PER_TOKEN_FIGURES` figure weighs each step by its
+    response tokens, ``response_length`` (its mean over the step's sequences:
+    every step of a round has as many sequences), so that a step of long
+    responses counts for its tokens; the others weigh each step alike."""
+    rows = [r for r in rows if r.get(key) is not None]
+    if not rows:
+        return None
+    weights = [r["response_length"] if key in PER_TOKEN_FIGURES else 1.0 for r in rows]
+    return sum(w * r[key] for w, r in zip(weights, rows)) / sum(weights)
 
 
 # what the train component logs as KFP metrics: the round's figures users compare runs by

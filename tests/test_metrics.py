@@ -170,12 +170,13 @@ def test_the_metrics_file_holds_what_prometheus_scraped(prometheus, pushed_run):
 
 
 def test_kfp_gets_the_round_means_prometheus_gets():
-    """The train component logs each figure's mean over the round's steps (not its last step's)."""
+    """The train component logs each figure's mean over the round (not its last step's): over its steps, or
+    for a per-token figure over its response tokens (the second step's responses are three times as long)."""
     rows = [
-        {"reward_mean": 0.25, "k3_kl": 1e-3, "guidance_coverage": 0.5, "chi2_token": None},
-        {"reward_mean": 0.75, "k3_kl": 3e-3, "guidance_coverage": 1.0, "chi2_token": None},
+        {"reward_mean": 0.25, "k3_kl": 1e-3, "guidance_coverage": 0.5, "chi2_token": None, "response_length": 10},
+        {"reward_mean": 0.75, "k3_kl": 3e-3, "guidance_coverage": 1.0, "chi2_token": None, "response_length": 30},
     ]
-    assert round_means(rows) == pytest.approx({"reward_mean": 0.5, "k3_kl": 2e-3, "guidance_coverage": 0.75})
+    assert round_means(rows) == pytest.approx({"reward_mean": 0.5, "k3_kl": 2.5e-3, "guidance_coverage": 0.75})
 
 
 def test_aggregate_and_per_layer_series_never_share_a_name():
