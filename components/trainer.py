@@ -266,9 +266,9 @@ class Trainer:
         )
         if cfg.method == "tis_sc":
             loss = loss + (advantages[:, None] * score_centering(every, batch, cfg.tis_cap))[response].mean()
-        if self.reference is not None:
+        if self.reference is not None:  # its own sites: the step's capture and coverage are the policy's alone
             with torch.no_grad(), self._autocast(batch):
-                ref = token_logprobs(self.reference, batch, sites, cfg.temperature)
+                ref = token_logprobs(self.reference, batch, self._sites(batch, guidance, None), cfg.temperature)
             log_ratio = (ref - logprobs)[response].clamp(-10, 10)
             kl = (log_ratio.exp() - log_ratio - 1).mean()  # k3 estimate of KL(policy || reference)
             loss = loss + cfg.kl_coef * kl
@@ -298,21 +298,26 @@ class Trainer:
         return torch.autocast(batch.tokens.device.type, dtype=dtype, enabled=enabled)
 
     def _forward(self, batch: SequenceBatch, guidance, recorder: Capture | None, full: bool = False):
-        """The training path's log-probs of one microbatch: the method's fake quantization, guided where guidance is."""
-        cfg = self.config
-        sites = TrainingSites(
+        """The training path's log-probs of one microbatch, and its sites."""
+        sites = self._sites(batch, guidance, recorder)
+        with self._autocast(batch):
+            return sites, token_logprobs(self.model, batch, sites, self.config.temperature, full=full)
+
+    def _sites(self, batch: SequenceBatch, guidance, recorder: Capture | None) -> TrainingSites:
+        """One forward's quantization sites: the method's fake quantization, guided
+        where guidance is, its codes recorded by ``recorder`` and its guidance
+        coverage counted (so a forward of another model needs sites of its own)."""
+        return TrainingSites(
             self.quant,
-            cfg.method,
+            self.config.method,
             self.global_scales,
             trajectories=batch.trajectories,
             seq_len=batch.tokens.shape[1],
             guidance=guidance,
-            compute_dtype=cfg.compute_dtype,
+            compute_dtype=self.config.compute_dtype,
             recorder=recorder,
             scale_values=self.scale_values,
         )
-        with self._autocast(batch):
-            return sites, token_logprobs(self.model, batch, sites, cfg.temperature, full=full)
 
     @torch.no_grad()
     def measure(

@@ -319,6 +319,23 @@ def test_tiny_preset_round_with_kl_to_the_reference(tmp_path):
     assert history[1]["guidance_coverage"] > 0.7  # the rest: slots the two paths routed to different experts
 
 
+def test_the_kl_reference_forward_leaves_the_comparison_with_the_rollout_alone():
+    """The reference model's forward (kl_coef > 0) has sites of its own: the step's
+    comparison with the rollout's full capture is the policy's, as without the
+    penalty (sharing the policy's recorder overflowed its one-forward buffer)."""
+    engine = TorchEngine(build_model("smoke", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig(inputs=True))
+    trajectories = engine.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=3, seed=3))
+    records = engine.drain_capture()
+    stats = []
+    for kl_coef in (0.0, 0.1):
+        config = TrainConfig(method="qat", microbatch_size=4, kl_coef=kl_coef)
+        trainer = Trainer(build_model("smoke", seed=0), config, engine.quant, engine.global_scales)
+        stats.append(trainer.train_step(trajectories, torch.tensor([1.0, -1.0, 1.0, -1.0]), None, records))
+    compared = [key for key in stats[0] if "mismatch" in key]
+    assert compared and {k: stats[1][k] for k in compared} == {k: stats[0][k] for k in compared}
+    assert stats[1]["kl_to_reference"] == pytest.approx(0.0, abs=1e-6)  # the policy starts at the reference
+
+
 def test_gradient_accumulation_groups_microbatches():
     engine, _ = setup("qat")
     trajectories = engine.generate([[5, 6, 7]] * 8, SamplingParams(max_new_tokens=3, seed=1))
