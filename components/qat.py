@@ -36,6 +36,7 @@ from tracefp4.kernels import (
     fake_quantize,
     get_format,
     quantize,
+    straight_through,
     to_device,
 )
 
@@ -64,10 +65,6 @@ class Coverage:
     def rate(self) -> float:
         total = sum(self.total.values())
         return float(sum(self.guided.values())) / total if total else 0.0
-
-
-def _straight_through(x: Tensor, values: Tensor) -> Tensor:
-    return x + (values.to(x.dtype) - x).detach()
 
 
 def _take_rows(q: FP4Tensor, guided: FP4Tensor, train: Tensor, ok: Tensor) -> None:
@@ -163,7 +160,7 @@ class TrainingSites:
             self.coverage.add(key, ok.sum() * table.width, len(table.traj) * table.width)
         if self.recorder is not None:
             self.recorder.record(layer, site, x.detach(), q, token, slot, expert)
-        return _straight_through(x, dequantize(q))
+        return straight_through(x, dequantize(q))
 
     def _check_scales(self, key, table, g, per_token: bool) -> None:
         """Guidance must come from a rollout with this path's global scales: the
@@ -242,4 +239,4 @@ class TrainingSites:
             rounded = w.detach().to(self.compute_dtype or w.dtype)
             return torch.stack([fake_quantize(rounded[e].T, fmt).T for e in range(w.shape[0])])
 
-        return _straight_through(gate_up, fp4(gate_up)), _straight_through(down, fp4(down))
+        return straight_through(gate_up, fp4(gate_up)), straight_through(down, fp4(down))

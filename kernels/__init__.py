@@ -35,6 +35,7 @@ from .fp4 import (
     graph_capturing,
     per_token_global_scale,
     quantize,
+    straight_through,
     unpack_codes,
     valid_global_scale,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "quantize",
     "scale_side_info",
     "solve_erasures",
+    "straight_through",
     "syndrome",
     "to_device",
     "unpack_codes",

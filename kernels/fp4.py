@@ -235,6 +235,14 @@ class _StraightThrough(torch.autograd.Function):
         return grad, None
 
 
+def straight_through(x: Tensor, values: Tensor) -> Tensor:
+    """``values`` (as ``x``'s dtype and shape) in the forward, ``x``'s gradient
+    passed through unchanged in the backward. Exactly ``values``: the common
+    ``x + (values - x).detach()`` rounds twice, one ulp off where ``values`` lies
+    far from ``x`` (guided rounding to the farther neighbour, saturation)."""
+    return _StraightThrough.apply(x, values.to(x.dtype).reshape(x.shape))
+
+
 def fake_quantize(
     x: Tensor,
     fmt: str | FP4Format,
@@ -265,7 +273,7 @@ def fake_quantize(
                 values = backend.fake_quantize_guided(x, f, guide.scales, guide.global_scale, guide.codes(), guide.bits)
             else:
                 values = backend.fake_quantize(x, f, _global_scale(f, global_scale, x), _scale_mode(f, scale_mode))
-    return _StraightThrough.apply(x, values.to(x.dtype).reshape(x.shape))
+    return straight_through(x, values)
 
 
 def compact_codes(codes: Tensor, bits: int) -> Tensor:

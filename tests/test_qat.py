@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from tracefp4.components import steps
-from tracefp4.components.capture import Capture, CaptureConfig, TokenMap
-from tracefp4.components.guidance import GuidanceError, GuidanceLoader, read_step, write_step
+from tracefp4.components.capture import Capture, CaptureConfig, SiteTable, TokenMap
+from tracefp4.components.guidance import GuidanceError, GuidanceLoader, MicrobatchGuidance, read_step, write_step
 from tracefp4.components.mismatch import compare
 from tracefp4.components.model import build_model
 from tracefp4.components.qat import TrainingSites
-from tracefp4.components.quant import rollout_config
+from tracefp4.components.quant import QuantConfig, rollout_config
 from tracefp4.components.rl import (
     SequenceBatch,
     alignment_metrics,
@@ -24,6 +24,7 @@ from tracefp4.components.rl import (
 )
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
+from tracefp4.kernels import dequantize, quantize
 from tracefp4.schemas import RunConfig, get_preset
 
 
@@ -246,3 +247,26 @@ def test_a_round_with_per_token_global_scales(tmp_path):
         assert scales == {"moe_in": True, "moe_down_in": True, "k_cache": False, "v_cache": False}
     assert history["trace"]["guidance_coverage"] > 0.9 and history["qat"]["guidance_coverage"] == 0.0
     assert history["trace"]["code_mismatch"] < 0.1 * history["qat"]["code_mismatch"]
+
+
+def test_guided_values_in_float32_are_exactly_the_guided_codes():
+    """Training values far from the rollout's (some guided to the farther neighbour)
+    come out of the guided forward as the dequantized guided codes, bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    rollout = torch.randn(512, 64, generator=gen)
+    scale = torch.tensor(0.0123)
+    q = quantize(rollout, "nvfp4", global_scale=scale)
+    n = len(rollout)
+    zeros = torch.zeros(n, dtype=torch.long)
+    table = SiteTable(
+        0, "moe_in", "nvfp4", 4, 64, float(scale), zeros, torch.arange(n), zeros, torch.full((n,), -1),
+        q.codes, q.scales.view(torch.uint8),
+    )  # fmt: skip
+    guidance = MicrobatchGuidance([0], {(0, "moe_in"): table}, [])
+    sites = TrainingSites(
+        QuantConfig("nvfp4", "nvfp4", None), "trace", {(0, "moe_in"): scale}, trajectories=[0], seq_len=n,
+        guidance=guidance,
+    )  # fmt: skip
+    train = rollout + torch.randn(512, 64, generator=gen) * 0.3
+    expected = dequantize(quantize(train, "nvfp4", guide=table.guidance()))
+    assert torch.equal(sites.moe_in(0, train), expected)
