@@ -169,7 +169,7 @@ def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
                 guidance=guide.outputs["guidance"],
                 previous=history,
             ),
-            HOST if config.train.launcher == "trainjob" else COMPUTE,
+            HOST if config.train.in_trainjob else COMPUTE,
         )
         if config.train.launcher == "torchrun" and config.train.world_size > 1:  # its processes share the pod
             kubernetes.empty_dir_mount(step, volume_name="dshm", mount_path="/dev/shm", medium="Memory")

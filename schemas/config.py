@@ -336,6 +336,12 @@ class TrainSection(_Section):
     def world_size(self) -> int:
         return self.nodes * self.processes_per_node
 
+    @property
+    def in_trainjob(self) -> bool:
+        """Whether the ranks run in a TrainJob, the train step only launching it:
+        one process trains in the step itself, whatever the launcher."""
+        return self.launcher == "trainjob" and self.world_size > 1
+
 
 class TaskConfig(_Section):
     """One verifiable task family in the training/evaluation mix."""
@@ -701,6 +707,12 @@ class RunConfig(_Section):
             problems.append(
                 f"train.precision: {world} training processes need fp32_master (FSDP2 shards the float32 "
                 f"parameters themselves), got {t.precision}"
+            )
+        r = self.resources
+        if world > 1 and r.gpus and r.device != "cpu" and t.processes_per_node > r.gpus:
+            problems.append(
+                f"train.processes_per_node: {t.processes_per_node} processes per node, each on a GPU of its own "
+                f"(cuda:LOCAL_RANK), but resources.gpus gives a node {r.gpus}"
             )
         per_step = -(-self.rollout.prompts_per_step * self.rollout.group_size // self.rl.microbatch_size)
         group = self.rl.grad_accumulation or per_step

@@ -311,3 +311,9 @@ def test_microbatches_that_do_not_split_over_the_processes_are_refused_by_the_sc
     data["train"].update(nodes=1, processes_per_node=2, precision="bf16")
     with pytest.raises(ValueError, match="train.precision: 2 training processes need fp32_master"):
         RunConfig.model_validate(data)
+    data["train"].update(precision="fp32_master")
+    data["resources"].update(gpus=1, accelerator_type="nvidia.com/gpu")  # rank 1 would find no cuda:1
+    with pytest.raises(ValueError, match="2 processes per node, each on a GPU of its own .* gives a node 1"):
+        RunConfig.model_validate(data)
+    data["resources"]["device"] = "cpu"  # gloo ranks on the node's CPUs
+    RunConfig.model_validate(data)

@@ -169,6 +169,9 @@ def test_only_steps_that_run_the_model_hold_gpus(tmp_path):
     spec = next(yaml.safe_load_all(open(compile_pipeline(config, tmp_path / "compare.yaml", ["qat", "trace"]))))
     compared = _leaf_tasks(spec)
     assert "accelerator" not in compared["compare"][0] and not compared["compare"][1]
+    config.train.nodes = 1  # one process trains in the train step itself, on its GPU, whatever the launcher
+    train, _ = _leaf_tasks(next(yaml.safe_load_all(open(compile_pipeline(config, tmp_path / "one.yaml")))))["train"]
+    assert train["accelerator"]["count"] == "2" and train["resourceMemoryLimit"] == "64Gi"
     config.train.launcher, config.train.nodes, config.train.processes_per_node = "torchrun", 1, 2  # in its own pod
     spec, platform = yaml.safe_load_all(open(compile_pipeline(config, tmp_path / "torchrun.yaml")))
     train, _ = _leaf_tasks(spec)["train"]
