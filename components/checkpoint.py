@@ -143,7 +143,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
     scaling = hf.get("rope_scaling") or {}
     if not isinstance(rope, dict) or not isinstance(scaling, dict):
         raise CheckpointError("config.json: rope_parameters and rope_scaling must be objects")
-    rope_type = scaling.get("rope_type", scaling.get("type", "default")), rope.get("rope_type", "default")
+    rope_type = tuple(r.get("rope_type", r.get("type", "default")) for r in (scaling, rope))  # "type": older key
     if rope_type != ("default", "default"):
         raise CheckpointError("config.json asks for scaled RoPE; tracefp4 implements the default RoPE only")
     qwen3, qwen35 = model_type == "qwen3_moe", model_type == "qwen3_5_moe"
@@ -203,7 +203,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         "moe_intermediate_size": moe,
         "intermediate_size": size("intermediate_size", moe),
         "shared_expert_intermediate_size": 0 if qwen3 else size("shared_expert_intermediate_size", 0, low=0),
-        "norm_topk_prob": flag("norm_topk_prob", qwen3),
+        "norm_topk_prob": flag("norm_topk_prob", False),  # transformers' default for both
         "decoder_sparse_step": size("decoder_sparse_step", 1),
         "mlp_only_layers": tuple(mlp_only),
         "rms_norm_eps": positive("rms_norm_eps", 1e-6),
@@ -247,7 +247,7 @@ def _text_config(hf: dict) -> dict:
         raise CheckpointError("config.json: a qwen3_5_moe config needs a text_config object")
     if hf.get("vision_config") is not None:
         log.info("config.json has a vision_config: loading the language model only, the vision tower is skipped")
-    if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
+    if "tie_word_embeddings" in hf:  # transformers ties the whole model by the top level's (it writes both)
         text = {**text, "tie_word_embeddings": hf["tie_word_embeddings"]}
     return text
 

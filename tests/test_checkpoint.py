@@ -149,6 +149,10 @@ def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path, caplog):
         ({"num_experts_per_tok": 9}, "top_k 9 must lie in 1..num_experts"),
         ({"num_experts_per_tok": None}, "lacks num_experts_per_tok"),
         ({"rope_scaling": {"rope_type": "yarn"}}, "scaled RoPE"),
+        (
+            {"rope_parameters": {"type": "yarn", "factor": 4.0}},
+            "scaled RoPE",
+        ),  # the older key, as transformers reads it
         ({"use_sliding_window": True, "sliding_window": 4096}, r"use_sliding_window is true \(sliding_window 4096\)"),
         ({"use_sliding_window": "no"}, "use_sliding_window must be true or false"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types must list 2 of \('full_attention',\)"),
@@ -460,3 +464,11 @@ def test_fused_experts_are_checked(tmp_path):
     save_file(good, folder / SINGLE)
     with pytest.raises(CheckpointError, match=rf"missing \['{experts}.down_proj'\]"):
         load_model(folder)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+def test_a_config_without_norm_topk_prob_routes_as_transformers_does(kind):
+    hf = config_to_hf(PRESETS["tiny" if kind == "qwen3_moe" else "tiny-qwen2"])
+    del hf["norm_topk_prob"]
+    default = transformers.AutoConfig.for_model(kind).norm_topk_prob
+    assert config_from_hf(hf).norm_topk_prob is default is False

@@ -176,3 +176,12 @@ def test_right_padded_batch_equals_each_sequence_alone():
         for row, seq in enumerate(sequences):
             alone = model(torch.tensor([seq]), torch.arange(len(seq))[None])
             assert (batch[row, : len(seq)] - alone[0]).abs().max() < 1e-5
+
+
+def test_a_multimodal_config_ties_by_its_top_level():
+    """transformers ties a Qwen3_5MoeForConditionalGeneration's embeddings as the
+    top level's tie_word_embeddings says, whatever its text_config's (it writes both)."""
+    wrapper = transformers.Qwen3_5MoeConfig(text_config=TEXT, vision_config=VISION).to_dict()
+    for top, text in ((False, True), (True, False)):
+        wrapper["tie_word_embeddings"], wrapper["text_config"]["tie_word_embeddings"] = top, text
+        assert config_from_hf(wrapper).tie_word_embeddings is top
