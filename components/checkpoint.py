@@ -673,12 +673,21 @@ def load_model(
 
 
 def checkpoint_dtype(headers: dict[str, tuple[Path, str, tuple[int, ...]]]) -> torch.dtype:
-    """The dtype the checkpoint's weights share; where they mix dtypes, the
-    widest of them (float32 for bf16 with fp16), so that loading loses nothing."""
-    dtypes = {dtype for _, dtype, _ in headers.values()}
-    if len(dtypes) == 1:
-        return _TORCH_DTYPES[dtypes.pop()]
-    return torch.float64 if "F64" in dtypes else torch.float32
+    """The dtype of the checkpoint's weights; where they mix dtypes, the one
+    holding most of their bytes. The published Qwen3.5 checkpoints keep a few
+    vectors in F32 (each linear-attention layer's ``A_log`` and norm) among
+    BF16 matrices: loading every weight in float32 would double the model's
+    memory. The others are rounded to it, as transformers rounds them loading
+    with that dtype; a log line names them."""
+    nbytes: dict[str, int] = {}
+    for _, dtype, shape in headers.values():
+        nbytes[dtype] = nbytes.get(dtype, 0) + math.prod(shape) * _TORCH_DTYPES[dtype].itemsize
+    chosen = max(nbytes, key=nbytes.get)
+    if len(nbytes) > 1:
+        others = sorted(name for name, (_, dtype, _) in headers.items() if dtype != chosen)
+        log.info("loading in %s, the dtype of most of the weights; rounded to it from another dtype: %s (%d in all)",
+                 _TORCH_DTYPES[chosen], ", ".join(others[:4]), len(others))  # fmt: skip
+    return _TORCH_DTYPES[chosen]
 
 
 def load_state(model: Transformer, state: dict[str, Tensor]) -> None:

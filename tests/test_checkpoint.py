@@ -320,6 +320,18 @@ class Allocations(TorchDispatchMode):
         return out
 
 
+def test_a_bf16_checkpoint_with_a_few_float32_vectors_loads_in_bf16(tmp_path, caplog):
+    """As the published Qwen3.5 checkpoints are (A_log and norms F32 among BF16
+    matrices): the dtype of most of the bytes, not float32 for every weight."""
+    folder = save_model(build_model("smoke", seed=2, dtype=torch.bfloat16), tmp_path / "ckpt")
+    (folder / MANIFEST).unlink()
+    rewrite_tensor(folder / SINGLE, "model.norm.weight", torch.full((64,), 1 + 2**-10))  # not a bf16 value
+    with caplog.at_level(logging.INFO, "tracefp4.checkpoint"):
+        model = load_model(folder)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert "rounded to it from another dtype: model.norm.weight (1 in all)" in caplog.text
+
+
 def test_a_bf16_checkpoint_loads_without_a_float32_copy(tmp_path):
     folder = save_model(build_model("smoke", seed=2, dtype=torch.bfloat16), tmp_path / "ckpt")
     with Allocations() as seen:
