@@ -21,9 +21,11 @@ TrainJob's ``spec.runtimePatches``, which the Trainer merges into the
 runtime's JobSet template.
 """
 
+import contextlib
 import hashlib
 import json
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -234,11 +236,12 @@ class TrainJobRun:
             self.uri("new-state"),
             self.uri("history.json"),
         )
-        self.create(trainjob(self.config, self.name, self.namespace, args), echo)
-        try:
-            self.wait(echo)
-        finally:
-            self.delete(echo)
+        with exit_on_sigterm():  # a terminated run's step deletes its TrainJob too: its ranks hold the GPUs
+            self.create(trainjob(self.config, self.name, self.namespace, args), echo)
+            try:
+                self.wait(echo)
+            finally:
+                self.delete(echo)
         shutil.copytree(fetch(self.uri("new-policy")), out, dirs_exist_ok=True)
         shutil.copytree(fetch(self.uri("new-state")), out_state, dirs_exist_ok=True)
         return json.loads(self.store.get_bytes(f"{self.prefix}/history.json"))
@@ -314,6 +317,9 @@ class TrainJobRun:
         )
 
     def delete(self, echo, wait: bool = False) -> None:
+        """Delete the TrainJob with its pods (foreground); ``wait``: until it is
+        gone, at most ``train.timeout_seconds`` (a rank pod on a lost node can
+        stay Terminating, and with it the job)."""
         try:
             self.api.delete_namespaced_custom_object(
                 GROUP, VERSION, self.namespace, PLURAL, self.name, propagation_policy="Foreground"
@@ -323,14 +329,39 @@ class TrainJobRun:
                 raise DistributedError(f"deleting TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
             return
         echo(f"trainjob {self.namespace}/{self.name}: deleted")
+        since = time.monotonic()
         while wait:
             try:
                 self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
             except ApiException as e:
                 if e.status == 404:
                     return
-                raise
+                raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
+            if time.monotonic() - since > self.config.train.timeout_seconds:
+                raise DistributedError(
+                    f"TrainJob {self.namespace}/{self.name} is still there {self.config.train.timeout_seconds} s "
+                    f"(train.timeout_seconds) after its deletion; `kubectl -n {self.namespace} get pods -l "
+                    f"jobset.sigs.k8s.io/jobset-name={self.name}` shows what holds it (a pod Terminating on a lost "
+                    "node?)"
+                )
             time.sleep(self.poll_s)
+
+
+@contextlib.contextmanager
+def exit_on_sigterm():
+    """SIGTERM (the run terminated, the node drained) raised as SystemExit
+    inside the block, so that its ``finally`` clauses run: by default Python
+    dies at once, and a TrainJob it created would keep its ranks and their
+    GPUs until the round ends. The handler before is restored after."""
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _namespace() -> str:

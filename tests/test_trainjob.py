@@ -7,7 +7,9 @@ not a cluster: no controller runs the TrainJob; the test plays its status
 
 import copy
 import json
+import os
 import re
+import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -116,7 +118,7 @@ def config(tmp_path, **train) -> RunConfig:
         "precision": "fp32_master",
         **train,
     }
-    data["resources"].update(gpus=1, accelerator_type="nvidia.com/gpu")
+    data["resources"].update(gpus=2, accelerator_type="nvidia.com/gpu")  # one per process
     return RunConfig.model_validate(data)
 
 
@@ -126,7 +128,7 @@ def test_the_trainjob_validates_against_the_trainer_crd(tmp_path, validator):
     validator.validate(job)
     trainer = job["spec"]["trainer"]
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 2)
-    assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "1"
+    assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "2"
     assert job["spec"]["runtimeRef"] == {
         "apiGroup": GROUP,
         "kind": "ClusterTrainingRuntime",
@@ -214,10 +216,11 @@ def test_the_rank_pods_get_the_runs_placement_shared_memory_and_no_istio_sidecar
 class FakeKubernetes:
     """Answers the TrainJob calls of the Kubernetes API on 127.0.0.1 (not a
     cluster): create, get, delete; each get moves the job along ``script``,
-    a list of statuses, the last one repeated."""
+    a list of statuses, the last one repeated, and calls ``on_get``. With
+    ``deletes_hang`` a deleted job stays (a pod Terminating on a lost node)."""
 
-    def __init__(self, script: list[dict], on_complete=None):
-        self.script, self.on_complete = script, on_complete
+    def __init__(self, script: list[dict], on_complete=None, on_get=None, deletes_hang: bool = False):
+        self.script, self.on_complete, self.on_get, self.deletes_hang = script, on_complete, on_get, deletes_hang
         self.calls: list[tuple[str, str]] = []
         self.jobs: dict[str, dict] = {}
         self.gets = 0
@@ -259,6 +262,8 @@ class FakeKubernetes:
                     return self._answer(404, {"kind": "Status", "message": f'trainjobs "{name}" not found'})
                 status = fake.script[min(fake.gets, len(fake.script) - 1)]
                 fake.gets += 1
+                if fake.on_get:
+                    fake.on_get()
                 if any(c["type"] == "Complete" for c in status.get("conditions", [])) and fake.on_complete:
                     fake.on_complete(fake.jobs[name])
                     fake.on_complete = None
@@ -266,7 +271,7 @@ class FakeKubernetes:
 
             def do_DELETE(self):
                 name = self._route()
-                if fake.jobs.pop(name, None) is None:
+                if (fake.jobs.get(name) if fake.deletes_hang else fake.jobs.pop(name, None)) is None:
                     return self._answer(404, {"kind": "Status", "message": f'trainjobs "{name}" not found'})
                 self._answer(200, {"kind": "Status", "status": "Success"})
 
@@ -376,6 +381,20 @@ def test_a_trainjob_left_by_an_earlier_attempt_is_replaced(tmp_path):
     assert any("earlier attempt" in line for line in log)
 
 
+def test_a_terminated_step_deletes_its_trainjob(tmp_path):
+    """SIGTERM (the run terminated) while the ranks train: the step exits, its TrainJob deleted on the way out."""
+    fake = FakeKubernetes([RUNNING], on_get=lambda: os.kill(os.getpid(), signal.SIGTERM))
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        job = TrainJobRun(config(tmp_path), RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
+        with pytest.raises(SystemExit) as exited:
+            job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=lambda line: None)
+    finally:
+        fake.close()
+    assert exited.value.code == 128 + signal.SIGTERM and not fake.jobs
+    assert [m for m, _ in fake.calls][-1] == "DELETE" and signal.getsignal(signal.SIGTERM) is before
+
+
 class Clock:
     """The watch's clock (``time`` of the module): ``sleep`` moves it on at once. Waiting
     forever ends in an AssertionError instead of a hung test."""
@@ -448,3 +467,16 @@ def test_outside_a_cluster_the_trainjob_launcher_says_so(tmp_path, monkeypatch):
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(DistributedError, match="no in-cluster service account.*train.launcher torchrun"):
         module.in_cluster_api()
+
+
+def test_a_trainjob_that_never_goes_away_fails_the_step_after_the_timeout(tmp_path, clock):
+    c = config(tmp_path, timeout_seconds=30)
+    fake = FakeKubernetes([RUNNING], deletes_hang=True)
+    fake.jobs[trainjob_name(c, RUN, 0)] = {"metadata": {"name": "old"}}  # an earlier attempt's, to replace
+    try:
+        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=1)
+        with pytest.raises(DistributedError, match="still there 30 s .* after its deletion"):
+            job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=lambda line: None)
+    finally:
+        fake.close()
+    assert 30 < clock.now <= 32
