@@ -200,7 +200,7 @@ class TrainJobRun:
         poll_s: float = 5.0,
     ):
         self.config, self.run_id, self.round_index = config, run_id, round_index
-        self.api = client.CustomObjectsApi(api)
+        self.api, self.pods = client.CustomObjectsApi(api), client.CoreV1Api(api)
         self.poll_s = poll_s
         self.name = trainjob_name(config, run_id, round_index)
         self.namespace = namespace or _namespace()
@@ -240,6 +240,8 @@ class TrainJobRun:
             self.create(trainjob(self.config, self.name, self.namespace, args), echo)
             try:
                 self.wait(echo)
+            except DistributedError as e:  # the ranks' own words, read before the deletion takes their pods
+                raise DistributedError(f"{e}{self.rank_report()}") from None
             finally:
                 self.delete(echo)
         shutil.copytree(fetch(self.uri("new-policy")), out, dirs_exist_ok=True)
@@ -311,10 +313,33 @@ class TrainJobRun:
             )
         return (
             f"{where}: waited {timeout} s (train.timeout_seconds) for the pods of its {TRAINER_JOB} job to be ready, "
-            f"last status: {_summary(status)}; `kubectl -n {self.namespace} describe pods -l "
-            f"jobset.sigs.k8s.io/jobset-name={self.name}` says why (unschedulable: resources, "
+            f"last status: {_summary(status)}; below, what its pods say (unschedulable: resources, "
             "resources.node_selector, resources.tolerations; image pull)"
         )
+
+    def rank_report(self, pods: int = 4, lines: int = 30) -> str:
+        """What up to ``pods`` of the job's rank pods say, failed ones first, as
+        text to append to an error before the deletion takes them: a pod's last
+        ``lines`` of the trainer container's log (where a failing rank's
+        traceback is), or why it is not running (unschedulable, image pull)."""
+        try:
+            found = self.pods.list_namespaced_pod(
+                self.namespace, label_selector=f"jobset.sigs.k8s.io/jobset-name={self.name}"
+            ).items
+            found.sort(key=lambda pod: (pod.status.phase != "Failed", pod.metadata.name))
+            report = []
+            for pod in found[:pods]:
+                name, phase = pod.metadata.name, pod.status.phase
+                if phase == "Pending":
+                    report.append(f"--- {name} (Pending) ---\n{_waiting(pod)}")
+                else:
+                    log = self.pods.read_namespaced_pod_log(
+                        name, self.namespace, container=TRAINER_JOB, tail_lines=lines
+                    )
+                    report.append(f"--- {name} ({phase}), last {lines} lines ---\n{log.rstrip()}")
+        except ApiException as e:
+            return f"\n(the rank pods are unreadable: {_reason(e)})"
+        return "".join(f"\n{part}" for part in report) or "\n(no rank pod found)"
 
     def delete(self, echo, wait: bool = False) -> None:
         """Delete the TrainJob with its pods (foreground); ``wait``: until it is
@@ -393,6 +418,19 @@ def _summary(status: dict) -> str:
         for j in status.get("jobsStatus", [])
     ]
     return "; ".join(conditions + jobs) or "running"
+
+
+def _waiting(pod) -> str:
+    """Why a pod is not running yet: its false conditions (PodScheduled:
+    Unschedulable, "0/3 nodes are available: ...") and its containers' waiting reasons."""
+    status = pod.status
+    words = [f"{c.type}: {c.reason}: {c.message}" for c in status.conditions or [] if c.status == "False" and c.message]
+    words += [
+        f"container {c.name}: {c.state.waiting.reason}: {c.state.waiting.message or ''}".rstrip(": ")
+        for c in status.container_statuses or []
+        if c.state and c.state.waiting
+    ]
+    return "\n".join(words) or "no reason given yet"
 
 
 def _reason(e: ApiException) -> str:

@@ -217,10 +217,12 @@ class FakeKubernetes:
     """Answers the TrainJob calls of the Kubernetes API on 127.0.0.1 (not a
     cluster): create, get, delete; each get moves the job along ``script``,
     a list of statuses, the last one repeated, and calls ``on_get``. With
-    ``deletes_hang`` a deleted job stays (a pod Terminating on a lost node)."""
+    ``deletes_hang`` a deleted job stays (a pod Terminating on a lost node).
+    ``pods`` are the job's rank pods, listed and their logs read."""
 
-    def __init__(self, script: list[dict], on_complete=None, on_get=None, deletes_hang: bool = False):
+    def __init__(self, script: list[dict], on_complete=None, on_get=None, deletes_hang: bool = False, pods=None):
         self.script, self.on_complete, self.on_get, self.deletes_hang = script, on_complete, on_get, deletes_hang
+        self.pods: dict[str, tuple[dict, str]] = pods or {}  # the job's rank pods: name -> (status, log)
         self.calls: list[tuple[str, str]] = []
         self.jobs: dict[str, dict] = {}
         self.gets = 0
@@ -257,6 +259,18 @@ class FakeKubernetes:
                 self._answer(201, body)
 
             def do_GET(self):
+                pods = f"/api/v1/namespaces/{NAMESPACE}/pods"
+                path = self.path.split("?")[0]
+                if path == pods:
+                    items = [{"metadata": {"name": n}, "status": status} for n, (status, _) in fake.pods.items()]
+                    return self._answer(200, {"kind": "PodList", "apiVersion": "v1", "items": items})
+                if path.startswith(pods + "/") and path.endswith("/log"):
+                    data = fake.pods[path.split("/")[-2]][1].encode()
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/plain")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    return self.wfile.write(data)
                 name = self._route()
                 if name not in fake.jobs:
                     return self._answer(404, {"kind": "Status", "message": f'trainjobs "{name}" not found'})
@@ -306,16 +320,25 @@ def inputs(tmp_path) -> tuple[Path, Path, Path, Path]:
 
 
 def test_a_failed_trainjob_fails_the_step_with_its_reason_and_is_deleted(tmp_path, validator):
-    fake = FakeKubernetes([{}, RUNNING, RUNNING, FAILED])
+    pods = {
+        "run-tj-node-0-0": ({"phase": "Running"}, "step 1\n"),
+        "run-tj-node-0-1": ({"phase": "Failed"}, "step 1\nTraceback ...\ntorch.OutOfMemoryError: CUDA out of memory\n"),
+    }
+    fake = FakeKubernetes([{}, RUNNING, RUNNING, FAILED], pods=pods)
     c = config(tmp_path)
     log = []
     try:
         job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
-        with pytest.raises(DistributedError, match="failed: JobsFailed: rank 3 exited with 1"):
+        with pytest.raises(DistributedError, match="failed: JobsFailed: rank 3 exited with 1") as failed:
             job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=log.append)
     finally:
         fake.close()
-    methods = [m for m, _ in fake.calls]
+    # the failed rank's log first, read before the deletion took the pods
+    assert str(failed.value).split("\n")[1:4] == [
+        "--- run-tj-node-0-1 (Failed), last 30 lines ---", "step 1", "Traceback ...",
+    ]  # fmt: skip
+    assert "CUDA out of memory" in str(failed.value) and "--- run-tj-node-0-0 (Running)" in str(failed.value)
+    methods = [m for m, p in fake.calls if "/pods" not in p]
     assert methods[0] == "POST" and methods[-1] == "DELETE" and methods.count("GET") == 4
     assert not fake.jobs and not (tmp_path / "out").exists()
     assert any("ready 2, active 2" in line for line in log) and any("Failed(JobsFailed)" in line for line in log)
@@ -433,7 +456,17 @@ def test_a_trainjob_no_controller_picks_up_fails_after_the_timeout(tmp_path, clo
 def test_a_trainjob_whose_pods_never_get_ready_fails_after_the_timeout(tmp_path, clock):
     c = config(tmp_path, timeout_seconds=30)
     # the Trainer reports the job at once; its pods stay Pending (a runtime's initializer finishing is no progress)
-    fake = FakeKubernetes([{}, {"jobsStatus": [{"name": "model-initializer", "succeeded": 1}, *PENDING["jobsStatus"]]}])
+    unschedulable = {
+        "phase": "Pending",
+        "conditions": [
+            {"type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+             "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu."},
+        ],
+    }  # fmt: skip
+    fake = FakeKubernetes(
+        [{}, {"jobsStatus": [{"name": "model-initializer", "succeeded": 1}, *PENDING["jobsStatus"]]}],
+        pods={"run-tj-node-0-0": (unschedulable, "")},
+    )
     log = []
     try:
         job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=1)
@@ -444,7 +477,10 @@ def test_a_trainjob_whose_pods_never_get_ready_fails_after_the_timeout(tmp_path,
     message = str(failed.value)
     assert f"TrainJob {NAMESPACE}/{job.name}: waited 30 s (train.timeout_seconds)" in message
     assert "pods of its node job to be ready" in message and "node: active 1" in message
-    assert f"jobset.sigs.k8s.io/jobset-name={job.name}" in message
+    assert message.endswith(
+        "--- run-tj-node-0-0 (Pending) ---\nPodScheduled: Unschedulable: 0/3 nodes are available: 3 Insufficient "
+        "nvidia.com/gpu."
+    )
     assert 30 < clock.now <= 32 and not fake.jobs
     assert "node: active 1" in log[-2] and log[-1].endswith("deleted")
 
