@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
-from tracefp4.kernels import quantize
+from tracefp4.kernels import per_token_global_scale, quantize
 
 from .capture import Capture, CaptureConfig, CaptureRecords, SiteTable, TokenMap, row_key
 from .model import CausalAttention, right_pad
@@ -91,18 +91,25 @@ def signed_rank(codes: Tensor) -> Tensor:
 
 
 def join_rows(rollout: SiteTable, train: SiteTable) -> tuple[Tensor, Tensor]:
-    """Row indices of the rows both tables hold: the same (trajectory, position,
-    slot) and, for expert slots, the same expert."""
-    r_keys = row_key(rollout.traj, rollout.pos, rollout.slot)
-    t_keys = row_key(train.traj, train.pos, train.slot)  # sorted: the tables are in key order
-    at = torch.searchsorted(t_keys, r_keys).clamp(max=len(t_keys) - 1)
-    hit = (t_keys[at] == r_keys) & (train.expert[at] == rollout.expert)
-    return hit.nonzero()[:, 0], at[hit]
+    """Row indices of the rows both tables hold: the same (trajectory, position)
+    and, for expert slots, the same expert, in whichever slot each path put it
+    (near-tied router scores can order the two top-k differently; the expert's
+    input is the same)."""
+    tokens = [row_key(t.traj, t.pos, torch.zeros_like(t.slot)) for t in (rollout, train)]
+    (r_tokens, t_tokens), none = tokens, torch.zeros(0, dtype=torch.long)
+    if not len(t_tokens):
+        return none, none
+    # the tables are in key order: a token's rows lie together, at most one per slot
+    slots = torch.arange(int(train.slot.max()) + 1)
+    candidates = (torch.searchsorted(t_tokens, r_tokens)[:, None] + slots).clamp(max=len(t_tokens) - 1)
+    same = (t_tokens[candidates] == r_tokens[:, None]) & (train.expert[candidates] == rollout.expert[:, None])
+    hit = same.any(1)
+    return hit.nonzero()[:, 0], candidates[hit, same[hit].int().argmax(1)]
 
 
 def compare(rollout: CaptureRecords, training: CaptureRecords) -> dict[tuple[int, str], SiteMismatch]:
     """Per ``(layer, site)`` mismatch between two full (4-bit) captures, on the
-    rows both hold (for ``moe_down_in``: the same expert in the same slot)."""
+    rows both hold (for ``moe_down_in``: the same token's input to the same expert)."""
     out = {}
     for key in sorted(rollout.tables.keys() & training.tables.keys()):
         r, t = rollout.tables[key], training.tables[key]
@@ -129,21 +136,26 @@ def rounded(training: CaptureRecords, guidance: CaptureRecords) -> CaptureRecord
     """The codes the training path rounds ``training``'s captured inputs to
     (a capture that kept them): guided rounding where ``guidance`` (compacted
     rollout codes and scales) has the row, round-to-nearest under the
-    training path's own block scales and the static global scale elsewhere,
-    as :class:`~.qat.TrainingSites` rounds."""
+    training path's own block scales and global scale elsewhere (the static
+    one, or per token each row's own), as :class:`~.qat.TrainingSites` rounds;
+    a guided row takes the rollout's per-token global scale too."""
     out = CaptureRecords()
     for key, t in training.tables.items():
         if t.inputs is None:
             raise ValueError(f"re-rounding needs the training capture's inputs; layer {key[0]} {key[1]} has none")
-        q = quantize(t.inputs, t.fmt, global_scale=t.global_scale if t.fmt == "nvfp4" else None)
-        codes, scales = q.codes, q.scales.view(torch.uint8)
+        per_token = t.row_global_scales is not None
+        g = per_token_global_scale(t.inputs) if per_token else t.global_scale if t.fmt == "nvfp4" else None
+        q = quantize(t.inputs, t.fmt, global_scale=g)
+        codes, scales, row_scales = q.codes, q.scales.view(torch.uint8), g if per_token else None
         if (small := guidance.tables.get(key)) is not None:
             rows, train_rows = join_rows(small, t)
             if len(rows):
                 guided = quantize(t.inputs[train_rows], t.fmt, guide=small.guidance(rows))
                 codes.index_copy_(0, train_rows, guided.codes)
                 scales.index_copy_(0, train_rows, guided.scales.view(torch.uint8))
-        out.tables[key] = replace(t, bits=4, codes=codes, scales=scales)
+                if per_token:
+                    row_scales = row_scales.index_copy(0, train_rows, small.row_global_scales[rows])
+        out.tables[key] = replace(t, bits=4, codes=codes, scales=scales, row_global_scales=row_scales)
     return out
 
 

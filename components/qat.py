@@ -117,20 +117,23 @@ class TrainingSites:
         """The guidance table on ``x``'s device (the loader yields CPU tables) and,
         per table row, the row of ``x`` it guides (``train``, clamped into ``x``)
         and whether it guides one (``ok``: not a row of another microbatch, nor
-        past ``x``, nor a slot training routed to another expert). Every table
-        row is kept, so shapes are the table's, known on the host: selecting
-        the valid rows would read their count from the device (a host sync on CUDA)."""
+        past its sequence, nor of an expert training did not route the token to).
+        Every table row is kept, so shapes are the table's, known on the host:
+        selecting the valid rows would read their count from the device (a host sync on CUDA)."""
         table, n_rows = self.guidance.tables[key], x.shape[0]
         b = to_device(self._sequences(table), x.device)
         table = table.to(x.device)
-        train = b * self.seq_len + table.pos
-        if key[1] == "moe_down_in":  # rows are (token, slot): k slots per token
-            train = train * (n_rows // (len(self.row_of) * self.seq_len)) + table.slot
-        ok = (b >= 0) & (train < n_rows)
-        train = train.clamp(0, n_rows - 1)
-        if expert is not None:  # the slot must have gone to the same expert in training
-            ok &= expert[train] == table.expert
-        return table, train, ok
+        token = b * self.seq_len + table.pos
+        ok = (b >= 0) & (table.pos < self.seq_len)
+        if expert is None:  # a row per token
+            return table, token.clamp(0, n_rows - 1), ok & (token < n_rows)
+        # a row per (token, slot), k slots per token: the rollout's row of the token's expert guides the slot where
+        # training sent the token to that expert, whichever it is (near-tied router scores can order the two
+        # paths' top-k differently; the expert's input is the same)
+        k = n_rows // (len(self.row_of) * self.seq_len)
+        tokens = n_rows // k
+        same = expert.view(tokens, k)[token.clamp(0, tokens - 1)] == table.expert[:, None]  # [rows, k]
+        return table, token.clamp(0, tokens - 1) * k + same.int().argmax(1), ok & (token < tokens) & same.any(1)
 
     def _sequences(self, table) -> Tensor:
         """Per row of a (host) guidance table, the microbatch sequence of its trajectory (-1: another microbatch's)."""

@@ -59,8 +59,10 @@ def test_seeds_must_be_positive():
         alignment.main(["--seeds", "0"])
 
 
-def test_rounding_the_captured_inputs_again_gives_the_training_paths_own_codes(tmp_path):
-    """mismatch.rounded without guidance is the training path's RTN, bit for bit, in both precisions."""
+@pytest.mark.parametrize("global_scales", ["static", "per_token"])
+def test_rounding_the_captured_inputs_again_gives_the_training_paths_own_codes(tmp_path, global_scales):
+    """mismatch.rounded without guidance is the training path's RTN, bit for bit, in both precisions, under
+    static activation global scales and per-token ones (each row's own)."""
     from dataclasses import replace
 
     from tracefp4.components import steps
@@ -72,6 +74,7 @@ def test_rounding_the_captured_inputs_again_gives_the_training_paths_own_codes(t
     args = argparse.Namespace(preset="smoke", bootstrap_steps=0, prompts=2, group=2, new_tokens=8)
     config = alignment.bench_config(args)
     config.bootstrap.enabled = False
+    config.rollout.activation_global_scale = global_scales
     steps.prepare(config, tmp_path / "base", alignment.RUN_ID)
     engine, trajectories, records = alignment.rollout(config, tmp_path / "base", 0)
     for precision in ("bf16", "fp32_master"):

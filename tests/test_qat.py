@@ -10,7 +10,7 @@ import torch
 from tracefp4.components import steps
 from tracefp4.components.capture import Capture, CaptureConfig, SiteTable, TokenMap
 from tracefp4.components.guidance import GuidanceError, GuidanceLoader, MicrobatchGuidance, read_step, write_step
-from tracefp4.components.mismatch import compare
+from tracefp4.components.mismatch import compare, join_rows
 from tracefp4.components.model import build_model
 from tracefp4.components.qat import TrainingSites
 from tracefp4.components.quant import QuantConfig, rollout_config
@@ -270,3 +270,32 @@ def test_guided_values_in_float32_are_exactly_the_guided_codes():
     train = rollout + torch.randn(512, 64, generator=gen) * 0.3
     expected = dequantize(quantize(train, "nvfp4", guide=table.guidance()))
     assert torch.equal(sites.moe_in(0, train), expected)
+
+
+def test_an_experts_guidance_follows_it_to_another_slot():
+    """A token training routes to the rollout's two experts in the other order
+    (near-tied router scores) is guided all the same: a ``moe_down_in`` row is
+    the token's input to an expert, whichever slot holds it; and the captures of
+    the two paths join on the same rows."""
+    tokens, k, width = 4, 2, 32
+    scale = torch.tensor(0.01)
+    h = torch.randn(tokens * k, width, generator=torch.Generator().manual_seed(0))
+    q = quantize(h, "nvfp4", global_scale=scale)
+    pos, slot = torch.arange(tokens).repeat_interleave(k), torch.arange(k).repeat(tokens)
+    zeros = torch.zeros(tokens * k, dtype=torch.long)
+    rollout = SiteTable(
+        0, "moe_down_in", "nvfp4", 4, width, float(scale), zeros, pos, slot, torch.tensor([3, 5] * tokens),
+        q.codes, q.scales.view(torch.uint8),
+    )  # fmt: skip
+    guidance = MicrobatchGuidance([0], {(0, "moe_down_in"): rollout}, [])
+    sites = TrainingSites(
+        QuantConfig("nvfp4", "nvfp4", None), "trace", {(0, "moe_down_in"): scale}, trajectories=[0], seq_len=tokens,
+        guidance=guidance,
+    )  # fmt: skip
+    swapped = h.view(tokens, k, width).flip(1).reshape(-1, width)  # expert 5's input first
+    out = sites.moe_down_in(0, swapped, pos, slot, torch.tensor([5, 3] * tokens))
+    assert sites.coverage.rate == 1.0
+    assert torch.equal(out.view(tokens, k, width).flip(1).reshape(-1, width), dequantize(q))
+    training = replace(rollout, slot=slot, expert=torch.tensor([5, 3] * tokens))
+    rows, train_rows = join_rows(rollout, training)
+    assert rows.tolist() == list(range(tokens * k)) and train_rows.tolist() == [1, 0, 3, 2, 5, 4, 7, 6]
