@@ -651,10 +651,7 @@ def load_model(
     if not config_file.exists():
         raise FileNotFoundError(f"{config_file} does not exist")
     verify_folder(folder)
-    try:
-        cfg = config_from_hf(json.loads(_inside(folder, CONFIG, "the config").read_text()))
-    except (CheckpointError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{folder}: {e}") from None
+    cfg = read_config(folder)
     headers, names = _language_model(folder, _headers(folder), cfg)
     headers = _check_tensors(folder, cfg, headers)
     model = empty_model(cfg, dtype or checkpoint_dtype(headers), device)
@@ -670,6 +667,15 @@ def load_model(
                     name, view = hub_slot(tensor, cfg)
                     view(state[name]).copy_(f.get_tensor(names.get(tensor, tensor)))
     return model
+
+
+def read_config(folder: str | os.PathLike) -> ModelConfig:
+    """The architecture a policy folder's config.json describes, checked (:func:`config_from_hf`)."""
+    folder = Path(folder)
+    try:
+        return config_from_hf(json.loads(_inside(folder, CONFIG, "the config").read_text()))
+    except (CheckpointError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{folder}: {e}") from None
 
 
 def checkpoint_dtype(headers: dict[str, tuple[Path, str, tuple[int, ...]]]) -> torch.dtype:

@@ -83,6 +83,18 @@ def full_record_bytes(t: "SiteTable | SyndromeTable") -> int:
     return len(t.traj) * (t.width // 2 + t.width // get_format(t.fmt).block_size + per_row)
 
 
+def full_capture_bytes(tables: CaptureRecords, sites: list[str]) -> int | None:
+    """The bytes a full 4-bit capture (:func:`full_record_bytes`) of ``sites``
+    would hold, one entry per FP4 layer and site, each site's taken from a
+    table of it in ``tables``: every layer with a site records the same rows
+    (the same tokens pass through every layer) at the same width. None when
+    ``tables`` has no table of one of the sites to tell its rows."""
+    per_site = {site: full_record_bytes(t) for (_, site), t in sorted(tables.tables.items())}
+    if not set(sites) <= set(per_site):
+        return None
+    return sum(per_site[site] for site in sites)
+
+
 def compaction_report(full: CaptureRecords, compacted: CaptureRecords, training: CaptureRecords) -> CompactionReport:
     """Bytes, bits per captured element, ratio to the full 4-bit-plus-scales
     record, and fidelity: the share of training-side rounding decisions (on the

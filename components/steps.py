@@ -27,7 +27,7 @@ from tracefp4.schemas import RunConfig
 
 from . import bootstrap as sft
 from .capture import CaptureConfig, CaptureRecords
-from .checkpoint import fetch, load_model, provenance, save_model
+from .checkpoint import fetch, load_model, provenance, read_config, save_model
 from .device import resolve
 from .export import export
 from .guidance import (
@@ -36,7 +36,7 @@ from .guidance import (
     compact,
     compaction_report,
     encode_scales,
-    full_record_bytes,
+    full_capture_bytes,
     merge_steps,
     read_step,
     select_layers,
@@ -487,9 +487,11 @@ def compaction(
     start = time.perf_counter()
     store = _store(config)
     prefix = store_prefix(config, run_id, "guidance")
+    cfg = read_config(policy)
+    fp4_sites = [site for layer in ref.quant.fp4_layers(cfg) for site in ref.quant.fp4_sites(cfg, layer)]
+    full = None
     if config.guidance.codec == "syndrome":
         kept = _syndrome_step(config, store, round_index, header, run_id)
-        stats.update(compaction_ratio=kept.nbytes / sum(full_record_bytes(t) for t in kept.tables.values()))
     elif _inline(config):
         kept = read_step(store, round_index, prefix, expect)
     else:
@@ -513,17 +515,16 @@ def compaction(
         training = teacher_force(_engine(config, policy, capture=False, device=device), sample, keep_inputs=True)
         ids = torch.tensor([t.id for t in sample])
         report = compaction_report(_restrict(full, ids), _restrict(kept, ids), training)
-        stats.update(
-            capture_bytes=full.nbytes,
-            compaction_ratio=kept.nbytes / full.nbytes,
-            compaction_fidelity=report.total["fidelity"],
-        )
+        stats.update(capture_bytes=full.nbytes, compaction_fidelity=report.total["fidelity"])
+    # against a full capture of every FP4 layer, whichever codec and compaction made the guidance
+    full_bytes = full_capture_bytes(full or kept, fp4_sites)
     elements = sum(len(t.traj) * t.width for t in kept.tables.values())
     layers = sorted({layer for layer, _ in kept.tables})
     stats.update(
         layers=layers,
         guidance_bytes=kept.nbytes,
         guidance_bits_per_element=8 * kept.nbytes / elements if elements else None,
+        compaction_ratio=kept.nbytes / full_bytes if full_bytes else None,
         compaction_seconds=time.perf_counter() - start,
     )
     sites = tuple(sorted({site for _, site in kept.tables}))

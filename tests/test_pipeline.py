@@ -312,22 +312,28 @@ def test_every_method_trains_through_the_steps(tmp_path, method):
     assert row["method"] == method and row["optimizer_steps"] == 1
 
 
-def test_offline_compaction_measures_size_and_fidelity(tmp_path):
+def test_compaction_measures_size_and_fidelity_against_a_full_capture_whatever_the_codec(tmp_path):
+    """Offline compaction measures the full capture it compacts, and its fidelity; inline guidance and the
+    syndrome codec have no full capture, and their ratio is to the same one: every FP4 layer's records."""
     from tracefp4.components import steps
 
-    config = localize(
-        load_config(None, preset="smoke", overrides={"guidance.compaction": "offline", "model.dtype": "bfloat16"}),
-        tmp_path,
-    )
-    policy, trajectories = tmp_path / "policy", tmp_path / "trajectories.jsonl"
-    steps.prepare(config, policy, RUN)
-    steps.rollout(config, policy, 0, trajectories, RUN)
-    _, size = steps.compaction(config, policy, trajectories, 0, RUN)
-    assert size["capture_bytes"] > size["guidance_bytes"] > 0
-    assert (
-        size["compaction_ratio"] == size["guidance_bytes"] / size["capture_bytes"] < 0.5
-    )  # one layer of two, 1 bit of 4
-    assert 0.5 < size["compaction_fidelity"] <= 1
+    sizes = {}
+    codecs = {"offline": {"guidance.compaction": "offline"}, "inline": {}, "syndrome": {"guidance.codec": "syndrome"}}
+    for name, overrides in codecs.items():
+        overrides = {"model.dtype": "bfloat16", **overrides}
+        config = localize(load_config(None, preset="smoke", overrides=overrides), tmp_path / name)
+        policy, trajectories = tmp_path / name / "policy", tmp_path / name / "trajectories.jsonl"
+        steps.prepare(config, policy, RUN)
+        steps.rollout(config, policy, 0, trajectories, RUN)
+        sizes[name] = steps.compaction(config, policy, trajectories, 0, RUN)[1]
+    offline = sizes["offline"]
+    assert offline["capture_bytes"] > offline["guidance_bytes"] > 0
+    assert offline["compaction_ratio"] == offline["guidance_bytes"] / offline["capture_bytes"] < 0.5  # 1 layer of 2
+    assert 0.5 < offline["compaction_fidelity"] <= 1
+    assert sizes["inline"]["guidance_bytes"] == offline["guidance_bytes"]  # the same rollout, compacted alike
+    for size in sizes.values():
+        assert size["compaction_ratio"] == size["guidance_bytes"] / offline["capture_bytes"]
+    assert sizes["syndrome"]["compaction_ratio"] < offline["compaction_ratio"]
 
 
 def test_evaluation_of_a_bf16_run_holds_ptq_baselines_discrepancy_and_sensitivity(tmp_path, monkeypatch):
