@@ -65,6 +65,12 @@ from .trainer import TrainConfig, Trainer, clip_gradients
 METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator: a complete checkpoint
 HISTORY = "history.json"
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+# How long the ranks wait for rank 0's serial end-of-round work (gathering the full state, writing,
+# checksumming and uploading the consolidated policy and trainer state: hundreds of GB at the paper's
+# scale), at barriers of a gloo group of their own: train.timeout_seconds bounds the collectives of ranks
+# that all compute, where a longer wait means a rank died or hangs
+RANK0_IO_TIMEOUT = timedelta(hours=6)
+_rank0_io: list = []  # that group, made with the process group (every rank must make it, in the same order)
 
 
 class DistributedError(RuntimeError):
@@ -84,7 +90,13 @@ def init_process_group(config):
         config = config.model_copy(update={"resources": config.resources.model_copy(update={"device": str(device)})})
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=config.train.timeout_seconds))
+    _rank0_io[:] = [dist.new_group(backend="gloo", timeout=RANK0_IO_TIMEOUT)]
     return config
+
+
+def wait_for_rank0() -> None:
+    """Every rank waits here until rank 0 has done its serial work too (at most :data:`RANK0_IO_TIMEOUT`)."""
+    dist.barrier(group=_rank0_io[0])
 
 
 def mixed_precision() -> MixedPrecisionPolicy:
@@ -174,7 +186,7 @@ class DistributedTrainer(Trainer):
             load_state(plain, weights)
             by_index = _by_index(optimizer, [name for name, _ in plain.named_parameters()])
             self.write(plain, by_index, policy, state, extra, run_id)
-        dist.barrier()
+        wait_for_rank0()
         return Path(policy), Path(state)
 
     def load_optimizer_state(self, state: dict) -> None:
@@ -250,7 +262,7 @@ class ShardCheckpoints:
                 self.store.put_bytes(f"{key}/{HISTORY}", json.dumps(record).encode())
                 self.store.upload(f"{key}/{METADATA}", Path(local) / METADATA)  # complete
                 self.clear(keep=trainer.step)
-        dist.barrier()
+        wait_for_rank0()
 
     def clear(self, keep: int | None = None) -> None:
         """Delete the round's checkpoints but the one at version ``keep``."""
@@ -382,7 +394,7 @@ def main(argv: list[str] | None = None) -> None:
             if dist.get_rank() == 0:
                 _publish(rows, args.history, {out: args.out, out_state: args.out_state})
                 clear_checkpoints(store, prefix)  # the round's policy is out: no resume needed
-            dist.barrier()
+            wait_for_rank0()
         finally:
             dist.destroy_process_group()
 

@@ -6,6 +6,9 @@ the step within the timeout."""
 import json
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -317,3 +320,42 @@ def test_microbatches_that_do_not_split_over_the_processes_are_refused_by_the_sc
         RunConfig.model_validate(data)
     data["resources"]["device"] = "cpu"  # gloo ranks on the node's CPUs
     RunConfig.model_validate(data)
+
+
+RANK0_BUSY = """
+import os, sys, time
+import torch.distributed as dist
+from tracefp4.components import distributed
+from tracefp4.schemas import RunConfig
+config = distributed.init_process_group(RunConfig.model_validate_json(sys.argv[1]))
+if dist.get_rank() == 0:
+    time.sleep(float(sys.argv[2]))  # writing and uploading the round's outputs
+distributed.wait_for_rank0()
+dist.destroy_process_group()
+"""
+
+
+def test_the_ranks_wait_for_rank_0s_writing_longer_than_the_collective_timeout(tmp_path):
+    """train.timeout_seconds (10 s here) bounds the collectives of computing ranks, not the wait for rank 0's
+    end-of-round writing and uploads (12 s here; hundreds of GB at the paper's scale)."""
+    data = config_for(tmp_path).model_dump()
+    data["train"]["timeout_seconds"] = 10
+    config = RunConfig.model_validate(data).model_dump_json()
+    port = _free_port()
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK0_BUSY, config, "12"],
+            env=os.environ | {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": str(port)},
+            stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(2)
+    ]  # fmt: skip
+    results = [(p.wait(timeout=120), p.stderr.read()) for p in ranks]
+    assert all(code == 0 for code, _ in results), [err[-2000:] for _, err in results]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
