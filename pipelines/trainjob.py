@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import urllib3
 from kubeflow_trainer_api import models
 from kubernetes import client
 from kubernetes import config as kube_config
@@ -58,6 +59,8 @@ SHARED_MEMORY = models.IoK8sApiCoreV1Volume(
 PATCH_MANAGER = "tracefp4/train-step"
 # A TrainJob's name must start with a letter (its CRD's rule); a run name may start with a digit.
 NAME_PREFIX = "tj-"
+# What the ranks leave in the store for the step, beside its inputs: all there once the round is trained.
+OUTPUTS = ("history.json", f"new-policy/{MANIFEST}", f"new-state/{MANIFEST}")
 
 
 def distributed_train(
@@ -222,7 +225,25 @@ class TrainJobRun:
         echo=print,
     ):
         """The history rows; the new policy in ``out``, its trainer state in
-        ``out_state``. Raises :class:`DistributedError` with the TrainJob's reason."""
+        ``out_state``. Raises :class:`DistributedError` with the TrainJob's
+        reason. A retry of the step whose earlier attempt's ranks finished the
+        round takes their outputs instead of training it again."""
+        if self.finished():
+            echo(f"trainjob {self.namespace}/{self.name}: an earlier attempt of this step trained the round")
+        else:
+            self.train(policy, state, trajectories, guidance, round_stats, echo)
+        shutil.copytree(fetch(self.uri("new-policy")), out, dirs_exist_ok=True)
+        shutil.copytree(fetch(self.uri("new-state")), out_state, dirs_exist_ok=True)
+        return json.loads(self.store.get_bytes(f"{self.prefix}/history.json"))
+
+    def finished(self) -> bool:
+        """Whether the round's outputs are all in the store (rank 0 uploads the
+        history, then each folder with its manifest last)."""
+        keys = set(self.store.list(self.prefix + "/"))
+        return {f"{self.prefix}/{name}" for name in OUTPUTS} <= keys
+
+    def train(self, policy: Path, state: Path, trajectories: Path, guidance: Path, round_stats: dict, echo) -> None:
+        """Upload the round's inputs, run the TrainJob to its end, delete it."""
         self.upload(policy, state, trajectories, guidance, round_stats)
         args = rank_arguments(
             self.uri("config.json"),
@@ -244,9 +265,6 @@ class TrainJobRun:
                 raise DistributedError(f"{e}{self.rank_report()}") from None
             finally:
                 self.delete(echo)
-        shutil.copytree(fetch(self.uri("new-policy")), out, dirs_exist_ok=True)
-        shutil.copytree(fetch(self.uri("new-state")), out_state, dirs_exist_ok=True)
-        return json.loads(self.store.get_bytes(f"{self.prefix}/history.json"))
 
     def upload(self, policy: Path, state: Path, trajectories: Path, guidance: Path, round_stats: dict) -> None:
         self.store.put_bytes(f"{self.prefix}/config.json", self.config.model_dump_json().encode())
@@ -258,7 +276,9 @@ class TrainJobRun:
                 self.store.upload(f"{self.prefix}/{name}/{f.name}", f)
 
     def create(self, body: dict, echo) -> None:
-        """Create the TrainJob; one left by an earlier attempt of the step is deleted first."""
+        """Create the TrainJob. One an earlier attempt of the step left running,
+        or completed, is the same round on the same inputs: it is waited for;
+        a failed one is deleted first."""
         for attempt in range(2):
             try:
                 self.api.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
@@ -267,8 +287,17 @@ class TrainJobRun:
             except ApiException as e:
                 if e.status != 409 or attempt:
                     raise DistributedError(f"creating TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
-                echo(f"trainjob {self.namespace}/{self.name}: left by an earlier attempt, deleting it")
-                self.delete(echo, wait=True)
+            try:
+                left = self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+            except ApiException as e:
+                if e.status == 404:  # gone since: create it
+                    continue
+                raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
+            if "Failed" not in _conditions(left.get("status") or {}):
+                echo(f"trainjob {self.namespace}/{self.name}: left by an earlier attempt, not failed: waiting for it")
+                return
+            echo(f"trainjob {self.namespace}/{self.name}: left failed by an earlier attempt, deleting it")
+            self.delete(echo, wait=True)
 
     def wait(self, echo) -> None:
         """Until the TrainJob completes; its status changes go to the step's log.
@@ -277,19 +306,32 @@ class TrainJobRun:
         or done (``ready`` or ``succeeded`` in the Trainer's ``status.jobsStatus``); ``active``
         counts Pending pods too, so unschedulable ranks, or a Trainer that
         never picks the job up, would otherwise keep the step waiting forever.
-        Every poll that shows progress restarts the clock: a long run is not cut short."""
+        Every poll that shows progress restarts the clock: a long run is not cut
+        short; a poll the API server does not answer (5xx, 429, no connection)
+        is no news, and the clock runs on."""
         since, last = time.monotonic(), None
         while True:
             try:
                 job = self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
-            except ApiException as e:
-                raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
+            except (ApiException, urllib3.exceptions.HTTPError) as e:
+                code = getattr(e, "status", None)  # None: no answer at all
+                if code is not None and code < 500 and code != 429:  # deleted (404), forbidden: for good
+                    raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
+                # the API server restarting, busy or out of reach: no news, and the timeout's clock runs on
+                unreadable = f"status unreadable ({_reason(e) if isinstance(e, ApiException) else e})"
+                if unreadable != last:
+                    echo(f"trainjob {self.namespace}/{self.name}: {unreadable}")
+                    last = unreadable
+                if time.monotonic() - since > self.config.train.timeout_seconds:
+                    raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {unreadable}") from None
+                time.sleep(self.poll_s)
+                continue
             status = job.get("status") or {}
             summary = _summary(status)
             if summary != last:
                 echo(f"trainjob {self.namespace}/{self.name}: {summary}")
                 last = summary
-            conditions = {c["type"]: c for c in status.get("conditions", []) if c.get("status") == "True"}
+            conditions = _conditions(status)
             if "Complete" in conditions:
                 return
             if "Failed" in conditions:
@@ -395,6 +437,11 @@ def _namespace() -> str:
     if not path.exists():
         raise DistributedError(f"{path} is missing: a TrainJob is created from a pod inside the cluster")
     return path.read_text().strip()
+
+
+def _conditions(status: dict) -> dict[str, dict]:
+    """A TrainJob status's true conditions, by type."""
+    return {c["type"]: c for c in status.get("conditions", []) if c.get("status") == "True"}
 
 
 def _progressing(status: dict) -> bool:

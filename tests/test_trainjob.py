@@ -220,8 +220,11 @@ class FakeKubernetes:
     ``deletes_hang`` a deleted job stays (a pod Terminating on a lost node).
     ``pods`` are the job's rank pods, listed and their logs read."""
 
-    def __init__(self, script: list[dict], on_complete=None, on_get=None, deletes_hang: bool = False, pods=None):
+    def __init__(
+        self, script: list[dict], on_complete=None, on_get=None, deletes_hang=False, pods=None, unavailable_gets=0
+    ):
         self.script, self.on_complete, self.on_get, self.deletes_hang = script, on_complete, on_get, deletes_hang
+        self.unavailable_gets = unavailable_gets  # the first gets of the job answer 503 (the API server restarting)
         self.pods: dict[str, tuple[dict, str]] = pods or {}  # the job's rank pods: name -> (status, log)
         self.calls: list[tuple[str, str]] = []
         self.jobs: dict[str, dict] = {}
@@ -272,6 +275,9 @@ class FakeKubernetes:
                     self.end_headers()
                     return self.wfile.write(data)
                 name = self._route()
+                if fake.unavailable_gets:
+                    fake.unavailable_gets -= 1
+                    return self._answer(503, {"kind": "Status", "message": "the server is currently unable"})
                 if name not in fake.jobs:
                     return self._answer(404, {"kind": "Status", "message": f'trainjobs "{name}" not found'})
                 status = fake.script[min(fake.gets, len(fake.script) - 1)]
@@ -389,7 +395,7 @@ def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, v
     assert json.loads(store.get_bytes(f"{prefix}/round_stats.json")) == {"rollout_seconds": 1.0}
 
 
-def test_a_trainjob_left_by_an_earlier_attempt_is_replaced(tmp_path):
+def test_a_trainjob_left_failed_by_an_earlier_attempt_is_replaced(tmp_path):
     c = config(tmp_path)
     fake = FakeKubernetes([FAILED])
     fake.jobs[trainjob_name(c, RUN, 0)] = {"metadata": {"name": "old"}}
@@ -400,8 +406,67 @@ def test_a_trainjob_left_by_an_earlier_attempt_is_replaced(tmp_path):
             job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=log.append)
     finally:
         fake.close()
-    assert [m for m, _ in fake.calls][:3] == ["POST", "DELETE", "GET"]
-    assert any("earlier attempt" in line for line in log)
+    assert [m for m, _ in fake.calls][:5] == ["POST", "GET", "DELETE", "GET", "POST"]
+    assert any("left failed by an earlier attempt" in line for line in log)
+
+
+def ranks_upload_outputs(c: RunConfig, tmp_path):
+    """What rank 0 uploads at the end of a round (components/distributed.py), as a fake's ``on_complete``."""
+    store = open_store(c.store.uri)
+    prefix = f"{steps.store_prefix(c, RUN, 'trainjob')}/round-000000"
+
+    def upload(job=None):
+        store.put_bytes(f"{prefix}/history.json", json.dumps([{"step": 1, "loss": 0.5}]).encode())
+        for name in ("policy", "state"):
+            for f in sorted((tmp_path / name).iterdir(), key=lambda f: f.name == "checksums.json"):
+                store.put_bytes(f"{prefix}/new-{name}/{f.name}", f.read_bytes())
+
+    return upload
+
+
+def test_a_trainjob_an_earlier_attempt_left_running_is_waited_for(tmp_path):
+    """A retry of the step (its pod lost, say) finds the round's TrainJob still running: it waits for that job."""
+    c = config(tmp_path)
+    fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
+    fake.jobs[trainjob_name(c, RUN, 0)] = trainjob(c, trainjob_name(c, RUN, 0), NAMESPACE, [])
+    log = []
+    try:
+        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
+        rows = job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=log.append)
+    finally:
+        fake.close()
+    assert rows == [{"step": 1, "loss": 0.5}] and (tmp_path / "out" / "config.json").exists()
+    calls = [m for m, _ in fake.calls]
+    assert calls[:2] == ["POST", "GET"] and calls.count("POST") == 1 and calls[-1] == "DELETE" and not fake.jobs
+    assert any("not failed: waiting for it" in line for line in log)
+
+
+def test_a_retry_after_the_ranks_finished_takes_their_outputs_without_training_again(tmp_path):
+    c = config(tmp_path)
+    given = inputs(tmp_path)
+    ranks_upload_outputs(c, tmp_path)()
+    fake = FakeKubernetes([{}])
+    log = []
+    try:
+        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
+        rows = job.run(*given, tmp_path / "out", tmp_path / "out-state", {}, echo=log.append)
+    finally:
+        fake.close()
+    assert rows == [{"step": 1, "loss": 0.5}] and (tmp_path / "out-state" / "state.json").exists()
+    assert fake.calls == [] and "an earlier attempt of this step trained the round" in log[0]
+
+
+def test_an_api_server_that_does_not_answer_for_a_while_is_waited_out(tmp_path):
+    c = config(tmp_path)
+    fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path), unavailable_gets=3)
+    log = []
+    try:
+        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
+        rows = job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=log.append)
+    finally:
+        fake.close()
+    assert rows == [{"step": 1, "loss": 0.5}]
+    assert any("status unreadable" in line for line in log)
 
 
 def test_a_terminated_step_deletes_its_trainjob(tmp_path):
@@ -507,8 +572,8 @@ def test_outside_a_cluster_the_trainjob_launcher_says_so(tmp_path, monkeypatch):
 
 def test_a_trainjob_that_never_goes_away_fails_the_step_after_the_timeout(tmp_path, clock):
     c = config(tmp_path, timeout_seconds=30)
-    fake = FakeKubernetes([RUNNING], deletes_hang=True)
-    fake.jobs[trainjob_name(c, RUN, 0)] = {"metadata": {"name": "old"}}  # an earlier attempt's, to replace
+    fake = FakeKubernetes([FAILED], deletes_hang=True)
+    fake.jobs[trainjob_name(c, RUN, 0)] = {"metadata": {"name": "old"}}  # an earlier attempt's, failed: replaced
     try:
         job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=1)
         with pytest.raises(DistributedError, match="still there 30 s .* after its deletion"):
