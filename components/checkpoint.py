@@ -287,6 +287,8 @@ def config_to_hf(cfg: ModelConfig) -> dict:
             "rope_theta": cfg.rope_theta,
             "partial_rotary_factor": cfg.partial_rotary_factor,
         }
+        if "mtp_num_hidden_layers" in hf:  # the folder holds no MTP head (skipped on load): a server must not look
+            hf["mtp_num_hidden_layers"] = 0  # for one (vLLM's and SGLang's MTP speculative decoding read this)
         hf |= {
             "attention_bias": cfg.qkv_bias,
             "shared_expert_intermediate_size": cfg.shared_expert_intermediate_size,

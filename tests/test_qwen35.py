@@ -77,10 +77,16 @@ def test_multimodal_checkpoint_logits_equal_transformers(tmp_path, caplog):
     save_file({"mtp.fc.weight": torch.zeros(4, 4)}, tmp_path / "hf" / "mtp.safetensors")
     index["weight_map"]["mtp.fc.weight"] = "mtp.safetensors"
     index_file.write_text(json.dumps(index))
+    config_file = tmp_path / "hf" / "config.json"  # and, as the Hub's configs say, one MTP layer
+    hub_config = json.loads(config_file.read_text())
+    hub_config["text_config"]["mtp_num_hidden_layers"] = 1
+    config_file.write_text(json.dumps(hub_config))
     with caplog.at_level(logging.INFO, "tracefp4.checkpoint"):
         ours = load_model(tmp_path / "hf").eval()
     assert "vision tower is skipped" in caplog.text and "model.visual.*, mtp.*" in caplog.text
     assert ours.cfg.model_type == "qwen3_5_moe" and ours.cfg.linear_layers == [0, 2]
+    # saved without the MTP head, and saying so (a server's MTP speculative decoding would look for it)
+    assert ours.cfg.extra["mtp_num_hidden_layers"] == 1 and config_to_hf(ours.cfg)["mtp_num_hidden_layers"] == 0
     # 150 tokens: the chunked form runs three chunks of 64, the last one padded
     tokens = torch.randint(0, 96, (2, 150), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
