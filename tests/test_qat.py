@@ -249,6 +249,14 @@ def test_a_round_with_per_token_global_scales(tmp_path):
     assert history["trace"]["code_mismatch"] < 0.1 * history["qat"]["code_mismatch"]
 
 
+def guided_by(table: SiteTable, scale: torch.Tensor, seq_len: int) -> TrainingSites:
+    """TRACE's NVFP4 sites for a microbatch of trajectory 0 alone, guided by ``table``."""
+    key = (table.layer, table.site)
+    guidance = MicrobatchGuidance([0], {key: table}, [])
+    quant = QuantConfig("nvfp4", "nvfp4", None)
+    return TrainingSites(quant, "trace", {key: scale}, trajectories=[0], seq_len=seq_len, guidance=guidance)
+
+
 def test_guided_values_in_float32_are_exactly_the_guided_codes():
     """Training values far from the rollout's (some guided to the farther neighbour)
     come out of the guided forward as the dequantized guided codes, bit for bit."""
@@ -262,11 +270,7 @@ def test_guided_values_in_float32_are_exactly_the_guided_codes():
         0, "moe_in", "nvfp4", 4, 64, float(scale), zeros, torch.arange(n), zeros, torch.full((n,), -1),
         q.codes, q.scales.view(torch.uint8),
     )  # fmt: skip
-    guidance = MicrobatchGuidance([0], {(0, "moe_in"): table}, [])
-    sites = TrainingSites(
-        QuantConfig("nvfp4", "nvfp4", None), "trace", {(0, "moe_in"): scale}, trajectories=[0], seq_len=n,
-        guidance=guidance,
-    )  # fmt: skip
+    sites = guided_by(table, scale, n)
     train = rollout + torch.randn(512, 64, generator=gen) * 0.3
     expected = dequantize(quantize(train, "nvfp4", guide=table.guidance()))
     assert torch.equal(sites.moe_in(0, train), expected)
@@ -287,11 +291,7 @@ def test_an_experts_guidance_follows_it_to_another_slot():
         0, "moe_down_in", "nvfp4", 4, width, float(scale), zeros, pos, slot, torch.tensor([3, 5] * tokens),
         q.codes, q.scales.view(torch.uint8),
     )  # fmt: skip
-    guidance = MicrobatchGuidance([0], {(0, "moe_down_in"): rollout}, [])
-    sites = TrainingSites(
-        QuantConfig("nvfp4", "nvfp4", None), "trace", {(0, "moe_down_in"): scale}, trajectories=[0], seq_len=tokens,
-        guidance=guidance,
-    )  # fmt: skip
+    sites = guided_by(rollout, scale, tokens)
     swapped = h.view(tokens, k, width).flip(1).reshape(-1, width)  # expert 5's input first
     out = sites.moe_down_in(0, swapped, pos, slot, torch.tensor([5, 3] * tokens))
     assert sites.coverage.rate == 1.0

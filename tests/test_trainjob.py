@@ -424,17 +424,22 @@ def ranks_upload_outputs(c: RunConfig, tmp_path):
     return upload
 
 
+def completed_round(c: RunConfig, fake: FakeKubernetes, given, tmp_path) -> tuple[list[dict], list[str]]:
+    """Round 0's TrainJob step on ``given`` inputs against ``fake``: its history rows and its log."""
+    log = []
+    try:
+        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
+        return job.run(*given, tmp_path / "out", tmp_path / "out-state", {}, echo=log.append), log
+    finally:
+        fake.close()
+
+
 def test_a_trainjob_an_earlier_attempt_left_running_is_waited_for(tmp_path):
     """A retry of the step (its pod lost, say) finds the round's TrainJob still running: it waits for that job."""
     c = config(tmp_path)
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
     fake.jobs[trainjob_name(c, RUN, 0)] = trainjob(c, trainjob_name(c, RUN, 0), NAMESPACE, [])
-    log = []
-    try:
-        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
-        rows = job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=log.append)
-    finally:
-        fake.close()
+    rows, log = completed_round(c, fake, inputs(tmp_path), tmp_path)
     assert rows == [{"step": 1, "loss": 0.5}] and (tmp_path / "out" / "config.json").exists()
     calls = [m for m, _ in fake.calls]
     assert calls[:2] == ["POST", "GET"] and calls.count("POST") == 1 and calls[-1] == "DELETE" and not fake.jobs
@@ -446,12 +451,7 @@ def test_a_retry_after_the_ranks_finished_takes_their_outputs_without_training_a
     given = inputs(tmp_path)
     ranks_upload_outputs(c, tmp_path)()
     fake = FakeKubernetes([{}])
-    log = []
-    try:
-        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
-        rows = job.run(*given, tmp_path / "out", tmp_path / "out-state", {}, echo=log.append)
-    finally:
-        fake.close()
+    rows, log = completed_round(c, fake, given, tmp_path)
     assert rows == [{"step": 1, "loss": 0.5}] and (tmp_path / "out-state" / "state.json").exists()
     assert fake.calls == [] and "an earlier attempt of this step trained the round" in log[0]
 
@@ -459,12 +459,7 @@ def test_a_retry_after_the_ranks_finished_takes_their_outputs_without_training_a
 def test_an_api_server_that_does_not_answer_for_a_while_is_waited_out(tmp_path):
     c = config(tmp_path)
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path), unavailable_gets=3)
-    log = []
-    try:
-        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
-        rows = job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=log.append)
-    finally:
-        fake.close()
+    rows, log = completed_round(c, fake, inputs(tmp_path), tmp_path)
     assert rows == [{"step": 1, "loss": 0.5}]
     assert any("status unreadable" in line for line in log)
 
