@@ -125,11 +125,14 @@ def stack_rows(parts: list[Tensor]) -> Tensor:
 
 
 def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Tensor:
-    """GRPO: each reward normalized within its group of responses to one prompt."""
+    """GRPO: each reward normalized within its group of responses to one
+    prompt, by the group's sample standard deviation, as verl
+    (``compute_grpo_outcome_advantage``), slime and TRL divide: advantages of
+    the scale their users tune learning rates and KL coefficients for."""
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     groups = rewards.view(-1, group_size)
-    return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True, unbiased=False) + eps)).view(-1)
+    return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + eps)).view(-1)
 
 
 def grpo_loss(
@@ -154,7 +157,9 @@ def grpo_loss(
     tis = (old_logprobs - rollout_logprobs).exp().clamp(max=tis_cap).detach()
     loss = -(tis * surrogate)[mask].mean()
     return loss, {
-        "clip_fraction": ((ratio - 1).abs() > clip)[mask].float().mean(),
+        # the tokens whose clipped term was taken (no gradient), as verl's pg_clipfrac counts them: a ratio past
+        # the band on the side the advantage does not push towards keeps its gradient
+        "clip_fraction": (surrogate < ratio * adv)[mask].float().mean(),
         "tis_weight_mean": tis[mask].mean(),
     }
 

@@ -145,6 +145,8 @@ def test_grpo_loss_and_advantages():
     adv = group_advantages(torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 0.0]), group_size=3)
     assert torch.allclose(adv.view(2, 3).mean(1), torch.zeros(2), atol=1e-6)
     assert adv[0] > 0 > adv[1]
+    # by the sample standard deviation, as verl, slime and TRL: a group of two rewards 1 and 0 gives +-1/sqrt(2)
+    assert group_advantages(torch.tensor([1.0, 0.0]), 2).tolist() == pytest.approx([0.5**0.5, -(0.5**0.5)], abs=1e-5)
     lp = torch.zeros(2, 3)
     mask = torch.ones(2, 3, dtype=torch.bool)
     a = torch.tensor([1.0, -1.0])
@@ -156,6 +158,11 @@ def test_grpo_loss_and_advantages():
     # a large ratio is clipped for a positive advantage
     loss, stats = grpo_loss(lp + 1.0, lp, lp, torch.tensor([1.0, 1.0]), mask, clip=0.2)
     assert loss.item() == pytest.approx(-1.2) and stats["clip_fraction"] == 1.0
+    # clipped only where the clipped term is taken (verl's pg_clipfrac): a ratio below the band with a positive
+    # advantage, or above it with a negative one, keeps its gradient
+    ratios = torch.tensor([[1.5, 0.5], [1.5, 0.5]]).log()
+    _, stats = grpo_loss(ratios, torch.zeros(2, 2), torch.zeros(2, 2), torch.tensor([1.0, -1.0]), torch.ones(2, 2) > 0)
+    assert stats["clip_fraction"] == 0.5
     with pytest.raises(ValueError, match="do not split into groups of 4"):
         group_advantages(torch.zeros(6), 4)
 
