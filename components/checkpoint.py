@@ -467,6 +467,27 @@ def folder_digest(folder: str | os.PathLike) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def fingerprint(uri: str | os.PathLike) -> str:
+    """A value that changes when the checkpoint at ``uri`` (a folder, ``file://``,
+    ``s3://`` or ``minio://``) does, read without downloading its weights: the
+    sha256 of its :data:`MANIFEST`, or, without one, of each file's name and
+    size with its modification time (a folder) or its ETag (a store)."""
+    text = os.fspath(uri)
+    if "://" not in text or text.startswith("file://"):
+        folder = fetch(text)
+        if (folder / MANIFEST).exists():
+            return folder_digest(folder)
+        files = sorted(f for f in folder.iterdir() if f.is_file())
+        material = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    else:
+        store = open_store(text)
+        names = sorted(key for key in store.list() if "/" not in key)
+        if MANIFEST in names:
+            return hashlib.sha256(store.get_bytes(MANIFEST)).hexdigest()
+        material = [(name, *store.stat(name)) for name in names]
+    return hashlib.sha256(json.dumps(material).encode()).hexdigest()
+
+
 def _manifest_entries(data: bytes, where: object) -> dict[str, tuple[int, str]]:
     """Each file's size and sha256 from the bytes of a :data:`MANIFEST` read from ``where``."""
     try:

@@ -76,6 +76,7 @@ def run(preset, config_file, output, store, verbose, methods, pushgateway, resta
 
     A rerun with the same config and output resumes: finished tasks are reused, not rerun."""
     from tracefp4.pipelines.local import Interrupted, PipelineFailed, run_local
+    from tracefp4.pipelines.resume import FolderInUse
 
     config = _config(preset, config_file, store, pushgateway)
     output = Path(output)
@@ -85,7 +86,7 @@ def run(preset, config_file, output, store, verbose, methods, pushgateway, resta
     )
     try:
         report = run_local(config, output, methods=methods, verbose=verbose, restart=restart)
-    except PipelineFailed as e:
+    except (PipelineFailed, FolderInUse) as e:
         raise click.ClickException(str(e)) from None
     except Interrupted as e:
         click.echo(f"{e}: the running component was stopped; rerun the same command to resume", err=True)
@@ -364,8 +365,10 @@ def presets():
 @main.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 def report(run_dir):
-    """Print the newest report of a run folder."""
-    found = sorted(Path(run_dir).glob("pipeline_root/*/report/markdown"), key=lambda p: p.stat().st_mtime)
+    """Print the newest report of a run folder (of a comparison, its side-by-side report)."""
+    root = Path(run_dir) / "pipeline_root"
+    reports = [*root.glob("*/report/markdown"), *root.glob("*/compare/markdown")]
+    found = sorted(reports, key=lambda p: p.stat().st_mtime)
     if not found:
         raise click.ClickException(f"no report under {run_dir}/pipeline_root")
     click.echo(found[-1].read_text())

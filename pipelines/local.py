@@ -277,9 +277,9 @@ def run_local(
     out = out or sys.stdout
     output = Path(output).resolve()
     output.mkdir(parents=True, exist_ok=True)
+    lock = resume.lock_folder(output)  # held until the run ends: two runs in one folder would share a run id
     config = localize(config, output)
-    request = config.model_dump_json() + repr(methods) + resume.code_digest()
-    run_id, resumed = resume.run_id(output, request, restart)
+    run_id, resumed = resume.run_id(output, resume.request(config, methods), restart)
     note = ", resumed: finished tasks are reused, not rerun" if resumed else ""
     print(f"run id {run_id}{note}", file=out, flush=True)
     if methods:
@@ -296,6 +296,7 @@ def run_local(
     stream = _Log(Path(log) if log else output / "pipeline.log", echo=out if verbose else None)
     stream.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} run id {run_id}{' (resumed)' if resumed else ''}\n")
     with contextlib.ExitStack() as stack:
+        stack.callback(lock.close)
         stack.callback(stream.file.close)
         stack.enter_context(_logging_to(stream))  # kfp.local's lines outside its own log contexts: cache hits, retries
         stack.enter_context(_stop_components_on_signals())

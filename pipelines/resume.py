@@ -16,6 +16,12 @@ read: the rerun runs it again into a fresh folder. The run folder holds:
   nothing recorded (kfp.local's key holds a component's own few lines, not
   the library code they call).
 - ``completed/``: kfp.local's cache entries, one JSON file per finished task.
+- ``.lock``: held (``flock``) by the run in the folder, with its pid: a second
+  run in the same folder stops at once instead of sharing the first one's run id.
+
+With ``model.checkpoint`` the request also holds the checkpoint's
+fingerprint (its manifest's hash): the same URI with other weights behind it
+is another run.
 
 kfp.local takes an output artifact without a file for a lost one (a miss),
 and a ``Metrics`` artifact lives in its metadata only: a component with a
@@ -26,15 +32,20 @@ new run the previous run's outputs); :func:`cache_every_task` turns it on in
 the local copy of the spec only.
 """
 
+import fcntl
 import hashlib
 import importlib
 import json
+import os
 import uuid
 from pathlib import Path
 
+from tracefp4.components.checkpoint import fingerprint
 from tracefp4.components.store import write_atomic
+from tracefp4.schemas import RunConfig
 
 RUN_FILE = "run.json"
+LOCK_FILE = ".lock"  # flock-ed by the run in the folder (lock_folder)
 COMPLETED = "completed"
 PACKAGES = ("tracefp4.kernels", "tracefp4.components", "tracefp4.pipelines", "tracefp4.schemas")
 
@@ -48,6 +59,38 @@ def code_digest() -> str:
             digest.update(f"{name}/{path.relative_to(root).as_posix()}\0".encode())
             digest.update(path.read_bytes())
     return digest.hexdigest()
+
+
+class FolderInUse(RuntimeError):
+    """Another run holds the run folder."""
+
+
+def request(config: RunConfig, methods: list[str] | None) -> str:
+    """What a run is asked to do, as :func:`run_id` compares it: the config,
+    the methods, the code (:func:`code_digest`) and, from a checkpoint, its
+    fingerprint: the same URI with other weights behind it is another run."""
+    asked = config.model_dump_json() + repr(methods) + code_digest()
+    return asked + (fingerprint(config.model.checkpoint) if config.model.checkpoint else "")
+
+
+def lock_folder(output: Path):
+    """The run folder's lock, taken at once or not at all: two runs in one folder
+    would resume the same run id and overwrite each other's guidance and log.
+    Held while the returned file is open; the holder's pid is in it."""
+    lock = open(Path(output) / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        holder = lock.read().strip() or "?"
+        lock.close()
+        raise FolderInUse(
+            f"{output} is in use by another run (pid {holder}); wait for it to end, or choose another --output"
+        ) from None
+    lock.truncate(0)
+    lock.write(f"{os.getpid()}\n")
+    lock.flush()
+    return lock
 
 
 def run_id(output: Path, request: str, restart: bool = False) -> tuple[str, bool]:

@@ -3,6 +3,7 @@ component), resuming a run folder, stopping the running component on a
 signal; then the CLI end to end: a failing component, a kill and a resume."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -10,10 +11,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from tracefp4.pipelines import resume
 from tracefp4.pipelines.local import _Log, failed_task, progress_state
 from tracefp4.pipelines.pipeline import build_comparison_pipeline, build_pipeline
-from tracefp4.schemas import get_preset
+from tracefp4.schemas import RunConfig, get_preset
 
 CLI = [sys.executable, "-m", "tracefp4.pipelines.cli"]
 
@@ -79,6 +82,33 @@ def test_a_run_folder_keeps_its_run_id_while_the_request_is_the_same(tmp_path):
     (tmp_path / resume.RUN_FILE).write_text("{not json")
     assert resume.run_id(tmp_path, "config B")[0] not in (first, changed, restarted)
     assert [p.name for p in tmp_path.iterdir()] == [resume.RUN_FILE]  # written through a renamed temporary file
+
+
+def test_a_checkpoint_with_other_weights_at_the_same_path_is_another_run(tmp_path):
+    """The request holds the checkpoint's fingerprint: re-bootstrapping into the same folder starts a new run."""
+    from tracefp4.components.checkpoint import save_model
+    from tracefp4.components.model import build_model
+
+    data = get_preset("smoke").model_dump()
+    data["model"] |= {"preset": None, "checkpoint": str(tmp_path / "base")}
+    config = RunConfig.model_validate(data)
+    save_model(build_model("smoke", seed=1), tmp_path / "base")
+    before = resume.request(config, None)
+    assert resume.request(config, None) == before
+    save_model(build_model("smoke", seed=2), tmp_path / "base")
+    assert resume.request(config, None) != before
+    (tmp_path / "base" / "checksums.json").unlink()  # without a manifest: the files' sizes and times
+    unverified = resume.request(config, None)
+    (tmp_path / "base" / "config.json").write_text((tmp_path / "base" / "config.json").read_text() + " ")
+    assert resume.request(config, None) != unverified
+
+
+def test_a_run_folder_takes_one_run_at_a_time(tmp_path):
+    lock = resume.lock_folder(tmp_path)
+    with pytest.raises(resume.FolderInUse, match=rf"{tmp_path} is in use by another run \(pid {os.getpid()}\)"):
+        resume.lock_folder(tmp_path)
+    lock.close()  # the run ended
+    resume.lock_folder(tmp_path).close()
 
 
 def test_the_code_digest_follows_the_code(tmp_path, monkeypatch):

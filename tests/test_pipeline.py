@@ -257,6 +257,8 @@ def test_comparison_pipeline_fans_out_over_methods(tmp_path):
     assert 'alt="Train-rollout log-prob |diff| per method"' in page
     reports = sorted(tmp_path.glob("pipeline_root/*/for-loop-*/report/markdown"))
     assert len(reports) == 2 and {"`bf16`" in r.read_text() for r in reports} == {True, False}  # each method's own
+    result = CliRunner().invoke(main, ["report", str(tmp_path)])  # a comparison folder's: the side-by-side one
+    assert result.exit_code == 0 and f"report: {report.with_name('page')}" in result.output, result.output
     store = open_store(localize(get_preset("smoke"), tmp_path).store.uri)
     keys = store.list("smoke/")
     assert any("/trace/guidance/" in k for k in keys) and not any(
