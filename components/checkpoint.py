@@ -471,10 +471,13 @@ def fingerprint(uri: str | os.PathLike) -> str:
     """A value that changes when the checkpoint at ``uri`` (a folder, ``file://``,
     ``s3://`` or ``minio://``) does, read without downloading its weights: the
     sha256 of its :data:`MANIFEST`, or, without one, of each file's name and
-    size with its modification time (a folder) or its ETag (a store)."""
+    size with its modification time (a folder) or its ETag (a store). A
+    folder that is not there has the fingerprint "absent" (loading it says so)."""
     text = os.fspath(uri)
     if "://" not in text or text.startswith("file://"):
         folder = fetch(text)
+        if not folder.is_dir():
+            return "absent"
         if (folder / MANIFEST).exists():
             return folder_digest(folder)
         files = sorted(f for f in folder.iterdir() if f.is_file())

@@ -75,6 +75,7 @@ def run(preset, config_file, output, store, verbose, methods, pushgateway, resta
     """Run the whole DAG on this machine (kfp.local), then print the results and the report's path.
 
     A rerun with the same config and output resumes: finished tasks are reused, not rerun."""
+    from tracefp4.components.store import StoreError
     from tracefp4.pipelines.local import Interrupted, PipelineFailed, run_local
     from tracefp4.pipelines.resume import FolderInUse
 
@@ -86,7 +87,7 @@ def run(preset, config_file, output, store, verbose, methods, pushgateway, resta
     )
     try:
         report = run_local(config, output, methods=methods, verbose=verbose, restart=restart)
-    except (PipelineFailed, FolderInUse) as e:
+    except (PipelineFailed, FolderInUse, StoreError) as e:  # a store: model.checkpoint's, fingerprinted first
         raise click.ClickException(str(e)) from None
     except Interrupted as e:
         click.echo(f"{e}: the running component was stopped; rerun the same command to resume", err=True)
