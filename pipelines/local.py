@@ -22,6 +22,7 @@ import os
 import re
 import signal
 import sys
+import textwrap
 import threading
 import time
 import warnings
@@ -42,17 +43,20 @@ EXECUTING = re.compile(r"Executing task '([^']+)'")
 FINISHED = re.compile(r"Task '([^']+)' finished with status (\w+)")
 CACHE_HIT = re.compile(r"Task \S+ cache hit")
 BOOTSTRAP = re.compile(r"bootstrap step (\d+)/(\d+)")
+LOOP_ITERATION = re.compile(r"for-loop-\d+-iteration-(\d+)")  # in the error kfp.local raises for a loop's task
 TAIL_LINES = 15
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class PipelineFailed(Exception):
-    """A component exited non-zero: which one, the last lines of its log, and the whole log's path."""
+    """A component exited non-zero: which one (and in a comparison, of which
+    method), the last lines of its log, and the whole log's path."""
 
-    def __init__(self, task: str, tail: list[str], log: Path):
-        self.task, self.tail, self.log = task, tail, log
+    def __init__(self, task: str, tail: list[str], log: Path, method: str | None = None):
+        self.task, self.tail, self.log, self.method = task, tail, log, method
         lines = "\n".join("  " + line for line in tail)
-        super().__init__(f"component {task} failed; the end of its log:\n{lines}\nfull log: {log}")
+        which = f"component {task}" + (f" of method {method}" if method else "")
+        super().__init__(f"{which} failed; the end of its log:\n{lines}\nfull log: {log}")
 
 
 class Interrupted(BaseException):
@@ -101,16 +105,28 @@ def progress_state(text: str) -> tuple[int, str | None, tuple[int, int] | None]:
 
 
 def failed_task(text: str) -> tuple[str, list[str]] | None:
-    """The last failed task of a run's log and the last lines of its own streamed log (kfp.local's lines left out)."""
+    """The first failed task of a run's log (the tasks running beside it are
+    stopped then, and fail too) and the last lines of its own streamed log
+    (kfp.local's lines left out)."""
     failures = [m for m in FINISHED.finditer(text) if m.group(2) != "SUCCESS"]
     if not failures:
         return None
-    task, end = failures[-1].group(1), failures[-1].start()
+    task, end = failures[0].group(1), failures[0].start()
     section = text[text.rfind(f"Executing task '{task}'", 0, end) : end]
-    streamed = [line[4:] for line in section.splitlines() if line.startswith("    ")]  # kfp indents them by 4
+    # kfp indents a component's lines by 4, and by 4 more inside a loop's iteration
+    streamed = textwrap.dedent("\n".join(line for line in section.splitlines() if line.startswith("    ")))
+    streamed = streamed.splitlines()
     while streamed and not streamed[-1].strip():
         streamed.pop()
     return task, _without_kfp_frames(streamed)[-TAIL_LINES:]
+
+
+def failed_method(error: str, methods: list[str] | None) -> str | None:
+    """The comparison's method whose task failed, from kfp.local's error, which
+    names the loop iterations it failed inside, innermost first: the last is
+    the methods' loop (a rollout worker's is inside it)."""
+    iterations = LOOP_ITERATION.findall(error)
+    return methods[int(iterations[-1])] if methods and iterations else None
 
 
 def _without_kfp_frames(lines: list[str]) -> list[str]:
@@ -239,22 +255,41 @@ def _stop(pids: list[int], grace: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def _stop_components_on_signals():
+def _stop_components(log: _Log):
     """SIGINT/SIGTERM: stop the processes started inside (the running
-    component), then raise :class:`Interrupted`; a second signal acts as it
-    did before."""
+    components), then raise :class:`Interrupted`; a second signal acts as it
+    did before. After the signal, or once a component failed (``log`` says
+    so), stop whatever starts until the block ends: kfp.local runs a loop's
+    iterations (a comparison's methods, rollout workers) two at a time and
+    starts the queued ones before it raises."""
     before = set(_descendants(os.getpid()))
+    stopping, ended = threading.Event(), threading.Event()
+
+    def started() -> list[int]:
+        return [p for p in _descendants(os.getpid()) if p not in before]
+
+    def stop_what_starts():
+        while not ended.wait(0.5):
+            if not stopping.is_set() and any(m.group(2) != "SUCCESS" for m in FINISHED.finditer(log.text())):
+                stopping.set()
+            if stopping.is_set():
+                _stop(started())
 
     def handler(signum, frame):
         for s, h in previous.items():
             signal.signal(s, h)
-        _stop([p for p in _descendants(os.getpid()) if p not in before])
+        stopping.set()
+        _stop(started())
         raise Interrupted(signum)
 
     previous = {s: signal.signal(s, handler) for s in SIGNALS}
+    watcher = threading.Thread(target=stop_what_starts, daemon=True)
+    watcher.start()
     try:
         yield
     finally:
+        ended.set()
+        watcher.join()
         for s, h in previous.items():
             signal.signal(s, h)
 
@@ -299,7 +334,7 @@ def run_local(
         stack.callback(lock.close)
         stack.callback(stream.file.close)
         stack.enter_context(_logging_to(stream))  # kfp.local's lines outside its own log contexts: cache hits, retries
-        stack.enter_context(_stop_components_on_signals())
+        stack.enter_context(_stop_components(stream))
         if not verbose:
             progress = _Progress(stream, task_count(config, methods), out)
             progress.start()
@@ -314,11 +349,11 @@ def run_local(
         except Interrupted as e:
             stream.write(f"==== {e}\n")
             raise
-        except RuntimeError:
+        except RuntimeError as e:
             failure = failed_task(stream.text())
             if failure is None:
                 raise
-            raise PipelineFailed(*failure, stream.path) from None
+            raise PipelineFailed(*failure, stream.path, failed_method(str(e), methods)) from None
     failures = stream.text().count(PUBLISH_FAILED)
     if failures:
         print(f"warning: {failures} metrics write(s)/push(es) failed (grep '{PUBLISH_FAILED}' {stream.path})", file=out)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tracefp4.pipelines import resume
-from tracefp4.pipelines.local import _Log, failed_task, progress_state
+from tracefp4.pipelines.local import _Log, failed_method, failed_task, progress_state
 from tracefp4.pipelines.pipeline import build_comparison_pipeline, build_pipeline
 from tracefp4.schemas import RunConfig, get_preset
 
@@ -59,6 +59,20 @@ def test_a_failure_names_the_component_and_keeps_its_own_error_without_kfp_frame
     assert 'File "/work/main/components/steps.py", line 9, in train' in "\n".join(tail)
     assert not [line for line in tail if "kfp" in line or "executor" in line or "INFO" in line]
     assert failed_task(LOG.replace("FAILURE", "SUCCESS")) is None
+
+
+def test_a_comparisons_failure_is_its_first_failed_task_and_names_the_method():
+    """In a loop kfp.local indents a component's lines by 8, and the failure stops the branch beside it, whose
+    task then fails too: the first failure is the one to report, of the method kfp.local's error names (its
+    loops innermost first: a rollout worker's inside the methods')."""
+    indented = LOG.replace("\n    ", "\n        ")
+    killed = "10:00:03.000 - INFO - Executing task 'rollout'\n"
+    killed += "10:00:04.000 - ERROR - Task 'rollout' finished with status FAILURE\n"
+    task, tail = failed_task(indented + killed)
+    assert task == "train" and tail == failed_task(LOG)[1]
+    error = "Pipeline 'x' finished with status FAILURE. Inner task failed: 'rollout' inside 'for-loop-4-iteration-1'"
+    assert failed_method(error + " inside 'for-loop-2-iteration-0'.", ["trace", "qat"]) == "trace"
+    assert failed_method(error + ".", None) is None  # a run's own rollout workers: no method to name
 
 
 def test_the_log_file_gets_no_colour_codes_and_keeps_earlier_attempts(tmp_path):
@@ -157,9 +171,9 @@ def test_a_signal_to_the_runner_stops_the_component_it_started(tmp_path):
     script.write_text(
         textwrap.dedent(f"""
         import subprocess, sys
-        from tracefp4.pipelines.local import Interrupted, _stop_components_on_signals
+        from tracefp4.pipelines.local import Interrupted, _Log, _stop_components
         try:
-            with _stop_components_on_signals():
+            with _stop_components(_Log({str(tmp_path / "log")!r})):
                 subprocess.run(["sh", "-c", "{sys.executable} {component}; echo still here"])
         except Interrupted as e:
             sys.exit(128 + e.signum)
@@ -173,6 +187,37 @@ def test_a_signal_to_the_runner_stops_the_component_it_started(tmp_path):
     runner.send_signal(signal.SIGTERM)
     assert runner.wait(timeout=30) == 128 + signal.SIGTERM
     assert not _running(grandchild)
+
+
+def test_after_a_signal_the_components_a_loop_starts_later_are_stopped_too(tmp_path):
+    """kfp.local runs a loop's iterations in a thread pool and, interrupted, still starts the queued ones (its
+    pool's shutdown waits for them) before it raises: they are stopped as they start, so that the runner ends."""
+    started = tmp_path / "started"
+    component = f"import time; open({str(started)!r}, 'a').write('x'); time.sleep(120)"
+    script = tmp_path / "runner.py"
+    script.write_text(
+        textwrap.dedent(f"""
+        import concurrent.futures, subprocess, sys
+        from tracefp4.pipelines.local import Interrupted, _Log, _stop_components
+
+        def iteration():
+            subprocess.run([sys.executable, "-c", {component!r}])
+
+        try:
+            with _stop_components(_Log({str(tmp_path / "log")!r})):
+                with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:  # the second one queued
+                    concurrent.futures.wait([pool.submit(iteration) for _ in range(2)])
+        except Interrupted as e:
+            sys.exit(128 + e.signum)
+    """)
+    )
+    runner = subprocess.Popen([sys.executable, str(script)])
+    deadline = time.monotonic() + 60
+    while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    runner.send_signal(signal.SIGTERM)
+    assert runner.wait(timeout=30) == 128 + signal.SIGTERM
+    assert started.read_text() == "xx"  # the queued iteration started, and was stopped
 
 
 def _running(pid: int) -> bool:
