@@ -16,6 +16,7 @@ Nothing silent, nothing lost:
   (:mod:`.resume`).
 """
 
+import builtins
 import contextlib
 import logging
 import os
@@ -198,7 +199,8 @@ class _Progress(threading.Thread):
         if key != self.last:
             self.last = key
             line = f"pipeline: {done}/{self.total} tasks" + (f", running {detail}" if running else "")
-            print(line, file=self.out, flush=True)
+            self.out.write(line + "\n")  # not print: kfp.local indents print's lines while a component runs
+            self.out.flush()
 
 
 @contextlib.contextmanager
@@ -332,6 +334,9 @@ def run_local(
     stream.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} run id {run_id}{' (resumed)' if resumed else ''}\n")
     with contextlib.ExitStack() as stack:
         stack.callback(lock.close)
+        # kfp.local indents print's lines while a component runs (builtins.print swapped for a wrapper); two loop
+        # iterations at once restore each other's wrapper, one of which stays
+        stack.callback(setattr, builtins, "print", builtins.print)
         stack.callback(stream.file.close)
         stack.enter_context(_logging_to(stream))  # kfp.local's lines outside its own log contexts: cache hits, retries
         stack.enter_context(_stop_components(stream))

@@ -1,6 +1,7 @@
 """The Kubeflow pipeline: the smoke preset runs the whole DAG through
 kfp.local; the compiled YAML names every component and parameter; the CLI."""
 
+import builtins
 import json
 import time
 
@@ -248,7 +249,9 @@ def test_cli_report_of_a_run(smoke_run):
 
 
 def test_comparison_pipeline_fans_out_over_methods(tmp_path):
+    unpatched = builtins.print
     report = run_local(get_preset("smoke"), tmp_path, tmp_path / "log", methods=["trace", "bf16"])
+    assert builtins.print is unpatched  # kfp.local's indenting wrapper, left by two branches at once, is gone
     text = report.read_text()
     assert "# tracefp4 comparison `smoke`" in text
     assert "| bf16 | trained | bf16 |" in text and "| trace | trained | fp4_wa_kv |" in text
