@@ -77,7 +77,9 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
             score("initial", start_model, name, quant)
         if name == "bf16":
             continue
-        for label, ptq_model in ptq.items():  # PTQ weights as they are; activations and KV as the config quantizes them
+        # PTQ weights (NVFP4) as they are, activations and KV as the config quantizes them: only under a config
+        # whose own weights are NVFP4, so that a row compares the trained policy with PTQ at the same weight format
+        for label, ptq_model in ptq.items() if quant.weights == "nvfp4" else ():
             score(f"ptq:{label}", ptq_model, name, replace(quant, weights=None))
         if analysed:
             analysis = _discrepancy(

@@ -348,12 +348,13 @@ def test_evaluation_of_a_bf16_run_holds_ptq_baselines_discrepancy_and_sensitivit
 
     overrides = {"method": "bf16", "model.dtype": "bfloat16", "seed": 3}
     config = localize(load_config(None, preset="smoke", overrides=overrides), tmp_path)
+    config.evaluation.rollout_configs = ["bf16", "fp4_wa_kv", "fp4_kv"]  # fp4_kv's weights stay BF16: no PTQ rows
     steps.prepare(config, tmp_path / "policy")
     calibrated, ptq_models = [], evaluation._ptq_models
     monkeypatch.setattr(
         evaluation, "_ptq_models", lambda c, m, prompts: calibrated.extend(prompts) or ptq_models(c, m, prompts)
     )
-    seeds, engine, cold_start = [], evaluation.TorchEngine, 1.0
+    seeds, engine, cold_start = [], evaluation.TorchEngine, 2.0
 
     def cold_engine(*a, **kw):  # whose first call pays a one-time cost, as Triton compilation does on a GPU
         seeds.append(kw.get("calibration_seed"))
@@ -377,14 +378,14 @@ def test_evaluation_of_a_bf16_run_holds_ptq_baselines_discrepancy_and_sensitivit
         test
     )  # H-Scale never sees the test
     policies = {(r["policy"], r["rollout"]) for r in result["accuracy"]}
-    assert policies == {("trained", "bf16"), ("trained", "fp4_wa_kv")} | {
+    assert policies == {("trained", "bf16"), ("trained", "fp4_wa_kv"), ("trained", "fp4_kv")} | {
         (f"ptq:{m}", "fp4_wa_kv") for m in ("nvfp4", "four_over_six", "h_scale")
     }
-    assert [t["rollout"] for t in result["throughput"]] == ["bf16", "fp4_wa_kv"] and all(
+    assert [t["rollout"] for t in result["throughput"]] == ["bf16", "fp4_wa_kv", "fp4_kv"] and all(
         0 < t["seconds"] < cold_start and t["tokens_per_second"] > 0 for t in result["throughput"]
-    )  # timed on a warm engine
+    ), result["throughput"]  # timed on a warm engine
     assert result["hardware"]["device"] == "cpu" and result["hardware"]["cpu_bf16"] in ("native", "emulated")
-    (d,) = result["discrepancy"]
+    d = result["discrepancy"][0]
     assert d["rollout"] == "fp4_wa_kv" and d["logprob_abs_diff_mean"] > 0  # BF16 training against an FP4 rollout
     assert d["code_mismatch"] is None and not d["codeword_diff_hist"]  # a bf16 training path rounds nothing
     by_bits = {(r["bits"], r["layers"]): r for r in result["guidance_sensitivity"]}
