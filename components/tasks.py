@@ -72,10 +72,10 @@ def _answer_text(response: str) -> str:
         return ""
     _, thought, answer = response.rpartition(THINK_END)
     if thought:
-        response = answer.lstrip()
+        response = answer
     elif THINK_START in response:
         return ""
-    return response.partition(END)[0].strip()
+    return response.lstrip().partition(END)[0].strip()  # a chat policy may open its answer with a newline
 
 
 class _Generated(ABC):

@@ -49,6 +49,7 @@ def test_reference_answers_earn_full_reward(problems, name, difficulty):
         assert task.reward(problem, problem.answer) == 1.0
         assert task.reward(problem, problem.answer + END) == 1.0
         assert task.reward(problem, f"  {problem.answer}\nwhatever follows") == 1.0
+        assert task.reward(problem, f"\n{problem.answer}") == 1.0  # a chat policy's answer on its own line
         # a thinking policy (Qwen3, Qwen3.5 chat templates): the answer after its reasoning; Qwen3.5's prompt opens it
         assert task.reward(problem, f"<think>\nfirst this\n{END}</think>\n\n{problem.answer}{END}") == 1.0
         assert task.reward(problem, f"first this\n</think>\n\n{problem.answer}") == 1.0
