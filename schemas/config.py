@@ -402,6 +402,15 @@ class BootstrapConfig(_Section):
     )
 
     @model_validator(mode="after")
+    def _warmup_ends(self) -> "BootstrapConfig":
+        if self.enabled and self.warmup >= self.steps:
+            raise ValueError(
+                f"warmup {self.warmup} must be fewer than steps {self.steps}: the learning rate would never reach "
+                "its peak nor decay"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _target_is_checked(self) -> "BootstrapConfig":
         if self.target_accuracy is not None and not 0 < self.eval_every < self.steps:
             raise ValueError(
@@ -620,6 +629,13 @@ class RunConfig(_Section):
                 f"rl.steps_per_round 1 (got {self.rl.steps_per_round}) and rl.grad_accumulation 0 "
                 f"(got {self.rl.grad_accumulation}); use off_policy for more"
             )
+        names = [t.name for t in self.tasks]
+        problems += [
+            f"tasks.{i}.name: {name} is listed twice; evaluation and the splits keep tasks apart by name "
+            "(two difficulties of one task would share its test prompts and leak training ones)"
+            for i, name in enumerate(names)
+            if name in names[:i]
+        ]
         share = -(-self.evaluation.test_prompts // len(self.tasks))  # every task's share of the test prompts
         problems += [
             f"tasks.{i}.test_size: {t.test_size} held-out {t.name} prompts, but evaluation.test_prompts "
@@ -646,6 +662,7 @@ class RunConfig(_Section):
                 f"got {self.guidance.bits}"
             )
         problems += self._activation_scale_problems()
+        problems += self._fp4_problems()
         if self.rl.measure_mismatch and self.guidance.compaction != "offline":
             problems.append("rl.measure_mismatch: needs the rollout's full capture, so guidance.compaction offline")
         if self.model.preset is not None:  # a checkpoint's layers are checked when prepare reads its config
@@ -655,6 +672,38 @@ class RunConfig(_Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _fp4_problems(self) -> list[str]:
+        """What needs FP4 sites the rollout lacks, and a capture buffer that
+        cannot hold one prompt: each would run and then fail, or do nothing."""
+        problems, fmt = [], self.rollout.fmt
+        rollout = quant.rollout_config(self.rollout.config, fmt)
+        if self.method in ("qat", "tis_sc") and self.rollout.config == "bf16":
+            problems.append(
+                f"method: {self.method} trains against an FP4 rollout; rollout.config bf16 has none (the run would "
+                "train as method bf16 does)"
+            )
+        if self.method == "quads" and rollout.weights is None:
+            problems.append(
+                f"method: quads fake-quantizes the routed experts' FP4 weights; rollout.config {self.rollout.config} "
+                "keeps them BF16"
+            )
+        if self.rl.measure_mismatch and self.rollout.config == "bf16":
+            problems.append("rl.measure_mismatch: compares FP4 codes; rollout.config bf16 records none")
+        longest = self.model.max_seq_len - self.rollout.max_new_tokens  # the longest prompt a run lets through
+        if self.rollout.max_tokens_per_forward < longest:
+            problems.append(
+                f"rollout.max_tokens_per_forward: {self.rollout.max_tokens_per_forward} token rows, but a forward "
+                f"takes a whole prompt, of up to {longest} tokens (model.max_seq_len - rollout.max_new_tokens)"
+            )
+        nvfp4_weights = [n for n in self.evaluation.rollout_configs if quant.rollout_config(n, fmt).weights == "nvfp4"]
+        if self.method == "bf16" and self.evaluation.ptq_baselines and not nvfp4_weights:
+            problems.append(
+                "evaluation.ptq_baselines: scored under the evaluation's configs with NVFP4 weights, and "
+                f"evaluation.rollout_configs {self.evaluation.rollout_configs} in rollout.fmt {fmt} has none; "
+                "set it to []"
+            )
+        return problems
 
     def _activation_scale_problems(self) -> list[str]:
         """Per-token global scales are NVFP4's, of FP4 activations, and the syndrome codec carries static ones only."""

@@ -153,6 +153,21 @@ def test_a_kl_penalty_that_would_be_zero_is_refused():
         ({"guidance.prefetch_microbatches": 0}, "guidance.prefetch_microbatches"),  # a queue of 0 is unbounded
         ({"bootstrap": {"target_accuracy": 0.5, "eval_every": 0}}, "bootstrap"),  # a target never checked
         ({"bootstrap": {"target_accuracy": 0.5, "eval_every": 300, "steps": 300}}, "bootstrap"),
+        ({"bootstrap": {"enabled": True, "steps": 10}}, "bootstrap"),  # warmup 30: never at the peak
+        ({"method": "qat", "rollout": {"config": "bf16"}}, "method"),  # nothing to fake-quantize against
+        ({"method": "quads", "rollout": {"config": "fp4_kv"}}, "method"),  # BF16 weights
+        (
+            {
+                "method": "bf16",
+                "rollout": {"config": "bf16"},
+                "rl": {"measure_mismatch": True},
+                "guidance": {"compaction": "offline"},
+            },
+            "rl.measure_mismatch",
+        ),
+        ({"rollout.max_tokens_per_forward": 4}, "rollout.max_tokens_per_forward"),  # no prompt fits a forward
+        ({"method": "bf16", "rollout": {"fmt": "mxfp4"}}, "evaluation.ptq_baselines"),  # NVFP4 PTQ, scored nowhere
+        ({"tasks": [{"name": "arithmetic"}, {"name": "arithmetic", "difficulty": 2}]}, "tasks.1.name"),
     ],
 )
 def test_values_that_would_run_without_effect_are_refused(overrides, path):
