@@ -461,6 +461,25 @@ class S3Store(ArtifactStore):
         self._call("delete", key, lambda: self._client.remove_object(self.bucket, name))  # S3: missing is no error
 
 
+def parse_s3_uri(uri: str) -> tuple[str, str]:
+    """The bucket and prefix of ``s3://bucket/prefix`` (or ``minio://``),
+    checked as an S3 store needs them, without connecting (the run config
+    validates a store URI with it): no credentials, query or fragment, a
+    valid bucket name, a prefix of valid key segments."""
+    parts = urlsplit(uri)
+    if "@" in parts.netloc:  # do not echo the URI: it may hold credentials
+        raise ValueError("store URIs must not carry credentials; set TRACEFP4_S3_ACCESS_KEY/_SECRET_KEY")
+    if not parts.netloc or parts.query or parts.fragment:
+        raise ValueError(f"bad store URI {uri!r}: use {parts.scheme}://bucket/optional/prefix")
+    prefix = parts.path.strip("/")
+    try:
+        check_key(prefix, allow_empty=True)
+        check_bucket_name(parts.netloc)
+    except ValueError as e:
+        raise ValueError(f"bad store URI {uri!r}: {e}") from None
+    return parts.netloc, prefix
+
+
 def open_store(
     uri: str,
     *,
@@ -485,17 +504,9 @@ def open_store(
             raise ValueError(f"bad store URI {uri!r}: use file:///absolute/path")
         return LocalStore(parts.path)
     if parts.scheme in ("s3", "minio"):
-        if "@" in parts.netloc:  # do not echo the URI: it may hold credentials
-            raise ValueError("store URIs must not carry credentials; set TRACEFP4_S3_ACCESS_KEY/_SECRET_KEY")
-        if not parts.netloc or parts.query or parts.fragment:
-            raise ValueError(f"bad store URI {uri!r}: use {parts.scheme}://bucket/optional/prefix")
-        prefix = parts.path.strip("/")
-        try:
-            check_key(prefix, allow_empty=True)
-        except ValueError as e:
-            raise ValueError(f"bad store URI {uri!r}: {e}") from None
+        bucket, prefix = parse_s3_uri(uri)
         return S3Store(
-            parts.netloc,
+            bucket,
             prefix,
             scheme=parts.scheme,
             env=env,

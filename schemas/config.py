@@ -31,6 +31,7 @@ from pydantic_core import PydanticCustomError
 
 from tracefp4.components import model, precision, ptq, qat, quant, tasks
 from tracefp4.components.device import DEVICE_PATTERN
+from tracefp4.components.store import parse_s3_uri
 
 ModelPreset = Literal[tuple(model.PRESETS)]
 RolloutConfigName = Literal[quant.ROLLOUT_CONFIGS]
@@ -99,12 +100,16 @@ LayerSelection = Annotated[
 
 
 def _check_store_uri(uri: str) -> str:
-    """The schemes `components/store.py:open_store` serves, and no credentials in the URI."""
+    """The schemes `components/store.py:open_store` serves; an S3 URI as its
+    store reads it (:func:`~tracefp4.components.store.parse_s3_uri`)."""
     scheme, sep, rest = uri.partition("://")
     if not sep or scheme not in ("file", "s3", "minio") or not rest or re.search(r"\s", uri):
         raise PydanticCustomError("store_uri", "must start with file://, s3:// or minio:// followed by a location")
-    if scheme != "file" and "@" in rest.split("/", 1)[0]:  # never echo it: it may hold a secret
-        raise PydanticCustomError("store_uri", "must not carry credentials; set TRACEFP4_S3_ACCESS_KEY/_SECRET_KEY")
+    if scheme != "file":
+        try:
+            parse_s3_uri(uri)  # as the store will read it (its message never echoes credentials)
+        except ValueError as e:
+            raise PydanticCustomError("store_uri", "{problem}", {"problem": str(e)}) from None
     return uri
 
 

@@ -163,7 +163,7 @@ def test_bad_uris(tmp_path):
         open_store("s3://b/a/../c", env={})
     with pytest.raises(ValueError, match="s3://bucket"):
         open_store("s3:///only-prefix", env={})
-    with pytest.raises(ValueError, match="bad bucket name"):
+    with pytest.raises(ValueError, match="bad store URI 's3://x/p': invalid bucket name x"):
         open_store("s3://x/p", env={})
     with pytest.raises(ValueError) as info:
         open_store("s3://AKIA:hunter2@bucket/p", env={})
