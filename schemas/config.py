@@ -190,7 +190,9 @@ class RolloutConfig(_Section):
         "per_token, one per token row, amax(row) / (6 * 448) at run time (FlashInfer's per-token NVFP4, SGLang "
         "nvfp4_online). Training reproduces it: RTN from its own rows, trace from the rollout's captured scales. "
         "Needs NVFP4 activations (rollout.fmt nvfp4, a config with FP4 activations) and guidance.codec bits. "
-        "Weights and the KV cache keep static scales.",
+        "Weights and the KV cache keep static scales. A pipeline refuses per_token when it is built: its final "
+        "export cannot express it (compressed-tensors keeps one input global scale per module); the steps and "
+        "benchmarks/repro.py run it.",
     )
     quads_compensated_channels: int = Field(
         default=8,
