@@ -171,11 +171,24 @@ def command_of(args) -> str:
     )
 
 
+def settings(config: RunConfig) -> dict:
+    """What a run's results depend on beside its seed: the config without its seed, store and metrics."""
+    return json.loads(config.model_dump_json(exclude={"seed", "store", "metrics"}))
+
+
 def run(args) -> dict:
     levers = {k: getattr(args, k) for k in SFT}
     make = quick_config if args.quick else lambda seed, rounds: science_config(seed, rounds, **levers)
     data = json.loads(args.output.read_text()) if args.output.exists() else {"runs": []}
+    if "config" in data and {**data["config"], "seed": None} != {**settings(make(0, args.rounds)), "seed": None}:
+        changed = sorted(k for k, v in settings(make(0, args.rounds)).items() if data["config"].get(k) != v)
+        raise SystemExit(
+            f"{args.output} holds runs made with other settings ({', '.join(changed)} differ), which a resumed "
+            f"run would pool with this one's: resume with their command ({data['command']}), or choose another "
+            "--output"
+        )
     data["command"] = command_of(args)
+    data.setdefault("config", settings(make(0, args.rounds)))  # every seed's, the seed aside
     done = {(r["seed"], r["method"]) for r in data["runs"]}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):
@@ -183,7 +196,6 @@ def run(args) -> dict:
                 continue
             config = make(seed, args.rounds)
             config.store.uri = (Path(tmp) / "store").as_uri()  # guidance and captures: scratch, like the policies
-            data.setdefault("config", json.loads(config.model_dump_json(exclude={"store", "metrics"})))
             base, base_state = Path(tmp) / f"seed-{seed}" / "base", Path(tmp) / f"seed-{seed}" / "base-state"
             start = time.perf_counter()
             bootstrap = steps.prepare(config, base, run_name(config), base_state)  # once per seed, for every method

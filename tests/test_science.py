@@ -139,6 +139,19 @@ def test_bootstrap_probe_names_its_levers_and_renders_a_results_section():
     assert "and 20000 countdown problems at difficulty 2" in section["markdown"]
 
 
+def test_a_resumed_run_with_other_settings_is_refused_before_any_work(tmp_path):
+    """Finished (seed, method) runs are skipped on a resume: with other settings they would be pooled with the new
+    ones under the new command."""
+    output = tmp_path / "science.json"
+    recorded = science.settings(science.quick_config(0, 2))  # two rounds; --quick runs one
+    output.write_text(json.dumps({"runs": [], "config": recorded, "command": "python benchmarks/science.py --x"}))
+    command = [sys.executable, "benchmarks/science.py", "--quick", "--output", str(output)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1 and "holds runs made with other settings (rl differ)" in done.stderr
+    assert "resume with their command (python benchmarks/science.py --x)" in done.stderr
+    assert "seed 0" not in done.stdout
+
+
 def test_bootstrap_probe_refuses_the_science_runs_output():
     command = [sys.executable, "benchmarks/science.py", "--bootstrap-only"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
