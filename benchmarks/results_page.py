@@ -593,9 +593,9 @@ def render(folder: Path) -> str:
         "(reasoning RL, average of LiveCodeBench, AIME24, AIME25, HMMT25; Wang et al. 2026, "
         '"Rollout-Guided Quantization-Aware Training for FP4 Reinforcement Learning of MoE Language Models").',
         "",
-        "Verdicts: **holds** (the 95% interval is on the claimed side), **does not hold at this scale** (the "
-        "interval is on the other side), **not separable at this scale** (the interval contains 0, or the "
-        "claim's threshold).",
+        "Verdicts: **holds** (the 95% interval is on the claimed side; for a >= claim, above -1 point, no "
+        "worse; for close, within 1 point either way), **does not hold at this scale** (the interval is on the "
+        "other side), **not separable at this scale** (the interval contains 0, or the claim's threshold).",
         "",
         "Which engine: section 1 was measured before commit b41416d made the rollout's attention the same SDPA "
         "call as training's (decode attention ran as two matmuls around a softmax of bf16-rounded scores), every "

@@ -356,6 +356,8 @@ def claims(data: dict) -> list[dict]:
             verdict = f"too few prompts ({d['pairs']} < {MIN_PAIRS})"
         elif kind == "~":
             verdict = "holds" if -CLOSE <= low and high <= CLOSE else NOT_SEPARABLE if low <= 0 <= high else NOT_HELD
+        elif kind == ">=":  # no worse: the interval above -CLOSE (non-inferiority), worse: below 0
+            verdict = "holds" if low > -CLOSE else NOT_HELD if high < 0 else NOT_SEPARABLE
         else:
             verdict = verdict_of(d["ci95"], ">")
         out.append({"claim": claim, "paper": paper, **d, "verdict": verdict})

@@ -63,6 +63,19 @@ def test_verdicts_follow_the_paired_intervals(tmp_path):
     assert {p.name for p in tmp_path.glob("*.png")} == {"science-logprob_abs_diff_mean.png", "science-accuracy.png"}
 
 
+def test_a_no_worse_claim_holds_on_a_tie():
+    """A >= claim is non-inferiority (the interval above -1 point): TRACE scoring as TIS + score centering holds it,
+    where a > claim would call it not separable."""
+    tie = synthetic(300)
+    trace = {r["seed"]: r["accuracy"] for r in tie["runs"] if r["method"] == "trace"}
+    for run in tie["runs"]:
+        if run["method"] == "tis_sc":
+            run["accuracy"] = trace[run["seed"]]
+    verdicts = {c["claim"]: c for c in science.claims(tie)}
+    assert verdicts["TRACE >= TIS + score centering"]["ci95"] == [0.0, 0.0]
+    assert verdicts["TRACE >= TIS + score centering"]["verdict"] == "holds"
+
+
 def test_too_few_prompts_give_no_verdict():
     assert {c["verdict"] for c in science.claims(synthetic(20))} == {"too few prompts (40 < 100)"}
 
