@@ -434,7 +434,7 @@ def plot(data: dict, folder: Path) -> list[Path]:
     paths = []
     for key, label, log in (
         ("logprob_abs_diff_mean", "train-rollout |logprob diff|", True),
-        ("accuracy", "accuracy", False),
+        ("accuracy", "train accuracy (sampled rollouts)", False),
     ):
         fig, ax = plt.subplots(figsize=(7, 4))
         for method in METHODS:

@@ -343,7 +343,10 @@ def _step_blocks(history: list[dict], source: str) -> list:
         return ["No RL steps recorded."]
     x = _steps(history)
     diffs = [Series(label, x, _col(history, key)) for label, key in DIFF_SERIES]
-    rewards = [Series("reward mean", x, _col(history, "reward_mean")), Series("accuracy", x, _col(history, "accuracy"))]
+    rewards = [
+        Series("reward mean", x, _col(history, "reward_mean")),
+        Series("train accuracy (sampled)", x, _col(history, "accuracy")),
+    ]
     return [
         _table(history, STEP_COLUMNS, source, keep=2),
         _plot("Train-rollout log-prob |diff|", "RL step", "|logprob diff|", diffs, source),
@@ -512,7 +515,7 @@ def _comparison_blocks(config: RunConfig, evaluations: list[dict], histories: li
         {
             "method": m,
             "steps": len(h),
-            "accuracy (last)": _last(h, "accuracy"),
+            "train accuracy (last, sampled)": _last(h, "accuracy"),
             "reward_mean (last)": _last(h, "reward_mean"),
             "logprob |diff| mean (last)": _last(h, "logprob_abs_diff_mean"),
             "logprob |diff| max (all steps)": _max(h, "logprob_abs_diff_max"),
@@ -545,7 +548,7 @@ def _comparison_blocks(config: RunConfig, evaluations: list[dict], histories: li
             logy=True,
             note="Line: mean |diff| per step; band: min to max.",
         ),
-        _plot("Accuracy per method", "RL step", "accuracy", lines("accuracy"), source),
+        _plot("Train accuracy per method", "RL step", "train accuracy (sampled)", lines("accuracy"), source),
         _plot("Reward per method", "RL step", "reward mean", lines("reward_mean"), source),
     ]
     return [b for b in blocks if b is not None]

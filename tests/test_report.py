@@ -431,13 +431,17 @@ def test_comparison_has_one_row_per_method_policy_and_one_line_per_method(trace_
         ["bf16", "fp4_wa_kv", "32", "-", "0.05", "1.2", "0.004"],
     ]
     training = rows(section(text, "Training per method"))
-    assert training[0][:4] == ["method", "steps", "accuracy (last)", "reward_mean (last)"]
+    assert training[0][:4] == ["method", "steps", "train accuracy (last, sampled)", "reward_mean (last)"]
     assert training[1][:2] == ["trace", "4"] and training[1][4:6] == ["0.028", "0.9"]
     assert training[2][:2] == ["bf16", "4"] and training[2][4:6] == ["0.056", "1.5"]  # drifted: 0.75 x 2 > 0.9
     assert "Source: run `smoke`: methods `trace`, `bf16`" in text
 
     page = Page(report.comparison_html(TRACE, evaluations, histories))
-    assert png_alts(page) == {"Train-rollout log-prob |diff| per method", "Accuracy per method", "Reward per method"}
+    assert png_alts(page) == {
+        "Train-rollout log-prob |diff| per method",
+        "Train accuracy per method",
+        "Reward per method",
+    }
     assert not [link for link in page.links if "http" in link]
     diff_caption = next(c for c in page.captions if c.startswith("Train-rollout log-prob |diff| per method."))
     assert "Series: trace, bf16." in diff_caption and "methods trace, bf16" in diff_caption  # one line per method
