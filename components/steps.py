@@ -111,8 +111,15 @@ def problems(config: RunConfig) -> tuple[list[Problem], list[Problem]]:
 
 
 def task_splits(config: RunConfig) -> list[tuple[list[Problem], list[Problem]]]:
-    """Each task's train and test problems (seeded)."""
-    return [split(t.name, t.train_size, t.test_size, config.seed, t.difficulty) for t in config.tasks]
+    """Each task's train and test problems (seeded). A task without as many
+    distinct problems is an error naming its entry in ``tasks``."""
+    splits = []
+    for i, t in enumerate(config.tasks):
+        try:
+            splits.append(split(t.name, t.train_size, t.test_size, config.seed, t.difficulty))
+        except ValueError as e:
+            raise ValueError(f"tasks.{i}: train_size {t.train_size} + test_size {t.test_size}: {e}") from None
+    return splits
 
 
 def training_problems(config: RunConfig, round_index: int, n: int) -> list[Problem]:

@@ -246,3 +246,13 @@ def test_every_character_fits_the_smoke_vocabulary(problems, name):
                 ids = tok.encode(text)
                 assert UNK not in ids and max(ids) < 256 and len(ids) == len(text)
                 assert tok.decode(ids) == text
+
+
+def test_a_task_without_enough_distinct_problems_names_its_entry():
+    from tracefp4.components.steps import task_splits
+    from tracefp4.schemas import load_config
+
+    tasks = [{"name": "countdown", "train_size": 8, "test_size": 16}, {"name": "arithmetic", "train_size": 400}]
+    config = load_config(None, overrides={"tasks": tasks})  # arithmetic at difficulty 1 has 300 problems
+    with pytest.raises(ValueError, match=r"tasks.1: train_size 400 \+ test_size \d+: arithmetic at difficulty 1 has"):
+        task_splits(config)
