@@ -437,7 +437,11 @@ class EvaluationConfig(_Section):
     )
     samples_per_prompt: int = Field(default=4, ge=1, le=1024, description="k of mean@k: samples per test prompt.")
     test_prompts: int = Field(
-        default=32, ge=1, le=1_000_000, description="Test prompts per evaluation (drawn from the tasks)."
+        default=32,
+        ge=1,
+        le=1_000_000,
+        description="Test prompts per evaluation, as many of each task (so rounded up to a multiple of the "
+        "number of tasks).",
     )
     ptq_baselines: list[PTQMethod] = Field(
         default_factory=lambda: ["nvfp4", "four_over_six", "h_scale"],
