@@ -271,8 +271,11 @@ class QuantSites:
             self.recorder.record(layer, site, x, qt, token, slot, expert)
         values = dequantize(qt).to(x.dtype)
         if self.q.compensated_channels and x.shape[0]:
-            worst = (x - values).abs().float().mean(0).topk(min(self.q.compensated_channels, x.shape[1])).indices
-            values[:, worst] = x[:, worst]  # the residual goes back in for the highest-error channels
+            # each row's own highest-error channels get their residual back: no other row of the forward (another
+            # request, padding, a finished row) changes a row's values
+            error = (x.float() - values.float()).abs()
+            worst = error.topk(min(self.q.compensated_channels, x.shape[-1]), dim=-1).indices
+            values.scatter_(-1, worst, x.gather(-1, worst))
         return values
 
     def moe_in(self, layer, x):

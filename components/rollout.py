@@ -362,7 +362,7 @@ class TorchEngine:
         the call (a batch split over rollout workers passes each share's place).
         A capturing engine rolls out in waves whose prefill fits a capture
         buffer (``CaptureConfig.max_tokens`` token rows): the same responses."""
-        self._check(prompts)
+        self._check(prompts, sampling)
         dev, b, n_new = self.device, len(prompts), sampling.max_new_tokens
         first = self._next_id if first is None else first
         self._next_id = first + b
@@ -393,12 +393,14 @@ class TorchEngine:
             return len(prompts)
         return max(1, self.capture.config.max_tokens // max(len(p) for p in prompts))
 
-    def _check(self, prompts: list[list[int]]) -> None:
+    def _check(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token")
         vocab = self.model.cfg.vocab_size
         if any(t < 0 or t >= vocab for p in prompts for t in p):
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
+        if not 0 <= sampling.pad_token < vocab:  # else only a batch of prompts of several lengths would fail
+            raise ValueError(f"pad_token {sampling.pad_token} must lie in [0, {vocab})")
 
     def _forward(
         self,

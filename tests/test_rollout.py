@@ -252,6 +252,8 @@ def test_bad_requests(model):
         engine.generate([[1], []], SamplingParams())
     with pytest.raises(ValueError, match=r"\[0, 256\)"):
         engine.generate([[1, 999]], SamplingParams())
+    with pytest.raises(ValueError, match=r"pad_token 256 must lie in \[0, 256\)"):  # even where no row is padded
+        engine.generate([[1, 2]], SamplingParams(pad_token=256))
     with pytest.raises(ValueError, match="invalid sampling parameters"):
         SamplingParams(top_p=0)
     with pytest.raises(RuntimeError, match="captures nothing"):
@@ -260,11 +262,14 @@ def test_bad_requests(model):
 
 def test_residual_activation_compensation_brings_fp4_closer_to_bf16(model):
     x = torch.randn(32, 64) * torch.linspace(0.1, 5.0, 64)  # some channels far larger than others
-    plain = QuantSites(rollout_config("fp4_wa"), {})
-    compensated = QuantSites(replace(rollout_config("fp4_wa"), compensated_channels=8), {})
+    scale = {(0, "moe_in"): torch.tensor(0.01)}
+    plain = QuantSites(rollout_config("fp4_wa"), scale)
+    compensated = QuantSites(replace(rollout_config("fp4_wa"), compensated_channels=8), scale)
     err_plain = (plain.moe_in(0, x) - x).abs()
     err_comp = (compensated.moe_in(0, x) - x).abs()
-    assert (err_comp.sum(0) == 0).sum() == 8 and err_comp.sum() < err_plain.sum()
+    assert ((err_comp == 0).sum(1) >= 8).all() and err_comp.sum() < err_plain.sum()
+    # each row's own channels: a row comes out the same whatever else is in its forward
+    assert torch.equal(compensated.moe_in(0, x[:1]), compensated.moe_in(0, x)[:1])
     out = TorchEngine(model, replace(rollout_config("fp4_wa"), compensated_channels=4)).generate(
         [[1, 2]], SamplingParams(max_new_tokens=2)
     )
