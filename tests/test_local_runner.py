@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -161,32 +160,37 @@ def test_metrics_outputs_get_a_file_for_the_cache_to_find(tmp_path):
     assert json.loads((tmp_path / "metrics").read_text()) == {"bootstrap_accuracy": 0.25}
 
 
+def terminated_runner(tmp_path, body: str, ready) -> int:
+    """Run ``body`` inside ``_stop_components`` in a runner process, send it SIGTERM once the file ``ready``
+    has content (a component runs), and return the runner's exit status (128 + SIGTERM if it stopped)."""
+    lines = [
+        "import concurrent.futures, subprocess, sys",
+        "from tracefp4.pipelines.local import Interrupted, _Log, _stop_components",
+        "try:",
+        f"    with _stop_components(_Log({str(tmp_path / 'log')!r})):",
+        *("        " + line for line in body.strip().splitlines()),
+        "except Interrupted as e:",
+        "    sys.exit(128 + e.signum)",
+    ]
+    script = tmp_path / "runner.py"
+    script.write_text("\n".join(lines) + "\n")
+    runner = subprocess.Popen([sys.executable, str(script)])
+    deadline = time.monotonic() + 60
+    while not (ready.exists() and ready.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    runner.send_signal(signal.SIGTERM)
+    return runner.wait(timeout=30)
+
+
 def test_a_signal_to_the_runner_stops_the_component_it_started(tmp_path):
     """kfp.local runs a component as ``sh -c`` around python, in the runner's
     process group: killing only the runner's child (sh) would orphan python."""
     pid_file = tmp_path / "pid"
     component = tmp_path / "component.py"
     component.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
-    script = tmp_path / "runner.py"
-    script.write_text(
-        textwrap.dedent(f"""
-        import subprocess, sys
-        from tracefp4.pipelines.local import Interrupted, _Log, _stop_components
-        try:
-            with _stop_components(_Log({str(tmp_path / "log")!r})):
-                subprocess.run(["sh", "-c", "{sys.executable} {component}; echo still here"])
-        except Interrupted as e:
-            sys.exit(128 + e.signum)
-    """)
-    )
-    runner = subprocess.Popen([sys.executable, str(script)])
-    deadline = time.monotonic() + 60
-    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    grandchild = int(pid_file.read_text())
-    runner.send_signal(signal.SIGTERM)
-    assert runner.wait(timeout=30) == 128 + signal.SIGTERM
-    assert not _running(grandchild)
+    body = f'subprocess.run(["sh", "-c", "{sys.executable} {component}; echo still here"])'
+    assert terminated_runner(tmp_path, body, pid_file) == 128 + signal.SIGTERM
+    assert not _running(int(pid_file.read_text()))
 
 
 def test_after_a_signal_the_components_a_loop_starts_later_are_stopped_too(tmp_path):
@@ -194,29 +198,13 @@ def test_after_a_signal_the_components_a_loop_starts_later_are_stopped_too(tmp_p
     pool's shutdown waits for them) before it raises: they are stopped as they start, so that the runner ends."""
     started = tmp_path / "started"
     component = f"import time; open({str(started)!r}, 'a').write('x'); time.sleep(120)"
-    script = tmp_path / "runner.py"
-    script.write_text(
-        textwrap.dedent(f"""
-        import concurrent.futures, subprocess, sys
-        from tracefp4.pipelines.local import Interrupted, _Log, _stop_components
-
-        def iteration():
-            subprocess.run([sys.executable, "-c", {component!r}])
-
-        try:
-            with _stop_components(_Log({str(tmp_path / "log")!r})):
-                with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:  # the second one queued
-                    concurrent.futures.wait([pool.submit(iteration) for _ in range(2)])
-        except Interrupted as e:
-            sys.exit(128 + e.signum)
-    """)
-    )
-    runner = subprocess.Popen([sys.executable, str(script)])
-    deadline = time.monotonic() + 60
-    while not (started.exists() and started.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    runner.send_signal(signal.SIGTERM)
-    assert runner.wait(timeout=30) == 128 + signal.SIGTERM
+    body = f"""
+def iteration():
+    subprocess.run([sys.executable, "-c", {component!r}])
+with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:  # the second iteration queued
+    concurrent.futures.wait([pool.submit(iteration) for _ in range(2)])
+"""
+    assert terminated_runner(tmp_path, body, started) == 128 + signal.SIGTERM
     assert started.read_text() == "xx"  # the queued iteration started, and was stopped
 
 
