@@ -136,7 +136,10 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
     tokenizer, as a checkpoint of ``run_id`` at policy version 0, and with
     ``state`` its initial trainer state (a fresh optimizer); bootstrapped by SFT
     on the tasks when configured. Returns the bootstrap's figures (empty without one)."""
-    device = step_device(config)
+    device = step_device(config)  # checked first: a CUDA device this machine lacks fails here
+    # without a bootstrap the policy is only checked and written: it stays in host memory, where a paper-scale
+    # checkpoint and the trainer's float32 copy of it fit, and the step's GPU is not touched
+    device = device if config.bootstrap.enabled else torch.device("cpu")
     out = Path(out)
     checkpoint = fetch(config.model.checkpoint) if config.model.checkpoint else None  # a store URI: downloaded, cached
     if checkpoint is None:

@@ -95,6 +95,16 @@ def test_every_step_fails_on_a_missing_gpu_before_any_work(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing written, no store created
 
 
+def test_prepare_without_a_bootstrap_leaves_the_step_device_alone(tmp_path, monkeypatch):
+    """It only checks the policy and writes it with a fresh trainer state: in host memory, where a paper-scale
+    checkpoint with its float32 copy fits (the device is still resolved first: a missing GPU fails the step)."""
+    data = smoke(tmp_path, "cpu").model_dump()
+    data["bootstrap"]["enabled"] = False
+    monkeypatch.setattr(steps, "step_device", lambda config: torch.device("meta"))  # where nothing can be written
+    steps.prepare(RunConfig.model_validate(data), tmp_path / "p0", RUN, tmp_path / "s0")
+    assert provenance(tmp_path / "p0")["policy_version"] == 0 and (tmp_path / "s0" / TENSORS).exists()
+
+
 def test_a_round_on_the_cpu_writes_device_independent_artifacts(tmp_path):
     config = smoke(tmp_path, "cpu")
     steps.prepare(config, tmp_path / "p0", RUN, tmp_path / "s0")
