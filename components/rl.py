@@ -129,6 +129,8 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Ten
     prompt, by the group's sample standard deviation, as verl
     (``compute_grpo_outcome_advantage``), slime and TRL divide: advantages of
     the scale their users tune learning rates and KL coefficients for."""
+    if group_size < 2:  # one response has no sample standard deviation (NaN), nor anything to compare with
+        raise ValueError(f"GRPO compares a prompt's responses: groups of at least 2, got {group_size}")
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     groups = rewards.view(-1, group_size)

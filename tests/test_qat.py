@@ -165,6 +165,8 @@ def test_grpo_loss_and_advantages():
     assert stats["clip_fraction"] == 0.5
     with pytest.raises(ValueError, match="do not split into groups of 4"):
         group_advantages(torch.zeros(6), 4)
+    with pytest.raises(ValueError, match="groups of at least 2, got 1"):
+        group_advantages(torch.zeros(6), 1)
 
 
 def test_score_centering_vanishes_on_policy():
