@@ -314,52 +314,56 @@ def run_local(
     out = out or sys.stdout
     output = Path(output).resolve()
     output.mkdir(parents=True, exist_ok=True)
-    lock = resume.lock_folder(output)  # held until the run ends: two runs in one folder would share a run id
-    config = localize(config, output)
-    run_id, resumed = resume.run_id(output, resume.request(config, methods), restart)
-    note = ", resumed: finished tasks are reused, not rerun" if resumed else ""
-    print(f"run id {run_id}{note}", file=out, flush=True)
-    if methods:
-        pipeline = build_comparison_pipeline(config, methods, retries=False)
-    else:
-        pipeline = build_pipeline(config, retries=False)
-    resume.cache_every_task(pipeline)
-    kfp.local.init(
-        runner=kfp.local.SubprocessRunner(use_venv=False),
-        pipeline_root=str(output / "pipeline_root"),
-        enable_caching=True,
-        cache_root=str(output / resume.COMPLETED),
-    )
-    stream = _Log(Path(log) if log else output / "pipeline.log", echo=out if verbose else None)
-    stream.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} run id {run_id}{' (resumed)' if resumed else ''}\n")
-    with contextlib.ExitStack() as stack:
-        stack.callback(lock.close)
-        # kfp.local indents print's lines while a component runs (builtins.print swapped for a wrapper); two loop
-        # iterations at once restore each other's wrapper, one of which stays
-        stack.callback(setattr, builtins, "print", builtins.print)
-        stack.callback(stream.file.close)
-        stack.enter_context(_logging_to(stream))  # kfp.local's lines outside its own log contexts: cache hits, retries
-        stack.enter_context(_stop_components(stream))
-        if not verbose:
-            progress = _Progress(stream, task_count(config, methods), out)
-            progress.start()
-            stack.callback(progress.join)
-            stack.callback(progress.done.set)
-        stack.enter_context(contextlib.redirect_stdout(stream))
-        stack.enter_context(warnings.catch_warnings())  # resources and image are for the cluster: no-ops here
-        warnings.simplefilter("ignore", UserWarning)
-        warnings.simplefilter("ignore", RuntimeWarning)
-        try:
-            task = pipeline(run_id=run_id)
-        except Interrupted as e:
-            stream.write(f"==== {e}\n")
-            raise
-        except RuntimeError as e:
-            failure = failed_task(stream.text())
-            if failure is None:
+    # held until the run ends: two runs in one folder would share a run id
+    with contextlib.closing(resume.lock_folder(output)):
+        config = localize(config, output)
+        run_id, resumed = resume.run_id(output, resume.request(config, methods), restart)
+        note = ", resumed: finished tasks are reused, not rerun" if resumed else ""
+        print(f"run id {run_id}{note}", file=out, flush=True)
+        if methods:
+            pipeline = build_comparison_pipeline(config, methods, retries=False)
+        else:
+            pipeline = build_pipeline(config, retries=False)
+        resume.cache_every_task(pipeline)
+        kfp.local.init(
+            runner=kfp.local.SubprocessRunner(use_venv=False),
+            pipeline_root=str(output / "pipeline_root"),
+            enable_caching=True,
+            cache_root=str(output / resume.COMPLETED),
+        )
+        stream = _Log(Path(log) if log else output / "pipeline.log", echo=out if verbose else None)
+        stream.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} run id {run_id}{' (resumed)' if resumed else ''}\n")
+        with contextlib.ExitStack() as stack:
+            # kfp.local indents print's lines while a component runs (builtins.print swapped for a wrapper); two loop
+            # iterations at once restore each other's wrapper, one of which stays
+            stack.callback(setattr, builtins, "print", builtins.print)
+            stack.callback(stream.file.close)
+            # kfp.local's lines outside its own log contexts: cache hits, retries
+            stack.enter_context(_logging_to(stream))
+            stack.enter_context(_stop_components(stream))
+            if not verbose:
+                progress = _Progress(stream, task_count(config, methods), out)
+                progress.start()
+                stack.callback(progress.join)
+                stack.callback(progress.done.set)
+            stack.enter_context(contextlib.redirect_stdout(stream))
+            stack.enter_context(warnings.catch_warnings())  # resources and image are for the cluster: no-ops here
+            warnings.simplefilter("ignore", UserWarning)
+            warnings.simplefilter("ignore", RuntimeWarning)
+            try:
+                task = pipeline(run_id=run_id)
+            except Interrupted as e:
+                stream.write(f"==== {e}\n")
                 raise
-            raise PipelineFailed(*failure, stream.path, failed_method(str(e), methods)) from None
-    failures = stream.text().count(PUBLISH_FAILED)
-    if failures:
-        print(f"warning: {failures} metrics write(s)/push(es) failed (grep '{PUBLISH_FAILED}' {stream.path})", file=out)
-    return Path(task.output.path)
+            except RuntimeError as e:
+                failure = failed_task(stream.text())
+                if failure is None:
+                    raise
+                raise PipelineFailed(*failure, stream.path, failed_method(str(e), methods)) from None
+        failures = stream.text().count(PUBLISH_FAILED)
+        if failures:
+            print(
+                f"warning: {failures} metrics write(s)/push(es) failed (grep '{PUBLISH_FAILED}' {stream.path})",
+                file=out,
+            )
+        return Path(task.output.path)

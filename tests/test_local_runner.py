@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tracefp4.pipelines import resume
-from tracefp4.pipelines.local import _Log, failed_method, failed_task, progress_state
+from tracefp4.pipelines.local import _Log, failed_method, failed_task, progress_state, run_local
 from tracefp4.pipelines.pipeline import build_comparison_pipeline, build_pipeline
 from tracefp4.schemas import RunConfig, get_preset
 
@@ -121,6 +121,17 @@ def test_a_run_folder_takes_one_run_at_a_time(tmp_path):
     with pytest.raises(resume.FolderInUse, match=rf"{tmp_path} is in use by another run \(pid {os.getpid()}\)"):
         resume.lock_folder(tmp_path)
     lock.close()  # the run ended
+    resume.lock_folder(tmp_path).close()
+
+
+def test_a_run_that_fails_to_start_releases_its_folder(tmp_path, monkeypatch):
+    def refuse(config, methods):
+        raise RuntimeError("cannot read the checkpoint")
+
+    monkeypatch.setattr(resume, "request", refuse)
+    with pytest.raises(RuntimeError, match="cannot read the checkpoint") as failed:
+        run_local(get_preset("smoke"), tmp_path)
+    assert failed.traceback  # held, with its frames: the folder is free all the same
     resume.lock_folder(tmp_path).close()
 
 
