@@ -332,18 +332,12 @@ def test_a_failed_trainjob_fails_the_step_with_its_reason_and_is_deleted(tmp_pat
     }
     fake = FakeKubernetes([{}, RUNNING, RUNNING, FAILED], pods=pods)
     c = config(tmp_path)
-    log = []
-    try:
-        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
-        with pytest.raises(DistributedError, match="failed: JobsFailed: rank 3 exited with 1") as failed:
-            job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=log.append)
-    finally:
-        fake.close()
+    message, log, _ = failed_round(c, fake, tmp_path, "failed: JobsFailed: rank 3 exited with 1")
     # the failed rank's log first, read before the deletion took the pods
-    assert str(failed.value).split("\n")[1:4] == [
+    assert message.split("\n")[1:4] == [
         "--- run-tj-node-0-1 (Failed), last 30 lines ---", "step 1", "Traceback ...",
     ]  # fmt: skip
-    assert "CUDA out of memory" in str(failed.value) and "--- run-tj-node-0-0 (Running)" in str(failed.value)
+    assert "CUDA out of memory" in message and "--- run-tj-node-0-0 (Running)" in message
     methods = [m for m, p in fake.calls if "/pods" not in p]
     assert methods[0] == "POST" and methods[-1] == "DELETE" and methods.count("GET") == 4
     assert not fake.jobs and not (tmp_path / "out").exists()
@@ -399,13 +393,7 @@ def test_a_trainjob_left_failed_by_an_earlier_attempt_is_replaced(tmp_path):
     c = config(tmp_path)
     fake = FakeKubernetes([FAILED])
     fake.jobs[trainjob_name(c, RUN, 0)] = {"metadata": {"name": "old"}}
-    log = []
-    try:
-        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
-        with pytest.raises(DistributedError, match="JobsFailed"):
-            job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=log.append)
-    finally:
-        fake.close()
+    _, log, _ = failed_round(c, fake, tmp_path, "JobsFailed")
     assert [m for m, _ in fake.calls][:5] == ["POST", "GET", "DELETE", "GET", "POST"]
     assert any("left failed by an earlier attempt" in line for line in log)
 
@@ -422,6 +410,19 @@ def ranks_upload_outputs(c: RunConfig, tmp_path):
                 store.put_bytes(f"{prefix}/new-{name}/{f.name}", f.read_bytes())
 
     return upload
+
+
+def failed_round(c: RunConfig, fake: FakeKubernetes, tmp_path, match: str | None = None, poll_s: float = 0.01):
+    """Round 0's TrainJob step against ``fake``, which must fail with a DistributedError matching ``match``:
+    its message, its log and the step's TrainJobRun."""
+    log = []
+    try:
+        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=poll_s)
+        with pytest.raises(DistributedError, match=match) as failed:
+            job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=log.append)
+    finally:
+        fake.close()
+    return str(failed.value), log, job
 
 
 def completed_round(c: RunConfig, fake: FakeKubernetes, given, tmp_path) -> tuple[list[dict], list[str]]:
@@ -503,12 +504,7 @@ def clock(monkeypatch) -> Clock:
 def test_a_trainjob_no_controller_picks_up_fails_after_the_timeout(tmp_path, clock):
     c = config(tmp_path, timeout_seconds=10)
     fake = FakeKubernetes([{}])
-    try:
-        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.5)
-        with pytest.raises(DistributedError, match="no status after 10 s: is Kubeflow Trainer installed"):
-            job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=lambda line: None)
-    finally:
-        fake.close()
+    failed_round(c, fake, tmp_path, "no status after 10 s: is Kubeflow Trainer installed", poll_s=0.5)
     assert not fake.jobs  # deleted all the same
     assert 10 < clock.now <= 11
 
@@ -527,14 +523,7 @@ def test_a_trainjob_whose_pods_never_get_ready_fails_after_the_timeout(tmp_path,
         [{}, {"jobsStatus": [{"name": "model-initializer", "succeeded": 1}, *PENDING["jobsStatus"]]}],
         pods={"run-tj-node-0-0": (unschedulable, "")},
     )
-    log = []
-    try:
-        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=1)
-        with pytest.raises(DistributedError) as failed:
-            job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=log.append)
-    finally:
-        fake.close()
-    message = str(failed.value)
+    message, log, job = failed_round(c, fake, tmp_path, poll_s=1)
     assert f"TrainJob {NAMESPACE}/{job.name}: waited 30 s (train.timeout_seconds)" in message
     assert "pods of its node job to be ready" in message and "node: active 1" in message
     assert message.endswith(
@@ -569,10 +558,5 @@ def test_a_trainjob_that_never_goes_away_fails_the_step_after_the_timeout(tmp_pa
     c = config(tmp_path, timeout_seconds=30)
     fake = FakeKubernetes([FAILED], deletes_hang=True)
     fake.jobs[trainjob_name(c, RUN, 0)] = {"metadata": {"name": "old"}}  # an earlier attempt's, failed: replaced
-    try:
-        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=1)
-        with pytest.raises(DistributedError, match="still there 30 s .* after its deletion"):
-            job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=lambda line: None)
-    finally:
-        fake.close()
+    failed_round(c, fake, tmp_path, "still there 30 s .* after its deletion", poll_s=1)
     assert 30 < clock.now <= 32
