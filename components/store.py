@@ -278,10 +278,6 @@ class S3Store(ArtifactStore):
             raise ValueError(f"part_size must be at least 5 MiB (S3's minimum part), got {part_size}")
         if retries < 0 or backoff_s < 0:
             raise ValueError(f"retries and backoff_s must be >= 0, got {retries} and {backoff_s}")
-        try:
-            check_bucket_name(bucket)
-        except ValueError as e:
-            raise ValueError(f"bad bucket name {bucket!r}: {e}") from None
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.uri = f"{scheme}://{bucket}" + (f"/{self.prefix}" if self.prefix else "")
