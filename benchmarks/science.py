@@ -180,15 +180,17 @@ def run(args) -> dict:
     levers = {k: getattr(args, k) for k in SFT}
     make = quick_config if args.quick else lambda seed, rounds: science_config(seed, rounds, **levers)
     data = json.loads(args.output.read_text()) if args.output.exists() else {"runs": []}
-    if "config" in data and {**data["config"], "seed": None} != {**settings(make(0, args.rounds)), "seed": None}:
-        changed = sorted(k for k, v in settings(make(0, args.rounds)).items() if data["config"].get(k) != v)
+    current = settings(make(0, args.rounds))
+    recorded = {k: v for k, v in data.get("config", current).items() if k != "seed"}  # older files kept the seed
+    if recorded != current:
+        changed = sorted(k for k in recorded.keys() | current.keys() if recorded.get(k) != current.get(k))
         raise SystemExit(
             f"{args.output} holds runs made with other settings ({', '.join(changed)} differ), which a resumed "
             f"run would pool with this one's: resume with their command ({data['command']}), or choose another "
             "--output"
         )
     data["command"] = command_of(args)
-    data.setdefault("config", settings(make(0, args.rounds)))  # every seed's, the seed aside
+    data.setdefault("config", current)  # every seed's, the seed aside
     done = {(r["seed"], r["method"]) for r in data["runs"]}
     with tempfile.TemporaryDirectory() as tmp:
         for seed in range(args.seeds):

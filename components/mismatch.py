@@ -95,10 +95,9 @@ def join_rows(rollout: SiteTable, train: SiteTable) -> tuple[Tensor, Tensor]:
     and, for expert slots, the same expert, in whichever slot each path put it
     (near-tied router scores can order the two top-k differently; the expert's
     input is the same)."""
-    tokens = [row_key(t.traj, t.pos, torch.zeros_like(t.slot)) for t in (rollout, train)]
-    (r_tokens, t_tokens), none = tokens, torch.zeros(0, dtype=torch.long)
+    r_tokens, t_tokens = (row_key(t.traj, t.pos, torch.zeros_like(t.slot)) for t in (rollout, train))
     if not len(t_tokens):
-        return none, none
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long)
     # the tables are in key order: a token's rows lie together, at most one per slot
     slots = torch.arange(int(train.slot.max()) + 1)
     candidates = (torch.searchsorted(t_tokens, r_tokens)[:, None] + slots).clamp(max=len(t_tokens) - 1)
