@@ -23,7 +23,7 @@ from .checkpoint import load_model
 from .device import hardware
 from .guidance import GuidanceLoader, compact, compaction_report, select_layers, write_step
 from .mismatch import teacher_force
-from .ptq import apply_ptq
+from .ptq import apply_ptq, scored_under
 from .rollout import TorchEngine
 from .stats import accuracy_row
 from .store import LocalStore
@@ -77,9 +77,8 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
             score("initial", start_model, name, quant)
         if name == "bf16":
             continue
-        # PTQ weights (NVFP4) as they are, activations and KV as the config quantizes them: only under a config
-        # whose own weights are NVFP4, so that a row compares the trained policy with PTQ at the same weight format
-        for label, ptq_model in ptq.items() if quant.weights == "nvfp4" else ():
+        # PTQ weights as they are, activations and KV as the config quantizes them
+        for label, ptq_model in ptq.items() if scored_under(quant) else ():
             score(f"ptq:{label}", ptq_model, name, replace(quant, weights=None))
         if analysed:
             analysis = _discrepancy(

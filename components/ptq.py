@@ -44,10 +44,18 @@ from tracefp4.kernels import (
 )
 
 from .model import CausalAttention, MoE, Transformer
+from .quant import QuantConfig
 
 METHODS = ("nvfp4", "four_over_six", "h_scale")
 FOUR_OVER_SIX_E4M3_MAX = 256.0  # leaves room for the 1.5x scale-to-4 below E4M3's 448
 E4M3_ONE = 0x38
+
+
+def scored_under(quant: QuantConfig) -> bool:
+    """Whether evaluation scores the PTQ baselines under rollout config ``quant``:
+    they are NVFP4 weights, so only where the config's own weights are NVFP4
+    does a row compare the trained policy with PTQ at the same weight format."""
+    return quant.weights == "nvfp4"
 
 
 class PTQResult(NamedTuple):

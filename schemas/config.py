@@ -707,8 +707,8 @@ class RunConfig(_Section):
                 f"rollout.max_tokens_per_forward: {self.rollout.max_tokens_per_forward} token rows, but a forward "
                 f"takes a whole prompt, of up to {longest} tokens (model.max_seq_len - rollout.max_new_tokens)"
             )
-        nvfp4_weights = [n for n in self.evaluation.rollout_configs if quant.rollout_config(n, fmt).weights == "nvfp4"]
-        if self.method == "bf16" and self.evaluation.ptq_baselines and not nvfp4_weights:
+        scoring = [n for n in self.evaluation.rollout_configs if ptq.scored_under(quant.rollout_config(n, fmt))]
+        if self.method == "bf16" and self.evaluation.ptq_baselines and not scoring:
             problems.append(
                 "evaluation.ptq_baselines: scored under the evaluation's configs with NVFP4 weights, and "
                 f"evaluation.rollout_configs {self.evaluation.rollout_configs} in rollout.fmt {fmt} has none; "
