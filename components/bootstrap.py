@@ -24,7 +24,7 @@ from torch import Tensor
 
 from .model import CausalAttention, Transformer, right_pad
 from .rollout import SamplingParams, TorchEngine
-from .tasks import Problem, format_example, get_task
+from .tasks import Problem, format_example, reward_of
 from .tokenizer import PolicyTokenizer
 from .trainer import clip_gradients
 
@@ -110,7 +110,7 @@ def accuracy(
         temperature=0.0, max_new_tokens=max_new_tokens, stop_tokens=tokenizer.stop_ids, pad_token=tokenizer.pad_id
     )
     responses = engine.generate([prompt_ids(tokenizer, p) for p in problems], sampling)
-    rewards = [get_task(p.task).reward(p, tokenizer.response_text(t.response)) for t, p in zip(responses, problems)]
+    rewards = [reward_of(p, tokenizer.response_text(t.response)) for t, p in zip(responses, problems)]
     return sum(rewards) / len(problems)
 
 

@@ -50,7 +50,7 @@ from .rl import group_advantages
 from .rollout import SamplingParams, TorchEngine, Trajectory
 from .store import ArtifactNotFound, open_store, write_atomic
 from .syndrome import choose_rates, encode_table, first_rate, merge_decode_json
-from .tasks import Problem, format_example, get_task, split
+from .tasks import Problem, format_example, get_task, reward_of, split
 from .tokenizer import build_tokenizer, load_tokenizer
 from .trainer import SCORE_CENTERING_TOPK, TrainConfig, Trainer
 
@@ -668,10 +668,7 @@ def train(
         part = slice(s * per_step, (s + 1) * per_step)
         step_trajectories, step_problems = trajectories[part], batch[part]
         rewards = torch.tensor(
-            [
-                get_task(p.task).reward(p, tokenizer.response_text(t.response))
-                for t, p in zip(step_trajectories, step_problems)
-            ]
+            [reward_of(p, tokenizer.response_text(t.response)) for t, p in zip(step_trajectories, step_problems)]
         )
         loader = None
         if config.method == "trace":

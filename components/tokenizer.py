@@ -115,13 +115,28 @@ class PolicyTokenizer:
         """Text of ``ids`` without the special tokens (so without the eos that ended it)."""
         return self.hf.decode(list(ids), skip_special_tokens=True)
 
-    def response_text(self, ids: list[int]) -> str:
+    def response_text(self, ids: list[int]) -> str | None:
         """A response as the tasks read it (:meth:`decode`), behind the
         ``<think>`` the generation prompt left open where it left one (Qwen3.5's
         template opens the reasoning itself): reasoning the length limit cut
-        off is then no answer, as with a template whose policy opens it."""
+        off is then no answer, as with a template whose policy opens it.
+
+        None where the response holds a token its text cannot show: an id
+        beyond the tokenizer's (the model's vocabulary may be larger; Qwen's
+        has unused ids, the presets' hundreds) or a special token before its
+        last. Decoding drops those, so the text around them could score, and
+        RL would reward writing them (:func:`.tasks.reward_of` gives None 0)."""
+        shown = ids[:-1] if ids and ids[-1] in self.stop_ids else ids  # the stop token that ended it is no text
+        if any(i >= self.vocab_size or i in self._dropped_ids for i in shown):
+            return None
         text = self.decode(ids)
         return THINK_START + text if self._prompt_opens_thinking else text
+
+    @functools.cached_property
+    def _dropped_ids(self) -> frozenset[int]:
+        """The ids :meth:`decode` leaves out: the special tokens."""
+        added = self.hf.added_tokens_decoder
+        return frozenset(self.hf.all_special_ids) | {i for i, token in added.items() if token.special}
 
     @functools.cached_property
     def _prompt_opens_thinking(self) -> bool:

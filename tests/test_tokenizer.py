@@ -210,3 +210,26 @@ def test_reasoning_a_template_opens_and_the_length_limit_cuts_is_no_answer(tmp_p
     plain = load_tokenizer(chat)  # a template that leaves the reasoning to the policy: the response as it is
     assert plain.response_text(cut_off) == plain.decode(cut_off)
     assert task.reward(problem, plain.response_text(cut_off)) == 1.0
+
+
+def test_a_response_holding_a_token_its_text_cannot_show_earns_nothing(chat):
+    """Decoding drops ids beyond the tokenizer (the presets' models have 256-512
+    ids over its 100) and special tokens, so a correct answer with such a token
+    inside read as correct, and RL rewarded writing them. The stop token that
+    ends a response is no such token."""
+    from tracefp4.components.tasks import reward_of
+
+    problem = split("arithmetic", 4, 1, seed=0, difficulty=1)[0][0]
+    plain = build_tokenizer()
+    answer = plain.encode_answer(problem.answer)
+    assert reward_of(problem, plain.response_text(answer)) == 1.0
+    assert reward_of(problem, plain.response_text(answer[:-1] + [EOS])) == 1.0  # ended by eos, not the newline
+    for planted in (VOCAB_SIZE, 300, PAD, BOS, EOS, UNK):
+        spoiled = answer[:1] + [planted] + answer[1:]
+        assert plain.decode(spoiled) == plain.decode(answer)  # what the reward read before
+        assert plain.response_text(spoiled) is None and reward_of(problem, None) == 0.0
+    chat_tokenizer = load_tokenizer(chat)
+    answer = chat_tokenizer.encode_answer(problem.answer)
+    assert answer[-1] == IDS[IM_END] and reward_of(problem, chat_tokenizer.response_text(answer)) == 1.0
+    for planted in (IDS[IM_START], IDS[ENDOFTEXT], chat_tokenizer.vocab_size):
+        assert chat_tokenizer.response_text(answer[:1] + [planted] + answer[1:]) is None
