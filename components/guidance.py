@@ -352,12 +352,13 @@ def write_step(
     trajectories = sorted(_trajectory_ranges(records))
     shards = []
     for i in range(0, max(len(trajectories), 1), trajectories_per_shard):
-        group = trajectories[i : i + trajectories_per_shard]
-        data = encode_shard(_split(records, group), rl_step=rl_step, policy_version=policy_version, top_k=top_k)
+        part = _split(records, trajectories[i : i + trajectories_per_shard])
+        data = encode_shard(part, rl_step=rl_step, policy_version=policy_version, top_k=top_k)
         key = f"{base}/shard-{len(shards):05d}.bin"
         store.put_bytes(key, data)
+        held = list(_trajectory_ranges(part))  # in the tables' order, as the shard's header lists them
         shards.append(
-            {"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "trajectories": group}
+            {"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "trajectories": held}
         )
     tables = list(records.tables.values())
     manifest = {

@@ -284,3 +284,25 @@ def test_a_version_2_shard_is_still_read(captured):
     body = struct.pack("<8sHI", magic, 1, len(head)) + head + data[14 + head_len : -32]
     with pytest.raises(GuidanceError, match=r"v1: format version 1, this reader reads \(2, 3\)"):
         decode_shard(body + hashlib.sha256(body).digest(), "v1")
+
+
+def test_a_step_merged_from_workers_holding_interleaved_trajectories_compacts_and_reads_back(captured, tmp_path):
+    """With several RL steps per round each rollout worker holds an interleaved
+    slice of the ids (worker 0: 0, 1, 4, 5; worker 1: 2, 3), so the merged step
+    reads back out of id order. Compaction's rewrite of it listed each shard's
+    trajectories sorted while the shard held them in the tables' order, and
+    every read of the guidance was refused."""
+    from tracefp4.components.capture import CaptureRecords
+    from tracefp4.components.guidance import merge_steps, read_step
+
+    _, _, records = captured
+    store = open_store(str(tmp_path))
+    for worker, ids in enumerate(([0, 1, 4, 5], [2, 3])):
+        part = CaptureRecords({k: t.for_trajectories(torch.tensor(ids)) for k, t in records.tables.items()})
+        write_step(store, part, rl_step=0, policy_version=0, top_k=2, prefix=f"capture/worker-{worker:03d}")
+    merge_steps(store, 0, ["capture/worker-000", "capture/worker-001"], "capture")
+    merged = read_step(store, 0, "capture")
+    assert torch.unique_consecutive(merged.tables[(0, "moe_in")].traj).tolist() == [0, 1, 4, 5, 2, 3]
+    kept = compact(merged, 1, [1])
+    write_step(store, kept, rl_step=0, policy_version=0, top_k=2)
+    assert_same_tables(kept, read_step(store, 0))
