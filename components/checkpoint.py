@@ -49,7 +49,6 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from urllib.parse import unquote
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -57,7 +56,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from .model import LAYER_TYPES, MODEL_TYPES, ModelConfig, Transformer, empty_model
-from .store import check_key, fsync_folder, open_store
+from .store import check_key, file_path, fsync_folder, open_store
 from .tokenizer import FILES as TOKENIZER_FILES
 
 log = logging.getLogger("tracefp4.checkpoint")
@@ -809,8 +808,8 @@ def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None) ->
     text = os.fspath(uri)
     if "://" not in text:
         return Path(text)
-    if text.startswith("file://"):  # file:///abs, file://localhost/abs, file://./relative
-        return Path(unquote(text.removeprefix("file://").removeprefix("localhost")))
+    if text.startswith("file://"):
+        return file_path(text)
     store = open_store(text, env=store_env)
     where = store.uri
     listed = {key for key in store.list() if "/" not in key}  # the folder's own objects, not its subfolders'

@@ -19,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import BinaryIO, TypeVar
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import certifi
 import urllib3
@@ -476,6 +476,17 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return parts.netloc, prefix
 
 
+def file_path(uri: str) -> Path:
+    """The path a ``file://`` URI names, percent-decoded (``Path.as_uri``
+    encodes a space as %20): ``file:///abs`` or ``file://localhost/abs``, and
+    ``file://./relative`` (the schema's default store) from the working directory."""
+    rest = uri.removeprefix("file://")
+    rest = rest.removeprefix("localhost") if rest.startswith("localhost/") else rest
+    if not rest.startswith(("/", "./")):
+        raise ValueError(f"bad file URI {uri!r}: use file:///absolute/path or file://./relative/path")
+    return Path(unquote(rest))
+
+
 def open_store(
     uri: str,
     *,
@@ -496,9 +507,10 @@ def open_store(
         return LocalStore(uri)
     parts = urlsplit(uri)
     if parts.scheme == "file":
-        if parts.netloc not in ("", "localhost") or not parts.path.startswith("/"):
+        path = file_path(uri)
+        if not path.is_absolute():
             raise ValueError(f"bad store URI {uri!r}: use file:///absolute/path")
-        return LocalStore(parts.path)
+        return LocalStore(path)
     if parts.scheme in ("s3", "minio"):
         bucket, prefix = parse_s3_uri(uri)
         return S3Store(

@@ -21,6 +21,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from tracefp4.components.checkpoint import fetch
 from tracefp4.components.store import (
     ArtifactNotFound,
     LocalStore,
@@ -125,6 +126,8 @@ def test_upload_streams_a_file_without_holding_it(store, tmp_path):
     with pytest.raises(StoreError, match="nope.bin"):
         store.upload("run/nope.bin", tmp_path / "nope.bin")
     assert store.list("run/") == ["run/state/tensors.safetensors"]
+    if isinstance(store, LocalStore):  # list hides a local write's temp files: none left on disk either
+        assert [p.name for p in (store.root / "run").rglob("*")] == ["state", "tensors.safetensors"]
 
 
 @pytest.mark.parametrize("key", ["", "/abs", "a/../b", "..", "a//b", "./a", "a/", "a\\b"])
@@ -170,6 +173,20 @@ def test_bad_uris(tmp_path):
     assert "hunter2" not in str(info.value)
     assert isinstance(open_store(str(tmp_path)), LocalStore)
     assert open_store(tmp_path.as_uri()).uri == tmp_path.as_uri()
+
+
+def test_a_file_uri_names_the_folder_its_store_and_checkpoints_use(tmp_path):
+    """``Path.as_uri`` percent-encodes (a space is %20), and a local run's store
+    URI is made that way: the store wrote under a folder named ``My%20Runs``
+    while checkpoint fetches read ``My Runs``."""
+    folder = tmp_path / "My Runs" / "store"
+    uri = LocalStore(folder).uri
+    assert "%20" in uri and open_store(uri).root == folder
+    open_store(uri).put_bytes("run/policy/config.json", b"{}")
+    assert fetch(uri + "/run/policy") == folder / "run" / "policy" and (folder / "run/policy/config.json").exists()
+    assert fetch("file://localhost" + folder.as_uri().removeprefix("file://")) == folder
+    with pytest.raises(ValueError, match="bad file URI 'file://host/x'"):
+        fetch("file://host/x")  # not the relative folder host/x
 
 
 def test_missing_env_names_variable(s3_server):
@@ -379,7 +396,7 @@ def test_local_readers_never_see_partial_objects(tmp_path):
         thread.join(30)
     assert seen["bad"] == 0
     assert seen["missing"] > 0 and seen["full"] > 0
-    assert store.list() == ["shard.bin"]  # no temp file left behind
+    assert [p.name for p in tmp_path.iterdir()] == ["shard.bin"]  # no temp file left behind (list hides them)
 
 
 def test_a_local_write_syncs_the_file_then_the_folder_that_names_it(tmp_path, monkeypatch):
