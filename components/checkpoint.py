@@ -39,6 +39,7 @@ them before it is renamed into place, and then loaded from there like any
 folder.
 """
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -47,7 +48,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -419,27 +420,34 @@ def commit_folder(tmp: Path, folder: Path, provenance: dict | None = None) -> Pa
     that a reader never sees half of it. An existing ``folder`` is moved aside
     first and then deleted (POSIX renames no folder over a non-empty one): a
     crash between the two renames leaves no ``folder``, and the old one
-    whole as ``.<name>.old-<pid>`` beside it."""
+    whole as ``.<name>.old-<random>`` beside it."""
     _write_manifest(tmp, provenance)  # last: it covers every file above
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
     fsync_folder(tmp)  # the files' names
-    old = folder.with_name(f".{folder.name}.old-{os.getpid()}")
-    if folder.exists():
+    old = None
+    if folder.exists():  # onto a fresh empty folder, which a rename may replace
+        old = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.old-"))
         folder.rename(old)
     tmp.rename(folder)
     fsync_folder(folder.parent)  # the renames
-    shutil.rmtree(old, ignore_errors=True)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
     return folder
 
 
-def staging_folder(folder: Path) -> Path:
-    """An empty temporary folder beside ``folder``, for :func:`commit_folder`."""
-    tmp = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    return tmp
+@contextlib.contextmanager
+def staging_folder(folder: Path) -> Iterator[Path]:
+    """A fresh empty folder beside ``folder`` to write it in, for
+    :func:`commit_folder`; deleted if the writing fails, so that a failed save
+    leaves no copy behind. Named uniquely: a container's process ids repeat."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing left there once committed: it is ``folder`` then
 
 
 def provenance(folder: str | os.PathLike) -> dict:
@@ -751,15 +759,15 @@ def save_model(
     ``max_shard_bytes``, with ``extra`` files beside it and the checksum
     manifest over all of them (recording ``provenance``), all at once (atomically)."""
     folder = Path(path)
-    tmp = staging_folder(folder)
     state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight")
-    write_weights(stacked_to_hub(state, model.cfg), tmp, max_shard_bytes)
-    (tmp / CONFIG).write_text(json.dumps(config_to_hf(model.cfg), indent=2))
-    for name, data in (extra or {}).items():
-        (tmp / name).write_bytes(data)
-    return commit_folder(tmp, folder, provenance)
+    with staging_folder(folder) as tmp:
+        write_weights(stacked_to_hub(state, model.cfg), tmp, max_shard_bytes)
+        (tmp / CONFIG).write_text(json.dumps(config_to_hf(model.cfg), indent=2))
+        for name, data in (extra or {}).items():
+            (tmp / name).write_bytes(data)
+        return commit_folder(tmp, folder, provenance)
 
 
 def write_weights(hub: dict[str, Tensor], folder: Path, max_shard_bytes: int = 2 << 30) -> None:

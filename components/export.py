@@ -287,21 +287,22 @@ def export(
     tensors.update(dense)
 
     folder = Path(out)
-    tmp = staging_folder(folder)
-    write_weights(tensors, tmp, max_shard_bytes)
     hf = {**config_to_hf(cfg), "dtype": "bfloat16", "torch_dtype": "bfloat16"}
     if quant.weights:
         ignore = sorted(k.removesuffix(".weight") for k, v in dense.items() if k.endswith(".weight") and v.dim() == 2)
         ignore = [k for k in ignore if k != "model.embed_tokens"] + ([] if "lm_head" in ignore else ["lm_head"])
         hf["quantization_config"] = quantization_config(quant, ignore)
-    (tmp / CONFIG).write_text(json.dumps(hf, indent=2))
-    for path in sorted(source.iterdir()):  # tokenizer, generation config: everything but weights and manifest
-        if path.is_file() and path.name not in (CONFIG, INDEX, SINGLE, MANIFEST) and not _WEIGHT_FILES.match(path.name):
-            shutil.copyfile(path, tmp / path.name)
     record = {**provenance(source), "format": name}
     if (source / MANIFEST).exists():
         record["exported_from"] = folder_digest(source)  # the policy folder's manifest, which names its weights
-    commit_folder(tmp, folder, record)
+    with staging_folder(folder) as tmp:
+        write_weights(tensors, tmp, max_shard_bytes)
+        (tmp / CONFIG).write_text(json.dumps(hf, indent=2))
+        for path in sorted(source.iterdir()):  # tokenizer, generation config: everything but weights and manifest
+            rewritten = path.name in (CONFIG, INDEX, SINGLE, MANIFEST) or _WEIGHT_FILES.match(path.name)
+            if path.is_file() and not rewritten:
+                shutil.copyfile(path, tmp / path.name)
+        commit_folder(tmp, folder, record)
     return {
         "format": name,
         "expert_matrices": sum(state[key].shape[0] for key in experts),

@@ -39,11 +39,11 @@ def save_state(path: str | os.PathLike, tensors: dict[str, Tensor], meta: dict, 
     if missing:
         raise ValueError(f"trainer state meta lacks {missing}")
     folder = Path(path)
-    tmp = staging_folder(folder)
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / TENSORS)
     record = {**meta, "policy_sha256": folder_digest(policy)}
-    (tmp / META).write_text(json.dumps(record, indent=1))
-    return commit_folder(tmp, folder, {key: record[key] for key in ("run_id", "policy_version")})
+    with staging_folder(folder) as tmp:
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / TENSORS)
+        (tmp / META).write_text(json.dumps(record, indent=1))
+        return commit_folder(tmp, folder, {key: record[key] for key in ("run_id", "policy_version")})
 
 
 def read_meta(path: str | os.PathLike) -> dict:

@@ -84,6 +84,28 @@ def test_a_saved_folder_replaces_the_old_one_and_its_rename_is_synced(tmp_path, 
     assert torch.equal(load_model(tmp_path / "ckpt").lm_head.weight, build_model("smoke", seed=1).lm_head.weight)
 
 
+def test_a_failed_save_leaves_nothing_beside_the_folder_and_a_dead_save_blocks_no_later_one(tmp_path, monkeypatch):
+    """The staging and moved-aside folders were named by process id, which a
+    container's processes share from run to run: a save killed while deleting
+    the old folder left ``.ckpt.old-<pid>``, and every later save of that pid
+    failed renaming onto it; a failed write left its full-size staging copy."""
+    save_model(build_model("smoke", seed=0), tmp_path / "ckpt")
+    (tmp_path / f".ckpt.old-{os.getpid()}" / "leftover").mkdir(parents=True)  # a save that died deleting it
+    (tmp_path / f".ckpt.tmp-{os.getpid()}" / "leftover").mkdir(parents=True)
+    save_model(build_model("smoke", seed=1), tmp_path / "ckpt")
+    assert torch.equal(load_model(tmp_path / "ckpt").lm_head.weight, build_model("smoke", seed=1).lm_head.weight)
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("tracefp4.components.checkpoint.save_file", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        save_model(build_model("smoke", seed=2), tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # no staging copy left
+    assert torch.equal(load_model(tmp_path / "ckpt").lm_head.weight, build_model("smoke", seed=1).lm_head.weight)
+
+
 def test_flipped_byte_fails_naming_the_file(tmp_path):
     folder = saved(tmp_path)
     data = bytearray((folder / SINGLE).read_bytes())
