@@ -181,6 +181,14 @@ def config_from_hf(hf: dict) -> ModelConfig:
             f"config.json: use_sliding_window is true (sliding_window {hf.get('sliding_window')!r}); "
             "tracefp4 implements full causal attention only"
         )
+    if hf.get("hidden_act", "silu") != "silu":  # the experts', the shared expert's and the dense MLPs' SwiGLU
+        raise CheckpointError(f"config.json: hidden_act is {hf['hidden_act']!r}; tracefp4 implements silu only")
+    partial = rope if "partial_rotary_factor" in rope else hf
+    if not qwen35 and partial.get("partial_rotary_factor", 1) != 1:
+        raise CheckpointError(
+            f"config.json: partial_rotary_factor is {partial['partial_rotary_factor']!r}; tracefp4 rotates part of "
+            "each head for qwen3_5_moe only"
+        )
     hidden, heads, layers = size("hidden_size"), size("num_attention_heads"), size("num_hidden_layers")
     types = hf.get("layer_types")  # transformers writes it for qwen2_moe too, all full_attention
     kinds = LAYER_TYPES if qwen35 else ("full_attention",)
@@ -217,7 +225,6 @@ def config_from_hf(hf: dict) -> ModelConfig:
         interval = size("full_attention_interval", 4)
         default_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
         types = types or default_types
-        partial = rope if "partial_rotary_factor" in rope else hf
         known |= {
             "shared_expert_intermediate_size": size("shared_expert_intermediate_size"),
             "norm_topk_prob": True,  # the router always renormalizes its top-k

@@ -177,6 +177,13 @@ def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path, caplog):
         ),  # the older key, as transformers reads it
         ({"use_sliding_window": True, "sliding_window": 4096}, r"use_sliding_window is true \(sliding_window 4096\)"),
         ({"use_sliding_window": "no"}, "use_sliding_window must be true or false"),
+        # read, then written back as silu and a whole-head rotation: another model, silently
+        ({"hidden_act": "gelu"}, "hidden_act is 'gelu'; tracefp4 implements silu only"),
+        (
+            {"partial_rotary_factor": 0.5},
+            "partial_rotary_factor is 0.5; tracefp4 rotates part of each head for qwen3_5",
+        ),
+        ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary_factor is 0.5"),
         ({"layer_types": ["full_attention", "sliding_attention"]}, r"layer_types must list 2 of \('full_attention',\)"),
         ({"layer_types": ["linear_attention", "full_attention"]}, r"layer_types must list 2 of \('full_attention',\)"),
     ],
