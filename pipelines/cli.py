@@ -87,7 +87,12 @@ def run(preset, config_file, output, store, verbose, methods, pushgateway, resta
     )
     try:
         report = run_local(config, output, methods=methods, verbose=verbose, restart=restart)
-    except (PipelineFailed, FolderInUse, StoreError) as e:  # a store: model.checkpoint's, fingerprinted first
+    except (
+        PipelineFailed,
+        FolderInUse,
+        StoreError,
+        ConfigError,
+    ) as e:  # a store: model.checkpoint's, fingerprinted first
         raise click.ClickException(str(e)) from None
     except Interrupted as e:
         click.echo(f"{e}: the running component was stopped; rerun the same command to resume", err=True)
@@ -184,7 +189,10 @@ def compile(preset, config_file, output, methods):
     from tracefp4.pipelines.pipeline import compile_pipeline, pipeline_version
 
     config = _config(preset, config_file)
-    compile_pipeline(config, output, methods)
+    try:
+        compile_pipeline(config, output, methods)
+    except ConfigError as e:  # a comparison's branch that could not run
+        raise click.ClickException(str(e)) from None
     name = f"tracefp4-{config.name}" + ("-compare" if methods else "")
     click.echo(f"{output}: pipeline {name}, version {pipeline_version()}")
 
@@ -255,7 +263,7 @@ def submit(preset, config_file, experiment, store, service_account, root, method
         result = submit_run(
             config, connection, experiment, service_account=service_account, pipeline_root=root, methods=methods
         )
-    except SubmitError as e:
+    except (SubmitError, ConfigError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(
         f"pipeline {result['pipeline_id']}, version {result['pipeline_version_id']}, "

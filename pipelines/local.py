@@ -33,7 +33,7 @@ import kfp.local
 from tqdm import tqdm
 
 from tracefp4.components.metrics import PUBLISH_FAILED
-from tracefp4.schemas import RunConfig
+from tracefp4.schemas import ConfigError, RunConfig
 
 from . import resume
 from .pipeline import build_comparison_pipeline, build_pipeline
@@ -310,20 +310,24 @@ def run_local(
     return the report's path; a rerun in the same ``output`` resumes unless
     ``restart``. Components log to ``log`` (default ``<output>/pipeline.log``),
     echoed to ``out`` (default standard output) when ``verbose``, else ``out``
-    shows the progress. Raises :class:`PipelineFailed` or :class:`Interrupted`."""
+    shows the progress. Raises :class:`PipelineFailed` or :class:`Interrupted`, and
+    :class:`~tracefp4.schemas.ConfigError` for a run no local machine can do."""
     out = out or sys.stdout
+    if config.train.in_trainjob:  # found by the train step otherwise, after the rollout
+        reason = "trainjob creates a Kubeflow Trainer TrainJob on a cluster; a local run trains on this machine"
+        raise ConfigError([("train.launcher", f"{reason}: set launcher torchrun (and nodes 1)")])
     output = Path(output).resolve()
     output.mkdir(parents=True, exist_ok=True)
     # held until the run ends: two runs in one folder would share a run id
     with contextlib.closing(resume.lock_folder(output)):
         config = localize(config, output)
-        run_id, resumed = resume.run_id(output, resume.request(config, methods), restart)
-        note = ", resumed: finished tasks are reused, not rerun" if resumed else ""
-        print(f"run id {run_id}{note}", file=out, flush=True)
-        if methods:
+        if methods:  # built first: it refuses a comparison branch that could not run, before the run is recorded
             pipeline = build_comparison_pipeline(config, methods, retries=False)
         else:
             pipeline = build_pipeline(config, retries=False)
+        run_id, resumed = resume.run_id(output, resume.request(config, methods), restart)
+        note = ", resumed: finished tasks are reused, not rerun" if resumed else ""
+        print(f"run id {run_id}{note}", file=out, flush=True)
         resume.cache_every_task(pipeline)
         kfp.local.init(
             runner=kfp.local.SubprocessRunner(use_venv=False),

@@ -28,7 +28,7 @@ from typing import get_args
 from kfp import compiler, dsl, kubernetes
 from kfp.dsl import Markdown
 
-from tracefp4.schemas import Method, RunConfig, schema_hash
+from tracefp4.schemas import ConfigError, Method, RunConfig, schema_hash
 from tracefp4.schemas.config import SECRET_KEYS
 
 from . import parameters as run_parameters
@@ -224,6 +224,11 @@ def build_comparison_pipeline(config: RunConfig, methods: list[str], retries: bo
     item, so no task output crosses into the loop."""
     methods = check_methods(list(methods))
     run_parameters.check_servable(config)
+    for method in methods:  # what each branch's configure task checks when it runs, refused before any work
+        try:
+            run_parameters.apply(config.model_dump_json(), {"method": method})
+        except ConfigError as e:
+            raise ConfigError(e.problems, f"the comparison's branch of method {method}") from None
     c = make_components(config.image)
     configure = lambda task, role=COMPUTE: _configure(task, config, retries, role)  # noqa: E731
     params = run_parameters.parameters(comparison=True)

@@ -15,7 +15,7 @@ import pytest
 from tracefp4.pipelines import resume
 from tracefp4.pipelines.local import _Log, failed_method, failed_task, progress_state, run_local
 from tracefp4.pipelines.pipeline import build_comparison_pipeline, build_pipeline
-from tracefp4.schemas import RunConfig, get_preset
+from tracefp4.schemas import ConfigError, RunConfig, get_preset, load_config
 
 CLI = [sys.executable, "-m", "tracefp4.pipelines.cli"]
 
@@ -122,6 +122,21 @@ def test_a_run_folder_takes_one_run_at_a_time(tmp_path):
         resume.lock_folder(tmp_path)
     lock.close()  # the run ended
     resume.lock_folder(tmp_path).close()
+
+
+def test_a_run_no_local_machine_can_do_is_refused_before_it_starts(tmp_path):
+    """A TrainJob launcher failed in the train step, after prepare (minutes of
+    bootstrap for tiny) and the rollout; a comparison branch that could not run
+    failed in its configure task, with its run recorded in the folder."""
+    ranks = {"train.launcher": "trainjob", "train.processes_per_node": 2, "train.precision": "fp32_master"}
+    trainjob = load_config(None, preset="smoke", overrides={**ranks, "rl.microbatch_size": 2})
+    with pytest.raises(ConfigError, match="train.launcher: trainjob creates a Kubeflow Trainer TrainJob"):
+        run_local(trainjob, tmp_path / "trainjob")
+    assert not (tmp_path / "trainjob").exists()
+    fp4_kv = load_config(None, preset="smoke", overrides={"rollout.config": "fp4_kv"})
+    with pytest.raises(ConfigError, match="branch of method quads"):
+        run_local(fp4_kv, tmp_path / "compare", methods=["trace", "quads"])
+    assert [p.name for p in (tmp_path / "compare").iterdir()] == [resume.LOCK_FILE]  # no run recorded
 
 
 def test_a_run_that_fails_to_start_releases_its_folder(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from tracefp4.components.trainer_state import read_meta
 from tracefp4.pipelines.cli import main
 from tracefp4.pipelines.local import localize, run_local
 from tracefp4.pipelines.pipeline import build_comparison_pipeline, compile_pipeline, pipeline_version
-from tracefp4.schemas import get_preset, load_config
+from tracefp4.schemas import ConfigError, get_preset, load_config
 
 STEPS = ("prepare", "rollout", "compaction", "train", "export", "evaluate", "report")
 RUN = "run-a"
@@ -280,6 +280,10 @@ def test_comparison_pipeline_fans_out_over_methods(tmp_path):
     for methods, message in ((["trace", "trace"], "trace named more than once"), (["trace", "foo"], "unknown method")):
         with pytest.raises(ValueError, match=message):
             build_comparison_pipeline(get_preset("smoke"), methods)
+    # a branch its configure task would refuse at run time, after the others started: refused when built
+    fp4_kv = load_config(None, preset="smoke", overrides={"rollout.config": "fp4_kv"})
+    with pytest.raises(ConfigError, match="branch of method quads .*\n  method: quads fake-quantizes"):
+        build_comparison_pipeline(fp4_kv, ["trace", "quads"])
 
 
 def test_inline_compaction_writes_guidance_from_the_rollout(tmp_path):
