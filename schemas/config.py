@@ -585,7 +585,13 @@ class RunConfig(_Section):
     """A whole tracefp4 run: policy, rollout, guidance, RL, tasks, evaluation and where it runs."""
 
     name: str = Field(default="tracefp4", pattern=DNS_LABEL, description="Run name (DNS label: a-z, 0-9, '-').")
-    seed: int = Field(default=0, ge=0, lt=2**63, description="Seed of model init, task generation and sampling.")
+    seed: int = Field(
+        default=0,
+        ge=0,
+        le=2**53,  # KFP carries integer parameters as JSON doubles: a larger seed would run as another
+        description="Seed of model init, task generation and sampling; at most 2**53, the largest integer a "
+        "pipeline parameter holds exactly.",
+    )
     model: ModelConfig = Field(default_factory=lambda: ModelConfig(preset="tiny"), description="The policy.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engine and sampling.")
     guidance: GuidanceConfig = Field(default_factory=GuidanceConfig, description="Rollout guidance kept for training.")

@@ -177,6 +177,18 @@ def test_values_that_would_run_without_effect_are_refused(overrides, path):
     assert [p for p, _ in info.value.problems] == [path]
 
 
+def test_a_seed_a_pipeline_parameter_would_round_is_refused(tmp_path):
+    """KFP carries integer parameters as JSON doubles: seed 2**53 + 1 compiled
+    to a default of 2**53 and ran (and was reported) as that."""
+    from tracefp4.pipelines.parameters import defaults, parameters
+
+    config = load_config(None, overrides={"seed": 2**53})
+    assert float(defaults(config, parameters())["seed"]) == 2**53  # the largest the parameter holds exactly
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides={"seed": 2**53 + 1})
+    assert [path for path, _ in info.value.problems] == ["seed"]
+
+
 def test_evaluation_never_asks_for_more_test_prompts_than_a_task_holds():
     tasks = [{"name": "arithmetic", "test_size": 300}, {"name": "countdown", "test_size": 200}]
     load_config(None, overrides={"tasks": tasks, "evaluation": {"test_prompts": 400}})  # 200 of each
