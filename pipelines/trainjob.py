@@ -101,12 +101,20 @@ def in_cluster_api() -> client.ApiClient:
 
 
 def trainjob_name(config: RunConfig, run_id: str, round_index: int) -> str:
-    """An RFC 1035 label naming the round's TrainJob: the same for a retry of the step. A run name
+    """An RFC 1035 label naming the round's TrainJob: the same for a retry of the step, another
+    for another config under the same run id (a run id is a UI parameter, which two runs may
+    share: the second must neither wait for the first's TrainJob nor take its outputs). A run name
     starting with a digit ("7b-run") gets ``NAME_PREFIX``, which the TrainJob CRD needs; others keep
     their name as it is."""
-    digest = hashlib.sha256(f"{run_id}/{config.method}".encode()).hexdigest()[:10]
+    digest = hashlib.sha256(f"{run_id}/{config.method}/{config.model_dump_json()}".encode()).hexdigest()[:10]
     stem = config.name[:30].rstrip("-")
     return f"{NAME_PREFIX if stem[0].isdigit() else ''}{stem}-{digest}-r{round_index}"
+
+
+def round_prefix(config: RunConfig, run_id: str, round_index: int) -> str:
+    """Where the round's TrainJob finds its inputs and leaves its outputs in the store: a folder
+    named as the TrainJob, so that a retry finds what its earlier attempt left, and nothing else does."""
+    return f"{store_prefix(config, run_id, 'trainjob')}/{trainjob_name(config, run_id, round_index)}"
 
 
 def rank_pod_patch(config: RunConfig) -> models.TrainerV1alpha1RuntimePatch:
@@ -207,7 +215,7 @@ class TrainJobRun:
         self.poll_s = poll_s
         self.name = trainjob_name(config, run_id, round_index)
         self.namespace = namespace or _namespace()
-        self.prefix = f"{store_prefix(config, run_id, 'trainjob')}/round-{round_index:06d}"
+        self.prefix = round_prefix(config, run_id, round_index)
         self.store = open_store(config.store.uri, create_bucket=config.store.create_bucket)
 
     def uri(self, name: str) -> str:

@@ -19,7 +19,6 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tracefp4.components import steps
 from tracefp4.components.distributed import DistributedError
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import BF16
@@ -33,6 +32,7 @@ from tracefp4.pipelines.trainjob import (
     TRAINER_JOB,
     VERSION,
     TrainJobRun,
+    round_prefix,
     trainjob,
     trainjob_name,
 )
@@ -345,7 +345,7 @@ def test_a_failed_trainjob_fails_the_step_with_its_reason_and_is_deleted(tmp_pat
     # what was created is a valid TrainJob handing the ranks the round's inputs as store URIs, all uploaded
     (created,) = [m for m, p in fake.calls if m == "POST"]
     store = open_store(c.store.uri)
-    prefix = f"{steps.store_prefix(c, RUN, 'trainjob')}/round-000000"
+    prefix = round_prefix(c, RUN, 0)
     assert {"config.json", "trajectories.jsonl", "guidance.json", "policy/checksums.json", "state/checksums.json"} <= {
         k.removeprefix(prefix + "/") for k in store.list(prefix + "/")
     }
@@ -354,7 +354,7 @@ def test_a_failed_trainjob_fails_the_step_with_its_reason_and_is_deleted(tmp_pat
 def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, validator):
     c = config(tmp_path)
     store = open_store(c.store.uri)
-    prefix = f"{steps.store_prefix(c, RUN, 'trainjob')}/round-000000"
+    prefix = round_prefix(c, RUN, 0)
     seen = []
 
     def ranks_finished(job):  # what rank 0 uploads at the end (components/distributed.py)
@@ -401,7 +401,7 @@ def test_a_trainjob_left_failed_by_an_earlier_attempt_is_replaced(tmp_path):
 def ranks_upload_outputs(c: RunConfig, tmp_path):
     """What rank 0 uploads at the end of a round (components/distributed.py), as a fake's ``on_complete``."""
     store = open_store(c.store.uri)
-    prefix = f"{steps.store_prefix(c, RUN, 'trainjob')}/round-000000"
+    prefix = round_prefix(c, RUN, 0)
 
     def upload(job=None):
         store.put_bytes(f"{prefix}/history.json", json.dumps([{"step": 1, "loss": 0.5}]).encode())
@@ -455,6 +455,10 @@ def test_a_retry_after_the_ranks_finished_takes_their_outputs_without_training_a
     rows, log = completed_round(c, fake, given, tmp_path)
     assert rows == [{"step": 1, "loss": 0.5}] and (tmp_path / "out-state" / "state.json").exists()
     assert fake.calls == [] and "an earlier attempt of this step trained the round" in log[0]
+    # another run given the same run id, with another learning rate: not a retry, so none of the above is its
+    other = c.model_copy(update={"rl": c.rl.model_copy(update={"learning_rate": c.rl.learning_rate * 2})})
+    assert trainjob_name(other, RUN, 0) != trainjob_name(c, RUN, 0)
+    assert not TrainJobRun(other, RUN, 0, fake.api(), namespace=NAMESPACE).finished()  # no call made
 
 
 def test_an_api_server_that_does_not_answer_for_a_while_is_waited_out(tmp_path):
