@@ -25,7 +25,7 @@ from .capture import CaptureRecords, SiteTable
 from .mismatch import join_rows
 from .quant import QuantConfig
 from .store import ArtifactNotFound
-from .syndrome import Rate, SyndromeTable
+from .syndrome import Rate, SyndromeTable, block_layout
 
 MAGIC = b"TFP4GUID"
 FORMAT_VERSION = 3  # 2: a codec per table (bits | syndrome); 3: per-row global scales (per-token activations)
@@ -178,6 +178,7 @@ def encode_shard(records: CaptureRecords, *, rl_step: int, policy_version: int, 
             codec = {
                 "codec": "syndrome",
                 "group": t.group,
+                "segments": t.segments,
                 "code_bits": t.rate.code_bits,
                 "scale_bits": t.rate.scale_bits,
             }
@@ -294,7 +295,14 @@ def _row_global_scales(name: str, spec: dict, arrays: dict, rows: int) -> Tensor
 
 
 def _syndrome_table(name: str, spec: dict, arrays: dict, traj, pos, slot, expert) -> SyndromeTable:
-    """A syndrome table read from a shard, its parity arrays checked against its blocks and rates."""
+    """A syndrome table read from a shard, its blocks and parity arrays checked against its width and rates."""
+    layout = (spec["group"], spec.get("segments", 1))  # segments: written since rows wider than a block are cut
+    coded = block_layout(spec["width"], get_format(spec["fmt"]).block_size)
+    if layout != coded:
+        raise GuidanceError(
+            f"{name}: layer {spec['layer']} {spec['site']} has blocks of (rows, segments) {layout}; rows of "
+            f"{spec['width']} are coded in {coded} (written by an older tracefp4?)"
+        )
     table = SyndromeTable(
         spec["layer"],
         spec["site"],
@@ -309,8 +317,9 @@ def _syndrome_table(name: str, spec: dict, arrays: dict, traj, pos, slot, expert
         Rate(spec["code_bits"], spec["scale_bits"]),
         arrays["code_parity"],
         arrays["scale_parity"],
+        layout[1],
     )
-    blocks = int(table.block_of_rows()[0].max()) + 1 if len(traj) else 0
+    blocks = int(table.block_of_rows()[0].max()) + table.segments if len(traj) else 0
     for field_name, bits in (("code_parity", table.rate.code_bits), ("scale_parity", table.rate.scale_bits)):
         if tuple(arrays[field_name].shape) != (blocks, bits // 8):
             raise GuidanceError(

@@ -4,7 +4,8 @@ own values as side information (docs/guidance-format.md, "Codec syndrome").
 
 The rollout side (:func:`encode_table`) sees only its own codes and scales.
 Rows are grouped into blocks of about :data:`BLOCK_ELEMENTS` elements, never
-across trajectories (the loader selects by trajectory); per block it sends
+across trajectories (the loader selects by trajectory), and a wider row is cut
+into equal segments of at most that many (:func:`block_layout`); per block it sends
 ``scale_bits`` parity bits of the scales' low bits and ``code_bits`` parity
 bits of the codes' low bits. The training side (:func:`decode_rows`), inline
 in its forward and so with the layers below already guided, first recovers the
@@ -42,7 +43,7 @@ from tracefp4.kernels import (
 
 from .capture import SiteTable
 
-BLOCK_ELEMENTS = 256  # elements per block: rows are grouped up to this many (one row if wider)
+BLOCK_ELEMENTS = 256  # elements per block at most: narrower rows are grouped up to it, wider ones cut
 CODE_CHECK_BITS = 8  # code parity bits beyond the erasures: a wrong decode passes with probability 2^-8
 SCALE_CHECK_BITS = 4  # scale parity bits beyond the erasures (a wrong scale also fails the code check)
 MIN_CODE_BITS = 16  # 8 erasures + 8 check bits
@@ -96,16 +97,26 @@ def first_rate(bits_per_element: float, block_elements: int = BLOCK_ELEMENTS) ->
     return Rate(min(MAX_CODE_BITS, max(MIN_CODE_BITS, total - scale_bits)), scale_bits)
 
 
-def group_rows(width: int) -> int:
-    """Rows per block: as many whole rows as fit :data:`BLOCK_ELEMENTS` (at least one)."""
-    return max(1, BLOCK_ELEMENTS // width)
+def block_layout(width: int, block_size: int) -> tuple[int, int]:
+    """Rows per block and blocks per row (one of them 1) for rows of ``width``
+    elements in whole scale blocks of ``block_size``: as many whole rows as fit
+    :data:`BLOCK_ELEMENTS`, or a wider row cut into the fewest equal segments
+    of at most that many, each whole scale blocks. Why cut: a block's parity
+    is at most 64 + 16 bits (:data:`MAX_CODE_BITS`, :data:`MAX_SCALE_BITS`), so
+    a whole 2048-wide row (Qwen3.5-35B-A3B's ``moe_in``) as one block got a
+    sixteenth of the rate asked for and every block failed its decode."""
+    if width <= BLOCK_ELEMENTS:
+        return max(1, BLOCK_ELEMENTS // width), 1
+    size = max(n for n in range(block_size, BLOCK_ELEMENTS + 1, block_size) if width % n == 0)
+    return 1, width // size
 
 
 @dataclass
 class SyndromeTable:
     """The syndrome-coded guidance of one ``(layer, site)``: the rows' keys (as
     :class:`~.capture.SiteTable`'s) and per block (``group`` consecutive rows of
-    one trajectory) the parity bits of its scales' and codes' low bits."""
+    one trajectory, or one of a row's ``segments``) the parity bits of its
+    scales' and codes' low bits."""
 
     layer: int
     site: str
@@ -120,6 +131,7 @@ class SyndromeTable:
     rate: Rate
     code_parity: Tensor  # uint8 [blocks, code_bits / 8], bits packed LSB first (compact_codes with k = 1)
     scale_parity: Tensor  # uint8 [blocks, scale_bits / 8]
+    segments: int = 1  # blocks per row (group is then 1): block_layout
 
     bits = 1  # the guidance it carries: the low code bit, as R-1
 
@@ -131,23 +143,33 @@ class SyndromeTable:
     def elements(self) -> int:
         return len(self.traj) * self.width
 
+    @property
+    def block_elements(self) -> int:
+        return self.group * self.width // self.segments
+
     def block_of_rows(self) -> tuple[Tensor, Tensor]:
-        """Each row's block and place in it: blocks run over trajectories in row
-        order (a trajectory's rows are contiguous), a new one at every
-        ``group``-th row of a trajectory. Shapes are the table's: nothing reads
-        values back, so that it runs on the device without a host sync."""
+        """Each row's (first) block and place in it: blocks run over trajectories
+        in row order (a trajectory's rows are contiguous), a new one at every
+        ``group``-th row of a trajectory, a row of ``segments`` taking that
+        many. Shapes are the table's: nothing reads values back, so that it
+        runs on the device without a host sync."""
         index = torch.arange(len(self.traj), device=self.traj.device)
         starts = torch.ones_like(self.traj, dtype=torch.bool)
         starts[1:] = self.traj[1:] != self.traj[:-1]
         within = index - torch.where(starts, index, 0).cummax(0).values  # the row's place in its trajectory
         place = within % self.group
-        return (place == 0).cumsum(0) - 1, place
+        return ((place == 0).cumsum(0) - 1) * self.segments, place
+
+    def blocks_of(self, rows: Tensor) -> Tensor:
+        """The blocks of the rows where ``rows`` (a mask) is set, in order."""
+        block, _ = self.block_of_rows()
+        every = block[rows, None] + torch.arange(self.segments, device=block.device)
+        return torch.unique(every.flatten())
 
     def for_trajectories(self, ids: Tensor) -> "SyndromeTable":
         """The rows and blocks of trajectories ``ids`` (a block never spans two)."""
         rows = torch.isin(self.traj, ids)
-        block, _ = self.block_of_rows()
-        blocks = torch.unique(block[rows])
+        blocks = self.blocks_of(rows)
         pick = {f: getattr(self, f)[rows] for f in ("traj", "pos", "slot", "expert")}
         return replace(self, **pick, code_parity=self.code_parity[blocks], scale_parity=self.scale_parity[blocks])
 
@@ -172,6 +194,7 @@ class _Layout:
     """Where a table's rows sit in its blocks (:meth:`SyndromeTable.block_of_rows`)."""
 
     group: int
+    segments: int
     n_blocks: int
     block: Tensor
     within: Tensor
@@ -181,21 +204,33 @@ class _Layout:
         """``n_blocks``: the table's, where its parity is not there to count them (encoding)."""
         block, within = table.block_of_rows()
         if n_blocks is None:
-            n_blocks = int(block[-1]) + 1 if len(block) else 0
-        return cls(table.group, n_blocks, block, within)
+            n_blocks = int(block[-1]) + table.segments if len(block) else 0
+        return cls(table.group, table.segments, n_blocks, block, within)
 
     def blocks(self, rows: Tensor, fill) -> Tensor:
-        """Rows ``[N, m]`` laid out as blocks ``[blocks, group * m]``; missing rows hold ``fill``."""
+        """Rows ``[N, m]`` laid out as blocks ``[blocks, group * m / segments]``; missing rows hold ``fill``."""
         if self.group == 1:
-            return rows  # one row a block: the layout already
+            return rows.reshape(self.n_blocks, -1)  # a row a block, or its segments one each: the layout already
         out = torch.full((self.n_blocks, self.group, rows.shape[1]), fill, dtype=rows.dtype, device=rows.device)
         out[self.block, self.within] = rows
         return out.reshape(self.n_blocks, -1)
 
     def unblock(self, blocks: Tensor) -> Tensor:
         if self.group == 1:
-            return blocks
+            return blocks.reshape(len(self.block), -1)
         return blocks.reshape(blocks.shape[0], self.group, -1)[self.block, self.within]
+
+    def of_rows(self, rows: Tensor) -> Tensor:
+        """Per block, whether any of its rows is set in ``rows [N]``."""
+        if self.group == 1:
+            return rows.repeat_interleave(self.segments)
+        return self.blocks(rows[:, None], False).any(1)
+
+    def rows_of(self, blocks: Tensor) -> Tensor:
+        """Per row, whether all of its blocks are set in ``blocks``."""
+        if self.group == 1:
+            return blocks.view(-1, self.segments).all(1)
+        return blocks[self.block]
 
 
 def _low_code_bits(table: SiteTable) -> Tensor:
@@ -214,6 +249,7 @@ def encode_table(table: SiteTable, rate: Rate) -> SyndromeTable:
         raise ValueError(f"layer {table.layer} {table.site}: width {table.width} is not whole {f.block_size}-blocks")
     if table.row_global_scales is not None:  # the side information would need each row's scale: not coded
         raise ValueError(f"layer {table.layer} {table.site}: the syndrome codec carries static global scales only")
+    group, segments = block_layout(table.width, f.block_size)
     out = SyndromeTable(
         table.layer,
         table.site,
@@ -224,10 +260,11 @@ def encode_table(table: SiteTable, rate: Rate) -> SyndromeTable:
         table.pos,
         table.slot,
         table.expert,
-        group_rows(table.width),
+        group,
         rate,
         torch.empty(0, dtype=torch.uint8),
         torch.empty(0, dtype=torch.uint8),
+        segments,
     )
     layout = _Layout.of(out)
     codes = layout.blocks(_low_code_bits(table), 0)
@@ -320,7 +357,7 @@ def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Ten
     # stage 1: the block scales
     own, neighbour, distance = scale_side_info(x, f, g)
     distance = distance.masked_fill_(unknown, -torch.inf)
-    n_scales = own.shape[1] * table.group
+    n_scales = table.block_elements // f.block_size
     scale_h = parity_matrix(rate.scale_bits, n_scales, SCALE_SALT)
     parity = expand_codes(table.scale_parity, 1, rate.scale_bits)
     low, ok_s, scale_needed = solve_erasures(
@@ -330,17 +367,17 @@ def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Ten
     # stage 2: the low code bits under the recovered scales
     low_code, distance = code_side_info(x, f, scales.view(f.scale_dtype), g)
     distance = distance.masked_fill_(unknown, -torch.inf)
-    code_h = parity_matrix(rate.code_bits, table.group * table.width, CODE_SALT)
+    code_h = parity_matrix(rate.code_bits, table.block_elements, CODE_SALT)
     parity = expand_codes(table.code_parity, 1, rate.code_bits)
     low, ok_c, code_needed = solve_erasures(
         layout.blocks(low_code, 0), layout.blocks(distance, torch.inf), parity, code_h, rate.code_erasures
     )
-    tried = layout.blocks(available[:, None], False).any(1)  # blocks with rows in this forward
+    tried = layout.of_rows(available)  # blocks with rows in this forward
     ok = ok_s & ok_c
     return (
         scales,
         layout.unblock(low),
-        ok[layout.block] & available,
+        layout.rows_of(ok) & available,
         _tally(tried, ok_s, ok_c, code_needed, scale_needed),
     )
 

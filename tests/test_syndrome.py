@@ -154,6 +154,33 @@ def test_one_codeword_flips_decode_and_failures_are_counted():
     assert stats.failed == len(torch.unique(block[~ok])) and stats.failed > 0.9 * stats.blocks
 
 
+@pytest.mark.parametrize("fmt, width, segments", [("nvfp4", 1024, 4), ("mxfp4", 2048, 8), ("nvfp4", 384, 2)])
+def test_rows_wider_than_a_block_are_cut_into_blocks_and_decode_at_the_rate_asked(fmt, width, segments):
+    """A whole 2048-wide row (Qwen3.5-35B-A3B's moe_in) was one block, capped at
+    64 + 16 parity bits: 0.03 bit per element at a rate of 0.25, and every
+    block failed. Cut into segments, a row gets the rate, and they decode."""
+    x, traj = rows(n=34, width=width, seed=4)
+    table = table_from(x, traj, fmt)
+    coded = encode_table(table, first_rate(0.25))
+    assert (coded.group, coded.segments) == (1, segments) and coded.block_elements == width // segments
+    assert coded.code_parity.shape[0] == 34 * segments and coded.nbytes * 8 / coded.elements >= 0.25
+    g = torch.Generator().manual_seed(5)
+    train = x * (1 + 2e-3 * torch.randn(x.shape, generator=g))
+    scales, low, ok, stats = decode(coded, train, torch.ones(len(x), dtype=torch.bool))
+    truth = (low == unpack_nibbles(table.codes) & 1).all(1) & (scales == table.scales).all(1)
+    assert stats.blocks == 34 * segments and ok.float().mean() > 0.9 and truth[ok].all()
+    available = torch.arange(len(x)) % 17 != 3  # a row the forward lacks fails all its blocks, and only it
+    _, _, ok, stats = decode(coded, x, available)
+    assert ok.tolist() == available.tolist() and stats.blocks == int(available.sum()) * segments
+    # through a shard and the loader's selection by trajectory
+    header, back = decode_shard(
+        encode_shard(CaptureRecords({(0, "moe_in"): coded}), rl_step=0, policy_version=0, top_k=1), "s"
+    )
+    second = back.tables[(0, "moe_in")].for_trajectories(torch.tensor([1]))
+    assert second.segments == segments and torch.equal(second.code_parity, coded.code_parity[17 * segments :])
+    assert decode(second, x[17:], torch.ones(17, dtype=torch.bool))[2].all()
+
+
 def test_rows_the_training_forward_lacks_are_unknowns():
     x, traj = rows(seed=3)
     table = table_from(x, traj)
