@@ -59,6 +59,7 @@ from .device import resolve
 from .model import Transformer
 from .precision import MasterWeights
 from .quant import QuantConfig
+from .steps import config_digest, store_prefix
 from .store import ArtifactStore, open_store, write_atomic
 from .trainer import TrainConfig, Trainer, clip_gradients
 
@@ -305,6 +306,13 @@ class ShardCheckpoints:
         trainer.step, trainer.history, trainer.decoded = meta["step"], meta["history"], meta["decoded"]
 
 
+def checkpoints_prefix(config, run_id: str, rl_step: int) -> str:
+    """Where a round's sharded checkpoints live: keyed by its first RL step and
+    the run's settings (:func:`.steps.config_digest`), so that only a retry of
+    the round resumes them."""
+    return f"{store_prefix(config, run_id, 'checkpoints')}/round-{rl_step:06d}-{config_digest(config)}"
+
+
 def clear_checkpoints(store: ArtifactStore, prefix: str, keep: str | None = None) -> None:
     """Delete the sharded checkpoints under ``prefix`` but the one under ``keep``; each
     loses its ``.metadata`` first, so that a half-deleted one is never read."""
@@ -377,7 +385,7 @@ def main(argv: list[str] | None = None) -> None:
             guidance_file = _local(args.guidance, work)
             ref = GuidanceRef.from_json(guidance_file.read_text(), args.guidance)
             store = open_store(config.store.uri, create_bucket=config.store.create_bucket)
-            prefix = f"{steps.store_prefix(config, args.run_id, 'checkpoints')}/round-{ref.rl_step:06d}"
+            prefix = checkpoints_prefix(config, args.run_id, ref.rl_step)
             out, out_state = _output(args.out, work / "policy"), _output(args.out_state, work / "state")
             rows = steps.train(
                 config,

@@ -15,6 +15,7 @@ it writes is device-independent (CPU tensors), so that a checkpoint rolled out
 on a GPU trains on a CPU and the reverse.
 """
 
+import hashlib
 import json
 import random
 import time
@@ -84,6 +85,14 @@ def store_prefix(config: RunConfig, run_id: str, kind: str) -> str:
     in the store: per run name, run id and method, so that neither two runs
     with the same name nor the parallel branches of a comparison ever meet."""
     return f"{config.name}/{run_id}/{config.method}/{kind}"
+
+
+def config_digest(config: RunConfig) -> str:
+    """Ten hex digits naming the run's settings, in what a retry of a step
+    resumes (a round's sharded checkpoints, its TrainJob): a run id is a UI
+    parameter, and another run given the same one with other settings must
+    not resume the first's work as its own."""
+    return hashlib.sha256(config.model_dump_json().encode()).hexdigest()[:10]
 
 
 def step_device(config: RunConfig) -> torch.device:

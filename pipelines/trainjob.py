@@ -39,7 +39,7 @@ from kubernetes.client.exceptions import ApiException
 from tracefp4.components.checkpoint import MANIFEST, fetch
 from tracefp4.components.distributed import DistributedError
 from tracefp4.components.launch import MODULE, rank_arguments, torchrun
-from tracefp4.components.steps import store_prefix
+from tracefp4.components.steps import config_digest, store_prefix
 from tracefp4.components.store import open_store
 from tracefp4.schemas import RunConfig
 from tracefp4.schemas.config import SECRET_KEYS
@@ -106,7 +106,7 @@ def trainjob_name(config: RunConfig, run_id: str, round_index: int) -> str:
     share: the second must neither wait for the first's TrainJob nor take its outputs). A run name
     starting with a digit ("7b-run") gets ``NAME_PREFIX``, which the TrainJob CRD needs; others keep
     their name as it is."""
-    digest = hashlib.sha256(f"{run_id}/{config.method}/{config.model_dump_json()}".encode()).hexdigest()[:10]
+    digest = hashlib.sha256(f"{run_id}/{config.method}/{config_digest(config)}".encode()).hexdigest()[:10]
     stem = config.name[:30].rstrip("-")
     return f"{NAME_PREFIX if stem[0].isdigit() else ''}{stem}-{digest}-r{round_index}"
 

@@ -17,7 +17,7 @@ import torch
 
 from tracefp4.components import steps
 from tracefp4.components.checkpoint import load_model
-from tracefp4.components.distributed import DistributedError
+from tracefp4.components.distributed import DistributedError, checkpoints_prefix
 from tracefp4.components.guidance import step_prefix
 from tracefp4.components.launch import torchrun
 from tracefp4.components.store import open_store
@@ -153,7 +153,7 @@ def test_two_processes_count_the_whole_steps_syndrome_decode(tmp_path):
     assert json.loads(store.get_bytes(key)) == decoded_by_one
     store.delete(key)
 
-    round_0 = tmp_path / "store" / steps.store_prefix(config, RUN, "checkpoints") / "round-000000"
+    round_0 = tmp_path / "store" / checkpoints_prefix(syndrome(2), RUN, 0)
     killed = kill_ranks_once(round_0 / "step-000001" / ".metadata")
     with pytest.raises(DistributedError):
         two_processes(tmp_path / "resumed", echo=lambda line: None)
@@ -180,7 +180,7 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
     rerun reads nothing of it and starts the round over."""
     tmp, _, stats = round_inputs
     config = config_for(tmp, processes=2)  # the round's store (its guidance); no checkpoint left in it by now
-    root = tmp / "store" / steps.store_prefix(config, RUN, "checkpoints") / "round-000000"
+    root = tmp / "store" / checkpoints_prefix(config, RUN, 0)
     inputs = (tmp / "policy-0", tmp / "state-0", tmp / "trajectories.jsonl", tmp / "guidance.json")
 
     def interrupted(out):
@@ -211,6 +211,12 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
         other = (tmp_path / "other", tmp_path / "other-state", *inputs[2:])
         torchrun(config, *other, tmp_path / "c", tmp_path / "c-state", tmp_path / "work", RUN, stats, echo=lines.append)
     assert any("checkpoint of a round from another policy folder" in line for line in lines), lines[-5:]
+    # nor does a run of other settings under the same run id: it trains the round from its start
+    other = config.model_copy(update={"rl": config.rl.model_copy(update={"learning_rate": 2e-2})})
+    lines = []
+    torchrun(other, *inputs, tmp_path / "d", tmp_path / "d-state", tmp_path / "work", RUN, stats, echo=lines.append)
+    assert not [line for line in lines if "resumed from" in line]
+    assert len(list(root.parent.glob("*/*/.metadata"))) == 1  # the interrupted round's checkpoint is still there
     (resumed,) = rerun(tmp_path / "a")
     assert resumed.endswith(f"step {int(left[-1].removeprefix('step-'))}")
 
