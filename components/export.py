@@ -273,6 +273,12 @@ def export(
         inexact += missed
     if inexact:
         log.warning("%s: %d expert matrices dequantize up to one BF16 ulp off the rollout's values", source, inexact)
+    if quant.activations == "mxfp4":
+        log.warning(
+            "%s: MXFP4 activations are exported as dynamic; compressed-tensors chooses their block scales by "
+            "another rule than the rollout's OCP floor (docs/export.md)",
+            source,
+        )
     scales = {}
     if quant.activations == "nvfp4":
         # the rollout's calibration: on the FP4 expert weights, the seeded batch, its device and dtype

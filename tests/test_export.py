@@ -194,3 +194,24 @@ def test_a_model_without_routed_experts_is_refused(tmp_path):
     with pytest.raises(ValueError, match="no routed experts to quantize"):
         export(tmp_path / "dense", tmp_path / "out", rollout_config("fp4_wa"))
     assert not (tmp_path / "out").exists()
+
+
+def test_mxfp4_activation_scales_by_compressed_tensors_rule_differ_from_the_rollouts_and_export_says_so(
+    policies, tmp_path, caplog
+):
+    """The export states MXFP4 activations as dynamic, and compressed-tensors
+    chooses a block's scale by rounding its amax to a power of two (up from a
+    mantissa of 0.75), where the rollout floors it (OCP MX v1.0): docs/export.md
+    says so, and the export warns. If compressed-tensors changes its rule, this fails."""
+    from compressed_tensors.quantization.utils.mxfp_utils import generate_mx_scales
+
+    from tracefp4.kernels import quantize
+
+    block = torch.zeros(1, 32)
+    block[0, 0] = 7.5  # amax 1.875 x 2^2: mantissa 0.875
+    ours = int(quantize(block, "mxfp4").scales.view(torch.uint8))
+    theirs = int(generate_mx_scales(block.abs().amax(-1)))
+    assert (ours, theirs) == (127, 128)  # 2^0 and 2^1
+    with caplog.at_level("WARNING", logger="tracefp4.export"):
+        export(policies["smoke"], tmp_path / "mx", rollout_config("fp4_wa", "mxfp4"))
+    assert "another rule than the rollout's OCP floor" in caplog.text
