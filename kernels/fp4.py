@@ -36,6 +36,22 @@ class FP4Tensor:
     fmt: str
     shape: torch.Size
 
+    def __post_init__(self):
+        _check_scales(self.scales, self.fmt, self.shape)
+
+
+def _check_scales(scales: Tensor, fmt: str, shape: torch.Size) -> None:
+    """Scales of the format's dtype, one per block of ``shape``'s rows: read as
+    another dtype, the CPU path took E4M3 bytes for integers (0x38, 1.0, as
+    56) while Triton read their bits, so a wrong dtype gave device-dependent values."""
+    f = get_format(fmt)
+    if scales.dtype != f.scale_dtype:
+        raise TypeError(f"{f.name} scales must be {f.scale_dtype} (view the bytes as it), got {scales.dtype}")
+    if scales.shape[-1:] != (shape[-1] // f.block_size,):
+        raise ValueError(
+            f"{f.name} scales {tuple(scales.shape)} do not cover shape {tuple(shape)} in blocks of {f.block_size}"
+        )
+
 
 @dataclass(frozen=True)
 class Guidance:
@@ -54,6 +70,9 @@ class Guidance:
     def from_rollout(cls, q: FP4Tensor, bits: int) -> "Guidance":
         """Compact a rollout's FP4 outcome to its low ``bits`` plus scales."""
         return cls(compact_codes(unpack_codes(q), bits), bits, q.scales, q.global_scale, q.fmt, q.shape)
+
+    def __post_init__(self):
+        _check_scales(self.scales, self.fmt, self.shape)
 
     def codes(self) -> Tensor:
         """The low bits, one uint8 per element ``[..., K]``."""
@@ -259,6 +278,13 @@ def fake_quantize(
     """
     with torch.no_grad():
         if fmt == "fp8":
+            if global_scale is not None or scale_mode is not None or guide is not None:
+                raise ValueError(
+                    "fp8 scales each row (or block_size elements) by its own amax: global_scale, "
+                    "scale_mode and guide are FP4's"
+                )
+            if x.dtype not in _FLOAT_INPUTS:
+                raise TypeError(f"fp8 fake quantization takes float32 or bfloat16, got {x.dtype}")
             if block_size is not None and (block_size <= 0 or x.shape[-1] % block_size):
                 raise ValueError(f"fp8 block_size {block_size} does not divide the last dimension {x.shape[-1]}")
             values = reference.fp8_fake_quantize(x, block_size)

@@ -216,7 +216,7 @@ def unpack_nibbles(packed: Tensor) -> Tensor:
 def e2m1_decode_packed(packed: Tensor) -> Tensor:
     """Float32 values of packed codes, ``[..., K//2] -> [..., K]``, one lookup per byte."""
     table = on_device(_BYTE_PAIRS_I64, packed.device)
-    return torch.take(table, packed.long()).view(torch.float32).reshape(*packed.shape[:-1], -1)
+    return torch.take(table, packed.long()).view(torch.float32).reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 @functools.cache
@@ -295,7 +295,8 @@ def quantize(
         scales = mxfp4_scales(amax, scale_mode)
     units = scale_units(fmt, scales, per_block(global_scale, x.shape, fmt.block_size))
     codes = _encode(xb, units, lambda y, rows: e2m1_encode(y))
-    return codes.reshape(*x.shape[:-1], -1), scales.reshape(*x.shape[:-1], -1), global_scale
+    k = x.shape[-1]  # sizes, not -1: a tensor of no rows has no size to infer
+    return codes.reshape(*x.shape[:-1], k // 2), scales.reshape(*x.shape[:-1], k // fmt.block_size), global_scale
 
 
 def quantize_guided(
@@ -306,7 +307,7 @@ def quantize_guided(
     guidance = guidance.reshape(xb.shape)
     units = scale_units(fmt, scales.reshape(-1), per_block(global_scale, x.shape, fmt.block_size))
     codes = _encode(xb, units, lambda y, rows: e2m1_encode_guided(y, guidance[rows], bits))
-    return codes.reshape(*x.shape[:-1], -1)
+    return codes.reshape(*x.shape[:-1], x.shape[-1] // 2)
 
 
 def e2m1_decode(codes: Tensor) -> Tensor:

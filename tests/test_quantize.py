@@ -314,3 +314,44 @@ def test_scales_never_divide_by_a_host_number():
         four_over_six(x)
         h_scale(x, torch.randn(16, 64, generator=torch.Generator().manual_seed(1)))
     assert host_divisors == []
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+def test_a_tensor_of_no_rows_quantizes_to_no_rows(fmt):
+    """The CPU path inferred sizes with -1, which a tensor of no elements
+    cannot give (the Triton path and a MoE layer no token went to can)."""
+    for shape in ((0, 64), (2, 0, 64)):
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.zeros(shape, dtype=dtype)
+            q = quantize(x, fmt)
+            assert q.codes.shape == (*shape[:-1], 32) and dequantize(q).shape == shape
+            assert fake_quantize(x, fmt).shape == shape
+    assert quantize(torch.zeros(0, 64), "nvfp4", global_scale=per_token_global_scale(torch.zeros(0, 64))).shape == (
+        0,
+        64,
+    )
+
+
+def test_scales_of_another_dtype_or_blocks_are_refused():
+    """Scale bytes of another dtype read differently on the two backends (the
+    CPU took NVFP4's E4M3 0x38, 1.0, for 56): a tensor or guidance holding
+    them is refused where it is made."""
+    from tracefp4.kernels import Guidance
+
+    q = quantize(torch.randn(2, 64), "nvfp4")
+    with pytest.raises(TypeError, match=r"nvfp4 scales must be torch.float8_e4m3fn .* got torch.uint8"):
+        FP4Tensor(q.codes, q.scales.view(torch.uint8), q.global_scale, "nvfp4", q.shape)
+    with pytest.raises(ValueError, match=r"do not cover shape \(2, 64\) in blocks of 16"):
+        FP4Tensor(q.codes, q.scales[:, :2], q.global_scale, "nvfp4", q.shape)
+    m = quantize(torch.randn(2, 64), "mxfp4")
+    with pytest.raises(TypeError, match="mxfp4 scales must be torch.uint8"):
+        Guidance.from_rollout(FP4Tensor(m.codes, m.scales.view(torch.float8_e4m3fn), None, "mxfp4", m.shape), 1)
+
+
+def test_fp8_refuses_what_only_fp4_takes():
+    x = torch.randn(2, 64)
+    for option in ({"global_scale": 1.0}, {"scale_mode": "rceil"}):
+        with pytest.raises(ValueError, match="global_scale, scale_mode and guide are FP4's"):
+            fake_quantize(x, "fp8", **option)
+    with pytest.raises(TypeError, match="float32 or bfloat16, got torch.float16"):
+        fake_quantize(x.half(), "fp8")
