@@ -397,7 +397,7 @@ def merge_steps(store, rl_step: int, sources: list[str], prefix: str, expect: di
     hold and never share a trajectory. Returns the manifest (written last)."""
     manifests = [read_manifest(store, rl_step, source, expect) for source in sources]
     first = manifests[0]
-    same = ("run_id", "policy_version", "top_k", "fmt", "bits", "layers", "sites")
+    same = ("format_version", "run_id", "policy_version", "top_k", "fmt", "bits", "codec", "layers", "sites")
     for source, m in zip(sources[1:], manifests[1:]):
         differ = [k for k in same if m[k] != first[k]]
         if differ:

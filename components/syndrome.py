@@ -210,15 +210,15 @@ class _Layout:
     def blocks(self, rows: Tensor, fill) -> Tensor:
         """Rows ``[N, m]`` laid out as blocks ``[blocks, group * m / segments]``; missing rows hold ``fill``."""
         if self.group == 1:
-            return rows.reshape(self.n_blocks, -1)  # a row a block, or its segments one each: the layout already
+            return rows.reshape(self.n_blocks, rows.shape[1] // self.segments)  # a row a block, or its segments
         out = torch.full((self.n_blocks, self.group, rows.shape[1]), fill, dtype=rows.dtype, device=rows.device)
         out[self.block, self.within] = rows
-        return out.reshape(self.n_blocks, -1)
+        return out.reshape(self.n_blocks, self.group * rows.shape[1])  # sizes, not -1: a table may have no rows
 
     def unblock(self, blocks: Tensor) -> Tensor:
         if self.group == 1:
-            return blocks.reshape(len(self.block), -1)
-        return blocks.reshape(blocks.shape[0], self.group, -1)[self.block, self.within]
+            return blocks.reshape(len(self.block), blocks.shape[1] * self.segments)
+        return blocks.reshape(blocks.shape[0], self.group, blocks.shape[1] // self.group)[self.block, self.within]
 
     def of_rows(self, rows: Tensor) -> Tensor:
         """Per block, whether any of its rows is set in ``rows [N]``."""

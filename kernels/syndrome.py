@@ -266,7 +266,9 @@ def code_side_info(x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tens
     cache-sized chunks (:func:`~.reference._each_chunk`)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    quarter = scale_units(fmt, scales.reshape(len(x2), -1), global_scale).div_(4).unsqueeze(-1)  # [rows, blocks, 1]
+    quarter = (
+        scale_units(fmt, scales.reshape(len(x2), x2.shape[-1] // fmt.block_size), global_scale).div_(4).unsqueeze(-1)
+    )  # [rows, blocks, 1]
     low = torch.empty(x2.shape, dtype=torch.uint8, device=x.device)
     distance = torch.empty(x2.shape, dtype=torch.float32, device=x.device)
     tables = [on_device(t, x.device) for t in (_CELL_LOW, _CELL_HIGH, _CELL_BIT)]
@@ -292,7 +294,9 @@ def scale_side_info(x: Tensor, fmt: FP4Format, global_scale: Tensor | None) -> t
     (+inf where no other scale is possible: all-zero or non-finite blocks,
     saturation). Adjacent scale bytes differ in their lowest bit, so the
     rollout's low scale bit picks one of the two."""
-    amax = block_amaxes(blocked(x, fmt.block_size).reshape(-1, fmt.block_size)).view(*x.shape[:-1], -1)
+    amax = block_amaxes(blocked(x, fmt.block_size).reshape(-1, fmt.block_size)).view(
+        *x.shape[:-1], x.shape[-1] // fmt.block_size
+    )
     if fmt.has_global_scale:
         v = amax / (E2M1_MAX * global_scale)
         own = nvfp4_scales(amax, global_scale).view(torch.uint8)

@@ -90,10 +90,11 @@ def test_a_flipped_parity_bit_is_detected():
 
 
 def table_from(x: torch.Tensor, traj: torch.Tensor, fmt="nvfp4") -> SiteTable:
-    g = torch.tensor(x.abs().max().item() / (6 * 448))
+    g = torch.tensor(x.abs().amax().item() / (6 * 448) if len(x) else 1.0)
     q = quantize(x, fmt, global_scale=g if fmt == "nvfp4" else None)
     n = len(traj)
-    pos = torch.cat([torch.arange(int(c)) for c in torch.unique_consecutive(traj, return_counts=True)[1]])
+    counts = torch.unique_consecutive(traj, return_counts=True)[1]
+    pos = torch.cat([torch.arange(int(c)) for c in counts]) if n else traj
     return SiteTable(
         0,
         "moe_in",
@@ -465,3 +466,24 @@ def test_no_unknowns_is_the_check_alone():
     guess[::2, 0] ^= 1  # every other block disagrees once
     bits, ok, needed = solve_erasures(guess, reliability, syndrome(truth, h), h, 0)
     assert torch.equal(ok, torch.arange(40) % 2 == 1) and torch.equal(bits, guess) and (needed == 0).all()
+
+
+@pytest.mark.parametrize("width", [64, 256, 1024])
+def test_a_table_of_no_rows_codes_and_decodes_to_nothing(width):
+    x, traj = rows(n=0, width=width)
+    coded = encode_table(table_from(x, traj), first_rate(0.25))
+    scales, low, ok, stats = decode(coded, x, torch.zeros(0, dtype=torch.bool))
+    assert coded.code_parity.shape[0] == 0 and low.shape == (0, width) and ok.shape == (0,) and stats.blocks == 0
+
+
+def test_workers_of_other_codecs_do_not_merge(tmp_path):
+    from tracefp4.components.guidance import compact, merge_steps
+
+    x, traj = rows(n=34)
+    bits = compact(CaptureRecords({(0, "moe_in"): table_from(x[:17], traj[:17])}), 1, [0])  # R-1, as syndrome
+    coded = CaptureRecords({(0, "moe_in"): encode_table(table_from(x[17:], traj[17:]), Rate(40, 8))})
+    store = open_store(str(tmp_path))
+    for worker, records in enumerate((bits, coded)):
+        write_step(store, records, rl_step=0, policy_version=0, top_k=1, prefix=f"capture/worker-{worker}")
+    with pytest.raises(GuidanceError, match=r"differs from capture/worker-0's in \['codec'\]"):
+        merge_steps(store, 0, ["capture/worker-0", "capture/worker-1"], "capture")
