@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -243,7 +244,10 @@ class ShardCheckpoints:
         key = self._key(trainer.step)
         model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
         with tempfile.TemporaryDirectory(prefix="tracefp4-dcp-") as local:
-            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=local)
+            # items every rank holds alike (optimizer step counts, param groups) go in rank 0's file, not spread
+            # over all of them: a resumed rank then reads its own file and rank 0's (files_read)
+            planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=local, planner=planner)
             written = sorted(Path(local).iterdir())  # the coordinator's include .metadata
             for f in written:
                 if f.name != METADATA:
@@ -265,12 +269,25 @@ class ShardCheckpoints:
                 self.clear(keep=trainer.step)
         wait_for_rank0()
 
+    def _fetch(self, key: str, name: str, files: dict, folder: Path) -> None:
+        """Download one file of the checkpoint at ``key``, checked against the size and sha256 it was written with."""
+        if name not in files:
+            raise DistributedError(f"{self.store.uri}/{key}: {name} is not among the files the checkpoint wrote")
+        path = folder / name
+        self.store.download(f"{key}/{name}", path)
+        if size_and_sha256(path) != tuple(files[name]):
+            raise DistributedError(
+                f"{self.store.uri}/{key}/{name}: not the file this checkpoint wrote (size or sha256 "
+                f"differs); delete {self.store.uri}/{key}/ to train the round from its start"
+            )
+
     def clear(self, keep: int | None = None) -> None:
         """Delete the round's checkpoints but the one at version ``keep``."""
         clear_checkpoints(self.store, self.prefix, None if keep is None else self._key(keep))
 
-    def load(self, trainer: DistributedTrainer, version: int) -> None:
-        """Resume ``trainer`` (on every rank) from the complete checkpoint at ``version``."""
+    def load(self, trainer: DistributedTrainer, version: int) -> tuple[int, int]:
+        """Resume ``trainer`` (on every rank) from the complete checkpoint at
+        ``version``; returns how many of its shard files this rank read, of how many."""
         key = self._key(version)
         meta = json.loads(self.store.get_bytes(f"{key}/{HISTORY}"))
         if (meta["run_id"], meta["start_version"]) != (self.run_id, self.start_version):
@@ -289,21 +306,29 @@ class ShardCheckpoints:
                 f"delete {self.store.uri}/{key}/ to train the round from its start"
             )
         model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+        state = {"model": model_state, "optimizer": optimizer_state}
         with tempfile.TemporaryDirectory(prefix="tracefp4-dcp-") as local:
-            for name, (size, sha256) in meta["files"].items():
-                path = Path(local) / name
-                self.store.download(f"{key}/{name}", path)
-                if size_and_sha256(path) != (size, sha256):
-                    raise DistributedError(
-                        f"{self.store.uri}/{key}/{name}: not the file this checkpoint wrote (size or sha256 "
-                        f"differs); delete {self.store.uri}/{key}/ to train the round from its start"
-                    )
-            state = {"model": model_state, "optimizer": optimizer_state}
+            self._fetch(key, METADATA, meta["files"], Path(local))
+            read = files_read(state, local)
+            for name in sorted(read):
+                self._fetch(key, name, meta["files"], Path(local))
             dcp.load(state, checkpoint_id=local)
         set_state_dict(
             trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
         trainer.step, trainer.history, trainer.decoded = meta["step"], meta["history"], meta["decoded"]
+        return len(read), len(meta["files"]) - 1
+
+
+def files_read(state: dict, folder: str) -> set[str]:
+    """The files of the checkpoint in ``folder`` (only its ``.metadata`` need be
+    there) that loading ``state`` reads on this rank, as torch.distributed.checkpoint
+    plans it: the rank's own shards' file and rank 0's (:meth:`ShardCheckpoints.save`),
+    not every rank's, which at scale is the whole trainer state on every rank."""
+    metadata = FileSystemReader(folder).read_metadata()
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(state, metadata, is_coordinator=False)
+    return {metadata.storage_data[item.storage_index].relative_path for item in planner.create_local_plan().items}
 
 
 def checkpoints_prefix(config, run_id: str, rl_step: int) -> str:
@@ -336,9 +361,13 @@ def open_trainer(checkpoints_prefix: str | None, store: ArtifactStore | None, ru
             )
             latest = trainer.checkpoints.latest()
             if latest is not None:
-                trainer.checkpoints.load(trainer, latest)
+                read, written = trainer.checkpoints.load(trainer, latest)
                 if trainer.rank == 0:
-                    print(f"resumed from {store.uri}/{checkpoints_prefix}: step {latest}", flush=True)
+                    print(
+                        f"resumed from {store.uri}/{checkpoints_prefix}: step {latest} "
+                        f"(rank 0 read {read} of its {written} shard files)",
+                        flush=True,
+                    )
         return trainer
 
     return make
