@@ -429,10 +429,9 @@ def get_task(name: str) -> Task:
         raise ValueError(f"unknown task {name!r}; expected one of {sorted(TASKS)}") from None
 
 
-def reward_of(problem: Problem, response: str | None) -> float:
-    """The reward of ``response`` by ``problem``'s task; 0 for a response
-    without a readable text (:meth:`.tokenizer.PolicyTokenizer.response_text`)."""
-    return 0.0 if response is None else get_task(problem.task).reward(problem, response)
+def reward_of(problem: Problem, response: str) -> float:
+    """The reward of ``response`` by ``problem``'s task."""
+    return get_task(problem.task).reward(problem, response)
 
 
 def split(

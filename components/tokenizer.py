@@ -112,31 +112,31 @@ class PolicyTokenizer:
         return self.encode(text) + [self.end_id] if self.chat else self.encode(text + END)
 
     def decode(self, ids: list[int]) -> str:
-        """Text of ``ids`` without the special tokens (so without the eos that ended it)."""
-        return self.hf.decode(list(ids), skip_special_tokens=True)
+        """The text of ``ids`` with every token shown: a special token as its
+        own text (``<pad>``), an id beyond the tokenizer's as U+FFFD; only the
+        eos that ended a response has none. Decoding without the special tokens
+        dropped both kinds, so an answer with such a token inside read as
+        correct and RL rewarded writing it (a model's vocabulary may be larger
+        than its tokenizer's: Qwen's has unused ids, the presets' 256-512 over
+        the character tokenizer's 100)."""
+        ids = list(ids)
+        if ids and ids[-1] in self.eos_ids:
+            ids = ids[:-1]
+        runs: list[list[int]] = [[]]
+        for i in ids:
+            if i < self.vocab_size:
+                runs[-1].append(i)
+            else:
+                runs.append([])  # U+FFFD between the runs around it
+        return "\ufffd".join(self.hf.decode(run) for run in runs)
 
-    def response_text(self, ids: list[int]) -> str | None:
+    def response_text(self, ids: list[int]) -> str:
         """A response as the tasks read it (:meth:`decode`), behind the
         ``<think>`` the generation prompt left open where it left one (Qwen3.5's
         template opens the reasoning itself): reasoning the length limit cut
-        off is then no answer, as with a template whose policy opens it.
-
-        None where the response holds a token its text cannot show: an id
-        beyond the tokenizer's (the model's vocabulary may be larger; Qwen's
-        has unused ids, the presets' hundreds) or a special token before its
-        last. Decoding drops those, so the text around them could score, and
-        RL would reward writing them (:func:`.tasks.reward_of` gives None 0)."""
-        shown = ids[:-1] if ids and ids[-1] in self.stop_ids else ids  # the stop token that ended it is no text
-        if any(i >= self.vocab_size or i in self._dropped_ids for i in shown):
-            return None
+        off is then no answer, as with a template whose policy opens it."""
         text = self.decode(ids)
         return THINK_START + text if self._prompt_opens_thinking else text
-
-    @functools.cached_property
-    def _dropped_ids(self) -> frozenset[int]:
-        """The ids :meth:`decode` leaves out: the special tokens."""
-        added = self.hf.added_tokens_decoder
-        return frozenset(self.hf.all_special_ids) | {i for i, token in added.items() if token.special}
 
     @functools.cached_property
     def _prompt_opens_thinking(self) -> bool:

@@ -67,7 +67,7 @@ def test_character_tokenizer_keeps_its_ids_and_layout():
     printable = "".join(chr(c) for c in range(32, 127)) + "\n"
     assert tok.decode(tok.encode(printable)) == printable
     assert tok.encode("1é\x00") == [tok.encode("1")[0], UNK, UNK]
-    assert tok.decode([BOS, *tok.encode("7+1="), EOS, PAD]) == "7+1="
+    assert tok.decode([BOS, *tok.encode("7+1="), PAD, EOS]) == "<bos>7+1=<pad>"  # every token shown but the last eos
     assert build_tokenizer().files() == tok.files()  # deterministic
 
 
@@ -212,11 +212,11 @@ def test_reasoning_a_template_opens_and_the_length_limit_cuts_is_no_answer(tmp_p
     assert task.reward(problem, plain.response_text(cut_off)) == 1.0
 
 
-def test_a_response_holding_a_token_its_text_cannot_show_earns_nothing(chat):
-    """Decoding drops ids beyond the tokenizer (the presets' models have 256-512
-    ids over its 100) and special tokens, so a correct answer with such a token
-    inside read as correct, and RL rewarded writing them. The stop token that
-    ends a response is no such token."""
+def test_a_response_holding_a_token_its_text_did_not_show_earns_nothing(chat):
+    """Decoding without special tokens dropped them and ids beyond the
+    tokenizer (the presets' models have 256-512 ids over its 100), so a correct
+    answer with such a token inside read as correct, and RL rewarded writing
+    them. Every token shows now; only the eos that ends a response has no text."""
     from tracefp4.components.tasks import reward_of
 
     problem = split("arithmetic", 4, 1, seed=0, difficulty=1)[0][0]
@@ -224,12 +224,12 @@ def test_a_response_holding_a_token_its_text_cannot_show_earns_nothing(chat):
     answer = plain.encode_answer(problem.answer)
     assert reward_of(problem, plain.response_text(answer)) == 1.0
     assert reward_of(problem, plain.response_text(answer[:-1] + [EOS])) == 1.0  # ended by eos, not the newline
-    for planted in (VOCAB_SIZE, 300, PAD, BOS, EOS, UNK):
-        spoiled = answer[:1] + [planted] + answer[1:]
-        assert plain.decode(spoiled) == plain.decode(answer)  # what the reward read before
-        assert plain.response_text(spoiled) is None and reward_of(problem, None) == 0.0
+    for planted, shown in ((VOCAB_SIZE, "\ufffd"), (300, "\ufffd"), (PAD, "<pad>"), (BOS, "<bos>"), (EOS, "<eos>")):
+        spoiled = plain.response_text(answer[:1] + [planted] + answer[1:])
+        assert spoiled == problem.answer[0] + shown + problem.answer[1:] + "\n"
+        assert reward_of(problem, spoiled) == 0.0
     chat_tokenizer = load_tokenizer(chat)
     answer = chat_tokenizer.encode_answer(problem.answer)
-    assert answer[-1] == IDS[IM_END] and reward_of(problem, chat_tokenizer.response_text(answer)) == 1.0
+    assert answer[-1] == IDS[IM_END] and chat_tokenizer.response_text(answer) == problem.answer
     for planted in (IDS[IM_START], IDS[ENDOFTEXT], chat_tokenizer.vocab_size):
-        assert chat_tokenizer.response_text(answer[:1] + [planted] + answer[1:]) is None
+        assert reward_of(problem, chat_tokenizer.response_text(answer[:1] + [planted] + answer[1:])) == 0.0
