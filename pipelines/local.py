@@ -33,6 +33,7 @@ import kfp.local
 from tqdm import tqdm
 
 from tracefp4.components.metrics import PUBLISH_FAILED
+from tracefp4.components.store import open_store
 from tracefp4.schemas import ConfigError, RunConfig
 
 from . import resume
@@ -321,12 +322,20 @@ def run_local(
     # held until the run ends: two runs in one folder would share a run id
     with contextlib.closing(resume.lock_folder(output)):
         config = localize(config, output)
+        # reached now, as every step will (its endpoint, credentials and bucket): else a typo shows in the
+        # rollout, after the bootstrap
+        open_store(config.store.uri, create_bucket=config.store.create_bucket)
         if methods:  # built first: it refuses a comparison branch that could not run, before the run is recorded
             pipeline = build_comparison_pipeline(config, methods, retries=False)
         else:
             pipeline = build_pipeline(config, retries=False)
-        run_id, resumed = resume.run_id(output, resume.request(config, methods), restart)
+        run_id, resumed, others = resume.run_id(output, resume.request(config, methods), restart)
         note = ", resumed: finished tasks are reused, not rerun" if resumed else ""
+        if others and not resumed:
+            note = (
+                f", a new run: the folder's {others} other run(s) were asked for other settings, methods, code or "
+                "checkpoint (each resumes when asked for again)"
+            )
         print(f"run id {run_id}{note}", file=out, flush=True)
         resume.cache_every_task(pipeline)
         kfp.local.init(

@@ -9,12 +9,13 @@ URIs and metadata), and drops an entry whose artifact files are gone. A task
 that was interrupted or failed has no entry, so its partial outputs are never
 read: the rerun runs it again into a fresh folder. The run folder holds:
 
-- ``run.json``: the run id (created once, reused on every resume) and the
-  hash of what was asked for (config and methods) and of the code asked to
-  do it (:func:`code_digest`). The same config on the same code resumes;
-  another config, or changed code, starts a new run id, whose keys match
-  nothing recorded (kfp.local's key holds a component's own few lines, not
-  the library code they call).
+- ``run.json``: per request, the hash of what was asked for (config and
+  methods) and of the code asked to do it (:func:`code_digest`), and its run
+  id (created once, reused on every resume). The same config on the same
+  code resumes; another config, or changed code, starts a new run id, whose
+  keys match nothing recorded (kfp.local's key holds a component's own few
+  lines, not the library code they call), and coming back to an earlier
+  request (a setting tried and undone, an edit reverted) resumes its run.
 - ``completed/``: kfp.local's cache entries, one JSON file per finished task.
 - ``.lock``: held (``flock``) by the run in the folder, with its pid: a second
   run in the same folder stops at once instead of sharing the first one's run id.
@@ -39,6 +40,7 @@ import json
 import os
 import uuid
 from pathlib import Path
+from typing import NamedTuple
 
 from tracefp4.components.checkpoint import fingerprint
 from tracefp4.components.store import write_atomic
@@ -93,25 +95,38 @@ def lock_folder(output: Path):
     return lock
 
 
-def run_id(output: Path, request: str, restart: bool = False) -> tuple[str, bool]:
-    """The folder's run id and whether it resumes an earlier attempt.
+class RunId(NamedTuple):
+    """A local run's id, whether it resumes an earlier attempt, and how many
+    other runs (other requests) the folder holds."""
 
-    ``request`` is what the run was asked to do (the config JSON, the methods);
-    a new id is written when there is none, when ``request`` changed, or on
-    ``restart``."""
+    run_id: str
+    resumed: bool
+    others: int
+
+
+def run_id(output: Path, request: str, restart: bool = False) -> RunId:
+    """The run id of ``request`` (what the run was asked to do: the config
+    JSON, the methods, the code) in the folder. Each request keeps its own:
+    a new one is written for a request the folder has not seen, or on
+    ``restart``; one seen before resumes, even after other requests ran
+    there (one edit of the code and back used to lose the first run's tasks)."""
     path = Path(output) / RUN_FILE
     digest = hashlib.sha256(request.encode()).hexdigest()
-    if not restart and path.exists():
+    runs: dict[str, str] = {}
+    if path.exists():
         try:
             recorded = json.loads(path.read_text())
-            if recorded["request_sha256"] == digest:
-                return recorded["run_id"], True
-        except (ValueError, KeyError, TypeError):
-            pass  # unreadable: a new run id below, nothing recorded under it can match
-    new = f"local-{uuid.uuid4().hex[:12]}"
-    record = json.dumps({"run_id": new, "request_sha256": digest}, indent=2) + "\n"
+            # a folder of an earlier tracefp4 recorded one request
+            runs = dict(recorded.get("runs") or {recorded["request_sha256"]: recorded["run_id"]})
+        except (ValueError, KeyError, TypeError, AttributeError):
+            runs = {}  # unreadable: new run ids from here, nothing recorded under them can match
+    others = len(runs) - (digest in runs)
+    if digest in runs and not restart:
+        return RunId(runs[digest], True, others)
+    runs[digest] = f"local-{uuid.uuid4().hex[:12]}"
+    record = json.dumps({"runs": runs}, indent=2) + "\n"
     write_atomic(path, lambda f: f.write(record.encode()))
-    return new, False
+    return RunId(runs[digest], False, others)
 
 
 def write_metrics(*artifacts) -> None:

@@ -2,6 +2,7 @@
 component), resuming a run folder, stopping the running component on a
 signal; then the CLI end to end: a failing component, a kill and a resume."""
 
+import hashlib
 import json
 import os
 import signal
@@ -84,17 +85,23 @@ def test_the_log_file_gets_no_colour_codes_and_keeps_earlier_attempts(tmp_path):
     assert log.text() == "Task 'prepare' finished with status SUCCESS\n"  # this attempt's part only
 
 
-def test_a_run_folder_keeps_its_run_id_while_the_request_is_the_same(tmp_path):
-    first, resumed = resume.run_id(tmp_path, "config A")
-    assert first.startswith("local-") and not resumed
-    assert resume.run_id(tmp_path, "config A") == (first, True)
-    changed, resumed = resume.run_id(tmp_path, "config B")
-    assert changed != first and not resumed
-    restarted, resumed = resume.run_id(tmp_path, "config B", restart=True)
-    assert restarted != changed and not resumed
+def test_a_run_folder_keeps_a_run_id_per_request(tmp_path):
+    first, resumed, others = resume.run_id(tmp_path, "config A")
+    assert first.startswith("local-") and not resumed and others == 0
+    assert resume.run_id(tmp_path, "config A") == (first, True, 0)
+    changed, resumed, others = resume.run_id(tmp_path, "config B")
+    assert changed != first and not resumed and others == 1
+    # back to the first request (a setting undone, an edit reverted): its run resumes, it was not replaced
+    assert resume.run_id(tmp_path, "config A") == (first, True, 1)
+    restarted, resumed, _ = resume.run_id(tmp_path, "config B", restart=True)
+    assert restarted != changed and not resumed and resume.run_id(tmp_path, "config B")[:2] == (restarted, True)
     (tmp_path / resume.RUN_FILE).write_text("{not json")
     assert resume.run_id(tmp_path, "config B")[0] not in (first, changed, restarted)
     assert [p.name for p in tmp_path.iterdir()] == [resume.RUN_FILE]  # written through a renamed temporary file
+    # a folder of an earlier tracefp4, which recorded one request
+    digest = hashlib.sha256(b"config A").hexdigest()
+    (tmp_path / resume.RUN_FILE).write_text(json.dumps({"run_id": "local-old", "request_sha256": digest}))
+    assert resume.run_id(tmp_path, "config A") == ("local-old", True, 0)
 
 
 def test_a_checkpoint_with_other_weights_at_the_same_path_is_another_run(tmp_path):
@@ -124,10 +131,19 @@ def test_a_run_folder_takes_one_run_at_a_time(tmp_path):
     resume.lock_folder(tmp_path).close()
 
 
-def test_a_run_no_local_machine_can_do_is_refused_before_it_starts(tmp_path):
+def test_a_run_no_local_machine_can_do_is_refused_before_it_starts(tmp_path, monkeypatch):
     """A TrainJob launcher failed in the train step, after prepare (minutes of
     bootstrap for tiny) and the rollout; a comparison branch that could not run
-    failed in its configure task, with its run recorded in the folder."""
+    failed in its configure task, with its run recorded in the folder; a store
+    the steps cannot reach failed in the rollout."""
+    from tracefp4.components.store import StoreError
+
+    for name in ("TRACEFP4_S3_ENDPOINT", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(name, raising=False)
+    s3 = load_config(None, preset="smoke", overrides={"store.uri": "s3://bucket/prefix"})
+    with pytest.raises(StoreError, match="set TRACEFP4_S3_ENDPOINT"):
+        run_local(s3, tmp_path / "s3")
+    assert [p.name for p in (tmp_path / "s3").iterdir()] == [resume.LOCK_FILE]
     ranks = {"train.launcher": "trainjob", "train.processes_per_node": 2, "train.precision": "fp32_master"}
     trainjob = load_config(None, preset="smoke", overrides={**ranks, "rl.microbatch_size": 2})
     with pytest.raises(ConfigError, match="train.launcher: trainjob creates a Kubeflow Trainer TrainJob"):
