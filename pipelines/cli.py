@@ -170,7 +170,7 @@ def export(fmt, config_name, rollout_dtype, calibration_seed, device, src, dst):
             device=device,
             calibration_seed=calibration_seed,
         )
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # not a policy folder, say
         raise click.ClickException(str(e)) from None
     click.echo(
         f"{dst}: {stats['format']}, {stats['expert_matrices']} expert matrices in {stats['expert_bytes']} bytes "
@@ -393,7 +393,11 @@ def delete_metrics(pushgateway, pipeline, run_id, job):
     """Delete every metrics group one run pushed to a Pushgateway."""
     from tracefp4.components.metrics import delete_run
 
-    click.echo(f"deleted {delete_run(pushgateway, job, pipeline, run_id)} group(s)")
+    try:
+        deleted = delete_run(pushgateway, job, pipeline, run_id)
+    except (OSError, ValueError) as e:  # unreachable, or not a URL
+        raise click.ClickException(f"pushgateway {pushgateway}: {getattr(e, 'reason', e)}") from None
+    click.echo(f"deleted {deleted} group(s)")
 
 
 if __name__ == "__main__":

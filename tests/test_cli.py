@@ -35,3 +35,18 @@ def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
 def test_an_unknown_preset_is_a_config_error():
     with pytest.raises(ConfigError, match=r"preset: unknown run preset 'nope'; expected one of \[.*'smoke'"):
         load_config(preset="nope")
+
+
+def test_an_unreachable_pushgateway_and_a_folder_that_is_no_policy_are_one_line_errors(tmp_path):
+    """Both ended in a Python traceback."""
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for url, reason in ((f"http://127.0.0.1:{port}", "Connection refused"), ("localhost:9091", "unknown url type")):
+        result = CliRunner().invoke(main, ["delete-metrics", "--pushgateway", url, "--pipeline", "p", "--run-id", "r"])
+        assert result.exit_code == 1 and f"Error: pushgateway {url}: " in result.output and reason in result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+    result = CliRunner().invoke(main, ["export", str(tmp_path), str(tmp_path / "out")])
+    assert result.exit_code == 1 and f"Error: {tmp_path}/config.json does not exist" in result.output
