@@ -269,7 +269,11 @@ def _sensitivity_table(rows: list[dict], source: str) -> Table | None:
     indices = {n: _first([r for r in rows if r["layers"] == n], "layer_indices") for n in counts}
     layers = "; ".join(f"L{n} = layers {indices[n]}" for n in counts)
     columns = ["guidance", *(f"L{n} {label}" for n in counts for label, _ in metrics)]
-    return _table(out, columns, source, note=f"Ln guides n layers ({layers}).")
+    note = (
+        f"Ln guides n layers ({layers}); bits/element: the guidance's bits over every captured FP4 element, guided "
+        "or not (the compaction's guidance_bits_per_element divides by the guided elements alone)."
+    )
+    return _table(out, columns, source, note=note)
 
 
 def _ptq_table(evaluation: dict, source: str) -> Table | None:
@@ -311,10 +315,17 @@ def _discrepancy_blocks(evaluation: dict, source: str) -> list:
             columns = ["layer", "code mismatch", "relative excess MSE"]
             per_layer = [dict(zip(columns, (n, mismatch.get(n), mse.get(n)))) for n in layers]
             blocks.append(_table(per_layer, columns, source, title=f"Per layer, `{rollout}`"))
+            blocks.append(
+                "Relative excess MSE: (MSE between the two paths' FP4 values - MSE between their values before "
+                "quantization) / the latter; -1 where the FP4 values agree exactly, - where the values before "
+                "quantization do (no ratio)."
+            )
         if total := sum(hist.values()):
             counts = [{"codeword difference": d, "count": c, "share": c / total} for d, c in hist.items()]
             columns = ["codeword difference", "count", "share"]
             blocks.append(_table(counts, columns, source, title=f"Codeword-difference histogram, `{rollout}`"))
+        else:
+            blocks.append(f"No code differs between the two paths under `{rollout}`: no codeword-difference histogram.")
         mse_series.append(Series(rollout, list(mse), list(mse.values())))
         hist_series.append(Series(rollout, list(hist), list(hist.values())))
     return blocks + [

@@ -487,6 +487,10 @@ def test_rows_with_missing_or_null_keys_skip_cells_not_the_report(tmp_path):
     assert "## Guidance sensitivity" not in text  # no layer count: no cell to put it in
     discrepancy = rows(section(text, "Train-rollout discrepancy"))
     assert discrepancy == [["rollout"], ["fp4_kv"], ["layer", "relative excess MSE"], ["3", "1"]]  # no empty histogram
+    # ... but a line saying why there is none, and what the MSE column's -1 and - mean
+    text_discrepancy = section(text, "Train-rollout discrepancy")
+    assert "No code differs between the two paths under `fp4_kv`: no codeword-difference histogram." in text_discrepancy
+    assert "-1 where the FP4 values agree exactly, - where the values before quantization do" in text_discrepancy
     page = Page(report.html_report(TRACE, *files))
     assert png_alts(page) == {"Reward and accuracy", "Relative excess MSE per layer"}
     Page(report.comparison_html(TRACE, [evaluation, {}], [sparse]))  # fewer histories than evaluations
