@@ -157,7 +157,9 @@ def _discrepancy(config: RunConfig, model, name: str, tokenizer, prompts, sensit
         [q for q in prompts for _ in range(k)], steps.sampling(config, config.seed + 2, tokenizer)
     )
     records = engine.drain_capture()
-    trainer = Trainer(model, steps.train_config(config), engine.quant, engine.global_scales)
+    # on a copy: a trainer converts its model in place to the training precision (float32 weights rounded to
+    # bf16 under train.precision bf16), and the later rollout configs score this policy
+    trainer = Trainer(copy.deepcopy(model), steps.train_config(config), engine.quant, engine.global_scales)
     available = sorted({layer for layer, _ in records.tables})
     loader = None
     with tempfile.TemporaryDirectory() as folder:

@@ -6,6 +6,7 @@ import json
 import time
 
 import pytest
+import torch
 import yaml
 from click.testing import CliRunner
 from kfp import components
@@ -430,6 +431,22 @@ def test_evaluation_of_a_trace_run_measures_its_guided_training_path(tmp_path, n
     assert (
         d["code_mismatch"] < qat["code_mismatch"] / 5
     )  # full guidance on every layer: the rollout's codes, nearly all
+
+
+def test_measuring_the_training_path_leaves_the_evaluated_policy_alone(tmp_path):
+    """The discrepancy's trainer converted the evaluated policy in place (float32
+    weights rounded to bf16 under train.precision bf16, train mode on), so every
+    rollout config scored after an FP4 one scored other weights."""
+    from tracefp4.components import evaluation, steps
+    from tracefp4.components.tokenizer import load_tokenizer
+
+    config = localize(load_config(None, preset="smoke", overrides={"train.precision": "bf16"}), tmp_path)
+    steps.prepare(config, tmp_path / "policy")
+    model, tokenizer = load_model(tmp_path / "policy"), load_tokenizer(tmp_path / "policy")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    prompts = steps.encode_prompts(config, tokenizer, steps.problems(config)[1][:2])
+    evaluation._discrepancy(config, model.eval(), "fp4_wa_kv", tokenizer, prompts, sensitivity=False)
+    assert not model.training and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
 def test_bootstrap_command_writes_a_bootstrapped_checkpoint(tmp_path):
