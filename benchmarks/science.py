@@ -326,8 +326,16 @@ def difference(data: dict, a: tuple, b: tuple) -> dict | None:
     if not keys:
         return None
     # keys are (seed, task, prompts, index): each seed is its own RL run, resampled as one
-    diff, low, high = paired_bootstrap([sa[k] for k in keys], [sb[k] for k in keys], clusters=[k[0] for k in keys])
-    return {"difference": diff, "ci95": [low, high], "pairs": len(keys), "seeds": len({k[0] for k in keys})}
+    x, y = [sa[k] for k in keys], [sb[k] for k in keys]
+    diff, low, high = paired_bootstrap(x, y, clusters=[k[0] for k in keys])
+    _, prompts_low, prompts_high = paired_bootstrap(x, y)  # every prompt a run of its own: how much narrower
+    return {
+        "difference": diff,
+        "ci95": [low, high],
+        "ci95_prompts_only": [prompts_low, prompts_high],
+        "pairs": len(keys),
+        "seeds": len({k[0] for k in keys}),
+    }
 
 
 def claims(data: dict) -> list[dict]:
@@ -384,12 +392,13 @@ def dynamics(data: dict) -> list[dict]:
 
 
 def rl_effects(data: dict) -> list[dict]:
-    """Per method: its trained policy's pass@1 minus the base's under the FP4 rollout, paired over (seed, prompt):
-    how far RL moved accuracy at all, the scale against which the claims' differences are read."""
+    """Per method: its trained policy's pass@1 minus the base's under the FP4 rollout as that method runs it (QUADS
+    compensates activations, so the base scores otherwise there), paired over (seed, prompt): how far RL moved
+    accuracy at all, the scale against which the claims' differences are read."""
     fp4 = _fp4(data)
     out = []
     for method in METHODS:
-        d = difference(data, (method, "trained", fp4), ("bf16", "initial", fp4))
+        d = difference(data, (method, "trained", fp4), (method, "initial", fp4))
         if d is not None:
             out.append({"method": method, **d})
     return out
