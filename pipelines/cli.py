@@ -179,6 +179,17 @@ def export(fmt, config_name, rollout_dtype, calibration_seed, device, src, dst):
     )
 
 
+SPEC_WARN_BYTES = 1_400_000  # a compiled spec above this makes a workflow object past etcd's 1.5 MiB (docs/deploy.md)
+
+
+def _warn_for_cluster(config) -> None:
+    """What would keep a compiled or submitted run from working on a cluster, said before it is uploaded."""
+    if config.store.uri.startswith("file://"):
+        click.echo(
+            f"warning: store {config.store.uri} is local to each pod; use --store s3://... on a cluster", err=True
+        )
+
+
 @main.command()
 @preset_option
 @config_option
@@ -193,6 +204,15 @@ def compile(preset, config_file, output, methods):
         compile_pipeline(config, output, methods)
     except ConfigError as e:  # a comparison's branch that could not run
         raise click.ClickException(str(e)) from None
+    _warn_for_cluster(config)
+    size = Path(output).stat().st_size
+    if size > SPEC_WARN_BYTES:
+        click.echo(
+            f"warning: {output} holds {size / 2**20:.2f} MiB of pipeline spec, and KFP's workflow object of it is "
+            "larger: etcd refuses objects above 1.5 MiB by default, so the run may not start; run fewer rounds per "
+            "run (docs/deploy.md, 'Known limit')",
+            err=True,
+        )
     name = f"tracefp4-{config.name}" + ("-compare" if methods else "")
     click.echo(f"{output}: pipeline {name}, version {pipeline_version()}")
 
@@ -254,10 +274,7 @@ def submit(preset, config_file, experiment, store, service_account, root, method
     from tracefp4.pipelines.submit import submit as submit_run
 
     config = _config(preset, config_file, store)
-    if config.store.uri.startswith("file://"):
-        click.echo(
-            f"warning: store {config.store.uri} is local to each pod; use --store s3://... on a cluster", err=True
-        )
+    _warn_for_cluster(config)
     try:
         connection = _connection(**connection)
         result = submit_run(

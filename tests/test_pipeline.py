@@ -191,6 +191,11 @@ def test_cli(tmp_path):
     assert result.exit_code == 0 and "smoke" in result.output and "paper-nvfp4-wa-kv" in result.output
     result = runner.invoke(main, ["compile", "--preset", "smoke", "--output", str(tmp_path / "p.yaml")])
     assert result.exit_code == 0 and (tmp_path / "p.yaml").exists()
+    assert "warning: store file://./runs/store is local to each pod" in result.output  # smoke's store
+    assert "MiB of pipeline spec" not in result.output
+    # the paper preset's 100 unrolled rounds: past what etcd takes (docs/deploy.md), said at compile time
+    result = runner.invoke(main, ["compile", "--preset", "paper-nvfp4-wa-kv", "--output", str(tmp_path / "big.yaml")])
+    assert result.exit_code == 0 and "MiB of pipeline spec" in result.output and "etcd refuses" in result.output
     bad = tmp_path / "bad.yaml"
     bad.write_text("rl:\n  learning_rate: -1\ntasks:\n  - name: chess\n")
     result = runner.invoke(main, ["compile", "--config", str(bad), "--output", str(tmp_path / "q.yaml")])
