@@ -151,25 +151,44 @@ def bootstrap(preset, config_file, output):
     help="The run's seed: the rollout calibrates its static activation scales on a batch drawn with it.",
 )
 @click.option("--device", default="cpu", show_default=True, help="Device of the calibration (the rollout's).")
+@click.option(
+    "--preset",
+    type=click.Choice(sorted(PRESETS)),
+    help="The run's named configuration: its rollout settings (all of the above) instead of the options.",
+)
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False),
+    help="The run's config: its rollout settings (all of the above) instead of the options.",
+)
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.argument("dst", type=click.Path(file_okay=False))
-def export(fmt, config_name, rollout_dtype, calibration_seed, device, src, dst):
+@click.pass_context
+def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, preset, config_file, src, dst):
     """Write the policy folder SRC at DST for vLLM / SGLang as the run's rollout served it: a
     compressed-tensors checkpoint with the routed experts FP4 as the rollout quantized them and
-    everything else BF16, or all BF16 where the rollout left the weights BF16."""
+    everything else BF16, or all BF16 where the rollout left the weights BF16. With --preset or
+    --config, as the pipeline's export task does for that run."""
     import torch
 
+    from tracefp4.components import steps
     from tracefp4.components.export import export as export_policy
 
+    settings = ("fmt", "config_name", "rollout_dtype", "calibration_seed", "device")
+    given = [name for name in settings if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
+    if (preset or config_file) and given:
+        names = ", ".join(p.opts[0] for p in ctx.command.params if p.name in given)
+        raise click.UsageError(f"{names}: the run's config sets them; give either it or them")
     try:
-        stats = export_policy(
-            src,
-            dst,
-            rollout_config(config_name, fmt),
-            rollout_dtype=getattr(torch, rollout_dtype),
-            device=device,
-            calibration_seed=calibration_seed,
-        )
+        if preset or config_file:
+            stats = steps.export_policy(_config(preset, config_file), Path(src), Path(dst))
+        else:
+            quant = rollout_config(config_name, fmt)
+            dtype = getattr(torch, rollout_dtype)
+            stats = export_policy(
+                src, dst, quant, rollout_dtype=dtype, device=device, calibration_seed=calibration_seed
+            )
     except (ValueError, OSError) as e:  # not a policy folder, say
         raise click.ClickException(str(e)) from None
     click.echo(

@@ -185,6 +185,18 @@ def test_export_command(policies, tmp_path):
     assert result.exit_code == 0, result.output  # the rollout left the weights BF16: so does the export
     assert provenance(tmp_path / "b")["format"] == "bf16"
     assert "quantization_config" not in json.loads((tmp_path / "b" / "config.json").read_text())
+    # with the run's config: what its pipeline's export task writes (smoke computes in float32, which the
+    # options' default bfloat16 is not), and no option beside it
+    from tracefp4.components import steps
+    from tracefp4.schemas import get_preset
+
+    result = runner.invoke(main, ["export", "--preset", "smoke", str(policies["smoke"]), str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    steps.export_policy(get_preset("smoke"), policies["smoke"], tmp_path / "task")
+    assert _digests(tmp_path / "run") == _digests(tmp_path / "task") != _digests(tmp_path / "e")
+    args = ["export", "--preset", "smoke", "--format", "mxfp4", str(policies["smoke"]), str(tmp_path / "y")]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 2 and "--format: the run's config sets them" in result.output
 
 
 def test_a_model_without_routed_experts_is_refused(tmp_path):
