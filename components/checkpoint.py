@@ -451,6 +451,7 @@ def staging_folder(folder: Path) -> Iterator[Path]:
     leaves no copy behind. Named uniquely: a container's process ids repeat."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
+    os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would keep the saved folder from a serving engine of another user
     try:
         yield tmp
     finally:

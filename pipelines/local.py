@@ -33,7 +33,7 @@ import kfp.local
 from tqdm import tqdm
 
 from tracefp4.components.metrics import PUBLISH_FAILED
-from tracefp4.components.store import open_store
+from tracefp4.components.store import file_path, open_store
 from tracefp4.schemas import ConfigError, RunConfig
 
 from . import resume
@@ -73,8 +73,8 @@ class Interrupted(BaseException):
 def localize(config: RunConfig, output: Path) -> RunConfig:
     """A relative ``file://`` store becomes a folder of the run's output, a relative metrics file a file in it."""
     uri = config.store.uri
-    if uri.startswith("file://") and not uri.startswith("file:///"):
-        uri = (output / uri.removeprefix("file://")).resolve().as_uri()
+    if uri.startswith("file://") and not (path := file_path(uri)).is_absolute():
+        uri = (output / path).resolve().as_uri()
     metrics_file = str((output / config.metrics.metrics_file).resolve())
     return config.model_copy(
         update={

@@ -31,7 +31,7 @@ from pydantic_core import PydanticCustomError
 
 from tracefp4.components import model, precision, ptq, qat, quant, tasks
 from tracefp4.components.device import DEVICE_PATTERN
-from tracefp4.components.store import parse_s3_uri
+from tracefp4.components.store import file_path, parse_s3_uri
 
 ModelPreset = Literal[tuple(model.PRESETS)]
 RolloutConfigName = Literal[quant.ROLLOUT_CONFIGS]
@@ -101,15 +101,14 @@ LayerSelection = Annotated[
 
 def _check_store_uri(uri: str) -> str:
     """The schemes `components/store.py:open_store` serves; an S3 URI as its
-    store reads it (:func:`~tracefp4.components.store.parse_s3_uri`)."""
+    store reads it (:func:`~tracefp4.components.store.file_path`, :func:`~tracefp4.components.store.parse_s3_uri`)."""
     scheme, sep, rest = uri.partition("://")
     if not sep or scheme not in ("file", "s3", "minio") or not rest or re.search(r"\s", uri):
         raise PydanticCustomError("store_uri", "must start with file://, s3:// or minio:// followed by a location")
-    if scheme != "file":
-        try:
-            parse_s3_uri(uri)  # as the store will read it (its message never echoes credentials)
-        except ValueError as e:
-            raise PydanticCustomError("store_uri", "{problem}", {"problem": str(e)}) from None
+    try:  # as the store will read it (an S3 URI's message never echoes credentials)
+        file_path(uri) if scheme == "file" else parse_s3_uri(uri)
+    except ValueError as e:
+        raise PydanticCustomError("store_uri", "{problem}", {"problem": str(e)}) from None
     return uri
 
 

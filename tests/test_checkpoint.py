@@ -94,6 +94,7 @@ def test_a_failed_save_leaves_nothing_beside_the_folder_and_a_dead_save_blocks_n
     (tmp_path / f".ckpt.tmp-{os.getpid()}" / "leftover").mkdir(parents=True)
     save_model(build_model("smoke", seed=1), tmp_path / "ckpt")
     assert torch.equal(load_model(tmp_path / "ckpt").lm_head.weight, build_model("smoke", seed=1).lm_head.weight)
+    assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o755  # readable by a serving engine of another user
     before = sorted(p.name for p in tmp_path.iterdir())
 
     def disk_full(*args, **kwargs):

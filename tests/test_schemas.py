@@ -227,6 +227,8 @@ def test_unknown_fields_are_rejected(overrides, path):
         ("s3://bucket/../x", "no empty, '.' or '..' path segments"),
         ("s3:///nobucket", "use s3://bucket/optional/prefix"),
         ("minio://b/p", "bucket name"),
+        # a host names no folder: a local run read it as the relative folder host/x
+        ("file://host/x", "use file:///absolute/path or file://./relative/path"),
     ],
 )
 def test_bad_store_uri_is_rejected(uri, why):

@@ -187,6 +187,15 @@ def test_a_file_uri_names_the_folder_its_store_and_checkpoints_use(tmp_path):
     assert fetch("file://localhost" + folder.as_uri().removeprefix("file://")) == folder
     with pytest.raises(ValueError, match="bad file URI 'file://host/x'"):
         fetch("file://host/x")  # not the relative folder host/x
+    # a local run's relative store, percent-encoded or at localhost, lands where the store then writes
+    from tracefp4.pipelines.local import localize
+    from tracefp4.schemas import get_preset
+
+    smoke = get_preset("smoke")
+    at = lambda uri: smoke.model_copy(update={"store": smoke.store.model_copy(update={"uri": uri})})  # noqa: E731
+    localhost = "file://localhost" + folder.as_uri().removeprefix("file://")  # not <output>/localhost/...
+    for uri, where in (("file://./My%20Runs/s", tmp_path / "My Runs" / "s"), (localhost, folder)):
+        assert open_store(localize(at(uri), tmp_path).store.uri).root == where
 
 
 def test_missing_env_names_variable(s3_server):
