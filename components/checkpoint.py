@@ -225,7 +225,13 @@ def config_from_hf(hf: dict) -> ModelConfig:
         interval = size("full_attention_interval", 4)
         default_types = ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(layers)]
         types = types or default_types
+        if known["decoder_sparse_step"] != 1 or known["mlp_only_layers"]:
+            log.info(
+                "config.json: qwen3_5_moe routes every layer's MLP; decoder_sparse_step and mlp_only_layers ignored"
+            )
         known |= {
+            "decoder_sparse_step": 1,  # transformers' Qwen3.5 has no dense layers, whatever these say
+            "mlp_only_layers": (),
             "shared_expert_intermediate_size": size("shared_expert_intermediate_size"),
             "norm_topk_prob": True,  # the router always renormalizes its top-k
             "layer_types": tuple(types),
@@ -254,9 +260,8 @@ def _text_config(hf: dict) -> dict:
         raise CheckpointError("config.json: a qwen3_5_moe config needs a text_config object")
     if hf.get("vision_config") is not None:
         log.info("config.json has a vision_config: loading the language model only, the vision tower is skipped")
-    if "tie_word_embeddings" in hf:  # transformers ties the whole model by the top level's (it writes both)
-        text = {**text, "tie_word_embeddings": hf["tie_word_embeddings"]}
-    return text
+    # transformers ties the whole model by the top level's (it writes both), False where it is absent
+    return {**text, "tie_word_embeddings": hf.get("tie_word_embeddings", False)}
 
 
 def config_to_hf(cfg: ModelConfig) -> dict:

@@ -346,26 +346,24 @@ def clear_checkpoints(store: ArtifactStore, prefix: str, keep: str | None = None
         store.delete(key)
 
 
-def open_trainer(checkpoints_prefix: str | None, store: ArtifactStore | None, run_id: str):
+def open_trainer(prefix: str | None, store: ArtifactStore | None, run_id: str):
     """``steps.train``'s ``open_trainer`` for a distributed round: the policy
     folder sharded over the ranks, resumed from the round's newest complete
-    sharded checkpoint under ``checkpoints_prefix`` in ``store`` when there is one."""
+    sharded checkpoint under ``prefix`` (:func:`checkpoints_prefix`) in ``store`` when there is one."""
 
     def make(
         policy, state, config: TrainConfig, quant: QuantConfig, global_scales: dict, device, run_id: str
     ) -> DistributedTrainer:
         trainer = DistributedTrainer.from_checkpoint(policy, state, config, quant, global_scales, device, run_id)
-        if checkpoints_prefix is not None:
-            trainer.checkpoints = ShardCheckpoints(
-                store, checkpoints_prefix, run_id, trainer.step, folder_digest(policy)
-            )
+        if prefix is not None:
+            trainer.checkpoints = ShardCheckpoints(store, prefix, run_id, trainer.step, folder_digest(policy))
             latest = trainer.checkpoints.latest()
             if latest is not None:
                 read, written = trainer.checkpoints.load(trainer, latest)
                 if trainer.rank == 0:
                     print(
-                        f"resumed from {store.uri}/{checkpoints_prefix}: step {latest} "
-                        f"(rank 0 read {read} of its {written} shard files)",
+                        f"resumed from {store.uri}/{prefix}: step {latest} "
+                        f"(rank 0 read {read} of the checkpoint's {written} shard files)",
                         flush=True,
                     )
         return trainer

@@ -219,7 +219,9 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
     assert len(list(root.parent.glob("*/*/.metadata"))) == 1  # the interrupted round's checkpoint is still there
     (resumed,) = rerun(tmp_path / "a")
     # rank 0 downloads its own shards alone (every rank downloaded every rank's: at scale, the whole state each)
-    assert resumed.endswith(f"step {int(left[-1].removeprefix('step-'))} (rank 0 read 1 of its 2 shard files)")
+    assert resumed.endswith(
+        f"step {int(left[-1].removeprefix('step-'))} (rank 0 read 1 of the checkpoint's 2 shard files)"
+    )
 
     left = interrupted(tmp_path / "b")
     shard = next((root / left[-1]).glob("*.distcp"))

@@ -191,3 +191,18 @@ def test_a_multimodal_config_ties_by_its_top_level():
     for top, text in ((False, True), (True, False)):
         wrapper["tie_word_embeddings"], wrapper["text_config"]["tie_word_embeddings"] = top, text
         assert config_from_hf(wrapper).tie_word_embeddings is top
+    # without a top-level value, the wrapper's default (False), not the text_config's: a checkpoint's own
+    # lm_head was dropped for the embedding
+    del wrapper["tie_word_embeddings"]
+    wrapper["text_config"]["tie_word_embeddings"] = True
+    assert transformers.Qwen3_5MoeConfig(**wrapper).tie_word_embeddings is False
+    assert config_from_hf(wrapper).tie_word_embeddings is False
+
+
+def test_qwen35_routes_every_layer_whatever_dense_layer_keys_say():
+    """transformers' Qwen3.5 has no dense MLP layers: decoder_sparse_step and
+    mlp_only_layers (left by a Qwen3-style config) built dense layers its weights lack."""
+    cfg = config_from_hf({**transformers.Qwen3_5MoeTextConfig(**TEXT).to_dict(), "decoder_sparse_step": 2})
+    assert cfg.sparse_layers == list(range(cfg.num_layers))
+    cfg = config_from_hf({**transformers.Qwen3_5MoeTextConfig(**TEXT).to_dict(), "mlp_only_layers": [0]})
+    assert cfg.sparse_layers == list(range(cfg.num_layers))
