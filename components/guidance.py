@@ -297,7 +297,7 @@ def _row_global_scales(name: str, spec: dict, arrays: dict, rows: int) -> Tensor
 def _syndrome_table(name: str, spec: dict, arrays: dict, traj, pos, slot, expert) -> SyndromeTable:
     """A syndrome table read from a shard, its blocks and parity arrays checked against its width and rates."""
     layout = (spec["group"], spec.get("segments", 1))  # segments: written since rows wider than a block are cut
-    coded = block_layout(spec["width"], get_format(spec["fmt"]).block_size)
+    coded = tuple(block_layout(spec["width"], get_format(spec["fmt"]).block_size)[:2])
     if layout != coded:
         raise GuidanceError(
             f"{name}: layer {spec['layer']} {spec['site']} has blocks of (rows, segments) {layout}; rows of "

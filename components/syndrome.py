@@ -24,8 +24,10 @@ configured rate.
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from tracefp4.kernels import (
@@ -97,18 +99,35 @@ def first_rate(bits_per_element: float, block_elements: int = BLOCK_ELEMENTS) ->
     return Rate(min(MAX_CODE_BITS, max(MIN_CODE_BITS, total - scale_bits)), scale_bits)
 
 
-def block_layout(width: int, block_size: int) -> tuple[int, int]:
-    """Rows per block and blocks per row (one of them 1) for rows of ``width``
-    elements in whole scale blocks of ``block_size``: as many whole rows as fit
-    :data:`BLOCK_ELEMENTS`, or a wider row cut into the fewest equal segments
-    of at most that many, each whole scale blocks. Why cut: a block's parity
-    is at most 64 + 16 bits (:data:`MAX_CODE_BITS`, :data:`MAX_SCALE_BITS`), so
-    a whole 2048-wide row (Qwen3.5-35B-A3B's ``moe_in``) as one block got a
-    sixteenth of the rate asked for and every block failed its decode."""
+class BlockLayout(NamedTuple):
+    """How rows of one width make blocks: ``group`` rows per block, or a row cut
+    into ``segments`` blocks (one of the two is 1), ``elements`` per block."""
+
+    group: int
+    segments: int
+    elements: int
+
+
+def block_layout(width: int, block_size: int) -> BlockLayout:
+    """Blocks for rows of ``width`` elements in whole scale blocks of
+    ``block_size``: as many whole rows as fit :data:`BLOCK_ELEMENTS`, or a
+    wider row cut into the fewest segments of at most that many, of equal
+    whole scale blocks (the last padded with known zeros: 272 elements make
+    two blocks of 144). Why cut: a block's parity is at most 64 + 16 bits
+    (:data:`MAX_CODE_BITS`, :data:`MAX_SCALE_BITS`), so a whole 2048-wide row
+    (Qwen3.5-35B-A3B's ``moe_in``) as one block got a sixteenth of the rate
+    asked for and every block failed its decode."""
     if width <= BLOCK_ELEMENTS:
-        return max(1, BLOCK_ELEMENTS // width), 1
-    size = max(n for n in range(block_size, BLOCK_ELEMENTS + 1, block_size) if width % n == 0)
-    return 1, width // size
+        group = max(1, BLOCK_ELEMENTS // width)
+        return BlockLayout(group, 1, group * width)
+    scales = width // block_size
+    per = -(-scales // -(-width // BLOCK_ELEMENTS))  # scale blocks per segment
+    return BlockLayout(1, -(-scales // per), per * block_size)
+
+
+def layout_of(table: "SiteTable | SyndromeTable") -> BlockLayout:
+    """The blocks of a table's rows, captured or coded: by its width and format."""
+    return block_layout(table.width, get_format(table.fmt).block_size)
 
 
 @dataclass
@@ -145,7 +164,7 @@ class SyndromeTable:
 
     @property
     def block_elements(self) -> int:
-        return self.group * self.width // self.segments
+        return layout_of(self).elements
 
     def block_of_rows(self) -> tuple[Tensor, Tensor]:
         """Each row's (first) block and place in it: blocks run over trajectories
@@ -195,6 +214,7 @@ class _Layout:
 
     group: int
     segments: int
+    segment_share: tuple[int, int]  # (a segment's scale blocks, padding included; a row's): its share of a row
     n_blocks: int
     block: Tensor
     within: Tensor
@@ -205,19 +225,26 @@ class _Layout:
         block, within = table.block_of_rows()
         if n_blocks is None:
             n_blocks = int(block[-1]) + table.segments if len(block) else 0
-        return cls(table.group, table.segments, n_blocks, block, within)
+        block_size = get_format(table.fmt).block_size
+        share = (table.block_elements // block_size, table.width // block_size)
+        return cls(table.group, table.segments, share, n_blocks, block, within)
 
     def blocks(self, rows: Tensor, fill) -> Tensor:
-        """Rows ``[N, m]`` laid out as blocks ``[blocks, group * m / segments]``; missing rows hold ``fill``."""
-        if self.group == 1:
-            return rows.reshape(self.n_blocks, rows.shape[1] // self.segments)  # a row a block, or its segments
+        """Rows ``[N, m]`` (elements, or scales) laid out as blocks; missing rows,
+        and the padding of a row's last segment, hold ``fill``."""
+        if self.group == 1:  # a row a block, or its segments one each
+            columns = rows.shape[1] * self.segment_share[0] // self.segment_share[1]  # a segment's (padded)
+            padded = F.pad(rows, (0, columns * self.segments - rows.shape[1]), value=fill)
+            return padded.reshape(self.n_blocks, columns)
         out = torch.full((self.n_blocks, self.group, rows.shape[1]), fill, dtype=rows.dtype, device=rows.device)
         out[self.block, self.within] = rows
-        return out.reshape(self.n_blocks, self.group * rows.shape[1])  # sizes, not -1: a table may have no rows
+        return out.reshape(self.n_blocks, self.group * rows.shape[1])
 
     def unblock(self, blocks: Tensor) -> Tensor:
+        """Inverse of :meth:`blocks` (the padding dropped)."""
         if self.group == 1:
-            return blocks.reshape(len(self.block), blocks.shape[1] * self.segments)
+            columns = blocks.shape[1] * self.segment_share[1] // self.segment_share[0]  # a row's
+            return blocks.reshape(len(self.block), blocks.shape[1] * self.segments)[:, :columns]
         return blocks.reshape(blocks.shape[0], self.group, blocks.shape[1] // self.group)[self.block, self.within]
 
     def of_rows(self, rows: Tensor) -> Tensor:
@@ -249,7 +276,7 @@ def encode_table(table: SiteTable, rate: Rate) -> SyndromeTable:
         raise ValueError(f"layer {table.layer} {table.site}: width {table.width} is not whole {f.block_size}-blocks")
     if table.row_global_scales is not None:  # the side information would need each row's scale: not coded
         raise ValueError(f"layer {table.layer} {table.site}: the syndrome codec carries static global scales only")
-    group, segments = block_layout(table.width, f.block_size)
+    group, segments, _ = layout_of(table)
     out = SyndromeTable(
         table.layer,
         table.site,
