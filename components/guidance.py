@@ -28,8 +28,10 @@ from .store import ArtifactNotFound
 from .syndrome import Rate, SyndromeTable, block_layout
 
 MAGIC = b"TFP4GUID"
-FORMAT_VERSION = 3  # 2: a codec per table (bits | syndrome); 3: per-row global scales (per-token activations)
-READ_VERSIONS = (2, 3)  # a version 2 step is a version 3 one without per-row global scales
+# 2: a codec per table (bits | syndrome); 3: per-row global scales (per-token activations); 4: syndrome rows
+# wider than a block cut into segments
+FORMAT_VERSION = 4
+READ_VERSIONS = (2, 3, 4)  # each an earlier one's superset: a version 2 or 3 step reads as a version 4 one
 CODECS = ("bits", "syndrome")
 _PREAMBLE = struct.Struct("<8sHI")  # magic, format version, header length
 _DIGEST = 32  # sha256 over everything before it
@@ -296,7 +298,7 @@ def _row_global_scales(name: str, spec: dict, arrays: dict, rows: int) -> Tensor
 
 def _syndrome_table(name: str, spec: dict, arrays: dict, traj, pos, slot, expert) -> SyndromeTable:
     """A syndrome table read from a shard, its blocks and parity arrays checked against its width and rates."""
-    layout = (spec["group"], spec.get("segments", 1))  # segments: written since rows wider than a block are cut
+    layout = (spec["group"], spec.get("segments", 1))  # segments: written from format version 4
     coded = tuple(block_layout(spec["width"], get_format(spec["fmt"]).block_size)[:2])
     if layout != coded:
         raise GuidanceError(
