@@ -198,15 +198,14 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
     )
 
 
-SPEC_WARN_BYTES = 1_400_000  # a compiled spec above this makes a workflow object past etcd's 1.5 MiB (docs/deploy.md)
+def _warn(message: str) -> None:
+    click.echo(f"warning: {message}", err=True)
 
 
 def _warn_for_cluster(config) -> None:
-    """What would keep a compiled or submitted run from working on a cluster, said before it is uploaded."""
+    """What in the config would keep a compiled or submitted run from working on a cluster."""
     if config.store.uri.startswith("file://"):
-        click.echo(
-            f"warning: store {config.store.uri} is local to each pod; use --store s3://... on a cluster", err=True
-        )
+        _warn(f"store {config.store.uri} is local to each pod; use --store s3://... on a cluster")
 
 
 @main.command()
@@ -216,7 +215,7 @@ def _warn_for_cluster(config) -> None:
 @compare_option
 def compile(preset, config_file, output, methods):
     """Compile the pipeline (or with --compare the comparison pipeline) to KFP IR YAML (upload it in the KFP UI)."""
-    from tracefp4.pipelines.pipeline import compile_pipeline, pipeline_version
+    from tracefp4.pipelines.pipeline import compile_pipeline, pipeline_version, spec_size_problem
 
     config = _config(preset, config_file)
     try:
@@ -224,14 +223,8 @@ def compile(preset, config_file, output, methods):
     except ConfigError as e:  # a comparison's branch that could not run
         raise click.ClickException(str(e)) from None
     _warn_for_cluster(config)
-    size = Path(output).stat().st_size
-    if size > SPEC_WARN_BYTES:
-        click.echo(
-            f"warning: {output} holds {size / 2**20:.2f} MiB of pipeline spec, and KFP's workflow object of it is "
-            "larger: etcd refuses objects above 1.5 MiB by default, so the run may not start; run fewer rounds per "
-            "run (docs/deploy.md, 'Known limit')",
-            err=True,
-        )
+    if problem := spec_size_problem(output):
+        _warn(f"{output} holds {problem}")
     name = f"tracefp4-{config.name}" + ("-compare" if methods else "")
     click.echo(f"{output}: pipeline {name}, version {pipeline_version()}")
 
@@ -297,7 +290,13 @@ def submit(preset, config_file, experiment, store, service_account, root, method
     try:
         connection = _connection(**connection)
         result = submit_run(
-            config, connection, experiment, service_account=service_account, pipeline_root=root, methods=methods
+            config,
+            connection,
+            experiment,
+            service_account=service_account,
+            pipeline_root=root,
+            methods=methods,
+            warn=_warn,
         )
     except (SubmitError, ConfigError) as e:
         raise click.ClickException(str(e)) from None

@@ -23,6 +23,7 @@ run name; the package version and a hash of the config schema.
 
 import inspect
 from importlib.metadata import version
+from pathlib import Path
 from typing import get_args
 
 from kfp import compiler, dsl, kubernetes
@@ -201,6 +202,20 @@ def _rollout(c, configure, config: RunConfig, config_json, run_id, round_index: 
     parts = dsl.Collected(part.outputs["trajectories"])
     merged = configure(c.gather(config_json=config_json, run_id=run_id, round_index=round_index, parts=parts), HOST)
     return merged.outputs["trajectories"]
+
+
+SPEC_WARN_BYTES = 1_400_000  # a compiled spec above this makes a workflow object past etcd's 1.5 MiB (docs/deploy.md)
+
+
+def spec_size_problem(path) -> str | None:
+    """Why a compiled pipeline at ``path`` may not start on a cluster for its size, if it may not."""
+    size = Path(path).stat().st_size
+    if size <= SPEC_WARN_BYTES:
+        return None
+    return (
+        f"{size / 2**20:.2f} MiB of pipeline spec, and KFP's workflow object of it is larger: etcd refuses objects "
+        "above 1.5 MiB by default, so the run may not start; run fewer rounds per run (docs/deploy.md, 'Known limit')"
+    )
 
 
 def check_methods(methods: list[str]) -> list[str]:

@@ -37,7 +37,7 @@ import urllib3
 import yaml
 from kfp_server_api.exceptions import ApiException
 
-from tracefp4.pipelines.pipeline import compile_pipeline, pipeline_name, pipeline_version
+from tracefp4.pipelines.pipeline import compile_pipeline, pipeline_name, pipeline_version, spec_size_problem
 from tracefp4.schemas import RunConfig
 
 TOKEN_ENV = "KF_PIPELINES_TOKEN"
@@ -207,6 +207,7 @@ def submit(
     service_account: str | None = None,
     pipeline_root: str | None = None,
     methods: list[str] | None = None,
+    warn=lambda message: None,
 ) -> dict:
     """Upload ``config``'s pipeline (with ``methods``, the comparison pipeline),
     or a new version of it, and start a run in ``experiment``.
@@ -216,14 +217,18 @@ def submit(
     when one of that name exists; the run's parameters are the compiled
     defaults. ``service_account``: the Kubernetes service account of the run's
     pods; ``pipeline_root``: where KFP keeps the run's artifacts (default: the
-    cluster's). Returns pipeline_id, pipeline_version_id, experiment_id, run_id
-    and run_url. Raises SubmitError."""
+    cluster's); ``warn`` is told, before anything is uploaded, what may keep
+    the run from starting (:func:`~.pipeline.spec_size_problem`). Returns
+    pipeline_id, pipeline_version_id, experiment_id, run_id and run_url.
+    Raises SubmitError."""
     connection = host if isinstance(host, Connection) else Connection(host, namespace, token, timeout_s=timeout_s)
     namespace = connection.namespace
     client = connect(connection)
     name = pipeline_name(config) + ("-compare" if methods else "")
     with tempfile.TemporaryDirectory(prefix="tracefp4-submit-") as tmp, _quiet():
         path = compile_pipeline(config, Path(tmp) / f"{name}.yaml", methods)
+        if problem := spec_size_problem(path):
+            warn(f"pipeline {name}: {problem}")
         package = Path(path).read_bytes()
         # the compiled DAG depends on the config too (rounds, image, resources): a
         # version name reused for another DAG would run the old one

@@ -256,6 +256,20 @@ def test_a_run_can_name_its_service_account_and_pipeline_root(kfp_server, config
     assert body["runtime_config"]["pipeline_root"] == "minio://tracefp4/pipeline-root"
 
 
+def test_a_pipeline_too_large_to_start_is_warned_of_before_it_is_uploaded(kfp_server, config):
+    """The paper preset's 100 unrolled rounds make a spec past what etcd takes (docs/deploy.md)."""
+    from tracefp4.schemas import get_preset
+
+    warned = []
+    submit(config, kfp_server.url, warn=warned.append)
+    assert warned == []
+    uploads = lambda: sum(r["path"].endswith("upload") for r in kfp_server.requests)  # noqa: E731
+    before = uploads()
+    submit(get_preset("paper-nvfp4-wa-kv"), kfp_server.url, warn=lambda m: warned.append((m, uploads())))
+    ((message, uploads_then),) = warned
+    assert "MiB of pipeline spec" in message and "etcd refuses" in message and uploads_then == before < uploads()
+
+
 def test_a_comparison_is_its_own_pipeline(kfp_server, config):
     submit(config, kfp_server.url, methods=["trace", "qat"])
     upload = next(r for r in kfp_server.requests if r["path"].endswith("/pipelines/upload"))
