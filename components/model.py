@@ -366,7 +366,9 @@ class Attention(nn.Module):
         # gate, q_proj yields each head's query followed by its gate ([H, 2 * head_dim]).
         q_width = cfg.num_heads * cfg.head_dim * (2 if cfg.attn_output_gate else 1)
         self.qkv_proj = Linear(cfg.hidden_size, q_width + 2 * cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        # transformers' qwen3_moe and qwen3_5_moe give o_proj the attention_bias too, qwen2_moe's qkv_bias does not
+        o_bias = cfg.qkv_bias and cfg.model_type != "qwen2_moe"
+        self.o_proj = Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)

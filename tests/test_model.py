@@ -28,8 +28,11 @@ def hf_model(kind: str):
         "num_experts": 4,
         "num_experts_per_tok": 2,
     }
-    if kind == "qwen3_moe":
-        cfg = transformers.Qwen3MoeConfig(**common, head_dim=16, norm_topk_prob=True, mlp_only_layers=[1])
+    if kind.startswith("qwen3_moe"):  # qwen3_moe-bias: attention_bias, which gives o_proj a bias too
+        bias = kind.endswith("bias")
+        cfg = transformers.Qwen3MoeConfig(
+            **common, head_dim=16, norm_topk_prob=True, mlp_only_layers=[1], attention_bias=bias
+        )
         model = transformers.Qwen3MoeForCausalLM(cfg)
     else:
         cfg = transformers.Qwen2MoeConfig(**common, shared_expert_intermediate_size=48, decoder_sparse_step=1)
@@ -42,13 +45,13 @@ def hf_model(kind: str):
     return model.eval()
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen3_moe-bias", "qwen2_moe"])
 def test_logits_equal_transformers(kind, tmp_path):
     reference = hf_model(kind)
     reference.save_pretrained(tmp_path / "hf", max_shard_size="60KB")  # sharded, with an index
     assert (tmp_path / "hf" / "model.safetensors.index.json").exists()
     ours = load_model(tmp_path / "hf").eval()
-    assert ours.cfg.model_type == kind
+    assert ours.cfg.model_type == kind.removesuffix("-bias")
     tokens = torch.randint(0, 96, (3, 17), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         expected = reference(tokens).logits
