@@ -42,7 +42,7 @@ from tracefp4.components.quant import rollout_config
 from tracefp4.components.rl import SequenceBatch
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
-from tracefp4.components.syndrome import DecodeStats, choose_rates, decode_rows, encode_table, first_rate
+from tracefp4.components.syndrome import DecodeStats, decode_rows, encode_table, first_rate, site_rates
 from tracefp4.components.tasks import format_example
 from tracefp4.components.tokenizer import load_tokenizer
 from tracefp4.components.trainer import TrainConfig, Trainer
@@ -131,7 +131,7 @@ def syndrome_table(model, engine, trajectories, full: CaptureRecords) -> list[di
         for label in [*codings, "syndrome, first step", "syndrome, rate control"]:
             if label.startswith("syndrome"):
                 previous = {f"{layer}/{site}": d.to_json() for (layer, site), d in decode.items()} if decode else None
-                rates = choose_rates(sorted(full.tables), previous, first_rate(0.25))
+                rates = site_rates(full.tables, previous, 0.25)
                 codings[label] = CaptureRecords({key: encode_table(t, rates[key]) for key, t in full.tables.items()})
             coded = codings[label]
             write_step(store, coded, rl_step=step, policy_version=0, top_k=model.cfg.top_k)

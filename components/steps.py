@@ -50,7 +50,7 @@ from .quant import BF16, QuantConfig, rollout_config
 from .rl import group_advantages
 from .rollout import SamplingParams, TorchEngine, Trajectory
 from .store import ArtifactNotFound, open_store, write_atomic
-from .syndrome import choose_rates, encode_table, first_rate, layout_of, merge_decode_json
+from .syndrome import encode_table, merge_decode_json, site_rates
 from .tasks import Problem, format_example, get_task, reward_of, split
 from .tokenizer import build_tokenizer, load_tokenizer
 from .trainer import SCORE_CENTERING_TOPK, TrainConfig, Trainer
@@ -584,10 +584,7 @@ def _syndrome_step(config: RunConfig, store, round_index: int, header: dict, run
     chosen = select_layers(config.guidance.layers, sorted({layer for layer, _ in captured.tables}))
     kept = {key: t for key, t in captured.tables.items() if key[0] in chosen}
     previous = read_decode_stats(store, store_prefix(config, run_id, "guidance"), round_index - 1)
-    rates = {  # a first step's rate as bits per element of each site's blocks (a row's segments may be narrower)
-        key: choose_rates([key], previous, first_rate(config.guidance.syndrome_rate, layout_of(t).elements))[key]
-        for key, t in sorted(kept.items())
-    }
+    rates = site_rates(kept, previous, config.guidance.syndrome_rate)
     coded = CaptureRecords({key: encode_table(t, rates[key]) for key, t in kept.items()})
     syndrome = {
         "rates": {f"{layer}/{site}": [r.code_bits, r.scale_bits] for (layer, site), r in sorted(rates.items())},

@@ -5,7 +5,7 @@ own values as side information (docs/guidance-format.md, "Codec syndrome").
 The rollout side (:func:`encode_table`) sees only its own codes and scales.
 Rows are grouped into blocks of about :data:`BLOCK_ELEMENTS` elements, never
 across trajectories (the loader selects by trajectory), and a wider row is cut
-into equal segments of at most that many (:func:`block_layout`); per block it sends
+into segments of at most that many, the last padded (:func:`block_layout`); per block it sends
 ``scale_bits`` parity bits of the scales' low bits and ``code_bits`` parity
 bits of the codes' low bits. The training side (:func:`decode_rows`), inline
 in its forward and so with the layers below already guided, first recovers the
@@ -494,6 +494,16 @@ def choose_rates(keys, previous: dict | None, first: Rate) -> dict:
             bits.append(max(chosen, had - MAX_FALL_BITS))
         rates[(layer, site)] = Rate(*bits)
     return rates
+
+
+def site_rates(tables: dict, previous: dict | None, bits_per_element: float) -> dict:
+    """:func:`choose_rates` for each ``(layer, site)`` of ``tables``, a first step's
+    rate sized to that site's blocks (:func:`layout_of`: a row's segments may hold
+    fewer than :data:`BLOCK_ELEMENTS`)."""
+    return {
+        key: choose_rates([key], previous, first_rate(bits_per_element, layout_of(t).elements))[key]
+        for key, t in sorted(tables.items())
+    }
 
 
 def erasures_for(needed: list[int], failed: int, erasures: int) -> float | None:

@@ -471,7 +471,8 @@ class StoreConfig(_Section):
 
     uri: str = Field(
         default="file://./runs/store",
-        description="Store root: file://path, s3://bucket/prefix or minio://bucket/prefix.",
+        description="Store root: file:///absolute/path, file://./relative/path (from the run's output folder in a "
+        "local run), s3://bucket/prefix or minio://bucket/prefix.",
         json_schema_extra={"pattern": STORE_URI_PATTERN},
     )
     endpoint: str | None = Field(
