@@ -40,6 +40,7 @@ folder.
 """
 
 import contextlib
+import glob
 import hashlib
 import json
 import logging
@@ -453,8 +454,12 @@ def commit_folder(tmp: Path, folder: Path, provenance: dict | None = None) -> Pa
 def staging_folder(folder: Path) -> Iterator[Path]:
     """A fresh empty folder beside ``folder`` to write it in, for
     :func:`commit_folder`; deleted if the writing fails, so that a failed save
-    leaves no copy behind. Named uniquely: a container's process ids repeat."""
+    leaves no copy behind, and what a killed save left beside the folder is
+    deleted first. Named uniquely: a container's process ids repeat."""
     folder.parent.mkdir(parents=True, exist_ok=True)
+    for kind in ("tmp", "old"):  # what a save killed mid-way (SIGKILL, out of memory) left: one writer per folder
+        for stale in folder.parent.glob(f".{glob.escape(folder.name)}.{kind}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp-"))
     os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would keep the saved folder from a serving engine of another user
     try:

@@ -92,7 +92,9 @@ def test_a_failed_save_leaves_nothing_beside_the_folder_and_a_dead_save_blocks_n
     save_model(build_model("smoke", seed=0), tmp_path / "ckpt")
     (tmp_path / f".ckpt.old-{os.getpid()}" / "leftover").mkdir(parents=True)  # a save that died deleting it
     (tmp_path / f".ckpt.tmp-{os.getpid()}" / "leftover").mkdir(parents=True)
+    (tmp_path / ".other.tmp-1").mkdir()  # another folder's: not this save's to delete
     save_model(build_model("smoke", seed=1), tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-1", "ckpt"]  # the leftovers swept
     assert torch.equal(load_model(tmp_path / "ckpt").lm_head.weight, build_model("smoke", seed=1).lm_head.weight)
     assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o755  # readable by a serving engine of another user
     before = sorted(p.name for p in tmp_path.iterdir())
