@@ -7,6 +7,7 @@ without a manifest does not exist. The format is specified in
 ``docs/guidance-format.md``.
 """
 
+import contextlib
 import hashlib
 import json
 import queue
@@ -591,6 +592,7 @@ class GuidanceLoader:
         self._cache: OrderedDict[int, CaptureRecords] = OrderedDict()
         self._cached_shards = cached_shards
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
+        self._stopped = threading.Event()  # the consumer is done: the producer stops instead of waiting on it
         self._thread = threading.Thread(target=self._produce, name="guidance-prefetch", daemon=True)
         self._thread.start()
 
@@ -618,14 +620,22 @@ class GuidanceLoader:
     def _produce(self) -> None:
         try:
             for mb in self.microbatches:
+                if self._stopped.is_set():
+                    return
                 self._queue.put(self._load(mb))
         except BaseException as e:  # handed to the consumer
             self._queue.put(e)
         self._queue.put(None)
 
     def __iter__(self) -> Iterator[MicrobatchGuidance]:
-        while (item := self._queue.get()) is not None:
-            if isinstance(item, BaseException):
-                raise item
-            self.fallback_trajectories += len(item.missing)
-            yield item
+        try:
+            while (item := self._queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                self.fallback_trajectories += len(item.missing)
+                yield item
+        finally:  # stopped early (a step that failed, say): free the producer and what it holds
+            self._stopped.set()
+            while self._thread.is_alive():
+                with contextlib.suppress(queue.Empty):
+                    self._queue.get(timeout=0.1)

@@ -306,3 +306,16 @@ def test_a_step_merged_from_workers_holding_interleaved_trajectories_compacts_an
     kept = compact(merged, 1, [1])
     write_step(store, kept, rl_step=0, policy_version=0, top_k=2)
     assert_same_tables(kept, read_step(store, 0))
+
+
+def test_a_loader_left_early_stops_its_prefetch_thread(captured, tmp_path):
+    """A consumer that stops (a step that failed, say) left the prefetch thread
+    blocked on its full queue for good, holding the microbatches it had read."""
+    engine, out, records = captured
+    store = open_store(str(tmp_path))
+    write_step(store, records, rl_step=0, policy_version=0, top_k=2, trajectories_per_shard=1)
+    loader = GuidanceLoader(store, 0, [[t.id] for t in out], prefetch=1)
+    batches = iter(loader)
+    assert next(batches).trajectories == [out[0].id]
+    batches.close()  # what leaving a for loop early does
+    assert not loader._thread.is_alive()
