@@ -184,7 +184,7 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
     inputs = (tmp / "policy-0", tmp / "state-0", tmp / "trajectories.jsonl", tmp / "guidance.json")
 
     def interrupted(out):
-        killed = kill_ranks_once(root / "step-000002" / ".metadata")
+        killed = kill_ranks_once(root / "step-000002" / ".metadata", gone=root / "step-000001" / ".metadata")
         with pytest.raises(DistributedError):
             torchrun(
                 config, *inputs, out, tmp_path / "out-state", tmp_path / "work", RUN, stats, echo=lambda line: None
@@ -270,13 +270,15 @@ def test_a_killed_rank_fails_the_step_within_the_timeout(round_inputs, tmp_path)
     assert not (tmp_path / "out").exists()
 
 
-def kill_ranks_once(done) -> list[int]:
+def kill_ranks_once(done, gone=None) -> list[int]:
     """Kill this test's ranks as soon as the file ``done`` exists (a checkpoint
-    complete, say), from a thread; the list returned gets their pids."""
+    complete, say) and ``gone``, if given, does not (the checkpoint before it
+    deleted, which rank 0 does just after), from a thread; the list returned
+    gets their pids."""
     killed = []
 
     def watch():
-        while not done.exists():
+        while not done.exists() or (gone is not None and gone.exists()):
             time.sleep(0.02)
         killed.extend(_rank_pids(os.getpid()))
         for pid in killed:
