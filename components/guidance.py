@@ -320,7 +320,6 @@ def _syndrome_table(name: str, spec: dict, arrays: dict, traj, pos, slot, expert
         Rate(spec["code_bits"], spec["scale_bits"]),
         arrays["code_parity"],
         arrays["scale_parity"],
-        layout[1],
     )
     blocks = int(table.block_of_rows()[0].max()) + table.segments if len(traj) else 0
     for field_name, bits in (("code_parity", table.rate.code_bits), ("scale_parity", table.rate.scale_bits)):

@@ -150,7 +150,6 @@ class SyndromeTable:
     rate: Rate
     code_parity: Tensor  # uint8 [blocks, code_bits / 8], bits packed LSB first (compact_codes with k = 1)
     scale_parity: Tensor  # uint8 [blocks, scale_bits / 8]
-    segments: int = 1  # blocks per row (group is then 1): block_layout
 
     bits = 1  # the guidance it carries: the low code bit, as R-1
 
@@ -161,6 +160,11 @@ class SyndromeTable:
     @property
     def elements(self) -> int:
         return len(self.traj) * self.width
+
+    @property
+    def segments(self) -> int:
+        """Blocks per row (``group`` is then 1), as :func:`block_layout` cuts rows of this width."""
+        return layout_of(self).segments
 
     @property
     def block_elements(self) -> int:
@@ -276,7 +280,6 @@ def encode_table(table: SiteTable, rate: Rate) -> SyndromeTable:
         raise ValueError(f"layer {table.layer} {table.site}: width {table.width} is not whole {f.block_size}-blocks")
     if table.row_global_scales is not None:  # the side information would need each row's scale: not coded
         raise ValueError(f"layer {table.layer} {table.site}: the syndrome codec carries static global scales only")
-    group, segments, _ = layout_of(table)
     out = SyndromeTable(
         table.layer,
         table.site,
@@ -287,11 +290,10 @@ def encode_table(table: SiteTable, rate: Rate) -> SyndromeTable:
         table.pos,
         table.slot,
         table.expert,
-        group,
+        layout_of(table).group,
         rate,
         torch.empty(0, dtype=torch.uint8),
         torch.empty(0, dtype=torch.uint8),
-        segments,
     )
     layout = _Layout.of(out)
     codes = layout.blocks(_low_code_bits(table), 0)

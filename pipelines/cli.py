@@ -87,12 +87,9 @@ def run(preset, config_file, output, store, verbose, methods, pushgateway, resta
     )
     try:
         report = run_local(config, output, methods=methods, verbose=verbose, restart=restart)
-    except (
-        PipelineFailed,
-        FolderInUse,
-        StoreError,
-        ConfigError,
-    ) as e:  # a store: model.checkpoint's, fingerprinted first
+    # StoreError: the run's store, opened first, or model.checkpoint's, fingerprinted first; ConfigError: a run
+    # no machine here can do
+    except (PipelineFailed, FolderInUse, StoreError, ConfigError) as e:
         raise click.ClickException(str(e)) from None
     except Interrupted as e:
         click.echo(f"{e}: the running component was stopped; rerun the same command to resume", err=True)

@@ -100,8 +100,8 @@ LayerSelection = Annotated[
 
 
 def _check_store_uri(uri: str) -> str:
-    """The schemes `components/store.py:open_store` serves; an S3 URI as its
-    store reads it (:func:`~tracefp4.components.store.file_path`, :func:`~tracefp4.components.store.parse_s3_uri`)."""
+    """The schemes `components/store.py:open_store` serves, each URI read as its store
+    reads it (:func:`~tracefp4.components.store.file_path`, :func:`~tracefp4.components.store.parse_s3_uri`)."""
     scheme, sep, rest = uri.partition("://")
     if not sep or scheme not in ("file", "s3", "minio") or not rest or re.search(r"\s", uri):
         raise PydanticCustomError("store_uri", "must start with file://, s3:// or minio:// followed by a location")
