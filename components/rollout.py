@@ -351,7 +351,7 @@ class TorchEngine:
             raise RuntimeError("this engine captures nothing: no capture config, or no FP4 activation/KV site")
         return self.capture.drain()
 
-    @torch.no_grad()
+    @torch.inference_mode()  # no autograd or version-counter work per op: on a CPU ~9% of a small model's decode step
     def generate(
         self, prompts: list[list[int]], sampling: SamplingParams, first: int | None = None, place: int = 0
     ) -> list[Trajectory]:

@@ -13,9 +13,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
-# values to Python (item, float, bool: _local_scalar_dense) and outputs whose shape depends on values
+# values to Python (item, float, bool: _local_scalar_dense; under inference mode item arrives whole) and
+# outputs whose shape depends on values
 READS = {
     aten._local_scalar_dense.default,
+    aten.item.default,
     aten.nonzero.default,
     aten.masked_select.default,
     aten._unique2.default,

@@ -72,10 +72,11 @@ class Capture(TorchDispatchMode):
             self.written += [(t, t.clone()) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         out = func(*args, **kwargs)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
-        # outputs that alias an input (views, in-place results) need no copy at replay
-        fresh = (
-            [r.alias_info is None for r in schema.returns] if len(schema.returns) == len(outs) else [False] * len(outs)
-        )
+        # outputs that share an input's memory (views, in-place results) need no copy at replay. Told by the
+        # memory, not the schema: under inference mode composite ops arrive whole, and one whose schema says
+        # "may alias" (to, reshape) makes a copy when it must
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        fresh = [t.untyped_storage().data_ptr() not in inputs for t in outs]
         self.graph.ops.append((func, args, kwargs, [t if f else None for t, f in zip(outs, fresh)]))
         return out
 
