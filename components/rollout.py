@@ -124,6 +124,9 @@ def sample(
 # fails)
 SPAN_BLOCK = 32
 
+# Positions past the longest prompt a generate call's KV cache holds at first; it doubles as decoding needs more
+KV_HEADROOM = 256
+
 
 def whole_span_blocks(positions: int) -> int:
     """``positions`` rounded up to a multiple of :data:`SPAN_BLOCK`."""
@@ -131,33 +134,42 @@ def whole_span_blocks(positions: int) -> int:
 
 
 class KVCache:
-    """K/V of a batch of sequences, ``[rows, max_len, kv_heads * head_dim]``
+    """K/V of a batch of sequences, ``[rows, length, kv_heads * head_dim]``
     per full-attention layer: in the compute dtype, or (FP4 KV) packed codes +
     scale bytes that are dequantized for attention; and the linear-attention
     layers' conv and recurrent states per sequence, never quantized. The mixers
     read through it (it is the model's ``attend``).
 
-    Allocated once per ``generate`` call for the largest batch bucket and never
-    reallocated: a forward uses the first ``active`` rows (views, so a CUDA
-    graph captured on them writes into the same memory at every replay), and
-    :meth:`compact` moves the rows that stay to the front when the batch
-    moves to a smaller bucket. Every write is in place."""
+    Allocated once per ``generate`` call for the largest batch bucket: a
+    forward uses the first ``active`` rows (views, so a CUDA graph captured on
+    them writes into the same memory at every replay), and :meth:`compact`
+    moves the rows that stay to the front when the batch moves to a smaller
+    bucket. Every write is in place. It holds ``length`` positions (``max_len``,
+    all a call may reach, unless told fewer) and :meth:`grow` doubles them when
+    decoding needs more: a call whose responses stop early never holds the KV
+    of ``max_new_tokens`` (at the paper presets' 258,048 that alone would not
+    fit); a graph captured before a growth reads the old tensors, so the
+    decode loop captures anew."""
 
-    def __init__(self, cfg: ModelConfig, batch: int, max_len: int, sites: QuantSites, dtype, device):
+    def __init__(
+        self, cfg: ModelConfig, batch: int, max_len: int, sites: QuantSites, dtype, device, length: int | None = None
+    ):
         self.cfg, self.sites, self.dtype = cfg, sites, dtype
         self.fmt = sites.q.kv
         max_len = whole_span_blocks(max_len)  # room for a whole last span block
         self.max_len, self.active = max_len, batch
+        self.length = min(max_len, whole_span_blocks(length or max_len))
+        self.position_axis = 2 if self.fmt is None else 1
         width = cfg.num_kv_heads * cfg.head_dim
         if self.fmt is None:  # attention's own layout: reads need no copy
-            shapes = {"values": ((batch, cfg.num_kv_heads, max_len, cfg.head_dim), dtype)}
+            shapes = {"values": ((batch, cfg.num_kv_heads, self.length, cfg.head_dim), dtype)}
         else:  # one FP4 row per (sequence, position), as quant.kv_rows lays K/V out
             block = get_format(self.fmt).block_size
             if cfg.head_dim % block:
                 raise ValueError(f"{self.fmt} KV needs head_dim to be a multiple of {block}, got {cfg.head_dim}")
             shapes = {
-                "codes": ((batch, max_len, width // 2), torch.uint8),
-                "scales": ((batch, max_len, width // block), torch.uint8),
+                "codes": ((batch, self.length, width // 2), torch.uint8),
+                "scales": ((batch, self.length, width // block), torch.uint8),
             }
         self.store = {
             (layer, site, part): torch.zeros(shape, dtype=dt, device=device)
@@ -184,13 +196,31 @@ class KVCache:
         which the linear-attention states skip. ``span`` comes from the caller,
         who knows it without reading the device; attention reads it rounded
         up to a whole :data:`SPAN_BLOCK`, the rest masked."""
+        self.span = whole_span_blocks(span)
+        if self.span > self.length:
+            raise ValueError(f"a forward attending to {span} positions needs a KV cache grown past its {self.length}")
         self.active = positions.shape[0]
         self.positions = positions
         self.valid = positions < lengths[:, None]  # [B, S]; right padding: a prefix of each row
-        self.span = whole_span_blocks(span)  # at most max_len, itself whole blocks
         self.rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
         visible = torch.arange(self.span, device=positions.device) <= positions[..., None]  # [B, S, span]
         self.visible = visible[:, None]
+
+    def grow(self, positions: int) -> bool:
+        """Room for ``positions`` positions: the cache's length doubled until it
+        holds them (at most ``max_len``), what it held copied over; whether it grew."""
+        if positions <= self.length:
+            return False
+        if positions > self.max_len:
+            raise ValueError(f"{positions} positions exceed the cache's max_len {self.max_len}")
+        length = min(self.max_len, max(whole_span_blocks(positions), 2 * self.length))
+        for key, old in self.store.items():
+            shape = list(old.shape)
+            shape[self.position_axis] = length
+            self.store[key] = old.new_zeros(shape)
+            self.store[key].narrow(self.position_axis, 0, self.length).copy_(old)
+        self.length = length
+        return True
 
     def compact(self, rows: Tensor, active: int) -> None:
         """Move ``rows`` (indices of the current active rows, the ones that
@@ -286,7 +316,11 @@ class TorchEngine:
     the decode loop's only reads of the device; finished requests keep
     decoding into padding until the next check, so N changes speed, never
     results. ``cuda_graphs``: on CUDA, without capture, each batch bucket's
-    decode step is a CUDA graph (:class:`DecodeGraphs`)."""
+    decode step is a CUDA graph (:class:`DecodeGraphs`).
+    ``max_running_requests`` (0: no bound) is how many requests a ``generate``
+    call rolls out at once, in waves: the KV cache and the linear-attention
+    states are held for a wave's requests (about 64 MB of states per sequence
+    on Qwen3.5-35B-A3B, whatever its length)."""
 
     def __init__(
         self,
@@ -299,10 +333,14 @@ class TorchEngine:
         calibration_seed: int = 0,
         stop_check_every: int = DEFAULT_STOP_CHECK,
         cuda_graphs: bool = True,
+        max_running_requests: int = 0,
     ):
         if stop_check_every < 1:
             raise ValueError(f"stop_check_every must be >= 1 token, got {stop_check_every}")
+        if max_running_requests < 0:
+            raise ValueError(f"max_running_requests must be >= 0 (0: no bound), got {max_running_requests}")
         self.stop_check_every, self.cuda_graphs = stop_check_every, cuda_graphs
+        self.max_running_requests = max_running_requests
         self.quant, self.dtype, self.device = quant, dtype, torch.device(device)
         self.model = copy.deepcopy(model).to(device=self.device, dtype=dtype).eval()
         self.capture_config = capture
@@ -360,8 +398,9 @@ class TorchEngine:
         its own generator, seeded by ``sampling.seed`` and its place ``place + i``
         in its batch: a request gives the same response whatever else shares
         the call (a batch split over rollout workers passes each share's place).
-        A capturing engine rolls out in waves whose prefill fits a capture
-        buffer (``CaptureConfig.max_tokens`` token rows): the same responses."""
+        It rolls out in waves of at most ``max_running_requests`` requests, and,
+        capturing, whose prefill fits a capture buffer (``CaptureConfig.max_tokens``
+        token rows): the same responses, one wave after another."""
         self._check(prompts, sampling)
         dev, b, n_new = self.device, len(prompts), sampling.max_new_tokens
         first = self._next_id if first is None else first
@@ -375,7 +414,9 @@ class TorchEngine:
             ]
         ids = torch.arange(first, first + b, device=dev)
         tokens, positions, lengths = right_pad(prompts, pad=sampling.pad_token, device=dev)
-        cache = KVCache(self.model.cfg, b, tokens.shape[1] + n_new, self.sites, self.dtype, dev)
+        cache = KVCache(
+            self.model.cfg, b, tokens.shape[1] + n_new, self.sites, self.dtype, dev, tokens.shape[1] + KV_HEADROOM
+        )
         logits = self._prefill(tokens, positions, lengths, ids, cache)
         run = _Decode(self, sampling, [len(p) for p in prompts], first, ids, lengths, cache, place)
         for step in range(n_new):
@@ -387,11 +428,13 @@ class TorchEngine:
         return run.trajectories(prompts)
 
     def _wave(self, prompts: list[list[int]]) -> int:
-        """How many of ``prompts`` one prefill takes: all, unless their right-padded
-        tokens overflow a capture buffer (a prompt alone too long still fails there)."""
+        """How many of ``prompts`` one wave takes: all, but ``max_running_requests``
+        at most, and, capturing, as many as their right-padded prefill fits a
+        capture buffer (a prompt alone too long still fails there)."""
+        wave = min(len(prompts), self.max_running_requests or len(prompts))
         if self.capture is None:
-            return len(prompts)
-        return max(1, self.capture.config.max_tokens // max(len(p) for p in prompts))
+            return wave
+        return min(wave, max(1, self.capture.config.max_tokens // max(len(p) for p in prompts)))
 
     def _check(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -515,9 +558,11 @@ class _Decode:
         """Logits after each row's newest token; a finished row's forward is captured as padding."""
         new = self.new
         traj = torch.where(self.stopped_at[self.reqs] < self.n_new, -1, self.ids[self.reqs])
+        span = self.max_prompt + self.step + 1  # the longest prompt's row: every row grew by step + 1
+        if self.cache.grow(span) and self.graphs is not None:
+            self.graphs = DecodeGraphs(self.engine, self.cache)  # the old graphs read the old tensors
         if self.graphs is not None:
             return self.graphs(new, self.lengths, traj)
-        span = self.max_prompt + self.step + 1  # the longest prompt's row: every row grew by step + 1
         return self.engine._decode(new, self.lengths, traj, self.cache, span)
 
     def check(self, step: int) -> bool:
@@ -588,7 +633,7 @@ class DecodeGraphs:
         inputs = [t.clone() for t in (new, lengths, traj)]
 
         def step() -> Tensor:
-            return self.engine._decode(*inputs, self.cache, self.cache.max_len)
+            return self.engine._decode(*inputs, self.cache, self.cache.length)
 
         states = self.cache.snapshot_states()
         side = torch.cuda.Stream()

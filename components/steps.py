@@ -284,7 +284,15 @@ def _engine(config: RunConfig, policy: Path, capture: bool, device: torch.device
                 bits=config.guidance.bits, layers=layers, max_tokens=config.rollout.max_tokens_per_forward
             )
     dtype = compute_dtype(config)
-    return TorchEngine(model, quant, dtype=dtype, device=device, capture=cfg, calibration_seed=config.seed)
+    return TorchEngine(
+        model,
+        quant,
+        dtype=dtype,
+        device=device,
+        capture=cfg,
+        calibration_seed=config.seed,
+        max_running_requests=config.rollout.max_running_requests,
+    )
 
 
 def sampling(config: RunConfig, seed: int, tokenizer) -> SamplingParams:

@@ -174,6 +174,15 @@ class RolloutConfig(_Section):
         description="Rows of each capture buffer (token rows per forward before offload): a capturing rollout "
         "prefills as many prompts at once as their padded tokens fit, in waves. Bounded: held in memory at once.",
     )
+    max_running_requests: int = Field(
+        default=0,
+        ge=0,
+        le=1 << 20,
+        description="Requests one rollout worker (or evaluation) decodes at once; the rest wait for the next wave, "
+        "with the same responses. 0: all of an RL step's share at once. Bounds what decoding holds on the device: "
+        "the KV cache and the linear-attention states of a wave (about 64 MB of states per sequence on "
+        "Qwen3.5-35B-A3B).",
+    )
     workers: int = Field(
         default=1,
         ge=1,

@@ -86,6 +86,8 @@ def _paper(name: str, fmt: str, config: str) -> RunConfig:
                 "group_size": 16,
                 "prompts_per_step": 256,
                 "max_tokens_per_forward": 65536,
+                # 256 sequences' Gated DeltaNet states are 16.5 GB (64 MB each), their FP4 KV 5.76 KB a token
+                "max_running_requests": 256,
             },
             "guidance": {
                 "bits": 1,

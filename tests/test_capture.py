@@ -24,8 +24,8 @@ def smoke():
     return build_model("smoke", seed=0)
 
 
-def rollout(model, capture: CaptureConfig, config="fp4_wa_kv", n=6, new=7, seed=0):
-    engine = TorchEngine(model, rollout_config(config), capture=capture)
+def rollout(model, capture: CaptureConfig, config="fp4_wa_kv", n=6, new=7, seed=0, **engine_options):
+    engine = TorchEngine(model, rollout_config(config), capture=capture, **engine_options)
     out = engine.generate(prompts(n, model.cfg.vocab_size, seed), SamplingParams(max_new_tokens=new, seed=seed))
     return engine, out, engine.drain_capture()
 
@@ -55,12 +55,33 @@ def test_a_batch_whose_prefill_overflows_a_buffer_rolls_out_in_waves(smoke):
     _, whole, records = rollout(smoke, CaptureConfig())
     engine, waves, waved = rollout(smoke, CaptureConfig(max_tokens=24))
     assert max(len(p) for p in prompts(6, smoke.cfg.vocab_size)) == 11 and engine._wave(prompts(6, 256)) == 2
-    assert [(t.id, t.tokens, t.logprobs) for t in waves] == [(t.id, t.tokens, t.logprobs) for t in whole]
-    assert records.tables.keys() == waved.tables.keys()
+    assert_same_rollout((whole, records), (waves, waved))
+
+
+def test_at_most_max_running_requests_roll_out_at_once(smoke):
+    """``max_running_requests`` 4 (``rollout.max_running_requests``): 6 prompts
+    in waves of 4 and 2 prefills, with the responses and the capture of one call."""
+    _, whole, records = rollout(smoke, CaptureConfig())
+    engine, waves, waved = rollout(smoke, CaptureConfig(), max_running_requests=4)
+    prefilled = []
+    prefill = engine._prefill
+    engine._prefill = lambda tokens, *a: prefilled.append(len(tokens)) or prefill(tokens, *a)
+    again = engine.generate(prompts(6, smoke.cfg.vocab_size), SamplingParams(max_new_tokens=7), first=0)
+    assert prefilled == [4, 2] and [t.id for t in again] == list(range(6))
+    assert_same_rollout((whole, records), (waves, waved))
+    with pytest.raises(ValueError, match="max_running_requests"):
+        TorchEngine(smoke, max_running_requests=-1)
+
+
+def assert_same_rollout(one, other) -> None:
+    """The same trajectories (ids, tokens, logprobs) and the same captured records."""
+    (out, records), (other_out, other_records) = one, other
+    assert [(t.id, t.tokens, t.logprobs) for t in other_out] == [(t.id, t.tokens, t.logprobs) for t in out]
+    assert records.tables.keys() == other_records.tables.keys()
     for key, table in records.tables.items():
-        other = waved.tables[key]
+        mine = other_records.tables[key]
         for field in ("traj", "pos", "slot", "codes", "scales"):
-            assert torch.equal(getattr(table, field), getattr(other, field)), (key, field)
+            assert torch.equal(getattr(table, field), getattr(mine, field)), (key, field)
 
 
 def test_captured_kv_is_what_the_cache_held(smoke):

@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import tracefp4.components.model as model_module
+import tracefp4.components.rollout as rollout_module
 import tracefp4.kernels.fp4 as fp4_module
 from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.model import build_model
@@ -182,6 +183,24 @@ def test_decode_replayed_from_graphs_gives_the_eager_results(
     assert [(t.response, t.logprobs, t.topk_ids, t.finish_reason) for t in got] == [
         (t.response, t.logprobs, t.topk_ids, t.finish_reason) for t in want
     ]
+
+
+@pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv"])
+def test_a_cache_grown_mid_call_is_decoded_by_graphs_captured_anew(
+    emulated_cuda_graphs, native_bf16, config, monkeypatch
+):
+    """The KV cache doubles while the batch decodes (``KV_HEADROOM`` of one
+    position): the graphs, captured on the old tensors, are captured again on
+    the new ones, and the replayed decode still gives the eager one's tokens and
+    logprobs bit for bit."""
+    monkeypatch.setattr(rollout_module, "KV_HEADROOM", 1)
+    model = build_model("smoke", seed=0)
+    batch = prompts(12, model.cfg.vocab_size, seed=3)  # at most 39 tokens: 64 positions, then 96 (all 79 need)
+    params = SamplingParams(max_new_tokens=40, seed=1)
+    want = TorchEngine(model, rollout_config(config), cuda_graphs=False).generate(batch, params)
+    got = TorchEngine(model, rollout_config(config), stop_check_every=4).generate(batch, params)
+    assert emulated_cuda_graphs == [12, 12]
+    assert [(t.response, t.logprobs) for t in got] == [(t.response, t.logprobs) for t in want]
 
 
 def test_a_capturing_fp4_rollout_reads_the_device_only_at_stop_checks():

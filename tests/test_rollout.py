@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import tracefp4.components.rollout as rollout_module
 from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.checkpoint import save_model
 from tracefp4.components.model import CausalAttention, build_model
@@ -192,6 +193,45 @@ def test_the_cache_is_allocated_once_and_compacted_in_place(model, monkeypatch):
     monkeypatch.setattr(KVCache, "compact", watch)
     engine.generate(prompts(12, seed=7), SamplingParams(max_new_tokens=16, seed=2, stop_tokens=stops))
     assert len(made) == 1 and pointers is not None
+
+
+@pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv"])
+def test_the_cache_grows_as_decoding_needs_and_changes_nothing(model, config, monkeypatch):
+    """A cache that starts one span block past the prompts and doubles as
+    decoding needs more (``KV_HEADROOM``) gives every token, logprob and
+    captured record of one that holds the whole call from the start, requests
+    finishing and the batch compacting between growths; and a call whose
+    responses all stop early never holds room for ``max_new_tokens``."""
+    lengths, grow = [], KVCache.grow
+    monkeypatch.setattr(KVCache, "grow", lambda self, n: grow(self, n) and not lengths.append(self.length))
+    runs = {}
+    for headroom in (1, 1000):
+        monkeypatch.setattr(rollout_module, "KV_HEADROOM", headroom)
+        engine = TorchEngine(model, rollout_config(config), capture=CaptureConfig(bits=4), stop_check_every=4)
+        stops = staggered_stops(engine, 12, 60)
+        engine.drain_capture() if engine.capture else None
+        lengths.clear()
+        out = engine.generate(prompts(12, seed=7), SamplingParams(max_new_tokens=60, seed=2, stop_tokens=stops))
+        runs[headroom] = (out, engine.drain_capture() if engine.capture else None, list(lengths))
+    (out, records, grown), (whole, whole_records, none) = runs[1], runs[1000]
+    assert grown == [64, 96] and none == []  # prompts of at most 11 tokens: 32 positions, then 64, then 96
+    assert {t.finish_reason for t in out} == {"stop", "length"}
+    assert [(t.response, t.logprobs, t.finish_reason) for t in out] == [
+        (t.response, t.logprobs, t.finish_reason) for t in whole
+    ]
+    tables = records.tables if records else {}  # bf16 captures nothing
+    assert tables.keys() == (whole_records.tables.keys() if whole_records else set())
+    for key, table in tables.items():
+        for f in ("traj", "pos", "slot", "expert", "codes", "scales"):
+            assert torch.equal(getattr(table, f), getattr(whole_records.tables[key], f)), (key, f)
+
+    monkeypatch.setattr(rollout_module, "KV_HEADROOM", 1)
+    held, start = [], KVCache.start
+    monkeypatch.setattr(KVCache, "start", lambda self, *a: held.append(self.length) or start(self, *a))
+    early = SamplingParams(max_new_tokens=2000, seed=2, stop_tokens=tuple(range(0, 256, 2)))
+    out = TorchEngine(model, rollout_config(config)).generate(prompts(12, seed=7), early)
+    assert all(t.finish_reason == "stop" for t in out)
+    assert max(held) < 2000 // 8  # half the vocab stops: every response ends within a few dozen tokens
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])

@@ -7,6 +7,7 @@ import pytest
 
 from tracefp4.components import steps
 from tracefp4.components.guidance import GuidanceError, merge_steps, read_manifest
+from tracefp4.components.rollout import TorchEngine
 from tracefp4.components.store import open_store
 from tracefp4.schemas import RunConfig, get_preset
 
@@ -85,3 +86,20 @@ def test_more_workers_than_responses_are_refused_by_the_schema(tmp_path):
     data["rollout"]["workers"] = 7
     with pytest.raises(ValueError, match="a worker would have none"):
         RunConfig.model_validate(data)
+
+
+def test_a_worker_rolls_out_at_most_max_running_requests_at_once(tmp_path, policy, monkeypatch):
+    """``rollout.max_running_requests`` reaches the engine: an RL step's 6
+    responses are prefilled 4 and then 2 at a time (tests/test_capture.py shows
+    the waves give the responses and capture of one call)."""
+    prefilled, prefill = [], TorchEngine._prefill
+    monkeypatch.setattr(
+        TorchEngine, "_prefill", lambda self, tokens, *a: prefilled.append(len(tokens)) or prefill(self, tokens, *a)
+    )
+    c = config(tmp_path, 1)
+    steps.rollout(c, policy, 0, tmp_path / "whole.jsonl", RUN)
+    assert prefilled == [6, 6]
+    prefilled.clear()
+    bounded = c.model_copy(update={"rollout": c.rollout.model_copy(update={"max_running_requests": 4})})
+    steps.rollout(bounded, policy, 0, tmp_path / "waves.jsonl", RUN)
+    assert prefilled == [4, 2, 4, 2]
