@@ -63,14 +63,7 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
 
     def score(policy_label: str, weights, rollout: str, quant) -> dict:
         """Accuracy rows of one policy under one rollout config; returns the sampled pass's throughput."""
-        engine = TorchEngine(
-            weights,
-            quant,
-            dtype=steps.compute_dtype(config),
-            device=device,
-            calibration_seed=config.seed,
-            max_running_requests=config.rollout.max_running_requests,
-        )
+        engine = TorchEngine(weights, quant, device=device, **steps.engine_options(config))
         rows, speed = _accuracy(config, engine, tokenizer, test, prompts)
         out["accuracy"] += [{"method": config.method, "policy": policy_label, "rollout": rollout, **r} for r in rows]
         return speed
@@ -152,11 +145,9 @@ def _discrepancy(config: RunConfig, model, name: str, tokenizer, prompts, sensit
     engine = TorchEngine(
         model,
         steps.rollout_quant(config, name),
-        dtype=steps.compute_dtype(config),
         device=next(model.parameters()).device,
         capture=capture,
-        calibration_seed=config.seed,
-        max_running_requests=config.rollout.max_running_requests,
+        **steps.engine_options(config),
     )
     k = config.evaluation.samples_per_prompt
     trajectories = engine.generate(

@@ -283,16 +283,16 @@ def _engine(config: RunConfig, policy: Path, capture: bool, device: torch.device
             cfg = CaptureConfig(
                 bits=config.guidance.bits, layers=layers, max_tokens=config.rollout.max_tokens_per_forward
             )
-    dtype = compute_dtype(config)
-    return TorchEngine(
-        model,
-        quant,
-        dtype=dtype,
-        device=device,
-        capture=cfg,
-        calibration_seed=config.seed,
-        max_running_requests=config.rollout.max_running_requests,
-    )
+    return TorchEngine(model, quant, device=device, capture=cfg, **engine_options(config))
+
+
+def engine_options(config: RunConfig) -> dict:
+    """What every engine of the run (rollout, evaluation) takes from its config."""
+    return {
+        "dtype": compute_dtype(config),
+        "calibration_seed": config.seed,
+        "max_running_requests": config.rollout.max_running_requests,
+    }
 
 
 def sampling(config: RunConfig, seed: int, tokenizer) -> SamplingParams:
