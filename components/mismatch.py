@@ -43,7 +43,7 @@ def teacher_force(
     capture = Capture(engine.model.cfg, engine.quant, config, engine.global_scales, engine.device, kv_from_forward=True)
     capture.begin(TokenMap.of([t.id for t in trajectories], positions, lengths))
     with torch.no_grad():
-        engine.model(
+        engine.model.hidden_states(
             tokens,
             positions,
             CausalAttention(lengths, delta_form),

@@ -575,15 +575,34 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        attend: Attend | None = None,
+        sites: Sites | None = None,
+        logits_at: Tensor | None = None,
+    ) -> Tensor:
+        """Logits ``[B, S, vocab]`` of ``tokens [B, S]`` at ``positions [B, S]``;
+        with ``logits_at [B]``, only those after row b's token ``logits_at[b]``:
+        ``[B, vocab]``. A prefill needs each prompt's last alone, and at a
+        248,320-token vocabulary (Qwen3.5-35B-A3B) the logits of every position
+        of 256 prompts of 1,024 tokens would take 130 GB in bf16."""
+        x = self.hidden_states(tokens, positions, attend, sites)
+        if logits_at is not None:
+            x = x[torch.arange(len(x), device=x.device), logits_at]
+        return self.lm_head(self.model.norm(x))
+
+    def hidden_states(
         self, tokens: Tensor, positions: Tensor, attend: Attend | None = None, sites: Sites | None = None
     ) -> Tensor:
-        """Logits ``[B, S, vocab]`` of ``tokens [B, S]`` at ``positions [B, S]``."""
+        """The last layer's output ``[B, S, hidden]``, before the final norm: a
+        forward without logits, for callers that only watch its ``sites``."""
         x = self.model.embed_tokens(tokens)
         cos, sin = rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         attend = attend or CausalAttention()
         for block in self.model.layers:
             x = block(x, cos, sin, attend, sites)
-        return self.lm_head(self.model.norm(x))
+        return x
 
     def moe_blocks(self) -> list[MoE]:
         return [b.mlp for b in self.model.layers if isinstance(b.mlp, MoE)]

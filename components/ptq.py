@@ -249,7 +249,7 @@ def calibration_hessians(model: Transformer, tokens) -> dict[tuple[int, str], tu
     rec = _ExpertInputs(model.cfg.num_experts)
     positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
     with torch.no_grad():
-        model(tokens, positions, CausalAttention(), rec)
+        model.hidden_states(tokens, positions, CausalAttention(), rec)
     return {key: (rec.sq[key] / rec.n[key].clamp(min=1)[:, None], rec.n[key]) for key in rec.sq}
 
 

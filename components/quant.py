@@ -214,7 +214,7 @@ def calibrate_global_scales(
     tokens = torch.randint(0, model.cfg.vocab_size, (batch, length), generator=gen).to(device)
     positions = torch.arange(length, device=device).expand(batch, length)
     with torch.no_grad():
-        model(tokens, positions, CausalAttention(), recorder)
+        model.hidden_states(tokens, positions, CausalAttention(), recorder)
     scales = {
         key: nvfp4_global_scale(torch.tensor(amax, device=device))
         for key, amax in recorder.amax.items()

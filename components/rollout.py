@@ -453,22 +453,23 @@ class TorchEngine:
         ids: Tensor,
         cache: KVCache,
         span: int,
+        logits_at: Tensor | None = None,
     ) -> Tensor:
-        """Logits ``[B, S, V]`` of ``tokens [B, S]`` at ``positions`` attending
-        to positions ``< span``, cached (and captured) as row b's trajectory
+        """Logits ``[B, S, V]`` of ``tokens [B, S]`` at ``positions`` (or
+        ``[B, V]`` at ``logits_at``: :meth:`Transformer.forward`) attending to
+        positions ``< span``, cached (and captured) as row b's trajectory
         ``ids[b]`` (-1: captured as padding) below ``lengths[b]``."""
         cache.start(positions, lengths, span)
         if self.capture is not None:
             self.capture.begin(TokenMap.of(ids, positions, lengths))
-        logits = self.model(tokens, positions, cache, self.sites)
+        logits = self.model(tokens, positions, cache, self.sites, logits_at)
         if self.capture is not None:
             self.capture.end()
         return logits
 
     def _prefill(self, tokens: Tensor, positions: Tensor, lengths: Tensor, ids: Tensor, cache: KVCache) -> Tensor:
         """One forward over the right-padded prompts; logits ``[B, V]`` after each prompt's last token."""
-        logits = self._forward(tokens, positions, lengths, ids, cache, tokens.shape[1])
-        return logits[torch.arange(len(tokens), device=tokens.device), lengths - 1]
+        return self._forward(tokens, positions, lengths, ids, cache, tokens.shape[1], logits_at=lengths - 1)
 
     def _decode(self, new: Tensor, lengths: Tensor, ids: Tensor, cache: KVCache, span: int) -> Tensor:
         """The decode step: logits ``[B, V]`` after each row's ``new`` token,

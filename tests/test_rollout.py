@@ -48,6 +48,17 @@ def test_logprobs_are_those_of_the_rollout_policy(model, config):
         assert torch.allclose(torch.tensor(traj.logprobs), teacher_forced_logprobs(engine, traj), atol=2e-3)
 
 
+
+def test_the_prefill_projects_each_prompts_last_position_alone(model):
+    """lm_head reads one row per prompt in the prefill (at a 248K vocabulary,
+    logits at every prompt position would not fit), and one per row decoding."""
+    engine = TorchEngine(model)
+    rows = []
+    engine.model.lm_head.register_forward_hook(lambda module, args, out: rows.append(tuple(args[0].shape)))
+    engine.generate(prompts(), SamplingParams(max_new_tokens=3, seed=0))
+    n, hidden = len(prompts()), model.cfg.hidden_size
+    assert rows == [(n, hidden), (n, 1, hidden), (n, 1, hidden)]
+
 def test_same_seed_same_samples_and_greedy_is_argmax(model):
     engine = TorchEngine(model)
     a = engine.generate(prompts(), SamplingParams(max_new_tokens=5, seed=11))
@@ -66,7 +77,7 @@ def test_stop_tokens_end_requests_and_finished_requests_leave_the_batch(model):
     stop = first[0].response[2]  # request 0 stops at its third token
     batch_sizes = []
     forward = engine._forward
-    engine._forward = lambda tokens, *a: batch_sizes.append(tokens.shape[0]) or forward(tokens, *a)
+    engine._forward = lambda tokens, *a, **kw: batch_sizes.append(tokens.shape[0]) or forward(tokens, *a, **kw)
     out = engine.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=8, stop_tokens=(stop,)))
     assert out[0].finish_reason == "stop" and out[0].response == first[0].response[:3]
     assert all(t.finish_reason == "length" or t.response[-1] == stop for t in out)
@@ -106,8 +117,8 @@ def test_stop_check_interval_changes_nothing(model, config):
         engine = TorchEngine(model, quant, capture=CaptureConfig(bits=4), stop_check_every=every)
         sizes = []
         forward = engine._forward
-        engine._forward = lambda tokens, *a, sizes=sizes, forward=forward: (
-            sizes.append(tokens.shape[0]) or forward(tokens, *a)
+        engine._forward = lambda tokens, *a, sizes=sizes, forward=forward, **kw: (
+            sizes.append(tokens.shape[0]) or forward(tokens, *a, **kw)
         )
         stops = staggered_stops(engine, 12, 16)
         engine.drain_capture() if engine.capture else None
