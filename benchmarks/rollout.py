@@ -24,7 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.checkpoint import save_model
-from tracefp4.components.device import cpu_kind
+from tracefp4.components.device import cpu_kind, keep_freed_memory
 from tracefp4.components.model import PRESETS, build_model, right_pad
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rollout import KVCache, SamplingParams, TorchEngine
@@ -157,6 +157,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    # as in a step process on the CPU (steps.step_device); the engine and generate alike run with it
+    freed_kept = device == "cpu" and keep_freed_memory()
     if args.linear_decode_only:
         print(json.dumps({"device": device, **cpu_kind(), **linear_decode_scaling(args, device)}))
         return
@@ -167,6 +169,7 @@ def main() -> None:
         "preset": args.preset,
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
+        "keep_freed_memory": freed_kept,
     }
     sampling = SamplingParams(max_new_tokens=args.new_tokens, seed=0)
 

@@ -22,6 +22,7 @@ for torch's own kernels and MKL) a machine with bf16 units stands in for one
 without: docs/performance.md measures both kinds that way.
 """
 
+import ctypes
 import functools
 import os
 import platform
@@ -40,6 +41,11 @@ _BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 flags; "bf16" is Arm's 
 # bf16 flags above do not imply
 ONEDNN_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 _ISA_CAPS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+# glibc's malloc thresholds (mallopt parameters), held at the ceilings its adaptive ones reach on 64-bit:
+# DEFAULT_MMAP_THRESHOLD_MAX, and twice that for trimming
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD, _TRIM_THRESHOLD = 32 << 20, 64 << 20
 
 
 def resolve(spec: str) -> torch.device:
@@ -130,6 +136,23 @@ def cpu_kind() -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_onednn_isa_cap": onednn_isa_cap(),
     }
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Keep freed tensors' memory in the process for the next ones (glibc's
+    malloc; whether it applies). torch's CPU tensors come from malloc, and
+    glibc hands a freed block back to the kernel when it was mapped on its own
+    (at first, anything from 128 KB) or when the heap's free top grows past a
+    threshold: the next tensor of that size then faults in fresh zeroed pages.
+    A decode step of the tiny preset at batch 128 took about 900 page faults
+    so; with the thresholds held at 32 MB (own mappings) and 64 MB (trim), the
+    ceilings glibc's adaptive ones reach anyway, none. Process-wide, so each
+    step process sets it once (:func:`tracefp4.components.steps.step_device`)."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
 
 
 def hardware(device: torch.device) -> dict:

@@ -56,7 +56,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from .checkpoint import fetch, folder_digest, load_state, size_and_sha256
-from .device import resolve
+from .device import keep_freed_memory, resolve
 from .model import Transformer
 from .precision import MasterWeights
 from .quant import QuantConfig
@@ -90,6 +90,8 @@ def init_process_group(config):
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         config = config.model_copy(update={"resources": config.resources.model_copy(update={"device": str(device)})})
+    else:
+        keep_freed_memory()  # as every step process on the CPU (steps.step_device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=config.train.timeout_seconds))
     _rank0_io[:] = [dist.new_group(backend="gloo", timeout=RANK0_IO_TIMEOUT)]

@@ -3,6 +3,8 @@ stops each step before any work, artifacts are CPU tensors; and bf16 matmuls
 on a CPU without bf16 units run in fp32 with bf16 values."""
 
 import json
+import subprocess
+import sys
 
 import pydantic
 import pytest
@@ -20,6 +22,7 @@ from tracefp4.components.trainer_state import TENSORS
 from tracefp4.schemas import RunConfig, get_preset
 
 RUN = "run-d"
+RUN_QUIETLY = {"capture_output": True, "text": True, "check": True, "timeout": 300}
 needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error of a machine without CUDA")
 
 
@@ -270,3 +273,32 @@ def test_a_bf16_model_forward_emulated_matches_native(monkeypatch):
             logits[mode] = model(tokens, positions).float()
     assert torch.allclose(logits["native"], logits["emulate"], atol=0.02, rtol=0.02)
     assert logits["native"].argmax(-1).eq(logits["emulate"].argmax(-1)).float().mean() > 0.9
+
+
+FAULTS_OF_ROLLOUTS = """
+import resource, torch
+from tracefp4.components import device, steps
+from tracefp4.components.model import build_model
+from tracefp4.components.rollout import SamplingParams, TorchEngine
+from tracefp4.schemas import RunConfig
+assert steps.step_device(RunConfig.model_validate_json(input())).type == "cpu"
+engine = TorchEngine(build_model("tiny", seed=0))
+prompts = torch.randint(0, 512, (128, 32), generator=torch.Generator().manual_seed(0)).tolist()
+for _ in range(4):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    engine.generate(prompts, SamplingParams(max_new_tokens=64))
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's malloc thresholds")
+def test_a_cpu_step_process_keeps_freed_memory_instead_of_faulting_it_in_again(tmp_path):
+    """Rollouts of the benchmark's batch (128 x 32 + 64 tokens) in a fresh CPU
+    step process: after the first two calls, next to no page faults. Without
+    keep_freed_memory glibc handed the memory of tensors of a few hundred KB
+    back to the kernel, and the third and fourth calls faulted 16,000 to
+    60,000 pages in again (two fresh processes)."""
+    config = smoke(tmp_path, "cpu").model_dump_json()
+    run = subprocess.run([sys.executable, "-c", FAULTS_OF_ROLLOUTS], input=config, **RUN_QUIETLY)
+    faults = [int(line) for line in run.stdout.split()]
+    assert sum(faults[2:]) < 2000, faults

@@ -120,7 +120,6 @@ def test_right_padding_does_not_change_real_positions():
     assert (alone - batch[:, :7]).abs().max() < 1e-5
 
 
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_logits_at_one_position_per_row_are_those_of_the_full_forward(dtype):
     """``logits_at`` projects one position per row (a prefill's last), the
@@ -136,6 +135,7 @@ def test_logits_at_one_position_per_row_are_those_of_the_full_forward(dtype):
     assert picked.shape == (3, 256)
     assert torch.equal(picked, full[torch.arange(3), at])
     assert torch.equal(model.lm_head(model.model.norm(hidden)), full)
+
 
 def test_quantization_sites():
     cfg = PRESETS["smoke"]

@@ -48,7 +48,6 @@ def test_logprobs_are_those_of_the_rollout_policy(model, config):
         assert torch.allclose(torch.tensor(traj.logprobs), teacher_forced_logprobs(engine, traj), atol=2e-3)
 
 
-
 def test_the_prefill_projects_each_prompts_last_position_alone(model):
     """lm_head reads one row per prompt in the prefill (at a 248K vocabulary,
     logits at every prompt position would not fit), and one per row decoding."""
@@ -58,6 +57,7 @@ def test_the_prefill_projects_each_prompts_last_position_alone(model):
     engine.generate(prompts(), SamplingParams(max_new_tokens=3, seed=0))
     n, hidden = len(prompts()), model.cfg.hidden_size
     assert rows == [(n, hidden), (n, 1, hidden), (n, 1, hidden)]
+
 
 def test_same_seed_same_samples_and_greedy_is_argmax(model):
     engine = TorchEngine(model)
