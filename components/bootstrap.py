@@ -19,10 +19,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from .model import CausalAttention, Transformer, right_pad
+from .model import Transformer, right_pad
+from .rl import token_logprobs
 from .rollout import SamplingParams, TorchEngine
 from .tasks import Problem, format_example, reward_of
 from .tokenizer import PolicyTokenizer
@@ -94,10 +94,8 @@ def make_batch(tokenizer: PolicyTokenizer, problems: list[Problem], max_len: int
 
 
 def sft_loss(model: Transformer, batch: SFTBatch) -> Tensor:
-    """Mean cross-entropy over the target tokens."""
-    logits = model(batch.tokens, batch.positions, CausalAttention(batch.lengths))[:, :-1].float()
-    ce = F.cross_entropy(logits.transpose(1, 2), batch.tokens[:, 1:], reduction="none")
-    return (ce * batch.target).sum() / batch.target.sum()
+    """Mean cross-entropy over the target tokens (their log-probabilities as RL's, :func:`.rl.token_logprobs`)."""
+    return -(token_logprobs(model, batch) * batch.target).sum() / batch.target.sum()
 
 
 def accuracy(

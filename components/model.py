@@ -581,16 +581,22 @@ class Transformer(nn.Module):
         attend: Attend | None = None,
         sites: Sites | None = None,
         logits_at: Tensor | None = None,
-    ) -> Tensor:
+        head=None,
+    ):
         """Logits ``[B, S, vocab]`` of ``tokens [B, S]`` at ``positions [B, S]``;
         with ``logits_at [B]``, only those after row b's token ``logits_at[b]``:
         ``[B, vocab]``. A prefill needs each prompt's last alone, and at a
         248,320-token vocabulary (Qwen3.5-35B-A3B) the logits of every position
-        of 256 prompts of 1,024 tokens would take 130 GB in bf16."""
+        of 256 prompts of 1,024 tokens would take 130 GB in bf16. ``head(h,
+        lm_head)`` replaces the logits with what its caller computes from the
+        final normed hidden states ``h`` and ``lm_head``, inside this call,
+        where FSDP has gathered the parameters (training's log-probabilities, a
+        chunk of logits at a time: :func:`.rl.token_logprobs`)."""
         x = self.hidden_states(tokens, positions, attend, sites)
         if logits_at is not None:
             x = x[torch.arange(len(x), device=x.device), logits_at]
-        return self.lm_head(self.model.norm(x))
+        x = self.model.norm(x)
+        return self.lm_head(x) if head is None else head(x, self.lm_head)
 
     def hidden_states(
         self, tokens: Tensor, positions: Tensor, attend: Attend | None = None, sites: Sites | None = None

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from .model import CausalAttention, Sites, Transformer, right_pad
 from .rollout import Trajectory
@@ -52,17 +53,56 @@ class SequenceBatch:
         return cls([t.id for t in trajectories], *tensors, response_index=index, **topk)
 
 
+# Positions whose logits a training forward holds at once. At Qwen3.5-35B-A3B's 248,320-token vocabulary one
+# 32K-token trajectory's logits take 33 GB in float32, and their log-softmax as much again
+LOGITS_CHUNK = 1024
+
+
 def token_logprobs(
-    model: Transformer, batch: SequenceBatch, sites: Sites | None = None, temperature: float = 1.0, full: bool = False
+    model: Transformer, batch: SequenceBatch, sites: Sites | None = None, temperature: float = 1.0, topk: bool = False
 ):
     """``[B, S-1]`` log-probabilities of each next token under the training path
-    (with ``full``, also the whole ``[B, S-1, V]`` log-softmax)."""
-    logits = model(batch.tokens, batch.positions, CausalAttention(batch.lengths), sites)[:, :-1].float()
+    (with ``topk``, also ``[B, S-1, K]`` those of the sampler's top-k tokens
+    ``batch.topk_ids``, which score centering weighs); ``batch`` is a
+    :class:`SequenceBatch`, or any with its tokens, positions and lengths
+    (bootstrap's SFT batches). The logits exist
+    :data:`LOGITS_CHUNK` positions at a time: each chunk's log-probabilities
+    are checkpointed, its logits computed again in the backward."""
+    if topk and batch.topk_ids is None:
+        raise ValueError("score centering needs the sampler's top-k tokens: sample with record_topk > 0")
+    topk_ids = batch.topk_ids if topk else None
+
+    def head(hidden: Tensor, lm_head: nn.Module) -> tuple[Tensor, Tensor | None]:
+        chunks = [
+            checkpoint(
+                _chunk_logprobs,
+                hidden[:, start : start + LOGITS_CHUNK],
+                lm_head,
+                batch.tokens[:, start + 1 : start + 1 + LOGITS_CHUNK],
+                None if topk_ids is None else topk_ids[:, start : start + LOGITS_CHUNK],
+                temperature,
+                use_reentrant=False,
+            )
+            for start in range(0, batch.tokens.shape[1] - 1, LOGITS_CHUNK)
+        ]
+        picked = torch.cat([chunk[0] for chunk in chunks], 1)
+        return picked, None if topk_ids is None else torch.cat([chunk[1] for chunk in chunks], 1)
+
+    picked, at_topk = model(batch.tokens, batch.positions, CausalAttention(batch.lengths), sites, head=head)
+    return (picked, at_topk) if topk else picked
+
+
+def _chunk_logprobs(
+    hidden: Tensor, lm_head: nn.Module, targets: Tensor, topk_ids: Tensor | None, temperature: float
+) -> tuple[Tensor, Tensor | None]:
+    """The log-probabilities of ``targets [B, C]`` (and of ``topk_ids [B, C, K]``)
+    after ``hidden [B, C, hidden]``, at ``temperature`` (0: none)."""
+    logits = lm_head(hidden).float()
     if temperature > 0:
         logits = logits / temperature
     every = F.log_softmax(logits, -1)
-    picked = every.gather(-1, batch.tokens[:, 1:, None])[..., 0]
-    return (picked, every) if full else picked
+    picked = every.gather(-1, targets[..., None])[..., 0]
+    return picked, None if topk_ids is None else every.gather(-1, topk_ids)
 
 
 SAFETY_BOUND = 20.0  # verl's clamp of a log importance ratio before exp (rollout_corr_helper.py)
@@ -166,14 +206,12 @@ def grpo_loss(
     }
 
 
-def score_centering(every_logprobs: Tensor, batch: SequenceBatch, tis_cap: float) -> Tensor:
+def score_centering(log_p: Tensor, batch: SequenceBatch, tis_cap: float) -> Tensor:
     """Score centering (arXiv 2609.20807) with truncated IS, per token ``[B, S-1]``:
     ``C = sum over the sampler's top-k v of stopgrad(m(v) - a p(v)) log p(v)``,
     ``m = clamp(p, 0, cap q)``, ``a = clamp(1, 0, cap rho)``, tail
-    ``rho = (1 - sum q) / max(1 - sum p, 1e-6)``; ``p`` the training policy, ``q`` the sampler."""
-    if batch.topk_ids is None:
-        raise ValueError("score centering needs the sampler's top-k tokens: sample with record_topk > 0")
-    log_p = every_logprobs.gather(-1, batch.topk_ids)
+    ``rho = (1 - sum q) / max(1 - sum p, 1e-6)``; ``p`` the training policy
+    (``log_p [B, S-1, K]`` at the sampler's top-k: ``token_logprobs(..., topk=True)``), ``q`` the sampler."""
     p, q = log_p.exp(), batch.topk_logprobs.exp()
     with torch.no_grad():
         rho = (1 - q.sum(-1)) / (1 - p.sum(-1)).clamp_min(1e-6)

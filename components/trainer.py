@@ -253,7 +253,9 @@ class Trainer:
         (detached 0-dim tensors: reading them here would sync the host with the
         device every microbatch)."""
         cfg = self.config
-        sites, (logprobs, every) = self._forward(batch, guidance, recorder, full=True)
+        centering = cfg.method == "tis_sc"
+        sites, out = self._forward(batch, guidance, recorder, topk=centering)
+        logprobs, sampler_topk = out if centering else (out, None)
         response = batch.response_index  # picks what the mask picks, without a device read
         loss, stats = grpo_loss(
             logprobs,
@@ -264,8 +266,8 @@ class Trainer:
             clip=cfg.ppo_clip,
             tis_cap=cfg.tis_cap,
         )
-        if cfg.method == "tis_sc":
-            loss = loss + (advantages[:, None] * score_centering(every, batch, cfg.tis_cap))[response].mean()
+        if centering:
+            loss = loss + (advantages[:, None] * score_centering(sampler_topk, batch, cfg.tis_cap))[response].mean()
         if self.reference is not None:  # its own sites: the step's capture and coverage are the policy's alone
             with torch.no_grad(), self._autocast(batch):
                 ref = token_logprobs(self.reference, batch, self._sites(batch, guidance, None), cfg.temperature)
@@ -297,11 +299,11 @@ class Trainer:
         enabled = self.config.precision == "fp32_master" and dtype != torch.float32
         return torch.autocast(batch.tokens.device.type, dtype=dtype, enabled=enabled)
 
-    def _forward(self, batch: SequenceBatch, guidance, recorder: Capture | None, full: bool = False):
-        """The training path's log-probs of one microbatch, and its sites."""
+    def _forward(self, batch: SequenceBatch, guidance, recorder: Capture | None, topk: bool = False):
+        """The training path's log-probs of one microbatch (:func:`.rl.token_logprobs`), and its sites."""
         sites = self._sites(batch, guidance, recorder)
         with self._autocast(batch):
-            return sites, token_logprobs(self.model, batch, sites, self.config.temperature, full=full)
+            return sites, token_logprobs(self.model, batch, sites, self.config.temperature, topk=topk)
 
     def _sites(self, batch: SequenceBatch, guidance, recorder: Capture | None) -> TrainingSites:
         """One forward's quantization sites: the method's fake quantization, guided

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tracefp4.components import steps
+from tracefp4.components import rl, steps
 from tracefp4.components.capture import Capture, CaptureConfig, SiteTable, TokenMap
 from tracefp4.components.guidance import GuidanceError, GuidanceLoader, MicrobatchGuidance, read_step, write_step
 from tracefp4.components.mismatch import compare, join_rows
@@ -175,15 +175,40 @@ def test_score_centering_vanishes_on_policy():
     trajectories = engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=4, record_topk=5, seed=1))
     batch = SequenceBatch.of(trajectories)
     assert batch.topk_ids.shape == (2, batch.tokens.shape[1] - 1, 5)
-    _, every = token_logprobs(model, batch, full=True)
-    centered = score_centering(every, batch, tis_cap=2.0)[batch.response]
+    _, log_p = token_logprobs(model, batch, topk=True)
+    centered = score_centering(log_p, batch, tis_cap=2.0)[batch.response]
     assert centered.abs().max() < 1e-4  # training policy = sampler: nothing to correct
     shifted = SequenceBatch.of(trajectories)
     shifted.topk_logprobs = shifted.topk_logprobs - 1.5  # the sampler gave its top-k a fifth of the mass: IS truncates
-    assert score_centering(every, shifted, tis_cap=2.0)[batch.response].abs().max() > 1e-3
+    assert score_centering(log_p, shifted, tis_cap=2.0)[batch.response].abs().max() > 1e-3
     with pytest.raises(ValueError, match="record_topk"):
-        score_centering(every, SequenceBatch.of(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))), 2.0)
+        token_logprobs(model, SequenceBatch.of(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))), topk=True)
 
+
+
+def test_token_logprobs_hold_one_chunk_of_logits_at_a_time(monkeypatch):
+    """Chunked, the same log-probabilities (and top-k ones) and, to rounding,
+    the same gradients; lm_head never yields more positions than a chunk,
+    once per chunk in the forward and once again in the backward."""
+    model = build_model("smoke", seed=0)
+    engine = TorchEngine(model, dtype=torch.float32)
+    batch = SequenceBatch.of(engine.generate([[1, 2, 3], [4, 5]], SamplingParams(max_new_tokens=8, record_topk=3)))
+
+    def logprobs_and_grads():
+        model.zero_grad()
+        picked, at_topk = token_logprobs(model, batch, temperature=0.7, topk=True)
+        (picked.sum() + at_topk.sum()).backward()
+        return picked.detach(), at_topk.detach(), [p.grad.clone() for p in model.parameters()]
+
+    whole = logprobs_and_grads()
+    monkeypatch.setattr(rl, "LOGITS_CHUNK", 3)
+    widths = []
+    model.lm_head.register_forward_hook(lambda module, args, out: widths.append(out.shape[1]))
+    chunked = logprobs_and_grads()
+    chunks = -(-(batch.tokens.shape[1] - 1) // 3)
+    assert chunks > 2 and sorted(widths) == sorted(2 * [3] * (chunks - 1) + 2 * [widths[chunks - 1]])
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(whole[2], chunked[2]))
 
 @pytest.fixture(scope="module")
 def per_token_step(tmp_path_factory, native_bf16):
