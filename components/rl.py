@@ -73,6 +73,7 @@ def token_logprobs(
     topk_ids = batch.topk_ids if topk else None
 
     def head(hidden: Tensor, lm_head: nn.Module) -> tuple[Tensor, Tensor | None]:
+        hidden = hidden[:, :-1]  # the last position predicts nothing here
         chunks = [
             checkpoint(
                 _chunk_logprobs,
@@ -83,7 +84,7 @@ def token_logprobs(
                 temperature,
                 use_reentrant=False,
             )
-            for start in range(0, batch.tokens.shape[1] - 1, LOGITS_CHUNK)
+            for start in range(0, hidden.shape[1], LOGITS_CHUNK)
         ]
         picked = torch.cat([chunk[0] for chunk in chunks], 1)
         return picked, None if topk_ids is None else torch.cat([chunk[1] for chunk in chunks], 1)

@@ -185,7 +185,6 @@ def test_score_centering_vanishes_on_policy():
         token_logprobs(model, SequenceBatch.of(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))), topk=True)
 
 
-
 def test_token_logprobs_hold_one_chunk_of_logits_at_a_time(monkeypatch):
     """Chunked, the same log-probabilities (and top-k ones) and, to rounding,
     the same gradients; lm_head never yields more positions than a chunk,
@@ -205,10 +204,12 @@ def test_token_logprobs_hold_one_chunk_of_logits_at_a_time(monkeypatch):
     widths = []
     model.lm_head.register_forward_hook(lambda module, args, out: widths.append(out.shape[1]))
     chunked = logprobs_and_grads()
-    chunks = -(-(batch.tokens.shape[1] - 1) // 3)
-    assert chunks > 2 and sorted(widths) == sorted(2 * [3] * (chunks - 1) + 2 * [widths[chunks - 1]])
+    positions = batch.tokens.shape[1] - 1  # each predicts the next token
+    per_chunk = [3] * (positions // 3) + ([positions % 3] if positions % 3 else [])
+    assert len(per_chunk) > 2 and sorted(widths) == sorted(2 * per_chunk)
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(whole[2], chunked[2]))
+
 
 @pytest.fixture(scope="module")
 def per_token_step(tmp_path_factory, native_bf16):
