@@ -186,8 +186,8 @@ def test_score_centering_vanishes_on_policy():
 
 
 def test_token_logprobs_hold_one_chunk_of_logits_at_a_time(monkeypatch):
-    """Chunked, the same log-probabilities (and top-k ones) and, to rounding,
-    the same gradients; lm_head never yields more positions than a chunk,
+    """Chunked, the same log-probabilities (and top-k ones) and gradients, to
+    rounding; lm_head never yields more positions than a chunk,
     once per chunk in the forward and once again in the backward."""
     model = build_model("smoke", seed=0)
     engine = TorchEngine(model, dtype=torch.float32)
@@ -207,8 +207,9 @@ def test_token_logprobs_hold_one_chunk_of_logits_at_a_time(monkeypatch):
     positions = batch.tokens.shape[1] - 1  # each predicts the next token
     per_chunk = [3] * (positions // 3) + ([positions % 3] if positions % 3 else [])
     assert len(per_chunk) > 2 and sorted(widths) == sorted(2 * per_chunk)
-    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
-    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(whole[2], chunked[2]))
+    # lm_head's matmul over fewer rows may round a logit differently in its last bit
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(whole[:2], chunked[:2]))
+    assert all((a - b).abs().max() <= 1e-5 * a.abs().max() for a, b in zip(whole[2], chunked[2]))
 
 
 @pytest.fixture(scope="module")
