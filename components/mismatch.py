@@ -46,7 +46,7 @@ def teacher_force(
         engine.model.hidden_states(
             tokens,
             positions,
-            CausalAttention(lengths, delta_form),
+            CausalAttention(delta_form),
             QuantSites(engine.quant, engine.global_scales, capture),
         )
     capture.end()

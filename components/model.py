@@ -307,12 +307,15 @@ class Attend(Protocol):
 
 @dataclass
 class CausalAttention:
-    """Full-sequence causal attention; ``lengths [B]`` masks right padding
-    (which comes after each sequence, so causal linear attention needs no mask).
-    The delta rule runs ``chunked`` (training, prefill) or ``recurrent``
-    token by token (the rollout's decode form, for measuring their mismatch)."""
+    """Full-sequence causal attention. Batches are right-padded (:func:`right_pad`:
+    the padding comes after each sequence), so causality alone keeps the
+    padding out of every real position, in softmax and linear attention alike:
+    no mask is built, and SDPA runs its causal kernel (on CUDA flash attention,
+    whose memory grows with the sequence; a boolean ``[S, S]`` mask alone
+    would be 69 GB at 262,144 tokens). The delta rule runs ``chunked``
+    (training, prefill) or ``recurrent`` token by token (the rollout's decode
+    form, for measuring their mismatch)."""
 
-    lengths: Tensor | None = None
     delta_form: str = "chunked"
 
     def __post_init__(self):
@@ -329,28 +332,27 @@ class CausalAttention:
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor, sites: Sites | None) -> Tensor:
         if sites is not None:
             k, v = sites.kv(layer, k, v)
-        s = q.shape[2]
-        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()[None, None]
-        if self.lengths is not None:
-            mask = mask & (torch.arange(s, device=q.device) < self.lengths[:, None])[:, None, None, :]
-            mask = mask | torch.eye(s, dtype=torch.bool, device=q.device)  # padded rows attend to themselves
-        return attention(q, k, v, mask)
+        return attention(q, k, v)
 
 
-def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Tensor:
     """Softmax attention of ``q [B, H, S, D]`` over ``k, v [B, KV, L, D]``
-    (grouped when KV < H) where the boolean ``mask [B or 1, 1, S, L]`` allows:
-    one SDPA call, the same in training and in the rollout's prefill and decode
+    (grouped when KV < H) where the boolean ``mask [B or 1, 1, S, L]`` allows,
+    or without one causally (queries and keys at the same positions): one
+    SDPA call, the same in training and in the rollout's prefill and decode
     steps; in fp32 on a CPU without bf16 units (:func:`.device.bf16_op`)."""
-    sdpa = functools.partial(F.scaled_dot_product_attention, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    sdpa = functools.partial(
+        F.scaled_dot_product_attention, attn_mask=mask, is_causal=mask is None, enable_gqa=q.shape[1] != k.shape[1]
+    )
     return bf16_op(sdpa, q, k, v)
 
 
 def right_pad(sequences: list[list[int]], pad: int = 0, device="cpu") -> tuple[Tensor, Tensor, Tensor]:
     """Token sequences as one batch: ``tokens [B, S]`` (``pad`` after each
     sequence's end), ``positions [B, S]`` (0.. on every row) and ``lengths
-    [B]``, which :class:`CausalAttention` masks the padding with. No logit of
-    a real position depends on ``pad``; callers holding the tokenizer pass its
+    [B]``, which tell the real positions from the padding (capture's token
+    map, the engine's KV cache). Causal attention keeps the padding out of
+    every real position, so no logit of one depends on ``pad``; callers holding the tokenizer pass its
     pad id, so that the batches read as the policy's own."""
     rows = [torch.tensor(s, dtype=torch.long) for s in sequences]
     tokens = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad).to(device)

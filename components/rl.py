@@ -89,7 +89,7 @@ def token_logprobs(
         picked = torch.cat([chunk[0] for chunk in chunks], 1)
         return picked, None if topk_ids is None else torch.cat([chunk[1] for chunk in chunks], 1)
 
-    picked, at_topk = model(batch.tokens, batch.positions, CausalAttention(batch.lengths), sites, head=head)
+    picked, at_topk = model(batch.tokens, batch.positions, CausalAttention(), sites, head=head)
     return (picked, at_topk) if topk else picked
 
 

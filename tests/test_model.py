@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 
 from tracefp4.components.checkpoint import config_from_hf, config_to_hf, load_model, save_model
@@ -110,14 +111,21 @@ def test_presets_are_seeded_and_sized():
         build_model("huge")
 
 
-def test_right_padding_does_not_change_real_positions():
+def test_right_padding_does_not_change_real_positions(monkeypatch):
+    """Causality alone keeps right padding out of the real positions: the
+    full-sequence forward builds no mask and runs SDPA's causal kernel (a mask
+    of its S x S positions would take 69 GB at 262,144 tokens)."""
     model = build_model("smoke", seed=0)
     tokens = torch.randint(0, 256, (1, 7))
     padded = torch.cat([tokens, torch.zeros(1, 5, dtype=torch.long)], 1)
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(kw) or sdpa(*a, **kw))
     with torch.no_grad():
         alone = model(tokens, torch.arange(7)[None])
-        batch = model(padded, torch.arange(12)[None], CausalAttention(torch.tensor([7])))
+        batch = model(padded, torch.arange(12)[None], CausalAttention())
     assert (alone - batch[:, :7]).abs().max() < 1e-5
+    assert calls and all(kw["attn_mask"] is None and kw["is_causal"] for kw in calls)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -178,7 +178,7 @@ def test_right_padded_batch_equals_each_sequence_alone():
     sequences = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 12, 70)]
     tokens, positions, lengths = right_pad(sequences)
     with torch.no_grad():
-        batch = model(tokens, positions, CausalAttention(lengths))
+        batch = model(tokens, positions, CausalAttention())
         for row, seq in enumerate(sequences):
             alone = model(torch.tensor([seq]), torch.arange(len(seq))[None])
             assert (batch[row, : len(seq)] - alone[0]).abs().max() < 1e-5
