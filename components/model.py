@@ -31,6 +31,7 @@ its attention (:func:`attention`, for both strategies) go through
 computes them in fp32 and rounds to bf16 instead of crawling.
 """
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -38,6 +39,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from tracefp4.kernels import graph_capturing
 
@@ -291,6 +293,12 @@ class Sites(Protocol):
         """The experts ``[T, k]`` each token goes to, given the router's own
         top-k choice: that choice, or (training under syndrome-coded guidance)
         the rollout's, whose side information needs the rollout's routing."""
+
+    def replaying(self) -> contextlib.AbstractContextManager:
+        """A context in which a layer runs again with the same values (its
+        activations recomputed in the backward: ``Transformer.recompute_layers``)
+        and whatever the sites record or count is not recorded or counted twice.
+        Only training's sites are recomputed."""
 
 
 class Attend(Protocol):
@@ -568,6 +576,9 @@ class Transformer(nn.Module):
         self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+        # activation checkpointing (train.activation_checkpointing): a forward that builds a graph keeps each
+        # layer's input alone and the backward runs the layer again
+        self.recompute_layers = False
 
     def tie_weights(self) -> None:
         """Share the embedding with ``lm_head`` (``tie_word_embeddings``). Again
@@ -604,16 +615,28 @@ class Transformer(nn.Module):
         self, tokens: Tensor, positions: Tensor, attend: Attend | None = None, sites: Sites | None = None
     ) -> Tensor:
         """The last layer's output ``[B, S, hidden]``, before the final norm: a
-        forward without logits, for callers that only watch its ``sites``."""
+        forward without logits, for callers that only watch its ``sites``.
+        With ``recompute_layers``, each layer runs again in the backward, its
+        sites replaying (:meth:`Sites.replaying`)."""
         x = self.model.embed_tokens(tokens)
         cos, sin = rope_cos_sin(positions, self.cfg.rotary_dim, self.cfg.rope_theta, x.dtype)
         attend = attend or CausalAttention()
+        recompute = self.recompute_layers and torch.is_grad_enabled()
+        contexts = functools.partial(_recomputation_contexts, sites)
         for block in self.model.layers:
-            x = block(x, cos, sin, attend, sites)
+            if recompute:
+                x = checkpoint(block, x, cos, sin, attend, sites, use_reentrant=False, context_fn=contexts)
+            else:
+                x = block(x, cos, sin, attend, sites)
         return x
 
     def moe_blocks(self) -> list[MoE]:
         return [b.mlp for b in self.model.layers if isinstance(b.mlp, MoE)]
+
+
+def _recomputation_contexts(sites: Sites | None):
+    """torch.utils.checkpoint's contexts of a layer's forward and of its run again in the backward."""
+    return contextlib.nullcontext(), contextlib.nullcontext() if sites is None else sites.replaying()
 
 
 def empty_model(cfg: ModelConfig, dtype: torch.dtype, device: str | torch.device = "cpu") -> Transformer:

@@ -23,6 +23,7 @@ RTN computes each row's scale from the training values, as the serving engine
 computes it from the rollout's; guided rows take the rollout's own, captured.
 """
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -112,6 +113,17 @@ class TrainingSites:
         self.row_of = {t: b for b, t in enumerate(trajectories or [])}
         self.scale_values = scale_values or {}  # global_scales as host floats: checked without reading the device
         self.coverage = Coverage()
+        self.replay = False  # the forward running is a layer's recomputation (replaying)
+
+    @contextlib.contextmanager
+    def replaying(self):
+        """A layer's recomputation in the backward: the same rounding, but the
+        coverage, decode tallies and recorded codes were taken in its forward."""
+        self.replay = True
+        try:
+            yield
+        finally:
+            self.replay = False
 
     def _rows(self, key, x: Tensor, expert: Tensor | None):
         """The guidance table on ``x``'s device (the loader yields CPU tables) and,
@@ -160,8 +172,9 @@ class TrainingSites:
                 guide = table.guidance()
             if len(table.traj):
                 _take_rows(q, quantize(x.detach()[train], fmt, guide=guide), train, ok)
-            self.coverage.add(key, ok.sum() * table.width, len(table.traj) * table.width)
-        if self.recorder is not None:
+            if not self.replay:
+                self.coverage.add(key, ok.sum() * table.width, len(table.traj) * table.width)
+        if self.recorder is not None and not self.replay:
             self.recorder.record(layer, site, x.detach(), q, token, slot, expert)
         return straight_through(x, dequantize(q))
 
@@ -194,7 +207,8 @@ class TrainingSites:
         blocks round to nearest, counted."""
         values = torch.where(ok[:, None], x[train].float(), 0.0)
         scales, low, decoded, tally = decode_rows(table, values, ok)
-        add_tally(self.coverage.decode, (table.layer, table.site), table.rate, tally)
+        if not self.replay:
+            add_tally(self.coverage.decode, (table.layer, table.site), table.rate, tally)
         f = get_format(table.fmt)
         guide = Guidance(
             compact_codes(low, 1), 1, scales.view(f.scale_dtype), g, f.name, torch.Size((len(low), table.width))

@@ -244,6 +244,7 @@ def train_config(config: RunConfig) -> TrainConfig:
         temperature=config.rollout.temperature or 1.0,
         compute_dtype=compute_dtype(config),
         precision=config.train_precision,
+        activation_checkpointing=config.train.activation_checkpointing,
     )
 
 

@@ -61,6 +61,7 @@ class TrainConfig:
     temperature: float = 1.0
     compute_dtype: torch.dtype = torch.bfloat16  # the rollout's: fp32_master's autocast dtype, the W4 rounding
     precision: str = "bf16"  # .precision.PRECISIONS
+    activation_checkpointing: bool = False  # each layer's activations recomputed in the backward
 
 
 @dataclass
@@ -89,6 +90,7 @@ class Trainer:
     ):
         self.weights = MasterWeights(model, config.precision)  # the parameters in the precision's dtype
         model = model.train()
+        model.recompute_layers = config.activation_checkpointing
         self.device = next(model.parameters()).device
         self.config, self.quant = config, quant
         self.global_scales = {key: g.to(self.device) for key, g in global_scales.items()}

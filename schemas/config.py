@@ -316,6 +316,12 @@ class TrainSection(_Section):
         "bf16 for a bfloat16 model.dtype and fp32_master for float32, and fp32_master for several training "
         "processes. Either way the master weights are saved with the optimizer state.",
     )
+    activation_checkpointing: bool = Field(
+        default=False,
+        description="Keep each layer's input alone and compute the layer again in the backward, instead of keeping "
+        "its activations: about a third more compute for the activations of one layer at a time. Long sequences "
+        "of a large policy need it (docs/training.md).",
+    )
     nodes: int = Field(
         default=1, ge=1, le=1024, description="Machines the train step trains on; more than 1 needs launcher trainjob."
     )

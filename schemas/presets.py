@@ -98,7 +98,14 @@ def _paper(name: str, fmt: str, config: str) -> RunConfig:
             "method": "trace",
             # training shards 35B parameters with their float32 master, gradients and AdamW moments (16 bytes a
             # parameter, about 560 GB) over 2 nodes x 4 GPUs, about 70 GB a GPU; a GB200 compute tray has 4 GPUs
-            "train": {"precision": "fp32_master", "nodes": 2, "processes_per_node": 4, "launcher": "trainjob"},
+            # a trajectory of up to 262,144 tokens: its 40 layers' activations are not kept at once
+            "train": {
+                "precision": "fp32_master",
+                "activation_checkpointing": True,
+                "nodes": 2,
+                "processes_per_node": 4,
+                "launcher": "trainjob",
+            },
             "rl": {
                 "schedule": "off_policy",
                 "steps_per_round": 4,

@@ -30,7 +30,7 @@ from tracefp4.schemas import RunConfig, get_preset
 RUN = "run-dist"
 
 
-def config_for(tmp_path, processes: int = 1, **rl) -> RunConfig:
+def config_for(tmp_path, processes: int = 1, activation_checkpointing: bool = False, **rl) -> RunConfig:
     """Smoke, trace: 3 off-policy steps of 4 trajectories in microbatches of 1, an optimizer step every 2."""
     data = get_preset("smoke").model_dump()
     data["store"]["uri"] = (tmp_path / "store").as_uri()
@@ -40,6 +40,7 @@ def config_for(tmp_path, processes: int = 1, **rl) -> RunConfig:
     data["rl"]["learning_rate"] = 1e-2  # steps large enough that a wrong gradient shows
     data["bootstrap"]["enabled"] = False
     data["train"] = {"processes_per_node": processes, "timeout_seconds": 60, "precision": "fp32_master"}
+    data["train"]["activation_checkpointing"] = activation_checkpointing
     return RunConfig.model_validate(data)
 
 
@@ -82,8 +83,8 @@ def one_process(tmp, ref, stats):
     )
 
 
-def two_processes(tmp, stats, out, **kwargs):
-    config = config_for(tmp, processes=2)
+def two_processes(tmp, stats, out, activation_checkpointing=False, **kwargs):
+    config = config_for(tmp, processes=2, activation_checkpointing=activation_checkpointing)
     inputs = (tmp / "policy-0", tmp / "state-0", tmp / "trajectories.jsonl", tmp / "guidance.json")
     return torchrun(config, *inputs, out, tmp / f"{out.name}-state", tmp / f"work-{out.name}", RUN, stats, **kwargs)
 
@@ -120,6 +121,21 @@ def test_two_processes_train_what_one_does(round_inputs, both):
     assert sorted(s1) == sorted(s2)
     for i in s1:
         torch.testing.assert_close(s2[i]["exp_avg_sq"], s1[i]["exp_avg_sq"], rtol=1e-4, atol=1e-12)
+
+
+def test_two_processes_recomputing_their_layers_train_what_one_keeping_them_does(round_inputs, both):
+    """Activation checkpointing under FSDP2: each sharded layer gathered again
+    for its recomputation; the steps' figures and weights as without it."""
+    tmp, _, stats = round_inputs
+    one, _ = both
+    two = two_processes(tmp, stats, tmp / "recomputed", activation_checkpointing=True)
+    for a, b in zip(one, two, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+        assert b["guidance_coverage"] == a["guidance_coverage"] > 0.5
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)
+    p1, p2 = load_model(tmp / "one").state_dict(), load_model(tmp / "recomputed").state_dict()
+    for name in p1:
+        torch.testing.assert_close(p2[name], p1[name], rtol=1e-4, atol=1e-4, msg=name)
 
 
 def test_two_processes_count_the_whole_steps_syndrome_decode(tmp_path):

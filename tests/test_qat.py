@@ -1,6 +1,7 @@
 """The training path: each method's fake quantization, TRACE's guided rounding
 against the rollout's captures, and the GRPO / TIS loss."""
 
+import copy
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -95,6 +96,53 @@ def test_trace_aligns_training_with_rollout_better_than_qat(step):
     assert trace.mismatched < 0.1 * qat.mismatched  # codes: the training path now rounds as the rollout did
     assert trace.metrics["logprob_abs_diff_mean"] < qat.metrics["logprob_abs_diff_mean"]
     assert trace.metrics["k3_kl"] < qat.metrics["k3_kl"]
+
+
+def test_recomputed_layers_train_and_count_as_kept_ones(step):
+    """Activation checkpointing (``recompute_layers``) runs each layer again in
+    the backward: the same log-probabilities and, to rounding, gradients, and
+    the guidance coverage and recorded codes of the forward alone."""
+    engine, out, _, mb = step
+    model = copy.deepcopy(engine.model).requires_grad_(True)
+    batch = SequenceBatch.of(out)
+    results = {}
+    for recompute in (False, True):
+        model.recompute_layers = recompute
+        model.zero_grad()
+        config = CaptureConfig(max_tokens=batch.tokens.numel())
+        capture = Capture(model.cfg, engine.quant, config, engine.global_scales, kv_from_forward=True)
+        capture.begin(TokenMap.of(batch.trajectories, batch.positions, batch.lengths - 1))
+        sites = TrainingSites(
+            engine.quant,
+            "trace",
+            engine.global_scales,
+            trajectories=batch.trajectories,
+            seq_len=batch.tokens.shape[1],
+            guidance=mb,
+            recorder=capture,
+        )
+        runs = []
+        hook = model.model.layers[0].register_forward_pre_hook(lambda *args, runs=runs: runs.append(1))
+        logprobs = token_logprobs(model, batch, sites)
+        logprobs[batch.response].sum().backward()
+        hook.remove()
+        capture.end()
+        results[recompute] = SimpleNamespace(
+            logprobs=logprobs.detach(),
+            grads=[p.grad.clone() for p in model.parameters()],
+            total=dict(sites.coverage.total),
+            rate=sites.coverage.rate,
+            codes=capture.drain(),
+            runs=len(runs),
+        )
+    kept, recomputed = results[False], results[True]
+    assert (kept.runs, recomputed.runs) == (1, 2)
+    assert torch.equal(kept.logprobs, recomputed.logprobs)
+    assert all((a - b).abs().max() <= 1e-5 * a.abs().max() for a, b in zip(kept.grads, recomputed.grads))
+    assert kept.total == recomputed.total and kept.rate == recomputed.rate > 0.9
+    report = compare(kept.codes, recomputed.codes)
+    assert sum(m.elements for m in report.values()) > 0 and sum(m.mismatched for m in report.values()) == 0
+    assert sum(m.elements for m in report.values()) == sum(m.elements for m in compare(kept.codes, kept.codes).values())
 
 
 @pytest.mark.parametrize("preset", ["smoke", "tiny-qwen35"])

@@ -423,3 +423,16 @@ def test_the_policy_folder_is_a_clean_hugging_face_checkpoint(native_bf16, tmp_p
     tokens = torch.randint(0, ours.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert (reference(tokens).logits - ours(tokens, torch.arange(9).expand(2, 9))).abs().max() < 1e-4
+
+
+def test_activation_checkpointing_reaches_the_trained_model():
+    """train.activation_checkpointing, off by default and on in the paper presets, sets the trained model's
+    recompute_layers (tests/test_qat.py -k recomputed and tests/test_distributed.py -k recomputing: what it does)."""
+    assert not steps.train_config(get_preset("tiny")).activation_checkpointing
+    config = get_preset("paper-nvfp4-wa-kv")
+    assert config.train.activation_checkpointing and steps.train_config(config).activation_checkpointing
+    for on in (False, True):
+        trainer = Trainer(
+            build_model("smoke", seed=0), TrainConfig(activation_checkpointing=on), rollout_config("bf16"), {}
+        )
+        assert trainer.model.recompute_layers is on
