@@ -316,10 +316,19 @@ def e2m1_decode(codes: Tensor) -> Tensor:
 
 
 def dequantize(packed: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tensor | None) -> Tensor:
-    """Float32 values ``e2m1(code) * unit``; a per-row global scale ``[..., 1]``
+    """Float32 values ``e2m1(code) * unit``, a cache-sized chunk of blocks at a
+    time (as :func:`quantize` encodes them); a per-row global scale ``[..., 1]``
     broadcasts over the row's blocks ``[..., n_blocks]``."""
-    values = blocked(e2m1_decode_packed(packed), fmt.block_size)
-    return (values * scale_units(fmt, scales, global_scale).unsqueeze(-1)).flatten(-2)
+    n_blocks = packed.shape[-1] * 2 // fmt.block_size
+    units = scale_units(fmt, scales, global_scale).expand(*packed.shape[:-1], n_blocks).reshape(-1)
+    packed_blocks = packed.reshape(-1, fmt.block_size // 2)
+    values = torch.empty(packed_blocks.shape[0], fmt.block_size, dtype=torch.float32, device=packed.device)
+
+    def chunk(rows: slice) -> None:
+        torch.mul(e2m1_decode_packed(packed_blocks[rows]), units[rows, None], out=values[rows])
+
+    _each_chunk(chunk, *values.shape)
+    return values.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def fake_quantize(x: Tensor, fmt: FP4Format, global_scale: Tensor | None, scale_mode: str) -> Tensor:
