@@ -42,7 +42,7 @@ from tracefp4.kernels import (
 )
 
 from .guidance import GuidanceError, MicrobatchGuidance
-from .quant import ACTIVATION_SITES, QuantConfig, Recorder, kv_from_rows, kv_rows
+from .quant import ACTIVATION_SITES, QuantConfig, Recorder, fp4_expert_weights, kv_from_rows, kv_rows
 from .syndrome import SyndromeTable, add_tally, decode_rows
 
 METHODS = ("bf16", "qat", "quads", "trace", "tis_sc")
@@ -251,9 +251,7 @@ class TrainingSites:
         if self.method in ("bf16", "tis_sc") or fmt is None:
             return gate_up, down
 
-        # one global scale per expert and matrix, blocks along the input dim (as the rollout's)
-        def fp4(w: Tensor) -> Tensor:
-            rounded = w.detach().to(self.compute_dtype or w.dtype)
-            return torch.stack([fake_quantize(rounded[e].T, fmt).T for e in range(w.shape[0])])
+        def fp4(w: Tensor) -> Tensor:  # as the rollout's: from the weights rounded to the compute dtype
+            return straight_through(w, fp4_expert_weights(w.detach().to(self.compute_dtype or w.dtype), fmt))
 
-        return straight_through(gate_up, fp4(gate_up)), straight_through(down, fp4(down))
+        return fp4(gate_up), fp4(down)

@@ -167,8 +167,21 @@ def quantize_expert_weights_(model: Transformer, fmt: str | None) -> None:
     with torch.no_grad():
         for moe in model.moe_blocks():
             for w in (moe.experts.gate_up, moe.experts.down):
-                for e in range(w.shape[0]):  # one global scale per expert and matrix; blocks along the input dim
-                    w[e] = fake_quantize(w[e].T.float(), fmt).T.to(w.dtype)
+                w.copy_(fp4_expert_weights(w.float(), fmt))
+
+
+def fp4_expert_weights(w: Tensor, fmt: str) -> Tensor:
+    """The FP4 values of stacked experts' weights ``w [E, in, out]``, in ``w``'s
+    dtype: one NVFP4 global scale per expert and matrix, blocks along the input
+    dim. All experts in one quantize call: at Qwen3.5-35B-A3B a call per expert
+    would be 256 x 40 x 2 of them in every training forward."""
+    rows = w.detach().transpose(1, 2).contiguous()  # [E, out, in]: one row per output, blocked along the input
+    g = None
+    if FORMATS[fmt].has_global_scale:  # amax / (6 * 448) of each expert's matrix, as its own tensor would get
+        g = nvfp4_global_scale(rows.abs().amax(dim=(1, 2), keepdim=True)).expand(*rows.shape[:-1], 1)
+    # unchecked: a NaN scale marks an expert holding NaN or Inf (it dequantizes to NaN, as alone), and checking reads
+    # the device
+    return dequantize(quantize(rows, fmt, global_scale=g, check_scale=False)).transpose(1, 2).to(w.dtype)
 
 
 class _AmaxRecorder:

@@ -14,7 +14,7 @@ from tracefp4.components.guidance import GuidanceError, GuidanceLoader, Microbat
 from tracefp4.components.mismatch import compare, join_rows
 from tracefp4.components.model import build_model
 from tracefp4.components.qat import TrainingSites
-from tracefp4.components.quant import QuantConfig, rollout_config
+from tracefp4.components.quant import QuantConfig, fp4_expert_weights, rollout_config
 from tracefp4.components.rl import (
     SequenceBatch,
     alignment_metrics,
@@ -25,7 +25,7 @@ from tracefp4.components.rl import (
 )
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
-from tracefp4.kernels import dequantize, quantize
+from tracefp4.kernels import dequantize, fake_quantize, quantize
 from tracefp4.schemas import RunConfig, get_preset
 
 
@@ -187,6 +187,29 @@ def test_methods_quantize_what_they_should():
         TrainingSites(q, "trace", {})
     with pytest.raises(ValueError, match="unknown training method 'fp2'"):
         TrainingSites(q, "fp2", {})
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_weights_round_at_once_as_each_alone(fmt, dtype):
+    """fp4_expert_weights quantizes every expert in one call: the values of
+    quantizing each expert's matrix on its own (its own NVFP4 global scale,
+    blocks along the input dim), an all-zero expert and one holding NaN
+    included; the training sites' weights are them, straight through."""
+    w = torch.randn(5, 64, 48) * torch.tensor([1.0, 1e-3, 30.0, 0.0, 1.0])[:, None, None]
+    w[4, 3, 7] = float("nan")
+    w = w.to(dtype)
+    alone = torch.stack([fake_quantize(w[e].T, fmt).T for e in range(len(w))])
+    at_once = fp4_expert_weights(w, fmt)
+    assert at_once.dtype == dtype and at_once[4].isnan().any()
+    torch.testing.assert_close(at_once, alone, rtol=0, atol=0, equal_nan=True)
+    assert at_once[4].isnan().all() == (fmt == "nvfp4")  # its global scale NaN; MXFP4: the NaN's block alone
+    sites = TrainingSites(QuantConfig(weights=fmt), "quads", {}, compute_dtype=dtype)
+    master = w[:4].float().requires_grad_(True)
+    gate_up, _ = sites.expert_weights(0, master, master)
+    assert torch.equal(gate_up, alone[:4].float())
+    gate_up.sum().backward()
+    assert torch.equal(master.grad, torch.ones_like(master))
 
 
 def test_grpo_loss_and_advantages():
