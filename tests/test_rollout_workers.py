@@ -5,7 +5,7 @@ reads every worker's shards."""
 
 import pytest
 
-from tracefp4.components import steps
+from tracefp4.components import evaluation, steps
 from tracefp4.components.guidance import GuidanceError, merge_steps, read_manifest
 from tracefp4.components.rollout import TorchEngine
 from tracefp4.components.store import open_store
@@ -103,3 +103,23 @@ def test_a_worker_rolls_out_at_most_max_running_requests_at_once(tmp_path, polic
     bounded = c.model_copy(update={"rollout": c.rollout.model_copy(update={"max_running_requests": 4})})
     steps.rollout(bounded, policy, 0, tmp_path / "waves.jsonl", RUN)
     assert prefilled == [4, 2, 4, 2]
+
+
+class Prefilled(Exception):
+    """Raised at an evaluation engine's first prefill, with its size: the evaluation stops there."""
+
+
+def test_evaluation_engines_roll_out_at_most_max_running_requests_at_once(tmp_path, policy, monkeypatch):
+    """The evaluation's engines take ``rollout.max_running_requests`` too: its
+    first pass over the 4 test prompts is prefilled 3 at a time, all 4 without it."""
+
+    def first_prefill(self, tokens, *args):
+        raise Prefilled(len(tokens))
+
+    monkeypatch.setattr(TorchEngine, "_prefill", first_prefill)
+    for bound, size in ((0, 4), (3, 3)):
+        c = config(tmp_path, 1)
+        c = c.model_copy(update={"rollout": c.rollout.model_copy(update={"max_running_requests": bound})})
+        with pytest.raises(Prefilled) as prefilled:
+            evaluation.evaluate(c, policy)
+        assert prefilled.value.args == (size,)
