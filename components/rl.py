@@ -84,7 +84,7 @@ def token_logprobs(
                 temperature,
                 use_reentrant=False,
             )
-            for start in range(0, hidden.shape[1], LOGITS_CHUNK)
+            for start in range(0, max(hidden.shape[1], 1), LOGITS_CHUNK)  # one-token rows: one empty chunk
         ]
         picked = torch.cat([chunk[0] for chunk in chunks], 1)
         return picked, None if topk_ids is None else torch.cat([chunk[1] for chunk in chunks], 1)

@@ -23,7 +23,7 @@ from tracefp4.components.rl import (
     score_centering,
     token_logprobs,
 )
-from tracefp4.components.rollout import SamplingParams, TorchEngine
+from tracefp4.components.rollout import SamplingParams, TorchEngine, Trajectory
 from tracefp4.components.store import open_store
 from tracefp4.kernels import dequantize, fake_quantize, quantize
 from tracefp4.schemas import RunConfig, get_preset
@@ -281,6 +281,8 @@ def test_token_logprobs_hold_one_chunk_of_logits_at_a_time(monkeypatch):
     # lm_head's matmul over fewer rows may round a logit differently in its last bit
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-6) for a, b in zip(whole[:2], chunked[:2]))
     assert all((a - b).abs().max() <= 1e-5 * a.abs().max() for a, b in zip(whole[2], chunked[2]))
+    one_token = SequenceBatch.of([Trajectory(0, [1], [], [], "length"), Trajectory(1, [2], [], [], "length")])
+    assert token_logprobs(model, one_token).shape == (2, 0)  # nothing to predict: one empty chunk
 
 
 @pytest.fixture(scope="module")
