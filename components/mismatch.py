@@ -30,27 +30,51 @@ from .rollout import TorchEngine, Trajectory
 
 
 def teacher_force(
-    engine: TorchEngine, trajectories: list[Trajectory], keep_inputs: bool = False, delta_form: str = "chunked"
+    engine: TorchEngine,
+    trajectories: list[Trajectory],
+    keep_inputs: bool = False,
+    delta_form: str = "chunked",
+    max_tokens: int | None = None,
 ) -> CaptureRecords:
     """Full 4-bit capture of the training path over the trajectories' tokens;
     with ``keep_inputs`` the tables also hold the values before quantization.
     ``delta_form`` is the Gated DeltaNet form of a hybrid model's
     linear-attention layers: training's ``chunked``, or the rollout's
     ``recurrent`` one (everything else the same), which isolates what the two
-    forms alone do to the codes."""
-    tokens, positions, lengths = right_pad([t.tokens for t in trajectories], device=engine.device)
-    config = CaptureConfig(bits=4, max_tokens=tokens.numel(), inputs=keep_inputs)
+    forms alone do to the codes. The trajectories run in right-padded forwards
+    of at most ``max_tokens`` token rows each (default: the engine's capture
+    buffer, else one forward; a longer trajectory alone), as training's
+    microbatches do: the capture of every long response at once would not fit."""
+    if max_tokens is None and engine.capture is not None:
+        max_tokens = engine.capture.config.max_tokens
+    groups = token_groups([len(t.tokens) for t in trajectories], max_tokens)
+    largest = max(len(group) * max(len(trajectories[i].tokens) for i in group) for group in groups)
+    config = CaptureConfig(bits=4, max_tokens=largest, inputs=keep_inputs)
     capture = Capture(engine.model.cfg, engine.quant, config, engine.global_scales, engine.device, kv_from_forward=True)
-    capture.begin(TokenMap.of([t.id for t in trajectories], positions, lengths))
-    with torch.no_grad():
-        engine.model.hidden_states(
-            tokens,
-            positions,
-            CausalAttention(delta_form),
-            QuantSites(engine.quant, engine.global_scales, capture),
-        )
-    capture.end()
+    sites = QuantSites(engine.quant, engine.global_scales, capture)
+    for group in groups:
+        tokens, positions, lengths = right_pad([trajectories[i].tokens for i in group], device=engine.device)
+        capture.begin(TokenMap.of([trajectories[i].id for i in group], positions, lengths))
+        with torch.no_grad():
+            engine.model.hidden_states(tokens, positions, CausalAttention(delta_form), sites)
+        capture.end()
     return capture.drain()
+
+
+def token_groups(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
+    """Consecutive indices of sequences of ``lengths``, grouped so that each
+    group right-padded holds at most ``max_tokens`` token rows (a longer
+    sequence alone; None: one group)."""
+    groups: list[list[int]] = []
+    for i, n in enumerate(lengths):
+        if groups:
+            group = groups[-1]
+            padded = (len(group) + 1) * max(n, *(lengths[j] for j in group))
+            if max_tokens is None or padded <= max_tokens:
+                group.append(i)
+                continue
+        groups.append([i])
+    return groups
 
 
 @dataclass

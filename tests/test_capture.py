@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tracefp4.components.capture import KEY_POS_BITS, KEY_SLOT_BITS, Capture, CaptureConfig, TokenMap, row_key
-from tracefp4.components.mismatch import compare, join_rows, signed_rank, teacher_force
+from tracefp4.components.mismatch import compare, join_rows, signed_rank, teacher_force, token_groups
 from tracefp4.components.model import ModelConfig, build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rollout import SamplingParams, TorchEngine
@@ -192,3 +192,18 @@ def test_token_map_of_a_padded_batch():
 def test_signed_rank():
     codes = torch.tensor([0, 8, 1, 9, 7, 15], dtype=torch.uint8)
     assert signed_rank(codes).tolist() == [0, 0, 1, -1, 7, -7]
+
+
+def test_teacher_forcing_in_forwards_of_a_token_budget_captures_what_one_forward_does(smoke):
+    """The training path over many trajectories runs in right-padded forwards
+    of at most max_tokens token rows (by default the engine's capture
+    buffer's): the same rows and codes as one forward of them all."""
+    engine, out, _ = rollout(smoke, CaptureConfig(max_tokens=64), n=6, config="fp4_wa_kv")
+    assert token_groups([3, 5, 2, 9, 9], 16) == [[0, 1, 2], [3], [4]] and token_groups([3, 5], None) == [[0, 1]]
+    whole = teacher_force(engine, out, max_tokens=10_000)
+    grouped = teacher_force(engine, out)  # 64 token rows at a time
+    assert len(token_groups([len(t.tokens) for t in out], 64)) > 1
+    assert whole.tables.keys() == grouped.tables.keys()
+    for key, table in whole.tables.items():
+        for field in ("traj", "pos", "slot", "codes", "scales"):
+            assert torch.equal(getattr(table, field), getattr(grouped.tables[key], field)), (key, field)
