@@ -248,10 +248,11 @@ def _each_chunk(fn, n_blocks: int, block_size: int) -> None:
         for chunk in chunks:
             fn(chunk)
         return
-    grad = torch.is_grad_enabled()  # thread-local: the workers take the caller's
+    # thread-local: the workers take the caller's (tensors made under inference mode refuse in-place writes outside it)
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
 
     def run(chunk: slice) -> None:
-        with torch.set_grad_enabled(grad):
+        with torch.set_grad_enabled(grad), torch.inference_mode(inference):
             fn(chunk)
 
     for _ in _pool(workers).map(run, chunks):  # re-raises a chunk's exception here

@@ -13,7 +13,7 @@ from tracefp4.components.checkpoint import save_model
 from tracefp4.components.model import CausalAttention, build_model
 from tracefp4.components.quant import ACTIVATION_SITES, ROLLOUT_CONFIGS, QuantSites, rollout_config
 from tracefp4.components.rollout import KVCache, SamplingParams, TorchEngine, batch_buckets, bucket_for
-from tracefp4.kernels import fake_quantize
+from tracefp4.kernels import fake_quantize, reference
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +57,25 @@ def test_the_prefill_projects_each_prompts_last_position_alone(model):
     engine.generate(prompts(), SamplingParams(max_new_tokens=3, seed=0))
     n, hidden = len(prompts()), model.cfg.hidden_size
     assert rows == [(n, hidden), (n, 1, hidden), (n, 1, hidden)]
+
+
+def test_fp4_rollout_quantizes_in_chunk_workers_under_inference_mode(model, monkeypatch):
+    """The CPU quantize hands cache-sized chunks to worker threads, and
+    generate runs under inference mode, which is thread-local: the workers take
+    it (writing a chunk into a tensor made under it failed outside it, in the
+    evaluation's prefill of make run). The same responses as unchunked."""
+    engine = TorchEngine(model, rollout_config("fp4_wa_kv"))
+    params = SamplingParams(max_new_tokens=3, seed=1)
+    whole = engine.generate(prompts(), params)
+    threads = torch.get_num_threads()
+    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 64)  # every activation site in several chunks
+    torch.set_num_threads(2)  # the workers run when torch has 2 threads or more
+    try:
+        chunked = engine.generate(prompts(), params)
+    finally:
+        torch.set_num_threads(threads)
+    assert [t.response for t in chunked] == [t.response for t in whole]
+    assert [t.logprobs for t in chunked] == [t.logprobs for t in whole]
 
 
 def test_same_seed_same_samples_and_greedy_is_argmax(model):
