@@ -147,6 +147,33 @@ def test_logits_at_one_position_per_row_are_those_of_the_full_forward(dtype):
     assert torch.equal(model.lm_head(model.model.norm(hidden)), full)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_decode_steps_query_heads_attend_as_rows_of_their_kv_head(monkeypatch, dtype):
+    """A single query per head with a mask (a decode step) goes to SDPA as
+    its KV head's rows of queries, ``[B, KV, H/KV, D]``: the values of each
+    head attending on its own, up to the order of float32 sums (the kernel
+    multiplies several rows at once); prefill and training (several queries,
+    causal) keep one query row per position."""
+    from tracefp4.components.model import attention
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(5, 8, 1, 32, generator=gen).to(dtype)
+    k, v = (torch.randn(5, 2, 40, 32, generator=gen).to(dtype) for _ in range(2))
+    mask = torch.rand(5, 1, 1, 40, generator=gen) > 0.3
+    mask[:, ..., 0] = True
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(
+        F, "scaled_dot_product_attention", lambda q, *a, **kw: calls.append(q.shape) or sdpa(q, *a, **kw)
+    )
+    out = attention(q, k, v, mask)
+    assert calls == [(5, 2, 4, 32)]
+    alone = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out, alone)
+    attention(q.expand(5, 8, 6, 32), k[:, :, :6], v[:, :, :6])
+    assert calls[1:] == [(5, 8, 6, 32)]
+
+
 def test_quantization_sites():
     cfg = PRESETS["smoke"]
     assert quant_sites(cfg, rollout_config("bf16")) == []
