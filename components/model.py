@@ -359,7 +359,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Te
     grouped = heads // k.shape[1]
     if s == 1 and grouped > 1 and mask is not None and mask.shape[-2] == 1:
         out = attention(q.view(b, k.shape[1], grouped, d), k, v, mask)
-        return out.view(b, heads, 1, d)
+        return out.reshape(b, heads, 1, d)  # CUDA's memory-efficient kernel returns [B, G, KV, D] memory transposed
     sdpa = functools.partial(
         F.scaled_dot_product_attention, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped > 1
     )

@@ -152,8 +152,10 @@ def test_a_decode_steps_query_heads_attend_as_rows_of_their_kv_head(monkeypatch,
     """A single query per head with a mask (a decode step) goes to SDPA as
     its KV head's rows of queries, ``[B, KV, H/KV, D]``: the values of each
     head attending on its own, up to the order of float32 sums (the kernel
-    multiplies several rows at once); prefill and training (several queries,
-    causal) keep one query row per position."""
+    multiplies several rows at once), also where the kernel returns its
+    output transposed in memory, as CUDA's memory-efficient kernel does;
+    prefill and training (several queries, causal) keep one query row per
+    position."""
     from tracefp4.components.model import attention
 
     gen = torch.Generator().manual_seed(0)
@@ -172,6 +174,12 @@ def test_a_decode_steps_query_heads_attend_as_rows_of_their_kv_head(monkeypatch,
     torch.testing.assert_close(out, alone)
     attention(q.expand(5, 8, 6, 32), k[:, :, :6], v[:, :, :6])
     assert calls[1:] == [(5, 8, 6, 32)]
+
+    def memory_efficient_layout(q, *args, **kw):  # CUDA's kernel writes [B, queries, heads, D] and transposes it
+        return sdpa(q, *args, **kw).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", memory_efficient_layout)
+    torch.testing.assert_close(attention(q, k, v, mask), alone)
 
 
 def test_quantization_sites():
