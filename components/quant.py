@@ -167,21 +167,37 @@ def quantize_expert_weights_(model: Transformer, fmt: str | None) -> None:
     with torch.no_grad():
         for moe in model.moe_blocks():
             for w in (moe.experts.gate_up, moe.experts.down):
-                w.copy_(fp4_expert_weights(w.float(), fmt))
+                fp4_expert_weights(w, fmt, out=w)
 
 
-def fp4_expert_weights(w: Tensor, fmt: str) -> Tensor:
+# Experts rounded per quantize call, at most this many weights: a small model's layer in one call, Qwen3.5-35B-A3B's
+# 256 experts of 2M weights each in 32; its temporaries (a transposed copy, magnitudes, float32 values) are then a few
+# hundred MB where one call for the whole [256, 2048, 1024] matrix would take about 6 GB beside the weights
+EXPERT_SLICE_WEIGHTS = 1 << 24
+
+
+def fp4_expert_weights(w: Tensor, fmt: str, out: Tensor | None = None) -> Tensor:
     """The FP4 values of stacked experts' weights ``w [E, in, out]``, in ``w``'s
-    dtype: one NVFP4 global scale per expert and matrix, blocks along the input
-    dim. All experts in one quantize call: at Qwen3.5-35B-A3B a call per expert
-    would be 256 x 40 x 2 of them in every training forward."""
-    rows = w.detach().transpose(1, 2).contiguous()  # [E, out, in]: one row per output, blocked along the input
+    dtype (written to ``out``, which may be ``w`` itself: weight sync rounds
+    in place): one NVFP4 global scale per expert and matrix, blocks along the
+    input dim. Experts go to quantize together, :data:`EXPERT_SLICE_WEIGHTS`
+    at a time: at Qwen3.5-35B-A3B a call per expert would be 256 x 40 x 2 of
+    them in every training forward."""
+    out = torch.empty_like(w, requires_grad=False) if out is None else out
+    per_call = max(1, EXPERT_SLICE_WEIGHTS // max(1, w[0].numel())) if len(w) else 1
+    for start in range(0, len(w), per_call):
+        out[start : start + per_call] = _fp4_experts(w[start : start + per_call].detach(), fmt)
+    return out
+
+
+def _fp4_experts(w: Tensor, fmt: str) -> Tensor:
+    rows = w.transpose(1, 2).contiguous()  # [E, out, in]: one row per output, blocked along the input
     g = None
     if FORMATS[fmt].has_global_scale:  # amax / (6 * 448) of each expert's matrix, as its own tensor would get
         g = nvfp4_global_scale(rows.abs().amax(dim=(1, 2), keepdim=True)).expand(*rows.shape[:-1], 1)
     # unchecked: a NaN scale marks an expert holding NaN or Inf (it dequantizes to NaN, as alone), and checking reads
     # the device
-    return dequantize(quantize(rows, fmt, global_scale=g, check_scale=False)).transpose(1, 2).to(w.dtype)
+    return dequantize(quantize(rows, fmt, global_scale=g, check_scale=False)).transpose(1, 2)
 
 
 class _AmaxRecorder:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tracefp4.components import rl, steps
+from tracefp4.components import quant, rl, steps
 from tracefp4.components.capture import Capture, CaptureConfig, SiteTable, TokenMap
 from tracefp4.components.guidance import GuidanceError, GuidanceLoader, MicrobatchGuidance, read_step, write_step
 from tracefp4.components.mismatch import compare, join_rows
@@ -191,18 +191,28 @@ def test_methods_quantize_what_they_should():
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_experts_weights_round_at_once_as_each_alone(fmt, dtype):
-    """fp4_expert_weights quantizes every expert in one call: the values of
-    quantizing each expert's matrix on its own (its own NVFP4 global scale,
+def test_experts_weights_round_at_once_as_each_alone(fmt, dtype, monkeypatch):
+    """fp4_expert_weights quantizes the experts together, in calls of at most
+    quant.EXPERT_SLICE_WEIGHTS weights (all 5 here; 2, 2 and 1 under a bound
+    of two experts' weights, which bounds the calls' temporaries): the values
+    of quantizing each expert's matrix on its own (its own NVFP4 global scale,
     blocks along the input dim), an all-zero expert and one holding NaN
     included; the training sites' weights are them, straight through."""
     w = torch.randn(5, 64, 48) * torch.tensor([1.0, 1e-3, 30.0, 0.0, 1.0])[:, None, None]
     w[4, 3, 7] = float("nan")
     w = w.to(dtype)
     alone = torch.stack([fake_quantize(w[e].T, fmt).T for e in range(len(w))])
+    calls = []
+    monkeypatch.setattr(quant, "quantize", lambda rows, *a, **kw: calls.append(len(rows)) or quantize(rows, *a, **kw))
     at_once = fp4_expert_weights(w, fmt)
-    assert at_once.dtype == dtype and at_once[4].isnan().any()
+    assert at_once.dtype == dtype and at_once[4].isnan().any() and calls == [5]
     torch.testing.assert_close(at_once, alone, rtol=0, atol=0, equal_nan=True)
+    monkeypatch.setattr(quant, "EXPERT_SLICE_WEIGHTS", 2 * 64 * 48 + 1)
+    torch.testing.assert_close(fp4_expert_weights(w, fmt), alone, rtol=0, atol=0, equal_nan=True)
+    assert calls[1:] == [2, 2, 1]
+    in_place = w.clone()  # weight sync rounds the model's own tensors
+    assert fp4_expert_weights(in_place, fmt, out=in_place) is in_place
+    torch.testing.assert_close(in_place, alone, rtol=0, atol=0, equal_nan=True)
     assert at_once[4].isnan().all() == (fmt == "nvfp4")  # its global scale NaN; MXFP4: the NaN's block alone
     sites = TrainingSites(QuantConfig(weights=fmt), "quads", {}, compute_dtype=dtype)
     master = w[:4].float().requires_grad_(True)
