@@ -1,8 +1,8 @@
 """The phenomenon TRACE fixes, measured: the training path rounds some values
 to other FP4 codewords than the rollout did.
 
-``teacher_force`` runs the rollout's tokens through the training path (one
-full-sequence forward, the same weights, round-to-nearest, the same static
+``teacher_force`` runs the rollout's tokens through the training path
+(full-sequence forwards, the same weights, round-to-nearest, the same static
 scales) and captures its codes like the rollout; ``compare`` joins both
 captures on ``(trajectory, position, slot)`` and counts, per ``(layer, site)``,
 the elements whose codeword differs and by how many codewords.
