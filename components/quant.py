@@ -183,8 +183,8 @@ def fp4_expert_weights(w: Tensor, fmt: str, out: Tensor | None = None) -> Tensor
     input dim. Experts go to quantize together, :data:`EXPERT_SLICE_WEIGHTS`
     at a time: at Qwen3.5-35B-A3B a call per expert would be 256 x 40 x 2 of
     them in every training forward."""
-    out = torch.empty_like(w, requires_grad=False) if out is None else out
-    per_call = max(1, EXPERT_SLICE_WEIGHTS // max(1, w[0].numel())) if len(w) else 1
+    out = torch.empty_like(w) if out is None else out
+    per_call = max(1, EXPERT_SLICE_WEIGHTS // max(1, w.shape[1] * w.shape[2]))
     for start in range(0, len(w), per_call):
         out[start : start + per_call] = _fp4_experts(w[start : start + per_call].detach(), fmt)
     return out
