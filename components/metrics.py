@@ -236,7 +236,8 @@ def publish(config, run_id: str, component: str, round: int | None, stats) -> Ru
 
 
 def _prepare(m: RunMetrics, stats: dict, config) -> None:
-    labels = {"split": "bootstrap", "rollout_config": "bf16", "task": "all", "metric": "pass@1"}
+    # the bootstrap's accuracy check runs the engine unquantized in float32 (bootstrap.accuracy), not BF16 rollout
+    labels = {"split": "bootstrap", "rollout_config": "float32", "task": "all", "metric": "pass@1"}
     m.set("tracefp4_accuracy_ratio", stats.get("bootstrap_accuracy"), **labels)
 
 

@@ -144,3 +144,21 @@ def test_weight_decay_reaches_the_optimizer():
 
     plain, decayed = weights(0.0), weights(0.5)
     assert decayed.norm() < plain.norm()  # decoupled decay shrinks the weights a little more each step
+
+
+def test_the_accuracy_metric_names_the_engine_the_check_runs(monkeypatch, arithmetic):
+    """The bootstrap's accuracy goes to Prometheus labelled with the engine that measured it: float32, unquantized."""
+    from tracefp4.components import bootstrap as module
+    from tracefp4.components.metrics import RunMetrics, _prepare
+    from tracefp4.components.quant import QuantConfig
+    from tracefp4.components.rollout import TorchEngine
+
+    engines = []
+    monkeypatch.setattr(module, "TorchEngine", lambda *a, **kw: engines.append(TorchEngine(*a, **kw)) or engines[-1])
+    accuracy(build_model("smoke", seed=0), TOK, arithmetic[1][:2], max_new_tokens=2)
+    m = RunMetrics(pipeline="p", run_id="r", method="trace", component="prepare", round=None)
+    _prepare(m, {"bootstrap_accuracy": 0.5}, None)
+    (labels,) = [s.labels for family in m.registry.collect() for s in family.samples]
+    (engine,) = engines
+    assert engine.quant == QuantConfig()  # nothing quantized
+    assert labels["rollout_config"] == str(engine.dtype).removeprefix("torch.")
