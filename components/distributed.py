@@ -17,6 +17,10 @@ come as paths or store URIs. How it works:
   multiplies by W (each rank's loss is already its share of the step's
   token-weighted loss), so W ranks compute the gradient one process does, up
   to float32 summation order;
+- rank 0 alone reads the round's policy and trainer state; every rank
+  builds the model on the meta device and takes its shards of the weights
+  and AdamW moments from rank 0 by broadcast
+  (:meth:`DistributedTrainer.from_checkpoint`);
 - rank r trains the microbatches ``i`` with ``i % W == r`` and loads only
   their guidance; every optimizer step's group of microbatches must split
   evenly, so every rank takes part in every collective;
@@ -47,6 +51,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner,
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
     set_state_dict,
 )
@@ -55,14 +60,15 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from .checkpoint import fetch, folder_digest, load_state, size_and_sha256
+from . import trainer_state
+from .checkpoint import fetch, folder_digest, load_model, load_state, size_and_sha256
 from .device import keep_freed_memory, resolve
-from .model import Transformer
+from .model import Transformer, empty_model
 from .precision import MasterWeights
 from .quant import QuantConfig
 from .steps import config_digest, store_prefix
 from .store import ArtifactStore, open_store, write_atomic
-from .trainer import TrainConfig, Trainer, clip_gradients
+from .trainer import TrainConfig, Trainer, clip_gradients, master_weights, optimizer_state
 
 METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator: a complete checkpoint
 HISTORY = "history.json"
@@ -121,9 +127,22 @@ def on_host(item: object) -> object:
 
 class DistributedTrainer(Trainer):
     """A :class:`Trainer` whose model, gradients and optimizer state are sharded
-    over the ranks of the default process group, which must be initialized."""
+    over the ranks of the default process group, which must be initialized.
 
-    def __init__(self, model: Transformer, config: TrainConfig, quant: QuantConfig, global_scales: dict):
+    ``model`` may be on the meta device (:meth:`from_checkpoint`): each rank
+    then allocates its own shards on ``device`` and takes their values from
+    rank 0's ``weights`` (its full state dict; the other ranks pass None) by
+    broadcast."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        config: TrainConfig,
+        quant: QuantConfig,
+        global_scales: dict,
+        weights: dict[str, Tensor] | None = None,
+        device: str | torch.device | None = None,
+    ):
         if not dist.is_initialized():
             raise DistributedError("a DistributedTrainer needs torch.distributed initialized (run under torchrun)")
         if config.precision != "fp32_master":
@@ -132,15 +151,62 @@ class DistributedTrainer(Trainer):
                 "float32 parameters themselves; bf16 parameters with float32 masters beside them train in one process)"
             )
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.mesh = init_device_mesh(next(model.parameters()).device.type, (self.world,))
+        self.place = torch.device(device) if device is not None else next(model.parameters()).device
+        self.full_weights = weights
+        self.mesh = init_device_mesh(self.place.type, (self.world,))
         self.checkpoints: ShardCheckpoints | None = None
         super().__init__(model, config, quant, global_scales)
+        self.full_weights = None  # rank 0's whole policy: not held past the broadcast
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        policy,
+        state,
+        config: TrainConfig,
+        quant: QuantConfig,
+        global_scales: dict,
+        device: str | torch.device = "cpu",
+        run_id: str = "",
+    ) -> "DistributedTrainer":
+        """Every rank's trainer, resumed as :meth:`Trainer.from_checkpoint`
+        resumes one. Rank 0 alone reads the policy and the trainer state, on
+        the host; every rank builds the model on the meta device, allocates its
+        own shards and takes their values, and its shards of the AdamW moments,
+        from rank 0 by broadcast. Each rank reading both whole would hold W
+        copies: at Qwen3.5-35B-A3B the float32 policy alone is 140 GB, more
+        than an H200's memory, and its moments 280 GB more."""
+        full, shared = None, [None]
+        if dist.get_rank() == 0:
+            try:
+                tensors, meta = trainer_state.load_state(state, policy, run_id)
+                full = load_model(policy)
+                shared = [(full.cfg, next(full.parameters()).dtype, meta)]
+            except Exception as e:  # the other ranks wait on the broadcast: they fail with rank 0's reason
+                shared = [f"{type(e).__name__}: {e}"]
+                dist.broadcast_object_list(shared, src=0)
+                raise
+        dist.broadcast_object_list(shared, src=0)
+        if isinstance(shared[0], str):
+            raise DistributedError(f"rank 0 could not read the policy {policy} or its trainer state: {shared[0]}")
+        cfg, dtype, meta = shared[0]
+        weights = None if full is None else {**full.state_dict(), **master_weights(tensors)}
+        del full
+        trainer = cls(empty_model(cfg, dtype, "meta"), config, quant, global_scales, weights, device)
+        groups = {"state": {}, "param_groups": meta["param_groups"]}
+        trainer.load_optimizer_state(groups if weights is None else optimizer_state(tensors, meta))
+        trainer.step = meta["policy_version"]
+        return trainer
 
     def wrap(self, model: Transformer) -> Transformer:
         policy = mixed_precision()
         for block in model.model.layers:
             fully_shard(block, mesh=self.mesh, mp_policy=policy)
         fully_shard(model, mesh=self.mesh, mp_policy=policy)
+        if next(model.parameters()).is_meta:  # this rank's shards alone allocated, filled from rank 0's weights
+            model.to_empty(device=self.place)
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+            set_model_state_dict(model, dict(self.full_weights or {}), options=options)  # a copy: it fills the dict
         if model.training:  # the optimizer steps the sharded parameters (float32: they are their own master)
             self.weights = MasterWeights(model, self.config.precision)
         return model
@@ -194,15 +260,19 @@ class DistributedTrainer(Trainer):
         return Path(policy), Path(state)
 
     def load_optimizer_state(self, state: dict) -> None:
+        """Rank 0's ``state``, each rank's shards of its moments broadcast from
+        there (the other ranks' ``state`` holds the param groups alone)."""
         state = self.with_own_fused(state)
-        if not state["state"]:  # a fresh policy: torch.distributed would initialize the state by a zero step
+        moments = [bool(state["state"])]
+        dist.broadcast_object_list(moments, src=0)
+        if not moments[0]:  # a fresh policy: torch.distributed would initialize the state by a zero step
             for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
                 group.update({k: v for k, v in saved.items() if k != "params"})
             return
         names = [name for name, _ in self.model.named_parameters()]
-        set_optimizer_state_dict(
-            self.model, self.optimizer, _by_name(state, names), options=StateDictOptions(full_state_dict=True)
-        )
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        full = _by_name(state, names) if self.rank == 0 else {}
+        set_optimizer_state_dict(self.model, self.optimizer, full, options=options)
 
 
 def _by_index(state: dict, names: list[str]) -> dict:

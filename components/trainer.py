@@ -88,20 +88,20 @@ class Trainer:
     def __init__(
         self, model: Transformer, config: TrainConfig, quant: QuantConfig, global_scales: dict[tuple[int, str], Tensor]
     ):
-        self.weights = MasterWeights(model, config.precision)  # the parameters in the precision's dtype
-        model = model.train()
-        model.recompute_layers = config.activation_checkpointing
-        self.device = next(model.parameters()).device
         self.config, self.quant = config, quant
-        self.global_scales = {key: g.to(self.device) for key, g in global_scales.items()}
         # host copies: the training path checks guidance against them and quantizes unchecked, without device reads
         self.scale_values = {key: float(g) for key, g in global_scales.items()}
         bad = {f"{layer}/{site}": g for (layer, site), g in self.scale_values.items() if not valid_global_scale(g)}
         if bad:
             raise ValueError(f"global scales must be positive and finite, got {bad}")
+        self.weights = MasterWeights(model, config.precision)  # the parameters in the precision's dtype
+        model = model.train()
+        model.recompute_layers = config.activation_checkpointing
         reference = copy.deepcopy(model).eval().requires_grad_(False) if config.kl_coef > 0 else None
         self.reference = self.wrap(reference) if reference is not None else None
         self.model = self.wrap(model)
+        self.device = next(self.model.parameters()).device  # after wrap, which may place the model (distributed)
+        self.global_scales = {key: g.to(self.device) for key, g in global_scales.items()}
         self.optimizer = torch.optim.AdamW(
             self.weights.tensors(),
             lr=config.learning_rate,
@@ -417,9 +417,7 @@ class Trainer:
         state: saved master weights are used where there are some."""
         tensors, meta = load_state(state, policy, run_id)
         trainer = cls(load_model(policy, device=device), config, quant, global_scales)
-        trainer.weights.load(
-            {k.removeprefix(MASTER_PREFIX): t for k, t in tensors.items() if k.startswith(MASTER_PREFIX)}
-        )
+        trainer.weights.load(master_weights(tensors))
         trainer.load_optimizer_state(optimizer_state(tensors, meta))
         trainer.step = meta["policy_version"]
         return trainer
@@ -435,6 +433,11 @@ class Trainer:
         run fused on the CPU."""
         fused = self.optimizer.param_groups[0]["fused"]
         return {**state, "param_groups": [dict(group, fused=fused) for group in state["param_groups"]]}
+
+
+def master_weights(tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The float32 master weights in a trainer state's tensors, by parameter name (none saved: empty)."""
+    return {k.removeprefix(MASTER_PREFIX): t for k, t in tensors.items() if k.startswith(MASTER_PREFIX)}
 
 
 def optimizer_state(tensors: dict[str, Tensor], meta: dict) -> dict:

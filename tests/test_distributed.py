@@ -386,3 +386,82 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+RESUME_SHARDED = """
+import sys, torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from tracefp4.components import distributed
+from tracefp4.components.quant import QuantConfig
+from tracefp4.components.trainer import TrainConfig
+from tracefp4.schemas import RunConfig
+config = distributed.init_process_group(RunConfig.model_validate_json(sys.argv[1]))
+policy, state, run_id, out = sys.argv[2:]
+if dist.get_rank() > 0:
+    policy = state = "/nonexistent"  # the other ranks never read the checkpoint: they take their shards from rank 0
+try:
+    train = TrainConfig(precision="fp32_master", kl_coef=0.1)
+    trainer = distributed.DistributedTrainer.from_checkpoint(policy, state, train, QuantConfig(), {}, "cpu", run_id)
+    shards = [p.to_local().numel() for p in trainer.model.parameters()]
+    weights, moments = get_state_dict(trainer.model, trainer.optimizer, options=distributed.FULL)
+    reference, _ = get_state_dict(trainer.reference, [], options=distributed.FULL)
+    if dist.get_rank() == 0:
+        torch.save({"weights": weights, "moments": moments, "reference": reference, "step": trainer.step}, out)
+    torch.save(shards, f"{out}.shards{dist.get_rank()}")
+except Exception as e:
+    open(f"{out}.error{dist.get_rank()}", "w").write(f"{type(e).__name__}: {e}")
+dist.destroy_process_group()
+"""
+
+
+def test_ranks_take_their_shards_of_the_policy_and_optimizer_state_from_rank_0(tmp_path):
+    """Only rank 0 reads the policy and trainer state (rank 1 is given paths
+    that do not exist): each rank's shards, gathered, are the saved weights and
+    AdamW moments bit for bit, for the trained model and the KL reference; a
+    checkpoint rank 0 refuses fails every rank with its reason."""
+    from tracefp4.components.model import build_model
+    from tracefp4.components.quant import QuantConfig
+    from tracefp4.components.trainer import TrainConfig, Trainer
+
+    saved = Trainer(build_model("smoke", seed=0), TrainConfig(precision="fp32_master"), QuantConfig(), {})
+    for p in saved.weights.tensors():
+        p.grad = torch.randn_like(p)
+    saved.optimizer.step()  # moments to resume
+    saved.step = 1
+    saved.save(tmp_path / "policy", tmp_path / "state", run_id=RUN)
+    config = config_for(tmp_path).model_dump_json()
+
+    def ranks(run_id: str, out) -> list:
+        port = _free_port()
+        env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        args = [sys.executable, "-c", RESUME_SHARDED, config, str(tmp_path / "policy"), str(tmp_path / "state")]
+        procs = [
+            subprocess.Popen([*args, run_id, str(out)], env=os.environ | env | {"RANK": str(r), "LOCAL_RANK": str(r)},
+                             stderr=subprocess.PIPE, text=True)
+            for r in range(2)
+        ]  # fmt: skip
+        results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
+        assert all(code == 0 for code, _ in results), [err[-2000:] for _, err in results]
+        return [(tmp_path / f"{out.name}.error{r}") for r in range(2)]
+
+    errors = ranks(RUN, tmp_path / "resumed")
+    assert not any(e.exists() for e in errors), [e.read_text() for e in errors if e.exists()]
+    got = torch.load(tmp_path / "resumed")
+    policy = load_model(tmp_path / "policy").state_dict()
+    assert got["step"] == 1 and sorted(got["weights"]) == sorted(policy)
+    for name, t in policy.items():
+        assert torch.equal(got["weights"][name], t) and torch.equal(got["reference"][name], t), name
+    tensors, meta = load_state(tmp_path / "state", tmp_path / "policy", RUN)
+    names = [name for name, _ in saved.model.named_parameters()]
+    for i, moments in optimizer_state(tensors, meta)["state"].items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(got["moments"]["state"][names[i]][key], moments[key]), (names[i], key)
+    shards = [torch.load(tmp_path / f"resumed.shards{r}") for r in range(2)]
+    whole = [t.numel() for t in policy.values()]
+    assert sum(shards[0]) < sum(whole) and sum(shards[1]) < sum(whole)  # neither rank holds the whole model
+
+    errors = ranks("another-run", tmp_path / "refused")
+    messages = [e.read_text() for e in errors]
+    assert "run" in messages[0] and messages[0].split(": ", 1)[1] in messages[1], messages
+    assert messages[1].startswith("DistributedError: rank 0 could not read the policy"), messages[1]
