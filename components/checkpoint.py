@@ -375,24 +375,26 @@ def hub_to_stacked(tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Te
 
 
 def stacked_to_hub(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Inverse of :func:`hub_to_stacked`."""
+    """Inverse of :func:`hub_to_stacked`: views of ``state``'s tensors, no
+    copy (:func:`write_weights` copies a shard's worth at a time: a whole
+    contiguous copy of a 35B model's experts would be another 70 GB in bf16)."""
     out = {}
     for key, t in state.items():
         prefix, _, name = key.rpartition(".")
         if prefix.endswith(".experts") and name == "gate_up":
             for e in range(cfg.num_experts):
                 gate, up = t[e].T.chunk(2)
-                out[f"{prefix}.{e}.gate_proj.weight"] = gate.contiguous()
-                out[f"{prefix}.{e}.up_proj.weight"] = up.contiguous()
+                out[f"{prefix}.{e}.gate_proj.weight"] = gate
+                out[f"{prefix}.{e}.up_proj.weight"] = up
         elif prefix.endswith(".experts") and name == "down":
             for e in range(cfg.num_experts):
-                out[f"{prefix}.{e}.down_proj.weight"] = t[e].T.contiguous()
+                out[f"{prefix}.{e}.down_proj.weight"] = t[e].T
         elif prefix.endswith(".qkv_proj"):
             q_heads = cfg.num_heads * (2 if cfg.attn_output_gate else 1)  # each head's query, then its gate
             sizes = [q_heads * cfg.head_dim] + [cfg.num_kv_heads * cfg.head_dim] * 2
             attn = prefix.removesuffix(".qkv_proj")
             for part, piece in zip("qkv", t.split(sizes), strict=True):
-                out[f"{attn}.{part}_proj.{name}"] = piece.contiguous()
+                out[f"{attn}.{part}_proj.{name}"] = piece
         else:
             out[key] = t
     return out
@@ -790,24 +792,27 @@ def save_model(
 
 def write_weights(hub: dict[str, Tensor], folder: Path, max_shard_bytes: int = 2 << 30) -> None:
     """``hub`` tensors as :data:`SINGLE`, or above ``max_shard_bytes`` as numbered
-    shards with their :data:`INDEX`, the way transformers names them."""
-    shards, current, size = [], {}, 0
+    shards with their :data:`INDEX`, the way transformers names them. Views
+    are made contiguous one shard at a time, as each is written."""
+    shards, current, size = [], [], 0
     for key in sorted(hub):
         nbytes = hub[key].numel() * hub[key].element_size()
         if current and size + nbytes > max_shard_bytes:
             shards.append(current)
-            current, size = {}, 0
-        current[key] = hub[key].contiguous()
+            current, size = [], 0
+        current.append(key)
         size += nbytes
     shards.append(current)
+    names = (
+        [SINGLE]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
+    for name, keys in zip(names, shards):
+        save_file({key: hub[key].contiguous() for key in keys}, folder / name, metadata={"format": "pt"})
     if len(shards) == 1:
-        save_file(shards[0], folder / SINGLE, metadata={"format": "pt"})
         return
-    weight_map = {}
-    for i, shard in enumerate(shards, 1):
-        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / name, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, name))
+    weight_map = {key: name for name, keys in zip(names, shards) for key in keys}
     total = sum(t.numel() * t.element_size() for t in hub.values())
     (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
 

@@ -60,8 +60,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from . import trainer_state
-from .checkpoint import fetch, folder_digest, load_model, load_state, size_and_sha256
+from .checkpoint import fetch, folder_digest, load_model, size_and_sha256
 from .device import keep_freed_memory, resolve
 from .model import Transformer, empty_model
 from .precision import MasterWeights
@@ -69,6 +68,7 @@ from .quant import QuantConfig
 from .steps import config_digest, store_prefix
 from .store import ArtifactStore, open_store, write_atomic
 from .trainer import TrainConfig, Trainer, clip_gradients, master_weights, optimizer_state
+from .trainer_state import load_state
 
 METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator: a complete checkpoint
 HISTORY = "history.json"
@@ -179,7 +179,7 @@ class DistributedTrainer(Trainer):
         full, shared = None, [None]
         if dist.get_rank() == 0:
             try:
-                tensors, meta = trainer_state.load_state(state, policy, run_id)
+                tensors, meta = load_state(state, policy, run_id)
                 full = load_model(policy)
                 shared = [(full.cfg, next(full.parameters()).dtype, meta)]
             except Exception as e:  # the other ranks wait on the broadcast: they fail with rank 0's reason
@@ -251,9 +251,10 @@ class DistributedTrainer(Trainer):
         """The consolidated policy and trainer state (what :meth:`Trainer.save`
         writes), written by rank 0, each atomically; every rank returns once both are in place."""
         weights, optimizer = get_state_dict(self.model, self.optimizer, options=FULL)  # on rank 0 only
-        if self.rank == 0:
-            plain = Transformer(self.model.cfg)
-            load_state(plain, weights)
+        if self.rank == 0:  # the gathered tensors themselves as a model's parameters: no copy, no initialization
+            plain = empty_model(self.model.cfg, next(iter(weights.values())).dtype, "meta")
+            plain.load_state_dict(weights, assign=True)
+            plain.tie_weights()
             by_index = _by_index(optimizer, [name for name, _ in plain.named_parameters()])
             self.write(plain, by_index, policy, state, extra, run_id)
         wait_for_rank0()
