@@ -40,6 +40,7 @@ folder.
 """
 
 import contextlib
+import fcntl
 import glob
 import hashlib
 import json
@@ -832,7 +833,8 @@ def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None) ->
     from the ETags of its objects), so that a later fetch of the same objects
     downloads nothing. Downloaded files are checked against the manifest before
     the folder is renamed into place: a corrupt or partial download is never
-    used. Without a manifest every shard the index names must be there, and
+    used. One process of a machine downloads a checkpoint at a time; another
+    fetching it meanwhile waits and finds it cached. Without a manifest every shard the index names must be there, and
     :func:`load_model` loads it with its unverified warning. Only the files
     loading reads are fetched: the weights, config.json, the index, the
     manifest's files and the tokenizer's (:data:`.tokenizer.FILES`)."""
@@ -868,7 +870,28 @@ def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None) ->
         log.info("%s: cached at %s", where, folder)
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{key}.", suffix=".partial"))
+    with _exclusive(folder.parent / f".{key}.lock"):
+        if folder.is_dir():  # a process that held the lock before fetched it
+            log.info("%s: cached at %s", where, folder)
+            return folder
+        return _download(store, where, wanted, have, entries, folder)
+
+
+@contextlib.contextmanager
+def _exclusive(lock: Path) -> Iterator[None]:
+    """Hold ``lock`` (a file) alone among this machine's processes: the ranks of
+    a distributed train step fetch the same checkpoint at once, and each would
+    download the whole of it (at the paper's scale 140 GB of policy and 280 GB
+    of trainer state, times the ranks on a node) into a folder of its own.
+    The kernel releases the lock of a process that dies."""
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _download(store, where: str, wanted: set[str], have: dict, entries: dict, folder: Path) -> Path:
+    """:func:`fetch`'s download of ``wanted`` into a partial folder, checked, renamed to ``folder``."""
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".partial"))
     try:
         log.info("%s: downloading %d files into %s", where, len(wanted), folder)
         for name in sorted(wanted):

@@ -2,9 +2,11 @@
 the s3_server plugin) into a local cache keyed by their checksums, verified
 before use, and loaded by the prepare step."""
 
+import concurrent.futures
 import io
 import json
 import logging
+import time
 import uuid
 
 import pytest
@@ -89,6 +91,27 @@ def test_s3_checkpoint_loads_like_the_original_and_a_second_fetch_downloads_noth
     assert {p.name: p.stat().st_mtime_ns for p in local.iterdir()} == mtimes
     assert fetch(upload(s3_env, folder)) == local  # the same checkpoint elsewhere: same checksums, same cache entry
     assert downloads == []
+
+
+def test_processes_fetching_a_checkpoint_at_once_download_it_once(tmp_path, s3_env, cache, downloads, monkeypatch):
+    """The ranks of a distributed train step fetch the same folders at once: one
+    downloads, the others wait for it and find it cached. Threads here: each
+    opens the lock file itself, so the kernel's lock keeps them apart as it does
+    processes."""
+    _, folder = saved(tmp_path)
+    uri = upload(s3_env, folder)
+    slow = S3Store.download  # the counting one: each object takes a while, so that the fetches overlap
+
+    def download(self, key, path):
+        time.sleep(0.05)
+        return slow(self, key, path)
+
+    monkeypatch.setattr(S3Store, "download", download)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        folders = list(pool.map(lambda _: fetch(uri), range(4)))
+    assert len(set(folders)) == 1 and folders[0].parent == cache
+    assert sorted(downloads) == sorted(p.name for p in folder.iterdir() if p.name != MANIFEST)  # each object once
+    assert not [p for p in cache.iterdir() if p.name.endswith(".partial")]
 
 
 def test_a_corrupt_shard_fails_naming_it_and_nothing_is_cached(tmp_path, s3_env, cache):

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from tracefp4.components import steps
-from tracefp4.components.checkpoint import load_model
+from tracefp4.components.checkpoint import fetch, load_model
 from tracefp4.components.distributed import DistributedError, checkpoints_prefix
 from tracefp4.components.guidance import step_prefix
-from tracefp4.components.launch import torchrun
+from tracefp4.components.launch import MODULE, rank_arguments, torchrun
 from tracefp4.components.store import open_store
 from tracefp4.components.tasks import END
 from tracefp4.components.tokenizer import load_tokenizer
@@ -178,6 +178,40 @@ def test_two_processes_count_the_whole_steps_syndrome_decode(tmp_path):
     two_processes(tmp_path / "resumed", echo=lines.append)
     assert any("resumed from" in line and ": step 1 (rank 0 read" in line for line in lines)
     assert json.loads(store.get_bytes(key)) == decoded_by_one  # step 1's statistics too
+
+
+def test_ranks_given_store_uris_train_the_round_and_upload_it(round_inputs, both, s3_env, tmp_path, monkeypatch):
+    """What a TrainJob's ranks get (pipelines/trainjob.py): every input and
+    output a store URI. The ranks fetch the inputs (rank 0 alone the trainer
+    state), train the round as from local folders, and rank 0 uploads the new
+    policy, its state and the history."""
+    tmp, _, stats = round_inputs
+    monkeypatch.setenv("TRACEFP4_CACHE_DIR", str(tmp_path / "cache"))
+    store, prefix = s3_env.store("ranks"), s3_env.uri("ranks")
+    for name in ("policy-0", "state-0"):
+        for path in sorted((tmp / name).iterdir()):
+            store.upload(f"{name}/{path.name}", path)
+    config = config_for(tmp, processes=2)
+    store.put_bytes("config.json", config.model_dump_json().encode())
+    store.put_bytes("round_stats.json", json.dumps(stats).encode())
+    store.upload("trajectories.jsonl", tmp / "trajectories.jsonl")
+    store.upload("guidance.json", tmp / "guidance.json")
+    args = rank_arguments(
+        *(f"{prefix}/{name}" for name in ("config.json", "policy-0", "state-0", "trajectories.jsonl")),
+        *(f"{prefix}/{name}" for name in ("guidance.json", "round_stats.json")),
+        RUN,
+        *(f"{prefix}/{name}" for name in ("out", "out-state", "history.json")),
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    done = subprocess.run([*command, "-m", MODULE, *args], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = json.loads(store.get_bytes("history.json"))
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in both[1]], rel=1e-6)
+    expected, got = load_model(tmp / "two").state_dict(), load_model(fetch(f"{prefix}/out")).state_dict()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7)
+    tensors, meta = load_state(fetch(f"{prefix}/out-state"), fetch(f"{prefix}/out"), RUN)
+    assert meta["policy_version"] == 3 and optimizer_state(tensors, meta)["state"]
 
 
 def test_a_finished_round_leaves_no_sharded_checkpoint(round_inputs, both):
