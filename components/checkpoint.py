@@ -825,7 +825,7 @@ def cache_dir() -> Path:
     return Path(root, "checkpoints")
 
 
-def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None) -> Path:
+def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None, weights: bool = True) -> Path:
     """The local folder of the checkpoint at ``uri``. A path or ``file://`` URI is
     that folder. An ``s3://`` or ``minio://`` one (settings from ``store_env``,
     default the environment) is downloaded once into :func:`cache_dir`, under a
@@ -837,7 +837,11 @@ def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None) ->
     fetching it meanwhile waits and finds it cached. Without a manifest every shard the index names must be there, and
     :func:`load_model` loads it with its unverified warning. Only the files
     loading reads are fetched: the weights, config.json, the index, the
-    manifest's files and the tokenizer's (:data:`.tokenizer.FILES`)."""
+    manifest's files and the tokenizer's (:data:`.tokenizer.FILES`); without
+    ``weights``, all but the safetensors files, into a cache entry of its own:
+    a folder to read the config, tokenizer and manifest from, which
+    :func:`load_model` refuses (a distributed round's ranks but rank 0 need
+    no more: :meth:`.distributed.DistributedTrainer.from_checkpoint`)."""
     text = os.fspath(uri)
     if "://" not in text:
         return Path(text)
@@ -859,11 +863,15 @@ def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None) ->
     else:
         wanted = _weights(store, listed, have)
     wanted |= set(TOKENIZER_FILES) & listed
+    if not weights:
+        wanted = {name for name in wanted if not name.endswith(".safetensors")}
     unverified = sorted(wanted - set(entries) - {MANIFEST})  # keyed by their ETags instead of their checksums
     material = {
         "manifest": hashlib.sha256(have.get(MANIFEST, b"")).hexdigest(),
         "files": {name: list(store.stat(name)) for name in unverified},
     }
+    if not weights:
+        material["without"] = "weights"
     key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
     folder = cache_dir() / key
     if folder.is_dir():

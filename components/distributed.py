@@ -487,11 +487,14 @@ def main(argv: list[str] | None = None) -> None:
             store = open_store(config.store.uri, create_bucket=config.store.create_bucket)
             prefix = checkpoints_prefix(config, args.run_id, ref.rl_step)
             out, out_state = _output(args.out, work / "policy"), _output(args.out_state, work / "state")
-            # the trainer state is read by rank 0 alone (DistributedTrainer.from_checkpoint): only it downloads one
-            state = fetch(args.state) if dist.get_rank() == 0 else Path(args.state)
+            # rank 0 alone reads the weights and the trainer state (DistributedTrainer.from_checkpoint): the
+            # others download the policy's config, tokenizer and manifest, and no state
+            rank0 = dist.get_rank() == 0
+            policy = fetch(args.policy, weights=rank0)
+            state = fetch(args.state) if rank0 else Path(args.state)
             rows = steps.train(
                 config,
-                fetch(args.policy),
+                policy,
                 state,
                 _local(args.trajectories, work),
                 ref,

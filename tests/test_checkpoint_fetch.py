@@ -114,6 +114,20 @@ def test_processes_fetching_a_checkpoint_at_once_download_it_once(tmp_path, s3_e
     assert not [p for p in cache.iterdir() if p.name.endswith(".partial")]
 
 
+def test_a_fetch_without_weights_has_the_rest_and_a_cache_entry_of_its_own(tmp_path, s3_env, cache, downloads):
+    _, folder = saved(tmp_path)
+    uri = upload(s3_env, folder)
+    light = fetch(uri, weights=False)
+    rest = sorted(p.name for p in folder.iterdir() if not p.name.endswith(".safetensors"))
+    assert sorted(p.name for p in light.iterdir()) == rest and not [d for d in downloads if d.endswith(".safetensors")]
+    assert load_tokenizer(light).files() == build_tokenizer().files()
+    with pytest.raises(CheckpointError, match="safetensors"):
+        load_model(light)
+    full = fetch(uri)
+    assert full != light and torch.equal(logits(load_model(full)), logits(saved(tmp_path)[0]))
+    assert fetch(uri, weights=False) == light
+
+
 def test_a_corrupt_shard_fails_naming_it_and_nothing_is_cached(tmp_path, s3_env, cache):
     _, folder = saved(tmp_path)
     bad = shards(folder)[0]

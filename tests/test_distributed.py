@@ -212,6 +212,12 @@ def test_ranks_given_store_uris_train_the_round_and_upload_it(round_inputs, both
         torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7)
     tensors, meta = load_state(fetch(f"{prefix}/out-state"), fetch(f"{prefix}/out"), RUN)
     assert meta["policy_version"] == 3 and optimizer_state(tensors, meta)["state"]
+    # rank 1 fetched the policy without its weights (a cache entry of its own), rank 0 with them
+    entries = [entry for entry in (tmp_path / "cache" / "checkpoints").iterdir() if entry.is_dir()]
+    cached = [sorted(p.name for p in entry.iterdir()) for entry in entries]
+    policy_files = sorted(p.name for p in (tmp / "policy-0").iterdir())
+    assert policy_files in cached
+    assert [n for n in policy_files if not n.endswith(".safetensors")] in cached
 
 
 def test_a_finished_round_leaves_no_sharded_checkpoint(round_inputs, both):
