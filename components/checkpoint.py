@@ -878,7 +878,7 @@ def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None, we
         log.info("%s: cached at %s", where, folder)
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(folder.parent / f".{key}.lock"):
+    with _exclusive(folder.parent.with_name("checkpoint-locks") / key):
         if folder.is_dir():  # a process that held the lock before fetched it
             log.info("%s: cached at %s", where, folder)
             return folder
@@ -891,10 +891,23 @@ def _exclusive(lock: Path) -> Iterator[None]:
     a distributed train step fetch the same checkpoint at once, and each would
     download the whole of it (at the paper's scale 140 GB of policy and 280 GB
     of trainer state, times the ranks on a node) into a folder of its own.
-    The kernel releases the lock of a process that dies."""
-    with open(lock, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    The kernel releases the lock of a process that dies. The lock files live
+    beside the cache, not in it, and open for reading: another user of the
+    cache can lock them too. Where this user may not create one, the fetch
+    goes on unlocked (a duplicate download, never a wrong folder: each goes
+    to a partial folder of its own and the first rename wins)."""
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666)
+    except PermissionError as e:
+        log.info("fetching without the cache's lock (%s): another process may download the same files", e)
         yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
 
 
 def _download(store, where: str, wanted: set[str], have: dict, entries: dict, folder: Path) -> Path:

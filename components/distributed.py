@@ -40,6 +40,7 @@ import os
 import shutil
 import sys
 import tempfile
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -109,6 +110,27 @@ def wait_for_rank0() -> None:
     dist.barrier(group=_rank0_io[0])
 
 
+def from_rank0(read, what: str):
+    """``read()`` run by rank 0 alone, what it returns (small, picklable) given
+    to every rank; its exception raised on rank 0 and, with its reason, as a
+    :class:`DistributedError` ("rank 0 could not ``what``") on the others. On
+    the group of rank 0's serial work (:data:`RANK0_IO_TIMEOUT`): the others
+    wait while rank 0 downloads and reads hundreds of GB, longer than
+    ``train.timeout_seconds`` bounds a collective."""
+    shared = [None]
+    if dist.get_rank() == 0:
+        try:
+            shared = [(True, read())]
+        except Exception as e:
+            dist.broadcast_object_list([(False, f"{type(e).__name__}: {e}")], src=0, group=_rank0_io[0])
+            raise
+    dist.broadcast_object_list(shared, src=0, group=_rank0_io[0])
+    done, value = shared[0]
+    if not done:
+        raise DistributedError(f"rank 0 could not {what}: {value}")
+    return value
+
+
 def mixed_precision() -> MixedPrecisionPolicy:
     """FSDP2's precision: parameters gathered as the trainer holds them (float32
     masters; its bf16 autocast sets the compute dtype, as in one process),
@@ -176,25 +198,35 @@ class DistributedTrainer(Trainer):
         from rank 0 by broadcast. Each rank reading both whole would hold W
         copies: at Qwen3.5-35B-A3B the float32 policy alone is 140 GB, more
         than an H200's memory, and its moments 280 GB more."""
-        full, shared = None, [None]
-        if dist.get_rank() == 0:
-            try:
-                tensors, meta = load_state(state, policy, run_id)
-                full = load_model(policy)
-                shared = [(full.cfg, next(full.parameters()).dtype, meta)]
-            except Exception as e:  # the other ranks wait on the broadcast: they fail with rank 0's reason
-                shared = [f"{type(e).__name__}: {e}"]
-                dist.broadcast_object_list(shared, src=0)
-                raise
-        dist.broadcast_object_list(shared, src=0)
-        if isinstance(shared[0], str):
-            raise DistributedError(f"rank 0 could not read the policy {policy} or its trainer state: {shared[0]}")
-        cfg, dtype, meta = shared[0]
-        weights = None if full is None else {**full.state_dict(), **master_weights(tensors)}
-        del full
-        trainer = cls(empty_model(cfg, dtype, "meta"), config, quant, global_scales, weights, device)
-        groups = {"state": {}, "param_groups": meta["param_groups"]}
-        trainer.load_optimizer_state(groups if weights is None else optimizer_state(tensors, meta))
+        loaded: dict = {}  # rank 0's: the policy's state dict, saved master weights, optimizer state by name
+
+        def read():
+            tensors, meta = load_state(state, policy, run_id)
+            model = load_model(policy)
+            names = [name for name, _ in model.named_parameters()]
+            loaded.update(weights=model.state_dict(), masters=master_weights(tensors))
+            loaded["optimizer"] = _by_name(optimizer_state(tensors, meta), names)
+            return (
+                model.cfg,
+                next(model.parameters()).dtype,
+                meta,
+                bool(loaded["masters"]),
+                bool(loaded["optimizer"]["state"]),
+            )
+
+        cfg, dtype, meta, masters, moments = from_rank0(read, f"read the policy {policy} or its trainer state")
+        trainer = cls(
+            empty_model(cfg, dtype, "meta"), config, quant, global_scales, loaded.pop("weights", None), device
+        )
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        if masters:  # the trained model's alone, as one process loads them after copying its KL reference
+            set_model_state_dict(trainer.model, loaded.pop("masters", {}), options=replace(options, strict=False))
+        if moments:
+            optimizer = trainer.with_own_fused(loaded.pop("optimizer")) if trainer.rank == 0 else {}
+            set_optimizer_state_dict(trainer.model, trainer.optimizer, optimizer, options=options)
+        else:  # a fresh policy: torch.distributed would initialize the state by a zero step
+            for group, saved in zip(trainer.optimizer.param_groups, meta["param_groups"]):
+                group.update({k: v for k, v in saved.items() if k not in ("params", "fused")})
         trainer.step = meta["policy_version"]
         return trainer
 
@@ -259,21 +291,6 @@ class DistributedTrainer(Trainer):
             self.write(plain, by_index, policy, state, extra, run_id)
         wait_for_rank0()
         return Path(policy), Path(state)
-
-    def load_optimizer_state(self, state: dict) -> None:
-        """Rank 0's ``state``, each rank's shards of its moments broadcast from
-        there (the other ranks' ``state`` holds the param groups alone)."""
-        state = self.with_own_fused(state)
-        moments = [bool(state["state"])]
-        dist.broadcast_object_list(moments, src=0)
-        if not moments[0]:  # a fresh policy: torch.distributed would initialize the state by a zero step
-            for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
-                group.update({k: v for k, v in saved.items() if k != "params"})
-            return
-        names = [name for name, _ in self.model.named_parameters()]
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-        full = _by_name(state, names) if self.rank == 0 else {}
-        set_optimizer_state_dict(self.model, self.optimizer, full, options=options)
 
 
 def _by_index(state: dict, names: list[str]) -> dict:

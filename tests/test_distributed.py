@@ -23,7 +23,7 @@ from tracefp4.components.launch import MODULE, rank_arguments, torchrun
 from tracefp4.components.store import open_store
 from tracefp4.components.tasks import END
 from tracefp4.components.tokenizer import load_tokenizer
-from tracefp4.components.trainer import optimizer_state
+from tracefp4.components.trainer import master_weights, optimizer_state
 from tracefp4.components.trainer_state import load_state
 from tracefp4.schemas import RunConfig, get_preset
 
@@ -213,8 +213,7 @@ def test_ranks_given_store_uris_train_the_round_and_upload_it(round_inputs, both
     tensors, meta = load_state(fetch(f"{prefix}/out-state"), fetch(f"{prefix}/out"), RUN)
     assert meta["policy_version"] == 3 and optimizer_state(tensors, meta)["state"]
     # rank 1 fetched the policy without its weights (a cache entry of its own), rank 0 with them
-    entries = [entry for entry in (tmp_path / "cache" / "checkpoints").iterdir() if entry.is_dir()]
-    cached = [sorted(p.name for p in entry.iterdir()) for entry in entries]
+    cached = [sorted(p.name for p in entry.iterdir()) for entry in (tmp_path / "cache" / "checkpoints").iterdir()]
     policy_files = sorted(p.name for p in (tmp / "policy-0").iterdir())
     assert policy_files in cached
     assert [n for n in policy_files if not n.endswith(".safetensors")] in cached
@@ -459,41 +458,49 @@ def test_ranks_take_their_shards_of_the_policy_and_optimizer_state_from_rank_0(t
     """Only rank 0 reads the policy and trainer state (rank 1 is given paths
     that do not exist): each rank's shards, gathered, are the saved weights and
     AdamW moments bit for bit, for the trained model and the KL reference; a
-    checkpoint rank 0 refuses fails every rank with its reason."""
+    state that saved float32 master weights beside a bf16 policy (one process
+    training in bf16) gives the trained model the masters and the reference
+    the policy, as one process resuming it does; a checkpoint rank 0 refuses
+    fails every rank with its reason."""
     from tracefp4.components.model import build_model
     from tracefp4.components.quant import QuantConfig
     from tracefp4.components.trainer import TrainConfig, Trainer
 
-    saved = Trainer(build_model("smoke", seed=0), TrainConfig(precision="fp32_master"), QuantConfig(), {})
-    for p in saved.weights.tensors():
-        p.grad = torch.randn_like(p)
-    saved.optimizer.step()  # moments to resume
-    saved.step = 1
-    saved.save(tmp_path / "policy", tmp_path / "state", run_id=RUN)
+    for precision in ("fp32_master", "bf16"):
+        saved = Trainer(build_model("smoke", seed=0), TrainConfig(precision=precision), QuantConfig(), {})
+        for p in saved.weights.tensors():
+            p.grad = torch.randn_like(p)
+        saved.optimizer.step()  # moments to resume, and masters off the bf16 grid
+        saved.weights.sync()
+        saved.step = 1
+        saved.save(tmp_path / f"policy-{precision}", tmp_path / f"state-{precision}", run_id=RUN)
     config = config_for(tmp_path).model_dump_json()
 
-    def ranks(run_id: str, out) -> list:
+    def ranks(precision: str, run_id: str, out) -> list:
         port = _free_port()
         env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-        args = [sys.executable, "-c", RESUME_SHARDED, config, str(tmp_path / "policy"), str(tmp_path / "state")]
+        folders = [str(tmp_path / f"{name}-{precision}") for name in ("policy", "state")]
         procs = [
-            subprocess.Popen([*args, run_id, str(out)], env=os.environ | env | {"RANK": str(r), "LOCAL_RANK": str(r)},
+            subprocess.Popen([sys.executable, "-c", RESUME_SHARDED, config, *folders, run_id, str(out)],
+                             env=os.environ | env | {"RANK": str(r), "LOCAL_RANK": str(r)},
                              stderr=subprocess.PIPE, text=True)
             for r in range(2)
         ]  # fmt: skip
         results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
         assert all(code == 0 for code, _ in results), [err[-2000:] for _, err in results]
-        return [(tmp_path / f"{out.name}.error{r}") for r in range(2)]
+        errors = [tmp_path / f"{out.name}.error{r}" for r in range(2)]
+        if run_id == RUN:
+            assert not any(e.exists() for e in errors), [e.read_text() for e in errors if e.exists()]
+        return errors
 
-    errors = ranks(RUN, tmp_path / "resumed")
-    assert not any(e.exists() for e in errors), [e.read_text() for e in errors if e.exists()]
+    ranks("fp32_master", RUN, tmp_path / "resumed")
     got = torch.load(tmp_path / "resumed")
-    policy = load_model(tmp_path / "policy").state_dict()
+    policy = load_model(tmp_path / "policy-fp32_master").state_dict()
     assert got["step"] == 1 and sorted(got["weights"]) == sorted(policy)
     for name, t in policy.items():
         assert torch.equal(got["weights"][name], t) and torch.equal(got["reference"][name], t), name
-    tensors, meta = load_state(tmp_path / "state", tmp_path / "policy", RUN)
-    names = [name for name, _ in saved.model.named_parameters()]
+    tensors, meta = load_state(tmp_path / "state-fp32_master", tmp_path / "policy-fp32_master", RUN)
+    names = list(policy)
     for i, moments in optimizer_state(tensors, meta)["state"].items():
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(got["moments"]["state"][names[i]][key], moments[key]), (names[i], key)
@@ -501,7 +508,17 @@ def test_ranks_take_their_shards_of_the_policy_and_optimizer_state_from_rank_0(t
     whole = [t.numel() for t in policy.values()]
     assert sum(shards[0]) < sum(whole) and sum(shards[1]) < sum(whole)  # neither rank holds the whole model
 
-    errors = ranks("another-run", tmp_path / "refused")
-    messages = [e.read_text() for e in errors]
+    ranks("bf16", RUN, tmp_path / "from-bf16")
+    got = torch.load(tmp_path / "from-bf16")
+    policy = load_model(tmp_path / "policy-bf16").state_dict()
+    tensors, _ = load_state(tmp_path / "state-bf16", tmp_path / "policy-bf16", RUN)
+    masters = master_weights(tensors)
+    assert sorted(masters) == sorted(policy)
+    for name, t in policy.items():
+        assert t.dtype == torch.bfloat16 and not torch.equal(masters[name].to(torch.bfloat16).float(), masters[name])
+        assert torch.equal(got["weights"][name], masters[name]), name
+        assert torch.equal(got["reference"][name], t.float()), name
+
+    messages = [e.read_text() for e in ranks("fp32_master", "another-run", tmp_path / "refused")]
     assert "run" in messages[0] and messages[0].split(": ", 1)[1] in messages[1], messages
     assert messages[1].startswith("DistributedError: rank 0 could not read the policy"), messages[1]

@@ -24,4 +24,4 @@ def test_quick_load_benchmark_ends_with_its_figures():
     assert 1.0 <= figures["ratio"] < 2.5
     # saving it again adds about one shard, made contiguous as it is written (2.8 shards when the Hub layout
     # was one contiguous copy of every expert before the first shard was written)
-    assert 0.9 <= figures["save_added_over_shard"] < 1.5
+    assert 0.5 <= figures["save_added_over_shard"] < 1.5
