@@ -51,6 +51,8 @@ from torch import Tensor
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
     get_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -281,16 +283,29 @@ class DistributedTrainer(Trainer):
 
     def save(self, policy, state, extra: dict[str, bytes] | None = None, run_id: str = "") -> tuple[Path, Path]:
         """The consolidated policy and trainer state (what :meth:`Trainer.save`
-        writes), written by rank 0, each atomically; every rank returns once both are in place."""
-        weights, optimizer = get_state_dict(self.model, self.optimizer, options=FULL)  # on rank 0 only
-        if self.rank == 0:  # the gathered tensors themselves as a model's parameters: no copy, no initialization
-            plain = empty_model(self.model.cfg, next(iter(weights.values())).dtype, "meta")
-            plain.load_state_dict(weights, assign=True)
-            plain.tie_weights()
-            by_index = _by_index(optimizer, [name for name, _ in plain.named_parameters()])
-            self.write(plain, by_index, policy, state, extra, run_id)
+        writes), written by rank 0, each atomically; every rank returns once
+        both are in place. The weights are gathered to rank 0's host, written
+        and let go before the optimizer moments are: it holds one or the
+        other (at Qwen3.5-35B-A3B 140 GB, then 280 GB; not 420 GB at once)."""
+        names = [name for name, _ in self.model.named_parameters()]
+        weights = get_model_state_dict(self.model, options=FULL)  # on rank 0 only
+        if self.rank == 0:
+            policy = self.write_policy(_model_of(self.model.cfg, weights), policy, extra, run_id)
+        del weights
+        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
+        if self.rank == 0:
+            self.write_state(_by_index(optimizer, names), state, policy, run_id)
         wait_for_rank0()
         return Path(policy), Path(state)
+
+
+def _model_of(cfg, weights: dict[str, Tensor]) -> Transformer:
+    """A model whose parameters are the tensors of a full state dict
+    themselves: no copy, no initialization."""
+    model = empty_model(cfg, next(iter(weights.values())).dtype, "meta")
+    model.load_state_dict(weights, assign=True)
+    model.tie_weights()
+    return model
 
 
 def _by_index(state: dict, names: list[str]) -> dict:
@@ -332,12 +347,12 @@ class ShardCheckpoints:
 
     def save(self, trainer: DistributedTrainer, history: list[dict], decoded: dict[str, dict]) -> None:
         key = self._key(trainer.step)
-        model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
+        model_state, optimizer = get_state_dict(trainer.model, trainer.optimizer)
         with tempfile.TemporaryDirectory(prefix="tracefp4-dcp-") as local:
             # items every rank holds alike (optimizer step counts, param groups) go in rank 0's file, not spread
             # over all of them: a resumed rank then reads its own file and rank 0's (files_read)
             planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
-            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=local, planner=planner)
+            dcp.save({"model": model_state, "optimizer": optimizer}, checkpoint_id=local, planner=planner)
             written = sorted(Path(local).iterdir())  # the coordinator's include .metadata
             for f in written:
                 if f.name != METADATA:
@@ -395,8 +410,8 @@ class ShardCheckpoints:
                 f"{self.store.uri}/{key}: written without checksums or decode statistics (by an older tracefp4); "
                 f"delete {self.store.uri}/{key}/ to train the round from its start"
             )
-        model_state, optimizer_state = get_state_dict(trainer.model, trainer.optimizer)
-        state = {"model": model_state, "optimizer": optimizer_state}
+        model_state, optimizer = get_state_dict(trainer.model, trainer.optimizer)
+        state = {"model": model_state, "optimizer": optimizer}
         with tempfile.TemporaryDirectory(prefix="tracefp4-dcp-") as local:
             self._fetch(key, METADATA, meta["files"], Path(local))
             read = files_read(state, local)

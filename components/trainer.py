@@ -385,19 +385,20 @@ class Trainer:
         files beside it, the run and policy version in its manifest) and the
         trainer state that resumes it at ``state`` (optimizer moments, float32
         master weights, precision), pinned to that policy; each all-or-nothing."""
-        return self.write(self.model, self.optimizer.state_dict(), policy, state, extra, run_id)
+        policy = self.write_policy(self.model, policy, extra, run_id)
+        return policy, self.write_state(self.optimizer.state_dict(), state, policy, run_id)
 
-    def write(
-        self, model: Transformer, optimizer: dict, policy, state, extra: dict[str, bytes] | None, run_id: str
-    ) -> tuple[Path, Path]:
-        """:meth:`save` for ``model`` and an optimizer ``state_dict()`` (parameters
-        by index) held apart from this trainer (a distributed one gathers them)."""
-        provenance = {"run_id": run_id, "policy_version": self.step}
-        policy = save_model(model, policy, extra=extra, provenance=provenance)
+    def write_policy(self, model: Transformer, policy, extra: dict[str, bytes] | None, run_id: str) -> Path:
+        """:meth:`save`'s policy, of ``model`` (this trainer's, or the one a distributed trainer gathers)."""
+        return save_model(model, policy, extra=extra, provenance={"run_id": run_id, "policy_version": self.step})
+
+    def write_state(self, optimizer: dict, state, policy: Path, run_id: str) -> Path:
+        """:meth:`save`'s trainer state, of an optimizer ``state_dict()``
+        (parameters by index), pinned to the policy written at ``policy``."""
         tensors = {f"{OPTIMIZER_PREFIX}{i}.{name}": t for i, s in optimizer["state"].items() for name, t in s.items()}
         tensors.update({MASTER_PREFIX + name: t for name, t in self.weights.state().items()})
-        meta = {**provenance, "precision": self.config.precision, "param_groups": optimizer["param_groups"]}
-        return policy, save_state(state, tensors, meta, policy)
+        meta = {"run_id": run_id, "policy_version": self.step, "precision": self.config.precision}
+        return save_state(state, tensors, {**meta, "param_groups": optimizer["param_groups"]}, policy)
 
     @classmethod
     def from_checkpoint(
