@@ -71,7 +71,7 @@ from .quant import QuantConfig
 from .steps import config_digest, store_prefix
 from .store import ArtifactStore, open_store, write_atomic
 from .trainer import TrainConfig, Trainer, clip_gradients, master_weights, optimizer_state
-from .trainer_state import load_state
+from .trainer_state import check_state, state_tensors
 
 METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator: a complete checkpoint
 HISTORY = "history.json"
@@ -196,30 +196,31 @@ class DistributedTrainer(Trainer):
         """Every rank's trainer, resumed as :meth:`Trainer.from_checkpoint`
         resumes one. Rank 0 alone reads the policy and the trainer state, on
         the host; every rank builds the model on the meta device, allocates its
-        own shards and takes their values, and its shards of the AdamW moments,
-        from rank 0 by broadcast. Each rank reading both whole would hold W
-        copies: at Qwen3.5-35B-A3B the float32 policy alone is 140 GB, more
-        than an H200's memory, and its moments 280 GB more."""
-        loaded: dict = {}  # rank 0's: the policy's state dict, saved master weights, optimizer state by name
+        own shards and takes their values, then its shards of the AdamW
+        moments, from rank 0 by broadcast. Each rank reading both whole would
+        hold W copies: at Qwen3.5-35B-A3B the float32 policy alone is 140 GB,
+        more than an H200's memory, and its moments 280 GB more. Rank 0 reads
+        the moments once the weights are out: it holds one or the other."""
+        loaded: dict = {}  # rank 0's: the policy's state dict, then the saved masters and optimizer state by name
 
-        def read():
-            tensors, meta = load_state(state, policy, run_id)
+        def read_policy():
+            meta = check_state(state, policy, run_id)  # checked and pinned; its tensors are read later
             model = load_model(policy)
-            names = [name for name, _ in model.named_parameters()]
-            loaded.update(weights=model.state_dict(), masters=master_weights(tensors))
-            loaded["optimizer"] = _by_name(optimizer_state(tensors, meta), names)
-            return (
-                model.cfg,
-                next(model.parameters()).dtype,
-                meta,
-                bool(loaded["masters"]),
-                bool(loaded["optimizer"]["state"]),
-            )
+            loaded["weights"] = model.state_dict()
+            return model.cfg, next(model.parameters()).dtype, meta
 
-        cfg, dtype, meta, masters, moments = from_rank0(read, f"read the policy {policy} or its trainer state")
+        cfg, dtype, meta = from_rank0(read_policy, f"read the policy {policy} or its trainer state")
         trainer = cls(
             empty_model(cfg, dtype, "meta"), config, quant, global_scales, loaded.pop("weights", None), device
         )
+
+        def read_state():
+            tensors = state_tensors(state)
+            names = [name for name, _ in trainer.model.named_parameters()]
+            loaded.update(masters=master_weights(tensors), optimizer=_by_name(optimizer_state(tensors, meta), names))
+            return bool(loaded["masters"]), bool(loaded["optimizer"]["state"])
+
+        masters, moments = from_rank0(read_state, f"read the trainer state {state}")
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         if masters:  # the trained model's alone, as one process loads them after copying its KL reference
             set_model_state_dict(trainer.model, loaded.pop("masters", {}), options=replace(options, strict=False))

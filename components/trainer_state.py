@@ -64,6 +64,19 @@ def read_meta(path: str | os.PathLike) -> dict:
 def load_state(path: str | os.PathLike, policy: str | os.PathLike, run_id: str) -> tuple[dict[str, Tensor], dict]:
     """The tensors and metadata of the state at ``path``, refused unless it was
     saved by run ``run_id`` together with the policy folder ``policy``."""
+    meta = check_state(path, policy, run_id)
+    return state_tensors(path), meta
+
+
+def state_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
+    """The tensors of the state at ``path`` (:func:`check_state` checks it first)."""
+    return load_file(Path(path) / TENSORS)
+
+
+def check_state(path: str | os.PathLike, policy: str | os.PathLike, run_id: str) -> dict:
+    """The metadata of the state at ``path``, its files checked against their
+    checksums, refused unless it was saved by run ``run_id`` together with the
+    policy folder ``policy``; no tensor is read (:func:`state_tensors`)."""
     folder = Path(path)
     meta = read_meta(folder)
     if meta["run_id"] != run_id:
@@ -74,4 +87,4 @@ def load_state(path: str | os.PathLike, policy: str | os.PathLike, run_id: str) 
             f"{folder}: trainer state of policy version {meta['policy_version']} saved with another policy "
             f"folder than {policy} (manifest sha256 {meta['policy_sha256'][:12]}..., found {digest[:12]}...)"
         )
-    return load_file(folder / TENSORS), meta
+    return meta
