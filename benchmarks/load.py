@@ -72,14 +72,12 @@ params, save_added = 0, None
 if sys.argv[1] != "-":
     model = load_model(sys.argv[1])
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    peak = status("VmHWM")
-    if len(sys.argv) > 2:
-        open("/proc/self/clear_refs", "w").write("5")  # the peak reset to the current resident memory
-        before = status("VmRSS")
-        save_model(model, sys.argv[2], max_shard_bytes=int(sys.argv[3]))
-        save_added = status("VmHWM") - before
-else:
-    peak = status("VmHWM")
+peak = status("VmHWM")
+if len(sys.argv) > 2:
+    open("/proc/self/clear_refs", "w").write("5")  # the peak reset to the current resident memory
+    before = status("VmRSS")
+    save_model(model, sys.argv[2], max_shard_bytes=int(sys.argv[3]))
+    save_added = status("VmHWM") - before
 print(json.dumps({"peak_rss_bytes": peak, "param_bytes": params, "save_added_bytes": save_added}))
 """
 

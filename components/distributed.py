@@ -76,6 +76,7 @@ from .trainer_state import check_state, state_tensors
 METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator: a complete checkpoint
 HISTORY = "history.json"
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
+BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)  # rank 0's full state, to every rank
 # How long the ranks wait for rank 0's serial end-of-round work (gathering the full state, writing,
 # checksumming and uploading the consolidated policy and trainer state: hundreds of GB at the paper's
 # scale), at barriers of a gloo group of their own: train.timeout_seconds bounds the collectives of ranks
@@ -221,12 +222,11 @@ class DistributedTrainer(Trainer):
             return bool(loaded["masters"]), bool(loaded["optimizer"]["state"])
 
         masters, moments = from_rank0(read_state, f"read the trainer state {state}")
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
         if masters:  # the trained model's alone, as one process loads them after copying its KL reference
-            set_model_state_dict(trainer.model, loaded.pop("masters", {}), options=replace(options, strict=False))
+            set_model_state_dict(trainer.model, loaded.pop("masters", {}), options=replace(BROADCAST, strict=False))
         if moments:
             optimizer = trainer.with_own_fused(loaded.pop("optimizer")) if trainer.rank == 0 else {}
-            set_optimizer_state_dict(trainer.model, trainer.optimizer, optimizer, options=options)
+            set_optimizer_state_dict(trainer.model, trainer.optimizer, optimizer, options=BROADCAST)
         else:  # a fresh policy: torch.distributed would initialize the state by a zero step
             for group, saved in zip(trainer.optimizer.param_groups, meta["param_groups"]):
                 group.update({k: v for k, v in saved.items() if k not in ("params", "fused")})
@@ -240,8 +240,7 @@ class DistributedTrainer(Trainer):
         fully_shard(model, mesh=self.mesh, mp_policy=policy)
         if next(model.parameters()).is_meta:  # this rank's shards alone allocated, filled from rank 0's weights
             model.to_empty(device=self.place)
-            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-            set_model_state_dict(model, dict(self.full_weights or {}), options=options)  # a copy: it fills the dict
+            set_model_state_dict(model, dict(self.full_weights or {}), options=BROADCAST)  # a copy: it fills the dict
         if model.training:  # the optimizer steps the sharded parameters (float32: they are their own master)
             self.weights = MasterWeights(model, self.config.precision)
         return model

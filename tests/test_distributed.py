@@ -406,15 +406,15 @@ def test_the_ranks_wait_for_rank_0s_writing_longer_than_the_collective_timeout(t
     end-of-round writing and uploads (12 s here; hundreds of GB at the paper's scale)."""
     data = config_for(tmp_path).model_dump()
     data["train"]["timeout_seconds"] = 10
-    config = RunConfig.model_validate(data).model_dump_json()
-    port = _free_port()
+    two_ranks(RANK0_BUSY, RunConfig.model_validate(data).model_dump_json(), "12")
+
+
+def two_ranks(script: str, *args: str) -> None:
+    """``script`` run as ranks 0 and 1 of a process group on this machine, each with ``args``; both must succeed."""
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     ranks = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK0_BUSY, config, "12"],
-            env=os.environ | {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
-                              "MASTER_PORT": str(port)},
-            stderr=subprocess.PIPE, text=True,
-        )
+        subprocess.Popen([sys.executable, "-c", script, *args], env=os.environ | env | {"RANK": str(r),
+                         "LOCAL_RANK": str(r)}, stderr=subprocess.PIPE, text=True)
         for r in range(2)
     ]  # fmt: skip
     results = [(p.wait(timeout=120), p.stderr.read()) for p in ranks]
@@ -477,17 +477,8 @@ def test_ranks_take_their_shards_of_the_policy_and_optimizer_state_from_rank_0(t
     config = config_for(tmp_path).model_dump_json()
 
     def ranks(precision: str, run_id: str, out) -> list:
-        port = _free_port()
-        env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
         folders = [str(tmp_path / f"{name}-{precision}") for name in ("policy", "state")]
-        procs = [
-            subprocess.Popen([sys.executable, "-c", RESUME_SHARDED, config, *folders, run_id, str(out)],
-                             env=os.environ | env | {"RANK": str(r), "LOCAL_RANK": str(r)},
-                             stderr=subprocess.PIPE, text=True)
-            for r in range(2)
-        ]  # fmt: skip
-        results = [(p.wait(timeout=120), p.stderr.read()) for p in procs]
-        assert all(code == 0 for code, _ in results), [err[-2000:] for _, err in results]
+        two_ranks(RESUME_SHARDED, config, *folders, run_id, str(out))
         errors = [tmp_path / f"{out.name}.error{r}" for r in range(2)]
         if run_id == RUN:
             assert not any(e.exists() for e in errors), [e.read_text() for e in errors if e.exists()]
