@@ -55,23 +55,23 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from .model import LAYER_TYPES, MODEL_TYPES, ModelConfig, Transformer, empty_model
 from .store import check_key, file_path, fsync_folder, open_store
+from .tensor_files import DTYPES, TensorWriter, index_name, single_name, write_tensors
 from .tokenizer import FILES as TOKENIZER_FILES
 
 log = logging.getLogger("tracefp4.checkpoint")
 
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
+INDEX = index_name("model")
+SINGLE = single_name("model")
 CONFIG = "config.json"
 CACHE_ENV = "TRACEFP4_CACHE_DIR"  # root of the local cache of checkpoints fetched from a store
 MANIFEST = "checksums.json"  # {"files": {name: {"size": bytes, "sha256": hex}}, "provenance": {...}}, written last
 _MAX_SIZE = 2**24  # any config.json size above this is a typo or an attack: real models stay far below
 # safetensors' names of the weight dtypes we load
-_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_TORCH_DTYPES = {name: dtype for name, dtype in DTYPES.items() if dtype.is_floating_point}
 _FLOAT_DTYPES = set(_TORCH_DTYPES)
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up|down)_proj$")  # a layer's experts in one tensor
@@ -377,8 +377,8 @@ def hub_to_stacked(tensors: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Te
 
 def stacked_to_hub(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
     """Inverse of :func:`hub_to_stacked`: views of ``state``'s tensors, no
-    copy (:func:`write_weights` copies a shard's worth at a time: a whole
-    contiguous copy of a 35B model's experts would be another 70 GB in bf16)."""
+    copy (:class:`~.tensor_files.TensorWriter` copies a file's worth at a time:
+    a whole contiguous copy of a 35B model's experts would be another 70 GB in bf16)."""
     out = {}
     for key, t in state.items():
         prefix, _, name = key.rpartition(".")
@@ -695,32 +695,49 @@ def load_model(
 
     Lean: the model is built on the meta device and each parameter allocated
     once, in ``dtype``; every Hub tensor is copied from the memory-mapped file
-    straight into its slot of the stacked layout (:func:`hub_slot`). Each shard
-    is mapped once per layer and unmapped after, since the pages read through
-    a mapping count in the process's resident memory until it is closed: peak
-    memory is the model plus about one layer's weights
+    straight into its slot of the stacked layout (:class:`PolicyReader`):
+    peak memory is the model plus about one stacked tensor's weights
     (``benchmarks/load.py``)."""
-    folder = Path(path)
-    config_file = folder / CONFIG
-    if not config_file.exists():
-        raise FileNotFoundError(f"{config_file} does not exist")
-    verify_folder(folder)
-    cfg = read_config(folder)
-    headers, names = _language_model(folder, _headers(folder), cfg)
-    headers = _check_tensors(folder, cfg, headers)
-    model = empty_model(cfg, dtype or checkpoint_dtype(headers), device)
+    reader = PolicyReader(path)
+    model = empty_model(reader.cfg, dtype or reader.dtype, device)
     state = model.state_dict()
-    groups: dict[tuple[Path, int], list[str]] = {}  # (shard, layer or -1) -> its tensors
-    for tensor, (shard, _, _) in headers.items():
-        layer = _LAYER.match(tensor)
-        groups.setdefault((shard, int(layer[1]) if layer else -1), []).append(tensor)
     with torch.no_grad():
-        for (shard, _), tensors in sorted(groups.items()):
+        for name in reader.stacked:
+            reader.read_into(name, state[name])
+    return model
+
+
+class PolicyReader:
+    """A policy folder checked as the module docstring says, before any weight
+    is read, whose stacked tensors are then read one at a time: by
+    :func:`load_model`, and by a distributed trainer's rank 0, which hands each
+    to the ranks before it reads the next (at Qwen3.5-35B-A3B the float32
+    policy is 140 GB)."""
+
+    def __init__(self, path: str | os.PathLike):
+        folder = Path(path)
+        config_file = folder / CONFIG
+        if not config_file.exists():
+            raise FileNotFoundError(f"{config_file} does not exist")
+        verify_folder(folder)
+        self.cfg = read_config(folder)
+        headers, self.names = _language_model(folder, _headers(folder), self.cfg)
+        headers = _check_tensors(folder, self.cfg, headers)
+        self.dtype = checkpoint_dtype(headers)
+        # stacked name -> shard -> its Hub tensors there, in the files' order
+        self.parts: dict[str, dict[Path, list[str]]] = {}
+        for tensor, (shard, _, _) in headers.items():
+            self.parts.setdefault(hub_slot(tensor, self.cfg)[0], {}).setdefault(shard, []).append(tensor)
+        self.stacked = list(self.parts)  # the stacked tensors the folder holds
+
+    def read_into(self, name: str, target: Tensor) -> None:
+        """Copy the stacked tensor ``name`` into ``target`` (in its dtype),
+        each shard mapped only while its parts are read: pages read through a
+        mapping count in the process's resident memory until it is closed."""
+        for shard, tensors in self.parts[name].items():
             with safe_open(shard, framework="pt") as f:
                 for tensor in tensors:
-                    name, view = hub_slot(tensor, cfg)
-                    view(state[name]).copy_(f.get_tensor(names.get(tensor, tensor)))
-    return model
+                    hub_slot(tensor, self.cfg)[1](target).copy_(f.get_tensor(self.names.get(tensor, tensor)))
 
 
 def read_config(folder: str | os.PathLike) -> ModelConfig:
@@ -779,13 +796,36 @@ def save_model(
     """Write ``model`` in the Hub layout at ``path``, sharded above
     ``max_shard_bytes``, with ``extra`` files beside it and the checksum
     manifest over all of them (recording ``provenance``), all at once (atomically)."""
-    folder = Path(path)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    state = {k: v.detach() for k, v in model.state_dict().items()}
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight")
+    return save_stacked(model.cfg, state, state.items(), path, max_shard_bytes, extra, provenance)
+
+
+def save_stacked(
+    cfg: ModelConfig,
+    layout: Mapping[str, Tensor],
+    values: Iterable[tuple[str, Tensor]],
+    path: str | os.PathLike,
+    max_shard_bytes: int = 2 << 30,
+    extra: dict[str, bytes] | None = None,
+    provenance: dict | None = None,
+) -> Path:
+    """:func:`save_model` of a stacked state given as the tensors ``layout``
+    names (shapes and dtypes: meta tensors will do) and their ``values``, in
+    the same order, as they come: each stacked tensor is split into its Hub
+    tensors (views) and let go once the file holding them is written
+    (:class:`~.tensor_files.TensorWriter`). A distributed trainer's rank 0
+    passes the parameters as it gathers them, holding about one file's worth
+    of the model rather than all of it."""
+    folder = Path(path)
     with staging_folder(folder) as tmp:
-        write_weights(stacked_to_hub(state, model.cfg), tmp, max_shard_bytes)
-        (tmp / CONFIG).write_text(json.dumps(config_to_hf(model.cfg), indent=2))
+        writer = TensorWriter(tmp, stacked_to_hub(dict(layout), cfg), "model", max_shard_bytes)
+        for name, t in values:
+            for key, view in stacked_to_hub({name: t}, cfg).items():
+                writer.add(key, view)
+        writer.close()
+        (tmp / CONFIG).write_text(json.dumps(config_to_hf(cfg), indent=2))
         for name, data in (extra or {}).items():
             (tmp / name).write_bytes(data)
         return commit_folder(tmp, folder, provenance)
@@ -793,29 +833,8 @@ def save_model(
 
 def write_weights(hub: dict[str, Tensor], folder: Path, max_shard_bytes: int = 2 << 30) -> None:
     """``hub`` tensors as :data:`SINGLE`, or above ``max_shard_bytes`` as numbered
-    shards with their :data:`INDEX`, the way transformers names them. Views
-    are made contiguous one shard at a time, as each is written."""
-    shards, current, size = [], [], 0
-    for key in sorted(hub):
-        nbytes = hub[key].numel() * hub[key].element_size()
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = [], 0
-        current.append(key)
-        size += nbytes
-    shards.append(current)
-    names = (
-        [SINGLE]
-        if len(shards) == 1
-        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    )
-    for name, keys in zip(names, shards):
-        save_file({key: hub[key].contiguous() for key in keys}, folder / name, metadata={"format": "pt"})
-    if len(shards) == 1:
-        return
-    weight_map = {key: name for name, keys in zip(names, shards) for key in keys}
-    total = sum(t.numel() * t.element_size() for t in hub.values())
-    (folder / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    shards with their :data:`INDEX`, the way transformers names them (sorted by name)."""
+    write_tensors(folder, {key: hub[key] for key in sorted(hub)}, "model", max_shard_bytes)
 
 
 def cache_dir() -> Path:

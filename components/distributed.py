@@ -17,9 +17,9 @@ come as paths or store URIs. How it works:
   multiplies by W (each rank's loss is already its share of the step's
   token-weighted loss), so W ranks compute the gradient one process does, up
   to float32 summation order;
-- rank 0 alone reads the round's policy and trainer state; every rank
-  builds the model on the meta device and takes its shards of the weights
-  and AdamW moments from rank 0 by broadcast
+- rank 0 alone reads the round's policy and trainer state, one tensor at a
+  time; every rank builds the model on the meta device and takes its shards
+  of the weights and AdamW moments from each tensor rank 0 broadcasts
   (:meth:`DistributedTrainer.from_checkpoint`);
 - rank r trains the microbatches ``i`` with ``i % W == r`` and loads only
   their guidance; every optimizer step's group of microbatches must split
@@ -29,9 +29,11 @@ come as paths or store URIs. How it works:
   the ``.metadata`` object last: a step whose ``.metadata`` is missing is
   incomplete and never read, and the step before is deleted once the new
   one is complete. A rerun of the round resumes from its last complete step;
-  at the end rank 0 writes the consolidated policy (the Hugging Face folder
-  with the optimizer state, what one process writes) atomically, and the
-  round's sharded checkpoints are deleted.
+  at the end the ranks gather the parameters and then the moments one tensor
+  at a time and rank 0 writes the consolidated policy (the Hugging Face
+  folder) and trainer state, what one process writes, each atomically,
+  holding about one file of them at a time; the round's sharded checkpoints
+  are then deleted.
 """
 
 import argparse
@@ -40,7 +42,7 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import replace
+from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
@@ -50,37 +52,32 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
     get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .checkpoint import fetch, folder_digest, load_model, size_and_sha256
+from .checkpoint import PolicyReader, fetch, folder_digest, size_and_sha256
 from .device import keep_freed_memory, resolve
 from .model import Transformer, empty_model
 from .precision import MasterWeights
 from .quant import QuantConfig
 from .steps import config_digest, store_prefix
 from .store import ArtifactStore, open_store, write_atomic
-from .trainer import TrainConfig, Trainer, clip_gradients, master_weights, optimizer_state
-from .trainer_state import check_state, state_tensors
+from .tensor_files import read_tensor, tensor_files, tensor_layout
+from .trainer import MASTER_PREFIX, OPTIMIZER_PREFIX, TrainConfig, Trainer, clip_gradients
+from .trainer_state import STEM, check_state
 
 METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator: a complete checkpoint
 HISTORY = "history.json"
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-BROADCAST = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)  # rank 0's full state, to every rank
-# How long the ranks wait for rank 0's serial end-of-round work (gathering the full state, writing,
-# checksumming and uploading the consolidated policy and trainer state: hundreds of GB at the paper's
-# scale), at barriers of a gloo group of their own: train.timeout_seconds bounds the collectives of ranks
-# that all compute, where a longer wait means a rank died or hangs
+# How long the ranks wait for rank 0's serial work (downloading and checksumming the round's policy and
+# trainer state; checksumming and uploading the new ones: hundreds of GB at the paper's scale), at
+# barriers of a gloo group of their own: train.timeout_seconds bounds the collectives of ranks that all
+# compute (rank 0's reading or writing of one tensor or file between two is among them), where a longer
+# wait means a rank died or hangs
 RANK0_IO_TIMEOUT = timedelta(hours=6)
 _rank0_io: list = []  # that group, made with the process group (every rank must make it, in the same order)
 
@@ -150,14 +147,23 @@ def on_host(item: object) -> object:
     return item
 
 
+@torch.no_grad()
+def _take_shard(target: Tensor, whole: Tensor) -> None:
+    """Copy this rank's shard of ``whole`` into ``target``: a sharded parameter
+    or moment (a DTensor) takes its own part, a plain tensor all of it."""
+    if isinstance(target, DTensor):
+        mine = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(mine.to_local())
+    else:
+        target.copy_(whole)
+
+
 class DistributedTrainer(Trainer):
     """A :class:`Trainer` whose model, gradients and optimizer state are sharded
     over the ranks of the default process group, which must be initialized.
 
     ``model`` may be on the meta device (:meth:`from_checkpoint`): each rank
-    then allocates its own shards on ``device`` and takes their values from
-    rank 0's ``weights`` (its full state dict; the other ranks pass None) by
-    broadcast."""
+    then allocates its own shards on ``device``, to be filled (:meth:`receive`)."""
 
     def __init__(
         self,
@@ -165,7 +171,6 @@ class DistributedTrainer(Trainer):
         config: TrainConfig,
         quant: QuantConfig,
         global_scales: dict,
-        weights: dict[str, Tensor] | None = None,
         device: str | torch.device | None = None,
     ):
         if not dist.is_initialized():
@@ -177,11 +182,9 @@ class DistributedTrainer(Trainer):
             )
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.place = torch.device(device) if device is not None else next(model.parameters()).device
-        self.full_weights = weights
         self.mesh = init_device_mesh(self.place.type, (self.world,))
         self.checkpoints: ShardCheckpoints | None = None
         super().__init__(model, config, quant, global_scales)
-        self.full_weights = None  # rank 0's whole policy: not held past the broadcast
 
     @classmethod
     def from_checkpoint(
@@ -195,52 +198,86 @@ class DistributedTrainer(Trainer):
         run_id: str = "",
     ) -> "DistributedTrainer":
         """Every rank's trainer, resumed as :meth:`Trainer.from_checkpoint`
-        resumes one. Rank 0 alone reads the policy and the trainer state, on
-        the host; every rank builds the model on the meta device, allocates its
-        own shards and takes their values, then its shards of the AdamW
-        moments, from rank 0 by broadcast. Each rank reading both whole would
-        hold W copies: at Qwen3.5-35B-A3B the float32 policy alone is 140 GB,
-        more than an H200's memory, and its moments 280 GB more. Rank 0 reads
-        the moments once the weights are out: it holds one or the other."""
-        loaded: dict = {}  # rank 0's: the policy's state dict, then the saved masters and optimizer state by name
+        resumes one. Rank 0 alone reads the policy and the trainer state, one
+        tensor at a time; every rank builds the model on the meta device,
+        allocates its own shards and takes their values, then its shards of
+        the AdamW moments, from the tensors rank 0 hands out (:meth:`receive`).
+        Each rank reading both whole would hold W copies, and rank 0 reading
+        them whole would hold them once: at Qwen3.5-35B-A3B the float32 policy
+        is 140 GB, more than an H200's memory, and its moments 280 GB more."""
+        readers: dict = {}  # rank 0's
 
-        def read_policy():
+        def open_policy():
             meta = check_state(state, policy, run_id)  # checked and pinned; its tensors are read later
-            model = load_model(policy)
-            loaded["weights"] = model.state_dict()
-            return model.cfg, next(model.parameters()).dtype, meta
+            reader = readers["policy"] = PolicyReader(policy)
+            return reader.cfg, reader.dtype, reader.stacked, meta
 
-        cfg, dtype, meta = from_rank0(read_policy, f"read the policy {policy} or its trainer state")
-        trainer = cls(
-            empty_model(cfg, dtype, "meta"), config, quant, global_scales, loaded.pop("weights", None), device
-        )
+        cfg, dtype, stacked, meta = from_rank0(open_policy, f"read the policy {policy} or its trainer state")
+        trainer = cls(empty_model(cfg, dtype, "meta"), config, quant, global_scales, device)
+        states = [m.state_dict() for m in (trainer.model, trainer.reference) if m is not None]
+        layout = {name: (states[0][name].shape, states[0][name].dtype) for name in stacked}
 
-        def read_state():
-            tensors = state_tensors(state)
-            names = [name for name, _ in trainer.model.named_parameters()]
-            loaded.update(masters=master_weights(tensors), optimizer=_by_name(optimizer_state(tensors, meta), names))
-            return bool(loaded["masters"]), bool(loaded["optimizer"]["state"])
+        def read_weight(name: str) -> Tensor:
+            whole = torch.empty(layout[name][0], dtype=layout[name][1])
+            readers["policy"].read_into(name, whole)
+            return whole
 
-        masters, moments = from_rank0(read_state, f"read the trainer state {state}")
-        if masters:  # the trained model's alone, as one process loads them after copying its KL reference
-            set_model_state_dict(trainer.model, loaded.pop("masters", {}), options=replace(BROADCAST, strict=False))
+        for name, whole in trainer.receive(layout, read_weight):
+            for weights in states:  # the trained model and its KL reference start alike
+                _take_shard(weights[name], whole)
+        readers.pop("policy", None)
+
+        def open_state():
+            files = readers["state"] = tensor_files(Path(state), STEM)
+            return tensor_layout(files)
+
+        layout = from_rank0(open_state, f"read the trainer state {state}")
+        params = dict(trainer.model.named_parameters())
+        names = list(params)  # the optimizer's parameter order
+        masters = {key.removeprefix(MASTER_PREFIX) for key in layout if key.startswith(MASTER_PREFIX)}
+        if masters and masters != set(params):
+            raise DistributedError(
+                f"{state}: its master weights do not match the model: missing {sorted(set(params) - masters)[:5]}, "
+                f"extra {sorted(masters - set(params))[:5]}"
+            )
+        moments: dict[int, dict] = {}
+        for key, whole in trainer.receive(layout, lambda key: read_tensor(readers["state"], key)):
+            if key.startswith(MASTER_PREFIX):  # the trained model's alone, as one process loads them
+                _take_shard(params[key.removeprefix(MASTER_PREFIX)], whole)
+            elif key.startswith(OPTIMIZER_PREFIX):
+                index, item = key.removeprefix(OPTIMIZER_PREFIX).split(".", 1)
+                param = params[names[int(index)]]
+                value = whole.cpu() if whole.dim() == 0 else torch.empty_like(param)  # AdamW's step: a host scalar
+                if whole.dim():
+                    _take_shard(value, whole)
+                moments.setdefault(int(index), {})[item] = value
         if moments:
-            optimizer = trainer.with_own_fused(loaded.pop("optimizer")) if trainer.rank == 0 else {}
-            set_optimizer_state_dict(trainer.model, trainer.optimizer, optimizer, options=BROADCAST)
-        else:  # a fresh policy: torch.distributed would initialize the state by a zero step
+            trainer.load_optimizer_state({"state": moments, "param_groups": meta["param_groups"]})
+        else:  # a fresh policy: the optimizer makes its state at its first step
             for group, saved in zip(trainer.optimizer.param_groups, meta["param_groups"]):
                 group.update({k: v for k, v in saved.items() if k not in ("params", "fused")})
         trainer.step = meta["policy_version"]
         return trainer
+
+    def receive(self, layout: dict[str, tuple], read) -> Iterator[tuple[str, Tensor]]:
+        """Each tensor ``layout`` names (name: shape, dtype) whole on every
+        rank's device, one at a time: rank 0 reads it (``read(name)``), a
+        broadcast hands it to the others. The converse of :meth:`_gathered`."""
+        for name, (shape, dtype) in layout.items():
+            if self.rank == 0:
+                whole = read(name).to(self.place)
+            else:
+                whole = torch.empty(shape, dtype=dtype, device=self.place)
+            dist.broadcast(whole, src=0)
+            yield name, whole
 
     def wrap(self, model: Transformer) -> Transformer:
         policy = mixed_precision()
         for block in model.model.layers:
             fully_shard(block, mesh=self.mesh, mp_policy=policy)
         fully_shard(model, mesh=self.mesh, mp_policy=policy)
-        if next(model.parameters()).is_meta:  # this rank's shards alone allocated, filled from rank 0's weights
+        if next(model.parameters()).is_meta:  # this rank's shards alone allocated, filled by from_checkpoint
             model.to_empty(device=self.place)
-            set_model_state_dict(model, dict(self.full_weights or {}), options=BROADCAST)  # a copy: it fills the dict
         if model.training:  # the optimizer steps the sharded parameters (float32: they are their own master)
             self.weights = MasterWeights(model, self.config.precision)
         return model
@@ -281,45 +318,28 @@ class DistributedTrainer(Trainer):
         if self.checkpoints is not None:
             self.checkpoints.save(self, history, decoded)
 
-    def save(self, policy, state, extra: dict[str, bytes] | None = None, run_id: str = "") -> tuple[Path, Path]:
-        """The consolidated policy and trainer state (what :meth:`Trainer.save`
-        writes), written by rank 0, each atomically; every rank returns once
-        both are in place. The weights are gathered to rank 0's host, written
-        and let go before the optimizer moments are: it holds one or the
-        other (at Qwen3.5-35B-A3B 140 GB, then 280 GB; not 420 GB at once)."""
-        names = [name for name, _ in self.model.named_parameters()]
-        weights = get_model_state_dict(self.model, options=FULL)  # on rank 0 only
+    @torch.no_grad()
+    def written(self, tensors: dict[str, Tensor], write) -> None:
+        """Rank 0's ``write(layout, values)`` of the sharded ``tensors``,
+        gathered one at a time on every rank in the same order: rank 0 holds
+        about one file's worth of them (:class:`~.tensor_files.TensorWriter`),
+        not the whole policy (140 GB in float32 at Qwen3.5-35B-A3B) or its
+        moments (280 GB). Every rank returns once rank 0 has written them."""
+        layout = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in tensors.items()}
+        values = self._gathered(tensors)
         if self.rank == 0:
-            policy = self.write_policy(_model_of(self.model.cfg, weights), policy, extra, run_id)
-        del weights
-        optimizer = get_optimizer_state_dict(self.model, self.optimizer, options=FULL)
-        if self.rank == 0:
-            self.write_state(_by_index(optimizer, names), state, policy, run_id)
+            write(layout, values)
+        else:
+            for _ in values:  # the gathers alone
+                pass
         wait_for_rank0()
-        return Path(policy), Path(state)
 
-
-def _model_of(cfg, weights: dict[str, Tensor]) -> Transformer:
-    """A model whose parameters are the tensors of a full state dict
-    themselves: no copy, no initialization."""
-    model = empty_model(cfg, next(iter(weights.values())).dtype, "meta")
-    model.load_state_dict(weights, assign=True)
-    model.tie_weights()
-    return model
-
-
-def _by_index(state: dict, names: list[str]) -> dict:
-    """A full optimizer state dict keyed by parameter name (torch.distributed's
-    form) keyed by parameter index instead (``Optimizer.state_dict()``'s)."""
-    index = {name: i for i, name in enumerate(names)}
-    groups = [{**g, "params": [index[p] for p in g["params"]]} for g in state["param_groups"]]
-    return {"state": {index[name]: s for name, s in state["state"].items()}, "param_groups": groups}
-
-
-def _by_name(state: dict, names: list[str]) -> dict:
-    """The inverse of :func:`_by_index`."""
-    groups = [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]]
-    return {"state": {names[i]: s for i, s in state["state"].items()}, "param_groups": groups}
+    def _gathered(self, tensors: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
+        """Each of ``tensors`` whole, by name, on rank 0's host; every rank takes part in each gather."""
+        for name, t in tensors.items():
+            whole = t.full_tensor() if isinstance(t, DTensor) else t
+            if self.rank == 0:
+                yield name, whole.cpu()
 
 
 class ShardCheckpoints:

@@ -27,7 +27,7 @@ from torch import Tensor
 from tracefp4.kernels import valid_global_scale
 
 from .capture import Capture, CaptureConfig, CaptureRecords, TokenMap
-from .checkpoint import load_model, save_model
+from .checkpoint import load_model, save_stacked
 from .guidance import GuidanceError, GuidanceLoader
 from .mismatch import MismatchTally, compare
 from .model import Transformer
@@ -384,21 +384,29 @@ class Trainer:
         """The policy at ``policy`` (Hub layout in its parameters' dtype, ``extra``
         files beside it, the run and policy version in its manifest) and the
         trainer state that resumes it at ``state`` (optimizer moments, float32
-        master weights, precision), pinned to that policy; each all-or-nothing."""
-        policy = self.write_policy(self.model, policy, extra, run_id)
-        return policy, self.write_state(self.optimizer.state_dict(), state, policy, run_id)
-
-    def write_policy(self, model: Transformer, policy, extra: dict[str, bytes] | None, run_id: str) -> Path:
-        """:meth:`save`'s policy, of ``model`` (this trainer's, or the one a distributed trainer gathers)."""
-        return save_model(model, policy, extra=extra, provenance={"run_id": run_id, "policy_version": self.step})
-
-    def write_state(self, optimizer: dict, state, policy: Path, run_id: str) -> Path:
-        """:meth:`save`'s trainer state, of an optimizer ``state_dict()``
-        (parameters by index), pinned to the policy written at ``policy``."""
+        master weights, precision), pinned to that policy; each all-or-nothing.
+        Each is written as its tensors come (:meth:`written`), not from a whole copy."""
+        cfg, provenance = self.model.cfg, {"run_id": run_id, "policy_version": self.step}
+        weights = {name: t.detach() for name, t in self.model.state_dict().items()}
+        if cfg.tie_word_embeddings:
+            weights.pop("lm_head.weight")
+        self.written(
+            weights,
+            lambda layout, values: save_stacked(cfg, layout, values, policy, extra=extra, provenance=provenance),
+        )
+        optimizer = self.optimizer.state_dict()  # parameters by index
         tensors = {f"{OPTIMIZER_PREFIX}{i}.{name}": t for i, s in optimizer["state"].items() for name, t in s.items()}
         tensors.update({MASTER_PREFIX + name: t for name, t in self.weights.state().items()})
         meta = {"run_id": run_id, "policy_version": self.step, "precision": self.config.precision}
-        return save_state(state, tensors, {**meta, "param_groups": optimizer["param_groups"]}, policy)
+        meta["param_groups"] = optimizer["param_groups"]
+        self.written(tensors, lambda layout, values: save_state(state, layout, values, meta, policy))
+        return Path(policy), Path(state)
+
+    def written(self, tensors: dict[str, Tensor], write) -> None:
+        """``write(layout, values)`` of ``tensors``: their names, shapes and
+        dtypes, then the tensors themselves by name as they come. Here they are
+        this process's own, in memory."""
+        write(tensors, tensors.items())
 
     @classmethod
     def from_checkpoint(

@@ -4,8 +4,9 @@ clean Hugging Face checkpoint (a serving engine's ``*.safetensors`` glob sees
 only weights) and so that a step that only reads the policy (rollout,
 evaluation) never downloads optimizer moments.
 
-A state folder holds :data:`TENSORS` (any named tensors: optimizer moments,
-master weights; CPU, safetensors), :data:`META` (JSON: the run id, the policy
+A state folder holds its tensors (any named tensors: optimizer moments,
+master weights) as :data:`TENSORS`, or above 2 GiB as numbered shards of it
+with an index (:mod:`.tensor_files`, stem :data:`STEM`), :data:`META` (JSON: the run id, the policy
 version, the digest of the policy folder it belongs to, and whatever else the
 trainer records, e.g. optimizer groups) and the checksum manifest over both,
 written atomically like a checkpoint. Reading checks the checksums and refuses,
@@ -16,14 +17,16 @@ count, so only the digest tells their states apart).
 
 import json
 import os
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from .checkpoint import MANIFEST, CheckpointError, commit_folder, folder_digest, staging_folder, verify_folder
+from .tensor_files import TensorWriter, read_tensors, single_name
 
-TENSORS = "state.safetensors"
+STEM = "state"
+TENSORS = single_name(STEM)
 META = "state.json"
 _REQUIRED = ("run_id", "policy_version", "policy_sha256")
 
@@ -32,8 +35,17 @@ class StateMismatch(ValueError):
     """A trainer state that belongs to another run, policy version or policy folder."""
 
 
-def save_state(path: str | os.PathLike, tensors: dict[str, Tensor], meta: dict, policy: str | os.PathLike) -> Path:
-    """Write ``tensors`` and ``meta`` (which must name ``run_id`` and
+def save_state(
+    path: str | os.PathLike,
+    layout: Mapping[str, Tensor],
+    values: Iterable[tuple[str, Tensor]],
+    meta: dict,
+    policy: str | os.PathLike,
+) -> Path:
+    """Write the tensors ``layout`` names (shapes and dtypes; meta tensors will
+    do), whose ``values`` come in the same order and are let go file by file
+    (:class:`~.tensor_files.TensorWriter`: a distributed trainer gathers them
+    one at a time), and ``meta`` (which must name ``run_id`` and
     ``policy_version``) at ``path``, pinned to the policy folder ``policy`` (already saved)."""
     missing = [key for key in ("run_id", "policy_version") if key not in meta]
     if missing:
@@ -41,7 +53,10 @@ def save_state(path: str | os.PathLike, tensors: dict[str, Tensor], meta: dict, 
     folder = Path(path)
     record = {**meta, "policy_sha256": folder_digest(policy)}
     with staging_folder(folder) as tmp:
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / TENSORS)
+        writer = TensorWriter(tmp, layout, STEM)
+        for name, t in values:
+            writer.add(name, t)
+        writer.close()
         (tmp / META).write_text(json.dumps(record, indent=1))
         return commit_folder(tmp, folder, {key: record[key] for key in ("run_id", "policy_version")})
 
@@ -70,7 +85,7 @@ def load_state(path: str | os.PathLike, policy: str | os.PathLike, run_id: str) 
 
 def state_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
     """The tensors of the state at ``path`` (:func:`check_state` checks it first)."""
-    return load_file(Path(path) / TENSORS)
+    return read_tensors(Path(path), STEM)
 
 
 def check_state(path: str | os.PathLike, policy: str | os.PathLike, run_id: str) -> dict:

@@ -102,7 +102,7 @@ def test_a_failed_save_leaves_nothing_beside_the_folder_and_a_dead_save_blocks_n
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("tracefp4.components.checkpoint.save_file", disk_full)
+    monkeypatch.setattr("tracefp4.components.tensor_files.save_file", disk_full)
     with pytest.raises(OSError, match="No space"):
         save_model(build_model("smoke", seed=2), tmp_path / "ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == before  # no staging copy left
