@@ -16,9 +16,13 @@ and forward compute in, and the float32 weights its optimizer steps.
   rollout engine has, so more FP4 codes flip between training and rollout
   (docs/results.md).
 
-Either way the master weights are trainer state: :meth:`MasterWeights.state`
-gives the float32 copy that is not already the policy, to save beside the
-optimizer's moments, and :meth:`MasterWeights.load` takes it back.
+Either way the policy is saved in :attr:`MasterWeights.policy_dtype`: bf16
+for ``bf16``, the model's dtype as given for ``fp32_master`` (the rollout's,
+``model.dtype``: a bf16 model trained in float32 is still a bf16 policy,
+half the bytes every rollout and evaluation step downloads). The master
+weights the saved policy does not hold exactly are trainer state:
+:meth:`MasterWeights.state` gives them, to save beside the optimizer's
+moments, and :meth:`MasterWeights.load` takes them back.
 """
 
 import logging
@@ -37,11 +41,14 @@ class MasterWeights:
     """A model's parameters in the precision's dtype (converted in place) and
     the float32 tensors its optimizer steps, by parameter name."""
 
-    def __init__(self, model: Transformer, precision: str):
+    def __init__(self, model: Transformer, precision: str, policy_dtype: torch.dtype | None = None):
         if precision not in PRECISIONS:
             raise ValueError(f"unknown training precision {precision!r}; expected one of {PRECISIONS}")
         self.precision = precision
         self.params = dict(model.named_parameters())  # a tied weight once
+        given = next(iter(self.params.values())).dtype
+        # what a save writes the policy in (given: a distributed trainer re-wraps its already converted model)
+        self.policy_dtype = policy_dtype or (torch.bfloat16 if precision == "bf16" else given)
         # a master made from bf16 parameters lacks the bits below bf16 that a saved master would have
         self.from_bf16 = precision == "bf16" and any(p.dtype == torch.bfloat16 for p in self.params.values())
         if precision == "bf16":  # the master from the model as given: a float32 model loses nothing
@@ -77,8 +84,9 @@ class MasterWeights:
                 p.copy_(self.master[name])
 
     def state(self) -> dict[str, Tensor]:
-        """The float32 master weights that the saved policy does not hold exactly (none for ``fp32_master``)."""
-        return {} if self.master is self.params else self.master
+        """The float32 master weights that the policy saved in :attr:`policy_dtype`
+        does not hold exactly (none when it is float32)."""
+        return {} if self.policy_dtype == torch.float32 else self.master
 
     @torch.no_grad()
     def load(self, saved: dict[str, Tensor]) -> None:

@@ -381,8 +381,8 @@ class Trainer:
         return Capture(self.model.cfg, self.quant, config, self.global_scales, self.device, kv_from_forward=True)
 
     def save(self, policy, state, extra: dict[str, bytes] | None = None, run_id: str = "") -> tuple[Path, Path]:
-        """The policy at ``policy`` (Hub layout in its parameters' dtype, ``extra``
-        files beside it, the run and policy version in its manifest) and the
+        """The policy at ``policy`` (Hub layout in the precision's policy dtype,
+        ``extra`` files beside it, the run and policy version in its manifest) and the
         trainer state that resumes it at ``state`` (optimizer moments, float32
         master weights, precision), pinned to that policy; each all-or-nothing.
         Each is written as its tensors come (:meth:`written`), not from a whole copy."""
@@ -390,10 +390,14 @@ class Trainer:
         weights = {name: t.detach() for name, t in self.model.state_dict().items()}
         if cfg.tie_word_embeddings:
             weights.pop("lm_head.weight")
-        self.written(
-            weights,
-            lambda layout, values: save_stacked(cfg, layout, values, policy, extra=extra, provenance=provenance),
-        )
+        dtype = self.weights.policy_dtype
+
+        def write_policy(layout, values):
+            layout = {name: torch.empty(t.shape, dtype=dtype, device="meta") for name, t in layout.items()}
+            values = ((name, t.to(dtype)) for name, t in values)
+            save_stacked(cfg, layout, values, policy, extra=extra, provenance=provenance)
+
+        self.written(weights, write_policy)
         optimizer = self.optimizer.state_dict()  # parameters by index
         tensors = {f"{OPTIMIZER_PREFIX}{i}.{name}": t for i, s in optimizer["state"].items() for name, t in s.items()}
         tensors.update({MASTER_PREFIX + name: t for name, t in self.weights.state().items()})

@@ -18,18 +18,20 @@ from tracefp4.components.precision import MasterWeights
 from tracefp4.components.quant import BF16, rollout_config
 from tracefp4.components.rl import SequenceBatch, token_logprobs
 from tracefp4.components.rollout import SamplingParams, TorchEngine
-from tracefp4.components.trainer import TrainConfig, Trainer
+from tracefp4.components.trainer import TrainConfig, Trainer, master_weights
+from tracefp4.components.trainer_state import load_state
 from tracefp4.schemas import RunConfig
 
 ADVANTAGES = torch.tensor([1.0, -1.0, 1.0, -1.0])
 
 
-def trainer_and_batch(precision: str, method: str = "qat", lr: float = 1e-3):
+def trainer_and_batch(precision: str, method: str = "qat", lr: float = 1e-3, dtype: torch.dtype = torch.float32):
     engine = TorchEngine(build_model("smoke", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
     trajectories = engine.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=4, seed=1))
     engine.drain_capture()
     config = TrainConfig(method=method, learning_rate=lr, microbatch_size=2, precision=precision)
-    return Trainer(build_model("smoke", seed=0), config, engine.quant, engine.global_scales), trajectories
+    model = build_model("smoke", seed=0, dtype=dtype)
+    return Trainer(model, config, engine.quant, engine.global_scales), trajectories
 
 
 def test_bf16_steps_a_float32_master_and_rounds_the_parameters_from_it():
@@ -74,13 +76,26 @@ def test_the_bf16_forward_is_the_bf16_rollout_policys(precision, equal):
     assert torch.equal(rollout, training) == equal
 
 
-@pytest.mark.parametrize("saved, resumed", [("bf16", "fp32_master"), ("fp32_master", "bf16")])
-def test_either_precision_resumes_the_others_checkpoint_exactly(tmp_path, saved, resumed):
-    trainer, trajectories = trainer_and_batch(saved)
+@pytest.mark.parametrize(
+    "saved, model_dtype, resumed",
+    [
+        ("bf16", torch.float32, "fp32_master"),
+        ("fp32_master", torch.float32, "bf16"),
+        ("fp32_master", torch.bfloat16, "fp32_master"),
+        ("fp32_master", torch.bfloat16, "bf16"),
+    ],
+)
+def test_either_precision_resumes_the_others_checkpoint_exactly(tmp_path, saved, model_dtype, resumed):
+    """The policy is saved in bf16 under ``bf16``, in the model's own dtype under
+    ``fp32_master`` (a bf16 model's float32 parameters going to the trainer
+    state as master weights); either precision resumes either exactly."""
+    trainer, trajectories = trainer_and_batch(saved, dtype=model_dtype)
     trainer.train_step(trajectories, ADVANTAGES, None)
     trainer.save(tmp_path / "policy", tmp_path / "state", run_id="r")
-    policy_dtype = {"bf16": torch.bfloat16, "fp32_master": torch.float32}[saved]
+    policy_dtype = torch.float32 if (saved, model_dtype) == ("fp32_master", torch.float32) else torch.bfloat16
     assert {p.dtype for p in load_model(tmp_path / "policy").parameters()} == {policy_dtype}
+    masters = master_weights(load_state(tmp_path / "state", tmp_path / "policy", "r")[0])
+    assert bool(masters) == (policy_dtype == torch.bfloat16)
     config = TrainConfig(method="qat", microbatch_size=2, precision=resumed)
     other = Trainer.from_checkpoint(
         tmp_path / "policy", tmp_path / "state", config, trainer.quant, trainer.global_scales, run_id="r"
