@@ -844,7 +844,12 @@ def cache_dir() -> Path:
     return Path(root, "checkpoints")
 
 
-def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None, weights: bool = True) -> Path:
+def fetch(
+    uri: str | os.PathLike,
+    store_env: Mapping[str, str] | None = None,
+    weights: bool = True,
+    into: str | os.PathLike | None = None,
+) -> Path:
     """The local folder of the checkpoint at ``uri``. A path or ``file://`` URI is
     that folder. An ``s3://`` or ``minio://`` one (settings from ``store_env``,
     default the environment) is downloaded once into :func:`cache_dir`, under a
@@ -860,12 +865,21 @@ def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None, we
     ``weights``, all but the safetensors files, into a cache entry of its own:
     a folder to read the config, tokenizer and manifest from, which
     :func:`load_model` refuses (a distributed round's ranks but rank 0 need
-    no more: :meth:`.distributed.DistributedTrainer.from_checkpoint`)."""
+    no more: :meth:`.distributed.DistributedTrainer.from_checkpoint`).
+
+    With ``into`` (a folder that does not exist or is empty) the checkpoint
+    is placed there instead: downloaded and checked as above without the
+    cache, or copied from a local folder. A step that hands the folder on as
+    its own output (the TrainJob launcher's new policy and trainer state:
+    hundreds of GB at the paper's scale) would otherwise hold it twice."""
     text = os.fspath(uri)
-    if "://" not in text:
-        return Path(text)
-    if text.startswith("file://"):
-        return file_path(text)
+    if into is not None:
+        into = Path(into)
+        if into.exists() and any(into.iterdir()):
+            raise CheckpointError(f"{into}: not empty; fetching {text} into it would mix two checkpoints")
+    if "://" not in text or text.startswith("file://"):
+        local = file_path(text) if "://" in text else Path(text)
+        return local if into is None else Path(shutil.copytree(local, into, dirs_exist_ok=True))
     store = open_store(text, env=store_env)
     where = store.uri
     listed = {key for key in store.list() if "/" not in key}  # the folder's own objects, not its subfolders'
@@ -891,6 +905,11 @@ def fetch(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None, we
     }
     if not weights:
         material["without"] = "weights"
+    if into is not None:
+        into.parent.mkdir(parents=True, exist_ok=True)
+        if into.exists():
+            into.rmdir()  # empty: the checked download is renamed into its place
+        return _download(store, where, wanted, have, entries, into)
     key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
     folder = cache_dir() / key
     if folder.is_dir():

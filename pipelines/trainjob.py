@@ -24,7 +24,6 @@ runtime's JobSet template.
 import contextlib
 import hashlib
 import json
-import shutil
 import signal
 import tempfile
 import time
@@ -40,7 +39,7 @@ from tracefp4.components.checkpoint import MANIFEST, fetch
 from tracefp4.components.distributed import DistributedError
 from tracefp4.components.launch import MODULE, rank_arguments, torchrun
 from tracefp4.components.steps import config_digest, store_prefix
-from tracefp4.components.store import open_store
+from tracefp4.components.store import ArtifactNotFound, open_store
 from tracefp4.schemas import RunConfig
 from tracefp4.schemas.config import SECRET_KEYS
 
@@ -61,6 +60,8 @@ PATCH_MANAGER = "tracefp4/train-step"
 NAME_PREFIX = "tj-"
 # What the ranks leave in the store for the step, beside its inputs: all there once the round is trained.
 OUTPUTS = ("history.json", f"new-policy/{MANIFEST}", f"new-state/{MANIFEST}")
+# Under the run's trainjob prefix: each output folder's store key, by the sha256 of its manifest (TrainJobRun.stored)
+BY_MANIFEST = "by-manifest"
 
 
 def distributed_train(
@@ -240,8 +241,9 @@ class TrainJobRun:
             echo(f"trainjob {self.namespace}/{self.name}: an earlier attempt of this step trained the round")
         else:
             self.train(policy, state, trajectories, guidance, round_stats, echo)
-        shutil.copytree(fetch(self.uri("new-policy")), out, dirs_exist_ok=True)
-        shutil.copytree(fetch(self.uri("new-state")), out_state, dirs_exist_ok=True)
+        for name, folder in (("new-policy", out), ("new-state", out_state)):
+            fetch(self.uri(name), into=folder)  # not through the cache: that would be a second copy
+            self.remember(name)
         return json.loads(self.store.get_bytes(f"{self.prefix}/history.json"))
 
     def finished(self) -> bool:
@@ -252,11 +254,11 @@ class TrainJobRun:
 
     def train(self, policy: Path, state: Path, trajectories: Path, guidance: Path, round_stats: dict, echo) -> None:
         """Upload the round's inputs, run the TrainJob to its end, delete it."""
-        self.upload(policy, state, trajectories, guidance, round_stats)
+        folders = self.upload(policy, state, trajectories, guidance, round_stats, echo)
         args = rank_arguments(
             self.uri("config.json"),
-            self.uri("policy"),
-            self.uri("state"),
+            folders["policy"],
+            folders["state"],
             self.uri("trajectories.jsonl"),
             self.uri("guidance.json"),
             self.uri("round_stats.json"),
@@ -274,14 +276,50 @@ class TrainJobRun:
             finally:
                 self.delete(echo)
 
-    def upload(self, policy: Path, state: Path, trajectories: Path, guidance: Path, round_stats: dict) -> None:
+    def upload(
+        self, policy: Path, state: Path, trajectories: Path, guidance: Path, round_stats: dict, echo
+    ) -> dict[str, str]:
+        """The round's inputs into the store; the store URIs of the policy and
+        trainer state folders: an earlier round's outputs of the same content
+        where the store has them (:meth:`stored`), else this round's upload."""
         self.store.put_bytes(f"{self.prefix}/config.json", self.config.model_dump_json().encode())
         self.store.put_bytes(f"{self.prefix}/round_stats.json", json.dumps(round_stats).encode())
         self.store.upload(f"{self.prefix}/trajectories.jsonl", trajectories)
         self.store.upload(f"{self.prefix}/guidance.json", guidance)
+        folders = {}
         for name, folder in (("policy", policy), ("state", state)):
-            for f in sorted(Path(folder).iterdir(), key=lambda f: f.name == MANIFEST):  # the manifest last: complete
-                self.store.upload(f"{self.prefix}/{name}/{f.name}", f)
+            folders[name] = self.stored(Path(folder))
+            if folders[name] is None:
+                for f in sorted(Path(folder).iterdir(), key=lambda f: f.name == MANIFEST):  # the manifest last
+                    self.store.upload(f"{self.prefix}/{name}/{f.name}", f)
+                folders[name] = self.uri(name)
+            else:
+                echo(f"trainjob {self.namespace}/{self.name}: {name} already in the store at {folders[name]}")
+        return folders
+
+    def _pointer(self, digest: str) -> str:
+        return f"{store_prefix(self.config, self.run_id, 'trainjob')}/{BY_MANIFEST}/{digest}"
+
+    def stored(self, folder: Path) -> str | None:
+        """The store URI of a folder of ``folder``'s content an earlier round's
+        ranks wrote, if any: a round's policy and trainer state are the
+        previous round's new ones, which that round's step fetched from the
+        store (at Qwen3.5-35B-A3B about 490 GB, not uploaded again). Found by
+        the sha256 of the folder's manifest (:meth:`remember`), and taken only
+        if the manifest there is the same, byte for byte."""
+        manifest = (folder / MANIFEST).read_bytes()
+        try:
+            key = self.store.get_bytes(self._pointer(hashlib.sha256(manifest).hexdigest())).decode()
+            same = self.store.get_bytes(f"{key}/{MANIFEST}") == manifest
+        except ArtifactNotFound:
+            return None
+        return f"{self.config.store.uri.rstrip('/')}/{key}" if same else None
+
+    def remember(self, name: str) -> None:
+        """Record where the ranks' output folder ``name`` is, by the sha256 of its
+        manifest, for the next round to find it (:meth:`stored`)."""
+        manifest = self.store.get_bytes(f"{self.prefix}/{name}/{MANIFEST}")
+        self.store.put_bytes(self._pointer(hashlib.sha256(manifest).hexdigest()), f"{self.prefix}/{name}".encode())
 
     def create(self, body: dict, echo) -> None:
         """Create the TrainJob. One an earlier attempt of the step left running,

@@ -128,6 +128,28 @@ def test_a_fetch_without_weights_has_the_rest_and_a_cache_entry_of_its_own(tmp_p
     assert fetch(uri, weights=False) == light
 
 
+def test_a_fetch_into_a_folder_checks_it_there_and_leaves_the_cache_alone(tmp_path, s3_env, cache, downloads):
+    """What the TrainJob launcher does with the ranks' new policy and state: its
+    step's output folder is the only local copy, not the cache and a copy of it."""
+    model, folder = saved(tmp_path)
+    uri = upload(s3_env, folder)
+    out = tmp_path / "out"
+    out.mkdir()  # empty, as a step's output folder may be
+    assert fetch(uri, into=out) == out and not cache.exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted(p.name for p in folder.iterdir())
+    assert torch.equal(logits(load_model(out)), logits(model))
+    downloads.clear()
+    with pytest.raises(CheckpointError, match=f"{out}: not empty"):
+        fetch(uri, into=out)
+    assert downloads == []
+    bad = shards(folder)[0]
+    with pytest.raises(CheckpointError, match=f"{bad}: sha256 does not match"):
+        fetch(upload(s3_env, folder, flip=bad), into=tmp_path / "corrupt")
+    assert not [p for p in tmp_path.iterdir() if "corrupt" in p.name]  # neither the folder nor a partial one
+    copied = fetch(folder, into=tmp_path / "copied")  # a local folder is copied
+    assert sorted(p.name for p in copied.iterdir()) == sorted(p.name for p in folder.iterdir())
+
+
 def test_a_corrupt_shard_fails_naming_it_and_nothing_is_cached(tmp_path, s3_env, cache):
     _, folder = saved(tmp_path)
     bad = shards(folder)[0]

@@ -9,6 +9,7 @@ import copy
 import json
 import os
 import re
+import shutil
 import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -19,6 +20,7 @@ import pytest
 import yaml
 from kubernetes import client
 
+from tracefp4.components.checkpoint import MANIFEST
 from tracefp4.components.distributed import DistributedError
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import BF16
@@ -357,7 +359,7 @@ def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, v
     prefix = round_prefix(c, RUN, 0)
     seen = []
 
-    def ranks_finished(job):  # what rank 0 uploads at the end (components/distributed.py)
+    def finish(job, prefix):  # what rank 0 uploads at the end (components/distributed.py)
         validator.validate(job)
         seen.append(job["spec"]["trainer"]["args"])
         for name in ("policy", "state"):
@@ -365,7 +367,7 @@ def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, v
                 store.put_bytes(f"{prefix}/new-{name}/{f.name}", f.read_bytes())
         store.put_bytes(f"{prefix}/history.json", json.dumps([{"step": 1, "loss": 0.5}]).encode())
 
-    fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_finished)
+    fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=lambda job: finish(job, prefix))
     try:
         job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
         rows = job.run(
@@ -387,6 +389,25 @@ def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, v
         and args["--out-state"] == f"{c.store.uri}/{prefix}/new-state"
     )
     assert json.loads(store.get_bytes(f"{prefix}/round_stats.json")) == {"rollout_seconds": 1.0}
+
+    # the next round's policy and state are this round's outputs: the ranks get the folders already in the
+    # store and nothing of them is uploaded again; a folder the store holds no copy of is uploaded
+    nxt, log = round_prefix(c, RUN, 1), []
+    changed = tmp_path / "changed-state"
+    shutil.copytree(tmp_path / "out-state", changed)
+    (changed / MANIFEST).write_text((changed / MANIFEST).read_text() + "\n")  # the same files, another manifest
+    fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=lambda job: finish(job, nxt))
+    try:
+        job = TrainJobRun(c, RUN, 1, fake.api(), namespace=NAMESPACE, poll_s=0.01)
+        given = (tmp_path / "out", changed, tmp_path / "trajectories.jsonl", tmp_path / "guidance.json")
+        job.run(*given, tmp_path / "out-2", tmp_path / "out-state-2", {}, echo=log.append)
+    finally:
+        fake.close()
+    args = dict(zip(seen[1][::2], seen[1][1::2]))
+    assert args["--policy"] == f"{c.store.uri}/{prefix}/new-policy" and any("already in the store" in x for x in log)
+    assert args["--state"] == f"{c.store.uri}/{nxt}/state"
+    uploaded = {k.removeprefix(nxt + "/").split("/")[0] for k in store.list(nxt + "/")}
+    assert "policy" not in uploaded and "state" in uploaded
 
 
 def test_a_trainjob_left_failed_by_an_earlier_attempt_is_replaced(tmp_path):
