@@ -203,8 +203,9 @@ class DistributedTrainer(Trainer):
         allocates its own shards and takes their values, then its shards of
         the AdamW moments, from the tensors rank 0 hands out (:meth:`receive`).
         Each rank reading both whole would hold W copies, and rank 0 reading
-        them whole would hold them once: at Qwen3.5-35B-A3B the float32 policy
-        is 140 GB, more than an H200's memory, and its moments 280 GB more."""
+        them whole would hold them once: at Qwen3.5-35B-A3B the float32
+        parameters are 140 GB, more than an H200's memory, and their moments
+        280 GB more."""
         readers: dict = {}  # rank 0's
 
         def open_policy():
@@ -214,25 +215,39 @@ class DistributedTrainer(Trainer):
 
         cfg, dtype, stacked, meta = from_rank0(open_policy, f"read the policy {policy} or its trainer state")
         trainer = cls(empty_model(cfg, dtype, "meta"), config, quant, global_scales, device)
-        states = [m.state_dict() for m in (trainer.model, trainer.reference) if m is not None]
+        trainer.receive_weights(stacked, readers.pop("policy", None))
+        trainer.receive_state(Path(state), meta)
+        trainer.step = meta["policy_version"]
+        return trainer
+
+    def receive_weights(self, stacked: list[str], reader: PolicyReader | None) -> None:
+        """The ``stacked`` weights of rank 0's ``reader`` (None elsewhere), in
+        this rank's shards of the trained model and of its KL reference."""
+        states = [m.state_dict() for m in (self.model, self.reference) if m is not None]
         layout = {name: (states[0][name].shape, states[0][name].dtype) for name in stacked}
 
-        def read_weight(name: str) -> Tensor:
+        def read(name: str) -> Tensor:
             whole = torch.empty(layout[name][0], dtype=layout[name][1])
-            readers["policy"].read_into(name, whole)
+            reader.read_into(name, whole)
             return whole
 
-        for name, whole in trainer.receive(layout, read_weight):
+        for name, whole in self.receive(layout, read):
             for weights in states:  # the trained model and its KL reference start alike
                 _take_shard(weights[name], whole)
-        readers.pop("policy", None)
+
+    def receive_state(self, state: Path, meta: dict) -> None:
+        """The trainer state at ``state`` (read by rank 0; ``meta``, its checked
+        metadata): saved float32 master weights into the trained model's shards
+        (not the KL reference's, as one process loads them), AdamW's moments
+        into this rank's shards of them."""
+        files: dict = {}  # rank 0's
 
         def open_state():
-            files = readers["state"] = tensor_files(Path(state), STEM)
+            files.update(tensor_files(state, STEM))
             return tensor_layout(files)
 
         layout = from_rank0(open_state, f"read the trainer state {state}")
-        params = dict(trainer.model.named_parameters())
+        params = dict(self.model.named_parameters())
         names = list(params)  # the optimizer's parameter order
         masters = {key.removeprefix(MASTER_PREFIX) for key in layout if key.startswith(MASTER_PREFIX)}
         if masters and masters != set(params):
@@ -241,23 +256,22 @@ class DistributedTrainer(Trainer):
                 f"extra {sorted(masters - set(params))[:5]}"
             )
         moments: dict[int, dict] = {}
-        for key, whole in trainer.receive(layout, lambda key: read_tensor(readers["state"], key)):
-            if key.startswith(MASTER_PREFIX):  # the trained model's alone, as one process loads them
+        for key, whole in self.receive(layout, lambda key: read_tensor(files, key)):
+            if key.startswith(MASTER_PREFIX):
                 _take_shard(params[key.removeprefix(MASTER_PREFIX)], whole)
             elif key.startswith(OPTIMIZER_PREFIX):
                 index, item = key.removeprefix(OPTIMIZER_PREFIX).split(".", 1)
-                param = params[names[int(index)]]
-                value = whole.cpu() if whole.dim() == 0 else torch.empty_like(param)  # AdamW's step: a host scalar
-                if whole.dim():
+                if whole.dim() == 0:  # AdamW's step: a host scalar
+                    value = whole.cpu()
+                else:
+                    value = torch.empty_like(params[names[int(index)]])
                     _take_shard(value, whole)
                 moments.setdefault(int(index), {})[item] = value
         if moments:
-            trainer.load_optimizer_state({"state": moments, "param_groups": meta["param_groups"]})
+            self.load_optimizer_state({"state": moments, "param_groups": meta["param_groups"]})
         else:  # a fresh policy: the optimizer makes its state at its first step
-            for group, saved in zip(trainer.optimizer.param_groups, meta["param_groups"]):
+            for group, saved in zip(self.optimizer.param_groups, meta["param_groups"]):
                 group.update({k: v for k, v in saved.items() if k not in ("params", "fused")})
-        trainer.step = meta["policy_version"]
-        return trainer
 
     def receive(self, layout: dict[str, tuple], read) -> Iterator[tuple[str, Tensor]]:
         """Each tensor ``layout`` names (name: shape, dtype) whole on every
