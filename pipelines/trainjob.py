@@ -35,7 +35,7 @@ from kubernetes import client
 from kubernetes import config as kube_config
 from kubernetes.client.exceptions import ApiException
 
-from tracefp4.components.checkpoint import MANIFEST, fetch
+from tracefp4.components.checkpoint import MANIFEST, fetch, folder_digest
 from tracefp4.components.distributed import DistributedError
 from tracefp4.components.launch import MODULE, rank_arguments, torchrun
 from tracefp4.components.steps import config_digest, store_prefix
@@ -243,6 +243,8 @@ class TrainJobRun:
             self.train(policy, state, trajectories, guidance, round_stats, echo)
         for name, folder in (("new-policy", out), ("new-state", out_state)):
             fetch(self.uri(name), into=folder)  # not through the cache: that would be a second copy
+        self.forget_inputs(policy, state)
+        for name in ("new-policy", "new-state"):
             self.remember(name)
         return json.loads(self.store.get_bytes(f"{self.prefix}/history.json"))
 
@@ -314,6 +316,25 @@ class TrainJobRun:
         except ArtifactNotFound:
             return None
         return f"{self.config.store.uri.rstrip('/')}/{key}" if same else None
+
+    def forget_inputs(self, policy: Path, state: Path) -> None:
+        """Delete the round's policy and trainer state from the store once its
+        outputs are out: this round's upload of them, or the earlier round's
+        outputs it took (:meth:`stored`) and their record. Nothing reads them
+        again (KFP keeps its own copy of every round's artifacts), and at the
+        paper's scale they are 490 GB a round. Each folder loses its manifest
+        first, so that a half-deleted one is never taken for whole."""
+        folders = {f"{self.prefix}/policy", f"{self.prefix}/state"}
+        for folder in (policy, state):
+            pointer = self._pointer(folder_digest(folder))
+            try:
+                folders.add(self.store.get_bytes(pointer).decode())
+            except ArtifactNotFound:
+                continue
+            self.store.delete(pointer)
+        for folder in sorted(folders - {f"{self.prefix}/new-policy", f"{self.prefix}/new-state"}):  # never outputs
+            for key in sorted(self.store.list(folder + "/"), key=lambda k: not k.endswith("/" + MANIFEST)):
+                self.store.delete(key)
 
     def remember(self, name: str) -> None:
         """Record where the ranks' output folder ``name`` is, by the sha256 of its

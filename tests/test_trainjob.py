@@ -406,8 +406,14 @@ def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, v
     args = dict(zip(seen[1][::2], seen[1][1::2]))
     assert args["--policy"] == f"{c.store.uri}/{prefix}/new-policy" and any("already in the store" in x for x in log)
     assert args["--state"] == f"{c.store.uri}/{nxt}/state"
-    uploaded = {k.removeprefix(nxt + "/").split("/")[0] for k in store.list(nxt + "/")}
-    assert "policy" not in uploaded and "state" in uploaded
+
+    # once round 2 is out, its inputs are gone from the store: its upload of the state, and round 1's new policy
+    # it took with the record of it; round 1's new state, which it did not take, and round 2's outputs stay
+    def folders(prefix):
+        return {k.removeprefix(prefix + "/").split("/")[0] for k in store.list(prefix + "/")}
+
+    assert "new-policy" not in folders(prefix) and "new-state" in folders(prefix)
+    assert not {"policy", "state"} & folders(nxt) and {"new-policy", "new-state"} <= folders(nxt)
 
 
 def test_a_trainjob_left_failed_by_an_earlier_attempt_is_replaced(tmp_path):
