@@ -333,7 +333,7 @@ class DistributedTrainer(Trainer):
             self.checkpoints.save(self, history, decoded)
 
     @torch.no_grad()
-    def written(self, tensors: dict[str, Tensor], write) -> None:
+    def stream(self, tensors: dict[str, Tensor], write) -> None:
         """Rank 0's ``write(layout, values)`` of the sharded ``tensors``,
         gathered one at a time on every rank in the same order: rank 0 holds
         about one file's worth of them (:class:`~.tensor_files.TensorWriter`),

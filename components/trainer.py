@@ -385,7 +385,7 @@ class Trainer:
         ``extra`` files beside it, the run and policy version in its manifest) and the
         trainer state that resumes it at ``state`` (optimizer moments, float32
         master weights, precision), pinned to that policy; each all-or-nothing.
-        Each is written as its tensors come (:meth:`written`), not from a whole copy."""
+        Each is written as its tensors come (:meth:`stream`), not from a whole copy."""
         cfg, provenance = self.model.cfg, {"run_id": run_id, "policy_version": self.step}
         weights = {name: t.detach() for name, t in self.model.state_dict().items()}
         if cfg.tie_word_embeddings:
@@ -397,16 +397,16 @@ class Trainer:
             values = ((name, t.to(dtype)) for name, t in values)
             save_stacked(cfg, layout, values, policy, extra=extra, provenance=provenance)
 
-        self.written(weights, write_policy)
+        self.stream(weights, write_policy)
         optimizer = self.optimizer.state_dict()  # parameters by index
         tensors = {f"{OPTIMIZER_PREFIX}{i}.{name}": t for i, s in optimizer["state"].items() for name, t in s.items()}
         tensors.update({MASTER_PREFIX + name: t for name, t in self.weights.state().items()})
         meta = {"run_id": run_id, "policy_version": self.step, "precision": self.config.precision}
         meta["param_groups"] = optimizer["param_groups"]
-        self.written(tensors, lambda layout, values: save_state(state, layout, values, meta, policy))
+        self.stream(tensors, lambda layout, values: save_state(state, layout, values, meta, policy))
         return Path(policy), Path(state)
 
-    def written(self, tensors: dict[str, Tensor], write) -> None:
+    def stream(self, tensors: dict[str, Tensor], write) -> None:
         """``write(layout, values)`` of ``tensors``: their names, shapes and
         dtypes, then the tensors themselves by name as they come. Here they are
         this process's own, in memory."""

@@ -541,7 +541,7 @@ def write(layout, values):
     for name, value in values:  # each value comes once gathered, before the next gather
         events.append((name, gathers[0], torch.equal(value, whole[name])))
 tensors = {name: t.detach() for name, t in trainer.model.state_dict().items()}
-trainer.written(tensors, write)
+trainer.stream(tensors, write)
 reads = [0]
 def read(name):
     reads[0] += 1
