@@ -711,8 +711,8 @@ class PolicyReader:
     """A policy folder checked as the module docstring says, before any weight
     is read, whose stacked tensors are then read one at a time: by
     :func:`load_model`, and by a distributed trainer's rank 0, which hands each
-    to the ranks before it reads the next (at Qwen3.5-35B-A3B the float32
-    policy is 140 GB)."""
+    to the ranks before it reads the next (at Qwen3.5-35B-A3B the policy is
+    70 GB in bf16, 140 GB as the trainer's float32 parameters)."""
 
     def __init__(self, path: str | os.PathLike):
         folder = Path(path)
@@ -927,8 +927,8 @@ def fetch(
 def _exclusive(lock: Path) -> Iterator[None]:
     """Hold ``lock`` (a file) alone among this machine's processes: the ranks of
     a distributed train step fetch the same checkpoint at once, and each would
-    download the whole of it (at the paper's scale 140 GB of policy and 280 GB
-    of trainer state, times the ranks on a node) into a folder of its own.
+    download the whole of it (at the paper's scale 70 GB of bf16 policy and
+    420 GB of trainer state, times the ranks on a node) into a folder of its own.
     The kernel releases the lock of a process that dies. The lock files live
     beside the cache, not in it, and open for reading: another user of the
     cache can lock them too. Where this user may not create one, the fetch

@@ -337,8 +337,8 @@ class DistributedTrainer(Trainer):
         """Rank 0's ``write(layout, values)`` of the sharded ``tensors``,
         gathered one at a time on every rank in the same order: rank 0 holds
         about one file's worth of them (:class:`~.tensor_files.TensorWriter`),
-        not the whole policy (140 GB in float32 at Qwen3.5-35B-A3B) or its
-        moments (280 GB). Every rank returns once rank 0 has written them."""
+        not all the parameters (140 GB in float32 at Qwen3.5-35B-A3B) or
+        their moments (280 GB). Every rank returns once rank 0 has written them."""
         layout = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in tensors.items()}
         values = self._gathered(tensors)
         if self.rank == 0:

@@ -7,9 +7,9 @@ shards ``<stem>-00001-of-0000N.safetensors`` with an index
 shards, used here for the policy (stem ``model``) and the trainer state
 (stem ``state``).
 
-Why streamed: at the paper's scale the policy in float32 is 140 GB and its
-AdamW moments 280 GB, gathered one tensor at a time from the ranks that
-hold them. :class:`TensorWriter` takes the tensors as they come and writes
+Why streamed: at the paper's scale the trainer's float32 parameters are
+140 GB and their AdamW moments 280 GB, gathered one tensor at a time from
+the ranks that hold them. :class:`TensorWriter` takes the tensors as they come and writes
 each file once its tensors are in, so the writer holds one file's worth, not
 the whole set; the file names carry the count, so the tensors' sizes are
 given up front (their shapes and dtypes are known before any value is).
