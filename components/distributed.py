@@ -76,8 +76,9 @@ HISTORY = "history.json"
 # How long the ranks wait for rank 0's serial work (downloading and checksumming the round's policy and
 # trainer state; checksumming and uploading the new ones: hundreds of GB at the paper's scale), at
 # barriers of a gloo group of their own: train.timeout_seconds bounds the collectives of ranks that all
-# compute (rank 0's reading or writing of one tensor or file between two is among them), where a longer
-# wait means a rank died or hangs
+# compute (rank 0's reading or writing of one tensor or file between two is among them: the other ranks
+# wait for each such collective before they queue the next, DistributedTrainer._wait_for_collectives), where a
+# longer wait means a rank died or hangs
 RANK0_IO_TIMEOUT = timedelta(hours=6)
 _rank0_io: list = []  # that group, made with the process group (every rank must make it, in the same order)
 
@@ -237,9 +238,9 @@ class DistributedTrainer(Trainer):
 
     def receive_state(self, state: Path, meta: dict) -> None:
         """The trainer state at ``state`` (read by rank 0; ``meta``, its checked
-        metadata): saved float32 master weights into the trained model's shards
-        (not the KL reference's, as one process loads them), AdamW's moments
-        into this rank's shards of them."""
+        metadata): saved float32 master weights into this rank's shards of the
+        trained model and of its KL reference (as one process loads them),
+        AdamW's moments into this rank's shards of them."""
         files: dict = {}  # rank 0's
 
         def open_state():
@@ -249,6 +250,7 @@ class DistributedTrainer(Trainer):
         layout = from_rank0(open_state, f"read the trainer state {state}")
         params = dict(self.model.named_parameters())
         names = list(params)  # the optimizer's parameter order
+        reference = dict(self.reference.named_parameters()) if self.reference is not None else {}
         masters = {key.removeprefix(MASTER_PREFIX) for key in layout if key.startswith(MASTER_PREFIX)}
         if masters and masters != set(params):
             raise DistributedError(
@@ -258,7 +260,10 @@ class DistributedTrainer(Trainer):
         moments: dict[int, dict] = {}
         for key, whole in self.receive(layout, lambda key: read_tensor(files, key)):
             if key.startswith(MASTER_PREFIX):
-                _take_shard(params[key.removeprefix(MASTER_PREFIX)], whole)
+                name = key.removeprefix(MASTER_PREFIX)
+                for target in (params[name], reference.get(name)):
+                    if target is not None:
+                        _take_shard(target, whole)
             elif key.startswith(OPTIMIZER_PREFIX):
                 index, item = key.removeprefix(OPTIMIZER_PREFIX).split(".", 1)
                 if whole.dim() == 0:  # AdamW's step: a host scalar
@@ -283,7 +288,20 @@ class DistributedTrainer(Trainer):
             else:
                 whole = torch.empty(shape, dtype=dtype, device=self.place)
             dist.broadcast(whole, src=0)
+            if self.rank:
+                self._wait_for_collectives()
             yield name, whole
+
+    def _wait_for_collectives(self) -> None:
+        """Block the host until this rank's queued collectives are done. NCCL
+        times an operation from when it is queued, and its collectives do not
+        block the host: the ranks but 0 would queue a whole policy's
+        broadcasts or gathers at once and wait out rank 0's reading or writing
+        of all of it (minutes at the paper's scale) under
+        ``train.timeout_seconds``. Waited for tensor by tensor, each waits for
+        rank 0's work on one. gloo's collectives block anyway."""
+        if self.place.type == "cuda":
+            torch.cuda.current_stream(self.place).synchronize()
 
     def wrap(self, model: Transformer) -> Transformer:
         policy = mixed_precision()
@@ -354,6 +372,8 @@ class DistributedTrainer(Trainer):
             whole = t.full_tensor() if isinstance(t, DTensor) else t
             if self.rank == 0:
                 yield name, whole.cpu()
+            else:
+                self._wait_for_collectives()
 
 
 class ShardCheckpoints:

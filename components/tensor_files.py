@@ -24,8 +24,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-# safetensors' names of the dtypes read here: weights, moments and masters; AdamW's step counts
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64}
+# safetensors' names of the dtypes read here: weights, moments and masters; step counts and other optimizer state
+DTYPES = {
+    **{"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16},
+    **{"I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8},
+    "BOOL": torch.bool,
+}
 
 
 def single_name(stem: str) -> str:

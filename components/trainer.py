@@ -427,10 +427,16 @@ class Trainer:
         :meth:`save` wrote (the state refused unless it is run ``run_id``'s and
         was saved with that policy; the optimizer state and the master weights
         follow the weights to the device). Either precision resumes the other's
-        state: saved master weights are used where there are some."""
+        state: saved master weights are used where there are some, by the
+        trained model and by its KL reference alike (KL 0 at the first step)."""
         tensors, meta = load_state(state, policy, run_id)
         trainer = cls(load_model(policy, device=device), config, quant, global_scales)
-        trainer.weights.load(master_weights(tensors))
+        masters = master_weights(tensors)
+        trainer.weights.load(masters)
+        if masters and trainer.reference is not None:  # the KL reference is where training starts: the masters
+            with torch.no_grad():
+                for name, p in trainer.reference.named_parameters():
+                    p.copy_(masters[name])  # a bf16 reference takes them rounded: the policy itself
         trainer.load_optimizer_state(optimizer_state(tensors, meta))
         trainer.step = meta["policy_version"]
         return trainer

@@ -35,7 +35,7 @@ from kubernetes import client
 from kubernetes import config as kube_config
 from kubernetes.client.exceptions import ApiException
 
-from tracefp4.components.checkpoint import MANIFEST, fetch, folder_digest
+from tracefp4.components.checkpoint import MANIFEST, fetch, folder_digest, size_and_sha256
 from tracefp4.components.distributed import DistributedError
 from tracefp4.components.launch import MODULE, rank_arguments, torchrun
 from tracefp4.components.steps import config_digest, store_prefix
@@ -62,6 +62,8 @@ NAME_PREFIX = "tj-"
 OUTPUTS = ("history.json", f"new-policy/{MANIFEST}", f"new-state/{MANIFEST}")
 # Under the run's trainjob prefix: each output folder's store key, by the sha256 of its manifest (TrainJobRun.stored)
 BY_MANIFEST = "by-manifest"
+# In a round's folder: what its ranks were given to train from (inputs_record), checked before a retry takes outputs
+INPUTS = "inputs.json"
 
 
 def distributed_train(
@@ -87,6 +89,14 @@ def distributed_train(
     return TrainJobRun(config, run_id, round_index, in_cluster_api()).run(
         Path(policy), Path(state), Path(trajectories), Path(guidance), Path(out), Path(out_state), round_stats
     )
+
+
+def inputs_record(policy: Path, state: Path, trajectories: Path, guidance: Path) -> bytes:
+    """What a round trains from, as the sha256 of each input: the policy's and
+    the trainer state's manifests, the trajectories and the guidance reference."""
+    digests = {"policy": folder_digest(policy), "state": folder_digest(state)}
+    digests.update(trajectories=size_and_sha256(Path(trajectories))[1], guidance=size_and_sha256(Path(guidance))[1])
+    return json.dumps(digests, sort_keys=True).encode()
 
 
 def in_cluster_api() -> client.ApiClient:
@@ -236,10 +246,12 @@ class TrainJobRun:
         """The history rows; the new policy in ``out``, its trainer state in
         ``out_state``. Raises :class:`DistributedError` with the TrainJob's
         reason. A retry of the step whose earlier attempt's ranks finished the
-        round takes their outputs instead of training it again."""
-        if self.finished():
+        round from the same inputs takes their outputs instead of training it again."""
+        inputs = inputs_record(policy, state, trajectories, guidance)
+        if self.finished(inputs):
             echo(f"trainjob {self.namespace}/{self.name}: an earlier attempt of this step trained the round")
         else:
+            self.store.put_bytes(f"{self.prefix}/{INPUTS}", inputs)  # before the ranks write any output
             self.train(policy, state, trajectories, guidance, round_stats, echo)
         for name, folder in (("new-policy", out), ("new-state", out_state)):
             fetch(self.uri(name), into=folder)  # not through the cache: that would be a second copy
@@ -248,11 +260,19 @@ class TrainJobRun:
             self.remember(name)
         return json.loads(self.store.get_bytes(f"{self.prefix}/history.json"))
 
-    def finished(self) -> bool:
+    def finished(self, inputs: bytes) -> bool:
         """Whether the round's outputs are all in the store (rank 0 uploads the
-        history, then each folder with its manifest last)."""
+        history, then each folder with its manifest last), trained from
+        ``inputs`` (:func:`inputs_record`): a run id is a UI parameter, and a
+        second submission under it must train its rounds from its own
+        inputs, not take what the first trained from others."""
         keys = set(self.store.list(self.prefix + "/"))
-        return {f"{self.prefix}/{name}" for name in OUTPUTS} <= keys
+        if not {f"{self.prefix}/{name}" for name in OUTPUTS} <= keys:
+            return False
+        try:
+            return self.store.get_bytes(f"{self.prefix}/{INPUTS}") == inputs
+        except ArtifactNotFound:
+            return False
 
     def train(self, policy: Path, state: Path, trajectories: Path, guidance: Path, round_stats: dict, echo) -> None:
         """Upload the round's inputs, run the TrainJob to its end, delete it."""
@@ -300,7 +320,12 @@ class TrainJobRun:
         return folders
 
     def _pointer(self, digest: str) -> str:
-        return f"{store_prefix(self.config, self.run_id, 'trainjob')}/{BY_MANIFEST}/{digest}"
+        """Where the store key of this config's output folder with manifest sha256 ``digest`` is recorded:
+        per config, as the rounds' folders are (:func:`trainjob_name`), so that no other config takes or
+        deletes them."""
+        return (
+            f"{store_prefix(self.config, self.run_id, 'trainjob')}/{BY_MANIFEST}/{config_digest(self.config)}/{digest}"
+        )
 
     def stored(self, folder: Path) -> str | None:
         """The store URI of a folder of ``folder``'s content an earlier round's
@@ -309,13 +334,18 @@ class TrainJobRun:
         store (at Qwen3.5-35B-A3B about 490 GB, not uploaded again). Found by
         the sha256 of the folder's manifest (:meth:`remember`), and taken only
         if the manifest there is the same, byte for byte."""
+        key = self._stored_key(folder)
+        return None if key is None else f"{self.config.store.uri.rstrip('/')}/{key}"
+
+    def _stored_key(self, folder: Path) -> str | None:
+        """:meth:`stored`'s folder as a store key."""
         manifest = (folder / MANIFEST).read_bytes()
         try:
             key = self.store.get_bytes(self._pointer(hashlib.sha256(manifest).hexdigest())).decode()
             same = self.store.get_bytes(f"{key}/{MANIFEST}") == manifest
         except ArtifactNotFound:
             return None
-        return f"{self.config.store.uri.rstrip('/')}/{key}" if same else None
+        return key if same else None
 
     def forget_inputs(self, policy: Path, state: Path) -> None:
         """Delete the round's policy and trainer state from the store once its
@@ -326,12 +356,10 @@ class TrainJobRun:
         first, so that a half-deleted one is never taken for whole."""
         folders = {f"{self.prefix}/policy", f"{self.prefix}/state"}
         for folder in (policy, state):
-            pointer = self._pointer(folder_digest(folder))
-            try:
-                folders.add(self.store.get_bytes(pointer).decode())
-            except ArtifactNotFound:
-                continue
-            self.store.delete(pointer)
+            key = self._stored_key(folder)  # only a folder of the same manifest: this input's copy
+            if key is not None:
+                folders.add(key)
+                self.store.delete(self._pointer(folder_digest(folder)))
         for folder in sorted(folders - {f"{self.prefix}/new-policy", f"{self.prefix}/new-state"}):  # never outputs
             for key in sorted(self.store.list(folder + "/"), key=lambda k: not k.endswith("/" + MANIFEST)):
                 self.store.delete(key)

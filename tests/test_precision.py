@@ -96,12 +96,14 @@ def test_either_precision_resumes_the_others_checkpoint_exactly(tmp_path, saved,
     assert {p.dtype for p in load_model(tmp_path / "policy").parameters()} == {policy_dtype}
     masters = master_weights(load_state(tmp_path / "state", tmp_path / "policy", "r")[0])
     assert bool(masters) == (policy_dtype == torch.bfloat16)
-    config = TrainConfig(method="qat", microbatch_size=2, precision=resumed)
+    config = TrainConfig(method="qat", microbatch_size=2, precision=resumed, kl_coef=0.1)
     other = Trainer.from_checkpoint(
         tmp_path / "policy", tmp_path / "state", config, trainer.quant, trainer.global_scales, run_id="r"
     )
     for a, b in zip(trainer.weights.tensors(), other.weights.tensors()):  # the float32 master, whichever holds it
         assert torch.equal(a, b)
+    for (name, p), (_, ref) in zip(other.model.named_parameters(), other.reference.named_parameters()):
+        assert torch.equal(p, ref), name  # the KL reference is where training resumes: KL 0 at its first step
 
 
 def test_a_bf16_policy_without_saved_master_weights_starts_the_master_from_it_with_a_warning(caplog):

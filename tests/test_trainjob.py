@@ -414,6 +414,13 @@ def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, v
 
     assert "new-policy" not in folders(prefix) and "new-state" in folders(prefix)
     assert not {"policy", "state"} & folders(nxt) and {"new-policy", "new-state"} <= folders(nxt)
+    # the record is per config: another config under the same run id neither takes nor deletes those folders
+    other = c.model_copy(update={"rl": c.rl.model_copy(update={"learning_rate": c.rl.learning_rate * 2})})
+    api = fake.api()
+    assert (
+        TrainJobRun(c, RUN, 2, api, namespace=NAMESPACE).stored(tmp_path / "out-2") == f"{c.store.uri}/{nxt}/new-policy"
+    )
+    assert TrainJobRun(other, RUN, 2, api, namespace=NAMESPACE).stored(tmp_path / "out-2") is None
 
 
 def test_a_trainjob_left_failed_by_an_earlier_attempt_is_replaced(tmp_path):
@@ -477,6 +484,8 @@ def test_a_trainjob_an_earlier_attempt_left_running_is_waited_for(tmp_path):
 def test_a_retry_after_the_ranks_finished_takes_their_outputs_without_training_again(tmp_path):
     c = config(tmp_path)
     given = inputs(tmp_path)
+    record = module.inputs_record(*given)
+    open_store(c.store.uri).put_bytes(f"{round_prefix(c, RUN, 0)}/{module.INPUTS}", record)  # the attempt's own
     ranks_upload_outputs(c, tmp_path)()
     fake = FakeKubernetes([{}])
     rows, log = completed_round(c, fake, given, tmp_path)
@@ -485,7 +494,12 @@ def test_a_retry_after_the_ranks_finished_takes_their_outputs_without_training_a
     # another run given the same run id, with another learning rate: not a retry, so none of the above is its
     other = c.model_copy(update={"rl": c.rl.model_copy(update={"learning_rate": c.rl.learning_rate * 2})})
     assert trainjob_name(other, RUN, 0) != trainjob_name(c, RUN, 0)
-    assert not TrainJobRun(other, RUN, 0, fake.api(), namespace=NAMESPACE).finished()  # no call made
+    assert not TrainJobRun(other, RUN, 0, fake.api(), namespace=NAMESPACE).finished(record)  # no call made
+    # a second submission of the same settings under the same run id, with trajectories of its own: not its outputs
+    ranks_upload_outputs(c, tmp_path)()
+    (tmp_path / "trajectories.jsonl").write_text('{"header": {"another": "rollout"}}\n')
+    ours = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE)
+    assert ours.finished(record) and not ours.finished(module.inputs_record(*given))
 
 
 def test_an_api_server_that_does_not_answer_for_a_while_is_waited_out(tmp_path):
