@@ -796,10 +796,16 @@ def save_model(
     """Write ``model`` in the Hub layout at ``path``, sharded above
     ``max_shard_bytes``, with ``extra`` files beside it and the checksum
     manifest over all of them (recording ``provenance``), all at once (atomically)."""
+    state = saved_state(model)
+    return save_stacked(model.cfg, state, state.items(), path, max_shard_bytes, extra, provenance)
+
+
+def saved_state(model: Transformer) -> dict[str, Tensor]:
+    """The stacked tensors a save writes: the model's state, a tied ``lm_head`` left out (the Hub has it once)."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
     if model.cfg.tie_word_embeddings:
         state.pop("lm_head.weight")
-    return save_stacked(model.cfg, state, state.items(), path, max_shard_bytes, extra, provenance)
+    return state
 
 
 def save_stacked(
@@ -898,6 +904,11 @@ def fetch(
     wanted |= set(TOKENIZER_FILES) & listed
     if not weights:
         wanted = {name for name in wanted if not name.endswith(".safetensors")}
+    if into is not None:
+        into.parent.mkdir(parents=True, exist_ok=True)
+        if into.exists():
+            into.rmdir()  # empty: the checked download is renamed into its place
+        return _download(store, where, wanted, have, entries, into)
     unverified = sorted(wanted - set(entries) - {MANIFEST})  # keyed by their ETags instead of their checksums
     material = {
         "manifest": hashlib.sha256(have.get(MANIFEST, b"")).hexdigest(),
@@ -905,11 +916,6 @@ def fetch(
     }
     if not weights:
         material["without"] = "weights"
-    if into is not None:
-        into.parent.mkdir(parents=True, exist_ok=True)
-        if into.exists():
-            into.rmdir()  # empty: the checked download is renamed into its place
-        return _download(store, where, wanted, have, entries, into)
     key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
     folder = cache_dir() / key
     if folder.is_dir():

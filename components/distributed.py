@@ -67,7 +67,7 @@ from .precision import MasterWeights
 from .quant import QuantConfig
 from .steps import config_digest, store_prefix
 from .store import ArtifactStore, open_store, write_atomic
-from .tensor_files import read_tensor, tensor_files, tensor_layout
+from .tensor_files import layout_of, read_tensor, tensor_files, tensor_layout
 from .trainer import MASTER_PREFIX, OPTIMIZER_PREFIX, TrainConfig, Trainer, clip_gradients
 from .trainer_state import STEM, check_state
 
@@ -252,11 +252,8 @@ class DistributedTrainer(Trainer):
         names = list(params)  # the optimizer's parameter order
         reference = dict(self.reference.named_parameters()) if self.reference is not None else {}
         masters = {key.removeprefix(MASTER_PREFIX) for key in layout if key.startswith(MASTER_PREFIX)}
-        if masters and masters != set(params):
-            raise DistributedError(
-                f"{state}: its master weights do not match the model: missing {sorted(set(params) - masters)[:5]}, "
-                f"extra {sorted(masters - set(params))[:5]}"
-            )
+        if masters:  # refused before any is taken, on every rank alike (each holds the layout)
+            self.weights.check(masters)
         moments: dict[int, dict] = {}
         for key, whole in self.receive(layout, lambda key: read_tensor(files, key)):
             if key.startswith(MASTER_PREFIX):
@@ -357,10 +354,9 @@ class DistributedTrainer(Trainer):
         about one file's worth of them (:class:`~.tensor_files.TensorWriter`),
         not all the parameters (140 GB in float32 at Qwen3.5-35B-A3B) or
         their moments (280 GB). Every rank returns once rank 0 has written them."""
-        layout = {name: torch.empty(t.shape, dtype=t.dtype, device="meta") for name, t in tensors.items()}
         values = self._gathered(tensors)
         if self.rank == 0:
-            write(layout, values)
+            write(layout_of(tensors), values)
         else:
             for _ in values:  # the gathers alone
                 pass

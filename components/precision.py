@@ -26,6 +26,7 @@ moments, and :meth:`MasterWeights.load` takes them back.
 """
 
 import logging
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
@@ -88,6 +89,15 @@ class MasterWeights:
         does not hold exactly (none when it is float32)."""
         return {} if self.policy_dtype == torch.float32 else self.master
 
+    def check(self, saved: Iterable[str]) -> None:
+        """Refuse saved master weights (by name) that are not this model's, all of them."""
+        missing = sorted(set(self.master) - set(saved))
+        unexpected = sorted(set(saved) - set(self.master))
+        if missing or unexpected:
+            raise KeyError(
+                f"saved master weights do not match the model: missing {missing[:5]}, extra {unexpected[:5]}"
+            )
+
     @torch.no_grad()
     def load(self, saved: dict[str, Tensor]) -> None:
         """Take back saved master weights (all or none). Without them, a ``bf16``
@@ -97,12 +107,7 @@ class MasterWeights:
             if self.from_bf16:
                 log.warning("no float32 master weights saved: the master starts from the bf16 policy")
             return
-        missing = sorted(set(self.master) - set(saved))
-        unexpected = sorted(set(saved) - set(self.master))
-        if missing or unexpected:
-            raise KeyError(
-                f"saved master weights do not match the model: missing {missing[:5]}, extra {unexpected[:5]}"
-            )
+        self.check(saved)
         for name, m in self.master.items():
             m.copy_(saved[name])
         self.sync()

@@ -107,6 +107,11 @@ class TensorWriter:
             (self.folder / index_name(self.stem)).write_text(json.dumps(index, indent=2))
 
 
+def layout_of(tensors: Mapping[str, Tensor], dtype: torch.dtype | None = None) -> dict[str, Tensor]:
+    """A :class:`TensorWriter` layout of ``tensors``: meta tensors of their shapes, in their dtype or ``dtype``."""
+    return {name: torch.empty(t.shape, dtype=dtype or t.dtype, device="meta") for name, t in tensors.items()}
+
+
 def write_tensors(folder: Path, tensors: Mapping[str, Tensor], stem: str, max_shard_bytes: int = 2 << 30) -> None:
     """``tensors`` (already in memory) as :class:`TensorWriter` writes them."""
     writer = TensorWriter(folder, tensors, stem, max_shard_bytes)

@@ -27,7 +27,7 @@ from torch import Tensor
 from tracefp4.kernels import valid_global_scale
 
 from .capture import Capture, CaptureConfig, CaptureRecords, TokenMap
-from .checkpoint import load_model, save_stacked
+from .checkpoint import load_model, save_stacked, saved_state
 from .guidance import GuidanceError, GuidanceLoader
 from .mismatch import MismatchTally, compare
 from .model import Transformer
@@ -37,6 +37,7 @@ from .quant import QuantConfig
 from .rl import SequenceBatch, alignment_metrics, grpo_loss, score_centering, stack_rows, token_logprobs
 from .rollout import Trajectory
 from .syndrome import DecodeStats, add_tally, decode_summary, merge_decodes
+from .tensor_files import layout_of
 from .trainer_state import load_state, save_state
 
 MASTER_PREFIX = "master."  # trainer-state tensors holding the float32 master weights, by parameter name
@@ -387,17 +388,14 @@ class Trainer:
         master weights, precision), pinned to that policy; each all-or-nothing.
         Each is written as its tensors come (:meth:`stream`), not from a whole copy."""
         cfg, provenance = self.model.cfg, {"run_id": run_id, "policy_version": self.step}
-        weights = {name: t.detach() for name, t in self.model.state_dict().items()}
-        if cfg.tie_word_embeddings:
-            weights.pop("lm_head.weight")
         dtype = self.weights.policy_dtype
 
         def write_policy(layout, values):
-            layout = {name: torch.empty(t.shape, dtype=dtype, device="meta") for name, t in layout.items()}
+            layout = layout_of(layout, dtype)
             values = ((name, t.to(dtype)) for name, t in values)
             save_stacked(cfg, layout, values, policy, extra=extra, provenance=provenance)
 
-        self.stream(weights, write_policy)
+        self.stream(saved_state(self.model), write_policy)
         optimizer = self.optimizer.state_dict()  # parameters by index
         tensors = {f"{OPTIMIZER_PREFIX}{i}.{name}": t for i, s in optimizer["state"].items() for name, t in s.items()}
         tensors.update({MASTER_PREFIX + name: t for name, t in self.weights.state().items()})

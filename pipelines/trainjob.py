@@ -319,12 +319,13 @@ class TrainJobRun:
                 echo(f"trainjob {self.namespace}/{self.name}: {name} already in the store at {folders[name]}")
         return folders
 
-    def _pointer(self, digest: str) -> str:
-        """Where the store key of this config's output folder with manifest sha256 ``digest`` is recorded:
+    def _pointer(self, manifest: bytes) -> str:
+        """Where the store key of this config's output folder with this ``manifest`` is recorded (by its sha256):
         per config, as the rounds' folders are (:func:`trainjob_name`), so that no other config takes or
         deletes them."""
         return (
-            f"{store_prefix(self.config, self.run_id, 'trainjob')}/{BY_MANIFEST}/{config_digest(self.config)}/{digest}"
+            f"{store_prefix(self.config, self.run_id, 'trainjob')}/{BY_MANIFEST}/{config_digest(self.config)}/"
+            f"{hashlib.sha256(manifest).hexdigest()}"
         )
 
     def stored(self, folder: Path) -> str | None:
@@ -341,7 +342,7 @@ class TrainJobRun:
         """:meth:`stored`'s folder as a store key."""
         manifest = (folder / MANIFEST).read_bytes()
         try:
-            key = self.store.get_bytes(self._pointer(hashlib.sha256(manifest).hexdigest())).decode()
+            key = self.store.get_bytes(self._pointer(manifest)).decode()
             same = self.store.get_bytes(f"{key}/{MANIFEST}") == manifest
         except ArtifactNotFound:
             return None
@@ -359,7 +360,7 @@ class TrainJobRun:
             key = self._stored_key(folder)  # only a folder of the same manifest: this input's copy
             if key is not None:
                 folders.add(key)
-                self.store.delete(self._pointer(folder_digest(folder)))
+                self.store.delete(self._pointer((folder / MANIFEST).read_bytes()))
         for folder in sorted(folders - {f"{self.prefix}/new-policy", f"{self.prefix}/new-state"}):  # never outputs
             for key in sorted(self.store.list(folder + "/"), key=lambda k: not k.endswith("/" + MANIFEST)):
                 self.store.delete(key)
@@ -368,7 +369,7 @@ class TrainJobRun:
         """Record where the ranks' output folder ``name`` is, by the sha256 of its
         manifest, for the next round to find it (:meth:`stored`)."""
         manifest = self.store.get_bytes(f"{self.prefix}/{name}/{MANIFEST}")
-        self.store.put_bytes(self._pointer(hashlib.sha256(manifest).hexdigest()), f"{self.prefix}/{name}".encode())
+        self.store.put_bytes(self._pointer(manifest), f"{self.prefix}/{name}".encode())
 
     def create(self, body: dict, echo) -> None:
         """Create the TrainJob. One an earlier attempt of the step left running,
