@@ -7,6 +7,10 @@ FROM python:3.11-slim
 
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /opt/tracefp4
+# The source folders (kernels/, ...) are copied here, the working directory of every step: no Python started here
+# (KFP runs `python -m kfp.dsl.executor_main`) may put it on sys.path, where kernels/ would shadow the `kernels`
+# package that transformers imports
+ENV PYTHONSAFEPATH=1
 
 # torch first, from the CPU wheel index (amd64 and arm64), so that torch>=2.11 is satisfied
 RUN pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu

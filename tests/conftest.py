@@ -2,9 +2,22 @@
 CPU tensors; the variable must be set before anything imports triton."""
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+# The repository's kernels/ folder (installed as tracefp4.kernels) shadows the `kernels` package that transformers
+# (5.25 on) imports for its model code, wherever the repository root is on sys.path: `python -m pytest` puts the
+# working directory first, and pytest-xdist puts it in the workers' sys.path and PYTHONPATH (which the Pythons
+# that tests start inherit). The root off both; tests import the installed package, never the folders.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:] = [entry for entry in sys.path if Path(entry or os.curdir).resolve() != ROOT]
+if "PYTHONPATH" in os.environ:
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        entry for entry in os.environ["PYTHONPATH"].split(os.pathsep) if entry and Path(entry).resolve() != ROOT
+    )
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -407,6 +407,8 @@ def test_images_cache_dependencies_and_run_as_a_user(dockerfile):
     workdir = next(args for op, args in steps if op == "WORKDIR")
     # KFP's artifact paths, and the working directory a step writes its metrics file in (metrics.metrics_file)
     assert {"/minio", workdir} <= set(owned.split())
+    # the source folders copied to the working directory stay off sys.path (kernels/ would shadow transformers' kernels)
+    assert ("ENV", "PYTHONSAFEPATH=1") in steps and not any(op == "WORKDIR" for op, _ in steps[first_copy:])
 
 
 def test_cpu_image_has_no_triton_and_cuda_image_has():

@@ -1,6 +1,7 @@
 """The wheel installs one top-level package, `tracefp4`, whose subpackages
 import from a fresh virtual environment."""
 
+import importlib.util
 import shutil
 import subprocess
 import sys
@@ -70,3 +71,13 @@ def test_every_subpackage_imports_from_a_fresh_venv(wheel, tmp_path):
         "assert k.quantize(torch.ones(1, 16), 'nvfp4').codes.shape == (1, 8)\n"
     )
     subprocess.run([python, "-c", code], check=True, cwd=tmp_path)
+
+
+def test_the_repository_folders_shadow_no_installed_module():
+    """A top-level ``kernels`` import reaches the installed package of that name (transformers' model code imports
+    it) or nothing, never this repository's kernels/ folder, which conftest keeps off sys.path."""
+    spec = importlib.util.find_spec("kernels")
+    assert spec is None or Path(spec.origin).parent != ROOT / "kernels", spec.origin
+    from transformers.models.qwen3_moe import modeling_qwen3_moe  # imports `kernels` in transformers 5.25 on
+
+    assert modeling_qwen3_moe.Qwen3MoeForCausalLM
