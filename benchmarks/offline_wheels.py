@@ -35,7 +35,7 @@ from packaging.utils import canonicalize_name, parse_wheel_filename
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_HAVE = ("torch", "triton", "nvidia-*")
-EXTRAS = ("torchao",)  # benchmarks/kernels.py compares against its eager NVFP4 quantize
+EXTRAS = ("torchao",)  # benchmarks/fp4_kernels.py compares against its eager NVFP4 quantize
 MANYLINUX = [f"manylinux_2_{minor}" for minor in range(17, 40)] + ["manylinux2014", "manylinux1"]
 
 

@@ -1,6 +1,7 @@
 """The wheel installs one top-level package, `tracefp4`, whose subpackages
 import from a fresh virtual environment."""
 
+import importlib.metadata
 import importlib.util
 import shutil
 import subprocess
@@ -75,9 +76,14 @@ def test_every_subpackage_imports_from_a_fresh_venv(wheel, tmp_path):
 
 def test_the_repository_folders_shadow_no_installed_module():
     """A top-level ``kernels`` import reaches the installed package of that name (transformers' model code imports
-    it) or nothing, never this repository's kernels/ folder, which conftest keeps off sys.path."""
+    it) or nothing, never this repository's kernels/ folder, which conftest keeps off sys.path. The folders that are
+    first on sys.path where their scripts run (benchmarks/, tests/) name no module an installed distribution has."""
     spec = importlib.util.find_spec("kernels")
     assert spec is None or Path(spec.origin).parent != ROOT / "kernels", spec.origin
     from transformers.models.qwen3_moe import modeling_qwen3_moe  # imports `kernels` in transformers 5.25 on
 
     assert modeling_qwen3_moe.Qwen3MoeForCausalLM
+    installed = importlib.metadata.packages_distributions()
+    for folder in ("benchmarks", "tests"):
+        scripts = {path.stem for path in (ROOT / folder).glob("*.py")}
+        assert not scripts & set(installed), {name: installed[name] for name in scripts & set(installed)}

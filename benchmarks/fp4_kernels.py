@@ -2,7 +2,7 @@
 input timed in the same run (a memory-bound floor), plus NVFP4 quantize
 against torchao's eager ``nvfp4_quantize``.
 
-    python benchmarks/kernels.py [--size 4096] [--repeat 5]
+    python benchmarks/fp4_kernels.py [--size 4096] [--repeat 5]
 
 CUDA tensors take the Triton path, CPU tensors the torch reference. The last
 line is one JSON object with every figure, and the CPU it was measured on
