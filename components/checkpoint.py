@@ -414,6 +414,16 @@ def _inside(folder: Path, name: object, what: str) -> Path:
     return path
 
 
+# Folders this process's fetch downloaded and checked, by resolved path: the (size, mtime_ns, ctime_ns) each file
+# had once checked, the manifest's too (verify_folder)
+_fetched: dict[Path, dict[str, tuple[int, int, int]]] = {}
+
+
+def _stamp(path: Path) -> tuple[int, int, int]:
+    info = path.stat()
+    return info.st_size, info.st_mtime_ns, info.st_ctime_ns
+
+
 def size_and_sha256(path: Path) -> tuple[int, str]:
     """A file's size and sha256, read a block at a time (checkpoint files can be hundreds of GB)."""
     with open(path, "rb") as f:
@@ -532,16 +542,25 @@ def verify_folder(folder: Path) -> None:
     """Check every file against :data:`MANIFEST`, so that a corrupt, truncated
     or partly copied checkpoint fails here, naming the file, instead of loading
     wrong weights. A folder without a manifest (saved by transformers, say)
-    loads with a warning."""
+    loads with a warning. A folder that :func:`fetch` downloaded and checked in
+    this process is not read for its checksums again, as long as it and its
+    manifest keep the sizes and times they had then: rank 0 of a distributed
+    round fetches the policy and trainer state and loads them at once (490 GB
+    at Qwen3.5-35B-A3B, minutes of sha256)."""
     path = folder / MANIFEST
     if not path.exists():
         log.warning("%s has no %s: loading it unverified (not saved by tracefp4)", folder, MANIFEST)
         return
     files = _manifest_entries(_inside(folder, MANIFEST, "the manifest").read_bytes(), path)
+    fetched = _fetched.get(folder.resolve(), {})
+    if fetched.get(MANIFEST) != _stamp(path):
+        fetched = {}
     for name, (size, digest) in files.items():
         file = _inside(folder, name, MANIFEST)
         if not file.is_file():
             raise CheckpointError(f"{file}: listed in {MANIFEST} but missing")
+        if name in fetched and fetched[name] == _stamp(file):
+            continue  # checked against this manifest as fetch downloaded it, unchanged since
         got_size, got_digest = size_and_sha256(file)
         if got_size != size:
             raise CheckpointError(f"{file}: {got_size} bytes, but {MANIFEST} says {size}: truncated or changed since")
@@ -971,8 +990,10 @@ def _download(store, where: str, wanted: set[str], have: dict, entries: dict, fo
                 if digest != entries[name][1]:
                     raise CheckpointError(f"{where}/{name}: sha256 does not match {MANIFEST}: corrupt or changed")
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the entry from the cache's other users
+        checked = {name: _stamp(tmp / name) for name in [*entries, MANIFEST] if name in wanted}
         try:
-            tmp.rename(folder)
+            tmp.rename(folder)  # the files keep their inodes and times
+            _fetched[folder.resolve()] = checked
         except OSError:
             if not folder.is_dir():
                 raise

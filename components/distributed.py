@@ -33,7 +33,10 @@ come as paths or store URIs. How it works:
   at a time and rank 0 writes the consolidated policy (the Hugging Face
   folder) and trainer state, what one process writes, each atomically,
   holding about one file of them at a time; the round's sharded checkpoints
-  are then deleted.
+  are then deleted;
+- the other ranks wait for each piece of rank 0's serial work (a tensor read
+  or written, a checkpoint completed, the outputs published) in
+  :func:`rank0_does`, which stops them with rank 0's reason when it fails.
 """
 
 import argparse
@@ -74,11 +77,9 @@ from .trainer_state import STEM, check_state
 METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator: a complete checkpoint
 HISTORY = "history.json"
 # How long the ranks wait for rank 0's serial work (downloading and checksumming the round's policy and
-# trainer state; checksumming and uploading the new ones: hundreds of GB at the paper's scale), at
-# barriers of a gloo group of their own: train.timeout_seconds bounds the collectives of ranks that all
-# compute (rank 0's reading or writing of one tensor or file between two is among them: the other ranks
-# wait for each such collective before they queue the next, DistributedTrainer._wait_for_collectives), where a
-# longer wait means a rank died or hangs
+# trainer state, reading or writing one of its tensors; checksumming and uploading the new ones: hundreds of GB at
+# the paper's scale), in collectives of a gloo group of their own: train.timeout_seconds bounds the collectives of
+# ranks that all compute, where a longer wait means a rank died or hangs
 RANK0_IO_TIMEOUT = timedelta(hours=6)
 _rank0_io: list = []  # that group, made with the process group (every rank must make it, in the same order)
 
@@ -106,30 +107,47 @@ def init_process_group(config):
     return config
 
 
-def wait_for_rank0() -> None:
-    """Every rank waits here until rank 0 has done its serial work too (at most :data:`RANK0_IO_TIMEOUT`)."""
-    dist.barrier(group=_rank0_io[0])
+def rank0_does(work, what: str):
+    """``work()`` run by rank 0 alone and what it returns there (None on the
+    others), every rank past this point only once it has succeeded: its
+    exception raised on rank 0 and, with its reason, as a
+    :class:`DistributedError` ("rank 0 could not ``what``") on the others,
+    which would otherwise wait for rank 0 in their next collective until it
+    timed out. They wait in the group of rank 0's serial work
+    (:data:`RANK0_IO_TIMEOUT`), longer than ``train.timeout_seconds`` bounds a
+    collective: rank 0 may be reading or writing hundreds of GB."""
+    if dist.get_rank():
+        listen_to_rank0(what)
+        return None
+    try:
+        value = work()
+    except Exception as e:
+        tell_the_ranks(e)
+        raise
+    tell_the_ranks(None)
+    return value
+
+
+def tell_the_ranks(failure: Exception | None) -> None:
+    """Rank 0's half of :func:`rank0_does`: the others go on, or stop with ``failure``'s reason."""
+    reason = None if failure is None else f"{type(failure).__name__}: {failure}"
+    dist.broadcast_object_list([reason], src=0, group=_rank0_io[0])
+
+
+def listen_to_rank0(what: str) -> None:
+    """The other ranks' half of :func:`rank0_does`: wait for rank 0's word, raise its failure."""
+    reason = [None]
+    dist.broadcast_object_list(reason, src=0, group=_rank0_io[0])
+    if reason[0] is not None:
+        raise DistributedError(f"rank 0 could not {what}: {reason[0]}")
 
 
 def from_rank0(read, what: str):
-    """``read()`` run by rank 0 alone, what it returns (small, picklable) given
-    to every rank; its exception raised on rank 0 and, with its reason, as a
-    :class:`DistributedError` ("rank 0 could not ``what``") on the others. On
-    the group of rank 0's serial work (:data:`RANK0_IO_TIMEOUT`): the others
-    wait while rank 0 downloads and reads hundreds of GB, longer than
-    ``train.timeout_seconds`` bounds a collective."""
-    shared = [None]
-    if dist.get_rank() == 0:
-        try:
-            shared = [(True, read())]
-        except Exception as e:
-            dist.broadcast_object_list([(False, f"{type(e).__name__}: {e}")], src=0, group=_rank0_io[0])
-            raise
+    """``read()`` run by rank 0 alone (:func:`rank0_does`), what it returns
+    (small, picklable) given to every rank."""
+    shared = [rank0_does(read, what)]
     dist.broadcast_object_list(shared, src=0, group=_rank0_io[0])
-    done, value = shared[0]
-    if not done:
-        raise DistributedError(f"rank 0 could not {what}: {value}")
-    return value
+    return shared[0]
 
 
 def mixed_precision() -> MixedPrecisionPolicy:
@@ -278,27 +296,20 @@ class DistributedTrainer(Trainer):
     def receive(self, layout: dict[str, tuple], read) -> Iterator[tuple[str, Tensor]]:
         """Each tensor ``layout`` names (name: shape, dtype) whole on every
         rank's device, one at a time: rank 0 reads it (``read(name)``), a
-        broadcast hands it to the others. The converse of :meth:`_gathered`."""
+        broadcast hands it to the others. The converse of :meth:`stream`.
+
+        The others wait for each read in :func:`rank0_does` (on the host:
+        NCCL's collectives do not block it, and it times an operation from
+        when it is queued, so they would otherwise queue a whole policy's
+        broadcasts at once and wait out rank 0's reading of all of it under
+        ``train.timeout_seconds``), and a read that fails stops them with its
+        reason."""
         for name, (shape, dtype) in layout.items():
-            if self.rank == 0:
-                whole = read(name).to(self.place)
-            else:
+            whole = rank0_does(lambda name=name: read(name).to(self.place), f"read {name}")
+            if self.rank:
                 whole = torch.empty(shape, dtype=dtype, device=self.place)
             dist.broadcast(whole, src=0)
-            if self.rank:
-                self._wait_for_collectives()
             yield name, whole
-
-    def _wait_for_collectives(self) -> None:
-        """Block the host until this rank's queued collectives are done. NCCL
-        times an operation from when it is queued, and its collectives do not
-        block the host: the ranks but 0 would queue a whole policy's
-        broadcasts or gathers at once and wait out rank 0's reading or writing
-        of all of it (minutes at the paper's scale) under
-        ``train.timeout_seconds``. Waited for tensor by tensor, each waits for
-        rank 0's work on one. gloo's collectives block anyway."""
-        if self.place.type == "cuda":
-            torch.cuda.current_stream(self.place).synchronize()
 
     def wrap(self, model: Transformer) -> Transformer:
         policy = mixed_precision()
@@ -353,23 +364,30 @@ class DistributedTrainer(Trainer):
         gathered one at a time on every rank in the same order: rank 0 holds
         about one file's worth of them (:class:`~.tensor_files.TensorWriter`),
         not all the parameters (140 GB in float32 at Qwen3.5-35B-A3B) or
-        their moments (280 GB). Every rank returns once rank 0 has written them."""
-        values = self._gathered(tensors)
-        if self.rank == 0:
-            write(layout_of(tensors), values)
-        else:
-            for _ in values:  # the gathers alone
-                pass
-        wait_for_rank0()
+        their moments (280 GB). Every rank returns once rank 0 has written them.
 
-    def _gathered(self, tensors: dict[str, Tensor]) -> Iterator[tuple[str, Tensor]]:
-        """Each of ``tensors`` whole, by name, on rank 0's host; every rank takes part in each gather."""
-        for name, t in tensors.items():
-            whole = t.full_tensor() if isinstance(t, DTensor) else t
-            if self.rank == 0:
-                yield name, whole.cpu()
-            else:
-                self._wait_for_collectives()
+        Before each gather, and at the end, the others wait for rank 0's word
+        (:func:`rank0_does`, for the reasons :meth:`receive` gives): a write
+        that fails (a full disk) stops them with its reason."""
+        what = f"write {', '.join(list(tensors)[:2])}... ({len(tensors)} tensors)"
+        if self.rank:
+            for t in tensors.values():
+                listen_to_rank0(what)
+                _whole(t)
+            listen_to_rank0(what)
+            return
+
+        def gathered() -> Iterator[tuple[str, Tensor]]:
+            for name, t in tensors.items():
+                tell_the_ranks(None)
+                yield name, _whole(t).cpu()
+
+        rank0_does(lambda: write(layout_of(tensors), gathered()), what)
+
+
+def _whole(t: Tensor) -> Tensor:
+    """``t`` whole on every rank: a sharded tensor (a DTensor) gathered, a plain one as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 class ShardCheckpoints:
@@ -410,7 +428,8 @@ class ShardCheckpoints:
             sums = {f.name: size_and_sha256(f) for f in written}
             # gathered from each rank after its uploads: every rank's files are in the store
             files = {name: s for rank in trainer.all_gather(sums) for name, s in rank.items()}
-            if trainer.rank == 0:
+
+            def complete() -> None:
                 meta = {
                     "run_id": self.run_id,
                     "start_version": self.start_version,
@@ -422,7 +441,8 @@ class ShardCheckpoints:
                 self.store.put_bytes(f"{key}/{HISTORY}", json.dumps(record).encode())
                 self.store.upload(f"{key}/{METADATA}", Path(local) / METADATA)  # complete
                 self.clear(keep=trainer.step)
-        wait_for_rank0()
+
+            rank0_does(complete, f"complete the checkpoint {self.store.uri}/{key}")
 
     def _fetch(self, key: str, name: str, files: dict, folder: Path) -> None:
         """Download one file of the checkpoint at ``key``, checked against the size and sha256 it was written with."""
@@ -586,10 +606,12 @@ def main(argv: list[str] | None = None) -> None:
                 json.loads(_local(args.round_stats, work).read_text()),
                 open_trainer=open_trainer(prefix, store, args.run_id),
             )
-            if dist.get_rank() == 0:
+
+            def publish() -> None:
                 _publish(rows, args.history, {out: args.out, out_state: args.out_state})
                 clear_checkpoints(store, prefix)  # the round's policy is out: no resume needed
-            wait_for_rank0()
+
+            rank0_does(publish, "publish the round's outputs")
         finally:
             dist.destroy_process_group()
 

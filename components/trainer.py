@@ -429,13 +429,13 @@ class Trainer:
         trained model and by its KL reference alike (KL 0 at the first step)."""
         tensors, meta = load_state(state, policy, run_id)
         trainer = cls(load_model(policy, device=device), config, quant, global_scales)
-        masters = master_weights(tensors)
-        trainer.weights.load(masters)
+        masters, optimizer = master_weights(tensors), optimizer_state(tensors, meta)
+        trainer.weights.load(masters, stepped=bool(optimizer["state"]))
         if masters and trainer.reference is not None:  # the KL reference is where training starts: the masters
             with torch.no_grad():
                 for name, p in trainer.reference.named_parameters():
                     p.copy_(masters[name])  # a bf16 reference takes them rounded: the policy itself
-        trainer.load_optimizer_state(optimizer_state(tensors, meta))
+        trainer.load_optimizer_state(optimizer)
         trainer.step = meta["policy_version"]
         return trainer
 

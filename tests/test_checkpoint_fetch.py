@@ -6,6 +6,7 @@ import concurrent.futures
 import io
 import json
 import logging
+import os
 import time
 import uuid
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from chat_checkpoint import chat_checkpoint
 
-from tracefp4.components import steps
+from tracefp4.components import checkpoint, steps
 from tracefp4.components.checkpoint import INDEX, MANIFEST, CheckpointError, fetch, load_model, save_model
 from tracefp4.components.model import build_model
 from tracefp4.components.store import S3Store
@@ -91,6 +92,39 @@ def test_s3_checkpoint_loads_like_the_original_and_a_second_fetch_downloads_noth
     assert {p.name: p.stat().st_mtime_ns for p in local.iterdir()} == mtimes
     assert fetch(upload(s3_env, folder)) == local  # the same checkpoint elsewhere: same checksums, same cache entry
     assert downloads == []
+
+
+def test_a_checkpoint_fetched_and_loaded_is_read_for_its_checksums_once_while_unchanged(
+    tmp_path, s3_env, cache, monkeypatch
+):
+    """Rank 0 of a distributed round fetches the policy and loads it at once:
+    fetch checks each file as it downloads it, and loading does not read them
+    for their sha256 again (490 GB at Qwen3.5-35B-A3B). A file changed since
+    (a flipped byte, or only its times touched) is checked again, and a
+    folder this process did not download is checked in full."""
+    model, folder = saved(tmp_path)
+    uri = upload(s3_env, folder)
+    hashed = []
+    real = checkpoint.size_and_sha256
+    monkeypatch.setattr(checkpoint, "size_and_sha256", lambda path: hashed.append(path.name) or real(path))
+    local = fetch(uri)
+    listed = sorted(json.loads((folder / MANIFEST).read_text())["files"])
+    assert sorted(hashed) == listed
+    hashed.clear()
+    assert torch.equal(logits(load_model(local)), logits(model)) and hashed == []
+
+    shard = local / shards(folder)[0]
+    os.utime(shard)  # the same bytes, newer times
+    load_model(local)
+    assert hashed == [shard.name]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"{shard}: sha256 does not match"):
+        load_model(local)
+    hashed.clear()
+    load_model(folder)  # saved here, not fetched: every file checked
+    assert sorted(hashed) == listed
 
 
 def test_processes_fetching_a_checkpoint_at_once_download_it_once(tmp_path, s3_env, cache, downloads, monkeypatch):

@@ -394,9 +394,7 @@ import torch.distributed as dist
 from tracefp4.components import distributed
 from tracefp4.schemas import RunConfig
 config = distributed.init_process_group(RunConfig.model_validate_json(sys.argv[1]))
-if dist.get_rank() == 0:
-    time.sleep(float(sys.argv[2]))  # writing and uploading the round's outputs
-distributed.wait_for_rank0()
+distributed.rank0_does(lambda: time.sleep(float(sys.argv[2])), "upload")  # writing and uploading the round's outputs
 dist.destroy_process_group()
 """
 
@@ -407,6 +405,59 @@ def test_the_ranks_wait_for_rank_0s_writing_longer_than_the_collective_timeout(t
     data = config_for(tmp_path).model_dump()
     data["train"]["timeout_seconds"] = 10
     two_ranks(RANK0_BUSY, RunConfig.model_validate(data).model_dump_json(), "12")
+
+
+RANK0_FAILS = """
+import sys, torch
+import torch.distributed as dist
+from tracefp4.components import distributed
+from tracefp4.components.model import build_model
+from tracefp4.components.quant import QuantConfig
+from tracefp4.components.trainer import TrainConfig
+from tracefp4.schemas import RunConfig
+config = distributed.init_process_group(RunConfig.model_validate_json(sys.argv[1]))
+out = sys.argv[2]
+model = build_model("smoke", seed=0)
+trainer = distributed.DistributedTrainer(model, TrainConfig(precision="fp32_master"), QuantConfig(), {}, "cpu")
+tensors = {name: t.detach() for name, t in trainer.model.state_dict().items()}
+layout = {name: (t.shape, t.dtype) for name, t in model.state_dict().items()}
+def full_disk_at(n):
+    def write(layout, values):
+        for i, _ in enumerate(values):
+            if i == n:
+                raise OSError("No space left on device")
+        raise OSError("No space left on device")  # writing the index, after the last tensor
+    return write
+def read(name):
+    if name == list(layout)[2]:
+        raise OSError(f"unreadable: {name}")
+    return torch.zeros(layout[name][0], dtype=layout[name][1])
+errors = []
+for attempt in (lambda: trainer.stream(tensors, full_disk_at(2)), lambda: trainer.stream(tensors, full_disk_at(-1)),
+                lambda: list(trainer.receive(layout, read)), lambda: distributed.from_rank0(lambda: "in step", "x")):
+    try:
+        errors.append(attempt())
+    except Exception as e:
+        errors.append(f"{type(e).__name__}: {e}")
+torch.save(errors, f"{out}{dist.get_rank()}")
+dist.destroy_process_group()
+"""
+
+
+def test_rank_0s_failure_partway_through_a_save_or_load_stops_every_rank_with_its_reason(tmp_path):
+    """Rank 0's writer failing after 3 of the tensors it is streamed, or
+    after all of them, and its reading failing at the third: the other rank
+    stops at once with rank 0's reason (where it would wait in its next gather
+    or broadcast until train.timeout_seconds, 10 s here, timed it out), and the
+    ranks are still in step for what follows."""
+    data = config_for(tmp_path).model_dump()
+    data["train"]["timeout_seconds"] = 10
+    two_ranks(RANK0_FAILS, RunConfig.model_validate(data).model_dump_json(), str(tmp_path / "errors"))
+    rank0, rank1 = (torch.load(tmp_path / f"errors{r}") for r in range(2))
+    assert rank0[:2] == ["OSError: No space left on device"] * 2 and rank0[2].startswith("OSError: unreadable: ")
+    for mine, reason in zip(rank1[:3], rank0[:3], strict=True):
+        assert mine.startswith("DistributedError: rank 0 could not ") and mine.endswith(": " + reason), mine
+    assert rank0[3] == rank1[3] == "in step"
 
 
 def two_ranks(script: str, *args: str) -> None:
