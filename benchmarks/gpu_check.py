@@ -80,7 +80,10 @@ def plan(device: str, run_dir: Path) -> list[Step]:
         Step("triton_kernel_tests", triton_tests, 130, needs_cuda="the Triton kernels take CUDA tensors only"),
         # 16384^2 elements: at the default 4096^2 a GPU runs the kernels faster than Python launches them
         Step(
-            "kernels", [py, "benchmarks/fp4_kernels.py", "--size", "16384"], 55, dry_args=["--size", "256", "--repeat", "1"]
+            "kernels",
+            [py, "benchmarks/fp4_kernels.py", "--size", "16384"],
+            55,
+            dry_args=["--size", "256", "--repeat", "1"],
         ),
         Step("rollout", [py, "benchmarks/rollout.py"], 115, dry_args=smallest_rollout),
         Step("syndrome_codec", syndrome_speed, 45, dry_args=["--speed-rows", "256", "--repeat", "1"]),

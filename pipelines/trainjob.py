@@ -64,6 +64,8 @@ OUTPUTS = ("history.json", f"new-policy/{MANIFEST}", f"new-state/{MANIFEST}")
 BY_MANIFEST = "by-manifest"
 # In a round's folder: what its ranks were given to train from (inputs_record), checked before a retry takes outputs
 INPUTS = "inputs.json"
+# The TrainJob's annotation of the sha256 of that record: checked before a retry waits for a TrainJob it finds
+INPUTS_ANNOTATION = "tracefp4/inputs-sha256"
 
 
 def distributed_train(
@@ -164,8 +166,9 @@ def rank_pod_patch(config: RunConfig) -> models.TrainerV1alpha1RuntimePatch:
     )
 
 
-def trainjob(config: RunConfig, name: str, namespace: str, args: list[str]) -> dict:
-    """The TrainJob running the distributed train step with ``args`` on every node."""
+def trainjob(config: RunConfig, name: str, namespace: str, args: list[str], inputs: bytes) -> dict:
+    """The TrainJob running the distributed train step with ``args`` on every
+    node, annotated with the sha256 of its ``inputs`` (:func:`inputs_record`)."""
     r = config.resources
     limits = {"cpu": r.cpu, "memory": r.memory}
     if r.gpus:
@@ -188,7 +191,10 @@ def trainjob(config: RunConfig, name: str, namespace: str, args: list[str]) -> d
         apiVersion=f"{GROUP}/{VERSION}",
         kind="TrainJob",
         metadata=models.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
-            name=name, namespace=namespace, labels={"app.kubernetes.io/part-of": "tracefp4"}
+            name=name,
+            namespace=namespace,
+            labels={"app.kubernetes.io/part-of": "tracefp4"},
+            annotations={INPUTS_ANNOTATION: hashlib.sha256(inputs).hexdigest()},
         ),
         spec=models.TrainerV1alpha1TrainJobSpec(
             runtimeRef=models.TrainerV1alpha1RuntimeRef(
@@ -251,8 +257,7 @@ class TrainJobRun:
         if self.finished(inputs):
             echo(f"trainjob {self.namespace}/{self.name}: an earlier attempt of this step trained the round")
         else:
-            self.store.put_bytes(f"{self.prefix}/{INPUTS}", inputs)  # before the ranks write any output
-            self.train(policy, state, trajectories, guidance, round_stats, echo)
+            self.train(inputs, policy, state, trajectories, guidance, round_stats, echo)
         for name, folder in (("new-policy", out), ("new-state", out_state)):
             fetch(self.uri(name), into=folder)  # not through the cache: that would be a second copy
         self.forget_inputs(policy, state)
@@ -274,23 +279,29 @@ class TrainJobRun:
         except ArtifactNotFound:
             return False
 
-    def train(self, policy: Path, state: Path, trajectories: Path, guidance: Path, round_stats: dict, echo) -> None:
-        """Upload the round's inputs, run the TrainJob to its end, delete it."""
-        folders = self.upload(policy, state, trajectories, guidance, round_stats, echo)
-        args = rank_arguments(
-            self.uri("config.json"),
-            folders["policy"],
-            folders["state"],
-            self.uri("trajectories.jsonl"),
-            self.uri("guidance.json"),
-            self.uri("round_stats.json"),
-            self.run_id,
-            self.uri("new-policy"),
-            self.uri("new-state"),
-            self.uri("history.json"),
-        )
+    def train(
+        self, inputs: bytes, policy: Path, state: Path, trajectories: Path, guidance: Path, round_stats: dict, echo
+    ) -> None:
+        """Upload the round's inputs (``inputs``, their record), run the
+        TrainJob to its end, delete it; or wait for the one an earlier attempt
+        of the step left on the same inputs (:meth:`adopt`)."""
         with exit_on_sigterm():  # a terminated run's step deletes its TrainJob too: its ranks hold the GPUs
-            self.create(trainjob(self.config, self.name, self.namespace, args), echo)
+            if not self.adopt(inputs, echo):
+                self.store.put_bytes(f"{self.prefix}/{INPUTS}", inputs)  # before the ranks write any output
+                folders = self.upload(policy, state, trajectories, guidance, round_stats, echo)
+                args = rank_arguments(
+                    self.uri("config.json"),
+                    folders["policy"],
+                    folders["state"],
+                    self.uri("trajectories.jsonl"),
+                    self.uri("guidance.json"),
+                    self.uri("round_stats.json"),
+                    self.run_id,
+                    self.uri("new-policy"),
+                    self.uri("new-state"),
+                    self.uri("history.json"),
+                )
+                self.create(trainjob(self.config, self.name, self.namespace, args, inputs), echo)
             try:
                 self.wait(echo)
             except DistributedError as e:  # the ranks' own words, read before the deletion takes their pods
@@ -371,29 +382,43 @@ class TrainJobRun:
         manifest = self.store.get_bytes(f"{self.prefix}/{name}/{MANIFEST}")
         self.store.put_bytes(self._pointer(manifest), f"{self.prefix}/{name}".encode())
 
-    def create(self, body: dict, echo) -> None:
-        """Create the TrainJob. One an earlier attempt of the step left running,
-        or completed, is the same round on the same inputs: it is waited for;
-        a failed one is deleted first."""
-        for attempt in range(2):
-            try:
-                self.api.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
-                echo(f"trainjob {self.namespace}/{self.name}: created ({self.config.train.world_size} processes)")
-                return
-            except ApiException as e:
-                if e.status != 409 or attempt:
-                    raise DistributedError(f"creating TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
-            try:
-                left = self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
-            except ApiException as e:
-                if e.status == 404:  # gone since: create it
-                    continue
-                raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
-            if "Failed" not in _conditions(left.get("status") or {}):
-                echo(f"trainjob {self.namespace}/{self.name}: left by an earlier attempt, not failed: waiting for it")
-                return
-            echo(f"trainjob {self.namespace}/{self.name}: left failed by an earlier attempt, deleting it")
+    def adopt(self, inputs: bytes, echo) -> bool:
+        """Whether the round's TrainJob is already there, left running or
+        completed by an earlier attempt of the step on the same ``inputs``
+        (its annotation): then it is waited for, and nothing is uploaded under
+        its ranks. One left failed, or finished from other inputs, is deleted;
+        one still running from other inputs is another submission of these
+        settings under the same run id, and fails the step: its inputs in the
+        store are not overwritten, nor its outputs taken for this one's."""
+        left = self.read(echo)
+        if left is None:
+            return False
+        conditions = _conditions(left.get("status") or {})
+        annotations = (left.get("metadata") or {}).get("annotations") or {}
+        same = annotations.get(INPUTS_ANNOTATION) == hashlib.sha256(inputs).hexdigest()
+        if same and "Failed" not in conditions:
+            echo(
+                f"trainjob {self.namespace}/{self.name}: left by an earlier attempt on the same inputs: waiting for it"
+            )
+            return True
+        if "Failed" in conditions or "Complete" in conditions:
+            why = "failed" if "Failed" in conditions else "finished from other inputs"
+            echo(f"trainjob {self.namespace}/{self.name}: left {why} by an earlier attempt, deleting it")
             self.delete(echo, wait=True)
+            return False
+        raise DistributedError(
+            f"TrainJob {self.namespace}/{self.name} is training this round from other inputs (the policy, trainer "
+            f"state, trajectories or guidance differ): another submission of these settings under run id "
+            f"{self.run_id!r} is running; wait for it to end, or submit under another run id"
+        )
+
+    def create(self, body: dict, echo) -> None:
+        """Create the TrainJob (:meth:`adopt` found none, or deleted it)."""
+        try:
+            self.api.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
+        except ApiException as e:  # 409: another attempt created it since adopt looked
+            raise DistributedError(f"creating TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
+        echo(f"trainjob {self.namespace}/{self.name}: created ({self.config.train.world_size} processes)")
 
     def wait(self, echo) -> None:
         """Until the TrainJob completes; its status changes go to the step's log.
@@ -407,21 +432,9 @@ class TrainJobRun:
         is no news, and the clock runs on."""
         since, last = time.monotonic(), None
         while True:
-            try:
-                job = self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
-            except (ApiException, urllib3.exceptions.HTTPError) as e:
-                code = getattr(e, "status", None)  # None: no answer at all
-                if code is not None and code < 500 and code != 429:  # deleted (404), forbidden: for good
-                    raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
-                # the API server restarting, busy or out of reach: no news, and the timeout's clock runs on
-                unreadable = f"status unreadable ({_reason(e) if isinstance(e, ApiException) else e})"
-                if unreadable != last:
-                    echo(f"trainjob {self.namespace}/{self.name}: {unreadable}")
-                    last = unreadable
-                if time.monotonic() - since > self.config.train.timeout_seconds:
-                    raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {unreadable}") from None
-                time.sleep(self.poll_s)
-                continue
+            job = self.read(echo, since)
+            if job is None:
+                raise DistributedError(f"TrainJob {self.namespace}/{self.name}: deleted while the step waited for it")
             status = job.get("status") or {}
             summary = _summary(status)
             if summary != last:
@@ -440,6 +453,30 @@ class TrainJobRun:
             elif time.monotonic() - since > self.config.train.timeout_seconds:
                 raise DistributedError(self.stalled(status))
             time.sleep(self.poll_s)
+
+    def read(self, echo, since: float | None = None) -> dict | None:
+        """The TrainJob as the API server has it; None where there is none. A
+        poll it does not answer (5xx, 429, no connection: restarting, busy or
+        out of reach) is no news, said once and polled again until
+        ``train.timeout_seconds`` from ``since`` (default now) have passed;
+        other errors (forbidden) fail the step at once."""
+        since, last = time.monotonic() if since is None else since, None
+        while True:
+            try:
+                return self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+            except (ApiException, urllib3.exceptions.HTTPError) as e:
+                code = getattr(e, "status", None)  # None: no answer at all
+                if code == 404:
+                    return None
+                if code is not None and code < 500 and code != 429:
+                    raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
+                unreadable = f"status unreadable ({_reason(e) if isinstance(e, ApiException) else e})"
+                if unreadable != last:
+                    echo(f"trainjob {self.namespace}/{self.name}: {unreadable}")
+                    last = unreadable
+                if time.monotonic() - since > self.config.train.timeout_seconds:
+                    raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {unreadable}") from None
+                time.sleep(self.poll_s)
 
     def stalled(self, status: dict) -> str:
         """Why the TrainJob made no progress for ``train.timeout_seconds``, and where to look."""

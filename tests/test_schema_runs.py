@@ -97,7 +97,7 @@ def _launch(config: RunConfig, tmp_path):
     if config.train.launcher == "torchrun":
         assert trainjob.distributed_train(config, *inputs, "run", stats)[0]["step"] == 1
     else:
-        assert trainjob.trainjob(config, "x", "ns", [])["spec"]["trainer"]["numProcPerNode"] == 2
+        assert trainjob.trainjob(config, "x", "ns", [], b"{}")["spec"]["trainer"]["numProcPerNode"] == 2
         with pytest.raises(DistributedError, match="in-cluster"):
             trainjob.distributed_train(config, *inputs, "run", stats)
 

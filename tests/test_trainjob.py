@@ -6,6 +6,7 @@ not a cluster: no controller runs the TrainJob; the test plays its status
 (and, for a success, the ranks' outputs in the store)."""
 
 import copy
+import hashlib
 import json
 import os
 import re
@@ -126,8 +127,9 @@ def config(tmp_path, **train) -> RunConfig:
 
 def test_the_trainjob_validates_against_the_trainer_crd(tmp_path, validator):
     c = config(tmp_path)
-    job = trainjob(c, trainjob_name(c, RUN, 3), NAMESPACE, ["--run-id", RUN])
+    job = trainjob(c, trainjob_name(c, RUN, 3), NAMESPACE, ["--run-id", RUN], b"{}")
     validator.validate(job)
+    assert job["metadata"]["annotations"] == {module.INPUTS_ANNOTATION: hashlib.sha256(b"{}").hexdigest()}
     trainer = job["spec"]["trainer"]
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (2, 2)
     assert trainer["resourcesPerNode"]["limits"]["nvidia.com/gpu"] == "2"
@@ -165,7 +167,7 @@ def test_trainjob_names_meet_the_crd_rules_whatever_the_run_name(tmp_path, schem
     for round_index in (0, 199, 10**9):
         name = trainjob_name(c, RUN, round_index)
         assert name_errors(schema, name) == [] and name == trainjob_name(c, RUN, round_index)
-        validator.validate(trainjob(c, name, NAMESPACE, []))
+        validator.validate(trainjob(c, name, NAMESPACE, [], b"{}"))
         # the prefix only where it is needed
         assert name.startswith(f"tj-{stem}-" if run_name[0].isdigit() else f"{stem}-")
 
@@ -175,7 +177,7 @@ def test_the_rank_pods_get_the_runs_placement_shared_memory_and_no_istio_sidecar
     # the GPU run config of docs/deploy.md
     c.resources.node_selector = {"nvidia.com/gpu.present": "true"}
     c.resources.tolerations = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
-    job = trainjob(c, trainjob_name(c, RUN, 0), NAMESPACE, [])
+    job = trainjob(c, trainjob_name(c, RUN, 0), NAMESPACE, [], b"{}")
     validator.validate(job)
     # one patch, keyed by a manager the Trainer's webhook accepts
     (patch,) = job["spec"]["runtimePatches"]
@@ -205,7 +207,7 @@ def test_the_rank_pods_get_the_runs_placement_shared_memory_and_no_istio_sidecar
         validator.validate(bad)
     # without a selector or tolerations the patch still turns the sidecar off and mounts /dev/shm, and sets nothing else
     c.resources.node_selector, c.resources.tolerations = {}, []
-    job = trainjob(c, trainjob_name(c, RUN, 0), NAMESPACE, [])
+    job = trainjob(c, trainjob_name(c, RUN, 0), NAMESPACE, [], b"{}")
     validator.validate(job)
     (patch,) = job["spec"]["runtimePatches"]
     (replicated,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
@@ -341,7 +343,8 @@ def test_a_failed_trainjob_fails_the_step_with_its_reason_and_is_deleted(tmp_pat
     ]  # fmt: skip
     assert "CUDA out of memory" in message and "--- run-tj-node-0-0 (Running)" in message
     methods = [m for m, p in fake.calls if "/pods" not in p]
-    assert methods[0] == "POST" and methods[-1] == "DELETE" and methods.count("GET") == 4
+    # adopt's look for a TrainJob left by an earlier attempt (none: 404), then the watch's 4
+    assert methods[:2] == ["GET", "POST"] and methods[-1] == "DELETE" and methods.count("GET") == 5
     assert not fake.jobs and not (tmp_path / "out").exists()
     assert any("ready 2, active 2" in line for line in log) and any("Failed(JobsFailed)" in line for line in log)
     # what was created is a valid TrainJob handing the ranks the round's inputs as store URIs, all uploaded
@@ -428,7 +431,7 @@ def test_a_trainjob_left_failed_by_an_earlier_attempt_is_replaced(tmp_path):
     fake = FakeKubernetes([FAILED])
     fake.jobs[trainjob_name(c, RUN, 0)] = {"metadata": {"name": "old"}}
     _, log, _ = failed_round(c, fake, tmp_path, "JobsFailed")
-    assert [m for m, _ in fake.calls][:5] == ["POST", "GET", "DELETE", "GET", "POST"]
+    assert [m for m, _ in fake.calls][:4] == ["GET", "DELETE", "GET", "POST"]
     assert any("left failed by an earlier attempt" in line for line in log)
 
 
@@ -470,15 +473,40 @@ def completed_round(c: RunConfig, fake: FakeKubernetes, given, tmp_path) -> tupl
 
 
 def test_a_trainjob_an_earlier_attempt_left_running_is_waited_for(tmp_path):
-    """A retry of the step (its pod lost, say) finds the round's TrainJob still running: it waits for that job."""
+    """A retry of the step (its pod lost, say) finds the round's TrainJob still
+    running on the same inputs: it waits for that job, uploading nothing under its ranks."""
     c = config(tmp_path)
+    given = inputs(tmp_path)
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
-    fake.jobs[trainjob_name(c, RUN, 0)] = trainjob(c, trainjob_name(c, RUN, 0), NAMESPACE, [])
-    rows, log = completed_round(c, fake, inputs(tmp_path), tmp_path)
+    name = trainjob_name(c, RUN, 0)
+    fake.jobs[name] = trainjob(c, name, NAMESPACE, [], module.inputs_record(*given))
+    rows, log = completed_round(c, fake, given, tmp_path)
     assert rows == [{"step": 1, "loss": 0.5}] and (tmp_path / "out" / "config.json").exists()
     calls = [m for m, _ in fake.calls]
-    assert calls[:2] == ["POST", "GET"] and calls.count("POST") == 1 and calls[-1] == "DELETE" and not fake.jobs
-    assert any("not failed: waiting for it" in line for line in log)
+    assert calls[:2] == ["GET", "GET"] and "POST" not in calls and calls[-1] == "DELETE" and not fake.jobs
+    assert any("on the same inputs: waiting for it" in line for line in log)
+    assert not any(
+        key.endswith(("/trajectories.jsonl", "/policy/checksums.json")) for key in open_store(c.store.uri).list()
+    )
+
+
+def test_a_trainjob_left_from_other_inputs_is_not_taken_for_this_steps(tmp_path):
+    """The round's TrainJob running from other inputs (a second submission of
+    the same settings under the same run id) fails the step and is left alone,
+    with its inputs in the store; one that finished from other inputs is
+    deleted and the round trained from this step's own."""
+    c = config(tmp_path)
+    name = trainjob_name(c, RUN, 0)
+    fake = FakeKubernetes([RUNNING])
+    fake.jobs[name] = trainjob(c, name, NAMESPACE, [], b'{"policy": "another"}')
+    message, _, _ = failed_round(c, fake, tmp_path, "another submission of these settings under run id")
+    assert [m for m, _ in fake.calls] == ["GET"] and name in fake.jobs
+    assert open_store(c.store.uri).list() == []  # nothing of this step's overwrote the running round's inputs
+    fake = FakeKubernetes([COMPLETE, {}, RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
+    fake.jobs[name] = trainjob(c, name, NAMESPACE, [], b'{"policy": "another"}')
+    rows, log = completed_round(c, fake, inputs(tmp_path), tmp_path)
+    assert [m for m, _ in fake.calls][:4] == ["GET", "DELETE", "GET", "POST"] and rows == [{"step": 1, "loss": 0.5}]
+    assert any("left finished from other inputs by an earlier attempt, deleting it" in line for line in log)
 
 
 def test_a_retry_after_the_ranks_finished_takes_their_outputs_without_training_again(tmp_path):
@@ -586,7 +614,7 @@ def test_a_trainjob_whose_pods_are_ready_is_not_timed_out_however_long_it_runs(t
     fake = FakeKubernetes([{}] * 5 + [PENDING] * 20 + running + [PENDING] * 25 + [COMPLETE])
     try:
         job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=1)
-        fake.jobs[job.name] = trainjob(c, job.name, NAMESPACE, [])
+        fake.jobs[job.name] = trainjob(c, job.name, NAMESPACE, [], b"{}")
         job.wait(echo=lambda line: None)
     finally:
         fake.close()
