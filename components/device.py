@@ -148,11 +148,25 @@ def keep_freed_memory() -> bool:
     A decode step of the tiny preset at batch 128 took about 900 page faults
     so; with the thresholds held at 32 MB (own mappings) and 64 MB (trim), the
     ceilings glibc's adaptive ones reach anyway, none. Process-wide, so each
-    step process sets it once (:func:`tracefp4.components.steps.step_device`)."""
+    step process sets it once (:func:`compute_on`)."""
     if platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
+
+
+def compute_on(device: torch.device) -> torch.device:
+    """Make this process compute on ``device`` (returned): a CUDA device
+    becomes the current one (Triton launches its kernels there, and streams
+    and CUDA graphs are made there, whatever device their tensors are on:
+    ``cuda:1`` would otherwise meet cuda:0); on the CPU the process keeps
+    freed tensors' memory (:func:`keep_freed_memory`). Every step process and
+    every rank of a distributed one starts so."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        keep_freed_memory()
+    return device
 
 
 def hardware(device: torch.device) -> dict:

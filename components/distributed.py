@@ -64,7 +64,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .checkpoint import PolicyReader, fetch, folder_digest, size_and_sha256
-from .device import keep_freed_memory, resolve
+from .device import compute_on, resolve
 from .model import Transformer, empty_model
 from .precision import MasterWeights
 from .quant import QuantConfig
@@ -97,10 +97,8 @@ def init_process_group(config):
     device = resolve(config.resources.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
         config = config.model_copy(update={"resources": config.resources.model_copy(update={"device": str(device)})})
-    else:
-        keep_freed_memory()  # as every step process on the CPU (steps.step_device)
+    compute_on(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=config.train.timeout_seconds))
     _rank0_io[:] = [dist.new_group(backend="gloo", timeout=RANK0_IO_TIMEOUT)]

@@ -29,7 +29,7 @@ from tracefp4.schemas import RunConfig
 from . import bootstrap as sft
 from .capture import CaptureConfig, CaptureRecords
 from .checkpoint import fetch, load_model, provenance, read_config, save_model
-from .device import keep_freed_memory, resolve
+from .device import compute_on, resolve
 from .export import export
 from .guidance import (
     GuidanceError,
@@ -96,16 +96,9 @@ def config_digest(config: RunConfig) -> str:
 
 
 def step_device(config: RunConfig) -> torch.device:
-    """The device the step computes on; a CUDA device this machine lacks fails here, before any work.
-    A CUDA device becomes the current one: Triton launches its kernels there, and streams and CUDA
-    graphs are made there, whatever device their tensors are on (``cuda:1`` would otherwise meet cuda:0).
-    On the CPU the process keeps freed tensors' memory (:func:`.device.keep_freed_memory`)."""
-    device = resolve(config.resources.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:
-        keep_freed_memory()
-    return device
+    """The device the step computes on (:func:`.device.compute_on`); a CUDA device this machine lacks
+    fails here, before any work."""
+    return compute_on(resolve(config.resources.device))
 
 
 def _store(config: RunConfig):
