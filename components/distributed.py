@@ -375,12 +375,20 @@ class DistributedTrainer(Trainer):
             listen_to_rank0(what)
             return
 
+        taken = [0]
+
         def gathered() -> Iterator[tuple[str, Tensor]]:
             for name, t in tensors.items():
                 tell_the_ranks(None)
+                taken[0] += 1
                 yield name, _whole(t).cpu()
 
-        rank0_does(lambda: write(layout_of(tensors), gathered()), what)
+        def write_all() -> None:
+            write(layout_of(tensors), gathered())
+            if taken[0] < len(tensors):  # the others wait for the next gather: told this failure instead
+                raise RuntimeError(f"the writer returned after {taken[0]} of the {len(tensors)} tensors")
+
+        rank0_does(write_all, what)
 
 
 def _whole(t: Tensor) -> Tensor:
@@ -587,11 +595,11 @@ def main(argv: list[str] | None = None) -> None:
             store = open_store(config.store.uri, create_bucket=config.store.create_bucket)
             prefix = checkpoints_prefix(config, args.run_id, ref.rl_step)
             out, out_state = _output(args.out, work / "policy"), _output(args.out_state, work / "state")
-            # rank 0 alone reads the weights and the trainer state (DistributedTrainer.from_checkpoint): the
-            # others download the policy's config, tokenizer and manifest, and no state
-            rank0 = dist.get_rank() == 0
-            policy = fetch(args.policy, weights=rank0)
-            state = fetch(args.state) if rank0 else Path(args.state)
+            # rank 0 alone reads the weights and the trainer state (DistributedTrainer.from_checkpoint), and the
+            # others wait while it downloads and checks them (stopped with its reason if that fails); they download
+            # the policy's config, tokenizer and manifest, and no state
+            fetched = rank0_does(lambda: (fetch(args.policy), fetch(args.state)), "download the policy and state")
+            policy, state = fetched or (fetch(args.policy, weights=False), Path(args.state))
             rows = steps.train(
                 config,
                 policy,

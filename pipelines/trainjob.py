@@ -36,7 +36,7 @@ from kubernetes import config as kube_config
 from kubernetes.client.exceptions import ApiException
 
 from tracefp4.components.checkpoint import MANIFEST, fetch, folder_digest, size_and_sha256
-from tracefp4.components.distributed import DistributedError
+from tracefp4.components.distributed import DistributedError, checkpoints_prefix, clear_checkpoints
 from tracefp4.components.launch import MODULE, rank_arguments, torchrun
 from tracefp4.components.steps import config_digest, store_prefix
 from tracefp4.components.store import ArtifactNotFound, open_store
@@ -286,7 +286,9 @@ class TrainJobRun:
         TrainJob to its end, delete it; or wait for the one an earlier attempt
         of the step left on the same inputs (:meth:`adopt`)."""
         with exit_on_sigterm():  # a terminated run's step deletes its TrainJob too: its ranks hold the GPUs
-            if not self.adopt(inputs, echo):
+            adopted = self.adopt(inputs, echo)
+            if not adopted:
+                self.clear_other_inputs_round(inputs)
                 self.store.put_bytes(f"{self.prefix}/{INPUTS}", inputs)  # before the ranks write any output
                 folders = self.upload(policy, state, trajectories, guidance, round_stats, echo)
                 args = rank_arguments(
@@ -301,13 +303,43 @@ class TrainJobRun:
                     self.uri("new-state"),
                     self.uri("history.json"),
                 )
-                self.create(trainjob(self.config, self.name, self.namespace, args, inputs), echo)
+            ours = True  # from here a failure or SIGTERM deletes the job, also one the create call made as it died
             try:
-                self.wait(echo)
-            except DistributedError as e:  # the ranks' own words, read before the deletion takes their pods
-                raise DistributedError(f"{e}{self.rank_report()}") from None
+                if not adopted and not self.create(
+                    trainjob(self.config, self.name, self.namespace, args, inputs), echo
+                ):
+                    ours = False
+                    raise DistributedError(
+                        f"creating TrainJob {self.namespace}/{self.name}: another attempt of the step created it "
+                        "meanwhile"
+                    )
+                try:
+                    self.wait(echo)
+                except DistributedError as e:  # the ranks' own words, read before the deletion takes their pods
+                    raise DistributedError(f"{e}{self.rank_report()}") from None
             finally:
-                self.delete(echo)
+                if ours:
+                    self.delete(echo)
+
+    def clear_other_inputs_round(self, inputs: bytes) -> None:
+        """Before the round is trained from ``inputs``: delete what the round's
+        folder holds from other inputs (another submission of these settings
+        under the same run id, or none recorded), its outputs (each folder's
+        manifest first) and its ranks' sharded checkpoints, so that neither a
+        retry (:meth:`finished`) nor the ranks (which resume from the newest
+        complete checkpoint) take them for this one's. A retry of an attempt
+        on the same inputs keeps them: its ranks resume where it stopped."""
+        try:
+            if self.store.get_bytes(f"{self.prefix}/{INPUTS}") == inputs:
+                return
+        except ArtifactNotFound:
+            pass
+        self.store.delete(f"{self.prefix}/history.json")  # first: the round no longer looks finished
+        for name in ("new-policy", "new-state"):
+            files = self.store.list(f"{self.prefix}/{name}/")
+            for key in sorted(files, key=lambda k: not k.endswith("/" + MANIFEST)):
+                self.store.delete(key)
+        clear_checkpoints(self.store, checkpoints_prefix(self.config, self.run_id, self.round_index))
 
     def upload(
         self, policy: Path, state: Path, trajectories: Path, guidance: Path, round_stats: dict, echo
@@ -393,9 +425,20 @@ class TrainJobRun:
         left = self.read(echo)
         if left is None:
             return False
+        metadata = left.get("metadata") or {}
+        if metadata.get("deletionTimestamp"):  # an attempt's deletion (its SIGTERM) still under way
+            echo(f"trainjob {self.namespace}/{self.name}: being deleted by an earlier attempt, waiting for it to go")
+            self.delete(echo, wait=True)
+            return False
         conditions = _conditions(left.get("status") or {})
-        annotations = (left.get("metadata") or {}).get("annotations") or {}
-        same = annotations.get(INPUTS_ANNOTATION) == hashlib.sha256(inputs).hexdigest()
+        said = (metadata.get("annotations") or {}).get(INPUTS_ANNOTATION)
+        if said is None:  # created by a tracefp4 before the annotation: the round's record tells its inputs
+            try:
+                same = self.store.get_bytes(f"{self.prefix}/{INPUTS}") == inputs
+            except ArtifactNotFound:
+                same = False
+        else:
+            same = said == hashlib.sha256(inputs).hexdigest()
         if same and "Failed" not in conditions:
             echo(
                 f"trainjob {self.namespace}/{self.name}: left by an earlier attempt on the same inputs: waiting for it"
@@ -412,13 +455,18 @@ class TrainJobRun:
             f"{self.run_id!r} is running; wait for it to end, or submit under another run id"
         )
 
-    def create(self, body: dict, echo) -> None:
-        """Create the TrainJob (:meth:`adopt` found none, or deleted it)."""
+    def create(self, body: dict, echo) -> bool:
+        """Create the TrainJob (:meth:`adopt` found none, or deleted it);
+        False where one is there already (409: another attempt created it
+        since adopt looked)."""
         try:
             self.api.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
-        except ApiException as e:  # 409: another attempt created it since adopt looked
+        except ApiException as e:
+            if e.status == 409:
+                return False
             raise DistributedError(f"creating TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
         echo(f"trainjob {self.namespace}/{self.name}: created ({self.config.train.world_size} processes)")
+        return True
 
     def wait(self, echo) -> None:
         """Until the TrainJob completes; its status changes go to the step's log.

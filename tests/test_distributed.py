@@ -433,8 +433,11 @@ def read(name):
         raise OSError(f"unreadable: {name}")
     return torch.zeros(layout[name][0], dtype=layout[name][1])
 errors = []
+def stops_early(layout, values):
+    next(iter(values))
 for attempt in (lambda: trainer.stream(tensors, full_disk_at(2)), lambda: trainer.stream(tensors, full_disk_at(-1)),
-                lambda: list(trainer.receive(layout, read)), lambda: distributed.from_rank0(lambda: "in step", "x")):
+                lambda: trainer.stream(tensors, stops_early), lambda: list(trainer.receive(layout, read)),
+                lambda: distributed.from_rank0(lambda: "in step", "x")):
     try:
         errors.append(attempt())
     except Exception as e:
@@ -446,7 +449,8 @@ dist.destroy_process_group()
 
 def test_rank_0s_failure_partway_through_a_save_or_load_stops_every_rank_with_its_reason(tmp_path):
     """Rank 0's writer failing after 3 of the tensors it is streamed, or
-    after all of them, and its reading failing at the third: the other rank
+    after all of them, or returning after the first, and its reading failing
+    at the third: the other rank
     stops at once with rank 0's reason (where it would wait in its next gather
     or broadcast until train.timeout_seconds, 10 s here, timed it out), and the
     ranks are still in step for what follows."""
@@ -454,10 +458,12 @@ def test_rank_0s_failure_partway_through_a_save_or_load_stops_every_rank_with_it
     data["train"]["timeout_seconds"] = 10
     two_ranks(RANK0_FAILS, RunConfig.model_validate(data).model_dump_json(), str(tmp_path / "errors"))
     rank0, rank1 = (torch.load(tmp_path / f"errors{r}") for r in range(2))
-    assert rank0[:2] == ["OSError: No space left on device"] * 2 and rank0[2].startswith("OSError: unreadable: ")
-    for mine, reason in zip(rank1[:3], rank0[:3], strict=True):
+    assert rank0[:2] == ["OSError: No space left on device"] * 2
+    assert rank0[2].startswith("RuntimeError: the writer returned after 1 of the ")
+    assert rank0[3].startswith("OSError: unreadable: ")
+    for mine, reason in zip(rank1[:4], rank0[:4], strict=True):
         assert mine.startswith("DistributedError: rank 0 could not ") and mine.endswith(": " + reason), mine
-    assert rank0[3] == rank1[3] == "in step"
+    assert rank0[4] == rank1[4] == "in step"
 
 
 def two_ranks(script: str, *args: str) -> None:

@@ -22,7 +22,7 @@ import yaml
 from kubernetes import client
 
 from tracefp4.components.checkpoint import MANIFEST
-from tracefp4.components.distributed import DistributedError
+from tracefp4.components.distributed import DistributedError, checkpoints_prefix
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import BF16
 from tracefp4.components.store import open_store
@@ -490,23 +490,68 @@ def test_a_trainjob_an_earlier_attempt_left_running_is_waited_for(tmp_path):
     )
 
 
+def test_a_trainjob_being_deleted_or_made_before_the_annotation_is_told_by_what_it_is(tmp_path):
+    """One the earlier attempt was deleting as it died (SIGTERM) is waited out
+    and the round trained anew; one created without the inputs annotation (by
+    an older tracefp4) is this step's if the round's inputs.json says so."""
+    c = config(tmp_path)
+    given = inputs(tmp_path)
+    name = trainjob_name(c, RUN, 0)
+    fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
+    fake.jobs[name] = trainjob(c, name, NAMESPACE, [], module.inputs_record(*given))
+    fake.jobs[name]["metadata"]["deletionTimestamp"] = "2026-12-03T10:00:00Z"
+    rows, log = completed_round(c, fake, given, tmp_path)
+    assert [m for m, _ in fake.calls][:4] == ["GET", "DELETE", "GET", "POST"] and rows == [{"step": 1, "loss": 0.5}]
+    assert any("being deleted by an earlier attempt" in line for line in log)
+
+    for out in ("out", "out-state"):
+        shutil.rmtree(tmp_path / out)
+    open_store(c.store.uri).delete(f"{round_prefix(c, RUN, 0)}/history.json")  # the round not finished
+    fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
+    fake.jobs[name] = trainjob(c, name, NAMESPACE, [], b"{}")
+    del fake.jobs[name]["metadata"]["annotations"]
+    rows, log = completed_round(c, fake, given, tmp_path)
+    assert "POST" not in [m for m, _ in fake.calls] and any("on the same inputs: waiting" in line for line in log)
+
+
 def test_a_trainjob_left_from_other_inputs_is_not_taken_for_this_steps(tmp_path):
     """The round's TrainJob running from other inputs (a second submission of
     the same settings under the same run id) fails the step and is left alone,
-    with its inputs in the store; one that finished from other inputs is
-    deleted and the round trained from this step's own."""
+    with its inputs in the store. One that finished from other inputs is
+    deleted, and so are its outputs and its ranks' checkpoints, before the
+    round is trained from this step's own: neither this step, nor a retry of
+    it after its own TrainJob failed, takes them for its own."""
     c = config(tmp_path)
     name = trainjob_name(c, RUN, 0)
     fake = FakeKubernetes([RUNNING])
     fake.jobs[name] = trainjob(c, name, NAMESPACE, [], b'{"policy": "another"}')
     message, _, _ = failed_round(c, fake, tmp_path, "another submission of these settings under run id")
     assert [m for m, _ in fake.calls] == ["GET"] and name in fake.jobs
-    assert open_store(c.store.uri).list() == []  # nothing of this step's overwrote the running round's inputs
-    fake = FakeKubernetes([COMPLETE, {}, RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
+    store = open_store(c.store.uri)
+    assert store.list() == []  # nothing of this step's overwrote the running round's inputs
+
+    def the_other_submissions_round():
+        store.put_bytes(f"{round_prefix(c, RUN, 0)}/{module.INPUTS}", b'{"policy": "another"}')
+        ranks_upload_outputs(c, tmp_path)()
+        store.put_bytes(f"{round_prefix(c, RUN, 0)}/history.json", json.dumps([{"step": 1, "loss": 9.9}]).encode())
+        store.put_bytes(f"{checkpoints_prefix(c, RUN, 0)}/step-000001/.metadata", b"its ranks' checkpoint")
+
+    the_other_submissions_round()
+    fake = FakeKubernetes([COMPLETE, FAILED])
     fake.jobs[name] = trainjob(c, name, NAMESPACE, [], b'{"policy": "another"}')
-    rows, log = completed_round(c, fake, inputs(tmp_path), tmp_path)
-    assert [m for m, _ in fake.calls][:4] == ["GET", "DELETE", "GET", "POST"] and rows == [{"step": 1, "loss": 0.5}]
+    _, log, job = failed_round(c, fake, tmp_path, "JobsFailed")
+    assert [m for m, _ in fake.calls if "/pods" not in _][:4] == ["GET", "DELETE", "GET", "POST"]
     assert any("left finished from other inputs by an earlier attempt, deleting it" in line for line in log)
+    assert not job.finished(module.inputs_record(*inputs(tmp_path)))  # a retry trains the round
+    left = {key.removeprefix(round_prefix(c, RUN, 0) + "/") for key in store.list()}
+    assert not {"history.json", "new-policy/checksums.json", "new-state/checksums.json"} & left
+    assert store.list(checkpoints_prefix(c, RUN, 0) + "/") == []
+
+    the_other_submissions_round()  # and a step whose TrainJob completes gives its ranks' rows, not the other's
+    fake = FakeKubernetes([{}, RUNNING, COMPLETE])
+    fake.on_get = lambda: "POST" in [m for m, _ in fake.calls] and ranks_upload_outputs(c, tmp_path)()
+    rows, _ = completed_round(c, fake, inputs(tmp_path), tmp_path)
+    assert rows == [{"step": 1, "loss": 0.5}]
 
 
 def test_a_retry_after_the_ranks_finished_takes_their_outputs_without_training_again(tmp_path):
