@@ -4,7 +4,8 @@ KFP v2 has no resource op, so the train component itself creates the
 TrainJob (``trainer.kubeflow.org/v1alpha1``, runtime ``train.trainjob_runtime``,
 ``torch-distributed`` by default) through the Kubernetes API with the
 pipeline runner's service account (its Role in
-manifests/base/kfp/pipeline-runner.yaml grants it), watches it and deletes it when done. The ranks cannot see the
+manifests/base/kfp/pipeline-runner.yaml grants it) suspended, starts it once the round's inputs are uploaded,
+watches it and deletes it when done. The ranks cannot see the
 step's local files, so the round's inputs go to the store first and travel as
 store URIs; the ranks (:mod:`tracefp4.components.distributed`, under the
 runtime's torchrun) write the new policy and the history rows back there.
@@ -210,6 +211,7 @@ def trainjob(config: RunConfig, name: str, namespace: str, args: list[str], inpu
                 resourcesPerNode=models.IoK8sApiCoreV1ResourceRequirements(limits=limits, requests=limits),
             ),
             runtimePatches=[rank_pod_patch(config)],
+            suspend=True,  # until the step has uploaded the round's inputs (TrainJobRun.start)
         ),
     )
     return job.to_dict()
@@ -282,37 +284,41 @@ class TrainJobRun:
     def train(
         self, inputs: bytes, policy: Path, state: Path, trajectories: Path, guidance: Path, round_stats: dict, echo
     ) -> None:
-        """Upload the round's inputs (``inputs``, their record), run the
-        TrainJob to its end, delete it; or wait for the one an earlier attempt
-        of the step left on the same inputs (:meth:`adopt`)."""
+        """Run the round's TrainJob on ``inputs`` (their record) to its end and
+        delete it; or wait for the one an earlier attempt of the step left on
+        the same inputs (:meth:`adopt`). The TrainJob is created suspended
+        before anything is uploaded, and started once the inputs are in the
+        store: the name is the round's claim, so a second submission of these
+        settings under the same run id meets it (:meth:`adopt`, or a 409)
+        instead of uploading over this one's inputs."""
         with exit_on_sigterm():  # a terminated run's step deletes its TrainJob too: its ranks hold the GPUs
             adopted = self.adopt(inputs, echo)
-            if not adopted:
-                self.clear_other_inputs_round(inputs)
-                self.store.put_bytes(f"{self.prefix}/{INPUTS}", inputs)  # before the ranks write any output
-                folders = self.upload(policy, state, trajectories, guidance, round_stats, echo)
-                args = rank_arguments(
-                    self.uri("config.json"),
-                    folders["policy"],
-                    folders["state"],
-                    self.uri("trajectories.jsonl"),
-                    self.uri("guidance.json"),
-                    self.uri("round_stats.json"),
-                    self.run_id,
-                    self.uri("new-policy"),
-                    self.uri("new-state"),
-                    self.uri("history.json"),
-                )
             ours = True  # from here a failure or SIGTERM deletes the job, also one the create call made as it died
             try:
-                if not adopted and not self.create(
-                    trainjob(self.config, self.name, self.namespace, args, inputs), echo
-                ):
-                    ours = False
-                    raise DistributedError(
-                        f"creating TrainJob {self.namespace}/{self.name}: another attempt of the step created it "
-                        "meanwhile"
+                if not adopted:
+                    folders = self.input_folders(policy, state)
+                    args = rank_arguments(
+                        self.uri("config.json"),
+                        folders["policy"],
+                        folders["state"],
+                        self.uri("trajectories.jsonl"),
+                        self.uri("guidance.json"),
+                        self.uri("round_stats.json"),
+                        self.run_id,
+                        self.uri("new-policy"),
+                        self.uri("new-state"),
+                        self.uri("history.json"),
                     )
+                    if not self.create(trainjob(self.config, self.name, self.namespace, args, inputs), echo):
+                        ours = False
+                        raise DistributedError(
+                            f"creating TrainJob {self.namespace}/{self.name}: another attempt or submission created "
+                            "it meanwhile"
+                        )
+                    self.clear_other_inputs_round(inputs)
+                    self.store.put_bytes(f"{self.prefix}/{INPUTS}", inputs)  # before the ranks write any output
+                    self.upload(policy, state, trajectories, guidance, round_stats, folders, echo)
+                    self.start(echo)
                 try:
                     self.wait(echo)
                 except DistributedError as e:  # the ranks' own words, read before the deletion takes their pods
@@ -341,26 +347,36 @@ class TrainJobRun:
                 self.store.delete(key)
         clear_checkpoints(self.store, checkpoints_prefix(self.config, self.run_id, self.round_index))
 
+    def input_folders(self, policy: Path, state: Path) -> dict[str, str]:
+        """The store URIs the ranks read the policy and trainer state from: an
+        earlier round's outputs of the same content where the store has them
+        (:meth:`stored`), else this round's own folders, which :meth:`upload` fills."""
+        return {
+            name: self.stored(Path(folder)) or self.uri(name) for name, folder in (("policy", policy), ("state", state))
+        }
+
     def upload(
-        self, policy: Path, state: Path, trajectories: Path, guidance: Path, round_stats: dict, echo
-    ) -> dict[str, str]:
-        """The round's inputs into the store; the store URIs of the policy and
-        trainer state folders: an earlier round's outputs of the same content
-        where the store has them (:meth:`stored`), else this round's upload."""
+        self,
+        policy: Path,
+        state: Path,
+        trajectories: Path,
+        guidance: Path,
+        round_stats: dict,
+        folders: dict[str, str],
+        echo,
+    ) -> None:
+        """The round's inputs into the store: the policy and trainer state where
+        ``folders`` (:meth:`input_folders`) names this round's own folders."""
         self.store.put_bytes(f"{self.prefix}/config.json", self.config.model_dump_json().encode())
         self.store.put_bytes(f"{self.prefix}/round_stats.json", json.dumps(round_stats).encode())
         self.store.upload(f"{self.prefix}/trajectories.jsonl", trajectories)
         self.store.upload(f"{self.prefix}/guidance.json", guidance)
-        folders = {}
         for name, folder in (("policy", policy), ("state", state)):
-            folders[name] = self.stored(Path(folder))
-            if folders[name] is None:
+            if folders[name] == self.uri(name):
                 for f in sorted(Path(folder).iterdir(), key=lambda f: f.name == MANIFEST):  # the manifest last
                     self.store.upload(f"{self.prefix}/{name}/{f.name}", f)
-                folders[name] = self.uri(name)
             else:
                 echo(f"trainjob {self.namespace}/{self.name}: {name} already in the store at {folders[name]}")
-        return folders
 
     def _pointer(self, manifest: bytes) -> str:
         """Where the store key of this config's output folder with this ``manifest`` is recorded (by its sha256):
@@ -418,19 +434,20 @@ class TrainJobRun:
         """Whether the round's TrainJob is already there, left running or
         completed by an earlier attempt of the step on the same ``inputs``
         (its annotation): then it is waited for, and nothing is uploaded under
-        its ranks. One left failed, or finished from other inputs, is deleted;
-        one still running from other inputs is another submission of these
-        settings under the same run id, and fails the step: its inputs in the
-        store are not overwritten, nor its outputs taken for this one's."""
+        its ranks. One left failed, finished from other inputs, being deleted,
+        or suspended by an attempt that died uploading the same inputs, is
+        deleted. One running or suspended from other inputs is another
+        submission of these settings under the same run id, and fails the
+        step: its inputs in the store are not overwritten, nor its outputs
+        taken for this one's."""
         left = self.read(echo)
         if left is None:
             return False
-        metadata = left.get("metadata") or {}
+        where, metadata = f"trainjob {self.namespace}/{self.name}", left.get("metadata") or {}
         if metadata.get("deletionTimestamp"):  # an attempt's deletion (its SIGTERM) still under way
-            echo(f"trainjob {self.namespace}/{self.name}: being deleted by an earlier attempt, waiting for it to go")
+            echo(f"{where}: being deleted by an earlier attempt, waiting for it to go")
             self.delete(echo, wait=True)
             return False
-        conditions = _conditions(left.get("status") or {})
         said = (metadata.get("annotations") or {}).get(INPUTS_ANNOTATION)
         if said is None:  # created by a tracefp4 before the annotation: the round's record tells its inputs
             try:
@@ -439,20 +456,24 @@ class TrainJobRun:
                 same = False
         else:
             same = said == hashlib.sha256(inputs).hexdigest()
+        conditions = _conditions(left.get("status") or {})
+        suspended = (left.get("spec") or {}).get("suspend")
+        if same and suspended:  # the attempt died uploading its inputs: start over
+            echo(f"{where}: left suspended by an earlier attempt, deleting it")
+            self.delete(echo, wait=True)
+            return False
         if same and "Failed" not in conditions:
-            echo(
-                f"trainjob {self.namespace}/{self.name}: left by an earlier attempt on the same inputs: waiting for it"
-            )
+            echo(f"{where}: left by an earlier attempt on the same inputs: waiting for it")
             return True
         if "Failed" in conditions or "Complete" in conditions:
-            why = "failed" if "Failed" in conditions else "finished from other inputs"
-            echo(f"trainjob {self.namespace}/{self.name}: left {why} by an earlier attempt, deleting it")
+            echo(f"{where}: left {'failed' if 'Failed' in conditions else 'finished from other inputs'}, deleting it")
             self.delete(echo, wait=True)
             return False
         raise DistributedError(
-            f"TrainJob {self.namespace}/{self.name} is training this round from other inputs (the policy, trainer "
-            f"state, trajectories or guidance differ): another submission of these settings under run id "
-            f"{self.run_id!r} is running; wait for it to end, or submit under another run id"
+            f"TrainJob {self.namespace}/{self.name} is {'preparing' if suspended else 'training'} this round from "
+            "other inputs (the policy, trainer state, trajectories or guidance differ): another submission of these "
+            f"settings under run id {self.run_id!r}; wait for it to end (or `kubectl -n {self.namespace} delete "
+            f"trainjob {self.name}` if that run is gone), or submit under another run id"
         )
 
     def create(self, body: dict, echo) -> bool:
@@ -465,8 +486,18 @@ class TrainJobRun:
             if e.status == 409:
                 return False
             raise DistributedError(f"creating TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
-        echo(f"trainjob {self.namespace}/{self.name}: created ({self.config.train.world_size} processes)")
+        echo(f"trainjob {self.namespace}/{self.name}: created, suspended while its inputs upload")
         return True
+
+    def start(self, echo) -> None:
+        """Unsuspend the TrainJob: its inputs are in the store."""
+        try:
+            self.api.patch_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, self.name, {"spec": {"suspend": False}}
+            )
+        except ApiException as e:
+            raise DistributedError(f"starting TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
+        echo(f"trainjob {self.namespace}/{self.name}: started ({self.config.train.world_size} processes)")
 
     def wait(self, echo) -> None:
         """Until the TrainJob completes; its status changes go to the step's log.

@@ -300,7 +300,7 @@ def test_the_runs_account_role_and_secret_live_together(rendered, overlay):
     from tracefp4.pipelines.trainjob import GROUP, PLURAL
 
     trainjobs = [r for r in role["rules"] if r["apiGroups"] == [GROUP] and r["resources"] == [PLURAL]]
-    assert len(trainjobs) == 1 and set(trainjobs[0]["verbs"]) == {"create", "get", "list", "watch", "delete"}
+    assert len(trainjobs) == 1 and set(trainjobs[0]["verbs"]) == {"create", "get", "list", "watch", "patch", "delete"}
 
 
 def test_multi_user_profile_follows_its_namespace(tmp_path):

@@ -293,6 +293,15 @@ class FakeKubernetes:
                     fake.on_complete = None
                 self._answer(200, {**fake.jobs[name], "status": status})
 
+            def do_PATCH(self):  # a merge patch of the job (TrainJobRun.start's spec.suspend)
+                name = self._route()
+                patch = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if name not in fake.jobs:
+                    return self._answer(404, {"kind": "Status", "message": f'trainjobs "{name}" not found'})
+                for key, value in patch.items():
+                    fake.jobs[name].setdefault(key, {}).update(value)
+                self._answer(200, fake.jobs[name])
+
             def do_DELETE(self):
                 name = self._route()
                 if (fake.jobs.get(name) if fake.deletes_hang else fake.jobs.pop(name, None)) is None:
@@ -432,7 +441,7 @@ def test_a_trainjob_left_failed_by_an_earlier_attempt_is_replaced(tmp_path):
     fake.jobs[trainjob_name(c, RUN, 0)] = {"metadata": {"name": "old"}}
     _, log, _ = failed_round(c, fake, tmp_path, "JobsFailed")
     assert [m for m, _ in fake.calls][:4] == ["GET", "DELETE", "GET", "POST"]
-    assert any("left failed by an earlier attempt" in line for line in log)
+    assert any("left failed, deleting it" in line for line in log)
 
 
 def ranks_upload_outputs(c: RunConfig, tmp_path):
@@ -480,6 +489,7 @@ def test_a_trainjob_an_earlier_attempt_left_running_is_waited_for(tmp_path):
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
     name = trainjob_name(c, RUN, 0)
     fake.jobs[name] = trainjob(c, name, NAMESPACE, [], module.inputs_record(*given))
+    fake.jobs[name]["spec"]["suspend"] = False  # started: its inputs were uploaded
     rows, log = completed_round(c, fake, given, tmp_path)
     assert rows == [{"step": 1, "loss": 0.5}] and (tmp_path / "out" / "config.json").exists()
     calls = [m for m, _ in fake.calls]
@@ -488,6 +498,42 @@ def test_a_trainjob_an_earlier_attempt_left_running_is_waited_for(tmp_path):
     assert not any(
         key.endswith(("/trajectories.jsonl", "/policy/checksums.json")) for key in open_store(c.store.uri).list()
     )
+
+
+def test_the_trainjob_claims_the_round_suspended_and_starts_once_the_inputs_are_in_the_store(tmp_path, monkeypatch):
+    """The TrainJob is created suspended before the step uploads anything
+    (the round's claim: another submission meets it instead of uploading
+    over these inputs) and unsuspended after the uploads. A suspended one an
+    attempt left as it died uploading the same inputs is deleted and the
+    round claimed anew; another submission's fails the step as preparing."""
+    c = config(tmp_path)
+    given = inputs(tmp_path)
+    name = trainjob_name(c, RUN, 0)
+    fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
+    at_upload, suspended = [], []
+    real = module.TrainJobRun.upload
+    monkeypatch.setattr(
+        module.TrainJobRun,
+        "upload",
+        lambda self, *args: at_upload.append([m for m, _ in fake.calls]) or real(self, *args),
+    )
+    fake.on_get = lambda: suspended.append(fake.jobs[name]["spec"]["suspend"])
+    rows, _ = completed_round(c, fake, given, tmp_path)
+    assert at_upload == [["GET", "POST"]] and [m for m, _ in fake.calls][2] == "PATCH"
+    assert suspended and not any(suspended) and rows == [{"step": 1, "loss": 0.5}]
+
+    again = tmp_path / "again"  # a store without the round's outputs
+    again.mkdir()
+    c = config(again)
+    name = trainjob_name(c, RUN, 0)
+    fake = FakeKubernetes([FAILED])
+    fake.jobs[name] = trainjob(c, name, NAMESPACE, [], module.inputs_record(*inputs(again)))  # suspended
+    failed_round(c, fake, again, "JobsFailed")  # the new claim's TrainJob fails: the step is done with it
+    assert [m for m, _ in fake.calls][:5] == ["GET", "DELETE", "GET", "POST", "PATCH"]
+    fake = FakeKubernetes([{}])
+    fake.jobs[name] = trainjob(c, name, NAMESPACE, [], b'{"policy": "another"}')
+    failed_round(c, fake, again, "is preparing this round from other inputs")
+    assert [m for m, _ in fake.calls] == ["GET"] and name in fake.jobs
 
 
 def test_a_trainjob_being_deleted_or_made_before_the_annotation_is_told_by_what_it_is(tmp_path):
@@ -509,7 +555,7 @@ def test_a_trainjob_being_deleted_or_made_before_the_annotation_is_told_by_what_
     open_store(c.store.uri).delete(f"{round_prefix(c, RUN, 0)}/history.json")  # the round not finished
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
     fake.jobs[name] = trainjob(c, name, NAMESPACE, [], b"{}")
-    del fake.jobs[name]["metadata"]["annotations"]
+    del fake.jobs[name]["metadata"]["annotations"], fake.jobs[name]["spec"]["suspend"]
     rows, log = completed_round(c, fake, given, tmp_path)
     assert "POST" not in [m for m, _ in fake.calls] and any("on the same inputs: waiting" in line for line in log)
 
@@ -541,7 +587,7 @@ def test_a_trainjob_left_from_other_inputs_is_not_taken_for_this_steps(tmp_path)
     fake.jobs[name] = trainjob(c, name, NAMESPACE, [], b'{"policy": "another"}')
     _, log, job = failed_round(c, fake, tmp_path, "JobsFailed")
     assert [m for m, _ in fake.calls if "/pods" not in _][:4] == ["GET", "DELETE", "GET", "POST"]
-    assert any("left finished from other inputs by an earlier attempt, deleting it" in line for line in log)
+    assert any("left finished from other inputs, deleting it" in line for line in log)
     assert not job.finished(module.inputs_record(*inputs(tmp_path)))  # a retry trains the round
     left = {key.removeprefix(round_prefix(c, RUN, 0) + "/") for key in store.list()}
     assert not {"history.json", "new-policy/checksums.json", "new-state/checksums.json"} & left
