@@ -294,11 +294,12 @@ for _ in range(4):
 @pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's malloc thresholds")
 def test_a_cpu_step_process_keeps_freed_memory_instead_of_faulting_it_in_again(tmp_path):
     """Rollouts of the benchmark's batch (128 x 32 + 64 tokens) in a fresh CPU
-    step process: after the first two calls, next to no page faults. Without
+    step process: after the first two calls, next to no page faults (0-2,051 seen). Without
     keep_freed_memory glibc handed the memory of tensors of a few hundred KB
     back to the kernel, and the third and fourth calls faulted 16,000 to
     60,000 pages in again (two fresh processes)."""
     config = smoke(tmp_path, "cpu").model_dump_json()
     run = subprocess.run([sys.executable, "-c", FAULTS_OF_ROLLOUTS], input=config, **RUN_QUIETLY)
     faults = [int(line) for line in run.stdout.split()]
-    assert sum(faults[2:]) < 2000, faults
+    # 2,051 once, in a clean clone's CI with another test file running beside it; a third of the least seen without
+    assert sum(faults[2:]) < 5000, faults
