@@ -274,8 +274,10 @@ class TrainJobRun:
         second submission under it must train its rounds from its own
         inputs, not take what the first trained from others."""
         keys = set(self.store.list(self.prefix + "/"))
-        if not {f"{self.prefix}/{name}" for name in OUTPUTS} <= keys:
-            return False
+        return {f"{self.prefix}/{name}" for name in OUTPUTS} <= keys and self.recorded(inputs)
+
+    def recorded(self, inputs: bytes) -> bool:
+        """Whether the round's folder records ``inputs`` as what it was last trained from (:data:`INPUTS`)."""
         try:
             return self.store.get_bytes(f"{self.prefix}/{INPUTS}") == inputs
         except ArtifactNotFound:
@@ -335,11 +337,8 @@ class TrainJobRun:
         retry (:meth:`finished`) nor the ranks (which resume from the newest
         complete checkpoint) take them for this one's. A retry of an attempt
         on the same inputs keeps them: its ranks resume where it stopped."""
-        try:
-            if self.store.get_bytes(f"{self.prefix}/{INPUTS}") == inputs:
-                return
-        except ArtifactNotFound:
-            pass
+        if self.recorded(inputs):
+            return
         self.store.delete(f"{self.prefix}/history.json")  # first: the round no longer looks finished
         for name in ("new-policy", "new-state"):
             files = self.store.list(f"{self.prefix}/{name}/")
@@ -449,13 +448,8 @@ class TrainJobRun:
             self.delete(echo, wait=True)
             return False
         said = (metadata.get("annotations") or {}).get(INPUTS_ANNOTATION)
-        if said is None:  # created by a tracefp4 before the annotation: the round's record tells its inputs
-            try:
-                same = self.store.get_bytes(f"{self.prefix}/{INPUTS}") == inputs
-            except ArtifactNotFound:
-                same = False
-        else:
-            same = said == hashlib.sha256(inputs).hexdigest()
+        # without the annotation (created by an older tracefp4), the round's record tells its inputs
+        same = self.recorded(inputs) if said is None else said == hashlib.sha256(inputs).hexdigest()
         conditions = _conditions(left.get("status") or {})
         suspended = (left.get("spec") or {}).get("suspend")
         if same and suspended:  # the attempt died uploading its inputs: start over
