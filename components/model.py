@@ -248,20 +248,25 @@ def scale_normed(normed: Tensor, weight: Tensor, unit_offset: bool, dtype: torch
 
 def rope_cos_sin(positions: Tensor, dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos, sin ``[B, 1, S, dim]`` for integer positions ``[B, S]`` (float32
-    math); ``dim`` is the rotated part of a head."""
+    math); ``dim`` is the rotated part of a head. The first half of sin is
+    negated: :func:`apply_rope` carries the sign of its half swap there."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat([freqs, freqs], -1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = emb.sin()
+    return emb.cos().to(dtype), torch.cat([-sin[..., : dim // 2], sin[..., dim // 2 :]], -1).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the first ``cos.shape[-1]`` dims of each head (all of them unless RoPE is partial)."""
+    """Rotate the first ``cos.shape[-1]`` dims of each head (all of them unless
+    RoPE is partial): ``x * cos + rotate_half(x) * sin``, where rotate_half
+    (``[-x2, x1]``) is the roll ``[x2, x1]`` times :func:`rope_cos_sin`'s signed
+    sin; the same values (a product's sign is exact), in two ops fewer per layer."""
     dim = cos.shape[-1]
-    x, rest = x[..., :dim], x[..., dim:]
-    half = dim // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return torch.cat([x * cos + rotated * sin, rest], -1) if rest.shape[-1] else x * cos + rotated * sin
+    if dim == x.shape[-1]:
+        return x * cos + x.roll(dim // 2, -1) * sin
+    rotary, rest = x[..., :dim], x[..., dim:]
+    return torch.cat([rotary * cos + rotary.roll(dim // 2, -1) * sin, rest], -1)
 
 
 class Linear(nn.Linear):
@@ -278,9 +283,11 @@ class Sites(Protocol):
     def moe_in(self, layer: int, x: Tensor) -> Tensor:
         """Input of the gate/up projections, ``x [T, hidden]`` (one row per token)."""
 
-    def moe_down_in(self, layer: int, h: Tensor, token: Tensor, slot: Tensor, expert: Tensor) -> Tensor:
-        """Input of the down projections ``h [T*k, moe_intermediate]``, row r
-        belonging to ``token[r]``'s slot ``slot[r]``, routed to ``expert[r]``."""
+    def moe_down_in(self, layer: int, h: Tensor, rows: "ExpertRows") -> Tensor:
+        """Input of the down projections ``h``, in ``rows``' expert layout (and
+        returned in it): a site that acts on it sees it in row order, row r
+        ``token[r]``'s slot ``slot[r]``, routed to ``expert[r]``, through
+        :meth:`ExpertRows.per_row`; one that leaves it as is costs nothing."""
 
     def kv(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """K (after RoPE) and V ``[B, kv_heads, S, head_dim]`` on a cache-less pass."""
@@ -456,42 +463,83 @@ def grouped_matmuls(x: Tensor, weights: Tensor) -> bool:
 
 class ExpertRows:
     """The rows of a MoE layer, one per (token, slot) (row r = token r // k,
-    slot r % k), each multiplied by its expert's weights in one batched op.
+    slot r % k), laid out for one batched matmul by expert, and kept in that
+    layout from the gate/up matmul through the down matmul: the gathers in and
+    out happen once per layer, not around each matmul (on the CPU a tenth of a
+    decode step, on a GPU two copies of every row).
 
     Where :func:`grouped_matmuls` (CUDA): the rows sorted by expert, one
     ``F.grouped_mm`` over the jagged groups; the group offsets never leave the
     device, so a step needs no host sync and a CUDA graph captures it without
-    room to spare. Elsewhere: a zero-padded grid ``[E, width, .]`` (each row at
-    its expert and its rank among that expert's rows; ``width`` the busiest
-    expert's rows) and one ``bmm`` (on the CPU faster than ``grouped_mm``,
-    which runs there expert by expert); a CUDA graph capture cannot read the
-    width from the device, so there every expert gets room for every row."""
+    room to spare. Elsewhere: a grid ``[E, width, .]`` (each row at its expert
+    and its rank among that expert's rows; ``width`` the busiest expert's
+    rows; the cells no row takes are zero and stay zero through SwiGLU) and one
+    ``bmm`` (on the CPU faster than ``grouped_mm``, which runs there expert by
+    expert); a CUDA graph capture cannot read the width from the device, so
+    there every expert gets room for every row."""
 
     def __init__(self, experts: Tensor, n_experts: int, grouped: bool):
-        self.flat, self.n_experts, self.grouped = experts.reshape(-1), n_experts, grouped
-        flat = self.flat
+        self.expert, self.n_experts, self.grouped = experts.reshape(-1), n_experts, grouped
+        self.k, flat, device = experts.shape[1], self.expert, experts.device
         if grouped:
             self.order = torch.argsort(flat, stable=True)  # rows by expert, in row order within each
             self.unsort = torch.empty_like(self.order)
-            self.unsort[self.order] = torch.arange(len(flat), device=flat.device)
-            counts = torch.zeros(n_experts, dtype=torch.int32, device=flat.device)
+            self.unsort[self.order] = torch.arange(len(flat), device=device)
+            counts = torch.zeros(n_experts, dtype=torch.int32, device=device)
             self.offsets = counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)).cumsum(
                 0, dtype=torch.int32
             )
+            self.sources = self.order // self.k  # the token of each sorted row
         else:
             # each row's rank among its expert's rows (one_hot would check its input's range on the CPU, a device read)
-            chosen = flat[:, None] == torch.arange(n_experts, device=flat.device)
-            rank = chosen.long().cumsum(0).gather(1, flat[:, None])[:, 0] - 1
-            self.width = len(flat) if graph_capturing(flat) else int(rank.max()) + 1
-            self.slot = flat * self.width + rank  # each row's place in the grid, flattened
+            rank = (flat[:, None] == torch.arange(n_experts, device=device)).cumsum(0).gather(1, flat[:, None])[:, 0]
+            self.width = len(flat) if graph_capturing(flat) else int(rank.max())
+            self.place = flat * self.width + rank - 1  # each row's cell in the grid, flattened
+            tokens = len(flat) // self.k  # the token of each cell; a free cell reads the zero row after the last
+            self.sources = torch.full((n_experts * self.width,), tokens, device=device).index_copy_(
+                0, self.place, self.token
+            )
 
-    def matmul(self, rows: Tensor, weights: Tensor) -> Tensor:
-        """``rows [T*k, in]`` times their experts' ``weights [E, in, out]``: ``[T*k, out]``, in row order."""
+    @functools.cached_property
+    def token(self) -> Tensor:
+        """Each row's token, in row order."""
+        return torch.arange(len(self.expert), device=self.expert.device) // self.k
+
+    @functools.cached_property
+    def slot(self) -> Tensor:
+        """Each row's slot among its token's k experts, in row order."""
+        return torch.arange(len(self.expert), device=self.expert.device) % self.k
+
+    def gather(self, tokens: Tensor) -> Tensor:
+        """Each row's token of ``tokens [T, in]``, in the expert layout."""
         if self.grouped:
-            return F.grouped_mm(rows[self.order], weights, offs=self.offsets)[self.unsort]
-        grid = rows.new_zeros(self.n_experts * self.width, rows.shape[-1]).index_copy(0, self.slot, rows)
-        out = bf16_op(torch.bmm, grid.view(self.n_experts, self.width, -1), weights)
-        return out.view(-1, out.shape[-1]).index_select(0, self.slot)  # on the CPU far faster than out[e, r]
+            return tokens.index_select(0, self.sources)
+        padded = F.pad(tokens, (0, 0, 0, 1))  # the zero row of the free cells
+        return padded.index_select(0, self.sources).view(self.n_experts, self.width, -1)
+
+    def matmul(self, h: Tensor, weights: Tensor) -> Tensor:
+        """``h`` (the expert layout) times each row's expert's ``weights [E, in, out]``, in the expert layout."""
+        if self.grouped:
+            return F.grouped_mm(h, weights, offs=self.offsets)
+        return bf16_op(torch.bmm, h, weights)
+
+    def rows(self, h: Tensor) -> Tensor:
+        """``h`` from the expert layout to row order, ``[T*k, .]``."""
+        if self.grouped:
+            return h.index_select(0, self.unsort)
+        return h.reshape(-1, h.shape[-1]).index_select(0, self.place)  # on the CPU far faster than h[e, r]
+
+    def layout(self, rows: Tensor) -> Tensor:
+        """``rows [T*k, .]`` from row order to the expert layout."""
+        if self.grouped:
+            return rows.index_select(0, self.order)
+        grid = rows.new_zeros(self.n_experts * self.width, rows.shape[-1]).index_copy(0, self.place, rows)
+        return grid.view(self.n_experts, self.width, -1)
+
+    def per_row(self, site, h: Tensor) -> Tensor:
+        """``site(rows, token, slot, expert)`` of ``h``'s rows in row order (what
+        a site acting on rows sees), back in the expert layout."""
+        return self.layout(site(self.rows(h), self.token, self.slot, self.expert))
 
 
 class MoE(nn.Module):
@@ -529,12 +577,11 @@ class MoE(nn.Module):
             xq = sites.moe_in(layer, x)
         k = self.cfg.top_k
         expert_rows = ExpertRows(experts, self.cfg.num_experts, grouped_matmuls(xq, w_gate_up))
-        gate, up = expert_rows.matmul(xq[:, None].expand(-1, k, -1).reshape(-1, h), w_gate_up).chunk(2, dim=-1)
-        inter = F.silu(gate) * up  # [T*k, I]: row r = token r // k, slot r % k
+        gate, up = expert_rows.matmul(expert_rows.gather(xq), w_gate_up).chunk(2, dim=-1)
+        inter = F.silu(gate) * up  # in the expert layout
         if sites is not None:
-            rows = torch.arange(inter.shape[0], device=x.device)
-            inter = sites.moe_down_in(layer, inter, rows // k, rows % k, expert_rows.flat)
-        out = expert_rows.matmul(inter, w_down).view(-1, k, h)  # [T, k, H]
+            inter = sites.moe_down_in(layer, inter, expert_rows)
+        out = expert_rows.rows(expert_rows.matmul(inter, w_down)).view(-1, k, h)  # [T, k, H]
         routed = out[:, 0] * weights[:, 0, None]
         for slot in range(1, k):  # slot by slot: on the CPU a sum over the small middle axis is slow
             routed = routed + out[:, slot] * weights[:, slot, None]

@@ -218,9 +218,9 @@ class _ExpertInputs:
         self._x[layer] = x
         return x
 
-    def moe_down_in(self, layer, h, token, slot, expert):
-        self._add(layer, "gate_up", self._x.pop(layer)[token], expert, self.num_experts)
-        self._add(layer, "down", h, expert, self.num_experts)
+    def moe_down_in(self, layer, h, rows):
+        self._add(layer, "gate_up", self._x.pop(layer)[rows.token], rows.expert, self.num_experts)
+        self._add(layer, "down", rows.rows(h), rows.expert, self.num_experts)
         return h
 
     def kv(self, layer, k, v):

@@ -151,14 +151,21 @@ class TrainingSites:
         """Per row of a (host) guidance table, the microbatch sequence of its trajectory (-1: another microbatch's)."""
         return torch.tensor([self.row_of.get(t, -1) for t in table.traj.tolist()], dtype=torch.long)
 
-    def _fp4(self, layer: int, site: str, x: Tensor, expert: Tensor | None = None, token=None, slot=None) -> Tensor:
-        fmt = self.quant.site_format(site)
+    def _keeps(self, site: str) -> bool:
+        """Whether this method leaves ``site``'s values as they are."""
         if self.method in ("bf16", "tis_sc") or (self.method == "quads" and site != "expert_weights"):
+            return True
+        return self.quant.site_format(site) is None and not self._fp8(site)
+
+    def _fp8(self, site: str) -> bool:
+        return site in ACTIVATION_SITES and self.quant.activations == "fp8"
+
+    def _fp4(self, layer: int, site: str, x: Tensor, expert: Tensor | None = None, token=None, slot=None) -> Tensor:
+        if self._keeps(site):
             return x
-        if site in ACTIVATION_SITES and self.quant.activations == "fp8":
+        if self._fp8(site):
             return fake_quantize(x, "fp8")
-        if fmt is None:
-            return x
+        fmt = self.quant.site_format(site)
         g = self.quant.global_scale(site, x.detach(), self.global_scales, layer)
         # unchecked (checking reads the device): static scales were checked where made, per-token ones are valid as made
         q = quantize(x.detach(), fmt, global_scale=g, check_scale=False)
@@ -237,8 +244,10 @@ class TrainingSites:
     def moe_in(self, layer, x):
         return self._fp4(layer, "moe_in", x)
 
-    def moe_down_in(self, layer, h, token, slot, expert):
-        return self._fp4(layer, "moe_down_in", h, expert, token, slot)
+    def moe_down_in(self, layer, h, rows):
+        if self._keeps("moe_down_in"):
+            return h
+        return rows.per_row(lambda r, token, slot, expert: self._fp4(layer, "moe_down_in", r, expert, token, slot), h)
 
     def kv(self, layer, k, v):
         return self._kv(layer, "k_cache", k), self._kv(layer, "v_cache", v)

@@ -25,6 +25,7 @@ modes serving engines use (``QuantConfig.activation_global_scale``):
 KV global scales are static in both; weights use their own amax.
 """
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -215,8 +216,8 @@ class _AmaxRecorder:
         self._see(layer, "moe_in", x)
         return x
 
-    def moe_down_in(self, layer, h, token, slot, expert):
-        self._see(layer, "moe_down_in", h)
+    def moe_down_in(self, layer, h, rows):
+        self._see(layer, "moe_down_in", rows.rows(h))
         return h
 
     def kv(self, layer, k, v):
@@ -310,8 +311,10 @@ class QuantSites:
     def moe_in(self, layer, x):
         return self._activation(layer, "moe_in", x)
 
-    def moe_down_in(self, layer, h, token, slot, expert):
-        return self._activation(layer, "moe_down_in", h, token, slot, expert)
+    def moe_down_in(self, layer, h, rows):
+        if self.q.activations is None:
+            return h
+        return rows.per_row(functools.partial(self._activation, layer, "moe_down_in"), h)
 
     def expert_weights(self, layer, gate_up, down):
         return gate_up, down  # quantized in place at weight sync

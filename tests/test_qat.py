@@ -12,7 +12,7 @@ from tracefp4.components import quant, rl, steps
 from tracefp4.components.capture import Capture, CaptureConfig, SiteTable, TokenMap
 from tracefp4.components.guidance import GuidanceError, GuidanceLoader, MicrobatchGuidance, read_step, write_step
 from tracefp4.components.mismatch import compare, join_rows
-from tracefp4.components.model import build_model
+from tracefp4.components.model import ExpertRows, build_model
 from tracefp4.components.qat import TrainingSites
 from tracefp4.components.quant import QuantConfig, fp4_expert_weights, rollout_config
 from tracefp4.components.rl import (
@@ -412,7 +412,8 @@ def test_an_experts_guidance_follows_it_to_another_slot():
     )  # fmt: skip
     sites = guided_by(rollout, scale, tokens)
     swapped = h.view(tokens, k, width).flip(1).reshape(-1, width)  # expert 5's input first
-    out = sites.moe_down_in(0, swapped, pos, slot, torch.tensor([5, 3] * tokens))
+    expert_rows = ExpertRows(torch.tensor([[5, 3]] * tokens), 8, grouped=False)
+    out = expert_rows.rows(sites.moe_down_in(0, expert_rows.layout(swapped), expert_rows))
     assert sites.coverage.rate == 1.0
     assert torch.equal(out.view(tokens, k, width).flip(1).reshape(-1, width), dequantize(q))
     training = replace(rollout, slot=slot, expert=torch.tensor([5, 3] * tokens))
