@@ -464,9 +464,9 @@ def grouped_matmuls(x: Tensor, weights: Tensor) -> bool:
 class ExpertRows:
     """The rows of a MoE layer, one per (token, slot) (row r = token r // k,
     slot r % k), laid out for one batched matmul by expert, and kept in that
-    layout from the gate/up matmul through the down matmul: the gathers in and
-    out happen once per layer, not around each matmul (on the CPU a tenth of a
-    decode step, on a GPU two copies of every row).
+    layout from the gate/up matmul through the down matmul: the rows are
+    gathered in and read out once per layer, not around each matmul (two
+    copies of every row fewer, and fewer calls: docs/rollout.md).
 
     Where :func:`grouped_matmuls` (CUDA): the rows sorted by expert, one
     ``F.grouped_mm`` over the jagged groups; the group offsets never leave the
@@ -581,10 +581,10 @@ class MoE(nn.Module):
         inter = F.silu(gate) * up  # in the expert layout
         if sites is not None:
             inter = sites.moe_down_in(layer, inter, expert_rows)
-        out = expert_rows.rows(expert_rows.matmul(inter, w_down)).view(-1, k, h)  # [T, k, H]
-        routed = out[:, 0] * weights[:, 0, None]
+        out = expert_rows.rows(expert_rows.matmul(inter, w_down)).view(-1, k, h) * weights[..., None]  # [T, k, H]
+        routed = out[:, 0]
         for slot in range(1, k):  # slot by slot: on the CPU a sum over the small middle axis is slow
-            routed = routed + out[:, slot] * weights[:, slot, None]
+            routed = routed + out[:, slot]
         if self.cfg.shared_expert_intermediate_size:
             routed = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed.reshape(b, s, h)
