@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import transformers
 
 from tracefp4.components.checkpoint import config_from_hf, config_to_hf, load_model, save_model
-from tracefp4.components.model import PRESETS, CausalAttention, build_model, grouped_matmuls
+from tracefp4.components.model import PRESETS, CausalAttention, ExpertRows, build_model, grouped_matmuls
 from tracefp4.components.quant import ROLLOUT_CONFIGS, QuantConfig, quant_sites, rollout_config
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -195,6 +195,38 @@ def test_quantization_sites():
         rollout_config("fp3")
     with pytest.raises(ValueError, match="kv format 'fp8'"):
         QuantConfig(kv="fp8")
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_expert_rows_keep_one_layout_between_the_matmuls(grouped):
+    """``ExpertRows`` gathers each (token, slot) row's token into the expert
+    layout, multiplies there, and gives rows back in row order (row r: token
+    r // k, slot r % k); a site sees the rows in row order with their token,
+    slot and expert, and its result goes back into the layout."""
+    gen = torch.Generator().manual_seed(0)
+    tokens, k, n_experts, width = 5, 2, 4, 8
+    experts = torch.stack([torch.randperm(n_experts, generator=gen)[:k] for _ in range(tokens)])
+    x = torch.randn(tokens, width, generator=gen)
+    weights = torch.randn(n_experts, width, 4, generator=gen)  # grouped_mm: rows of whole 16 bytes
+    rows = ExpertRows(experts, n_experts, grouped)
+    token_rows = x.repeat_interleave(k, 0)
+    assert torch.equal(rows.rows(rows.gather(x)), token_rows)
+    assert torch.equal(rows.rows(rows.layout(token_rows)), token_rows)
+    expected = torch.stack([token_rows[r] @ weights[e] for r, e in enumerate(experts.reshape(-1).tolist())])
+    torch.testing.assert_close(rows.rows(rows.matmul(rows.gather(x), weights)), expected)
+    seen = {}
+
+    def site(h, token, slot, expert):
+        seen.update(h=h, token=token, slot=slot, expert=expert)
+        return h * 2
+
+    doubled = rows.rows(rows.per_row(site, rows.gather(x)))
+    assert torch.equal(seen["h"], token_rows) and torch.equal(doubled, 2 * token_rows)
+    assert seen["token"].tolist() == [r // k for r in range(tokens * k)]
+    assert seen["slot"].tolist() == [r % k for r in range(tokens * k)]
+    assert torch.equal(seen["expert"], experts.reshape(-1))
+    if not grouped:  # the grid's free cells are zero: SwiGLU keeps them zero, the down matmul reads nothing from them
+        assert rows.gather(x).abs().sum(-1).eq(0).sum() == n_experts * rows.width - tokens * k
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
