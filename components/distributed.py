@@ -522,9 +522,7 @@ def checkpoints_prefix(config, run_id: str, rl_step: int) -> str:
 def clear_checkpoints(store: ArtifactStore, prefix: str, keep: str | None = None) -> None:
     """Delete the sharded checkpoints under ``prefix`` but the one under ``keep``; each
     loses its ``.metadata`` first, so that a half-deleted one is never read."""
-    keys = [k for k in store.list(prefix.rstrip("/") + "/") if keep is None or not k.startswith(keep + "/")]
-    for key in sorted(keys, key=lambda k: not k.endswith("/" + METADATA)):
-        store.delete(key)
+    store.delete_folder(prefix, METADATA, keep)
 
 
 def open_trainer(prefix: str | None, store: ArtifactStore | None, run_id: str):

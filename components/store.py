@@ -142,6 +142,15 @@ class ArtifactStore(ABC):
     def delete(self, key: str) -> None:
         """Remove the object; a missing one is no error."""
 
+    def delete_folder(self, prefix: str, marker: str, keep: str | None = None) -> None:
+        """Delete the keys under ``prefix`` (but those under ``keep``), each
+        folder's ``marker`` (the file that says the folder is whole: a
+        manifest, a checkpoint's ``.metadata``) first, so that a half-deleted
+        folder is never read as whole."""
+        keys = [k for k in self.list(prefix.rstrip("/") + "/") if keep is None or not k.startswith(keep + "/")]
+        for key in sorted(keys, key=lambda k: not k.endswith("/" + marker)):
+            self.delete(key)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
 

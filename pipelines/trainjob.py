@@ -341,9 +341,7 @@ class TrainJobRun:
             return
         self.store.delete(f"{self.prefix}/history.json")  # first: the round no longer looks finished
         for name in ("new-policy", "new-state"):
-            files = self.store.list(f"{self.prefix}/{name}/")
-            for key in sorted(files, key=lambda k: not k.endswith("/" + MANIFEST)):
-                self.store.delete(key)
+            self.store.delete_folder(f"{self.prefix}/{name}", MANIFEST)
         clear_checkpoints(self.store, checkpoints_prefix(self.config, self.run_id, self.round_index))
 
     def input_folders(self, policy: Path, state: Path) -> dict[str, str]:
@@ -420,8 +418,7 @@ class TrainJobRun:
                 folders.add(key)
                 self.store.delete(self._pointer((folder / MANIFEST).read_bytes()))
         for folder in sorted(folders - {f"{self.prefix}/new-policy", f"{self.prefix}/new-state"}):  # never outputs
-            for key in sorted(self.store.list(folder + "/"), key=lambda k: not k.endswith("/" + MANIFEST)):
-                self.store.delete(key)
+            self.store.delete_folder(folder, MANIFEST)
 
     def remember(self, name: str) -> None:
         """Record where the ranks' output folder ``name`` is, by the sha256 of its

@@ -83,6 +83,21 @@ def test_delete_removes_one_object_and_a_missing_one_is_no_error(store):
         store.get_bytes("ckpt/step-1/.metadata")
 
 
+def test_delete_folder_deletes_each_marker_first_and_keeps_the_rest(store):
+    """A folder deleted part way never reads as whole: every folder's marker
+    goes before any of its other files; ``keep`` and other prefixes stay."""
+    keys = ["ck/1/a", "ck/1/.metadata", "ck/2/b", "ck/2/.metadata", "ck/3/c", "ck/3/.metadata", "ckx/d"]
+    for key in keys:
+        store.put_bytes(key, b"x")
+    deleted = []
+    delete = store.delete
+    store.delete = lambda key: (deleted.append(key), delete(key))
+    store.delete_folder("ck", ".metadata", keep="ck/3")
+    assert sorted(deleted) == ["ck/1/.metadata", "ck/1/a", "ck/2/.metadata", "ck/2/b"]
+    assert {k for k in deleted[:2]} == {"ck/1/.metadata", "ck/2/.metadata"}
+    assert store.list() == ["ck/3/.metadata", "ck/3/c", "ckx/d"]
+
+
 def test_missing_key(store):
     with pytest.raises(ArtifactNotFound, match="nope/x.bin") as info:
         store.get_bytes("nope/x.bin")
