@@ -600,13 +600,7 @@ class TrainJobRun:
             return
         echo(f"trainjob {self.namespace}/{self.name}: deleted")
         since = time.monotonic()
-        while wait:
-            try:
-                self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
-            except ApiException as e:
-                if e.status == 404:
-                    return
-                raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
+        while wait and self.read(echo, since) is not None:  # an API server that does not answer is no news here too
             if time.monotonic() - since > self.config.train.timeout_seconds:
                 raise DistributedError(
                     f"TrainJob {self.namespace}/{self.name} is still there {self.config.train.timeout_seconds} s "

@@ -629,6 +629,22 @@ def test_an_api_server_that_does_not_answer_for_a_while_is_waited_out(tmp_path):
     assert any("status unreadable" in line for line in log)
 
 
+def test_a_deletion_waited_for_outlasts_an_api_server_that_does_not_answer(tmp_path, clock):
+    """The job's gets answer 503 (the API server restarting) after its deletion: no news, polled again until gone."""
+    c = config(tmp_path, timeout_seconds=30)
+    fake = FakeKubernetes([FAILED], unavailable_gets=2)
+    log = []
+    try:
+        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=1)
+        fake.jobs[job.name] = {"metadata": {"name": job.name}}
+        job.delete(log.append, wait=True)
+    finally:
+        fake.close()
+    gets = [method for method, path in fake.calls if path.endswith(job.name)]
+    assert gets == ["DELETE", "GET", "GET", "GET"] and not fake.jobs  # two unanswered, then 404: gone
+    assert log[0].endswith("deleted") and "status unreadable" in log[1] and clock.now == 2
+
+
 def test_a_terminated_step_deletes_its_trainjob(tmp_path):
     """SIGTERM (the run terminated) while the ranks train: the step exits, its TrainJob deleted on the way out."""
     fake = FakeKubernetes([RUNNING], on_get=lambda: os.kill(os.getpid(), signal.SIGTERM))
