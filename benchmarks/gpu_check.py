@@ -75,6 +75,12 @@ def plan(device: str, run_dir: Path) -> list[Step]:
         "2",
         "--linear-steps",
         "2",
+        "--batching-rows",
+        "2",
+        "--batching-requests",
+        "5",
+        "--batching-new-tokens",
+        "8",
     ]
     return [
         Step("triton_kernel_tests", triton_tests, 130, needs_cuda="the Triton kernels take CUDA tensors only"),

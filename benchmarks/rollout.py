@@ -1,12 +1,14 @@
 """Rollout throughput: this engine vs transformers' ``generate`` on the same
 checkpoint, batch and lengths (BF16, both with a KV cache), and the torch
 calls each makes per decode step; the cost of capture; bytes captured per
-token; KV cache bytes per token; and how decode speed of Gated DeltaNet
-layers (qwen3_5_moe) holds up as the context grows.
+token; KV cache bytes per token; how decode speed of Gated DeltaNet
+layers (qwen3_5_moe) holds up as the context grows; and what continuous
+batching gains over static waves when responses end at scattered lengths.
 
     python benchmarks/rollout.py [--preset tiny] [--batches 32 128] [--prompt-len 32] [--new-tokens 64] [--repeat 3]
     python benchmarks/rollout.py --linear-decode-only   # the Gated DeltaNet row alone
     python benchmarks/rollout.py --speed-only           # the engine against generate alone
+    python benchmarks/rollout.py --batching-only        # continuous batching against static waves alone
 
 The last line is one JSON object with every figure, and the CPU it was
 measured on (model, bf16 native or emulated: ``TRACEFP4_CPU_BF16``).
@@ -142,6 +144,62 @@ def linear_decode_scaling(args, device: str) -> dict:
     return figures
 
 
+def continuous_batching(args, model, device: str) -> dict:
+    """``--batching-requests`` requests, ``--batching-rows`` at a time, whose
+    responses end at a stop token drawn with probability 1/64 per token (the
+    sampled tokens of random weights spread evenly over the vocabulary: a long
+    tail of lengths up to ``--batching-new-tokens``). One call that runs them
+    with ``max_running_requests`` (waiting requests take the rows of finished
+    ones) against one call per static wave of as many (each wave runs until
+    its longest response ends), in the same process on the same engine
+    settings: response tokens per second, and the same responses."""
+    rows, n = args.batching_rows, args.batching_requests
+    stops = tuple(range(0, model.cfg.vocab_size, 64))
+    sampling = SamplingParams(max_new_tokens=args.batching_new_tokens, seed=0, stop_tokens=stops)
+    gen = torch.Generator().manual_seed(1)
+    lengths = torch.randint(args.prompt_len // 2, args.prompt_len + 1, (n,), generator=gen)
+    prompts = [torch.randint(0, model.cfg.vocab_size, (int(k),), generator=gen).tolist() for k in lengths]
+    continuous = TorchEngine(model, rollout_config("bf16"), device=device, max_running_requests=rows)
+    static = TorchEngine(model, rollout_config("bf16"), device=device)
+    out, steps = {}, {}  # the decode steps of a rollout: where the time goes
+
+    def in_waves():
+        return [t for i in range(0, n, rows) for t in static.generate(prompts[i : i + rows], sampling, i, i)]
+
+    def timed(name, engine, run):
+        before, start = engine.decode_steps, time.perf_counter()
+        out[name] = run()
+        seconds, steps[name] = time.perf_counter() - start, engine.decode_steps - before
+        return sum(len(t.response) for t in out[name]) / seconds
+
+    continuous.generate(prompts[:2], SamplingParams(max_new_tokens=2))  # warm-up
+    ours, waves = best_of(
+        args.repeat,
+        lambda: timed("continuous", continuous, lambda: continuous.generate(prompts, sampling, 0)),
+        lambda: timed("waves", static, in_waves),
+    )
+    responses = [[(t.id, t.response, t.logprobs) for t in out[name]] for name in ("continuous", "waves")]
+    figures = {
+        "batching_rows": rows,
+        "batching_requests": n,
+        "batching_mean_response_tokens": sum(len(t.response) for t in out["waves"]) / n,
+        "batching_max_response_tokens": max(len(t.response) for t in out["waves"]),
+        "batching_continuous_tokens_per_s": ours,
+        "batching_waves_tokens_per_s": waves,
+        "batching_continuous_over_waves": ours / waves,
+        "batching_continuous_decode_steps": steps["continuous"],
+        "batching_waves_decode_steps": steps["waves"],
+        "batching_same_responses": responses[0] == responses[1],
+    }
+    print(
+        f"{n} requests, {rows} at a time, responses of {figures['batching_mean_response_tokens']:.0f} tokens on "
+        f"average ({figures['batching_max_response_tokens']} at most): continuous batching {ours:.0f} tok/s, static "
+        f"waves {waves:.0f} tok/s, {ours / waves:.2f}x, in {steps['continuous']} and {steps['waves']} decode steps; "
+        f"same responses: {figures['batching_same_responses']}"
+    )
+    return figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="tiny")
@@ -154,6 +212,10 @@ def main() -> None:
     parser.add_argument("--linear-steps", type=int, default=32, help="decode steps timed per context")
     parser.add_argument("--linear-decode-only", action="store_true", help="only the Gated DeltaNet decode row")
     parser.add_argument("--speed-only", action="store_true", help="only the engine against generate")
+    parser.add_argument("--batching-rows", type=int, default=32, help="max_running_requests of the batching row")
+    parser.add_argument("--batching-requests", type=int, default=128)
+    parser.add_argument("--batching-new-tokens", type=int, default=256)
+    parser.add_argument("--batching-only", action="store_true", help="only continuous batching against waves")
     args = parser.parse_args()
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -163,6 +225,13 @@ def main() -> None:
         print(json.dumps({"device": device, **cpu_kind(), **linear_decode_scaling(args, device)}))
         return
     model = build_model(args.preset, seed=0)
+    if args.batching_only:
+        print(
+            json.dumps(
+                {"device": device, **cpu_kind(), "preset": args.preset, **continuous_batching(args, model, device)}
+            )
+        )
+        return
     figures: dict = {
         "device": device,
         **cpu_kind(),
@@ -252,6 +321,7 @@ def main() -> None:
         kv_bytes_per_token_nvfp4=plain.kv_bytes_per_token(),
         kv_ratio_nvfp4_to_bf16=plain.kv_bytes_per_token() / bf16.kv_bytes_per_token(),
     )
+    figures.update(continuous_batching(args, model, device))
     figures.update(linear_decode_scaling(args, device))
     print(
         f"capture overhead {figures['capture_overhead']:.1%} full, "

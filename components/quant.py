@@ -312,7 +312,7 @@ class QuantSites:
         return self._activation(layer, "moe_in", x)
 
     def moe_down_in(self, layer, h, rows):
-        if self.q.activations is None:
+        if self.q.activations is None:  # _activation would return the rows as they are: skip per_row's two copies
             return h
         return rows.per_row(functools.partial(self._activation, layer, "moe_down_in"), h)
 

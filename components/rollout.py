@@ -8,8 +8,9 @@ prompts, then decode steps whose tensors have fixed shapes per batch-size
 bucket (on CUDA each bucket's step is a CUDA graph, replayed per token; on
 the CPU the same step runs eagerly). The host reads the device only at a stop
 check every ``stop_check_every`` tokens: the requests that finished retire
-(their KV is captured) and the batch moves to the smallest bucket that holds
-the rest.
+(their KV is captured), requests waiting for a row (``max_running_requests``)
+are prefilled into theirs (continuous batching), and once none waits the batch
+moves to the smallest bucket that holds the rest.
 
 On a hybrid model (qwen3_5_moe) only the full-attention layers have a KV
 cache; each linear-attention layer keeps, per sequence, its conv state (the
@@ -142,9 +143,10 @@ class KVCache:
 
     Allocated once per ``generate`` call for the largest batch bucket: a
     forward uses the first ``active`` rows (views, so a CUDA graph captured on
-    them writes into the same memory at every replay), and :meth:`compact`
-    moves the rows that stay to the front when the batch moves to a smaller
-    bucket. Every write is in place. It holds ``length`` positions (``max_len``,
+    them writes into the same memory at every replay), or, a prefill of
+    requests that take the rows of finished ones, the rows it names; and
+    :meth:`compact` moves the rows that stay to the front when the batch moves
+    to a smaller bucket. Every write is in place. It holds ``length`` positions (``max_len``,
     all a call may reach, unless told fewer) and :meth:`grow` doubles them when
     decoding needs more: a call whose responses stop early never holds the KV
     of ``max_new_tokens`` (at the paper presets' 258,048 that alone would not
@@ -189,20 +191,22 @@ class KVCache:
         }
         self.positions: Tensor | None = None  # [B, S] of the forward in flight
 
-    def start(self, positions: Tensor, lengths: Tensor, span: int) -> None:
-        """Prepare a forward of the first ``positions.shape[0]`` rows that
-        writes ``positions [B, S]`` and attends to positions ``< span`` up to
-        its own; row b's tokens at positions ``>= lengths[b]`` are padding,
-        which the linear-attention states skip. ``span`` comes from the caller,
-        who knows it without reading the device; attention reads it rounded
-        up to a whole :data:`SPAN_BLOCK`, the rest masked."""
+    def start(self, positions: Tensor, lengths: Tensor, span: int, rows: Tensor | None = None) -> None:
+        """Prepare a forward of the first ``positions.shape[0]`` rows (or of
+        ``rows``, cache row indices) that writes ``positions [B, S]`` and
+        attends to positions ``< span`` up to its own; row b's tokens at
+        positions ``>= lengths[b]`` are padding, which the linear-attention
+        states skip. ``span`` comes from the caller, who knows it without
+        reading the device; attention reads it rounded up to a whole
+        :data:`SPAN_BLOCK`, the rest masked."""
         self.span = whole_span_blocks(span)
         if self.span > self.length:
             raise ValueError(f"a forward attending to {span} positions needs a KV cache grown past its {self.length}")
         self.active = positions.shape[0]
         self.positions = positions
         self.valid = positions < lengths[:, None]  # [B, S]; right padding: a prefix of each row
-        self.rows = torch.arange(positions.shape[0], device=positions.device)[:, None]
+        self.batch = slice(0, self.active) if rows is None else rows  # a slice: views; indices: copies
+        self.rows = (torch.arange(self.active, device=positions.device) if rows is None else rows)[:, None]
         visible = torch.arange(self.span, device=positions.device) <= positions[..., None]  # [B, S, span]
         self.visible = visible[:, None]
 
@@ -230,6 +234,12 @@ class KVCache:
                 t[: len(rows)] = t.index_select(0, rows)
         self.active = active
 
+    def clear_states(self, rows: Tensor) -> None:
+        """Zero the linear-attention states of ``rows``: new sequences take them (a prefill starts from none)."""
+        for states in (self.conv_states, self.recurrent_states):
+            for t in states.values():
+                t[rows] = 0
+
     def snapshot_states(self) -> list[Tensor]:
         """Copies of the linear-attention states (a CUDA graph's warm-up step must not advance them)."""
         return [t.clone() for t in (*self.conv_states.values(), *self.recurrent_states.values())]
@@ -250,40 +260,40 @@ class KVCache:
 
     def conv(self, layer: int, x: Tensor, weight: Tensor) -> Tensor:
         """The causal conv after each sequence's cached inputs; keeps the last K-1 valid inputs."""
-        history = self.conv_states[layer][: self.active]
+        history = self.conv_states[layer][self.batch]
         out = causal_conv(x, weight, history)
-        history.copy_(conv_history(x, history, self.valid.sum(1)))
+        self.conv_states[layer][self.batch] = conv_history(x, history, self.valid.sum(1))
         return out
 
     def delta(self, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
         """The delta rule from each sequence's state: one recurrent step per
         decoded token, the chunked form for a prefill (padding neither decays
         nor writes the state)."""
-        state = self.recurrent_states[layer][: self.active]
+        state = self.recurrent_states[layer][self.batch]
         if q.shape[1] == 1:
             out, new = recurrent_delta_rule(q, k, v, g, beta, state)
         else:
             valid = self.valid[..., None]
             out, new = chunked_delta_rule(q, k, v, g * valid, beta * valid, state)
-        state.copy_(new)
+        self.recurrent_states[layer][self.batch] = new
         return out
 
     def _write(self, layer: int, site: str, t: Tensor) -> None:
         """Store K or V ``[B, KV, S, D]`` of the forward in flight at its positions."""
         if self.fmt is None:
-            self.store[(layer, site, "values")][: self.active][self.rows, :, self.positions] = t.transpose(1, 2)
+            self.store[(layer, site, "values")][self.rows, :, self.positions] = t.transpose(1, 2)
         else:
             b, s = self.positions.shape
             q = self.sites.quantize(layer, site, kv_rows(t))
-            codes, scales = (self.store[(layer, site, part)][: self.active] for part in ("codes", "scales"))
+            codes, scales = (self.store[(layer, site, part)] for part in ("codes", "scales"))
             codes[self.rows, self.positions] = q.codes.view(b, s, -1)
             scales[self.rows, self.positions] = q.scales.view(torch.uint8).view(b, s, -1)
 
     def _read(self, layer: int, site: str, span: int) -> Tensor:
         """K or V ``[B, KV, span, D]`` of positions ``< span``, in the compute dtype."""
         if self.fmt is None:
-            return self.store[(layer, site, "values")][: self.active, :, :span]
-        rows = dequantize(self.fp4_rows(layer, site, slice(0, self.active), span)).to(self.dtype)
+            return self.store[(layer, site, "values")][self.batch, :, :span]
+        rows = dequantize(self.fp4_rows(layer, site, self.batch, span)).to(self.dtype)
         return kv_from_rows(rows, rows.shape[0], self.cfg.num_kv_heads)
 
     def fp4_rows(self, layer: int, site: str, rows, span: int) -> FP4Tensor:
@@ -318,9 +328,10 @@ class TorchEngine:
     results. ``cuda_graphs``: on CUDA, without capture, each batch bucket's
     decode step is a CUDA graph (:class:`DecodeGraphs`).
     ``max_running_requests`` (0: no bound) is how many requests a ``generate``
-    call rolls out at once, in waves: the KV cache and the linear-attention
-    states are held for a wave's requests (about 64 MB of states per sequence
-    on Qwen3.5-35B-A3B, whatever its length)."""
+    call rolls out at once, the others taking the rows of finished ones: the
+    KV cache and the linear-attention states are held for that many requests
+    (about 64 MB of states per sequence on Qwen3.5-35B-A3B, whatever its
+    length)."""
 
     def __init__(
         self,
@@ -346,6 +357,7 @@ class TorchEngine:
         self.capture_config = capture
         self.calibration_seed = calibration_seed
         self.policy_version = 0
+        self.decode_steps = 0  # run since its creation, each over a whole batch bucket
         self._next_id = 0
         self.capture: Capture | None = None
         self._prepare()
@@ -398,43 +410,27 @@ class TorchEngine:
         its own generator, seeded by ``sampling.seed`` and its place ``place + i``
         in its batch: a request gives the same response whatever else shares
         the call (a batch split over rollout workers passes each share's place).
-        It rolls out in waves of at most ``max_running_requests`` requests, and,
-        capturing, whose prefill fits a capture buffer (``CaptureConfig.max_tokens``
-        token rows): the same responses, one wave after another."""
+        At most ``max_running_requests`` requests run at once, and, capturing,
+        as many as whose prefill fits a capture buffer (``CaptureConfig.max_tokens``
+        token rows); the others wait, in order, and at each stop check take
+        the rows of the requests that finished (continuous batching): the
+        same responses as one batch of them all."""
         self._check(prompts, sampling)
-        dev, b, n_new = self.device, len(prompts), sampling.max_new_tokens
         first = self._next_id if first is None else first
-        self._next_id = first + b
-        wave = self._wave(prompts)
-        if wave < b:
-            return [
-                t
-                for i in range(0, b, wave)
-                for t in self.generate(prompts[i : i + wave], sampling, first + i, place + i)
-            ]
-        ids = torch.arange(first, first + b, device=dev)
-        tokens, positions, lengths = right_pad(prompts, pad=sampling.pad_token, device=dev)
-        cache = KVCache(
-            self.model.cfg, b, tokens.shape[1] + n_new, self.sites, self.dtype, dev, tokens.shape[1] + KV_HEADROOM
-        )
-        logits = self._prefill(tokens, positions, lengths, ids, cache)
-        run = _Decode(self, sampling, [len(p) for p in prompts], first, ids, lengths, cache, place)
-        for step in range(n_new):
-            run.sample(logits, step)
-            if (step + 1) % self.stop_check_every == 0 or step + 1 == n_new:
-                if not run.check(step):
-                    break
-            logits = run.decode()
-        return run.trajectories(prompts)
+        self._next_id = first + len(prompts)
+        run = _Decode(self, prompts, sampling, first, place, self._rows_at_once(prompts))
+        while run.check_if_due():
+            run.sample(run.decode())
+        return run.trajectories()
 
-    def _wave(self, prompts: list[list[int]]) -> int:
-        """How many of ``prompts`` one wave takes: all, but ``max_running_requests``
-        at most, and, capturing, as many as their right-padded prefill fits a
-        capture buffer (a prompt alone too long still fails there)."""
-        wave = min(len(prompts), self.max_running_requests or len(prompts))
+    def _rows_at_once(self, prompts: list[list[int]]) -> int:
+        """How many of ``prompts`` run at once: all, but ``max_running_requests``
+        at most, and, capturing, as many as a prefill of the longest prompts
+        fits a capture buffer (a prompt alone too long still fails there)."""
+        rows = min(len(prompts), self.max_running_requests or len(prompts))
         if self.capture is None:
-            return wave
-        return min(wave, max(1, self.capture.config.max_tokens // max(len(p) for p in prompts)))
+            return rows
+        return min(rows, max(1, self.capture.config.max_tokens // max(len(p) for p in prompts)))
 
     def _check(self, prompts: list[list[int]], sampling: SamplingParams) -> None:
         if not prompts or any(len(p) == 0 for p in prompts):
@@ -454,12 +450,14 @@ class TorchEngine:
         cache: KVCache,
         span: int,
         logits_at: Tensor | None = None,
+        rows: Tensor | None = None,
     ) -> Tensor:
         """Logits ``[B, S, V]`` of ``tokens [B, S]`` at ``positions`` (or
         ``[B, V]`` at ``logits_at``: :meth:`Transformer.forward`) attending to
         positions ``< span``, cached (and captured) as row b's trajectory
-        ``ids[b]`` (-1: captured as padding) below ``lengths[b]``."""
-        cache.start(positions, lengths, span)
+        ``ids[b]`` (-1: captured as padding) below ``lengths[b]``, in the
+        cache's first B rows or ``rows``."""
+        cache.start(positions, lengths, span, rows)
         if self.capture is not None:
             self.capture.begin(TokenMap.of(ids, positions, lengths))
         logits = self.model(tokens, positions, cache, self.sites, logits_at)
@@ -467,9 +465,18 @@ class TorchEngine:
             self.capture.end()
         return logits
 
-    def _prefill(self, tokens: Tensor, positions: Tensor, lengths: Tensor, ids: Tensor, cache: KVCache) -> Tensor:
-        """One forward over the right-padded prompts; logits ``[B, V]`` after each prompt's last token."""
-        return self._forward(tokens, positions, lengths, ids, cache, tokens.shape[1], logits_at=lengths - 1)
+    def _prefill(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        lengths: Tensor,
+        ids: Tensor,
+        cache: KVCache,
+        rows: Tensor | None = None,
+    ) -> Tensor:
+        """One forward over the right-padded prompts, into the cache's first
+        rows or ``rows``; logits ``[B, V]`` after each prompt's last token."""
+        return self._forward(tokens, positions, lengths, ids, cache, tokens.shape[1], lengths - 1, rows)
 
     def _decode(self, new: Tensor, lengths: Tensor, ids: Tensor, cache: KVCache, span: int) -> Tensor:
         """The decode step: logits ``[B, V]`` after each row's ``new`` token,
@@ -506,102 +513,196 @@ def bucket_for(n: int, buckets: list[int]) -> int:
 class _Decode:
     """The decode loop of one ``generate`` call, with its host and device state.
 
-    Rows of the batch hold requests (``reqs``); every step samples a token per
-    row into ``[requests, max_new_tokens]`` device tables and notes the first
-    stop token, without reading the device. At a stop check (:meth:`check`,
-    every ``stop_check_every`` tokens) the host reads which requests finished:
-    they retire (their KV is captured), and the batch moves to the smallest
-    bucket that holds the rest. Until then a finished row keeps decoding: its
-    extra tokens land past its end and are dropped, and its forwards are
-    captured as padding, so results are those of checking every token."""
+    Each request, while it runs, holds a row of the batch (the KV cache's) and
+    a slot of the per-request device tables (its uniforms, and the tokens and
+    logprobs sampled so far); a row and its slot go to the next waiting request
+    once it retires. Every step samples a token per row into its slot's
+    tables at the request's own step and notes the first stop token, without
+    reading the device. At a stop check (:meth:`check`, every
+    ``stop_check_every`` tokens, and where a request reaches
+    ``max_new_tokens``) the host reads which requests finished: they retire
+    (their response is read, their KV captured), waiting requests are
+    prefilled into their rows, and, once none waits, the batch moves to the
+    smallest bucket that holds the rest. Until then a finished row keeps
+    decoding: its extra tokens land past its end and are dropped, and its
+    forwards are captured as padding, so results are those of checking every
+    token; a retired row that nothing takes decodes from position 0 on, so
+    that it never outgrows the cache."""
 
-    def __init__(self, engine, sampling, prompt_lens, first, ids, lengths, cache, place):
-        dev, b, n_new = engine.device, len(prompt_lens), sampling.max_new_tokens
-        self.engine, self.sampling, self.cache, self.ids = engine, sampling, cache, ids
-        self.prompt_lens, self.n_new = prompt_lens, n_new
-        self.buckets = batch_buckets(b)
-        self.graphs = DecodeGraphs(engine, cache) if engine.uses_cuda_graphs() else None
-        self.uniforms = None
-        if sampling.temperature > 0:  # request i's draws, in order: its generator's stream (CPU, on any device)
-            gens = (torch.Generator().manual_seed(request_seed(sampling.seed, place + i)) for i in range(b))
-            self.uniforms = torch.stack([torch.rand(n_new, generator=g) for g in gens]).to(dev)
+    def __init__(self, engine, prompts, sampling, first, place, rows):
+        dev, n_new = engine.device, sampling.max_new_tokens
+        self.engine, self.prompts, self.sampling, self.first, self.place = engine, prompts, sampling, first, place
+        self.n_new = n_new
+        longest = max(len(p) for p in prompts[:rows])  # what the first prefill needs; the cache grows for the rest
+        cfg = engine.model.cfg
+        self.cache = KVCache(
+            cfg, rows, max(map(len, prompts)) + n_new, engine.sites, engine.dtype, dev, longest + KV_HEADROOM
+        )
+        self.buckets = batch_buckets(rows)
+        self.graphs = DecodeGraphs(engine, self.cache) if engine.uses_cuda_graphs() else None
         self.stop = torch.tensor(sampling.stop_tokens or [-1], device=dev)
-        self.tokens = torch.zeros(b, n_new, dtype=torch.long, device=dev)
-        self.logprobs = torch.zeros(b, n_new, dtype=torch.float32, device=dev)
+        # per slot: the request's draws and what it sampled, by its own step
+        self.uniforms = torch.zeros(rows, n_new, device=dev) if sampling.temperature > 0 else None
+        self.tokens = torch.zeros(rows, n_new, dtype=torch.long, device=dev)
+        self.logprobs = torch.zeros(rows, n_new, dtype=torch.float32, device=dev)
         k = sampling.record_topk
-        self.top_ids = torch.zeros(b, n_new, k, dtype=torch.long, device=dev) if k else None
-        self.top_logprobs = torch.zeros(b, n_new, k, dtype=torch.float32, device=dev) if k else None
-        self.stopped_at = torch.full((b,), n_new, device=dev)  # step of each request's first stop token
-        self.reqs = torch.arange(b, device=dev)  # the request each row holds
-        self.host_reqs = list(range(b))
-        self.live = list(range(b))  # the rows whose requests have not retired
-        self.first = first
-        self.lengths = lengths.clone()  # per row, including the newest token once sampled
-        self.step = 0
-        self.max_prompt = max(prompt_lens)
+        self.top_ids = torch.zeros(rows, n_new, k, dtype=torch.long, device=dev) if k else None
+        self.top_logprobs = torch.zeros(rows, n_new, k, dtype=torch.float32, device=dev) if k else None
+        self.stopped_at = torch.full((rows,), n_new, device=dev)  # the request's step of its first stop token
+        self.ids = torch.full((rows,), -1, device=dev)  # its trajectory id; -1 once retired (captured as padding)
+        self.starts = torch.zeros(rows, dtype=torch.long, device=dev)  # the loop step of its first token
+        self.slot_request, self.slot_start = [0] * rows, [0] * rows  # the same on the host
+        # per row of the batch
+        self.slots = torch.arange(rows, device=dev)
+        self.host_slots = list(range(rows))
+        self.lengths = torch.zeros(rows, dtype=torch.long, device=dev)  # including the newest token once sampled
+        self.new = torch.zeros(rows, dtype=torch.long, device=dev)
+        self.reach = [0] * rows  # a row's length at loop step t is reach + t
+        self.live: list[int] = []  # the rows whose requests have not retired
+        self.step = 0  # the loop step of the newest tokens
+        self.waiting = 0  # the first request not yet admitted
+        self.results: dict[int, Trajectory] = {}
+        self._admit(list(range(rows)))
 
-    def sample(self, logits: Tensor, step: int) -> None:
-        """Draw row r's token from its request's ``step``-th uniform and note it."""
-        self.step = step
-        u = None if self.uniforms is None else self.uniforms[self.reqs, step]
+    def _admit(self, rows: list[int]) -> None:
+        """Prefill the next waiting requests into ``rows`` (free ones) and sample their first tokens."""
+        dev, n_new = self.engine.device, self.n_new
+        requests = list(range(self.waiting, self.waiting + len(rows)))
+        self.waiting += len(rows)
+        prompts = [self.prompts[i] for i in requests]
+        slots = [self.host_slots[r] for r in rows]
+        row_index, slot_index = torch.tensor(rows, device=dev), torch.tensor(slots, device=dev)
+        if self.uniforms is not None:  # request i's draws, in order: its generator's stream (CPU, on any device)
+            seeds = (request_seed(self.sampling.seed, self.place + i) for i in requests)
+            draws = [torch.rand(n_new, generator=torch.Generator().manual_seed(seed)) for seed in seeds]
+            self.uniforms[slot_index] = torch.stack(draws).to(dev)
+        ids = torch.tensor([self.first + i for i in requests], device=dev)
+        self.stopped_at[slot_index], self.ids[slot_index], self.starts[slot_index] = n_new, ids, self.step
+        for row, slot, request in zip(rows, slots, requests):
+            self.slot_request[slot], self.slot_start[slot] = request, self.step
+            self.reach[row] = len(self.prompts[request]) + 1 - self.step
+        tokens, positions, lengths = right_pad(prompts, pad=self.sampling.pad_token, device=dev)
+        self._room(tokens.shape[1])
+        self.cache.clear_states(row_index)
+        whole = rows == list(range(len(self.host_slots)))  # the whole batch: the cache's own views
+        logits = self.engine._prefill(tokens, positions, lengths, ids, self.cache, None if whole else row_index)
+        self.lengths[row_index] = lengths
+        self.sample(logits, row_index)
+        self.live = sorted(self.live + rows)
+
+    def _room(self, positions: int) -> None:
+        """A cache that holds ``positions``: grown if need be (graphs captured on the old one are let go)."""
+        if self.cache.grow(positions) and self.graphs is not None:
+            self.graphs = DecodeGraphs(self.engine, self.cache)  # the old graphs read the old tensors
+
+    def sample(self, logits: Tensor, rows: Tensor | None = None) -> None:
+        """Draw each row's token (of ``rows``, admitted at this step; else of
+        every row, at the next step) from its request's uniform at the
+        request's own step, and note it."""
+        if rows is None:
+            self.step += 1
+        slots = self.slots if rows is None else self.slots[rows]
+        # the request's step; a retired row decoding into padding may run past its old request's last one
+        col = (self.step - self.starts[slots]).clamp(max=self.n_new - 1)
+        u = None if self.uniforms is None else self.uniforms[slots, col]
         new, logprobs, top = sample(logits, self.sampling, u)
-        self.tokens[self.reqs, step] = new
-        self.logprobs[self.reqs, step] = logprobs
+        self.tokens[slots, col] = new
+        self.logprobs[slots, col] = logprobs
         if top is not None:
-            self.top_ids[self.reqs, step] = top.indices
-            self.top_logprobs[self.reqs, step] = top.values
-        first_stop = torch.isin(new, self.stop) & (self.stopped_at[self.reqs] == self.n_new)
-        self.stopped_at[self.reqs] = torch.where(first_stop, step, self.stopped_at[self.reqs])
-        self.lengths += 1
-        self.new = new
+            self.top_ids[slots, col] = top.indices
+            self.top_logprobs[slots, col] = top.values
+        first_stop = torch.isin(new, self.stop) & (self.stopped_at[slots] == self.n_new)
+        self.stopped_at[slots] = torch.where(first_stop, col, self.stopped_at[slots])
+        if rows is None:
+            self.lengths += 1
+            self.new = new
+        else:
+            self.lengths[rows] += 1
+            self.new[rows] = new
 
     def decode(self) -> Tensor:
         """Logits after each row's newest token; a finished row's forward is captured as padding."""
-        new = self.new
-        traj = torch.where(self.stopped_at[self.reqs] < self.n_new, -1, self.ids[self.reqs])
-        span = self.max_prompt + self.step + 1  # the longest prompt's row: every row grew by step + 1
-        if self.cache.grow(span) and self.graphs is not None:
-            self.graphs = DecodeGraphs(self.engine, self.cache)  # the old graphs read the old tensors
+        traj = torch.where(self.stopped_at[self.slots] < self.n_new, -1, self.ids[self.slots])
+        span = max(self.reach) + self.step  # the longest row
+        self._room(span)
+        self.engine.decode_steps += 1
         if self.graphs is not None:
-            return self.graphs(new, self.lengths, traj)
-        return self.engine._decode(new, self.lengths, traj, self.cache, span)
+            return self.graphs(self.new, self.lengths, traj)
+        return self.engine._decode(self.new, self.lengths, traj, self.cache, span)
 
-    def check(self, step: int) -> bool:
-        """The stop check after ``step``: retire the requests that finished
-        (at the last step, all) and move to the smallest bucket that holds the
-        rest; whether any runs on."""
-        stopped_at = self.stopped_at.tolist()  # the host reads the device here, and only here
-        last = step + 1 == self.n_new
-        done = [r for r in self.live if last or stopped_at[self.host_reqs[r]] <= step]
-        for row in done:
-            request = self.host_reqs[row]
-            end = min(stopped_at[request], self.n_new - 1)  # positions the rollout computed: all but the last token
-            self.engine._capture_kv(self.cache, row, self.first + request, self.prompt_lens[request] + end)
-        self.live = [r for r in self.live if r not in done]
+    def check_if_due(self) -> bool:
+        """The stop check where one is due: every ``stop_check_every`` steps,
+        and at the step where a request takes its last token; whether any
+        request runs on."""
+        last = min(self.slot_start[self.host_slots[r]] for r in self.live) + self.n_new - 1
+        if (self.step + 1) % self.engine.stop_check_every and self.step < last:
+            return True
+        return self.check()
+
+    def check(self) -> bool:
+        """Retire the requests that finished, prefill waiting ones into their
+        rows, and, once none waits, move to the smallest bucket that holds the
+        rest; whether any request runs on."""
+        while True:
+            self._retire()
+            free = [r for r in range(len(self.host_slots)) if r not in self.live]
+            admitted = free[: len(self.prompts) - self.waiting]
+            if admitted:
+                self._admit(admitted)
+            if self.n_new > 1 or not admitted:  # with one token each, the admitted requests are done already
+                break
         bucket = bucket_for(max(len(self.live), 1), self.buckets)
-        if self.live and bucket < len(self.host_reqs):  # the running rows first, then finished ones to fill
-            order = self.live + [r for r in range(len(self.host_reqs)) if r not in self.live]
-            index = torch.tensor(order[:bucket], device=self.reqs.device)
+        if self.live and bucket < len(self.host_slots):  # the running rows first, then retired ones to fill
+            order = self.live + [r for r in range(len(self.host_slots)) if r not in self.live]
+            index = torch.tensor(order[:bucket], device=self.slots.device)
             self.cache.compact(index, bucket)
-            self.reqs, self.lengths, self.new = self.reqs[index], self.lengths[index], self.new[index]
-            self.host_reqs = [self.host_reqs[r] for r in order[:bucket]]
+            self.slots, self.lengths, self.new = self.slots[index], self.lengths[index], self.new[index]
+            self.host_slots = [self.host_slots[r] for r in order[:bucket]]
+            self.reach = [self.reach[r] for r in order[:bucket]]
             self.live = list(range(len(self.live)))
         return bool(self.live)
 
-    def trajectories(self, prompts: list[list[int]]) -> list[Trajectory]:
-        """Each request's response up to its first stop token (or the length limit)."""
+    def _retire(self) -> None:
+        """Read which requests finished (the host reads the device here, and
+        only here), keep their responses, capture their KV; their rows decode
+        from position 0 on as padding until a request takes them."""
         stopped_at = self.stopped_at.tolist()
-        tokens, logprobs = self.tokens.tolist(), self.logprobs.tolist()
-        top = None if self.top_ids is None else (self.top_ids.tolist(), self.top_logprobs.tolist())
-        out = []
-        for i, prompt in enumerate(prompts):
-            end = min(stopped_at[i], self.n_new - 1) + 1
-            t = Trajectory(self.first + i, list(prompt), tokens[i][:end], logprobs[i][:end], "")
-            t.finish_reason = "stop" if stopped_at[i] < self.n_new else "length"
+        done = [
+            row
+            for row in self.live
+            if stopped_at[self.host_slots[row]] < self.n_new
+            or self.step - self.slot_start[self.host_slots[row]] == self.n_new - 1
+        ]
+        if not done:
+            return
+        slots = [self.host_slots[r] for r in done]
+        ends = [min(stopped_at[s], self.n_new - 1) + 1 for s in slots]  # the tokens each response keeps
+        index, width = torch.tensor(slots, device=self.slots.device), max(ends)
+        tokens, logprobs = self.tokens[index, :width].tolist(), self.logprobs[index, :width].tolist()
+        top = (
+            None
+            if self.top_ids is None
+            else (self.top_ids[index, :width].tolist(), self.top_logprobs[index, :width].tolist())
+        )
+        for j, (row, slot, end) in enumerate(zip(done, slots, ends)):
+            request = self.slot_request[slot]
+            prompt = self.prompts[request]
+            t = Trajectory(self.first + request, list(prompt), tokens[j][:end], logprobs[j][:end], "")
+            t.finish_reason = "stop" if stopped_at[slot] < self.n_new else "length"
             if top is not None:
-                t.topk_ids, t.topk_logprobs = top[0][i][:end], top[1][i][:end]
-            out.append(t)
-        return out
+                t.topk_ids, t.topk_logprobs = top[0][j][:end], top[1][j][:end]
+            self.results[request] = t
+            # positions the rollout computed: all but the last token
+            self.engine._capture_kv(self.cache, row, self.first + request, len(prompt) + end - 1)
+            self.reach[row] = 1 - self.step
+        rows = torch.tensor(done, device=self.slots.device)
+        self.ids[index] = -1
+        self.lengths[rows] = 1
+        self.live = [r for r in self.live if r not in done]
+
+    def trajectories(self) -> list[Trajectory]:
+        """Each request's response up to its first stop token (or the length limit), in request order."""
+        return [self.results[i] for i in range(len(self.prompts))]
 
 
 class DecodeGraphs:

@@ -172,16 +172,17 @@ class RolloutConfig(_Section):
         ge=1,
         le=1 << 22,
         description="Rows of each capture buffer (token rows per forward before offload): a capturing rollout "
-        "prefills as many prompts at once as their padded tokens fit, in waves. Bounded: held in memory at once.",
+        "runs as many prompts at once as their padded prefill fits, the others taking the rows of finished ones. "
+        "Bounded: held in memory at once.",
     )
     max_running_requests: int = Field(
         default=0,
         ge=0,
         le=1 << 20,
-        description="Requests one rollout worker (or evaluation) decodes at once; the rest wait for the next wave, "
-        "with the same responses. 0: all of an RL step's share at once. Bounds what decoding holds on the device: "
-        "the KV cache and the linear-attention states of a wave (about 64 MB of states per sequence on "
-        "Qwen3.5-35B-A3B).",
+        description="Requests one rollout worker (or evaluation) decodes at once; the rest wait, in order, each "
+        "prefilled into the row of a finished one at a stop check (continuous batching), with the same responses. "
+        "0: all of an RL step's share at once. Bounds what decoding holds on the device: the KV cache and the "
+        "linear-attention states of that many requests (about 64 MB of states per sequence on Qwen3.5-35B-A3B).",
     )
     workers: int = Field(
         default=1,

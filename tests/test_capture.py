@@ -48,27 +48,28 @@ def test_capture_is_complete_and_keyed(smoke):
         assert records.tables[(layer, "k_cache")].width == cfg.num_kv_heads * cfg.head_dim
 
 
-def test_a_batch_whose_prefill_overflows_a_buffer_rolls_out_in_waves(smoke):
+def test_a_batch_whose_prefill_overflows_a_buffer_rolls_out_two_at_a_time(smoke):
     """Prefill of 6 prompts of up to 11 tokens: 66 rows, over a 24-row buffer.
-    The engine rolls out 2 prompts a wave, with the responses and the capture
+    The engine rolls out 2 prompts at a time, with the responses and the capture
     of one call (each request draws from its own generator)."""
     _, whole, records = rollout(smoke, CaptureConfig())
-    engine, waves, waved = rollout(smoke, CaptureConfig(max_tokens=24))
-    assert max(len(p) for p in prompts(6, smoke.cfg.vocab_size)) == 11 and engine._wave(prompts(6, 256)) == 2
-    assert_same_rollout((whole, records), (waves, waved))
+    engine, bounded, bounded_records = rollout(smoke, CaptureConfig(max_tokens=24))
+    assert max(len(p) for p in prompts(6, smoke.cfg.vocab_size)) == 11 and engine._rows_at_once(prompts(6, 256)) == 2
+    assert_same_rollout((whole, records), (bounded, bounded_records))
 
 
 def test_at_most_max_running_requests_roll_out_at_once(smoke):
     """``max_running_requests`` 4 (``rollout.max_running_requests``): 6 prompts
-    in waves of 4 and 2 prefills, with the responses and the capture of one call."""
+    in 4 rows (the first 4 prefilled at once, 2 into the rows of the first that
+    finish), with the responses and the capture of one call."""
     _, whole, records = rollout(smoke, CaptureConfig())
-    engine, waves, waved = rollout(smoke, CaptureConfig(), max_running_requests=4)
+    engine, bounded, bounded_records = rollout(smoke, CaptureConfig(), max_running_requests=4)
     prefilled = []
     prefill = engine._prefill
     engine._prefill = lambda tokens, *a: prefilled.append(len(tokens)) or prefill(tokens, *a)
     again = engine.generate(prompts(6, smoke.cfg.vocab_size), SamplingParams(max_new_tokens=7), first=0)
     assert prefilled == [4, 2] and [t.id for t in again] == list(range(6))
-    assert_same_rollout((whole, records), (waves, waved))
+    assert_same_rollout((whole, records), (bounded, bounded_records))
     with pytest.raises(ValueError, match="max_running_requests"):
         TorchEngine(smoke, max_running_requests=-1)
 

@@ -203,6 +203,29 @@ def test_a_cache_grown_mid_call_is_decoded_by_graphs_captured_anew(
     assert [(t.response, t.logprobs) for t in got] == [(t.response, t.logprobs) for t in want]
 
 
+@pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv"])
+def test_requests_prefilled_between_replays_decode_by_the_same_graph(
+    emulated_cuda_graphs, native_bf16, config, monkeypatch
+):
+    """``max_running_requests`` 5 of 12: waiting requests are prefilled
+    (eagerly) into the rows of finished ones between replays of the 5-row
+    graph, which reads them from the same cache tensors: the tokens and
+    logprobs of the eager decode of one batch of all 12, bit for bit."""
+    model = build_model("smoke", seed=0)
+    batch = prompts(12, model.cfg.vocab_size, seed=3)
+    eager = TorchEngine(model, rollout_config(config), cuda_graphs=False)
+    first = eager.generate(batch, SamplingParams(max_new_tokens=20, seed=1))
+    stops = tuple({t.response[i] for t, i in zip(first, (1, 3, 6, 9, 13)) if i < len(t.response)})
+    params = SamplingParams(max_new_tokens=20, seed=1, stop_tokens=stops)
+    want = eager.generate(batch, params)
+    got = TorchEngine(model, rollout_config(config), stop_check_every=4, max_running_requests=5).generate(batch, params)
+    assert emulated_cuda_graphs[0] == 5 and emulated_cuda_graphs.count(5) == 1  # one graph while requests wait
+    assert {t.finish_reason for t in want} == {"stop", "length"}
+    assert [(t.response, t.logprobs, t.finish_reason) for t in got] == [
+        (t.response, t.logprobs, t.finish_reason) for t in want
+    ]
+
+
 def test_a_capturing_fp4_rollout_reads_the_device_only_at_stop_checks():
     """With capture on there are no graphs, and every decode step runs eagerly:
     still nothing in it reads the device (quantizing under static or

@@ -49,6 +49,7 @@ def test_dry_run_runs_the_plan_and_ends_with_its_figures(tmp_path):
     assert kernels["cpu_bf16"] == rollout["cpu_bf16"] == figures["cpu_bf16"]
     assert rollout["preset"] == "smoke" and rollout["b2_engine_tokens_per_s"] > 0
     assert rollout["linear_decode_tokens_per_s_ctx16"] > 0 and rollout["full_decode_tokens_per_s_ctx16"] > 0
+    assert rollout["batching_same_responses"] is True and rollout["batching_continuous_tokens_per_s"] > 0
     codec = steps["syndrome_codec"]["figures"]["syndrome"]["speed"]
     assert codec["device"] == "cpu" and codec["elements"] == 256 * 256 and codec["decode_melem_per_s"] > 0
     assert codec["decoded_share"] > 0.9

@@ -264,6 +264,91 @@ def test_the_cache_grows_as_decoding_needs_and_changes_nothing(model, config, mo
     assert max(held) < 2000 // 8  # half the vocab stops: every response ends within a few dozen tokens
 
 
+def forward_sizes(engine: TorchEngine) -> list[tuple[str, int]]:
+    """Each forward of ``engine`` from now on, as (prefill | decode, rows)."""
+    sizes = []
+    for kind in ("prefill", "decode"):
+        forward = getattr(engine, f"_{kind}")
+        setattr(engine, f"_{kind}", lambda t, *a, kind=kind, f=forward: sizes.append((kind, len(t))) or f(t, *a))
+    return sizes
+
+
+@pytest.mark.parametrize("preset, config", [("smoke", "bf16"), ("smoke", "fp4_wa_kv"), ("tiny-qwen35", "bf16")])
+def test_waiting_requests_take_the_rows_of_finished_ones(preset, config):
+    """``max_running_requests`` 4 of 12 requests that stop at different steps:
+    at stop checks the requests that finished give their rows (and, on the
+    hybrid, their linear-attention states, cleared) to waiting ones, prefilled
+    there while the others decode on; the batch keeps 4 rows while any
+    request waits. Every response, logprob and captured record is that of
+    one batch of all 12, whatever the check interval."""
+    model = build_model(preset, seed=0)
+    batch = prompts(12, seed=7)
+    runs = {}
+    for bound, every in ((0, 1), (4, 1), (4, 3)):
+        engine = TorchEngine(
+            model,
+            rollout_config(config),
+            capture=CaptureConfig(bits=4),
+            stop_check_every=every,
+            max_running_requests=bound,
+        )
+        stops = staggered_stops(engine, 12, 16)
+        engine.drain_capture() if engine.capture else None
+        sizes = forward_sizes(engine)
+        out = engine.generate(
+            batch, SamplingParams(max_new_tokens=16, seed=2, top_p=0.9, record_topk=2, stop_tokens=stops)
+        )
+        runs[bound, every] = out, engine.drain_capture() if engine.capture else None, sizes
+    whole, records, _ = runs[0, 1]
+    assert {t.finish_reason for t in whole} == {"stop", "length"} and len({len(t.response) for t in whole}) > 2
+    for key in ((4, 1), (4, 3)):
+        out, other_records, sizes = runs[key]
+        assert [(t.id, t.response, t.logprobs, t.topk_ids, t.finish_reason) for t in out] == [
+            (t.id, t.response, t.logprobs, t.topk_ids, t.finish_reason) for t in whole
+        ], key
+        prefills = [n for kind, n in sizes if kind == "prefill"]
+        assert prefills[0] == 4 and sum(prefills) == 12 and len(prefills) > 3, (key, prefills)  # refills, not waves
+        last_prefill = max(i for i, (kind, _) in enumerate(sizes) if kind == "prefill")
+        assert {n for kind, n in sizes[:last_prefill] if kind == "decode"} == {4}, key
+        if records is not None:
+            assert records.tables.keys() == other_records.tables.keys()
+            for name, table in records.tables.items():
+                for f in ("traj", "pos", "slot", "expert", "codes", "scales"):
+                    assert torch.equal(getattr(table, f), getattr(other_records.tables[name], f)), (key, name, f)
+
+
+def test_one_new_token_each_with_requests_waiting(model):
+    """``max_new_tokens`` 1: every admitted request is done at once, and the waiting ones take its rows at once."""
+    params = SamplingParams(max_new_tokens=1, seed=4)
+    whole = TorchEngine(model).generate(prompts(7), params)
+    engine = TorchEngine(model, max_running_requests=3)
+    sizes = forward_sizes(engine)
+    out = engine.generate(prompts(7), params)
+    assert [(t.response, t.logprobs, t.finish_reason) for t in out] == [
+        (t.response, t.logprobs, t.finish_reason) for t in whole
+    ]
+    assert sizes == [("prefill", 3), ("prefill", 3), ("prefill", 1)]  # no decode step
+
+
+def test_a_retired_row_that_no_request_takes_never_outgrows_the_cache(model):
+    """Four rows, eleven requests of 16 tokens, admitted at steps 0, 15 and
+    30: the eighth request (11 prompt tokens, row 3) retires at step 30 with
+    three requests left for four rows, so its row decodes into padding until
+    they end at step 45. From its own end it would reach position 42 of a
+    cache that holds 32 (the longest prompt and 16 tokens, in whole span
+    blocks); it restarts from position 0 instead."""
+    batch = [list(range(11)), [1], [2], [4], [5], [6], [7], list(range(20, 31)), [8], [9], [10]]
+    params = SamplingParams(temperature=0, max_new_tokens=16)
+    whole = TorchEngine(model).generate(batch, params)
+    engine = TorchEngine(model, max_running_requests=4, stop_check_every=1)
+    sizes = forward_sizes(engine)
+    out = engine.generate(batch, params)
+    assert [(t.response, t.logprobs) for t in out] == [(t.response, t.logprobs) for t in whole]
+    assert all(t.finish_reason == "length" for t in out)
+    assert [n for kind, n in sizes if kind == "prefill"] == [4, 4, 3] and sizes[-1] == ("decode", 4)
+    assert engine.decode_steps == 45  # three rounds of 15 decode steps (each request's first token: its prefill)
+
+
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("config", ROLLOUT_CONFIGS)
 def test_every_rollout_config_runs(model, config, fmt):

@@ -91,7 +91,7 @@ def test_more_workers_than_responses_are_refused_by_the_schema(tmp_path):
 def test_a_worker_rolls_out_at_most_max_running_requests_at_once(tmp_path, policy, monkeypatch):
     """``rollout.max_running_requests`` reaches the engine: an RL step's 6
     responses are prefilled 4 and then 2 at a time (tests/test_capture.py shows
-    the waves give the responses and capture of one call)."""
+    the bounded call gives the responses and capture of one call)."""
     prefilled, prefill = [], TorchEngine._prefill
     monkeypatch.setattr(
         TorchEngine, "_prefill", lambda self, tokens, *a: prefilled.append(len(tokens)) or prefill(self, tokens, *a)
@@ -101,7 +101,7 @@ def test_a_worker_rolls_out_at_most_max_running_requests_at_once(tmp_path, polic
     assert prefilled == [6, 6]
     prefilled.clear()
     bounded = c.model_copy(update={"rollout": c.rollout.model_copy(update={"max_running_requests": 4})})
-    steps.rollout(bounded, policy, 0, tmp_path / "waves.jsonl", RUN)
+    steps.rollout(bounded, policy, 0, tmp_path / "bounded.jsonl", RUN)
     assert prefilled == [4, 2, 4, 2]
 
 
