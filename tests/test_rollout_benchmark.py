@@ -25,3 +25,19 @@ def test_speed_only_ends_with_the_engine_against_generate_alone():
         assert all(50 < c < 1000 for c in calls), calls
     assert figures["cpu_bf16"] in ("native", "emulated") and "cpu_onednn_isa_cap" in figures
     assert not any(key.startswith(("capture", "fp4_", "linear_", "decode_step")) for key in figures)
+
+
+def test_batching_only_ends_with_continuous_batching_against_waves_alone():
+    """The command behind docs/rollout.md's continuous-batching figures, at the smallest sizes."""
+    command = [sys.executable, "benchmarks/rollout.py", "--batching-only", "--preset", "smoke", "--prompt-len", "4"]
+    command += ["--batching-rows", "2", "--batching-requests", "5", "--batching-new-tokens", "8", "--repeat", "1"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["batching_same_responses"] is True and figures["batching_requests"] == 5
+    # three waves of at most 7 decode steps after their prefills
+    assert 0 < figures["batching_continuous_decode_steps"] and 0 < figures["batching_waves_decode_steps"] <= 3 * 7
+    assert figures["batching_continuous_over_waves"] == (
+        figures["batching_continuous_tokens_per_s"] / figures["batching_waves_tokens_per_s"]
+    )
+    assert not any(key.startswith(("b2_", "capture", "linear_")) for key in figures)
