@@ -414,7 +414,8 @@ class TorchEngine:
         as many as whose prefill fits a capture buffer (``CaptureConfig.max_tokens``
         token rows); the others wait, in order, and at each stop check take
         the rows of the requests that finished (continuous batching): the
-        same responses as one batch of them all."""
+        same responses as one batch of them all, where the batch does not
+        change a request's rounding (docs/rollout.md, "Serving design")."""
         self._check(prompts, sampling)
         first = self._next_id if first is None else first
         self._next_id = first + len(prompts)
