@@ -561,15 +561,16 @@ class _Decode:
         self.reach = [0] * rows  # a row's length at loop step t is reach + t
         self.live: list[int] = []  # the rows whose requests have not retired
         self.step = 0  # the loop step of the newest tokens
-        self.waiting = 0  # the first request not yet admitted
+        self.admitted = 0  # requests admitted so far, in order
         self.results: dict[int, Trajectory] = {}
         self._admit(list(range(rows)))
+        self._note_rows()
 
     def _admit(self, rows: list[int]) -> None:
         """Prefill the next waiting requests into ``rows`` (free ones) and sample their first tokens."""
         dev, n_new = self.engine.device, self.n_new
-        requests = list(range(self.waiting, self.waiting + len(rows)))
-        self.waiting += len(rows)
+        requests = list(range(self.admitted, self.admitted + len(rows)))
+        self.admitted += len(rows)
         prompts = [self.prompts[i] for i in requests]
         slots = [self.host_slots[r] for r in rows]
         row_index, slot_index = torch.tensor(rows, device=dev), torch.tensor(slots, device=dev)
@@ -624,7 +625,7 @@ class _Decode:
     def decode(self) -> Tensor:
         """Logits after each row's newest token; a finished row's forward is captured as padding."""
         traj = torch.where(self.stopped_at[self.slots] < self.n_new, -1, self.ids[self.slots])
-        span = max(self.reach) + self.step  # the longest row
+        span = self.longest + self.step
         self._room(span)
         self.engine.decode_steps += 1
         if self.graphs is not None:
@@ -635,8 +636,7 @@ class _Decode:
         """The stop check where one is due: every ``stop_check_every`` steps,
         and at the step where a request takes its last token; whether any
         request runs on."""
-        last = min(self.slot_start[self.host_slots[r]] for r in self.live) + self.n_new - 1
-        if (self.step + 1) % self.engine.stop_check_every and self.step < last:
+        if (self.step + 1) % self.engine.stop_check_every and self.step < self.last:
             return True
         return self.check()
 
@@ -647,7 +647,7 @@ class _Decode:
         while True:
             self._retire()
             free = [r for r in range(len(self.host_slots)) if r not in self.live]
-            admitted = free[: len(self.prompts) - self.waiting]
+            admitted = free[: len(self.prompts) - self.admitted]
             if admitted:
                 self._admit(admitted)
             if self.n_new > 1 or not admitted:  # with one token each, the admitted requests are done already
@@ -661,7 +661,17 @@ class _Decode:
             self.host_slots = [self.host_slots[r] for r in order[:bucket]]
             self.reach = [self.reach[r] for r in order[:bucket]]
             self.live = list(range(len(self.live)))
+        self._note_rows()
         return bool(self.live)
+
+    def _note_rows(self) -> None:
+        """What each step reads of the rows, which only admissions, retirements
+        and compaction change: the longest row's reach (the decode's span is
+        it plus the step) and the step at which a running request takes its
+        last token (a check is due there)."""
+        self.longest = max(self.reach)
+        starts = [self.slot_start[self.host_slots[r]] for r in self.live]
+        self.last = min(starts, default=self.step) + self.n_new - 1
 
     def _retire(self) -> None:
         """Read which requests finished (the host reads the device here, and
