@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .device import bf16_op
+from .device import bf16_op, size_independent
 
 CHUNK = 64  # tokens per chunk of the chunked form
 
@@ -178,9 +178,9 @@ class GatedDeltaNet(nn.Module):
         qkv = past.conv(layer, bf16_op(F.linear, x, self.in_proj_qkv.weight), self.conv1d.weight[:, 0])
         key_width = self.k_heads * self.k_dim
         q, k, v = qkv.split([key_width, key_width, self.v_heads * self.v_dim], -1)
-        beta = torch.sigmoid(bf16_op(F.linear, x, self.in_proj_b.weight))  # [B, S, Hv]
+        beta = size_independent(torch.sigmoid, bf16_op(F.linear, x, self.in_proj_b.weight))  # [B, S, Hv]
         a = bf16_op(F.linear, x, self.in_proj_a.weight).float()
-        g = -self.A_log.float().exp() * F.softplus(a + self.dt_bias.float())  # log decay, <= 0
+        g = -self.A_log.float().exp() * size_independent(F.softplus, a + self.dt_bias.float())  # log decay, <= 0
         o = past.delta(
             layer,
             q.reshape(b, s, self.k_heads, self.k_dim),

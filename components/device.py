@@ -20,6 +20,13 @@ bf16 without the bf16 units, so ``auto`` emulates there too. With the cap at
 ``AVX2`` (and ``ATEN_CPU_CAPABILITY=avx2``, ``MKL_ENABLE_INSTRUCTIONS=AVX2``
 for torch's own kernels and MKL) a machine with bf16 units stands in for one
 without: docs/performance.md measures both kinds that way.
+
+A CPU also computes some elementwise functions (softplus, sigmoid, SiLU) in
+two ways: torch's kernel runs a vector loop, and a scalar loop over the
+tensor's last few elements, and the two differ in float32's last bit for one
+input in ten to thirty. Which elements land in the scalar loop depends on the
+tensor's size, so a request's values could depend on what shares its batch;
+:func:`size_independent` computes such a function where that matters.
 """
 
 import ctypes
@@ -196,3 +203,17 @@ def bf16_op(op, *args: Tensor | None) -> Tensor:
     with torch.autocast("cpu", enabled=False):
         out = op(*(None if a is None else a.to(torch.bfloat16).float() for a in args))
     return out.to(torch.bfloat16)
+
+
+def size_independent(fn, x: Tensor) -> Tensor:
+    """``fn(x)`` for an elementwise function (``F.softplus``, ``torch.sigmoid``)
+    in float64, rounded to ``x``'s dtype: each element's bits do not depend on
+    the tensor's size. On a CPU the vector and scalar loops of ``fn`` (module
+    docstring) still differ in float64's last bit, but a float32 or bf16
+    rounding step is 2^29 or more of those: both round alike unless the value
+    lies within that bit of a rounding boundary. For the
+    small per-token tensors whose values compound (the Gated DeltaNet's decay
+    gate and write strength, the shared expert's gate): a last-bit difference
+    there moved a request's logprobs with the batch, and with FP4 activations
+    can flip a codeword downstream."""
+    return fn(x.double()).to(x.dtype)

@@ -44,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from tracefp4.kernels import graph_capturing
 
 from .deltanet import GatedDeltaNet, causal_conv, chunked_delta_rule, recurrent_delta_rule
-from .device import bf16_op
+from .device import bf16_op, size_independent
 
 MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe")
 LAYER_TYPES = ("full_attention", "linear_attention")
@@ -586,7 +586,7 @@ class MoE(nn.Module):
         for slot in range(1, k):  # slot by slot: on the CPU a sum over the small middle axis is slow
             routed = routed + out[:, slot]
         if self.cfg.shared_expert_intermediate_size:
-            routed = routed + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            routed = routed + size_independent(torch.sigmoid, self.shared_expert_gate(x)) * self.shared_expert(x)
         return routed.reshape(b, s, h)
 
 

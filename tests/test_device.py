@@ -275,6 +275,25 @@ def test_a_bf16_model_forward_emulated_matches_native(monkeypatch):
     assert logits["native"].argmax(-1).eq(logits["emulate"].argmax(-1)).float().mean() > 0.9
 
 
+@pytest.mark.parametrize("fn", [F.softplus, torch.sigmoid])
+def test_size_independent_gives_an_element_the_same_bits_whatever_the_tensor_size(fn):
+    """Each of 4,096 float32 inputs alone (a scalar loop's element) against in
+    one tensor (the vector loop's): the plain kernel differs in some, as this
+    is what the helper is for; ``size_independent`` in none, also at bf16."""
+    x = torch.randn(4096, generator=torch.Generator().manual_seed(0)) * 3
+
+    def alone_and_together(f, t):
+        return torch.cat([f(t[i : i + 1]) for i in range(len(t))]), f(t)
+
+    alone, together = alone_and_together(fn, x)
+    assert not torch.equal(alone, together), "the CPU's vector and scalar loops agree here: nothing to guard"
+    for dtype in (torch.float32, torch.bfloat16):
+        alone, together = alone_and_together(lambda t: device.size_independent(fn, t), x.to(dtype))
+        assert together.dtype == dtype and torch.equal(alone, together), dtype
+        plain = fn(x.to(dtype))  # the same function: within a few units in the last place
+        assert torch.allclose(together, plain, rtol=4 * torch.finfo(dtype).eps, atol=0), dtype
+
+
 FAULTS_OF_ROLLOUTS = """
 import resource, torch
 from tracefp4.components import device, steps

@@ -474,6 +474,21 @@ def test_hybrid_requests_that_take_finished_rows_start_from_clean_states(hybrid)
         assert torch.allclose(torch.tensor(traj.logprobs), expected, atol=1e-4), (traj.id, traj.logprobs, expected)
 
 
+def test_hybrid_requests_in_refilled_rows_get_the_bits_of_one_batch(hybrid, native_bf16):
+    """FP4 activations on the hybrid (bf16), eight requests on 1, 2 and 3 rows:
+    every response and logprob is that of one batch of all eight. The decay
+    gate's softplus and the write strength's sigmoid are size-independent
+    (``device.size_independent``); with float32's own softplus the first
+    request's logprobs moved with the rows here, on the CPU it was written on."""
+    batch = long_prompts() + prompts(4, seed=5)
+    params = SamplingParams(max_new_tokens=16, seed=2)
+    whole = TorchEngine(hybrid, rollout_config("fp4_wa")).generate(batch, params)
+    for rows in (1, 2, 3):
+        engine = TorchEngine(hybrid, rollout_config("fp4_wa"), max_running_requests=rows, stop_check_every=2)
+        out = engine.generate(batch, params)
+        assert [(t.response, t.logprobs) for t in out] == [(t.response, t.logprobs) for t in whole], rows
+
+
 def test_hybrid_state_is_constant_per_sequence_and_kv_only_on_full_attention(hybrid):
     from tracefp4.components.rollout import KVCache
 
