@@ -49,10 +49,10 @@ _BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 flags; "bf16" is Arm's 
 ONEDNN_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 _ISA_CAPS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
 
-# glibc's malloc thresholds (mallopt parameters), held at the ceilings its adaptive ones reach on 64-bit:
-# DEFAULT_MMAP_THRESHOLD_MAX, and twice that for trimming
+# glibc's malloc thresholds (mallopt parameters): own mappings from 32 MB, the ceiling its adaptive threshold
+# reaches on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX); trimming from 256 MB (keep_freed_memory says why not 64 MB)
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_MMAP_THRESHOLD, _TRIM_THRESHOLD = 32 << 20, 64 << 20
+_MMAP_THRESHOLD, _TRIM_THRESHOLD = 32 << 20, 256 << 20
 
 
 def resolve(spec: str) -> torch.device:
@@ -154,8 +154,12 @@ def keep_freed_memory() -> bool:
     threshold: the next tensor of that size then faults in fresh zeroed pages.
     A decode step of the tiny preset at batch 128 took about 900 page faults
     so; with the thresholds held at 32 MB (own mappings) and 64 MB (trim), the
-    ceilings glibc's adaptive ones reach anyway, none. Process-wide, so each
-    step process sets it once (:func:`compute_on`)."""
+    ceilings glibc's adaptive ones reach anyway, next to none where the CPU
+    computes bf16 natively. Where bf16 is emulated in fp32 (:func:`bf16_op`)
+    the heap's free top passes 64 MB, and a call still faulted about 17,000
+    pages in; trimming from 256 MB on leaves next to none there too. The
+    process keeps no more than its peak. Process-wide, so each step process
+    sets it once (:func:`compute_on`)."""
     if platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)

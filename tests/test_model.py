@@ -148,14 +148,15 @@ def test_logits_at_one_position_per_row_are_those_of_the_full_forward(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_a_decode_steps_query_heads_attend_as_rows_of_their_kv_head(monkeypatch, dtype):
+def test_a_decode_steps_query_heads_attend_as_rows_of_their_kv_head(monkeypatch, dtype, native_bf16):
     """A single query per head with a mask (a decode step) goes to SDPA as
     its KV head's rows of queries, ``[B, KV, H/KV, D]``: the values of each
     head attending on its own, up to the order of float32 sums (the kernel
     multiplies several rows at once), also where the kernel returns its
     output transposed in memory, as CUDA's memory-efficient kernel does;
     prefill and training (several queries, causal) keep one query row per
-    position."""
+    position. torch's bf16 kernel on both sides, also on a CPU without bf16
+    units (the reference is SDPA called plainly, which emulation skips)."""
     from tracefp4.components.model import attention
 
     gen = torch.Generator().manual_seed(0)

@@ -124,7 +124,7 @@ def staggered_stops(engine, batch, max_new):
 
 
 @pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv", "fp4_wa_kv/per_token"])
-def test_stop_check_interval_changes_nothing(model, config):
+def test_stop_check_interval_changes_nothing(model, config, native_bf16):
     """Checking for stops every 8 tokens (finished rows decode into padding
     meanwhile, the batch moves to a smaller bucket later) gives every token,
     logprob, top-k and captured record of checking every token, per-token
@@ -191,7 +191,7 @@ def test_same_trajectories_as_the_engine_before_the_static_cache(case, every):
         assert traj.logprobs == pytest.approx(want["logprobs"], abs=1e-5)
 
 
-def test_a_request_gives_the_same_bits_whatever_shares_its_batch(model):
+def test_a_request_gives_the_same_bits_whatever_shares_its_batch(model, native_bf16):
     """A longer prompt beside a request widens every step's attention span by
     blocks (``SPAN_BLOCK``): the request's tokens and logprobs stay bit for bit
     those it gets alone (BF16 and FP4 KV)."""
@@ -226,7 +226,7 @@ def test_the_cache_is_allocated_once_and_compacted_in_place(model, monkeypatch):
 
 
 @pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv"])
-def test_the_cache_grows_as_decoding_needs_and_changes_nothing(model, config, monkeypatch):
+def test_the_cache_grows_as_decoding_needs_and_changes_nothing(model, config, monkeypatch, native_bf16):
     """A cache that starts one span block past the prompts and doubles as
     decoding needs more (``KV_HEADROOM``) gives every token, logprob and
     captured record of one that holds the whole call from the start, requests
@@ -274,7 +274,7 @@ def forward_sizes(engine: TorchEngine) -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv"])
-def test_waiting_requests_take_the_rows_of_finished_ones(model, config):
+def test_waiting_requests_take_the_rows_of_finished_ones(model, config, native_bf16):
     """``max_running_requests`` 4 of 12 requests that stop at different steps:
     at stop checks the requests that finished give their rows to waiting
     ones, prefilled there while the others decode on; the batch keeps 4 rows
@@ -315,7 +315,7 @@ def test_waiting_requests_take_the_rows_of_finished_ones(model, config):
                     assert torch.equal(getattr(table, f), getattr(other_records.tables[name], f)), (key, name, f)
 
 
-def test_one_new_token_each_with_requests_waiting(model):
+def test_one_new_token_each_with_requests_waiting(model, native_bf16):
     """``max_new_tokens`` 1: every admitted request is done at once, and the waiting ones take its rows at once."""
     params = SamplingParams(max_new_tokens=1, seed=4)
     whole = TorchEngine(model).generate(prompts(7), params)
@@ -328,7 +328,7 @@ def test_one_new_token_each_with_requests_waiting(model):
     assert sizes == [("prefill", 3), ("prefill", 3), ("prefill", 1)]  # no decode step
 
 
-def test_a_retired_row_that_no_request_takes_never_outgrows_the_cache(model):
+def test_a_retired_row_that_no_request_takes_never_outgrows_the_cache(model, native_bf16):
     """Four rows, eleven requests of 16 tokens, admitted at steps 0, 15 and
     30: the eighth request (11 prompt tokens, row 3) retires at step 30 with
     three requests left for four rows, so its row decodes into padding until
