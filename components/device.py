@@ -215,9 +215,9 @@ def size_independent(fn, x: Tensor) -> Tensor:
     the tensor's size. On a CPU the vector and scalar loops of ``fn`` (module
     docstring) still differ in float64's last bit, but a float32 or bf16
     rounding step is 2^29 or more of those: both round alike unless the value
-    lies within that bit of a rounding boundary. For the
-    small per-token tensors whose values compound (the Gated DeltaNet's decay
-    gate and write strength, the shared expert's gate): a last-bit difference
-    there moved a request's logprobs with the batch, and with FP4 activations
-    can flip a codeword downstream."""
+    lies within that bit of a rounding boundary. For the small per-token
+    tensors whose values compound (the Gated DeltaNet's decay gate and write
+    strength, the shared expert's gate): a last-bit difference in the decay
+    gate moved a request's logprobs with its batch, and with FP4 activations
+    such a difference can flip a codeword downstream."""
     return fn(x.double()).to(x.dtype)
