@@ -36,12 +36,13 @@ def native_bf16():
     are computed under it too). For tests whose subject is what those kernels
     do: the train-rollout mismatch that their shape-dependent sums create,
     layouts that give the same bits, transformers' own bf16 forward, a
-    request's bits whatever shares its batch (MKL's float32 sums, which the
-    emulation runs, can differ in the last bit with a matmul's row count). The fp32
-    emulation that ``auto`` picks on such a CPU (:func:`device.bf16_op`)
-    rounds the same values but sums in another order, and its float32 sums
-    hardly depend on the shapes: bf16 training and rollout of the test models
-    then round to the same FP4 codes (docs/performance.md)."""
+    request's bits whatever shares its batch. The fp32 emulation that
+    ``auto`` picks on such a CPU (:func:`device.bf16_op`) rounds the same
+    values but sums in another order. Its float32 sums hardly depend on the
+    shapes: bf16 training and rollout of the test models then round to the
+    same FP4 codes (docs/performance.md). Yet they can differ in the last bit
+    with a matmul's row count (MKL), enough to move a request's bits with
+    what shares its batch."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(device.CPU_BF16_ENV, "native")
         yield
