@@ -30,9 +30,9 @@ from .syndrome import Rate, SyndromeTable, block_layout
 
 MAGIC = b"TFP4GUID"
 # 2: a codec per table (bits | syndrome); 3: per-row global scales (per-token activations); 4: syndrome rows
-# wider than a block cut into segments
-FORMAT_VERSION = 4
-READ_VERSIONS = (2, 3, 4)  # each an earlier one's superset: a version 2 or 3 step reads as a version 4 one
+# wider than a block cut into segments; 5: a syndrome stage with as many parity bits as bits sends the bits
+FORMAT_VERSION = 5
+READ_VERSIONS = (2, 3, 4, 5)  # each an earlier one's superset but for version 4's raw-rate syndrome tables
 CODECS = ("bits", "syndrome")
 _PREAMBLE = struct.Struct("<8sHI")  # magic, format version, header length
 _DIGEST = 32  # sha256 over everything before it
@@ -261,7 +261,8 @@ def decode_shard(data: bytes, name: str, expect: dict | None = None) -> tuple[di
         traj, pos, slot = _expected_keys(ranges, spec["slots"])
         expert = arrays["expert"].long() if "expert" in arrays else torch.full_like(traj, -1)
         if spec.get("codec") == "syndrome":
-            records.tables[(spec["layer"], spec["site"])] = _syndrome_table(name, spec, arrays, traj, pos, slot, expert)
+            table = _syndrome_table(name, version, spec, arrays, traj, pos, slot, expert)
+            records.tables[(spec["layer"], spec["site"])] = table
             continue
         records.tables[(spec["layer"], spec["site"])] = SiteTable(
             spec["layer"],
@@ -297,14 +298,25 @@ def _row_global_scales(name: str, spec: dict, arrays: dict, rows: int) -> Tensor
     return g
 
 
-def _syndrome_table(name: str, spec: dict, arrays: dict, traj, pos, slot, expert) -> SyndromeTable:
-    """A syndrome table read from a shard, its blocks and parity arrays checked against its width and rates."""
+def _syndrome_table(name: str, version: int, spec: dict, arrays: dict, traj, pos, slot, expert) -> SyndromeTable:
+    """A syndrome table read from a shard, its blocks and parity arrays checked
+    against its width and rates. Before version 5 a stage with as many parity
+    bits as bits (every MXFP4 table) was coded with hashed parity, which this
+    reader would decode as the bits themselves (:func:`~tracefp4.kernels.parity_matrix`): refused."""
+    where = f"{name}: layer {spec['layer']} {spec['site']}"
     layout = (spec["group"], spec.get("segments", 1))  # segments: written from format version 4
-    coded = tuple(block_layout(spec["width"], get_format(spec["fmt"]).block_size)[:2])
-    if layout != coded:
+    block_size = get_format(spec["fmt"]).block_size
+    coded = block_layout(spec["width"], block_size)
+    if layout != tuple(coded[:2]):
         raise GuidanceError(
-            f"{name}: layer {spec['layer']} {spec['site']} has blocks of (rows, segments) {layout}; rows of "
-            f"{spec['width']} are coded in {coded} (written by an older tracefp4?)"
+            f"{where} has blocks of (rows, segments) {layout}; rows of "
+            f"{spec['width']} are coded in {tuple(coded[:2])} (written by an older tracefp4?)"
+        )
+    if version < 5 and spec["scale_bits"] >= coded.elements // block_size:
+        raise GuidanceError(
+            f"{where}: format version {version} coded its {coded.elements // block_size} scales a block in "
+            f"{spec['scale_bits']} hashed parity bits, which version 5 reads as the scale bits themselves; "
+            "compact the step again with this tracefp4"
         )
     table = SyndromeTable(
         spec["layer"],
@@ -325,8 +337,8 @@ def _syndrome_table(name: str, spec: dict, arrays: dict, traj, pos, slot, expert
     for field_name, bits in (("code_parity", table.rate.code_bits), ("scale_parity", table.rate.scale_bits)):
         if tuple(arrays[field_name].shape) != (blocks, bits // 8):
             raise GuidanceError(
-                f"{name}: layer {spec['layer']} {spec['site']} {field_name} has shape "
-                f"{tuple(arrays[field_name].shape)}, its {blocks} blocks of {bits} bits need ({blocks}, {bits // 8})"
+                f"{where} {field_name} has shape {tuple(arrays[field_name].shape)}, "
+                f"its {blocks} blocks of {bits} bits need ({blocks}, {bits // 8})"
             )
     return table
 

@@ -41,6 +41,7 @@ from tracefp4.kernels import (
     solve_erasures,
     syndrome,
     to_device,
+    unknowns,
 )
 
 from .capture import SiteTable
@@ -49,9 +50,9 @@ BLOCK_ELEMENTS = 256  # elements per block at most: narrower rows are grouped up
 CODE_CHECK_BITS = 8  # code parity bits beyond the erasures: a wrong decode passes with probability 2^-8
 SCALE_CHECK_BITS = 4  # scale parity bits beyond the erasures (a wrong scale also fails the code check)
 MIN_CODE_BITS = 16  # 8 erasures + 8 check bits
-MIN_SCALE_BITS = 8  # 4 erasures + 4 check bits
+MIN_SCALE_BITS = 8  # 4 erasures + 4 check bits, or (MXFP4: 8 scales a block) the scale bits themselves
 MAX_CODE_BITS = 64  # 56 erasures + 8 check bits per block
-MAX_SCALE_BITS = 16
+MAX_SCALE_BITS = 16  # at most the scales' own bits (scale_bits_cap)
 CODE_SALT, SCALE_SALT = 1, 2  # parity matrices of the two stages differ
 # Rate control (erasures_for): the share of a stage's blocks a rate aims to
 # leave undecoded, the fewest blocks (and least share) the tail fit reads, the
@@ -75,27 +76,30 @@ class Rate:
     code_bits: int
     scale_bits: int
 
-    @property
-    def code_erasures(self) -> int:
-        return self.code_bits - CODE_CHECK_BITS
 
-    @property
-    def scale_erasures(self) -> int:
-        return self.scale_bits - SCALE_CHECK_BITS
+def scale_bits_cap(scales: int) -> int:
+    """The most scale parity bits a block of ``scales`` scales is given: its
+    scales' own bits, whole bytes, which decode exactly
+    (:func:`~tracefp4.kernels.parity_matrix`); more would gain nothing."""
+    return min(MAX_SCALE_BITS, _round8(scales))
 
 
-def first_rate(bits_per_element: float, block_elements: int = BLOCK_ELEMENTS) -> Rate:
+def first_rate(bits_per_element: float, block_elements: int = BLOCK_ELEMENTS, block_size: int = 16) -> Rate:
     """The rate of a step without previous decode statistics: ``bits_per_element``
-    over a block, scales included, a quarter of it (8 or 16 bits) for the scales.
+    over a block of ``block_elements`` in scale blocks of ``block_size`` (NVFP4's
+    16 by default), scales included, a quarter of it (8 or 16 bits) for the
+    scales, at most their own bits (:func:`scale_bits_cap`; an MXFP4 block's 8
+    scales take 8 bits and the codes the rest).
 
     Why a quarter: a 256-element block has only 16 scales, but on random
     weights their disagreements rank deep among them; rate control settled on
-    16 scale bits (12 unknowns) for most sites. With 8 (4 unknowns), the
+    16 scale bits for most sites (then hashed, 12 unknowns; since guidance
+    format version 5 the 16 scales' own bits). With 8 (4 unknowns), the
     former split, the scale stage failed up to a tenth of the blocks of the
     deeper layers on the first step (worst layer fidelity 0.961 at 0.25 bit
     per element, against 0.992 with 48 + 16: benchmarks/guidance.py)."""
     total = _round8(bits_per_element * block_elements)
-    scale_bits = min(MAX_SCALE_BITS, _round8(total / 4))
+    scale_bits = min(scale_bits_cap(block_elements // block_size), _round8(total / 4))
     return Rate(min(MAX_CODE_BITS, max(MIN_CODE_BITS, total - scale_bits)), scale_bits)
 
 
@@ -389,8 +393,9 @@ def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Ten
     n_scales = table.block_elements // f.block_size
     scale_h = parity_matrix(rate.scale_bits, n_scales, SCALE_SALT)
     parity = expand_codes(table.scale_parity, 1, rate.scale_bits)
+    erasures = unknowns(rate.scale_bits, n_scales, SCALE_CHECK_BITS)
     low, ok_s, scale_needed = solve_erasures(
-        layout.blocks(own & 1, 0), layout.blocks(distance, torch.inf), parity, scale_h, rate.scale_erasures
+        layout.blocks(own & 1, 0), layout.blocks(distance, torch.inf), parity, scale_h, erasures
     )
     scales = torch.where(layout.unblock(low) == (own & 1), own, neighbour)
     # stage 2: the low code bits under the recovered scales
@@ -398,8 +403,9 @@ def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Ten
     distance = distance.masked_fill_(unknown, -torch.inf)
     code_h = parity_matrix(rate.code_bits, table.block_elements, CODE_SALT)
     parity = expand_codes(table.code_parity, 1, rate.code_bits)
+    erasures = unknowns(rate.code_bits, table.block_elements, CODE_CHECK_BITS)
     low, ok_c, code_needed = solve_erasures(
-        layout.blocks(low_code, 0), layout.blocks(distance, torch.inf), parity, code_h, rate.code_erasures
+        layout.blocks(low_code, 0), layout.blocks(distance, torch.inf), parity, code_h, erasures
     )
     tried = layout.of_rows(available)  # blocks with rows in this forward
     ok = ok_s & ok_c
@@ -466,13 +472,13 @@ def merge_decode_json(a: dict | None, b: dict) -> dict:
     return total.to_json()
 
 
-def choose_rates(keys, previous: dict | None, first: Rate) -> dict:
+def choose_rates(keys, previous: dict | None, first: Rate, scale_cap: int = MAX_SCALE_BITS) -> dict:
     """Per ``(layer, site)`` in ``keys``, the rate for this step: from the
     previous step's decode statistics (``{"layer/site": DecodeStats.to_json()}``)
     where there are any, else ``first``. Per stage, the erasures
     :func:`erasures_for` reads from that stage's censored need distribution,
     rounded up to whole bytes with the check bits, capped at
-    :data:`MAX_CODE_BITS` / :data:`MAX_SCALE_BITS`, and at most
+    :data:`MAX_CODE_BITS` / ``scale_cap`` (:func:`scale_bits_cap`), and at most
     :data:`MAX_FALL_BITS` below the previous rate: a rate rises as far as the
     failures ask at once but falls a byte a step, because one step's few
     hundred blocks a site can look thinner-tailed than the site is, and a rate
@@ -489,7 +495,7 @@ def choose_rates(keys, previous: dict | None, first: Rate) -> dict:
         bits, rate = [], stats.rate
         for needed, failed, had, check, floor, cap in (
             (stats.code_needed, stats.code_failed, rate.code_bits, CODE_CHECK_BITS, MIN_CODE_BITS, MAX_CODE_BITS),
-            (stats.scale_needed, stats.scale_failed, rate.scale_bits, SCALE_CHECK_BITS, MIN_SCALE_BITS, MAX_SCALE_BITS),
+            (stats.scale_needed, stats.scale_failed, rate.scale_bits, SCALE_CHECK_BITS, MIN_SCALE_BITS, scale_cap),
         ):
             erasures = erasures_for(needed, failed, had - check)
             chosen = had if erasures is None else min(cap, max(floor, _round8(erasures + check)))
@@ -499,13 +505,16 @@ def choose_rates(keys, previous: dict | None, first: Rate) -> dict:
 
 
 def site_rates(tables: dict, previous: dict | None, bits_per_element: float) -> dict:
-    """:func:`choose_rates` for each ``(layer, site)`` of ``tables``, a first step's
-    rate sized to that site's blocks (:func:`layout_of`: a row's segments may hold
-    fewer than :data:`BLOCK_ELEMENTS`)."""
-    return {
-        key: choose_rates([key], previous, first_rate(bits_per_element, layout_of(t).elements))[key]
-        for key, t in sorted(tables.items())
-    }
+    """:func:`choose_rates` for each ``(layer, site)`` of ``tables``, with a first
+    step's rate and a scale cap sized to that site's blocks (:func:`layout_of`: a
+    row's segments may hold fewer than :data:`BLOCK_ELEMENTS`; MXFP4 blocks hold
+    half NVFP4's scales)."""
+    rates = {}
+    for key, t in sorted(tables.items()):
+        elements, block_size = layout_of(t).elements, get_format(t.fmt).block_size
+        first = first_rate(bits_per_element, elements, block_size)
+        rates[key] = choose_rates([key], previous, first, scale_bits_cap(elements // block_size))[key]
+    return rates
 
 
 def erasures_for(needed: list[int], failed: int, erasures: int) -> float | None:

@@ -48,7 +48,15 @@ from .reference import (
     to_device,
     unpack_nibbles,
 )
-from .syndrome import MAX_ERASURES, code_side_info, parity_matrix, scale_side_info, solve_erasures, syndrome
+from .syndrome import (
+    MAX_ERASURES,
+    code_side_info,
+    parity_matrix,
+    scale_side_info,
+    solve_erasures,
+    syndrome,
+    unknowns,
+)
 
 __all__ = [
     "E2M1_MAX",
@@ -85,6 +93,7 @@ __all__ = [
     "straight_through",
     "syndrome",
     "to_device",
+    "unknowns",
     "unpack_codes",
     "unpack_nibbles",
     "valid_global_scale",

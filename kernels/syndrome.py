@@ -54,11 +54,29 @@ def _hash32(v: Tensor) -> Tensor:
 @functools.cache
 def parity_matrix(rows: int, n: int, salt: int) -> Tensor:
     """The 0/1 parity matrix ``[rows, n]`` (uint8) of a code over ``n`` bits:
-    entry ``(j, i)`` is bit 15 of ``hash32(hash32(salt * 2^20 + j) ^ i)``."""
+    entry ``(j, i)`` is bit 15 of ``hash32(hash32(salt * 2^20 + j) ^ i)``,
+    except that where ``rows >= n`` the first ``n`` rows are the identity.
+
+    Why: ``n`` parity bits of ``n`` bits are best spent on the bits themselves,
+    which the decoder reads whatever its guess (:func:`unknowns`: all ``n``);
+    hashed rows as many as the bits leave some unknowns to the guess, and an
+    MXFP4 block's 8 scales got 16 hashed parity bits where 8 raw bits are
+    exact. Rows past ``n`` stay hashed: checks, consistent by construction."""
     j = torch.arange(rows, dtype=torch.int64)[:, None]
     i = torch.arange(n, dtype=torch.int64)[None, :]
-    h = _hash32(_hash32(salt * (1 << 20) + j) ^ i)
-    return ((h >> 15) & 1).to(torch.uint8)
+    h = ((_hash32(_hash32(salt * (1 << 20) + j) ^ i) >> 15) & 1).to(torch.uint8)
+    if rows >= n:
+        h[:n] = torch.eye(n, dtype=torch.uint8)
+    return h
+
+
+def unknowns(rows: int, n: int, check: int) -> int:
+    """The unknowns a decode of ``rows`` parity bits over ``n`` bits solves for
+    (the ``erasures`` of :func:`solve_erasures`): ``rows - check``, the other
+    ``check`` equations left to catch a wrong guess among the known bits; or
+    all ``n`` where the parity holds the bits themselves (:func:`parity_matrix`,
+    ``rows >= n``), which no guess can contradict."""
+    return n if rows >= n else rows - check
 
 
 def syndrome(bits: Tensor, matrix: Tensor) -> Tensor:

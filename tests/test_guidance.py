@@ -241,7 +241,7 @@ def test_shard_round_trip_with_per_token_global_scales(per_token_captured, tmp_p
     assert sorted({site for _, site in per_token}) == ["moe_down_in", "moe_in"]
     data = encode_shard(records, rl_step=0, policy_version=0, top_k=engine.model.cfg.top_k)
     header, back = decode_shard(data, "shard")
-    assert header["format_version"] == 4
+    assert header["format_version"] == 5
     assert_same_tables(records, back)
     for key, t in records.tables.items():
         u = back.tables[key]
@@ -282,7 +282,7 @@ def test_a_version_2_shard_is_still_read(captured):
     assert old["format_version"] == 2
     assert_same_tables(records, back)
     body = struct.pack("<8sHI", magic, 1, len(head)) + head + data[14 + head_len : -32]
-    with pytest.raises(GuidanceError, match=r"v1: format version 1, this reader reads \(2, 3, 4\)"):
+    with pytest.raises(GuidanceError, match=r"v1: format version 1, this reader reads \(2, 3, 4, 5\)"):
         decode_shard(body + hashlib.sha256(body).digest(), "v1")
 
 

@@ -2,8 +2,11 @@
 truth or disagrees in a few unreliable places, detected and counted failure
 otherwise, rate control, and the shard round trip with corruption caught."""
 
+import hashlib
+import json
 import math
 import random
+import struct
 
 import pytest
 import torch
@@ -26,6 +29,7 @@ from tracefp4.components.syndrome import (
     erasures_for,
     first_rate,
     layout_of,
+    site_rates,
 )
 from tracefp4.kernels import (
     MAX_ERASURES,
@@ -34,6 +38,7 @@ from tracefp4.kernels import (
     quantize,
     solve_erasures,
     syndrome,
+    unknowns,
     unpack_nibbles,
 )
 
@@ -88,6 +93,25 @@ def test_a_flipped_parity_bit_is_detected():
     parity[:, 5] ^= 1
     _, ok, _ = solve_erasures(truth, reliability, parity, h, 56)
     assert (~ok).sum() >= 195  # a consistent wrong solution needs the flipped row in the erasures' span: 2^-8
+
+
+def test_as_many_parity_bits_as_bits_are_the_bits_themselves():
+    """From ``n`` parity rows over ``n`` bits on, the matrix's first ``n`` rows
+    are the identity and the decode solves for all ``n``: the bits come back
+    whatever the guess, even one wrong everywhere and sure of itself. (An MXFP4
+    block's 8 scales were sent as 16 hashed parity bits, where 8 raw bits are exact.)"""
+    assert torch.equal(parity_matrix(8, 8, 2), torch.eye(8, dtype=torch.uint8))
+    nine = parity_matrix(16, 9, 2)  # 9 scales (a 144-element NVFP4 segment) in two bytes: 7 hashed checks
+    assert torch.equal(nine[:9], torch.eye(9, dtype=torch.uint8)) and torch.equal(
+        nine[9:], parity_matrix(16, 17, 2)[9:, :9]
+    )
+    assert [unknowns(8, 8, 4), unknowns(16, 9, 4), unknowns(16, 16, 4), unknowns(16, 17, 4)] == [8, 9, 16, 12]
+    for rows, n in ((8, 8), (16, 9), (16, 16)):
+        truth, reliability = blocks(n=n, seed=n)
+        reliability[:, 0] = torch.inf
+        h = parity_matrix(rows, n, 2)
+        bits, ok, _ = solve_erasures(1 - truth, reliability, syndrome(truth, h), h, unknowns(rows, n, 4))
+        assert ok.all() and torch.equal(bits, truth)
 
 
 def table_from(x: torch.Tensor, traj: torch.Tensor, fmt="nvfp4") -> SiteTable:
@@ -210,6 +234,26 @@ def test_first_rate():
     assert first == Rate(48, 16)  # a quarter of the block's 64 bits for its 16 scales
     assert first_rate(0.0625) == Rate(16, 8) and first_rate(0.3125) == Rate(64, 16)
     assert choose_rates([(0, "moe_in")], None, first) == {(0, "moe_in"): first}
+
+
+def test_mxfp4_scales_take_their_own_bits_and_always_decode():
+    """A 256-element MXFP4 block has 8 scales: 8 scale bits, sent raw, and the
+    rest of the rate to the codes, at the first step and under rate control;
+    its scale stage cannot fail, however far the training side's values are."""
+    x, traj = rows(n=34, width=256, seed=6)
+    table = table_from(x, traj, "mxfp4")
+    first = first_rate(0.25, 256, 32)
+    assert first == Rate(56, 8) and site_rates({(0, "moe_in"): table}, None, 0.25) == {(0, "moe_in"): first}
+    nvfp4 = site_rates({(0, "moe_in"): table_from(x, traj)}, None, 0.25)
+    assert nvfp4 == {(0, "moe_in"): Rate(48, 16)}  # 16 scales: a quarter of the bits, below their own 16
+    # statistics asking for more scale bits (or a rate from before the cap) stay at the cap
+    failing = stats_of(Rate(56, 16), {0: 200}, scale={0: 100, 8: 100}, scale_failed=20).to_json()
+    assert site_rates({(0, "moe_in"): table}, {"0/moe_in": failing}, 0.25)[(0, "moe_in")].scale_bits == 8
+    coded = encode_table(table, first)
+    g = torch.Generator().manual_seed(7)
+    far = x + 0.5 * torch.randn(x.shape, generator=g)  # most code stages fail here (NVFP4: every stage)
+    scales, _, _, stats = decode(coded, far, torch.ones(len(x), dtype=torch.bool))
+    assert stats.scale_failed == 0 and torch.equal(scales & 1, table.scales & 1) and stats.code_failed > 0
 
 
 def stats_of(rate: Rate, code: dict, code_failed=0, scale: dict | None = None, scale_failed=0) -> DecodeStats:
@@ -340,6 +384,28 @@ def test_parity_arrays_of_the_wrong_shape_are_refused():
     data = encode_shard(records, rl_step=0, policy_version=0, top_k=1)
     with pytest.raises(GuidanceError, match=r"code_parity has shape \(63, 5\), its 64 blocks of 40 bits"):
         decode_shard(data, "shard-z")
+
+
+def test_a_version_4_table_coded_at_its_scales_own_bits_is_refused():
+    """Before version 5 a scale stage with as many parity bits as scales was
+    hashed parity, which a version 5 reader reads as the scale bits: such a
+    table is refused by name, and one below that rate still reads."""
+    x, traj = rows(seed=8)
+
+    def as_version_4(table, rate):
+        data = encode_shard(
+            CaptureRecords({(0, "moe_in"): encode_table(table, rate)}), rl_step=0, policy_version=0, top_k=1
+        )
+        magic, _, head_len = struct.unpack_from("<8sHI", data)
+        header = json.loads(data[14 : 14 + head_len]) | {"format_version": 4}
+        head = json.dumps(header, sort_keys=True).encode()
+        body = struct.pack("<8sHI", magic, 4, len(head)) + head + data[14 + head_len : -32]
+        return body + hashlib.sha256(body).digest()
+
+    with pytest.raises(GuidanceError, match="v4: layer 0 moe_in: format version 4 coded its 8 scales a block in 8"):
+        decode_shard(as_version_4(table_from(x, traj, "mxfp4"), Rate(32, 8)), "v4")
+    header, back = decode_shard(as_version_4(table_from(x, traj), Rate(32, 8)), "v4")  # NVFP4: 8 bits, 16 scales
+    assert header["format_version"] == 4 and back.tables[(0, "moe_in")].rate == Rate(32, 8)
 
 
 def test_compact_parity_layout():

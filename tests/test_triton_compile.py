@@ -34,8 +34,8 @@ from tracefp4.kernels import GUIDANCE_BITS, HAS_TRITON
 ARCHS = (90, 100)  # H100 and H200; B200
 SHARED_MEMORY_PER_BLOCK = 227 * 1024  # both archs' most; a kernel over it compiles, then fails every launch
 # (block length n, parity rows, erasures): the smallest and widest blocks a program holds, the scale stage's
-# (16 scales, 12 unknowns), and tiers in between
-CODEC_SIZES = [(16, 8, 0), (16, 16, 12), (96, 40, 30), (256, 64, 56), (600, 32, 24), (4096, 64, 62)]
+# (MXFP4's 8 scales and NVFP4's 16 at their own bits, all unknown), and tiers in between
+CODEC_SIZES = [(8, 8, 8), (16, 8, 0), (16, 16, 16), (96, 40, 30), (256, 64, 56), (600, 32, 24), (4096, 64, 62)]
 
 
 @dataclass

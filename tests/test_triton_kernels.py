@@ -192,12 +192,14 @@ def erasure_blocks(nb: int, n: int, seed: int, deepest: int):
 
 
 @pytest.mark.parametrize(
-    "n,rows,erasures", [(256, 64, 56), (256, 16, 8), (96, 40, 30), (600, 32, 24), (20, 64, 56), (64, 8, 0)]
+    "n,rows,erasures",
+    [(256, 64, 56), (256, 16, 8), (96, 40, 30), (600, 32, 24), (20, 64, 56), (64, 8, 0), (8, 8, 8), (9, 16, 9)],
 )
 def test_solve_erasures(ts, runtime_loops, n, rows, erasures):
     """Bits, failures and erasures needed as the reference's, over every tier
     (flips at reliability ranks up to the last unknown) and blocks that fail;
-    several blocks a program and one wide block a program; fewer elements than unknowns."""
+    several blocks a program and one wide block a program; fewer elements than
+    unknowns; bits sent as themselves (an MXFP4 block's 8 scales in 8 bits)."""
     from tracefp4.kernels.syndrome import parity_matrix, solve_erasures, syndrome
 
     truth, guess, reliability = erasure_blocks(32, n, seed=n + rows, deepest=min(erasures, n))
