@@ -605,14 +605,14 @@ def render(folder: Path) -> str:
         "worse; for close, within 1 point either way), **does not hold at this scale** (the interval is on the "
         "other side), **not separable at this scale** (the interval contains 0, or the claim's threshold).",
         "",
-        "Which engine: section 1 was measured before commit b41416d made the rollout's attention the same SDPA "
-        "call as training's (decode attention ran as two matmuls around a softmax of bf16-rounded scores), every "
-        "other section after it. On the same bootstrapped base that change alone cut QAT's BF16 train-rollout "
-        "|logprob diff| from 0.00495 to 0.00023 and its code mismatch from 1.32% to 0.06% (`python "
-        "benchmarks/repro.py --precision bf16 --runs qat trace-r4-all` at commit c8cf0fa, against section 5), "
-        "so section 1's mismatch figures are larger than the present engine leaves. Section 1's H-Scale baseline "
-        "was also calibrated on the test prompts it is scored on; since commit 85d6c5e it calibrates on training "
-        "prompts (a slight edge to that baseline then, which makes TRACE's comparison against it conservative).",
+        "Which engine: every section was measured after commit b41416d made the rollout's attention the same "
+        "SDPA call as training's (decode attention had run as two matmuls around a softmax of bf16-rounded "
+        "scores). On the same bootstrapped base that change alone cut QAT's BF16 train-rollout |logprob diff| "
+        "from 0.00495 to 0.00023 and its code mismatch from 1.32% to 0.06% (`python benchmarks/repro.py "
+        "--precision bf16 --runs qat trace-r4-all` at commit c8cf0fa, against section 5). Section 1 was run "
+        "again at commit 8e2a3c0 on a 2-core AMD EPYC (Zen 4, native bf16); its previous run, from before "
+        "b41416d and with the H-Scale baseline calibrated on the test prompts, is in the history of "
+        "docs/results/science.json.",
         "",
         "## The paper's claims",
         "",
