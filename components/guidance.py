@@ -305,16 +305,15 @@ def _syndrome_table(name: str, version: int, spec: dict, arrays: dict, traj, pos
     reader would decode as the bits themselves (:func:`~tracefp4.kernels.parity_matrix`): refused."""
     where = f"{name}: layer {spec['layer']} {spec['site']}"
     layout = (spec["group"], spec.get("segments", 1))  # segments: written from format version 4
-    block_size = get_format(spec["fmt"]).block_size
-    coded = block_layout(spec["width"], block_size)
+    coded = block_layout(spec["width"], get_format(spec["fmt"]).block_size)
     if layout != tuple(coded[:2]):
         raise GuidanceError(
             f"{where} has blocks of (rows, segments) {layout}; rows of "
             f"{spec['width']} are coded in {tuple(coded[:2])} (written by an older tracefp4?)"
         )
-    if version < 5 and spec["scale_bits"] >= coded.elements // block_size:
+    if version < 5 and spec["scale_bits"] >= coded.scales:
         raise GuidanceError(
-            f"{where}: format version {version} coded its {coded.elements // block_size} scales a block in "
+            f"{where}: format version {version} coded its {coded.scales} scales a block in "
             f"{spec['scale_bits']} hashed parity bits, which version 5 reads as the scale bits themselves; "
             "compact the step again with this tracefp4"
         )

@@ -84,10 +84,10 @@ def scale_bits_cap(scales: int) -> int:
     return min(MAX_SCALE_BITS, _round8(scales))
 
 
-def first_rate(bits_per_element: float, block_elements: int = BLOCK_ELEMENTS, block_size: int = 16) -> Rate:
+def first_rate(bits_per_element: float, block_elements: int = BLOCK_ELEMENTS, scales: int = 16) -> Rate:
     """The rate of a step without previous decode statistics: ``bits_per_element``
-    over a block of ``block_elements`` in scale blocks of ``block_size`` (NVFP4's
-    16 by default), scales included, a quarter of it (8 or 16 bits) for the
+    over a block of ``block_elements`` with ``scales`` scales (:attr:`BlockLayout.scales`;
+    NVFP4's 16 by default), scales included, a quarter of it (8 or 16 bits) for the
     scales, at most their own bits (:func:`scale_bits_cap`; an MXFP4 block's 8
     scales take 8 bits and the codes the rest).
 
@@ -99,17 +99,19 @@ def first_rate(bits_per_element: float, block_elements: int = BLOCK_ELEMENTS, bl
     deeper layers on the first step (worst layer fidelity 0.961 at 0.25 bit
     per element, against 0.992 with 48 + 16: benchmarks/guidance.py)."""
     total = _round8(bits_per_element * block_elements)
-    scale_bits = min(scale_bits_cap(block_elements // block_size), _round8(total / 4))
+    scale_bits = min(scale_bits_cap(scales), _round8(total / 4))
     return Rate(min(MAX_CODE_BITS, max(MIN_CODE_BITS, total - scale_bits)), scale_bits)
 
 
 class BlockLayout(NamedTuple):
     """How rows of one width make blocks: ``group`` rows per block, or a row cut
-    into ``segments`` blocks (one of the two is 1), ``elements`` per block."""
+    into ``segments`` blocks (one of the two is 1), ``elements`` per block, in
+    ``scales`` scale blocks (the scales a block's first stage codes)."""
 
     group: int
     segments: int
     elements: int
+    scales: int
 
 
 def block_layout(width: int, block_size: int) -> BlockLayout:
@@ -123,10 +125,10 @@ def block_layout(width: int, block_size: int) -> BlockLayout:
     asked for and every block failed its decode."""
     if width <= BLOCK_ELEMENTS:
         group = max(1, BLOCK_ELEMENTS // width)
-        return BlockLayout(group, 1, group * width)
+        return BlockLayout(group, 1, group * width, group * width // block_size)
     scales = width // block_size
     per = -(-scales // -(-width // BLOCK_ELEMENTS))  # scale blocks per segment
-    return BlockLayout(1, -(-scales // per), per * block_size)
+    return BlockLayout(1, -(-scales // per), per * block_size, per)
 
 
 def layout_of(table: "SiteTable | SyndromeTable") -> BlockLayout:
@@ -233,8 +235,7 @@ class _Layout:
         block, within = table.block_of_rows()
         if n_blocks is None:
             n_blocks = int(block[-1]) + table.segments if len(block) else 0
-        block_size = get_format(table.fmt).block_size
-        share = (table.block_elements // block_size, table.width // block_size)
+        share = (layout_of(table).scales, table.width // get_format(table.fmt).block_size)
         return cls(table.group, table.segments, share, n_blocks, block, within)
 
     def blocks(self, rows: Tensor, fill) -> Tensor:
@@ -390,7 +391,7 @@ def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Ten
     # stage 1: the block scales
     own, neighbour, distance = scale_side_info(x, f, g)
     distance = distance.masked_fill_(unknown, -torch.inf)
-    n_scales = table.block_elements // f.block_size
+    n_scales = layout_of(table).scales
     scale_h = parity_matrix(rate.scale_bits, n_scales, SCALE_SALT)
     parity = expand_codes(table.scale_parity, 1, rate.scale_bits)
     erasures = unknowns(rate.scale_bits, n_scales, SCALE_CHECK_BITS)
@@ -511,9 +512,9 @@ def site_rates(tables: dict, previous: dict | None, bits_per_element: float) -> 
     half NVFP4's scales)."""
     rates = {}
     for key, t in sorted(tables.items()):
-        elements, block_size = layout_of(t).elements, get_format(t.fmt).block_size
-        first = first_rate(bits_per_element, elements, block_size)
-        rates[key] = choose_rates([key], previous, first, scale_bits_cap(elements // block_size))[key]
+        layout = layout_of(t)
+        first = first_rate(bits_per_element, layout.elements, layout.scales)
+        rates[key] = choose_rates([key], previous, first, scale_bits_cap(layout.scales))[key]
     return rates
 
 

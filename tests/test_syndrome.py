@@ -34,6 +34,7 @@ from tracefp4.components.syndrome import (
 from tracefp4.kernels import (
     MAX_ERASURES,
     compact_codes,
+    get_format,
     parity_matrix,
     quantize,
     solve_erasures,
@@ -198,8 +199,9 @@ def test_rows_wider_than_a_block_are_cut_into_blocks_and_decode_at_the_rate_aske
     of one (4 bits per element at that rate)."""
     x, traj = rows(n=34, width=width, seed=4)
     table = table_from(x, traj, fmt)
-    assert layout_of(table) == (1, segments, block)
-    coded = encode_table(table, first_rate(0.25, block))  # a step's first rate, as the pipeline sizes it per site
+    layout = layout_of(table)
+    assert layout == (1, segments, block, block // get_format(fmt).block_size)
+    coded = encode_table(table, first_rate(0.25, layout.elements, layout.scales))  # as the pipeline sizes it per site
     assert (coded.group, coded.segments, coded.block_elements) == (1, segments, block)
     assert coded.code_parity.shape[0] == 34 * segments and 0.25 <= coded.nbytes * 8 / coded.elements < 0.3
     g = torch.Generator().manual_seed(5)
@@ -242,7 +244,7 @@ def test_mxfp4_scales_take_their_own_bits_and_always_decode():
     its scale stage cannot fail, however far the training side's values are."""
     x, traj = rows(n=34, width=256, seed=6)
     table = table_from(x, traj, "mxfp4")
-    first = first_rate(0.25, 256, 32)
+    first = first_rate(0.25, 256, 8)
     assert first == Rate(56, 8) and site_rates({(0, "moe_in"): table}, None, 0.25) == {(0, "moe_in"): first}
     nvfp4 = site_rates({(0, "moe_in"): table_from(x, traj)}, None, 0.25)
     assert nvfp4 == {(0, "moe_in"): Rate(48, 16)}  # 16 scales: a quarter of the bits, below their own 16
@@ -460,7 +462,7 @@ def test_blocks_needing_every_tier_decode_exactly():
 
 
 def test_code_side_information_is_the_round_to_nearest_low_bit():
-    from tracefp4.kernels import code_side_info, get_format
+    from tracefp4.kernels import code_side_info
 
     g = torch.Generator().manual_seed(6)
     x = torch.randn(500, 256, generator=g) * 3
@@ -476,7 +478,7 @@ def test_code_side_information_is_the_round_to_nearest_low_bit():
 
 
 def test_code_side_information_at_ties_and_saturation():
-    from tracefp4.kernels import code_side_info, get_format
+    from tracefp4.kernels import code_side_info
 
     # one NVFP4 block whose unit is 1 (scale 1.0 as E4M3 0x38, global scale 1): values are E2M1 magnitudes
     boundaries = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0]
