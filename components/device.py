@@ -11,7 +11,8 @@ rollout engine ran at 0.18x transformers' ``generate``. Where the CPU has no
 native bf16 (x86 ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``), :func:`bf16_op`
 runs a bf16 matmul in fp32 on the bf16-rounded inputs and rounds the output to
 bf16: the values of a bf16 matmul (which accumulates in fp32) up to
-accumulation order. ``TRACEFP4_CPU_BF16`` forces it: ``native``, ``emulate``
+accumulation order, a row's whatever other rows its matmul multiplies
+(:func:`_in_whole_row_blocks`). ``TRACEFP4_CPU_BF16`` forces it: ``native``, ``emulate``
 or ``auto`` (the default: emulate where the CPU lacks bf16).
 
 oneDNN, which runs torch's bf16 matmuls on x86, can be capped below the CPU's
@@ -37,6 +38,7 @@ import re
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 CPU_BF16_ENV = "TRACEFP4_CPU_BF16"
@@ -201,12 +203,36 @@ def bf16_op(op, *args: Tensor | None) -> Tensor:
     or attention: ``F.scaled_dot_product_attention`` with its other arguments bound);
     where it would compute bf16 on a CPU without bf16 units, in fp32 on the
     operands rounded to bf16 (as autocast rounds them), the output rounded to
-    bf16. ``None`` arguments (a missing bias) pass through."""
+    bf16, a small ``F.linear`` or ``torch.bmm`` in whole blocks of rows
+    (:func:`_in_whole_row_blocks`). ``None`` arguments (a missing bias) pass through."""
     if not (_computes_bf16_on_cpu(args[0]) and bf16_emulated()):
         return op(*args)
+    x, *rest = (None if a is None else a.to(torch.bfloat16).float() for a in args)
     with torch.autocast("cpu", enabled=False):
-        out = op(*(None if a is None else a.to(torch.bfloat16).float() for a in args))
+        out = _in_whole_row_blocks(op, x, rest) if op in (F.linear, torch.bmm) else op(x, *rest)
     return out.to(torch.bfloat16)
+
+
+# MKL's float32 GEMM sums the rows of a matmul of fewer than 12 rows in blocks of 4, and the rows past the last
+# whole block in another order; a bmm of fewer than 4 rows a matrix, all of them. A row's bits then depended on how
+# many rows shared its matmul (the batch bucket, the padded prefill, the experts' grid width). Measured on a Zen 4
+# AMD EPYC, MKL's AVX-512 and AVX2 kernels alike, inner sizes 64-2048, 8-1024 outputs (test_device.py -k row_count)
+SMALL_GEMM_ROWS, GEMM_ROW_BLOCK = 12, 4
+
+
+def _in_whole_row_blocks(op, x: Tensor, rest: list) -> Tensor:
+    """``op(x, *rest)`` for ``F.linear`` (rows: all of ``x``'s but its last
+    dim) or ``torch.bmm`` (rows: dim 1), fewer than :data:`SMALL_GEMM_ROWS`
+    rows padded with zero rows to a whole number of :data:`GEMM_ROW_BLOCK`
+    and the padding's outputs dropped: where bf16 is emulated each row then
+    sums as in any larger matmul, so that a request's bits do not depend on
+    what shares its batch, as on torch's bf16 kernels (docs/rollout.md)."""
+    rows = x.reshape(1, -1, x.shape[-1]) if op is F.linear else x
+    n = rows.shape[1]
+    short = -n % GEMM_ROW_BLOCK if n < SMALL_GEMM_ROWS else 0
+    if not short:
+        return op(x, *rest)
+    return op(F.pad(rows, (0, 0, 0, short)), *rest)[:, :n].reshape(*x.shape[:-1], -1)
 
 
 def size_independent(fn, x: Tensor) -> Tensor:

@@ -35,14 +35,20 @@ def native_bf16():
     the end of its module (module-scoped, so that data fixtures of the module
     are computed under it too). For tests whose subject is what those kernels
     do: the train-rollout mismatch that their shape-dependent sums create,
-    layouts that give the same bits, transformers' own bf16 forward, a
-    request's bits whatever shares its batch. The fp32 emulation that
-    ``auto`` picks on such a CPU (:func:`device.bf16_op`) rounds the same
-    values but sums in another order. Its float32 sums hardly depend on the
-    shapes: bf16 training and rollout of the test models then round to the
-    same FP4 codes (docs/performance.md). Yet they can differ in the last bit
-    with a matmul's row count (MKL), enough to move a request's bits with
-    what shares its batch."""
+    layouts that give the same bits, transformers' own bf16 forward. The
+    fp32 emulation that ``auto`` picks on such a CPU (:func:`device.bf16_op`)
+    rounds the same values but sums in another order. Its float32 sums hardly
+    depend on the shapes: bf16 training and rollout of the test models then
+    round to the same FP4 codes (docs/performance.md)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(device.CPU_BF16_ENV, "native")
         yield
+
+
+@pytest.fixture(params=["native", "emulate"])
+def each_bf16_mode(request, monkeypatch):
+    """The test once on torch's bf16 kernels and once on the fp32 emulation
+    that ``auto`` picks on a CPU without bf16 units (:func:`device.bf16_op`),
+    whatever this CPU has: for what both must give, such as a request's bits
+    whatever shares its batch."""
+    monkeypatch.setenv(device.CPU_BF16_ENV, request.param)

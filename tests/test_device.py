@@ -230,6 +230,22 @@ def test_emulated_bf16_matmul_is_a_bf16_matmul_up_to_accumulation_order(op, shap
     assert same_sign.float().mean() > 0.99 and _ulps(native[same_sign], emulated[same_sign]).max() <= 1
 
 
+@pytest.mark.parametrize("op, shapes", [(F.linear, [(300, 256), (96, 256)]), (torch.bmm, [(4, 60, 512), (4, 512, 64)])])
+def test_an_emulated_matmuls_rows_do_not_depend_on_its_row_count(op, shapes):
+    """Where bf16 is emulated, a request's bits must not depend on what shares
+    its batch, so neither may a float32 matmul's rows on how many rows it
+    multiplies. MKL sums the rows of a linear of fewer than 12 rows past the
+    last whole block of 4 (at 1-3, 5-7 and 9-11 rows), and those of a bmm of
+    fewer than 4, in another order than a larger matmul does: the emulation
+    runs those padded to whole blocks (this test failed without)."""
+    gen = torch.Generator().manual_seed(3)
+    x, w = (torch.randn(s, generator=gen).bfloat16().float() for s in shapes)
+    full = op(x, w)
+    for n in range(1, 20):
+        rows = device._in_whole_row_blocks(op, x.narrow(-2, 0, n), [w])
+        assert torch.equal(rows, full.narrow(-2, 0, n)), n
+
+
 def test_emulated_attention_is_fp32_attention_of_the_bf16_operands(monkeypatch):
     """The model's one attention (training, the rollout's prefill and decode)
     emulated: SDPA in fp32 on the bf16 operands, rounded once. Native bf16 SDPA

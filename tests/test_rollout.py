@@ -117,14 +117,17 @@ def test_batch_buckets():
         TorchEngine(build_model("smoke"), stop_check_every=0)
 
 
-def staggered_stops(engine, batch, max_new):
-    """Stop tokens that end requests at different steps (taken from a run without them)."""
-    first = engine.generate(prompts(batch, seed=7), SamplingParams(max_new_tokens=max_new, seed=2))
-    return tuple({t.response[i] for t, i in zip(first, (1, 2, 3, 5, 7, 9, 11, 13)) if i < len(t.response)})
+def staggered_stops(engine, params: SamplingParams) -> SamplingParams:
+    """``params`` with stop tokens that end ``prompts(12, seed=7)``'s requests at
+    different steps: tokens the first eight sample at steps 1 to 13 in a run
+    without stops, whose draws those of the run with them repeat."""
+    first = engine.generate(prompts(12, seed=7), params)
+    stops = {t.response[i] for t, i in zip(first, (1, 2, 3, 5, 7, 9, 11, 13)) if i < len(t.response)}
+    return replace(params, stop_tokens=tuple(stops))
 
 
 @pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv", "fp4_wa_kv/per_token"])
-def test_stop_check_interval_changes_nothing(model, config, native_bf16):
+def test_stop_check_interval_changes_nothing(model, config, each_bf16_mode):
     """Checking for stops every 8 tokens (finished rows decode into padding
     meanwhile, the batch moves to a smaller bucket later) gives every token,
     logprob, top-k and captured record of checking every token, per-token
@@ -139,10 +142,9 @@ def test_stop_check_interval_changes_nothing(model, config, native_bf16):
         engine._forward = lambda tokens, *a, sizes=sizes, forward=forward, **kw: (
             sizes.append(tokens.shape[0]) or forward(tokens, *a, **kw)
         )
-        stops = staggered_stops(engine, 12, 16)
+        params = staggered_stops(engine, SamplingParams(max_new_tokens=16, seed=2, top_p=0.95, record_topk=3))
         engine.drain_capture() if engine.capture else None
         sizes.clear()
-        params = SamplingParams(max_new_tokens=16, seed=2, top_p=0.95, record_topk=3, stop_tokens=stops)
         out = engine.generate(prompts(12, seed=7), params)
         records = engine.drain_capture() if engine.capture else None
         runs[every] = (out, records, sizes)
@@ -191,7 +193,7 @@ def test_same_trajectories_as_the_engine_before_the_static_cache(case, every):
         assert traj.logprobs == pytest.approx(want["logprobs"], abs=1e-5)
 
 
-def test_a_request_gives_the_same_bits_whatever_shares_its_batch(model, native_bf16):
+def test_a_request_gives_the_same_bits_whatever_shares_its_batch(model, each_bf16_mode):
     """A longer prompt beside a request widens every step's attention span by
     blocks (``SPAN_BLOCK``): the request's tokens and logprobs stay bit for bit
     those it gets alone (BF16 and FP4 KV)."""
@@ -209,7 +211,7 @@ def test_the_cache_is_allocated_once_and_compacted_in_place(model, monkeypatch):
     init = KVCache.__init__
     monkeypatch.setattr(KVCache, "__init__", lambda self, *a: made.append(self) or init(self, *a))
     engine = TorchEngine(model, stop_check_every=1)
-    stops = staggered_stops(engine, 12, 16)
+    params = staggered_stops(engine, SamplingParams(max_new_tokens=16, seed=2))
     made.clear()
     pointers = None
     compact = KVCache.compact
@@ -221,12 +223,12 @@ def test_the_cache_is_allocated_once_and_compacted_in_place(model, monkeypatch):
         assert [t.data_ptr() for t in self.store.values()] == pointers and self.active == active
 
     monkeypatch.setattr(KVCache, "compact", watch)
-    engine.generate(prompts(12, seed=7), SamplingParams(max_new_tokens=16, seed=2, stop_tokens=stops))
+    engine.generate(prompts(12, seed=7), params)
     assert len(made) == 1 and pointers is not None
 
 
 @pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv"])
-def test_the_cache_grows_as_decoding_needs_and_changes_nothing(model, config, monkeypatch, native_bf16):
+def test_the_cache_grows_as_decoding_needs_and_changes_nothing(model, config, monkeypatch, each_bf16_mode):
     """A cache that starts one span block past the prompts and doubles as
     decoding needs more (``KV_HEADROOM``) gives every token, logprob and
     captured record of one that holds the whole call from the start, requests
@@ -238,10 +240,10 @@ def test_the_cache_grows_as_decoding_needs_and_changes_nothing(model, config, mo
     for headroom in (1, 1000):
         monkeypatch.setattr(rollout_module, "KV_HEADROOM", headroom)
         engine = TorchEngine(model, rollout_config(config), capture=CaptureConfig(bits=4), stop_check_every=4)
-        stops = staggered_stops(engine, 12, 60)
+        params = staggered_stops(engine, SamplingParams(max_new_tokens=60, seed=2))
         engine.drain_capture() if engine.capture else None
         lengths.clear()
-        out = engine.generate(prompts(12, seed=7), SamplingParams(max_new_tokens=60, seed=2, stop_tokens=stops))
+        out = engine.generate(prompts(12, seed=7), params)
         runs[headroom] = (out, engine.drain_capture() if engine.capture else None, list(lengths))
     (out, records, grown), (whole, whole_records, none) = runs[1], runs[1000]
     assert grown == [64, 96] and none == []  # prompts of at most 11 tokens: 32 positions, then 64, then 96
@@ -274,7 +276,7 @@ def forward_sizes(engine: TorchEngine) -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv"])
-def test_waiting_requests_take_the_rows_of_finished_ones(model, config, native_bf16):
+def test_waiting_requests_take_the_rows_of_finished_ones(model, config, each_bf16_mode):
     """``max_running_requests`` 4 of 12 requests that stop at different steps:
     at stop checks the requests that finished give their rows to waiting
     ones, prefilled there while the others decode on; the batch keeps 4 rows
@@ -290,12 +292,10 @@ def test_waiting_requests_take_the_rows_of_finished_ones(model, config, native_b
             stop_check_every=every,
             max_running_requests=bound,
         )
-        stops = staggered_stops(engine, 12, 16)
+        params = staggered_stops(engine, SamplingParams(max_new_tokens=16, seed=2, top_p=0.9, record_topk=2))
         engine.drain_capture() if engine.capture else None
         sizes = forward_sizes(engine)
-        out = engine.generate(
-            batch, SamplingParams(max_new_tokens=16, seed=2, top_p=0.9, record_topk=2, stop_tokens=stops)
-        )
+        out = engine.generate(batch, params)
         runs[bound, every] = out, engine.drain_capture() if engine.capture else None, sizes
     whole, records, _ = runs[0, 1]
     assert {t.finish_reason for t in whole} == {"stop", "length"} and len({len(t.response) for t in whole}) > 2
@@ -315,7 +315,7 @@ def test_waiting_requests_take_the_rows_of_finished_ones(model, config, native_b
                     assert torch.equal(getattr(table, f), getattr(other_records.tables[name], f)), (key, name, f)
 
 
-def test_one_new_token_each_with_requests_waiting(model, native_bf16):
+def test_one_new_token_each_with_requests_waiting(model, each_bf16_mode):
     """``max_new_tokens`` 1: every admitted request is done at once, and the waiting ones take its rows at once."""
     params = SamplingParams(max_new_tokens=1, seed=4)
     whole = TorchEngine(model).generate(prompts(7), params)
@@ -328,7 +328,7 @@ def test_one_new_token_each_with_requests_waiting(model, native_bf16):
     assert sizes == [("prefill", 3), ("prefill", 3), ("prefill", 1)]  # no decode step
 
 
-def test_a_retired_row_that_no_request_takes_never_outgrows_the_cache(model, native_bf16):
+def test_a_retired_row_that_no_request_takes_never_outgrows_the_cache(model, each_bf16_mode):
     """Four rows, eleven requests of 16 tokens, admitted at steps 0, 15 and
     30: the eighth request (11 prompt tokens, row 3) retires at step 30 with
     three requests left for four rows, so its row decodes into padding until
@@ -474,7 +474,7 @@ def test_hybrid_requests_that_take_finished_rows_start_from_clean_states(hybrid)
         assert torch.allclose(torch.tensor(traj.logprobs), expected, atol=1e-4), (traj.id, traj.logprobs, expected)
 
 
-def test_hybrid_requests_in_refilled_rows_get_the_bits_of_one_batch(hybrid, native_bf16):
+def test_hybrid_requests_in_refilled_rows_get_the_bits_of_one_batch(hybrid, each_bf16_mode):
     """FP4 activations on the hybrid (bf16), eight requests on 1, 2 and 3 rows:
     every response and logprob is that of one batch of all eight. The decay
     gate's softplus and the write strength's sigmoid are size-independent
