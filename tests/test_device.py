@@ -230,7 +230,16 @@ def test_emulated_bf16_matmul_is_a_bf16_matmul_up_to_accumulation_order(op, shap
     assert same_sign.float().mean() > 0.99 and _ulps(native[same_sign], emulated[same_sign]).max() <= 1
 
 
-@pytest.mark.parametrize("op, shapes", [(F.linear, [(300, 256), (96, 256)]), (torch.bmm, [(4, 60, 512), (4, 512, 64)])])
+ROW_COUNT_MATMULS = [  # inner sizes 64 to 2048, 8 to 1024 outputs, as measured (device.SMALL_GEMM_ROWS)
+    (F.linear, [(300, 64), (1024, 64)]),
+    (F.linear, [(300, 256), (96, 256)]),
+    (F.linear, [(300, 2048), (8, 2048)]),
+    (torch.bmm, [(4, 60, 512), (4, 512, 64)]),
+    (torch.bmm, [(4, 60, 2048), (4, 2048, 256)]),
+]
+
+
+@pytest.mark.parametrize("op, shapes", ROW_COUNT_MATMULS)
 def test_an_emulated_matmuls_rows_do_not_depend_on_its_row_count(op, shapes):
     """Where bf16 is emulated, a request's bits must not depend on what shares
     its batch, so neither may a float32 matmul's rows on how many rows it
