@@ -91,7 +91,8 @@ def plan(device: str, run_dir: Path) -> list[Step]:
             55,
             dry_args=["--size", "256", "--repeat", "1"],
         ),
-        Step("rollout", [py, "benchmarks/rollout.py"], 115, dry_args=smallest_rollout),
+        # at issue #13's GPU target for the engine against generate: bf16, batches 32 and 128, 128 new tokens
+        Step("rollout", [py, "benchmarks/rollout.py", "--new-tokens", "128"], 115, dry_args=smallest_rollout),
         Step("syndrome_codec", syndrome_speed, 45, dry_args=["--speed-rows", "256", "--repeat", "1"]),
         Step("smoke_pipeline", [py, "-m", "tracefp4.pipelines.cli", *smoke_run], 135),
     ]

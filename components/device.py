@@ -215,8 +215,10 @@ def bf16_op(op, *args: Tensor | None) -> Tensor:
 
 # MKL's float32 GEMM sums the rows of a matmul of fewer than 12 rows in blocks of 4, and the rows past the last
 # whole block in another order; a bmm of fewer than 4 rows a matrix, all of them. A row's bits then depended on how
-# many rows shared its matmul (the batch bucket, the padded prefill, the experts' grid width). Measured on a Zen 4
-# AMD EPYC, MKL's AVX-512 and AVX2 kernels alike, inner sizes 64-2048, 8-1024 outputs (test_device.py -k row_count)
+# many rows shared its matmul (the batch bucket, the padded prefill, the experts' grid width). A linear of one
+# output (the shared expert's gate) goes another way whatever its row count (MKL's matrix-vector product), and
+# of two it does not. Measured on a Zen 4 AMD EPYC, MKL's AVX-512 and AVX2 kernels alike, inner sizes 64-2048,
+# 1-1024 outputs (test_device.py -k row_count)
 SMALL_GEMM_ROWS, GEMM_ROW_BLOCK = 12, 4
 
 
@@ -224,9 +226,14 @@ def _in_whole_row_blocks(op, x: Tensor, rest: list) -> Tensor:
     """``op(x, *rest)`` for ``F.linear`` (rows: all of ``x``'s but its last
     dim) or ``torch.bmm`` (rows: dim 1), fewer than :data:`SMALL_GEMM_ROWS`
     rows padded with zero rows to a whole number of :data:`GEMM_ROW_BLOCK`
-    and the padding's outputs dropped: where bf16 is emulated each row then
+    and the padding's outputs dropped, a linear of one output computed as one
+    of two (a zero row of weights): where bf16 is emulated each row then
     sums as in any larger matmul, so that a request's bits do not depend on
     what shares its batch, as on torch's bf16 kernels (docs/rollout.md)."""
+    if op is F.linear and rest[0].shape[0] == 1:
+        weight, bias = rest[0], rest[1] if len(rest) > 1 else None
+        two = [F.pad(weight, (0, 0, 0, 1)), None if bias is None else F.pad(bias, (0, 1))]
+        return _in_whole_row_blocks(op, x, two)[..., :1]
     rows = x.reshape(1, -1, x.shape[-1]) if op is F.linear else x
     n = rows.shape[1]
     short = -n % GEMM_ROW_BLOCK if n < SMALL_GEMM_ROWS else 0

@@ -230,8 +230,10 @@ def test_emulated_bf16_matmul_is_a_bf16_matmul_up_to_accumulation_order(op, shap
     assert same_sign.float().mean() > 0.99 and _ulps(native[same_sign], emulated[same_sign]).max() <= 1
 
 
-ROW_COUNT_MATMULS = [  # inner sizes 64 to 2048, 8 to 1024 outputs, as measured (device.SMALL_GEMM_ROWS)
+ROW_COUNT_MATMULS = [  # inner sizes 64 to 2048, 1 to 1024 outputs, as measured (device.SMALL_GEMM_ROWS)
     (F.linear, [(300, 64), (1024, 64)]),
+    (F.linear, [(300, 64), (1, 64)]),  # one output: the shared expert's gate
+    (F.linear, [(300, 2048), (1, 2048)]),
     (F.linear, [(300, 256), (96, 256)]),
     (F.linear, [(300, 2048), (8, 2048)]),
     (torch.bmm, [(4, 60, 512), (4, 512, 64)]),
@@ -245,11 +247,13 @@ def test_an_emulated_matmuls_rows_do_not_depend_on_its_row_count(op, shapes):
     its batch, so neither may a float32 matmul's rows on how many rows it
     multiplies. MKL sums the rows of a linear of fewer than 12 rows past the
     last whole block of 4 (at 1-3, 5-7 and 9-11 rows), and those of a bmm of
-    fewer than 4, in another order than a larger matmul does: the emulation
-    runs those padded to whole blocks (this test failed without)."""
+    fewer than 4, in another order than a larger matmul does, and a linear of
+    one output at most row counts from 13 on: the emulation runs those padded
+    to whole blocks, and a linear of one output as one of two (this test
+    failed without each)."""
     gen = torch.Generator().manual_seed(3)
     x, w = (torch.randn(s, generator=gen).bfloat16().float() for s in shapes)
-    full = op(x, w)
+    full = device._in_whole_row_blocks(op, x, [w])
     for n in range(1, 20):
         rows = device._in_whole_row_blocks(op, x.narrow(-2, 0, n), [w])
         assert torch.equal(rows, full.narrow(-2, 0, n)), n

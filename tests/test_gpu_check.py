@@ -29,6 +29,10 @@ def test_the_plan_fits_the_gpu_budget(tmp_path):
     steps = gpu_check.plan("cuda", tmp_path)
     assert [s.name for s in steps] == ["triton_kernel_tests", "kernels", "rollout", "syndrome_codec", "smoke_pipeline"]
     assert sum(s.timeout_s for s in steps) <= gpu_check.GPU_BUDGET_S == 8 * 60
+    # issue #13's GPU target compares the engine with generate at 128 new tokens; a dry run's smallest sizes,
+    # later on the command line, override it
+    rollout = next(s for s in steps if s.name == "rollout")
+    assert rollout.command[-2:] == ["--new-tokens", "128"] and "--new-tokens" in rollout.dry_args
 
 
 def test_dry_run_runs_the_plan_and_ends_with_its_figures(tmp_path):
