@@ -216,9 +216,9 @@ def bf16_op(op, *args: Tensor | None) -> Tensor:
 # MKL's float32 GEMM sums the rows of a matmul of fewer than 12 rows in blocks of 4, and the rows past the last
 # whole block in another order; a bmm of fewer than 4 rows a matrix, all of them. A row's bits then depended on how
 # many rows shared its matmul (the batch bucket, the padded prefill, the experts' grid width). A linear of one
-# output (the shared expert's gate) goes another way whatever its row count (MKL's matrix-vector product), and
-# of two it does not. Measured on a Zen 4 AMD EPYC, MKL's AVX-512 and AVX2 kernels alike, inner sizes 64-2048,
-# 1-1024 outputs (test_device.py -k row_count)
+# output (the shared expert's gate) is MKL's matrix-vector product, whose rows sum in another order at most row
+# counts from 13 on too; one of two outputs is not. Measured on a Zen 4 AMD EPYC, MKL's AVX-512 and AVX2 kernels
+# alike, inner sizes 64-2048, 1-1024 outputs (test_device.py -k row_count)
 SMALL_GEMM_ROWS, GEMM_ROW_BLOCK = 12, 4
 
 
