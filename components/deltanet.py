@@ -38,14 +38,18 @@ CHUNK = 64  # tokens per chunk of the chunked form
 def causal_conv(x: Tensor, weight: Tensor, history: Tensor | None = None) -> Tensor:
     """SiLU of the depthwise causal convolution of ``x [B, S, C]`` with
     ``weight [C, K]``, continuing ``history [B, C, K-1]`` (the inputs before
-    ``x``; zeros when None). Returns ``[B, S, C]`` in ``x``'s dtype."""
+    ``x``; zeros when None). Returns ``[B, S, C]`` in ``x``'s dtype, laid out
+    as such: as the convolution's ``[B, C, S]`` transposed, each head's
+    channels lie ``S`` apart, and the L2 norm of q and k summed them in an
+    order that changed with ``S`` (a prefill's longest prompt), so that a
+    request's bits moved with the prompts beside it."""
     c, k = weight.shape
     seq = x.transpose(1, 2).to(weight.dtype)  # [B, C, S]
     if history is None:
         history = seq.new_zeros(seq.shape[0], c, k - 1)
     full = torch.cat([history.to(weight.dtype), seq], -1)  # [B, C, K-1+S]
     out = F.conv1d(full, weight[:, None], groups=c)  # [B, C, S]
-    return F.silu(out).to(x.dtype).transpose(1, 2)
+    return F.silu(out).to(x.dtype).transpose(1, 2).contiguous()
 
 
 def conv_history(x: Tensor, history: Tensor, valid: Tensor) -> Tensor:

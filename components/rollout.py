@@ -190,10 +190,14 @@ class KVCache:
             layer: torch.zeros(state, dtype=torch.float32, device=device) for layer in cfg.linear_layers
         }
         self.positions: Tensor | None = None  # [B, S] of the forward in flight
+        self.decoding = False  # whether that forward is a decode step (else a prefill)
 
-    def start(self, positions: Tensor, lengths: Tensor, span: int, rows: Tensor | None = None) -> None:
+    def start(
+        self, positions: Tensor, lengths: Tensor, span: int, rows: Tensor | None = None, decoding: bool = False
+    ) -> None:
         """Prepare a forward of the first ``positions.shape[0]`` rows (or of
-        ``rows``, cache row indices) that writes ``positions [B, S]`` and
+        ``rows``, cache row indices), a prefill or a decode step
+        (``decoding``), that writes ``positions [B, S]`` and
         attends to positions ``< span`` up to its own; row b's tokens at
         positions ``>= lengths[b]`` are padding, which the linear-attention
         states skip. ``span`` comes from the caller, who knows it without
@@ -203,7 +207,7 @@ class KVCache:
         if self.span > self.length:
             raise ValueError(f"a forward attending to {span} positions needs a KV cache grown past its {self.length}")
         self.active = positions.shape[0]
-        self.positions = positions
+        self.positions, self.decoding = positions, decoding
         self.valid = positions < lengths[:, None]  # [B, S]; right padding: a prefix of each row
         self.batch = slice(0, self.active) if rows is None else rows  # a slice: views; indices: copies
         self.rows = (torch.arange(self.active, device=positions.device) if rows is None else rows)[:, None]
@@ -268,9 +272,10 @@ class KVCache:
     def delta(self, layer: int, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> Tensor:
         """The delta rule from each sequence's state: one recurrent step per
         decoded token, the chunked form for a prefill (padding neither decays
-        nor writes the state)."""
+        nor writes the state), one of one-token prompts too: the two forms
+        sum in other orders, and such a prompt beside longer ones is chunked."""
         state = self.recurrent_states[layer][self.batch]
-        if q.shape[1] == 1:
+        if self.decoding:
             out, new = recurrent_delta_rule(q, k, v, g, beta, state)
         else:
             valid = self.valid[..., None]
@@ -458,7 +463,8 @@ class TorchEngine:
         positions ``< span``, cached (and captured) as row b's trajectory
         ``ids[b]`` (-1: captured as padding) below ``lengths[b]``, in the
         cache's first B rows or ``rows``."""
-        cache.start(positions, lengths, span, rows)
+        # a prefill projects each prompt's last position alone (logits_at), a decode step its one position
+        cache.start(positions, lengths, span, rows, decoding=logits_at is None)
         if self.capture is not None:
             self.capture.begin(TokenMap.of(ids, positions, lengths))
         logits = self.model(tokens, positions, cache, self.sites, logits_at)

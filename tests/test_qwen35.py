@@ -13,7 +13,7 @@ import transformers
 from safetensors.torch import save_file
 
 from tracefp4.components.checkpoint import config_from_hf, config_to_hf, load_model, save_model
-from tracefp4.components.deltanet import chunked_delta_rule, recurrent_delta_rule
+from tracefp4.components.deltanet import causal_conv, chunked_delta_rule, recurrent_delta_rule
 from tracefp4.components.model import PRESETS, QWEN35_35B_A3B, CausalAttention, build_model, right_pad
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
@@ -155,6 +155,26 @@ def test_chunked_form_equals_recurrent_form(length):
     o1, s1 = chunked_delta_rule(*(t[:, :half] for t in (q, k, v, g, beta)), start)
     o2, s2 = chunked_delta_rule(*(t[:, half:] for t in (q, k, v, g, beta)), s1)
     assert (torch.cat([o1, o2], 1) - o_recurrent).abs().max() < 1e-4 and (s2 - s_recurrent).abs().max() < 1e-4
+
+
+def test_a_prompts_delta_rule_does_not_depend_on_the_prompts_beside_it():
+    """A prefill's longest prompt sets its length S. The causal conv's output
+    keeps each head's channels side by side whatever S, so q and k are
+    normalized, and the delta rule run, in the same order for a prompt alone
+    as beside longer ones: bit for bit, float32 (laid out S apart, the L2
+    norm's sums changed with S)."""
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(8, 90, 128, generator=gen), torch.randn(128, 4, generator=gen) * 0.3
+    g, beta = -torch.rand(8, 90, 2, generator=gen), torch.rand(8, 90, 2, generator=gen)
+
+    def delta_rule(s):
+        q, k, v = causal_conv(x[:, :s], weight).split([32, 32, 64], -1)
+        heads = (t.reshape(8, s, 2, -1) for t in (q, k, v))
+        return chunked_delta_rule(*heads, g[:, :s], beta[:, :s])[0]
+
+    beside_longer = delta_rule(90)
+    for s in (1, 2, 3, 5, 17, 64):
+        assert torch.equal(delta_rule(s), beside_longer[:, :s]), s
 
 
 def test_training_form_switch():

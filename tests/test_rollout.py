@@ -259,7 +259,7 @@ def test_the_cache_grows_as_decoding_needs_and_changes_nothing(model, config, mo
 
     monkeypatch.setattr(rollout_module, "KV_HEADROOM", 1)
     held, start = [], KVCache.start
-    monkeypatch.setattr(KVCache, "start", lambda self, *a: held.append(self.length) or start(self, *a))
+    monkeypatch.setattr(KVCache, "start", lambda self, *a, **kw: held.append(self.length) or start(self, *a, **kw))
     early = SamplingParams(max_new_tokens=2000, seed=2, stop_tokens=tuple(range(0, 256, 2)))
     out = TorchEngine(model, rollout_config(config)).generate(prompts(12, seed=7), early)
     assert all(t.finish_reason == "stop" for t in out)
@@ -454,6 +454,23 @@ def test_hybrid_prefill_and_decode_equal_a_full_forward(hybrid, config):
     for traj in out:
         expected = teacher_forced_logprobs(engine, traj)
         assert torch.allclose(torch.tensor(traj.logprobs), expected, atol=1e-4), (traj.id, traj.logprobs, expected)
+
+
+def test_a_prefill_runs_the_chunked_delta_rule_whatever_its_length(hybrid, monkeypatch):
+    """A one-token prompt's prefill runs the chunked delta rule, as a longer
+    prompt's does, and decode steps the recurrent one: the two forms sum in
+    other orders, and a one-token prompt beside longer ones is chunked, so
+    its bits would otherwise move with the prompts beside it."""
+    forms = []
+    for name in ("chunked_delta_rule", "recurrent_delta_rule"):
+        rule = getattr(rollout_module, name)
+        monkeypatch.setattr(
+            rollout_module, name, lambda *a, rule=rule, name=name: forms.append((name, a[0].shape[1])) or rule(*a)
+        )
+    TorchEngine(hybrid, rollout_config("bf16")).generate([[5]], SamplingParams(max_new_tokens=3))
+    linear_layers = len(hybrid.cfg.linear_layers)
+    assert forms[:linear_layers] == [("chunked_delta_rule", 1)] * linear_layers
+    assert forms[linear_layers:] and set(forms[linear_layers:]) == {("recurrent_delta_rule", 1)}
 
 
 def test_hybrid_requests_that_take_finished_rows_start_from_clean_states(hybrid):
