@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .device import bf16_op, size_independent
+from .device import batch_invariant, size_independent
 
 CHUNK = 64  # tokens per chunk of the chunked form
 
@@ -179,11 +179,11 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: Tensor, layer: int, past) -> Tensor:
         b, s, _ = x.shape
-        qkv = past.conv(layer, bf16_op(F.linear, x, self.in_proj_qkv.weight), self.conv1d.weight[:, 0])
+        qkv = past.conv(layer, batch_invariant(F.linear, x, self.in_proj_qkv.weight), self.conv1d.weight[:, 0])
         key_width = self.k_heads * self.k_dim
         q, k, v = qkv.split([key_width, key_width, self.v_heads * self.v_dim], -1)
-        beta = size_independent(torch.sigmoid, bf16_op(F.linear, x, self.in_proj_b.weight))  # [B, S, Hv]
-        a = bf16_op(F.linear, x, self.in_proj_a.weight).float()
+        beta = size_independent(torch.sigmoid, batch_invariant(F.linear, x, self.in_proj_b.weight))  # [B, S, Hv]
+        a = batch_invariant(F.linear, x, self.in_proj_a.weight).float()
         g = -self.A_log.float().exp() * size_independent(F.softplus, a + self.dt_bias.float())  # log decay, <= 0
         o = past.delta(
             layer,
@@ -193,5 +193,5 @@ class GatedDeltaNet(nn.Module):
             g,
             beta,
         )  # [B, S, Hv, Dv]
-        z = bf16_op(F.linear, x, self.in_proj_z.weight).view(b, s, self.v_heads, self.v_dim)
-        return bf16_op(F.linear, self.norm(o, z).reshape(b, s, -1), self.out_proj.weight)
+        z = batch_invariant(F.linear, x, self.in_proj_z.weight).view(b, s, self.v_heads, self.v_dim)
+        return batch_invariant(F.linear, self.norm(o, z).reshape(b, s, -1), self.out_proj.weight)

@@ -1,4 +1,5 @@
-"""Where a step computes (``resources.device``), and how a CPU computes bf16.
+"""Where a step computes (``resources.device``), how a CPU computes bf16, and how
+it keeps a row's bits whatever else a matmul or attention computes beside it.
 
 Every step resolves ``resources.device`` first, before any work, so that a run
 asking for a GPU on a machine without one stops at once with the reason
@@ -8,12 +9,11 @@ checkpoints, trajectories and guidance are written from CPU tensors.
 bf16 on a CPU without bf16 units is a trap: on an AMD EPYC with AVX2 only,
 torch's bf16 ``bmm`` took 57x as long as fp32 for the same shapes, and the
 rollout engine ran at 0.18x transformers' ``generate``. Where the CPU has no
-native bf16 (x86 ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``), :func:`bf16_op`
-runs a bf16 matmul in fp32 on the bf16-rounded inputs and rounds the output to
-bf16: the values of a bf16 matmul (which accumulates in fp32) up to
-accumulation order, a row's whatever other rows its matmul multiplies
-(:func:`_in_whole_row_blocks`). ``TRACEFP4_CPU_BF16`` forces it: ``native``, ``emulate``
-or ``auto`` (the default: emulate where the CPU lacks bf16).
+native bf16 (x86 ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``),
+:func:`batch_invariant` runs a bf16 matmul in fp32 on the bf16-rounded inputs
+and rounds the output to bf16: the values of a bf16 matmul (which accumulates
+in fp32) up to accumulation order. ``TRACEFP4_CPU_BF16`` forces it:
+``native``, ``emulate`` or ``auto`` (the default: emulate where the CPU lacks bf16).
 
 oneDNN, which runs torch's bf16 matmuls on x86, can be capped below the CPU's
 ISA (``ONEDNN_MAX_CPU_ISA``); capped below ``AVX512_CORE_BF16`` it computes
@@ -157,7 +157,7 @@ def keep_freed_memory() -> bool:
     A decode step of the tiny preset at batch 128 took about 900 page faults
     so; with the thresholds held at 32 MB (own mappings) and 64 MB (trim), the
     ceilings glibc's adaptive ones reach anyway, next to none where the CPU
-    computes bf16 natively. Where bf16 is emulated in fp32 (:func:`bf16_op`)
+    computes bf16 natively. Where bf16 is emulated in fp32 (:func:`batch_invariant`)
     the heap's free top passes 64 MB, and a call still faulted about 17,000
     pages in; trimming from 256 MB on leaves next to none there too. The
     process keeps no more than its peak. Process-wide, so each step process
@@ -198,28 +198,52 @@ def _computes_bf16_on_cpu(x: Tensor) -> bool:
     )
 
 
-def bf16_op(op, *args: Tensor | None) -> Tensor:
-    """``op(*args)`` (a matmul: ``F.linear``, ``torch.bmm``, ``torch.matmul``;
-    or attention: ``F.scaled_dot_product_attention`` with its other arguments bound);
-    where it would compute bf16 on a CPU without bf16 units, in fp32 on the
-    operands rounded to bf16 (as autocast rounds them), the output rounded to
-    bf16, a small ``F.linear`` or ``torch.bmm`` in whole blocks of rows
-    (:func:`_in_whole_row_blocks`). ``None`` arguments (a missing bias) pass through."""
-    if not (_computes_bf16_on_cpu(args[0]) and bf16_emulated()):
-        return op(*args)
-    x, *rest = (None if a is None else a.to(torch.bfloat16).float() for a in args)
-    with torch.autocast("cpu", enabled=False):
-        out = _in_whole_row_blocks(op, x, rest) if op in (F.linear, torch.bmm) else op(x, *rest)
-    return out.to(torch.bfloat16)
+def batch_invariant(op, *args: Tensor | None, **kwargs) -> Tensor:
+    """``op(*args, **kwargs)``, a matmul (``F.linear``, ``torch.bmm``) or
+    attention (``F.scaled_dot_product_attention``), computed so that on the
+    CPU each row's bits do not depend on the other rows of the call: a
+    request's bits then do not depend on what shares its batch
+    (docs/rollout.md). torch's bf16 kernels give that. Where the CPU computes
+    in float32, MKL does not for a few rows: there such a call runs in whole
+    blocks of rows (:func:`_in_whole_row_blocks`, :func:`_in_whole_query_blocks`).
+    That is a float32 model, and bf16 where it is emulated: a bf16 op on a CPU
+    without bf16 units runs in fp32 on the operands rounded to bf16 (as
+    autocast rounds them), the output rounded to bf16. Other ops run as they
+    are (in fp32 where bf16 is emulated); ``None`` arguments (a missing bias)
+    and keyword arguments (SDPA's boolean mask) pass through."""
+    x = args[0]
+    if x.device.type != "cpu":
+        return op(*args, **kwargs)
+    if _computes_bf16_on_cpu(x):
+        if not bf16_emulated():
+            return op(*args, **kwargs)
+        args = tuple(None if a is None else a.to(torch.bfloat16).float() for a in args)
+        with torch.autocast("cpu", enabled=False):
+            return _in_whole_blocks(op, args, kwargs).to(torch.bfloat16)
+    if x.dtype == torch.float32:
+        return _in_whole_blocks(op, args, kwargs)
+    return op(*args, **kwargs)
 
 
 # MKL's float32 GEMM sums the rows of a matmul of fewer than 12 rows in blocks of 4, and the rows past the last
 # whole block in another order; a bmm of fewer than 4 rows a matrix, all of them. A row's bits then depended on how
 # many rows shared its matmul (the batch bucket, the padded prefill, the experts' grid width). A linear of one
 # output (the shared expert's gate) is MKL's matrix-vector product, whose rows sum in another order at most row
-# counts from 13 on too; one of two outputs is not. Measured on a Zen 4 AMD EPYC, MKL's AVX-512 and AVX2 kernels
-# alike, inner sizes 64-2048, 1-1024 outputs (test_device.py -k row_count)
+# counts from 13 on too; one of two outputs is not. SDPA's float32 kernel multiplies blocks of up to 32 queries
+# (64 or 256 from 192 or 768 queries on), and the queries of a last block of 1-3 summed in another order (at 2-3,
+# 33-35, 65-67, ... queries; one query alone did not); whole blocks of 4 do not. Measured on a Zen 4 AMD EPYC, MKL's
+# AVX-512 and AVX2 kernels alike, inner sizes 64-2048, 1-1024 outputs, head sizes 32-128 (test_device.py -k
+# "row_count or query_count")
 SMALL_GEMM_ROWS, GEMM_ROW_BLOCK = 12, 4
+
+
+def _in_whole_blocks(op, args: tuple, kwargs: dict) -> Tensor:
+    """``op(*args, **kwargs)`` in float32, a matmul or SDPA in whole blocks of rows."""
+    if op is F.scaled_dot_product_attention:
+        return _in_whole_query_blocks(*args, **kwargs)
+    if op in (F.linear, torch.bmm):
+        return _in_whole_row_blocks(op, args[0], list(args[1:]))
+    return op(*args, **kwargs)
 
 
 def _in_whole_row_blocks(op, x: Tensor, rest: list) -> Tensor:
@@ -227,9 +251,7 @@ def _in_whole_row_blocks(op, x: Tensor, rest: list) -> Tensor:
     dim) or ``torch.bmm`` (rows: dim 1), fewer than :data:`SMALL_GEMM_ROWS`
     rows padded with zero rows to a whole number of :data:`GEMM_ROW_BLOCK`
     and the padding's outputs dropped, a linear of one output computed as one
-    of two (a zero row of weights): where bf16 is emulated each row then
-    sums as in any larger matmul, so that a request's bits do not depend on
-    what shares its batch, as on torch's bf16 kernels (docs/rollout.md)."""
+    of two (a zero row of weights): each row then sums as in any larger matmul."""
     if op is F.linear and rest[0].shape[0] == 1:
         weight, bias = rest[0], rest[1] if len(rest) > 1 else None
         two = [F.pad(weight, (0, 0, 0, 1)), None if bias is None else F.pad(bias, (0, 1))]
@@ -240,6 +262,22 @@ def _in_whole_row_blocks(op, x: Tensor, rest: list) -> Tensor:
     if not short:
         return op(x, *rest)
     return op(F.pad(rows, (0, 0, 0, short)), *rest)[:, :n].reshape(*x.shape[:-1], -1)
+
+
+def _in_whole_query_blocks(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None, **kwargs) -> Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, attn_mask, **kwargs)`` with more
+    than one query padded with zero queries to a whole number of
+    :data:`GEMM_ROW_BLOCK` (each seeing every key: no row wholly masked; a
+    causal mask lets them see more than the real queries, never the real
+    queries more), the padding's outputs dropped. A single query (a decode
+    step's) sums as it does in any block."""
+    n = q.shape[-2]
+    short = -n % GEMM_ROW_BLOCK if n > 1 else 0
+    if not short:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, **kwargs)
+    if attn_mask is not None and attn_mask.shape[-2] == n:  # a mask of one row covers every query alike
+        attn_mask = F.pad(attn_mask, (0, 0, 0, short), value=True)
+    return F.scaled_dot_product_attention(F.pad(q, (0, 0, 0, short)), k, v, attn_mask=attn_mask, **kwargs)[..., :n, :]
 
 
 def size_independent(fn, x: Tensor) -> Tensor:

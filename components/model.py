@@ -27,7 +27,8 @@ line of the model:
 
 Its matmuls (:class:`Linear`, the experts' ``bmm``: :class:`ExpertRows`) and
 its attention (:func:`attention`, for both strategies) go through
-:func:`.device.bf16_op`, so that a bf16 model on a CPU without bf16 units
+:func:`.device.batch_invariant`: on a CPU a row's bits do not depend on the
+rows computed beside it, and a bf16 model on a CPU without bf16 units
 computes them in fp32 and rounds to bf16 instead of crawling.
 """
 
@@ -44,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 from tracefp4.kernels import graph_capturing
 
 from .deltanet import GatedDeltaNet, causal_conv, chunked_delta_rule, recurrent_delta_rule
-from .device import bf16_op, size_independent
+from .device import batch_invariant, size_independent
 
 MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "qwen3_5_moe")
 LAYER_TYPES = ("full_attention", "linear_attention")
@@ -270,11 +271,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` (the same parameters) whose bf16 matmul runs in fp32 on a
-    CPU without bf16 units (:func:`.device.bf16_op` says why)."""
+    """``nn.Linear`` (the same parameters) whose rows do not depend on each
+    other on a CPU, and whose bf16 matmul runs in fp32 on a CPU without bf16
+    units (:func:`.device.batch_invariant` says why)."""
 
     def forward(self, x: Tensor) -> Tensor:
-        return bf16_op(F.linear, x, self.weight, self.bias)
+        return batch_invariant(F.linear, x, self.weight, self.bias)
 
 
 class Sites(Protocol):
@@ -355,7 +357,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Te
     (grouped when KV < H) where the boolean ``mask [B or 1, 1, S, L]`` allows,
     or without one causally (queries and keys at the same positions): one
     SDPA call, the same in training and in the rollout's prefill and decode
-    steps; in fp32 on a CPU without bf16 units (:func:`.device.bf16_op`).
+    steps; on a CPU a query's bits do not depend on the queries beside it,
+    and it runs in fp32 where the CPU has no bf16 units (:func:`.device.batch_invariant`).
 
     A decode step's single query per head is grouped: the heads that share a
     KV head go in as that KV head's rows of queries (``[B, KV, H/KV, D]``),
@@ -367,10 +370,9 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None) -> Te
     if s == 1 and grouped > 1 and mask is not None and mask.shape[-2] == 1:
         out = attention(q.view(b, k.shape[1], grouped, d), k, v, mask)
         return out.reshape(b, heads, 1, d)  # CUDA's memory-efficient kernel returns [B, G, KV, D] memory transposed
-    sdpa = functools.partial(
-        F.scaled_dot_product_attention, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped > 1
+    return batch_invariant(
+        F.scaled_dot_product_attention, q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=grouped > 1
     )
-    return bf16_op(sdpa, q, k, v)
 
 
 def right_pad(sequences: list[list[int]], pad: int = 0, device="cpu") -> tuple[Tensor, Tensor, Tensor]:
@@ -521,7 +523,7 @@ class ExpertRows:
         """``h`` (the expert layout) times each row's expert's ``weights [E, in, out]``, in the expert layout."""
         if self.grouped:
             return F.grouped_mm(h, weights, offs=self.offsets)
-        return bf16_op(torch.bmm, h, weights)
+        return batch_invariant(torch.bmm, h, weights)
 
     def rows(self, h: Tensor) -> Tensor:
         """``h`` from the expert layout to row order, ``[T*k, .]``."""

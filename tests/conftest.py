@@ -36,7 +36,7 @@ def native_bf16():
     are computed under it too). For tests whose subject is what those kernels
     do: the train-rollout mismatch that their shape-dependent sums create,
     layouts that give the same bits, transformers' own bf16 forward. The
-    fp32 emulation that ``auto`` picks on such a CPU (:func:`device.bf16_op`)
+    fp32 emulation that ``auto`` picks on such a CPU (:func:`device.batch_invariant`)
     rounds the same values but sums in another order. Its float32 sums hardly
     depend on the shapes: bf16 training and rollout of the test models then
     round to the same FP4 codes (docs/performance.md)."""
@@ -45,10 +45,14 @@ def native_bf16():
         yield
 
 
-@pytest.fixture(params=["native", "emulate"])
-def each_bf16_mode(request, monkeypatch):
-    """The test once on torch's bf16 kernels and once on the fp32 emulation
-    that ``auto`` picks on a CPU without bf16 units (:func:`device.bf16_op`),
-    whatever this CPU has: for what both must give, such as a request's bits
-    whatever shares its batch."""
-    monkeypatch.setenv(device.CPU_BF16_ENV, request.param)
+@pytest.fixture(params=["bf16-native", "bf16-emulated", "float32"])
+def each_dtype(request, monkeypatch):
+    """The rollout dtype, for what every precision must give, such as a
+    request's bits whatever shares its batch: bf16 once on torch's bf16
+    kernels and once on the fp32 emulation that ``auto`` picks on a CPU
+    without bf16 units (:func:`device.batch_invariant`), whatever this CPU
+    has; and float32."""
+    if request.param.startswith("bf16"):
+        monkeypatch.setenv(device.CPU_BF16_ENV, "native" if request.param == "bf16-native" else "emulate")
+        return torch.bfloat16
+    return torch.float32

@@ -192,12 +192,12 @@ def test_the_env_variable_forces_the_mode(monkeypatch):
     a, b = torch.ones(2, 3, dtype=torch.bfloat16), torch.ones(3, 2, dtype=torch.bfloat16)
     monkeypatch.setenv(device.CPU_BF16_ENV, "emulate")
     assert device.bf16_emulated() and device.cpu_kind()["cpu_bf16"] == "emulated"
-    assert device.bf16_op(matmul, a, b).dtype == torch.bfloat16 and seen.pop() == torch.float32
-    device.bf16_op(matmul, a.float(), b.float())  # float32 stays float32, untouched
+    assert device.batch_invariant(matmul, a, b).dtype == torch.bfloat16 and seen.pop() == torch.float32
+    device.batch_invariant(matmul, a.float(), b.float())  # float32 stays float32, untouched
     assert seen.pop() == torch.float32
     monkeypatch.setenv(device.CPU_BF16_ENV, "native")
     assert not device.bf16_emulated() and device.cpu_kind()["cpu_bf16"] == "native"
-    assert device.bf16_op(matmul, a, b).dtype == torch.bfloat16 and seen.pop() == torch.bfloat16
+    assert device.batch_invariant(matmul, a, b).dtype == torch.bfloat16 and seen.pop() == torch.bfloat16
     monkeypatch.setenv(device.CPU_BF16_ENV, "auto")
     assert device.bf16_emulated() == (not device.cpu_bf16_native())
     monkeypatch.setenv(device.CPU_BF16_ENV, "fast")
@@ -222,9 +222,9 @@ def test_emulated_bf16_matmul_is_a_bf16_matmul_up_to_accumulation_order(op, shap
     gen = torch.Generator().manual_seed(0)
     args = [torch.randn(s, generator=gen).bfloat16() for s in shapes]
     monkeypatch.setenv(device.CPU_BF16_ENV, "native")
-    native = device.bf16_op(op, *args)
+    native = device.batch_invariant(op, *args)
     monkeypatch.setenv(device.CPU_BF16_ENV, "emulate")
-    emulated = device.bf16_op(op, *args)
+    emulated = device.batch_invariant(op, *args)
     assert emulated.dtype == torch.bfloat16 and torch.equal(emulated, op(*(a.float() for a in args)).bfloat16())
     same_sign = native.sign() == emulated.sign()
     assert same_sign.float().mean() > 0.99 and _ulps(native[same_sign], emulated[same_sign]).max() <= 1
@@ -242,21 +242,36 @@ ROW_COUNT_MATMULS = [  # inner sizes 64 to 2048, 1 to 1024 outputs, as measured 
 
 
 @pytest.mark.parametrize("op, shapes", ROW_COUNT_MATMULS)
-def test_an_emulated_matmuls_rows_do_not_depend_on_its_row_count(op, shapes):
-    """Where bf16 is emulated, a request's bits must not depend on what shares
-    its batch, so neither may a float32 matmul's rows on how many rows it
-    multiplies. MKL sums the rows of a linear of fewer than 12 rows past the
-    last whole block of 4 (at 1-3, 5-7 and 9-11 rows), and those of a bmm of
-    fewer than 4, in another order than a larger matmul does, and a linear of
-    one output at most row counts from 13 on: the emulation runs those padded
-    to whole blocks, and a linear of one output as one of two (this test
-    failed without each)."""
+def test_a_float32_matmuls_rows_do_not_depend_on_its_row_count(op, shapes):
+    """A request's bits must not depend on what shares its batch, so where
+    the CPU computes in float32 (a float32 model; bf16 where it is emulated)
+    neither may a matmul's rows on how many rows it multiplies. MKL sums the
+    rows of a linear of fewer than 12 rows past the last whole block of 4 (at
+    1-3, 5-7 and 9-11 rows), and those of a bmm of fewer than 4, in another
+    order than a larger matmul does, and a linear of one output at most row
+    counts from 13 on: such matmuls run padded to whole blocks, and a linear
+    of one output as one of two (this test failed without each)."""
     gen = torch.Generator().manual_seed(3)
     x, w = (torch.randn(s, generator=gen).bfloat16().float() for s in shapes)
-    full = device._in_whole_row_blocks(op, x, [w])
+    full = device.batch_invariant(op, x, w)
     for n in range(1, 20):
-        rows = device._in_whole_row_blocks(op, x.narrow(-2, 0, n), [w])
+        rows = device.batch_invariant(op, x.narrow(-2, 0, n), w)
         assert torch.equal(rows, full.narrow(-2, 0, n)), n
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim, span", [(4, 2, 32, 128), (2, 2, 128, 224)])
+def test_a_float32_attention_querys_bits_do_not_depend_on_the_query_count(heads, kv_heads, head_dim, span):
+    """A prefill's query count is the longest prompt beside a request's. SDPA's
+    float32 kernel multiplies blocks of 32 queries, and the queries of a last
+    block of 1-3 summed in another order (at 2-3, 33-35, 65-67, ... queries):
+    queries run padded to whole blocks of 4 (this test failed without)."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, heads, span, head_dim, generator=gen)
+    k, v = (torch.randn(2, kv_heads, span, head_dim, generator=gen) for _ in range(2))
+    visible = torch.ones(span, span, dtype=torch.bool).tril()[None, None]  # the prefill's causal mask
+    full = attention(q, k, v, visible)
+    for n in range(1, 70):
+        assert torch.equal(attention(q[:, :, :n], k, v, visible[:, :, :n]), full[:, :, :n]), n
 
 
 def test_emulated_attention_is_fp32_attention_of_the_bf16_operands(monkeypatch):
@@ -282,7 +297,7 @@ def test_emulation_under_autocast_rounds_operands_as_autocast_does(monkeypatch):
     x, w = torch.randn(33, 64, generator=gen, requires_grad=True), torch.randn(48, 64, generator=gen)
     monkeypatch.setenv(device.CPU_BF16_ENV, "emulate")
     with torch.autocast("cpu", torch.bfloat16):
-        emulated = device.bf16_op(F.linear, x, w)
+        emulated = device.batch_invariant(F.linear, x, w)
         native = F.linear(x, w)
     assert emulated.dtype == native.dtype == torch.bfloat16
     assert torch.equal(emulated, F.linear(x.bfloat16().float(), w.bfloat16().float()).bfloat16())

@@ -173,8 +173,8 @@ def test_a_decode_steps_query_heads_attend_as_rows_of_their_kv_head(monkeypatch,
     assert calls == [(5, 2, 4, 32)]
     alone = sdpa(q, k, v, attn_mask=mask, enable_gqa=True)
     torch.testing.assert_close(out, alone)
-    attention(q.expand(5, 8, 6, 32), k[:, :, :6], v[:, :, :6])
-    assert calls[1:] == [(5, 8, 6, 32)]
+    attention(q.expand(5, 8, 8, 32), k[:, :, :8], v[:, :, :8])  # a whole block of 4 queries: none added
+    assert calls[1:] == [(5, 8, 8, 32)]
 
     def memory_efficient_layout(q, *args, **kw):  # CUDA's kernel writes [B, queries, heads, D] and transposes it
         return sdpa(q, *args, **kw).transpose(1, 2).contiguous().transpose(1, 2)

@@ -127,7 +127,7 @@ def staggered_stops(engine, params: SamplingParams) -> SamplingParams:
 
 
 @pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv", "fp4_wa_kv/per_token"])
-def test_stop_check_interval_changes_nothing(model, config, each_bf16_mode):
+def test_stop_check_interval_changes_nothing(model, config, each_dtype):
     """Checking for stops every 8 tokens (finished rows decode into padding
     meanwhile, the batch moves to a smaller bucket later) gives every token,
     logprob, top-k and captured record of checking every token, per-token
@@ -136,7 +136,7 @@ def test_stop_check_interval_changes_nothing(model, config, each_bf16_mode):
     quant = replace(rollout_config(name), activation_global_scale=scales or "static")
     runs = {}
     for every in (1, 3, 8):
-        engine = TorchEngine(model, quant, capture=CaptureConfig(bits=4), stop_check_every=every)
+        engine = TorchEngine(model, quant, capture=CaptureConfig(bits=4), stop_check_every=every, dtype=each_dtype)
         sizes = []
         forward = engine._forward
         engine._forward = lambda tokens, *a, sizes=sizes, forward=forward, **kw: (
@@ -193,13 +193,13 @@ def test_same_trajectories_as_the_engine_before_the_static_cache(case, every):
         assert traj.logprobs == pytest.approx(want["logprobs"], abs=1e-5)
 
 
-def test_a_request_gives_the_same_bits_whatever_shares_its_batch(model, each_bf16_mode):
+def test_a_request_gives_the_same_bits_whatever_shares_its_batch(model, each_dtype):
     """A longer prompt beside a request widens every step's attention span by
     blocks (``SPAN_BLOCK``): the request's tokens and logprobs stay bit for bit
     those it gets alone (BF16 and FP4 KV)."""
     short, long = prompts(1, seed=5)[0][:3], list(range(1, 80))
     for config in ("bf16", "fp4_wa_kv"):
-        engine = TorchEngine(model, rollout_config(config))
+        engine = TorchEngine(model, rollout_config(config), dtype=each_dtype)
         params = SamplingParams(max_new_tokens=12, seed=9)
         alone = engine.generate([short], params)[0]
         shared = engine.generate([short, long], params)[0]
@@ -228,7 +228,7 @@ def test_the_cache_is_allocated_once_and_compacted_in_place(model, monkeypatch):
 
 
 @pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv"])
-def test_the_cache_grows_as_decoding_needs_and_changes_nothing(model, config, monkeypatch, each_bf16_mode):
+def test_the_cache_grows_as_decoding_needs_and_changes_nothing(model, config, monkeypatch, each_dtype):
     """A cache that starts one span block past the prompts and doubles as
     decoding needs more (``KV_HEADROOM``) gives every token, logprob and
     captured record of one that holds the whole call from the start, requests
@@ -239,7 +239,9 @@ def test_the_cache_grows_as_decoding_needs_and_changes_nothing(model, config, mo
     runs = {}
     for headroom in (1, 1000):
         monkeypatch.setattr(rollout_module, "KV_HEADROOM", headroom)
-        engine = TorchEngine(model, rollout_config(config), capture=CaptureConfig(bits=4), stop_check_every=4)
+        engine = TorchEngine(
+            model, rollout_config(config), capture=CaptureConfig(bits=4), stop_check_every=4, dtype=each_dtype
+        )
         params = staggered_stops(engine, SamplingParams(max_new_tokens=60, seed=2))
         engine.drain_capture() if engine.capture else None
         lengths.clear()
@@ -261,7 +263,7 @@ def test_the_cache_grows_as_decoding_needs_and_changes_nothing(model, config, mo
     held, start = [], KVCache.start
     monkeypatch.setattr(KVCache, "start", lambda self, *a, **kw: held.append(self.length) or start(self, *a, **kw))
     early = SamplingParams(max_new_tokens=2000, seed=2, stop_tokens=tuple(range(0, 256, 2)))
-    out = TorchEngine(model, rollout_config(config)).generate(prompts(12, seed=7), early)
+    out = TorchEngine(model, rollout_config(config), dtype=each_dtype).generate(prompts(12, seed=7), early)
     assert all(t.finish_reason == "stop" for t in out)
     assert max(held) < 2000 // 8  # half the vocab stops: every response ends within a few dozen tokens
 
@@ -276,7 +278,7 @@ def forward_sizes(engine: TorchEngine) -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("config", ["bf16", "fp4_wa_kv"])
-def test_waiting_requests_take_the_rows_of_finished_ones(model, config, each_bf16_mode):
+def test_waiting_requests_take_the_rows_of_finished_ones(model, config, each_dtype):
     """``max_running_requests`` 4 of 12 requests that stop at different steps:
     at stop checks the requests that finished give their rows to waiting
     ones, prefilled there while the others decode on; the batch keeps 4 rows
@@ -291,6 +293,7 @@ def test_waiting_requests_take_the_rows_of_finished_ones(model, config, each_bf1
             capture=CaptureConfig(bits=4),
             stop_check_every=every,
             max_running_requests=bound,
+            dtype=each_dtype,
         )
         params = staggered_stops(engine, SamplingParams(max_new_tokens=16, seed=2, top_p=0.9, record_topk=2))
         engine.drain_capture() if engine.capture else None
@@ -315,11 +318,11 @@ def test_waiting_requests_take_the_rows_of_finished_ones(model, config, each_bf1
                     assert torch.equal(getattr(table, f), getattr(other_records.tables[name], f)), (key, name, f)
 
 
-def test_one_new_token_each_with_requests_waiting(model, each_bf16_mode):
+def test_one_new_token_each_with_requests_waiting(model, each_dtype):
     """``max_new_tokens`` 1: every admitted request is done at once, and the waiting ones take its rows at once."""
     params = SamplingParams(max_new_tokens=1, seed=4)
-    whole = TorchEngine(model).generate(prompts(7), params)
-    engine = TorchEngine(model, max_running_requests=3)
+    whole = TorchEngine(model, dtype=each_dtype).generate(prompts(7), params)
+    engine = TorchEngine(model, max_running_requests=3, dtype=each_dtype)
     sizes = forward_sizes(engine)
     out = engine.generate(prompts(7), params)
     assert [(t.response, t.logprobs, t.finish_reason) for t in out] == [
@@ -328,7 +331,7 @@ def test_one_new_token_each_with_requests_waiting(model, each_bf16_mode):
     assert sizes == [("prefill", 3), ("prefill", 3), ("prefill", 1)]  # no decode step
 
 
-def test_a_retired_row_that_no_request_takes_never_outgrows_the_cache(model, each_bf16_mode):
+def test_a_retired_row_that_no_request_takes_never_outgrows_the_cache(model, each_dtype):
     """Four rows, eleven requests of 16 tokens, admitted at steps 0, 15 and
     30: the eighth request (11 prompt tokens, row 3) retires at step 30 with
     three requests left for four rows, so its row decodes into padding until
@@ -337,8 +340,8 @@ def test_a_retired_row_that_no_request_takes_never_outgrows_the_cache(model, eac
     blocks); it restarts from position 0 instead."""
     batch = [list(range(11)), [1], [2], [4], [5], [6], [7], list(range(20, 31)), [8], [9], [10]]
     params = SamplingParams(temperature=0, max_new_tokens=16)
-    whole = TorchEngine(model).generate(batch, params)
-    engine = TorchEngine(model, max_running_requests=4, stop_check_every=1)
+    whole = TorchEngine(model, dtype=each_dtype).generate(batch, params)
+    engine = TorchEngine(model, max_running_requests=4, stop_check_every=1, dtype=each_dtype)
     sizes = forward_sizes(engine)
     out = engine.generate(batch, params)
     assert [(t.response, t.logprobs) for t in out] == [(t.response, t.logprobs) for t in whole]
@@ -476,10 +479,9 @@ def test_a_prefill_runs_the_chunked_delta_rule_whatever_its_length(hybrid, monke
 def test_hybrid_requests_that_take_finished_rows_start_from_clean_states(hybrid):
     """Two rows, eight requests on the hybrid: each waiting request takes the
     row of a finished one with its conv and recurrent states cleared, so its
-    logprobs are those of one full-sequence forward (fp32). Not compared bit
-    for bit with one batch of all eight: the CPU's elementwise kernels
-    (softplus of the decay gate) round an element differently in their
-    vector loop and in its remainder, which the batch's size decides."""
+    logprobs are those of one full-sequence forward (fp32), which no stale
+    state could give. That they are the bits of one batch of all eight is
+    ``-k refilled_rows``."""
     engine = TorchEngine(hybrid, dtype=torch.float32, max_running_requests=2, stop_check_every=2)
     batch = long_prompts() + prompts(4, seed=3)
     first = engine.generate(batch, SamplingParams(max_new_tokens=8, seed=1))
@@ -491,7 +493,7 @@ def test_hybrid_requests_that_take_finished_rows_start_from_clean_states(hybrid)
         assert torch.allclose(torch.tensor(traj.logprobs), expected, atol=1e-4), (traj.id, traj.logprobs, expected)
 
 
-def test_hybrid_requests_in_refilled_rows_get_the_bits_of_one_batch(hybrid, each_bf16_mode):
+def test_hybrid_requests_in_refilled_rows_get_the_bits_of_one_batch(hybrid, each_dtype):
     """FP4 activations on the hybrid (bf16), eight requests on 1, 2 and 3 rows:
     every response and logprob is that of one batch of all eight. The decay
     gate's softplus and the write strength's sigmoid are size-independent
@@ -499,9 +501,11 @@ def test_hybrid_requests_in_refilled_rows_get_the_bits_of_one_batch(hybrid, each
     request's logprobs moved with the rows here, on the CPU it was written on."""
     batch = long_prompts() + prompts(4, seed=5)
     params = SamplingParams(max_new_tokens=16, seed=2)
-    whole = TorchEngine(hybrid, rollout_config("fp4_wa")).generate(batch, params)
+    whole = TorchEngine(hybrid, rollout_config("fp4_wa"), dtype=each_dtype).generate(batch, params)
     for rows in (1, 2, 3):
-        engine = TorchEngine(hybrid, rollout_config("fp4_wa"), max_running_requests=rows, stop_check_every=2)
+        engine = TorchEngine(
+            hybrid, rollout_config("fp4_wa"), max_running_requests=rows, stop_check_every=2, dtype=each_dtype
+        )
         out = engine.generate(batch, params)
         assert [(t.response, t.logprobs) for t in out] == [(t.response, t.logprobs) for t in whole], rows
 

@@ -14,10 +14,10 @@ from tracefp4.schemas import RunConfig, get_preset
 RUN = "run-w"
 
 
-def config(tmp_path, workers: int, **guidance) -> RunConfig:
+def config(tmp_path, workers: int, dtype: str = "bfloat16", **guidance) -> RunConfig:
     data = get_preset("smoke").model_dump()
     data["store"]["uri"] = (tmp_path / f"store-{workers}").as_uri()
-    data["model"]["dtype"] = "bfloat16"
+    data["model"]["dtype"] = dtype
     data["rollout"].update(workers=workers, prompts_per_step=3)  # 6 responses per step: uneven over 4 workers
     data["rl"].update(microbatch_size=2, steps_per_round=2, schedule="off_policy")
     data["guidance"].update(guidance)
@@ -32,8 +32,8 @@ def policy(tmp_path_factory):
     return tmp / "policy"
 
 
-def roll(tmp_path, policy, workers: int, **guidance):
-    c = config(tmp_path, workers, **guidance)
+def roll(tmp_path, policy, workers: int, dtype: str = "bfloat16", **guidance):
+    c = config(tmp_path, workers, dtype, **guidance)
     if workers == 1:
         stats = steps.rollout(c, policy, 0, tmp_path / "one.jsonl", RUN)
         return c, tmp_path / "one.jsonl", stats
@@ -43,13 +43,13 @@ def roll(tmp_path, policy, workers: int, **guidance):
     return c, tmp_path / "all.jsonl", stats
 
 
-@pytest.mark.parametrize("compaction", ["inline", "offline"])
-def test_four_workers_roll_out_what_one_does_and_compaction_reads_all_their_shards(tmp_path, policy, compaction):
-    c1, one, _ = roll(tmp_path, policy, 1, compaction=compaction)
-    c4, four, stats = roll(tmp_path, policy, 4, compaction=compaction)
+@pytest.mark.parametrize("compaction, dtype", [("inline", "bfloat16"), ("offline", "bfloat16"), ("inline", "float32")])
+def test_four_workers_roll_out_what_one_does_and_compaction_reads_all_their_shards(tmp_path, policy, compaction, dtype):
+    c1, one, _ = roll(tmp_path, policy, 1, dtype, compaction=compaction)
+    c4, four, stats = roll(tmp_path, policy, 4, dtype, compaction=compaction)
     _, a, pa = steps.read_trajectories(one, RUN, 0)
     _, b, pb = steps.read_trajectories(four, RUN, 0)
-    assert len(a) == 12 and a == b and pa == pb  # ids, tokens, log-probs (bf16: exact), problems
+    assert len(a) == 12 and a == b and pa == pb  # ids, tokens, log-probs (exact), problems
     assert stats["rollout_tokens"] == sum(len(t.response) for t in a)
     # every worker wrote its own shards; compaction's step lists all of them, none copied
     store = open_store(c4.store.uri)
