@@ -28,6 +28,16 @@ from tracefp4.components import device  # noqa: E402  (after the variable: nothi
 pytest_plugins = ["s3_server", "prometheus_server"]
 
 
+@pytest.fixture(autouse=True)
+def torch_seeded():
+    """torch's global generator seeded alike before every test: a test that
+    draws from it (``torch.randn`` without a generator) draws the same values
+    whatever ran before it in its process, and pytest-xdist deals the test
+    files to its workers in no fixed order. A draw that fails a test then
+    fails it every time, not one run in many."""
+    torch.manual_seed(0)
+
+
 @pytest.fixture(scope="module")
 def native_bf16():
     """bf16 matmuls on torch's own bf16 kernels, also on a CPU without bf16
