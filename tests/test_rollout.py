@@ -510,6 +510,27 @@ def test_hybrid_requests_in_refilled_rows_get_the_bits_of_one_batch(hybrid, each
         assert [(t.response, t.logprobs) for t in out] == [(t.response, t.logprobs) for t in whole], rows
 
 
+def test_hybrid_requests_keep_their_bits_in_a_float32_batch_of_48(hybrid):
+    """float32 (the schema's default ``model.dtype``) with FP4 activations and
+    KV on the hybrid: 48 requests of 1-69 prompt tokens (prefills of 2-3,
+    33-35 and 65-67 queries among those the batches make) give the same bits
+    in one batch as on 5 and on 16 rows, and greedy, each alone (alone, a
+    request is the first of its call, so its sampling seed would differ).
+    Failed without ``device.batch_invariant``'s float32 blocks."""
+    g = torch.Generator().manual_seed(0)
+    batch = [torch.randint(1, 512, (int(n),), generator=g).tolist() for n in torch.randint(1, 70, (48,), generator=g)]
+
+    def roll(requests, temperature, **kw):
+        engine = TorchEngine(hybrid, rollout_config("fp4_wa_kv"), dtype=torch.float32, **kw)
+        params = SamplingParams(max_new_tokens=24, seed=3, temperature=temperature)
+        return [(t.response, t.logprobs) for t in engine.generate(requests, params)]
+
+    sampled = roll(batch, 1.0)
+    for rows in (5, 16):
+        assert roll(batch, 1.0, max_running_requests=rows, stop_check_every=3) == sampled, rows
+    assert [roll([p], 0.0)[0] for p in batch[:12]] == roll(batch[:12], 0.0)
+
+
 def test_hybrid_state_is_constant_per_sequence_and_kv_only_on_full_attention(hybrid):
     from tracefp4.components.rollout import KVCache
 
