@@ -189,10 +189,8 @@ def hardware(device: torch.device) -> dict:
     return {"device": str(device), **cpu_kind()}
 
 
-def _computes_bf16_on_cpu(x: Tensor) -> bool:
-    """Whether a matmul on ``x`` computes in bf16 on the CPU: bf16 operands, or a bf16 autocast region."""
-    if x.device.type != "cpu":
-        return False
+def _computes_in_bf16(x: Tensor) -> bool:
+    """Whether a matmul on the CPU tensor ``x`` computes in bf16: bf16 operands, or a bf16 autocast region."""
     return x.dtype == torch.bfloat16 or (
         torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
     )
@@ -214,7 +212,7 @@ def batch_invariant(op, *args: Tensor | None, **kwargs) -> Tensor:
     x = args[0]
     if x.device.type != "cpu":
         return op(*args, **kwargs)
-    if _computes_bf16_on_cpu(x):
+    if _computes_in_bf16(x):
         if not bf16_emulated():
             return op(*args, **kwargs)
         args = tuple(None if a is None else a.to(torch.bfloat16).float() for a in args)
