@@ -190,7 +190,9 @@ class RolloutConfig(_Section):
         le=1024,
         description="Rollout tasks per round, each with its own engine and capture shards, run in parallel "
         "(dsl.ParallelFor); each takes a contiguous share of every RL step's prompts. Every response is seeded by "
-        "its place in the round, so any number of workers rolls out the same trajectories as one.",
+        "its place in the round, so any number of workers rolls out the same trajectories as one: bit for bit on "
+        "a CPU; a GPU's kernels may sum a row in an order that depends on the batch's shape, which can move a "
+        "response's last bits (docs/rollout.md).",
     )
     activation_global_scale: ActivationGlobalScale = Field(
         default="static",
