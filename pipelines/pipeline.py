@@ -22,10 +22,12 @@ run name; the package version and a hash of the config schema.
 """
 
 import inspect
+import json
 from importlib.metadata import version
 from pathlib import Path
 from typing import get_args
 
+import yaml
 from kfp import compiler, dsl, kubernetes
 from kfp.dsl import Markdown
 
@@ -204,17 +206,43 @@ def _rollout(c, configure, config: RunConfig, config_json, run_id, round_index: 
     return merged.outputs["trajectories"]
 
 
-SPEC_WARN_BYTES = 1_400_000  # a compiled spec above this makes a workflow object past etcd's 1.5 MiB (docs/deploy.md)
+# A KFP run is one Argo Workflow object, and Argo records in it, as the run goes, each task's pods with their inputs
+# and outputs: a KFP v2 run of 56 tasks made one of 1.95 MiB (kubeflow/pipelines#13738). Argo stops a run whose
+# object, that record compressed, passes 1 MiB (its MAX_WORKFLOW_SIZE), and KFP cannot retry a run whose object,
+# the record not compressed, passes etcd's 1.5 MiB (docs/deploy.md, "Known limit").
+RUN_TASKS_WARN = 50
 
 
-def spec_size_problem(path) -> str | None:
-    """Why a compiled pipeline at ``path`` may not start on a cluster for its size, if it may not."""
-    size = Path(path).stat().st_size
-    if size <= SPEC_WARN_BYTES:
+def run_tasks(spec: dict, iterations: int) -> int:
+    """The tasks a run of the compiled pipeline ``spec`` (its IR) executes: a
+    loop's body once per item, ``iterations`` times where the items come at run time."""
+
+    def tasks_in(dag: dict) -> int:
+        total = 0
+        for task in dag["tasks"].values():
+            component = spec["components"][task["componentRef"]["name"]]
+            body = tasks_in(component["dag"]) if "dag" in component else 0
+            times = 1
+            if iterator := task.get("parameterIterator") or task.get("artifactIterator"):
+                raw = iterator["items"].get("raw")  # items written into the spec, else they come at run time
+                times = len(json.loads(raw)) if raw else iterations
+            total += 1 + times * body
+        return total
+
+    return tasks_in(spec["root"]["dag"])
+
+
+def run_size_problem(path, config: RunConfig) -> str | None:
+    """Why a run of the pipeline compiled at ``path`` from ``config`` may stop partway on a cluster, if it may."""
+    spec = next(yaml.safe_load_all(Path(path).read_text()))
+    tasks = run_tasks(spec, config.rollout.workers)
+    if tasks <= RUN_TASKS_WARN:
         return None
     return (
-        f"{size / 2**20:.2f} MiB of pipeline spec, and KFP's workflow object of it is larger: etcd refuses objects "
-        "above 1.5 MiB by default, so the run may not start; run fewer rounds per run (docs/deploy.md, 'Known limit')"
+        f"{tasks} tasks in a run, more than {RUN_TASKS_WARN}: KFP keeps a run in one Argo Workflow object that grows "
+        "with every task (a run of 56 tasks made one of 1.95 MiB, kubeflow/pipelines#13738); Argo stops a run whose "
+        "object, compressed, passes 1 MiB, and KFP cannot retry one past etcd's 1.5 MiB; run fewer rounds per run "
+        "(docs/deploy.md, 'Known limit')"
     )
 
 

@@ -37,7 +37,7 @@ import urllib3
 import yaml
 from kfp_server_api.exceptions import ApiException
 
-from tracefp4.pipelines.pipeline import compile_pipeline, pipeline_name, pipeline_version, spec_size_problem
+from tracefp4.pipelines.pipeline import compile_pipeline, pipeline_name, pipeline_version, run_size_problem
 from tracefp4.schemas import RunConfig
 
 TOKEN_ENV = "KF_PIPELINES_TOKEN"
@@ -217,8 +217,8 @@ def submit(
     when one of that name exists; the run's parameters are the compiled
     defaults. ``service_account``: the Kubernetes service account of the run's
     pods; ``pipeline_root``: where KFP keeps the run's artifacts (default: the
-    cluster's); ``warn`` is told, before anything is uploaded, what may keep
-    the run from starting (:func:`~.pipeline.spec_size_problem`). Returns
+    cluster's); ``warn`` is told, before anything is uploaded, what may stop
+    the run partway (:func:`~.pipeline.run_size_problem`). Returns
     pipeline_id, pipeline_version_id, experiment_id, run_id and run_url.
     Raises SubmitError."""
     connection = host if isinstance(host, Connection) else Connection(host, namespace, token, timeout_s=timeout_s)
@@ -227,7 +227,7 @@ def submit(
     name = pipeline_name(config) + ("-compare" if methods else "")
     with tempfile.TemporaryDirectory(prefix="tracefp4-submit-") as tmp, _quiet():
         path = compile_pipeline(config, Path(tmp) / f"{name}.yaml", methods)
-        if problem := spec_size_problem(path):
+        if problem := run_size_problem(path, config):
             warn(f"pipeline {name}: {problem}")
         package = Path(path).read_bytes()
         # the compiled DAG depends on the config too (rounds, image, resources): a

@@ -18,7 +18,14 @@ from tracefp4.components.store import open_store
 from tracefp4.components.trainer_state import read_meta
 from tracefp4.pipelines.cli import main
 from tracefp4.pipelines.local import localize, run_local
-from tracefp4.pipelines.pipeline import build_comparison_pipeline, compile_pipeline, pipeline_version
+from tracefp4.pipelines.pipeline import (
+    RUN_TASKS_WARN,
+    build_comparison_pipeline,
+    compile_pipeline,
+    pipeline_version,
+    run_size_problem,
+    run_tasks,
+)
 from tracefp4.schemas import ConfigError, get_preset, load_config
 
 STEPS = ("prepare", "rollout", "compaction", "train", "export", "evaluate", "report")
@@ -185,6 +192,27 @@ def test_only_steps_that_run_the_model_hold_gpus(tmp_path):
     assert mounts["exec-train"] == [{"volumeName": "dshm", "mountPath": "/dev/shm", "medium": "Memory"}]
 
 
+def test_a_run_counts_each_loop_body_once_per_item(tmp_path):
+    """The tasks a run executes, what grows KFP's Workflow object of it
+    (docs/deploy.md, "Known limit"): 2 + 3 per round + 3 with one rollout
+    worker; with two, each round's loop (1) runs its rollout twice, between
+    rollout-workers and gather; a comparison runs the chain once per method."""
+
+    def tasks(name, methods=None, **overrides):
+        config = load_config(None, preset="tiny", overrides=overrides)  # 3 rounds
+        path = compile_pipeline(config, tmp_path / f"{name}.yaml", methods)
+        return run_tasks(next(yaml.safe_load_all(open(path))), config.rollout.workers), run_size_problem(path, config)
+
+    assert tasks("one") == (2 + 3 * 3 + 3, None)
+    assert tasks("two", **{"rollout.workers": 2}) == (2 + 3 * (3 + 1 + 2 + 1) + 3, None)
+    count, _ = tasks("compare", ["trace", "qat"])
+    assert count == 3 + 2 * (2 + 3 * 3 + 3)  # configure, the loop, compare; per method its configure, the chain, report
+    rounds = (RUN_TASKS_WARN - 5) // 3
+    assert tasks("most", **{"rl.rounds": rounds}) == (RUN_TASKS_WARN, None)
+    count, problem = tasks("more", **{"rl.rounds": rounds + 1})
+    assert count == RUN_TASKS_WARN + 3 and problem.startswith(f"{count} tasks in a run, more than {RUN_TASKS_WARN}")
+
+
 def test_cli(tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["presets"])
@@ -192,10 +220,10 @@ def test_cli(tmp_path):
     result = runner.invoke(main, ["compile", "--preset", "smoke", "--output", str(tmp_path / "p.yaml")])
     assert result.exit_code == 0 and (tmp_path / "p.yaml").exists()
     assert "warning: store file://./runs/store is local to each pod" in result.output  # smoke's store
-    assert "MiB of pipeline spec" not in result.output
-    # the paper preset's 100 unrolled rounds: past what etcd takes (docs/deploy.md), said at compile time
+    assert "tasks in a run" not in result.output
+    # the paper preset's 100 unrolled rounds: more tasks than a KFP run holds (docs/deploy.md), said at compile time
     result = runner.invoke(main, ["compile", "--preset", "paper-nvfp4-wa-kv", "--output", str(tmp_path / "big.yaml")])
-    assert result.exit_code == 0 and "MiB of pipeline spec" in result.output and "etcd refuses" in result.output
+    assert result.exit_code == 0 and "305 tasks in a run, more than 50" in result.output
     bad = tmp_path / "bad.yaml"
     bad.write_text("rl:\n  learning_rate: -1\ntasks:\n  - name: chess\n")
     result = runner.invoke(main, ["compile", "--config", str(bad), "--output", str(tmp_path / "q.yaml")])

@@ -256,8 +256,8 @@ def test_a_run_can_name_its_service_account_and_pipeline_root(kfp_server, config
     assert body["runtime_config"]["pipeline_root"] == "minio://tracefp4/pipeline-root"
 
 
-def test_a_pipeline_too_large_to_start_is_warned_of_before_it_is_uploaded(kfp_server, config):
-    """The paper preset's 100 unrolled rounds make a spec past what etcd takes (docs/deploy.md)."""
+def test_a_run_too_large_to_finish_is_warned_of_before_it_is_uploaded(kfp_server, config):
+    """The paper preset's 100 unrolled rounds: more tasks than a KFP run holds (docs/deploy.md, "Known limit")."""
     from tracefp4.schemas import get_preset
 
     warned = []
@@ -267,7 +267,7 @@ def test_a_pipeline_too_large_to_start_is_warned_of_before_it_is_uploaded(kfp_se
     before = uploads()
     submit(get_preset("paper-nvfp4-wa-kv"), kfp_server.url, warn=lambda m: warned.append((m, uploads())))
     ((message, uploads_then),) = warned
-    assert "MiB of pipeline spec" in message and "etcd refuses" in message and uploads_then == before < uploads()
+    assert "305 tasks in a run" in message and uploads_then == before < uploads()
 
 
 def test_a_comparison_is_its_own_pipeline(kfp_server, config):
