@@ -212,7 +212,7 @@ def _warn_for_cluster(config) -> None:
 @compare_option
 def compile(preset, config_file, output, methods):
     """Compile the pipeline (or with --compare the comparison pipeline) to KFP IR YAML (upload it in the KFP UI)."""
-    from tracefp4.pipelines.pipeline import compile_pipeline, pipeline_version, run_size_problem
+    from tracefp4.pipelines.pipeline import compile_pipeline, pipeline_version, run_size_problem, run_tasks
 
     config = _config(preset, config_file)
     try:
@@ -220,10 +220,11 @@ def compile(preset, config_file, output, methods):
     except ConfigError as e:  # a comparison's branch that could not run
         raise click.ClickException(str(e)) from None
     _warn_for_cluster(config)
-    if problem := run_size_problem(output, config):
+    tasks = run_tasks(output, config)
+    if problem := run_size_problem(tasks):
         _warn(f"{output}: {problem}")
     name = f"tracefp4-{config.name}" + ("-compare" if methods else "")
-    click.echo(f"{output}: pipeline {name}, version {pipeline_version()}")
+    click.echo(f"{output}: pipeline {name}, version {pipeline_version()}, {tasks} tasks a run")
 
 
 def connection_options(command):

@@ -213,9 +213,11 @@ def _rollout(c, configure, config: RunConfig, config_json, run_id, round_index: 
 RUN_TASKS_WARN = 50
 
 
-def run_tasks(spec: dict, iterations: int) -> int:
-    """The tasks a run of the compiled pipeline ``spec`` (its IR) executes: a
-    loop's body once per item, ``iterations`` times where the items come at run time."""
+def run_tasks(path, config: RunConfig) -> int:
+    """The tasks a run of the pipeline compiled at ``path`` from ``config``
+    executes: a loop's body once per item (``rollout.workers`` times where the
+    items come at run time)."""
+    spec = next(yaml.safe_load_all(Path(path).read_text()))
 
     def tasks_in(dag: dict) -> int:
         total = 0
@@ -224,18 +226,16 @@ def run_tasks(spec: dict, iterations: int) -> int:
             body = tasks_in(component["dag"]) if "dag" in component else 0
             times = 1
             if iterator := task.get("parameterIterator") or task.get("artifactIterator"):
-                raw = iterator["items"].get("raw")  # items written into the spec, else they come at run time
-                times = len(json.loads(raw)) if raw else iterations
+                raw = iterator["items"].get("raw")  # items written into the spec, else the workers' at run time
+                times = len(json.loads(raw)) if raw else config.rollout.workers
             total += 1 + times * body
         return total
 
     return tasks_in(spec["root"]["dag"])
 
 
-def run_size_problem(path, config: RunConfig) -> str | None:
-    """Why a run of the pipeline compiled at ``path`` from ``config`` may stop partway on a cluster, if it may."""
-    spec = next(yaml.safe_load_all(Path(path).read_text()))
-    tasks = run_tasks(spec, config.rollout.workers)
+def run_size_problem(tasks: int) -> str | None:
+    """Why a run of ``tasks`` tasks may stop partway on a cluster, if it may."""
     if tasks <= RUN_TASKS_WARN:
         return None
     return (

@@ -37,7 +37,13 @@ import urllib3
 import yaml
 from kfp_server_api.exceptions import ApiException
 
-from tracefp4.pipelines.pipeline import compile_pipeline, pipeline_name, pipeline_version, run_size_problem
+from tracefp4.pipelines.pipeline import (
+    compile_pipeline,
+    pipeline_name,
+    pipeline_version,
+    run_size_problem,
+    run_tasks,
+)
 from tracefp4.schemas import RunConfig
 
 TOKEN_ENV = "KF_PIPELINES_TOKEN"
@@ -227,7 +233,7 @@ def submit(
     name = pipeline_name(config) + ("-compare" if methods else "")
     with tempfile.TemporaryDirectory(prefix="tracefp4-submit-") as tmp, _quiet():
         path = compile_pipeline(config, Path(tmp) / f"{name}.yaml", methods)
-        if problem := run_size_problem(path, config):
+        if problem := run_size_problem(run_tasks(path, config)):
             warn(f"pipeline {name}: {problem}")
         package = Path(path).read_bytes()
         # the compiled DAG depends on the config too (rounds, image, resources): a

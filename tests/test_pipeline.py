@@ -200,8 +200,8 @@ def test_a_run_counts_each_loop_body_once_per_item(tmp_path):
 
     def tasks(name, methods=None, **overrides):
         config = load_config(None, preset="tiny", overrides=overrides)  # 3 rounds
-        path = compile_pipeline(config, tmp_path / f"{name}.yaml", methods)
-        return run_tasks(next(yaml.safe_load_all(open(path))), config.rollout.workers), run_size_problem(path, config)
+        count = run_tasks(compile_pipeline(config, tmp_path / f"{name}.yaml", methods), config)
+        return count, run_size_problem(count)
 
     assert tasks("one") == (2 + 3 * 3 + 3, None)
     assert tasks("two", **{"rollout.workers": 2}) == (2 + 3 * (3 + 1 + 2 + 1) + 3, None)
@@ -218,7 +218,7 @@ def test_cli(tmp_path):
     result = runner.invoke(main, ["presets"])
     assert result.exit_code == 0 and "smoke" in result.output and "paper-nvfp4-wa-kv" in result.output
     result = runner.invoke(main, ["compile", "--preset", "smoke", "--output", str(tmp_path / "p.yaml")])
-    assert result.exit_code == 0 and (tmp_path / "p.yaml").exists()
+    assert result.exit_code == 0 and (tmp_path / "p.yaml").exists() and "tasks a run" in result.output
     assert "warning: store file://./runs/store is local to each pod" in result.output  # smoke's store
     assert "tasks in a run" not in result.output
     # the paper preset's 100 unrolled rounds: more tasks than a KFP run holds (docs/deploy.md), said at compile time
