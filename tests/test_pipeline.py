@@ -195,8 +195,8 @@ def test_only_steps_that_run_the_model_hold_gpus(tmp_path):
 def test_a_run_counts_each_loop_body_once_per_item(tmp_path):
     """The tasks a run executes, what grows KFP's Workflow object of it
     (docs/deploy.md, "Known limit"): 2 + 3 per round + 3 with one rollout
-    worker; with two, each round's loop (1) runs its rollout twice, between
-    rollout-workers and gather; a comparison runs the chain once per method."""
+    worker; with two, a round runs rollout-workers and gather, the loop and its
+    two rollouts, compaction and train; a comparison runs the chain once per method."""
 
     def tasks(name, methods=None, **overrides):
         config = load_config(None, preset="tiny", overrides=overrides)  # 3 rounds
@@ -204,7 +204,7 @@ def test_a_run_counts_each_loop_body_once_per_item(tmp_path):
         return count, run_size_problem(count)
 
     assert tasks("one") == (2 + 3 * 3 + 3, None)
-    assert tasks("two", **{"rollout.workers": 2}) == (2 + 3 * (3 + 1 + 2 + 1) + 3, None)
+    assert tasks("two", **{"rollout.workers": 2}) == (2 + 3 * (2 + 1 + 2 + 2) + 3, None)
     count, _ = tasks("compare", ["trace", "qat"])
     assert count == 3 + 2 * (2 + 3 * 3 + 3)  # configure, the loop, compare; per method its configure, the chain, report
     rounds = (RUN_TASKS_WARN - 5) // 3
