@@ -212,7 +212,13 @@ def _warn_for_cluster(config) -> None:
 @compare_option
 def compile(preset, config_file, output, methods):
     """Compile the pipeline (or with --compare the comparison pipeline) to KFP IR YAML (upload it in the KFP UI)."""
-    from tracefp4.pipelines.pipeline import compile_pipeline, pipeline_version, run_size_problem, run_tasks
+    from tracefp4.pipelines.pipeline import (
+        compile_pipeline,
+        compiled_spec,
+        pipeline_version,
+        run_size_problem,
+        run_tasks,
+    )
 
     config = _config(preset, config_file)
     try:
@@ -220,7 +226,7 @@ def compile(preset, config_file, output, methods):
     except ConfigError as e:  # a comparison's branch that could not run
         raise click.ClickException(str(e)) from None
     _warn_for_cluster(config)
-    tasks = run_tasks(output, config)
+    tasks = run_tasks(compiled_spec(Path(output).read_bytes()), config)
     if problem := run_size_problem(tasks):
         _warn(f"{output}: {problem}")
     name = f"tracefp4-{config.name}" + ("-compare" if methods else "")

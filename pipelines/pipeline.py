@@ -24,7 +24,6 @@ run name; the package version and a hash of the config schema.
 import inspect
 import json
 from importlib.metadata import version
-from pathlib import Path
 from typing import get_args
 
 import yaml
@@ -213,11 +212,15 @@ def _rollout(c, configure, config: RunConfig, config_json, run_id, round_index: 
 RUN_TASKS_WARN = 50
 
 
-def run_tasks(path, config: RunConfig) -> int:
-    """The tasks a run of the pipeline compiled at ``path`` from ``config``
-    executes: a loop's body once per item (``rollout.workers`` times where the
-    items come at run time)."""
-    spec = next(yaml.safe_load_all(Path(path).read_text()))
+def compiled_spec(package: bytes) -> dict:
+    """The pipeline spec of a compiled pipeline file: its first document (the Kubernetes platform spec follows)."""
+    return next(doc for doc in yaml.safe_load_all(package) if doc)
+
+
+def run_tasks(spec: dict, config: RunConfig) -> int:
+    """The tasks a run of the pipeline ``spec`` (:func:`compiled_spec`)
+    compiled from ``config`` executes: a loop's body once per item
+    (``rollout.workers`` times where the items come at run time)."""
 
     def tasks_in(dag: dict) -> int:
         total = 0

@@ -34,11 +34,11 @@ from pathlib import Path
 
 import kfp
 import urllib3
-import yaml
 from kfp_server_api.exceptions import ApiException
 
 from tracefp4.pipelines.pipeline import (
     compile_pipeline,
+    compiled_spec,
     pipeline_name,
     pipeline_version,
     run_size_problem,
@@ -195,9 +195,8 @@ def _name_filter(display_name: str) -> str:
     return json.dumps({"predicates": [predicate]}, separators=(",", ":"))
 
 
-def _run_parameters(package: bytes) -> dict:
+def _run_parameters(spec: dict) -> dict:
     """The compiled pipeline's inputs and defaults (the config's values): passed, so that the run records them."""
-    spec = next(doc for doc in yaml.safe_load_all(package) if doc)
     inputs = spec.get("root", {}).get("inputDefinitions", {}).get("parameters", {})
     return {name: p["defaultValue"] for name, p in inputs.items() if "defaultValue" in p}
 
@@ -233,9 +232,10 @@ def submit(
     name = pipeline_name(config) + ("-compare" if methods else "")
     with tempfile.TemporaryDirectory(prefix="tracefp4-submit-") as tmp, _quiet():
         path = compile_pipeline(config, Path(tmp) / f"{name}.yaml", methods)
-        if problem := run_size_problem(run_tasks(path, config)):
-            warn(f"pipeline {name}: {problem}")
         package = Path(path).read_bytes()
+        spec = compiled_spec(package)
+        if problem := run_size_problem(run_tasks(spec, config)):
+            warn(f"pipeline {name}: {problem}")
         # the compiled DAG depends on the config too (rounds, image, resources): a
         # version name reused for another DAG would run the old one
         version = f"{pipeline_version()}-{hashlib.sha256(package).hexdigest()[:8]}"
@@ -260,7 +260,7 @@ def submit(
         run = client.run_pipeline(
             experiment_id,
             f"{config.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}",
-            params=_run_parameters(package),
+            params=_run_parameters(spec),
             pipeline_id=pipeline_id,
             version_id=version_id,
             pipeline_root=pipeline_root,

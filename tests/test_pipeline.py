@@ -22,6 +22,7 @@ from tracefp4.pipelines.pipeline import (
     RUN_TASKS_WARN,
     build_comparison_pipeline,
     compile_pipeline,
+    compiled_spec,
     pipeline_version,
     run_size_problem,
     run_tasks,
@@ -200,7 +201,8 @@ def test_a_run_counts_each_loop_body_once_per_item(tmp_path):
 
     def tasks(name, methods=None, **overrides):
         config = load_config(None, preset="tiny", overrides=overrides)  # 3 rounds
-        count = run_tasks(compile_pipeline(config, tmp_path / f"{name}.yaml", methods), config)
+        path = compile_pipeline(config, tmp_path / f"{name}.yaml", methods)
+        count = run_tasks(compiled_spec(open(path, "rb").read()), config)
         return count, run_size_problem(count)
 
     assert tasks("one") == (2 + 3 * 3 + 3, None)
