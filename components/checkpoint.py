@@ -463,6 +463,30 @@ def commit_folder(tmp: Path, folder: Path, provenance: dict | None = None) -> Pa
     return folder
 
 
+def recommit(source: Path, folder: Path, provenance: dict, replace: Mapping[str, str] | None = None) -> Path:
+    """A copy of the tracefp4 folder ``source`` (checked against its manifest
+    first) at ``folder``, all-or-nothing, with ``provenance`` in its manifest
+    and the text files ``replace`` names in place of the source's: how a
+    continuation takes on the policy and trainer state of the run it
+    continues, bit for bit. Files are hard-linked where the filesystem
+    allows (at the paper's scale the two hold about 490 GB), else copied."""
+    if not (source / MANIFEST).exists():
+        raise CheckpointError(f"{source / MANIFEST}: missing, so {source} was not saved by tracefp4")
+    verify_folder(source)
+    replace = replace or {}
+    with staging_folder(folder) as tmp:
+        for name in _manifest_entries((source / MANIFEST).read_bytes(), source / MANIFEST):
+            if name in replace:
+                continue
+            try:
+                os.link(source / name, tmp / name)
+            except OSError:  # another filesystem, or one without hard links
+                shutil.copyfile(source / name, tmp / name)
+        for name, text in replace.items():
+            (tmp / name).write_text(text)
+        return commit_folder(tmp, folder, provenance)
+
+
 @contextlib.contextmanager
 def staging_folder(folder: Path) -> Iterator[Path]:
     """A fresh empty folder beside ``folder`` to write it in, for
@@ -735,9 +759,7 @@ class PolicyReader:
 
     def __init__(self, path: str | os.PathLike):
         folder = Path(path)
-        config_file = folder / CONFIG
-        if not config_file.exists():
-            raise FileNotFoundError(f"{config_file} does not exist")
+        _config_file(folder)  # before the checksums: a folder that is no policy says so
         verify_folder(folder)
         self.cfg = read_config(folder)
         headers, self.names = _language_model(folder, _headers(folder), self.cfg)
@@ -759,11 +781,19 @@ class PolicyReader:
                     hub_slot(tensor, self.cfg)[1](target).copy_(f.get_tensor(self.names.get(tensor, tensor)))
 
 
+def _config_file(folder: Path) -> Path:
+    """``folder``'s config.json, which a policy folder has: a missing one fails naming it."""
+    path = _inside(folder, CONFIG, "the config")
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    return path
+
+
 def read_config(folder: str | os.PathLike) -> ModelConfig:
     """The architecture a policy folder's config.json describes, checked (:func:`config_from_hf`)."""
     folder = Path(folder)
     try:
-        return config_from_hf(json.loads(_inside(folder, CONFIG, "the config").read_text()))
+        return config_from_hf(json.loads(_config_file(folder).read_text()))
     except (CheckpointError, json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{folder}: {e}") from None
 

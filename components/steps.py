@@ -28,7 +28,7 @@ from tracefp4.schemas import RunConfig
 
 from . import bootstrap as sft
 from .capture import CaptureConfig, CaptureRecords
-from .checkpoint import fetch, load_model, provenance, read_config, save_model
+from .checkpoint import fetch, load_model, provenance, read_config, recommit, save_model
 from .device import compute_on, resolve
 from .export import export
 from .guidance import (
@@ -45,7 +45,7 @@ from .guidance import (
     write_step,
 )
 from .mismatch import teacher_force
-from .model import build_model
+from .model import build_model, get_preset
 from .quant import BF16, QuantConfig, rollout_config
 from .rl import group_advantages
 from .rollout import SamplingParams, TorchEngine, Trajectory
@@ -54,6 +54,7 @@ from .syndrome import encode_table, merge_decode_json, site_rates
 from .tasks import Problem, format_example, get_task, reward_of, split
 from .tokenizer import build_tokenizer, load_tokenizer
 from .trainer import SCORE_CENTERING_TOPK, TrainConfig, Trainer
+from .trainer_state import check_state, repin_state
 
 # The compaction step's figures (none for methods without guidance).
 COMPACTION_KEYS = (
@@ -140,25 +141,33 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
     """The initial policy (a preset with seeded weights, or a checkpoint) with its
     tokenizer, as a checkpoint of ``run_id`` at policy version 0, and with
     ``state`` its initial trainer state (a fresh optimizer); bootstrapped by SFT
-    on the tasks when configured. Returns the bootstrap's figures (empty without one)."""
+    on the tasks when configured. A continuation (``model.trainer_state``)
+    takes on the policy and state the run it continues ended with instead
+    (:func:`continue_from`). Returns the bootstrap's figures (empty without one)."""
     device = step_device(config)  # checked first: a CUDA device this machine lacks fails here
     # without a bootstrap the policy is only checked and written: it stays in host memory, where a paper-scale
     # checkpoint and the trainer's float32 copy of it fit, and the step's GPU is not touched
     device = device if config.bootstrap.enabled else torch.device("cpu")
     out = Path(out)
     checkpoint = fetch(config.model.checkpoint) if config.model.checkpoint else None  # a store URI: downloaded, cached
-    if checkpoint is None:
-        model = build_model(config.model.preset, seed=config.seed).to(device)
-    else:
-        model = load_model(checkpoint, device=device)
+    cfg = read_config(checkpoint) if checkpoint else get_preset(config.model.preset)
     tokenizer = load_tokenizer(checkpoint) if checkpoint else build_tokenizer()
-    if tokenizer.vocab_size > model.cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {model.cfg.vocab_size}")
-    unguidable = config.guided_layer_problems(model.cfg, f"checkpoint {config.model.checkpoint}")
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {cfg.vocab_size}")
+    unguidable = config.guided_layer_problems(cfg, f"checkpoint {config.model.checkpoint}")
     if unguidable:  # before any work
         raise ValueError("\n".join(unguidable))
     train, test = problems(config)
     encode_prompts(config, tokenizer, train + test)  # every prompt a round or evaluation may draw fits
+    if config.model.trainer_state:
+        if state is None:
+            raise ValueError("model.trainer_state: a continuation's prepare writes a trainer state; none was asked for")
+        continue_from(config, checkpoint, out, run_id, state)
+        return {}
+    if checkpoint is None:
+        model = build_model(config.model.preset, seed=config.seed).to(device)
+    else:
+        model = load_model(checkpoint, device=device)
     stats = run_bootstrap(config, model, tokenizer) if config.bootstrap.enabled else {}
     trainer = Trainer(model, train_config(config), BF16, {})
     if state is None:
@@ -166,6 +175,40 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
     else:
         trainer.save(out, state, extra=tokenizer.files(), run_id=run_id)
     return stats
+
+
+def continue_from(config: RunConfig, policy: Path, out: Path, run_id: str, state: Path) -> None:
+    """A continuation's policy at ``out`` and trainer state at ``state``:
+    ``policy`` (model.checkpoint) and model.trainer_state, saved together by
+    the last round of the run it continues, copied bit for bit and taken on by
+    run ``run_id`` (a run of its own: its store prefixes meet no other run's),
+    at the policy version they reached, which must be what ``rl.first_round``
+    rounds make. With the syndrome codec, the last round's decode statistics
+    come along too: the next round chooses its rates from them."""
+    source = fetch(config.model.trainer_state)
+    meta = check_state(source, policy, None)  # saved with this very policy, by whichever run
+    version, first, last = meta["policy_version"], config.rl.first_round, config.rl.first_round - 1
+    if version != first * config.rl.steps_per_round:
+        raise ValueError(
+            f"rl.first_round: {first} rounds of {config.rl.steps_per_round} step(s) make policy version "
+            f"{first * config.rl.steps_per_round}, but model.trainer_state {config.model.trainer_state} is at "
+            f"version {version}"
+        )
+    decoded = None
+    if config.guidance.codec == "syndrome":
+        store = _store(config)
+        decoded = read_decode_stats(store, store_prefix(config, meta["run_id"], "guidance"), last)
+        if decoded is None:
+            raise GuidanceError(
+                f"guidance.codec: syndrome chooses round {first}'s rates from round {last}'s decode statistics, "
+                f"and {store.uri} has none under run {meta['run_id']!r} of name {config.name} and method "
+                f"{config.method}: continue a run with its codec, name, method and store"
+            )
+    recommit(policy, out, {"run_id": run_id, "policy_version": version})
+    repin_state(source, state, out, run_id)
+    if decoded is not None:
+        key = f"{step_prefix(store_prefix(config, run_id, 'guidance'), last)}/{DECODE_FILE}"
+        store.put_bytes(key, json.dumps(decoded).encode())
 
 
 def sft_problems(config: RunConfig) -> tuple[list[Problem], list[Problem], list[Problem]]:

@@ -22,7 +22,15 @@ from pathlib import Path
 
 from torch import Tensor
 
-from .checkpoint import MANIFEST, CheckpointError, commit_folder, folder_digest, staging_folder, verify_folder
+from .checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    commit_folder,
+    folder_digest,
+    recommit,
+    staging_folder,
+    verify_folder,
+)
 from .tensor_files import TensorWriter, read_tensors, single_name
 
 STEM = "state"
@@ -88,13 +96,13 @@ def state_tensors(path: str | os.PathLike) -> dict[str, Tensor]:
     return read_tensors(Path(path), STEM)
 
 
-def check_state(path: str | os.PathLike, policy: str | os.PathLike, run_id: str) -> dict:
+def check_state(path: str | os.PathLike, policy: str | os.PathLike, run_id: str | None) -> dict:
     """The metadata of the state at ``path``, its files checked against their
-    checksums, refused unless it was saved by run ``run_id`` together with the
-    policy folder ``policy``; no tensor is read (:func:`state_tensors`)."""
+    checksums, refused unless it was saved by run ``run_id`` (None: any run)
+    together with the policy folder ``policy``; no tensor is read (:func:`state_tensors`)."""
     folder = Path(path)
     meta = read_meta(folder)
-    if meta["run_id"] != run_id:
+    if run_id is not None and meta["run_id"] != run_id:
         raise StateMismatch(f"{folder}: trainer state of run {meta['run_id']!r}, this is run {run_id!r}")
     digest = folder_digest(policy)
     if meta["policy_sha256"] != digest:
@@ -103,3 +111,14 @@ def check_state(path: str | os.PathLike, policy: str | os.PathLike, run_id: str)
             f"folder than {policy} (manifest sha256 {meta['policy_sha256'][:12]}..., found {digest[:12]}...)"
         )
     return meta
+
+
+def repin_state(source: str | os.PathLike, path: str | os.PathLike, policy: str | os.PathLike, run_id: str) -> Path:
+    """A copy of the state at ``source`` at ``path``, its tensors as they are,
+    of run ``run_id`` and pinned to the policy folder ``policy`` (a copy of
+    the one it was saved with, taken on by that run): a continuation goes on
+    from the state of the run it continues as a run of its own."""
+    meta = read_meta(source)
+    record = {**meta, "run_id": run_id, "policy_sha256": folder_digest(policy)}
+    provenance = {"run_id": run_id, "policy_version": meta["policy_version"]}
+    return recommit(Path(source), Path(path), provenance, {META: json.dumps(record, indent=1)})

@@ -71,16 +71,32 @@ def main():
 @compare_option
 @click.option("--pushgateway", help="Also push the metrics to this Pushgateway (http://host:9091).")
 @click.option("--restart", is_flag=True, help="Start a new run in the folder instead of resuming its last one.")
-def run(preset, config_file, output, store, verbose, methods, pushgateway, restart):
+@click.option(
+    "--continue-from",
+    "previous",
+    type=click.Path(exists=True, file_okay=False),
+    help="Go on from the newest run of this run folder: its final policy and trainer state, its round count "
+    "(model.checkpoint, model.trainer_state, rl.first_round; no bootstrap).",
+)
+def run(preset, config_file, output, store, verbose, methods, pushgateway, restart, previous):
     """Run the whole DAG on this machine (kfp.local), then print the results and the report's path.
 
     A rerun with the same config and output resumes: finished tasks are reused, not rerun."""
     from tracefp4.components.store import StoreError
-    from tracefp4.pipelines.local import Interrupted, PipelineFailed, run_local
+    from tracefp4.pipelines.local import Interrupted, PipelineFailed, continuation_of, run_local
     from tracefp4.pipelines.resume import FolderInUse
 
     config = _config(preset, config_file, store, pushgateway)
     output = Path(output)
+    if previous:
+        if output.resolve() == Path(previous).resolve():  # a rerun would find this run's own states to go on from
+            raise click.BadParameter("continue into another --output, so that a rerun resumes", param_hint="--output")
+        try:
+            settings = continuation_of(Path(previous), config.rl.steps_per_round)
+        except ValueError as e:
+            raise click.ClickException(str(e)) from None
+        config = _config(preset, config_file, store, pushgateway, settings)
+        click.echo(f"continuing from round {config.rl.first_round}: {config.model.trainer_state}")
     click.echo(
         f"running {config.name}: {config.rl.rounds} round(s) of {config.rl.steps_per_round} step(s), "
         f"method {', '.join(methods or [config.method])}; component logs in {output / 'pipeline.log'}"

@@ -32,6 +32,7 @@ from pathlib import Path
 import kfp.local
 from tqdm import tqdm
 
+from tracefp4.components.checkpoint import MANIFEST, provenance
 from tracefp4.components.metrics import PUBLISH_FAILED
 from tracefp4.components.store import file_path, open_store
 from tracefp4.schemas import ConfigError, RunConfig
@@ -82,6 +83,35 @@ def localize(config: RunConfig, output: Path) -> RunConfig:
             "metrics": config.metrics.model_copy(update={"metrics_file": metrics_file}),
         }
     )
+
+
+def continuation_of(run_dir: Path, steps_per_round: int) -> dict:
+    """The settings (dotted paths) of a run that goes on from the newest run
+    in the local run folder ``run_dir``, at ``steps_per_round`` steps a round:
+    that run's last train task's ``new_policy`` and ``new_trainer_state``, and
+    the rounds they end (its policy version, which runs that continue one
+    another count on). A comparison's folder holds several methods' last
+    states, and is refused: a continuation goes on with one."""
+    states = Path(run_dir, "pipeline_root").glob("*/train*/new_trainer_state")
+    saved = {state: found for state in states if (found := provenance(state))}  # committed: its manifest written
+    if not saved:
+        raise ValueError(f"{run_dir}: no train task of a run finished there (pipeline_root/*/train*/new_trainer_state)")
+    run = saved[max(saved, key=lambda state: (state / MANIFEST).stat().st_mtime)]["run_id"]
+    version = max(found["policy_version"] for found in saved.values() if found["run_id"] == run)
+    last = [state for state, found in saved.items() if found == {"run_id": run, "policy_version": version}]
+    if len(last) > 1:
+        raise ValueError(f"{run_dir}: run {run} ended with {len(last)} trainer states (a comparison): continue one")
+    if version % steps_per_round:
+        raise ValueError(
+            f"{last[0]}: policy version {version} is no whole number of rounds of rl.steps_per_round {steps_per_round}"
+        )
+    return {
+        "model.preset": None,
+        "model.checkpoint": str(last[0].with_name("new_policy")),
+        "model.trainer_state": str(last[0]),
+        "rl.first_round": version // steps_per_round,
+        "bootstrap.enabled": False,
+    }
 
 
 def task_count(config: RunConfig, methods: list[str] | None = None) -> int:

@@ -8,7 +8,7 @@ pipeline input named by its flattened path (``rl.learning_rate`` ->
 Literal is a str whose description names the allowed values; a list or a
 union as JSON), with the preset's value as default and the field's
 description. Fields that shape the DAG or the pods are not parameters: the run
-name, ``rl.rounds`` (rounds are unrolled), ``rollout.workers`` (a loop of
+name, ``rl.rounds`` and ``rl.first_round`` (rounds are unrolled, each with its index), ``rollout.workers`` (a loop of
 rollout tasks or one), the image, the resources, the store
 (its scheme decides whether credentials are mounted) and, in a comparison, the
 method. They stay as compiled, and the pipeline version's description names
@@ -36,6 +36,7 @@ DAG_FIELDS = (
     "name",
     "image",
     "rl.rounds",
+    "rl.first_round",
     "rollout.workers",
     "resources",
     "store",

@@ -90,7 +90,7 @@ def fixed_fields(config: RunConfig, methods: list[str] | None = None) -> str:
     """What the compiled pipeline fixes (not run parameters), for its description."""
     r = config.resources
     fixed = [
-        f"rounds {config.rl.rounds}",
+        f"rounds {config.rl.rounds}" + (f" from round {config.rl.first_round}" if config.rl.first_round else ""),
         f"rollout workers {config.rollout.workers}",
         f"image {config.image}",
         f"store {config.store.uri}",
@@ -154,7 +154,7 @@ def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
     run_id = prep.outputs["Output"]  # resolved once; with the round and component, the key of the pushed metrics
     policy, history = prep.outputs["policy"], prep.outputs["history"]
     state = prep.outputs["trainer_state"]  # optimizer and step: only train reads it
-    for r in range(config.rl.rounds):
+    for r in range(config.rl.first_round, config.rl.first_round + config.rl.rounds):
         trajectories = _rollout(c, configure, config, config_json, run_id, r, policy)
         guide = configure(
             c.compaction(
@@ -269,6 +269,9 @@ def build_comparison_pipeline(config: RunConfig, methods: list[str], retries: bo
     method: kfp.local replaces any task output passed into a loop by the loop
     item, so no task output crosses into the loop."""
     methods = check_methods(list(methods))
+    if config.model.trainer_state:
+        reason = "a continuation goes on with one method's optimizer; a comparison starts every method afresh"
+        raise ConfigError([("model.trainer_state", reason)])
     run_parameters.check_servable(config)
     for method in methods:  # what each branch's configure task checks when it runs, refused before any work
         try:

@@ -20,9 +20,9 @@ read: the rerun runs it again into a fresh folder. The run folder holds:
 - ``.lock``: held (``flock``) by the run in the folder, with its pid: a second
   run in the same folder stops at once instead of sharing the first one's run id.
 
-With ``model.checkpoint`` the request also holds the checkpoint's
-fingerprint (its manifest's hash): the same URI with other weights behind it
-is another run.
+With ``model.checkpoint`` (and ``model.trainer_state``) the request also
+holds its fingerprint (its manifest's hash): the same URI with other weights
+behind it is another run.
 
 kfp.local takes an output artifact without a file for a lost one (a miss),
 and a ``Metrics`` artifact lives in its metadata only: a component with a
@@ -69,10 +69,12 @@ class FolderInUse(RuntimeError):
 
 def request(config: RunConfig, methods: list[str] | None) -> str:
     """What a run is asked to do, as :func:`run_id` compares it: the config,
-    the methods, the code (:func:`code_digest`) and, from a checkpoint, its
-    fingerprint: the same URI with other weights behind it is another run."""
+    the methods, the code (:func:`code_digest`) and, from a checkpoint (and a
+    continuation's trainer state), its fingerprint: the same URI with other
+    weights behind it is another run."""
     asked = config.model_dump_json() + repr(methods) + code_digest()
-    return asked + (fingerprint(config.model.checkpoint) if config.model.checkpoint else "")
+    sources = (config.model.checkpoint, config.model.trainer_state)
+    return asked + "".join(fingerprint(uri) for uri in sources if uri)
 
 
 def lock_folder(output: Path):

@@ -125,10 +125,18 @@ class ModelConfig(_Section):
         "qwen3_5_moe folder (config.json, safetensors, tokenizer.json, tokenizer_config.json, optional "
         "generation_config.json; docs/pipeline.md); exclusive with preset.",
     )
+    trainer_state: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Path or store URI of the trainer state a continuation goes on from: the new_trainer_state of "
+        "the last train task of the run it continues, whose new_policy is model.checkpoint. The optimizer's "
+        "moments, master weights and step go on as they were; needs rl.first_round (docs/deploy.md, 'Known "
+        "limit'). None: a new run, with a fresh optimizer.",
+    )
     dtype: Literal["bfloat16", "float32"] = Field(default="float32", description="Compute dtype of the rollout policy.")
     max_seq_len: int = Field(default=512, ge=8, le=1 << 20, description="Longest prompt + response, in tokens.")
 
-    @field_validator("checkpoint")
+    @field_validator("checkpoint", "trainer_state")
     @classmethod
     def _checkpoint_scheme(cls, value: str | None) -> str | None:
         return value if value is None or "://" not in value else _check_store_uri(value)
@@ -269,6 +277,13 @@ class RLConfig(_Section):
         description="Rounds of training; each is three pipeline tasks. Rounds are unrolled "
         "into the DAG: 200 rounds compile in about 20 s, and more steps fit in off_policy rounds. Evaluation runs "
         "once, after the last round.",
+    )
+    first_round: int = Field(
+        default=0,
+        ge=0,
+        le=1 << 20,
+        description="Index of the run's first round: 0 for a new run; a continuation (model.trainer_state) sets "
+        "the rounds the runs before it took, so that its rounds draw the prompts and seeds that come next.",
     )
     learning_rate: float = Field(default=1e-4, gt=0.0, le=1.0, description="AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="AdamW decoupled weight decay.")
@@ -685,6 +700,7 @@ class RunConfig(_Section):
             if k >= t.train_size
         ]
         problems += self._train_problems()
+        problems += self._continuation_problems()
         per_step = self.rollout.prompts_per_step * self.rollout.group_size
         if self.rollout.workers > per_step:
             problems.append(
@@ -707,6 +723,34 @@ class RunConfig(_Section):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _continuation_problems(self) -> list[str]:
+        """A continuation names the policy and trainer state the run it
+        continues ended with, and the round it goes on from; it has no bootstrap."""
+        if not self.model.trainer_state:
+            if self.rl.first_round:
+                return [
+                    f"rl.first_round: {self.rl.first_round} continues a run: set model.checkpoint and "
+                    "model.trainer_state to the new_policy and new_trainer_state its last train task saved"
+                ]
+            return []
+        problems = []
+        if self.model.checkpoint is None:
+            problems.append(
+                "model.trainer_state: a continuation goes on from the policy saved with that state: set "
+                "model.checkpoint to the same train task's new_policy"
+            )
+        if not self.rl.first_round:
+            problems.append(
+                "model.trainer_state: a continuation goes on after the rounds the state was trained in: compile "
+                "it with rl.first_round set to their number"
+            )
+        if self.bootstrap.enabled:
+            problems.append(
+                "bootstrap.enabled: a continuation (model.trainer_state) goes on from a trained policy; the "
+                "bootstrap SFT comes before a run's first round"
+            )
+        return problems
 
     def _fp4_problems(self) -> list[str]:
         """What needs FP4 sites the rollout lacks, and a capture buffer that

@@ -17,7 +17,7 @@ from tracefp4.components.steps import store_prefix
 from tracefp4.components.store import open_store
 from tracefp4.components.trainer_state import read_meta
 from tracefp4.pipelines.cli import main
-from tracefp4.pipelines.local import localize, run_local
+from tracefp4.pipelines.local import continuation_of, localize, run_local
 from tracefp4.pipelines.pipeline import (
     RUN_TASKS_WARN,
     build_comparison_pipeline,
@@ -71,6 +71,34 @@ def test_smoke_preset_runs_the_whole_dag(smoke_run):
     exported = json.loads((root / "export" / "exported" / "config.json").read_text())  # the final policy, for serving
     assert exported["quantization_config"]["format"] == "nvfp4-pack-quantized"
     assert provenance(root / "export" / "exported")["exported_from"] == folder_digest(root / "train" / "new_policy")
+
+
+def test_a_continuation_goes_on_from_the_smoke_runs_final_policy_and_state(smoke_run, tmp_path):
+    """The next run of a schedule split into runs, as a user starts it: the
+    last train task's new_policy and new_trainer_state, the rounds done."""
+    out, _ = smoke_run
+    root = next((out / "pipeline_root").iterdir())
+    settings = continuation_of(out, steps_per_round=1)  # what `tracefp4 run --continue-from` sets
+    assert settings == {
+        "model.preset": None,
+        "model.checkpoint": str(root / "train" / "new_policy"),
+        "model.trainer_state": str(root / "train" / "new_trainer_state"),
+        "rl.first_round": 1,
+        "bootstrap.enabled": False,
+    }
+    with pytest.raises(ValueError, match="policy version 1 is no whole number of rounds of rl.steps_per_round 2"):
+        continuation_of(out, steps_per_round=2)
+    config = load_config(preset="smoke", overrides=settings)
+    report = run_local(config, tmp_path)
+    assert "# tracefp4 run `smoke`" in report.read_text()
+    then = next((tmp_path / "pipeline_root").iterdir())
+    run_id = provenance(then / "prepare" / "policy")["run_id"]
+    assert run_id != provenance(root / "train" / "new_policy")["run_id"]  # a run of its own
+    assert provenance(then / "prepare" / "policy") == {"run_id": run_id, "policy_version": 1}
+    assert provenance(then / "train" / "new_policy") == {"run_id": run_id, "policy_version": 2}
+    assert read_meta(then / "train" / "new_trainer_state")["policy_version"] == 2
+    history = [json.loads(line) for line in (then / "train" / "history").read_text().splitlines()]
+    assert [(row["round"], row["step"]) for row in history] == [(1, 2)]
 
 
 def test_tiny_qwen35_preset_runs_the_smoke_pipeline(tmp_path):

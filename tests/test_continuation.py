@@ -1,0 +1,170 @@
+"""A continuation (model.trainer_state, rl.first_round): a long schedule run
+as several runs, each going on from the last one's final policy and trainer
+state, loses nothing: the same policy, optimizer state and history, bit for
+bit, as one run of all the rounds."""
+
+import json
+
+import pytest
+import torch
+
+from tracefp4.components import steps
+from tracefp4.components.checkpoint import load_model, provenance
+from tracefp4.components.guidance import read_manifest
+from tracefp4.components.store import open_store
+from tracefp4.components.trainer_state import StateMismatch, read_meta, state_tensors
+from tracefp4.schemas import ConfigError, RunConfig, get_preset, load_config
+
+
+def smoke(tmp_path, **settings) -> dict:
+    data = get_preset("smoke").model_dump()
+    data["bootstrap"]["enabled"] = False
+    data["guidance"].update(codec="syndrome")  # its rates come from the previous round's decode statistics
+    data["train"]["precision"] = "fp32_master"
+    data["store"]["uri"] = (tmp_path / "store").as_uri()
+    for path, value in settings.items():
+        section, key = path.split(".")
+        data[section][key] = value
+    return data
+
+
+def continuation(tmp_path, policy, state, first_round: int, **settings) -> RunConfig:
+    data = smoke(tmp_path, **settings)
+    data["model"].update(preset=None, checkpoint=str(policy), trainer_state=str(state))
+    data["rl"]["first_round"] = first_round
+    return RunConfig.model_validate(data)
+
+
+def timeless(rows: list[dict]) -> list[dict]:
+    """History rows without what the clock decides."""
+    timed = ("seconds", "per_second", "overhead")
+    return [{k: v for k, v in row.items() if not any(t in k for t in timed)} for row in rows]
+
+
+def test_two_rounds_are_one_round_and_a_continuation_of_one_bit_for_bit(tmp_path):
+    config = RunConfig.model_validate(smoke(tmp_path))
+    steps.prepare(config, tmp_path / "p0", "whole", tmp_path / "s0")
+    rows = []
+    for r in range(2):
+        policy, state = tmp_path / f"p{r}", tmp_path / f"s{r}"
+        out, out_state = tmp_path / f"p{r + 1}", tmp_path / f"s{r + 1}"
+        rows += steps.run_round(config, policy, state, r, out, out_state, tmp_path / "whole", "whole")
+
+    # the second run goes on from the first round's policy and state, as a run of its own
+    then = continuation(tmp_path, tmp_path / "p1", tmp_path / "s1", first_round=1)
+    assert steps.prepare(then, tmp_path / "q1", "then", tmp_path / "t1") == {}
+    assert provenance(tmp_path / "q1") == {"run_id": "then", "policy_version": 1}
+    assert read_meta(tmp_path / "t1")["run_id"] == "then"
+    again = steps.run_round(
+        then, tmp_path / "q1", tmp_path / "t1", 1, tmp_path / "q2", tmp_path / "t2", tmp_path, "then"
+    )
+
+    assert timeless(again) == timeless(rows[1:])  # prompts, rewards, loss, guidance: the same round
+    whole, split = load_model(tmp_path / "p2").state_dict(), load_model(tmp_path / "q2").state_dict()
+    assert whole.keys() == split.keys() and all(torch.equal(whole[k], split[k]) for k in whole)
+    ends = state_tensors(tmp_path / "s2"), state_tensors(tmp_path / "t2")
+    assert ends[0].keys() == ends[1].keys() and all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
+    assert provenance(tmp_path / "q2") == {"run_id": "then", "policy_version": 2}
+    # round 1 chose its syndrome rates from round 0's statistics in both runs
+    store = open_store(config.store.uri)
+    manifests = [read_manifest(store, 1, steps.store_prefix(config, run, "guidance")) for run in ("whole", "then")]
+    assert manifests[0]["syndrome"]["previous_decode"] is not None
+    assert manifests[0]["syndrome"] == manifests[1]["syndrome"]
+
+
+def test_a_continuation_is_refused_where_it_could_not_go_on_losslessly(tmp_path):
+    config = RunConfig.model_validate(smoke(tmp_path, **{"guidance.codec": "bits"}))
+    steps.prepare(config, tmp_path / "p0", "first", tmp_path / "s0")
+    steps.run_round(config, tmp_path / "p0", tmp_path / "s0", 0, tmp_path / "p1", tmp_path / "s1", tmp_path, "first")
+
+    # the state is at policy version 1: one round of one step
+    wrong_round = continuation(tmp_path, tmp_path / "p1", tmp_path / "s1", 2, **{"guidance.codec": "bits"})
+    with pytest.raises(
+        ValueError, match="rl.first_round: 2 rounds of 1 step.* make policy version 2, but .* version 1"
+    ):
+        steps.prepare(wrong_round, tmp_path / "x", "next", tmp_path / "xs")
+    other_policy = continuation(tmp_path, tmp_path / "p0", tmp_path / "s1", 1, **{"guidance.codec": "bits"})
+    with pytest.raises(StateMismatch, match="saved with another policy folder"):
+        steps.prepare(other_policy, tmp_path / "x", "next", tmp_path / "xs")
+    # the run went with the bits codec: a syndrome continuation has no statistics to choose its rates from
+    no_statistics = continuation(tmp_path, tmp_path / "p1", tmp_path / "s1", 1)
+    with pytest.raises(steps.GuidanceError, match="round 1's rates from round 0's decode statistics.*'first'"):
+        steps.prepare(no_statistics, tmp_path / "x", "next", tmp_path / "xs")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "xs").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize(
+    "settings, problem",
+    [
+        ({"rl": {"first_round": 3}}, "rl.first_round: 3 continues a run: set model.checkpoint and model.trainer_state"),
+        ({"model": {"trainer_state": "s"}}, "model.trainer_state: a continuation goes on from the policy saved"),
+        (
+            {"model": {"preset": None, "checkpoint": "p", "trainer_state": "s"}},
+            "compile it with rl.first_round set to their number",
+        ),
+        (
+            {"model": {"preset": None, "checkpoint": "p", "trainer_state": "s"}, "rl": {"first_round": 1}},
+            "bootstrap.enabled: a continuation",
+        ),
+        ({"model": {"preset": None, "checkpoint": "p", "trainer_state": "ftp://s"}}, "must start with file://"),
+    ],
+)
+def test_a_continuation_names_its_state_policy_and_round_together(settings, problem):
+    data = get_preset("tiny").model_dump()
+    for section, values in settings.items():
+        data[section].update(values)
+    with pytest.raises(ValueError, match=problem):
+        RunConfig.model_validate(data)
+
+
+def test_the_continuation_pipeline_numbers_its_rounds_on_and_a_comparison_refuses_one(tmp_path):
+    from tracefp4.pipelines.pipeline import build_comparison_pipeline, compile_pipeline, compiled_spec
+
+    (tmp_path / "cont.yaml").write_text(
+        "model: {checkpoint: s3://runs/first/policy, trainer_state: s3://runs/first/state}\n"
+        "rl: {rounds: 2, first_round: 15}\nbootstrap: {enabled: false}\n"
+    )
+    config = load_config(tmp_path / "cont.yaml", preset="tiny")
+    compile_pipeline(config, tmp_path / "p.yaml")
+    spec = compiled_spec((tmp_path / "p.yaml").read_bytes())
+    tasks = spec["root"]["dag"]["tasks"]
+    rounds = sorted(
+        t["inputs"]["parameters"]["round_index"]["runtimeValue"]["constant"]
+        for name, t in tasks.items()
+        if name.startswith("rollout")
+    )
+    assert rounds == [15, 16]
+    assert "rounds 2 from round 15" in spec["pipelineInfo"]["description"]
+    assert "rl_first_round" not in spec["root"]["inputDefinitions"]["parameters"]  # compile-time: it numbers tasks
+    assert "model_trainer_state" in spec["root"]["inputDefinitions"]["parameters"]
+    with pytest.raises(ConfigError, match="model.trainer_state: a continuation goes on with one method"):
+        build_comparison_pipeline(config, ["trace", "qat"])
+
+
+def test_other_weights_behind_the_same_state_uri_make_another_local_run(tmp_path):
+    from tracefp4.pipelines.resume import request
+
+    config = RunConfig.model_validate(smoke(tmp_path))
+    steps.prepare(config, tmp_path / "p0", "first", tmp_path / "s0")
+    (tmp_path / "s").mkdir()
+    then = continuation(tmp_path, tmp_path / "p0", tmp_path / "s", 1)
+    before = request(then, None)
+    meta = json.loads((tmp_path / "s0" / "checksums.json").read_text())
+    (tmp_path / "s" / "checksums.json").write_text(json.dumps(meta))
+    assert request(then, None) != before
+
+
+def test_run_continue_from_needs_a_finished_train_task_and_another_output(tmp_path):
+    from click.testing import CliRunner
+
+    from tracefp4.pipelines.cli import main
+
+    same = CliRunner().invoke(
+        main, ["run", "--preset", "smoke", "--continue-from", str(tmp_path), "--output", str(tmp_path)]
+    )
+    assert same.exit_code == 2 and "continue into another --output, so that a rerun resumes" in same.output
+    empty = CliRunner().invoke(
+        main, ["run", "--preset", "smoke", "--continue-from", str(tmp_path), "--output", str(tmp_path / "next")]
+    )
+    assert empty.exit_code == 1 and "no train task of a run finished there" in empty.output
+    assert not (tmp_path / "next").exists()
