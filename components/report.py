@@ -28,7 +28,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from tracefp4.schemas import Method, RolloutConfigName, RunConfig  # noqa: E402
+from tracefp4.schemas import Method, RolloutConfigName, RunConfig, settings_yaml  # noqa: E402
 
 from .stats import paired_difference  # noqa: E402
 
@@ -56,12 +56,18 @@ DISCREPANCY = (
 )
 
 
-# A report is a list of blocks: Heading, paragraph (str), bullet list (list[str]), Table or Plot.
+# A report is a list of blocks: Heading, paragraph (str), bullet list (list[str]), Code, Table or Plot.
 
 
 @dataclass
 class Heading:
     level: int
+    text: str
+
+
+@dataclass
+class Code:
+    language: str
     text: str
 
 
@@ -440,7 +446,21 @@ def _hardware(evaluations: list[dict]) -> list[str]:
     return lines
 
 
-def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict) -> list:
+def _continue_blocks(continue_with: dict | None) -> list:
+    """How a next run goes on from this one's last round (docs/deploy.md, "Known limit")."""
+    if not continue_with:
+        return []
+    # KFP keeps an artifact's metadata numbers as doubles: the round count comes back 1.0
+    continue_with = {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in continue_with.items()}
+    text = (
+        "A next run goes on from this one's final policy and trainer state, optimizer and round count "
+        "included, with these settings over its config (a file for `--config`; `rl.rounds` as many more as "
+        "it should run)."
+    )
+    return [Heading(2, "Continue this run"), text, Code("yaml", settings_yaml(continue_with))]
+
+
+def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict, continue_with: dict | None = None) -> list:
     source = describe(config)
     acc = evaluation.get("accuracy") or []
     rollouts = ", ".join(_ordered((r.get("rollout") for r in acc), ROLLOUTS)) or "none"
@@ -459,6 +479,7 @@ def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict) -> lis
     blocks += [Heading(2, "Train-rollout discrepancy"), *_discrepancy_blocks(evaluation, source)]
     blocks += [Heading(2, "Training, per RL step"), *_step_blocks(history, source)]
     blocks += [Heading(2, "Time breakdown per round"), *_time_blocks(history, source)]
+    blocks += _continue_blocks(continue_with)
     return [b for b in blocks if b is not None]
 
 
@@ -586,6 +607,8 @@ def _markdown(blocks: list) -> str:
             lines += [f"_{b.note + ' ' if b.note else ''}Source: {b.source}._", ""]
         elif isinstance(b, list):
             lines += [f"- {item}" for item in b] + [""]
+        elif isinstance(b, Code):
+            lines += [f"```{b.language}", b.text.rstrip("\n"), "```", ""]
         elif isinstance(b, str):
             lines += [b, ""]
         # plots: in the HTML page only
@@ -657,6 +680,8 @@ def _html(title: str, blocks: list) -> str:
             )
         elif isinstance(b, list):
             parts.append("<ul>" + "".join(f"<li>{_text(item)}</li>" for item in b) + "</ul>")
+        elif isinstance(b, Code):
+            parts.append(f"<pre>{html.escape(b.text)}</pre>")
         else:
             parts.append(f"<p>{_text(b)}</p>")
     return (
@@ -669,14 +694,20 @@ def _html(title: str, blocks: list) -> str:
     )
 
 
-def markdown(config: RunConfig, history_file: str | Path, evaluation_file: str | Path) -> str:
-    """The run's report as markdown (tables only; the plots are in `html_report`)."""
-    return _markdown(_run_blocks(config, *load(history_file, evaluation_file)))
+def markdown(
+    config: RunConfig, history_file: str | Path, evaluation_file: str | Path, continue_with: dict | None = None
+) -> str:
+    """The run's report as markdown (tables only; the plots are in `html_report`),
+    ending with the settings ``continue_with`` of a run that goes on from it."""
+    return _markdown(_run_blocks(config, *load(history_file, evaluation_file), continue_with))
 
 
-def html_report(config: RunConfig, history_file: str | Path, evaluation_file: str | Path) -> str:
+def html_report(
+    config: RunConfig, history_file: str | Path, evaluation_file: str | Path, continue_with: dict | None = None
+) -> str:
     """The run's report as one self-contained HTML page: the tables and the PNG plots."""
-    return _html(f"tracefp4 run {config.name}", _run_blocks(config, *load(history_file, evaluation_file)))
+    blocks = _run_blocks(config, *load(history_file, evaluation_file), continue_with)
+    return _html(f"tracefp4 run {config.name}", blocks)
 
 
 def comparison(config: RunConfig, evaluations: list[dict], histories: list[list[dict]]) -> str:

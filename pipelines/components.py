@@ -157,7 +157,7 @@ def train(
     from tracefp4.components import steps
     from tracefp4.components.guidance import GuidanceRef
     from tracefp4.pipelines.resume import write_metrics
-    from tracefp4.schemas import RunConfig
+    from tracefp4.schemas import RunConfig, continuation
 
     config = RunConfig.model_validate_json(config_json)
     with open(guidance.path) as f:
@@ -193,6 +193,11 @@ def train(
     with open(history.path, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
+    # how a next run goes on from here, for the report (the policy and state's URIs are known only here)
+    history.metadata["continue_with"] = {
+        "method": config.method,
+        **continuation(new_policy.uri, new_trainer_state.uri, ref.rl_step + 1),
+    }
     for key, value in run_metrics.round_means(rows).items():
         metrics.log_metric(key, value)
     write_metrics(metrics)
@@ -250,10 +255,11 @@ def report(
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
+    continue_with = history.metadata.get("continue_with")  # the last train task's
     with open(markdown.path, "w") as f:
-        f.write(run_report.markdown(config, history.path, evaluation.path))
+        f.write(run_report.markdown(config, history.path, evaluation.path, continue_with))
     with open(page.path, "w") as f:
-        f.write(run_report.html_report(config, history.path, evaluation.path))
+        f.write(run_report.html_report(config, history.path, evaluation.path, continue_with))
 
 
 def compare(

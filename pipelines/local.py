@@ -35,7 +35,7 @@ from tqdm import tqdm
 from tracefp4.components.checkpoint import MANIFEST, provenance
 from tracefp4.components.metrics import PUBLISH_FAILED
 from tracefp4.components.store import file_path, open_store
-from tracefp4.schemas import ConfigError, RunConfig
+from tracefp4.schemas import ConfigError, RunConfig, continuation
 
 from . import resume
 from .pipeline import build_comparison_pipeline, build_pipeline
@@ -105,13 +105,7 @@ def continuation_of(run_dir: Path, steps_per_round: int) -> dict:
         raise ValueError(
             f"{last[0]}: policy version {version} is no whole number of rounds of rl.steps_per_round {steps_per_round}"
         )
-    return {
-        "model.preset": None,
-        "model.checkpoint": str(last[0].with_name("new_policy")),
-        "model.trainer_state": str(last[0]),
-        "rl.first_round": version // steps_per_round,
-        "bootstrap.enabled": False,
-    }
+    return continuation(str(last[0].with_name("new_policy")), str(last[0]), version // steps_per_round)
 
 
 def task_count(config: RunConfig, methods: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from .config import (
     Toleration,
     TrainSection,
 )
-from .io import ConfigError, export_json_schema, load_config, save_config, schema_hash
+from .io import ConfigError, continuation, export_json_schema, load_config, save_config, schema_hash, settings_yaml
 from .presets import PRESETS, get_preset
 
 __all__ = [
@@ -46,9 +46,11 @@ __all__ = [
     "TaskName",
     "Toleration",
     "TrainSection",
+    "continuation",
     "export_json_schema",
     "get_preset",
     "load_config",
     "save_config",
     "schema_hash",
+    "settings_yaml",
 ]

@@ -150,6 +150,24 @@ def load_config(
     return config
 
 
+def continuation(checkpoint: str, trainer_state: str, first_round: int) -> dict:
+    """The settings (dotted paths) of a run that continues another from the
+    policy ``checkpoint`` and ``trainer_state`` it saved after ``first_round``
+    rounds (docs/deploy.md, "Known limit")."""
+    return {
+        "model.preset": None,
+        "model.checkpoint": checkpoint,
+        "model.trainer_state": trainer_state,
+        "rl.first_round": first_round,
+        "bootstrap.enabled": False,
+    }
+
+
+def settings_yaml(settings: Mapping) -> str:
+    """Dotted ``settings`` as the text of a YAML config file (``--config``), nested, keys sorted."""
+    return _yaml().safe_dump(_expand_dotted(settings), sort_keys=True)
+
+
 def save_config(config: RunConfig, path: str | Path) -> Path:
     """Write a config as .yaml/.yml or .json (secrets are never written), atomically; load_config reads it back."""
     path = Path(path)

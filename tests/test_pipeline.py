@@ -76,7 +76,7 @@ def test_smoke_preset_runs_the_whole_dag(smoke_run):
 def test_a_continuation_goes_on_from_the_smoke_runs_final_policy_and_state(smoke_run, tmp_path):
     """The next run of a schedule split into runs, as a user starts it: the
     last train task's new_policy and new_trainer_state, the rounds done."""
-    out, _ = smoke_run
+    out, first = smoke_run
     root = next((out / "pipeline_root").iterdir())
     settings = continuation_of(out, steps_per_round=1)  # what `tracefp4 run --continue-from` sets
     assert settings == {
@@ -88,10 +88,16 @@ def test_a_continuation_goes_on_from_the_smoke_runs_final_policy_and_state(smoke
     }
     with pytest.raises(ValueError, match="policy version 1 is no whole number of rounds of rl.steps_per_round 2"):
         continuation_of(out, steps_per_round=2)
-    config = load_config(preset="smoke", overrides=settings)
-    report = run_local(config, tmp_path)
+    # the report ends with the same settings, as a config file to continue with (on a cluster: the artifacts' URIs)
+    section = first.read_text().split("## Continue this run")[1]
+    (tmp_path / "continue.yaml").write_text(section.split("```yaml\n")[1].split("```")[0])
+    page = (first.parent / "page").read_text()
+    assert "<pre>bootstrap:\n  enabled: false\nmethod: trace\nmodel:\n" in page and "first_round: 1\n</pre>" in page
+    config = load_config(tmp_path / "continue.yaml", preset="smoke")
+    assert config == load_config(preset="smoke", overrides=settings)
+    report = run_local(config, tmp_path / "then")
     assert "# tracefp4 run `smoke`" in report.read_text()
-    then = next((tmp_path / "pipeline_root").iterdir())
+    then = next((tmp_path / "then" / "pipeline_root").iterdir())
     run_id = provenance(then / "prepare" / "policy")["run_id"]
     assert run_id != provenance(root / "train" / "new_policy")["run_id"]  # a run of its own
     assert provenance(then / "prepare" / "policy") == {"run_id": run_id, "policy_version": 1}
