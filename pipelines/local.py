@@ -92,7 +92,7 @@ def continuation_of(run_dir: Path, steps_per_round: int) -> dict:
     the rounds they end (its policy version, which runs that continue one
     another count on). A comparison's folder holds several methods' last
     states, and is refused: a continuation goes on with one."""
-    states = Path(run_dir, "pipeline_root").glob("*/train*/new_trainer_state")
+    states = Path(run_dir, "pipeline_root").resolve().glob("*/train*/new_trainer_state")
     saved = {state: found for state in states if (found := provenance(state))}  # committed: its manifest written
     if not saved:
         raise ValueError(f"{run_dir}: no train task of a run finished there (pipeline_root/*/train*/new_trainer_state)")
