@@ -92,15 +92,21 @@ def continuation_of(run_dir: Path, steps_per_round: int) -> dict:
     the rounds they end (its policy version, which runs that continue one
     another count on). A comparison's folder holds several methods' last
     states, and is refused: a continuation goes on with one."""
-    states = Path(run_dir, "pipeline_root").resolve().glob("*/train*/new_trainer_state")
+    # a comparison's train tasks lie a folder deeper, in their loop iteration's
+    states = Path(run_dir, "pipeline_root").resolve().glob("**/train*/new_trainer_state")
     saved = {state: found for state in states if (found := provenance(state))}  # committed: its manifest written
     if not saved:
-        raise ValueError(f"{run_dir}: no train task of a run finished there (pipeline_root/*/train*/new_trainer_state)")
+        raise ValueError(
+            f"{run_dir}: no train task of a run finished there (pipeline_root/**/train*/new_trainer_state)"
+        )
     run = saved[max(saved, key=lambda state: (state / MANIFEST).stat().st_mtime)]["run_id"]
     version = max(found["policy_version"] for found in saved.values() if found["run_id"] == run)
     last = [state for state, found in saved.items() if found == {"run_id": run, "policy_version": version}]
     if len(last) > 1:
-        raise ValueError(f"{run_dir}: run {run} ended with {len(last)} trainer states (a comparison): continue one")
+        raise ValueError(
+            f"{run_dir}: run {run} ended with {len(last)} trainer states, one per method of a comparison: continue "
+            "one method with the settings its own report ends with"
+        )
     if version % steps_per_round:
         raise ValueError(
             f"{last[0]}: policy version {version} is no whole number of rounds of rl.steps_per_round {steps_per_round}"

@@ -332,6 +332,9 @@ def test_comparison_pipeline_fans_out_over_methods(tmp_path):
     assert len(reports) == 2 and {"`bf16`" in r.read_text() for r in reports} == {True, False}  # each method's own
     result = CliRunner().invoke(main, ["report", str(tmp_path)])  # a comparison folder's: the side-by-side one
     assert result.exit_code == 0 and f"report: {report.with_name('page')}" in result.output, result.output
+    with pytest.raises(ValueError, match="2 trainer states, one per method of a comparison: continue one method"):
+        continuation_of(tmp_path, steps_per_round=1)
+    assert all("## Continue this run" in r.read_text() for r in reports)  # each method's, as a run of its own
     store = open_store(localize(get_preset("smoke"), tmp_path).store.uri)
     keys = store.list("smoke/")
     assert any("/trace/guidance/" in k for k in keys) and not any(
