@@ -244,8 +244,8 @@ def run_size_problem(tasks: int) -> str | None:
     return (
         f"{tasks} tasks in a run, more than {RUN_TASKS_WARN}: KFP keeps a run in one Argo Workflow object that grows "
         "with every task (a run of 56 tasks made one of 1.95 MiB, kubeflow/pipelines#13738); Argo stops a run whose "
-        "object, compressed, passes 1 MiB, and KFP cannot retry one past etcd's 1.5 MiB; run fewer rounds per run "
-        "(docs/deploy.md, 'Known limit')"
+        "object, compressed, passes 1 MiB, and KFP cannot retry one past etcd's 1.5 MiB; run fewer rounds per run, "
+        "each continuing the last (rl.first_round, model.trainer_state: docs/deploy.md, 'Known limit')"
     )
 
 
