@@ -20,7 +20,7 @@ def smoke(tmp_path, **settings) -> dict:
     data = get_preset("smoke").model_dump()
     data["bootstrap"]["enabled"] = False
     data["guidance"].update(codec="syndrome")  # its rates come from the previous round's decode statistics
-    data["train"]["precision"] = "fp32_master"
+    data["train"]["precision"] = "fp32_master"  # the smoke policy rolls out in float32: so does its training
     data["store"]["uri"] = (tmp_path / "store").as_uri()
     for path, value in settings.items():
         section, key = path.split(".")
@@ -28,7 +28,8 @@ def smoke(tmp_path, **settings) -> dict:
     return data
 
 
-def continuation(tmp_path, policy, state, first_round: int, **settings) -> RunConfig:
+def continuing(tmp_path, policy, state, first_round: int, **settings) -> RunConfig:
+    """The smoke config of a run that goes on from ``policy`` and ``state`` after ``first_round`` rounds."""
     data = smoke(tmp_path, **settings)
     data["model"].update(preset=None, checkpoint=str(policy), trainer_state=str(state))
     data["rl"]["first_round"] = first_round
@@ -51,7 +52,7 @@ def test_two_rounds_are_one_round_and_a_continuation_of_one_bit_for_bit(tmp_path
         rows += steps.run_round(config, policy, state, r, out, out_state, tmp_path / "whole", "whole")
 
     # the second run goes on from the first round's policy and state, as a run of its own
-    then = continuation(tmp_path, tmp_path / "p1", tmp_path / "s1", first_round=1)
+    then = continuing(tmp_path, tmp_path / "p1", tmp_path / "s1", first_round=1)
     assert steps.prepare(then, tmp_path / "q1", "then", tmp_path / "t1") == {}
     assert provenance(tmp_path / "q1") == {"run_id": "then", "policy_version": 1}
     assert read_meta(tmp_path / "t1")["run_id"] == "then"
@@ -78,16 +79,16 @@ def test_a_continuation_is_refused_where_it_could_not_go_on_losslessly(tmp_path)
     steps.run_round(config, tmp_path / "p0", tmp_path / "s0", 0, tmp_path / "p1", tmp_path / "s1", tmp_path, "first")
 
     # the state is at policy version 1: one round of one step
-    wrong_round = continuation(tmp_path, tmp_path / "p1", tmp_path / "s1", 2, **{"guidance.codec": "bits"})
+    wrong_round = continuing(tmp_path, tmp_path / "p1", tmp_path / "s1", 2, **{"guidance.codec": "bits"})
     with pytest.raises(
         ValueError, match="rl.first_round: 2 rounds of 1 step.* make policy version 2, but .* version 1"
     ):
         steps.prepare(wrong_round, tmp_path / "x", "next", tmp_path / "xs")
-    other_policy = continuation(tmp_path, tmp_path / "p0", tmp_path / "s1", 1, **{"guidance.codec": "bits"})
+    other_policy = continuing(tmp_path, tmp_path / "p0", tmp_path / "s1", 1, **{"guidance.codec": "bits"})
     with pytest.raises(StateMismatch, match="saved with another policy folder"):
         steps.prepare(other_policy, tmp_path / "x", "next", tmp_path / "xs")
     # the run went with the bits codec: a syndrome continuation has no statistics to choose its rates from
-    no_statistics = continuation(tmp_path, tmp_path / "p1", tmp_path / "s1", 1)
+    no_statistics = continuing(tmp_path, tmp_path / "p1", tmp_path / "s1", 1)
     with pytest.raises(steps.GuidanceError, match="round 1's rates from round 0's decode statistics.*'first'"):
         steps.prepare(no_statistics, tmp_path / "x", "next", tmp_path / "xs")
     assert not (tmp_path / "x").exists() and not (tmp_path / "xs").exists()  # nothing half-written
@@ -147,7 +148,7 @@ def test_other_weights_behind_the_same_state_uri_make_another_local_run(tmp_path
     config = RunConfig.model_validate(smoke(tmp_path))
     steps.prepare(config, tmp_path / "p0", "first", tmp_path / "s0")
     (tmp_path / "s").mkdir()
-    then = continuation(tmp_path, tmp_path / "p0", tmp_path / "s", 1)
+    then = continuing(tmp_path, tmp_path / "p0", tmp_path / "s", 1)
     before = request(then, None)
     meta = json.loads((tmp_path / "s0" / "checksums.json").read_text())
     (tmp_path / "s" / "checksums.json").write_text(json.dumps(meta))
