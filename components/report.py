@@ -450,8 +450,6 @@ def _continue_blocks(continue_with: dict | None) -> list:
     """How a next run goes on from this one's last round (docs/deploy.md, "Known limit")."""
     if not continue_with:
         return []
-    # KFP keeps an artifact's metadata numbers as doubles: the round count comes back 1.0
-    continue_with = {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in continue_with.items()}
     text = (
         "A next run goes on from this one's final policy and trainer state, optimizer and round count "
         "included, with these settings over its config (a file for `--config`; `rl.rounds` as many more as "

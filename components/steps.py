@@ -205,7 +205,7 @@ def continue_from(config: RunConfig, policy: Path, out: Path, run_id: str, state
                 f"{config.method}: continue a run with its codec, name, method and store"
             )
     recommit(policy, out, {"run_id": run_id, "policy_version": version})
-    repin_state(source, state, out, run_id)
+    repin_state(source, meta, state, out, run_id)
     if decoded is not None:
         key = f"{step_prefix(store_prefix(config, run_id, 'guidance'), last)}/{DECODE_FILE}"
         store.put_bytes(key, json.dumps(decoded).encode())

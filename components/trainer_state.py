@@ -113,12 +113,14 @@ def check_state(path: str | os.PathLike, policy: str | os.PathLike, run_id: str 
     return meta
 
 
-def repin_state(source: str | os.PathLike, path: str | os.PathLike, policy: str | os.PathLike, run_id: str) -> Path:
-    """A copy of the state at ``source`` at ``path``, its tensors as they are,
-    of run ``run_id`` and pinned to the policy folder ``policy`` (a copy of
-    the one it was saved with, taken on by that run): a continuation goes on
-    from the state of the run it continues as a run of its own."""
-    meta = read_meta(source)
+def repin_state(
+    source: str | os.PathLike, meta: dict, path: str | os.PathLike, policy: str | os.PathLike, run_id: str
+) -> Path:
+    """A copy of the state at ``source`` (``meta``: its metadata, as
+    :func:`check_state` read it) at ``path``, its tensors as they are, of run
+    ``run_id`` and pinned to the policy folder ``policy`` (a copy of the one
+    it was saved with, taken on by that run): a continuation goes on from the
+    state of the run it continues as a run of its own."""
     record = {**meta, "run_id": run_id, "policy_sha256": folder_digest(policy)}
     provenance = {"run_id": run_id, "policy_version": meta["policy_version"]}
     return recommit(Path(source), Path(path), provenance, {META: json.dumps(record, indent=1)})

@@ -193,11 +193,10 @@ def train(
     with open(history.path, "a") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
-    # how a next run goes on from here, for the report (the policy and state's URIs are known only here)
-    history.metadata["continue_with"] = {
-        "method": config.method,
-        **continuation(new_policy.uri, new_trainer_state.uri, ref.rl_step + 1),
-    }
+    # how a next run goes on from here, for the report (the policy and state's URIs are known only here); as
+    # JSON text, which metadata keeps as it is (its numbers come back as doubles: the round count as 1.0)
+    settings = continuation(new_policy.uri, new_trainer_state.uri, ref.rl_step + 1)
+    history.metadata["continue_with"] = json.dumps({"method": config.method, **settings})
     for key, value in run_metrics.round_means(rows).items():
         metrics.log_metric(key, value)
     write_metrics(metrics)
@@ -251,11 +250,13 @@ def report(
     page: Output[HTML],
 ):
     """The run's tables as markdown, and as an HTML page with the plots."""
+    import json
+
     from tracefp4.components import report as run_report
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
-    continue_with = history.metadata.get("continue_with")  # the last train task's
+    continue_with = json.loads(history.metadata.get("continue_with", "null"))  # the last train task's
     with open(markdown.path, "w") as f:
         f.write(run_report.markdown(config, history.path, evaluation.path, continue_with))
     with open(page.path, "w") as f:
