@@ -446,7 +446,7 @@ def _hardware(evaluations: list[dict]) -> list[str]:
     return lines
 
 
-def _continue_blocks(continue_with: dict | None) -> list:
+def _continue_blocks(config: RunConfig, continue_with: dict | None) -> list:
     """How a next run goes on from this one's last round (docs/deploy.md, "Known limit")."""
     if not continue_with:
         return []
@@ -455,6 +455,8 @@ def _continue_blocks(continue_with: dict | None) -> list:
         "included, with these settings over its config (a file for `--config`; `rl.rounds` as many more as "
         "it should run)."
     )
+    if config.rl.chained:
+        text += f" This run's last task, `chain`, submits that run for the {config.rl.rounds_left} rounds left."
     return [Heading(2, "Continue this run"), text, Code("yaml", settings_yaml(continue_with))]
 
 
@@ -477,7 +479,7 @@ def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict, contin
     blocks += [Heading(2, "Train-rollout discrepancy"), *_discrepancy_blocks(evaluation, source)]
     blocks += [Heading(2, "Training, per RL step"), *_step_blocks(history, source)]
     blocks += [Heading(2, "Time breakdown per round"), *_time_blocks(history, source)]
-    blocks += _continue_blocks(continue_with)
+    blocks += _continue_blocks(config, continue_with)
     return [b for b in blocks if b is not None]
 
 

@@ -246,7 +246,13 @@ def compile(preset, config_file, output, methods):
     if problem := run_size_problem(tasks):
         _warn(f"{output}: {problem}")
     name = f"tracefp4-{config.name}" + ("-compare" if methods else "")
-    click.echo(f"{output}: pipeline {name}, version {pipeline_version()}, {tasks} tasks a run")
+    rl = config.rl
+    chain = (
+        f", a chain of {-(-rl.rounds // rl.rounds_per_run)} runs of at most {rl.rounds_per_run} rounds"
+        if rl.chained
+        else ""
+    )
+    click.echo(f"{output}: pipeline {name}, version {pipeline_version()}, {tasks} tasks a run{chain}")
 
 
 def connection_options(command):
@@ -423,6 +429,7 @@ def presets():
         click.echo(
             f"{name:22} model {model}, {config.rollout.config} ({config.rollout.fmt}), method {config.method}, "
             f"{config.rl.rounds}x{config.rl.steps_per_round} steps"
+            + (f", {config.rl.rounds_per_run} rounds a run" if config.rl.chained else "")
         )
 
 

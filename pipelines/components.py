@@ -263,6 +263,22 @@ def report(
         f.write(run_report.html_report(config, history.path, evaluation.path, continue_with))
 
 
+def chain(config_json: str, history: Input[Dataset], job_id: str) -> str:
+    """Submit the run that continues this one for the rounds it leaves
+    (rl.rounds_per_run), from its last train task's policy and trainer state;
+    returns that run's id."""
+    import json
+
+    from tracefp4.pipelines.submit import submit_next
+    from tracefp4.schemas import RunConfig
+
+    config = RunConfig.model_validate_json(config_json)
+    continue_with = json.loads(history.metadata["continue_with"])  # the last train task's
+    run = submit_next(config, continue_with, job_id, warn=print)
+    print(f"{'submitted' if run['submitted'] else 'submitted before'}: run {run['name']} ({run['run_id']})")
+    return run["run_id"]
+
+
 def compare(
     config_json: str,
     evaluations: Input[list[Dataset]],
@@ -298,11 +314,12 @@ class Components:
     export: object
     evaluate: object
     report: object
+    chain: object
     compare: object
 
 
 def make_components(image: str) -> Components:
     """The components, built on ``image`` (which holds tracefp4 and its dependencies)."""
     make = dsl.component(base_image=image, install_kfp_package=False)
-    functions = (prepare, rollout, rollout_workers, gather, compaction, train, export, evaluate, report, compare)
+    functions = (prepare, rollout, rollout_workers, gather, compaction, train, export, evaluate, report, chain, compare)
     return Components(*(make(f) for f in functions))

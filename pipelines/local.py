@@ -72,7 +72,10 @@ class Interrupted(BaseException):
 
 
 def localize(config: RunConfig, output: Path) -> RunConfig:
-    """A relative ``file://`` store becomes a folder of the run's output, a relative metrics file a file in it."""
+    """A relative ``file://`` store becomes a folder of the run's output, a
+    relative metrics file a file in it; and every round runs in this one run
+    (``rl.rounds_per_run`` splits a schedule into a chain of cluster runs, whose
+    size KFP bounds; a local run has no such bound)."""
     uri = config.store.uri
     if uri.startswith("file://") and not (path := file_path(uri)).is_absolute():
         uri = (output / path).resolve().as_uri()
@@ -81,6 +84,7 @@ def localize(config: RunConfig, output: Path) -> RunConfig:
         update={
             "store": config.store.model_copy(update={"uri": uri}),
             "metrics": config.metrics.model_copy(update={"metrics_file": metrics_file}),
+            "rl": config.rl.model_copy(update={"rounds_per_run": 0}),
         }
     )
 

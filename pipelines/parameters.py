@@ -8,9 +8,11 @@ pipeline input named by its flattened path (``rl.learning_rate`` ->
 Literal is a str whose description names the allowed values; a list or a
 union as JSON), with the preset's value as default and the field's
 description. Fields that shape the DAG or the pods are not parameters: the run
-name, ``rl.rounds`` and ``rl.first_round`` (rounds are unrolled, each with its index), ``rollout.workers`` (a loop of
-rollout tasks or one), the image, the resources, the store
-(its scheme decides whether credentials are mounted) and, in a comparison, the
+name, ``rl.rounds``, ``rl.first_round`` and ``rl.rounds_per_run`` (rounds are
+unrolled, each with its index, and a run that leaves rounds to the next ends
+by submitting it), ``rollout.workers`` (a loop of rollout tasks or one), the
+image, the resources, the store (its scheme decides whether credentials are
+mounted) and, in a comparison, the
 method. They stay as compiled, and the pipeline version's description names
 them.
 
@@ -37,6 +39,7 @@ DAG_FIELDS = (
     "image",
     "rl.rounds",
     "rl.first_round",
+    "rl.rounds_per_run",
     "rollout.workers",
     "resources",
     "store",

@@ -54,6 +54,9 @@ def pipeline_version() -> str:
 #   deterministic (a bad run parameter), so they are not retried: a retry would only delay the error.
 COMPUTE, HOST, CONTROL = "compute", "host", "control"
 CONTROL_CPU, CONTROL_MEMORY = "1", "2Gi"
+# The pod label of the task that submits a chain's next run: in multi-user Kubeflow, the profile's PodDefault of that
+# name (manifests/overlays/multi-user/profile) mounts a token the KFP API accepts (audience pipelines.kubeflow.org)
+KFP_TOKEN_LABEL = "tracefp4-kfp-api-token"
 
 
 def _configure(task, config: RunConfig, retries: bool, role: str = COMPUTE):
@@ -89,8 +92,11 @@ RUN_ID_HELP = "Run id the steps key the store with; empty: KFP's job id (a local
 def fixed_fields(config: RunConfig, methods: list[str] | None = None) -> str:
     """What the compiled pipeline fixes (not run parameters), for its description."""
     r = config.resources
+    rounds = config.rl.run_rounds()
     fixed = [
-        f"rounds {config.rl.rounds}" + (f" from round {config.rl.first_round}" if config.rl.first_round else ""),
+        f"rounds {len(rounds)}"
+        + (f" from round {rounds.start}" if rounds.start else "")
+        + (f", the {config.rl.rounds_left} left to the next run" if config.rl.chained else ""),
         f"rollout workers {config.rollout.workers}",
         f"image {config.image}",
         f"store {config.store.uri}",
@@ -140,8 +146,11 @@ def build_pipeline(config: RunConfig, retries: bool = True):
     def body(values, run_id):
         config_json = configure(configure_op(config_json=config.model_dump_json(), **values), CONTROL).output
         history, evaluation = _train_and_evaluate(c, configure, config, config_json, run_id)
-        report = c.report(config_json=config_json, history=history, evaluation=evaluation)
-        return configure(report, CONTROL).outputs["markdown"]
+        report = configure(c.report(config_json=config_json, history=history, evaluation=evaluation), CONTROL)
+        if config.rl.chained:  # once this run is through, the next takes the rounds left
+            chain = c.chain(config_json=config_json, history=history, job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
+            kubernetes.add_pod_label(configure(chain, CONTROL).after(report), KFP_TOKEN_LABEL, "true")
+        return report.outputs["markdown"]
 
     summary = f"TRACE FP4 RL ({config.method}, {config.rollout.config}). {fixed_fields(config)}"
     return _typed_pipeline(body, config, params, pipeline_name(config), summary)
@@ -154,7 +163,7 @@ def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
     run_id = prep.outputs["Output"]  # resolved once; with the round and component, the key of the pushed metrics
     policy, history = prep.outputs["policy"], prep.outputs["history"]
     state = prep.outputs["trainer_state"]  # optimizer and step: only train reads it
-    for r in range(config.rl.first_round, config.rl.first_round + config.rl.rounds):
+    for r in config.rl.run_rounds():
         trajectories = _rollout(c, configure, config, config_json, run_id, r, policy)
         guide = configure(
             c.compaction(
@@ -244,8 +253,8 @@ def run_size_problem(tasks: int) -> str | None:
     return (
         f"{tasks} tasks in a run, more than {RUN_TASKS_WARN}: KFP keeps a run in one Argo Workflow object that grows "
         "with every task (a run of 56 tasks made one of 1.95 MiB, kubeflow/pipelines#13738); Argo stops a run whose "
-        "object, compressed, passes 1 MiB, and KFP cannot retry one past etcd's 1.5 MiB; run fewer rounds per run, "
-        "each continuing the last (rl.first_round, model.trainer_state: docs/deploy.md, 'Known limit')"
+        "object, compressed, passes 1 MiB, and KFP cannot retry one past etcd's 1.5 MiB; run fewer rounds per run "
+        "(rl.rounds_per_run: each run submits the next, which continues it; docs/deploy.md, 'Known limit')"
     )
 
 
@@ -272,6 +281,12 @@ def build_comparison_pipeline(config: RunConfig, methods: list[str], retries: bo
     if config.model.trainer_state:
         reason = "a continuation goes on with one method's optimizer; a comparison starts every method afresh"
         raise ConfigError([("model.trainer_state", reason)])
+    if config.rl.chained:
+        reason = (
+            f"a comparison runs its {config.rl.rounds} rounds in one run (a next run would continue one method); "
+            "run the methods one by one to chain them"
+        )
+        raise ConfigError([("rl.rounds_per_run", reason)])
     run_parameters.check_servable(config)
     for method in methods:  # what each branch's configure task checks when it runs, refused before any work
         try:

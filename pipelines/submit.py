@@ -1,5 +1,6 @@
 """Kubeflow Pipelines from the command line, through ``kfp.Client``: start a
-run of the pipeline, and look at runs.
+run of the pipeline, and look at runs; and, from a run's last task, start the
+run that continues it (:func:`submit_next`: a chain of runs).
 
     compile -> pipeline by name (uploaded if new) -> version by name (uploaded if new)
             -> experiment by name (created if new) -> run
@@ -29,7 +30,7 @@ import tempfile
 import time
 import urllib.parse
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import kfp
@@ -44,7 +45,7 @@ from tracefp4.pipelines.pipeline import (
     run_size_problem,
     run_tasks,
 )
-from tracefp4.schemas import RunConfig
+from tracefp4.schemas import RunConfig, next_in_chain
 
 TOKEN_ENV = "KF_PIPELINES_TOKEN"
 COOKIES_ENV = "KF_PIPELINES_COOKIES"
@@ -212,6 +213,7 @@ def submit(
     service_account: str | None = None,
     pipeline_root: str | None = None,
     methods: list[str] | None = None,
+    run_name: str | None = None,
     warn=lambda message: None,
 ) -> dict:
     """Upload ``config``'s pipeline (with ``methods``, the comparison pipeline),
@@ -222,7 +224,8 @@ def submit(
     when one of that name exists; the run's parameters are the compiled
     defaults. ``service_account``: the Kubernetes service account of the run's
     pods; ``pipeline_root``: where KFP keeps the run's artifacts (default: the
-    cluster's); ``warn`` is told, before anything is uploaded, what may stop
+    cluster's); ``run_name``: the run's (default: the config's name and the
+    time); ``warn`` is told, before anything is uploaded, what may stop
     the run partway (:func:`~.pipeline.run_size_problem`). Returns
     pipeline_id, pipeline_version_id, experiment_id, run_id and run_url.
     Raises SubmitError."""
@@ -259,7 +262,7 @@ def submit(
             raise SubmitError(f"experiment {experiment!r}: {e}") from None
         run = client.run_pipeline(
             experiment_id,
-            f"{config.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}",
+            run_name or f"{config.name}-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}",
             params=_run_parameters(spec),
             pipeline_id=pipeline_id,
             version_id=version_id,
@@ -276,6 +279,49 @@ def submit(
         "run_id": run.run_id,
         "run_url": f"{connection.host.rstrip('/')}/#/runs/details/{run.run_id}",
     }
+
+
+def submit_next(
+    config: RunConfig,
+    continue_with: dict,
+    job_id: str,
+    connection: Connection | None = None,
+    warn=lambda message: None,
+) -> dict:
+    """Submit the run that continues run ``job_id`` of ``config`` for the
+    rounds it leaves (``rl.rounds_per_run``): :func:`~tracefp4.schemas.next_in_chain`
+    of ``continue_with``, its last train task's continuation settings; into
+    the same experiment, with the same service account and pipeline root,
+    through ``config.kfp_host``. The run's last task, ``chain``, calls it.
+
+    The run is named after its rounds and this run, so that a retry of the
+    task finds it instead of submitting a second. Returns :func:`submit`'s
+    ids (only run_id for one found), its ``name``, and ``submitted`` (False: found)."""
+    following = next_in_chain(config, continue_with)
+    connection = connection or Connection(config.kfp_host)
+    client = connect(connection)
+    with _quiet():
+        this = client.get_run(job_id)
+        experiment = client.get_experiment(experiment_id=this.experiment_id)
+    namespace = connection.namespace or experiment.namespace or None
+    rounds = following.rl.run_rounds()
+    name = f"{following.name}-rounds-{rounds.start}-{rounds.stop - 1}-after-{job_id[:8]}"
+    with _quiet():
+        found = client.list_runs(
+            experiment_id=this.experiment_id, namespace=namespace, filter=_name_filter(name), page_size=1
+        ).runs
+    if found:
+        return {"run_id": found[0].run_id, "name": name, "submitted": False}
+    submitted = submit(
+        following,
+        replace(connection, namespace=namespace),
+        experiment.display_name,
+        service_account=this.service_account or None,
+        pipeline_root=(this.runtime_config.pipeline_root or None) if this.runtime_config else None,
+        run_name=name,
+        warn=warn,
+    )
+    return {**submitted, "name": name, "submitted": True}
 
 
 def _when(value) -> str:

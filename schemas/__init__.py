@@ -21,7 +21,16 @@ from .config import (
     Toleration,
     TrainSection,
 )
-from .io import ConfigError, continuation, export_json_schema, load_config, save_config, schema_hash, settings_yaml
+from .io import (
+    ConfigError,
+    continuation,
+    export_json_schema,
+    load_config,
+    next_in_chain,
+    save_config,
+    schema_hash,
+    settings_yaml,
+)
 from .presets import PRESETS, get_preset
 
 __all__ = [
@@ -47,6 +56,7 @@ __all__ = [
     "Toleration",
     "TrainSection",
     "continuation",
+    "next_in_chain",
     "export_json_schema",
     "get_preset",
     "load_config",

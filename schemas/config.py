@@ -275,8 +275,8 @@ class RLConfig(_Section):
         ge=1,
         le=200,
         description="Rounds of training; each is three pipeline tasks. Rounds are unrolled "
-        "into the DAG: 200 rounds compile in about 20 s, and more steps fit in off_policy rounds. Evaluation runs "
-        "once, after the last round.",
+        "into the DAG (rl.rounds_per_run of them a run, where set): 200 rounds compile in about 20 s, and more "
+        "steps fit in off_policy rounds. Evaluation runs once a run, after its last round.",
     )
     first_round: int = Field(
         default=0,
@@ -284,6 +284,15 @@ class RLConfig(_Section):
         le=1 << 20,
         description="Index of the run's first round: 0 for a new run; a continuation (model.trainer_state) sets "
         "the rounds the runs before it took, so that its rounds draw the prompts and seeds that come next.",
+    )
+    rounds_per_run: int = Field(
+        default=0,
+        ge=0,
+        le=200,
+        description="Rounds one cluster run executes (0: all of them). A KFP run holds about 15 rounds "
+        "(docs/deploy.md, 'Known limit'): with more, the run's last task submits the next run, which continues it "
+        "for the rounds left (rl.first_round on, model.checkpoint and model.trainer_state its last train task's), "
+        "and so on until rl.rounds are done; a local run executes every round.",
     )
     learning_rate: float = Field(default=1e-4, gt=0.0, le=1.0, description="AdamW learning rate.")
     weight_decay: float = Field(default=0.0, ge=0.0, le=1.0, description="AdamW decoupled weight decay.")
@@ -315,6 +324,20 @@ class RLConfig(_Section):
         "mismatch, codeword-difference histogram). The rollout then keeps a full 4-bit capture and trace compacts "
         "it offline, so it needs guidance.compaction offline.",
     )
+
+    def run_rounds(self) -> range:
+        """The round indices one run executes: from ``first_round``, every
+        round, or ``rounds_per_run`` of them when a chain of runs takes the rest."""
+        return range(self.first_round, self.first_round + min(self.rounds, self.rounds_per_run or self.rounds))
+
+    @property
+    def rounds_left(self) -> int:
+        """The rounds left after one run: where there are any, its last task submits the next run."""
+        return self.rounds - len(self.run_rounds())
+
+    @property
+    def chained(self) -> bool:
+        return self.rounds_left > 0
 
 
 class TrainSection(_Section):
@@ -652,6 +675,13 @@ class RunConfig(_Section):
         pattern=IMAGE,
         max_length=512,
         description="Container image of the pipeline components.",
+    )
+    kfp_host: str = Field(
+        default="http://ml-pipeline.kubeflow:8888",
+        pattern=r"^https?://\S+$",
+        max_length=512,
+        description="The Kubeflow Pipelines API as the run's pods reach it: where the last task of a run that "
+        "leaves rounds to the next (rl.rounds_per_run) submits it.",
     )
 
     @model_validator(mode="after")

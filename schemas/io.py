@@ -163,6 +163,25 @@ def continuation(checkpoint: str, trainer_state: str, first_round: int) -> dict:
     }
 
 
+def next_in_chain(config: RunConfig, continue_with: Mapping) -> RunConfig:
+    """The run that goes on where a run of ``config`` stops
+    (``rl.rounds_per_run``): its last train task's :func:`continuation`
+    settings (``continue_with``) over ``config``, for the rounds left."""
+    done = config.rl.run_rounds()
+    if not config.rl.chained:
+        raise ValueError(f"rl.rounds {config.rl.rounds} are done in one run: no run follows")
+    if continue_with.get("rl.first_round") != done.stop:
+        raise ValueError(
+            f"the run's rounds end before round {done.stop}, but its last train task continues at round "
+            f"{continue_with.get('rl.first_round')}"
+        )
+    data = _merge(config.model_dump(mode="json"), _expand_dotted({**continue_with, "rl.rounds": config.rl.rounds_left}))
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as e:
+        raise ConfigError.from_validation(e, None) from None
+
+
 def settings_yaml(settings: Mapping) -> str:
     """Dotted ``settings`` as the text of a YAML config file (``--config``), nested, keys sorted."""
     return _yaml().safe_dump(_expand_dotted(settings), sort_keys=True)

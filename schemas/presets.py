@@ -110,6 +110,7 @@ def _paper(name: str, fmt: str, config: str) -> RunConfig:
                 "schedule": "off_policy",
                 "steps_per_round": 4,
                 "rounds": 100,
+                "rounds_per_run": 14,  # 48 tasks a run (docs/deploy.md, "Known limit"): a chain of 8 runs
                 "learning_rate": 1e-6,
                 "weight_decay": 0.01,
                 "microbatch_size": 1,

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+import yaml
 
 from tracefp4.components import steps
 from tracefp4.components.checkpoint import load_model, provenance
@@ -140,6 +141,47 @@ def test_the_continuation_pipeline_numbers_its_rounds_on_and_a_comparison_refuse
     assert "model_trainer_state" in spec["root"]["inputDefinitions"]["parameters"]
     with pytest.raises(ConfigError, match="model.trainer_state: a continuation goes on with one method"):
         build_comparison_pipeline(config, ["trace", "qat"])
+
+
+def test_a_run_that_leaves_rounds_ends_by_submitting_the_next(tmp_path):
+    """rl.rounds_per_run: the pipeline unrolls that many rounds, and once its report is written a last task (its
+    pod labelled for multi-user KFP's token) submits the next run from the last train task's history; a
+    comparison refuses to chain, and a local run executes every round."""
+    from tracefp4.pipelines.local import localize
+    from tracefp4.pipelines.pipeline import (
+        KFP_TOKEN_LABEL,
+        build_comparison_pipeline,
+        compile_pipeline,
+        compiled_spec,
+        run_tasks,
+    )
+
+    config = load_config(preset="tiny", overrides={"rl.rounds": 7, "rl.rounds_per_run": 3})
+    assert list(config.rl.run_rounds()) == [0, 1, 2] and config.rl.chained
+    compile_pipeline(config, tmp_path / "p.yaml")
+    package = (tmp_path / "p.yaml").read_bytes()
+    spec = compiled_spec(package)
+    tasks = spec["root"]["dag"]["tasks"]
+    assert sorted(n for n in tasks if n.startswith("train")) == ["train", "train-2", "train-3"]
+    chain = tasks["chain"]
+    assert {"report", "train-3"} <= set(chain["dependentTasks"])
+    assert chain["inputs"]["artifacts"]["history"]["taskOutputArtifact"]["producerTask"] == "train-3"
+    assert "rounds 3, the 4 left to the next run" in spec["pipelineInfo"]["description"]
+    assert "rl_rounds_per_run" not in spec["root"]["inputDefinitions"]["parameters"]
+    assert run_tasks(spec, config) == 15  # configure, prepare, 3 x 3, export, evaluate, report, chain
+    platform = [doc for doc in yaml.safe_load_all(package) if doc][1]["platforms"]["kubernetes"]
+    executors = platform["deploymentSpec"]["executors"]
+    assert executors["exec-chain"]["podMetadata"]["labels"] == {KFP_TOKEN_LABEL: "true"}
+    assert sum("podMetadata" in e for e in executors.values()) == 1
+
+    whole = load_config(preset="tiny", overrides={"rl.rounds": 3, "rl.rounds_per_run": 3})
+    assert not whole.rl.chained
+    compile_pipeline(whole, tmp_path / "whole.yaml")
+    assert "chain" not in compiled_spec((tmp_path / "whole.yaml").read_bytes())["root"]["dag"]["tasks"]
+    with pytest.raises(ConfigError, match="rl.rounds_per_run: a comparison runs its 7 rounds in one run"):
+        build_comparison_pipeline(config, ["trace", "qat"])
+    local = localize(config, tmp_path)
+    assert list(local.rl.run_rounds()) == list(range(7)) and not local.rl.chained
 
 
 def test_other_weights_behind_the_same_state_uri_make_another_local_run(tmp_path):

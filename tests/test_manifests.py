@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 OVERLAYS = sorted(p.name for p in (ROOT / "manifests/overlays").iterdir() if (p / "kustomization.yaml").is_file())
 K8S_VERSION = "1.31.0"
 # custom resources have no schema in kubernetes-validate: their fields are checked by the tests below
-CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "Application"}
+CRD_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule", "Application", "PodDefault"}
 PROFILE = "kubeflow-user-example-com"  # overlays/multi-user/profile's example profile namespace
 NAMESPACES = {"tracefp4", "kubeflow", PROFILE}  # ours, where standalone KFP runs pipeline pods, a profile
 STANDALONE_MONITORING = {"cpu", "gpu", "minio", "multi-user"}  # our own Prometheus and Grafana
@@ -301,6 +301,36 @@ def test_the_runs_account_role_and_secret_live_together(rendered, overlay):
 
     trainjobs = [r for r in role["rules"] if r["apiGroups"] == [GROUP] and r["resources"] == [PLURAL]]
     assert len(trainjobs) == 1 and set(trainjobs[0]["verbs"]) == {"create", "get", "list", "watch", "patch", "delete"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_runs_account_may_submit_a_chained_runs_next_run(rendered, overlay):
+    """What submit_next calls, authorized in multi-user KFP (pipelines.kubeflow.org; standalone KFP checks none)."""
+    _, role, _, _ = _runner(rendered[overlay])
+    (rule,) = [r for r in role["rules"] if r["apiGroups"] == ["pipelines.kubeflow.org"]]
+    assert set(rule["resources"]) == {"pipelines", "experiments", "runs"}
+    assert set(rule["verbs"]) == {"get", "list", "create"}
+
+
+def test_multi_user_profile_gives_the_chain_task_a_kfp_api_token(rendered):
+    """The PodDefault selects the label the chain task's pod gets and mounts a token of the audience multi-user
+    KFP checks where submit reads it (KF_PIPELINES_SA_TOKEN_PATH); it exists in the profile namespace only."""
+    from tracefp4.pipelines.pipeline import KFP_TOKEN_LABEL
+    from tracefp4.pipelines.submit import KFP_TOKEN_FILE
+
+    assert not any(find(rendered[o], "PodDefault") for o in OVERLAYS if o != "multi-user")
+    spec = one(rendered["multi-user"], "PodDefault")
+    assert spec["metadata"]["namespace"] == PROFILE
+    spec = spec["spec"]
+    assert spec["selector"] == {"matchLabels": {KFP_TOKEN_LABEL: "true"}}
+    (volume,) = spec["volumes"]
+    (source,) = volume["projected"]["sources"]
+    assert source["serviceAccountToken"]["audience"] == "pipelines.kubeflow.org"
+    (mount,) = spec["volumeMounts"]
+    assert mount["name"] == volume["name"] and mount["readOnly"]
+    path = f"{mount['mountPath']}/{source['serviceAccountToken']['path']}"
+    assert path == str(KFP_TOKEN_FILE)
+    assert spec["env"] == [{"name": "KF_PIPELINES_SA_TOKEN_PATH", "value": path}]
 
 
 def test_multi_user_profile_follows_its_namespace(tmp_path):

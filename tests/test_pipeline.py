@@ -257,8 +257,14 @@ def test_cli(tmp_path):
     assert result.exit_code == 0 and (tmp_path / "p.yaml").exists() and "tasks a run" in result.output
     assert "warning: store file://./runs/store is local to each pod" in result.output  # smoke's store
     assert "tasks in a run" not in result.output
-    # the paper preset's 100 unrolled rounds: more tasks than a KFP run holds (docs/deploy.md), said at compile time
+    # the paper preset's 100 rounds: 14 a run, in a chain of runs; unrolled in one, more tasks than a KFP run holds
+    # (docs/deploy.md, "Known limit"), said at compile time
     result = runner.invoke(main, ["compile", "--preset", "paper-nvfp4-wa-kv", "--output", str(tmp_path / "big.yaml")])
+    assert result.exit_code == 0 and "48 tasks a run, a chain of 8 runs of at most 14 rounds" in result.output
+    assert "tasks in a run" not in result.output
+    (tmp_path / "one-run.yaml").write_text("rl: {rounds_per_run: 0}\n")
+    args = ["compile", "--preset", "paper-nvfp4-wa-kv", "--config", str(tmp_path / "one-run.yaml")]
+    result = runner.invoke(main, [*args, "--output", str(tmp_path / "big.yaml")])
     assert result.exit_code == 0 and "305 tasks in a run, more than 50" in result.output
     bad = tmp_path / "bad.yaml"
     bad.write_text("rl:\n  learning_rate: -1\ntasks:\n  - name: chess\n")

@@ -408,6 +408,16 @@ def test_an_empty_history_does_not_crash(tmp_path):
     assert report.load(*files) == ([], TRACE_EVALUATION)
 
 
+def test_a_chained_run_says_its_last_task_submits_the_next(trace_files):
+    from tracefp4.schemas import continuation
+
+    settings = {"method": "trace", **continuation("s3://runs/p", "s3://runs/s", 2)}
+    chained = TRACE.model_copy(update={"rl": TRACE.rl.model_copy(update={"rounds": 5, "rounds_per_run": 2})})
+    text = section(report.markdown(chained, *trace_files, settings), "Continue this run")
+    assert "`chain`, submits that run for the 3 rounds left" in text and "first_round: 2" in text
+    assert "`chain`" not in report.markdown(TRACE, *trace_files, settings)
+
+
 def test_comparison_has_one_row_per_method_policy_and_one_line_per_method(trace_files, bf16_files):
     histories = [report.load(*trace_files)[0], report.load(*bf16_files)[0]]
     evaluations = [TRACE_EVALUATION, BF16_EVALUATION]

@@ -21,8 +21,16 @@ from click.testing import CliRunner
 from tracefp4.pipelines import submit as submit_module
 from tracefp4.pipelines.cli import main
 from tracefp4.pipelines.pipeline import pipeline_version
-from tracefp4.pipelines.submit import Connection, SubmitError, list_runs, log_commands, run_status, submit
-from tracefp4.schemas import get_preset, load_config
+from tracefp4.pipelines.submit import (
+    Connection,
+    SubmitError,
+    list_runs,
+    log_commands,
+    run_status,
+    submit,
+    submit_next,
+)
+from tracefp4.schemas import continuation, get_preset, load_config, next_in_chain
 
 API = "/apis/v2beta1"
 TOKEN = "s3cr3t-t0ken-value"
@@ -136,8 +144,13 @@ class Handler(BaseHTTPRequestHandler):
             r = dict(json.loads(body), run_id=s.new_id("run"), state="PENDING", created_at=now)
             s.runs[r["run_id"]] = r
             return self._answer(200, r)
+        if method == "GET" and len(parts) == 2 and parts[0] == "experiments":
+            if parts[1] not in s.experiments:
+                return self._answer(404, {"code": 5, "message": f"experiment {parts[1]} not found"})
+            return self._answer(200, s.experiments[parts[1]])
         if method == "GET" and parts == ["runs"]:
             found = [r for r in s.runs.values() if query.get("experiment_id") in (None, r.get("experiment_id"))]
+            found = [r for r in found if wanted is None or r["display_name"] == wanted]
             found.sort(key=lambda r: r["created_at"], reverse=query.get("sort_by") == "created_at desc")
             found = found[: int(query.get("page_size") or 10)]
             return self._answer(200, {"runs": found, "total_size": len(found)} if found else {})
@@ -256,8 +269,98 @@ def test_a_run_can_name_its_service_account_and_pipeline_root(kfp_server, config
     assert body["runtime_config"]["pipeline_root"] == "minio://tracefp4/pipeline-root"
 
 
+THIS_RUN = "0c9e7f2a-5b4d-4e1f-9a8b-123456789abc"  # KFP's run id of the run whose last task submits the next
+POLICY, STATE = (f"minio://tracefp4/pipeline-root/smoke/{THIS_RUN}/train/{name}" for name in ("new_policy", "state"))
+
+
+def this_run(server: FakeKfp, namespace: str | None = None) -> None:
+    """The run a chain task finds itself in: its experiment, service account and pipeline root."""
+    experiment = {"experiment_id": "experiment-0", "display_name": "long-schedules"}
+    if namespace:
+        experiment["namespace"] = namespace
+    server.experiments[experiment["experiment_id"]] = experiment
+    server.runs[THIS_RUN] = {
+        "run_id": THIS_RUN,
+        "display_name": "smoke-20261205-050000",
+        "experiment_id": "experiment-0",
+        "service_account": "tracefp4-pipeline-runner",
+        "runtime_config": {"pipeline_root": "minio://tracefp4/pipeline-root", "parameters": {}},
+        "state": "RUNNING",
+        "created_at": "2026-12-05T05:00:00Z",
+    }
+
+
+def chained(rounds: int, **settings):
+    """The smoke config, ``rounds`` rounds two a run; and what its first run's last train task records."""
+    config = load_config(preset="smoke", overrides={"rl.rounds": rounds, "rl.rounds_per_run": 2, **settings})
+    return config, {"method": "trace", **continuation(POLICY, STATE, 2)}
+
+
+def test_a_chained_runs_last_task_submits_the_next_run_once(kfp_server):
+    """Rounds 0-1 of 5 done: the next run continues at round 2 from the last train task's policy and state, in
+    this run's experiment with its service account and pipeline root, and ends by submitting the one after; a
+    retry of the task finds the run it submitted."""
+    this_run(kfp_server)
+    config, continue_with = chained(5)
+    run = submit_next(config, continue_with, THIS_RUN, Connection(kfp_server.url), warn=pytest.fail)
+    assert run["submitted"] and run["name"] == "smoke-rounds-2-3-after-0c9e7f2a"
+    created = json.loads(kfp_server.requests[-1]["body"])
+    assert created["display_name"] == run["name"] and created["experiment_id"] == "experiment-0"
+    assert created["service_account"] == "tracefp4-pipeline-runner"
+    params = created["runtime_config"]["parameters"]
+    assert created["runtime_config"]["pipeline_root"] == "minio://tracefp4/pipeline-root"
+    assert (params["model_checkpoint"], params["model_trainer_state"]) == (POLICY, STATE)
+    assert params["bootstrap_enabled"] is False and params["method"] == "trace"
+    upload = next(r for r in kfp_server.requests if r["path"].endswith("/pipelines/upload"))
+    spec = uploaded_yaml(upload)
+    assert "rounds 2 from round 2, the 1 left to the next run" in spec["pipelineInfo"]["description"]
+    assert "chain" in spec["root"]["dag"]["tasks"]
+
+    again = submit_next(config, continue_with, THIS_RUN, Connection(kfp_server.url))
+    assert again == {"run_id": run["run_id"], "name": run["name"], "submitted": False}
+    assert len(kfp_server.runs) == 2  # this run and the one it submitted
+
+
+def test_the_last_link_of_a_chain_submits_none_after_it(kfp_server):
+    this_run(kfp_server, namespace="team-a")
+    config, continue_with = chained(3)
+    run = submit_next(config, continue_with, THIS_RUN, Connection(kfp_server.url))
+    assert run["name"] == "smoke-rounds-2-2-after-0c9e7f2a"
+    upload = next(r for r in kfp_server.requests if r["path"].endswith("/pipelines/upload"))
+    assert upload["query"]["namespace"] == "team-a"  # the experiment's profile namespace
+    spec = uploaded_yaml(upload)
+    assert "rounds 1 from round 2;" in spec["pipelineInfo"]["description"]
+    assert "chain" not in spec["root"]["dag"]["tasks"]
+
+
+def test_the_chain_component_submits_through_the_configs_kfp_host(kfp_server):
+    """The component's body as its pod runs it: the history artifact's metadata (the last train task's) names
+    where to go on from."""
+    from kfp.dsl import Dataset
+
+    from tracefp4.pipelines import components
+
+    this_run(kfp_server)
+    config, continue_with = chained(5, kfp_host=kfp_server.url)
+    history = Dataset(
+        uri="minio://tracefp4/pipeline-root/history", metadata={"continue_with": json.dumps(continue_with)}
+    )
+    run_id = components.chain(config.model_dump_json(), history, THIS_RUN)
+    assert kfp_server.runs[run_id]["display_name"] == "smoke-rounds-2-3-after-0c9e7f2a"
+
+
+def test_a_chain_goes_on_only_from_its_own_last_round():
+    config, continue_with = chained(5)
+    with pytest.raises(ValueError, match="end before round 2, but its last train task continues at round 3"):
+        next_in_chain(config, {**continue_with, "rl.first_round": 3})
+    unchained, _ = chained(2)
+    with pytest.raises(ValueError, match="rl.rounds 2 are done in one run"):
+        next_in_chain(unchained, continue_with)
+
+
 def test_a_run_too_large_to_finish_is_warned_of_before_it_is_uploaded(kfp_server, config):
-    """The paper preset's 100 unrolled rounds: more tasks than a KFP run holds (docs/deploy.md, "Known limit")."""
+    """The paper preset's 100 rounds unrolled in one run: more tasks than a KFP run holds (docs/deploy.md, "Known
+    limit"); as the preset chains them, 14 a run, none."""
     from tracefp4.schemas import get_preset
 
     warned = []
@@ -265,9 +368,12 @@ def test_a_run_too_large_to_finish_is_warned_of_before_it_is_uploaded(kfp_server
     assert warned == []
     uploads = lambda: sum(r["path"].endswith("upload") for r in kfp_server.requests)  # noqa: E731
     before = uploads()
-    submit(get_preset("paper-nvfp4-wa-kv"), kfp_server.url, warn=lambda m: warned.append((m, uploads())))
+    unchained = load_config(preset="paper-nvfp4-wa-kv", overrides={"rl.rounds_per_run": 0})
+    submit(unchained, kfp_server.url, warn=lambda m: warned.append((m, uploads())))
     ((message, uploads_then),) = warned
-    assert "305 tasks in a run" in message and uploads_then == before < uploads()
+    assert "305 tasks in a run" in message and "rl.rounds_per_run" in message and uploads_then == before < uploads()
+    submit(get_preset("paper-nvfp4-wa-kv"), kfp_server.url, warn=warned.append)  # 14 rounds a run, chained
+    assert len(warned) == 1
 
 
 def test_a_comparison_is_its_own_pipeline(kfp_server, config):
