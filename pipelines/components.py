@@ -266,17 +266,24 @@ def report(
 def chain(config_json: str, history: Input[Dataset], job_id: str) -> str:
     """Submit the run that continues this one for the rounds it leaves
     (rl.rounds_per_run), from its last train task's policy and trainer state;
-    returns that run's id."""
+    returns that run's id. The submission compiles the next run, which KFP's
+    runtime mode of this process cannot: it runs in a process of its own
+    (:mod:`tracefp4.pipelines.chain` says why)."""
     import json
+    import os
+    import subprocess
+    import sys
 
-    from tracefp4.pipelines.submit import submit_next
-    from tracefp4.schemas import RunConfig
-
-    config = RunConfig.model_validate_json(config_json)
     continue_with = json.loads(history.metadata["continue_with"])  # the last train task's
-    run = submit_next(config, continue_with, job_id, warn=print)
-    print(f"{'submitted' if run['submitted'] else 'submitted before'}: run {run['name']} ({run['run_id']})")
-    return run["run_id"]
+    request = json.dumps({"config_json": config_json, "continue_with": continue_with, "job_id": job_id})
+    env = {k: v for k, v in os.environ.items() if k != "_KFP_RUNTIME"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tracefp4.pipelines.chain"], input=request, env=env, capture_output=True, text=True
+    )
+    print(done.stdout + done.stderr, end="")
+    if done.returncode:
+        raise RuntimeError(f"submitting the next run failed (exit status {done.returncode}, its output above)")
+    return json.loads(done.stdout.splitlines()[-1])["run_id"]
 
 
 def compare(

@@ -50,6 +50,7 @@ class FakeKfp(ThreadingHTTPServer):
         self.scheme = "https" if tls else "http"
         self.requests, self.pipelines, self.versions, self.experiments, self.runs = [], {}, {}, {}, {}
         self.fail, self.delay_s, self.counter, self.multi_user = {}, 0.0, 0, False
+        self.any_run: dict | None = None  # what GET /runs/{id} answers for an id it does not know (see this_run)
 
     @property
     def url(self):
@@ -155,9 +156,11 @@ class Handler(BaseHTTPRequestHandler):
             found = found[: int(query.get("page_size") or 10)]
             return self._answer(200, {"runs": found, "total_size": len(found)} if found else {})
         if method == "GET" and len(parts) == 2 and parts[0] == "runs":
-            if parts[1] not in s.runs:
-                return self._answer(404, {"code": 5, "message": f"run {parts[1]} not found"})
-            return self._answer(200, s.runs[parts[1]])
+            if parts[1] in s.runs:
+                return self._answer(200, s.runs[parts[1]])
+            if s.any_run is not None:
+                return self._answer(200, {**s.any_run, "run_id": parts[1]})
+            return self._answer(404, {"code": 5, "message": f"run {parts[1]} not found"})
         return self._answer(404, {"code": 5, "message": f"no route {method} {url.path}"})
 
     def do_GET(self):
@@ -273,8 +276,9 @@ THIS_RUN = "0c9e7f2a-5b4d-4e1f-9a8b-123456789abc"  # KFP's run id of the run who
 POLICY, STATE = (f"minio://tracefp4/pipeline-root/smoke/{THIS_RUN}/train/{name}" for name in ("new_policy", "state"))
 
 
-def this_run(server: FakeKfp, namespace: str | None = None) -> None:
-    """The run a chain task finds itself in: its experiment, service account and pipeline root."""
+def this_run(server: FakeKfp, namespace: str | None = None, any_id: bool = False) -> None:
+    """The run a chain task finds itself in: its experiment, service account and pipeline root (``any_id``: what
+    the server says of any run id, a run kfp.local executes standing for one on the cluster)."""
     experiment = {"experiment_id": "experiment-0", "display_name": "long-schedules"}
     if namespace:
         experiment["namespace"] = namespace
@@ -288,6 +292,8 @@ def this_run(server: FakeKfp, namespace: str | None = None) -> None:
         "state": "RUNNING",
         "created_at": "2026-12-05T05:00:00Z",
     }
+    if any_id:
+        server.any_run = server.runs.pop(THIS_RUN)
 
 
 def chained(rounds: int, **settings):
@@ -333,9 +339,9 @@ def test_the_last_link_of_a_chain_submits_none_after_it(kfp_server):
     assert "chain" not in spec["root"]["dag"]["tasks"]
 
 
-def test_the_chain_component_submits_through_the_configs_kfp_host(kfp_server):
+def test_the_chain_component_submits_through_the_configs_kfp_host(kfp_server, capsys):
     """The component's body as its pod runs it: the history artifact's metadata (the last train task's) names
-    where to go on from."""
+    where to go on from; an API it cannot reach fails the task, saying so."""
     from kfp.dsl import Dataset
 
     from tracefp4.pipelines import components
@@ -347,6 +353,37 @@ def test_the_chain_component_submits_through_the_configs_kfp_host(kfp_server):
     )
     run_id = components.chain(config.model_dump_json(), history, THIS_RUN)
     assert kfp_server.runs[run_id]["display_name"] == "smoke-rounds-2-3-after-0c9e7f2a"
+    assert f"submitted: run smoke-rounds-2-3-after-0c9e7f2a ({run_id})" in capsys.readouterr().out
+    unreachable = config.model_copy(update={"kfp_host": "http://127.0.0.1:9"})
+    with pytest.raises(RuntimeError, match="submitting the next run failed"):
+        components.chain(unreachable.model_dump_json(), history, THIS_RUN)
+    assert "chain: GET /apis/v2beta1/healthz: cannot reach http://127.0.0.1:9" in capsys.readouterr().out
+
+
+def test_a_chained_smoke_run_ends_by_submitting_its_next_run(kfp_server, tmp_path):
+    """The compiled chain task as it runs: kfp.local executes round 0 of a smoke schedule of 2, one round a run
+    (not through run_local, which runs every round), and its last task reaches the API at kfp_host: the run it
+    submits goes on at round 1 from the artifacts of this run's train task."""
+    import kfp.local
+
+    from tracefp4.pipelines.local import localize
+    from tracefp4.pipelines.pipeline import build_pipeline
+
+    this_run(kfp_server, any_id=True)
+    config = localize(load_config(preset="smoke", overrides={"kfp_host": kfp_server.url, "rl.rounds": 2}), tmp_path)
+    config = config.model_copy(update={"rl": config.rl.model_copy(update={"rounds_per_run": 1})})
+    kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
+    build_pipeline(config, retries=False)(run_id="chained")
+    ((run_id, created),) = [(i, r) for i, r in kfp_server.runs.items()]
+    assert created["display_name"].startswith("smoke-rounds-1-1-after-")
+    train = next((tmp_path / "root").iterdir()) / "train"
+    params = created["runtime_config"]["parameters"]
+    assert params["model_checkpoint"] == str(train / "new_policy")
+    assert params["model_trainer_state"] == str(train / "new_trainer_state")
+    chain_output = next((tmp_path / "root").iterdir()) / "chain"
+    assert chain_output.is_dir()
+    spec = uploaded_yaml(next(r for r in kfp_server.requests if r["path"].endswith("/pipelines/upload")))
+    assert "rounds 1 from round 1;" in spec["pipelineInfo"]["description"]
 
 
 def test_a_chain_goes_on_only_from_its_own_last_round():
