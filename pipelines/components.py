@@ -277,9 +277,8 @@ def chain(config_json: str, history: Input[Dataset], job_id: str) -> str:
     continue_with = json.loads(history.metadata["continue_with"])  # the last train task's
     request = json.dumps({"config_json": config_json, "continue_with": continue_with, "job_id": job_id})
     env = {k: v for k, v in os.environ.items() if k != "_KFP_RUNTIME"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tracefp4.pipelines.chain"], input=request, env=env, capture_output=True, text=True
-    )
+    command = [sys.executable, "-P", "-m", "tracefp4.pipelines.chain"]  # -P: no kernels/ of a working directory
+    done = subprocess.run(command, input=request, env=env, capture_output=True, text=True)
     print(done.stdout + done.stderr, end="")
     if done.returncode:
         raise RuntimeError(f"submitting the next run failed (exit status {done.returncode}, its output above)")
