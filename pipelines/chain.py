@@ -23,7 +23,7 @@ def main() -> None:
     config = RunConfig.model_validate_json(request["config_json"])
     try:
         run = submit_next(config, request["continue_with"], request["job_id"], warn=print)
-    except (SubmitError, ConfigError, ValueError) as e:  # the API's answer, or a next run that cannot be
+    except (SubmitError, ConfigError, ValueError) as e:  # a failed API call, or no next run to make
         sys.exit(f"chain: {e}")
     print(f"{'submitted' if run['submitted'] else 'submitted before'}: run {run['name']} ({run['run_id']})")
     print(json.dumps(run))
