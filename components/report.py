@@ -471,6 +471,12 @@ def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict, contin
     blocks += [Heading(2, "Accuracy: method x task"), _accuracy_table(acc, source) if acc else "No accuracy rows."]
     if gain := _paired_table(acc, source, "policy", ("trained", "initial")):
         blocks += [Heading(2, "RL gain: trained vs initial policy"), gain]
+    elif not config.evaluation.initial:
+        blocks += [
+            Heading(2, "RL gain: trained vs initial policy"),
+            "Not measured here: this run leaves out the policy it started from (`evaluation.initial: false`; in a "
+            "chain of runs, the run before evaluated it as its trained policy).",
+        ]
     blocks += [Heading(2, "Rollout configuration ablation"), _ablation_table(evaluation, source) or "No evaluation."]
     if sensitivity := _sensitivity_table(evaluation.get("guidance_sensitivity") or [], source):
         blocks += [Heading(2, "Guidance sensitivity: R-k bits x layers"), sensitivity]

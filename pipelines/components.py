@@ -220,11 +220,12 @@ def evaluate(
     config_json: str,
     run_id: str,
     policy: Input[Model],
-    initial: Input[Model],
     results: Output[Dataset],
     metrics: Output[Metrics],
+    initial: Input[Model] = None,
 ):
-    """Accuracy (of the initial policy too), throughput and train-rollout discrepancy under each rollout config."""
+    """Accuracy (of the ``initial`` policy too, where given), throughput and
+    train-rollout discrepancy under each rollout config."""
     import json
 
     from tracefp4.components import evaluation
@@ -233,7 +234,7 @@ def evaluate(
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
-    result = evaluation.evaluate(config, policy.path, initial.path)
+    result = evaluation.evaluate(config, policy.path, None if initial is None else initial.path)
     with open(results.path, "w") as f:
         json.dump(result, f)
     for row in result["accuracy"]:

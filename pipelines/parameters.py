@@ -10,7 +10,8 @@ union as JSON), with the preset's value as default and the field's
 description. Fields that shape the DAG or the pods are not parameters: the run
 name, ``rl.rounds``, ``rl.first_round`` and ``rl.rounds_per_run`` (rounds are
 unrolled, each with its index, and a run that leaves rounds to the next ends
-by submitting it), ``rollout.workers`` (a loop of rollout tasks or one), the
+by submitting it), ``evaluation.initial`` (whether evaluate takes the initial
+policy), ``rollout.workers`` (a loop of rollout tasks or one), the
 image, the resources, the store (its scheme decides whether credentials are
 mounted) and, in a comparison, the
 method. They stay as compiled, and the pipeline version's description names
@@ -40,6 +41,7 @@ DAG_FIELDS = (
     "rl.rounds",
     "rl.first_round",
     "rl.rounds_per_run",
+    "evaluation.initial",
     "rollout.workers",
     "resources",
     "store",

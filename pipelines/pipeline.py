@@ -187,7 +187,8 @@ def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
         policy, history = step.outputs["new_policy"], step.outputs["history"]
         state = step.outputs["new_trainer_state"]
     configure(c.export(config_json=config_json, policy=policy))
-    ev = configure(c.evaluate(config_json=config_json, run_id=run_id, policy=policy, initial=prep.outputs["policy"]))
+    initial = {"initial": prep.outputs["policy"]} if config.evaluation.initial else {}
+    ev = configure(c.evaluate(config_json=config_json, run_id=run_id, policy=policy, **initial))
     return history, ev.outputs["results"]
 
 

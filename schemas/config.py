@@ -509,6 +509,12 @@ class EvaluationConfig(_Section):
         description="Test prompts (x samples_per_prompt) of the train-rollout discrepancy analysis, each task "
         "in turn; 0: none.",
     )
+    initial: bool = Field(
+        default=True,
+        description="Evaluate the policy the run started from too (the report's RL gain). In a chain of runs "
+        "(rl.rounds_per_run) the runs after the first leave it out: it is the trained policy the run before "
+        "evaluated.",
+    )
 
     @field_validator("rollout_configs", "ptq_baselines")
     @classmethod

@@ -166,7 +166,8 @@ def continuation(checkpoint: str, trainer_state: str, first_round: int) -> dict:
 def next_in_chain(config: RunConfig, continue_with: Mapping) -> RunConfig:
     """The run that goes on where a run of ``config`` stops
     (``rl.rounds_per_run``): its last train task's :func:`continuation`
-    settings (``continue_with``) over ``config``, for the rounds left."""
+    settings (``continue_with``) over ``config``, for the rounds left; it
+    leaves out evaluating its initial policy, the trained one this run scored."""
     done = config.rl.run_rounds()
     if not config.rl.chained:
         raise ValueError(f"rl.rounds {config.rl.rounds} are done in one run: no run follows")
@@ -175,7 +176,8 @@ def next_in_chain(config: RunConfig, continue_with: Mapping) -> RunConfig:
             f"the run's rounds end before round {done.stop}, but its last train task continues at round "
             f"{continue_with.get('rl.first_round')}"
         )
-    data = _merge(config.model_dump(mode="json"), _expand_dotted({**continue_with, "rl.rounds": config.rl.rounds_left}))
+    following = {**continue_with, "rl.rounds": config.rl.rounds_left, "evaluation.initial": False}
+    data = _merge(config.model_dump(mode="json"), _expand_dotted(following))
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:

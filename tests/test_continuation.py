@@ -174,10 +174,13 @@ def test_a_run_that_leaves_rounds_ends_by_submitting_the_next(tmp_path):
     assert executors["exec-chain"]["podMetadata"]["labels"] == {KFP_TOKEN_LABEL: "true"}
     assert sum("podMetadata" in e for e in executors.values()) == 1
 
-    whole = load_config(preset="tiny", overrides={"rl.rounds": 3, "rl.rounds_per_run": 3})
+    assert tasks["evaluate"]["inputs"]["artifacts"]["initial"]["taskOutputArtifact"]["producerTask"] == "prepare"
+
+    whole = load_config(preset="tiny", overrides={"rl.rounds": 3, "rl.rounds_per_run": 3, "evaluation.initial": False})
     assert not whole.rl.chained
     compile_pipeline(whole, tmp_path / "whole.yaml")
-    assert "chain" not in compiled_spec((tmp_path / "whole.yaml").read_bytes())["root"]["dag"]["tasks"]
+    tasks = compiled_spec((tmp_path / "whole.yaml").read_bytes())["root"]["dag"]["tasks"]
+    assert "chain" not in tasks and set(tasks["evaluate"]["inputs"]["artifacts"]) == {"policy"}
     with pytest.raises(ConfigError, match="rl.rounds_per_run: a comparison runs its 7 rounds in one run"):
         build_comparison_pipeline(config, ["trace", "qat"])
     local = localize(config, tmp_path)

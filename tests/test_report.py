@@ -418,6 +418,15 @@ def test_a_chained_run_says_its_last_task_submits_the_next(trace_files):
     assert "`chain`" not in report.markdown(TRACE, *trace_files, settings)
 
 
+def test_a_run_that_leaves_out_its_initial_policy_says_so(tmp_path):
+    later = TRACE.model_copy(update={"evaluation": TRACE.evaluation.model_copy(update={"initial": False})})
+    files = write(tmp_path, "later", [], TRACE_EVALUATION)  # trained rows alone
+    assert {r["policy"] for r in TRACE_EVALUATION["accuracy"]} == {"trained"}
+    text = section(report.markdown(later, *files), "RL gain: trained vs initial policy")
+    assert "Not measured here: this run leaves out the policy it started from" in text
+    assert "RL gain" not in report.markdown(TRACE, *files)  # nothing to pair, and nothing left out
+
+
 def test_comparison_has_one_row_per_method_policy_and_one_line_per_method(trace_files, bf16_files):
     histories = [report.load(*trace_files)[0], report.load(*bf16_files)[0]]
     evaluations = [TRACE_EVALUATION, BF16_EVALUATION]

@@ -320,7 +320,8 @@ def test_a_chained_runs_last_task_submits_the_next_run_once(kfp_server):
     upload = next(r for r in kfp_server.requests if r["path"].endswith("/pipelines/upload"))
     spec = uploaded_yaml(upload)
     assert "rounds 2 from round 2, the 1 left to the next run" in spec["pipelineInfo"]["description"]
-    assert "chain" in spec["root"]["dag"]["tasks"]
+    tasks = spec["root"]["dag"]["tasks"]  # its initial policy is this run's trained one, evaluated here
+    assert "chain" in tasks and set(tasks["evaluate"]["inputs"]["artifacts"]) == {"policy"}
 
     again = submit_next(config, continue_with, THIS_RUN, Connection(kfp_server.url))
     assert again == {"run_id": run["run_id"], "name": run["name"], "submitted": False}
@@ -370,7 +371,9 @@ def test_a_chained_smoke_run_ends_by_submitting_its_next_run(kfp_server, tmp_pat
     from tracefp4.pipelines.pipeline import build_pipeline
 
     this_run(kfp_server, any_id=True)
-    config = localize(load_config(preset="smoke", overrides={"kfp_host": kfp_server.url, "rl.rounds": 2}), tmp_path)
+    # evaluation.initial off as in a chain's later runs: evaluate runs without its optional input
+    overrides = {"kfp_host": kfp_server.url, "rl.rounds": 2, "evaluation.initial": False}
+    config = localize(load_config(preset="smoke", overrides=overrides), tmp_path)
     config = config.model_copy(update={"rl": config.rl.model_copy(update={"rounds_per_run": 1})})
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
     build_pipeline(config, retries=False)(run_id="chained")
@@ -380,8 +383,10 @@ def test_a_chained_smoke_run_ends_by_submitting_its_next_run(kfp_server, tmp_pat
     params = created["runtime_config"]["parameters"]
     assert params["model_checkpoint"] == str(train / "new_policy")
     assert params["model_trainer_state"] == str(train / "new_trainer_state")
-    chain_output = next((tmp_path / "root").iterdir()) / "chain"
-    assert chain_output.is_dir()
+    root = next((tmp_path / "root").iterdir())
+    assert (root / "chain").is_dir()
+    accuracy = json.loads((root / "evaluate" / "results").read_text())["accuracy"]
+    assert {row["policy"] for row in accuracy} == {"trained"}
     spec = uploaded_yaml(next(r for r in kfp_server.requests if r["path"].endswith("/pipelines/upload")))
     assert "rounds 1 from round 1;" in spec["pipelineInfo"]["description"]
 
