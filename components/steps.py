@@ -207,8 +207,7 @@ def continue_from(config: RunConfig, policy: Path, out: Path, run_id: str, state
     recommit(policy, out, {"run_id": run_id, "policy_version": version})
     repin_state(source, meta, state, out, run_id)
     if decoded is not None:
-        key = f"{step_prefix(store_prefix(config, run_id, 'guidance'), last)}/{DECODE_FILE}"
-        store.put_bytes(key, json.dumps(decoded).encode())
+        write_decode_stats(store, store_prefix(config, run_id, "guidance"), last, decoded)
 
 
 def sft_problems(config: RunConfig) -> tuple[list[Problem], list[Problem], list[Problem]]:
@@ -653,6 +652,11 @@ def _syndrome_step(config: RunConfig, store, round_index: int, header: dict, run
     return coded
 
 
+def write_decode_stats(store, prefix: str, rl_step: int, stats: dict) -> None:
+    """A step's decode statistics beside its guidance, where :func:`read_decode_stats` finds them."""
+    store.put_bytes(f"{step_prefix(prefix, rl_step)}/{DECODE_FILE}", json.dumps(stats).encode())
+
+
 def read_decode_stats(store, prefix: str, rl_step: int) -> dict | None:
     """A step's decode statistics (written by its training), or None where
     there are none (the first step of a run)."""
@@ -762,7 +766,7 @@ def train(
         )
         trainer.step_done(history, decoded)
     if decoded:  # the next round's compaction chooses its syndrome rates from these
-        store.put_bytes(f"{step_prefix(guidance.prefix, round_index)}/{DECODE_FILE}", json.dumps(decoded).encode())
+        write_decode_stats(store, guidance.prefix, round_index, decoded)
     trainer.save(out, out_state, extra=tokenizer.files(), run_id=run_id)
     return history
 
