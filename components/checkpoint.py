@@ -58,7 +58,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from .model import LAYER_TYPES, MODEL_TYPES, ModelConfig, Transformer, empty_model
-from .store import check_key, file_path, fsync_folder, open_store
+from .store import check_key, ensure_room, file_path, fsync_folder, open_store
 from .tensor_files import DTYPES, TensorWriter, index_name, single_name, write_tensors
 from .tokenizer import FILES as TOKENIZER_FILES
 
@@ -1005,6 +1005,8 @@ def _exclusive(lock: Path) -> Iterator[None]:
 
 def _download(store, where: str, wanted: set[str], have: dict, entries: dict, folder: Path) -> Path:
     """:func:`fetch`'s download of ``wanted`` into a partial folder, checked, renamed to ``folder``."""
+    sizes = [entries[name][0] if name in entries else store.stat(name)[0] for name in wanted - set(have)]
+    ensure_room(folder.parent, sum(sizes), f"downloading {where} ({len(wanted)} files)")
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".partial"))
     try:
         log.info("%s: downloading %d files into %s", where, len(wanted), folder)

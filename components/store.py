@@ -9,6 +9,7 @@ naming the endpoint and the likely cause.
 """
 
 import contextlib
+import errno
 import io
 import logging
 import os
@@ -103,6 +104,30 @@ def fsync_folder(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+class NoRoom(OSError):
+    """A write its filesystem has no room for, found before it starts."""
+
+
+def ensure_room(folder: Path, needed: int, what: str) -> None:
+    """Fail at once where ``folder``'s filesystem has fewer than ``needed``
+    bytes free, naming both: at the paper's scale a policy (70 GB) or a
+    trainer state (420 GB) takes many minutes to write or download, and a
+    filesystem that fills up mid-way wastes them, and the same again at each
+    of the step's retries, before it says no more than "No space left on device"."""
+    usage = shutil.disk_usage(folder)
+    free = usage.free
+    if usage.total and needed > free:  # a filesystem that reports no size at all (some FUSE mounts) is not judged
+        raise NoRoom(
+            errno.ENOSPC,
+            f"{what} needs {_size(needed)} at {folder}, but its filesystem has {_size(free)} free "
+            '(a pipeline step\'s: the disk of its pod, docs/deploy.md, "Disk")',
+        )
+
+
+def _size(n: int) -> str:
+    return f"{n:,} bytes ({n / 1e9:.1f} GB)"
 
 
 class ArtifactStore(ABC):

@@ -24,6 +24,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from .store import ensure_room
+
 # safetensors' names of the dtypes read here: weights, moments and masters; step counts and other optimizer state
 DTYPES = {
     **{"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16},
@@ -71,6 +73,7 @@ class TensorWriter:
         self.files = files
         self.layout = {name: (tuple(t.shape), t.dtype) for name, t in layout.items()}
         self.total = sum(nbytes(t) for t in layout.values())
+        ensure_room(self.folder, self.total, f"{count} {stem} file(s)")
         self.pending: dict[str, Tensor] = {}
         self.written = 0  # files written so far
 

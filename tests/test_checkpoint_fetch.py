@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import shutil
 import time
 import uuid
 
@@ -17,7 +18,7 @@ from chat_checkpoint import chat_checkpoint
 from tracefp4.components import checkpoint, steps
 from tracefp4.components.checkpoint import INDEX, MANIFEST, CheckpointError, fetch, load_model, save_model
 from tracefp4.components.model import build_model
-from tracefp4.components.store import S3Store
+from tracefp4.components.store import NoRoom, S3Store
 from tracefp4.components.tasks import Problem, format_example
 from tracefp4.components.tokenizer import GENERATION_CONFIG, build_tokenizer, load_tokenizer
 from tracefp4.pipelines.local import run_local
@@ -182,6 +183,26 @@ def test_a_fetch_into_a_folder_checks_it_there_and_leaves_the_cache_alone(tmp_pa
     assert not [p for p in tmp_path.iterdir() if "corrupt" in p.name]  # neither the folder nor a partial one
     copied = fetch(folder, into=tmp_path / "copied")  # a local folder is copied
     assert sorted(p.name for p in copied.iterdir()) == sorted(p.name for p in folder.iterdir())
+
+
+def test_a_checkpoint_its_filesystem_has_no_room_for_is_refused_before_a_download(
+    tmp_path, s3_env, cache, downloads, monkeypatch
+):
+    """At the paper's scale the TrainJob step fetches about 490 GB: a disk that
+    fills up mid-way would waste the download, and again at each retry."""
+    _, folder = saved(tmp_path)
+    uri = upload(s3_env, folder)
+    size = sum(p.stat().st_size for p in folder.iterdir() if p.name != MANIFEST)  # read first, held in memory
+    usage = shutil.disk_usage(tmp_path)
+    free = size - 1
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=free))
+    for into in (None, tmp_path / "out"):
+        with pytest.raises(NoRoom, match=f"downloading {uri} .* needs {size:,} bytes .* has {free:,} bytes"):
+            fetch(uri, into=into)
+        assert downloads == [] and not (tmp_path / "out").exists()
+        assert not cache.exists() or list(cache.iterdir()) == []
+    free = size
+    assert fetch(uri, into=tmp_path / "out").is_dir()
 
 
 def test_a_corrupt_shard_fails_naming_it_and_nothing_is_cached(tmp_path, s3_env, cache):

@@ -2,11 +2,15 @@
 
 import gc
 import json
+import shutil
 import weakref
 
 import pytest
 import torch
 
+from tracefp4.components.checkpoint import save_model
+from tracefp4.components.model import build_model
+from tracefp4.components.store import NoRoom
 from tracefp4.components.tensor_files import (
     TensorWriter,
     index_name,
@@ -78,3 +82,19 @@ def test_tensors_out_of_the_layouts_order_or_shape_or_missing_are_refused(tmp_pa
     writer.add("a", torch.zeros(2, 3))
     with pytest.raises(ValueError, match=r"1 tensors of the layout never came, \['b'\]"):
         writer.close()
+
+
+def test_a_set_its_filesystem_has_no_room_for_is_refused_before_a_byte_is_written(tmp_path, monkeypatch):
+    """Running out mid-way would waste the write (at the paper's scale minutes of
+    it, and again at each retry) and end in a bare "No space left on device"."""
+    usage, free = shutil.disk_usage(tmp_path), 2039  # a byte short of the 2,040 bytes below
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage._replace(free=free))
+    data = tensors({"a": 100, "b": 100, "c": 300, "d": 10})
+    with pytest.raises(NoRoom, match=r"3 state file\(s\) needs 2,040 bytes .* at .* has 2,039 bytes .* free") as e:
+        write_tensors(tmp_path, data, "state", max_shard_bytes=800)
+    assert e.value.errno == 28 and list(tmp_path.iterdir()) == []  # ENOSPC, and nothing written
+    with pytest.raises(NoRoom, match=r"1 model file\(s\) needs"):  # a policy: no folder, nor a half-written one
+        save_model(build_model("smoke"), tmp_path / "policy")
+    assert list(tmp_path.iterdir()) == []
+    free = 2040
+    write_tensors(tmp_path, data, "state", max_shard_bytes=800)  # room enough
