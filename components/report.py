@@ -110,9 +110,18 @@ def describe(config: RunConfig, methods: list[str] | None = None) -> str:
     who = f"method `{config.method}`" if methods is None else "methods " + ", ".join(f"`{m}`" for m in methods)
     return (
         f"run `{config.name}`: {who}, rollout `{config.rollout.config}` ({config.rollout.fmt}), "
-        f"guidance R-{config.guidance.bits}bit on layers `{config.guidance.layers}`, model "
+        f"guidance R-{config.guidance.bits}bit on {guided_layers(config.guidance.layers)}, model "
         f"`{config.model.preset or config.model.checkpoint}`, seed {config.seed}"
     )
+
+
+def guided_layers(layers: str | int | list[int]) -> str:
+    """``guidance.layers`` in words: 'all', N or a list of indices would read alike as "layers `2`"."""
+    if layers == "all":
+        return "every layer with FP4 sites"
+    if isinstance(layers, int):
+        return f"the deepest {layers} layer{'s' * (layers != 1)} with FP4 sites"
+    return f"layers {list(layers)}"
 
 
 # -- small helpers over rows -------------------------------------------------------------------------------------

@@ -546,3 +546,18 @@ def test_accuracy_has_wilson_intervals_and_pairs_methods_and_policies(tmp_path):
         ["fp4_wa_kv", "arithmetic", "trace", "qat", "0"],
         ["fp4_wa_kv", "countdown", "trace", "qat", "0"],
     ] and {r[-1] for r in paired[1:]} == {"not separated"}
+
+
+@pytest.mark.parametrize(
+    "layers, words",
+    [
+        ("all", "every layer with FP4 sites"),
+        (1, "the deepest 1 layer with"),
+        (2, "the deepest 2 layers"),
+        ([0, 3], "layers [0, 3]"),
+    ],
+)
+def test_the_runs_line_says_which_layers_are_guided_in_words(layers, words):
+    """`guidance.layers` is 'all', a count of the deepest, or indices: "layers `2`" would read as layer 2."""
+    config = TRACE.model_copy(update={"guidance": TRACE.guidance.model_copy(update={"layers": layers})})
+    assert f"guidance R-1bit on {words}" in report.describe(config)
