@@ -58,7 +58,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from .model import LAYER_TYPES, MODEL_TYPES, ModelConfig, Transformer, empty_model
-from .store import check_key, ensure_room, file_path, fsync_folder, open_store
+from .store import ArtifactNotFound, check_key, ensure_room, file_path, fsync_folder, open_store, write_atomic
 from .tensor_files import DTYPES, TensorWriter, index_name, single_name, write_tensors
 from .tokenizer import FILES as TOKENIZER_FILES
 
@@ -69,6 +69,7 @@ SINGLE = single_name("model")
 CONFIG = "config.json"
 CACHE_ENV = "TRACEFP4_CACHE_DIR"  # root of the local cache of checkpoints fetched from a store
 MANIFEST = "checksums.json"  # {"files": {name: {"size": bytes, "sha256": hex}}, "provenance": {...}}, written last
+LOCATION = "location.json"  # {"uri": ...}: a folder standing for the folder there (write_location), beside its MANIFEST
 _MAX_SIZE = 2**24  # any config.json size above this is a typo or an attack: real models stay far below
 # safetensors' names of the weight dtypes we load
 _TORCH_DTYPES = {name: dtype for name, dtype in DTYPES.items() if dtype.is_floating_point}
@@ -537,7 +538,7 @@ def fingerprint(uri: str | os.PathLike) -> str:
     folder that is not there has the fingerprint "absent" (loading it says so)."""
     text = os.fspath(uri)
     if "://" not in text or text.startswith("file://"):
-        folder = fetch(text)
+        folder = file_path(text) if "://" in text else Path(text)  # a location folder: its manifest is the same
         if not folder.is_dir():
             return "absent"
         if (folder / MANIFEST).exists():
@@ -934,10 +935,17 @@ def fetch(
             raise CheckpointError(f"{into}: not empty; fetching {text} into it would mix two checkpoints")
     if "://" not in text or text.startswith("file://"):
         local = file_path(text) if "://" in text else Path(text)
+        if (local / LOCATION).is_file():
+            return fetch(location(local, store_env), store_env, weights, into)
         return local if into is None else Path(shutil.copytree(local, into, dirs_exist_ok=True))
     store = open_store(text, env=store_env)
     where = store.uri
     listed = {key for key in store.list() if "/" not in key}  # the folder's own objects, not its subfolders'
+    if LOCATION in listed:  # a small folder standing for a large one: read whole, followed from there
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in (LOCATION, MANIFEST):
+                store.download(name, Path(tmp, name))
+            return fetch(location(Path(tmp), store_env, where), store_env, weights, into)
     have: dict[str, bytes] = {}  # small objects already read, written to the cache as read
     entries: dict[str, tuple[int, str]] = {}
     if MANIFEST in listed:
@@ -976,6 +984,60 @@ def fetch(
             log.info("%s: cached at %s", where, folder)
             return folder
         return _download(store, where, wanted, have, entries, folder)
+
+
+def write_location(folder: Path, uri: str, manifest: bytes) -> Path:
+    """Make ``folder`` (missing or empty) stand for the tracefp4 folder at
+    ``uri``: that folder's :data:`MANIFEST`, byte for byte, and :data:`LOCATION`
+    naming ``uri``, written last. It pins the same content (its
+    :func:`folder_digest` is that folder's), and :func:`fetch` and the
+    TrainJob launcher follow it there: how a TrainJob round hands its ranks'
+    trainer state to the next round (at Qwen3.5-35B-A3B 420 GB a round) without
+    its step's pod downloading it and KFP keeping a copy of it every round."""
+    folder.mkdir(parents=True, exist_ok=True)
+    if any(folder.iterdir()):
+        raise CheckpointError(f"{folder}: not empty; it cannot stand for {uri}")
+    write_atomic(folder / MANIFEST, lambda f: f.write(manifest))
+    write_atomic(folder / LOCATION, lambda f: f.write(json.dumps({"uri": uri}).encode()))
+    return folder
+
+
+def location(
+    folder: Path, store_env: Mapping[str, str] | None = None, where: object = None, check: bool = True
+) -> str | None:
+    """The URI of the folder ``folder`` stands for (:func:`write_location`;
+    None where it stands for itself), checked unless ``check`` is false: the
+    manifest there the same, byte for byte, so that a folder rewritten or
+    deleted since is not taken for the one pinned. ``where`` names ``folder``
+    in messages (a store URI it was read from)."""
+    where = where or folder
+    if not (folder / LOCATION).is_file():
+        return None
+    try:
+        uri = json.loads((folder / LOCATION).read_bytes())["uri"]
+        if not isinstance(uri, str):
+            raise TypeError(f"uri is {uri!r}")
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{where}/{LOCATION}: not a location ({type(e).__name__}: {e})") from None
+    if not check:
+        return uri
+    try:
+        if "://" not in uri or uri.startswith("file://"):
+            there = (file_path(uri) if "://" in uri else Path(uri)) / MANIFEST
+            manifest, standing_in = there.read_bytes(), (there.parent / LOCATION).exists()
+        else:
+            store = open_store(uri, env=store_env)
+            manifest, standing_in = store.get_bytes(MANIFEST), LOCATION in store.list(LOCATION)
+    except (FileNotFoundError, NotADirectoryError, ArtifactNotFound):
+        raise CheckpointError(
+            f"{where} stands for {uri}, which is gone (a TrainJob round's trainer state leaves the store once the "
+            "next round has trained from it: go on from a run's last round)"
+        ) from None
+    if standing_in:
+        raise CheckpointError(f"{where} stands for {uri}, which stands for another folder in turn")
+    if manifest != (folder / MANIFEST).read_bytes():
+        raise CheckpointError(f"{where} stands for {uri}, whose {MANIFEST} differs: rewritten since")
+    return uri
 
 
 @contextlib.contextmanager

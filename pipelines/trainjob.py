@@ -36,7 +36,7 @@ from kubernetes import client
 from kubernetes import config as kube_config
 from kubernetes.client.exceptions import ApiException
 
-from tracefp4.components.checkpoint import MANIFEST, fetch, folder_digest, size_and_sha256
+from tracefp4.components.checkpoint import MANIFEST, fetch, folder_digest, location, size_and_sha256, write_location
 from tracefp4.components.distributed import DistributedError, checkpoints_prefix, clear_checkpoints
 from tracefp4.components.launch import MODULE, rank_arguments, torchrun
 from tracefp4.components.steps import config_digest, store_prefix
@@ -251,20 +251,24 @@ class TrainJobRun:
         round_stats: dict,
         echo=print,
     ):
-        """The history rows; the new policy in ``out``, its trainer state in
-        ``out_state``. Raises :class:`DistributedError` with the TrainJob's
-        reason. A retry of the step whose earlier attempt's ranks finished the
-        round from the same inputs takes their outputs instead of training it again."""
+        """The history rows; the new policy in ``out``, and ``out_state``
+        standing for its trainer state in the store
+        (:func:`.checkpoint.write_location`). Raises :class:`DistributedError`
+        with the TrainJob's reason. A retry of the step whose earlier attempt's
+        ranks finished the round from the same inputs takes their outputs
+        instead of training it again."""
         inputs = inputs_record(policy, state, trajectories, guidance)
         if self.finished(inputs):
             echo(f"trainjob {self.namespace}/{self.name}: an earlier attempt of this step trained the round")
         else:
             self.train(inputs, policy, state, trajectories, guidance, round_stats, echo)
-        for name, folder in (("new-policy", out), ("new-state", out_state)):
-            fetch(self.uri(name), into=folder)  # not through the cache: that would be a second copy
+        fetch(self.uri("new-policy"), into=out)  # not through the cache: that would be a second copy
+        # the trainer state stays where the ranks left it, and out_state stands for it: only the next round's
+        # ranks read it, and at the paper's scale it is 420 GB, which the step's pod would download and KFP keep
+        manifest = self.store.get_bytes(f"{self.prefix}/new-state/{MANIFEST}")
+        write_location(out_state, self.uri("new-state"), manifest)
         self.forget_inputs(policy, state)
-        for name in ("new-policy", "new-state"):
-            self.remember(name)
+        self.remember("new-policy")
         return json.loads(self.store.get_bytes(f"{self.prefix}/history.json"))
 
     def finished(self, inputs: bytes) -> bool:
@@ -345,11 +349,13 @@ class TrainJobRun:
         clear_checkpoints(self.store, checkpoints_prefix(self.config, self.run_id, self.round_index))
 
     def input_folders(self, policy: Path, state: Path) -> dict[str, str]:
-        """The store URIs the ranks read the policy and trainer state from: an
-        earlier round's outputs of the same content where the store has them
+        """The store URIs the ranks read the policy and trainer state from: the
+        folder a round's trainer state stands for (:func:`.checkpoint.write_location`),
+        an earlier round's outputs of the same content where the store has them
         (:meth:`stored`), else this round's own folders, which :meth:`upload` fills."""
         return {
-            name: self.stored(Path(folder)) or self.uri(name) for name, folder in (("policy", policy), ("state", state))
+            name: location(Path(folder)) or self.stored(Path(folder)) or self.uri(name)
+            for name, folder in (("policy", policy), ("state", state))
         }
 
     def upload(
@@ -386,9 +392,9 @@ class TrainJobRun:
 
     def stored(self, folder: Path) -> str | None:
         """The store URI of a folder of ``folder``'s content an earlier round's
-        ranks wrote, if any: a round's policy and trainer state are the
-        previous round's new ones, which that round's step fetched from the
-        store (at Qwen3.5-35B-A3B about 490 GB, not uploaded again). Found by
+        ranks wrote, if any: a round's policy is the previous round's new one,
+        which that round's step fetched from the store (at Qwen3.5-35B-A3B
+        70 GB, not uploaded again). Found by
         the sha256 of the folder's manifest (:meth:`remember`), and taken only
         if the manifest there is the same, byte for byte."""
         key = self._stored_key(folder)
@@ -406,17 +412,22 @@ class TrainJobRun:
 
     def forget_inputs(self, policy: Path, state: Path) -> None:
         """Delete the round's policy and trainer state from the store once its
-        outputs are out: this round's upload of them, or the earlier round's
-        outputs it took (:meth:`stored`) and their record. Nothing reads them
-        again (KFP keeps its own copy of every round's artifacts), and at the
-        paper's scale they are 490 GB a round. Each folder loses its manifest
-        first, so that a half-deleted one is never taken for whole."""
+        outputs are out: this round's upload of them, the earlier round's
+        policy it took (:meth:`stored`) and its record, and the earlier round's
+        trainer state its input stood for. At the paper's scale they are 490 GB
+        a round. KFP keeps its own copy of every round's policy, but of a
+        trainer state only the folder that stood for it: a run goes on from its
+        last round's. Each folder loses its manifest first, so that a
+        half-deleted one is never taken for whole."""
         folders = {f"{self.prefix}/policy", f"{self.prefix}/state"}
         for folder in (policy, state):
             key = self._stored_key(folder)  # only a folder of the same manifest: this input's copy
             if key is not None:
                 folders.add(key)
                 self.store.delete(self._pointer((folder / MANIFEST).read_bytes()))
+        before = f"{round_prefix(self.config, self.run_id, self.round_index - 1)}/new-state"
+        if location(state, check=False) == f"{self.config.store.uri.rstrip('/')}/{before}":  # the state it stood for
+            folders.add(before)
         for folder in sorted(folders - {f"{self.prefix}/new-policy", f"{self.prefix}/new-state"}):  # never outputs
             self.store.delete_folder(folder, MANIFEST)
 

@@ -16,7 +16,17 @@ import torch
 from chat_checkpoint import chat_checkpoint
 
 from tracefp4.components import checkpoint, steps
-from tracefp4.components.checkpoint import INDEX, MANIFEST, CheckpointError, fetch, load_model, save_model
+from tracefp4.components.checkpoint import (
+    INDEX,
+    LOCATION,
+    MANIFEST,
+    CheckpointError,
+    fetch,
+    folder_digest,
+    load_model,
+    save_model,
+    write_location,
+)
 from tracefp4.components.model import build_model
 from tracefp4.components.store import NoRoom, S3Store
 from tracefp4.components.tasks import Problem, format_example
@@ -203,6 +213,35 @@ def test_a_checkpoint_its_filesystem_has_no_room_for_is_refused_before_a_downloa
         assert not cache.exists() or list(cache.iterdir()) == []
     free = size
     assert fetch(uri, into=tmp_path / "out").is_dir()
+
+
+def test_a_folder_standing_for_a_stored_one_is_followed_there_while_that_is_the_same(tmp_path, s3_env, cache):
+    """How a TrainJob round hands on its trainer state: the ranks' folder stays in
+    the store, and the step's output holds its manifest and where it is."""
+    model, folder = saved(tmp_path)
+    uri = upload(s3_env, folder)
+    standing = write_location(tmp_path / "standing", uri, (folder / MANIFEST).read_bytes())
+    assert sorted(p.name for p in standing.iterdir()) == [MANIFEST, LOCATION]
+    assert folder_digest(standing) == folder_digest(folder)  # it pins the same content
+    assert torch.equal(logits(load_model(fetch(standing))), logits(model))
+    # the same folder uploaded as a pipeline step's output, read from the store: followed too
+    kfp_copy = upload(s3_env, standing)
+    assert fetch(kfp_copy) == fetch(standing) and (fetch(kfp_copy, into=tmp_path / "into") / INDEX).exists()
+    with pytest.raises(CheckpointError, match="not empty; it cannot stand for"):
+        write_location(standing, uri, b"{}")
+    # a folder standing for one rewritten, deleted, or itself standing for another, is refused
+    other = upload(s3_env, saved(tmp_path, seed=2)[1])
+    store = s3_env.store(other.removeprefix(s3_env.uri("")).strip("/"))
+    rewritten = write_location(tmp_path / "rewritten", other, (folder / MANIFEST).read_bytes())
+    with pytest.raises(CheckpointError, match=f"stands for {other}, whose {MANIFEST} differs: rewritten since"):
+        fetch(rewritten)
+    for key in store.list():
+        store.delete(key)
+    with pytest.raises(CheckpointError, match=f"stands for {other}, which is gone"):
+        fetch(rewritten)
+    chained = write_location(tmp_path / "chained", kfp_copy, (folder / MANIFEST).read_bytes())
+    with pytest.raises(CheckpointError, match="which stands for another folder in turn"):
+        fetch(chained)
 
 
 def test_a_corrupt_shard_fails_naming_it_and_nothing_is_cached(tmp_path, s3_env, cache):

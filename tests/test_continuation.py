@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from tracefp4.components import steps
-from tracefp4.components.checkpoint import load_model, provenance
+from tracefp4.components.checkpoint import MANIFEST, load_model, provenance, write_location
 from tracefp4.components.guidance import read_manifest
 from tracefp4.components.store import open_store
 from tracefp4.components.trainer_state import StateMismatch, read_meta, state_tensors
@@ -52,8 +52,15 @@ def test_two_rounds_are_one_round_and_a_continuation_of_one_bit_for_bit(tmp_path
         out, out_state = tmp_path / f"p{r + 1}", tmp_path / f"s{r + 1}"
         rows += steps.run_round(config, policy, state, r, out, out_state, tmp_path / "whole", "whole")
 
-    # the second run goes on from the first round's policy and state, as a run of its own
-    then = continuing(tmp_path, tmp_path / "p1", tmp_path / "s1", first_round=1)
+    # the second run goes on from the first round's policy and state, as a run of its own; the state where a
+    # TrainJob round leaves it, in the store, with a folder standing for it (what the chain's next run gets)
+    store = open_store(config.store.uri)
+    for f in sorted((tmp_path / "s1").iterdir()):
+        store.upload(f"trainjob/new-state/{f.name}", f)
+    standing = write_location(
+        tmp_path / "s1-location", f"{config.store.uri}/trainjob/new-state", (tmp_path / "s1" / MANIFEST).read_bytes()
+    )
+    then = continuing(tmp_path, tmp_path / "p1", standing, first_round=1)
     assert steps.prepare(then, tmp_path / "q1", "then", tmp_path / "t1") == {}
     assert provenance(tmp_path / "q1") == {"run_id": "then", "policy_version": 1}
     assert read_meta(tmp_path / "t1")["run_id"] == "then"
@@ -68,7 +75,6 @@ def test_two_rounds_are_one_round_and_a_continuation_of_one_bit_for_bit(tmp_path
     assert ends[0].keys() == ends[1].keys() and all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
     assert provenance(tmp_path / "q2") == {"run_id": "then", "policy_version": 2}
     # round 1 chose its syndrome rates from round 0's statistics in both runs
-    store = open_store(config.store.uri)
     manifests = [read_manifest(store, 1, steps.store_prefix(config, run, "guidance")) for run in ("whole", "then")]
     assert manifests[0]["syndrome"]["previous_decode"] is not None
     assert manifests[0]["syndrome"] == manifests[1]["syndrome"]

@@ -21,7 +21,7 @@ import pytest
 import yaml
 from kubernetes import client
 
-from tracefp4.components.checkpoint import MANIFEST
+from tracefp4.components.checkpoint import LOCATION, MANIFEST, CheckpointError, fetch, folder_digest, location
 from tracefp4.components.distributed import DistributedError, checkpoints_prefix
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import BF16
@@ -392,7 +392,11 @@ def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, v
     finally:
         fake.close()
     assert rows == [{"step": 1, "loss": 0.5}]
-    assert (tmp_path / "out" / "config.json").exists() and (tmp_path / "out-state" / "state.json").exists()
+    assert (tmp_path / "out" / "config.json").exists()
+    # the new trainer state stays in the store: out-state stands for it, with its manifest (the same pin)
+    assert sorted(p.name for p in (tmp_path / "out-state").iterdir()) == [MANIFEST, LOCATION]
+    assert location(tmp_path / "out-state") == f"{c.store.uri}/{prefix}/new-state"
+    assert folder_digest(tmp_path / "out-state") == folder_digest(fetch(tmp_path / "out-state"))
     assert not fake.jobs
     args = dict(zip(seen[0][::2], seen[0][1::2]))
     assert args["--policy"] == f"{c.store.uri}/{prefix}/policy" and args["--run-id"] == RUN
@@ -403,29 +407,29 @@ def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, v
     assert json.loads(store.get_bytes(f"{prefix}/round_stats.json")) == {"rollout_seconds": 1.0}
 
     # the next round's policy and state are this round's outputs: the ranks get the folders already in the
-    # store and nothing of them is uploaded again; a folder the store holds no copy of is uploaded
+    # store (the state where out-state stands for it) and nothing of them is uploaded again
     nxt, log = round_prefix(c, RUN, 1), []
-    changed = tmp_path / "changed-state"
-    shutil.copytree(tmp_path / "out-state", changed)
-    (changed / MANIFEST).write_text((changed / MANIFEST).read_text() + "\n")  # the same files, another manifest
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=lambda job: finish(job, nxt))
     try:
         job = TrainJobRun(c, RUN, 1, fake.api(), namespace=NAMESPACE, poll_s=0.01)
-        given = (tmp_path / "out", changed, tmp_path / "trajectories.jsonl", tmp_path / "guidance.json")
+        given = (tmp_path / "out", tmp_path / "out-state", tmp_path / "trajectories.jsonl", tmp_path / "guidance.json")
         job.run(*given, tmp_path / "out-2", tmp_path / "out-state-2", {}, echo=log.append)
     finally:
         fake.close()
     args = dict(zip(seen[1][::2], seen[1][1::2]))
-    assert args["--policy"] == f"{c.store.uri}/{prefix}/new-policy" and any("already in the store" in x for x in log)
-    assert args["--state"] == f"{c.store.uri}/{nxt}/state"
+    assert args["--policy"] == f"{c.store.uri}/{prefix}/new-policy"
+    assert args["--state"] == f"{c.store.uri}/{prefix}/new-state"
+    assert sum("already in the store" in x for x in log) == 2
 
-    # once round 2 is out, its inputs are gone from the store: its upload of the state, and round 1's new policy
-    # it took with the record of it; round 1's new state, which it did not take, and round 2's outputs stay
+    # once round 2 is out, its inputs are gone from the store: round 1's new policy it took with the record of
+    # it, and round 1's new state its input stood for; round 2's outputs stay
     def folders(prefix):
         return {k.removeprefix(prefix + "/").split("/")[0] for k in store.list(prefix + "/")}
 
-    assert "new-policy" not in folders(prefix) and "new-state" in folders(prefix)
+    assert not {"new-policy", "new-state"} & folders(prefix)
     assert not {"policy", "state"} & folders(nxt) and {"new-policy", "new-state"} <= folders(nxt)
+    with pytest.raises(CheckpointError, match="which is gone .* go on from a run's last round"):
+        fetch(tmp_path / "out-state")  # a continuation from round 1 can no longer follow its state
     # the record is per config: another config under the same run id neither takes nor deletes those folders
     other = c.model_copy(update={"rl": c.rl.model_copy(update={"learning_rate": c.rl.learning_rate * 2})})
     api = fake.api()
@@ -608,8 +612,26 @@ def test_a_retry_after_the_ranks_finished_takes_their_outputs_without_training_a
     ranks_upload_outputs(c, tmp_path)()
     fake = FakeKubernetes([{}])
     rows, log = completed_round(c, fake, given, tmp_path)
-    assert rows == [{"step": 1, "loss": 0.5}] and (tmp_path / "out-state" / "state.json").exists()
+    assert rows == [{"step": 1, "loss": 0.5}] and (fetch(tmp_path / "out-state") / "state.json").exists()
     assert fake.calls == [] and "an earlier attempt of this step trained the round" in log[0]
+    # the next round, retried after its first attempt deleted the state its input stood for (its outputs were
+    # out): its inputs' record pins that state by the manifest it keeps, so the retry takes those outputs
+    store, nxt = open_store(c.store.uri), round_prefix(c, RUN, 1)
+    given_next = (tmp_path / "out", tmp_path / "out-state", *given[2:])
+    store.put_bytes(f"{nxt}/{module.INPUTS}", module.inputs_record(*given_next))
+    for key in store.list(round_prefix(c, RUN, 0) + "/"):
+        if "/new-" in key:
+            store.put_bytes(key.replace(round_prefix(c, RUN, 0), nxt), store.get_bytes(key))
+    store.put_bytes(f"{nxt}/history.json", json.dumps([{"step": 2}]).encode())
+    store.delete_folder(f"{round_prefix(c, RUN, 0)}/new-state", MANIFEST)
+    fake, retried = FakeKubernetes([{}]), []
+    try:
+        job = TrainJobRun(c, RUN, 1, fake.api(), namespace=NAMESPACE, poll_s=0.01)
+        rows = job.run(*given_next, tmp_path / "out-2", tmp_path / "out-state-2", {}, echo=retried.append)
+    finally:
+        fake.close()
+    assert rows == [{"step": 2}] and fake.calls == [] and "an earlier attempt" in retried[0]
+    assert location(tmp_path / "out-state-2") == f"{c.store.uri}/{nxt}/new-state"
     # another run given the same run id, with another learning rate: not a retry, so none of the above is its
     other = c.model_copy(update={"rl": c.rl.model_copy(update={"learning_rate": c.rl.learning_rate * 2})})
     assert trainjob_name(other, RUN, 0) != trainjob_name(c, RUN, 0)
