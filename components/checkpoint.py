@@ -921,7 +921,9 @@ def fetch(
     ``weights``, all but the safetensors files, into a cache entry of its own:
     a folder to read the config, tokenizer and manifest from, which
     :func:`load_model` refuses (a distributed round's ranks but rank 0 need
-    no more: :meth:`.distributed.DistributedTrainer.from_checkpoint`).
+    no more: :meth:`.distributed.DistributedTrainer.from_checkpoint`). A
+    folder standing for another (:func:`write_location`: a TrainJob round's
+    trainer state), in a folder or a store, is followed there.
 
     With ``into`` (a folder that does not exist or is empty) the checkpoint
     is placed there instead: downloaded and checked as above without the
@@ -943,7 +945,7 @@ def fetch(
     listed = {key for key in store.list() if "/" not in key}  # the folder's own objects, not its subfolders'
     if LOCATION in listed:  # a small folder standing for a large one: read whole, followed from there
         with tempfile.TemporaryDirectory() as tmp:
-            for name in (LOCATION, MANIFEST):
+            for name in {LOCATION, MANIFEST} & listed:
                 store.download(name, Path(tmp, name))
             return fetch(location(Path(tmp), store_env, where), store_env, weights, into)
     have: dict[str, bytes] = {}  # small objects already read, written to the cache as read
@@ -1021,6 +1023,8 @@ def location(
         raise CheckpointError(f"{where}/{LOCATION}: not a location ({type(e).__name__}: {e})") from None
     if not check:
         return uri
+    if not (folder / MANIFEST).is_file():
+        raise CheckpointError(f"{where}: {LOCATION} without the {MANIFEST} of the folder it stands for")
     try:
         if "://" not in uri or uri.startswith("file://"):
             there = (file_path(uri) if "://" in uri else Path(uri)) / MANIFEST

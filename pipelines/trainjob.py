@@ -238,7 +238,11 @@ class TrainJobRun:
         self.store = open_store(config.store.uri, create_bucket=config.store.create_bucket)
 
     def uri(self, name: str) -> str:
-        return f"{self.config.store.uri.rstrip('/')}/{self.prefix}/{name}"
+        """The store URI of ``name`` in the round's folder."""
+        return self.key_uri(f"{self.prefix}/{name}")
+
+    def key_uri(self, key: str) -> str:
+        return f"{self.config.store.uri.rstrip('/')}/{key}"
 
     def run(
         self,
@@ -398,7 +402,7 @@ class TrainJobRun:
         the sha256 of the folder's manifest (:meth:`remember`), and taken only
         if the manifest there is the same, byte for byte."""
         key = self._stored_key(folder)
-        return None if key is None else f"{self.config.store.uri.rstrip('/')}/{key}"
+        return None if key is None else self.key_uri(key)
 
     def _stored_key(self, folder: Path) -> str | None:
         """:meth:`stored`'s folder as a store key."""
@@ -426,7 +430,7 @@ class TrainJobRun:
                 folders.add(key)
                 self.store.delete(self._pointer((folder / MANIFEST).read_bytes()))
         before = f"{round_prefix(self.config, self.run_id, self.round_index - 1)}/new-state"
-        if location(state, check=False) == f"{self.config.store.uri.rstrip('/')}/{before}":  # the state it stood for
+        if location(state, check=False) == self.key_uri(before):  # the trainer state its input stood for
             folders.add(before)
         for folder in sorted(folders - {f"{self.prefix}/new-policy", f"{self.prefix}/new-state"}):  # never outputs
             self.store.delete_folder(folder, MANIFEST)
