@@ -278,7 +278,7 @@ def test_markdown_has_the_papers_tables_with_the_fixture_numbers(trace_files):
         "countdown pass@1",
         "avg pass@1",
         "tokens/s",
-        "speedup vs bf16",
+        "tokens/s vs bf16",
         "code mismatch",
         "logprob \\|diff\\| mean",
         "logprob \\|diff\\| max",
