@@ -34,7 +34,7 @@ from .model import Transformer
 from .precision import MasterWeights
 from .qat import TrainingSites
 from .quant import QuantConfig
-from .rl import SequenceBatch, alignment_metrics, grpo_loss, score_centering, stack_rows, token_logprobs
+from .rl import SequenceBatch, alignment_metrics, grpo_loss, k3_terms, score_centering, stack_rows, token_logprobs
 from .rollout import Trajectory
 from .syndrome import DecodeStats, add_tally, decode_summary, merge_decodes
 from .tensor_files import layout_of
@@ -275,7 +275,7 @@ class Trainer:
             with torch.no_grad(), self._autocast(batch):
                 ref = token_logprobs(self.reference, batch, self._sites(batch, guidance, None), cfg.temperature)
             log_ratio = (ref - logprobs)[response].clamp(-10, 10)
-            kl = (log_ratio.exp() - log_ratio - 1).mean()  # k3 estimate of KL(policy || reference)
+            kl = k3_terms(log_ratio).mean()  # k3 estimate of KL(policy || reference)
             loss = loss + cfg.kl_coef * kl
             stats["kl_to_reference"] = kl.detach()
         return loss, logprobs, sites, {"loss": loss.detach(), **stats}

@@ -54,3 +54,13 @@ def test_identical_paths_are_perfectly_aligned():
 def test_stack_rows_pads_microbatches_of_other_lengths():
     out = stack_rows([torch.ones(2, 3), torch.full((1, 5), 2.0)])
     assert out.shape == (3, 5) and out[:2, 3:].eq(0).all() and out[2].eq(2).all()
+
+
+def test_k3_of_a_rollout_that_matches_training_to_a_few_ulps_is_its_small_positive_value():
+    """Each token's exp(lr) - 1 - lr is >= 0 (lr^2 / 2 near 0); in float32 it cancelled to noise of either
+    sign, 1e-7 where the value is 1e-9 (a report showed a k3 KL of -5e-10)."""
+    rollout = torch.log(torch.rand(4, 64, generator=torch.Generator().manual_seed(0)) * 0.9 + 0.05)
+    train = rollout + torch.randn(4, 64, generator=torch.Generator().manual_seed(1)) * 1e-4
+    lr = (train - rollout).double()  # the float32 difference, exactly
+    m = alignment_metrics(train, rollout, torch.ones(4, 64, dtype=torch.bool))
+    assert m["k3_kl"] > 0 and m["k3_kl"] == pytest.approx((lr**2 / 2).mean().item(), rel=1e-3)
