@@ -615,8 +615,8 @@ def render(folder: Path) -> str:
         "docs/results/science.json.",
         "",
         "k3 KL: the committed JSON computed each token's exp(lr) - 1 - lr in float32, whose rounding error is up "
-        "to 6e-8 a token (the half ulp of exp(lr) near 1), so figures of 1e-8 and below say only that the paths "
-        "agree to about that; the code now computes it as expm1(lr) - lr in float64 (`components/rl.py` "
+        "to 6e-8 a token (the half ulp of exp(lr) near 1), so figures below about 1e-7 are within that error and say "
+        "only that the paths agree closely; the code now computes it as expm1(lr) - lr in float64 (`components/rl.py` "
         "`k3_terms`), and a rerun of a section's command gives its exact figures. The other columns are as "
         "they were.",
         "",
