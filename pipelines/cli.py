@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import click
+import yaml
 
 from tracefp4.components.quant import ROLLOUT_CONFIGS, rollout_config
 from tracefp4.schemas import PRESETS, ConfigError, export_json_schema, load_config
@@ -19,11 +20,15 @@ def _config(
     store: str | None = None,
     pushgateway: str | None = None,
     settings: dict | None = None,
+    sets: dict | None = None,
 ):
-    """The run config, validated with the options' values and ``settings`` (dotted keys) in it."""
-    overrides = {
-        key: value for key, value in {"store.uri": store, "metrics.pushgateway_url": pushgateway}.items() if value
-    } | (settings or {})
+    """The run config, validated with ``sets`` (--set), then the options' values, then the command's own
+    ``settings`` (dotted keys) in it."""
+    overrides = (
+        (sets or {})
+        | {key: value for key, value in {"store.uri": store, "metrics.pushgateway_url": pushgateway}.items() if value}
+        | (settings or {})
+    )
     try:
         return load_config(config_file, preset=preset or (None if config_file else "tiny"), overrides=overrides or None)
     except ConfigError as e:
@@ -35,6 +40,32 @@ preset_option = click.option(
 )
 config_option = click.option(
     "--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="YAML or JSON run config."
+)
+
+
+def _sets(ctx, param, values: tuple[str, ...]) -> dict:
+    """--set's KEY=VALUE pairs: a config value by its dotted path, the value read as YAML."""
+    sets = {}
+    for item in values:
+        key, equals, text = item.partition("=")
+        if not equals or not key.strip():
+            raise click.BadParameter(f"{item!r}: expected KEY=VALUE, e.g. rl.rounds=2", ctx=ctx, param=param)
+        try:
+            sets[key.strip()] = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            problem = getattr(e, "problem", None) or e  # a parse error's one line, without its echo of the input
+            raise click.BadParameter(f"{item!r}: its value is not YAML ({problem})", ctx=ctx, param=param) from None
+    return sets
+
+
+set_option = click.option(
+    "--set",
+    "sets",
+    multiple=True,
+    metavar="KEY=VALUE",
+    callback=_sets,
+    help="A config value by its dotted path, over --preset and --config; the value is YAML (rl.rounds=2, "
+    "guidance.layers=[2,3], model.preset=null). Repeatable.",
 )
 
 
@@ -63,6 +94,7 @@ def main():
 @main.command()
 @preset_option
 @config_option
+@set_option
 @click.option(
     "--output", type=click.Path(file_okay=False), default="runs/latest", show_default=True, help="Run folder."
 )
@@ -78,7 +110,7 @@ def main():
     help="Go on from the newest run of this run folder: its final policy and trainer state, its round count "
     "(model.checkpoint, model.trainer_state, rl.first_round; no bootstrap).",
 )
-def run(preset, config_file, output, store, verbose, methods, pushgateway, restart, previous):
+def run(preset, config_file, sets, output, store, verbose, methods, pushgateway, restart, previous):
     """Run the whole DAG on this machine (kfp.local), then print the results and the report's path.
 
     A rerun with the same config and output resumes: finished tasks are reused, not rerun."""
@@ -86,7 +118,7 @@ def run(preset, config_file, output, store, verbose, methods, pushgateway, resta
     from tracefp4.pipelines.local import Interrupted, PipelineFailed, continuation_of, run_local
     from tracefp4.pipelines.resume import FolderInUse
 
-    config = _config(preset, config_file, store, pushgateway)
+    config = _config(preset, config_file, store, pushgateway, sets=sets)
     output = Path(output)
     if previous:
         if output.resolve() == Path(previous).resolve():  # a rerun would find this run's own states to go on from
@@ -95,7 +127,7 @@ def run(preset, config_file, output, store, verbose, methods, pushgateway, resta
             settings = continuation_of(Path(previous), config.rl.steps_per_round)
         except ValueError as e:
             raise click.ClickException(str(e)) from None
-        config = _config(preset, config_file, store, pushgateway, settings)
+        config = _config(preset, config_file, store, pushgateway, settings, sets)
         click.echo(f"continuing from round {config.rl.first_round}: {config.model.trainer_state}")
     click.echo(
         f"running {config.name}: {config.rl.rounds} round(s) of {config.rl.steps_per_round} step(s), "
@@ -117,14 +149,15 @@ def run(preset, config_file, output, store, verbose, methods, pushgateway, resta
 @main.command()
 @preset_option
 @config_option
+@set_option
 @click.option(
     "--output", type=click.Path(file_okay=False), required=True, help="Folder of the bootstrapped checkpoint."
 )
-def bootstrap(preset, config_file, output):
+def bootstrap(preset, config_file, sets, output):
     """SFT of the config's initial policy on its tasks (its bootstrap settings, enabled): a Hugging Face checkpoint."""
     from tracefp4.components.steps import prepare
 
-    config = _config(preset, config_file, settings={"bootstrap.enabled": True})  # validated with it on
+    config = _config(preset, config_file, settings={"bootstrap.enabled": True}, sets=sets)  # validated with it on
     stats = prepare(config, Path(output))
     click.echo(
         f"{output}: {stats['bootstrap_steps']} SFT steps in {stats['bootstrap_seconds']:.0f} s, "
@@ -224,9 +257,10 @@ def _warn_for_cluster(config) -> None:
 @main.command()
 @preset_option
 @config_option
+@set_option
 @click.option("--output", type=click.Path(dir_okay=False), required=True, help="Where to write the KFP IR YAML.")
 @compare_option
-def compile(preset, config_file, output, methods):
+def compile(preset, config_file, sets, output, methods):
     """Compile the pipeline (or with --compare the comparison pipeline) to KFP IR YAML (upload it in the KFP UI)."""
     from tracefp4.pipelines.pipeline import (
         compile_pipeline,
@@ -236,7 +270,7 @@ def compile(preset, config_file, output, methods):
         run_tasks,
     )
 
-    config = _config(preset, config_file)
+    config = _config(preset, config_file, sets=sets)
     try:
         compile_pipeline(config, output, methods)
     except ConfigError as e:  # a comparison's branch that could not run
@@ -293,6 +327,7 @@ def _connection(host, namespace, token, cookies, ca_bundle, insecure_skip_verify
 @main.command()
 @preset_option
 @config_option
+@set_option
 @connection_options
 @click.option("--experiment", default="tracefp4", show_default=True, help="KFP experiment to file the run under.")
 @click.option(
@@ -306,12 +341,12 @@ def _connection(host, namespace, token, cookies, ca_bundle, insecure_skip_verify
     "minio://mlpipeline/v2/artifacts); the minio overlay's is minio://tracefp4/pipeline-root.",
 )
 @compare_option
-def submit(preset, config_file, experiment, store, service_account, root, methods, **connection):
+def submit(preset, config_file, sets, experiment, store, service_account, root, methods, **connection):
     """Upload the pipeline (--compare: the comparison), or a new version of it, to a KFP server and start a run."""
     from tracefp4.pipelines.submit import SubmitError
     from tracefp4.pipelines.submit import submit as submit_run
 
-    config = _config(preset, config_file, store)
+    config = _config(preset, config_file, store, sets=sets)
     _warn_for_cluster(config)
     try:
         connection = _connection(**connection)

@@ -50,3 +50,22 @@ def test_an_unreachable_pushgateway_and_a_folder_that_is_no_policy_are_one_line_
         assert result.exception is None or isinstance(result.exception, SystemExit)
     result = CliRunner().invoke(main, ["export", str(tmp_path), str(tmp_path / "out")])
     assert result.exit_code == 1 and f"Error: {tmp_path}/config.json does not exist" in result.output
+
+
+def test_set_puts_a_value_by_its_dotted_path_over_the_preset_and_is_refused_clearly(tmp_path):
+    """--set KEY=VALUE: the value is YAML; a malformed pair, a value that is not YAML, a key the config lacks
+    and a value of the wrong type each say what is wrong, before anything is written."""
+    out = tmp_path / "p.yaml"
+    args = ["compile", "--preset", "smoke", "--output", str(out)]
+    result = CliRunner().invoke(main, [*args, "--set", "rl.rounds=3", "--set", "guidance.layers=[0, 1]"])
+    assert result.exit_code == 0 and "14 tasks a run" in result.output  # 3 rounds
+    assert '"rounds":3' in out.read_text() and '"layers":[0,1]' in out.read_text()
+    out.unlink()
+    for given, code, message in [
+        ("rl.rounds", 2, "'rl.rounds': expected KEY=VALUE"),
+        ("rl.rounds=[1", 2, "its value is not YAML (expected ',' or ']'"),
+        ("rl.roundz=3", 1, "rl.roundz: Extra inputs are not permitted"),
+        ("rl.rounds=two", 1, "rl.rounds: Input should be a valid integer"),
+    ]:
+        result = CliRunner().invoke(main, [*args, "--set", given])
+        assert result.exit_code == code and message in result.output and not out.exists(), given
