@@ -530,6 +530,13 @@ def folder_digest(folder: str | os.PathLike) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _local_folder(uri: str) -> Path | None:
+    """The folder a path or ``file://`` URI names; None for a store's (``s3://``, ``minio://``)."""
+    if "://" not in uri:
+        return Path(uri)
+    return file_path(uri) if uri.startswith("file://") else None
+
+
 def fingerprint(uri: str | os.PathLike) -> str:
     """A value that changes when the checkpoint at ``uri`` (a folder, ``file://``,
     ``s3://`` or ``minio://``) does, read without downloading its weights: the
@@ -537,8 +544,8 @@ def fingerprint(uri: str | os.PathLike) -> str:
     size with its modification time (a folder) or its ETag (a store). A
     folder that is not there has the fingerprint "absent" (loading it says so)."""
     text = os.fspath(uri)
-    if "://" not in text or text.startswith("file://"):
-        folder = file_path(text) if "://" in text else Path(text)  # a location folder: its manifest is the same
+    folder = _local_folder(text)  # a location folder: its manifest is the one it stands for
+    if folder is not None:
         if not folder.is_dir():
             return "absent"
         if (folder / MANIFEST).exists():
@@ -935,8 +942,8 @@ def fetch(
         into = Path(into)
         if into.exists() and any(into.iterdir()):
             raise CheckpointError(f"{into}: not empty; fetching {text} into it would mix two checkpoints")
-    if "://" not in text or text.startswith("file://"):
-        local = file_path(text) if "://" in text else Path(text)
+    local = _local_folder(text)
+    if local is not None:
         if (local / LOCATION).is_file():
             return fetch(location(local, store_env), store_env, weights, into)
         return local if into is None else Path(shutil.copytree(local, into, dirs_exist_ok=True))
@@ -963,15 +970,16 @@ def fetch(
     wanted |= set(TOKENIZER_FILES) & listed
     if not weights:
         wanted = {name for name in wanted if not name.endswith(".safetensors")}
+    # the files without a checksum: their sizes, and their ETags, which key the cache entry instead
+    unverified = {name: store.stat(name) for name in sorted(wanted - set(entries) - {MANIFEST})}
     if into is not None:
         into.parent.mkdir(parents=True, exist_ok=True)
         if into.exists():
             into.rmdir()  # empty: the checked download is renamed into its place
-        return _download(store, where, wanted, have, entries, into)
-    unverified = sorted(wanted - set(entries) - {MANIFEST})  # keyed by their ETags instead of their checksums
+        return _download(store, where, wanted, have, entries, unverified, into)
     material = {
         "manifest": hashlib.sha256(have.get(MANIFEST, b"")).hexdigest(),
-        "files": {name: list(store.stat(name)) for name in unverified},
+        "files": {name: list(stat) for name, stat in unverified.items()},
     }
     if not weights:
         material["without"] = "weights"
@@ -985,7 +993,7 @@ def fetch(
         if folder.is_dir():  # a process that held the lock before fetched it
             log.info("%s: cached at %s", where, folder)
             return folder
-        return _download(store, where, wanted, have, entries, folder)
+        return _download(store, where, wanted, have, entries, unverified, folder)
 
 
 def write_location(folder: Path, uri: str, manifest: bytes) -> Path:
@@ -1026,9 +1034,8 @@ def location(
     if not (folder / MANIFEST).is_file():
         raise CheckpointError(f"{where}: {LOCATION} without the {MANIFEST} of the folder it stands for")
     try:
-        if "://" not in uri or uri.startswith("file://"):
-            there = (file_path(uri) if "://" in uri else Path(uri)) / MANIFEST
-            manifest, standing_in = there.read_bytes(), (there.parent / LOCATION).exists()
+        if (there := _local_folder(uri)) is not None:
+            manifest, standing_in = (there / MANIFEST).read_bytes(), (there / LOCATION).exists()
         else:
             store = open_store(uri, env=store_env)
             manifest, standing_in = store.get_bytes(MANIFEST), LOCATION in store.list(LOCATION)
@@ -1069,9 +1076,9 @@ def _exclusive(lock: Path) -> Iterator[None]:
         os.close(fd)
 
 
-def _download(store, where: str, wanted: set[str], have: dict, entries: dict, folder: Path) -> Path:
+def _download(store, where: str, wanted: set[str], have: dict, entries: dict, unverified: dict, folder: Path) -> Path:
     """:func:`fetch`'s download of ``wanted`` into a partial folder, checked, renamed to ``folder``."""
-    sizes = [entries[name][0] if name in entries else store.stat(name)[0] for name in wanted - set(have)]
+    sizes = [entries[name][0] if name in entries else unverified[name][0] for name in wanted - set(have)]
     ensure_room(folder.parent, sum(sizes), f"downloading {where} ({len(wanted)} files)")
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".partial"))
     try:
