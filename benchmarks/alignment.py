@@ -53,6 +53,7 @@ import torch
 from tracefp4.components import steps
 from tracefp4.components.capture import CaptureConfig, CaptureRecords
 from tracefp4.components.checkpoint import load_model
+from tracefp4.components.device import cpu_kind
 from tracefp4.components.guidance import GuidanceLoader, compact, write_step
 from tracefp4.components.mismatch import MismatchTally, compare, rounded
 from tracefp4.components.precision import PRECISIONS
@@ -314,7 +315,14 @@ def main(argv: list[str] | None = None) -> None:
     pairs = report(table, args.precision)
     for row in table:
         del row["per_sequence"]
-    result = {"command": command, "preset": args.preset, "bootstrap": bootstrap, "table": table, "paired": pairs}
+    result = {
+        "command": command,
+        "machine": cpu_kind(),  # the CPU's kernels set the bits: docs/results.md names it beside each figure
+        "preset": args.preset,
+        "bootstrap": bootstrap,
+        "table": table,
+        "paired": pairs,
+    }
     line = json.dumps(result | {"seeds": seeds})
     if args.output:
         write_atomic(args.output, lambda f: f.write(f"{line}\n".encode()))

@@ -34,6 +34,7 @@ import tempfile
 from pathlib import Path
 
 from tracefp4.components import steps
+from tracefp4.components.device import cpu_kind
 from tracefp4.components.precision import PRECISIONS
 from tracefp4.components.quant import ACTIVATION_GLOBAL_SCALES
 from tracefp4.components.store import write_atomic
@@ -163,6 +164,7 @@ def main() -> None:
                 syndrome_vs_r4[precision]["r1_logprob_abs_diff_ratio"] = floor
                 print(f"{precision}: {r1}: |logprob diff| {floor:.3f}x R-4bit on all layers' (the codec's floor)")
     result = {
+        "machine": cpu_kind(),  # the CPU's kernels set the bits: docs/results.md names it beside each figure
         "bootstrap": bootstrap,
         "histories": histories,
         "r1_share_of_r4_reduction": kept,
