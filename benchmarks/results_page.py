@@ -385,6 +385,19 @@ def alignment_claims(data: dict) -> list[dict]:
     return out
 
 
+def measured_on(data: dict) -> str:
+    """The CPU a benchmark's JSON says it ran on (``"machine"``: ``device.cpu_kind``): its kernels set the bits of
+    every figure, and bf16 emulated in float32 leaves next to no train-rollout mismatch (docs/performance.md)."""
+    machine = data.get("machine")
+    if machine is None:
+        return "The JSON does not name the CPU it was measured on."
+    cap = f", oneDNN capped at {machine['cpu_onednn_isa_cap']}" if machine["cpu_onednn_isa_cap"] else ""
+    return (
+        f"Measured on {machine['cpu']} ({machine['cpu_capability']}, bf16 {machine['cpu_bf16']}{cap}, "
+        f"{machine['cpu_threads']} threads)."
+    )
+
+
 def alignment_section(data: dict) -> list[str]:
     seq = _per_sequence(data)
     precisions = sorted({p for p, _ in seq})
@@ -402,7 +415,7 @@ def alignment_section(data: dict) -> list[str]:
         "and R-1 / R-4 guidance on all layers, the deeper half, the shallow half, and an adaptive half (the "
         "layers with the highest local flip rate within half the elements). **local**: each layer's inputs held "
         "to the rollout's values, a site's own flips; **e2e**: the training path's codes against the rollout's, "
-        "with every flip's consequences above it. Means over seeds:",
+        f"with every flip's consequences above it. {measured_on(data)} Means over seeds:",
         "",
         "| precision | guidance | guided layers | local mismatch | local 1-codeword share | e2e mismatch | "
         "e2e 1-codeword share | logprob abs diff mean | k3 KL | e2e reduction kept (of R-4 all) |",
@@ -495,7 +508,7 @@ def repro_section(name: str, data: dict) -> tuple[str, str, list[str]]:
         f"accuracy {100 * boot['bootstrap_accuracy']:.1f}%), then each method forked from that base for on-policy "
         "RL steps through the pipeline's own round, under each numerics (`train.precision`, and "
         "`rollout.activation_global_scale` where not static, which the training path reproduces), its training "
-        "path compared with each step's rollout (full capture). Means over the steps:",
+        f"path compared with each step's rollout (full capture). {measured_on(data)} Means over the steps:",
         "",
         "| numerics | method | steps | logprob abs diff mean | logprob abs diff max | k3 KL | code mismatch | "
         "guidance coverage | guidance bits per element | response length |",

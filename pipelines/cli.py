@@ -481,6 +481,50 @@ def report(run_dir):
     click.echo(f"report: {found[-1].with_name('page')} (HTML), {found[-1]} (markdown)")
 
 
+@runs.command("clean")
+@connection_options
+@click.argument("run_id")
+@click.option(
+    "--pipeline-root",
+    "root",
+    help="Where KFP kept the run's artifacts, for a run submitted without one (the cluster's default, e.g. "
+    "minio://mlpipeline/v2/artifacts).",
+)
+@click.option(
+    "--only",
+    type=click.Choice(["artifacts", "store"]),
+    help="Only the run's KFP artifacts or only its folder in tracefp4's store (when they are on two S3 servers).",
+)
+@click.option("--yes", is_flag=True, help="Delete them; without it, only say what would go.")
+def runs_clean(run_id, root, only, yes, **connection):
+    """Delete what a finished run left in object storage: its KFP artifacts and its folder in tracefp4's
+    store (S3 settings: TRACEFP4_S3_*), refused while a run that goes on from it has yet to prepare."""
+    from tracefp4.components.store import StoreError
+    from tracefp4.pipelines.clean import KINDS, delete, run_folders, survey, waiting_continuations
+    from tracefp4.pipelines.submit import connect
+
+    connection = _connection(**connection)
+    client = _kfp_call(connect, connection)
+    folders = _kfp_call(run_folders, client, run_id, root)
+    if waiting := _kfp_call(waiting_continuations, client, connection.namespace, folders):
+        raise click.ClickException(
+            f"run {run_id} is kept: runs that go on from it have not finished their prepare task: "
+            f"{', '.join(waiting)}; clean it once they have, or delete them in KFP first"
+        )
+    try:  # every folder surveyed before any is deleted: one the S3 settings do not reach stops nothing half done
+        surveys = [survey(f) for f in folders if only in (None, f.kind)]
+        for found in surveys:
+            size = f"{len(found.keys)} objects, {found.size / 1e9:.2f} GB"
+            click.echo(f"{KINDS[found.folder.kind]}: {found.folder.uri}: {size}")
+            if yes and found.keys:
+                delete(found.folder)
+                click.echo("  deleted")
+    except (StoreError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    if not yes:
+        click.echo("nothing deleted: add --yes to delete them (the run can then be neither retried nor continued)")
+
+
 @main.command("delete-metrics")
 @click.option("--pushgateway", required=True, help="Pushgateway URL (http://host:9091).")
 @click.option("--pipeline", required=True, help="The run config's name (the metrics' pipeline label).")

@@ -170,7 +170,7 @@ def connect(connection: Connection) -> _Client:
     token = connection.resolved_token()
     cookies = connection.cookies if connection.cookies is not None else os.environ.get(COOKIES_ENV) or None
     secrets = [s for s in (token, cookies) if s]
-    with _quiet():
+    with quiet():
         return _Client(
             connection.timeout_s,
             secrets,
@@ -184,7 +184,7 @@ def connect(connection: Connection) -> _Client:
 
 
 @contextlib.contextmanager
-def _quiet():
+def quiet():
     """kfp.Client prints links and warns of its version support; the CLI prints its own lines."""
     with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
         warnings.simplefilter("ignore", FutureWarning)
@@ -233,7 +233,7 @@ def submit(
     namespace = connection.namespace
     client = connect(connection)
     name = pipeline_name(config) + ("-compare" if methods else "")
-    with tempfile.TemporaryDirectory(prefix="tracefp4-submit-") as tmp, _quiet():
+    with tempfile.TemporaryDirectory(prefix="tracefp4-submit-") as tmp, quiet():
         path = compile_pipeline(config, Path(tmp) / f"{name}.yaml", methods)
         package = Path(path).read_bytes()
         spec = compiled_spec(package)
@@ -300,13 +300,13 @@ def submit_next(
     following = next_in_chain(config, continue_with)
     connection = connection or Connection(config.kfp_host)
     client = connect(connection)
-    with _quiet():
+    with quiet():
         this = client.get_run(job_id)
         experiment = client.get_experiment(experiment_id=this.experiment_id)
     namespace = connection.namespace or experiment.namespace or None
     rounds = following.rl.run_rounds()
     name = f"{following.name}-rounds-{rounds.start}-{rounds.stop - 1}-after-{job_id[:8]}"
-    with _quiet():
+    with quiet():
         found = client.list_runs(
             experiment_id=this.experiment_id, namespace=namespace, filter=_name_filter(name), page_size=1
         ).runs
@@ -336,7 +336,7 @@ def list_runs(connection: Connection, experiment: str | None = None, limit: int 
     """The newest runs (of ``experiment`` when given): run_id, name, state, created_at."""
     client = connect(connection)
     experiment_id = None
-    with _quiet():
+    with quiet():
         if experiment:
             try:
                 found = client.get_experiment(experiment_name=experiment, namespace=connection.namespace)
@@ -354,7 +354,7 @@ def list_runs(connection: Connection, experiment: str | None = None, limit: int 
 
 def run_status(connection: Connection, run_id: str) -> dict:
     """One run: its state and error, and each task's name, state, error and pods (from the run details)."""
-    with _quiet():
+    with quiet():
         run = connect(connection).get_run(run_id)
     tasks = []
     for t in (run.run_details.task_details if run.run_details else None) or []:

@@ -18,6 +18,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from tracefp4.components.checkpoint import MANIFEST
 from tracefp4.pipelines import submit as submit_module
 from tracefp4.pipelines.cli import main
 from tracefp4.pipelines.pipeline import pipeline_version
@@ -121,6 +122,7 @@ class Handler(BaseHTTPRequestHandler):
                 p["namespace"] = query["namespace"]
             s.pipelines[p["pipeline_id"]] = p
             first = {"pipeline_id": p["pipeline_id"], "pipeline_version_id": s.new_id("version"), "display_name": name}
+            first["pipeline_spec"] = version_spec(record)
             s.versions[p["pipeline_id"]] = [first]  # the API server's first version, named after the pipeline
             return self._answer(200, p)
         if method == "GET" and len(parts) == 3 and parts[0] == "pipelines" and parts[2] == "versions":
@@ -128,9 +130,15 @@ class Handler(BaseHTTPRequestHandler):
                 return self._answer(404, {"code": 5, "message": f"pipeline {parts[1]} not found"})
             found = listing(s.versions[parts[1]])
             return self._answer(200, {"pipeline_versions": found, "total_size": len(found)} if found else {})
+        if method == "GET" and len(parts) == 4 and parts[0] == "pipelines" and parts[2] == "versions":
+            found = [v for v in s.versions.get(parts[1], []) if v["pipeline_version_id"] == parts[3]]
+            if not found:
+                return self._answer(404, {"code": 5, "message": f"pipeline version {parts[3]} not found"})
+            return self._answer(200, found[0])
         if method == "POST" and parts == ["pipelines", "upload_version"]:
             name = query["name"]
             v = {"pipeline_id": query["pipelineid"], "pipeline_version_id": s.new_id("version"), "display_name": name}
+            v["pipeline_spec"] = version_spec(record)
             s.versions[query["pipelineid"]].append(v)
             return self._answer(200, v)
         if method == "GET" and parts == ["experiments"]:
@@ -203,14 +211,29 @@ def config():
     return get_preset("smoke")
 
 
-def uploaded_yaml(request) -> dict:
+def _uploaded_file(request):
     content_type = request["headers"]["content-type"]
     assert content_type.startswith("multipart/form-data; boundary=")
     message = email.message_from_bytes(f"Content-Type: {content_type}\r\n\r\n".encode() + request["body"])
     (part,) = message.get_payload()
     assert part.get_param("name", header="content-disposition") == "uploadfile"
-    assert part.get_filename() in ("tracefp4-smoke.yaml", "tracefp4-smoke-compare.yaml")
-    return next(yaml.safe_load_all(part.get_payload(decode=True)))
+    return part
+
+
+def uploaded_documents(request) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(_uploaded_file(request).get_payload(decode=True)) if doc]
+
+
+def uploaded_yaml(request) -> dict:
+    assert _uploaded_file(request).get_filename() in ("tracefp4-smoke.yaml", "tracefp4-smoke-compare.yaml")
+    return uploaded_documents(request)[0]
+
+
+def version_spec(request) -> dict:
+    """An uploaded file as the API server keeps its version's spec: the pipeline spec, wrapped with the
+    platform spec where the file holds one (KFP 2.17's YamlStringToPipelineSpecStruct)."""
+    pipeline, *platform = uploaded_documents(request)
+    return {"pipeline_spec": pipeline, "platform_spec": platform[0]} if platform else pipeline
 
 
 def test_first_submission_uploads_the_pipeline_and_creates_experiment_and_run(kfp_server, config):
@@ -726,3 +749,72 @@ def test_cli_submit_and_runs(kfp_server, tmp_path):
     assert refused.exit_code != 0 and "cannot reach" in refused.output
     missing = CliRunner().invoke(main, ["runs", "status", "nope", "--host", kfp_server.url])
     assert missing.exit_code != 0 and "HTTP 404" in missing.output
+
+
+def _leave(store, keys: list[str]) -> None:
+    for key in keys:
+        store.put_bytes(key, b"x" * 10)
+
+
+def test_runs_clean_deletes_what_a_finished_run_left_once_no_run_still_needs_it(kfp_server, s3_env):
+    """A run's KFP artifacts (``{root}/{pipelineInfo.name}/{run id}/``, where KFP's driver puts them) and its
+    folder in tracefp4's store, on a real S3 server: listed without --yes, deleted with it, another run's
+    left; refused while the run runs, and while a run that goes on from its policy has not prepared."""
+    root, store_uri = s3_env.uri("pipeline-root"), s3_env.uri("runs")
+    config = load_config(preset="smoke", overrides={"store.uri": store_uri})
+    connection = Connection(kfp_server.url)
+    run_id = submit(config, connection, pipeline_root=root)["run_id"]
+    other = submit(config, connection, pipeline_root=root)["run_id"]
+    bucket = s3_env.store()
+    ours = [f"pipeline-root/tracefp4-smoke/{run_id}/train/a1/new_policy/{n}" for n in ("model.safetensors", MANIFEST)]
+    ours += [f"runs/smoke/{run_id}/trace/guidance/step-000000.bin"]
+    theirs = [f"pipeline-root/tracefp4-smoke/{other}/train/b2/new_policy/{MANIFEST}", f"runs/smoke/{other}/x"]
+    _leave(bucket, ours + theirs)
+
+    def clean(*options):
+        return CliRunner().invoke(main, ["runs", "clean", run_id, "--host", kfp_server.url, *options])
+
+    result = clean("--yes")
+    assert result.exit_code == 1 and f"run {run_id} is PENDING: clean it once it has finished" in result.output
+    kfp_server.runs[run_id]["state"] = "SUCCEEDED"
+    listed = clean()
+    assert listed.exit_code == 0, listed.output
+    assert f"KFP artifacts: {root}/tracefp4-smoke/{run_id}/: 2 objects" in listed.output
+    assert f"tracefp4 store: {store_uri}/smoke/{run_id}/: 1 objects" in listed.output
+    assert "nothing deleted: add --yes" in listed.output and bucket.list() == sorted(ours + theirs)
+
+    policy = f"{root}/tracefp4-smoke/{run_id}/train/a1/new_policy"
+    follower = submit(config, connection, pipeline_root=root, run_name="goes-on")["run_id"]
+    kfp_server.runs[follower]["runtime_config"]["parameters"]["model_checkpoint"] = policy
+    refused = clean("--yes")
+    assert (
+        refused.exit_code == 1
+        and f"have not finished their prepare task: goes-on ({follower}, PENDING);" in refused.output
+    )
+    assert bucket.list() == sorted(ours + theirs)
+    prepared = {"task_id": "t1", "display_name": "prepare", "state": "SUCCEEDED"}
+    kfp_server.runs[follower].update(state="RUNNING", run_details={"task_details": [prepared]})
+    store_only = clean("--yes", "--only", "store")
+    assert store_only.exit_code == 0 and "KFP artifacts" not in store_only.output, store_only.output
+    assert bucket.list() == sorted(ours[:2] + theirs)
+    deleted = clean("--yes")
+    assert deleted.exit_code == 0, deleted.output
+    assert f"{store_uri}/smoke/{run_id}/: 0 objects" in deleted.output and deleted.output.count("  deleted") == 1
+    assert bucket.list() == sorted(theirs)
+
+
+def test_runs_clean_needs_the_pipeline_root_of_a_run_that_records_none(kfp_server, s3_env):
+    """A run submitted without a pipeline root kept its artifacts in the cluster's default, which the API does
+    not tell; one that records its root refuses another."""
+    config = load_config(preset="smoke", overrides={"store.uri": s3_env.uri("runs")})
+    run_id = submit(config, Connection(kfp_server.url))["run_id"]
+    kfp_server.runs[run_id]["state"] = "FAILED"
+    result = CliRunner().invoke(main, ["runs", "clean", run_id, "--host", kfp_server.url])
+    assert result.exit_code == 1 and "submitted without a pipeline root" in result.output
+    root = s3_env.uri("kfp-default")
+    given = CliRunner().invoke(main, ["runs", "clean", run_id, "--host", kfp_server.url, "--pipeline-root", root])
+    assert given.exit_code == 0, given.output
+    assert f"KFP artifacts: {root}/tracefp4-smoke/{run_id}/: 0 objects" in given.output
+    kfp_server.runs[run_id]["runtime_config"]["pipeline_root"] = s3_env.uri("pipeline-root")
+    other = CliRunner().invoke(main, ["runs", "clean", run_id, "--host", kfp_server.url, "--pipeline-root", root])
+    assert other.exit_code == 1 and f"kept its artifacts in {s3_env.uri('pipeline-root')}, not {root}" in other.output

@@ -1,0 +1,154 @@
+"""What a finished run left in object storage, and deleting it (``tracefp4 runs clean``).
+
+Why: KFP keeps every task's output artifacts in the pipeline root, and deleting a run in KFP leaves
+them there (kubeflow/pipelines#10816); tracefp4's store keeps the run's captures and guidance, and,
+under a TrainJob, its last trainer state. At the paper presets a run of 14 rounds leaves 1.1 to
+1.5 TB (docs/deploy.md, "Object storage"), and nothing else deletes it.
+
+Where a run's files are:
+
+- KFP's: ``{pipeline root}/{pipelineInfo.name}/{run id}/``, where KFP's driver puts every task's
+  outputs (``metadata.GenerateOutputURI`` in backend/src/v2, KFP 2.14-2.17). The pipeline root is the
+  run's own, else its compiled spec's default; a run submitted with neither used the cluster's
+  default, which the API does not tell: then it must be given.
+- tracefp4's: ``{store.uri}/{name}/{run id}/`` (:func:`~tracefp4.components.steps.store_prefix`), the
+  name and store read from the config compiled into the run's pipeline, the run id its ``run_id``
+  parameter or, empty, KFP's.
+
+A run is cleaned only once finished, and not while a run that goes on from it (the chain's next run,
+or any run given a URI under one of its folders as a parameter: ``model.checkpoint``,
+``model.trainer_state``) has yet to finish its ``prepare`` task, which copies what it needs.
+"""
+
+import json
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+from tracefp4.components.checkpoint import MANIFEST
+from tracefp4.components.store import open_store
+from tracefp4.pipelines.submit import SubmitError, quiet
+
+FINISHED = ("SUCCEEDED", "FAILED", "CANCELED", "SKIPPED")
+PREPARE = "prepare"  # the task that copies a continuation's starting policy and trainer state into its own run
+PAGE = 100
+KINDS = {"artifacts": "KFP artifacts", "store": "tracefp4 store"}
+
+
+@dataclass(frozen=True)
+class RunFolder:
+    """A folder of one run: ``prefix`` in the store at ``root``; ``kind`` a key of :data:`KINDS`."""
+
+    kind: str
+    root: str
+    prefix: str
+
+    @property
+    def uri(self) -> str:
+        return f"{self.root.rstrip('/')}/{self.prefix}/"
+
+
+@dataclass(frozen=True)
+class Survey:
+    """What a run folder holds now."""
+
+    folder: RunFolder
+    keys: list[str]
+    size: int
+
+
+def run_folders(client, run_id: str, pipeline_root: str | None = None) -> list[RunFolder]:
+    """The folders finished run ``run_id`` left: its KFP artifacts and its folder in tracefp4's store
+    (``client``: :func:`~.submit.connect`'s; ``pipeline_root``: the cluster's default, for a run that
+    records none). Raises SubmitError."""
+    with quiet():
+        run = client.get_run(run_id)
+    if run.state not in FINISHED:
+        raise SubmitError(f"run {run_id} is {run.state or 'in no state'}: clean it once it has finished")
+    spec = _pipeline_spec(client, run)
+    parameters = (run.runtime_config.parameters if run.runtime_config else None) or {}
+    root = _pipeline_root(run, spec, pipeline_root)
+    folders = [RunFolder("artifacts", root, f"{spec['pipelineInfo']['name']}/{run_id}")]
+    tracefp4_run_id = parameters.get("run_id") or run_id
+    for name, store in sorted(_compiled_runs(spec)):
+        folders.append(RunFolder("store", store, f"{name}/{tracefp4_run_id}"))
+    return folders
+
+
+def _pipeline_spec(client, run) -> dict:
+    """The run's compiled pipeline spec: its own, or its pipeline version's (``{"pipeline_spec",
+    "platform_spec"}`` where the upload held a platform spec, as ours do)."""
+    spec = run.pipeline_spec
+    if not spec:
+        ref = run.pipeline_version_reference
+        if ref is None or not ref.pipeline_version_id:
+            raise SubmitError(f"run {run.run_id} names neither a pipeline spec nor a pipeline version")
+        with quiet():
+            spec = client.get_pipeline_version(ref.pipeline_id, ref.pipeline_version_id).pipeline_spec
+    return spec.get("pipeline_spec", spec)
+
+
+def _pipeline_root(run, spec: dict, given: str | None) -> str:
+    recorded = (run.runtime_config.pipeline_root if run.runtime_config else None) or spec.get("defaultPipelineRoot")
+    if recorded and given and recorded.rstrip("/") != given.rstrip("/"):
+        raise SubmitError(f"run {run.run_id} kept its artifacts in {recorded}, not {given}")
+    if not (recorded or given):
+        raise SubmitError(
+            f"run {run.run_id} was submitted without a pipeline root, so KFP kept its artifacts in the cluster's "
+            "default, which its API does not tell: pass it (--pipeline-root; the kfp-launcher ConfigMap's "
+            "defaultPipelineRoot, KFP's own minio://mlpipeline/v2/artifacts)"
+        )
+    return urlsplit(recorded or given)._replace(query="").geturl()  # KFP keeps a root's query off its paths
+
+
+def _compiled_runs(spec: dict) -> set[tuple[str, str]]:
+    """(name, store URI) of each config compiled into the pipeline: the ``config_json`` constant of its
+    ``configure`` tasks (a comparison has one per method, all in one store under one name)."""
+    found = set()
+
+    def walk(dag: dict) -> None:
+        for task in dag["tasks"].values():
+            constant = task.get("inputs", {}).get("parameters", {}).get("config_json", {})
+            if text := constant.get("runtimeValue", {}).get("constant"):
+                config = json.loads(text)
+                found.add((config["name"], config["store"]["uri"]))
+            component = spec["components"][task["componentRef"]["name"]]
+            if "dag" in component:
+                walk(component["dag"])
+
+    walk(spec["root"]["dag"])
+    if not found:
+        raise SubmitError("the run's pipeline holds no tracefp4 config (its configure task's config_json)")
+    return found
+
+
+def waiting_continuations(client, namespace: str | None, folders: list[RunFolder]) -> list[str]:
+    """The runs (in ``namespace``) given a URI under one of ``folders`` as a parameter whose ``prepare``
+    task has not succeeded: they still have to copy from there (a failed one, if retried, too)."""
+    waiting, token = [], ""
+    while True:
+        with quiet():
+            page = client.list_runs(page_token=token, page_size=PAGE, namespace=namespace)
+        for run in page.runs or []:
+            values = ((run.runtime_config.parameters if run.runtime_config else None) or {}).values()
+            if not any(isinstance(v, str) and v.startswith(f.uri) for v in values for f in folders):
+                continue
+            with quiet():
+                details = client.get_run(run.run_id).run_details
+            tasks = (details.task_details if details else None) or []
+            if not any(t.display_name == PREPARE and t.state == "SUCCEEDED" for t in tasks):
+                waiting.append(f"{run.display_name} ({run.run_id}, {run.state})")
+        token = page.next_page_token
+        if not token:
+            return waiting
+
+
+def survey(folder: RunFolder) -> Survey:
+    """The objects under ``folder`` and their bytes (StoreError where its server is not reached)."""
+    store = open_store(folder.root)
+    keys = store.list(folder.prefix + "/")
+    return Survey(folder, keys, sum(store.stat(k)[0] for k in keys))
+
+
+def delete(folder: RunFolder) -> None:
+    """Delete everything under ``folder``, each folder's manifest first: one half deleted is never read as whole."""
+    open_store(folder.root).delete_folder(folder.prefix, MANIFEST)
