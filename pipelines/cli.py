@@ -1,6 +1,7 @@
 """The ``tracefp4`` command: run the pipeline here, bootstrap a base policy,
 export a policy for serving (compressed-tensors NVFP4 / MXFP4), compile the
-pipeline for a cluster and submit it, write the config's JSON Schema and the
+pipeline for a cluster and submit it, follow its runs and delete what a
+finished one left in object storage, write the config's JSON Schema and the
 Grafana dashboards, list presets, show a run's report, delete a run's metrics
 from a Pushgateway."""
 
@@ -370,7 +371,8 @@ def submit(preset, config_file, sets, experiment, store, service_account, root, 
 
 @main.group()
 def runs():
-    """Runs on a KFP server: list them, a run's status, its tasks' errors and log commands."""
+    """Runs on a KFP server: list them, a run's status, its tasks' errors and log commands, and delete what a
+    finished one left in object storage."""
 
 
 def _kfp_call(function, *args, **kwargs):
