@@ -17,7 +17,7 @@ import shutil
 import tempfile
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 from urllib.parse import unquote, urlsplit
@@ -173,6 +173,10 @@ class ArtifactStore(ABC):
         manifest, a checkpoint's ``.metadata``) first, so that a half-deleted
         folder is never read as whole."""
         keys = [k for k in self.list(prefix.rstrip("/") + "/") if keep is None or not k.startswith(keep + "/")]
+        self.delete_keys(keys, marker)
+
+    def delete_keys(self, keys: Iterable[str], marker: str) -> None:
+        """Delete ``keys``, each folder's ``marker`` first (:meth:`delete_folder`)."""
         for key in sorted(keys, key=lambda k: not k.endswith("/" + marker)):
             self.delete(key)
 

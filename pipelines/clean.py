@@ -15,7 +15,9 @@ Where a run's files are:
   name and store read from the config compiled into the run's pipeline, the run id its ``run_id``
   parameter or, empty, KFP's.
 
-A run is cleaned only once finished, and not while a run that goes on from it (the chain's next run,
+Of KFP's artifacts a clean deletes the bulk (:data:`BULK`), and keeps the run's record (its report,
+history, metrics, evaluation results and exported policy) unless told everything; of the store, the run's
+folder. A run is cleaned only once finished, and not while a run that goes on from it (the chain's next run,
 or any run given a URI under one of its folders as a parameter: ``model.checkpoint``,
 ``model.trainer_state``) has yet to finish its ``prepare`` task, which copies what it needs.
 """
@@ -29,6 +31,10 @@ from tracefp4.components.store import open_store
 from tracefp4.pipelines.submit import SubmitError, quiet
 
 FINISHED = ("SUCCEEDED", "FAILED", "CANCELED", "SKIPPED")
+# The pipeline's outputs that make a run's bulk (at the paper presets a policy is 70 GB, a trainer state 420 GB):
+# of its KFP artifacts, what a clean deletes unless told everything. The run's record stays (report, history,
+# metrics, evaluation results, the exported policy), and so does an output this list does not name.
+BULK = ("policy", "trainer_state", "new_policy", "new_trainer_state", "trajectories", "guidance")
 PREPARE = "prepare"  # the task that copies a continuation's starting policy and trainer state into its own run
 PAGE = 100
 KINDS = {"artifacts": "KFP artifacts", "store": "tracefp4 store"}
@@ -142,13 +148,18 @@ def waiting_continuations(client, namespace: str | None, folders: list[RunFolder
             return waiting
 
 
-def survey(folder: RunFolder) -> Survey:
-    """The objects under ``folder`` and their bytes (StoreError where its server is not reached)."""
+def survey(folder: RunFolder, everything: bool = False) -> Survey:
+    """The objects under ``folder`` a clean deletes, and their bytes (StoreError where its server is not
+    reached): in the store, all; of the KFP artifacts, those of :data:`BULK` outputs, or all (``everything``).
+    An artifact's keys are ``{task}/{salt}/{output}/...`` under the folder (KFP's driver)."""
     store = open_store(folder.root)
     keys = store.list(folder.prefix + "/")
+    if folder.kind == "artifacts" and not everything:
+        depth = folder.prefix.count("/") + 3  # the output's name: the third part under the folder
+        keys = [k for k in keys if k.count("/") >= depth and k.split("/")[depth] in BULK]
     return Survey(folder, keys, sum(store.stat(k)[0] for k in keys))
 
 
-def delete(folder: RunFolder) -> None:
-    """Delete everything under ``folder``, each folder's manifest first: one half deleted is never read as whole."""
-    open_store(folder.root).delete_folder(folder.prefix, MANIFEST)
+def delete(found: Survey) -> None:
+    """Delete what ``found`` lists, each folder's manifest first: one half deleted is never read as whole."""
+    open_store(found.folder.root).delete_keys(found.keys, MANIFEST)

@@ -497,10 +497,18 @@ def report(run_dir):
     type=click.Choice(["artifacts", "store"]),
     help="Only the run's KFP artifacts or only its folder in tracefp4's store (when they are on two S3 servers).",
 )
+@click.option(
+    "--all",
+    "everything",
+    is_flag=True,
+    help="Also the run's record in its KFP artifacts: report, history, metrics, evaluation results and the exported "
+    "policy (kept by default).",
+)
 @click.option("--yes", is_flag=True, help="Delete them; without it, only say what would go.")
-def runs_clean(run_id, root, only, yes, **connection):
-    """Delete what a finished run left in object storage: its KFP artifacts and its folder in tracefp4's
-    store (S3 settings: TRACEFP4_S3_*), refused while a run that goes on from it has yet to prepare."""
+def runs_clean(run_id, root, only, everything, yes, **connection):
+    """Delete what a finished run left in object storage: its policies, trainer states, trajectories and
+    guidance among its KFP artifacts, and its folder in tracefp4's store (S3 settings: TRACEFP4_S3_*);
+    refused while a run that goes on from it has yet to prepare."""
     from tracefp4.components.store import StoreError
     from tracefp4.pipelines.clean import KINDS, delete, run_folders, survey, waiting_continuations
     from tracefp4.pipelines.submit import connect
@@ -514,12 +522,12 @@ def runs_clean(run_id, root, only, yes, **connection):
             f"{', '.join(waiting)}; clean it once they have, or delete them in KFP first"
         )
     try:  # every folder surveyed before any is deleted: one the S3 settings do not reach stops nothing half done
-        surveys = [survey(f) for f in folders if only in (None, f.kind)]
+        surveys = [survey(f, everything) for f in folders if only in (None, f.kind)]
         for found in surveys:
             size = f"{len(found.keys)} objects, {found.size / 1e9:.2f} GB"
             click.echo(f"{KINDS[found.folder.kind]}: {found.folder.uri}: {size}")
             if yes and found.keys:
-                delete(found.folder)
+                delete(found)
                 click.echo("  deleted")
     except (StoreError, ValueError) as e:
         raise click.ClickException(str(e)) from None

@@ -757,9 +757,10 @@ def _leave(store, keys: list[str]) -> None:
 
 
 def test_runs_clean_deletes_what_a_finished_run_left_once_no_run_still_needs_it(kfp_server, s3_env):
-    """A run's KFP artifacts (``{root}/{pipelineInfo.name}/{run id}/``, where KFP's driver puts them) and its
-    folder in tracefp4's store, on a real S3 server: listed without --yes, deleted with it, another run's
-    left; refused while the run runs, and while a run that goes on from its policy has not prepared."""
+    """A run's KFP artifacts (``{root}/{pipelineInfo.name}/{run id}/{task}/{salt}/{output}``, where KFP's driver
+    puts them: its policies and the like, its record too with --all) and its folder in tracefp4's store, on a
+    real S3 server: listed without --yes, deleted with it, another run's left; refused while the run runs, and
+    while a run that goes on from its policy has not prepared."""
     root, store_uri = s3_env.uri("pipeline-root"), s3_env.uri("runs")
     config = load_config(preset="smoke", overrides={"store.uri": store_uri})
     connection = Connection(kfp_server.url)
@@ -768,8 +769,9 @@ def test_runs_clean_deletes_what_a_finished_run_left_once_no_run_still_needs_it(
     bucket = s3_env.store()
     ours = [f"pipeline-root/tracefp4-smoke/{run_id}/train/a1/new_policy/{n}" for n in ("model.safetensors", MANIFEST)]
     ours += [f"runs/smoke/{run_id}/trace/guidance/step-000000.bin"]
+    record = [f"pipeline-root/tracefp4-smoke/{run_id}/report/c3/page"]  # the run's record: kept without --all
     theirs = [f"pipeline-root/tracefp4-smoke/{other}/train/b2/new_policy/{MANIFEST}", f"runs/smoke/{other}/x"]
-    _leave(bucket, ours + theirs)
+    _leave(bucket, ours + record + theirs)
 
     def clean(*options):
         return CliRunner().invoke(main, ["runs", "clean", run_id, "--host", kfp_server.url, *options])
@@ -781,7 +783,7 @@ def test_runs_clean_deletes_what_a_finished_run_left_once_no_run_still_needs_it(
     assert listed.exit_code == 0, listed.output
     assert f"KFP artifacts: {root}/tracefp4-smoke/{run_id}/: 2 objects" in listed.output
     assert f"tracefp4 store: {store_uri}/smoke/{run_id}/: 1 objects" in listed.output
-    assert "nothing deleted: add --yes" in listed.output and bucket.list() == sorted(ours + theirs)
+    assert "nothing deleted: add --yes" in listed.output and bucket.list() == sorted(ours + record + theirs)
 
     policy = f"{root}/tracefp4-smoke/{run_id}/train/a1/new_policy"
     follower = submit(config, connection, pipeline_root=root, run_name="goes-on")["run_id"]
@@ -791,15 +793,18 @@ def test_runs_clean_deletes_what_a_finished_run_left_once_no_run_still_needs_it(
         refused.exit_code == 1
         and f"have not finished their prepare task: goes-on ({follower}, PENDING);" in refused.output
     )
-    assert bucket.list() == sorted(ours + theirs)
+    assert bucket.list() == sorted(ours + record + theirs)
     prepared = {"task_id": "t1", "display_name": "prepare", "state": "SUCCEEDED"}
     kfp_server.runs[follower].update(state="RUNNING", run_details={"task_details": [prepared]})
     store_only = clean("--yes", "--only", "store")
     assert store_only.exit_code == 0 and "KFP artifacts" not in store_only.output, store_only.output
-    assert bucket.list() == sorted(ours[:2] + theirs)
+    assert bucket.list() == sorted(ours[:2] + record + theirs)
     deleted = clean("--yes")
     assert deleted.exit_code == 0, deleted.output
     assert f"{store_uri}/smoke/{run_id}/: 0 objects" in deleted.output and deleted.output.count("  deleted") == 1
+    assert bucket.list() == sorted(record + theirs)
+    everything = clean("--yes", "--all")
+    assert everything.exit_code == 0 and f"{root}/tracefp4-smoke/{run_id}/: 1 objects" in everything.output
     assert bucket.list() == sorted(theirs)
 
 
