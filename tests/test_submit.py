@@ -756,17 +756,18 @@ def _leave(store, keys: list[str]) -> None:
         store.put_bytes(key, b"x" * 10)
 
 
-def test_runs_clean_deletes_what_a_finished_run_left_once_no_run_still_needs_it(kfp_server, s3_env):
+def test_runs_clean_deletes_what_a_finished_run_left_once_no_run_still_needs_it(kfp_server, s3_env, tmp_path):
     """A run's KFP artifacts (``{root}/{pipelineInfo.name}/{run id}/{task}/{salt}/{output}``, where KFP's driver
     puts them: its policies and the like, its record too with --all) and its folder in tracefp4's store, on a
     real S3 server: listed without --yes, deleted with it, another run's left; refused while the run runs, and
     while a run that goes on from its policy has not prepared."""
-    root, store_uri = s3_env.uri("pipeline-root"), s3_env.uri("runs")
+    base = f"clean-{tmp_path.name}"  # the session's bucket holds other tests' objects too
+    root, store_uri = s3_env.uri(f"{base}/pipeline-root"), s3_env.uri(f"{base}/runs")
     config = load_config(preset="smoke", overrides={"store.uri": store_uri})
     connection = Connection(kfp_server.url)
     run_id = submit(config, connection, pipeline_root=root)["run_id"]
     other = submit(config, connection, pipeline_root=root)["run_id"]
-    bucket = s3_env.store()
+    bucket = s3_env.store(base)
     ours = [f"pipeline-root/tracefp4-smoke/{run_id}/train/a1/new_policy/{n}" for n in ("model.safetensors", MANIFEST)]
     ours += [f"runs/smoke/{run_id}/trace/guidance/step-000000.bin"]
     record = [f"pipeline-root/tracefp4-smoke/{run_id}/report/c3/page"]  # the run's record: kept without --all
@@ -808,18 +809,19 @@ def test_runs_clean_deletes_what_a_finished_run_left_once_no_run_still_needs_it(
     assert bucket.list() == sorted(theirs)
 
 
-def test_runs_clean_needs_the_pipeline_root_of_a_run_that_records_none(kfp_server, s3_env):
+def test_runs_clean_needs_the_pipeline_root_of_a_run_that_records_none(kfp_server, s3_env, tmp_path):
     """A run submitted without a pipeline root kept its artifacts in the cluster's default, which the API does
     not tell; one that records its root refuses another."""
-    config = load_config(preset="smoke", overrides={"store.uri": s3_env.uri("runs")})
+    base = f"clean-{tmp_path.name}"
+    config = load_config(preset="smoke", overrides={"store.uri": s3_env.uri(f"{base}/runs")})
     run_id = submit(config, Connection(kfp_server.url))["run_id"]
     kfp_server.runs[run_id]["state"] = "FAILED"
     result = CliRunner().invoke(main, ["runs", "clean", run_id, "--host", kfp_server.url])
     assert result.exit_code == 1 and "submitted without a pipeline root" in result.output
-    root = s3_env.uri("kfp-default")
+    root = s3_env.uri(f"{base}/kfp-default")
     given = CliRunner().invoke(main, ["runs", "clean", run_id, "--host", kfp_server.url, "--pipeline-root", root])
     assert given.exit_code == 0, given.output
     assert f"KFP artifacts: {root}/tracefp4-smoke/{run_id}/: 0 objects" in given.output
-    kfp_server.runs[run_id]["runtime_config"]["pipeline_root"] = s3_env.uri("pipeline-root")
+    kfp_server.runs[run_id]["runtime_config"]["pipeline_root"] = recorded = s3_env.uri(f"{base}/pipeline-root")
     other = CliRunner().invoke(main, ["runs", "clean", run_id, "--host", kfp_server.url, "--pipeline-root", root])
-    assert other.exit_code == 1 and f"kept its artifacts in {s3_env.uri('pipeline-root')}, not {root}" in other.output
+    assert other.exit_code == 1 and f"kept its artifacts in {recorded}, not {root}" in other.output
