@@ -58,7 +58,16 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from .model import LAYER_TYPES, MODEL_TYPES, ModelConfig, Transformer, empty_model
-from .store import ArtifactNotFound, check_key, ensure_room, file_path, fsync_folder, open_store, write_atomic
+from .store import (
+    ArtifactNotFound,
+    ArtifactStore,
+    check_key,
+    ensure_room,
+    file_path,
+    fsync_folder,
+    open_store,
+    write_atomic,
+)
 from .tensor_files import DTYPES, TensorWriter, index_name, single_name, write_tensors
 from .tokenizer import FILES as TOKENIZER_FILES
 
@@ -1012,6 +1021,14 @@ def write_location(folder: Path, uri: str, manifest: bytes) -> Path:
     return folder
 
 
+def upload_folder(folder: Path, target: ArtifactStore) -> bytes:
+    """Upload the files of the tracefp4 folder ``folder`` to the store folder ``target``, its
+    :data:`MANIFEST` last, so that a reader takes it whole once that is there; returns the manifest."""
+    for file in sorted(folder.iterdir(), key=lambda f: f.name == MANIFEST):
+        target.upload(file.name, file)
+    return (folder / MANIFEST).read_bytes()
+
+
 def location(
     folder: Path, store_env: Mapping[str, str] | None = None, where: object = None, check: bool = True
 ) -> str | None:
@@ -1041,8 +1058,8 @@ def location(
             manifest, standing_in = store.get_bytes(MANIFEST), LOCATION in store.list(LOCATION)
     except (FileNotFoundError, NotADirectoryError, ArtifactNotFound):
         raise CheckpointError(
-            f"{where} stands for {uri}, which is gone (a TrainJob round's trainer state leaves the store once the "
-            "next round has trained from it: go on from a run's last round)"
+            f"{where} stands for {uri}, which is gone (a round's trainer state leaves the store once a later round "
+            "has trained from it: go on from a run's last round)"
         ) from None
     if standing_in:
         raise CheckpointError(f"{where} stands for {uri}, which stands for another folder in turn")

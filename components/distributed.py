@@ -63,7 +63,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .checkpoint import PolicyReader, fetch, folder_digest, size_and_sha256
+from .checkpoint import PolicyReader, fetch, folder_digest, size_and_sha256, upload_folder
 from .device import compute_on, resolve
 from .model import Transformer, empty_model
 from .precision import MasterWeights
@@ -639,13 +639,9 @@ def _publish(rows: list[dict], history: str, folders: dict[Path, str]) -> None:
     else:
         write_atomic(fetch(history), lambda f: f.write(data))
     for folder, uri in folders.items():
-        if not _remote(uri):
-            continue
-        target = open_store(uri)
-        files = sorted(folder.iterdir(), key=lambda f: f.name == "checksums.json")  # the manifest last: complete
-        for f in files:
-            target.upload(f.name, f)
-        shutil.rmtree(folder)
+        if _remote(uri):
+            upload_folder(folder, open_store(uri))
+            shutil.rmtree(folder)
 
 
 if __name__ == "__main__":

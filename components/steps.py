@@ -18,6 +18,7 @@ on a GPU trains on a CPU and the reverse.
 import hashlib
 import json
 import random
+import shutil
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -28,7 +29,17 @@ from tracefp4.schemas import RunConfig
 
 from . import bootstrap as sft
 from .capture import CaptureConfig, CaptureRecords
-from .checkpoint import fetch, load_model, provenance, read_config, recommit, save_model
+from .checkpoint import (
+    MANIFEST,
+    fetch,
+    load_model,
+    provenance,
+    read_config,
+    recommit,
+    save_model,
+    upload_folder,
+    write_location,
+)
 from .device import compute_on, resolve
 from .export import export
 from .guidance import (
@@ -208,6 +219,28 @@ def continue_from(config: RunConfig, policy: Path, out: Path, run_id: str, state
     repin_state(source, meta, state, out, run_id)
     if decoded is not None:
         write_decode_stats(store, store_prefix(config, run_id, "guidance"), last, decoded)
+
+
+def state_key(config: RunConfig, run_id: str, round_index: int) -> str:
+    """Where :func:`hand_on_state` keeps round ``round_index``'s trainer state in the store: per run
+    and settings (another config under the same run id keeps its own)."""
+    return f"{store_prefix(config, run_id, 'trainer-state')}/round-{round_index:06d}-{config_digest(config)}"
+
+
+def hand_on_state(config: RunConfig, run_id: str, round_index: int, folder: Path) -> None:
+    """Move the trainer state a train step wrote at ``folder`` into the store, and leave at ``folder``
+    a folder that stands for it (:func:`.checkpoint.write_location`), as a TrainJob round does: KFP
+    then keeps that small folder each round, not the state (at Qwen3.5-35B-A3B 420 GB a round, which
+    the pipeline root would keep for good), and the next round fetches the state from the store. The
+    state of two rounds before leaves the store: the round after it trained from it and finished,
+    and a retry of this round takes the round before's."""
+    root = config.store.uri.rstrip("/")
+    target = open_store(f"{root}/{state_key(config, run_id, round_index)}", create_bucket=config.store.create_bucket)
+    manifest = upload_folder(folder, target)
+    shutil.rmtree(folder)
+    write_location(folder, target.uri, manifest)
+    if round_index >= 2:
+        _store(config).delete_folder(state_key(config, run_id, round_index - 2), MANIFEST)
 
 
 def sft_problems(config: RunConfig) -> tuple[list[Problem], list[Problem], list[Problem]]:

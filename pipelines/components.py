@@ -152,9 +152,11 @@ def train(
     or as a Kubeflow Trainer TrainJob (``train.launcher``)."""
     import json
     import shutil
+    from pathlib import Path
 
     from tracefp4.components import metrics as run_metrics
     from tracefp4.components import steps
+    from tracefp4.components.checkpoint import fetch
     from tracefp4.components.guidance import GuidanceRef
     from tracefp4.pipelines.resume import write_metrics
     from tracefp4.schemas import RunConfig, continuation
@@ -167,7 +169,7 @@ def train(
         rows = steps.train(
             config,
             policy.path,
-            trainer_state.path,
+            fetch(trainer_state.path),  # the round before's, which its folder stands for in the store
             trajectories.path,
             ref,
             new_policy.path,
@@ -189,6 +191,8 @@ def train(
             run_id,
             round_stats,
         )
+    if config.train.world_size == 1 or config.train.launcher == "torchrun":  # written here, not by a TrainJob's ranks
+        steps.hand_on_state(config, run_id, ref.rl_step, Path(new_trainer_state.path))
     shutil.copyfile(previous.path, history.path)
     with open(history.path, "a") as f:
         for row in rows:

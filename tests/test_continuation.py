@@ -10,7 +10,17 @@ import torch
 import yaml
 
 from tracefp4.components import steps
-from tracefp4.components.checkpoint import MANIFEST, load_model, provenance, write_location
+from tracefp4.components.checkpoint import (
+    LOCATION,
+    MANIFEST,
+    CheckpointError,
+    commit_folder,
+    fetch,
+    folder_digest,
+    load_model,
+    provenance,
+    write_location,
+)
 from tracefp4.components.guidance import read_manifest
 from tracefp4.components.store import open_store
 from tracefp4.components.trainer_state import StateMismatch, read_meta, state_tensors
@@ -220,3 +230,31 @@ def test_run_continue_from_needs_a_finished_train_task_and_another_output(tmp_pa
     )
     assert empty.exit_code == 1 and "no train task of a run finished there" in empty.output
     assert not (tmp_path / "next").exists()
+
+
+def test_a_train_step_in_its_own_pod_hands_its_trainer_state_on_through_the_store(tmp_path):
+    """What the train component does with the state it (or its torchrun ranks) wrote: the store keeps it, and
+    KFP a folder standing for it (its manifest and a location), which fetch follows to the same files; a
+    round's state leaves the store two rounds later, once the round after it has trained from it and a retry
+    of the next round no longer needs it."""
+    config = get_preset("smoke")
+    config.store.uri = (tmp_path / "store").as_uri()
+    folders = []
+    for r in range(3):
+        staged = tmp_path / f"staged-{r}"
+        staged.mkdir()
+        (staged / "tensors.bin").write_bytes(bytes([r]) * 100)
+        folder = commit_folder(staged, tmp_path / f"state-{r}", {"round": r})
+        digest = folder_digest(folder)
+        steps.hand_on_state(config, "run-1", r, folder)
+        assert (
+            sorted(p.name for p in folder.iterdir()) == sorted([LOCATION, MANIFEST]) and folder_digest(folder) == digest
+        )
+        assert (fetch(folder) / "tensors.bin").read_bytes() == bytes([r]) * 100
+        folders.append(folder)
+    with pytest.raises(CheckpointError, match="which is gone .* once a later round has trained from it"):
+        fetch(folders[0])
+    assert [(fetch(f) / "tensors.bin").read_bytes()[0] for f in folders[1:]] == [1, 2]
+    assert open_store(config.store.uri).list() == sorted(
+        f"{steps.state_key(config, 'run-1', r)}/{name}" for r in (1, 2) for name in ("tensors.bin", MANIFEST)
+    )

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tracefp4.components.checkpoint import fetch
 from tracefp4.components.trainer_state import read_meta
 from tracefp4.pipelines.parameters import apply, defaults, parameters
 from tracefp4.pipelines.pipeline import build_pipeline, compile_pipeline
@@ -91,7 +92,7 @@ def test_an_override_reaches_the_steps(tmp_path):
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
     build_pipeline(config, retries=False)(run_id="run-x", seed=7, rl_learning_rate=0.25, bootstrap_steps=3)
     root = next((tmp_path / "root").iterdir())
-    state = read_meta(root / "train" / "new_trainer_state")
+    state = read_meta(fetch(root / "train" / "new_trainer_state"))
     assert state["run_id"] == "run-x" and state["param_groups"][0]["lr"] == 0.25
     history = [json.loads(line) for line in (root / "train" / "history").read_text().splitlines()]
     assert history and all(row["method"] == "trace" for row in history)

@@ -11,7 +11,7 @@ import yaml
 from click.testing import CliRunner
 from kfp import components
 
-from tracefp4.components.checkpoint import folder_digest, load_model, provenance
+from tracefp4.components.checkpoint import LOCATION, MANIFEST, fetch, folder_digest, load_model, location, provenance
 from tracefp4.components.guidance import read_manifest
 from tracefp4.components.steps import store_prefix
 from tracefp4.components.store import open_store
@@ -57,7 +57,10 @@ def test_smoke_preset_runs_the_whole_dag(smoke_run):
     store = open_store(localize(get_preset("smoke"), out).store.uri)
     run_id = provenance(root / "train" / "new_policy")["run_id"]
     assert run_id and provenance(root / "prepare" / "policy") == {"run_id": run_id, "policy_version": 0}
-    state = read_meta(root / "train" / "new_trainer_state")  # the optimizer travels beside the policy, not in it
+    standing = root / "train" / "new_trainer_state"  # beside the policy, not in it; in the store, not in KFP's root
+    assert sorted(p.name for p in standing.iterdir()) == sorted([MANIFEST, LOCATION])
+    assert location(standing).startswith(f"{store.uri}/smoke/{run_id}/trace/trainer-state/round-000000-")
+    state = read_meta(fetch(standing))
     assert (state["run_id"], state["policy_version"]) == (run_id, 1)
     assert read_meta(root / "prepare" / "trainer_state")["policy_version"] == 0
     manifest = read_manifest(store, 0, store_prefix(get_preset("smoke"), run_id, "guidance"))
@@ -102,7 +105,7 @@ def test_a_continuation_goes_on_from_the_smoke_runs_final_policy_and_state(smoke
     assert run_id != provenance(root / "train" / "new_policy")["run_id"]  # a run of its own
     assert provenance(then / "prepare" / "policy") == {"run_id": run_id, "policy_version": 1}
     assert provenance(then / "train" / "new_policy") == {"run_id": run_id, "policy_version": 2}
-    assert read_meta(then / "train" / "new_trainer_state")["policy_version"] == 2
+    assert read_meta(fetch(then / "train" / "new_trainer_state"))["policy_version"] == 2
     history = [json.loads(line) for line in (then / "train" / "history").read_text().splitlines()]
     assert [(row["round"], row["step"]) for row in history] == [(1, 2)]
 
