@@ -5,6 +5,7 @@ the step within the timeout."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from tracefp4.components import steps
-from tracefp4.components.checkpoint import fetch, load_model
+from tracefp4.components.checkpoint import LOCATION, fetch, load_model
 from tracefp4.components.distributed import DistributedError, checkpoints_prefix
 from tracefp4.components.guidance import step_prefix
 from tracefp4.components.launch import MODULE, rank_arguments, torchrun
@@ -121,6 +122,23 @@ def test_two_processes_train_what_one_does(round_inputs, both):
     assert sorted(s1) == sorted(s2)
     for i in s1:
         torch.testing.assert_close(s2[i]["exp_avg_sq"], s1[i]["exp_avg_sq"], rtol=1e-4, atol=1e-12)
+
+
+def test_two_processes_train_from_a_state_that_stands_in_the_store_as_from_the_state(round_inputs, both):
+    """A later round of a train step in its own pod: its input state is a folder standing for the state in the
+    store (steps.hand_on_state, the round before's); rank 0 fetches it there, and the round trains bit for
+    bit as from the state itself."""
+    tmp, _, stats = round_inputs
+    standing = tmp / "state-0-standing"
+    shutil.copytree(tmp / "state-0", standing)
+    steps.hand_on_state(config_for(tmp), RUN, 0, standing)
+    assert (standing / LOCATION).is_file() and not (standing / "state.safetensors").exists()
+    config = config_for(tmp, processes=2)
+    inputs = (tmp / "policy-0", standing, tmp / "trajectories.jsonl", tmp / "guidance.json")
+    rows = torchrun(config, *inputs, tmp / "three", tmp / "three-state", tmp / "work-three", RUN, stats)
+    assert [r["loss"] for r in rows] == [r["loss"] for r in both[1]]
+    p2, p3 = load_model(tmp / "two").state_dict(), load_model(tmp / "three").state_dict()
+    assert all(torch.equal(p3[name], p2[name]) for name in p2)
 
 
 def test_two_processes_recomputing_their_layers_train_what_one_keeping_them_does(round_inputs, both):
