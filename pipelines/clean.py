@@ -94,6 +94,7 @@ def _pipeline_spec(client, run) -> dict:
 
 
 def _pipeline_root(run, spec: dict, given: str | None) -> str:
+    """Where KFP kept the run's artifacts: the root the run or its spec records, else ``given``."""
     recorded = (run.runtime_config.pipeline_root if run.runtime_config else None) or spec.get("defaultPipelineRoot")
     if recorded and given and recorded.rstrip("/") != given.rstrip("/"):
         raise SubmitError(f"run {run.run_id} kept its artifacts in {recorded}, not {given}")
