@@ -71,13 +71,17 @@ def run_folders(client, run_id: str, pipeline_root: str | None = None) -> list[R
     if run.state not in FINISHED:
         raise SubmitError(f"run {run_id} is {run.state or 'in no state'}: clean it once it has finished")
     spec = _pipeline_spec(client, run)
-    parameters = (run.runtime_config.parameters if run.runtime_config else None) or {}
     root = _pipeline_root(run, spec, pipeline_root)
     folders = [RunFolder("artifacts", root, f"{spec['pipelineInfo']['name']}/{run_id}")]
-    tracefp4_run_id = parameters.get("run_id") or run_id
+    tracefp4_run_id = _parameters(run).get("run_id") or run_id
     for name, store in sorted(_compiled_runs(spec)):
         folders.append(RunFolder("store", store, f"{name}/{tracefp4_run_id}"))
     return folders
+
+
+def _parameters(run) -> dict:
+    """The run's parameters as it was started with them (none recorded: empty)."""
+    return (run.runtime_config.parameters if run.runtime_config else None) or {}
 
 
 def _pipeline_spec(client, run) -> dict:
@@ -136,8 +140,7 @@ def waiting_continuations(client, namespace: str | None, folders: list[RunFolder
         with quiet():
             page = client.list_runs(page_token=token, page_size=PAGE, namespace=namespace)
         for run in page.runs or []:
-            values = ((run.runtime_config.parameters if run.runtime_config else None) or {}).values()
-            if not any(isinstance(v, str) and v.startswith(f.uri) for v in values for f in folders):
+            if not any(isinstance(v, str) and v.startswith(f.uri) for v in _parameters(run).values() for f in folders):
                 continue
             with quiet():
                 details = client.get_run(run.run_id).run_details
