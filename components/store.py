@@ -81,8 +81,14 @@ def check_key(key: str, *, allow_empty: bool = False) -> str:
 def write_atomic(path: Path, fill: Callable[[BinaryIO], None]) -> None:
     """Write ``path`` through a temp file in its folder: fsync, rename into
     place, fsync the folder (so the new name, not only the data, survives a crash)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
+    for attempt in range(3):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=_TMP_SUFFIX)
+            break
+        except FileNotFoundError:  # a deletion beside it took the folder while it was empty (LocalStore.delete)
+            if attempt == 2:
+                raise
     try:
         with os.fdopen(fd, "wb") as f:
             fill(f)
@@ -258,10 +264,21 @@ class LocalStore(ArtifactStore):
         return sorted(keys)
 
     def delete(self, key: str) -> None:
+        """Remove the file, and the folders that leaves empty up to the root: a
+        folder stands while keys lie under it, as on S3, so that deleting a
+        round's folder does not leave its empty tree behind at every round."""
+        path = self._path(key)
         try:
-            self._path(key).unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
         except OSError as e:
             raise self._error("delete", key, e) from e
+        for folder in path.parents:
+            if folder == self.root:
+                break
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (or gone): the folders above it stand too
+                break
 
 
 def _s3_settings(uri: str, env: Mapping[str, str]) -> dict:

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import ssl
+import tempfile
 import threading
 import time
 import tracemalloc
@@ -81,6 +82,39 @@ def test_delete_removes_one_object_and_a_missing_one_is_no_error(store):
     assert store.list("ckpt/") == ["ckpt/step-1/a", "ckpt/step-2/a"]
     with pytest.raises(ArtifactNotFound):
         store.get_bytes("ckpt/step-1/.metadata")
+
+
+def test_a_local_deletion_takes_the_folders_it_leaves_empty(tmp_path):
+    """As on S3, a folder stands while keys lie under it: deleting a round's
+    keys leaves no empty tree behind; the root and folders still holding keys stay."""
+    store = LocalStore(tmp_path / "store")
+    for key in ("run/round-1/state/a", "run/round-1/state/b", "run/round-2/a"):
+        store.put_bytes(key, b"x")
+    store.delete("run/round-1/state/a")
+    assert (tmp_path / "store/run/round-1/state").is_dir()
+    store.delete_folder("run/round-1", ".metadata")
+    assert sorted(p.name for p in (tmp_path / "store/run").iterdir()) == ["round-2"]
+    store.delete("run/round-2/a")
+    assert list((tmp_path / "store").iterdir()) == []
+    store.put_bytes("run/round-3/a", b"y")  # the tree comes back with a key
+    assert store.list() == ["run/round-3/a"]
+
+
+def test_a_local_write_survives_a_deletion_taking_its_empty_folder(tmp_path, monkeypatch):
+    """A deletion beside a write may take the write's folder between its
+    ``mkdir`` and its temp file: the write makes the folder again."""
+    store = LocalStore(tmp_path)
+    mkstemp, taken = tempfile.mkstemp, []
+
+    def folder_taken_once(dir, **kwargs):
+        if not taken:
+            taken.append(dir)
+            os.rmdir(dir)
+        return mkstemp(dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", folder_taken_once)
+    store.put_bytes("run/round-1/a", b"x")
+    assert taken and store.get_bytes("run/round-1/a") == b"x"
 
 
 def test_delete_folder_deletes_each_marker_first_and_keeps_the_rest(store):
