@@ -79,6 +79,31 @@ def run_folders(client, run_id: str, pipeline_root: str | None = None) -> list[R
     return folders
 
 
+def went_on_from(client, run_id: str, artifacts: RunFolder) -> str | None:
+    """The run that run ``run_id`` went on from: the one whose KFP artifacts, beside its own ``artifacts``
+    (under the same pipeline root), hold a URI among its parameters (the policy or trainer state that a chain's
+    next run, or a continuation submitted by hand, starts from); None for a run that started from none."""
+    with quiet():
+        run = client.get_run(run_id)
+    under = artifacts.root.rstrip("/") + "/"
+    for value in _parameters(run).values():
+        if isinstance(value, str) and value.startswith(under):
+            parts = value[len(under) :].split("/")  # {pipeline name}/{run id}/{task}/...
+            if len(parts) > 2 and parts[1] != run_id:
+                return parts[1]
+    return None
+
+
+def chain_folders(client, run_id: str, pipeline_root: str | None = None) -> dict[str, list[RunFolder]]:
+    """:func:`run_folders` of run ``run_id`` and, newest first, of each run it went on from in turn
+    (:func:`went_on_from`): the runs of its chain back to the first."""
+    folders = {run_id: run_folders(client, run_id, pipeline_root)}
+    while (before := went_on_from(client, run_id, folders[run_id][0])) and before not in folders:
+        folders[before] = run_folders(client, before, folders[run_id][0].root)
+        run_id = before
+    return folders
+
+
 def _parameters(run) -> dict:
     """The run's parameters as it was started with them (none recorded: empty)."""
     return (run.runtime_config.parameters if run.runtime_config else None) or {}

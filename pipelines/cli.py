@@ -504,31 +504,44 @@ def report(run_dir):
     help="Also the run's record in its KFP artifacts: report, history, metrics, evaluation results and the exported "
     "policy (kept by default).",
 )
+@click.option(
+    "--chain",
+    is_flag=True,
+    help="Also every run it went on from, back to its chain's first (each found by the policy it started from).",
+)
 @click.option("--yes", is_flag=True, help="Delete them; without it, only say what would go.")
-def runs_clean(run_id, root, only, everything, yes, **connection):
+def runs_clean(run_id, root, only, everything, chain, yes, **connection):
     """Delete what a finished run left in object storage: its policies, trainer states, trajectories and
     guidance among its KFP artifacts, and its folder in tracefp4's store (S3 settings: TRACEFP4_S3_*);
     refused while a run that goes on from it has yet to prepare."""
     from tracefp4.components.store import StoreError
-    from tracefp4.pipelines.clean import KINDS, delete, run_folders, survey, waiting_continuations
+    from tracefp4.pipelines.clean import KINDS, chain_folders, delete, run_folders, survey, waiting_continuations
     from tracefp4.pipelines.submit import connect
 
     connection = _connection(**connection)
     client = _kfp_call(connect, connection)
-    folders = _kfp_call(run_folders, client, run_id, root)
+    if chain:
+        runs = _kfp_call(chain_folders, client, run_id, root)
+    else:
+        runs = {run_id: _kfp_call(run_folders, client, run_id, root)}
+    folders = [folder for found in runs.values() for folder in found]
     if waiting := _kfp_call(waiting_continuations, client, connection.namespace, folders):
+        which = f"run {run_id}" + (f" and the {len(runs) - 1} run(s) before it" if len(runs) > 1 else "")
         raise click.ClickException(
-            f"run {run_id} is kept: runs that go on from it have not finished their prepare task: "
-            f"{', '.join(waiting)}; clean it once they have, or delete them in KFP first"
+            f"{which} kept: runs that go on from them have not finished their prepare task: "
+            f"{', '.join(waiting)}; clean once they have, or delete them in KFP first"
         )
     try:  # every folder surveyed before any is deleted: one the S3 settings do not reach stops nothing half done
-        surveys = [survey(f, everything) for f in folders if only in (None, f.kind)]
-        for found in surveys:
-            size = f"{len(found.keys)} objects, {found.size / 1e9:.2f} GB"
-            click.echo(f"{KINDS[found.folder.kind]}: {found.folder.uri}: {size}")
-            if yes and found.keys:
-                delete(found)
-                click.echo("  deleted")
+        surveys = {run: [survey(f, everything) for f in found if only in (None, f.kind)] for run, found in runs.items()}
+        for run, found_in_run in surveys.items():
+            if len(runs) > 1:
+                click.echo(f"run {run}:")
+            for found in found_in_run:
+                size = f"{len(found.keys)} objects, {found.size / 1e9:.2f} GB"
+                click.echo(f"{KINDS[found.folder.kind]}: {found.folder.uri}: {size}")
+                if yes and found.keys:
+                    delete(found)
+                    click.echo("  deleted")
     except (StoreError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     if not yes:

@@ -809,6 +809,52 @@ def test_runs_clean_deletes_what_a_finished_run_left_once_no_run_still_needs_it(
     assert bucket.list() == sorted(theirs)
 
 
+def test_runs_clean_chain_deletes_a_chain_back_to_its_first_run(kfp_server, s3_env, tmp_path):
+    """--chain: each run found by the policy it started from, a URI under the KFP artifacts of the run
+    before it; the first run started from a checkpoint elsewhere. Every run of the chain listed, then deleted;
+    another run's objects stay; refused while a run going on from the last has not prepared."""
+    base = f"clean-{tmp_path.name}"
+    root, store_uri = s3_env.uri(f"{base}/pipeline-root"), s3_env.uri(f"{base}/runs")
+    config = load_config(preset="smoke", overrides={"store.uri": store_uri})
+    connection = Connection(kfp_server.url)
+    prepared = {"run_details": {"task_details": [{"task_id": "t", "display_name": "prepare", "state": "SUCCEEDED"}]}}
+
+    def run(started_from: str) -> str:
+        run_id = submit(config, connection, pipeline_root=root)["run_id"]
+        kfp_server.runs[run_id]["runtime_config"]["parameters"]["model_checkpoint"] = started_from
+        kfp_server.runs[run_id].update(state="SUCCEEDED", **prepared)
+        return run_id
+
+    first = run(s3_env.uri(f"{base}/base-checkpoint"))
+    second = run(f"{root}/tracefp4-smoke/{first}/train-2/a1/new_policy")
+    last = run(f"{root}/tracefp4-smoke/{second}/train-5/b2/new_policy")
+    other = run(s3_env.uri(f"{base}/base-checkpoint"))
+    bucket = s3_env.store(base)
+    chain = [f"pipeline-root/tracefp4-smoke/{r}/train/c/new_policy/{MANIFEST}" for r in (first, second, last)]
+    chain += [f"runs/smoke/{r}/trace/guidance/step-000000.bin" for r in (first, second, last)]
+    theirs = [f"pipeline-root/tracefp4-smoke/{other}/train/c/new_policy/{MANIFEST}", f"runs/smoke/{other}/x"]
+    _leave(bucket, chain + theirs)
+
+    def clean(*options):
+        return CliRunner().invoke(main, ["runs", "clean", last, "--chain", "--host", kfp_server.url, *options])
+
+    listed = clean()
+    assert listed.exit_code == 0, listed.output
+    headers = [line for line in listed.output.splitlines() if line.startswith("run ")]
+    assert headers == [f"run {last}:", f"run {second}:", f"run {first}:"]
+    assert listed.output.count(": 1 objects") == 6 and bucket.list() == sorted(chain + theirs)
+
+    follower = submit(config, connection, pipeline_root=root, run_name="goes-on")["run_id"]
+    kfp_server.runs[follower]["runtime_config"]["parameters"]["model_checkpoint"] = f"{root}/tracefp4-smoke/{last}/x"
+    refused = clean("--yes")
+    assert refused.exit_code == 1 and f"run {last} and the 2 run(s) before it kept" in refused.output
+    assert f"goes-on ({follower}, PENDING)" in refused.output and bucket.list() == sorted(chain + theirs)
+    kfp_server.runs[follower].update(state="RUNNING", **prepared)
+    deleted = clean("--yes")
+    assert deleted.exit_code == 0 and deleted.output.count("  deleted") == 6, deleted.output
+    assert bucket.list() == sorted(theirs)
+
+
 def test_runs_clean_needs_the_pipeline_root_of_a_run_that_records_none(kfp_server, s3_env, tmp_path):
     """A run submitted without a pipeline root kept its artifacts in the cluster's default, which the API does
     not tell; one that records its root refuses another."""
