@@ -166,8 +166,13 @@ class ArtifactStore(ABC):
         (S3's ETag; a file's modification time); ArtifactNotFound if it is missing."""
 
     @abstractmethod
+    def sizes(self, prefix: str = "") -> dict[str, int]:
+        """The keys starting with ``prefix`` and their sizes in bytes, from one listing (S3's carries
+        them: a run's thousand objects need no request each)."""
+
     def list(self, prefix: str = "") -> list[str]:
         """Sorted keys starting with ``prefix``."""
+        return sorted(self.sizes(prefix))
 
     @abstractmethod
     def delete(self, key: str) -> None:
@@ -250,18 +255,20 @@ class LocalStore(ArtifactStore):
             raise ArtifactNotFound(f"{self.uri}: no artifact {key!r}")
         return info.st_size, str(info.st_mtime_ns)
 
-    def list(self, prefix: str = "") -> list[str]:
+    def sizes(self, prefix: str = "") -> dict[str, int]:
         check_key(prefix, allow_empty=True)
         start = self.root / prefix.rpartition("/")[0]  # deepest folder the prefix names
-        keys = []
+        found = {}
         for folder, _, files in os.walk(start):
             for name in files:
                 if name.startswith(".") and name.endswith(_TMP_SUFFIX):
                     continue
-                key = Path(folder, name).relative_to(self.root).as_posix()
+                path = Path(folder, name)
+                key = path.relative_to(self.root).as_posix()
                 if key.startswith(prefix):
-                    keys.append(key)
-        return sorted(keys)
+                    with contextlib.suppress(FileNotFoundError):  # deleted since the walk read its folder
+                        found[key] = path.stat().st_size
+        return found
 
     def delete(self, key: str) -> None:
         """Remove the file, and the folders that leaves empty up to the root: a
@@ -497,15 +504,17 @@ class S3Store(ArtifactStore):
         info = self._call("stat", key, lambda: self._client.stat_object(self.bucket, name))
         return info.size, info.etag
 
-    def list(self, prefix: str = "") -> list[str]:
+    def sizes(self, prefix: str = "") -> dict[str, int]:
         check_key(prefix, allow_empty=True)
         root = f"{self.prefix}/" if self.prefix else ""
 
-        def names() -> list[str]:
+        def listing() -> dict[str, int]:
             objects = self._client.list_objects(self.bucket, prefix=root + prefix, recursive=True)
-            return [o.object_name for o in objects if not o.is_dir and not o.object_name.endswith("/")]
+            return {
+                o.object_name[len(root) :]: o.size for o in objects if not o.is_dir and not o.object_name.endswith("/")
+            }
 
-        return sorted(name[len(root) :] for name in self._call("list", prefix, names))
+        return self._call("list", prefix, listing)
 
     def delete(self, key: str) -> None:
         name = self._name(key)

@@ -181,12 +181,12 @@ def survey(folder: RunFolder, everything: bool = False) -> Survey:
     """The objects under ``folder`` a clean deletes, and their bytes (StoreError where its server is not
     reached): in the store, all; of the KFP artifacts, those of :data:`BULK` outputs, or all (``everything``).
     An artifact's keys are ``{task}/{salt}/{output}/...`` under the folder (KFP's driver)."""
-    store = open_store(folder.root)
-    keys = store.list(folder.prefix + "/")
+    sizes = open_store(folder.root).sizes(folder.prefix + "/")
+    keys = sorted(sizes)
     if folder.kind == "artifacts" and not everything:
         depth = folder.prefix.count("/") + 3  # the output's name: the third part under the folder
         keys = [k for k in keys if k.count("/") >= depth and k.split("/")[depth] in BULK]
-    return Survey(folder, keys, sum(store.stat(k)[0] for k in keys))
+    return Survey(folder, keys, sum(sizes[k] for k in keys))
 
 
 def delete(found: Survey) -> None:

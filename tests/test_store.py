@@ -54,6 +54,7 @@ def test_round_trip(store):
     assert store.get_bytes("dir/b.bin") == b""
     assert store.get_bytes("dir/sub/c.bin") == bytes(range(256)) * 100
     assert store.list() == ["a.bin", "dir/b.bin", "dir/sub/c.bin"]  # a "folder" is not an artifact
+    assert store.sizes("dir/") == {"dir/b.bin": 0, "dir/sub/c.bin": 25600}
     with pytest.raises(ArtifactNotFound):
         store.get_bytes("dir")
 
