@@ -99,7 +99,10 @@ def chain_folders(client, run_id: str, pipeline_root: str | None = None) -> dict
     (:func:`went_on_from`): the runs of its chain back to the first."""
     folders = {run_id: run_folders(client, run_id, pipeline_root)}
     while (before := went_on_from(client, run_id, folders[run_id][0])) and before not in folders:
-        folders[before] = run_folders(client, before, folders[run_id][0].root)
+        try:
+            folders[before] = run_folders(client, before, folders[run_id][0].root)
+        except SubmitError as e:  # not finished, or deleted in KFP (its artifacts stay: its spec does not)
+            raise SubmitError(f"run {run_id} went on from run {before}: {e}") from None
         run_id = before
     return folders
 

@@ -853,6 +853,9 @@ def test_runs_clean_chain_deletes_a_chain_back_to_its_first_run(kfp_server, s3_e
     deleted = clean("--yes")
     assert deleted.exit_code == 0 and deleted.output.count("  deleted") == 6, deleted.output
     assert bucket.list() == sorted(theirs)
+    del kfp_server.runs[first]  # deleted in KFP
+    gone = clean()
+    assert gone.exit_code == 1 and f"run {second} went on from run {first}: GET " in gone.output, gone.output
 
 
 def test_runs_clean_needs_the_pipeline_root_of_a_run_that_records_none(kfp_server, s3_env, tmp_path):
