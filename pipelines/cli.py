@@ -526,7 +526,7 @@ def runs_clean(run_id, root, only, everything, chain, yes, **connection):
         runs = {run_id: _kfp_call(run_folders, client, run_id, root)}
     folders = [folder for found in runs.values() for folder in found]
     if waiting := _kfp_call(waiting_continuations, client, connection.namespace, folders):
-        which = f"run {run_id}" + (f" and the {len(runs) - 1} run(s) before it" if len(runs) > 1 else "")
+        which = f"run {run_id} and the {len(runs) - 1} run(s) before it are" if len(runs) > 1 else f"run {run_id} is"
         raise click.ClickException(
             f"{which} kept: runs that go on from them have not finished their prepare task: "
             f"{', '.join(waiting)}; clean once they have, or delete them in KFP first"

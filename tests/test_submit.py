@@ -847,7 +847,7 @@ def test_runs_clean_chain_deletes_a_chain_back_to_its_first_run(kfp_server, s3_e
     follower = submit(config, connection, pipeline_root=root, run_name="goes-on")["run_id"]
     kfp_server.runs[follower]["runtime_config"]["parameters"]["model_checkpoint"] = f"{root}/tracefp4-smoke/{last}/x"
     refused = clean("--yes")
-    assert refused.exit_code == 1 and f"run {last} and the 2 run(s) before it kept" in refused.output
+    assert refused.exit_code == 1 and f"run {last} and the 2 run(s) before it are kept" in refused.output
     assert f"goes-on ({follower}, PENDING)" in refused.output and bucket.list() == sorted(chain + theirs)
     kfp_server.runs[follower].update(state="RUNNING", **prepared)
     deleted = clean("--yes")
