@@ -9,6 +9,7 @@ batching gains over static waves when responses end at scattered lengths.
     python benchmarks/rollout.py --linear-decode-only   # the Gated DeltaNet row alone
     python benchmarks/rollout.py --speed-only           # the engine against generate alone
     python benchmarks/rollout.py --batching-only        # continuous batching against static waves alone
+    python benchmarks/rollout.py --anatomy-only         # where a decode step's time goes
 
 The last line is one JSON object with every figure, and the CPU it was
 measured on (model, bf16 native or emulated: ``TRACEFP4_CPU_BF16``).
@@ -20,10 +21,12 @@ import json
 import logging
 import tempfile
 import time
+from unittest import mock
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from tracefp4.components import model as model_module
 from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.checkpoint import save_model
 from tracefp4.components.device import cpu_kind, keep_freed_memory
@@ -92,25 +95,88 @@ def hf_generate(checkpoint: str, device: str):
     return run
 
 
-def decode_tokens_per_s(engine: TorchEngine, batch: int, context: int, steps: int) -> float:
-    """Greedy decode steps per second x batch after a prefill of ``context``
-    tokens: the decode loop alone, through the engine's own prefill and decode
-    steps (``generate`` would time the prefill too)."""
+def _sync(device: torch.device) -> None:
+    """Wait for a GPU's queued work (a CPU's is done when its call returns)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _prefilled(engine: TorchEngine, batch: int, context: int, steps: int):
+    """A batch of ``context`` random tokens a row, prefilled into a KV cache with
+    room for ``steps`` more: the first decode step's inputs (new tokens, lengths,
+    ids) and the cache."""
     gen = torch.Generator().manual_seed(context)
     prompts = torch.randint(0, engine.model.cfg.vocab_size, (batch, context), generator=gen).tolist()
     tokens, positions, lengths = right_pad(prompts, device=engine.device)
     cache = KVCache(engine.model.cfg, batch, context + steps, engine.sites, engine.dtype, engine.device)
     ids = torch.arange(batch, device=engine.device)
-    sync = torch.cuda.synchronize if engine.device.type == "cuda" else lambda: None  # a GPU's steps run queued
     with torch.no_grad():
         new = engine._prefill(tokens, positions, lengths, ids, cache).argmax(-1)
-        sync()
-        start = time.perf_counter()
+    return new, lengths, ids, cache
+
+
+def decode_tokens_per_s(engine: TorchEngine, batch: int, context: int, steps: int) -> float:
+    """Greedy decode steps per second x batch after a prefill of ``context``
+    tokens: the decode loop alone, through the engine's own prefill and decode
+    steps (``generate`` would time the prefill too)."""
+    new, lengths, ids, cache = _prefilled(engine, batch, context, steps)
+    _sync(engine.device)
+    start = time.perf_counter()
+    with torch.no_grad():
         for step in range(steps):
             lengths = lengths + 1
             new = engine._decode(new, lengths, ids, cache, context + step + 1).argmax(-1)
-        sync()
+    _sync(engine.device)
     return batch * steps / (time.perf_counter() - start)
+
+
+def step_anatomy(engine: TorchEngine, batch: int, context: int, steps: int, repeat: int) -> dict:
+    """Where a decode step's time goes, in milliseconds a step (the best of
+    ``repeat`` interleaved rounds): the step as it runs; the step with every
+    matmul and attention call (those of model.py, which all go through
+    ``batch_invariant``) answered from a table of outputs computed once per
+    call shape, which leaves the small ops and Python; and the step's matmul
+    and attention calls alone, replayed back to back on the inputs one step
+    gave them, so that their weights and code stay warm in the caches. The
+    calls take (step - rest) inside the step, against the replay alone."""
+    real, outputs, calls = model_module.batch_invariant, {}, []
+
+    def answered(op, *args, **kwargs):
+        key = (op, *(None if a is None else (a.shape, a.dtype) for a in args))
+        if key not in outputs:
+            outputs[key] = real(op, *args, **kwargs)
+        return outputs[key]
+
+    def recorded(op, *args, **kwargs):
+        calls.append((op, args, kwargs))
+        return real(op, *args, **kwargs)
+
+    def stubbed() -> float:
+        with mock.patch.object(model_module, "batch_invariant", answered):
+            return decode_tokens_per_s(engine, batch, context, steps)
+
+    def replayed() -> float:
+        start = time.perf_counter()
+        for _ in range(steps):
+            for op, args, kwargs in calls:
+                op(*args, **kwargs)
+        _sync(engine.device)
+        return batch * steps / (time.perf_counter() - start)
+
+    new, lengths, ids, cache = _prefilled(engine, batch, context, 1)
+    with torch.no_grad(), mock.patch.object(model_module, "batch_invariant", recorded):
+        engine._decode(new, lengths + 1, ids, cache, context + 1)
+    stubbed()  # fills the table
+    with torch.no_grad():
+        rates = best_of(repeat, lambda: decode_tokens_per_s(engine, batch, context, steps), stubbed, replayed)
+    step, rest, alone = (1e3 * batch / rate for rate in rates)
+    return {
+        f"b{batch}_decode_step_ms": step,
+        f"b{batch}_decode_step_rest_ms": rest,
+        f"b{batch}_matmul_attention_calls": len(calls),
+        f"b{batch}_matmul_attention_in_step_ms": step - rest,
+        f"b{batch}_matmul_attention_replayed_ms": alone,
+    }
 
 
 def linear_decode_scaling(args, device: str) -> dict:
@@ -216,6 +282,9 @@ def main() -> None:
     parser.add_argument("--batching-requests", type=int, default=128)
     parser.add_argument("--batching-new-tokens", type=int, default=256)
     parser.add_argument("--batching-only", action="store_true", help="only continuous batching against waves")
+    parser.add_argument(
+        "--anatomy-only", action="store_true", help="only where a decode step's time goes, at batch 1 and --batches"
+    )
     args = parser.parse_args()
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -225,6 +294,23 @@ def main() -> None:
         print(json.dumps({"device": device, **cpu_kind(), **linear_decode_scaling(args, device)}))
         return
     model = build_model(args.preset, seed=0)
+    if args.anatomy_only:
+        engine = TorchEngine(model, rollout_config("bf16"), device=device)
+        figures = {"device": device, **cpu_kind(), "preset": args.preset, "context": args.prompt_len}
+        for batch in dict.fromkeys([1, *args.batches]):
+            parts = step_anatomy(engine, batch, args.prompt_len, args.new_tokens, args.repeat)
+            figures.update(parts)
+            step, rest, alone = (
+                parts[f"b{batch}_{name}_ms"]
+                for name in ("decode_step", "decode_step_rest", "matmul_attention_replayed")
+            )
+            print(
+                f"batch {batch:4}: decode step {step:.2f} ms; without its {parts[f'b{batch}_matmul_attention_calls']} "
+                f"matmul and attention calls {rest:.2f} ms; those calls take {step - rest:.2f} ms in the step, "
+                f"{alone:.2f} ms replayed back to back"
+            )
+        print(json.dumps(figures))
+        return
     if args.batching_only:
         print(
             json.dumps(

@@ -41,3 +41,21 @@ def test_batching_only_ends_with_continuous_batching_against_waves_alone():
         figures["batching_continuous_tokens_per_s"] / figures["batching_waves_tokens_per_s"]
     )
     assert not any(key.startswith(("b2_", "capture", "linear_")) for key in figures)
+
+
+def test_anatomy_only_splits_a_decode_step_into_its_matmul_and_attention_calls_and_the_rest():
+    """The command behind docs/rollout.md's "Where a decode step's time goes", at the smallest sizes: the smoke
+    model's 2 layers make 2 x 3 linear layers, 2 x 2 expert matmuls, 2 attention calls and the head (13 calls),
+    and answering them from a table leaves the step's other work (how long each takes is the machine's: a noisy
+    one may even time the rest above the whole at these sizes)."""
+    command = [sys.executable, "benchmarks/rollout.py", "--anatomy-only", "--preset", "smoke", "--batches", "3"]
+    command += ["--prompt-len", "4", "--new-tokens", "3", "--repeat", "1"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    for batch in (1, 3):
+        assert figures[f"b{batch}_matmul_attention_calls"] == 13
+        step, rest = figures[f"b{batch}_decode_step_ms"], figures[f"b{batch}_decode_step_rest_ms"]
+        assert min(step, rest) > 0 and figures[f"b{batch}_matmul_attention_in_step_ms"] == step - rest
+        assert figures[f"b{batch}_matmul_attention_replayed_ms"] > 0
+    assert not any(key.startswith(("b2_", "capture", "batching_", "linear_")) for key in figures)
