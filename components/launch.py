@@ -5,13 +5,15 @@ The train step hands over its inputs as files, runs torchrun as a child
 process, streams its output into the step's log and reads the history rows
 rank 0 wrote. torchrun watches its ranks: when one dies the others are
 stopped and torchrun exits non-zero, naming the rank and its error (the
-ranks' ``@record``); a rank that hangs trips the process group's timeout
+ranks' ``@record``; for a rank a signal killed, what the ranks printed last:
+:func:`failure`); a rank that hangs trips the process group's timeout
 (``train.timeout_seconds``). Either way the step fails with that text, never
 hangs. A Kubeflow Trainer TrainJob (:mod:`tracefp4.pipelines.trainjob`)
 starts the same program on a cluster.
 """
 
 import json
+import re
 import subprocess
 import sys
 from collections import deque
@@ -22,7 +24,9 @@ from tracefp4.schemas import RunConfig
 from .distributed import DistributedError
 
 MODULE = "tracefp4.components.distributed"
-_TAIL = 60  # lines of torchrun's output kept for the error
+_TAIL = 120  # lines of torchrun's output kept for the error: its own account (about 45) and the ranks' before it
+RANK_LINES = 20  # the ranks' last lines in the error where a signal killed one
+_TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} .*torch/distributed/elastic/")  # torchrun's own log lines (glog format)
 
 
 def rank_arguments(
@@ -100,8 +104,17 @@ def torchrun(
 
 def failure(lines: list[str]) -> str:
     """torchrun's account of the first failure (rank, exit code, error) from
-    its last lines, or those lines when it printed none."""
+    its last lines, or those lines when it printed none. A rank a signal
+    killed (a C++ abort, such as gloo's on a broken or timed-out collective;
+    the kernel's OOM killer) has no traceback there, only the signal: its
+    reason is in what the ranks printed last, before torchrun's own lines,
+    which then come first."""
     for i, line in enumerate(lines):
         if "Root Cause" in line:
-            return "\n".join(lines[i:])
+            account = lines[i:]
+            if not any(re.search(r"Signal \d+ \(SIG\w+\) received", line) for line in account):
+                return "\n".join(account)
+            own = next((j for j, line in enumerate(lines) if _TORCHRUN_LOG.match(line)), i)
+            last = [line for line in lines[max(0, own - RANK_LINES) : own] if line.strip()]
+            return "\n".join(["the ranks' last lines:", *last, *account])
     return "\n".join(lines)

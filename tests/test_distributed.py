@@ -20,7 +20,7 @@ from tracefp4.components import steps
 from tracefp4.components.checkpoint import LOCATION, fetch, load_model
 from tracefp4.components.distributed import DistributedError, checkpoints_prefix
 from tracefp4.components.guidance import step_prefix
-from tracefp4.components.launch import MODULE, rank_arguments, torchrun
+from tracefp4.components.launch import MODULE, failure, rank_arguments, torchrun
 from tracefp4.components.store import open_store
 from tracefp4.components.tasks import END
 from tracefp4.components.tokenizer import load_tokenizer
@@ -308,6 +308,37 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
     assert any(f"{shard.name}: not the file this checkpoint wrote" in line for line in lines), lines[-5:]
     (root / left[-1] / ".metadata").unlink()  # incomplete now
     assert rerun(tmp_path / "b") == []  # nothing read: the round trained from its start
+
+
+def test_a_rank_aborted_by_a_signal_fails_with_what_it_printed_last(tmp_path):
+    """torchrun's account of a rank a signal killed names the signal alone; the
+    step's error also carries the ranks' last lines, where a C++ abort (gloo's
+    on a broken collective, say) prints its reason. Real torchrun output, from
+    ranks that print and one that aborts."""
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "rank = int(os.environ['RANK'])\n"
+        "print(f'rank {rank} trained step 1', flush=True)\n"
+        "if rank == 1:\n"
+        "    print(\"terminate called after throwing 'gloo::IoException'\", file=sys.stderr, flush=True)\n"
+        "    os.abort()\n"
+        "time.sleep(5)\n"
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2"]
+    done = subprocess.run([*command, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    message = failure((done.stdout + done.stderr).splitlines())
+    assert message.startswith("the ranks' last lines:\n"), message
+    assert "rank 1 trained step 1" in message and "gloo::IoException" in message
+    assert "Root Cause" in message and "(SIGABRT)" in message and "Traceback" not in message
+    # a rank's Python error: torchrun's account alone, as before
+    account = [
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+        "Root Cause (first observed failure):",
+    ]
+    account += ["  exitcode  : 1 (pid: 7)", "  traceback : Traceback (most recent call last): ValueError: bad"]
+    assert failure(["rank 0 trained step 1", *account]) == "\n".join(account[1:])
 
 
 def test_a_killed_rank_fails_the_step_within_the_timeout(round_inputs, tmp_path):
