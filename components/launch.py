@@ -108,7 +108,7 @@ def failure(lines: list[str]) -> str:
     killed (a C++ abort, such as gloo's on a broken or timed-out collective;
     the kernel's OOM killer) has no traceback there, only the signal: its
     reason is in what the ranks printed last, before torchrun's own lines,
-    which then come first."""
+    which then come first, and so do the other ranks' failures."""
     for i, line in enumerate(lines):
         if "Root Cause" in line:
             account = lines[i:]
@@ -116,5 +116,6 @@ def failure(lines: list[str]) -> str:
                 return "\n".join(account)
             own = next((j for j, line in enumerate(lines) if _TORCHRUN_LOG.match(line)), i)
             last = [line for line in lines[max(0, own - RANK_LINES) : own] if line.strip()]
-            return "\n".join(["the ranks' last lines:", *last, *account])
+            others = next((j for j, line in enumerate(lines[:i]) if line.startswith("Failures:")), i)
+            return "\n".join(["the ranks' last lines:", *last, *lines[others:]])
     return "\n".join(lines)

@@ -332,6 +332,7 @@ def test_a_rank_aborted_by_a_signal_fails_with_what_it_printed_last(tmp_path):
     assert message.startswith("the ranks' last lines:\n"), message
     assert "rank 1 trained step 1" in message and "gloo::IoException" in message
     assert "Root Cause" in message and "(SIGABRT)" in message and "Traceback" not in message
+    assert message.index("Failures:") < message.index("Root Cause")  # the other ranks' ends too
     # a rank's Python error: torchrun's account alone, as before
     account = [
         "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
