@@ -25,7 +25,7 @@ from .distributed import DistributedError
 
 MODULE = "tracefp4.components.distributed"
 _TAIL = 120  # lines of torchrun's output kept for the error: its own account (about 45) and the ranks' before it
-RANK_LINES = 20  # the ranks' last lines in the error where a signal killed one
+_RANK_LINES = 20  # the ranks' last lines in the error where a signal killed one
 _TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} .*torch/distributed/elastic/")  # torchrun's own log lines (glog format)
 
 
@@ -115,7 +115,7 @@ def failure(lines: list[str]) -> str:
             if not any(re.search(r"Signal \d+ \(SIG\w+\) received", line) for line in account):
                 return "\n".join(account)
             own = next((j for j, line in enumerate(lines) if _TORCHRUN_LOG.match(line)), i)
-            last = [line for line in lines[max(0, own - RANK_LINES) : own] if line.strip()]
+            last = [line for line in lines[max(0, own - _RANK_LINES) : own] if line.strip()]
             others = next((j for j, line in enumerate(lines[:i]) if line.startswith("Failures:")), i)
             return "\n".join(["the ranks' last lines:", *last, *lines[others:]])
     return "\n".join(lines)
