@@ -66,41 +66,49 @@ def run_folders(client, run_id: str, pipeline_root: str | None = None) -> list[R
     """The folders finished run ``run_id`` left: its KFP artifacts and its folder in tracefp4's store
     (``client``: :func:`~.submit.connect`'s; ``pipeline_root``: the cluster's default, for a run that
     records none). Raises SubmitError."""
+    return _folders(client, _run(client, run_id), pipeline_root)
+
+
+def _run(client, run_id: str):
     with quiet():
-        run = client.get_run(run_id)
+        return client.get_run(run_id)
+
+
+def _folders(client, run, pipeline_root: str | None) -> list[RunFolder]:
+    """:func:`run_folders` of the run ``run`` as the API gave it."""
     if run.state not in FINISHED:
-        raise SubmitError(f"run {run_id} is {run.state or 'in no state'}: clean it once it has finished")
+        raise SubmitError(f"run {run.run_id} is {run.state or 'in no state'}: clean it once it has finished")
     spec = _pipeline_spec(client, run)
     root = _pipeline_root(run, spec, pipeline_root)
-    folders = [RunFolder("artifacts", root, f"{spec['pipelineInfo']['name']}/{run_id}")]
-    tracefp4_run_id = _parameters(run).get("run_id") or run_id
+    folders = [RunFolder("artifacts", root, f"{spec['pipelineInfo']['name']}/{run.run_id}")]
+    tracefp4_run_id = _parameters(run).get("run_id") or run.run_id
     for name, store in sorted(_compiled_runs(spec)):
         folders.append(RunFolder("store", store, f"{name}/{tracefp4_run_id}"))
     return folders
 
 
-def went_on_from(client, run_id: str, artifacts: RunFolder) -> str | None:
-    """The run that run ``run_id`` went on from: the one whose KFP artifacts, beside its own ``artifacts``
+def went_on_from(run, artifacts: RunFolder) -> str | None:
+    """The id of the run that ``run`` went on from: the one whose KFP artifacts, beside its own ``artifacts``
     (under the same pipeline root), hold a URI among its parameters (the policy or trainer state that a chain's
     next run, or a continuation submitted by hand, starts from); None for a run that started from none."""
-    with quiet():
-        run = client.get_run(run_id)
     under = artifacts.root.rstrip("/") + "/"
     for value in _parameters(run).values():
         if isinstance(value, str) and value.startswith(under):
             parts = value[len(under) :].split("/")  # {pipeline name}/{run id}/{task}/...
-            if len(parts) > 2 and parts[1] != run_id:
+            if len(parts) > 2 and parts[1] != run.run_id:
                 return parts[1]
     return None
 
 
 def chain_folders(client, run_id: str, pipeline_root: str | None = None) -> dict[str, list[RunFolder]]:
     """:func:`run_folders` of run ``run_id`` and, newest first, of each run it went on from in turn
-    (:func:`went_on_from`): the runs of its chain back to the first."""
-    folders = {run_id: run_folders(client, run_id, pipeline_root)}
-    while (before := went_on_from(client, run_id, folders[run_id][0])) and before not in folders:
+    (:func:`went_on_from`): the runs of its chain back to the first. Each run is read from the API once."""
+    run = _run(client, run_id)
+    folders = {run_id: _folders(client, run, pipeline_root)}
+    while (before := went_on_from(run, folders[run_id][0])) and before not in folders:
         try:
-            folders[before] = run_folders(client, before, folders[run_id][0].root)
+            run = _run(client, before)
+            folders[before] = _folders(client, run, folders[run_id][0].root)
         except SubmitError as e:  # not finished, or deleted in KFP (its artifacts stay: its spec does not)
             raise SubmitError(f"run {run_id} went on from run {before}: {e}") from None
         run_id = before
@@ -170,8 +178,7 @@ def waiting_continuations(client, namespace: str | None, folders: list[RunFolder
         for run in page.runs or []:
             if not any(isinstance(v, str) and v.startswith(f.uri) for v in _parameters(run).values() for f in folders):
                 continue
-            with quiet():
-                details = client.get_run(run.run_id).run_details
+            details = _run(client, run.run_id).run_details
             tasks = (details.task_details if details else None) or []
             if not any(t.display_name == PREPARE and t.state == "SUCCEEDED" for t in tasks):
                 waiting.append(f"{run.display_name} ({run.run_id}, {run.state})")
