@@ -117,7 +117,7 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
     A rerun with the same config and output resumes: finished tasks are reused, not rerun."""
     from tracefp4.components.store import StoreError
     from tracefp4.pipelines.local import Interrupted, PipelineFailed, continuation_of, run_local
-    from tracefp4.pipelines.resume import FolderInUse
+    from tracefp4.pipelines.resume import FolderInUse, UnreadableRunRecord
 
     config = _config(preset, config_file, store, pushgateway, sets=sets)
     output = Path(output)
@@ -138,7 +138,7 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
         report = run_local(config, output, methods=methods, verbose=verbose, restart=restart)
     # StoreError: the run's store, opened first, or model.checkpoint's, fingerprinted first; ConfigError: a run
     # no machine here can do
-    except (PipelineFailed, FolderInUse, StoreError, ConfigError) as e:
+    except (PipelineFailed, FolderInUse, UnreadableRunRecord, StoreError, ConfigError) as e:
         raise click.ClickException(str(e)) from None
     except Interrupted as e:
         click.echo(f"{e}: the running component was stopped; rerun the same command to resume", err=True)

@@ -97,6 +97,11 @@ def lock_folder(output: Path):
     return lock
 
 
+class UnreadableRunRecord(RuntimeError):
+    """A run folder whose record of run ids cannot be read: what it held is
+    what every earlier run there resumes by, so nothing is recorded over it."""
+
+
 class RunId(NamedTuple):
     """A local run's id, whether it resumes an earlier attempt, and how many
     other runs (other requests) the folder holds."""
@@ -111,7 +116,10 @@ def run_id(output: Path, request: str, restart: bool = False) -> RunId:
     JSON, the methods, the code) in the folder. Each request keeps its own:
     a new one is written for a request the folder has not seen, or on
     ``restart``; one seen before resumes, even after other requests ran
-    there (one edit of the code and back used to lose the first run's tasks)."""
+    there (one edit of the code and back used to lose the first run's tasks).
+    The record is written whole or not at all, so one that cannot be read was
+    damaged from outside: refused, naming it, rather than replaced by a new
+    record in which no earlier run of the folder resumes."""
     path = Path(output) / RUN_FILE
     digest = hashlib.sha256(request.encode()).hexdigest()
     runs: dict[str, str] = {}
@@ -120,8 +128,11 @@ def run_id(output: Path, request: str, restart: bool = False) -> RunId:
             recorded = json.loads(path.read_text())
             # a folder of an earlier tracefp4 recorded one request
             runs = dict(recorded.get("runs") or {recorded["request_sha256"]: recorded["run_id"]})
-        except (ValueError, KeyError, TypeError, AttributeError):
-            runs = {}  # unreadable: new run ids from here, nothing recorded under them can match
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise UnreadableRunRecord(
+                f"{path}: unreadable ({type(e).__name__}: {e}); it holds the run id each run in {output} resumes "
+                "by: restore it, or delete it to start every run there anew"
+            ) from None
     others = len(runs) - (digest in runs)
     if digest in runs and not restart:
         return RunId(runs[digest], True, others)

@@ -95,9 +95,13 @@ def test_a_run_folder_keeps_a_run_id_per_request(tmp_path):
     assert resume.run_id(tmp_path, "config A") == (first, True, 1)
     restarted, resumed, _ = resume.run_id(tmp_path, "config B", restart=True)
     assert restarted != changed and not resumed and resume.run_id(tmp_path, "config B")[:2] == (restarted, True)
-    (tmp_path / resume.RUN_FILE).write_text("{not json")
-    assert resume.run_id(tmp_path, "config B")[0] not in (first, changed, restarted)
     assert [p.name for p in tmp_path.iterdir()] == [resume.RUN_FILE]  # written through a renamed temporary file
+    # a record damaged from outside is refused, naming it, and kept as it is: neither run resumes otherwise
+    (tmp_path / resume.RUN_FILE).write_text("{not json")
+    for restart in (False, True):
+        with pytest.raises(resume.UnreadableRunRecord, match=f"{resume.RUN_FILE}: unreadable .*delete it"):
+            resume.run_id(tmp_path, "config B", restart=restart)
+    assert (tmp_path / resume.RUN_FILE).read_text() == "{not json"
     # a folder of an earlier tracefp4, which recorded one request
     digest = hashlib.sha256(b"config A").hexdigest()
     (tmp_path / resume.RUN_FILE).write_text(json.dumps({"run_id": "local-old", "request_sha256": digest}))
