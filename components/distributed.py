@@ -76,6 +76,7 @@ from .trainer_state import STEM, check_state
 
 METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator: a complete checkpoint
 HISTORY = "history.json"
+RECORD_FIELDS = ("run_id", "start_version", "policy", "step", "files", "history", "decoded")  # HISTORY's
 # How long the ranks wait for rank 0's serial work (downloading and checksumming the round's policy and
 # trainer state, reading or writing one of its tensors; checksumming and uploading the new ones: hundreds of GB at
 # the paper's scale), in collectives of a gloo group of their own: train.timeout_seconds bounds the collectives of
@@ -450,6 +451,23 @@ class ShardCheckpoints:
 
             rank0_does(complete, f"complete the checkpoint {self.store.uri}/{key}")
 
+    def _record(self, key: str) -> dict:
+        """The record :meth:`save` wrote beside the checkpoint at ``key`` (its
+        run, policy, step, history, decode statistics and files' checksums),
+        refused, naming it, where it cannot be read or lacks a field."""
+        name, again = (
+            f"{self.store.uri}/{key}/{HISTORY}",
+            f"delete {self.store.uri}/{key}/ to train the round from its start",
+        )
+        try:
+            meta = json.loads(self.store.get_bytes(f"{key}/{HISTORY}"))
+        except ValueError as e:
+            raise DistributedError(f"{name}: unreadable ({e}); {again}") from None
+        missing = [field for field in RECORD_FIELDS if not isinstance(meta, dict) or field not in meta]
+        if missing:
+            raise DistributedError(f"{name}: without {', '.join(missing)} (damaged, or by an older tracefp4); {again}")
+        return meta
+
     def _fetch(self, key: str, name: str, files: dict, folder: Path) -> None:
         """Download one file of the checkpoint at ``key``, checked against the size and sha256 it was written with."""
         if name not in files:
@@ -470,7 +488,7 @@ class ShardCheckpoints:
         """Resume ``trainer`` (on every rank) from the complete checkpoint at
         ``version``; returns how many of its shard files this rank read, of how many."""
         key = self._key(version)
-        meta = json.loads(self.store.get_bytes(f"{key}/{HISTORY}"))
+        meta = self._record(key)
         if (meta["run_id"], meta["start_version"]) != (self.run_id, self.start_version):
             raise DistributedError(
                 f"{self.store.uri}/{key}: checkpoint of run {meta['run_id']!r} from policy version "
@@ -480,11 +498,6 @@ class ShardCheckpoints:
             raise DistributedError(
                 f"{self.store.uri}/{key}: checkpoint of a round from another policy folder (digest "
                 f"{meta.get('policy')}, this round's {self.policy}): is run id {self.run_id!r} used by two runs?"
-            )
-        if "files" not in meta or "decoded" not in meta:
-            raise DistributedError(
-                f"{self.store.uri}/{key}: written without checksums or decode statistics (by an older tracefp4); "
-                f"delete {self.store.uri}/{key}/ to train the round from its start"
             )
         model_state, optimizer = get_state_dict(trainer.model, trainer.optimizer)
         state = {"model": model_state, "optimizer": optimizer}

@@ -27,7 +27,7 @@ import torch
 
 from tracefp4.components import steps
 from tracefp4.components.checkpoint import LOCATION, fetch, load_model
-from tracefp4.components.distributed import DistributedError, checkpoints_prefix
+from tracefp4.components.distributed import RECORD_FIELDS, DistributedError, ShardCheckpoints, checkpoints_prefix
 from tracefp4.components.guidance import step_prefix
 from tracefp4.components.launch import MODULE, failure, rank_arguments, torchrun
 from tracefp4.components.store import open_store
@@ -320,6 +320,24 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
     assert any(f"{shard.name}: not the file this checkpoint wrote" in line for line in lines), lines[-5:]
     (root / left[-1] / ".metadata").unlink()  # incomplete now
     assert rerun(tmp_path / "b") == []  # nothing read: the round trained from its start
+
+
+def test_a_damaged_checkpoint_record_is_refused_naming_it_and_how_to_go_on(tmp_path):
+    """The record beside a complete checkpoint (history.json: run, policy,
+    history, checksums) cut short, missing a field, or not an object: the
+    resume stops naming the object and saying how to train the round anew,
+    before any shard is read (no trainer is needed to get there)."""
+    store = open_store(tmp_path.as_uri())
+    checkpoints = ShardCheckpoints(store, "round", RUN, 0, "digest")
+    record = dict.fromkeys(RECORD_FIELDS, 0) | {"run_id": RUN, "policy": "digest"}
+    for text, error in (
+        (json.dumps(record)[:20], "unreadable"),
+        (json.dumps({k: v for k, v in record.items() if k != "files"}), "without files"),
+        ("[]", f"without {', '.join(RECORD_FIELDS)}"),
+    ):
+        store.put_bytes("round/step-000001/history.json", text.encode())
+        with pytest.raises(DistributedError, match=f"round/step-000001/history.json: {error}.*delete .*from its start"):
+            checkpoints.load(None, 1)
 
 
 def test_a_rank_aborted_by_a_signal_fails_with_what_it_printed_last(tmp_path):
