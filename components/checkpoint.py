@@ -456,7 +456,8 @@ def commit_folder(tmp: Path, folder: Path, provenance: dict | None = None) -> Pa
     that a reader never sees half of it. An existing ``folder`` is moved aside
     first and then deleted (POSIX renames no folder over a non-empty one): a
     crash between the two renames leaves no ``folder``, and the old one
-    whole as ``.<name>.old-<random>`` beside it."""
+    whole as ``.<name>.old-<random>`` beside it, which the next save puts
+    back before it starts (:func:`staging_folder`)."""
     _write_manifest(tmp, provenance)  # last: it covers every file above
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
@@ -501,9 +502,16 @@ def recommit(source: Path, folder: Path, provenance: dict, replace: Mapping[str,
 def staging_folder(folder: Path) -> Iterator[Path]:
     """A fresh empty folder beside ``folder`` to write it in, for
     :func:`commit_folder`; deleted if the writing fails, so that a failed save
-    leaves no copy behind, and what a killed save left beside the folder is
-    deleted first. Named uniquely: a container's process ids repeat."""
+    leaves no copy behind. What a killed save left beside the folder is
+    deleted first, but for a save killed between :func:`commit_folder`'s two
+    renames, which left no ``folder`` and the old one whole beside it: that
+    one is put back first, so that this save failing too loses nothing. Named
+    uniquely: a container's process ids repeat."""
     folder.parent.mkdir(parents=True, exist_ok=True)
+    moved_aside = sorted(folder.parent.glob(f".{glob.escape(folder.name)}.old-*"), key=lambda p: p.stat().st_mtime)
+    if moved_aside and not folder.exists():
+        log.warning("%s: put back from %s, where a save killed while replacing it left it", folder, moved_aside[-1])
+        moved_aside[-1].rename(folder)
     for kind in ("tmp", "old"):  # what a save killed mid-way (SIGKILL, out of memory) left: one writer per folder
         for stale in folder.parent.glob(f".{glob.escape(folder.name)}.{kind}-*"):
             shutil.rmtree(stale, ignore_errors=True)

@@ -6,8 +6,10 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,6 +84,37 @@ def test_a_saved_folder_replaces_the_old_one_and_its_rename_is_synced(tmp_path, 
     assert str(tmp_path) in synced  # the folder holding the renamed entries, after the renames
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # the old folder moved aside, then deleted
     assert torch.equal(load_model(tmp_path / "ckpt").lm_head.weight, build_model("smoke", seed=1).lm_head.weight)
+
+
+def test_a_save_killed_between_its_renames_loses_no_folder_when_the_next_save_fails_too(tmp_path, monkeypatch):
+    """Killed after moving the old folder aside and before renaming the new
+    one into place, a save leaves no folder, the old one whole beside it and
+    the new one staged; the next save puts the old one back before it stages
+    (its leftovers swept), so that where it fails as well the folder is still
+    there, as it was (it used to delete both copies first)."""
+    save_model(build_model("smoke", seed=0), tmp_path / "ckpt")
+    real_rename = Path.rename
+
+    def killed_at_the_second_rename(self, target):
+        if self.name.startswith(".ckpt.tmp-"):
+            raise KeyboardInterrupt  # stands for the SIGKILL: nothing after this line of commit_folder runs
+        return real_rename(self, target)
+
+    with monkeypatch.context() as m:
+        m.setattr(Path, "rename", killed_at_the_second_rename)
+        m.setattr(shutil, "rmtree", lambda *a, **k: None)  # a killed process cleans nothing up
+        with pytest.raises(KeyboardInterrupt):
+            save_model(build_model("smoke", seed=1), tmp_path / "ckpt")
+    assert sorted(p.name.split("-")[0] for p in tmp_path.iterdir()) == [".ckpt.old", ".ckpt.tmp"]
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("tracefp4.components.tensor_files.save_file", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        save_model(build_model("smoke", seed=2), tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert torch.equal(load_model(tmp_path / "ckpt").lm_head.weight, build_model("smoke", seed=0).lm_head.weight)
 
 
 def test_a_failed_save_leaves_nothing_beside_the_folder_and_a_dead_save_blocks_no_later_one(tmp_path, monkeypatch):
