@@ -1006,10 +1006,13 @@ def fetch(
         log.info("%s: cached at %s", where, folder)
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive(folder.parent.with_name("checkpoint-locks") / key):
+    with _exclusive(folder.parent.with_name("checkpoint-locks") / key) as alone:
         if folder.is_dir():  # a process that held the lock before fetched it
             log.info("%s: cached at %s", where, folder)
             return folder
+        if alone:  # so every partial download of this entry is a dead process's (killed, out of memory)
+            for partial in folder.parent.glob(f".{key}.*.partial"):
+                shutil.rmtree(partial, ignore_errors=True)
         return _download(store, where, wanted, have, entries, unverified, folder)
 
 
@@ -1077,7 +1080,7 @@ def location(
 
 
 @contextlib.contextmanager
-def _exclusive(lock: Path) -> Iterator[None]:
+def _exclusive(lock: Path) -> Iterator[bool]:
     """Hold ``lock`` (a file) alone among this machine's processes: the ranks of
     a distributed train step fetch the same checkpoint at once, and each would
     download the whole of it (at the paper's scale 70 GB of bf16 policy and
@@ -1086,17 +1089,18 @@ def _exclusive(lock: Path) -> Iterator[None]:
     beside the cache, not in it, and open for reading: another user of the
     cache can lock them too. Where this user may not create one, the fetch
     goes on unlocked (a duplicate download, never a wrong folder: each goes
-    to a partial folder of its own and the first rename wins)."""
+    to a partial folder of its own and the first rename wins). Yields whether
+    it holds the lock."""
     try:
         lock.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(lock, os.O_RDONLY | os.O_CREAT, 0o666)
     except PermissionError as e:
         log.info("fetching without the cache's lock (%s): another process may download the same files", e)
-        yield
+        yield False
         return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        yield True
     finally:
         os.close(fd)
 
