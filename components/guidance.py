@@ -552,8 +552,28 @@ class GuidanceRef:
         """The step's guidance per microbatch, its manifest checked against this reference."""
         if self.prefix is None:
             raise GuidanceError(f"run {self.run_id} step {self.rl_step} has no guidance (its method captures none)")
-        expect = {"run_id": self.run_id, "policy_version": self.policy_version}
-        return GuidanceLoader(store, self.rl_step, microbatches, prefix=self.prefix, expect=expect, **kwargs)
+        return GuidanceLoader(store, self.rl_step, microbatches, prefix=self.prefix, expect=self.manifest(), **kwargs)
+
+    def manifest(self) -> dict:
+        """What the manifest of the step this refers to must say: its run,
+        step and policy version, and the tables compaction made (layers,
+        sites, codec, R-k bits). A step that says otherwise was written over
+        since, by another run given the same run id and name (other guidance
+        settings, say), or copied by hand, and would train on guidance the
+        reference does not describe."""
+        fields = {
+            "run_id": self.run_id,
+            "rl_step": self.rl_step,
+            "policy_version": self.policy_version,
+            "top_k": self.top_k,
+            "layers": list(self.layers),
+            "sites": list(self.sites),
+        }
+        if self.layers:  # a step without tables holds no codec
+            fields["codec"] = [self.codec]
+        if self.layers and self.codec == "bits":  # syndrome tables carry R-1
+            fields["bits"] = [self.bits]
+        return fields
 
 
 # -- reload ----------------------------------------------------------------------

@@ -11,7 +11,7 @@ import torch
 from tracefp4.components import steps
 from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.checkpoint import CheckpointError, load_model, provenance
-from tracefp4.components.guidance import GuidanceError, GuidanceLoader, read_manifest, write_step
+from tracefp4.components.guidance import GuidanceError, GuidanceLoader, read_manifest, step_prefix, write_step
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import rollout_config
 from tracefp4.components.rl import SequenceBatch, alignment_metrics, stack_rows, token_logprobs
@@ -143,6 +143,16 @@ def test_inputs_of_another_run_or_version_are_refused(tmp_path):
     forged = dataclasses.replace(ref, run_id="run-b")  # a reference that lies: the store's manifest still says run-a
     with pytest.raises(GuidanceError, match="run_id is 'run-a', expected 'run-b'"):
         list(forged.loader(open_store(config.store.uri), [[0]]))
+    # the step written over by a run of other guidance settings under the same run id, or copied from another step
+    store, prefix = open_store(config.store.uri), steps.store_prefix(config, RUN, "guidance")
+    for field, value in (("bits", 4), ("layers", (0,)), ("sites", ("kv",))):
+        with pytest.raises(GuidanceError, match=f"{field} is .*, expected"):
+            list(dataclasses.replace(ref, **{field: value}).loader(store, [[0]]))
+    store.put_bytes(
+        f"{step_prefix(prefix, 1)}/manifest.json", store.get_bytes(f"{step_prefix(prefix, 0)}/manifest.json")
+    )
+    with pytest.raises(GuidanceError, match="rl_step is 0, expected 1"):
+        list(dataclasses.replace(ref, rl_step=1).loader(store, [[0]]))
     assert [p.name for p in tmp_path.glob(".t0.jsonl*")] == []  # written through a renamed temporary file
     cut = tmp_path / "cut.jsonl"
     cut.write_text(trajectories.read_text()[:-20])  # a file cut in its last line names itself and the line
