@@ -522,10 +522,11 @@ def encode_prompts(config: RunConfig, tokenizer, problems: list[Problem]) -> lis
 
 
 def write_trajectories(path: Path, header: dict, trajectories: list[Trajectory], batch: list[Problem]) -> Path:
-    """JSON lines: the header, then one trajectory with its problem per line; whole or not at all."""
+    """JSON lines: the header (with the count of lines that follow), then one
+    trajectory with its problem per line; whole or not at all."""
 
     def fill(f) -> None:
-        f.write((json.dumps({"header": header}) + "\n").encode())
+        f.write((json.dumps({"header": header | {"trajectories": len(trajectories)}}) + "\n").encode())
         for t, p in zip(trajectories, batch):
             f.write((json.dumps({"trajectory": asdict(t), "problem": asdict(p)}) + "\n").encode())
 
@@ -534,11 +535,15 @@ def write_trajectories(path: Path, header: dict, trajectories: list[Trajectory],
 
 
 def read_trajectories(path: Path, run_id: str, round_index: int) -> tuple[dict, list[Trajectory], list[Problem]]:
-    """A round's trajectories file, refused if another run or round wrote it."""
+    """A round's trajectories file, refused if another run or round wrote it,
+    or if it holds other trajectories than its header counts (cut short, or
+    lines repeated: the write is atomic, but a file is also copied and
+    edited) or one twice. The header is returned without its count."""
     lines = Path(path).read_text().splitlines()
     try:
         header = json.loads(lines[0])["header"] if lines else {}
-    except (ValueError, KeyError, TypeError) as e:
+        count = header.pop("trajectories", None)
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise ValueError(f"{path}, line 1: not a trajectories header ({e})") from None
     if (header.get("run_id"), header.get("round")) != (run_id, round_index):
         raise RunMismatch(
@@ -553,6 +558,11 @@ def read_trajectories(path: Path, run_id: str, round_index: int) -> tuple[dict, 
             batch.append(Problem(**record["problem"]))
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}, line {number}: not a trajectory record ({e})") from None
+    if len(trajectories) != count:
+        raise ValueError(f"{path}: {len(trajectories)} trajectories, its header counts {count}")
+    ids = [t.id for t in trajectories]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"{path}: trajectory {next(i for i in ids if ids.count(i) > 1)} appears twice")
     return header, trajectories, batch
 
 

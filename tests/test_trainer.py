@@ -159,6 +159,16 @@ def test_inputs_of_another_run_or_version_are_refused(tmp_path):
     lines = len(trajectories.read_text().splitlines())
     with pytest.raises(ValueError, match=rf"cut.jsonl, line {lines}: not a trajectory record"):
         steps.read_trajectories(cut, RUN, 0)
+    # cut after a whole line, or a line repeated: train would have taken part of the batch, or a trajectory twice
+    head, *records = trajectories.read_text().splitlines(keepends=True)
+    cut.write_text(head + "".join(records[:-1]))
+    with pytest.raises(
+        ValueError, match=rf"cut.jsonl: {len(records) - 1} trajectories, its header counts {len(records)}"
+    ):
+        steps.read_trajectories(cut, RUN, 0)
+    cut.write_text(head + "".join(records[:-1] + records[:1]))
+    with pytest.raises(ValueError, match="cut.jsonl: trajectory 0 appears twice"):
+        steps.read_trajectories(cut, RUN, 0)
 
 
 def test_inline_guidance_keeps_the_deepest_layers_with_fp4_sites(tmp_path, monkeypatch):
