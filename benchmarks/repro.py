@@ -36,6 +36,7 @@ from pathlib import Path
 from tracefp4.components import steps
 from tracefp4.components.device import cpu_kind
 from tracefp4.components.precision import PRECISIONS
+from tracefp4.components.qat import QUANTIZING_CAPTURED_SITES
 from tracefp4.components.quant import ACTIVATION_GLOBAL_SCALES
 from tracefp4.components.store import write_atomic
 from tracefp4.schemas import RunConfig, get_preset
@@ -63,8 +64,9 @@ def config_for(name: str, args, store: Path, precision: str = "bf16", scale: str
         data["bootstrap"].update(steps=args.bootstrap_steps, warmup=min(30, args.bootstrap_steps // 10))
     data["rollout"].update(prompts_per_step=args.prompts, group_size=args.group, max_new_tokens=args.new_tokens)
     data["guidance"].update(bits=bits, layers=layers, compaction="offline", codec=codec)
+    measured = method in QUANTIZING_CAPTURED_SITES  # quads' training path has no codes of the captured sites
     data["rl"].update(
-        schedule="on_policy", steps_per_round=1, rounds=args.steps, measure_mismatch=True, microbatch_size=16
+        schedule="on_policy", steps_per_round=1, rounds=args.steps, measure_mismatch=measured, microbatch_size=16
     )
     data["store"]["uri"] = store.as_uri()
     return RunConfig.model_validate(data)

@@ -46,6 +46,9 @@ from .quant import ACTIVATION_SITES, QuantConfig, Recorder, fp4_expert_weights, 
 from .syndrome import SyndromeTable, add_tally, decode_rows
 
 METHODS = ("bf16", "qat", "quads", "trace", "tis_sc")
+# the methods whose training path quantizes what a rollout captures (activations, KV): whose FP4 codes can be
+# compared with the rollout's (bf16 and tis_sc keep every site as it is, quads fake-quantizes the weights alone)
+QUANTIZING_CAPTURED_SITES = ("qat", "trace")
 
 
 @dataclass

@@ -20,6 +20,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SecretStr,
+    StringConstraints,
     ValidationError,
     ValidationInfo,
     WrapValidator,
@@ -56,17 +57,33 @@ STORE_URI_PATTERN = r"^(file|s3|minio)://\S+$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$"
 K8S_CPU = r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$"
-K8S_MEMORY = r"^[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$"
-IMAGE = r"^[a-z0-9]([-a-z0-9._/:@]*[A-Za-z0-9_])?$"
+# what KFP's set_memory_limit takes: a whole number, no Kubernetes decimals or lowercase k
+K8S_MEMORY = r"^[0-9]+(Ki|Mi|Gi|Ti|Pi|Ei|K|M|G|T|P|E)?$"
+_IMAGE_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"  # a path component of an image name
+# [registry[:port]/]path[:tag][@sha256:digest], as the OCI distribution spec writes references
+IMAGE = (
+    rf"^(?:[A-Za-z0-9.-]+(?::[0-9]+)?/)?{_IMAGE_PART}(?:/{_IMAGE_PART})*"
+    r"(?::[A-Za-z0-9_][A-Za-z0-9_.-]{0,127})?(?:@sha256:[0-9a-f]{64})?$"
+)
+# a Kubernetes label key: an optional DNS-subdomain prefix and '/', then a name of up to 63 characters
+LABEL_KEY = r"^([a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$"
+LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
 # What each pattern means, for error messages (ConfigError) instead of the bare regex.
 PATTERN_HINTS = {
     DNS_LABEL: "must be a DNS label: lowercase letters, digits and '-', 1-63 characters, alphanumeric at both ends",
     DNS_SUBDOMAIN: "must be a Kubernetes object name: lowercase letters, digits, '-', '.', alphanumeric at both ends",
     K8S_CPU: "must be a Kubernetes CPU quantity such as '2', '0.5' or '500m'",
-    K8S_MEMORY: "must be a Kubernetes memory quantity such as '8Gi', '512Mi' or '1G'",
-    IMAGE: "must be a container image reference such as 'ghcr.io/org/name:tag'",
+    K8S_MEMORY: "must be a memory quantity KFP takes: a whole number with an optional suffix Ki, Mi, Gi, Ti, Pi, Ei, "
+    "K, M, G, T, P or E, such as '8Gi', '512Mi' or '1G'",
+    IMAGE: "must be a container image reference such as 'ghcr.io/org/name:tag' (lowercase name)",
+    LABEL_KEY: "must be a Kubernetes label key: [prefix/]name, the name up to 63 letters, digits, '-', '_', '.', "
+    "alphanumeric at both ends",
+    LABEL_VALUE: "must be a Kubernetes label value: up to 63 letters, digits, '-', '_', '.', alphanumeric at both ends",
     DEVICE_PATTERN: "must be 'auto', 'cpu', 'cuda' or 'cuda:N'",
 }
+
+LabelKey = Annotated[str, StringConstraints(pattern=LABEL_KEY, max_length=317)]
+LabelValue = Annotated[str, StringConstraints(pattern=LABEL_VALUE)]
 
 
 class _Section(BaseModel):
@@ -158,10 +175,11 @@ class RolloutConfig(_Section):
     )
     temperature: float = Field(
         default=1.0,
-        gt=0.0,
+        ge=0.01,
         le=10.0,
         description="Sampling temperature of the rollouts (greedy ones would make a group's responses alike, and "
-        "every advantage 0; evaluation scores greedily besides).",
+        "every advantage 0; evaluation scores greedily besides). At least 0.01: below it sampling is greedy in all "
+        "but name, and near 1e-38 logits / temperature overflow float32 and the policy trains to NaN.",
     )
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 disables it.")
     top_k: int = Field(default=0, ge=0, le=1 << 20, description="Top-k sampling; 0 disables it.")
@@ -216,8 +234,10 @@ class RolloutConfig(_Section):
     quads_compensated_channels: int = Field(
         default=8,
         ge=0,
+        le=1 << 20,
         description="QUADS' rollout-side residual activation compensation, used by method quads only: per FP4 "
-        "activation tensor, this many channels with the largest quantization error keep their exact values.",
+        "activation tensor, this many channels with the largest quantization error keep their exact values (as "
+        "many as a tensor has or more: all of them).",
     )
 
 
@@ -303,16 +323,21 @@ class RLConfig(_Section):
     grad_accumulation: int = Field(
         default=0,
         ge=0,
+        le=1 << 20,
         description="Microbatches per optimizer step; 0: all of a step's microbatches (one "
         "optimizer step per rollout batch).",
     )
     ppo_clip: float = Field(default=0.2, gt=0.0, le=1.0, description="PPO ratio clip epsilon.")
     tis_cap: float = Field(
-        default=2.0, ge=1.0, description="Truncated importance sampling cap C: weight min(pi_old / pi_rollout, C)."
+        default=2.0,
+        ge=1.0,
+        le=1e6,
+        description="Truncated importance sampling cap C: weight min(pi_old / pi_rollout, C).",
     )
     kl_coef: float = Field(
         default=0.0,
         ge=0.0,
+        le=1e3,
         description="k3 KL penalty to the policy the round started from (the rollout's, in training numerics); 0 "
         "disables it. Needs more than one optimizer step a round (off_policy with steps_per_round > 1 or "
         "grad_accumulation > 0): a round of one trains that very policy, so the penalty would be 0.",
@@ -590,9 +615,11 @@ class MetricsConfig(_Section):
 class Toleration(_Section):
     """A Kubernetes pod toleration."""
 
-    key: str | None = Field(default=None, min_length=1, max_length=316, description="Taint key; none matches all.")
+    key: str | None = Field(
+        default=None, pattern=LABEL_KEY, max_length=317, description="Taint key; none (operator Exists) matches all."
+    )
     operator: Literal["Equal", "Exists"] = Field(default="Equal", description="Equal matches value; Exists any value.")
-    value: str | None = Field(default=None, max_length=63, description="Taint value (operator Equal).")
+    value: str | None = Field(default=None, pattern=LABEL_VALUE, description="Taint value (operator Equal).")
     effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
         default=None, description="Taint effect matched; none matches all."
     )
@@ -601,6 +628,8 @@ class Toleration(_Section):
     def _exists_has_no_value(self) -> "Toleration":
         if self.operator == "Exists" and self.value is not None:
             raise ValueError("operator Exists takes no value")
+        if self.key is None and self.operator != "Exists":  # as Kubernetes refuses the pod
+            raise ValueError("a toleration without a key matches every taint: it needs operator Exists")
         return self
 
 
@@ -633,7 +662,9 @@ class ResourcesConfig(_Section):
         pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_./]{0,251}[A-Za-z0-9])?$",
         description="Accelerator to request, e.g. 'nvidia.com/gpu' or a node-label value; required when gpus > 0.",
     )
-    node_selector: dict[str, str] = Field(default_factory=dict, description="Node labels a step must run on.")
+    node_selector: dict[LabelKey, LabelValue] = Field(
+        default_factory=dict, description="Node labels a step must run on."
+    )
     tolerations: list[Toleration] = Field(default_factory=list, description="Taints a step tolerates.")
 
     @model_validator(mode="after")
@@ -805,6 +836,12 @@ class RunConfig(_Section):
             )
         if self.rl.measure_mismatch and self.rollout.config == "bf16":
             problems.append("rl.measure_mismatch: compares FP4 codes; rollout.config bf16 records none")
+        elif self.rl.measure_mismatch and self.method not in qat.QUANTIZING_CAPTURED_SITES:
+            problems.append(
+                f"rl.measure_mismatch: compares the training path's FP4 codes with the rollout's; method "
+                f"{self.method} quantizes none of the sites a rollout captures in training (methods "
+                f"{', '.join(qat.QUANTIZING_CAPTURED_SITES)} do)"
+            )
         longest = self.model.max_seq_len - self.rollout.max_new_tokens  # the longest prompt a run lets through
         if self.rollout.max_tokens_per_forward < longest:
             problems.append(

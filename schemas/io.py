@@ -90,7 +90,9 @@ def _read(path: Path) -> dict:
 
 
 def _expand_dotted(overrides: Mapping) -> dict:
-    """{"rl.learning_rate": 1e-5} -> {"rl": {"learning_rate": 1e-5}} (field names never contain dots)."""
+    """{"rl.learning_rate": 1e-5} -> {"rl": {"learning_rate": 1e-5}} (field names never contain dots). Only
+    the keys of ``overrides`` are paths: a mapping value is taken as it is, since the keys of a mapping field
+    may hold dots (a node selector's "nvidia.com/gpu.present")."""
     out: dict = {}
     for key, value in overrides.items():
         *parents, leaf = str(key).split(".")
@@ -100,7 +102,7 @@ def _expand_dotted(overrides: Mapping) -> dict:
                 node[part] = {}
             node = node[part]
         if isinstance(value, Mapping):
-            value = _merge(node.get(leaf) if isinstance(node.get(leaf), dict) else {}, _expand_dotted(value))
+            value = _merge(node.get(leaf) if isinstance(node.get(leaf), dict) else {}, value)
         node[leaf] = value
     return out
 

@@ -177,6 +177,50 @@ def test_values_that_would_run_without_effect_are_refused(overrides, path):
     assert [p for p, _ in info.value.problems] == [path]
 
 
+@pytest.mark.parametrize(
+    "overrides, path, reason",
+    [
+        # logits / temperature overflows float32: the policy trained to NaN without a word
+        ({"rollout.temperature": 1e-300}, "rollout.temperature", "greater than or equal to 0.01"),
+        ({"rl.kl_coef": 1e39}, "rl.kl_coef", "less than or equal to 1000"),  # inf in float32: a NaN loss
+        ({"rl.tis_cap": 1e39}, "rl.tis_cap", "less than or equal to 1000000"),  # no float32: clamp raised
+        # Kubernetes quantities KFP's SDK refuses, at pipeline build (a traceback, also for a local run)
+        ({"resources.memory": "1.5Gi"}, "resources.memory", "whole number"),
+        ({"resources.host_memory": "512k"}, "resources.host_memory", "whole number"),
+        # pods Kubernetes refuses, only once a step of the run starts
+        ({"resources.node_selector": {"bad key!": "x"}}, "resources.node_selector.bad key!.[key]", "label key"),
+        ({"resources.node_selector": {"pool": "a b"}}, "resources.node_selector.pool", "label value"),
+        ({"resources.tolerations": [{"value": "v"}]}, "resources.tolerations.0", "needs operator Exists"),
+        ({"image": "ghcr.io//tracefp4"}, "image", "image reference"),
+        # no code of the captured sites to compare in training: code_mismatch None every step
+        (
+            {"method": "quads", "rl": {"measure_mismatch": True}, "guidance": {"compaction": "offline"}},
+            "rl.measure_mismatch",
+            "method quads quantizes none",
+        ),
+    ],
+)
+def test_values_that_would_fail_or_do_nothing_at_run_time_are_refused(overrides, path, reason):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides=overrides)
+    ((found, message),) = info.value.problems
+    assert found == path and reason in message
+
+
+def test_kubernetes_settings_that_run_are_taken():
+    resources = {
+        "memory": "64Gi",
+        "host_memory": "1000000",
+        "node_selector": {"nvidia.com/gpu.present": "true", "pool": ""},
+        "tolerations": [
+            {"operator": "Exists"},
+            {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        ],
+    }
+    config = load_config(None, overrides={"resources": resources, "image": "registry.local:5000/team/img:1.0-RC1"})
+    assert config.resources.node_selector["pool"] == "" and config.image.endswith(":1.0-RC1")
+
+
 def test_a_seed_a_pipeline_parameter_would_round_is_refused(tmp_path):
     """KFP carries integer parameters as JSON doubles: seed 2**53 + 1 compiled
     to a default of 2**53 and ran (and was reported) as that."""
