@@ -78,13 +78,18 @@ def prompt_ids(tokenizer: PolicyTokenizer, problem: Problem) -> list[int]:
     return tokenizer.encode_prompt(format_example(problem))
 
 
+class ExampleTooLong(ValueError):
+    """A bootstrap example (prompt and answer) longer than ``max_len``."""
+
+
 def make_batch(tokenizer: PolicyTokenizer, problems: list[Problem], max_len: int, device="cpu") -> SFTBatch:
     """Prompt + answer (through its end) per problem, the answer marked as target."""
     examples = []
     for p in problems:
         prompt, target = prompt_ids(tokenizer, p), tokenizer.encode_answer(p.answer)
         if len(prompt) + len(target) > max_len:
-            raise ValueError(f"a {p.task} example of {len(prompt) + len(target)} tokens exceeds max_len {max_len}")
+            length = len(prompt) + len(target)
+            raise ExampleTooLong(f"a {p.task} example of {length} tokens (prompt and answer) exceeds max_len {max_len}")
         examples.append((prompt, target))
     tokens, positions, lengths = right_pad([prompt + answer for prompt, answer in examples], pad=tokenizer.pad_id)
     target = torch.zeros(tokens.shape[0], tokens.shape[1] - 1, dtype=torch.bool)

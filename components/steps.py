@@ -257,8 +257,11 @@ def sft_problems(config: RunConfig) -> tuple[list[Problem], list[Problem], list[
         checks += task_train[len(task_train) - share :]
         test += task_test
     exclude = {p.prompt for p in train + checks + test}
-    for extra in config.bootstrap.extra_problems:
-        drawn = get_task(extra.name).generate(extra.size, config.seed, extra.difficulty, frozenset(exclude))
+    for i, extra in enumerate(config.bootstrap.extra_problems):
+        try:
+            drawn = get_task(extra.name).generate(extra.size, config.seed, extra.difficulty, frozenset(exclude))
+        except ValueError as e:
+            raise ValueError(f"bootstrap.extra_problems.{i}: size {extra.size}: {e}") from None
         train += drawn
         exclude.update(p.prompt for p in drawn)
     return train, checks, test
@@ -269,25 +272,28 @@ def run_bootstrap(config: RunConfig, model, tokenizer) -> dict:
     scored greedily on its test split (:func:`sft_problems`)."""
     b = config.bootstrap
     train, checks, test = sft_problems(config)
-    history = sft.bootstrap(
-        model,
-        tokenizer,
-        train,
-        checks,
-        test,
-        sft.BootstrapConfig(
-            steps=b.steps,
-            batch_size=b.batch_size,
-            learning_rate=b.learning_rate,
-            warmup=b.warmup,
-            weight_decay=b.weight_decay,
-            seed=config.seed,
-            max_len=config.model.max_seq_len,
-            target_accuracy=b.target_accuracy,
-            eval_every=b.eval_every,
-            max_new_tokens=config.rollout.max_new_tokens,
-        ),
-    )
+    try:
+        history = sft.bootstrap(
+            model,
+            tokenizer,
+            train,
+            checks,
+            test,
+            sft.BootstrapConfig(
+                steps=b.steps,
+                batch_size=b.batch_size,
+                learning_rate=b.learning_rate,
+                warmup=b.warmup,
+                weight_decay=b.weight_decay,
+                seed=config.seed,
+                max_len=config.model.max_seq_len,
+                target_accuracy=b.target_accuracy,
+                eval_every=b.eval_every,
+                max_new_tokens=config.rollout.max_new_tokens,
+            ),
+        )
+    except sft.ExampleTooLong as e:  # max_len is the run's longest sequence
+        raise ValueError(f"model.max_seq_len: {e}") from None
     return {
         "bootstrap_accuracy": history["accuracy"],
         "bootstrap_steps": history["steps"],

@@ -106,6 +106,20 @@ def test_target_accuracy_stops_early(arithmetic):
     assert len(history["evals"]) > 1 and all(e["accuracy"] < 0.25 for e in history["evals"][:-1])
 
 
+def test_the_run_fields_behind_a_bootstrap_that_cannot_start_are_named():
+    """Too many extra problems, or an example longer than the run's longest
+    sequence: the error names the config field, not the library's argument."""
+    config = get_preset("smoke")
+    config.bootstrap.extra_problems = [ExtraProblems(name="countdown", size=4), ExtraProblems(name="arithmetic", size=5000)]
+    with pytest.raises(ValueError, match="^bootstrap.extra_problems.1: size 5000: .*fewer than 5000 distinct"):
+        sft_problems(config)
+    config.bootstrap.extra_problems = []
+    config.tasks = [TaskConfig(name="countdown", train_size=8, test_size=4)]  # prompts of over 8 tokens
+    config.model.max_seq_len, config.rollout.max_new_tokens = 8, 1
+    with pytest.raises(ValueError, match="^model.max_seq_len: a .* example of .* exceeds max_len 8"):
+        steps.run_bootstrap(config, build_model("smoke"), TOK)
+
+
 def test_extra_problems_join_training_never_a_test_prompt():
     config = get_preset("smoke")
     config.tasks = [TaskConfig(name="countdown", train_size=2000, test_size=500)]
