@@ -30,7 +30,7 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-from tracefp4.components import model, precision, ptq, qat, quant, tasks
+from tracefp4.components import model, precision, ptq, qat, quant, syndrome, tasks
 from tracefp4.components.device import DEVICE_PATTERN
 from tracefp4.components.store import file_path, parse_s3_uri
 
@@ -262,10 +262,13 @@ class GuidanceConfig(_Section):
     )
     syndrome_rate: float = Field(
         default=0.25,
-        ge=0.0625,
-        le=0.3125,
+        ge=(syndrome.MIN_CODE_BITS + syndrome.MIN_SCALE_BITS) / syndrome.BLOCK_ELEMENTS,
+        le=(syndrome.MAX_CODE_BITS + syndrome.MAX_SCALE_BITS) / syndrome.BLOCK_ELEMENTS,
         description="syndrome codec: bits per captured element (scales included) of a run's first step; later "
-        "steps choose each layer's and site's rate from the previous step's decode statistics.",
+        "steps choose each layer's and site's rate from the previous step's decode statistics. A block of 256 "
+        "elements takes whole bytes (the rate rounds up in steps of 1/32), at least 16 code and 8 scale bits "
+        "(0.09375) and at most 64 code bits and its scales' own bits (0.3125 for NVFP4's 16 scales; MXFP4's 8 "
+        "make 0.28125).",
     )
     trajectories_per_shard: int = Field(default=64, ge=1, le=65536, description="Trajectories per guidance shard file.")
     prefetch_microbatches: int = Field(default=2, ge=1, le=64, description="Microbatches of guidance loaded ahead.")
@@ -532,7 +535,7 @@ class EvaluationConfig(_Section):
         ge=0,
         le=65536,
         description="Test prompts (x samples_per_prompt) of the train-rollout discrepancy analysis, each task "
-        "in turn; 0: none.",
+        "in turn, at most the test prompts evaluation scores (evaluation.test_prompts); 0: none.",
     )
     initial: bool = Field(
         default=True,
@@ -773,6 +776,16 @@ class RunConfig(_Section):
             problems.append(
                 f"rollout.workers: {self.rollout.workers} workers, but an RL step rolls out only {per_step} "
                 "responses (rollout.prompts_per_step x group_size): a worker would have none"
+            )
+        mxfp4_most = (syndrome.MAX_CODE_BITS + syndrome.scale_bits_cap(8)) / syndrome.BLOCK_ELEMENTS
+        if (
+            self.guidance.codec == "syndrome"
+            and self.rollout.fmt == "mxfp4"
+            and self.guidance.syndrome_rate > mxfp4_most
+        ):
+            problems.append(
+                f"guidance.syndrome_rate: {self.guidance.syndrome_rate} bits per element, but an MXFP4 block of "
+                f"{syndrome.BLOCK_ELEMENTS} elements (8 scales) takes at most {mxfp4_most}"
             )
         if self.guidance.codec == "syndrome" and self.guidance.bits != 1:
             problems.append(

@@ -110,7 +110,10 @@ def test_the_run_fields_behind_a_bootstrap_that_cannot_start_are_named():
     """Too many extra problems, or an example longer than the run's longest
     sequence: the error names the config field, not the library's argument."""
     config = get_preset("smoke")
-    config.bootstrap.extra_problems = [ExtraProblems(name="countdown", size=4), ExtraProblems(name="arithmetic", size=5000)]
+    config.bootstrap.extra_problems = [
+        ExtraProblems(name="countdown", size=4),
+        ExtraProblems(name="arithmetic", size=5000),
+    ]
     with pytest.raises(ValueError, match="^bootstrap.extra_problems.1: size 5000: .*fewer than 5000 distinct"):
         sft_problems(config)
     config.bootstrap.extra_problems = []

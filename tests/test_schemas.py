@@ -192,6 +192,13 @@ def test_values_that_would_run_without_effect_are_refused(overrides, path):
         ({"resources.node_selector": {"pool": "a b"}}, "resources.node_selector.pool", "label value"),
         ({"resources.tolerations": [{"value": "v"}]}, "resources.tolerations.0", "needs operator Exists"),
         ({"image": "ghcr.io//tracefp4"}, "image", "image reference"),
+        # rates the syndrome codec would raise or cut without a word
+        ({"guidance.syndrome_rate": 0.0625}, "guidance.syndrome_rate", "greater than or equal to 0.09375"),
+        (
+            {"rollout.fmt": "mxfp4", "guidance": {"codec": "syndrome", "bits": 1, "syndrome_rate": 0.3125}},
+            "guidance.syndrome_rate",
+            "MXFP4 block of 256 elements (8 scales) takes at most 0.28125",
+        ),
         # no code of the captured sites to compare in training: code_mismatch None every step
         (
             {"method": "quads", "rl": {"measure_mismatch": True}, "guidance": {"compaction": "offline"}},
