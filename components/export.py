@@ -259,6 +259,8 @@ def export(
     check_exportable(quant)
     name = FORMATS[quant.weights] if quant.weights else "bf16"
     source = Path(policy)
+    if Path(out).resolve() == source.resolve():
+        raise ValueError(f"{out}: the policy to export; write the export to another folder")
     model = load_model(source, device=device).to(rollout_dtype)
     cfg = model.cfg
     state = model.state_dict()

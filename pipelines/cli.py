@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 import yaml
 
-from tracefp4.components.quant import ROLLOUT_CONFIGS, rollout_config
+from tracefp4.components.quant import FP4_FORMATS, ROLLOUT_CONFIGS, rollout_config
 from tracefp4.schemas import PRESETS, ConfigError, export_json_schema, load_config
 
 
@@ -68,6 +68,16 @@ set_option = click.option(
     help="A config value by its dotted path, over --preset and --config; the value is YAML (rl.rounds=2, "
     "guidance.layers=[2,3], model.preset=null). Repeatable.",
 )
+
+
+def _device(ctx, param, value: str):
+    """The torch device ``value`` names, one this machine has (else a usage error saying what torch sees)."""
+    from tracefp4.components.device import resolve
+
+    try:
+        return resolve(value)
+    except (ValueError, RuntimeError) as e:
+        raise click.BadParameter(str(e)) from None
 
 
 def _methods(ctx, param, value: str | None) -> list[str] | None:
@@ -159,7 +169,10 @@ def bootstrap(preset, config_file, sets, output):
     from tracefp4.components.steps import prepare
 
     config = _config(preset, config_file, settings={"bootstrap.enabled": True}, sets=sets)  # validated with it on
-    stats = prepare(config, Path(output))
+    try:
+        stats = prepare(config, Path(output))
+    except (ValueError, OSError) as e:  # a folder not to write into, a checkpoint that is none
+        raise click.ClickException(str(e)) from None
     click.echo(
         f"{output}: {stats['bootstrap_steps']} SFT steps in {stats['bootstrap_seconds']:.0f} s, "
         f"greedy test accuracy {stats['bootstrap_accuracy']:.1%}"
@@ -170,6 +183,7 @@ def bootstrap(preset, config_file, sets, output):
 @click.option(
     "--format",
     "fmt",
+    type=click.Choice(FP4_FORMATS),
     default="nvfp4",
     show_default=True,
     help="The run's rollout.fmt: nvfp4 (nvfp4-pack-quantized) or mxfp4 (mxfp4-pack-quantized).",
@@ -197,7 +211,13 @@ def bootstrap(preset, config_file, sets, output):
     show_default=True,
     help="The run's seed: the rollout calibrates its static activation scales on a batch drawn with it.",
 )
-@click.option("--device", default="cpu", show_default=True, help="Device of the calibration (the rollout's).")
+@click.option(
+    "--device",
+    default="cpu",
+    show_default=True,
+    callback=_device,
+    help="Device of the calibration (the rollout's): auto, cpu, cuda or cuda:N.",
+)
 @click.option(
     "--preset",
     type=click.Choice(sorted(PRESETS)),

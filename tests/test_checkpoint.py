@@ -86,6 +86,22 @@ def test_a_saved_folder_replaces_the_old_one_and_its_rename_is_synced(tmp_path, 
     assert torch.equal(load_model(tmp_path / "ckpt").lm_head.weight, build_model("smoke", seed=1).lm_head.weight)
 
 
+def test_a_save_never_replaces_a_folder_that_holds_anything_but_a_save(tmp_path):
+    """A save replaces its folder whole: named at a folder of the user's (a
+    folder of runs given as --output, say) it deleted everything there."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(CheckpointError, match=f"mine: holds files tracefp4 did not save .*{MANIFEST}"):
+        save_model(build_model("smoke"), tmp_path / "mine")
+    assert [p.name for p in tmp_path.iterdir()] == ["mine"] and (tmp_path / "mine" / "notes.txt").read_text() == "x"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(CheckpointError, match="file: a file, not a folder"):
+        save_model(build_model("smoke"), tmp_path / "file")
+    (tmp_path / "empty").mkdir()
+    save_model(build_model("smoke"), tmp_path / "empty")  # an empty folder, or an earlier save, is replaced
+    save_model(build_model("smoke", seed=1), tmp_path / "empty")
+
+
 def test_a_save_killed_between_its_renames_loses_no_folder_when_the_next_save_fails_too(tmp_path, monkeypatch):
     """Killed after moving the old folder aside and before renaming the new
     one into place, a save leaves no folder, the old one whole beside it and

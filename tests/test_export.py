@@ -181,6 +181,17 @@ def test_export_command(policies, tmp_path):
     assert "nvfp4-pack-quantized" in result.output and (tmp_path / "e" / "model.safetensors").exists()
     result = runner.invoke(main, ["export", "--format", "int4", str(policies["smoke"]), str(tmp_path / "x")])
     assert result.exit_code != 0 and "'int4' is not one of" in result.output and not (tmp_path / "x").exists()
+    result = runner.invoke(main, ["export", "--device", "gpu", str(policies["smoke"]), str(tmp_path / "x")])
+    assert result.exit_code == 2 and "'gpu': expected auto, cpu, cuda or cuda:N" in result.output
+    # never over the policy itself, nor over a folder of the user's (both used to be replaced whole)
+    before = _digests(policies["smoke"])
+    result = runner.invoke(main, ["export", str(policies["smoke"]), str(policies["smoke"])])
+    assert result.exit_code == 1 and "the policy to export" in result.output and _digests(policies["smoke"]) == before
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    result = runner.invoke(main, ["export", str(policies["smoke"]), str(tmp_path / "mine")])
+    assert result.exit_code == 1 and "holds files tracefp4 did not save" in result.output
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
     result = runner.invoke(main, ["export", "--rollout-config", "fp4_kv", str(policies["smoke"]), str(tmp_path / "b")])
     assert result.exit_code == 0, result.output  # the rollout left the weights BF16: so does the export
     assert provenance(tmp_path / "b")["format"] == "bf16"
