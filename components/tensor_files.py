@@ -16,6 +16,7 @@ given up front (their shapes and dtypes are known before any value is).
 """
 
 import json
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -93,7 +94,9 @@ class TensorWriter:
 
     def _write_file(self) -> None:
         contiguous = {key: t.detach().cpu().contiguous() for key, t in self.pending.items()}
-        save_file(contiguous, self.folder / self.names[self.written], metadata={"format": "pt"})
+        path = self.folder / self.names[self.written]
+        save_file(contiguous, path, metadata={"format": "pt"})
+        os.chmod(path, 0o644)  # safetensors (0.8) writes 0o600: a serving engine of another user could not read it
         self.pending.clear()
         self.written += 1
 

@@ -146,6 +146,7 @@ def test_a_failed_save_leaves_nothing_beside_the_folder_and_a_dead_save_blocks_n
     assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp-1", "ckpt"]  # the leftovers swept
     assert torch.equal(load_model(tmp_path / "ckpt").lm_head.weight, build_model("smoke", seed=1).lm_head.weight)
     assert (tmp_path / "ckpt").stat().st_mode & 0o777 == 0o755  # readable by a serving engine of another user
+    assert {p.stat().st_mode & 0o777 for p in (tmp_path / "ckpt").iterdir()} == {0o644}  # safetensors wrote 0o600
     before = sorted(p.name for p in tmp_path.iterdir())
 
     def disk_full(*args, **kwargs):
