@@ -108,10 +108,14 @@ def load(history_file: str | Path, evaluation_file: str | Path) -> tuple[list[di
 def describe(config: RunConfig, methods: list[str] | None = None) -> str:
     """The run and its configuration in one line; with `methods`, the runs of a comparison (one per method)."""
     who = f"method `{config.method}`" if methods is None else "methods " + ", ".join(f"`{m}`" for m in methods)
+    guidance = f"R-{config.guidance.bits}bit on {guided_layers(config.guidance.layers)}"
+    if methods is None:
+        guidance = f"guidance {guidance}, " if config.method == "trace" else ""
+    else:  # only trace's run is guided
+        guidance = f"`trace` guided {guidance}, " if "trace" in methods else ""
     return (
-        f"run `{config.name}`: {who}, rollout `{config.rollout.config}` ({config.rollout.fmt}), "
-        f"guidance R-{config.guidance.bits}bit on {guided_layers(config.guidance.layers)}, model "
-        f"`{config.model.preset or config.model.checkpoint}`, seed {config.seed}"
+        f"run `{config.name}`: {who}, rollout `{config.rollout.config}` ({config.rollout.fmt}), {guidance}"
+        f"model `{config.model.preset or config.model.checkpoint}`, seed {config.seed}"
     )
 
 
@@ -222,7 +226,7 @@ def _interval(bounds) -> str | None:
     return f"[{bounds[0]:.3f}, {bounds[1]:.3f}]" if bounds else None
 
 
-def _accuracy_table(rows: list[dict], source: str, methods=METHODS) -> Table:
+def _accuracy_table(rows: list[dict], source: str, bootstrapped: bool, methods=METHODS) -> Table:
     """The paper's main table: a row per (method, policy, rollout), a column group per task, then the average."""
     tasks, out = _accuracy_rows(rows, methods)
     metrics = ("pass@1", "pass@1 95% CI", "mean@k")
@@ -232,7 +236,8 @@ def _accuracy_table(rows: list[dict], source: str, methods=METHODS) -> Table:
     note = (
         f"pass@1 (greedy; 95% Wilson interval) and mean@k (k = {ks}) over {prompts} test prompts per task; "
         "avg is the mean over tasks. "
-        "Policy initial: where RL started (after bootstrap); trained: after RL; ptq:<scheme>: post-training FP4."
+        f"Policy initial: where RL started{' (after bootstrap)' * bootstrapped}; trained: after RL; "
+        "ptq:<scheme>: post-training FP4."
     )
     return _table(out, [*columns, "avg pass@1", "avg mean@k"], source, keep=3, note=note)
 
@@ -466,8 +471,9 @@ def _continue_blocks(config: RunConfig, continue_with: dict | None) -> list:
         return []
     text = (
         "A next run goes on from this one's final policy and trainer state, optimizer and round count "
-        "included, with these settings over its config (a file for `--config`; `rl.rounds` as many more as "
-        "it should run)."
+        "included, with these settings over its config (added to its config file, or as a file for `--config` "
+        "beside its `--preset`: a file alone goes over the schema's defaults; `rl.rounds` as many more as it "
+        "should run). Locally, `tracefp4 run --continue-from` with this run's folder sets them itself."
     )
     if config.rl.chained:
         text += f" This run's last task, `chain`, submits that run for the {config.rl.rounds_left} rounds left."
@@ -482,7 +488,10 @@ def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict, contin
     summary = f"RL steps: {len(history)}, rounds: {len(_rounds(history))}; evaluated rollout configs: {rollouts}; "
     summary += f"tasks: {tasks}."
     blocks = [Heading(1, f"tracefp4 run `{config.name}`"), source + ".", summary, *_hardware([evaluation])]
-    blocks += [Heading(2, "Accuracy: method x task"), _accuracy_table(acc, source) if acc else "No accuracy rows."]
+    blocks += [
+        Heading(2, "Accuracy: method x task"),
+        _accuracy_table(acc, source, config.bootstrap.enabled) if acc else "No accuracy rows.",
+    ]
     if gain := _paired_table(acc, source, "policy", ("trained", "initial")):
         blocks += [Heading(2, "RL gain: trained vs initial policy"), gain]
     elif not config.evaluation.initial:
@@ -548,7 +557,10 @@ def _comparison_blocks(config: RunConfig, evaluations: list[dict], histories: li
     blocks += _hardware(evaluations)
 
     acc = [r for e in evaluations for r in e.get("accuracy") or []]
-    blocks += [Heading(2, "Accuracy: method x task"), _accuracy_table(acc, source, methods) if acc else "No accuracy."]
+    blocks += [
+        Heading(2, "Accuracy: method x task"),
+        _accuracy_table(acc, source, config.bootstrap.enabled, methods) if acc else "No accuracy.",
+    ]
 
     trained = [r for r in acc if r.get("policy") == "trained"]
     if paired := _paired_table(trained, source, "method", methods):

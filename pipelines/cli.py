@@ -37,7 +37,9 @@ def _config(
 
 
 preset_option = click.option(
-    "--preset", type=click.Choice(sorted(PRESETS)), help="Named configuration (default: tiny)."
+    "--preset",
+    type=click.Choice(sorted(PRESETS)),
+    help="Named configuration, under --config and --set (default: tiny; with --config, the schema's defaults).",
 )
 config_option = click.option(
     "--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="YAML or JSON run config."

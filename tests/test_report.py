@@ -561,3 +561,15 @@ def test_the_runs_line_says_which_layers_are_guided_in_words(layers, words):
     """`guidance.layers` is 'all', a count of the deepest, or indices: "layers `2`" would read as layer 2."""
     config = TRACE.model_copy(update={"guidance": TRACE.guidance.model_copy(update={"layers": layers})})
     assert f"guidance R-1bit on {words}" in report.describe(config)
+
+
+def test_the_runs_line_names_guidance_where_a_run_is_guided_and_the_bootstrap_where_there_was_one():
+    """A qat or bf16 run has no guidance, and a comparison guides its trace
+    run alone; 'after bootstrap' only where the run had one."""
+    qat = TRACE.model_copy(update={"method": "qat"})
+    assert "guid" not in report.describe(qat)
+    assert "`trace` guided R-1bit" in report.describe(TRACE, ["trace", "qat"])
+    assert "guid" not in report.describe(TRACE, ["qat", "bf16"])
+    row = {"method": "qat", "policy": "initial", "rollout": "bf16", "task": "arithmetic", "pass@1": 0.5}
+    assert "(after bootstrap)" in report._accuracy_table([row], "x", True).note
+    assert "(after bootstrap)" not in report._accuracy_table([row], "x", False).note
