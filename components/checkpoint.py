@@ -569,12 +569,13 @@ def fingerprint(uri: str | os.PathLike) -> str:
     ``s3://`` or ``minio://``) does, read without downloading its weights: the
     sha256 of its :data:`MANIFEST`, or, without one, of each file's name and
     size with its modification time (a folder) or its ETag (a store). A
-    folder that is not there has the fingerprint "absent" (loading it says so)."""
+    folder that is not there is refused: a local run fingerprints its
+    checkpoints before it starts, which would otherwise fail in its first step."""
     text = os.fspath(uri)
     folder = _local_folder(text)  # a location folder: its manifest is the one it stands for
     if folder is not None:
         if not folder.is_dir():
-            return "absent"
+            raise CheckpointError(f"{text}: no such folder")
         if (folder / MANIFEST).exists():
             return folder_digest(folder)
         files = sorted(f for f in folder.iterdir() if f.is_file())

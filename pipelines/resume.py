@@ -42,9 +42,9 @@ import uuid
 from pathlib import Path
 from typing import NamedTuple
 
-from tracefp4.components.checkpoint import fingerprint
+from tracefp4.components.checkpoint import CheckpointError, fingerprint
 from tracefp4.components.store import write_atomic
-from tracefp4.schemas import RunConfig
+from tracefp4.schemas import ConfigError, RunConfig
 
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"  # flock-ed by the run in the folder (lock_folder)
@@ -71,10 +71,17 @@ def request(config: RunConfig, methods: list[str] | None) -> str:
     """What a run is asked to do, as :func:`run_id` compares it: the config,
     the methods, the code (:func:`code_digest`) and, from a checkpoint (and a
     continuation's trainer state), its fingerprint: the same URI with other
-    weights behind it is another run."""
+    weights behind it is another run. One that is not there is refused, naming its field."""
     asked = config.model_dump_json() + repr(methods) + code_digest()
-    sources = (config.model.checkpoint, config.model.trainer_state)
-    return asked + "".join(fingerprint(uri) for uri in sources if uri)
+    for field, uri in (
+        ("model.checkpoint", config.model.checkpoint),
+        ("model.trainer_state", config.model.trainer_state),
+    ):
+        try:
+            asked += fingerprint(uri) if uri else ""
+        except CheckpointError as e:
+            raise ConfigError([(field, str(e))]) from None
+    return asked
 
 
 def lock_folder(output: Path):

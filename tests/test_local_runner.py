@@ -125,6 +125,10 @@ def test_a_checkpoint_with_other_weights_at_the_same_path_is_another_run(tmp_pat
     unverified = resume.request(config, None)
     (tmp_path / "base" / "config.json").write_text((tmp_path / "base" / "config.json").read_text() + " ")
     assert resume.request(config, None) != unverified
+    # a checkpoint that is not there stops the run before it starts, naming the field (prepare failed on it)
+    config = config.model_copy(update={"model": config.model.model_copy(update={"checkpoint": "/nonexistent/x"})})
+    with pytest.raises(ConfigError, match="model.checkpoint: /nonexistent/x: no such folder"):
+        resume.request(config, None)
 
 
 def test_a_run_folder_takes_one_run_at_a_time(tmp_path):
