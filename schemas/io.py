@@ -107,15 +107,24 @@ def _expand_dotted(overrides: Mapping) -> dict:
     return out
 
 
-def _merge(base: dict, over: Mapping) -> dict:
-    """Deep merge: mappings merge key by key, anything else replaces.
+def _merge(base: dict, over: Mapping, at: str = "") -> dict:
+    """Deep merge: mappings merge key by key, a mapping of item numbers into
+    a list item by item ("tasks.0.difficulty"), anything else replaces.
 
     model.preset and model.checkpoint are alternatives: a layer that names one
     drops the other, so a file can switch a preset's checkpoint to a preset."""
     out = dict(base)
     for key, value in over.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = _merge(out[key], value, f"{at}{key}.")
+        elif isinstance(value, Mapping) and isinstance(out.get(key), list) and all(str(k).isdigit() for k in value):
+            items = list(out[key])
+            for index, item in value.items():
+                if int(index) >= len(items):
+                    raise ConfigError([(f"{at}{key}.{index}", f"no such item: the list has {len(items)}")])
+                old = items[int(index)]
+                items[int(index)] = _merge(old, item, f"{at}{key}.{index}.") if isinstance(old, dict) else item
+            out[key] = items
         else:
             out[key] = value
     model = over.get("model")
@@ -144,8 +153,8 @@ def load_config(
         data = _merge(data, _expand_dotted(overrides))
     try:
         config = RunConfig.model_validate(data, context={"from_file": True})
-    except ValidationError as e:
-        raise ConfigError.from_validation(e, path) from None
+    except ValidationError as e:  # a problem may lie in the overrides (--set), not the file
+        raise ConfigError.from_validation(e, f"{path} with the overrides" if path and overrides else path) from None
     for field, env_name in SECRET_ENV.items():
         if os.environ.get(env_name):
             setattr(config.store, field, SecretStr(os.environ[env_name]))

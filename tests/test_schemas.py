@@ -372,6 +372,14 @@ def test_overrides_deep_merge_over_a_preset(tmp_path):
     assert config.rl.steps_per_round == tiny.rl.steps_per_round and config.guidance.layers == tiny.guidance.layers
     assert config.rollout.max_new_tokens == tiny.rollout.max_new_tokens and config.tasks == tiny.tasks
     assert config.model == tiny.model and config.name == "tiny"
+    # a list's items by their number (--set tasks.0.difficulty=2 replaced the list with a mapping before)
+    config = load_config(None, preset="tiny", overrides={"tasks.1.difficulty": 2, "tasks": {"0": {"weight": 3.0}}})
+    assert [(t.difficulty, t.weight) for t in config.tasks] == [(tiny.tasks[0].difficulty, 3.0), (2, 1.0)]
+    with pytest.raises(ConfigError, match="tasks.2: no such item: the list has 2"):
+        load_config(None, preset="tiny", overrides={"tasks.2.difficulty": 2})
+    # a problem of the file or of the overrides: the message says both were read
+    with pytest.raises(ConfigError, match="in .*run.yml with the overrides"):
+        load_config(path, preset="tiny", overrides={"rl.rounds": "many"})
 
 
 def test_file_errors_name_the_file(tmp_path):
