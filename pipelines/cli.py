@@ -152,6 +152,8 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
     # no machine here can do
     except (PipelineFailed, FolderInUse, UnreadableRunRecord, StoreError, ConfigError) as e:
         raise click.ClickException(str(e)) from None
+    except OSError as e:  # the run folder: a file in the way, no permission, no room
+        raise click.ClickException(f"{e.filename or output}: {e.strerror or e}") from None
     except Interrupted as e:
         click.echo(f"{e}: the running component was stopped; rerun the same command to resume", err=True)
         sys.exit(128 + e.signum)
@@ -288,16 +290,19 @@ def compile(preset, config_file, sets, output, methods):
     from tracefp4.pipelines.pipeline import (
         compile_pipeline,
         compiled_spec,
-        pipeline_version,
         run_size_problem,
         run_tasks,
+        version_name,
     )
 
     config = _config(preset, config_file, sets=sets)
     try:
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
         compile_pipeline(config, output, methods)
     except ConfigError as e:  # a comparison's branch that could not run
         raise click.ClickException(str(e)) from None
+    except OSError as e:  # a folder in the way, no permission
+        raise click.ClickException(f"--output {output}: {e.filename or output}: {e.strerror or e}") from None
     _warn_for_cluster(config)
     tasks = run_tasks(compiled_spec(Path(output).read_bytes()), config)
     if problem := run_size_problem(tasks):
@@ -309,7 +314,8 @@ def compile(preset, config_file, sets, output, methods):
         if rl.chained
         else ""
     )
-    click.echo(f"{output}: pipeline {name}, version {pipeline_version()}, {tasks} tasks a run{chain}")
+    version = version_name(Path(output).read_bytes())
+    click.echo(f"{output}: pipeline {name}, version {version} (submit's), {tasks} tasks a run{chain}")
 
 
 def connection_options(command):
@@ -334,7 +340,14 @@ def connection_options(command):
             help="CA certificate(s) that signed the server's certificate (PEM).",
         ),
         click.option("--insecure-skip-verify", is_flag=True, help="Accept any TLS certificate (self-signed gateways)."),
-        click.option("--timeout", "timeout_s", type=float, default=30, show_default=True, help="Seconds per request."),
+        click.option(
+            "--timeout",
+            "timeout_s",
+            type=click.FloatRange(min=0, min_open=True),
+            default=30,
+            show_default=True,
+            help="Seconds per request.",
+        ),
     ]
     for option in reversed(options):
         command = option(command)

@@ -21,6 +21,7 @@ role (:data:`COMPUTE`, :data:`HOST`, :data:`CONTROL`). Name and version: the
 run name; the package version and a hash of the config schema.
 """
 
+import hashlib
 import inspect
 import json
 from importlib.metadata import version
@@ -43,6 +44,13 @@ def pipeline_name(config: RunConfig) -> str:
 
 def pipeline_version() -> str:
     return f"{version('tracefp4')}-{schema_hash()}"
+
+
+def version_name(package: bytes) -> str:
+    """The name the compiled pipeline ``package`` is uploaded under: :func:`pipeline_version` and a hash of the
+    YAML, since the DAG depends on the config too (rounds, image, resources): a name reused for another DAG
+    would run the old one."""
+    return f"{pipeline_version()}-{hashlib.sha256(package).hexdigest()[:8]}"
 
 
 # A task's role decides its resources and retries.

@@ -22,7 +22,6 @@ message; the token and cookies are never part of one.
 """
 
 import contextlib
-import hashlib
 import io
 import json
 import os
@@ -41,9 +40,9 @@ from tracefp4.pipelines.pipeline import (
     compile_pipeline,
     compiled_spec,
     pipeline_name,
-    pipeline_version,
     run_size_problem,
     run_tasks,
+    version_name,
 )
 from tracefp4.schemas import RunConfig, next_in_chain
 
@@ -220,7 +219,7 @@ def submit(
     or a new version of it, and start a run in ``experiment``.
 
     The pipeline is ``tracefp4-<config.name>`` (``-compare`` with ``methods``; in ``namespace`` when given);
-    the version ``pipeline_version()`` plus a hash of the compiled YAML, reused
+    the version :func:`~tracefp4.pipelines.pipeline.version_name`, reused
     when one of that name exists; the run's parameters are the compiled
     defaults. ``service_account``: the Kubernetes service account of the run's
     pods; ``pipeline_root``: where KFP keeps the run's artifacts (default: the
@@ -239,9 +238,7 @@ def submit(
         spec = compiled_spec(package)
         if problem := run_size_problem(run_tasks(spec, config)):
             warn(f"pipeline {name}: {problem}")
-        # the compiled DAG depends on the config too (rounds, image, resources): a
-        # version name reused for another DAG would run the old one
-        version = f"{pipeline_version()}-{hashlib.sha256(package).hexdigest()[:8]}"
+        version = version_name(package)
 
         found = client.list_pipelines(filter=_name_filter(name), page_size=1, namespace=namespace).pipelines
         if found:

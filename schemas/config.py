@@ -56,6 +56,8 @@ SECRET_KEYS = {"accesskey": SECRET_ENV["access_key"], "secretkey": SECRET_ENV["s
 STORE_URI_PATTERN = r"^(file|s3|minio)://\S+$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$"
+HTTP_URL = r"^https?://\S+$"
+HTTP_ENDPOINT = r"^https?://[^\s/@]+(:[0-9]+)?/?$"  # scheme, host and port: nothing else
 K8S_CPU = r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$"
 # what KFP's set_memory_limit takes: a whole number, no Kubernetes decimals or lowercase k
 K8S_MEMORY = r"^[0-9]+(Ki|Mi|Gi|Ti|Pi|Ei|K|M|G|T|P|E)?$"
@@ -72,6 +74,8 @@ LABEL_VALUE = r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$"
 PATTERN_HINTS = {
     DNS_LABEL: "must be a DNS label: lowercase letters, digits and '-', 1-63 characters, alphanumeric at both ends",
     DNS_SUBDOMAIN: "must be a Kubernetes object name: lowercase letters, digits, '-', '.', alphanumeric at both ends",
+    HTTP_URL: "must be an http:// or https:// URL such as 'http://host:9091'",
+    HTTP_ENDPOINT: "must be an http:// or https:// endpoint, scheme, host and port alone: 'http://minio:9000'",
     K8S_CPU: "must be a Kubernetes CPU quantity such as '2', '0.5' or '500m'",
     K8S_MEMORY: "must be a memory quantity KFP takes: a whole number with an optional suffix Ki, Mi, Gi, Ti, Pi, Ei, "
     "K, M, G, T, P or E, such as '8Gi', '512Mi' or '1G'",
@@ -567,7 +571,7 @@ class StoreConfig(_Section):
     )
     endpoint: str | None = Field(
         default=None,
-        pattern=r"^https?://[^\s/@]+(:[0-9]+)?/?$",
+        pattern=HTTP_ENDPOINT,
         description="S3 endpoint the pipeline's pods use (http(s)://host:port), set as TRACEFP4_S3_ENDPOINT; "
         "none: the pods' own environment.",
     )
@@ -605,7 +609,7 @@ class MetricsConfig(_Section):
     """Where run metrics go: a Prometheus text file, and a Pushgateway when given."""
 
     pushgateway_url: str | None = Field(
-        default=None, pattern=r"^https?://\S+$", description="Pushgateway base URL (http(s)://host:port), or none."
+        default=None, pattern=HTTP_URL, description="Pushgateway base URL (http(s)://host:port), or none."
     )
     metrics_file: str = Field(
         default="metrics.prom", min_length=1, pattern=r"^\S+$", description="Prometheus text-format file written."
@@ -718,7 +722,7 @@ class RunConfig(_Section):
     )
     kfp_host: str = Field(
         default="http://ml-pipeline.kubeflow:8888",
-        pattern=r"^https?://\S+$",
+        pattern=HTTP_URL,
         max_length=512,
         description="The Kubeflow Pipelines API as the run's pods reach it: where the last task of a run that "
         "leaves rounds to the next (rl.rounds_per_run) submits it.",

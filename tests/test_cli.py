@@ -69,3 +69,12 @@ def test_set_puts_a_value_by_its_dotted_path_over_the_preset_and_is_refused_clea
     ]:
         result = CliRunner().invoke(main, [*args, "--set", given])
         assert result.exit_code == code and message in result.output and not out.exists(), given
+
+
+def test_a_request_timeout_and_a_run_folder_that_cannot_be_are_usage_errors(tmp_path):
+    """Both ended in a traceback (urllib3's ValueError, NotADirectoryError)."""
+    result = CliRunner().invoke(main, ["runs", "list", "--host", "http://localhost:1", "--timeout", "0"])
+    assert result.exit_code == 2 and "--timeout': 0.0 is not in the range x>0" in result.output
+    (tmp_path / "afile").write_text("x")
+    result = CliRunner().invoke(main, ["run", "--preset", "smoke", "--output", str(tmp_path / "afile" / "sub")])
+    assert result.exit_code == 1 and "afile/sub: Not a directory" in result.output  # a clean error

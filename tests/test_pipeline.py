@@ -26,6 +26,7 @@ from tracefp4.pipelines.pipeline import (
     pipeline_version,
     run_size_problem,
     run_tasks,
+    version_name,
 )
 from tracefp4.schemas import ConfigError, get_preset, load_config
 
@@ -256,10 +257,14 @@ def test_cli(tmp_path):
     runner = CliRunner()
     result = runner.invoke(main, ["presets"])
     assert result.exit_code == 0 and "smoke" in result.output and "paper-nvfp4-wa-kv" in result.output
-    result = runner.invoke(main, ["compile", "--preset", "smoke", "--output", str(tmp_path / "p.yaml")])
-    assert result.exit_code == 0 and (tmp_path / "p.yaml").exists() and "tasks a run" in result.output
+    result = runner.invoke(main, ["compile", "--preset", "smoke", "--output", str(tmp_path / "new" / "p.yaml")])
+    assert result.exit_code == 0 and (tmp_path / "new" / "p.yaml").exists() and "tasks a run" in result.output
+    # the version submit uploads the YAML under: another DAG, another version
+    assert f"version {version_name((tmp_path / 'new' / 'p.yaml').read_bytes())} (submit's)" in result.output
     assert "warning: store file://./runs/store is local to each pod" in result.output  # smoke's store
     assert "tasks in a run" not in result.output
+    result = runner.invoke(main, ["compile", "--preset", "smoke", "--output", str(tmp_path / "new" / "p.yaml" / "x")])
+    assert result.exit_code == 1 and "p.yaml: File exists" in result.output  # a file in the way: no traceback
     # the paper preset's 100 rounds: 14 a run, in a chain of runs; unrolled in one, more tasks than a KFP run holds
     # (docs/deploy.md, "Known limit"), said at compile time
     result = runner.invoke(main, ["compile", "--preset", "paper-nvfp4-wa-kv", "--output", str(tmp_path / "big.yaml")])
