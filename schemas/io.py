@@ -1,9 +1,11 @@
 """Reading and writing run configs, one error for every bad field, and the JSON Schema.
 
 `load_config` layers a preset, a YAML/JSON file and overrides (later wins,
-mappings merge key by key, lists and scalars replace), validates once, then
-takes the S3 credentials from the environment. A failure is one `ConfigError`
-listing every bad field by dotted path, so a user fixes a file in one pass.
+mappings merge key by key, lists and scalars replace but for an override's
+numbered items), validates once, then takes the S3 credentials from the
+environment. A failure is one `ConfigError` listing every bad field by dotted
+path; the checks across fields (pydantic's model validators) run once every
+field is valid, so those come in a second pass.
 """
 
 import hashlib
