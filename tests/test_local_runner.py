@@ -266,8 +266,9 @@ def _running(pid: int) -> bool:
 
 
 def test_cli_reports_the_failing_component_and_its_error_once(tmp_path):
-    config = tmp_path / "missing-checkpoint.yaml"
-    config.write_text("model:\n  checkpoint: /nonexistent/checkpoint\n")
+    (tmp_path / "checkpoint").mkdir()  # a folder without a policy: prepare fails on it (one not there is refused first)
+    config = tmp_path / "empty-checkpoint.yaml"
+    config.write_text(f"model:\n  checkpoint: {tmp_path / 'checkpoint'}\n")
     out = tmp_path / "run"
     result = subprocess.run(
         [*CLI, "run", "--preset", "smoke", "--config", str(config), "--output", str(out)],
@@ -277,7 +278,7 @@ def test_cli_reports_the_failing_component_and_its_error_once(tmp_path):
     )
     assert result.returncode == 1
     assert "component prepare failed" in result.stderr
-    assert "/nonexistent/checkpoint/config.json does not exist" in result.stderr
+    assert f"{tmp_path / 'checkpoint' / 'config.json'} does not exist" in result.stderr
     assert "RuntimeError" not in result.stderr and "kfp" not in result.stderr
     log = (out / "pipeline.log").read_text()
     assert "\x1b" not in log + result.stdout + result.stderr
