@@ -455,10 +455,8 @@ class ShardCheckpoints:
         """The record :meth:`save` wrote beside the checkpoint at ``key`` (its
         run, policy, step, history, decode statistics and files' checksums),
         refused, naming it, where it cannot be read or lacks a field."""
-        name, again = (
-            f"{self.store.uri}/{key}/{HISTORY}",
-            f"delete {self.store.uri}/{key}/ to train the round from its start",
-        )
+        name = f"{self.store.uri}/{key}/{HISTORY}"
+        again = f"delete {self.store.uri}/{key}/ to train the round from its start"
         try:
             meta = json.loads(self.store.get_bytes(f"{key}/{HISTORY}"))
         except ValueError as e:

@@ -18,7 +18,8 @@ Every task gets the store's credentials from a Kubernetes secret (optional
 with a file:// store), the config's node selector and tolerations, and no
 caching (steps write to the store); its resources and retries depend on its
 role (:data:`COMPUTE`, :data:`HOST`, :data:`CONTROL`). Name and version: the
-run name; the package version and a hash of the config schema.
+run name; the package version, a hash of the config schema and, as uploaded
+(:func:`version_name`), a hash of the compiled YAML.
 """
 
 import hashlib
