@@ -153,14 +153,14 @@ def check_exportable(quant: QuantConfig) -> None:
     state, rather than write one that serves other numerics than it trained against."""
     if quant.activation_global_scale == "per_token":
         raise ValueError(
-            "rollout.activation_global_scale per_token cannot be exported: compressed-tensors keeps one NVFP4 "
+            "rollout.activation_global_scale: per_token cannot be exported: compressed-tensors keeps one NVFP4 "
             "input global scale per module (static, or none when the activations are fully dynamic), not one "
             "per token computed from the token, so a serving engine would round the activations under another "
             "scale than the rollout did"
         )
     if quant.activations and not quant.weights:
         raise ValueError(
-            f"a rollout with {quant.activations} activations on BF16 expert weights has no export "
+            f"rollout.config: a rollout with {quant.activations} activations on BF16 expert weights has no export "
             "(no rollout config quantizes the activations alone)"
         )
 

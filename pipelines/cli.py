@@ -142,10 +142,6 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
             raise click.ClickException(str(e)) from None
         config = _config(preset, config_file, store, pushgateway, settings, sets)
         click.echo(f"continuing from round {config.rl.first_round}: {config.model.trainer_state}")
-    click.echo(
-        f"running {config.name}: {config.rl.rounds} round(s) of {config.rl.steps_per_round} step(s), "
-        f"method {', '.join(methods or [config.method])}; component logs in {output / 'pipeline.log'}"
-    )
     try:
         report = run_local(config, output, methods=methods, verbose=verbose, restart=restart)
     # StoreError: the run's store, opened first, or model.checkpoint's, fingerprinted first; ConfigError: a run

@@ -143,7 +143,8 @@ def progress_state(text: str) -> tuple[int, str | None, tuple[int, int] | None]:
 def failed_task(text: str) -> tuple[str, list[str]] | None:
     """The first failed task of a run's log (the tasks running beside it are
     stopped then, and fail too) and the last lines of its own streamed log
-    (kfp.local's lines left out)."""
+    (kfp.local's lines left out), from its last traceback where it has one
+    (a short traceback's tail opened with the end of kfp's executor input)."""
     failures = [m for m in FINISHED.finditer(text) if m.group(2) != "SUCCESS"]
     if not failures:
         return None
@@ -154,7 +155,9 @@ def failed_task(text: str) -> tuple[str, list[str]] | None:
     streamed = streamed.splitlines()
     while streamed and not streamed[-1].strip():
         streamed.pop()
-    return task, _without_kfp_frames(streamed)[-TAIL_LINES:]
+    streamed = _without_kfp_frames(streamed)
+    tracebacks = [i for i, line in enumerate(streamed) if line.startswith("Traceback (most recent call last)")]
+    return task, streamed[tracebacks[-1] if tracebacks else 0 :][-TAIL_LINES:]
 
 
 def failed_method(error: str, methods: list[str] | None) -> str | None:
@@ -352,25 +355,30 @@ def run_local(
         reason = "trainjob creates a Kubeflow Trainer TrainJob on a cluster; a local run trains on this machine"
         raise ConfigError([("train.launcher", f"{reason}: set launcher torchrun (and nodes 1)")])
     output = Path(output).resolve()
+    config = localize(config, output)
+    # built before the folder is made: it refuses a comparison branch that could not run, a rollout no export
+    # expresses, a checkpoint that is not there
+    if methods:
+        pipeline = build_comparison_pipeline(config, methods, retries=False)
+    else:
+        pipeline = build_pipeline(config, retries=False)
+    request = resume.request(config, methods)
     output.mkdir(parents=True, exist_ok=True)
     # held until the run ends: two runs in one folder would share a run id
     with contextlib.closing(resume.lock_folder(output)):
-        config = localize(config, output)
         # reached now, as every step will (its endpoint, credentials and bucket): else a typo shows in the
         # rollout, after the bootstrap
         open_store(config.store.uri, create_bucket=config.store.create_bucket)
-        if methods:  # built first: it refuses a comparison branch that could not run, before the run is recorded
-            pipeline = build_comparison_pipeline(config, methods, retries=False)
-        else:
-            pipeline = build_pipeline(config, retries=False)
-        run_id, resumed, others = resume.run_id(output, resume.request(config, methods), restart)
+        run_id, resumed, others = resume.run_id(output, request, restart)
         note = ", resumed: finished tasks are reused, not rerun" if resumed else ""
         if others and not resumed:
             note = (
                 f", a new run: the folder's {others} other run(s) were asked for other settings, methods, code or "
                 "checkpoint (each resumes when asked for again)"
             )
-        print(f"run id {run_id}{note}", file=out, flush=True)
+        header = f"running {config.name}: {config.rl.rounds} round(s) of {config.rl.steps_per_round} step(s), method "
+        header += f"{', '.join(methods or [config.method])}; component logs in {log or output / 'pipeline.log'}"
+        print(f"{header}\nrun id {run_id}{note}", file=out, flush=True)  # once the run is sure to start
         resume.cache_every_task(pipeline)
         kfp.local.init(
             runner=kfp.local.SubprocessRunner(use_venv=False),

@@ -177,8 +177,9 @@ def check_servable(config: RunConfig) -> None:
 
     try:
         check_exportable(rollout_quant(config))
-    except ValueError as e:
-        raise ConfigError([("", f"{e}; the pipeline ends with that export")]) from None
+    except ValueError as e:  # "field: reason"
+        field, _, reason = str(e).partition(": ")
+        raise ConfigError([(field, f"{reason}; the pipeline ends with that export")]) from None
 
 
 def configure_function(params: list[Parameter]):

@@ -78,3 +78,12 @@ def test_a_request_timeout_and_a_run_folder_that_cannot_be_are_usage_errors(tmp_
     (tmp_path / "afile").write_text("x")
     result = CliRunner().invoke(main, ["run", "--preset", "smoke", "--output", str(tmp_path / "afile" / "sub")])
     assert result.exit_code == 1 and "afile/sub: Not a directory" in result.output  # a clean error
+
+
+def test_a_run_refused_while_its_pipeline_is_built_says_only_why_and_makes_no_folder(tmp_path):
+    """The header ('running ...') came first, and the folder was left holding its lock file."""
+    args = ["run", "--preset", "smoke", "--set", "rollout.activation_global_scale=per_token"]
+    result = CliRunner().invoke(main, [*args, "--output", str(tmp_path / "run")])
+    assert result.exit_code == 1 and result.output.startswith("Error: invalid tracefp4 config")
+    assert "rollout.activation_global_scale: per_token cannot be exported" in result.output
+    assert not (tmp_path / "run").exists()

@@ -169,7 +169,7 @@ def test_a_rollout_with_bf16_weights_is_exported_unquantized(policies, tmp_path,
 
 def test_per_token_activation_global_scales_are_refused(policies, tmp_path):
     quant = dataclasses.replace(rollout_config("fp4_wa_kv", "nvfp4"), activation_global_scale="per_token")
-    with pytest.raises(ValueError, match="rollout.activation_global_scale per_token cannot be exported"):
+    with pytest.raises(ValueError, match="rollout.activation_global_scale: per_token cannot be exported"):
         export(policies["smoke"], tmp_path / "out", quant)
     assert not (tmp_path / "out").exists()
 

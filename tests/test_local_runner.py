@@ -58,6 +58,9 @@ def test_a_failure_names_the_component_and_keeps_its_own_error_without_kfp_frame
     assert tail[-1] == "ValueError: the round's guidance belongs to run local-0"
     assert 'File "/work/main/components/steps.py", line 9, in train' in "\n".join(tail)
     assert not [line for line in tail if "kfp" in line or "executor" in line or "INFO" in line]
+    # what the component printed before its traceback (kfp's executor input, say) is not its error
+    noisy = LOG.replace("    Traceback (most recent", '    },\n    "outputFile": "/tmp/x"\n    Traceback (most recent')
+    assert failed_task(noisy) == (task, tail) and tail[0].startswith("Traceback")
     assert failed_task(LOG.replace("FAILURE", "SUCCESS")) is None
 
 
@@ -160,15 +163,15 @@ def test_a_run_no_local_machine_can_do_is_refused_before_it_starts(tmp_path, mon
     fp4_kv = load_config(None, preset="smoke", overrides={"rollout.config": "fp4_kv"})
     with pytest.raises(ConfigError, match="branch of method quads"):
         run_local(fp4_kv, tmp_path / "compare", methods=["trace", "quads"])
-    assert [p.name for p in (tmp_path / "compare").iterdir()] == [resume.LOCK_FILE]  # no run recorded
+    assert not (tmp_path / "compare").exists()  # no run recorded, no folder made
 
 
 def test_a_run_that_fails_to_start_releases_its_folder(tmp_path, monkeypatch):
-    def refuse(config, methods):
-        raise RuntimeError("cannot read the checkpoint")
+    def refuse(output, request, restart):
+        raise RuntimeError("cannot write run.json")
 
-    monkeypatch.setattr(resume, "request", refuse)
-    with pytest.raises(RuntimeError, match="cannot read the checkpoint") as failed:
+    monkeypatch.setattr(resume, "run_id", refuse)  # inside the folder's lock
+    with pytest.raises(RuntimeError, match="cannot write run.json") as failed:
         run_local(get_preset("smoke"), tmp_path)
     assert failed.traceback  # held, with its frames: the folder is free all the same
     resume.lock_folder(tmp_path).close()

@@ -72,8 +72,9 @@ def test_a_rollout_no_serving_format_expresses_is_refused_before_any_work():
     """The pipeline ends by exporting the policy as its rollout served it; compressed-tensors has
     no per-token NVFP4 activation global scale, so such a run is refused when built or configured."""
     per_token = load_config(None, "smoke", {"rollout.activation_global_scale": "per_token"})
-    with pytest.raises(ConfigError, match="per_token cannot be exported.*the pipeline ends with that export"):
+    with pytest.raises(ConfigError, match="per_token cannot be exported.*the pipeline ends with that export") as info:
         build_pipeline(per_token)
+    assert [path for path, _ in info.value.problems] == ["rollout.activation_global_scale"]
     config = get_preset("smoke")
     values = defaults(config, parameters())
     with pytest.raises(ConfigError, match="per_token cannot be exported"):
