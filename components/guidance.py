@@ -361,14 +361,17 @@ def write_step(
     prefix: str = "guidance",
     trajectories_per_shard: int = 64,
     run_id: str = "",
+    policy: str = "",
     syndrome: dict | None = None,
 ) -> dict:
     """Write a step's shards, then its manifest (last); returns the manifest. A
     step written before (a retried task's) loses its manifest first: while the
     shards are rewritten the step does not exist, rather than fail its checksums.
     ``run_id`` names the run that rolled the step out, so that another run's
-    reader refuses it. ``syndrome`` (syndrome-coded tables): the rates chosen
-    and the decode statistics they were chosen from, carried in the manifest."""
+    reader refuses it, and ``policy`` the policy folder it rolled out (its
+    manifest's sha256), so that a reader of another policy refuses it too.
+    ``syndrome`` (syndrome-coded tables): the rates chosen and the decode
+    statistics they were chosen from, carried in the manifest."""
     base = step_prefix(prefix, rl_step)
     store.delete(f"{base}/manifest.json")  # a retry's: its shards are overwritten below, so the step is gone
     trajectories = sorted(_trajectory_ranges(records))
@@ -388,6 +391,7 @@ def write_step(
         "run_id": run_id,
         "rl_step": rl_step,
         "policy_version": policy_version,
+        "policy": policy,
         "top_k": top_k,
         "fmt": sorted({t.fmt for t in tables}),
         "bits": sorted({t.bits for t in tables}),
@@ -410,7 +414,7 @@ def merge_steps(store, rl_step: int, sources: list[str], prefix: str, expect: di
     hold and never share a trajectory. Returns the manifest (written last)."""
     manifests = [read_manifest(store, rl_step, source, expect) for source in sources]
     first = manifests[0]
-    same = ("format_version", "run_id", "policy_version", "top_k", "fmt", "bits", "codec", "layers", "sites")
+    same = ("format_version", "run_id", "policy_version", "policy", "top_k", "fmt", "bits", "codec", "layers", "sites")
     for source, m in zip(sources[1:], manifests[1:]):
         differ = [k for k in same if m[k] != first[k]]
         if differ:
@@ -520,6 +524,7 @@ class GuidanceRef:
     layers: tuple[int, ...] = ()
     sites: tuple[str, ...] = ()
     top_k: int = 1
+    policy: str = ""  # the sha256 of the rolled-out policy folder's manifest (checkpoint.folder_digest)
 
     def to_json(self) -> str:
         return json.dumps({**asdict(self), "quant": asdict(self.quant)}, indent=1)
@@ -538,14 +543,22 @@ class GuidanceRef:
     def scales(self) -> dict[tuple[int, str], Tensor]:
         return decode_scales(self.global_scales)
 
-    def check(self, run_id: str, policy_version: int) -> None:
-        """Refuse guidance of another run, or rolled out by another policy than the one about to train."""
+    def check(self, run_id: str, policy_version: int, policy: str = "") -> None:
+        """Refuse guidance of another run, or rolled out by another policy than
+        the one about to train: another version, or (``policy``: its folder's
+        manifest sha256) another folder at the same version, as another run
+        given the same run id rolls out."""
         if self.run_id != run_id:
             raise GuidanceError(f"guidance of run {self.run_id!r} handed to run {run_id!r}")
         if self.policy_version != policy_version:
             raise GuidanceError(
                 f"guidance was rolled out by policy version {self.policy_version}, the policy to train is version "
                 f"{policy_version}"
+            )
+        if self.policy and policy and self.policy != policy:
+            raise GuidanceError(
+                f"guidance was rolled out by another policy folder (digest {self.policy}) than the one to train "
+                f"({policy}): is run id {run_id!r} used by two runs?"
             )
 
     def loader(self, store, microbatches: list[list[int]], **kwargs) -> "GuidanceLoader":
@@ -556,7 +569,7 @@ class GuidanceRef:
 
     def manifest(self) -> dict:
         """What the manifest of the step this refers to must say: its run,
-        step and policy version, and the tables compaction made (layers,
+        step, policy version and policy folder, and the tables compaction made (layers,
         sites, codec, R-k bits). A step that says otherwise was written over
         since, by another run given the same run id and name (other guidance
         settings, say), or copied by hand, and would train on guidance the
@@ -569,6 +582,8 @@ class GuidanceRef:
             "layers": list(self.layers),
             "sites": list(self.sites),
         }
+        if self.policy:  # a reference made before the manifest named it names none
+            fields["policy"] = self.policy
         if self.layers:  # a step without tables holds no codec
             fields["codec"] = [self.codec]
         if self.layers and self.codec == "bits":  # syndrome tables carry R-1

@@ -32,6 +32,7 @@ from .capture import CaptureConfig, CaptureRecords
 from .checkpoint import (
     MANIFEST,
     fetch,
+    folder_digest,
     load_model,
     provenance,
     read_config,
@@ -417,7 +418,7 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
     if not 0 <= worker < workers:
         raise ValueError(f"rollout worker {worker} of {workers}")
     device = step_device(config)
-    version = policy_version(policy, run_id)
+    version, digest = policy_version(policy, run_id), folder_digest(policy)
     tokenizer = load_tokenizer(policy)
     steps = config.rl.steps_per_round
     chosen = training_problems(config, round_index, steps * config.rollout.prompts_per_step)
@@ -450,12 +451,14 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
             prefix=worker_prefix(store_prefix(config, run_id, _capture_kind(config)), config, worker),
             trajectories_per_shard=config.guidance.trajectories_per_shard,
             run_id=run_id,
+            policy=digest,
         )
         stats["upload_seconds"] = time.perf_counter() - start
     header = {
         "run_id": run_id,
         "round": round_index,
         "policy_version": version,
+        "policy": digest,
         "quant": asdict(engine.quant),
         "global_scales": encode_scales(engine.global_scales),
         "top_k": engine.model.cfg.top_k,
@@ -591,8 +594,9 @@ def compaction(
         QuantConfig(**header["quant"]),
         header["global_scales"],
         top_k=header["top_k"],
+        policy=header["policy"],
     )
-    expect = {"run_id": run_id, "policy_version": header["policy_version"]}
+    expect = {"run_id": run_id, "policy_version": header["policy_version"], "policy": header["policy"]}
     if config.rollout.workers > 1 and _captures(config):  # one step of every worker's shards, where they lie
         kind = store_prefix(config, run_id, _capture_kind(config))
         sources = [worker_prefix(kind, config, w) for w in range(config.rollout.workers)]
@@ -625,6 +629,7 @@ def compaction(
             prefix=prefix,
             trajectories_per_shard=config.guidance.trajectories_per_shard,
             run_id=run_id,
+            policy=header["policy"],
         )
         sample = trajectories[: config.rl.microbatch_size]
         training = teacher_force(_engine(config, policy, capture=False, device=device), sample, keep_inputs=True)
@@ -675,7 +680,7 @@ def _syndrome_step(config: RunConfig, store, round_index: int, header: dict, run
     full) with the syndrome codec at rates chosen from the previous round's
     decode statistics, and write it as the round's guidance; the rates and the
     statistics they came from go into the manifest."""
-    expect = {"run_id": run_id, "policy_version": header["policy_version"]}
+    expect = {"run_id": run_id, "policy_version": header["policy_version"], "policy": header["policy"]}
     captured = read_step(store, round_index, store_prefix(config, run_id, "capture"), expect)
     chosen = select_layers(config.guidance.layers, sorted({layer for layer, _ in captured.tables}))
     kept = {key: t for key, t in captured.tables.items() if key[0] in chosen}
@@ -696,6 +701,7 @@ def _syndrome_step(config: RunConfig, store, round_index: int, header: dict, run
         prefix=store_prefix(config, run_id, "guidance"),
         trajectories_per_shard=config.guidance.trajectories_per_shard,
         run_id=run_id,
+        policy=header["policy"],
         syndrome=syndrome,
     )
     return coded
@@ -756,11 +762,17 @@ def train(
     # the state is refused unless it is this run's and was saved with this very policy folder
     trainer = open_trainer(policy, state, train_config(config), guidance.quant, guidance.scales(), device, run_id)
     version = trainer.step - len(trainer.history)  # the policy version the round trains
-    guidance.check(run_id, version)
+    digest = folder_digest(policy)
+    guidance.check(run_id, version, digest)
     if header["policy_version"] != version:
         raise RunMismatch(
             f"{trajectories_file}: rolled out by policy version {header['policy_version']}, "
             f"the policy to train is version {version}"
+        )
+    if header["policy"] != digest:
+        raise RunMismatch(
+            f"{trajectories_file}: rolled out by another policy folder (digest {header['policy']}) than the one to "
+            f"train ({digest}): is run id {run_id!r} used by two runs?"
         )
     store = _store(config)
     full = None
@@ -769,7 +781,7 @@ def train(
             store,
             round_index,
             store_prefix(config, run_id, "capture"),
-            {"run_id": run_id, "policy_version": header["policy_version"]},
+            {"run_id": run_id, "policy_version": header["policy_version"], "policy": header["policy"]},
         )
     per_step = config.rollout.prompts_per_step * config.rollout.group_size
     history, decoded = list(trainer.history), dict(trainer.decoded)

@@ -147,7 +147,7 @@ def test_inputs_of_another_run_or_version_are_refused(tmp_path):
         list(forged.loader(open_store(config.store.uri), [[0]]))
     # the step written over by a run of other guidance settings under the same run id, or copied from another step
     store, prefix = open_store(config.store.uri), steps.store_prefix(config, RUN, "guidance")
-    for field, value in (("bits", 4), ("layers", (0,)), ("sites", ("kv",))):
+    for field, value in (("bits", 4), ("layers", (0,)), ("sites", ("kv",)), ("policy", "0" * 64)):
         with pytest.raises(GuidanceError, match=f"{field} is .*, expected"):
             list(dataclasses.replace(ref, **{field: value}).loader(store, [[0]]))
     store.put_bytes(
@@ -155,6 +155,16 @@ def test_inputs_of_another_run_or_version_are_refused(tmp_path):
     )
     with pytest.raises(GuidanceError, match="rl_step is 0, expected 1"):
         list(dataclasses.replace(ref, rl_step=1).loader(store, [[0]]))
+    # another policy at the same version under the same run id (a run id given twice): neither its guidance nor
+    # its trajectories train this one
+    steps.prepare(config.model_copy(update={"seed": 1}), tmp_path / "q0", RUN, tmp_path / "r0")
+    with pytest.raises(GuidanceError, match="another policy folder .*used by two runs"):
+        steps.train(config, tmp_path / "q0", tmp_path / "r0", trajectories, ref, tmp_path / "q1", tmp_path / "r1", RUN)
+    unpinned = dataclasses.replace(ref, policy="")  # a reference of an earlier tracefp4: the trajectories still say
+    with pytest.raises(steps.RunMismatch, match="another policy folder"):
+        steps.train(
+            config, tmp_path / "q0", tmp_path / "r0", trajectories, unpinned, tmp_path / "q1", tmp_path / "r1", RUN
+        )
     assert [p.name for p in tmp_path.glob(".t0.jsonl*")] == []  # written through a renamed temporary file
     cut = tmp_path / "cut.jsonl"
     cut.write_text(trajectories.read_text()[:-20])  # a file cut in its last line names itself and the line
