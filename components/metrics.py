@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Gauge, delete_from_gateway, push_to_gateway, write_to_textfile
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.metrics_core import Metric as MetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
 GROUPING = ("pipeline", "run_id", "method", "component", "round")
@@ -188,11 +188,12 @@ def merge_into_file(path: Path, registry: CollectorRegistry, group: dict[str, st
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        families: dict[str, GaugeMetricFamily] = {}
+        families: dict[str, MetricFamily] = {}
 
         def add(name: str, help: str, labels: dict[str, str], value: float) -> None:
-            family = families.setdefault(name, GaugeMetricFamily(name, help, labels=sorted(labels)))
-            family.add_metric([labels[k] for k in sorted(labels)], value)
+            # each sample with its own label names: a family's samples may differ in them (one written by an
+            # earlier tracefp4, whose metric had other labels), and one family's names would shift the others
+            families.setdefault(name, MetricFamily(name, help, "gauge")).add_sample(name, labels, value)
 
         for family in _read_or_set_aside(path):
             for s in family.samples:

@@ -41,6 +41,23 @@ def test_a_group_replaces_its_own_samples_in_the_file_and_keeps_the_others(tmp_p
     assert not list(tmp_path.glob("*.tmp*"))  # written to a temporary file, then renamed
 
 
+def test_samples_of_one_metric_with_other_label_names_keep_their_own(tmp_path):
+    """A file written by an earlier tracefp4 (this metric with a layer label,
+    docs/metrics.md) merged with this run's samples: the family's first label
+    names were laid over every later sample, shifting its values one name on
+    (run_id lost, method read as 'round')."""
+    path = tmp_path / "metrics.prom"
+    old = 'tracefp4_code_mismatch_ratio{component="train",job="tracefp4",layer="all",method="trace",'
+    path.write_text(old + 'pipeline="p",round="0",run_id="r0"} 0.5\n')
+    m = _group(0, "qat")
+    m.set("tracefp4_code_mismatch_ratio", 0.25, rollout_config="fp4_wa_kv")
+    m.publish(path, None, "tracefp4")
+    samples = {labels["run_id"]: (labels, value) for _, labels, value in read_file(path)}
+    assert samples["r0"] == ({"component": "train", "job": "tracefp4", "layer": "all", "method": "trace",
+                              "pipeline": "p", "round": "0", "run_id": "r0"}, 0.5)  # fmt: skip
+    assert samples["r1"][0]["method"] == "qat" and samples["r1"][1] == 0.25 and "layer" not in samples["r1"][0]
+
+
 def _closed_port() -> int:
     """A loopback port nothing listens on (bound, then released)."""
     with socket.socket() as s:
