@@ -124,12 +124,12 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|")
     for precision in histories:
         for label in histories[precision]:
-            mismatch = mean(precision, label, "code_mismatch")
+            mismatch, coverage = mean(precision, label, "code_mismatch"), mean(precision, label, "guidance_coverage")
             shown = "n/a (BF16 activations)" if mismatch is None else f"{mismatch:.4f}"
             print(
                 f"| {precision} | {label} | {mean(precision, label, 'logprob_abs_diff_mean'):.5f} | "
                 f"{mean(precision, label, 'logprob_abs_diff_max'):.4f} | {mean(precision, label, 'k3_kl'):.2e} | "
-                f"{shown} | {mean(precision, label, 'guidance_coverage'):.3f} | "
+                f"{shown} | {'-' if coverage is None else f'{coverage:.3f}'} | "
                 f"{mean(precision, label, 'reward_mean'):.3f} |"
             )
     kept = {}

@@ -74,7 +74,7 @@ class TrainingPass:
     logprobs: Tensor
     rollout_logprobs: Tensor
     mask: Tensor
-    guidance_coverage: float  # share of captured elements rounded with guidance
+    guidance_coverage: float | None  # share of captured elements rounded with guidance (None: nothing guided)
 
     def alignment(self, tis_cap: float) -> dict[str, float]:
         return alignment_metrics(self.logprobs, self.rollout_logprobs, self.mask, tis_cap=tis_cap)
@@ -241,7 +241,7 @@ class Trainer:
             grad_norm=max(grad_norms),
             optimizer_steps=len(grad_norms),
             reload_seconds=max(self.all_gather(reload_s)),
-            guidance_coverage=guided / captured if captured else 0.0,
+            guidance_coverage=guided / captured if captured else None,  # no guidance: not "none of it used"
             **decode_summary(decode),
         )
         if rollout_records is not None:
