@@ -269,10 +269,18 @@ def _warn(message: str) -> None:
     click.echo(f"warning: {message}", err=True)
 
 
-def _warn_for_cluster(config) -> None:
-    """What in the config would keep a compiled or submitted run from working on a cluster."""
+def _warn_for_cluster(config, store_option: str) -> None:
+    """What in the config would keep a compiled or submitted run from working on a cluster, or from being
+    watched; ``store_option``: how this command sets the store."""
     if config.store.uri.startswith("file://"):
-        _warn(f"store {config.store.uri} is local to each pod; use --store s3://... on a cluster")
+        _warn(f"store {config.store.uri} is local to each pod; use {store_option}s3://... on a cluster")
+    elif config.store.endpoint is None:
+        _warn(
+            f"store {config.store.uri} without store.endpoint: every step takes TRACEFP4_S3_ENDPOINT from the "
+            "image's environment, and fails at its start where the image sets none (--set store.endpoint=http://...)"
+        )
+    if config.metrics.pushgateway_url is None:
+        _warn("no metrics.pushgateway_url: the run pushes no metrics, and the Grafana dashboards stay empty")
 
 
 @main.command()
@@ -299,7 +307,7 @@ def compile(preset, config_file, sets, output, methods):
         raise click.ClickException(str(e)) from None
     except OSError as e:  # a folder in the way, no permission
         raise click.ClickException(f"--output {output}: {e.filename or output}: {e.strerror or e}") from None
-    _warn_for_cluster(config)
+    _warn_for_cluster(config, "--set store.uri=")
     tasks = run_tasks(compiled_spec(Path(output).read_bytes()), config)
     if problem := run_size_problem(tasks):
         _warn(f"{output}: {problem}")
@@ -379,7 +387,7 @@ def submit(preset, config_file, sets, experiment, store, service_account, root, 
     from tracefp4.pipelines.submit import submit as submit_run
 
     config = _config(preset, config_file, store, sets=sets)
-    _warn_for_cluster(config)
+    _warn_for_cluster(config, "--store ")
     try:
         connection = _connection(**connection)
         result = submit_run(

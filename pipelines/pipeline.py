@@ -49,9 +49,12 @@ def pipeline_version() -> str:
 
 def version_name(package: bytes) -> str:
     """The name the compiled pipeline ``package`` is uploaded under: :func:`pipeline_version` and a hash of the
-    YAML, since the DAG depends on the config too (rounds, image, resources): a name reused for another DAG
-    would run the old one."""
-    return f"{pipeline_version()}-{hashlib.sha256(package).hexdigest()[:8]}"
+    YAML's documents, since the DAG depends on the config too (rounds, image, resources): a name reused for
+    another DAG would run the old one. The documents, not the file's bytes: KFP's compiler heads the file with a
+    comment that prints a list parameter's dicts in an order that changes from one process to the next, so
+    the same config uploaded a new version at every submit."""
+    documents = json.dumps([doc for doc in yaml.safe_load_all(package) if doc], sort_keys=True)
+    return f"{pipeline_version()}-{hashlib.sha256(documents.encode()).hexdigest()[:8]}"
 
 
 # A task's role decides its resources and retries.

@@ -667,7 +667,8 @@ class ResourcesConfig(_Section):
     accelerator_type: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_./]{0,251}[A-Za-z0-9])?$",
-        description="Accelerator to request, e.g. 'nvidia.com/gpu' or a node-label value; required when gpus > 0.",
+        description="Accelerator resource to request, e.g. 'nvidia.com/gpu' (the limit's name, as KFP and the "
+        "TrainJob set it); required when gpus > 0.",
     )
     node_selector: dict[LabelKey, LabelValue] = Field(
         default_factory=dict, description="Node labels a step must run on."

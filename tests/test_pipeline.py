@@ -260,9 +260,20 @@ def test_cli(tmp_path):
     result = runner.invoke(main, ["compile", "--preset", "smoke", "--output", str(tmp_path / "new" / "p.yaml")])
     assert result.exit_code == 0 and (tmp_path / "new" / "p.yaml").exists() and "tasks a run" in result.output
     # the version submit uploads the YAML under: another DAG, another version
-    assert f"version {version_name((tmp_path / 'new' / 'p.yaml').read_bytes())} (submit's)" in result.output
+    package = (tmp_path / "new" / "p.yaml").read_bytes()
+    assert f"version {version_name(package)} (submit's)" in result.output
+    # the same documents under another head comment (KFP's prints a list default's dicts in an order that
+    # changes between processes) and with their keys in another order: the same version, not a new one a submit
+    documents = [doc for doc in yaml.safe_load_all(package) if doc]
+    shuffled = yaml.safe_dump_all([dict(reversed(doc.items())) for doc in documents], sort_keys=False)
+    assert version_name(b"# another head\n" + shuffled.encode()) == version_name(package)
+    assert "no metrics.pushgateway_url" in result.output  # smoke's: nothing to watch on a cluster
     assert "warning: store file://./runs/store is local to each pod" in result.output  # smoke's store
+    assert "use --set store.uri=s3://" in result.output  # compile has no --store
     assert "tasks in a run" not in result.output
+    args = ["compile", "--preset", "smoke", "--set", "store.uri=s3://bucket/runs", "--output", str(tmp_path / "s.yaml")]
+    result = runner.invoke(main, args)
+    assert "store s3://bucket/runs without store.endpoint: every step takes TRACEFP4_S3_ENDPOINT" in result.output
     result = runner.invoke(main, ["compile", "--preset", "smoke", "--output", str(tmp_path / "new" / "p.yaml" / "x")])
     assert result.exit_code == 1 and "p.yaml: File exists" in result.output  # a file in the way: no traceback
     # the paper preset's 100 rounds: 14 a run, in a chain of runs; unrolled in one, more tasks than a KFP run holds
