@@ -138,9 +138,10 @@ SENSITIVITY_BITS = (1, 2, 3, 4)
 
 def _discrepancy(config: RunConfig, model, name: str, tokenizer, prompts, sensitivity: bool) -> dict:
     """Rollouts under ``name`` with a full capture, then the method's training path
-    over the same tokens (guided for trace, by guidance compacted as configured):
-    mismatch and alignment; with ``sensitivity``, the guidance's size and
-    fidelity for R-1..R-4 over the deepest 1, half and all layers."""
+    over the same tokens (guided for trace, by guidance compacted and coded as
+    configured: syndrome-coded guidance at a first step's rates, decoded in the
+    training forward): mismatch and alignment; with ``sensitivity``, the
+    guidance's size and fidelity for R-1..R-4 over the deepest 1, half and all layers."""
     capture = CaptureConfig(max_tokens=config.rollout.max_tokens_per_forward, inputs=True)
     engine = TorchEngine(
         model,
@@ -162,9 +163,13 @@ def _discrepancy(config: RunConfig, model, name: str, tokenizer, prompts, sensit
     with tempfile.TemporaryDirectory() as folder:
         if config.method == "trace":
             store = LocalStore(folder)
+            if config.guidance.codec == "syndrome":
+                guidance, _ = steps.syndrome_coded(config, records, None)
+            else:
+                guidance = compact(records, config.guidance.bits, select_layers(config.guidance.layers, available))
             write_step(
                 store,
-                compact(records, config.guidance.bits, select_layers(config.guidance.layers, available)),
+                guidance,
                 rl_step=0,
                 policy_version=0,
                 top_k=engine.model.cfg.top_k,

@@ -675,6 +675,16 @@ def export_policy(config: RunConfig, policy: Path, out: Path) -> dict:
     )
 
 
+def syndrome_coded(config: RunConfig, captured: CaptureRecords, previous: dict | None) -> tuple[CaptureRecords, dict]:
+    """The guidance layers' tables of ``captured`` coded as parity bits
+    (codec syndrome), at rates chosen from ``previous`` decode statistics
+    (None: a first step's ``guidance.syndrome_rate``); and the rates."""
+    chosen = select_layers(config.guidance.layers, sorted({layer for layer, _ in captured.tables}))
+    kept = {key: t for key, t in captured.tables.items() if key[0] in chosen}
+    rates = site_rates(kept, previous, config.guidance.syndrome_rate)
+    return CaptureRecords({key: encode_table(t, rates[key]) for key, t in kept.items()}), rates
+
+
 def _syndrome_step(config: RunConfig, store, round_index: int, header: dict, run_id: str) -> CaptureRecords:
     """Encode the round's capture (inline: R-1 of the selected layers; offline:
     full) with the syndrome codec at rates chosen from the previous round's
@@ -682,11 +692,8 @@ def _syndrome_step(config: RunConfig, store, round_index: int, header: dict, run
     statistics they came from go into the manifest."""
     expect = {"run_id": run_id, "policy_version": header["policy_version"], "policy": header["policy"]}
     captured = read_step(store, round_index, store_prefix(config, run_id, "capture"), expect)
-    chosen = select_layers(config.guidance.layers, sorted({layer for layer, _ in captured.tables}))
-    kept = {key: t for key, t in captured.tables.items() if key[0] in chosen}
     previous = read_decode_stats(store, store_prefix(config, run_id, "guidance"), round_index - 1)
-    rates = site_rates(kept, previous, config.guidance.syndrome_rate)
-    coded = CaptureRecords({key: encode_table(t, rates[key]) for key, t in kept.items()})
+    coded, rates = syndrome_coded(config, captured, previous)
     syndrome = {
         "rates": {f"{layer}/{site}": [r.code_bits, r.scale_bits] for (layer, site), r in sorted(rates.items())},
         "first_rate": config.guidance.syndrome_rate,

@@ -448,6 +448,27 @@ def test_rounds_decode_inline_and_the_next_round_chooses_its_rates(tmp_path):
     assert second[0]["guidance_bits_per_element"] < first[0]["guidance_bits_per_element"]
 
 
+def test_the_evaluations_discrepancy_guides_with_the_runs_codec(monkeypatch):
+    """The evaluation measured a syndrome run's training path under exact R-1
+    guidance (compacted bits), not the parity-coded guidance that run trains
+    with, decoded in its forward."""
+    from tracefp4.components import evaluation, steps
+    from tracefp4.components.model import build_model
+    from tracefp4.components.tokenizer import build_tokenizer
+    from tracefp4.schemas import load_config
+
+    config = load_config(None, preset="smoke", overrides={"guidance.codec": "syndrome", "guidance.bits": 1})
+    written, real = [], evaluation.write_step
+    monkeypatch.setattr(evaluation, "write_step", lambda store, records, **kw: written.append(records) or real(
+        store, records, **kw))  # fmt: skip
+    tokenizer = build_tokenizer()
+    prompts = steps.encode_prompts(config, tokenizer, steps.problems(config)[1][:2])
+    out = evaluation._discrepancy(config, build_model("smoke"), "fp4_wa_kv", tokenizer, prompts, sensitivity=False)
+    ((records,),) = [written]
+    assert records.tables and all(isinstance(t, SyndromeTable) for t in records.tables.values())
+    assert 0 <= out["discrepancy"]["code_mismatch"] < 0.5  # measured through the decoding forward
+
+
 def test_blocks_needing_every_tier_decode_exactly():
     # flips at reliability ranks up to 50: solved with 8, 24 or all 56 unknowns
     truth, reliability = blocks(nb=300, seed=4)
