@@ -74,8 +74,8 @@ METRICS = {
     "tracefp4_guidance_reload_seconds": Metric("Mean time a training step waited for guidance from the store."),
     "tracefp4_guidance_coverage_ratio": Metric("Share of captured training elements rounded with guidance."),
     "tracefp4_guidance_decode_failure_ratio": Metric(
-        "Share of syndrome-coded guidance blocks whose decode failed its check (rounded to nearest instead); "
-        "0 with the bits codec."
+        "Share of the round's syndrome-coded guidance blocks whose decode failed its check (rounded to nearest "
+        "instead): its failed blocks of all its blocks; 0 with the bits codec."
     ),
     "tracefp4_train_rollout_logprob_abs_diff": Metric(
         "|log pi_train - log pi_rollout| over the round's steps: stat=mean per response token, max, and "
@@ -308,8 +308,10 @@ def _train(m: RunMetrics, rows: list[dict], config) -> None:
     m.set("tracefp4_train_step_seconds", _mean(rows, "train_seconds"))
     m.set("tracefp4_guidance_reload_seconds", _mean(rows, "reload_seconds"))
     m.set("tracefp4_guidance_coverage_ratio", _mean(rows, "guidance_coverage") if config.method == "trace" else None)
-    failed = _mean(rows, "guidance_decode_failed_share")  # None with the bits codec: nothing to decode, nothing failed
-    m.set("tracefp4_guidance_decode_failure_ratio", (failed or 0.0) if config.method == "trace" else None)
+    # the round's failed blocks of all its blocks, not the mean of its steps' shares; none with the bits codec
+    blocks = sum(r.get("guidance_decode_blocks") or 0 for r in rows)
+    failed = sum(r.get("guidance_decode_failures") or 0 for r in rows) / blocks if blocks else 0.0
+    m.set("tracefp4_guidance_decode_failure_ratio", failed if config.method == "trace" else None)
     m.set("tracefp4_train_rollout_logprob_abs_diff", _mean(rows, "logprob_abs_diff_mean"), stat="mean")
     m.set("tracefp4_train_rollout_logprob_abs_diff", max(r["logprob_abs_diff_max"] for r in rows), stat="max")
     m.set(

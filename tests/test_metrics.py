@@ -196,6 +196,21 @@ def test_kfp_gets_the_round_means_prometheus_gets():
     assert round_means(rows) == pytest.approx({"reward_mean": 0.5, "k3_kl": 2.5e-3, "guidance_coverage": 0.75})
 
 
+def test_the_rounds_decode_failure_ratio_is_its_failed_blocks_of_all_its_blocks(tmp_path):
+    """Not the mean of its steps' shares (0.05 here), which the metric's help does not say."""
+    from tracefp4.components.metrics import _train
+
+    rows = [
+        {"guidance_decode_blocks": 1000, "guidance_decode_failures": 100, "logprob_abs_diff_max": 0.1},
+        {"guidance_decode_blocks": 10, "guidance_decode_failures": 0, "logprob_abs_diff_max": 0.1},
+    ]
+    m = RunMetrics(pipeline="p", run_id="r1", method="trace", component="train", round=0)
+    _train(m, rows, get_preset("smoke"))
+    m.publish(tmp_path / "metrics.prom", None, "tracefp4")
+    ((value,),) = [[v for name, _, v in read_file(tmp_path / "metrics.prom") if name.endswith("decode_failure_ratio")]]
+    assert value == pytest.approx(100 / 1010)
+
+
 def test_aggregate_and_per_layer_series_never_share_a_name():
     for name, metric in METRICS.items():
         assert ("layer" in metric.labels) == name.startswith("tracefp4_layer_"), name
