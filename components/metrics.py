@@ -362,7 +362,11 @@ RECORDERS = {
 def delete_run(pushgateway: str, job: str, pipeline: str, run_id: str) -> int:
     """Delete every group the Pushgateway holds for one run; returns how many."""
     with urllib.request.urlopen(pushgateway.rstrip("/") + "/api/v1/metrics", timeout=10) as response:
-        groups = [g["labels"] for g in json.load(response)["data"]]
+        answer = json.load(response)  # not JSON: a ValueError
+    try:
+        groups = [g["labels"] for g in answer["data"]]
+    except (KeyError, TypeError):
+        raise ValueError("not a Pushgateway: its /api/v1/metrics answer holds no groups ('data')") from None
     mine = [g for g in groups if g.get("job") == job and g.get("pipeline") == pipeline and g.get("run_id") == run_id]
     for g in mine:
         delete_from_gateway(pushgateway, job=job, grouping_key={k: g.get(k, "") for k in GROUPING}, timeout=10)

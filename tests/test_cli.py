@@ -50,6 +50,27 @@ def test_an_unreachable_pushgateway_and_a_folder_that_is_no_policy_are_one_line_
         assert result.exception is None or isinstance(result.exception, SystemExit)
     result = CliRunner().invoke(main, ["export", str(tmp_path), str(tmp_path / "out")])
     assert result.exit_code == 1 and f"Error: {tmp_path}/config.json does not exist" in result.output
+    # a server that answers JSON, but not a Pushgateway's (a KeyError traceback before)
+    import http.server
+    import threading
+
+    class NotAGateway(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(b'{"status": "ok"}')
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotAGateway)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        result = CliRunner().invoke(main, ["delete-metrics", "--pushgateway", url, "--pipeline", "p", "--run-id", "r"])
+        assert result.exit_code == 1 and "not a Pushgateway" in result.output
+    finally:
+        server.shutdown()
 
 
 def test_set_puts_a_value_by_its_dotted_path_over_the_preset_and_is_refused_clearly(tmp_path):
