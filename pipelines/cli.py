@@ -293,7 +293,7 @@ def compile(preset, config_file, sets, output, methods):
     """Compile the pipeline (or with --compare the comparison pipeline) to KFP IR YAML (upload it in the KFP UI)."""
     from tracefp4.pipelines.pipeline import (
         compile_pipeline,
-        compiled_spec,
+        compiled_documents,
         run_size_problem,
         run_tasks,
         version_name,
@@ -308,7 +308,8 @@ def compile(preset, config_file, sets, output, methods):
     except OSError as e:  # a folder in the way, no permission
         raise click.ClickException(f"--output {output}: {e.filename or output}: {e.strerror or e}") from None
     _warn_for_cluster(config, "--set store.uri=")
-    tasks = run_tasks(compiled_spec(Path(output).read_bytes()), config)
+    documents = compiled_documents(Path(output).read_bytes())
+    tasks = run_tasks(documents[0], config)
     if problem := run_size_problem(tasks):
         _warn(f"{output}: {problem}")
     name = f"tracefp4-{config.name}" + ("-compare" if methods else "")
@@ -318,7 +319,7 @@ def compile(preset, config_file, sets, output, methods):
         if rl.chained
         else ""
     )
-    version = version_name(Path(output).read_bytes())
+    version = version_name(documents)
     click.echo(f"{output}: pipeline {name}, version {version} (submit's), {tasks} tasks a run{chain}")
 
 

@@ -47,14 +47,14 @@ def pipeline_version() -> str:
     return f"{version('tracefp4')}-{schema_hash()}"
 
 
-def version_name(package: bytes) -> str:
-    """The name the compiled pipeline ``package`` is uploaded under: :func:`pipeline_version` and a hash of the
-    YAML's documents, since the DAG depends on the config too (rounds, image, resources): a name reused for
-    another DAG would run the old one. The documents, not the file's bytes: KFP's compiler heads the file with a
-    comment that prints a list parameter's dicts in an order that changes from one process to the next, so
-    the same config uploaded a new version at every submit."""
-    documents = json.dumps([doc for doc in yaml.safe_load_all(package) if doc], sort_keys=True)
-    return f"{pipeline_version()}-{hashlib.sha256(documents.encode()).hexdigest()[:8]}"
+def version_name(documents: list[dict]) -> str:
+    """The name a compiled pipeline (its :func:`compiled_documents`) is uploaded under: :func:`pipeline_version`
+    and a hash of the documents, since the DAG depends on the config too (rounds, image, resources): a name
+    reused for another DAG would run the old one. The documents, not the file's bytes: KFP's compiler heads the
+    file with a comment that prints a list parameter's dicts in an order that changes from one process to the
+    next, so the same config uploaded a new version at every submit."""
+    text = json.dumps(documents, sort_keys=True)
+    return f"{pipeline_version()}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
 
 
 # A task's role decides its resources and retries.
@@ -234,9 +234,14 @@ def _rollout(c, configure, config: RunConfig, config_json, run_id, round_index: 
 RUN_TASKS_WARN = 50
 
 
+def compiled_documents(package: bytes) -> list[dict]:
+    """The documents of a compiled pipeline file: its pipeline spec, then the Kubernetes platform spec."""
+    return [doc for doc in yaml.safe_load_all(package) if doc]
+
+
 def compiled_spec(package: bytes) -> dict:
-    """The pipeline spec of a compiled pipeline file: its first document (the Kubernetes platform spec follows)."""
-    return next(doc for doc in yaml.safe_load_all(package) if doc)
+    """The pipeline spec of a compiled pipeline file: its first document."""
+    return compiled_documents(package)[0]
 
 
 def run_tasks(spec: dict, config: RunConfig) -> int:

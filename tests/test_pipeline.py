@@ -22,6 +22,7 @@ from tracefp4.pipelines.pipeline import (
     RUN_TASKS_WARN,
     build_comparison_pipeline,
     compile_pipeline,
+    compiled_documents,
     compiled_spec,
     pipeline_version,
     run_size_problem,
@@ -261,12 +262,12 @@ def test_cli(tmp_path):
     assert result.exit_code == 0 and (tmp_path / "new" / "p.yaml").exists() and "tasks a run" in result.output
     # the version submit uploads the YAML under: another DAG, another version
     package = (tmp_path / "new" / "p.yaml").read_bytes()
-    assert f"version {version_name(package)} (submit's)" in result.output
+    assert f"version {version_name(compiled_documents(package))} (submit's)" in result.output
     # the same documents under another head comment (KFP's prints a list default's dicts in an order that
     # changes between processes) and with their keys in another order: the same version, not a new one a submit
-    documents = [doc for doc in yaml.safe_load_all(package) if doc]
+    documents = compiled_documents(package)
     shuffled = yaml.safe_dump_all([dict(reversed(doc.items())) for doc in documents], sort_keys=False)
-    assert version_name(b"# another head\n" + shuffled.encode()) == version_name(package)
+    assert version_name(compiled_documents(b"# another head\n" + shuffled.encode())) == version_name(documents)
     assert "no metrics.pushgateway_url" in result.output  # smoke's: nothing to watch on a cluster
     assert "warning: store file://./runs/store is local to each pod" in result.output  # smoke's store
     assert "use --set store.uri=s3://" in result.output  # compile has no --store
