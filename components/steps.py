@@ -575,6 +575,12 @@ def read_trajectories(path: Path, run_id: str, round_index: int) -> tuple[dict, 
     return header, trajectories, batch
 
 
+def rolled_out_by(header: dict) -> dict:
+    """What the store's steps of a round must say of the rollout that wrote them (:func:`.guidance.read_step`'s
+    ``expect``), from its trajectories' ``header``: its run, and the policy's version and folder."""
+    return {key: header[key] for key in ("run_id", "policy_version", "policy")}
+
+
 def compaction(
     config: RunConfig, policy: Path, trajectories_file: Path, round_index: int, run_id: str = ""
 ) -> tuple[GuidanceRef, dict]:
@@ -596,7 +602,7 @@ def compaction(
         top_k=header["top_k"],
         policy=header["policy"],
     )
-    expect = {"run_id": run_id, "policy_version": header["policy_version"], "policy": header["policy"]}
+    expect = rolled_out_by(header)
     if config.rollout.workers > 1 and _captures(config):  # one step of every worker's shards, where they lie
         kind = store_prefix(config, run_id, _capture_kind(config))
         sources = [worker_prefix(kind, config, w) for w in range(config.rollout.workers)]
@@ -690,8 +696,7 @@ def _syndrome_step(config: RunConfig, store, round_index: int, header: dict, run
     full) with the syndrome codec at rates chosen from the previous round's
     decode statistics, and write it as the round's guidance; the rates and the
     statistics they came from go into the manifest."""
-    expect = {"run_id": run_id, "policy_version": header["policy_version"], "policy": header["policy"]}
-    captured = read_step(store, round_index, store_prefix(config, run_id, "capture"), expect)
+    captured = read_step(store, round_index, store_prefix(config, run_id, "capture"), rolled_out_by(header))
     previous = read_decode_stats(store, store_prefix(config, run_id, "guidance"), round_index - 1)
     coded, rates = syndrome_coded(config, captured, previous)
     syndrome = {
@@ -788,7 +793,7 @@ def train(
             store,
             round_index,
             store_prefix(config, run_id, "capture"),
-            {"run_id": run_id, "policy_version": header["policy_version"], "policy": header["policy"]},
+            rolled_out_by(header),
         )
     per_step = config.rollout.prompts_per_step * config.rollout.group_size
     history, decoded = list(trainer.history), dict(trainer.decoded)
