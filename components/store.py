@@ -274,7 +274,22 @@ class LocalStore(ArtifactStore):
         """Remove the file, and the folders that leaves empty up to the root: a
         folder stands while keys lie under it, as on S3, so that deleting a
         round's folder does not leave its empty tree behind at every round."""
-        path = self._path(key)
+        self._remove(self._path(key), key)
+
+    def delete_folder(self, prefix: str, marker: str, keep: str | None = None) -> None:
+        """:meth:`ArtifactStore.delete_folder`, and the temp files that killed
+        writers left in the folder, which no listing shows: each can be as
+        large as the object it was to become (a trainer state's shard), and
+        the folder would stand for it. Nothing writes a folder being deleted."""
+        super().delete_folder(prefix, marker, keep)
+        folder = self._path(prefix.rstrip("/"))
+        kept = None if keep is None else self._path(keep)
+        for path in sorted(folder.rglob(f".*{_TMP_SUFFIX}")):
+            if kept is None or not path.is_relative_to(kept):
+                self._remove(path, path.relative_to(self.root).as_posix())
+
+    def _remove(self, path: Path, key: str) -> None:
+        """Remove the file at ``path`` (``key``'s), and the folders that leaves empty up to the root."""
         try:
             path.unlink(missing_ok=True)
         except OSError as e:

@@ -133,6 +133,24 @@ def test_delete_folder_deletes_each_marker_first_and_keeps_the_rest(store):
     assert store.list() == ["ck/3/.metadata", "ck/3/c", "ckx/d"]
 
 
+def test_a_local_folder_deletion_takes_what_killed_writers_left_in_it(tmp_path):
+    """A write killed before its rename leaves its temp file, which no listing
+    shows; deleting the folder takes it too (it can be a whole shard), so the
+    folder goes, while ``keep`` and other folders keep theirs."""
+    store = LocalStore(tmp_path)
+    for key in ["state/1/shard", "state/1/.metadata", "state/2/.metadata", "other/a"]:
+        store.put_bytes(key, b"x")
+    left = [tmp_path / "state/1/.shard.x1.partial", tmp_path / "state/1/sub/.y.x2.partial"]
+    kept = [tmp_path / "state/2/.z.x3.partial", tmp_path / "other/.a.x4.partial"]
+    for path in left + kept:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"half")
+    store.delete_folder("state", ".metadata", keep="state/2")
+    assert not (tmp_path / "state/1").exists()
+    assert all(path.exists() for path in kept)
+    assert store.list() == ["other/a", "state/2/.metadata"]
+
+
 def test_missing_key(store):
     with pytest.raises(ArtifactNotFound, match="nope/x.bin") as info:
         store.get_bytes("nope/x.bin")
