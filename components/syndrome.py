@@ -48,7 +48,7 @@ from .capture import SiteTable
 
 BLOCK_ELEMENTS = 256  # elements per block at most: narrower rows are grouped up to it, wider ones cut
 CODE_CHECK_BITS = 8  # code parity bits beyond the erasures: a wrong decode passes with probability 2^-8
-SCALE_CHECK_BITS = 4  # scale parity bits beyond the erasures (a wrong scale also fails the code check)
+SCALE_CHECK_BITS = 4  # scale parity bits beyond the erasures (a wrong scale fails the code check where codes differ)
 MIN_CODE_BITS = 16  # 8 erasures + 8 check bits
 MIN_SCALE_BITS = 8  # 4 erasures + 4 check bits, or (MXFP4: 8 scales a block) the scale bits themselves
 MAX_CODE_BITS = 64  # 56 erasures + 8 check bits per block

@@ -311,19 +311,27 @@ def scale_side_info(x: Tensor, fmt: FP4Format, global_scale: Tensor | None) -> t
     the nearest rounding boundary, and the relative distance to that boundary
     (+inf where no other scale is possible: all-zero or non-finite blocks,
     saturation). Adjacent scale bytes differ in their lowest bit, so the
-    rollout's low scale bit picks one of the two."""
+    rollout's low scale bit picks one of the two.
+
+    An NVFP4 scale that rounds to zero is written as 1.0 (``0x38``, low bit
+    0): below the smallest subnormal ``0x01`` lies that zero, so the two
+    neighbour each other across the boundary 2^-10, and their bytes still
+    differ in the low bit."""
     amax = block_amaxes(blocked(x, fmt.block_size).reshape(-1, fmt.block_size)).view(
         *x.shape[:-1], x.shape[-1] // fmt.block_size
     )
     if fmt.has_global_scale:
         v = amax / (E2M1_MAX * global_scale)
         own = nvfp4_scales(amax, global_scale).view(torch.uint8)
-        s = own.view(torch.float8_e4m3fn).float()
-        step = torch.where(v > s, 1, -1)
-        neighbour = (own.int() + step).clamp(1, 0x7E).to(torch.uint8)
-        mid = (s + neighbour.view(torch.float8_e4m3fn).float()) / 2
+        # each scale's rung on the E4M3 ladder: its byte, 0 where it rounded to zero (at most 2^-10, the tie
+        # to even included), written 0x38
+        rung = torch.where(v <= 2.0**-10, 0, own.int())
+        s = _e4m3_rung(rung)
+        neighbour_rung = (rung + torch.where(v > s, 1, -1)).clamp(0, 0x7E)
+        neighbour = torch.where(neighbour_rung == 0, 0x38, neighbour_rung).to(torch.uint8)
+        mid = (s + _e4m3_rung(neighbour_rung)) / 2
         distance = (v - mid).abs() / mid
-        certain = (amax == 0) | ~torch.isfinite(v) | (v == s) | (neighbour == own) | (v >= E4M3_MAX)
+        certain = (amax == 0) | ~torch.isfinite(v) | (v == s) | (neighbour_rung == rung) | (v >= E4M3_MAX)
     else:
         own = mxfp4_scales(amax)
         fraction = torch.log2(amax) - torch.floor(torch.log2(amax))
@@ -332,3 +340,8 @@ def scale_side_info(x: Tensor, fmt: FP4Format, global_scale: Tensor | None) -> t
         distance = torch.where(up, 1 - fraction, fraction)
         certain = (amax == 0) | (own == E8M0_NAN) | (own == 0) | ~torch.isfinite(amax)
     return own, neighbour, torch.where(certain, torch.inf, distance)
+
+
+def _e4m3_rung(rung: Tensor) -> Tensor:
+    """The float32 value of E4M3 bytes ``rung`` (int; 0 is zero)."""
+    return rung.to(torch.uint8).view(torch.float8_e4m3fn).float()

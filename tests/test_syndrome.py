@@ -37,6 +37,7 @@ from tracefp4.kernels import (
     get_format,
     parity_matrix,
     quantize,
+    scale_side_info,
     solve_erasures,
     syndrome,
     unknowns,
@@ -256,6 +257,28 @@ def test_mxfp4_scales_take_their_own_bits_and_always_decode():
     far = x + 0.5 * torch.randn(x.shape, generator=g)  # most code stages fail here (NVFP4: every stage)
     scales, _, _, stats = decode(coded, far, torch.ones(len(x), dtype=torch.bool))
     assert stats.scale_failed == 0 and torch.equal(scales & 1, table.scales & 1) and stats.code_failed > 0
+
+
+def test_an_nvfp4_scale_that_rounds_to_zero_and_the_smallest_subnormal_neighbour_each_other():
+    """A block scale that rounds to zero is written 1.0 (0x38); one a little
+    above the boundary 2^-10 rounds to 2^-9 (0x01). Each side's neighbour is
+    the other's, so a rollout's zero scale is recovered where the training
+    side's rounded up (it was taken for 0x01 as certain, and the block's
+    guided values were non-zero where the rollout's are zero)."""
+    x = torch.zeros(1, 256)
+    x[0, 16:] = torch.linspace(-3, 3, 240)  # g = 3 / (6 * 448)
+    x[0, 0] = 0.9 * 2.0**-10 * 3 / 448  # block 0: amax / (6 g) = 0.9 * 2^-10, a zero scale
+    train = x.clone()
+    train[0, 0] *= 1.1 / 0.9  # 1.1 * 2^-10: 0x01
+    table = table_from(x, torch.zeros(1, dtype=torch.long))
+    g, nvfp4 = torch.tensor(table.global_scale), get_format("nvfp4")
+    assert table.scales[0, 0] == 0x38
+    own, neighbour, distance = scale_side_info(train, nvfp4, g)
+    assert (own[0, 0], neighbour[0, 0]) == (0x01, 0x38) and distance[0, 0] == pytest.approx(0.1, rel=1e-3)
+    own, neighbour, distance = scale_side_info(x, nvfp4, g)
+    assert (own[0, 0], neighbour[0, 0]) == (0x38, 0x01) and distance[0, 0] == pytest.approx(0.1, rel=1e-3)
+    scales, _, ok, stats = decode(encode_table(table, Rate(48, 16)), train, torch.ones(1, dtype=torch.bool))
+    assert ok.all() and stats.failed == 0 and torch.equal(scales, table.scales)
 
 
 def stats_of(rate: Rate, code: dict, code_failed=0, scale: dict | None = None, scale_failed=0) -> DecodeStats:
