@@ -23,6 +23,7 @@ runtime's JobSet template.
 """
 
 import contextlib
+import functools
 import hashlib
 import json
 import signal
@@ -264,6 +265,7 @@ class TrainJobRun:
         inputs = inputs_record(policy, state, trajectories, guidance)
         if self.finished(inputs):
             echo(f"trainjob {self.namespace}/{self.name}: an earlier attempt of this step trained the round")
+            self.let_go(echo)  # where that attempt ended before deleting it
         else:
             self.train(inputs, policy, state, trajectories, guidance, round_stats, echo)
         fetch(self.uri("new-policy"), into=out)  # not through the cache: that would be a second copy
@@ -335,7 +337,18 @@ class TrainJobRun:
                     raise DistributedError(f"{e}{self.rank_report()}") from None
             finally:
                 if ours:
-                    self.delete(echo)
+                    self.let_go(echo)
+
+    def let_go(self, echo) -> None:
+        """Delete the TrainJob; where the API server refuses, or does not
+        answer within ``train.timeout_seconds``, say so with the command that
+        deletes it. The step ends as its training did: with the ranks' error,
+        which a failed deletion must not replace, or with their outputs, in
+        the store already (a retry takes them: :meth:`finished`)."""
+        try:
+            self.delete(echo)
+        except DistributedError as e:
+            echo(f"{e}; not deleted: `kubectl -n {self.namespace} delete {PLURAL}.{GROUP} {self.name}`")
 
     def clear_other_inputs_round(self, inputs: bytes) -> None:
         """Before the round is trained from ``inputs``: delete what the round's
@@ -545,22 +558,30 @@ class TrainJobRun:
         out of reach) is no news, said once and polled again until
         ``train.timeout_seconds`` from ``since`` (default now) have passed;
         other errors (forbidden) fail the step at once."""
+        get = functools.partial(self.api.get_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL)
+        return self._asked("status unreadable", lambda: get(self.name), echo, since)
+
+    def _asked(self, unanswered: str, call, echo, since: float | None = None):
+        """``call()``'s answer from the API server, None where it says 404 (no
+        such job). One it does not give (5xx, 429, no connection) is said once
+        as ``unanswered`` and asked again until ``train.timeout_seconds`` from
+        ``since`` (default now) have passed; other errors (forbidden) fail at once."""
         since, last = time.monotonic() if since is None else since, None
         while True:
             try:
-                return self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name)
+                return call()
             except (ApiException, urllib3.exceptions.HTTPError) as e:
                 code = getattr(e, "status", None)  # None: no answer at all
                 if code == 404:
                     return None
                 if code is not None and code < 500 and code != 429:
                     raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
-                unreadable = f"status unreadable ({_reason(e) if isinstance(e, ApiException) else e})"
-                if unreadable != last:
-                    echo(f"trainjob {self.namespace}/{self.name}: {unreadable}")
-                    last = unreadable
+                said = f"{unanswered} ({_reason(e) if isinstance(e, ApiException) else e})"
+                if said != last:
+                    echo(f"trainjob {self.namespace}/{self.name}: {said}")
+                    last = said
                 if time.monotonic() - since > self.config.train.timeout_seconds:
-                    raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {unreadable}") from None
+                    raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {said}") from None
                 time.sleep(self.poll_s)
 
     def stalled(self, status: dict) -> str:
@@ -605,14 +626,9 @@ class TrainJobRun:
         """Delete the TrainJob with its pods (foreground); ``wait``: until it is
         gone, at most ``train.timeout_seconds`` (a rank pod on a lost node can
         stay Terminating, and with it the job)."""
-        try:
-            self.api.delete_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, self.name, propagation_policy="Foreground"
-            )
-        except ApiException as e:
-            if e.status != 404:
-                raise DistributedError(f"deleting TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
-            return
+        delete = functools.partial(self.api.delete_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL)
+        if self._asked("deletion unanswered", lambda: delete(self.name, propagation_policy="Foreground"), echo) is None:
+            return  # there was none
         echo(f"trainjob {self.namespace}/{self.name}: deleted")
         since = time.monotonic()
         while wait and self.read(echo, since) is not None:  # an API server that does not answer is no news here too

@@ -225,10 +225,18 @@ class FakeKubernetes:
     ``pods`` are the job's rank pods, listed and their logs read."""
 
     def __init__(
-        self, script: list[dict], on_complete=None, on_get=None, deletes_hang=False, pods=None, unavailable_gets=0
+        self,
+        script: list[dict],
+        on_complete=None,
+        on_get=None,
+        deletes_hang=False,
+        pods=None,
+        unavailable_gets=0,
+        failing_deletes=(),
     ):
         self.script, self.on_complete, self.on_get, self.deletes_hang = script, on_complete, on_get, deletes_hang
         self.unavailable_gets = unavailable_gets  # the first gets of the job answer 503 (the API server restarting)
+        self.failing_deletes = list(failing_deletes)  # the first deletes' answers (503, 403), the last one repeated
         self.pods: dict[str, tuple[dict, str]] = pods or {}  # the job's rank pods: name -> (status, log)
         self.calls: list[tuple[str, str]] = []
         self.jobs: dict[str, dict] = {}
@@ -304,6 +312,9 @@ class FakeKubernetes:
 
             def do_DELETE(self):
                 name = self._route()
+                if fake.failing_deletes:
+                    code = fake.failing_deletes.pop(0) if len(fake.failing_deletes) > 1 else fake.failing_deletes[0]
+                    return self._answer(code, {"kind": "Status", "message": f"answered {code}"})
                 if (fake.jobs.get(name) if fake.deletes_hang else fake.jobs.pop(name, None)) is None:
                     return self._answer(404, {"kind": "Status", "message": f'trainjobs "{name}" not found'})
                 self._answer(200, {"kind": "Status", "status": "Success"})
@@ -613,7 +624,7 @@ def test_a_retry_after_the_ranks_finished_takes_their_outputs_without_training_a
     fake = FakeKubernetes([{}])
     rows, log = completed_round(c, fake, given, tmp_path)
     assert rows == [{"step": 1, "loss": 0.5}] and (fetch(tmp_path / "out-state") / "state.json").exists()
-    assert fake.calls == [] and "an earlier attempt of this step trained the round" in log[0]
+    assert [m for m, _ in fake.calls] == ["DELETE"] and "an earlier attempt of this step trained the round" in log[0]
     # the next round, retried after its first attempt deleted the state its input stood for (its outputs were
     # out): its inputs' record pins that state by the manifest it keeps, so the retry takes those outputs
     store, nxt = open_store(c.store.uri), round_prefix(c, RUN, 1)
@@ -630,7 +641,7 @@ def test_a_retry_after_the_ranks_finished_takes_their_outputs_without_training_a
         rows = job.run(*given_next, tmp_path / "out-2", tmp_path / "out-state-2", {}, echo=retried.append)
     finally:
         fake.close()
-    assert rows == [{"step": 2}] and fake.calls == [] and "an earlier attempt" in retried[0]
+    assert rows == [{"step": 2}] and [m for m, _ in fake.calls] == ["DELETE"] and "an earlier attempt" in retried[0]
     assert location(tmp_path / "out-state-2") == f"{c.store.uri}/{nxt}/new-state"
     # another run given the same run id, with another learning rate: not a retry, so none of the above is its
     other = c.model_copy(update={"rl": c.rl.model_copy(update={"learning_rate": c.rl.learning_rate * 2})})
@@ -701,6 +712,39 @@ def clock(monkeypatch) -> Clock:
     clock = Clock()
     monkeypatch.setattr(module, "time", clock)
     return clock
+
+
+def test_a_deletion_the_api_server_refuses_leaves_the_steps_error_as_it_was(tmp_path):
+    """The job failed and its deletion is forbidden: the step fails with the
+    job's reason and its ranks' words, and says the job is left, with the
+    command that deletes it; a refused deletion used to replace that error."""
+    pods = {"run-tj-node-0-1": ({"phase": "Failed"}, "torch.OutOfMemoryError: CUDA out of memory\n")}
+    fake = FakeKubernetes([{}, RUNNING, FAILED], pods=pods, failing_deletes=[403])
+    message, log, job = failed_round(fake=fake, c=config(tmp_path), tmp_path=tmp_path, match="JobsFailed")
+    assert "CUDA out of memory" in message and fake.jobs
+    assert "answered 403; not deleted: `kubectl -n team-a delete trainjobs.trainer.kubeflow.org" in log[-1]
+
+
+def test_a_deletion_the_api_server_does_not_answer_is_asked_again_and_fails_no_trained_round(tmp_path, clock):
+    """The job completed, the ranks' outputs are in the store: deletions that
+    answer 503 are asked again; where none is answered within
+    train.timeout_seconds, the step still gives the round and says the job is left."""
+    c = config(tmp_path, timeout_seconds=10)
+    fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path), failing_deletes=[503])
+    log = []
+    try:
+        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=1)
+        rows = job.run(*inputs(tmp_path), tmp_path / "out", tmp_path / "out-state", {}, echo=log.append)
+        start = clock.now
+        assert rows == [{"step": 1, "loss": 0.5}] and fake.jobs
+        assert "deletion unanswered" in log[-2] and "not deleted" in log[-1]
+        assert [m for m, _ in fake.calls].count("DELETE") == 12  # asked each second until 10 s had passed
+        fake.failing_deletes = [503, 503, 200]
+        job.let_go(log.append)
+        assert [m for m, _ in fake.calls].count("DELETE") == 15 and log[-1].endswith("deleted")
+        assert clock.now == start + 2
+    finally:
+        fake.close()
 
 
 def test_a_trainjob_no_controller_picks_up_fails_after_the_timeout(tmp_path, clock):
