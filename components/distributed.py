@@ -69,7 +69,7 @@ from .model import Transformer, empty_model
 from .precision import MasterWeights
 from .quant import QuantConfig
 from .steps import config_digest, store_prefix
-from .store import ArtifactStore, open_store, write_atomic
+from .store import ArtifactNotFound, ArtifactStore, open_store, write_atomic
 from .tensor_files import layout_of, read_tensor, tensor_files, tensor_layout
 from .trainer import MASTER_PREFIX, OPTIMIZER_PREFIX, TrainConfig, Trainer, clip_gradients
 from .trainer_state import STEM, check_state
@@ -456,26 +456,38 @@ class ShardCheckpoints:
         run, policy, step, history, decode statistics and files' checksums),
         refused, naming it, where it cannot be read or lacks a field."""
         name = f"{self.store.uri}/{key}/{HISTORY}"
-        again = f"delete {self.store.uri}/{key}/ to train the round from its start"
         try:
             meta = json.loads(self.store.get_bytes(f"{key}/{HISTORY}"))
+        except ArtifactNotFound:
+            raise DistributedError(f"{name}: missing beside the checkpoint's {METADATA}; {self._again(key)}") from None
         except ValueError as e:
-            raise DistributedError(f"{name}: unreadable ({e}); {again}") from None
+            raise DistributedError(f"{name}: unreadable ({e}); {self._again(key)}") from None
         missing = [field for field in RECORD_FIELDS if not isinstance(meta, dict) or field not in meta]
         if missing:
-            raise DistributedError(f"{name}: without {', '.join(missing)} (damaged, or by an older tracefp4); {again}")
+            raise DistributedError(
+                f"{name}: without {', '.join(missing)} (damaged, or by an older tracefp4); {self._again(key)}"
+            )
         return meta
+
+    def _again(self, key: str) -> str:
+        """What to do about a damaged checkpoint at ``key``."""
+        return f"delete {self.store.uri}/{key}/ to train the round from its start"
 
     def _fetch(self, key: str, name: str, files: dict, folder: Path) -> None:
         """Download one file of the checkpoint at ``key``, checked against the size and sha256 it was written with."""
         if name not in files:
             raise DistributedError(f"{self.store.uri}/{key}: {name} is not among the files the checkpoint wrote")
         path = folder / name
-        self.store.download(f"{key}/{name}", path)
+        try:
+            self.store.download(f"{key}/{name}", path)
+        except ArtifactNotFound:
+            raise DistributedError(
+                f"{self.store.uri}/{key}/{name}: missing, though the checkpoint wrote it; {self._again(key)}"
+            ) from None
         if size_and_sha256(path) != tuple(files[name]):
             raise DistributedError(
                 f"{self.store.uri}/{key}/{name}: not the file this checkpoint wrote (size or sha256 "
-                f"differs); delete {self.store.uri}/{key}/ to train the round from its start"
+                f"differs); {self._again(key)}"
             )
 
     def clear(self, keep: int | None = None) -> None:

@@ -324,9 +324,10 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
 
 def test_a_damaged_checkpoint_record_is_refused_naming_it_and_how_to_go_on(tmp_path):
     """The record beside a complete checkpoint (history.json: run, policy,
-    history, checksums) cut short, missing a field, or not an object: the
-    resume stops naming the object and saying how to train the round anew,
-    before any shard is read (no trainer is needed to get there)."""
+    history, checksums) cut short, missing a field, not an object, or gone,
+    and a shard file gone: the resume stops naming the object and saying how
+    to train the round anew (the record's faults before any shard is read:
+    no trainer is needed to get there)."""
     store = open_store(tmp_path.as_uri())
     checkpoints = ShardCheckpoints(store, "round", RUN, 0, "digest")
     record = dict.fromkeys(RECORD_FIELDS, 0) | {"run_id": RUN, "policy": "digest"}
@@ -334,10 +335,17 @@ def test_a_damaged_checkpoint_record_is_refused_naming_it_and_how_to_go_on(tmp_p
         (json.dumps(record)[:20], "unreadable"),
         (json.dumps({k: v for k, v in record.items() if k != "files"}), "without files"),
         ("[]", f"without {', '.join(RECORD_FIELDS)}"),
+        (None, "missing beside the checkpoint's .metadata"),
     ):
-        store.put_bytes("round/step-000001/history.json", text.encode())
+        if text is None:
+            store.delete("round/step-000001/history.json")
+        else:
+            store.put_bytes("round/step-000001/history.json", text.encode())
         with pytest.raises(DistributedError, match=f"round/step-000001/history.json: {error}.*delete .*from its start"):
             checkpoints.load(None, 1)
+    # a shard file the record lists, gone from the store
+    with pytest.raises(DistributedError, match="step-000001/__0_0.distcp: missing, .*delete .*from its start"):
+        checkpoints._fetch("round/step-000001", "__0_0.distcp", {"__0_0.distcp": [1, "0" * 64]}, tmp_path)
 
 
 def test_a_rank_aborted_by_a_signal_fails_with_what_it_printed_last(tmp_path):
