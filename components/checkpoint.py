@@ -40,6 +40,7 @@ folder.
 """
 
 import contextlib
+import dataclasses
 import fcntl
 import glob
 import hashlib
@@ -635,6 +636,7 @@ def verify_folder(folder: Path) -> None:
 def _headers(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
     """Each tensor's file, dtype and shape, from the safetensors headers only
     (no tensor data is read), as the index or the single file lists them."""
+    _one_set_of_weights(str(folder), {name for name in (INDEX, SINGLE) if (folder / name).exists()})
     if (folder / INDEX).exists():
         index = _inside(folder, INDEX, "the index")
         try:
@@ -665,6 +667,18 @@ def _headers(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
         except SafetensorError as e:
             raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from None
     return headers
+
+
+def _one_set_of_weights(where: str, names: set[str]) -> None:
+    """Refuse a checkpoint holding both a single weights file and an index
+    (``names``: its files): two sets of weights, one of them stale (a re-sharded
+    save beside the old file), and which is meant cannot be told;
+    transformers would load the single file."""
+    if {SINGLE, INDEX} <= names:
+        raise CheckpointError(
+            f"{where}: holds both {SINGLE} and {INDEX}, two sets of weights (transformers would load {SINGLE}); "
+            "delete the stale one"
+        )
 
 
 def _language_model(folder: Path, headers: dict, cfg: ModelConfig) -> tuple[dict, dict[str, str]]:
@@ -797,8 +811,9 @@ class PolicyReader:
         folder = Path(path)
         _config_file(folder)  # before the checksums: a folder that is no policy says so
         verify_folder(folder)
-        self.cfg = read_config(folder)
-        headers, self.names = _language_model(folder, _headers(folder), self.cfg)
+        cfg = read_config(folder)
+        headers, self.names = _language_model(folder, _headers(folder), cfg)
+        self.cfg = _untied_where_the_head_differs(folder, cfg, headers, self.names)
         headers = _check_tensors(folder, self.cfg, headers)
         self.dtype = checkpoint_dtype(headers)
         # stacked name -> shard -> its Hub tensors there, in the files' order
@@ -817,6 +832,27 @@ class PolicyReader:
                     hub_slot(tensor, self.cfg)[1](target).copy_(f.get_tensor(self.names.get(tensor, tensor)))
 
 
+def _untied_where_the_head_differs(folder: Path, cfg: ModelConfig, headers: dict, names: dict) -> ModelConfig:
+    """``cfg``, untied where config.json ties the embedding and ``lm_head``
+    but the weights hold an ``lm_head.weight`` of other values: a fine-tune
+    that untied the head and kept the config. transformers loads both, and so
+    does this (a log line says so); tying would drop the trained head and
+    give other logits."""
+    if not (cfg.tie_word_embeddings and "lm_head.weight" in headers):
+        return cfg
+    tensors = []
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if name not in headers:
+            return cfg  # _check_tensors names what is missing
+        with safe_open(headers[name][0], framework="pt") as f:
+            tensors.append(f.get_tensor(names.get(name, name)))
+    if tensors[0].shape == tensors[1].shape and torch.equal(*tensors):
+        return cfg  # the tied copy transformers may save
+    log.warning("%s: tie_word_embeddings is true, but lm_head.weight differs from the embedding: loaded untied, as "
+                "transformers loads it", folder / CONFIG)  # fmt: skip
+    return dataclasses.replace(cfg, tie_word_embeddings=False)
+
+
 def _config_file(folder: Path) -> Path:
     """``folder``'s config.json, which a policy folder has: a missing one fails naming it."""
     path = _inside(folder, CONFIG, "the config")
@@ -828,9 +864,14 @@ def _config_file(folder: Path) -> Path:
 def read_config(folder: str | os.PathLike) -> ModelConfig:
     """The architecture a policy folder's config.json describes, checked (:func:`config_from_hf`)."""
     folder = Path(folder)
+    path = _config_file(folder)
     try:
-        return config_from_hf(json.loads(_config_file(folder).read_text()))
-    except (CheckpointError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        hf = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not JSON ({e})") from None
+    try:
+        return config_from_hf(hf)
+    except CheckpointError as e:
         raise CheckpointError(f"{folder}: {e}") from None
 
 
@@ -1165,6 +1206,7 @@ def _weights(store, listed: set[str], have: dict[str, bytes]) -> set[str]:
     where = store.uri
     if CONFIG not in listed:
         raise FileNotFoundError(f"{where}/{CONFIG} does not exist")
+    _one_set_of_weights(where, listed)
     if INDEX not in listed:
         if SINGLE not in listed:
             pickles = sorted(n for n in listed if n.endswith((".bin", ".pt")))

@@ -55,6 +55,31 @@ def rewrite_tensor(path, name, tensor):
     save_file(tensors, path)
 
 
+def test_a_head_that_differs_from_the_tied_embedding_loads_untied_as_transformers_loads_it(tmp_path, caplog):
+    """config.json ties the embedding and lm_head, the weights hold a trained
+    head of its own (a fine-tune that untied it and kept the config): both are
+    loaded, with a warning; tying dropped the head and gave other logits.
+    A head equal to the embedding (the tied copy) stays tied."""
+    folder = save_model(build_model(replace(PRESETS["smoke"], tie_word_embeddings=False), seed=1), tmp_path / "c")
+    (folder / MANIFEST).unlink()
+    edit_config(folder, tie_word_embeddings=True)
+    with caplog.at_level(logging.WARNING, logger="tracefp4.checkpoint"):
+        loaded = load_model(folder)
+    head = files_of(folder)["lm_head.weight"]
+    assert not loaded.cfg.tie_word_embeddings and torch.equal(loaded.lm_head.weight, head)
+    assert "lm_head.weight differs from the embedding: loaded untied" in caplog.text
+    rewrite_tensor(folder / "model.safetensors", "lm_head.weight", files_of(folder)["model.embed_tokens.weight"])
+    tied = load_model(folder)
+    assert tied.cfg.tie_word_embeddings and tied.lm_head.weight is tied.model.embed_tokens.weight
+
+
+def test_a_config_that_is_not_json_is_named(tmp_path):
+    folder = saved(tmp_path, manifest=False)
+    (folder / "config.json").write_text('{"model_type": "qwen3_moe"}\n}')
+    with pytest.raises(CheckpointError, match=r"ckpt/config.json: not JSON \(Extra data"):
+        load_model(folder)
+
+
 @pytest.mark.parametrize("name", ["tiny", "smoke", "tiny-qwen2"])
 def test_config_round_trips_through_hf(name):
     cfg = PRESETS[name]

@@ -21,6 +21,7 @@ from tracefp4.components.checkpoint import (
     INDEX,
     LOCATION,
     MANIFEST,
+    SINGLE,
     CheckpointError,
     fetch,
     folder_digest,
@@ -304,7 +305,7 @@ def test_without_a_manifest_it_loads_unverified_and_a_rewritten_shard_is_fetched
     assert torch.equal(logits(load_model(fresh)), logits(other))
 
 
-def test_a_bad_index_fails_naming_it(tmp_path, s3_env, cache):
+def test_a_bad_index_or_two_sets_of_weights_fail_naming_them(tmp_path, s3_env, cache):
     _, folder = saved(tmp_path, manifest=False)
     (folder / INDEX).write_text('{"weight_map": {"lm_head.weight": "../elsewhere.safetensors"}}')
     uri = upload(s3_env, folder)
@@ -314,6 +315,15 @@ def test_a_bad_index_fails_naming_it(tmp_path, s3_env, cache):
     uri = upload(s3_env, folder)
     with pytest.raises(CheckpointError, match=f"{uri}/{INDEX}: not a safetensors index"):
         fetch(uri)
+    # a stale single file beside the index and its shards: two sets of weights, here and in the store
+    _, other = saved(tmp_path, seed=2, manifest=False)
+    save_model(build_model("smoke", seed=3), tmp_path / "single")  # one file
+    (tmp_path / "single" / SINGLE).rename(other / SINGLE)
+    uri = upload(s3_env, other)
+    with pytest.raises(CheckpointError, match=f"{uri}: holds both {SINGLE} and {INDEX}, two sets of weights"):
+        fetch(uri)
+    with pytest.raises(CheckpointError, match=f"{other}: holds both"):
+        load_model(other)
 
 
 def test_a_local_path_or_file_uri_is_the_folder_itself(tmp_path, cache):
