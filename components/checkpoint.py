@@ -957,10 +957,24 @@ def save_stacked(
             for key, view in stacked_to_hub({name: t}, cfg).items():
                 writer.add(key, view)
         writer.close()
-        (tmp / CONFIG).write_text(json.dumps(config_to_hf(cfg), indent=2))
+        held: dict[torch.dtype, int] = {}
+        for t in layout.values():
+            held[t.dtype] = held.get(t.dtype, 0) + t.numel() * t.element_size()
+        hf = {**config_to_hf(cfg), **dtype_fields(max(held, key=held.get))}
+        (tmp / CONFIG).write_text(json.dumps(hf, indent=2))
         for name, data in (extra or {}).items():
             (tmp / name).write_bytes(data)
         return commit_folder(tmp, folder, provenance)
+
+
+def dtype_fields(dtype: torch.dtype) -> dict[str, str]:
+    """config.json's dtype of the weights (most of their bytes), under
+    transformers 5's key and 4's: what ``from_pretrained`` computes in by
+    default. The source checkpoint's, which ``cfg.extra`` keeps, is stale where
+    the weights were saved in another dtype (an fp32 policy trained and saved
+    in bf16; fp32 weights under "bfloat16" would be rounded on loading)."""
+    name = str(dtype).removeprefix("torch.")
+    return {"dtype": name, "torch_dtype": name}
 
 
 def write_weights(hub: dict[str, Tensor], folder: Path, max_shard_bytes: int = 2 << 30) -> None:

@@ -59,6 +59,7 @@ from .checkpoint import (
     SINGLE,
     commit_folder,
     config_to_hf,
+    dtype_fields,
     folder_digest,
     load_model,
     provenance,
@@ -295,7 +296,7 @@ def export(
     tensors.update(dense)
 
     folder = Path(out)
-    hf = {**config_to_hf(cfg), "dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    hf = {**config_to_hf(cfg), **dtype_fields(SERVING_DTYPE)}
     if quant.weights:
         ignore = sorted(k.removesuffix(".weight") for k, v in dense.items() if k.endswith(".weight") and v.dim() == 2)
         ignore = [k for k in ignore if k != "model.embed_tokens"] + ([] if "lm_head" in ignore else ["lm_head"])

@@ -73,6 +73,20 @@ def test_a_head_that_differs_from_the_tied_embedding_loads_untied_as_transformer
     assert tied.cfg.tie_word_embeddings and tied.lm_head.weight is tied.model.embed_tokens.weight
 
 
+@pytest.mark.parametrize("saved_in", [torch.float32, torch.bfloat16])
+def test_config_json_names_the_dtype_the_weights_were_saved_in(tmp_path, saved_in):
+    """Not the source checkpoint's (kept with its other keys): transformers loads
+    the weights in the dtype config.json names, rounding fp32 weights said to
+    be bf16 and computing bf16 ones said to be fp32 in fp32."""
+    stale = "bfloat16" if saved_in == torch.float32 else "float32"
+    cfg = replace(PRESETS["smoke"], extra={"dtype": stale, "torch_dtype": stale})
+    folder = save_model(build_model(cfg, seed=1, dtype=saved_in), tmp_path / "c")
+    hf = json.loads((folder / "config.json").read_text())
+    assert hf["dtype"] == hf["torch_dtype"] == str(saved_in).removeprefix("torch.")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(folder)
+    assert loaded.dtype == saved_in
+
+
 def test_a_config_that_is_not_json_is_named(tmp_path):
     folder = saved(tmp_path, manifest=False)
     (folder / "config.json").write_text('{"model_type": "qwen3_moe"}\n}')
