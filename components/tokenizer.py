@@ -52,7 +52,9 @@ TOKENIZER = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 GENERATION_CONFIG = "generation_config.json"
 CHAT_TEMPLATE = "chat_template.jinja"  # transformers 5 may keep the template here instead of in tokenizer_config.json
-FILES = (TOKENIZER, TOKENIZER_CONFIG, GENERATION_CONFIG, CHAT_TEMPLATE)  # what a checkpoint's tokenizer may consist of
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # transformers 4's special tokens, beside tokenizer_config.json
+# what a checkpoint's tokenizer may consist of
+FILES = (TOKENIZER, TOKENIZER_CONFIG, GENERATION_CONFIG, CHAT_TEMPLATE, SPECIAL_TOKENS_MAP)
 
 # The character tokenizer's vocabulary; its ids never change.
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -221,6 +223,29 @@ def _json(sources: dict[str, bytes], name: str, where: str) -> dict:
     return value
 
 
+def _special_tokens(sources: dict[str, bytes], config: dict, where: str) -> dict[str, tuple[str, object]]:
+    """The pad, bos, eos and unk tokens the files set, each with the file that
+    sets it: tokenizer_config.json, or special_tokens_map.json (transformers
+    4 wrote them there, and reads them from there too); two files that set
+    one of them apart are refused, since either may be the stale one."""
+    files = {TOKENIZER_CONFIG: config, SPECIAL_TOKENS_MAP: _json(sources, SPECIAL_TOKENS_MAP, where)}
+    found = {}
+    for key in ("pad_token", "bos_token", "eos_token", "unk_token"):
+        said = {}
+        for name, values in files.items():
+            value = values.get(key)
+            if value is not None:
+                said[name] = value.get("content") if isinstance(value, dict) else value  # "..." or an AddedToken
+        if len(set(map(repr, said.values()))) > 1:
+            raise TokenizerError(
+                f"{where}: {TOKENIZER_CONFIG} and {SPECIAL_TOKENS_MAP} set {key} apart "
+                f"({' and '.join(repr(v) for v in said.values())}); keep one"
+            )
+        if said:
+            found[key] = next(iter(said.items()))
+    return found
+
+
 def _from_sources(sources: dict[str, bytes], where: str) -> PolicyTokenizer:
     """Read the files with transformers, then resolve and check the special ids."""
     config, generation = _json(sources, TOKENIZER_CONFIG, where), _json(sources, GENERATION_CONFIG, where)
@@ -236,13 +261,9 @@ def _from_sources(sources: dict[str, bytes], where: str) -> PolicyTokenizer:
         return value
 
     ids = {}
-    for key in ("pad_token", "bos_token", "eos_token", "unk_token"):
-        value = config.get(key)
-        content = value.get("content") if isinstance(value, dict) else value  # "..." or an AddedToken object
-        if value is None:
-            continue
+    for key, (name, content) in _special_tokens(sources, config, where).items():
         if not isinstance(content, str) or backend.token_to_id(content) is None:
-            raise TokenizerError(f"{where}/{TOKENIZER_CONFIG}: {key} {content!r} is not a token of {TOKENIZER}")
+            raise TokenizerError(f"{where}/{name}: {key} {content!r} is not a token of {TOKENIZER}")
         ids[key] = backend.token_to_id(content)
     from transformers import AutoTokenizer
 

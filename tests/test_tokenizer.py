@@ -20,6 +20,7 @@ from tracefp4.components.tokenizer import (
     EOS,
     GENERATION_CONFIG,
     PAD,
+    SPECIAL_TOKENS_MAP,
     TOKENIZER,
     TOKENIZER_CONFIG,
     UNK,
@@ -170,6 +171,22 @@ def test_a_template_from_chat_template_jinja_is_used_and_kept(tmp_path):
     broken = {**files, "chat_template.jinja": b"{% for %}"}
     with pytest.raises(TokenizerError, match="chat_template.jinja fails to render"):
         load_tokenizer(folder_of(tmp_path, broken, "broken"))
+
+
+def test_special_tokens_in_special_tokens_map_json_are_read_and_kept(tmp_path):
+    """transformers 4 wrote the special tokens to special_tokens_map.json and
+    reads them there: eos and pad set only there are the tokenizer's (eos was
+    generation_config's first id, and the file was not carried on), and a map
+    that sets one apart from tokenizer_config.json is refused."""
+    files = edited(tokenizer_files(BPE), TOKENIZER_CONFIG, eos_token=None, pad_token=None)
+    files = edited(files, GENERATION_CONFIG, eos_token_id=[IDS[ENDOFTEXT], IDS[IM_END]], pad_token_id=None)
+    special = {"eos_token": {"content": IM_END, "special": True}, "pad_token": ENDOFTEXT}
+    tok = load_tokenizer(folder_of(tmp_path, {**files, SPECIAL_TOKENS_MAP: json.dumps(special).encode()}))
+    assert tok.end_id == IDS[IM_END] == tok.hf.eos_token_id and tok.pad_id == IDS[ENDOFTEXT]
+    assert json.loads(tok.files()[SPECIAL_TOKENS_MAP]) == special
+    apart = {**tokenizer_files(BPE), SPECIAL_TOKENS_MAP: json.dumps({"eos_token": ENDOFTEXT}).encode()}
+    with pytest.raises(TokenizerError, match="tokenizer_config.json and special_tokens_map.json set eos_token apart"):
+        load_tokenizer(folder_of(tmp_path, apart, "apart"))
 
 
 def test_sampling_stops_each_trajectory_at_its_first_eos_and_pads_with_the_pad_id(chat):
