@@ -136,9 +136,9 @@ class ModelConfig:
 
 # Named presets: seeded random weights, no downloads.
 PRESETS = {
-    # ~7.6M parameters: 4 layers, 8 experts top-2; the default for `make run`
+    # ~7.35M parameters: 4 layers, 8 experts top-2; the default for `make run`
     "tiny": ModelConfig(),
-    # ~0.3M parameters for fast tests
+    # ~0.16M parameters for fast tests
     "smoke": ModelConfig(
         vocab_size=256,
         hidden_size=64,

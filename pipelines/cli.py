@@ -427,7 +427,7 @@ def _kfp_call(function, *args, **kwargs):
 @runs.command("list")
 @connection_options
 @click.option("--experiment", help="Only this experiment's runs.")
-@click.option("--limit", type=click.IntRange(1, 200), default=20, show_default=True)
+@click.option("--limit", type=click.IntRange(1, 200), default=20, show_default=True, help="Runs to list.")
 def runs_list(experiment, limit, **connection):
     """The newest runs, newest first."""
     from tracefp4.pipelines.submit import list_runs
@@ -477,7 +477,13 @@ def runs_logs(run_id, **connection):
 
 
 @main.command()
-@click.option("--output", type=click.Path(file_okay=False), default="schemas", show_default=True)
+@click.option(
+    "--output",
+    type=click.Path(file_okay=False),
+    default="schemas",
+    show_default=True,
+    help="Folder to write the JSON Schema files into.",
+)
 def schema(output):
     """Write the run config's JSON Schema."""
     for path in export_json_schema(output):
@@ -486,7 +492,11 @@ def schema(output):
 
 @main.command()
 @click.option(
-    "--output", type=click.Path(file_okay=False), default="manifests/base/grafana/dashboards", show_default=True
+    "--output",
+    type=click.Path(file_okay=False),
+    default="manifests/base/grafana/dashboards",
+    show_default=True,
+    help="Folder to write the dashboard, tracefp4.json, into.",
 )
 def dashboards(output):
     """Write the Grafana dashboard JSON (built from the run metrics)."""

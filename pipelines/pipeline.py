@@ -17,7 +17,7 @@ every store prefix, so no step ever reads another run's data.
 Every task gets the store's credentials from a Kubernetes secret (optional
 with a file:// store), the config's node selector and tolerations, and no
 caching (steps write to the store); its resources and retries depend on its
-role (:data:`COMPUTE`, :data:`HOST`, :data:`CONTROL`). Name and version: the
+role (:data:`COMPUTE`, :data:`HOST`, :data:`CONTROL`, :data:`SUBMIT`). Name and version: the
 run name; the package version, a hash of the config schema and, as uploaded
 (:func:`version_name`), a hash of the compiled YAML.
 """
@@ -64,7 +64,9 @@ def version_name(documents: list[dict]) -> str:
 #   `host_memory` where set (on a node the ranks share, a step's full share could keep a rank from scheduling).
 # - CONTROL: configure, rollout_workers, report, compare: small whatever the model, and their failures are
 #   deterministic (a bad run parameter), so they are not retried: a retry would only delay the error.
-COMPUTE, HOST, CONTROL = "compute", "host", "control"
+# - SUBMIT: chain, which submits a chained run's next run through the KFP API: small, and retried, since its
+#   failures are mostly the API server's (restarting, out of reach) and a retry finds a run it submitted before.
+COMPUTE, HOST, CONTROL, SUBMIT = "compute", "host", "control", "submit"
 CONTROL_CPU, CONTROL_MEMORY = "1", "2Gi"
 # The pod label of the task that submits a chain's next run: in multi-user Kubeflow, the profile's PodDefault of that
 # name (manifests/overlays/multi-user/profile) mounts a token the KFP API accepts (audience pipelines.kubeflow.org)
@@ -75,6 +77,7 @@ def _configure(task, config: RunConfig, retries: bool, role: str = COMPUTE):
     r = config.resources
     cpu, memory = {
         CONTROL: (CONTROL_CPU, CONTROL_MEMORY),
+        SUBMIT: (CONTROL_CPU, CONTROL_MEMORY),
         HOST: (r.host_cpu or r.cpu, r.host_memory or r.memory),
     }.get(role, (r.cpu, r.memory))
     task.set_cpu_limit(cpu).set_memory_limit(memory).set_caching_options(False)
@@ -161,7 +164,7 @@ def build_pipeline(config: RunConfig, retries: bool = True):
         report = configure(c.report(config_json=config_json, history=history, evaluation=evaluation), CONTROL)
         if config.rl.chained:  # once this run is through, the next takes the rounds left
             chain = c.chain(config_json=config_json, history=history, job_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER)
-            kubernetes.add_pod_label(configure(chain, CONTROL).after(report), KFP_TOKEN_LABEL, "true")
+            kubernetes.add_pod_label(configure(chain, SUBMIT).after(report), KFP_TOKEN_LABEL, "true")
         return report.outputs["markdown"]
 
     summary = f"TRACE FP4 RL ({config.method}, {config.rollout.config}). {fixed_fields(config)}"

@@ -186,7 +186,8 @@ def _leaf_tasks(spec: dict) -> dict:
 
 
 def test_only_steps_that_run_the_model_hold_gpus(tmp_path):
-    """On a GPU cluster the control tasks run small and are not retried, and
+    """On a GPU cluster the control tasks run small and are not retried (the
+    chain's submission runs small and is retried), and
     the tasks that only move data (gather; train when its ranks are a TrainJob)
     hold no GPU: the TrainJob's ranks would otherwise wait for the GPUs its own
     launching pod holds; they take `host_cpu` and `host_memory`, so that on a
@@ -215,6 +216,14 @@ def test_only_steps_that_run_the_model_hold_gpus(tmp_path):
         cpu, memory = ("1", "2Gi") if name in control else ("2", "16Gi") if name in host else ("8", "64Gi")
         assert (resources["resourceCpuLimit"], resources["resourceMemoryLimit"]) == (cpu, memory), name
         assert retried == (name not in control), name
+    # a chained run's last task, which submits the next run through the KFP API: small, and retried (a retry
+    # finds the run it submitted before)
+    chained = config.model_copy(update={"rl": config.rl.model_copy(update={"rounds": 2, "rounds_per_run": 1})})
+    resources, retried = _leaf_tasks(next(yaml.safe_load_all(open(compile_pipeline(chained, tmp_path / "c.yaml")))))[
+        "chain"
+    ]
+    assert (resources["resourceCpuLimit"], resources["resourceMemoryLimit"]) == ("1", "2Gi") and retried
+    assert "accelerator" not in resources
     spec = next(yaml.safe_load_all(open(compile_pipeline(config, tmp_path / "compare.yaml", ["qat", "trace"]))))
     compared = _leaf_tasks(spec)
     assert "accelerator" not in compared["compare"][0] and not compared["compare"][1]
