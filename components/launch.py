@@ -27,6 +27,8 @@ MODULE = "tracefp4.components.distributed"
 _TAIL = 120  # lines of torchrun's output kept for the error: its own account (about 45) and the ranks' before it
 _RANK_LINES = 20  # the ranks' last lines in the error where a signal killed one
 _TORCHRUN_LOG = re.compile(r"^[IWE]\d{4} .*torch/distributed/elastic/")  # torchrun's own log lines (glog format)
+# a collective that waited past the process group's timeout: gloo's words, and NCCL's watchdog's
+_COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting \d+ms|Watchdog caught collective operation timeout")
 
 
 def rank_arguments(
@@ -108,14 +110,26 @@ def failure(lines: list[str]) -> str:
     killed (a C++ abort, such as gloo's on a broken or timed-out collective;
     the kernel's OOM killer) has no traceback there, only the signal: its
     reason is in what the ranks printed last, before torchrun's own lines,
-    which then come first, and so do the other ranks' failures."""
+    which then come first, and so do the other ranks' failures.
+
+    A collective that timed out fails the rank that waited, not the one that
+    hung: the account then says so first, and the other ranks' ends come
+    with it (among the ranks torchrun stopped, the one waited for)."""
     for i, line in enumerate(lines):
         if "Root Cause" in line:
             account = lines[i:]
-            if not any(re.search(r"Signal \d+ \(SIG\w+\) received", line) for line in account):
+            signalled = any(re.search(r"Signal \d+ \(SIG\w+\) received", line) for line in account)
+            timed_out = any(_COLLECTIVE_TIMEOUT.search(line) for line in account)
+            if not (signalled or timed_out):
                 return "\n".join(account)
+            others = next((j for j, line in enumerate(lines[:i]) if line.startswith("Failures:")), i)
+            if timed_out:
+                waited = (
+                    "a collective timed out (train.timeout_seconds): the root cause below is a rank that waited "
+                    "for another, which hung; torchrun then stopped the ranks under Failures"
+                )
+                return "\n".join([waited, *lines[others:]])
             own = next((j for j, line in enumerate(lines) if _TORCHRUN_LOG.match(line)), i)
             last = [line for line in lines[max(0, own - _RANK_LINES) : own] if line.strip()]
-            others = next((j for j, line in enumerate(lines[:i]) if line.startswith("Failures:")), i)
             return "\n".join(["the ranks' last lines:", *last, *lines[others:]])
     return "\n".join(lines)

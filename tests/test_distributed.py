@@ -383,6 +383,35 @@ def test_a_rank_aborted_by_a_signal_fails_with_what_it_printed_last(tmp_path):
     assert failure(["rank 0 trained step 1", *account]) == "\n".join(account[1:])
 
 
+def test_a_collective_that_timed_out_says_the_rank_named_waited_for_another(tmp_path):
+    """A rank that hangs fails the one that waits for it in a collective, which
+    torchrun names as the root cause: the step's error says so first and
+    carries the ranks torchrun stopped, the hung one among them. Real torchrun
+    output, from two gloo ranks with a 3 s timeout, rank 1 asleep."""
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        "import time\n"
+        "from datetime import timedelta\n"
+        "import torch, torch.distributed as dist\n"
+        "from torch.distributed.elastic.multiprocessing.errors import record\n"
+        "@record\n"
+        "def main():\n"
+        "    dist.init_process_group('gloo', timeout=timedelta(seconds=3))\n"
+        "    if dist.get_rank() == 1:\n"
+        "        time.sleep(60)\n"
+        "    dist.all_reduce(torch.ones(1))\n"
+        "main()\n"
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "2"]
+    done = subprocess.run([*command, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    message = failure((done.stdout + done.stderr).splitlines())
+    assert message.startswith("a collective timed out (train.timeout_seconds): the root cause below is a rank that")
+    failures, root = message.index("Failures:"), message.index("Root Cause")
+    assert "rank      : 1" in message[failures:root] and "(SIGTERM)" in message[failures:root]
+    assert "rank      : 0" in message[root:] and "Timed out waiting 3000ms" in message[root:]
+
+
 def test_a_killed_rank_fails_the_step_within_the_timeout(round_inputs, tmp_path):
     tmp, _, stats = round_inputs
     config = config_for(tmp_path, processes=2)  # its own store: no checkpoint to resume from
