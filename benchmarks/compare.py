@@ -7,8 +7,8 @@ the FP4 rollout (and, for the bf16 method, the PTQ baselines).
 
 Prints the comparison report, then one JSON line: the final FP4 accuracy
 (pass@1 under the preset's FP4 rollout config, averaged over tasks) of every
-method and PTQ baseline, and the BF16 reference (the bf16 method's policy
-evaluated under BF16 rollout).
+method and PTQ baseline, the bootstrapped base's under each method's rollout,
+and the BF16 reference (the bf16 method's policy evaluated under BF16 rollout).
 """
 
 import argparse
@@ -60,7 +60,9 @@ def main() -> None:
     for result in results:
         policies = sorted({r["policy"] for r in result["accuracy"]})
         for policy in policies:
-            label = {"trained": result["method"], "initial": "initial (bootstrapped base)"}.get(policy, policy)
+            # the base under each method's own rollout: quads' compensates activations, so its differs
+            initial = f"initial (bootstrapped base, {result['method']}'s rollout)"
+            label = {"trained": result["method"], "initial": initial}.get(policy, policy)
             accuracy[label] = _mean_pass1(result["accuracy"], policy, fp4)
         if result["method"] == "bf16":
             figures["bf16_reference"] = _mean_pass1(result["accuracy"], "trained", "bf16")

@@ -24,7 +24,6 @@ A JSON file under docs/results/ that fits none of these is an error, not skipped
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -206,8 +205,10 @@ def science_section(data: dict) -> list[str]:
         "round-to-nearest NVFP4 weights, is what that rollout does to the BF16 policy's experts anyway, so its "
         "row equals the BF16-trained one under the FP4 rollout by construction). Differences are "
         "paired over (seed, prompt) with a 10,000-resample bootstrap that resamples the seeds (each its own RL "
-        "run) and then the prompts within each (`stats.paired_bootstrap` with clusters). That is conservative: "
-        "resampling both stages counts the spread within a run twice. Resampling the prompts alone, as this page "
+        "run) and then the prompts within each (`stats.paired_bootstrap` with clusters). Resampling both stages "
+        "counts the spread within a run twice, which widens the interval, but the spread between runs is read off "
+        f"{len(s['seeds'])} runs: where runs differ by much more than their prompts' error, the interval can "
+        "cover less than 95%. Resampling the prompts alone, as this page "
         f"did before, gives intervals {100 * min(narrower):.0f}-{100 * max(narrower):.0f}% narrower, but it counts "
         "every prompt as a run of its own, and part of "
         "the gap is the two-stage method's own widening. Single rates carry the same two-stage bootstrap "
@@ -299,13 +300,6 @@ def _kept(seq: dict, by: dict, precision: str, guidance: str) -> dict:
     }
 
 
-def within(ci: list[float], low: float = -math.inf, high: float = math.inf) -> str:
-    """The verdict on "the value lies in [low, high]" from its 95% interval."""
-    if low <= ci[0] and ci[1] <= high:
-        return "holds"
-    return science.NOT_HELD if ci[1] < low or ci[0] > high else science.NOT_SEPARABLE
-
-
 def combined(verdicts: list[str]) -> str:
     """A claim judged per numerics: it holds where it holds in each, and does not where it fails in one."""
     if all(v == "holds" for v in verdicts):
@@ -326,7 +320,7 @@ def alignment_claims(data: dict) -> list[dict]:
             "ours": "; ".join(
                 f"{p} {100 * s:.1f}% {[round(100 * x, 1) for x in ci]} of {n} flips" for p, s, ci, n in shares
             ),
-            "verdict": combined([within(ci, low=0.99) for _, _, ci, _ in shares]),
+            "verdict": combined([science.within(ci, low=0.99) for _, _, ci, _ in shares]),
             "why": "local flips (inputs held to the rollout's) come from values a hair apart at a rounding boundary"
             + "".join(f"; {p}'s interval reaches below 99% ({n} flips)" for p, _, ci, n in shares if ci[0] < 0.99),
             "source": SOURCE["alignment.json"],
@@ -360,7 +354,7 @@ def alignment_claims(data: dict) -> list[dict]:
                     "R-4 all's reduction)"
                     for p, d in kept.items()
                 ),
-                "verdict": combined([within(d["ci95"], high=EQUIVALENT * d["gain"]) for d in kept.values()]),
+                "verdict": combined([science.within(d["ci95"], high=EQUIVALENT * d["gain"]) for d in kept.values()]),
                 "why": why,
                 "source": SOURCE["alignment.json"],
             }

@@ -17,7 +17,7 @@ pairs, the train-rollout |logprob diff| over steps, and plots.
         --output docs/results/bootstrap_probe.json   # the bootstrap alone under other levers: a results-page section
 
 The science preset: the tiny model on countdown at difficulty 1 (the
-generator yields 2,700 distinct problems but not 2,800: 500 held out, 2,000 to train on; arithmetic at difficulty 1
+generator yields 2,750 distinct problems but not 2,800: 500 held out, 2,000 to train on; arithmetic at difficulty 1
 has only 300, and at difficulty 2 a probe reached only 5.8% after 720 SFT
 steps), bootstrap SFT of 1,000 steps at most, stopping early once greedy accuracy on 64 held-out prompts
 reaches 40%, so that RL starts inside the 30-50% band; off-policy rounds of 5 steps. Each seed's bootstrap
@@ -36,6 +36,7 @@ difficulty 2, up to 25, none a prompt of the split) and ``--sft-weight-decay`` r
 
 import argparse
 import json
+import math
 import tempfile
 import time
 from pathlib import Path
@@ -88,6 +89,14 @@ def verdict_of(ci: list[float], expect: str) -> str:
     if low <= 0 <= high:
         return NOT_SEPARABLE
     return NOT_HELD
+
+
+def within(ci: list[float], low: float = -math.inf, high: float = math.inf) -> str:
+    """The verdict on "the value lies in [low, high]" from its 95% interval: not
+    separable where the interval holds a bound (a claim's threshold)."""
+    if low <= ci[0] and ci[1] <= high:
+        return "holds"
+    return NOT_HELD if ci[1] < low or ci[0] > high else NOT_SEPARABLE
 
 
 def science_config(
@@ -364,10 +373,10 @@ def claims(data: dict) -> list[dict]:
         low, high = d["ci95"]
         if d["pairs"] < MIN_PAIRS:
             verdict = f"too few prompts ({d['pairs']} < {MIN_PAIRS})"
-        elif kind == "~":
-            verdict = "holds" if -CLOSE <= low and high <= CLOSE else NOT_SEPARABLE if low <= 0 <= high else NOT_HELD
-        elif kind == ">=":  # no worse: the interval above -CLOSE (non-inferiority), worse: below 0
-            verdict = "holds" if low > -CLOSE else NOT_HELD if high < 0 else NOT_SEPARABLE
+        elif kind == "~":  # close: within CLOSE either way
+            verdict = within(d["ci95"], -CLOSE, CLOSE)
+        elif kind == ">=":  # no worse: above -CLOSE (non-inferiority)
+            verdict = within(d["ci95"], low=-CLOSE)
         else:
             verdict = verdict_of(d["ci95"], ">")
         out.append({"claim": claim, "paper": paper, **d, "verdict": verdict})

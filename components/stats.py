@@ -69,9 +69,11 @@ def bootstrap_mean(
     say its seed), runs are resampled first and then prompts within each (a
     two-stage bootstrap): two RL runs differ by more than their prompts do, and
     resampling prompts alone would count every prompt of one run as independent
-    evidence. The interval is conservative: resampling both stages counts the
-    variance within a run twice (Davison and Hinkley 1997, section 3.8), which
-    with a handful of runs is the safer error. Deterministic for a seed."""
+    evidence. Resampling both stages counts the variance within a run twice
+    (Davison and Hinkley 1997, section 3.8), which widens the interval; but the
+    spread between runs is read off those few runs, so where runs differ by
+    much more than their prompts' error the interval can cover less than its
+    level. Deterministic for a seed."""
     d = np.asarray(values, dtype=np.float64)
     if d.ndim != 1 or d.size == 0:
         raise ValueError(f"the values need a non-empty 1-D sequence, not shape {d.shape}")

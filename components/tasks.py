@@ -101,8 +101,9 @@ class _Generated(ABC):
                 misses += 1
                 if misses > 1000 + 10 * n:
                     raise ValueError(
-                        f"{self.name} at difficulty {difficulty} has fewer than {n} distinct problems"
+                        f"{self.name} at difficulty {difficulty}: {len(problems)} distinct problems drawn, not {n}"
                         + f" outside the {len(exclude)} excluded" * bool(exclude)
+                        + f", before {misses} repeats (it holds fewer, or the rest are drawn too rarely)"
                     )
                 continue
             seen.add(problem.prompt)
@@ -445,7 +446,7 @@ def split(
     (a countdown target that many expressions reach, such as the sum of the
     numbers). Held out first, they made the test set the head of the
     distribution and the training set its tail once the draws neared the
-    number of distinct problems (countdown at difficulty 1: 2,500 of 2,700;
+    number of distinct problems (countdown at difficulty 1: 2,500 of about 2,750;
     the sum answered 18% of the 500 test prompts, 6% of the 2,000 training
     ones). The price: the test set moves when ``train_size`` does."""
     task = get_task(task) if isinstance(task, str) else task

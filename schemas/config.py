@@ -455,8 +455,9 @@ class TaskConfig(_Section):
 
 class ExtraProblems(_Section):
     """Problems bootstrap SFT trains on besides the tasks' training splits, never one of their prompts: more
-    distinct problems than a task's difficulty holds (countdown at difficulty 1 has 2,700), so that the base
-    learns the task rather than memorizing its training split. RL and evaluation never see them."""
+    distinct problems than a task's difficulty holds (countdown's generator reaches about 2,750 at difficulty
+    1), so that the base learns the task rather than memorizing its training split. RL and evaluation never
+    see them."""
 
     name: TaskName = Field(description="Task family.")
     difficulty: int = Field(default=1, ge=1, le=5, description="Difficulty level, 1 (easiest) to 5.")

@@ -122,9 +122,9 @@ def test_verdicts_follow_the_interval(ci, expect, verdict):
 
 def test_a_threshold_claim_is_not_separable_when_its_interval_straddles_the_threshold():
     science = results_page.science
-    assert results_page.within([0.992, 1.0], low=0.99) == "holds"
-    assert results_page.within([0.987, 1.0], low=0.99) == science.NOT_SEPARABLE
-    assert results_page.within([0.95, 0.98], low=0.99) == science.NOT_HELD
-    assert results_page.within([0.001, 0.004], high=0.002) == science.NOT_SEPARABLE
+    assert science.within([0.992, 1.0], low=0.99) == "holds"
+    assert science.within([0.987, 1.0], low=0.99) == science.NOT_SEPARABLE
+    assert science.within([0.95, 0.98], low=0.99) == science.NOT_HELD
+    assert science.within([0.001, 0.004], high=0.002) == science.NOT_SEPARABLE
     assert results_page.combined(["holds", science.NOT_SEPARABLE]) == science.NOT_SEPARABLE
     assert results_page.combined([science.NOT_SEPARABLE, science.NOT_HELD]) == science.NOT_HELD

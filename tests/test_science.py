@@ -76,6 +76,25 @@ def test_a_no_worse_claim_holds_on_a_tie():
     assert verdicts["TRACE >= TIS + score centering"]["verdict"] == "holds"
 
 
+@pytest.mark.parametrize(
+    "claim, ci, verdict",
+    [
+        ("TRACE >= QUADS", [-0.012, -0.002], science.NOT_SEPARABLE),  # the shortfall may lie within 1 point
+        ("TRACE >= QUADS", [-0.03, -0.011], science.NOT_HELD),  # worse by more than 1 point
+        ("TRACE >= QUADS", [-0.009, 0.02], "holds"),
+        ("TRACE close to BF16 (BF16 rollout)", [0.005, 0.02], science.NOT_SEPARABLE),  # holds the 1-point bound
+        ("TRACE close to BF16 (BF16 rollout)", [0.011, 0.02], science.NOT_HELD),
+        ("TRACE close to BF16 (BF16 rollout)", [-0.009, 0.009], "holds"),
+    ],
+)
+def test_a_threshold_inside_the_interval_is_not_separable(monkeypatch, claim, ci, verdict):
+    """docs/results.md's rule: an interval holding 0 or the claim's threshold
+    (1 point for >= and close) is not separable; one past it does not hold."""
+    monkeypatch.setattr(science, "difference", lambda data, a, b: {"difference": sum(ci) / 2, "ci95": ci, "pairs": 600})
+    verdicts = {c["claim"]: c["verdict"] for c in science.claims(synthetic(20))}
+    assert verdicts[claim] == verdict
+
+
 def test_too_few_prompts_give_no_verdict():
     assert {c["verdict"] for c in science.claims(synthetic(20))} == {"too few prompts (40 < 100)"}
 

@@ -222,7 +222,7 @@ def test_split_holds_out_the_same_distribution_it_trains_on():
 def test_generation_limits():
     with pytest.raises(ValueError, match="difficulty 6 is outside 1..5"):
         get_task("program").generate(1, seed=0, difficulty=6)
-    with pytest.raises(ValueError, match="fewer than 1000 distinct problems"):
+    with pytest.raises(ValueError, match="difficulty 1: 300 distinct problems drawn, not 1000, before"):
         get_task("arithmetic").generate(1000, seed=0, difficulty=1)  # 10 x 3 x 10 prompts exist
     assert len(get_task("arithmetic").generate(288, seed=0, difficulty=1)) == 288  # the tiny preset's size
 
@@ -233,7 +233,7 @@ def test_generation_skips_excluded_prompts():
     rest = get_task("arithmetic").generate(50, seed=0, difficulty=1, exclude=excluded)
     assert {p.prompt for p in rest} == {p.prompt for p in every[250:]}
     assert rest == get_task("arithmetic").generate(50, seed=0, difficulty=1, exclude=excluded)  # seeded
-    with pytest.raises(ValueError, match="fewer than 51 distinct problems outside the 250 excluded"):
+    with pytest.raises(ValueError, match="50 distinct problems drawn, not 51 outside the 250 excluded, before"):
         get_task("arithmetic").generate(51, seed=0, difficulty=1, exclude=excluded)
 
 
