@@ -214,7 +214,7 @@ def batch_invariant(op, *args: Tensor | None, **kwargs) -> Tensor:
         return op(*args, **kwargs)
     if _computes_in_bf16(x):
         if not bf16_emulated():
-            return op(*args, **kwargs)
+            return _past_small_gemms(op, args, kwargs)
         args = tuple(None if a is None else a.to(torch.bfloat16).float() for a in args)
         with torch.autocast("cpu", enabled=False):
             return _in_whole_blocks(op, args, kwargs).to(torch.bfloat16)
@@ -233,6 +233,25 @@ def batch_invariant(op, *args: Tensor | None, **kwargs) -> Tensor:
 # AVX-512 and AVX2 kernels alike, inner sizes 64-2048, 1-1024 outputs, head sizes 32-128 (test_device.py -k
 # "row_count or query_count")
 SMALL_GEMM_ROWS, GEMM_ROW_BLOCK = 12, 4
+
+
+# torch runs a bf16 matmul of rows x inner x outputs up to 16^3 on a kernel of its own, a larger one on oneDNN's
+# (aten's checksize, LinearAlgebra.cpp), and the two sum in other orders: a small linear layer's row (the test
+# models' output projections and routers; 32 x 32 at 1-4 rows, 128 x 8 at 1-4) moved with the rows beside it
+MKLDNN_GEMM_MIN = 16**3
+
+
+def _past_small_gemms(op, args: tuple, kwargs: dict) -> Tensor:
+    """``op(*args, **kwargs)`` in native bf16; a linear layer of too few rows
+    for oneDNN padded with zero rows past :data:`MKLDNN_GEMM_MIN`, so that
+    every row count takes oneDNN's kernel (``tests/test_device.py -k small_bf16``)."""
+    x = args[0]
+    per_row = x.shape[-1] * args[1].shape[0]
+    rows = x.numel() // max(x.shape[-1], 1)
+    if op is not F.linear or rows * per_row > MKLDNN_GEMM_MIN or rows == 0:
+        return op(*args, **kwargs)
+    padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, MKLDNN_GEMM_MIN // per_row + 1 - rows))
+    return op(padded, *args[1:], **kwargs)[:rows].reshape(*x.shape[:-1], -1)
 
 
 def _in_whole_blocks(op, args: tuple, kwargs: dict) -> Tensor:

@@ -21,6 +21,7 @@ Prefill runs the chunked form from a zero state, decode the recurrent form.
 
 import copy
 import hashlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -61,7 +62,7 @@ class SamplingParams:
 
     def __post_init__(self):
         filters_ok = 0 < self.top_p <= 1 and min(self.top_k, self.record_topk) >= 0
-        if self.temperature < 0 or not filters_ok or self.max_new_tokens < 1:
+        if not 0 <= self.temperature < math.inf or not filters_ok or self.max_new_tokens < 1:  # NaN fails too
             raise ValueError(f"invalid sampling parameters {self}")
 
 
@@ -124,14 +125,22 @@ def sample(
 # on which other rows share its batch, which set the span (with 1 here, tests/test_rollout.py -k whatever_shares
 # fails)
 SPAN_BLOCK = 32
+# The kernel also splits the keys in blocks of 512 and, for 4 queries or more, sums a last block of 224-352 keys in
+# another order than one of 512 (float32, AVX-512 and AVX2 alike, head sizes 32-128; all other whole-block spans
+# sum as 512 does): a span whose last block would fall there reads on to 384 keys in it (-k long_span)
+KV_SPLIT, UNEVEN_KEYS = 512, (192, 384)
 
 # Positions past the longest prompt a generate call's KV cache holds at first; it doubles as decoding needs more
 KV_HEADROOM = 256
 
 
 def whole_span_blocks(positions: int) -> int:
-    """``positions`` rounded up to a multiple of :data:`SPAN_BLOCK`."""
-    return -(-positions // SPAN_BLOCK) * SPAN_BLOCK
+    """``positions`` rounded up to a multiple of :data:`SPAN_BLOCK`, and where
+    that leaves a last block of keys SDPA sums in its own order, up to
+    :data:`UNEVEN_KEYS`' end."""
+    span = -(-positions // SPAN_BLOCK) * SPAN_BLOCK
+    low, high = UNEVEN_KEYS
+    return span + high - span % KV_SPLIT if low < span % KV_SPLIT < high else span
 
 
 class KVCache:
@@ -446,6 +455,8 @@ class TorchEngine:
             raise ValueError(f"prompt token ids must lie in [0, {vocab})")
         if not 0 <= sampling.pad_token < vocab:  # else only a batch of prompts of several lengths would fail
             raise ValueError(f"pad_token {sampling.pad_token} must lie in [0, {vocab})")
+        if sampling.record_topk > vocab:
+            raise ValueError(f"record_topk {sampling.record_topk} exceeds the vocabulary's {vocab} tokens")
 
     def _forward(
         self,

@@ -12,7 +12,14 @@ from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.checkpoint import save_model
 from tracefp4.components.model import CausalAttention, build_model
 from tracefp4.components.quant import ACTIVATION_SITES, ROLLOUT_CONFIGS, QuantSites, rollout_config
-from tracefp4.components.rollout import KVCache, SamplingParams, TorchEngine, batch_buckets, bucket_for
+from tracefp4.components.rollout import (
+    KVCache,
+    SamplingParams,
+    TorchEngine,
+    batch_buckets,
+    bucket_for,
+    whole_span_blocks,
+)
 from tracefp4.kernels import fake_quantize, reference
 
 
@@ -204,6 +211,24 @@ def test_a_request_gives_the_same_bits_whatever_shares_its_batch(model, each_dty
         alone = engine.generate([short], params)[0]
         shared = engine.generate([short, long], params)[0]
         assert (shared.response, shared.logprobs) == (alone.response, alone.logprobs), config
+
+
+def test_a_long_prompt_gives_the_same_bits_beside_a_longer_one(model, each_dtype):
+    """A prompt of 200-350 tokens alone, and beside one of 512, which widens
+    its span past SDPA's key block of 512: the kernel sums a last block of
+    224-352 keys in another order than a whole one, so the span rounds past
+    them (``UNEVEN_KEYS``) and the prompt's bits are those it gets alone."""
+    engine = TorchEngine(model, dtype=each_dtype)
+    params = SamplingParams(max_new_tokens=2, seed=4, record_topk=4)
+    g = torch.Generator().manual_seed(3)
+    longer = torch.randint(0, 256, (512,), generator=g).tolist()
+    for n in (216, 232, 280, 296, 328):
+        prompt = torch.randint(0, 256, (n,), generator=g).tolist()
+        alone, beside = engine.generate([prompt], params)[0], engine.generate([prompt, longer], params)[0]
+        assert (beside.logprobs, beside.topk_logprobs) == (alone.logprobs, alone.topk_logprobs), n
+    assert [whole_span_blocks(n) for n in (192, 193, 224, 352, 383, 385, 700, 737, 1000)] == [
+        192, 384, 384, 384, 384, 416, 704, 896, 1024,
+    ]  # fmt: skip
 
 
 def test_the_cache_is_allocated_once_and_compacted_in_place(model, monkeypatch):
@@ -412,6 +437,10 @@ def test_bad_requests(model):
         engine.generate([[1, 2]], SamplingParams(pad_token=256))
     with pytest.raises(ValueError, match="invalid sampling parameters"):
         SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="invalid sampling parameters"):  # failed in sample() before
+        SamplingParams(temperature=float("nan"))
+    with pytest.raises(ValueError, match="record_topk 257 exceeds the vocabulary's 256 tokens"):
+        engine.generate([[1, 2]], SamplingParams(record_topk=257))
     with pytest.raises(RuntimeError, match="captures nothing"):
         engine.drain_capture()
 
