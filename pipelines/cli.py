@@ -128,7 +128,7 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
 
     A rerun with the same config and output resumes: finished tasks are reused, not rerun."""
     from tracefp4.components.store import StoreError
-    from tracefp4.pipelines.local import Interrupted, PipelineFailed, continuation_of, run_local
+    from tracefp4.pipelines.local import Interrupted, PipelineFailed, continuation_of, ran_to_its_end, run_local
     from tracefp4.pipelines.resume import FolderInUse, UnreadableRunRecord
 
     config = _config(preset, config_file, store, pushgateway, sets=sets)
@@ -142,6 +142,11 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
             raise click.ClickException(str(e)) from None
         config = _config(preset, config_file, store, pushgateway, settings, sets)
         click.echo(f"continuing from round {config.rl.first_round}: {config.model.trainer_state}")
+        if not ran_to_its_end(Path(previous), config.model.trainer_state):
+            click.echo(
+                f"note: the run in {previous} did not run to its end (no report after its last train task): this "
+                "goes on from where it stopped"
+            )
     try:
         report = run_local(config, output, methods=methods, verbose=verbose, restart=restart)
     # StoreError: the run's store, opened first, or model.checkpoint's, fingerprinted first; ConfigError: a run
@@ -524,11 +529,15 @@ def presets():
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 def report(run_dir):
     """Print the newest report of a run folder (of a comparison, its side-by-side report)."""
-    root = Path(run_dir) / "pipeline_root"
-    reports = [*root.glob("*/report/markdown"), *root.glob("*/compare/markdown")]
-    found = sorted(reports, key=lambda p: p.stat().st_mtime)
+    from tracefp4.pipelines.resume import PIPELINE_ROOT, finished_reports
+
+    found = finished_reports(Path(run_dir))
     if not found:
-        raise click.ClickException(f"no report under {run_dir}/pipeline_root")
+        started = any(Path(run_dir, PIPELINE_ROOT).glob("*/*/markdown"))
+        raise click.ClickException(
+            f"{run_dir}: no report its task finished writing"
+            + " (one was interrupted: rerun the same `tracefp4 run` to finish it)" * started
+        )
     click.echo(found[-1].read_text())
     click.echo(f"report: {found[-1].with_name('page')} (HTML), {found[-1]} (markdown)")
 

@@ -97,7 +97,7 @@ def continuation_of(run_dir: Path, steps_per_round: int) -> dict:
     another count on). A comparison's folder holds several methods' last
     states, and is refused: a continuation goes on with one."""
     # a comparison's train tasks lie a folder deeper, in their loop iteration's
-    states = Path(run_dir, "pipeline_root").resolve().glob("**/train*/new_trainer_state")
+    states = Path(run_dir, resume.PIPELINE_ROOT).resolve().glob("**/train*/new_trainer_state")
     saved = {state: found for state in states if (found := provenance(state))}  # committed: its manifest written
     if not saved:
         raise ValueError(
@@ -116,6 +116,14 @@ def continuation_of(run_dir: Path, steps_per_round: int) -> dict:
             f"{last[0]}: policy version {version} is no whole number of rounds of rl.steps_per_round {steps_per_round}"
         )
     return continuation(str(last[0].with_name("new_policy")), str(last[0]), version // steps_per_round)
+
+
+def ran_to_its_end(run_dir: Path, trainer_state: str) -> bool:
+    """Whether the run whose last train task wrote ``trainer_state`` in the
+    local run folder ``run_dir`` ran to its end: a report finished after that
+    state was committed (an interrupted run's last state is where it stopped)."""
+    committed = (Path(trainer_state) / MANIFEST).stat().st_mtime
+    return any(report.stat().st_mtime >= committed for report in resume.finished_reports(run_dir))
 
 
 def task_count(config: RunConfig, methods: list[str] | None = None) -> int:
@@ -189,17 +197,30 @@ class _Log:
         self.path, self.echo = path, echo
         self.file = open(path, "a", buffering=1, encoding="utf-8", errors="replace")
         self.start = self.file.tell()
+        self.lost: OSError | None = None  # why the log stopped being written (a full disk), if it did
 
     def write(self, text: str) -> int:
-        self.file.write(ANSI.sub("", text))
+        self._to_file(lambda: self.file.write(ANSI.sub("", text)))
         if self.echo:
             self.echo.write(text)
         return len(text)
 
     def flush(self):
-        self.file.flush()
+        self._to_file(self.file.flush)
         if self.echo:
             self.echo.flush()
+
+    def _to_file(self, act) -> None:
+        """``act`` on the log file until it fails once (a full disk): from then
+        on the stream goes to ``echo`` alone, said once on standard error,
+        rather than failing each component's every line (it is kfp's stdout)."""
+        if self.lost is not None:
+            return
+        try:
+            act()
+        except OSError as e:
+            self.lost = OSError(e.errno, f"{e.strerror}; the components' log stopped there", str(self.path))
+            print(f"tracefp4: {self.path}: {self.lost.strerror}", file=sys.stderr, flush=True)
 
     def text(self) -> str:
         """This run's part of the log (earlier attempts' parts come before it)."""
@@ -382,7 +403,7 @@ def run_local(
         resume.cache_every_task(pipeline)
         kfp.local.init(
             runner=kfp.local.SubprocessRunner(use_venv=False),
-            pipeline_root=str(output / "pipeline_root"),
+            pipeline_root=str(output / resume.PIPELINE_ROOT),
             enable_caching=True,
             cache_root=str(output / resume.COMPLETED),
         )
@@ -412,6 +433,8 @@ def run_local(
                 raise
             except RuntimeError as e:
                 failure = failed_task(stream.text())
+                if failure is None and stream.lost is not None:  # the log that names the failed task stopped
+                    raise stream.lost from e
                 if failure is None:
                     raise
                 raise PipelineFailed(*failure, stream.path, failed_method(str(e), methods)) from None

@@ -49,6 +49,7 @@ from tracefp4.schemas import ConfigError, RunConfig
 RUN_FILE = "run.json"
 LOCK_FILE = ".lock"  # flock-ed by the run in the folder (lock_folder)
 COMPLETED = "completed"
+PIPELINE_ROOT = "pipeline_root"  # kfp.local's, in the run folder: the tasks' outputs
 PACKAGES = ("tracefp4.kernels", "tracefp4.components", "tracefp4.pipelines", "tracefp4.schemas")
 
 
@@ -147,6 +148,36 @@ def run_id(output: Path, request: str, restart: bool = False) -> RunId:
     record = json.dumps({"runs": runs}, indent=2) + "\n"
     write_atomic(path, lambda f: f.write(record.encode()))
     return RunId(runs[digest], False, others)
+
+
+def finished_outputs(run_dir: Path) -> set[Path]:
+    """The files of the output artifacts of the tasks that finished in the
+    local run folder ``run_dir`` (its kfp.local cache entries), relative to
+    it (``pipeline_root/...``: the folder may have moved since): a task killed
+    or failing while it wrote its outputs left files that no entry names."""
+    found = set()
+    for entry in Path(run_dir, COMPLETED).glob("*.json"):
+        try:
+            outputs = json.loads(entry.read_text())
+        except (OSError, ValueError):  # not kfp.local's: nothing of it is read
+            continue
+        for value in outputs.values() if isinstance(outputs, dict) else ():
+            for artifact in value if isinstance(value, list) else [value]:
+                if isinstance(artifact, dict) and artifact.get("__kfp_artifact__") and "uri" in artifact:
+                    parts = Path(artifact["uri"]).parts
+                    if PIPELINE_ROOT in parts:
+                        found.add(Path(*parts[len(parts) - parts[::-1].index(PIPELINE_ROOT) - 1 :]))
+    return found
+
+
+def finished_reports(run_dir: Path) -> list[Path]:
+    """The markdown reports of the local run folder ``run_dir`` that their
+    task finished writing (a run's ``report``, a comparison's ``compare``),
+    oldest first."""
+    root = Path(run_dir, PIPELINE_ROOT)
+    finished = finished_outputs(run_dir)
+    written = [*root.glob("*/report/markdown"), *root.glob("*/compare/markdown")]
+    return sorted((p for p in written if p.relative_to(run_dir) in finished), key=lambda p: p.stat().st_mtime)
 
 
 def write_metrics(*artifacts) -> None:

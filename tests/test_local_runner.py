@@ -3,6 +3,7 @@ component), resuming a run folder, stopping the running component on a
 signal; then the CLI end to end: a failing component, a kill and a resume."""
 
 import hashlib
+import io
 import json
 import os
 import signal
@@ -86,6 +87,20 @@ def test_the_log_file_gets_no_colour_codes_and_keeps_earlier_attempts(tmp_path):
     log.flush()
     assert path.read_text() == "first attempt\nTask 'prepare' finished with status SUCCESS\n"
     assert log.text() == "Task 'prepare' finished with status SUCCESS\n"  # this attempt's part only
+
+
+def test_a_log_that_cannot_be_written_stops_once_and_says_why(capsys):
+    """A full disk (/dev/full) under the log: each line went on to fail inside
+    kfp's print, a chain of logging tracebacks; now the stream goes on to the
+    terminal alone, the reason said once, and kept for the run's error."""
+    echo = io.StringIO()
+    log = _Log(Path("/dev/full"), echo=echo)
+    for line in ("one\n", "two\n"):
+        assert log.write(line) == len(line)
+    log.flush()
+    assert echo.getvalue() == "one\ntwo\n"
+    assert isinstance(log.lost, OSError) and log.lost.filename == "/dev/full"
+    assert capsys.readouterr().err.count("the components' log stopped there") == 1
 
 
 def test_a_run_folder_keeps_a_run_id_per_request(tmp_path):

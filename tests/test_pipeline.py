@@ -3,6 +3,7 @@ kfp.local; the compiled YAML names every component and parameter; the CLI."""
 
 import builtins
 import json
+import shutil
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from tracefp4.components.steps import store_prefix
 from tracefp4.components.store import open_store
 from tracefp4.components.trainer_state import read_meta
 from tracefp4.pipelines.cli import main
-from tracefp4.pipelines.local import continuation_of, localize, run_local
+from tracefp4.pipelines.local import continuation_of, localize, ran_to_its_end, run_local
 from tracefp4.pipelines.pipeline import (
     RUN_TASKS_WARN,
     build_comparison_pipeline,
@@ -347,10 +348,29 @@ def test_html_report_holds_the_tables_and_plots(smoke_run):
     assert any("run smoke: method trace" in c for c in parsed.cells)  # the page names its run and config
 
 
-def test_cli_report_of_a_run(smoke_run):
+def test_cli_report_of_a_run(smoke_run, tmp_path):
+    """The newest report whose task finished: one a killed or failing task left
+    (emptied, say, by a full disk) is not taken for it, and a folder with no
+    other says so; a moved run folder still has its report."""
     out, report = smoke_run
     result = CliRunner().invoke(main, ["report", str(out)])
     assert result.exit_code == 0 and str(report) in result.output
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved)
+    unfinished = moved / "pipeline_root" / "tracefp4-smoke-later" / "report" / "markdown"
+    unfinished.parent.mkdir(parents=True)
+    unfinished.write_text("")  # newer than the finished one; no cache entry names it
+    result = CliRunner().invoke(main, ["report", str(moved)])
+    assert result.exit_code == 0 and "# tracefp4 run `smoke`" in result.output, result.output
+    # a continuation says where it goes on from: the run's end, or where it stopped (a state after its report)
+    state = next(moved.glob("pipeline_root/*/train/new_trainer_state"))
+    assert ran_to_its_end(moved, str(state))
+    time.sleep(0.01)
+    (state / MANIFEST).touch()
+    assert not ran_to_its_end(moved, str(state))
+    shutil.rmtree(moved / "completed")
+    result = CliRunner().invoke(main, ["report", str(moved)])
+    assert result.exit_code == 1 and "no report its task finished writing (one was interrupted: rerun" in result.output
 
 
 def test_comparison_pipeline_fans_out_over_methods(tmp_path):
