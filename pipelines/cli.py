@@ -481,14 +481,13 @@ def runs_logs(run_id, **connection):
         click.echo(f"  {command}")
 
 
+def folder_option(default: str, help: str):
+    """A command's ``--output``: the folder it writes its files into."""
+    return click.option("--output", type=click.Path(file_okay=False), default=default, show_default=True, help=help)
+
+
 @main.command()
-@click.option(
-    "--output",
-    type=click.Path(file_okay=False),
-    default="schemas",
-    show_default=True,
-    help="Folder to write the JSON Schema files into.",
-)
+@folder_option("schemas", "Folder to write the JSON Schema files into.")
 def schema(output):
     """Write the run config's JSON Schema."""
     for path in export_json_schema(output):
@@ -496,13 +495,7 @@ def schema(output):
 
 
 @main.command()
-@click.option(
-    "--output",
-    type=click.Path(file_okay=False),
-    default="manifests/base/grafana/dashboards",
-    show_default=True,
-    help="Folder to write the dashboard, tracefp4.json, into.",
-)
+@folder_option("manifests/base/grafana/dashboards", "Folder to write the dashboard, tracefp4.json, into.")
 def dashboards(output):
     """Write the Grafana dashboard JSON (built from the run metrics)."""
     try:
