@@ -632,7 +632,7 @@ class GuidanceLoader:
         self.manifest = read_manifest(store, rl_step, prefix, expect)
         self.store, self.microbatches = store, microbatches
         self.allow_rtn_fallback = allow_rtn_fallback
-        self.fallback_trajectories = 0
+        self.fallen_back: set[int] = set()  # trajectories rounded RTN for want of guidance
         self._shard_of = {t: i for i, e in enumerate(self.manifest["shards"]) for t in e["trajectories"]}
         self._cache: OrderedDict[int, CaptureRecords] = OrderedDict()
         self._cached_shards = cached_shards
@@ -640,6 +640,12 @@ class GuidanceLoader:
         self._stopped = threading.Event()  # the consumer is done: the producer stops instead of waiting on it
         self._thread = threading.Thread(target=self._produce, name="guidance-prefetch", daemon=True)
         self._thread.start()
+
+    @property
+    def fallback_trajectories(self) -> int:
+        """Trajectories rounded RTN for want of guidance so far (``allow_rtn_fallback``), each once
+        (a microbatch whose guidance is loaded twice, for pi_old and for its loss, counts once)."""
+        return len(self.fallen_back)
 
     def _shard(self, index: int) -> CaptureRecords:
         if index not in self._cache:
@@ -677,7 +683,7 @@ class GuidanceLoader:
             while (item := self._queue.get()) is not None:
                 if isinstance(item, BaseException):
                     raise item
-                self.fallback_trajectories += len(item.missing)
+                self.fallen_back.update(item.missing)
                 yield item
         finally:  # stopped early (a step that failed, say): free the producer and what it holds
             self._stopped.set()

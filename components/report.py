@@ -423,6 +423,8 @@ def _time_blocks(history: list[dict], source: str) -> list:
                 "capture bytes": _first(steps, "capture_bytes"),
                 "compaction fidelity": _first(steps, "compaction_fidelity"),
                 "guidance coverage (mean)": sum(coverage) / len(coverage) if coverage else None,
+                # trajectories without guidance, rounded RTN (guidance.allow_rtn_fallback): shown where there were
+                "RTN fallback trajectories": _sum(steps, "guidance_fallback_trajectories") or None,
             }
         )
     parts = [f"{label} s" for label, _ in (*ROUND_TIMES, *STEP_TIMES)]
@@ -433,6 +435,7 @@ def _time_blocks(history: list[dict], source: str) -> list:
     columns = ["round", "steps", *parts, "total s", "offload s", "rollout tokens", "rollout tokens/s"]
     blocks = [_table(times, [*columns, "capture overhead"], source, keep=2, note=note)]
     columns = ["round", "guidance bytes", "capture bytes", "compaction fidelity", "guidance coverage (mean)"]
+    columns += ["RTN fallback trajectories"]
     if len((table := _table(sizes, columns, source, title="Guidance data per round")).columns) > 1:
         blocks.append(table)
     stacks = [Series(part.removesuffix(" s"), _col(times, "round"), _col(times, part)) for part in parts]

@@ -233,15 +233,19 @@ class Trainer:
             self.all_gather({key: DecodeStats.from_tally(rate, next(read)) for key, (rate, _) in decode.items()})
         )
         names = sorted(stats)
-        summed = self.all_sum([stats[k] for k in names] + [guided, captured])
+        fallen_back = loader.fallback_trajectories if loader is not None else 0
+        summed = self.all_sum([stats[k] for k in names] + [guided, captured, fallen_back])
         stats = dict(zip(names, summed))
-        guided, captured = summed[-2:]
+        guided, captured, fallen_back = summed[-3:]
         stats.update(self._alignment([part for rank in self.all_gather(alignment) for part in rank]))
         stats.update(
             grad_norm=max(grad_norms),
             optimizer_steps=len(grad_norms),
             reload_seconds=max(self.all_gather(reload_s)),
             guidance_coverage=guided / captured if captured else None,  # no guidance: not "none of it used"
+            # trajectories rounded RTN for want of guidance (guidance.allow_rtn_fallback): outside the coverage,
+            # whose elements are those of the guided trajectories
+            guidance_fallback_trajectories=round(fallen_back) if loader is not None else None,
             **decode_summary(decode),
         )
         if rollout_records is not None:

@@ -114,7 +114,9 @@ def test_the_run_fields_behind_a_bootstrap_that_cannot_start_are_named():
         ExtraProblems(name="countdown", size=4),
         ExtraProblems(name="arithmetic", size=5000),
     ]
-    with pytest.raises(ValueError, match="^bootstrap.extra_problems.1: size 5000: .*: 288 distinct problems drawn, not 5000 outside"):
+    with pytest.raises(
+        ValueError, match="^bootstrap.extra_problems.1: size 5000: .*: 288 distinct problems drawn, not 5000 outside"
+    ):
         sft_problems(config)
     config.bootstrap.extra_problems = []
     config.tasks = [TaskConfig(name="countdown", train_size=8, test_size=4)]  # prompts of over 8 tokens

@@ -254,5 +254,8 @@ def test_a_task_without_enough_distinct_problems_names_its_entry():
 
     tasks = [{"name": "countdown", "train_size": 8, "test_size": 16}, {"name": "arithmetic", "train_size": 400}]
     config = load_config(None, overrides={"tasks": tasks})  # arithmetic at difficulty 1 has 300 problems
-    with pytest.raises(ValueError, match=r"tasks.1: train_size 400 \+ test_size \d+: arithmetic at difficulty 1: 300 distinct problems drawn, not"):
+    with pytest.raises(
+        ValueError,
+        match=r"tasks.1: train_size 400 \+ test_size \d+: arithmetic at difficulty 1: 300 distinct problems drawn, not",
+    ):
         task_splits(config)

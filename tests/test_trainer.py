@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tracefp4.components import steps
-from tracefp4.components.capture import CaptureConfig
+from tracefp4.components.capture import CaptureConfig, CaptureRecords
 from tracefp4.components.checkpoint import CheckpointError, load_model, provenance
 from tracefp4.components.guidance import GuidanceError, GuidanceLoader, read_manifest, step_prefix, write_step
 from tracefp4.components.model import build_model
@@ -410,6 +410,33 @@ def test_ppo_old_policy_is_the_one_the_step_starts_from():
     assert stats["k3_kl"] == expected["k3_kl"]
     assert stats["clip_fraction"] > 0  # the second microbatch's ratio moved past the clip
     assert trainer.guidance_order(4) == [1, 2, 3, 0, 1, 2, 3]
+
+
+def test_trajectories_trained_without_guidance_are_counted_once(tmp_path):
+    """With guidance.allow_rtn_fallback, a trajectory whose guidance is missing
+    is rounded RTN: the step's stats count it (once, though pi_old's forward
+    loads its microbatch's guidance again), and the coverage is that of the
+    guided ones; before, nothing a user sees said so."""
+    engine = TorchEngine(build_model("smoke", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
+    trajectories = engine.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=3, seed=1))
+    store = open_store(str(tmp_path))
+    kept = torch.tensor([1, 2, 3])  # trajectory 0's guidance missing
+    records = CaptureRecords({key: t.for_trajectories(kept) for key, t in engine.drain_capture().tables.items()})
+    write_step(store, records, rl_step=0, policy_version=0, top_k=engine.model.cfg.top_k)
+    config = TrainConfig(method="trace", microbatch_size=2, grad_accumulation=1)
+    trainer = Trainer(build_model("smoke", seed=0), config, engine.quant, engine.global_scales)
+    microbatches = trainer.microbatches(trajectories)
+    order = [[t.id for t in microbatches[i]] for i in trainer.guidance_order(len(microbatches))]
+    assert order == [[2, 3], [0, 1], [2, 3]]  # microbatch [2, 3] loads twice: pi_old, then its loss
+    loader = GuidanceLoader(store, 0, order, allow_rtn_fallback=True)
+    stats = trainer.train_step(trajectories, torch.tensor([1.0, -1.0, 1.0, -1.0]), loader)
+    assert stats["guidance_fallback_trajectories"] == 1 and stats["guidance_coverage"] > 0.9
+    plain_config = dataclasses.replace(config, method="qat")
+    plain = Trainer(build_model("smoke", seed=0), plain_config, engine.quant, engine.global_scales)
+    assert (
+        plain.train_step(trajectories, torch.tensor([1.0, -1.0, 1.0, -1.0]), None)["guidance_fallback_trajectories"]
+        is None
+    )
 
 
 def test_guidance_loaded_in_another_order_than_the_trainers_is_refused(tmp_path):
