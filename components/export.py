@@ -54,9 +54,7 @@ from tracefp4.kernels import E2M1_VALUES, quantize
 
 from .checkpoint import (
     CONFIG,
-    INDEX,
     MANIFEST,
-    SINGLE,
     commit_folder,
     config_to_hf,
     dtype_fields,
@@ -68,6 +66,7 @@ from .checkpoint import (
     write_weights,
 )
 from .quant import QuantConfig, calibrate_global_scales, quantize_expert_weights_
+from .tokenizer import FILES as TOKENIZER_FILES
 
 # FP4 weight format -> compressed-tensors' format name
 FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
@@ -122,7 +121,6 @@ _ULP_SEARCH = (
 )  # float32 steps around 1/g tried for the stored global scale, nearest first
 log = logging.getLogger("tracefp4.export")
 _EXPERTS = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up|down)$")
-_WEIGHT_FILES = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
 
 
 def quantization_config(quant: QuantConfig, ignore: list[str]) -> dict:
@@ -307,10 +305,11 @@ def export(
     with staging_folder(folder) as tmp:
         write_weights(tensors, tmp, max_shard_bytes)
         (tmp / CONFIG).write_text(json.dumps(hf, indent=2))
-        for path in sorted(source.iterdir()):  # tokenizer, generation config: everything but weights and manifest
-            rewritten = path.name in (CONFIG, INDEX, SINGLE, MANIFEST) or _WEIGHT_FILES.match(path.name)
-            if path.is_file() and not rewritten:
-                shutil.copyfile(path, tmp / path.name)
+        # the tokenizer's files and the generation config, and nothing else of a source folder: a Hub folder's
+        # other weight files (Qwen3.5's mtp.safetensors) would be read by an engine that globs *.safetensors
+        for file in TOKENIZER_FILES:
+            if (source / file).is_file():
+                shutil.copyfile(source / file, tmp / file)
         commit_folder(tmp, folder, record)
     return {
         "format": name,

@@ -14,7 +14,9 @@ from safetensors.torch import save_file
 
 from tracefp4.components.checkpoint import config_from_hf, config_to_hf, load_model, save_model
 from tracefp4.components.deltanet import causal_conv, chunked_delta_rule, recurrent_delta_rule
+from tracefp4.components.export import export
 from tracefp4.components.model import PRESETS, QWEN35_35B_A3B, CausalAttention, build_model, right_pad
+from tracefp4.components.quant import rollout_config
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -93,6 +95,12 @@ def test_multimodal_checkpoint_logits_equal_transformers(tmp_path, caplog):
         expected = reference(input_ids=tokens).logits
         got = ours(tokens, torch.arange(150).expand(2, -1))
     assert (got - expected).abs().max().item() < 1e-4
+    # exported straight from the Hub folder: the language model, with none of the folder's other weight files
+    # (an engine that globs *.safetensors would read the MTP head's)
+    export(tmp_path / "hf", tmp_path / "served", rollout_config("bf16"))
+    assert sorted(p.name for p in (tmp_path / "served").iterdir()) == [
+        "checksums.json", "config.json", "generation_config.json", "model.safetensors",
+    ]  # fmt: skip
 
 
 def test_saved_checkpoint_loads_in_transformers(tmp_path):
