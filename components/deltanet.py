@@ -107,7 +107,17 @@ def chunked_delta_rule(
     unit lower-triangular system ``u_i + sum_{j<i} beta_i e^(c_i-c_j) (k_i.k_j) u_j
     = beta_i (v_i - e^(c_i) S0^T k_i)``; then ``o_i = e^(c_i) S0^T q_i +
     sum_{j<=i} e^(c_i-c_j) (q_i.k_j) u_j`` and the chunk hands on
-    ``e^(c_n) S0 + sum_j e^(c_n-c_j) k_j u_j^T``."""
+    ``e^(c_n) S0 + sum_j e^(c_n-c_j) k_j u_j^T``.
+
+    In fp32 under autocast too, as the recurrent form computes: a bf16
+    autocast (training's ``fp32_master``) rounded every matmul's operands,
+    the state carried from chunk to chunk included, to bf16."""
+    with torch.autocast(q.device.type, enabled=False):
+        return _chunks(q, k, v, g, beta, state, chunk)
+
+
+def _chunks(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None, chunk: int):
+    """:func:`chunked_delta_rule`, computed in the dtypes its tensors have."""
     dtype = v.dtype
     q, k, v, g, beta = _prepare(q, k, v, g, beta)
     b, h, s, dk = k.shape

@@ -163,6 +163,10 @@ def test_chunked_form_equals_recurrent_form(length):
     o1, s1 = chunked_delta_rule(*(t[:, :half] for t in (q, k, v, g, beta)), start)
     o2, s2 = chunked_delta_rule(*(t[:, half:] for t in (q, k, v, g, beta)), s1)
     assert (torch.cat([o1, o2], 1) - o_recurrent).abs().max() < 1e-4 and (s2 - s_recurrent).abs().max() < 1e-4
+    # in fp32 under training's bf16 autocast (fp32_master) too: autocast rounded the chunked form's matmuls
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o_autocast, s_autocast = chunked_delta_rule(q, k, v, g, beta, start, chunk=16)
+    assert (o_autocast - o_recurrent).abs().max() < 1e-4 and (s_autocast - s_recurrent).abs().max() < 1e-4
 
 
 def test_a_prompts_delta_rule_does_not_depend_on_the_prompts_beside_it():
