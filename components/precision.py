@@ -17,9 +17,10 @@ and forward compute in, and the float32 weights its optimizer steps.
   (docs/results.md).
 
 Either way the policy is saved in :attr:`MasterWeights.policy_dtype`: bf16
-for ``bf16``, the model's dtype as given for ``fp32_master`` (the rollout's,
-``model.dtype``: a bf16 model trained in float32 is still a bf16 policy,
-half the bytes every rollout and evaluation step downloads). The master
+for ``bf16``, the rollout's dtype for ``fp32_master`` (``model.dtype``, which
+the trainer passes: a bf16 model trained in float32, or built or bootstrapped
+in float32, is still a bf16 policy, half the bytes every rollout and
+evaluation step downloads). The master
 weights the saved policy does not hold exactly are trainer state:
 :meth:`MasterWeights.state` gives them, to save beside the optimizer's
 moments, and :meth:`MasterWeights.load` takes them back.

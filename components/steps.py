@@ -176,8 +176,9 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
             raise ValueError("model.trainer_state: a continuation's prepare writes a trainer state; none was asked for")
         continue_from(config, checkpoint, out, run_id, state)
         return {}
-    if checkpoint is None:
-        model = build_model(config.model.preset, seed=config.seed).to(device)
+    if checkpoint is None:  # in the rollout's dtype unless a bootstrap trains it (in float32) first
+        dtype = torch.float32 if config.bootstrap.enabled else compute_dtype(config)
+        model = build_model(config.model.preset, seed=config.seed, dtype=dtype).to(device)
     else:
         model = load_model(checkpoint, device=device)
     stats = run_bootstrap(config, model, tokenizer) if config.bootstrap.enabled else {}

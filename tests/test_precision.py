@@ -29,7 +29,7 @@ def trainer_and_batch(precision: str, method: str = "qat", lr: float = 1e-3, dty
     engine = TorchEngine(build_model("smoke", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig())
     trajectories = engine.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=4, seed=1))
     engine.drain_capture()
-    config = TrainConfig(method=method, learning_rate=lr, microbatch_size=2, precision=precision)
+    config = TrainConfig(method=method, learning_rate=lr, microbatch_size=2, precision=precision, compute_dtype=dtype)
     model = build_model("smoke", seed=0, dtype=dtype)
     return Trainer(model, config, engine.quant, engine.global_scales), trajectories
 

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from tracefp4.components import steps
 from tracefp4.components.capture import CaptureConfig, CaptureRecords
@@ -18,7 +19,7 @@ from tracefp4.components.quant import rollout_config
 from tracefp4.components.rl import SequenceBatch, alignment_metrics, stack_rows, token_logprobs
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
-from tracefp4.components.trainer import TrainConfig, Trainer
+from tracefp4.components.trainer import MASTER_PREFIX, TrainConfig, Trainer
 from tracefp4.components.trainer_state import StateMismatch, read_meta
 from tracefp4.schemas import RunConfig, get_preset
 
@@ -89,7 +90,9 @@ def test_rounds_end_to_end(method, precision, codec, tmp_path):
     # the untrained smoke policy earns no reward, so what moves the weights is the decay of the optimizer step
     before, after = (steps.load_model(tmp_path / f"policy-{i}").model.layers[0].mlp.experts.gate_up for i in (0, 2))
     assert not torch.equal(before, after)
-    assert after.dtype == {"bf16": torch.bfloat16, "fp32_master": torch.float32}[precision]  # the policy's dtype
+    assert after.dtype == torch.bfloat16  # the rollout's (model.dtype), in either precision
+    masters = {k for k in load_file(tmp_path / "state-2" / "state.safetensors") if k.startswith(MASTER_PREFIX)}
+    assert masters  # the float32 bits below the bf16 policy: the trainer state's
     assert read_meta(tmp_path / "state-2")["precision"] == precision
     if method in ("qat", "trace"):  # FP4 activations in training: codes compared with the rollout's
         last = history[-1]
@@ -437,6 +440,18 @@ def test_trajectories_trained_without_guidance_are_counted_once(tmp_path):
         plain.train_step(trajectories, torch.tensor([1.0, -1.0, 1.0, -1.0]), None)["guidance_fallback_trajectories"]
         is None
     )
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32_master"])
+def test_a_fresh_bf16_model_starts_as_a_bf16_policy_without_master_weights(tmp_path, precision):
+    """prepare of a preset without a bootstrap, model.dtype bfloat16: the policy
+    in the rollout's dtype and a trainer state without master weights (docs/
+    training.md); a preset built in float32 had saved float32 masters, and under
+    fp32_master a float32 policy for the whole run."""
+    config = smoke(tmp_path, bootstrap={"enabled": False}, train={"precision": precision}, model={"dtype": "bfloat16"})
+    steps.prepare(config, tmp_path / "policy", RUN, tmp_path / "state")
+    assert {p.dtype for p in steps.load_model(tmp_path / "policy").parameters()} == {torch.bfloat16}
+    assert not [k for k in load_file(tmp_path / "state" / "state.safetensors") if k.startswith(MASTER_PREFIX)]
 
 
 def test_guidance_loaded_in_another_order_than_the_trainers_is_refused(tmp_path):
