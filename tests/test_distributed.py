@@ -644,8 +644,9 @@ def test_ranks_take_their_shards_of_the_policy_and_optimizer_state_from_rank_0(t
     from tracefp4.components.quant import QuantConfig
     from tracefp4.components.trainer import TrainConfig, Trainer
 
-    for precision in ("fp32_master", "bf16"):
-        saved = Trainer(build_model("smoke", seed=0), TrainConfig(precision=precision), QuantConfig(), {})
+    for precision in ("fp32_master", "bf16"):  # a float32 model: its rollout's dtype too
+        train = TrainConfig(precision=precision, compute_dtype=torch.float32)
+        saved = Trainer(build_model("smoke", seed=0), train, QuantConfig(), {})
         for p in saved.weights.tensors():
             p.grad = torch.randn_like(p)
         saved.optimizer.step()  # moments to resume, and masters off the bf16 grid
