@@ -318,7 +318,7 @@ class DistributedTrainer(Trainer):
         if next(model.parameters()).is_meta:  # this rank's shards alone allocated, filled by from_checkpoint
             model.to_empty(device=self.place)
         if model.training:  # the optimizer steps the sharded parameters (float32: they are their own master)
-            self.weights = MasterWeights(model, self.config.precision, self.weights.policy_dtype)
+            self.weights = MasterWeights(model, self.config.precision, self.config.compute_dtype)
         return model
 
     def owned(self, microbatches: int, group: int) -> list[int]:

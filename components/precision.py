@@ -17,10 +17,9 @@ and forward compute in, and the float32 weights its optimizer steps.
   (docs/results.md).
 
 Either way the policy is saved in :attr:`MasterWeights.policy_dtype`: bf16
-for ``bf16``, the rollout's dtype for ``fp32_master`` (``model.dtype``, which
-the trainer passes: a bf16 model trained in float32, or built or bootstrapped
-in float32, is still a bf16 policy, half the bytes every rollout and
-evaluation step downloads). The master
+for ``bf16``, the rollout's dtype for ``fp32_master`` (``model.dtype``: a
+bf16 model trained in float32, or built or bootstrapped in float32, is still
+a bf16 policy, half the bytes every rollout and evaluation step downloads). The master
 weights the saved policy does not hold exactly are trainer state:
 :meth:`MasterWeights.state` gives them, to save beside the optimizer's
 moments, and :meth:`MasterWeights.load` takes them back.
@@ -43,14 +42,14 @@ class MasterWeights:
     """A model's parameters in the precision's dtype (converted in place) and
     the float32 tensors its optimizer steps, by parameter name."""
 
-    def __init__(self, model: Transformer, precision: str, policy_dtype: torch.dtype | None = None):
+    def __init__(self, model: Transformer, precision: str, rollout_dtype: torch.dtype):
         if precision not in PRECISIONS:
             raise ValueError(f"unknown training precision {precision!r}; expected one of {PRECISIONS}")
         self.precision = precision
         self.params = dict(model.named_parameters())  # a tied weight once
         given = next(iter(self.params.values())).dtype
-        # what a save writes the policy in (given: a distributed trainer re-wraps its already converted model)
-        self.policy_dtype = policy_dtype or (torch.bfloat16 if precision == "bf16" else given)
+        # what a save writes the policy in, whatever the dtype the model was built, bootstrapped or converted in
+        self.policy_dtype = torch.bfloat16 if precision == "bf16" else rollout_dtype
         # a master made from bf16 parameters lacks the bits below bf16 that a saved master would have
         self.from_bf16 = precision == "bf16" and any(p.dtype == torch.bfloat16 for p in self.params.values())
         # whether the master holds bits the policy saved in policy_dtype does not: made from wider parameters

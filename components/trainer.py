@@ -95,10 +95,7 @@ class Trainer:
         bad = {f"{layer}/{site}": g for (layer, site), g in self.scale_values.items() if not valid_global_scale(g)}
         if bad:
             raise ValueError(f"global scales must be positive and finite, got {bad}")
-        # the parameters in the precision's dtype; the policy saved in the rollout's (fp32_master: a bf16 model
-        # built or bootstrapped in float32 is still a bf16 policy, its float32 bits the trainer state's)
-        policy_dtype = config.compute_dtype if config.precision == "fp32_master" else None
-        self.weights = MasterWeights(model, config.precision, policy_dtype)
+        self.weights = MasterWeights(model, config.precision, config.compute_dtype)  # in the precision's dtype
         model = model.train()
         model.recompute_layers = config.activation_checkpointing
         reference = copy.deepcopy(model).eval().requires_grad_(False) if config.kl_coef > 0 else None

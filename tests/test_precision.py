@@ -108,7 +108,7 @@ def test_either_precision_resumes_the_others_checkpoint_exactly(tmp_path, saved,
 
 def test_a_trained_bf16_policy_without_saved_master_weights_starts_the_master_from_it_with_a_warning(caplog):
     policy = build_model("smoke", seed=0, dtype=torch.bfloat16)
-    weights = MasterWeights(policy, "bf16")
+    weights = MasterWeights(policy, "bf16", torch.bfloat16)
     with caplog.at_level(logging.WARNING):
         weights.load({}, stepped=False)  # a fresh policy's state: the policy is the master
         assert not caplog.text
@@ -141,7 +141,7 @@ def test_unset_precision_is_the_rollouts_numerics():
 
 def test_precision_names_are_checked():
     with pytest.raises(ValueError, match="unknown training precision 'fp16'"):
-        MasterWeights(build_model("smoke"), "fp16")
+        MasterWeights(build_model("smoke"), "fp16", torch.float16)
     assert RunConfig.model_validate({"train": {"precision": "fp32_master"}}).train.precision == "fp32_master"
     for bad in ("fp16", "bfloat16"):
         with pytest.raises(ValidationError, match="train.precision"):
