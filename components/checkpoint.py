@@ -53,6 +53,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -73,6 +74,7 @@ from .tensor_files import DTYPES, TensorWriter, index_name, single_name, write_t
 from .tokenizer import FILES as TOKENIZER_FILES
 
 log = logging.getLogger("tracefp4.checkpoint")
+T = TypeVar("T")
 
 INDEX = index_name("model")
 SINGLE = single_name("model")
@@ -882,15 +884,21 @@ def checkpoint_dtype(headers: dict[str, tuple[Path, str, tuple[int, ...]]]) -> t
     BF16 matrices: loading every weight in float32 would double the model's
     memory. The others are rounded to it, as transformers rounds them loading
     with that dtype; a log line names them."""
-    nbytes: dict[str, int] = {}
-    for _, dtype, shape in headers.values():
-        nbytes[dtype] = nbytes.get(dtype, 0) + math.prod(shape) * _TORCH_DTYPES[dtype].itemsize
-    chosen = max(nbytes, key=nbytes.get)
-    if len(nbytes) > 1:
-        others = sorted(name for name, (_, dtype, _) in headers.items() if dtype != chosen)
+    sizes = [(dtype, math.prod(shape) * _TORCH_DTYPES[dtype].itemsize) for _, dtype, shape in headers.values()]
+    chosen = _most_bytes(sizes)
+    others = sorted(name for name, (_, dtype, _) in headers.items() if dtype != chosen)
+    if others:
         log.info("loading in %s, the dtype of most of the weights; rounded to it from another dtype: %s (%d in all)",
                  _TORCH_DTYPES[chosen], ", ".join(others[:4]), len(others))  # fmt: skip
     return _TORCH_DTYPES[chosen]
+
+
+def _most_bytes(sizes: Iterable[tuple[T, int]]) -> T:
+    """Of ``(dtype, bytes)`` pairs, the dtype holding most bytes in all: a checkpoint's, where weights mix dtypes."""
+    total: dict = {}
+    for dtype, nbytes in sizes:
+        total[dtype] = total.get(dtype, 0) + nbytes
+    return max(total, key=total.get)
 
 
 def load_state(model: Transformer, state: dict[str, Tensor]) -> None:
@@ -957,10 +965,8 @@ def save_stacked(
             for key, view in stacked_to_hub({name: t}, cfg).items():
                 writer.add(key, view)
         writer.close()
-        held: dict[torch.dtype, int] = {}
-        for t in layout.values():
-            held[t.dtype] = held.get(t.dtype, 0) + t.numel() * t.element_size()
-        hf = {**config_to_hf(cfg), **dtype_fields(max(held, key=held.get))}
+        held = _most_bytes((t.dtype, t.numel() * t.element_size()) for t in layout.values())
+        hf = {**config_to_hf(cfg), **dtype_fields(held)}
         (tmp / CONFIG).write_text(json.dumps(hf, indent=2))
         for name, data in (extra or {}).items():
             (tmp / name).write_bytes(data)
