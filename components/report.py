@@ -31,6 +31,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 from tracefp4.schemas import Method, RolloutConfigName, RunConfig, settings_yaml  # noqa: E402
 
 from .stats import paired_difference  # noqa: E402
+from .store import write_atomic  # noqa: E402
 
 ROLLOUTS = get_args(RolloutConfigName)  # row order of every table: bf16 first, as in the paper
 METHODS = get_args(Method)
@@ -727,6 +728,14 @@ def _html(title: str, blocks: list) -> str:
         ".source,figcaption{color:#666;font-size:0.8em;max-width:60em}figure{display:inline-block;margin:0.5em}</style>"
         f"</head><body>{''.join(parts)}</body></html>"
     )
+
+
+def write(markdown_path: str | Path, page_path: str | Path, text: str, page: str) -> None:
+    """A report's markdown ``text`` and HTML ``page``, each written whole (a
+    temp file renamed), the markdown last: ``tracefp4 report`` reads a report
+    by its markdown, and a killed task leaves neither half-written."""
+    for path, written in ((page_path, page), (markdown_path, text)):
+        write_atomic(Path(path), lambda f, written=written: f.write(written.encode()))
 
 
 def markdown(

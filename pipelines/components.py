@@ -256,18 +256,18 @@ def report(
 ):
     """The run's tables as markdown, and as an HTML page with the plots."""
     import json
-    from pathlib import Path
 
     from tracefp4.components import report as run_report
-    from tracefp4.components.store import write_atomic
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
     continue_with = json.loads(history.metadata.get("continue_with", "null"))  # the last train task's
-    text = run_report.markdown(config, history.path, evaluation.path, continue_with)
-    html = run_report.html_report(config, history.path, evaluation.path, continue_with)
-    for artifact, written in ((page, html), (markdown, text)):  # whole files, the markdown last
-        write_atomic(Path(artifact.path), lambda f, written=written: f.write(written.encode()))
+    run_report.write(
+        markdown.path,
+        page.path,
+        run_report.markdown(config, history.path, evaluation.path, continue_with),
+        run_report.html_report(config, history.path, evaluation.path, continue_with),
+    )
 
 
 def chain(config_json: str, history: Input[Dataset], job_id: str) -> str:
@@ -301,10 +301,8 @@ def compare(
 ):
     """Every method's final accuracy and alignment side by side, from the collected evaluations and histories."""
     import json
-    from pathlib import Path
 
     from tracefp4.components import report as run_report
-    from tracefp4.components.store import write_atomic
     from tracefp4.schemas import RunConfig
 
     config = RunConfig.model_validate_json(config_json)
@@ -312,9 +310,12 @@ def compare(
     runs = [[json.loads(line) for line in open(dataset.path) if line.strip()] for dataset in histories]
     by_method = {r[0]["method"]: r for r in runs if r}  # the collections' orders are not promised to agree
     ordered = [by_method.get(result["method"], []) for result in results]
-    text, html = run_report.comparison(config, results, ordered), run_report.comparison_html(config, results, ordered)
-    for artifact, written in ((page, html), (markdown, text)):  # whole files, the markdown last
-        write_atomic(Path(artifact.path), lambda f, written=written: f.write(written.encode()))
+    run_report.write(
+        markdown.path,
+        page.path,
+        run_report.comparison(config, results, ordered),
+        run_report.comparison_html(config, results, ordered),
+    )
 
 
 @dataclass(frozen=True)
