@@ -242,13 +242,8 @@ def compiled_documents(package: bytes) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(package) if doc]
 
 
-def compiled_spec(package: bytes) -> dict:
-    """The pipeline spec of a compiled pipeline file: its first document."""
-    return compiled_documents(package)[0]
-
-
 def run_tasks(spec: dict, config: RunConfig) -> int:
-    """The tasks a run of the pipeline ``spec`` (:func:`compiled_spec`)
+    """The tasks a run of the pipeline ``spec`` (the first of :func:`compiled_documents`)
     compiled from ``config`` executes: a loop's body once per item
     (``rollout.workers`` times where the items come at run time)."""
 

@@ -136,7 +136,7 @@ def test_a_continuation_names_its_state_policy_and_round_together(settings, prob
 
 
 def test_the_continuation_pipeline_numbers_its_rounds_on_and_a_comparison_refuses_one(tmp_path):
-    from tracefp4.pipelines.pipeline import build_comparison_pipeline, compile_pipeline, compiled_spec
+    from tracefp4.pipelines.pipeline import build_comparison_pipeline, compile_pipeline, compiled_documents
 
     (tmp_path / "cont.yaml").write_text(
         "model: {checkpoint: s3://runs/first/policy, trainer_state: s3://runs/first/state}\n"
@@ -144,7 +144,7 @@ def test_the_continuation_pipeline_numbers_its_rounds_on_and_a_comparison_refuse
     )
     config = load_config(tmp_path / "cont.yaml", preset="tiny")
     compile_pipeline(config, tmp_path / "p.yaml")
-    spec = compiled_spec((tmp_path / "p.yaml").read_bytes())
+    spec = compiled_documents((tmp_path / "p.yaml").read_bytes())[0]
     tasks = spec["root"]["dag"]["tasks"]
     rounds = sorted(
         t["inputs"]["parameters"]["round_index"]["runtimeValue"]["constant"]
@@ -168,7 +168,7 @@ def test_a_run_that_leaves_rounds_ends_by_submitting_the_next(tmp_path):
         KFP_TOKEN_LABEL,
         build_comparison_pipeline,
         compile_pipeline,
-        compiled_spec,
+        compiled_documents,
         run_tasks,
     )
 
@@ -176,7 +176,7 @@ def test_a_run_that_leaves_rounds_ends_by_submitting_the_next(tmp_path):
     assert list(config.rl.run_rounds()) == [0, 1, 2] and config.rl.chained
     compile_pipeline(config, tmp_path / "p.yaml")
     package = (tmp_path / "p.yaml").read_bytes()
-    spec = compiled_spec(package)
+    spec = compiled_documents(package)[0]
     tasks = spec["root"]["dag"]["tasks"]
     assert sorted(n for n in tasks if n.startswith("train")) == ["train", "train-2", "train-3"]
     chain = tasks["chain"]
@@ -195,7 +195,7 @@ def test_a_run_that_leaves_rounds_ends_by_submitting_the_next(tmp_path):
     whole = load_config(preset="tiny", overrides={"rl.rounds": 3, "rl.rounds_per_run": 3, "evaluation.initial": False})
     assert not whole.rl.chained
     compile_pipeline(whole, tmp_path / "whole.yaml")
-    tasks = compiled_spec((tmp_path / "whole.yaml").read_bytes())["root"]["dag"]["tasks"]
+    tasks = compiled_documents((tmp_path / "whole.yaml").read_bytes())[0]["root"]["dag"]["tasks"]
     assert "chain" not in tasks and set(tasks["evaluate"]["inputs"]["artifacts"]) == {"policy"}
     with pytest.raises(ConfigError, match="rl.rounds_per_run: a comparison runs its 7 rounds in one run"):
         build_comparison_pipeline(config, ["trace", "qat"])

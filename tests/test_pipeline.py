@@ -24,7 +24,6 @@ from tracefp4.pipelines.pipeline import (
     build_comparison_pipeline,
     compile_pipeline,
     compiled_documents,
-    compiled_spec,
     pipeline_version,
     run_size_problem,
     run_tasks,
@@ -251,7 +250,7 @@ def test_a_run_counts_each_loop_body_once_per_item(tmp_path):
     def tasks(name, methods=None, **overrides):
         config = load_config(None, preset="tiny", overrides=overrides)  # 3 rounds
         path = compile_pipeline(config, tmp_path / f"{name}.yaml", methods)
-        count = run_tasks(compiled_spec(open(path, "rb").read()), config)
+        count = run_tasks(compiled_documents(open(path, "rb").read())[0], config)
         return count, run_size_problem(count)
 
     assert tasks("one") == (2 + 3 * 3 + 3, None)
