@@ -23,7 +23,6 @@ runtime's JobSet template.
 """
 
 import contextlib
-import functools
 import hashlib
 import json
 import signal
@@ -558,8 +557,12 @@ class TrainJobRun:
         out of reach) is no news, said once and polled again until
         ``train.timeout_seconds`` from ``since`` (default now) have passed;
         other errors (forbidden) fail the step at once."""
-        get = functools.partial(self.api.get_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL)
-        return self._asked("status unreadable", lambda: get(self.name), echo, since)
+        return self._asked(
+            "status unreadable",
+            lambda: self.api.get_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name),
+            echo,
+            since,
+        )
 
     def _asked(self, unanswered: str, call, echo, since: float | None = None):
         """``call()``'s answer from the API server, None where it says 404 (no
@@ -626,8 +629,14 @@ class TrainJobRun:
         """Delete the TrainJob with its pods (foreground); ``wait``: until it is
         gone, at most ``train.timeout_seconds`` (a rank pod on a lost node can
         stay Terminating, and with it the job)."""
-        delete = functools.partial(self.api.delete_namespaced_custom_object, GROUP, VERSION, self.namespace, PLURAL)
-        if self._asked("deletion unanswered", lambda: delete(self.name, propagation_policy="Foreground"), echo) is None:
+        deleted = self._asked(
+            "deletion unanswered",
+            lambda: self.api.delete_namespaced_custom_object(
+                GROUP, VERSION, self.namespace, PLURAL, self.name, propagation_policy="Foreground"
+            ),
+            echo,
+        )
+        if deleted is None:
             return  # there was none
         echo(f"trainjob {self.namespace}/{self.name}: deleted")
         since = time.monotonic()
