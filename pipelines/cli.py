@@ -522,14 +522,13 @@ def presets():
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 def report(run_dir):
     """Print the newest report of a run folder (of a comparison, its side-by-side report)."""
-    from tracefp4.pipelines.resume import PIPELINE_ROOT, finished_reports
+    from tracefp4.pipelines.resume import finished_reports, written_reports
 
     found = finished_reports(Path(run_dir))
     if not found:
-        started = any(Path(run_dir, PIPELINE_ROOT).glob("*/*/markdown"))
         raise click.ClickException(
             f"{run_dir}: no report its task finished writing"
-            + " (one was interrupted: rerun the same `tracefp4 run` to finish it)" * started
+            + " (one was interrupted: rerun the same `tracefp4 run` to finish it)" * bool(written_reports(run_dir))
         )
     click.echo(found[-1].read_text())
     click.echo(f"report: {found[-1].with_name('page')} (HTML), {found[-1]} (markdown)")

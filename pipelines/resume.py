@@ -170,14 +170,18 @@ def finished_outputs(run_dir: Path) -> set[Path]:
     return found
 
 
-def finished_reports(run_dir: Path) -> list[Path]:
-    """The markdown reports of the local run folder ``run_dir`` that their
-    task finished writing (a run's ``report``, a comparison's ``compare``),
-    oldest first."""
+def written_reports(run_dir: Path) -> list[Path]:
+    """The markdown reports in the local run folder ``run_dir``, whole or not:
+    a run's ``report`` task's, a comparison's ``compare`` task's."""
     root = Path(run_dir, PIPELINE_ROOT)
+    return [*root.glob("*/report/markdown"), *root.glob("*/compare/markdown")]
+
+
+def finished_reports(run_dir: Path) -> list[Path]:
+    """The :func:`written_reports` that their task finished writing, oldest first."""
     finished = finished_outputs(run_dir)
-    written = [*root.glob("*/report/markdown"), *root.glob("*/compare/markdown")]
-    return sorted((p for p in written if p.relative_to(run_dir) in finished), key=lambda p: p.stat().st_mtime)
+    written = [p for p in written_reports(run_dir) if p.relative_to(run_dir) in finished]
+    return sorted(written, key=lambda p: p.stat().st_mtime)
 
 
 def write_metrics(*artifacts) -> None:
