@@ -55,6 +55,16 @@ def test_mxfp4_elements_saturate_at_6():
     assert dequantize(quantize(x, "mxfp4")).unique().tolist() == [6.0]
 
 
+def test_rceil_near_the_float32_limit_rounds_beyond_it():
+    # docs/fp4-formats.md, "Special values": amax 3e38 gets scale 2^126 under
+    # rceil, and 3e38 / 2^126 = 3.53 rounds to the codeword 4: 2^128 is Inf in
+    # float32; floor takes scale 2^125 and saturates the element at 6
+    x = torch.zeros(1, 32)
+    x[0, 0] = 3e38
+    assert dequantize(quantize(x, "mxfp4", scale_mode="rceil"))[0, 0].item() == math.inf
+    assert dequantize(quantize(x, "mxfp4"))[0, 0].item() == 6 * 2.0**125
+
+
 @pytest.mark.parametrize("value,bits", sorted(E4M3_ENCODINGS.items()))
 def test_e4m3_block_scale_encodings(value, bits):
     # block amax 6 * value under global scale 1 makes the block scale exactly `value`
