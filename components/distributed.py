@@ -21,9 +21,11 @@ come as paths or store URIs. How it works:
   time; every rank builds the model on the meta device and takes its shards
   of the weights and AdamW moments from each tensor rank 0 broadcasts
   (:meth:`DistributedTrainer.from_checkpoint`);
-- rank r trains the microbatches ``i`` with ``i % W == r`` and loads only
-  their guidance; every optimizer step's group of microbatches must split
-  evenly, so every rank takes part in every collective;
+- rank r trains the r-th of W contiguous runs of each optimizer step's
+  group of microbatches and loads only their guidance: neighbouring
+  trajectories share guidance shards, so each rank reads about 1/W of a
+  step's shards rather than every one; the group must split evenly, so every
+  rank takes part in every collective;
 - after each RL step the sharded state (weights, optimizer, the round's
   history so far) goes to the store through torch.distributed.checkpoint,
   the ``.metadata`` object last: a step whose ``.metadata`` is missing is
@@ -174,6 +176,15 @@ def _take_shard(target: Tensor, whole: Tensor) -> None:
         target.to_local().copy_(mine.to_local())
     else:
         target.copy_(whole)
+
+
+def rank_microbatches(microbatches: int, group: int, rank: int, world: int) -> list[int]:
+    """The microbatches rank ``rank`` of ``world`` trains: the rank-th of ``world``
+    contiguous runs of each optimizer step's ``group`` (a multiple of ``world``).
+    Contiguous, not round-robin: neighbouring trajectories share a guidance
+    shard, so each rank reads its own few shards instead of every rank every one."""
+    share = group // world
+    return [i for i in range(microbatches) if i % group // share == rank]
 
 
 class DistributedTrainer(Trainer):
@@ -328,7 +339,7 @@ class DistributedTrainer(Trainer):
                 f"of the {self.world} training processes (set rl.microbatch_size, rl.grad_accumulation, "
                 "rollout.prompts_per_step or rollout.group_size to fit)"
             )
-        return [i for i in range(microbatches) if i % self.world == self.rank]
+        return rank_microbatches(microbatches, group, self.rank, self.world)
 
     def all_sum(self, values: list[float]) -> list[float]:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)  # NCCL reduces GPU tensors only

@@ -342,9 +342,11 @@ def _syndrome_table(name: str, version: int, spec: dict, arrays: dict, traj, pos
     return table
 
 
-def _split(records: CaptureRecords, trajectories: list[int]) -> CaptureRecords:
-    ids = torch.tensor(trajectories)
-    return CaptureRecords({k: t.for_trajectories(ids) for k, t in records.tables.items()})
+def _split(records: CaptureRecords, groups: list[list[int]]) -> list[CaptureRecords]:
+    """``records`` cut into one per group of trajectories, in one pass over each table."""
+    ids = [torch.tensor(g, dtype=torch.long) for g in groups]
+    parts = {k: t.split_by_trajectories(ids) for k, t in records.tables.items()}
+    return [CaptureRecords({k: tables[i] for k, tables in parts.items()}) for i in range(len(groups))]
 
 
 def step_prefix(prefix: str, rl_step: int) -> str:
@@ -376,8 +378,8 @@ def write_step(
     store.delete(f"{base}/manifest.json")  # a retry's: its shards are overwritten below, so the step is gone
     trajectories = sorted(_trajectory_ranges(records))
     shards = []
-    for i in range(0, max(len(trajectories), 1), trajectories_per_shard):
-        part = _split(records, trajectories[i : i + trajectories_per_shard])
+    groups = [trajectories[i : i + trajectories_per_shard] for i in range(0, len(trajectories), trajectories_per_shard)]
+    for part in _split(records, groups or [[]]):
         data = encode_shard(part, rl_step=rl_step, policy_version=policy_version, top_k=top_k)
         key = f"{base}/shard-{len(shards):05d}.bin"
         store.put_bytes(key, data)
@@ -634,7 +636,7 @@ class GuidanceLoader:
         self.allow_rtn_fallback = allow_rtn_fallback
         self.fallen_back: set[int] = set()  # trajectories rounded RTN for want of guidance
         self._shard_of = {t: i for i, e in enumerate(self.manifest["shards"]) for t in e["trajectories"]}
-        self._cache: OrderedDict[int, CaptureRecords] = OrderedDict()
+        self._cache: OrderedDict[int, dict[int, dict]] = OrderedDict()  # shard -> trajectory -> its tables
         self._cached_shards = cached_shards
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stopped = threading.Event()  # the consumer is done: the producer stops instead of waiting on it
@@ -647,9 +649,12 @@ class GuidanceLoader:
         (a microbatch whose guidance is loaded twice, for pi_old and for its loss, counts once)."""
         return len(self.fallen_back)
 
-    def _shard(self, index: int) -> CaptureRecords:
+    def _shard(self, index: int) -> dict[int, dict]:
+        """Shard ``index``'s tables of each of its trajectories, cut once when read."""
         if index not in self._cache:
-            self._cache[index] = read_shard(self.store, self.manifest, self.manifest["shards"][index])
+            entry = self.manifest["shards"][index]
+            parts = _split(read_shard(self.store, self.manifest, entry), [[t] for t in entry["trajectories"]])
+            self._cache[index] = {t: part.tables for t, part in zip(entry["trajectories"], parts)}
             while len(self._cache) > self._cached_shards:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(index)
@@ -663,8 +668,8 @@ class GuidanceLoader:
         for t in trajectories:
             if t in missing:
                 continue
-            for key, table in self._shard(self._shard_of[t]).tables.items():
-                parts.setdefault(key, []).append(table.for_trajectories(torch.tensor([t])))
+            for key, table in self._shard(self._shard_of[t])[t].items():
+                parts.setdefault(key, []).append(table)
         tables = {key: type(tabs[0]).concat(tabs) for key, tabs in parts.items()}
         return MicrobatchGuidance(list(trajectories), tables, missing)
 

@@ -113,7 +113,7 @@ class TrainingSites:
         self.quant, self.method, self.global_scales = quant, method, global_scales
         self.guidance, self.recorder, self.seq_len = guidance, recorder, seq_len
         self.compute_dtype = compute_dtype  # weights are rounded to it first, as the rollout's copy is
-        self.row_of = {t: b for b, t in enumerate(trajectories or [])}
+        self.trajectories = torch.tensor(trajectories or [], dtype=torch.long)
         self.scale_values = scale_values or {}  # global_scales as host floats: checked without reading the device
         self.coverage = Coverage()
         self.replay = False  # the forward running is a layer's recomputation (replaying)
@@ -145,14 +145,18 @@ class TrainingSites:
         # a row per (token, slot), k slots per token: the rollout's row of the token's expert guides the slot where
         # training sent the token to that expert, whichever it is (near-tied router scores can order the two
         # paths' top-k differently; the expert's input is the same)
-        k = n_rows // (len(self.row_of) * self.seq_len)
+        k = n_rows // (len(self.trajectories) * self.seq_len)
         tokens = n_rows // k
         same = expert.view(tokens, k)[token.clamp(0, tokens - 1)] == table.expert[:, None]  # [rows, k]
         return table, token.clamp(0, tokens - 1) * k + same.int().argmax(1), ok & (token < tokens) & same.any(1)
 
     def _sequences(self, table) -> Tensor:
         """Per row of a (host) guidance table, the microbatch sequence of its trajectory (-1: another microbatch's)."""
-        return torch.tensor([self.row_of.get(t, -1) for t in table.traj.tolist()], dtype=torch.long)
+        ids, sequence = self.trajectories.sort()
+        if not len(ids):
+            return torch.full_like(table.traj, -1, dtype=torch.long)
+        at = torch.searchsorted(ids, table.traj.long()).clamp(max=len(ids) - 1)
+        return torch.where(ids[at] == table.traj, sequence[at], -1)
 
     def _keeps(self, site: str) -> bool:
         """Whether this method leaves ``site``'s values as they are."""

@@ -44,7 +44,7 @@ from tracefp4.kernels import (
     unknowns,
 )
 
-from .capture import SiteTable
+from .capture import SiteTable, rows_of_groups
 
 BLOCK_ELEMENTS = 256  # elements per block at most: narrower rows are grouped up to it, wider ones cut
 CODE_CHECK_BITS = 8  # code parity bits beyond the erasures: a wrong decode passes with probability 2^-8
@@ -189,16 +189,18 @@ class SyndromeTable:
         place = within % self.group
         return ((place == 0).cumsum(0) - 1) * self.segments, place
 
-    def blocks_of(self, rows: Tensor) -> Tensor:
-        """The blocks of the rows where ``rows`` (a mask) is set, in order."""
-        block, _ = self.block_of_rows()
-        every = block[rows, None] + torch.arange(self.segments, device=block.device)
-        return torch.unique(every.flatten())
-
     def for_trajectories(self, ids: Tensor) -> "SyndromeTable":
         """The rows and blocks of trajectories ``ids`` (a block never spans two)."""
-        rows = torch.isin(self.traj, ids)
-        blocks = self.blocks_of(rows)
+        return self.split_by_trajectories([ids])[0]
+
+    def split_by_trajectories(self, groups: list[Tensor]) -> list["SyndromeTable"]:
+        """The table cut into one per group of trajectory ids (:func:`~.capture.rows_of_groups`)."""
+        block, _ = self.block_of_rows()
+        return [self._rows(rows, block) for rows in rows_of_groups(self.traj, groups)]
+
+    def _rows(self, rows: Tensor, block: Tensor) -> "SyndromeTable":
+        """The table of ``rows`` (indices, in order) and of the blocks holding them."""
+        blocks = torch.unique((block[rows, None] + torch.arange(self.segments, device=block.device)).flatten())
         pick = {f: getattr(self, f)[rows] for f in ("traj", "pos", "slot", "expert")}
         return replace(self, **pick, code_parity=self.code_parity[blocks], scale_parity=self.scale_parity[blocks])
 

@@ -508,6 +508,20 @@ def test_microbatches_that_do_not_split_over_the_processes_are_refused_by_the_sc
     RunConfig.model_validate(data)
 
 
+def test_each_rank_trains_contiguous_runs_of_each_optimizer_steps_microbatches():
+    """Neighbouring microbatches hold neighbouring trajectories, which share
+    guidance shards: a rank of W given contiguous runs reads about 1/W of a
+    step's shards, where round-robin had every rank read every shard."""
+    from tracefp4.components.distributed import rank_microbatches
+
+    # 8 microbatches, an optimizer step every 4, 2 ranks
+    assert [rank_microbatches(8, 4, r, 2) for r in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    ranks = [rank_microbatches(64, 64, r, 8) for r in range(8)]
+    assert sorted(i for mine in ranks for i in mine) == list(range(64))
+    shards_read = [{i // 16 for i in mine} for mine in ranks]  # 16 microbatches a shard (64 trajectories, 4 each)
+    assert all(len(read) == 1 for read in shards_read)
+
+
 RANK0_BUSY = """
 import os, sys, time
 import torch.distributed as dist
