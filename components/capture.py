@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -143,11 +144,12 @@ class SiteTable:
 
     def for_trajectories(self, ids: Tensor) -> "SiteTable":
         """The rows of trajectories ``ids``."""
-        return self.split_by_trajectories([ids])[0]
+        return next(self.split_by_trajectories([ids]))
 
-    def split_by_trajectories(self, groups: list[Tensor]) -> list["SiteTable"]:
-        """The table cut into one per group of trajectory ids (:func:`rows_of_groups`)."""
-        return [self.select(rows) for rows in rows_of_groups(self.traj, groups)]
+    def split_by_trajectories(self, groups: list[Tensor]) -> Iterator["SiteTable"]:
+        """The table cut into one per group of trajectory ids (:func:`rows_of_groups`),
+        each made as it is asked for: one part at a time in memory."""
+        return (self.select(rows) for rows in rows_of_groups(self.traj, groups))
 
     @staticmethod
     def concat(tables: list["SiteTable"]) -> "SiteTable":
@@ -224,6 +226,15 @@ class CaptureRecords:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tables.values())
+
+    @staticmethod
+    def concat(parts: "list[CaptureRecords]") -> "CaptureRecords":
+        """Records of other trajectories (a step's shards, say) as one, each site's tables in the given order."""
+        tables: dict = {}
+        for part in parts:
+            for key, table in part.tables.items():
+                tables.setdefault(key, []).append(table)
+        return CaptureRecords({key: type(same[0]).concat(same) for key, same in tables.items()})
 
 
 class _Buffer:

@@ -342,71 +342,109 @@ def _syndrome_table(name: str, version: int, spec: dict, arrays: dict, traj, pos
     return table
 
 
-def _split(records: CaptureRecords, groups: list[list[int]]) -> list[CaptureRecords]:
-    """``records`` cut into one per group of trajectories, in one pass over each table."""
+def _split(records: CaptureRecords, groups: list[list[int]]) -> Iterator[CaptureRecords]:
+    """``records`` cut into one per group of trajectories, in one sort of each
+    table's rows, each part made as it is asked for."""
     ids = [torch.tensor(g, dtype=torch.long) for g in groups]
     parts = {k: t.split_by_trajectories(ids) for k, t in records.tables.items()}
-    return [CaptureRecords({k: tables[i] for k, tables in parts.items()}) for i in range(len(groups))]
+    for _ in groups:
+        yield CaptureRecords({k: next(tables) for k, tables in parts.items()})
 
 
 def step_prefix(prefix: str, rl_step: int) -> str:
     return f"{prefix.strip('/')}/step-{rl_step:06d}"
 
 
-def write_step(
-    store,
-    records: CaptureRecords,
-    *,
-    rl_step: int,
-    policy_version: int,
-    top_k: int,
-    prefix: str = "guidance",
-    trajectories_per_shard: int = 64,
-    run_id: str = "",
-    policy: str = "",
-    syndrome: dict | None = None,
-) -> dict:
-    """Write a step's shards, then its manifest (last); returns the manifest. A
-    step written before (a retried task's) loses its manifest first: while the
-    shards are rewritten the step does not exist, rather than fail its checksums.
+class StepWriter:
+    """A step written as its records come: each part's shards at once (of
+    ``trajectories_per_shard`` trajectories), the manifest last, by
+    :meth:`close`. The rollout adds each RL step's capture as it drains it,
+    and compaction each shard it reads, so that neither holds a round's
+    capture at once (at the paper's scale, terabytes). A step written before
+    (a retried task's) loses its manifest first: while the shards are
+    rewritten the step does not exist, rather than fail its checksums.
     ``run_id`` names the run that rolled the step out, so that another run's
     reader refuses it, and ``policy`` the policy folder it rolled out (its
-    manifest's sha256), so that a reader of another policy refuses it too.
-    ``syndrome`` (syndrome-coded tables): the rates chosen and the decode
-    statistics they were chosen from, carried in the manifest."""
-    base = step_prefix(prefix, rl_step)
-    store.delete(f"{base}/manifest.json")  # a retry's: its shards are overwritten below, so the step is gone
-    trajectories = sorted(_trajectory_ranges(records))
-    shards = []
-    groups = [trajectories[i : i + trajectories_per_shard] for i in range(0, len(trajectories), trajectories_per_shard)]
-    for part in _split(records, groups or [[]]):
-        data = encode_shard(part, rl_step=rl_step, policy_version=policy_version, top_k=top_k)
-        key = f"{base}/shard-{len(shards):05d}.bin"
-        store.put_bytes(key, data)
+    manifest's sha256), so that a reader of another policy refuses it too."""
+
+    def __init__(
+        self,
+        store,
+        *,
+        rl_step: int,
+        policy_version: int,
+        top_k: int,
+        prefix: str = "guidance",
+        trajectories_per_shard: int = 64,
+        run_id: str = "",
+        policy: str = "",
+    ):
+        self.store, self.base, self.per_shard = store, step_prefix(prefix, rl_step), trajectories_per_shard
+        self.header = {"rl_step": rl_step, "policy_version": policy_version, "top_k": top_k}
+        self.manifest = {"format_version": FORMAT_VERSION, "run_id": run_id, **self.header, "policy": policy}
+        self.shards: list[dict] = []
+        self.written: set[int] = set()  # the trajectories in the shards so far
+        self.empty: CaptureRecords | None = None  # the tables without rows, for a step of no trajectory
+        store.delete(f"{self.base}/manifest.json")  # a retry's: its shards are overwritten, so the step is gone
+
+    def add(self, records: CaptureRecords) -> None:
+        """Write the shards of ``records``: trajectories none before held, in the tables the step's first part had."""
+        if self.empty is None:
+            self.empty = next(_split(records, [[]]))
+        elif records.tables.keys() != self.empty.tables.keys():
+            raise GuidanceError(
+                f"{self.base}: a part of tables {sorted(records.tables)}, the step's are {sorted(self.empty.tables)}"
+            )
+        trajectories = sorted(_trajectory_ranges(records))
+        again = self.written.intersection(trajectories)
+        if again:
+            raise GuidanceError(f"{self.base}: trajectories {sorted(again)[:10]} are in a shard already")
+        self.written.update(trajectories)
+        for part in _split(
+            records, [trajectories[i : i + self.per_shard] for i in range(0, len(trajectories), self.per_shard)]
+        ):
+            self._put(part)
+
+    def _put(self, part: CaptureRecords) -> None:
+        data = encode_shard(part, **self.header)
+        key = f"{self.base}/shard-{len(self.shards):05d}.bin"
+        self.store.put_bytes(key, data)
         held = list(_trajectory_ranges(part))  # in the tables' order, as the shard's header lists them
-        shards.append(
+        self.shards.append(
             {"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "trajectories": held}
         )
-    tables = list(records.tables.values())
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "run_id": run_id,
-        "rl_step": rl_step,
-        "policy_version": policy_version,
-        "policy": policy,
-        "top_k": top_k,
-        "fmt": sorted({t.fmt for t in tables}),
-        "bits": sorted({t.bits for t in tables}),
-        "codec": sorted({"syndrome" if isinstance(t, SyndromeTable) else "bits" for t in tables}),
-        "layers": sorted({t.layer for t in tables}),
-        "sites": sorted({t.site for t in tables}),
-        "shards": shards,
-    }
-    if syndrome is not None:
-        manifest["syndrome"] = syndrome
-    manifest["sha256"] = _manifest_digest(manifest)
-    store.put_bytes(f"{base}/manifest.json", json.dumps(manifest, indent=1).encode())
-    return manifest
+
+    def close(self, syndrome: dict | None = None) -> dict:
+        """Write the manifest (last) and return it. ``syndrome`` (syndrome-coded
+        tables): the rates chosen and the decode statistics they were chosen
+        from, carried in the manifest."""
+        if self.empty is None:
+            raise GuidanceError(f"{self.base}: nothing was added to the step")
+        if not self.shards:  # a step of no trajectory: one shard of its tables, without rows
+            self._put(self.empty)
+        tables = list(self.empty.tables.values())
+        manifest = {
+            **self.manifest,
+            "fmt": sorted({t.fmt for t in tables}),
+            "bits": sorted({t.bits for t in tables}),
+            "codec": sorted({"syndrome" if isinstance(t, SyndromeTable) else "bits" for t in tables}),
+            "layers": sorted({t.layer for t in tables}),
+            "sites": sorted({t.site for t in tables}),
+            "shards": self.shards,
+        }
+        if syndrome is not None:
+            manifest["syndrome"] = syndrome
+        manifest["sha256"] = _manifest_digest(manifest)
+        self.store.put_bytes(f"{self.base}/manifest.json", json.dumps(manifest, indent=1).encode())
+        return manifest
+
+
+def write_step(store, records: CaptureRecords, *, syndrome: dict | None = None, **step) -> dict:
+    """A step of ``records`` written whole (:class:`StepWriter`, ``step`` its
+    arguments); returns the manifest."""
+    writer = StepWriter(store, **step)
+    writer.add(records)
+    return writer.close(syndrome)
 
 
 def merge_steps(store, rl_step: int, sources: list[str], prefix: str, expect: dict | None = None) -> dict:
@@ -479,14 +517,39 @@ def read_shard(store, manifest: dict, entry: dict) -> CaptureRecords:
     return records
 
 
+def iter_step(store, rl_step: int, prefix: str = "guidance", expect: dict | None = None) -> Iterator[CaptureRecords]:
+    """A step's shards, each verified, one at a time: what compaction reads, so
+    that it never holds a round's capture at once."""
+    manifest = read_manifest(store, rl_step, prefix, expect)
+    for entry in manifest["shards"]:
+        yield read_shard(store, manifest, entry)
+
+
 def read_step(store, rl_step: int, prefix: str = "guidance", expect: dict | None = None) -> CaptureRecords:
     """A whole step, every shard verified, as one set of tables."""
-    manifest = read_manifest(store, rl_step, prefix, expect)
-    parts: dict[tuple[int, str], list[SiteTable]] = {}
-    for entry in manifest["shards"]:
-        for key, table in read_shard(store, manifest, entry).tables.items():
-            parts.setdefault(key, []).append(table)
-    return CaptureRecords({key: type(tables[0]).concat(tables) for key, tables in parts.items()})
+    return CaptureRecords.concat(list(iter_step(store, rl_step, prefix, expect)))
+
+
+@dataclass
+class StepSize:
+    """A step's size, summed shard by shard as compaction reads or writes it:
+    the guidance kept (bytes, elements, tables), and what a full 4-bit capture
+    of ``sites`` would hold of the same rows (:func:`full_capture_bytes`; None
+    when the step has no table of one of them)."""
+
+    sites: list[str]
+    guidance_bytes: int = 0
+    elements: int = 0
+    full_bytes: int | None = 0
+    tables: set = field(default_factory=set)
+
+    def add(self, kept: CaptureRecords, rows: CaptureRecords) -> None:
+        """A shard's guidance ``kept``, its rows told by ``rows`` (the capture it was made from, or itself)."""
+        self.guidance_bytes += kept.nbytes
+        self.elements += sum(len(t.traj) * t.width for t in kept.tables.values())
+        self.tables |= kept.tables.keys()
+        full = full_capture_bytes(rows, self.sites)
+        self.full_bytes = None if full is None or self.full_bytes is None else self.full_bytes + full
 
 
 # -- the artifact compaction hands to training ------------------------------------

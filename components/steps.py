@@ -46,15 +46,16 @@ from .export import export
 from .guidance import (
     GuidanceError,
     GuidanceRef,
+    StepSize,
+    StepWriter,
     compact,
     compaction_report,
     encode_scales,
-    full_capture_bytes,
+    iter_step,
     merge_steps,
     read_step,
     select_layers,
     step_prefix,
-    write_step,
 )
 from .mismatch import teacher_force
 from .model import build_model, get_preset
@@ -425,27 +426,10 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
     chosen = training_problems(config, round_index, steps * config.rollout.prompts_per_step)
     batch = [p for p in chosen for _ in range(config.rollout.group_size)]
     engine = _engine(config, policy, capture=_captures(config), device=device)
-    per_step = len(batch) // steps
-    trajectories, mine = [], []
-    start = time.perf_counter()
-    for s in range(steps):  # one RL step's batch (this worker's share of it) per generate call
-        lo, hi = s * per_step + per_step * worker // workers, s * per_step + per_step * (worker + 1) // workers
-        params = sampling(config, config.seed + round_index * steps + s, tokenizer)
-        prompts = encode_prompts(config, tokenizer, batch[lo:hi])
-        trajectories += engine.generate(prompts, params, first=lo, place=lo - s * per_step)
-        mine += batch[lo:hi]
-    records = engine.drain_capture() if engine.capture is not None else None  # the drain is part of the rollout
-    stats = {f"rollout_{key}": value for key, value in throughput(trajectories, time.perf_counter() - start).items()}
-    stats.update(capture_overhead_ratio=None, offload_seconds=None, upload_seconds=None)
-    if records is not None:
-        seconds = engine.capture.seconds
-        stats.update(
-            capture_overhead_ratio=seconds["capture"] / stats["rollout_seconds"], offload_seconds=seconds["offload"]
-        )
-        start = time.perf_counter()
-        write_step(
+    writer = None
+    if engine.capture is not None:
+        writer = StepWriter(
             _store(config),
-            records,
             rl_step=round_index,
             policy_version=version,
             top_k=engine.model.cfg.top_k,
@@ -454,7 +438,32 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
             run_id=run_id,
             policy=digest,
         )
-        stats["upload_seconds"] = time.perf_counter() - start
+    per_step = len(batch) // steps
+    trajectories, mine = [], []
+    start, upload_s = time.perf_counter(), 0.0
+    for s in range(steps):  # one RL step's batch (this worker's share of it) per generate call
+        lo, hi = s * per_step + per_step * worker // workers, s * per_step + per_step * (worker + 1) // workers
+        params = sampling(config, config.seed + round_index * steps + s, tokenizer)
+        prompts = encode_prompts(config, tokenizer, batch[lo:hi])
+        trajectories += engine.generate(prompts, params, first=lo, place=lo - s * per_step)
+        mine += batch[lo:hi]
+        if writer is not None:  # each RL step's capture to the store as it is drained, not a round's held at once
+            records = engine.drain_capture()  # the drain is part of the rollout
+            uploading = time.perf_counter()
+            writer.add(records)
+            del records
+            upload_s += time.perf_counter() - uploading
+    elapsed = time.perf_counter() - start - upload_s
+    stats = {f"rollout_{key}": value for key, value in throughput(trajectories, elapsed).items()}
+    stats.update(capture_overhead_ratio=None, offload_seconds=None, upload_seconds=None)
+    if writer is not None:
+        seconds = engine.capture.seconds
+        stats.update(
+            capture_overhead_ratio=seconds["capture"] / stats["rollout_seconds"], offload_seconds=seconds["offload"]
+        )
+        uploading = time.perf_counter()
+        writer.close()
+        stats["upload_seconds"] = upload_s + time.perf_counter() - uploading
     header = {
         "run_id": run_id,
         "round": round_index,
@@ -615,21 +624,15 @@ def compaction(
     prefix = store_prefix(config, run_id, "guidance")
     cfg = read_config(policy)
     fp4_sites = [site for layer in ref.quant.fp4_layers(cfg) for site in ref.quant.fp4_sites(cfg, layer)]
-    full = None
+    size = StepSize(fp4_sites)  # against a full capture of every FP4 layer, whichever codec and compaction
     if config.guidance.codec == "syndrome":
-        kept = _syndrome_step(config, store, round_index, header, run_id)
-    elif _inline(config):
-        kept = read_step(store, round_index, prefix, expect)
-    else:
-        full = read_step(store, round_index, store_prefix(config, run_id, "capture"), expect)
-        kept = compact(
-            full,
-            config.guidance.bits,
-            select_layers(config.guidance.layers, sorted({layer for layer, _ in full.tables})),
-        )
-        write_step(
+        _syndrome_step(config, store, round_index, header, run_id, size)
+    elif _inline(config):  # each shard the rollout wrote, verified
+        for kept in iter_step(store, round_index, prefix, expect):
+            size.add(kept, kept)
+    else:  # shard by shard: a round's full capture is never held at once
+        writer = StepWriter(
             store,
-            kept,
             rl_step=round_index,
             policy_version=header["policy_version"],
             top_k=header["top_k"],
@@ -638,23 +641,30 @@ def compaction(
             run_id=run_id,
             policy=header["policy"],
         )
-        sample = trajectories[: config.rl.microbatch_size]
-        training = teacher_force(_engine(config, policy, capture=False, device=device), sample, keep_inputs=True)
+        sample = trajectories[: config.rl.microbatch_size]  # the compaction's fidelity is measured on these
         ids = torch.tensor([t.id for t in sample])
-        report = compaction_report(_restrict(full, ids), _restrict(kept, ids), training)
-        stats.update(capture_bytes=full.nbytes, compaction_fidelity=report.total["fidelity"])
-    # against a full capture of every FP4 layer, whichever codec and compaction made the guidance
-    full_bytes = full_capture_bytes(full or kept, fp4_sites)
-    elements = sum(len(t.traj) * t.width for t in kept.tables.values())
-    layers = sorted({layer for layer, _ in kept.tables})
+        layers, sampled, captured = None, [], 0
+        for full in iter_step(store, round_index, store_prefix(config, run_id, "capture"), expect):
+            layers = layers or select_layers(config.guidance.layers, sorted({layer for layer, _ in full.tables}))
+            kept = compact(full, config.guidance.bits, layers)
+            writer.add(kept)
+            size.add(kept, full)
+            captured += full.nbytes
+            sampled.append((_restrict(full, ids), _restrict(kept, ids)))
+        writer.close()
+        training = teacher_force(_engine(config, policy, capture=False, device=device), sample, keep_inputs=True)
+        full_sample, kept_sample = (CaptureRecords.concat(list(parts)) for parts in zip(*sampled))
+        report = compaction_report(full_sample, kept_sample, training)
+        stats.update(capture_bytes=captured, compaction_fidelity=report.total["fidelity"])
+    layers = sorted({layer for layer, _ in size.tables})
     stats.update(
         layers=layers,
-        guidance_bytes=kept.nbytes,
-        guidance_bits_per_element=8 * kept.nbytes / elements if elements else None,
-        compaction_ratio=kept.nbytes / full_bytes if full_bytes else None,
+        guidance_bytes=size.guidance_bytes,
+        guidance_bits_per_element=8 * size.guidance_bytes / size.elements if size.elements else None,
+        compaction_ratio=size.guidance_bytes / size.full_bytes if size.full_bytes else None,
         compaction_seconds=time.perf_counter() - start,
     )
-    sites = tuple(sorted({site for _, site in kept.tables}))
+    sites = tuple(sorted({site for _, site in size.tables}))
     guided = replace(
         ref,
         store_uri=config.store.uri,
@@ -692,22 +702,15 @@ def syndrome_coded(config: RunConfig, captured: CaptureRecords, previous: dict |
     return CaptureRecords({key: encode_table(t, rates[key]) for key, t in kept.items()}), rates
 
 
-def _syndrome_step(config: RunConfig, store, round_index: int, header: dict, run_id: str) -> CaptureRecords:
+def _syndrome_step(config: RunConfig, store, round_index: int, header: dict, run_id: str, size: StepSize) -> None:
     """Encode the round's capture (inline: R-1 of the selected layers; offline:
     full) with the syndrome codec at rates chosen from the previous round's
-    decode statistics, and write it as the round's guidance; the rates and the
-    statistics they came from go into the manifest."""
-    captured = read_step(store, round_index, store_prefix(config, run_id, "capture"), rolled_out_by(header))
+    decode statistics, shard by shard, and write it as the round's guidance;
+    the rates and the statistics they came from go into the manifest. Each
+    coded shard is added to ``size``."""
     previous = read_decode_stats(store, store_prefix(config, run_id, "guidance"), round_index - 1)
-    coded, rates = syndrome_coded(config, captured, previous)
-    syndrome = {
-        "rates": {f"{layer}/{site}": [r.code_bits, r.scale_bits] for (layer, site), r in sorted(rates.items())},
-        "first_rate": config.guidance.syndrome_rate,
-        "previous_decode": previous,
-    }
-    write_step(
+    writer = StepWriter(
         store,
-        coded,
         rl_step=round_index,
         policy_version=header["policy_version"],
         top_k=header["top_k"],
@@ -715,9 +718,18 @@ def _syndrome_step(config: RunConfig, store, round_index: int, header: dict, run
         trajectories_per_shard=config.guidance.trajectories_per_shard,
         run_id=run_id,
         policy=header["policy"],
-        syndrome=syndrome,
     )
-    return coded
+    for captured in iter_step(store, round_index, store_prefix(config, run_id, "capture"), rolled_out_by(header)):
+        coded, rates = syndrome_coded(config, captured, previous)  # a site's rate: its layout's and the previous step's
+        writer.add(coded)
+        size.add(coded, coded)
+    writer.close(
+        {
+            "rates": {f"{layer}/{site}": [r.code_bits, r.scale_bits] for (layer, site), r in sorted(rates.items())},
+            "first_rate": config.guidance.syndrome_rate,
+            "previous_decode": previous,
+        }
+    )
 
 
 def write_decode_stats(store, prefix: str, rl_step: int, stats: dict) -> None:

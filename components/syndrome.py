@@ -23,6 +23,7 @@ configured rate.
 """
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
@@ -191,12 +192,13 @@ class SyndromeTable:
 
     def for_trajectories(self, ids: Tensor) -> "SyndromeTable":
         """The rows and blocks of trajectories ``ids`` (a block never spans two)."""
-        return self.split_by_trajectories([ids])[0]
+        return next(self.split_by_trajectories([ids]))
 
-    def split_by_trajectories(self, groups: list[Tensor]) -> list["SyndromeTable"]:
-        """The table cut into one per group of trajectory ids (:func:`~.capture.rows_of_groups`)."""
+    def split_by_trajectories(self, groups: list[Tensor]) -> Iterator["SyndromeTable"]:
+        """The table cut into one per group of trajectory ids (:func:`~.capture.rows_of_groups`),
+        each made as it is asked for."""
         block, _ = self.block_of_rows()
-        return [self._rows(rows, block) for rows in rows_of_groups(self.traj, groups)]
+        return (self._rows(rows, block) for rows in rows_of_groups(self.traj, groups))
 
     def _rows(self, rows: Tensor, block: Tensor) -> "SyndromeTable":
         """The table of ``rows`` (indices, in order) and of the blocks holding them."""

@@ -168,6 +168,38 @@ def apply(config_json: str, values: dict) -> str:
     return config.model_dump_json()
 
 
+def apply_to_methods(config_json: str, values: dict, methods: list[str]) -> str:
+    """:func:`apply` for each method of a comparison, so that a value some
+    branch would refuse stops the run before any branch trains, naming that
+    branch; the first method's config, which the comparison's report reads."""
+    configs = []
+    for method in methods:
+        try:
+            configs.append(apply(config_json, {**values, "method": method}))
+        except ConfigError as e:
+            raise ConfigError(e.problems, f"the comparison's branch of method {method}") from None
+    return configs[0]
+
+
+def reached(config_json: str) -> str:
+    """``config_json`` once what the run's steps will reach has answered: the
+    store (its endpoint, credentials and bucket) and, where the ranks train in
+    a TrainJob, the Kubernetes API taking one of these settings
+    (:func:`~tracefp4.pipelines.trainjob.dry_run`). The pipeline's first task
+    asks, on a cluster with the steps' own secrets and service account: else
+    a typo in the store shows in the first GPU step, and a TrainJob's in
+    round 0's train step, after the rollout."""
+    from tracefp4.components.store import open_store
+
+    config = RunConfig.model_validate_json(config_json)
+    open_store(config.store.uri, create_bucket=config.store.create_bucket)
+    if config.train.in_trainjob:
+        from tracefp4.pipelines.trainjob import dry_run
+
+        dry_run(config)
+    return config_json
+
+
 def check_servable(config: RunConfig) -> None:
     """The pipeline ends by exporting the policy as its rollout served it: a
     rollout that no serving format expresses is refused before any work, when
@@ -182,20 +214,27 @@ def check_servable(config: RunConfig) -> None:
         raise ConfigError([(field, f"{reason}; the pipeline ends with that export")]) from None
 
 
-def configure_function(params: list[Parameter]):
+def configure_function(params: list[Parameter], methods: list[str] | None = None, reach: bool = True):
     """The ``configure`` component's function: the compiled config and one
-    typed input per parameter, returning the validated config JSON.
+    typed input per parameter, returning the validated config JSON (with
+    ``methods``, a comparison's: validated for each, :func:`apply_to_methods`),
+    with ``reach`` once the store and the Kubernetes API answer (:func:`reached`).
 
     KFP builds a lightweight component from a function's source, and the
     inputs differ per schema, so the source is generated here and registered
     with :mod:`linecache`, which is where :func:`inspect.getsource` reads it."""
     names = [p.name for p in params]
     signature = ", ".join(f"{p.name}: {p.annotation.__name__}" for p in params)
+    values = f"{{{', '.join(f'{n!r}: {n}' for n in names)}}}"
+    call = (
+        f"apply(config_json, {values})" if methods is None else f"apply_to_methods(config_json, {values}, {methods!r})"
+    )
+    functions = [call.partition("(")[0]] + (["reached"] if reach else [])
     source = (
         f"def configure(config_json: str, {signature}) -> str:\n"
         '    """The run config: the compiled one with the run\'s parameters, validated."""\n'
-        "    from tracefp4.pipelines.parameters import apply\n\n"
-        f"    return apply(config_json, {{{', '.join(f'{n!r}: {n}' for n in names)}}})\n"
+        f"    from tracefp4.pipelines.parameters import {', '.join(functions)}\n\n"
+        f"    return {f'reached({call})' if reach else call}\n"
     )
     filename = f"<tracefp4 configure {abs(hash(source)):x}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(keepends=True), filename)

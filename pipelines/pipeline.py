@@ -58,7 +58,9 @@ def version_name(documents: list[dict]) -> str:
 
 
 # A task's role decides its resources and retries.
-# - COMPUTE: the model on the device (prepare, rollout, compaction, train, evaluate, export): all of `resources`.
+# - COMPUTE: the model on the device (prepare, rollout, compaction, train, evaluate, export): all of `resources`, but
+#   one GPU: a step computes on one device, save a train step whose torchrun runs its ranks in the pod, which gets
+#   `resources.gpus` (a training node's).
 # - HOST: moves a round's data, computes nothing on the device (gather; train when its ranks run in a TrainJob):
 #   `resources` without the GPUs, which the TrainJob's ranks would otherwise wait for, and with `host_cpu` and
 #   `host_memory` where set (on a node the ranks share, a step's full share could keep a rank from scheduling).
@@ -73,7 +75,10 @@ CONTROL_CPU, CONTROL_MEMORY = "1", "2Gi"
 KFP_TOKEN_LABEL = "tracefp4-kfp-api-token"
 
 
-def _configure(task, config: RunConfig, retries: bool, role: str = COMPUTE):
+def _configure(task, config: RunConfig, retries: bool, role: str = COMPUTE, node: bool = False):
+    """``task`` given its ``role``'s resources and retries, the config's node
+    placement and the store's credentials; ``node``: the task is a training
+    node (all of ``resources.gpus``), not a step on one device."""
     r = config.resources
     cpu, memory = {
         CONTROL: (CONTROL_CPU, CONTROL_MEMORY),
@@ -84,7 +89,7 @@ def _configure(task, config: RunConfig, retries: bool, role: str = COMPUTE):
     if retries and role != CONTROL:  # Argo retries any failure: a pod evicted, a node lost, but also an error
         task.set_retry(num_retries=2, backoff_duration="30s", backoff_factor=2.0)
     if r.gpus and role == COMPUTE:
-        task.set_accelerator_type(r.accelerator_type).set_accelerator_limit(r.gpus)
+        task.set_accelerator_type(r.accelerator_type).set_accelerator_limit(r.gpus if node else 1)
     if r.node_selector:
         for label, value in r.node_selector.items():
             kubernetes.add_node_selector(task, label_key=label, label_value=value)
@@ -115,7 +120,7 @@ def fixed_fields(config: RunConfig, methods: list[str] | None = None) -> str:
         f"rollout workers {config.rollout.workers}",
         f"image {config.image}",
         f"store {config.store.uri}",
-        f"resources cpu {r.cpu}, memory {r.memory}, gpus {r.gpus}",
+        f"resources cpu {r.cpu}, memory {r.memory}, gpus {r.gpus} a training node",
         f"training {config.train.nodes} x {config.train.processes_per_node} processes by {config.train.launcher}",
     ]
     if methods:
@@ -123,9 +128,12 @@ def fixed_fields(config: RunConfig, methods: list[str] | None = None) -> str:
     return "Fixed at compile time: " + "; ".join(fixed) + "."
 
 
-def _configure_component(config: RunConfig, params: list):
-    """The ``configure`` task's component for these parameters (its first input: the compiled config)."""
-    return dsl.component(base_image=config.image, install_kfp_package=False)(run_parameters.configure_function(params))
+def _configure_component(config: RunConfig, params: list, methods: list[str] | None = None, reach: bool = True):
+    """The ``configure`` task's component for these parameters (its first input: the compiled config), a
+    comparison's with its ``methods``; ``reach``: the task asks the store and the Kubernetes API first
+    (a comparison's branches leave that to the task they wait for)."""
+    function = run_parameters.configure_function(params, methods, reach)
+    return dsl.component(base_image=config.image, install_kfp_package=False)(function)
 
 
 def _typed_pipeline(body, config: RunConfig, params: list, name: str, summary: str):
@@ -154,7 +162,7 @@ def build_pipeline(config: RunConfig, retries: bool = True):
     fields typed parameters with its values as defaults; ``run_id`` empty means KFP's job id."""
     run_parameters.check_servable(config)
     c = make_components(config.image)
-    configure = lambda task, role=COMPUTE: _configure(task, config, retries, role)  # noqa: E731
+    configure = lambda task, role=COMPUTE, node=False: _configure(task, config, retries, role, node)  # noqa: E731
     params = run_parameters.parameters()
     configure_op = _configure_component(config, params)
 
@@ -196,6 +204,7 @@ def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
                 previous=history,
             ),
             HOST if config.train.in_trainjob else COMPUTE,
+            node=config.train.launcher == "torchrun" and config.train.world_size > 1,
         )
         if config.train.launcher == "torchrun" and config.train.world_size > 1:  # its processes share the pod
             kubernetes.empty_dir_mount(step, volume_name="dshm", mount_path="/dev/shm", medium="Memory")
@@ -304,25 +313,25 @@ def build_comparison_pipeline(config: RunConfig, methods: list[str], retries: bo
         )
         raise ConfigError([("rl.rounds_per_run", reason)])
     run_parameters.check_servable(config)
-    for method in methods:  # what each branch's configure task checks when it runs, refused before any work
-        try:
-            run_parameters.apply(config.model_dump_json(), {"method": method})
-        except ConfigError as e:
-            raise ConfigError(e.problems, f"the comparison's branch of method {method}") from None
+    run_parameters.apply_to_methods(config.model_dump_json(), {}, methods)  # what the run's configure checks
     c = make_components(config.image)
-    configure = lambda task, role=COMPUTE: _configure(task, config, retries, role)  # noqa: E731
+    configure = lambda task, role=COMPUTE, node=False: _configure(task, config, retries, role, node)  # noqa: E731
     params = run_parameters.parameters(comparison=True)
     method_param = next(p for p in run_parameters.parameters() if p.name == "method")
-    configure_op = _configure_component(config, params)
-    configure_branch_op = _configure_component(config, params + [method_param])
+    configure_op = _configure_component(config, params, methods)
+    configure_branch_op = _configure_component(config, params + [method_param], reach=False)
     compiled = config.model_dump_json()
 
     def body(values, run_id):
+        # the run's values checked for every method before any branch starts: a value one branch refuses
+        # would otherwise fail it while the others train on, and no comparison come out
+        checked = configure(configure_op(config_json=compiled, **values), CONTROL)
         with dsl.ParallelFor(methods) as method:
-            branch = configure(configure_branch_op(config_json=compiled, method=method, **values), CONTROL).output
+            branch = configure(configure_branch_op(config_json=compiled, method=method, **values), CONTROL)
+            branch = branch.after(checked).output
             history, evaluation = _train_and_evaluate(c, configure, config, branch, run_id)
             configure(c.report(config_json=branch, history=history, evaluation=evaluation), CONTROL)  # its own
-        config_json = configure(configure_op(config_json=compiled, **values), CONTROL).output
+        config_json = checked.output
         evaluations, histories = dsl.Collected(evaluation), dsl.Collected(history)
         rep = configure(c.compare(config_json=config_json, evaluations=evaluations, histories=histories), CONTROL)
         return rep.outputs["markdown"]

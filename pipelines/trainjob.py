@@ -217,6 +217,29 @@ def trainjob(config: RunConfig, name: str, namespace: str, args: list[str], inpu
     return job.to_dict()
 
 
+def dry_run(config: RunConfig, api: client.ApiClient | None = None, namespace: str | None = None) -> None:
+    """Ask the API server to create a TrainJob of this run's settings without
+    creating it (``dryRun=All``): the server checks this pod's right to create
+    one, the Trainer's webhook its runtime and fields. The pipeline's first
+    task runs it, so that a misspelt runtime or a missing RBAC rule fails the
+    run before any step holds a GPU, not round 0's train step after its
+    rollout. Raises :class:`DistributedError` with the server's reason."""
+    api, namespace = api or in_cluster_api(), namespace or _namespace()
+    name = trainjob_name(config, "dry-run", config.rl.run_rounds().start)
+    body = trainjob(config, name, namespace, [], b"")
+    try:
+        client.CustomObjectsApi(api).create_namespaced_custom_object(
+            GROUP, VERSION, namespace, PLURAL, body, dry_run="All"
+        )
+    except ApiException as e:
+        raise DistributedError(
+            f"the Kubernetes API refused a TrainJob of this run's settings in {namespace} (asked before any step "
+            f"runs, without creating it): {_reason(e)}"
+        ) from None
+    except urllib3.exceptions.HTTPError as e:
+        raise DistributedError(f"the Kubernetes API did not answer a TrainJob's dry run: {e}") from None
+
+
 class TrainJobRun:
     """One round's TrainJob: upload the inputs, create, watch, fetch the outputs, delete."""
 

@@ -664,7 +664,13 @@ class ResourcesConfig(_Section):
         pattern=K8S_MEMORY,
         description="Memory of those steps (gather holds a round's trajectories). None: memory.",
     )
-    gpus: int = Field(default=0, ge=0, le=64, description="Accelerators per step.")
+    gpus: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="Accelerators of a training node: the train step's pod when its torchrun runs several "
+        "processes there, or each TrainJob node. Every other step computes on one device and requests one.",
+    )
     accelerator_type: str | None = Field(
         default=None,
         pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_./]{0,251}[A-Za-z0-9])?$",
@@ -777,6 +783,12 @@ class RunConfig(_Section):
         ]
         problems += self._train_problems()
         problems += self._continuation_problems()
+        device, _, index = self.resources.device.partition(":")
+        if self.resources.gpus and device == "cuda" and index and int(index) > 0:
+            problems.append(
+                f"resources.device: {self.resources.device}, but a step's pod is given one GPU, which it sees as "
+                "cuda:0: use cuda or auto"
+            )
         per_step = self.rollout.prompts_per_step * self.rollout.group_size
         if self.rollout.workers > per_step:
             problems.append(

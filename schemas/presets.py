@@ -128,7 +128,7 @@ def _paper(name: str, fmt: str, config: str) -> RunConfig:
                 "memory": "512Gi",
                 "host_cpu": "8",  # gather and the TrainJob launcher, which must leave the ranks room on a tray
                 "host_memory": "128Gi",  # gather holds a round of 16,384 trajectories: ~100 B per token
-                "gpus": 4,  # one GB200 compute tray: a step's pod, or a TrainJob node
+                "gpus": 4,  # a TrainJob node: one GB200 compute tray; every other step computes on one GPU
                 "accelerator_type": "nvidia.com/gpu",
                 "node_selector": {"nvidia.com/gpu.product": "NVIDIA-GB200"},
                 "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],

@@ -43,6 +43,17 @@ def test_the_schema_takes_device_names_only(tmp_path):
     assert get_preset("smoke").resources.device == "auto"
 
 
+def test_a_cluster_step_on_a_device_past_its_one_gpu_is_refused(tmp_path):
+    """On a cluster a step's pod is given one GPU, which it sees as cuda:0 (a
+    training node's pod gets resources.gpus, its ranks on cuda:LOCAL_RANK)."""
+    data = smoke(tmp_path, "cuda:1").model_dump()
+    data["resources"].update(gpus=4, accelerator_type="nvidia.com/gpu")
+    with pytest.raises(pydantic.ValidationError, match="resources.device: cuda:1, but a step's pod is given one GPU"):
+        RunConfig.model_validate(data)
+    data["resources"]["device"] = "cuda:0"
+    RunConfig.model_validate(data)
+
+
 def test_resolve():
     assert device.resolve("cpu") == torch.device("cpu")
     auto = device.resolve("auto")

@@ -11,16 +11,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tracefp4.components.capture import CaptureConfig
+from tracefp4.components.capture import CaptureConfig, CaptureRecords
 from tracefp4.components.guidance import (
     GuidanceError,
     GuidanceLoader,
+    StepWriter,
     _manifest_digest,
     compact,
     compaction_report,
     decode_shard,
     encode_shard,
     read_manifest,
+    read_step,
     select_layers,
     write_step,
 )
@@ -93,6 +95,27 @@ def test_step_round_trip_through_the_loader(captured, tmp_path):
             assert_same_tables(type(records)({key: records.tables[key].select(expected)}), type(records)({key: table}))
         g = mb.guidance(0, "moe_in")
         assert g.shape[0] == sum(len(t.tokens) - 1 for t in out if t.id in mb.trajectories)
+
+
+def test_a_step_written_part_by_part_reads_back_as_one_written_whole(captured, tmp_path):
+    """The rollout adds each RL step's capture as it drains it, compaction each
+    shard it reads (StepWriter): the step is the one written whole, and a part
+    that repeats a trajectory, or holds other tables, is refused."""
+    engine, out, records = captured
+    ids = sorted(t.id for t in out)
+    first, second = ([ids[:3]], [ids[3:]])
+    store = open_store(str(tmp_path))
+    writer = StepWriter(store, rl_step=0, policy_version=0, top_k=2, trajectories_per_shard=2)
+    for part in (first, second):
+        writer.add(CaptureRecords({k: t.for_trajectories(torch.tensor(part[0])) for k, t in records.tables.items()}))
+    manifest = writer.close()
+    assert [e["trajectories"] for e in manifest["shards"]] == [ids[0:2], ids[2:3], ids[3:5], ids[5:6]]
+    assert_same_tables(records, read_step(store, 0))
+    with pytest.raises(GuidanceError, match=rf"trajectories \[{ids[2]}\] are in a shard already"):
+        writer.add(CaptureRecords({k: t.for_trajectories(torch.tensor(ids[2:3])) for k, t in records.tables.items()}))
+    one_table = dict(list(records.tables.items())[:1])
+    with pytest.raises(GuidanceError, match="a part of tables"):
+        writer.add(CaptureRecords({k: t.for_trajectories(torch.tensor(ids[:1])) for k, t in one_table.items()}))
 
 
 def test_offline_compaction_equals_inline_capture(captured):

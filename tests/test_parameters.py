@@ -11,10 +11,11 @@ import pytest
 import yaml
 
 from tracefp4.components.checkpoint import fetch
+from tracefp4.components.store import StoreError
 from tracefp4.components.trainer_state import read_meta
-from tracefp4.pipelines.parameters import apply, defaults, parameters
+from tracefp4.pipelines.parameters import apply, configure_function, defaults, parameters, reached
 from tracefp4.pipelines.pipeline import build_pipeline, compile_pipeline
-from tracefp4.schemas import ConfigError, get_preset, load_config
+from tracefp4.schemas import ConfigError, RunConfig, get_preset, load_config
 
 GOLDEN = Path(__file__).parent / "golden" / "smoke-inputs.json"
 REGENERATE = "TRACEFP4_REGENERATE_GOLDEN=1 python -m pytest tests/test_parameters.py -k golden"
@@ -45,6 +46,34 @@ def test_inputs_are_typed_with_the_presets_defaults_and_the_fields_descriptions(
     for fixed in ("rl_rounds", "image", "resources_cpu", "store_uri", "name", "config_json", "train_launcher"):
         assert fixed not in inputs  # shapes the DAG or the pods: compiled in
     assert "method" not in compiled_inputs(tmp_path, ["trace", "qat"])  # a comparison's branches set it
+
+
+def test_a_comparisons_first_task_checks_the_run_values_for_every_method(tmp_path):
+    """A value some branch refuses stops the comparison in its first task, naming
+    that branch, before any branch trains; every branch waits for that task."""
+    config, params = get_preset("smoke"), parameters(comparison=True)
+    config.store.uri = (tmp_path / "store").as_uri()  # which the task opens, as every step will
+    configure = configure_function(params, ["bf16", "qat"])
+    values = defaults(config, params)
+    json.loads(configure(config.model_dump_json(), **values))
+    with pytest.raises(ConfigError, match="the comparison's branch of method qat(.|\n)*method: qat trains against"):
+        configure(config.model_dump_json(), **{**values, "rollout_config": "bf16"})
+    spec = next(yaml.safe_load_all(open(compile_pipeline(config, tmp_path / "p.yaml", ["bf16", "qat"]))))
+    loop = next(name for name in spec["root"]["dag"]["tasks"] if name.startswith("for-loop"))
+    assert spec["root"]["dag"]["tasks"][loop]["dependentTasks"] == ["configure"]
+
+
+def test_the_first_task_finds_a_store_the_steps_cannot_reach(s3_env):
+    """configure opens the store as every step will (a local run does before it
+    starts): a missing bucket fails the run's first task, not its first GPU step."""
+    data = get_preset("smoke").model_dump()
+    data["store"]["uri"] = "s3://no-such-bucket/runs"
+    config_json = RunConfig.model_validate(data).model_dump_json()
+    with pytest.raises(StoreError, match="no-such-bucket"):
+        reached(config_json)
+    data["store"]["create_bucket"] = True
+    config_json = RunConfig.model_validate(data).model_dump_json()
+    assert reached(config_json) == config_json
 
 
 def test_a_dag_shaping_field_cannot_be_set_at_run_time():

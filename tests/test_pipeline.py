@@ -213,6 +213,8 @@ def test_only_steps_that_run_the_model_hold_gpus(tmp_path):
     assert set(tasks) == compute | host | control
     for name, (resources, retried) in tasks.items():
         assert ("accelerator" in resources) == (name in compute), name
+        if name in compute:  # each computes on one device: resources.gpus is a training node's
+            assert resources["accelerator"]["count"] == "1", name
         cpu, memory = ("1", "2Gi") if name in control else ("2", "16Gi") if name in host else ("8", "64Gi")
         assert (resources["resourceCpuLimit"], resources["resourceMemoryLimit"]) == (cpu, memory), name
         assert retried == (name not in control), name
@@ -229,11 +231,11 @@ def test_only_steps_that_run_the_model_hold_gpus(tmp_path):
     assert "accelerator" not in compared["compare"][0] and not compared["compare"][1]
     config.train.nodes = 1  # one process trains in the train step itself, on its GPU, whatever the launcher
     train, _ = _leaf_tasks(next(yaml.safe_load_all(open(compile_pipeline(config, tmp_path / "one.yaml")))))["train"]
-    assert train["accelerator"]["count"] == "2" and train["resourceMemoryLimit"] == "64Gi"
+    assert train["accelerator"]["count"] == "1" and train["resourceMemoryLimit"] == "64Gi"
     config.train.launcher, config.train.nodes, config.train.processes_per_node = "torchrun", 1, 2  # in its own pod
     spec, platform = yaml.safe_load_all(open(compile_pipeline(config, tmp_path / "torchrun.yaml")))
     train, _ = _leaf_tasks(spec)["train"]
-    assert train["accelerator"]["count"] == "2" and train["resourceMemoryLimit"] == "64Gi"  # it computes
+    assert train["accelerator"]["count"] == "2" and train["resourceMemoryLimit"] == "64Gi"  # a training node
     # and a memory-backed /dev/shm for NCCL between them, larger than a container's 64 MiB
     executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
     mounts = {label: e.get("emptyDirMounts", []) for label, e in executors.items()}

@@ -105,6 +105,26 @@ def test_a_worker_rolls_out_at_most_max_running_requests_at_once(tmp_path, polic
     assert prefilled == [4, 2, 4, 2]
 
 
+def test_the_rollout_writes_each_rl_steps_capture_as_it_drains_it(tmp_path, policy, monkeypatch):
+    """Not a round's capture held at once (at the paper's scale, terabytes on
+    the host): each RL step's goes to the store after its generate call, and
+    offline compaction reads and writes the round shard by shard."""
+    added, add = [], steps.StepWriter.add
+    monkeypatch.setattr(
+        steps.StepWriter, "add", lambda self, records: added.append(_trajectories(records)) or add(self, records)
+    )
+    c = config(tmp_path, 1, compaction="offline")
+    steps.rollout(c, policy, 0, tmp_path / "one.jsonl", RUN)
+    assert added == [list(range(6)), list(range(6, 12))]  # steps_per_round 2, 6 responses each
+    added.clear()
+    steps.compaction(c, policy, tmp_path / "one.jsonl", 0, RUN)
+    assert c.guidance.trajectories_per_shard == 2 and added == [[i, i + 1] for i in range(0, 12, 2)]  # shard by shard
+
+
+def _trajectories(records) -> list[int]:
+    return sorted({t for table in records.tables.values() for t in table.traj.tolist()})
+
+
 class Prefilled(Exception):
     """Raised at an evaluation engine's first prefill, with its size: the evaluation stops there."""
 

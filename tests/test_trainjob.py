@@ -233,10 +233,12 @@ class FakeKubernetes:
         pods=None,
         unavailable_gets=0,
         failing_deletes=(),
+        create_refusal=None,
     ):
         self.script, self.on_complete, self.on_get, self.deletes_hang = script, on_complete, on_get, deletes_hang
         self.unavailable_gets = unavailable_gets  # the first gets of the job answer 503 (the API server restarting)
         self.failing_deletes = list(failing_deletes)  # the first deletes' answers (503, 403), the last one repeated
+        self.create_refusal = create_refusal  # (code, message) every create answers: a webhook's or RBAC's refusal
         self.pods: dict[str, tuple[dict, str]] = pods or {}  # the job's rank pods: name -> (status, log)
         self.calls: list[tuple[str, str]] = []
         self.jobs: dict[str, dict] = {}
@@ -268,9 +270,13 @@ class FakeKubernetes:
                     return self._answer(404, {"message": "not found"})
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 name = body["metadata"]["name"]
+                if fake.create_refusal:
+                    code, message = fake.create_refusal
+                    return self._answer(code, {"kind": "Status", "message": message})
                 if name in fake.jobs:
                     return self._answer(409, {"kind": "Status", "message": f'trainjobs "{name}" already exists'})
-                fake.jobs[name] = body
+                if "dryRun=All" not in self.path:  # a dry run is checked, answered, and not kept
+                    fake.jobs[name] = body
                 self._answer(201, body)
 
             def do_GET(self):
@@ -792,6 +798,28 @@ def test_a_trainjob_whose_pods_are_ready_is_not_timed_out_however_long_it_runs(t
     finally:
         fake.close()
     assert clock.now == 650
+
+
+def test_the_runs_first_task_asks_for_a_trainjob_without_creating_one(tmp_path, validator):
+    """configure's dry run (dryRun=All) creates nothing; a refusal, here a
+    misspelt runtime as the Trainer's webhook words it, fails it with the
+    server's reason, before any step holds a GPU."""
+    c = config(tmp_path)
+    fake = FakeKubernetes([RUNNING])
+    try:
+        module.dry_run(c, fake.api(), NAMESPACE)
+        assert fake.calls == [("POST", f"/apis/{GROUP}/{VERSION}/namespaces/{NAMESPACE}/{PLURAL}")] and not fake.jobs
+        webhook = (
+            'admission webhook "validate.trainjob.trainer.kubeflow.org" denied the request: '
+            'ClusterTrainingRuntime.trainer.kubeflow.org "torch-distributd" not found'
+        )
+        fake.create_refusal = (422, webhook)
+        with pytest.raises(
+            DistributedError, match=f"refused a TrainJob of this run's settings in {NAMESPACE}.*{webhook}"
+        ):
+            module.dry_run(c, fake.api(), NAMESPACE)
+    finally:
+        fake.close()
 
 
 def test_outside_a_cluster_the_trainjob_launcher_says_so(tmp_path, monkeypatch):
