@@ -58,12 +58,12 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
         "discrepancy": [],
         "guidance_sensitivity": [],
     }
-    start_model = load_model(initial, device=device) if initial is not None else None
     analysed = [prompts[i] for i in across_tasks(test, config.evaluation.discrepancy_prompts)]
 
-    def score(policy_label: str, weights, rollout: str, quant) -> dict:
-        """Accuracy rows of one policy under one rollout config; returns the sampled pass's throughput."""
-        engine = TorchEngine(weights, quant, device=device, **steps.engine_options(config))
+    def score(policy_label: str, weights, rollout: str, quant, take: bool = False) -> dict:
+        """Accuracy rows of one policy under one rollout config; returns the sampled pass's throughput.
+        With ``take`` the engine takes ``weights`` over (no copy): the caller does not use them again."""
+        engine = TorchEngine(weights, quant, device=device, take=take, **steps.engine_options(config))
         rows, speed = _accuracy(config, engine, tokenizer, test, prompts)
         out["accuracy"] += [{"method": config.method, "policy": policy_label, "rollout": rollout, **r} for r in rows]
         return speed
@@ -71,8 +71,8 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
     for name in config.evaluation.rollout_configs:
         quant = steps.rollout_quant(config, name)
         out["throughput"].append({"rollout": name, **score("trained", model, name, quant)})
-        if start_model is not None:
-            score("initial", start_model, name, quant)
+        if initial is not None:  # loaded for each config and handed over: not held beside the policy throughout
+            score("initial", load_model(initial, device=device), name, quant, take=True)
         if name == "bf16":
             continue
         # PTQ weights as they are, activations and KV as the config quantizes them
@@ -142,7 +142,12 @@ def _discrepancy(config: RunConfig, model, name: str, tokenizer, prompts, sensit
     configured: syndrome-coded guidance at a first step's rates, decoded in the
     training forward): mismatch and alignment; with ``sensitivity``, the
     guidance's size and fidelity for R-1..R-4 over the deepest 1, half and all layers."""
-    capture = CaptureConfig(max_tokens=config.rollout.max_tokens_per_forward, inputs=True)
+    k, limit = config.evaluation.samples_per_prompt, config.rollout.max_tokens_per_forward
+    requests = [q for q in prompts for _ in range(k)]
+    # the capture buffers hold the largest forward of these few requests, a prefill of them all (fewer at once
+    # only where max_tokens_per_forward was already less), not max_tokens_per_forward token rows: they keep the
+    # inputs, which the relative excess MSE compares (at Qwen3.5-35B-A3B ~1 MB per token, in two buffers)
+    capture = CaptureConfig(max_tokens=min(limit, len(requests) * max(map(len, requests))), inputs=True)
     engine = TorchEngine(
         model,
         steps.rollout_quant(config, name),
@@ -150,14 +155,16 @@ def _discrepancy(config: RunConfig, model, name: str, tokenizer, prompts, sensit
         capture=capture,
         **steps.engine_options(config),
     )
-    k = config.evaluation.samples_per_prompt
-    trajectories = engine.generate(
-        [q for q in prompts for _ in range(k)], steps.sampling(config, config.seed + 2, tokenizer)
-    )
+    trajectories = engine.generate(requests, steps.sampling(config, config.seed + 2, tokenizer))
     records = engine.drain_capture()
+    quant, global_scales, top_k = engine.quant, engine.global_scales, engine.model.cfg.top_k
+    # teacher forcing (in forwards of max_tokens_per_forward rows, as ever) before the trainer is built: the engine
+    # and its FP4 copy of the policy go first, so the policy has one copy beside it at a time, not two
+    training = teacher_force(engine, trajectories, keep_inputs=True, max_tokens=limit) if sensitivity else None
+    del engine
     # on a copy: a trainer converts its model in place to the training precision (float32 weights rounded to
     # bf16 under train.precision bf16), and the later rollout configs score this policy
-    trainer = Trainer(copy.deepcopy(model), steps.train_config(config), engine.quant, engine.global_scales)
+    trainer = Trainer(copy.deepcopy(model), steps.train_config(config), quant, global_scales)
     available = sorted({layer for layer, _ in records.tables})
     loader = None
     with tempfile.TemporaryDirectory() as folder:
@@ -172,14 +179,13 @@ def _discrepancy(config: RunConfig, model, name: str, tokenizer, prompts, sensit
                 guidance,
                 rl_step=0,
                 policy_version=0,
-                top_k=engine.model.cfg.top_k,
+                top_k=top_k,
             )
             loader = GuidanceLoader(store, 0, [[t.id for t in mb] for mb in trainer.microbatches(trajectories)])
         stats = trainer.measure(trajectories, loader, records)
     discrepancy = {"rollout": name, "trajectories": len(trajectories), **stats}
     rows = []
     if sensitivity:
-        training = teacher_force(engine, trajectories, keep_inputs=True)
         for bits in SENSITIVITY_BITS:
             for count in sorted({1, max(1, len(available) // 2), len(available)}):
                 chosen = select_layers(count, available)

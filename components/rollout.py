@@ -334,7 +334,12 @@ DEFAULT_STOP_CHECK = 8
 
 class TorchEngine:
     """The torch rollout engine: runs FP4 rollout as the configuration says,
-    on its own copy of the policy (``dtype``, default BF16).
+    on its own copy of the policy (``dtype``, default BF16) on ``device``: it
+    rounds that copy's routed experts to FP4 in place and loads weight syncs
+    into it, so the caller's model is left as it was. A caller that does not
+    use the model again hands it over instead (``take``): the engine then
+    moves, casts and quantizes that model itself, and no second copy of the
+    weights is made (at Qwen3.5-35B-A3B one is 69 GB).
 
     ``stop_check_every`` (N) is how many tokens it decodes between stop checks,
     the decode loop's only reads of the device; finished requests keep
@@ -359,6 +364,7 @@ class TorchEngine:
         stop_check_every: int = DEFAULT_STOP_CHECK,
         cuda_graphs: bool = True,
         max_running_requests: int = 0,
+        take: bool = False,
     ):
         if stop_check_every < 1:
             raise ValueError(f"stop_check_every must be >= 1 token, got {stop_check_every}")
@@ -367,7 +373,7 @@ class TorchEngine:
         self.stop_check_every, self.cuda_graphs = stop_check_every, cuda_graphs
         self.max_running_requests = max_running_requests
         self.quant, self.dtype, self.device = quant, dtype, torch.device(device)
-        self.model = copy.deepcopy(model).to(device=self.device, dtype=dtype).eval()
+        self.model = (model.to(device=self.device, dtype=dtype) if take else copied(model, self.device, dtype)).eval()
         self.capture_config = capture
         self.calibration_seed = calibration_seed
         self.policy_version = 0
@@ -511,6 +517,19 @@ class TorchEngine:
             for site in KV_SITES:
                 q = cache.fp4_rows(layer, site, row, cached)
                 self.capture.record_kv(traj_id, layer, site, q.codes, q.scales.view(torch.uint8))
+
+
+def copied(model: Transformer, device: torch.device, dtype: torch.dtype) -> Transformer:
+    """``copy.deepcopy(model).to(device=device, dtype=dtype)`` with each parameter
+    and buffer written once, on ``device`` and (floating-point ones, as
+    ``Module.to`` casts) in ``dtype``: no whole copy where ``model`` lies first,
+    which for a policy on the host bound for a GPU is a second host copy."""
+    memo = {}
+    for t in (*model.parameters(), *model.buffers()):
+        cast = dtype if t.is_floating_point() or t.is_complex() else None
+        moved = t.detach().to(device=device, dtype=cast, copy=True)
+        memo[id(t)] = torch.nn.Parameter(moved, t.requires_grad) if isinstance(t, torch.nn.Parameter) else moved
+    return copy.deepcopy(model, memo)
 
 
 def batch_buckets(batch: int) -> list[int]:

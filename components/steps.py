@@ -353,9 +353,10 @@ def rollout_quant(config: RunConfig, name: str | None = None) -> QuantConfig:
 
 
 def _engine(config: RunConfig, policy: Path, capture: bool, device: torch.device) -> TorchEngine:
-    """The rollout engine on ``device``; a capturing one keeps everything, or
-    with inline compaction only the selected layers' low bits."""
-    model, quant = load_model(policy), rollout_quant(config)
+    """The rollout engine on ``device``, on the policy loaded there and handed
+    over (no copy); a capturing one keeps everything, or with inline
+    compaction only the selected layers' low bits."""
+    model, quant = load_model(policy, device=device), rollout_quant(config)
     cfg = None
     if capture:
         cfg = CaptureConfig(max_tokens=config.rollout.max_tokens_per_forward)
@@ -364,7 +365,7 @@ def _engine(config: RunConfig, policy: Path, capture: bool, device: torch.device
             cfg = CaptureConfig(
                 bits=config.guidance.bits, layers=layers, max_tokens=config.rollout.max_tokens_per_forward
             )
-    return TorchEngine(model, quant, device=device, capture=cfg, **engine_options(config))
+    return TorchEngine(model, quant, device=device, capture=cfg, take=True, **engine_options(config))
 
 
 def engine_options(config: RunConfig) -> dict:

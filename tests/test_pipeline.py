@@ -577,6 +577,36 @@ def test_measuring_the_training_path_leaves_the_evaluated_policy_alone(tmp_path)
     assert not model.training and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_evaluation_holds_one_copy_of_a_policy_beside_the_policy_at_a_time(tmp_path, monkeypatch):
+    """Each engine and the discrepancy's trainer start with two Transformers
+    alive (at Qwen3.5-35B-A3B 69 GB each): the evaluated policy and the copy
+    they run on, or the initial policy, loaded for its scoring and handed over."""
+    import gc
+
+    from tracefp4.components import evaluation, steps
+    from tracefp4.components.model import Transformer
+
+    config = localize(load_config(None, preset="smoke", overrides={"evaluation.ptq_baselines": []}), tmp_path)
+    steps.prepare(config, tmp_path / "policy")
+    alive, engine, trainer = [], evaluation.TorchEngine, evaluation.Trainer
+
+    def counted(cls):
+        def make(*a, **kw):
+            made = cls(*a, **kw)
+            gc.collect()
+            alive.append((cls.__name__, sum(type(o) is Transformer for o in gc.get_objects())))
+            return made
+
+        return make
+
+    monkeypatch.setattr(evaluation, "TorchEngine", counted(engine))
+    monkeypatch.setattr(evaluation, "Trainer", counted(trainer))
+    evaluation.evaluate(config, tmp_path / "policy", initial=tmp_path / "policy")
+    # bf16: trained, initial; fp4_wa_kv: trained, initial, the discrepancy's engine and trainer
+    assert [name for name, _ in alive] == ["TorchEngine"] * 5 + ["Trainer"]
+    assert {n for _, n in alive} == {2}, alive
+
+
 def test_bootstrap_command_writes_a_bootstrapped_checkpoint(tmp_path):
     result = CliRunner().invoke(main, ["bootstrap", "--preset", "smoke", "--output", str(tmp_path / "base")])
     assert result.exit_code == 0, result.output

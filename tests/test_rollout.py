@@ -427,6 +427,39 @@ def test_weight_sync_from_state_dict_and_checkpoint(model, tmp_path):
     ]
 
 
+def test_an_engine_takes_a_handed_over_model_itself_and_copies_any_other(model):
+    """``take``: the engine runs on the caller's model (its tensors, cast and
+    quantized in place), with the same results as on a copy; without it the
+    caller's model keeps its dtype and weights through quantization and a weight sync."""
+    quant, greedy = rollout_config("fp4_wa", "nvfp4"), SamplingParams(temperature=0, max_new_tokens=4)
+    handed = build_model("smoke", seed=0, dtype=torch.bfloat16)
+    storage = [p.data_ptr() for p in handed.parameters()]
+    taken = TorchEngine(handed, quant, take=True)
+    assert taken.model is handed and [p.data_ptr() for p in taken.model.parameters()] == storage
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    copying = TorchEngine(model, quant)
+    assert not {p.data_ptr() for p in copying.model.parameters()} & {p.data_ptr() for p in model.parameters()}
+    assert [t.response for t in taken.generate(prompts(), greedy)] == [
+        t.response for t in copying.generate(prompts(), greedy)
+    ]
+    copying.update_weights(build_model("smoke", seed=1).state_dict())
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_a_copy_for_another_device_is_written_there_not_first_where_the_model_lies(model, monkeypatch):
+    """No whole copy beside the model before the move (on a GPU's host: a second host copy of the policy)."""
+
+    def refuse(tensor, memo):
+        raise AssertionError("a tensor was deep-copied where it lies")
+
+    monkeypatch.setattr(torch.Tensor, "__deepcopy__", refuse)
+    monkeypatch.setattr(torch.nn.Parameter, "__deepcopy__", refuse)
+    moved = rollout_module.copied(model, torch.device("meta"), torch.bfloat16)
+    assert {(p.device.type, p.dtype) for p in moved.parameters()} == {("meta", torch.bfloat16)}
+    assert {(p.device.type, p.dtype) for p in model.parameters()} == {("cpu", torch.float32)}
+
+
 def test_bad_requests(model):
     engine = TorchEngine(model)
     with pytest.raises(ValueError, match="at least one token"):
