@@ -451,6 +451,16 @@ class Capture:
         parts = {"codes": codes, "scales": scales, "meta": meta, **extra}
         self._chunks.setdefault(key, []).append({name: _to_host(t) for name, t in parts.items()})
 
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of the two preallocated buffers on the capture's device."""
+        return sum(
+            t.numel() * t.element_size()
+            for b in self._buffers
+            for part in (b.codes, b.scales, b.globals, b.inputs, b.routing, {"tokens": b.tokens})
+            for t in part.values()
+        )
+
     def pending(self) -> bool:
         """Whether anything was captured since the last drain."""
         return bool(self._buffers[self._turn].n_tokens or self._chunks or self._jobs.unfinished_tasks)

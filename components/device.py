@@ -168,6 +168,16 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD))
 
 
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes a new tensor on ``device`` may take: on CUDA the driver's free
+    memory and what torch's caching allocator holds unused; None on the CPU,
+    where the operating system decides (and may overcommit)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+
+
 def compute_on(device: torch.device) -> torch.device:
     """Make this process compute on ``device`` (returned): a CUDA device
     becomes the current one (Triton launches its kernels there, and streams

@@ -33,6 +33,7 @@ from tracefp4.kernels import FP4Tensor, dequantize, get_format
 from .capture import Capture, CaptureConfig, CaptureRecords, TokenMap
 from .checkpoint import hub_to_stacked, load_model, load_state
 from .deltanet import causal_conv, chunked_delta_rule, conv_history, recurrent_delta_rule
+from .device import free_bytes
 from .model import ModelConfig, Transformer, attention, right_pad
 from .quant import (
     BF16,
@@ -143,6 +144,10 @@ def whole_span_blocks(positions: int) -> int:
     return span + high - span % KV_SPLIT if low < span % KV_SPLIT < high else span
 
 
+class KVCacheFull(RuntimeError):
+    """The device has no room for the KV cache a rollout needs."""
+
+
 class KVCache:
     """K/V of a batch of sequences, ``[rows, length, kv_heads * head_dim]``
     per full-attention layer: in the compute dtype, or (FP4 KV) packed codes +
@@ -225,12 +230,35 @@ class KVCache:
 
     def grow(self, positions: int) -> bool:
         """Room for ``positions`` positions: the cache's length doubled until it
-        holds them (at most ``max_len``), what it held copied over; whether it grew."""
+        holds them (at most ``max_len``; only as far as they need where the
+        device has no room for the doubling), what it held copied over;
+        whether it grew. Where the device lacks room even for that, a
+        :class:`KVCacheFull` names the settings that size the cache, rather
+        than an allocator's out-of-memory error."""
         if positions <= self.length:
             return False
         if positions > self.max_len:
             raise ValueError(f"{positions} positions exceed the cache's max_len {self.max_len}")
         length = min(self.max_len, max(whole_span_blocks(positions), 2 * self.length))
+        tensors = list(self.store.values())
+        free = free_bytes(tensors[0].device) if tensors else None
+        if free is not None:
+            per_position = sum(t.nbytes // t.shape[self.position_axis] for t in tensors)
+            largest = max(t.nbytes for t in tensors)  # a key's old tensor lives until its new one is filled
+
+            def need(length: int) -> int:
+                return (length - self.length) * per_position + largest
+
+            if need(length) > free:
+                length = whole_span_blocks(positions)
+            if need(length) > free:
+                raise KVCacheFull(
+                    f"the KV cache of {tensors[0].shape[0]} rows needs {need(length) / 2**30:.2f} GiB more to hold "
+                    f"{positions} positions ({per_position / tensors[0].shape[0] / 2**10:.1f} KiB a position a "
+                    f"row), and {free / 2**30:.2f} GiB is free on {tensors[0].device}: lower "
+                    "rollout.max_running_requests (the requests decoded at once, each row as long as the longest) "
+                    "or rollout.max_new_tokens"
+                )
         for key, old in self.store.items():
             shape = list(old.shape)
             shape[self.position_axis] = length

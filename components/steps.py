@@ -357,15 +357,17 @@ def _engine(config: RunConfig, policy: Path, capture: bool, device: torch.device
     over (no copy); a capturing one keeps everything, or with inline
     compaction only the selected layers' low bits."""
     model, quant = load_model(policy, device=device), rollout_quant(config)
-    cfg = None
-    if capture:
-        cfg = CaptureConfig(max_tokens=config.rollout.max_tokens_per_forward)
-        if _inline(config):  # of the layers with FP4 sites, as offline compaction and the schema choose them
-            layers = select_layers(config.guidance.layers, quant.fp4_layers(model.cfg))
-            cfg = CaptureConfig(
-                bits=config.guidance.bits, layers=layers, max_tokens=config.rollout.max_tokens_per_forward
-            )
+    cfg = capture_config(config, quant, model.cfg) if capture else None
     return TorchEngine(model, quant, device=device, capture=cfg, take=True, **engine_options(config))
+
+
+def capture_config(config: RunConfig, quant: QuantConfig, model_cfg) -> CaptureConfig:
+    """What a rollout engine captures: everything, or with inline compaction
+    only the selected layers' low bits."""
+    if not _inline(config):
+        return CaptureConfig(max_tokens=config.rollout.max_tokens_per_forward)
+    layers = select_layers(config.guidance.layers, quant.fp4_layers(model_cfg))  # as offline compaction chooses
+    return CaptureConfig(bits=config.guidance.bits, layers=layers, max_tokens=config.rollout.max_tokens_per_forward)
 
 
 def engine_options(config: RunConfig) -> dict:

@@ -13,6 +13,7 @@ not state are ours.
 """
 
 from tracefp4.components.model import QWEN35_35B_A3B
+from tracefp4.components.quant import rollout_config
 
 from .config import RunConfig
 
@@ -73,7 +74,11 @@ def _tiny() -> RunConfig:
 
 def _paper(name: str, fmt: str, config: str) -> RunConfig:
     # Qwen3.5-35B-A3B (components.model.QWEN35_35B_A3B, sources cited there), 40 layers: R-1bit-L20, the 20
-    # deepest (the paper's default); 256 prompts x 16 = 4,096 trajectories a step.
+    # deepest (the paper's default), of which guidance covers those with FP4 sites (all 20 where the experts'
+    # activations are FP4; under W4A8 only KV is, in the full-attention layers: 5 of them); 256 prompts x 16 =
+    # 4,096 trajectories a step.
+    deep_half = range(QWEN35_35B_A3B.num_layers // 2, QWEN35_35B_A3B.num_layers)
+    guided = [layer for layer in rollout_config(config, fmt).fp4_layers(QWEN35_35B_A3B) if layer in deep_half]
     return RunConfig.model_validate(
         {
             "name": name,
@@ -86,19 +91,21 @@ def _paper(name: str, fmt: str, config: str) -> RunConfig:
                 "group_size": 16,
                 "prompts_per_step": 256,
                 "max_tokens_per_forward": 65536,
-                # 256 sequences' Gated DeltaNet states are 16.5 GB (64 MB each), their FP4 KV 5.76 KB a token
+                # 256 sequences' Gated DeltaNet states are 16.5 GB (64 MB each), their FP4 KV 5.76 KB a token: on a
+                # GB200 about 61,000 positions of all 256 fit beside the policy (docs/deploy.md, "GPU memory")
                 "max_running_requests": 256,
             },
             "guidance": {
                 "bits": 1,
-                "layers": QWEN35_35B_A3B.num_layers // 2,
+                "layers": len(guided),
                 "compaction": "inline",
                 "trajectories_per_shard": 64,
             },
             "method": "trace",
             # training shards 35B parameters with their float32 master, gradients and AdamW moments (16 bytes a
-            # parameter, about 560 GB) over 2 nodes x 4 GPUs, about 70 GB a GPU; a GB200 compute tray has 4 GPUs
-            # a trajectory of up to 262,144 tokens: its 40 layers' activations are not kept at once
+            # parameter, about 560 GB) over 2 nodes x 4 GPUs, about 70 GB a GPU; a GB200 compute tray has 4 GPUs;
+            # its 40 layers' activations are not kept at once, and beside that state a microbatch of about 100,000
+            # tokens fits, not a 262,144-token trajectory (docs/deploy.md, "GPU memory": benchmarks/memory.py)
             "train": {
                 "precision": "fp32_master",
                 "activation_checkpointing": True,

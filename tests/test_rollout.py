@@ -356,6 +356,30 @@ def test_one_new_token_each_with_requests_waiting(model, each_dtype):
     assert sizes == [("prefill", 3), ("prefill", 3), ("prefill", 1)]  # no decode step
 
 
+def test_a_cache_the_device_has_no_room_to_double_grows_as_far_as_it_needs_or_says_what_sizes_it(model, monkeypatch):
+    """On CUDA the cache asks the device for room before it grows (the probe is
+    faked here: on the CPU it says nothing): doubling where it fits, else only
+    to the positions needed, else a KVCacheFull naming the settings."""
+    engine = TorchEngine(model)
+    cache = rollout_module.KVCache(model.cfg, 4, 4096, engine.sites, torch.bfloat16, "cpu", length=64)
+    per_position = sum(t.nbytes // t.shape[2] for t in cache.store.values())
+
+    def more(length: int) -> int:  # a key's old tensor lives until its new one is filled
+        return (length - cache.length) * per_position + max(t.nbytes for t in cache.store.values())
+
+    room = {"bytes": None}
+    monkeypatch.setattr(rollout_module, "free_bytes", lambda device: room["bytes"])
+    assert cache.grow(65) and cache.length == 128  # the CPU: no probe, doubled
+    room["bytes"] = more(256)
+    assert cache.grow(129) and cache.length == 256  # the doubling fits
+    room["bytes"] = more(384)
+    assert cache.grow(257) and cache.length == 384  # only the room 257 positions need (whole_span_blocks)
+    room["bytes"] = per_position
+    with pytest.raises(rollout_module.KVCacheFull, match="4 rows needs .* lower rollout.max_running_requests"):
+        cache.grow(385)
+    assert cache.length == 384
+
+
 def test_a_retired_row_that_no_request_takes_never_outgrows_the_cache(model, each_dtype):
     """Four rows, eleven requests of 16 tokens, admitted at steps 0, 15 and
     30: the eighth request (11 prompt tokens, row 3) retires at step 30 with

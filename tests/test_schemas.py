@@ -9,6 +9,7 @@ from typing import get_args
 import pytest
 import yaml
 
+from tracefp4.components.model import QWEN35_35B_A3B
 from tracefp4.schemas import (
     PRESETS,
     ConfigError,
@@ -49,10 +50,12 @@ def test_presets_set_what_they_promise():
     assert smoke.model.preset == "smoke" and smoke.rl.rounds == smoke.rl.steps_per_round == 1
     assert smoke.rollout.max_new_tokens <= 8 and smoke.rollout.prompts_per_step * smoke.rollout.group_size <= 4
     assert tiny.model.preset == "tiny" and tiny.rl.rounds > 1
-    for name, config in [("paper-nvfp4-wa-kv", "fp4_wa_kv"), ("paper-w4a8-mxfp4-kv", "w4a8_mxfp4_kv")]:
+    # R-1bit-L20: the layers with FP4 sites among the 20 deepest of 40 (W4A8: KV only, the full-attention ones)
+    for name, config, layers in [("paper-nvfp4-wa-kv", "fp4_wa_kv", 20), ("paper-w4a8-mxfp4-kv", "w4a8_mxfp4_kv", 5)]:
         p = PRESETS[name]
         assert p.model.checkpoint == "s3://models/qwen3.5-35b-a3b" and p.model.preset is None
-        assert (p.method, p.guidance.bits, p.guidance.layers, p.rollout.config) == ("trace", 1, 20, config)
+        assert (p.method, p.guidance.bits, p.guidance.layers, p.rollout.config) == ("trace", 1, layers, config)
+        assert p.guided_layer_problems(QWEN35_35B_A3B, "its checkpoint") == []  # prepare checks it so
         assert p.resources.gpus == 4 and p.resources.accelerator_type  # a GB200 tray's GPUs
         # 35B parameters' training state sharded over TrainJob nodes, one process per GPU
         assert p.train.launcher == "trainjob" and p.train.processes_per_node == p.resources.gpus
