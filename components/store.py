@@ -541,9 +541,7 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     checked as an S3 store needs them, without connecting (the run config
     validates a store URI with it): no credentials, query or fragment, a
     valid bucket name, a prefix of valid key segments."""
-    parts = urlsplit(uri)
-    if "@" in parts.netloc:  # do not echo the URI: it may hold credentials
-        raise ValueError("store URIs must not carry credentials; set TRACEFP4_S3_ACCESS_KEY/_SECRET_KEY")
+    parts = _without_credentials(uri)
     if not parts.netloc or parts.query or parts.fragment:
         raise ValueError(f"bad store URI {uri!r}: use {parts.scheme}://bucket/optional/prefix")
     prefix = parts.path.strip("/")
@@ -555,10 +553,19 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
     return parts.netloc, prefix
 
 
+def _without_credentials(uri: str):
+    """``uri`` split (urlsplit); a ValueError that does not echo it where it carries credentials ('@')."""
+    parts = urlsplit(uri)
+    if "@" in parts.netloc:  # do not echo the URI: it may hold credentials
+        raise ValueError("store URIs must not carry credentials; set TRACEFP4_S3_ACCESS_KEY/_SECRET_KEY")
+    return parts
+
+
 def file_path(uri: str) -> Path:
     """The path a ``file://`` URI names, percent-decoded (``Path.as_uri``
     encodes a space as %20): ``file:///abs`` or ``file://localhost/abs``, and
     ``file://./relative`` (the schema's default store) from the working directory."""
+    _without_credentials(uri)
     rest = uri.removeprefix("file://")
     rest = rest.removeprefix("localhost") if rest.startswith("localhost/") else rest
     if not rest.startswith(("/", "./")):
@@ -584,7 +591,7 @@ def open_store(
         if not uri:
             raise ValueError("empty store URI")
         return LocalStore(uri)
-    parts = urlsplit(uri)
+    parts = _without_credentials(uri)  # every error below echoes the URI
     if parts.scheme == "file":
         path = file_path(uri)
         if not path.is_absolute():

@@ -274,6 +274,7 @@ def test_unknown_fields_are_rejected(overrides, path):
         ("s3://", "must start with"),
         ("gs://b", "must start with"),
         ("s3://key:pw@bucket/x", "must not carry credentials"),
+        ("file://key:pw@host/x", "must not carry credentials"),
         # as an S3 store reads them, which would fail the run's first step that opens the store
         ("s3://bucket/p?x=1", "use s3://bucket/optional/prefix"),
         ("s3://bucket#f", "use s3://bucket/optional/prefix"),
