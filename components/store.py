@@ -39,6 +39,10 @@ _CHUNK = 2**20  # download buffer: a multi-GB object streams to disk, it is neve
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"}
 # what OpenSSL says when the other side answers a TLS hello with something else, plain HTTP most likely
 _NOT_TLS = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "UNKNOWN_PROTOCOL")
+# The variables the S3 client reads besides the credentials; a cluster run's pods get them from the run config's
+# store section (schemas/config.py, StoreConfig.pod_environment)
+ENDPOINT_ENV, REGION_ENV = "TRACEFP4_S3_ENDPOINT", "TRACEFP4_S3_REGION"
+CA_BUNDLE_ENV = "SSL_CERT_FILE"  # the CA bundle the client trusts instead of certifi's (OpenSSL's name for it)
 _TRANSIENT_ERRORS = (
     urllib3.exceptions.TimeoutError,  # connect/read timeouts, connection refused
     urllib3.exceptions.ProtocolError,  # connection reset or dropped mid-response
@@ -312,7 +316,7 @@ def _s3_settings(uri: str, env: Mapping[str, str]) -> dict:
             raise StoreError(f"{uri}: set {name} (or {fallback}) in the environment")
         return value
 
-    endpoint = need("TRACEFP4_S3_ENDPOINT", "AWS_ENDPOINT_URL")
+    endpoint = need(ENDPOINT_ENV, "AWS_ENDPOINT_URL")
     scheme, sep, hostport = endpoint.partition("://")
     if not sep:
         scheme, hostport = "", endpoint
@@ -331,7 +335,7 @@ def _s3_settings(uri: str, env: Mapping[str, str]) -> dict:
         "access_key": need("TRACEFP4_S3_ACCESS_KEY", "AWS_ACCESS_KEY_ID"),
         "secret_key": need("TRACEFP4_S3_SECRET_KEY", "AWS_SECRET_ACCESS_KEY"),
         "secure": secure,
-        "region": env.get("TRACEFP4_S3_REGION") or None,
+        "region": env.get(REGION_ENV) or None,
     }
 
 
@@ -369,7 +373,7 @@ class S3Store(ArtifactStore):
             retries=False,  # the retry policy is ours (_call), and bounded
             maxsize=8,
             cert_reqs="CERT_REQUIRED",
-            ca_certs=os.environ.get("SSL_CERT_FILE") or certifi.where(),
+            ca_certs=os.environ.get(CA_BUNDLE_ENV) or certifi.where(),
         )
         self._client = Minio(**settings, http_client=http)
         if not self._call("open bucket", "", lambda: self._client.bucket_exists(self.bucket)):
@@ -443,8 +447,8 @@ class S3Store(ArtifactStore):
             )
         if "CERTIFICATE_VERIFY_FAILED" in text:
             return (
-                f"the TLS certificate of {self.endpoint} is not trusted: set SSL_CERT_FILE to the CA bundle "
-                f"that signed it ({text})"
+                f"the TLS certificate of {self.endpoint} is not trusted: set {CA_BUNDLE_ENV} to the CA bundle "
+                f"that signed it, or in a cluster run store.ca_bundle_secret ({text})"
             )
         return f"TLS with {self.endpoint} failed ({text})"
 

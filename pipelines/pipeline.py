@@ -15,7 +15,8 @@ run id comes out of prepare (the local runner's, or KFP's job id) and keys
 every store prefix, so no step ever reads another run's data.
 
 Every task gets the store's credentials from a Kubernetes secret (optional
-with a file:// store), the config's node selector and tolerations, and no
+with a file:// store), its endpoint, region and CA bundle where the config
+names them, the config's node selector and tolerations, and no
 caching (steps write to the store); its resources and retries depend on its
 role (:data:`COMPUTE`, :data:`HOST`, :data:`CONTROL`, :data:`SUBMIT`). Name and version: the
 run name; the package version, a hash of the config schema and, as uploaded
@@ -33,7 +34,7 @@ from kfp import compiler, dsl, kubernetes
 from kfp.dsl import Markdown
 
 from tracefp4.schemas import ConfigError, Method, RunConfig, schema_hash
-from tracefp4.schemas.config import SECRET_KEYS
+from tracefp4.schemas.config import CA_BUNDLE_MOUNT, SECRET_KEYS
 
 from . import parameters as run_parameters
 from .components import make_components
@@ -100,8 +101,10 @@ def _configure(task, config: RunConfig, retries: bool, role: str = COMPUTE, node
     kubernetes.use_secret_as_env(
         task, secret_name=config.store.secret_name, secret_key_to_env=SECRET_KEYS, optional=optional
     )
-    if config.store.endpoint:
-        task.set_env_variable("TRACEFP4_S3_ENDPOINT", config.store.endpoint)
+    if config.store.ca_bundle_secret:  # the CA bundle its pod_environment names
+        kubernetes.use_secret_as_volume(task, secret_name=config.store.ca_bundle_secret, mount_path=CA_BUNDLE_MOUNT)
+    for name, value in config.store.pod_environment().items():
+        task.set_env_variable(name, value)
     return task
 
 

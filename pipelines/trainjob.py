@@ -17,9 +17,9 @@ against the Trainer release's CRD schema and run the create / watch / fail /
 delete flow against a loopback HTTP server.
 
 What the runtime's pod template cannot know about a run (its node selector
-and tolerations, no Istio sidecar) reaches the rank pods through the
-TrainJob's ``spec.runtimePatches``, which the Trainer merges into the
-runtime's JobSet template.
+and tolerations, the store's CA bundle, no Istio sidecar) reaches the rank
+pods through the TrainJob's ``spec.runtimePatches``, which the Trainer merges
+into the runtime's JobSet template.
 """
 
 import contextlib
@@ -42,7 +42,7 @@ from tracefp4.components.launch import MODULE, rank_arguments, torchrun
 from tracefp4.components.steps import config_digest, store_prefix
 from tracefp4.components.store import ArtifactNotFound, open_store
 from tracefp4.schemas import RunConfig
-from tracefp4.schemas.config import SECRET_KEYS
+from tracefp4.schemas.config import CA_BUNDLE_MOUNT, SECRET_KEYS
 
 GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -55,6 +55,7 @@ TRAINER_JOB = "node"
 SHARED_MEMORY = models.IoK8sApiCoreV1Volume(
     name="dshm", emptyDir=models.IoK8sApiCoreV1EmptyDirVolumeSource(medium="Memory")
 )
+CA_BUNDLE_VOLUME = "store-ca"  # the rank pods' volume of the secret store.ca_bundle_secret
 # Who owns this step's runtime patch; the Trainer's webhook wants a domain-prefixed path.
 PATCH_MANAGER = "tracefp4/train-step"
 # A TrainJob's name must start with a letter (its CRD's rule); a run name may start with a digit.
@@ -135,22 +136,28 @@ def rank_pod_patch(config: RunConfig) -> models.TrainerV1alpha1RuntimePatch:
     """What the runtime's pod template lacks for this run's rank pods, as a runtime patch of its
     ``TRAINER_JOB``: the run's ``resources.node_selector`` and ``tolerations`` (GPU nodes are tainted,
     docs/deploy.md: without them the ranks stay Pending or land elsewhere), a memory-backed /dev/shm
-    (:data:`SHARED_MEMORY`), and no Istio sidecar (a profile namespace injects one, which keeps the Job
-    from completing and can break torchrun's rendezvous; KFP opts its own pods out the same way)."""
+    (:data:`SHARED_MEMORY`), the secret ``store.ca_bundle_secret`` where set (read-only at ``CA_BUNDLE_MOUNT``,
+    where the trainer's ``SSL_CERT_FILE`` points, as in the pipeline's steps), and no Istio sidecar (a profile
+    namespace injects one, which keeps the Job from completing and can break torchrun's rendezvous; KFP opts its
+    own pods out the same way)."""
     r = config.resources
+    volumes = [SHARED_MEMORY]
+    mounts = [models.IoK8sApiCoreV1VolumeMount(name=SHARED_MEMORY.name, mountPath="/dev/shm")]
+    if secret := config.store.ca_bundle_secret:
+        volumes.append(
+            models.IoK8sApiCoreV1Volume(
+                name=CA_BUNDLE_VOLUME, secret=models.IoK8sApiCoreV1SecretVolumeSource(secretName=secret)
+            )
+        )
+        mounts.append(models.IoK8sApiCoreV1VolumeMount(name=CA_BUNDLE_VOLUME, mountPath=CA_BUNDLE_MOUNT, readOnly=True))
     pod = models.TrainerV1alpha1PodTemplatePatch(
         metadata=models.IoK8sApimachineryPkgApisMetaV1ObjectMeta(annotations={"sidecar.istio.io/inject": "false"}),
         spec=models.TrainerV1alpha1PodSpecPatch(
             nodeSelector=r.node_selector or None,
             tolerations=[models.IoK8sApiCoreV1Toleration(**t.model_dump(exclude_none=True)) for t in r.tolerations]
             or None,
-            volumes=[SHARED_MEMORY],
-            containers=[
-                models.TrainerV1alpha1ContainerPatch(
-                    name=TRAINER_JOB,
-                    volumeMounts=[models.IoK8sApiCoreV1VolumeMount(name=SHARED_MEMORY.name, mountPath="/dev/shm")],
-                )
-            ],
+            volumes=volumes,
+            containers=[models.TrainerV1alpha1ContainerPatch(name=TRAINER_JOB, volumeMounts=mounts)],
         ),
     )
     job = models.TrainerV1alpha1ReplicatedJobPatch(
@@ -186,8 +193,7 @@ def trainjob(config: RunConfig, name: str, namespace: str, args: list[str], inpu
         )
         for key, var in SECRET_KEYS.items()
     ]
-    if config.store.endpoint:
-        env.append(models.IoK8sApiCoreV1EnvVar(name="TRACEFP4_S3_ENDPOINT", value=config.store.endpoint))
+    env += [models.IoK8sApiCoreV1EnvVar(name=k, value=v) for k, v in config.store.pod_environment().items()]
     job = models.TrainerV1alpha1TrainJob(
         apiVersion=f"{GROUP}/{VERSION}",
         kind="TrainJob",

@@ -32,7 +32,7 @@ from pydantic_core import PydanticCustomError
 
 from tracefp4.components import model, precision, ptq, qat, quant, syndrome, tasks
 from tracefp4.components.device import DEVICE_PATTERN
-from tracefp4.components.store import file_path, parse_s3_uri
+from tracefp4.components.store import CA_BUNDLE_ENV, ENDPOINT_ENV, REGION_ENV, file_path, parse_s3_uri
 
 ModelPreset = Literal[tuple(model.PRESETS)]
 RolloutConfigName = Literal[quant.ROLLOUT_CONFIGS]
@@ -52,12 +52,16 @@ Precision = Literal[precision.PRECISIONS]
 SECRET_ENV = {"access_key": "TRACEFP4_S3_ACCESS_KEY", "secret_key": "TRACEFP4_S3_SECRET_KEY"}
 # The Kubernetes secret `store.secret_name` in KFP's MinIO layout: its key -> the variable a step reads.
 SECRET_KEYS = {"accesskey": SECRET_ENV["access_key"], "secretkey": SECRET_ENV["secret_key"]}
+# The Kubernetes secret `store.ca_bundle_secret`: the key holding the CA bundle, and the folder every step and rank pod
+# mounts the secret at; SSL_CERT_FILE names the file (StoreConfig.pod_environment)
+CA_BUNDLE_KEY, CA_BUNDLE_MOUNT = "ca.crt", "/etc/tracefp4/store-ca"
 
 STORE_URI_PATTERN = r"^(file|s3|minio)://\S+$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$"
 HTTP_URL = r"^https?://\S+$"
 HTTP_ENDPOINT = r"^https?://[^\s/@]+(:[0-9]+)?/?$"  # scheme, host and port: nothing else
+S3_REGION = r"^[A-Za-z0-9][-_A-Za-z0-9]{0,62}$"  # AWS's us-east-1, MinIO's and Ceph's own names, R2's auto
 K8S_CPU = r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$"
 # what KFP's set_memory_limit takes: a whole number, no Kubernetes decimals or lowercase k
 K8S_MEMORY = r"^[0-9]+(Ki|Mi|Gi|Ti|Pi|Ei|K|M|G|T|P|E)?$"
@@ -76,6 +80,7 @@ PATTERN_HINTS = {
     DNS_SUBDOMAIN: "must be a Kubernetes object name: lowercase letters, digits, '-', '.', alphanumeric at both ends",
     HTTP_URL: "must be an http:// or https:// URL such as 'http://host:9091'",
     HTTP_ENDPOINT: "must be an http:// or https:// endpoint, scheme, host and port alone: 'http://minio:9000'",
+    S3_REGION: "must be an S3 region name such as 'us-east-1': letters, digits, '-' and '_', 1-63 characters",
     K8S_CPU: "must be a Kubernetes CPU quantity such as '2', '0.5' or '500m'",
     K8S_MEMORY: "must be a memory quantity KFP takes: a whole number with an optional suffix Ki, Mi, Gi, Ti, Pi, Ei, "
     "K, M, G, T, P or E, such as '8Gi', '512Mi' or '1G'",
@@ -562,7 +567,10 @@ class StoreConfig(_Section):
 
     S3 credentials come only from the environment (TRACEFP4_S3_ACCESS_KEY,
     TRACEFP4_S3_SECRET_KEY; in the cluster from `secret_name`): they are never
-    read from a config file, dumped, shown or part of the JSON Schema."""
+    read from a config file, dumped, shown or part of the JSON Schema. The
+    other S3 settings here reach every pod of a cluster run; a run outside the
+    cluster reads them from its own environment (docs/deploy.md, step 3).
+    Whether the client speaks TLS is the endpoint's scheme."""
 
     uri: str = Field(
         default="file://./runs/store",
@@ -573,7 +581,7 @@ class StoreConfig(_Section):
     endpoint: str | None = Field(
         default=None,
         pattern=HTTP_ENDPOINT,
-        description="S3 endpoint the pipeline's pods use (http(s)://host:port), set as TRACEFP4_S3_ENDPOINT; "
+        description=f"S3 endpoint the pipeline's pods use (http(s)://host:port), set as {ENDPOINT_ENV}; "
         "none: the pods' own environment.",
     )
     create_bucket: bool = Field(
@@ -586,6 +594,21 @@ class StoreConfig(_Section):
         pattern=DNS_SUBDOMAIN,
         description="Kubernetes secret holding the S3 credentials, mounted as the TRACEFP4_S3_* variables.",
     )
+    region: str | None = Field(
+        default=None,
+        pattern=S3_REGION,
+        description=f"S3 region the pipeline's pods sign requests for, set as {REGION_ENV}; none: the pods' own "
+        "environment, else the bucket's, asked of the server.",
+    )
+    ca_bundle_secret: str | None = Field(
+        default=None,
+        pattern=DNS_SUBDOMAIN,
+        description=f"Kubernetes secret holding, under the key {CA_BUNDLE_KEY}, the PEM CA bundle the pipeline's "
+        f"pods trust for https (an S3 server whose certificate a private CA signed, or a self-signed one): mounted "
+        f"read-only at {CA_BUNDLE_MOUNT} in every step and TrainJob rank, and named by {CA_BUNDLE_ENV}. The pods "
+        "then trust that bundle instead of the image's CA certificates, for the store and the Pushgateway alike: "
+        "put every CA they need in it. None: the image's.",
+    )
     access_key: SkipJsonSchema[SecretStr | None] = Field(
         default=None, exclude=True, repr=False, description="From TRACEFP4_S3_ACCESS_KEY only."
     )
@@ -597,6 +620,14 @@ class StoreConfig(_Section):
     @classmethod
     def _uri(cls, value: str) -> str:
         return _check_store_uri(value)
+
+    def pod_environment(self) -> dict[str, str]:
+        """The variables every pod of a cluster run gets, by name, besides the credentials from
+        `secret_name`: the endpoint, the region and the mounted CA bundle, those set."""
+        env = {ENDPOINT_ENV: self.endpoint, REGION_ENV: self.region}
+        if self.ca_bundle_secret:
+            env[CA_BUNDLE_ENV] = f"{CA_BUNDLE_MOUNT}/{CA_BUNDLE_KEY}"
+        return {name: value for name, value in env.items() if value}
 
     @field_validator("access_key", "secret_key", mode="before")
     @classmethod

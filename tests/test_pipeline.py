@@ -167,10 +167,9 @@ def test_compiled_yaml_names_every_component_and_parameter(tmp_path):
     assert pipeline_version().startswith("0.1.0-")
 
 
-def _leaf_tasks(spec: dict) -> dict:
-    """Every container task of a compiled pipeline, loops' bodies included: name -> (resources, retried)."""
-    executors, components_ = spec["deploymentSpec"]["executors"], spec["components"]
-    out = {}
+def _leaf_executors(spec: dict) -> dict:
+    """Every container task of a compiled pipeline, loops' bodies included: name -> (task, its executor's label)."""
+    components_, out = spec["components"], {}
 
     def walk(dag):
         for name, task in dag["tasks"].items():
@@ -178,11 +177,56 @@ def _leaf_tasks(spec: dict) -> dict:
             if "dag" in component:
                 walk(component["dag"])
             else:
-                resources = executors[component["executorLabel"]]["container"]["resources"]
-                out[name] = (resources, "retryPolicy" in task)
+                out[name] = (task, component["executorLabel"])
 
     walk(spec["root"]["dag"])
     return out
+
+
+def _leaf_tasks(spec: dict) -> dict:
+    """Every container task of a compiled pipeline, loops' bodies included: name -> (resources, retried)."""
+    executors = spec["deploymentSpec"]["executors"]
+    return {
+        name: (executors[label]["container"]["resources"], "retryPolicy" in task)
+        for name, (task, label) in _leaf_executors(spec).items()
+    }
+
+
+def test_every_step_gets_the_stores_region_and_ca_bundle(tmp_path):
+    """A store on https whose certificate a private CA signed: every step's pod, a loop's, a chained run's last
+    and a comparison's included, mounts the secret store.ca_bundle_secret and finds its ca.crt through
+    SSL_CERT_FILE, and signs for store.region; unset, the pods get neither."""
+    store = {"store.uri": "s3://runs/smoke", "store.endpoint": "https://minio.tracefp4:9000", "rollout.workers": 2}
+    tls = {"store.region": "eu-central-1", "store.ca_bundle_secret": "store-ca"}
+    endpoint = {"TRACEFP4_S3_ENDPOINT": "https://minio.tracefp4:9000"}
+    chained = {"rl.rounds": 2, "rl.rounds_per_run": 1}
+    for name, overrides, methods, env in [
+        ("run", {**store, **chained, **tls}, None, {"TRACEFP4_S3_REGION": "eu-central-1"}),
+        ("compare", {**store, **tls}, ["qat", "trace"], {"TRACEFP4_S3_REGION": "eu-central-1"}),
+        ("plain", {**store, **chained}, None, {}),
+    ]:
+        config = load_config(None, preset="smoke", overrides=overrides)
+        path = compile_pipeline(config, tmp_path / f"{name}.yaml", methods)
+        spec, platform = compiled_documents(open(path, "rb").read())
+        tasks = _leaf_executors(spec)
+        assert {"gather", "chain" if name != "compare" else "compare"} <= set(tasks), name
+        volumes = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+        for task, (_, label) in tasks.items():
+            found = {e["name"]: e["value"] for e in spec["deploymentSpec"]["executors"][label]["container"]["env"]}
+            mounted = volumes[label].get("secretAsVolume", [])
+            if name == "plain":  # nothing of either
+                assert found == endpoint and mounted == [], task
+                continue
+            assert found == {**endpoint, **env, "SSL_CERT_FILE": "/etc/tracefp4/store-ca/ca.crt"}, task
+            assert [(v["secretName"], v["mountPath"], v["optional"]) for v in mounted] == [
+                ("store-ca", "/etc/tracefp4/store-ca", False)  # a secret missing is the pod's error, not a skip
+            ], task
+    # a local run mounts no secret: its steps trust what its own SSL_CERT_FILE says, not a file that is not there
+    local = localize(load_config(None, preset="smoke", overrides={**store, **tls}), tmp_path / "local")
+    assert local.store.ca_bundle_secret is None and local.store.pod_environment() == {
+        **endpoint,
+        "TRACEFP4_S3_REGION": "eu-central-1",
+    }
 
 
 def test_only_steps_that_run_the_model_hold_gpus(tmp_path):

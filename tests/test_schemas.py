@@ -195,6 +195,13 @@ def test_values_that_would_run_without_effect_are_refused(overrides, path):
         ({"resources.node_selector": {"pool": "a b"}}, "resources.node_selector.pool", "label value"),
         ({"resources.tolerations": [{"value": "v"}]}, "resources.tolerations.0", "needs operator Exists"),
         ({"image": "ghcr.io//tracefp4"}, "image", "image reference"),
+        # a secret no pod could mount (every step would stay ContainerCreating), a region no S3 server names
+        ({"store.ca_bundle_secret": "Store_CA"}, "store.ca_bundle_secret", "Kubernetes object name"),
+        ({"store.ca_bundle_secret": ""}, "store.ca_bundle_secret", "Kubernetes object name"),
+        ({"store.ca_bundle_secret": "ca" * 127}, "store.ca_bundle_secret", "Kubernetes object name"),
+        ({"store.region": "eu central"}, "store.region", "S3 region name such as 'us-east-1'"),
+        ({"store.region": ""}, "store.region", "S3 region name"),
+        ({"store.region": "us-east-1/x"}, "store.region", "S3 region name"),
         # rates the syndrome codec would raise or cut without a word
         ({"guidance.syndrome_rate": 0.0625}, "guidance.syndrome_rate", "greater than or equal to 0.09375"),
         (
@@ -229,6 +236,18 @@ def test_kubernetes_settings_that_run_are_taken():
     }
     config = load_config(None, overrides={"resources": resources, "image": "registry.local:5000/team/img:1.0-RC1"})
     assert config.resources.node_selector["pool"] == "" and config.image.endswith(":1.0-RC1")
+
+
+def test_the_stores_region_and_ca_bundle_reach_the_pods_environment():
+    """What every pod of a cluster run gets besides the credentials: the variables the S3 client reads, those set."""
+    store = load_config(None, overrides={"store.uri": "s3://runs/x"}).store
+    assert store.pod_environment() == {}  # the pods' own environment
+    store.endpoint, store.region, store.ca_bundle_secret = "https://minio.tracefp4:9000", "us-east-1", "store-ca.v2"
+    assert store.pod_environment() == {
+        "TRACEFP4_S3_ENDPOINT": "https://minio.tracefp4:9000",
+        "TRACEFP4_S3_REGION": "us-east-1",
+        "SSL_CERT_FILE": "/etc/tracefp4/store-ca/ca.crt",  # the secret's key ca.crt, where the pods mount it
+    }
 
 
 def test_a_seed_a_pipeline_parameter_would_round_is_refused(tmp_path):

@@ -346,7 +346,8 @@ def test_untrusted_certificate_says_so(s3_server, tmp_path):
         with pytest.raises(
             StoreError,
             match=rf"the TLS certificate of https://127.0.0.1:{port} is not trusted: "
-            r"set SSL_CERT_FILE to the CA bundle that signed it \(.*CERTIFICATE_VERIFY_FAILED",
+            r"set SSL_CERT_FILE to the CA bundle that signed it, or in a cluster run store.ca_bundle_secret "
+            r"\(.*CERTIFICATE_VERIFY_FAILED",
         ):
             open_store("s3://bucket/p", env=env, retries=0)
         thread.join(10)

@@ -217,6 +217,45 @@ def test_the_rank_pods_get_the_runs_placement_shared_memory_and_no_istio_sidecar
     }
 
 
+def test_the_rank_pods_get_the_stores_region_and_ca_bundle(tmp_path, validator):
+    """As every step of the pipeline does: the secret store.ca_bundle_secret mounted read-only where
+    SSL_CERT_FILE finds its ca.crt, and store.region; unset, neither (the test above: the pod spec
+    holds /dev/shm alone)."""
+    c = config(tmp_path)
+    credentials = ["TRACEFP4_S3_ACCESS_KEY", "TRACEFP4_S3_SECRET_KEY"]
+    job = trainjob(c, trainjob_name(c, RUN, 0), NAMESPACE, [], b"{}")
+    assert [e["name"] for e in job["spec"]["trainer"]["env"]] == credentials
+    c.store.endpoint, c.store.region, c.store.ca_bundle_secret = "https://minio.tracefp4:9000", "eu-central-1", "ca"
+    job = trainjob(c, trainjob_name(c, RUN, 0), NAMESPACE, [], b"{}")
+    validator.validate(job)
+    env = job["spec"]["trainer"]["env"]
+    assert [e["name"] for e in env[:2]] == credentials and env[2:] == [
+        {"name": "TRACEFP4_S3_ENDPOINT", "value": "https://minio.tracefp4:9000"},
+        {"name": "TRACEFP4_S3_REGION", "value": "eu-central-1"},
+        {"name": "SSL_CERT_FILE", "value": "/etc/tracefp4/store-ca/ca.crt"},
+    ]
+    (patch,) = job["spec"]["runtimePatches"]
+    (replicated,) = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]
+    pod = replicated["template"]["spec"]["template"]["spec"]
+    assert pod["volumes"] == [
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "store-ca", "secret": {"secretName": "ca"}},
+    ]
+    assert pod["containers"] == [
+        {
+            "name": "node",  # the trainer's container, which the env above goes to
+            "volumeMounts": [
+                {"name": "dshm", "mountPath": "/dev/shm"},
+                {"name": "store-ca", "mountPath": "/etc/tracefp4/store-ca", "readOnly": True},
+            ],
+        }
+    ]
+    # the strict validator knows the secret volume's fields: a misspelled one is refused
+    pod["volumes"][1]["secret"] = {"name": "ca"}
+    with pytest.raises(jsonschema.ValidationError, match="'name' was unexpected"):
+        validator.validate(job)
+
+
 class FakeKubernetes:
     """Answers the TrainJob calls of the Kubernetes API on 127.0.0.1 (not a
     cluster): create, get, delete; each get moves the job along ``script``,
