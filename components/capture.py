@@ -210,7 +210,7 @@ def rows_of_groups(traj: Tensor, groups: list[Tensor]) -> list[Tensor]:
     group_of_id = torch.repeat_interleave(torch.arange(len(groups), device=traj.device), sizes)[order]
     group_of_row = torch.full_like(traj, len(groups), dtype=torch.long)  # rows of no group: a last one, dropped
     if len(ids):
-        at = torch.searchsorted(ids, traj.long()).clamp(max=len(ids) - 1)
+        at = torch.searchsorted(ids, traj.long().contiguous()).clamp(max=len(ids) - 1)
         group_of_row = torch.where(ids[at] == traj, group_of_id[at], group_of_row)
     rows = torch.argsort(group_of_row, stable=True)
     counts = torch.bincount(group_of_row, minlength=len(groups) + 1)
@@ -476,8 +476,14 @@ class Capture:
             raise RuntimeError("capture offload failed") from self._error
 
     @_timed
-    def drain(self) -> CaptureRecords:
-        """Wait for the offload thread, then return everything captured since the last drain."""
+    def drain(self, trajectories: Tensor | None = None) -> CaptureRecords:
+        """Wait for the offload thread, then return everything captured since
+        the last drain, or (``trajectories``) the rows of those trajectories
+        alone, the others kept for a later drain: a rollout hands the
+        trajectories that finished to the store while the rest decode, so that
+        the host never holds more than the running ones' capture and those
+        waiting for their shard's others. A trajectory's rows are all in once
+        its request retired (its KV is captured then, and nothing after)."""
         if self._buffers[self._turn].n_tokens:
             self._flush()
         self._jobs.join()
@@ -486,6 +492,15 @@ class Capture:
         records = CaptureRecords()
         for (layer, site), parts in sorted(chunks.items()):
             cat = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
+            traj = cat["meta"][:, 0]
+            if trajectories is not None:  # the others' rows (not padding) stay, as one chunk
+                (taken,) = rows_of_groups(traj, [trajectories])
+                left = torch.ones_like(traj, dtype=torch.bool)
+                left[taken] = False
+                left &= traj >= 0
+                if left.any():
+                    self._chunks[(layer, site)] = [{name: t[left] for name, t in cat.items()}]
+                cat = {name: t[taken] for name, t in cat.items()}
             codes, scales, meta = cat["codes"], cat["scales"], cat["meta"]
             order = (meta[:, 0] >= 0).nonzero()[:, 0]  # padding rows go
             order = order[torch.argsort(row_key(*meta[order, :3].unbind(1)), stable=True)]

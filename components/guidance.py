@@ -13,6 +13,7 @@ import json
 import queue
 import struct
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
@@ -437,6 +438,38 @@ class StepWriter:
         manifest["sha256"] = _manifest_digest(manifest)
         self.store.put_bytes(f"{self.base}/manifest.json", json.dumps(manifest, indent=1).encode())
         return manifest
+
+
+class FinishedShards:
+    """A rollout's capture handed to ``writer`` shard by shard while it runs:
+    the ``generate`` call's ``finished`` callback. Trajectories ``ids`` (a
+    range) make shards of ``writer.per_shard`` consecutive ids, the layout a
+    step written whole has; once a shard's last trajectory finishes, its rows
+    are drained (``drain``, the engine's) and written. The host then holds the
+    running requests' capture and that of finished ones whose shard waits for
+    another, never an RL step's (at the paper's scale, terabytes)."""
+
+    def __init__(self, writer: StepWriter, drain, ids: range):
+        self.writer, self.drain, self.ids = writer, drain, ids
+        self.left = [len(ids[i : i + writer.per_shard]) for i in range(0, len(ids), writer.per_shard)]
+        self.seconds = 0.0  # writing shards to the store
+
+    def __call__(self, done) -> None:
+        for trajectory in done:
+            shard = (trajectory.id - self.ids.start) // self.writer.per_shard
+            self.left[shard] -= 1
+            if not self.left[shard]:
+                start = shard * self.writer.per_shard
+                records = self.drain(torch.tensor(self.ids[start : start + self.writer.per_shard]))
+                writing = time.perf_counter()
+                self.writer.add(records)
+                self.seconds += time.perf_counter() - writing
+
+    def check_all_written(self) -> None:
+        """After the call: every shard written (a request the engine never reported would leave one behind)."""
+        waiting = [i for i, left in enumerate(self.left) if left]
+        if waiting:
+            raise GuidanceError(f"{self.writer.base}: shards {waiting} of trajectories {self.ids} never finished")
 
 
 def write_step(store, records: CaptureRecords, *, syndrome: dict | None = None, **step) -> dict:

@@ -22,6 +22,7 @@ Prefill runs the chunked form from a zero state, decode the recurrent form.
 import copy
 import hashlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -443,15 +444,20 @@ class TorchEngine:
         """Bytes the KV cache holds per cached token, all layers."""
         return KVCache(self.model.cfg, 1, 1, self.sites, self.dtype, "cpu").bytes_per_token()
 
-    def drain_capture(self) -> CaptureRecords:
-        """Everything captured since the last drain."""
+    def drain_capture(self, trajectories: Tensor | None = None) -> CaptureRecords:
+        """Everything captured since the last drain, or the rows of ``trajectories`` alone (:meth:`Capture.drain`)."""
         if self.capture is None:
             raise RuntimeError("this engine captures nothing: no capture config, or no FP4 activation/KV site")
-        return self.capture.drain()
+        return self.capture.drain(trajectories)
 
     @torch.inference_mode()  # no autograd or version-counter work per op: on a CPU ~9% of a small model's decode step
     def generate(
-        self, prompts: list[list[int]], sampling: SamplingParams, first: int | None = None, place: int = 0
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        first: int | None = None,
+        place: int = 0,
+        finished: Callable[[list[Trajectory]], None] | None = None,
     ) -> list[Trajectory]:
         """Sample one response per prompt. Prompt i gets trajectory id
         ``first + i`` (default: numbered on from the last call) and draws from
@@ -463,11 +469,14 @@ class TorchEngine:
         token rows); the others wait, in order, and at each stop check take
         the rows of the requests that finished (continuous batching): the
         same responses as one batch of them all, where the batch does not
-        change a request's rounding (docs/rollout.md, "Serving design")."""
+        change a request's rounding (docs/rollout.md, "Serving design").
+        ``finished`` is called at each stop check with the requests that
+        retired there, while the others decode on (a rollout drains their
+        capture to the store then)."""
         self._check(prompts, sampling)
         first = self._next_id if first is None else first
         self._next_id = first + len(prompts)
-        run = _Decode(self, prompts, sampling, first, place, self._rows_at_once(prompts))
+        run = _Decode(self, prompts, sampling, first, place, self._rows_at_once(prompts), finished)
         while run.check_if_due():
             run.sample(run.decode())
         return run.trajectories()
@@ -594,9 +603,10 @@ class _Decode:
     token; a retired row that nothing takes decodes from position 0 on, so
     that it never outgrows the cache."""
 
-    def __init__(self, engine, prompts, sampling, first, place, rows):
+    def __init__(self, engine, prompts, sampling, first, place, rows, finished=None):
         dev, n_new = engine.device, sampling.max_new_tokens
         self.engine, self.prompts, self.sampling, self.first, self.place = engine, prompts, sampling, first, place
+        self.finished = finished  # told the requests each stop check retires
         self.n_new = n_new
         longest = max(len(p) for p in prompts[:rows])  # what the first prefill needs; the cache grows for the rest
         cfg = engine.model.cfg
@@ -774,6 +784,8 @@ class _Decode:
         self.ids[index] = -1
         self.lengths[rows] = 1
         self.live = [r for r in self.live if r not in done]
+        if self.finished is not None:
+            self.finished([self.results[self.slot_request[slot]] for slot in slots])
 
     def trajectories(self) -> list[Trajectory]:
         """Each request's response up to its first stop token (or the length limit), in request order."""

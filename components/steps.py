@@ -44,6 +44,7 @@ from .checkpoint import (
 from .device import compute_on, resolve
 from .export import export
 from .guidance import (
+    FinishedShards,
     GuidanceError,
     GuidanceRef,
     StepSize,
@@ -448,14 +449,13 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
         lo, hi = s * per_step + per_step * worker // workers, s * per_step + per_step * (worker + 1) // workers
         params = sampling(config, config.seed + round_index * steps + s, tokenizer)
         prompts = encode_prompts(config, tokenizer, batch[lo:hi])
-        trajectories += engine.generate(prompts, params, first=lo, place=lo - s * per_step)
+        # the capture goes to the store a shard at a time as its requests finish (the drains count as capture)
+        shards = FinishedShards(writer, engine.drain_capture, range(lo, hi)) if writer is not None else None
+        trajectories += engine.generate(prompts, params, first=lo, place=lo - s * per_step, finished=shards)
         mine += batch[lo:hi]
-        if writer is not None:  # each RL step's capture to the store as it is drained, not a round's held at once
-            records = engine.drain_capture()  # the drain is part of the rollout
-            uploading = time.perf_counter()
-            writer.add(records)
-            del records
-            upload_s += time.perf_counter() - uploading
+        if shards is not None:
+            shards.check_all_written()
+            upload_s += shards.seconds
     elapsed = time.perf_counter() - start - upload_s
     stats = {f"rollout_{key}": value for key, value in throughput(trajectories, elapsed).items()}
     stats.update(capture_overhead_ratio=None, offload_seconds=None, upload_seconds=None)

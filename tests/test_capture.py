@@ -4,7 +4,15 @@ it exists to fix, measured on the tiny preset."""
 import pytest
 import torch
 
-from tracefp4.components.capture import KEY_POS_BITS, KEY_SLOT_BITS, Capture, CaptureConfig, TokenMap, row_key
+from tracefp4.components.capture import (
+    KEY_POS_BITS,
+    KEY_SLOT_BITS,
+    Capture,
+    CaptureConfig,
+    CaptureRecords,
+    TokenMap,
+    row_key,
+)
 from tracefp4.components.mismatch import compare, join_rows, signed_rank, teacher_force, token_groups
 from tracefp4.components.model import ModelConfig, build_model
 from tracefp4.components.quant import rollout_config
@@ -83,6 +91,32 @@ def assert_same_rollout(one, other) -> None:
         mine = other_records.tables[key]
         for field in ("traj", "pos", "slot", "codes", "scales"):
             assert torch.equal(getattr(table, field), getattr(mine, field)), (key, field)
+
+
+def test_trajectories_drained_as_they_finish_are_what_one_drain_gives(smoke):
+    """A rollout hands each finished request's capture on at the stop check that
+    retires it (``generate``'s ``finished``), the others' rows kept: drained so,
+    4 rows at a time over a small buffer, the records are those of one drain."""
+    _, whole, records = rollout(smoke, CaptureConfig(max_tokens=80), max_running_requests=4)
+    engine = TorchEngine(
+        smoke, rollout_config("fp4_wa_kv"), capture=CaptureConfig(max_tokens=80), max_running_requests=4
+    )
+    parts, retired = [], []
+
+    def finished(done):
+        retired.append(sorted(t.id for t in done))
+        parts.append(engine.drain_capture(torch.tensor(retired[-1])))
+
+    out = engine.generate(prompts(6, smoke.cfg.vocab_size), SamplingParams(max_new_tokens=7, seed=0), finished=finished)
+    assert len(retired) > 1 and sorted(t for ids in retired for t in ids) == list(range(6))
+    assert not engine.capture.pending()  # nothing left behind, padding included
+    for ids, part in zip(retired, parts):
+        assert {t for table in part.tables.values() for t in table.traj.tolist()} == set(ids)
+    drained = CaptureRecords.concat(parts)
+    for key, table in drained.tables.items():  # in row-key order, as one drain sorts them
+        order = torch.argsort(row_key(table.traj, table.pos, table.slot), stable=True)
+        drained.tables[key] = table.select(order)
+    assert_same_rollout((whole, records), (out, drained))
 
 
 def test_captured_kv_is_what_the_cache_held(smoke):

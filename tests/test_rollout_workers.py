@@ -105,17 +105,22 @@ def test_a_worker_rolls_out_at_most_max_running_requests_at_once(tmp_path, polic
     assert prefilled == [4, 2, 4, 2]
 
 
-def test_the_rollout_writes_each_rl_steps_capture_as_it_drains_it(tmp_path, policy, monkeypatch):
+def test_the_rollout_writes_each_shard_once_its_trajectories_finish(tmp_path, policy, monkeypatch):
     """Not a round's capture held at once (at the paper's scale, terabytes on
-    the host): each RL step's goes to the store after its generate call, and
+    the host), nor an RL step's: each shard goes to the store from the
+    generate call's stop check where its last trajectory finished, and
     offline compaction reads and writes the round shard by shard."""
     added, add = [], steps.StepWriter.add
     monkeypatch.setattr(
         steps.StepWriter, "add", lambda self, records: added.append(_trajectories(records)) or add(self, records)
     )
+    generating, generate = [], TorchEngine.generate
+    monkeypatch.setattr(TorchEngine, "generate", lambda *a, **kw: generating.append(len(added)) or generate(*a, **kw))
     c = config(tmp_path, 1, compaction="offline")
     steps.rollout(c, policy, 0, tmp_path / "one.jsonl", RUN)
-    assert added == [list(range(6)), list(range(6, 12))]  # steps_per_round 2, 6 responses each
+    # steps_per_round 2 of 6 responses, trajectories_per_shard 2: written shard by shard as the calls run
+    assert sorted(added) == [[i, i + 1] for i in range(0, 12, 2)] and generating == [0, 3]
+    assert steps.read_trajectories(tmp_path / "one.jsonl", RUN, 0)[1]  # the trajectories as ever
     added.clear()
     steps.compaction(c, policy, tmp_path / "one.jsonl", 0, RUN)
     assert c.guidance.trajectories_per_shard == 2 and added == [[i, i + 1] for i in range(0, 12, 2)]  # shard by shard
