@@ -1,5 +1,5 @@
 """What a paper preset holds in GPU memory, rollout and training: the sizes
-docs/deploy.md's "Memory at the paper's scale" quotes.
+docs/deploy.md's "GPU memory" quotes.
 
 The model is Qwen3.5-35B-A3B (``components.model.QWEN35_35B_A3B``, the
 checkpoint the paper presets load). Rollout sizes come from the library's

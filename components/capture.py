@@ -205,6 +205,8 @@ def rows_of_groups(traj: Tensor, groups: list[Tensor]) -> list[Tensor]:
     selects, for all the groups in one sort of the rows, where a scan per group
     would take time quadratic in a step's trajectories (a step's shards, a
     microbatch's trajectories in a shard)."""
+    if not groups:
+        return []
     ids, order = torch.cat([g.reshape(-1) for g in groups]).to(traj.device, torch.long).sort()
     sizes = torch.tensor([g.numel() for g in groups], device=traj.device)
     group_of_id = torch.repeat_interleave(torch.arange(len(groups), device=traj.device), sizes)[order]

@@ -170,12 +170,15 @@ def keep_freed_memory() -> bool:
 
 def free_bytes(device: torch.device) -> int | None:
     """Bytes a new tensor on ``device`` may take: on CUDA the driver's free
-    memory and what torch's caching allocator holds unused; None on the CPU,
-    where the operating system decides (and may overcommit)."""
+    memory once torch's caching allocator has handed back its unused blocks
+    (a count of those blocks would overstate it: partly used segments and
+    CUDA graphs' pools serve no large tensor); None on the CPU, where the
+    operating system decides (and may overcommit)."""
     if device.type != "cuda":
         return None
+    torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
-    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    return free
 
 
 def compute_on(device: torch.device) -> torch.device:

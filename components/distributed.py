@@ -22,10 +22,10 @@ come as paths or store URIs. How it works:
   of the weights and AdamW moments from each tensor rank 0 broadcasts
   (:meth:`DistributedTrainer.from_checkpoint`);
 - rank r trains the r-th of W contiguous runs of each optimizer step's
-  group of microbatches and loads only their guidance: neighbouring
-  trajectories share guidance shards, so each rank reads about 1/W of a
-  step's shards rather than every one; the group must split evenly, so every
-  rank takes part in every collective;
+  group of microbatches and loads only their guidance: where a guidance
+  shard holds no more than one rank's run, each rank reads about 1/W of a
+  step's shards; every group must split evenly, so every rank takes part in
+  every collective;
 - after each RL step the sharded state (weights, optimizer, the round's
   history so far) goes to the store through torch.distributed.checkpoint,
   the ``.metadata`` object last: a step whose ``.metadata`` is missing is
@@ -180,11 +180,17 @@ def _take_shard(target: Tensor, whole: Tensor) -> None:
 
 def rank_microbatches(microbatches: int, group: int, rank: int, world: int) -> list[int]:
     """The microbatches rank ``rank`` of ``world`` trains: the rank-th of ``world``
-    contiguous runs of each optimizer step's ``group`` (a multiple of ``world``).
-    Contiguous, not round-robin: neighbouring trajectories share a guidance
-    shard, so each rank reads its own few shards instead of every rank every one."""
-    share = group // world
-    return [i for i in range(microbatches) if i % group // share == rank]
+    contiguous runs of each optimizer step's group of ``group`` microbatches
+    (the last group may hold fewer; every group's size is a multiple of
+    ``world``, so every rank takes part in each). Contiguous, not round-robin:
+    where a guidance shard holds no more than one rank's run
+    (``guidance.trajectories_per_shard``), each rank reads its own shards
+    alone, about 1/``world`` of a step's (round-robin: two ranks or more each)."""
+    mine = []
+    for start in range(0, microbatches, group):
+        share = min(group, microbatches - start) // world
+        mine += range(start + rank * share, start + (rank + 1) * share)
+    return mine
 
 
 class DistributedTrainer(Trainer):

@@ -257,7 +257,8 @@ def decode_shard(data: bytes, name: str, expect: dict | None = None) -> tuple[di
     for spec in header["tables"]:
         arrays = {}
         for fname, f in spec["fields"].items():
-            raw = torch.frombuffer(bytearray(payload[f["offset"] : f["offset"] + f["nbytes"]]), dtype=torch.uint8)
+            data = bytearray(payload[f["offset"] : f["offset"] + f["nbytes"]])
+            raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)  # no rows
             arrays[fname] = raw.view(getattr(torch, f["dtype"])).reshape(f["shape"])
         traj, pos, slot = _expected_keys(ranges, spec["slots"])
         expert = arrays["expert"].long() if "expert" in arrays else torch.full_like(traj, -1)

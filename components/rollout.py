@@ -231,8 +231,8 @@ class KVCache:
 
     def grow(self, positions: int) -> bool:
         """Room for ``positions`` positions: the cache's length doubled until it
-        holds them (at most ``max_len``; only as far as they need where the
-        device has no room for the doubling), what it held copied over;
+        holds them (at most ``max_len``; where the device has no room for the
+        doubling, as far as it has room for), what it held copied over;
         whether it grew. Where the device lacks room even for that, a
         :class:`KVCacheFull` names the settings that size the cache, rather
         than an allocator's out-of-memory error."""
@@ -240,26 +240,23 @@ class KVCache:
             return False
         if positions > self.max_len:
             raise ValueError(f"{positions} positions exceed the cache's max_len {self.max_len}")
-        length = min(self.max_len, max(whole_span_blocks(positions), 2 * self.length))
+        needed = whole_span_blocks(positions)
+        length = min(self.max_len, max(needed, 2 * self.length))
         tensors = list(self.store.values())
         free = free_bytes(tensors[0].device) if tensors else None
         if free is not None:
             per_position = sum(t.nbytes // t.shape[self.position_axis] for t in tensors)
             largest = max(t.nbytes for t in tensors)  # a key's old tensor lives until its new one is filled
-
-            def need(length: int) -> int:
-                return (length - self.length) * per_position + largest
-
-            if need(length) > free:
-                length = whole_span_blocks(positions)
-            if need(length) > free:
+            fits = self.length + max(free - largest, 0) // per_position // SPAN_BLOCK * SPAN_BLOCK
+            if fits < needed:
+                short = (needed - fits) * per_position
                 raise KVCacheFull(
-                    f"the KV cache of {tensors[0].shape[0]} rows needs {need(length) / 2**30:.2f} GiB more to hold "
-                    f"{positions} positions ({per_position / tensors[0].shape[0] / 2**10:.1f} KiB a position a "
-                    f"row), and {free / 2**30:.2f} GiB is free on {tensors[0].device}: lower "
-                    "rollout.max_running_requests (the requests decoded at once, each row as long as the longest) "
-                    "or rollout.max_new_tokens"
+                    f"the KV cache of {tensors[0].shape[0]} rows cannot grow to {positions} positions on "
+                    f"{tensors[0].device}: {per_position / tensors[0].shape[0] / 2**10:.1f} KiB a position a row, "
+                    f"{fits} positions fit, {short / 2**30:.2f} GiB short; lower rollout.max_running_requests "
+                    "(the requests decoded at once, each row as long as the longest) or rollout.max_new_tokens"
                 )
+            length = min(length, fits)  # as far as the device has room for, where that is short of doubling
         for key, old in self.store.items():
             shape = list(old.shape)
             shape[self.position_axis] = length

@@ -558,9 +558,10 @@ def parse_s3_uri(uri: str) -> tuple[str, str]:
 
 
 def _without_credentials(uri: str):
-    """``uri`` split (urlsplit); a ValueError that does not echo it where it carries credentials ('@')."""
+    """``uri`` split (urlsplit); a ValueError that does not echo it where it carries credentials: an '@' in
+    its host part, or after a host part with a ':' (a secret holding '/' ends urlsplit's host part early)."""
     parts = urlsplit(uri)
-    if "@" in parts.netloc:  # do not echo the URI: it may hold credentials
+    if "@" in parts.netloc or (":" in parts.netloc and "@" in uri):  # do not echo the URI: it may hold credentials
         raise ValueError("store URIs must not carry credentials; set TRACEFP4_S3_ACCESS_KEY/_SECRET_KEY")
     return parts
 

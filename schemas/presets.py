@@ -99,7 +99,9 @@ def _paper(name: str, fmt: str, config: str) -> RunConfig:
                 "bits": 1,
                 "layers": len(guided),
                 "compaction": "inline",
-                "trajectories_per_shard": 64,
+                # one rank's run of an optimizer step's microbatches (1 x 16 / 8 ranks): each rank reads its own
+                # shards alone (docs/training.md, "Data"); at 10,000 tokens a trajectory a shard is about 0.5 GB
+                "trajectories_per_shard": 2,
             },
             "method": "trace",
             # training shards 35B parameters with their float32 master, gradients and AdamW moments (16 bytes a

@@ -516,10 +516,18 @@ def test_each_rank_trains_contiguous_runs_of_each_optimizer_steps_microbatches()
 
     # 8 microbatches, an optimizer step every 4, 2 ranks
     assert [rank_microbatches(8, 4, r, 2) for r in range(2)] == [[0, 1, 4, 5], [2, 3, 6, 7]]
-    ranks = [rank_microbatches(64, 64, r, 8) for r in range(8)]
-    assert sorted(i for mine in ranks for i in mine) == list(range(64))
-    shards_read = [{i // 16 for i in mine} for mine in ranks]  # 16 microbatches a shard (64 trajectories, 4 each)
-    assert all(len(read) == 1 for read in shards_read)
+    # a last group of fewer is cut in W runs too: every rank takes part in each optimizer step
+    assert [rank_microbatches(12, 8, r, 2) for r in range(2)] == [[0, 1, 2, 3, 8, 9], [4, 5, 6, 7, 10, 11]]
+    assert [rank_microbatches(4, 6, r, 2) for r in range(2)] == [[0, 1], [2, 3]]
+    # the paper preset: 4,096 microbatches of one trajectory, a step every 16, 8 ranks, shards of 2 trajectories
+    paper = get_preset("paper-nvfp4-wa-kv")
+    per_step = paper.rollout.prompts_per_step * paper.rollout.group_size // paper.rl.microbatch_size
+    world, shard = paper.train.world_size, paper.guidance.trajectories_per_shard
+    ranks = [rank_microbatches(per_step, paper.rl.grad_accumulation, r, world) for r in range(world)]
+    assert sorted(i for mine in ranks for i in mine) == list(range(per_step))
+    shards_read = [{i * paper.rl.microbatch_size // shard for i in mine} for mine in ranks]
+    assert [len(read) for read in shards_read] == [per_step // shard // world] * world  # 1/W of them each
+    assert len(set().union(*shards_read)) == sum(map(len, shards_read))  # no shard read by two ranks
 
 
 RANK0_BUSY = """

@@ -118,6 +118,18 @@ def test_a_step_written_part_by_part_reads_back_as_one_written_whole(captured, t
         writer.add(CaptureRecords({k: t.for_trajectories(torch.tensor(ids[:1])) for k, t in one_table.items()}))
 
 
+def test_a_step_of_no_trajectory_is_one_shard_of_empty_tables(captured, tmp_path):
+    engine, out, records = captured
+    empty = CaptureRecords(
+        {k: t.for_trajectories(torch.tensor([], dtype=torch.long)) for k, t in records.tables.items()}
+    )
+    store = open_store(str(tmp_path))
+    manifest = write_step(store, empty, rl_step=0, policy_version=0, top_k=2)
+    assert [e["trajectories"] for e in manifest["shards"]] == [[]]
+    back = read_step(store, 0)
+    assert back.tables.keys() == records.tables.keys() and all(len(t.traj) == 0 for t in back.tables.values())
+
+
 def test_offline_compaction_equals_inline_capture(captured):
     engine, out, full = captured
     layers = select_layers(1, [0, 1])

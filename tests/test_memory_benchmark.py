@@ -1,5 +1,5 @@
 """`benchmarks/memory.py` runs in the tests, so that the command behind
-docs/deploy.md's "Memory at the paper's scale" cannot rot, and the figures it
+docs/deploy.md's "GPU memory" cannot rot, and the figures it
 prints follow from the library's own sizes."""
 
 import json

@@ -372,12 +372,12 @@ def test_a_cache_the_device_has_no_room_to_double_grows_as_far_as_it_needs_or_sa
     assert cache.grow(65) and cache.length == 128  # the CPU: no probe, doubled
     room["bytes"] = more(256)
     assert cache.grow(129) and cache.length == 256  # the doubling fits
-    room["bytes"] = more(384)
-    assert cache.grow(257) and cache.length == 384  # only the room 257 positions need (whole_span_blocks)
-    room["bytes"] = per_position
-    with pytest.raises(rollout_module.KVCacheFull, match="4 rows needs .* lower rollout.max_running_requests"):
-        cache.grow(385)
-    assert cache.length == 384
+    room["bytes"] = more(416)
+    assert cache.grow(257) and cache.length == 416  # as far as there is room for: 257 positions need 384
+    room["bytes"] = more(416 + 31)
+    with pytest.raises(rollout_module.KVCacheFull, match="4 rows cannot grow to 417 .* 416 positions fit, 0.00 GiB"):
+        cache.grow(417)
+    assert cache.length == 416
 
 
 def test_a_retired_row_that_no_request_takes_never_outgrows_the_cache(model, each_dtype):
