@@ -135,6 +135,30 @@ def test_two_processes_train_what_one_does(round_inputs, both):
         torch.testing.assert_close(s2[i]["exp_avg_sq"], s1[i]["exp_avg_sq"], rtol=1e-4, atol=1e-12)
 
 
+def test_two_processes_train_a_last_group_of_fewer_microbatches_as_one_does(round_inputs, tmp_path):
+    """An optimizer step every 6 of an RL step's 4 microbatches: its one group
+    holds fewer, and each rank still trains a run of it. Given the first 3 to
+    rank 0 and 1 to rank 1, the ranks' collectives parted and both waited
+    until the timeout."""
+    tmp, ref, stats = round_inputs
+    inputs = (tmp / "policy-0", tmp / "state-0", tmp / "trajectories.jsonl")
+    uneven = config_for(tmp, grad_accumulation=6)
+    one = steps.train(uneven, *inputs, ref, tmp_path / "one", tmp_path / "one-state", RUN, stats)
+    two = torchrun(
+        config_for(tmp, processes=2, grad_accumulation=6),
+        *inputs,
+        tmp / "guidance.json",
+        tmp_path / "two",
+        tmp_path / "two-state",
+        tmp_path / "work",
+        RUN,
+        stats,
+    )
+    assert [r["optimizer_steps"] for r in two] == [r["optimizer_steps"] for r in one] == [1, 1, 1]
+    for a, b in zip(one, two):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-6)
+
+
 def test_two_processes_train_from_a_state_that_stands_in_the_store_as_from_the_state(round_inputs, both):
     """A later round of a train step in its own pod: its input state is a folder standing for the state in the
     store (steps.hand_on_state, the round before's); rank 0 fetches it there, and the round trains bit for
