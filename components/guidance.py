@@ -360,9 +360,10 @@ def step_prefix(prefix: str, rl_step: int) -> str:
 class StepWriter:
     """A step written as its records come: each part's shards at once (of
     ``trajectories_per_shard`` trajectories), the manifest last, by
-    :meth:`close`. The rollout adds each RL step's capture as it drains it,
-    and compaction each shard it reads, so that neither holds a round's
-    capture at once (at the paper's scale, terabytes). A step written before
+    :meth:`close`. The rollout adds each shard's capture as its requests
+    finish (:class:`FinishedShards`), and compaction each shard it reads, so
+    that neither holds an RL step's capture at once (at the paper's scale,
+    terabytes). A step written before
     (a retried task's) loses its manifest first: while the shards are
     rewritten the step does not exist, rather than fail its checksums.
     ``run_id`` names the run that rolled the step out, so that another run's
