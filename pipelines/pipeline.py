@@ -96,6 +96,8 @@ def _configure(task, config: RunConfig, retries: bool, role: str = COMPUTE, node
             kubernetes.add_node_selector(task, label_key=label, label_value=value)
     for t in r.tolerations:
         kubernetes.add_toleration(task, key=t.key, operator=t.operator, value=t.value, effect=t.effect)
+    for label, value in r.labels.items():
+        kubernetes.add_pod_label(task, label, value)
     # the store's credentials; optional with a file:// store, for an s3:// checkpoint set at run time
     optional = config.store.uri.startswith("file://")
     kubernetes.use_secret_as_env(

@@ -25,6 +25,7 @@ into the runtime's JobSet template.
 import contextlib
 import hashlib
 import json
+import re
 import signal
 import tempfile
 import time
@@ -174,9 +175,13 @@ def rank_pod_patch(config: RunConfig) -> models.TrainerV1alpha1RuntimePatch:
     )
 
 
-def trainjob(config: RunConfig, name: str, namespace: str, args: list[str], inputs: bytes) -> dict:
+def trainjob(
+    config: RunConfig, name: str, namespace: str, args: list[str], inputs: bytes, labels: dict | None = None
+) -> dict:
     """The TrainJob running the distributed train step with ``args`` on every
-    node, annotated with the sha256 of its ``inputs`` (:func:`inputs_record`)."""
+    node, annotated with the sha256 of its ``inputs`` (:func:`inputs_record`),
+    labelled with ``resources.labels`` (a Kueue queue, say) and ``labels``
+    (its run and round: :func:`run_labels`)."""
     r = config.resources
     limits = {"cpu": r.cpu, "memory": r.memory}
     if r.gpus:
@@ -200,7 +205,7 @@ def trainjob(config: RunConfig, name: str, namespace: str, args: list[str], inpu
         metadata=models.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
             name=name,
             namespace=namespace,
-            labels={"app.kubernetes.io/part-of": "tracefp4"},
+            labels={"app.kubernetes.io/part-of": "tracefp4", **config.resources.labels, **(labels or {})},
             annotations={INPUTS_ANNOTATION: hashlib.sha256(inputs).hexdigest()},
         ),
         spec=models.TrainerV1alpha1TrainJobSpec(
@@ -221,6 +226,20 @@ def trainjob(config: RunConfig, name: str, namespace: str, args: list[str], inpu
         ),
     )
     return job.to_dict()
+
+
+RUN_ID_LABEL, ROUND_LABEL = "tracefp4/run-id", "tracefp4/round"
+_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+
+
+def run_labels(run_id: str, round_index: int) -> dict[str, str]:
+    """A round's TrainJob's labels: its round and, where it makes a label value
+    (a KFP job id, a local run's id), its run id, so that ``kubectl get
+    trainjobs -l tracefp4/run-id=<run id>`` finds a run's jobs."""
+    labels = {ROUND_LABEL: str(round_index)}
+    if _LABEL_VALUE.match(run_id):
+        labels[RUN_ID_LABEL] = run_id
+    return labels
 
 
 def dry_run(config: RunConfig, api: client.ApiClient | None = None, namespace: str | None = None) -> None:
@@ -349,7 +368,8 @@ class TrainJobRun:
                         self.uri("new-state"),
                         self.uri("history.json"),
                     )
-                    if not self.create(trainjob(self.config, self.name, self.namespace, args, inputs), echo):
+                    labels = run_labels(self.run_id, self.round_index)
+                    if not self.create(trainjob(self.config, self.name, self.namespace, args, inputs, labels), echo):
                         ours = False
                         raise DistributedError(
                             f"creating TrainJob {self.namespace}/{self.name}: another attempt or submission created "

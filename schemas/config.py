@@ -712,6 +712,11 @@ class ResourcesConfig(_Section):
         default_factory=dict, description="Node labels a step must run on."
     )
     tolerations: list[Toleration] = Field(default_factory=list, description="Taints a step tolerates.")
+    labels: dict[LabelKey, LabelValue] = Field(
+        default_factory=dict,
+        description="Labels of every step's pod and of each TrainJob, e.g. kueue.x-k8s.io/queue-name: <a "
+        "LocalQueue>, by which Kueue admits the steps and the TrainJobs into the team's GPU quota.",
+    )
 
     @model_validator(mode="after")
     def _gpus_need_a_type(self) -> "ResourcesConfig":

@@ -282,6 +282,12 @@ def test_only_steps_that_run_the_model_hold_gpus(tmp_path):
     assert train["accelerator"]["count"] == "2" and train["resourceMemoryLimit"] == "64Gi"  # a training node
     # and a memory-backed /dev/shm for NCCL between them, larger than a container's 64 MiB
     executors = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    # resources.labels on every step's pod (a Kueue queue: the steps' GPUs come out of the team's quota)
+    config.resources.labels = {"kueue.x-k8s.io/queue-name": "team-a"}
+    _, labelled = yaml.safe_load_all(open(compile_pipeline(config, tmp_path / "labelled.yaml")))
+    labelled = labelled["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert all(e["podMetadata"]["labels"] == {"kueue.x-k8s.io/queue-name": "team-a"} for e in labelled.values())
+    assert len(labelled) == len(executors)
     mounts = {label: e.get("emptyDirMounts", []) for label, e in executors.items()}
     assert [label for label, m in mounts.items() if m] == ["exec-train"]
     assert mounts["exec-train"] == [{"volumeName": "dshm", "mountPath": "/dev/shm", "medium": "Memory"}]

@@ -423,13 +423,15 @@ def test_a_failed_trainjob_fails_the_step_with_its_reason_and_is_deleted(tmp_pat
 
 def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, validator):
     c = config(tmp_path)
+    c.resources.labels = {"kueue.x-k8s.io/queue-name": "team-a"}  # Kueue admits the TrainJob by it
     store = open_store(c.store.uri)
     prefix = round_prefix(c, RUN, 0)
-    seen = []
+    seen, labels = [], []
 
     def finish(job, prefix):  # what rank 0 uploads at the end (components/distributed.py)
         validator.validate(job)
         seen.append(job["spec"]["trainer"]["args"])
+        labels.append(job["metadata"]["labels"])
         for name in ("policy", "state"):
             for f in sorted((tmp_path / name).iterdir()):
                 store.put_bytes(f"{prefix}/new-{name}/{f.name}", f.read_bytes())
@@ -448,6 +450,15 @@ def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, v
     finally:
         fake.close()
     assert rows == [{"step": 1, "loss": 0.5}]
+    assert labels == [
+        {
+            "app.kubernetes.io/part-of": "tracefp4",
+            "kueue.x-k8s.io/queue-name": "team-a",
+            "tracefp4/run-id": RUN,  # kubectl get trainjobs -l tracefp4/run-id=<run id>
+            "tracefp4/round": "0",
+        }
+    ]
+    assert module.run_labels("not a label value!", 2) == {"tracefp4/round": "2"}  # carried by the name alone
     assert (tmp_path / "out" / "config.json").exists()
     # the new trainer state stays in the store: out-state stands for it, with its manifest (the same pin)
     assert sorted(p.name for p in (tmp_path / "out-state").iterdir()) == [MANIFEST, LOCATION]
