@@ -54,7 +54,7 @@ test-avx2: install-dev
 # The main job: the whole pipeline on this machine (kfp.local), the tiny preset;
 # a rerun resumes after the last finished task (--restart starts over).
 run: install
-	$(PY) -m tracefp4.pipelines.cli run --preset tiny --output runs/tiny
+	$(PY) -m tracefp4.pipelines run --preset tiny --output runs/tiny
 
 # docs/results.md (and docs/results/science.md with its plots) from the committed JSON under docs/results/ alone.
 results: install

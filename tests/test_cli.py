@@ -108,3 +108,24 @@ def test_a_run_refused_while_its_pipeline_is_built_says_only_why_and_makes_no_fo
     assert result.exit_code == 1 and result.output.startswith("Error: invalid tracefp4 config")
     assert "rollout.activation_global_scale: per_token cannot be exported" in result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_a_ctrl_c_while_the_command_loads_ends_it_with_a_line_not_a_traceback(capsys, monkeypatch):
+    """torch and kfp take a second or two to import; a Ctrl-C then (here raised
+    by the import itself) ends the command with exit status 130 and one line."""
+    import builtins
+
+    import tracefp4.pipelines
+
+    real_import = builtins.__import__
+
+    def interrupted(name, *args, **kwargs):
+        if name == "tracefp4.pipelines.cli":
+            raise KeyboardInterrupt
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", interrupted)
+    with pytest.raises(SystemExit) as exited:
+        tracefp4.pipelines.main()
+    assert exited.value.code == 130
+    assert capsys.readouterr().err == "tracefp4: interrupted while starting; nothing ran\n"
