@@ -360,7 +360,7 @@ def step_prefix(prefix: str, rl_step: int) -> str:
 class StepWriter:
     """A step written as its records come: each part's shards at once (of
     ``trajectories_per_shard`` trajectories), the manifest last, by
-    :meth:`close`. The rollout adds each shard's capture as its requests
+    :meth:`close`. The rollout adds shards' capture as their requests
     finish (:class:`FinishedShards`), and compaction each shard it reads, so
     that neither holds an RL step's capture at once (at the paper's scale,
     terabytes). A step written before
@@ -446,14 +446,21 @@ class FinishedShards:
     """A rollout's capture handed to ``writer`` shard by shard while it runs:
     the ``generate`` call's ``finished`` callback. Trajectories ``ids`` (a
     range) make shards of ``writer.per_shard`` consecutive ids, the layout a
-    step written whole has; once a shard's last trajectory finishes, its rows
-    are drained (``drain``, the engine's) and written. The host then holds the
-    running requests' capture and that of finished ones whose shard waits for
-    another, never an RL step's (at the paper's scale, terabytes)."""
+    step written whole has. A shard is ready once its last trajectory
+    finished; the ready ones are drained (``drain``, the engine's) and written
+    together once they hold as many trajectories as run at once (``running``)
+    or as are left to finish: each drain copies the running requests' capture
+    it leaves (:meth:`Capture.drain`), so draining every shard as it came would
+    copy that capture once per shard. The host then holds about twice the
+    running requests' capture, never an RL step's (at the paper's scale,
+    terabytes)."""
 
-    def __init__(self, writer: StepWriter, drain, ids: range):
-        self.writer, self.drain, self.ids = writer, drain, ids
-        self.left = [len(ids[i : i + writer.per_shard]) for i in range(0, len(ids), writer.per_shard)]
+    def __init__(self, writer: StepWriter, drain, ids: range, running: int):
+        self.writer, self.drain, self.ids, self.running = writer, drain, ids, running
+        self.shards = [ids[i : i + writer.per_shard] for i in range(0, len(ids), writer.per_shard)]
+        self.left = [len(shard) for shard in self.shards]
+        self.ready: list[range] = []  # shards whose trajectories all finished, not drained yet
+        self.unfinished = len(ids)
         self.seconds = 0.0  # writing shards to the store
 
     def __call__(self, done) -> None:
@@ -461,16 +468,19 @@ class FinishedShards:
             shard = (trajectory.id - self.ids.start) // self.writer.per_shard
             self.left[shard] -= 1
             if not self.left[shard]:
-                start = shard * self.writer.per_shard
-                records = self.drain(torch.tensor(self.ids[start : start + self.writer.per_shard]))
-                writing = time.perf_counter()
-                self.writer.add(records)
-                self.seconds += time.perf_counter() - writing
+                self.ready.append(self.shards[shard])
+        self.unfinished -= len(done)
+        if self.ready and sum(map(len, self.ready)) >= min(self.running, self.unfinished):
+            records = self.drain(torch.tensor([t for shard in self.ready for t in shard]))
+            self.ready = []
+            writing = time.perf_counter()
+            self.writer.add(records)  # cut into the ready shards: each full but a range's last
+            self.seconds += time.perf_counter() - writing
 
     def check_all_written(self) -> None:
         """After the call: every shard written (a request the engine never reported would leave one behind)."""
         waiting = [i for i, left in enumerate(self.left) if left]
-        if waiting:
+        if waiting or self.ready:
             raise GuidanceError(f"{self.writer.base}: shards {waiting} of trajectories {self.ids} never finished")
 
 

@@ -241,29 +241,38 @@ class KVCache:
         if positions > self.max_len:
             raise ValueError(f"{positions} positions exceed the cache's max_len {self.max_len}")
         needed = whole_span_blocks(positions)
-        length = min(self.max_len, max(needed, 2 * self.length))
-        tensors = list(self.store.values())
-        free = free_bytes(tensors[0].device) if tensors else None
-        if free is not None:
-            per_position = sum(t.nbytes // t.shape[self.position_axis] for t in tensors)
-            largest = max(t.nbytes for t in tensors)  # a key's old tensor lives until its new one is filled
-            fits = self.length + max(free - largest, 0) // per_position // SPAN_BLOCK * SPAN_BLOCK
-            if fits < needed:
-                short = (needed - fits) * per_position
-                raise KVCacheFull(
-                    f"the KV cache of {tensors[0].shape[0]} rows cannot grow to {positions} positions on "
-                    f"{tensors[0].device}: {per_position / tensors[0].shape[0] / 2**10:.1f} KiB a position a row, "
-                    f"{fits} positions fit, {short / 2**30:.2f} GiB short; lower rollout.max_running_requests "
-                    "(the requests decoded at once, each row as long as the longest) or rollout.max_new_tokens"
-                )
-            length = min(length, fits)  # as far as the device has room for, where that is short of doubling
-        for key, old in self.store.items():
+        length = min(self.max_len, max(needed, 2 * self.length), self._room(positions, needed))
+        for key in list(self.store):  # one key at a time: only its old tensor lives beside the new ones
+            old = self.store.pop(key)
             shape = list(old.shape)
             shape[self.position_axis] = length
             self.store[key] = old.new_zeros(shape)
             self.store[key].narrow(self.position_axis, 0, self.length).copy_(old)
+            del old
         self.length = length
         return True
+
+    def _room(self, positions: int, needed: int) -> int:
+        """The longest cache the device has room for (whole span blocks): what
+        it holds, and what a new length's tensors take beside it, with one key's
+        old tensor (which lives until its new one is filled) counted too;
+        unbounded where the device does not say (the CPU)."""
+        one = next(iter(self.store.values()), None)
+        free = free_bytes(one.device) if one is not None else None
+        if free is None:
+            return self.max_len
+        per_position = sum(t.nbytes // t.shape[self.position_axis] for t in self.store.values())
+        largest = max(t.nbytes for t in self.store.values())
+        fits = self.length + max(free - largest, 0) // per_position // SPAN_BLOCK * SPAN_BLOCK
+        if fits < needed:
+            rows, short = one.shape[0], (needed - fits) * per_position
+            raise KVCacheFull(
+                f"the KV cache of {rows} rows cannot grow to {positions} positions on {one.device}: "
+                f"{per_position / rows / 2**10:.1f} KiB a position a row, {fits} positions fit, "
+                f"{short / 2**30:.2f} GiB short; lower rollout.max_running_requests (the requests decoded at once, "
+                "each row as long as the longest) or rollout.max_new_tokens"
+            )
+        return fits
 
     def compact(self, rows: Tensor, active: int) -> None:
         """Move ``rows`` (indices of the current active rows, the ones that

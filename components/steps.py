@@ -449,8 +449,11 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
         lo, hi = s * per_step + per_step * worker // workers, s * per_step + per_step * (worker + 1) // workers
         params = sampling(config, config.seed + round_index * steps + s, tokenizer)
         prompts = encode_prompts(config, tokenizer, batch[lo:hi])
-        # the capture goes to the store a shard at a time as its requests finish (the drains count as capture)
-        shards = FinishedShards(writer, engine.drain_capture, range(lo, hi)) if writer is not None else None
+        # the capture goes to the store in shards as their requests finish (the drains count as capture)
+        shards = None
+        if writer is not None:
+            running = engine.max_running_requests or hi - lo
+            shards = FinishedShards(writer, engine.drain_capture, range(lo, hi), running)
         trajectories += engine.generate(prompts, params, first=lo, place=lo - s * per_step, finished=shards)
         mine += batch[lo:hi]
         if shards is not None:

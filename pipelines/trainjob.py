@@ -179,9 +179,11 @@ def trainjob(
     config: RunConfig, name: str, namespace: str, args: list[str], inputs: bytes, labels: dict | None = None
 ) -> dict:
     """The TrainJob running the distributed train step with ``args`` on every
-    node, annotated with the sha256 of its ``inputs`` (:func:`inputs_record`),
-    labelled with ``resources.labels`` (a Kueue queue, say) and ``labels``
-    (its run and round: :func:`run_labels`)."""
+    node, annotated with the sha256 of its ``inputs`` (:func:`inputs_record`)
+    and labelled with ``labels`` (its run and round: :func:`run_labels`). Not
+    with ``resources.labels``, the steps' pods': a Kueue queue's label there
+    would have Kueue hold and start the job, which this step creates suspended
+    and starts itself once the round's inputs are in the store."""
     r = config.resources
     limits = {"cpu": r.cpu, "memory": r.memory}
     if r.gpus:
@@ -205,7 +207,7 @@ def trainjob(
         metadata=models.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
             name=name,
             namespace=namespace,
-            labels={"app.kubernetes.io/part-of": "tracefp4", **config.resources.labels, **(labels or {})},
+            labels={"app.kubernetes.io/part-of": "tracefp4", **(labels or {})},
             annotations={INPUTS_ANNOTATION: hashlib.sha256(inputs).hexdigest()},
         ),
         spec=models.TrainerV1alpha1TrainJobSpec(

@@ -130,6 +130,30 @@ def test_a_step_of_no_trajectory_is_one_shard_of_empty_tables(captured, tmp_path
     assert back.tables.keys() == records.tables.keys() and all(len(t.traj) == 0 for t in back.tables.values())
 
 
+def test_finished_shards_are_drained_together_once_they_hold_as_many_as_run_at_once():
+    """Each drain copies the capture of the requests still running
+    (Capture.drain), so shards are not drained one by one as they complete, but
+    once the complete ones hold as many trajectories as run at once, or as are
+    left: ids 10..19 in shards of 3, 4 running at once."""
+    from types import SimpleNamespace
+
+    from tracefp4.components.guidance import FinishedShards
+
+    drained = []
+    writer = SimpleNamespace(per_shard=3, base="s", add=lambda records: None)
+    shards = FinishedShards(writer, lambda ids: drained.append(ids.tolist()), range(10, 20), running=4)
+    finish = lambda *ids: shards([SimpleNamespace(id=i) for i in ids])  # noqa: E731
+    finish(10, 11, 12)  # shard 10..12 complete: 3 trajectories, 4 run at once
+    assert drained == []
+    finish(19)  # the last shard (one trajectory) complete too: 4
+    assert drained == [[10, 11, 12, 19]]
+    finish(13, 14, 16, 17)  # 13..15 and 16..18 not complete
+    assert drained == [[10, 11, 12, 19]]
+    finish(15, 18)  # both complete, and nothing is left to finish
+    assert drained[1:] == [[13, 14, 15, 16, 17, 18]]
+    shards.check_all_written()
+
+
 def test_offline_compaction_equals_inline_capture(captured):
     engine, out, full = captured
     layers = select_layers(1, [0, 1])

@@ -1,6 +1,7 @@
 """The rollout engine: sampling, logprobs, batching, FP4 KV cache, weight sync."""
 
 import json
+import weakref
 from dataclasses import replace
 from pathlib import Path
 
@@ -356,10 +357,14 @@ def test_one_new_token_each_with_requests_waiting(model, each_dtype):
     assert sizes == [("prefill", 3), ("prefill", 3), ("prefill", 1)]  # no decode step
 
 
-def test_a_cache_the_device_has_no_room_to_double_grows_as_far_as_it_needs_or_says_what_sizes_it(model, monkeypatch):
+def test_a_cache_the_device_has_no_room_to_double_grows_as_far_as_there_is_room_or_says_what_sizes_it(
+    model, monkeypatch
+):
     """On CUDA the cache asks the device for room before it grows (the probe is
-    faked here: on the CPU it says nothing): doubling where it fits, else only
-    to the positions needed, else a KVCacheFull naming the settings."""
+    faked here: on the CPU it says nothing): doubling where it fits, else as
+    far as there is room (in whole span blocks; growing by a block at a time
+    would copy the whole cache every 32 decode steps), else, where that is
+    short of the positions needed, a KVCacheFull naming the settings."""
     engine = TorchEngine(model)
     cache = rollout_module.KVCache(model.cfg, 4, 4096, engine.sites, torch.bfloat16, "cpu", length=64)
     per_position = sum(t.nbytes // t.shape[2] for t in cache.store.values())
@@ -378,6 +383,17 @@ def test_a_cache_the_device_has_no_room_to_double_grows_as_far_as_it_needs_or_sa
     with pytest.raises(rollout_module.KVCacheFull, match="4 rows cannot grow to 417 .* 416 positions fit, 0.00 GiB"):
         cache.grow(417)
     assert cache.length == 416
+    # the room counted: an old tensor goes once its key's new one is filled, so beside the new tensors only the
+    # olds of the key being grown and of those not grown yet live (holding every old one took twice the room)
+    olds = [weakref.ref(t) for t in cache.store.values()]
+    alive, new_zeros = [], torch.Tensor.new_zeros
+    monkeypatch.setattr(
+        torch.Tensor,
+        "new_zeros",
+        lambda *a, **kw: alive.append(sum(r() is not None for r in olds)) or new_zeros(*a, **kw),
+    )
+    room["bytes"] = None
+    assert cache.grow(417) and alive == list(range(len(olds), 0, -1))
 
 
 def test_a_retired_row_that_no_request_takes_never_outgrows_the_cache(model, each_dtype):

@@ -107,9 +107,10 @@ def test_a_worker_rolls_out_at_most_max_running_requests_at_once(tmp_path, polic
 
 def test_the_rollout_writes_each_shard_once_its_trajectories_finish(tmp_path, policy, monkeypatch):
     """Not a round's capture held at once (at the paper's scale, terabytes on
-    the host), nor an RL step's: each shard goes to the store from the
-    generate call's stop check where its last trajectory finished, and
-    offline compaction reads and writes the round shard by shard."""
+    the host), nor an RL step's: the shards whose trajectories all finished go
+    to the store from a stop check of the generate call, once they hold as
+    many trajectories as run at once (2 here); offline compaction reads and
+    writes the round shard by shard."""
     added, add = [], steps.StepWriter.add
     monkeypatch.setattr(
         steps.StepWriter, "add", lambda self, records: added.append(_trajectories(records)) or add(self, records)
@@ -117,13 +118,16 @@ def test_the_rollout_writes_each_shard_once_its_trajectories_finish(tmp_path, po
     generating, generate = [], TorchEngine.generate
     monkeypatch.setattr(TorchEngine, "generate", lambda *a, **kw: generating.append(len(added)) or generate(*a, **kw))
     c = config(tmp_path, 1, compaction="offline")
+    c = c.model_copy(update={"rollout": c.rollout.model_copy(update={"max_running_requests": 2})})
     steps.rollout(c, policy, 0, tmp_path / "one.jsonl", RUN)
-    # steps_per_round 2 of 6 responses, trajectories_per_shard 2: written shard by shard as the calls run
-    assert sorted(added) == [[i, i + 1] for i in range(0, 12, 2)] and generating == [0, 3]
-    assert steps.read_trajectories(tmp_path / "one.jsonl", RUN, 0)[1]  # the trajectories as ever
+    # steps_per_round 2 of 6 responses, 2 at a time, trajectories_per_shard 2: written as the calls run
+    assert generating[0] == 0 and generating[1] >= 2 and sorted(t for part in added for t in part) == list(range(12))
+    manifest = read_manifest(open_store(c.store.uri), 0, steps.store_prefix(c, RUN, "capture"))
+    assert sorted(e["trajectories"] for e in manifest["shards"]) == [[i, i + 1] for i in range(0, 12, 2)]
     added.clear()
     steps.compaction(c, policy, tmp_path / "one.jsonl", 0, RUN)
-    assert c.guidance.trajectories_per_shard == 2 and added == [[i, i + 1] for i in range(0, 12, 2)]  # shard by shard
+    assert sorted(added) == [[i, i + 1] for i in range(0, 12, 2)]  # shard by shard
+    assert steps.read_trajectories(tmp_path / "one.jsonl", RUN, 0)[1]  # the trajectories as ever
 
 
 def _trajectories(records) -> list[int]:

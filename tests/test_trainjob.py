@@ -423,7 +423,7 @@ def test_a_failed_trainjob_fails_the_step_with_its_reason_and_is_deleted(tmp_pat
 
 def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, validator):
     c = config(tmp_path)
-    c.resources.labels = {"kueue.x-k8s.io/queue-name": "team-a"}  # Kueue admits the TrainJob by it
+    c.resources.labels = {"kueue.x-k8s.io/queue-name": "team-a"}  # the steps' pods': Kueue would hold the TrainJob
     store = open_store(c.store.uri)
     prefix = round_prefix(c, RUN, 0)
     seen, labels = [], []
@@ -453,7 +453,6 @@ def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, v
     assert labels == [
         {
             "app.kubernetes.io/part-of": "tracefp4",
-            "kueue.x-k8s.io/queue-name": "team-a",
             "tracefp4/run-id": RUN,  # kubectl get trainjobs -l tracefp4/run-id=<run id>
             "tracefp4/round": "0",
         }
