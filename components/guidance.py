@@ -39,6 +39,9 @@ _PREAMBLE = struct.Struct("<8sHI")  # magic, format version, header length
 _DIGEST = 32  # sha256 over everything before it
 
 
+STEP_MANIFEST = "manifest.json"  # a step's, written last: the step exists once it does
+
+
 class GuidanceError(ValueError):
     """Guidance that cannot be trusted: names the object and what is wrong."""
 
@@ -388,7 +391,7 @@ class StepWriter:
         self.shards: list[dict] = []
         self.written: set[int] = set()  # the trajectories in the shards so far
         self.empty: CaptureRecords | None = None  # the tables without rows, for a step of no trajectory
-        store.delete(f"{self.base}/manifest.json")  # a retry's: its shards are overwritten, so the step is gone
+        store.delete(f"{self.base}/{STEP_MANIFEST}")  # a retry's: its shards are overwritten, so the step is gone
 
     def add(self, records: CaptureRecords) -> None:
         """Write the shards of ``records``: trajectories none before held, in the tables the step's first part had."""
@@ -438,7 +441,7 @@ class StepWriter:
         if syndrome is not None:
             manifest["syndrome"] = syndrome
         manifest["sha256"] = _manifest_digest(manifest)
-        self.store.put_bytes(f"{self.base}/manifest.json", json.dumps(manifest, indent=1).encode())
+        self.store.put_bytes(f"{self.base}/{STEP_MANIFEST}", json.dumps(manifest, indent=1).encode())
         return manifest
 
 
@@ -510,7 +513,7 @@ def merge_steps(store, rl_step: int, sources: list[str], prefix: str, expect: di
         raise GuidanceError(f"{store.uri}: step {rl_step} of {sources}: a trajectory appears in two sources")
     manifest = {**{k: v for k, v in first.items() if k != "sha256"}, "shards": shards}
     manifest["sha256"] = _manifest_digest(manifest)
-    store.put_bytes(f"{step_prefix(prefix, rl_step)}/manifest.json", json.dumps(manifest, indent=1).encode())
+    store.put_bytes(f"{step_prefix(prefix, rl_step)}/{STEP_MANIFEST}", json.dumps(manifest, indent=1).encode())
     return manifest
 
 
@@ -523,7 +526,7 @@ def _manifest_digest(manifest: dict) -> str:
 
 def read_manifest(store, rl_step: int, prefix: str = "guidance", expect: dict | None = None) -> dict:
     """A step's manifest, verified; a step without one is missing (or still being written)."""
-    key = f"{step_prefix(prefix, rl_step)}/manifest.json"
+    key = f"{step_prefix(prefix, rl_step)}/{STEP_MANIFEST}"
     name = f"{store.uri}/{key}"
     try:
         manifest = json.loads(store.get_bytes(key))

@@ -188,11 +188,12 @@ class ArtifactStore(ABC):
         manifest, a checkpoint's ``.metadata``) first, so that a half-deleted
         folder is never read as whole."""
         keys = [k for k in self.list(prefix.rstrip("/") + "/") if keep is None or not k.startswith(keep + "/")]
-        self.delete_keys(keys, marker)
+        self.delete_keys(keys, (marker,))
 
-    def delete_keys(self, keys: Iterable[str], marker: str) -> None:
-        """Delete ``keys``, each folder's ``marker`` first (:meth:`delete_folder`)."""
-        for key in sorted(keys, key=lambda k: not k.endswith("/" + marker)):
+    def delete_keys(self, keys: Iterable[str], markers: tuple[str, ...]) -> None:
+        """Delete ``keys``, every folder's marker (any of ``markers``: a run's
+        folders have each their own kind) first (:meth:`delete_folder`)."""
+        for key in sorted(keys, key=lambda k: k.rpartition("/")[2] not in markers):
             self.delete(key)
 
     def __repr__(self) -> str:

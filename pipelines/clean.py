@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from tracefp4.components.checkpoint import MANIFEST
+from tracefp4.components.distributed import METADATA
+from tracefp4.components.guidance import STEP_MANIFEST
 from tracefp4.components.store import open_store
 from tracefp4.pipelines.submit import SubmitError, quiet
 
@@ -199,6 +201,11 @@ def survey(folder: RunFolder, everything: bool = False) -> Survey:
     return Survey(folder, keys, sum(sizes[k] for k in keys))
 
 
+# What says a folder of a run is whole, written last: a checkpoint's checksums, a guidance or capture step's
+# manifest, a sharded training checkpoint's .metadata
+FOLDER_MARKERS = (MANIFEST, STEP_MANIFEST, METADATA)
+
+
 def delete(found: Survey) -> None:
-    """Delete what ``found`` lists, each folder's manifest first: one half deleted is never read as whole."""
-    open_store(found.folder.root).delete_keys(found.keys, MANIFEST)
+    """Delete what ``found`` lists, each folder's marker first: one half deleted is never read as whole."""
+    open_store(found.folder.root).delete_keys(found.keys, FOLDER_MARKERS)

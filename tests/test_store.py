@@ -494,3 +494,23 @@ def test_a_local_write_syncs_the_file_then_the_folder_that_names_it(tmp_path, mo
     LocalStore(tmp_path).put_bytes("run/shard.bin", b"x")
     assert len(synced) == 2 and synced[0].startswith(str(tmp_path / "run" / ".shard.bin."))  # the temp file's data
     assert synced[1] == str(tmp_path / "run")  # then the rename, after it
+
+
+def test_a_runs_folders_lose_their_markers_before_anything_else(tmp_path):
+    """``runs clean`` deletes a run's folders of every kind at once: each one's
+    marker (a checkpoint's checksums, a guidance step's manifest, a sharded
+    checkpoint's .metadata) goes before any other file, so that a deletion cut
+    short never leaves a folder that reads as whole without its files."""
+    from tracefp4.pipelines.clean import FOLDER_MARKERS
+
+    store = LocalStore(tmp_path)
+    folders = {"policy": "checksums.json", "guidance/step-000000": "manifest.json", "ckpt/step-000001": ".metadata"}
+    keys = [f"{folder}/{name}" for folder, marker in folders.items() for name in ("a.bin", marker, "b.bin")]
+    for key in keys:
+        store.put_bytes(key, b"x")
+    order = []
+    delete = store.delete
+    store.delete = lambda key: order.append(key) or delete(key)
+    store.delete_keys(keys, FOLDER_MARKERS)
+    markers = {f"{folder}/{marker}" for folder, marker in folders.items()}
+    assert set(order[: len(markers)]) == markers and sorted(order) == sorted(keys) and not store.list("")
