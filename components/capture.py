@@ -199,23 +199,34 @@ class SiteTable:
         return Guidance(codes, self.bits, scales, g, self.fmt, torch.Size((len(codes), self.width)))
 
 
+def group_of_rows(traj: Tensor, groups: list[Tensor]) -> Tensor:
+    """For each row, the index of the group of trajectory ids (the groups
+    disjoint) that holds its ``traj``, ``len(groups)`` where none does: one
+    sorted lookup for every row and group, where a scan per group would take
+    time quadratic in a step's trajectories."""
+    # made where the groups are (the host), then moved without waiting: the training forward asks per microbatch
+    ids = torch.cat([g.reshape(-1) for g in groups]).long() if groups else torch.zeros(0, dtype=torch.long)
+    sizes = torch.tensor([g.numel() for g in groups], dtype=torch.long)
+    group_of_id = torch.repeat_interleave(torch.arange(len(groups)), sizes)
+    ids, order = to_device(ids, traj.device).sort()
+    group_of_id = to_device(group_of_id, traj.device)[order]
+    none = torch.full_like(traj, len(groups), dtype=torch.long)
+    if not len(ids):
+        return none
+    at = torch.searchsorted(ids, traj.long().contiguous()).clamp(max=len(ids) - 1)
+    return torch.where(ids[at] == traj, group_of_id[at], none)
+
+
 def rows_of_groups(traj: Tensor, groups: list[Tensor]) -> list[Tensor]:
     """For each group of trajectory ids (the groups disjoint), the indices of the
     rows whose ``traj`` is in it, in row order: what ``torch.isin(traj, group)``
-    selects, for all the groups in one sort of the rows, where a scan per group
-    would take time quadratic in a step's trajectories (a step's shards, a
-    microbatch's trajectories in a shard)."""
+    selects, for all the groups in one sort of the rows (:func:`group_of_rows`;
+    a step's shards, a microbatch's trajectories in a shard)."""
     if not groups:
         return []
-    ids, order = torch.cat([g.reshape(-1) for g in groups]).to(traj.device, torch.long).sort()
-    sizes = torch.tensor([g.numel() for g in groups], device=traj.device)
-    group_of_id = torch.repeat_interleave(torch.arange(len(groups), device=traj.device), sizes)[order]
-    group_of_row = torch.full_like(traj, len(groups), dtype=torch.long)  # rows of no group: a last one, dropped
-    if len(ids):
-        at = torch.searchsorted(ids, traj.long().contiguous()).clamp(max=len(ids) - 1)
-        group_of_row = torch.where(ids[at] == traj, group_of_id[at], group_of_row)
-    rows = torch.argsort(group_of_row, stable=True)
-    counts = torch.bincount(group_of_row, minlength=len(groups) + 1)
+    group = group_of_rows(traj, groups)
+    rows = torch.argsort(group, stable=True)
+    counts = torch.bincount(group, minlength=len(groups) + 1)
     return list(rows.split(counts.tolist()))[: len(groups)]
 
 
@@ -496,10 +507,8 @@ class Capture:
             cat = {name: torch.cat([p[name] for p in parts]) for name in parts[0]}
             traj = cat["meta"][:, 0]
             if trajectories is not None:  # the others' rows (not padding) stay, as one chunk
-                (taken,) = rows_of_groups(traj, [trajectories])
-                left = torch.ones_like(traj, dtype=torch.bool)
-                left[taken] = False
-                left &= traj >= 0
+                taken = group_of_rows(traj, [trajectories]) == 0
+                left = ~taken & (traj >= 0)
                 if left.any():
                     self._chunks[(layer, site)] = [{name: t[left] for name, t in cat.items()}]
                 cat = {name: t[taken] for name, t in cat.items()}

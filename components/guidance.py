@@ -747,7 +747,7 @@ class GuidanceLoader:
         self.allow_rtn_fallback = allow_rtn_fallback
         self.fallen_back: set[int] = set()  # trajectories rounded RTN for want of guidance
         self._shard_of = {t: i for i, e in enumerate(self.manifest["shards"]) for t in e["trajectories"]}
-        self._cache: OrderedDict[int, dict[int, dict]] = OrderedDict()  # shard -> trajectory -> its tables
+        self._cache: OrderedDict[int, dict[int, CaptureRecords]] = OrderedDict()  # shard -> trajectory -> its rows
         self._cached_shards = cached_shards
         self._queue: queue.Queue = queue.Queue(maxsize=prefetch)
         self._stopped = threading.Event()  # the consumer is done: the producer stops instead of waiting on it
@@ -760,12 +760,12 @@ class GuidanceLoader:
         (a microbatch whose guidance is loaded twice, for pi_old and for its loss, counts once)."""
         return len(self.fallen_back)
 
-    def _shard(self, index: int) -> dict[int, dict]:
-        """Shard ``index``'s tables of each of its trajectories, cut once when read."""
+    def _shard(self, index: int) -> dict[int, CaptureRecords]:
+        """Shard ``index``'s records of each of its trajectories, cut once when read."""
         if index not in self._cache:
             entry = self.manifest["shards"][index]
             parts = _split(read_shard(self.store, self.manifest, entry), [[t] for t in entry["trajectories"]])
-            self._cache[index] = {t: part.tables for t, part in zip(entry["trajectories"], parts)}
+            self._cache[index] = dict(zip(entry["trajectories"], parts))
             while len(self._cache) > self._cached_shards:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(index)
@@ -775,14 +775,8 @@ class GuidanceLoader:
         missing = [t for t in trajectories if t not in self._shard_of]
         if missing and not self.allow_rtn_fallback:
             raise GuidanceError(f"step {self.manifest['rl_step']} has no guidance for trajectories {missing}")
-        parts: dict[tuple[int, str], list[SiteTable]] = {}
-        for t in trajectories:
-            if t in missing:
-                continue
-            for key, table in self._shard(self._shard_of[t])[t].items():
-                parts.setdefault(key, []).append(table)
-        tables = {key: type(tabs[0]).concat(tabs) for key, tabs in parts.items()}
-        return MicrobatchGuidance(list(trajectories), tables, missing)
+        found = [self._shard(self._shard_of[t])[t] for t in trajectories if t not in missing]
+        return MicrobatchGuidance(list(trajectories), CaptureRecords.concat(found).tables, missing)
 
     def _produce(self) -> None:
         try:

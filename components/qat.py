@@ -41,6 +41,7 @@ from tracefp4.kernels import (
     to_device,
 )
 
+from .capture import group_of_rows
 from .guidance import GuidanceError, MicrobatchGuidance
 from .quant import ACTIVATION_SITES, QuantConfig, Recorder, fp4_expert_weights, kv_from_rows, kv_rows
 from .syndrome import SyndromeTable, add_tally, decode_rows
@@ -152,11 +153,8 @@ class TrainingSites:
 
     def _sequences(self, table) -> Tensor:
         """Per row of a (host) guidance table, the microbatch sequence of its trajectory (-1: another microbatch's)."""
-        ids, sequence = self.trajectories.sort()
-        if not len(ids):
-            return torch.full_like(table.traj, -1, dtype=torch.long)
-        at = torch.searchsorted(ids, table.traj.long()).clamp(max=len(ids) - 1)
-        return torch.where(ids[at] == table.traj, sequence[at], -1)
+        sequence = group_of_rows(table.traj, list(self.trajectories.view(-1, 1)))
+        return torch.where(sequence < len(self.trajectories), sequence, -1)
 
     def _keeps(self, site: str) -> bool:
         """Whether this method leaves ``site``'s values as they are."""

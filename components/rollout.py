@@ -482,12 +482,12 @@ class TorchEngine:
         self._check(prompts, sampling)
         first = self._next_id if first is None else first
         self._next_id = first + len(prompts)
-        run = _Decode(self, prompts, sampling, first, place, self._rows_at_once(prompts), finished)
+        run = _Decode(self, prompts, sampling, first, place, self.rows_at_once(prompts), finished)
         while run.check_if_due():
             run.sample(run.decode())
         return run.trajectories()
 
-    def _rows_at_once(self, prompts: list[list[int]]) -> int:
+    def rows_at_once(self, prompts: list[list[int]]) -> int:
         """How many of ``prompts`` run at once: all, but ``max_running_requests``
         at most, and, capturing, as many as a prefill of the longest prompts
         fits a capture buffer (a prompt alone too long still fails there)."""

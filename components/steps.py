@@ -452,8 +452,7 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
         # the capture goes to the store in shards as their requests finish (the drains count as capture)
         shards = None
         if writer is not None:
-            running = engine.max_running_requests or hi - lo
-            shards = FinishedShards(writer, engine.drain_capture, range(lo, hi), running)
+            shards = FinishedShards(writer, engine.drain_capture, range(lo, hi), engine.rows_at_once(prompts))
         trajectories += engine.generate(prompts, params, first=lo, place=lo - s * per_step, finished=shards)
         mine += batch[lo:hi]
         if shards is not None:

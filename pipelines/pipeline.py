@@ -209,9 +209,9 @@ def _train_and_evaluate(c, configure, config: RunConfig, config_json, run_id):
                 previous=history,
             ),
             HOST if config.train.in_trainjob else COMPUTE,
-            node=config.train.launcher == "torchrun" and config.train.world_size > 1,
+            node=config.train.ranks_in_pod,
         )
-        if config.train.launcher == "torchrun" and config.train.world_size > 1:  # its processes share the pod
+        if config.train.ranks_in_pod:  # its processes share the pod
             kubernetes.empty_dir_mount(step, volume_name="dshm", mount_path="/dev/shm", medium="Memory")
         policy, history = step.outputs["new_policy"], step.outputs["history"]
         state = step.outputs["new_trainer_state"]

@@ -43,7 +43,7 @@ from tracefp4.components.launch import MODULE, rank_arguments, torchrun
 from tracefp4.components.steps import config_digest, store_prefix
 from tracefp4.components.store import ArtifactNotFound, open_store
 from tracefp4.schemas import RunConfig
-from tracefp4.schemas.config import CA_BUNDLE_MOUNT, SECRET_KEYS
+from tracefp4.schemas.config import CA_BUNDLE_MOUNT, LABEL_VALUE, SECRET_KEYS
 
 GROUP, VERSION, PLURAL = "trainer.kubeflow.org", "v1alpha1", "trainjobs"
 SERVICE_ACCOUNT_NAMESPACE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
@@ -231,7 +231,6 @@ def trainjob(
 
 
 RUN_ID_LABEL, ROUND_LABEL = "tracefp4/run-id", "tracefp4/round"
-_LABEL_VALUE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 
 
 def run_labels(run_id: str, round_index: int) -> dict[str, str]:
@@ -239,7 +238,7 @@ def run_labels(run_id: str, round_index: int) -> dict[str, str]:
     (a KFP job id, a local run's id), its run id, so that ``kubectl get
     trainjobs -l tracefp4/run-id=<run id>`` finds a run's jobs."""
     labels = {ROUND_LABEL: str(round_index)}
-    if _LABEL_VALUE.match(run_id):
+    if run_id and re.match(LABEL_VALUE, run_id):
         labels[RUN_ID_LABEL] = run_id
     return labels
 

@@ -436,6 +436,12 @@ class TrainSection(_Section):
         return self.nodes * self.processes_per_node
 
     @property
+    def ranks_in_pod(self) -> bool:
+        """Whether torchrun runs several ranks in the train step's own pod (a
+        training node's GPUs and a shared /dev/shm there)."""
+        return self.launcher == "torchrun" and self.world_size > 1
+
+    @property
     def in_trainjob(self) -> bool:
         """Whether the ranks run in a TrainJob, the train step only launching it:
         one process trains in the step itself, whatever the launcher."""

@@ -62,7 +62,7 @@ def test_a_batch_whose_prefill_overflows_a_buffer_rolls_out_two_at_a_time(smoke)
     of one call (each request draws from its own generator)."""
     _, whole, records = rollout(smoke, CaptureConfig())
     engine, bounded, bounded_records = rollout(smoke, CaptureConfig(max_tokens=24))
-    assert max(len(p) for p in prompts(6, smoke.cfg.vocab_size)) == 11 and engine._rows_at_once(prompts(6, 256)) == 2
+    assert max(len(p) for p in prompts(6, smoke.cfg.vocab_size)) == 11 and engine.rows_at_once(prompts(6, 256)) == 2
     assert_same_rollout((whole, records), (bounded, bounded_records))
 
 
