@@ -22,6 +22,7 @@ give 1 or 0; ``range`` turns n into [0, 1, ..., n-1]. For example
 ``filter odd | map sq | sum`` takes [1, 2, 3] to 10.
 """
 
+import functools
 from dataclasses import dataclass
 
 MAX_CHARS = 512  # source length
@@ -140,6 +141,13 @@ def parse(source: str) -> tuple[Stage, ...]:
     """The stages of ``source``; ProgramError names the position of a problem."""
     if not isinstance(source, str):
         raise ProgramError(f"a program is a str, not {type(source).__name__}")
+    return _parsed(source)
+
+
+@functools.lru_cache(maxsize=1024)
+def _parsed(source: str) -> tuple[Stage, ...]:
+    """:func:`parse`, kept (its stages are immutable): drawing a program task's
+    problem runs each candidate program on every example input."""
     if len(source) > MAX_CHARS:
         raise ProgramError(f"program of {len(source)} characters; the limit is {MAX_CHARS}")
     parser = _Parser(source)

@@ -280,11 +280,57 @@ def _listed(numbers: tuple[int, ...]) -> tuple[tuple[str, int, int], ...]:
     return tuple(_expressions(numbers))
 
 
+@functools.lru_cache(maxsize=4096)
+def _values(numbers: tuple[int, ...]) -> frozenset[int]:
+    """The values the expressions over ``numbers`` in this order reach (each
+    number once, positive integer intermediates: :func:`_join`), without their texts."""
+    if len(numbers) == 1:
+        return frozenset(numbers)
+    values = set()
+    for k in range(1, len(numbers)):
+        rights = _values(numbers[k:])
+        for a in _values(numbers[:k]):
+            for b in rights:  # + - * and exact /, as _combine
+                values.update((a + b, a - b, a * b, a // b if b and a % b == 0 else 0))
+    return frozenset(v for v in values if v > 0)
+
+
+def _taking(a: int, rights: frozenset[int], wanted: set[int]) -> set[int]:
+    """The values ``b`` among ``rights`` for which ``a op b`` is in ``wanted``
+    (positive values) for some op of + - * and exact /: from each wanted
+    value, the operand of each op that reaches it."""
+    operands = ((w - a, a - w, w // a if a and w % a == 0 else 0, a // w if a % w == 0 else 0) for w in wanted)
+    return {b for four in operands for b in four if b in rights}
+
+
+def _first(numbers: tuple[int, ...], wanted: set[int]) -> tuple[str, int, int] | None:
+    """The first of :func:`_expressions` over ``numbers`` whose value is in
+    ``wanted``, or None, found from the parts' values alone: the left values
+    that some right value takes into ``wanted``, the first expression of the
+    left part reaching one, then the first of the right part that it needs.
+    The expressions before it are never written out; a difficulty-5 prompt's
+    five numbers have thousands per ordering, and 20,000 prompts took over a
+    minute to enumerate in every step that draws the tasks (docs/evaluation.md)."""
+    if len(numbers) == 1:
+        return (str(numbers[0]), numbers[0], 3) if numbers[0] in wanted else None
+    for k in range(1, len(numbers)):
+        left_part, right_part = numbers[:k], numbers[k:]
+        rights = _values(right_part)
+        lefts = {a for a in _values(left_part) if _taking(a, rights, wanted)}
+        if lefts:
+            left = _first(left_part, lefts)
+            right = _first(right_part, _taking(left[1], rights, wanted))
+            return next(j for op in "+-*/" if (j := _join(left, right, op)) is not None and j[1] in wanted)
+    return None
+
+
 def canonical_answer(numbers: list[int], target: int) -> str | None:
     """The one reference answer of a countdown prompt: over the orderings of
     ``numbers`` from the largest first, the first expression using every
     number that reaches ``target`` (:func:`_expressions`' order); None if
-    none does.
+    none does. Found from values (:func:`_first`); :func:`enumerated_answer`,
+    which writes the expressions out, is its definition, which tests and
+    ``benchmarks/tasks.py`` compare it with.
 
     Why one per prompt: a prompt has many solutions, and the generator's
     random draw picks any. SFT on those teaches a spread over forms whose
@@ -293,6 +339,15 @@ def canonical_answer(numbers: list[int], target: int) -> str | None:
     SFT steps with drawn answers (commit cb90d70) and reaches 32.2% with this
     one: ``python benchmarks/science.py --bootstrap-only --seeds 1 --sft-steps 600``."""
     orderings = dict.fromkeys(itertools.permutations(sorted(numbers, reverse=True)))  # repeated numbers: once
+    wanted = {target} if target > 0 else set()  # every expression's value is positive
+    found = (expression for order in orderings if (expression := _first(order, wanted)) is not None)
+    return next(found, (None,))[0]
+
+
+def enumerated_answer(numbers: list[int], target: int) -> str | None:
+    """:func:`canonical_answer` by its definition: every expression written
+    out, ordering by ordering, until one reaches ``target``."""
+    orderings = dict.fromkeys(itertools.permutations(sorted(numbers, reverse=True)))
     found = (text for order in orderings for text, value, _ in _expressions(order) if value == target)
     return next(found, None)
 

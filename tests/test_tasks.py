@@ -2,8 +2,13 @@
 else 0.0 without raising; splits are disjoint and seeded; every character
 the tasks write fits the smoke model's vocabulary."""
 
+import json
+import random
+import subprocess
+import sys
 import typing
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -13,10 +18,12 @@ from tracefp4.components.tasks import (
     COUNTDOWN_LEVELS,
     DIFFICULTIES,
     END,
+    MAX_TARGET,
     PROGRAM_LEVELS,
     TASKS,
     Problem,
     canonical_answer,
+    enumerated_answer,
     evaluate_expression,
     format_example,
     get_task,
@@ -25,6 +32,7 @@ from tracefp4.components.tasks import (
 from tracefp4.components.tokenizer import UNK, build_tokenizer
 from tracefp4.schemas import TaskName
 
+ROOT = Path(__file__).resolve().parent.parent
 CASES = [(name, d) for name in TASKS for d in DIFFICULTIES]
 
 
@@ -119,6 +127,27 @@ def test_countdown_answer_is_one_per_prompt():
     assert canonical_answer([2, 3, 7], 13) == canonical_answer([7, 2, 3], 13) == "7+3*2"
     assert canonical_answer([3, 8, 8], 40) == "8*(8-3)"
     assert canonical_answer([2, 3, 7], 1000) is None  # unreachable with each number once
+
+
+def test_countdown_answer_is_the_first_reaching_expression_of_the_enumeration():
+    """canonical_answer finds its answer from the parts' values; its definition
+    writes every expression out (enumerated_answer). Both agree on prompts of
+    every difficulty, targets out of reach, and non-positive ones."""
+    rng = random.Random(0)
+    for difficulty, (count, largest) in COUNTDOWN_LEVELS.items():
+        for _ in range(60 if difficulty < 5 else 12):
+            numbers = [rng.randint(1, largest) for _ in range(count)]
+            for target in (rng.randint(1, MAX_TARGET), rng.randint(1, 30), rng.randint(-2, 0)):
+                assert canonical_answer(numbers, target) == enumerated_answer(numbers, target), (numbers, target)
+
+
+def test_the_tasks_benchmark_checks_the_answers_it_times():
+    command = [sys.executable, "benchmarks/tasks.py", "--preset", "tiny", "--prompts", "20"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    assert figures["countdown_prompts"] == 20 and figures["countdown_search_speedup"] > 0
+    assert figures["arithmetic_d1_problems"] == 300 and figures["countdown_d1_split_s"] >= 0
 
 
 def test_countdown_checks_numbers_and_target():
