@@ -182,9 +182,10 @@ def apply_to_methods(config_json: str, values: dict, methods: list[str]) -> str:
 
 
 def reached(config_json: str) -> str:
-    """``config_json`` once what the run's steps will reach has answered: the
-    store (its endpoint, credentials and bucket) and, where the ranks train in
-    a TrainJob, the Kubernetes API taking one of these settings
+    """``config_json`` once what the run's steps will reach has answered: its
+    tasks (every task's split drawn, :func:`check_drawable`), the store (its
+    endpoint, credentials and bucket) and, where the ranks train in a
+    TrainJob, the Kubernetes API taking one of these settings
     (:func:`~tracefp4.pipelines.trainjob.dry_run`). The pipeline's first task
     asks, on a cluster with the steps' own secrets and service account: else
     a typo in the store shows in the first GPU step, and a TrainJob's in
@@ -192,12 +193,29 @@ def reached(config_json: str) -> str:
     from tracefp4.components.store import open_store
 
     config = RunConfig.model_validate_json(config_json)
+    check_drawable(config)
     open_store(config.store.uri, create_bucket=config.store.create_bucket)
     if config.train.in_trainjob:
         from tracefp4.pipelines.trainjob import dry_run
 
         dry_run(config)
     return config_json
+
+
+def check_drawable(config: RunConfig) -> None:
+    """Every task holds its ``train_size + test_size`` distinct problems: a
+    task's generator alone knows (countdown at difficulty 1 has about 2,750),
+    so validation cannot, and prepare, the first step to draw them, would
+    find out on a GPU node after fetching the checkpoint. Drawing them here
+    costs what each step pays (``benchmarks/tasks.py``: half a minute on a
+    paper preset)."""
+    from tracefp4.components.steps import task_splits
+
+    try:
+        task_splits(config)
+    except ValueError as e:  # "tasks.i: reason"
+        field, _, reason = str(e).partition(": ")
+        raise ConfigError([(field, reason)]) from None
 
 
 def check_servable(config: RunConfig) -> None:

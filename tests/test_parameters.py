@@ -76,6 +76,23 @@ def test_the_first_task_finds_a_store_the_steps_cannot_reach(s3_env):
     assert reached(config_json) == config_json
 
 
+def test_the_first_task_draws_the_tasks_the_steps_will_draw(tmp_path):
+    """A task's generator alone knows how many distinct problems it holds
+    (countdown at difficulty 1: about 2,750), so validation passes a split
+    larger than that; configure draws them, so the run fails there, naming
+    the task, not in prepare on a GPU node after fetching the checkpoint."""
+    data = get_preset("smoke").model_dump()
+    data["store"]["uri"] = (tmp_path / "store").as_uri()
+    data["tasks"] = [{"name": "countdown", "difficulty": 1, "train_size": 2900, "test_size": 100}]
+    config_json = RunConfig.model_validate(data).model_dump_json()
+    with pytest.raises(ConfigError, match=r"tasks.0: train_size 2900 \+ test_size 100: countdown at difficulty 1: 27"):
+        reached(config_json)
+    assert not (tmp_path / "store").exists()  # refused before anything else is asked
+    data["tasks"][0]["train_size"] = 2600
+    config_json = RunConfig.model_validate(data).model_dump_json()
+    assert reached(config_json) == config_json
+
+
 def test_a_dag_shaping_field_cannot_be_set_at_run_time():
     pipeline = build_pipeline(get_preset("smoke"))
     with pytest.raises(TypeError):
