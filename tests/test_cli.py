@@ -1,6 +1,10 @@
 """The CLI and config loading refuse bad input with one clear message, before
 anything runs."""
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import get_args
 
 import pytest
@@ -8,6 +12,8 @@ from click.testing import CliRunner
 
 from tracefp4.pipelines.cli import main
 from tracefp4.schemas import ConfigError, Method, load_config
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
@@ -125,7 +131,31 @@ def test_a_ctrl_c_while_the_command_loads_ends_it_with_a_line_not_a_traceback(ca
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", interrupted)
+    monkeypatch.delenv("PYTHONSAFEPATH", raising=False)  # which main sets for the Pythons it starts
     with pytest.raises(SystemExit) as exited:
         tracefp4.pipelines.main()
     assert exited.value.code == 130
     assert capsys.readouterr().err == "tracefp4: interrupted while starting; nothing ran\n"
+
+
+def test_the_command_started_in_the_checkouts_root_leaves_its_kernels_folder_off_sys_path():
+    """``python -m tracefp4.pipelines`` (``make run``) in the checkout's root has
+    the root first on sys.path, where the kernels/ folder shadows the `kernels`
+    package transformers imports for its model code: the command drops it, and
+    the Pythons it starts (kfp.local's components, torchrun's ranks) do not
+    put their working directory there."""
+    script = (
+        "import os, subprocess, sys\n"
+        "sys.argv = ['tracefp4', '--help']\n"
+        "from tracefp4.pipelines import main\n"
+        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+        "import kernels\n"
+        "child = 'import kernels; print(kernels.__file__)'\n"
+        "print(kernels.__file__, subprocess.run([sys.executable, '-c', child], capture_output=True, text=True).stdout)"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH", "PYTHONPATH")}
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ours, childs = (Path(path).resolve() for path in done.stdout.split()[-2:])
+    assert ROOT / "kernels" not in (ours.parent, childs.parent)
+    assert ours == childs  # the package transformers imports, in both
