@@ -203,17 +203,18 @@ def reached(config_json: str) -> str:
 
 
 def check_drawable(config: RunConfig) -> None:
-    """Every task holds its ``train_size + test_size`` distinct problems: a
+    """Every task holds its ``train_size + test_size`` distinct problems, and
+    an enabled bootstrap's ``extra_problems`` their ``size`` besides: a
     task's generator alone knows (countdown at difficulty 1 has about 2,750),
     so validation cannot, and prepare, the first step to draw them, would
     find out on a GPU node after fetching the checkpoint. Drawing them here
     costs what each step pays (``benchmarks/tasks.py``: half a minute on a
     paper preset)."""
-    from tracefp4.components.steps import task_splits
+    from tracefp4.components.steps import sft_problems, task_splits
 
     try:
-        task_splits(config)
-    except ValueError as e:  # "tasks.i: reason"
+        sft_problems(config) if config.bootstrap.enabled else task_splits(config)
+    except ValueError as e:  # "tasks.i: reason", "bootstrap.extra_problems.i: reason"
         field, _, reason = str(e).partition(": ")
         raise ConfigError([(field, reason)]) from None
 

@@ -91,6 +91,12 @@ def test_the_first_task_draws_the_tasks_the_steps_will_draw(tmp_path):
     data["tasks"][0]["train_size"] = 2600
     config_json = RunConfig.model_validate(data).model_dump_json()
     assert reached(config_json) == config_json
+    # the bootstrap draws its extra problems outside the splits, from what is left
+    data["bootstrap"]["enabled"] = True
+    data["bootstrap"]["extra_problems"] = [{"name": "countdown", "difficulty": 1, "size": 200}]
+    config_json = RunConfig.model_validate(data).model_dump_json()
+    with pytest.raises(ConfigError, match=r"bootstrap.extra_problems.0: size 200: countdown at difficulty 1: "):
+        reached(config_json)
 
 
 def test_a_dag_shaping_field_cannot_be_set_at_run_time():
