@@ -7,6 +7,7 @@ without a manifest does not exist. The format is specified in
 ``docs/guidance-format.md``.
 """
 
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -170,8 +171,17 @@ def _expected_keys(ranges: dict[int, int], slots: int) -> tuple[Tensor, Tensor, 
     return traj, pos, slot
 
 
-def encode_shard(records: CaptureRecords, *, rl_step: int, policy_version: int, top_k: int) -> bytes:
-    """One shard: the given trajectories' rows of every table."""
+def encode_shard(records: CaptureRecords, **step) -> bytes:
+    """One shard: the given trajectories' rows of every table (``step``: its
+    ``rl_step``, ``policy_version`` and ``top_k``)."""
+    return _encoded(records, **step)[0]
+
+
+def _encoded(records: CaptureRecords, *, rl_step: int, policy_version: int, top_k: int) -> tuple[bytes, str]:
+    """:func:`encode_shard`'s bytes and their sha256 (the manifest's), hashed
+    piece by piece as they are laid out and joined once: the payload is copied
+    once, and hashed once for both digests (at the paper's scale a round's
+    guidance is terabytes, encoded while the rollout runs)."""
     ranges = _trajectory_ranges(records)
     tables, payload = [], []
     offset = 0
@@ -197,7 +207,7 @@ def encode_shard(records: CaptureRecords, *, rl_step: int, policy_version: int, 
             arrays["expert"] = t.expert.to(torch.int16)
         fields = {}
         for name, a in arrays.items():
-            raw = a.contiguous().view(torch.uint8).numpy().tobytes()
+            raw = a.contiguous().view(torch.uint8).reshape(-1).numpy()  # the tensor's memory, not a copy
             fields[name] = {
                 "dtype": str(a.dtype).removeprefix("torch."),
                 "shape": list(a.shape),
@@ -233,12 +243,21 @@ def encode_shard(records: CaptureRecords, *, rl_step: int, policy_version: int, 
         "tables": tables,
     }
     head = json.dumps(header, sort_keys=True).encode()
-    body = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(head)) + head + b"".join(payload)
-    return body + hashlib.sha256(body).digest()
+    pieces = [_PREAMBLE.pack(MAGIC, FORMAT_VERSION, len(head)), head, *payload]
+    digest = hashlib.sha256()
+    for piece in pieces:
+        digest.update(piece)
+    body_digest = digest.digest()  # the shard's own checksum, of everything before it
+    digest.update(body_digest)
+    return b"".join([*pieces, body_digest]), digest.hexdigest()
 
 
-def decode_shard(data: bytes, name: str, expect: dict | None = None) -> tuple[dict, CaptureRecords]:
-    """Verify and read a shard; ``expect`` maps header fields to required values."""
+def decode_shard(
+    data: bytes, name: str, expect: dict | None = None, body_digest: bytes | None = None
+) -> tuple[dict, CaptureRecords]:
+    """Verify and read a shard; ``expect`` maps header fields to required values;
+    ``body_digest``: the sha256 of all but its last 32 bytes, where the caller
+    hashed them already (:func:`read_shard`)."""
     if len(data) < _PREAMBLE.size + _DIGEST:
         raise GuidanceError(f"{name}: truncated ({len(data)} bytes)")
     magic, version, head_len = _PREAMBLE.unpack_from(data)
@@ -246,7 +265,7 @@ def decode_shard(data: bytes, name: str, expect: dict | None = None) -> tuple[di
         raise GuidanceError(f"{name}: not a tracefp4 guidance shard (magic {magic!r})")
     if version not in READ_VERSIONS:
         raise GuidanceError(f"{name}: format version {version}, this reader reads {READ_VERSIONS}")
-    if hashlib.sha256(data[:-_DIGEST]).digest() != data[-_DIGEST:]:
+    if (body_digest or hashlib.sha256(memoryview(data)[:-_DIGEST]).digest()) != data[-_DIGEST:]:
         raise GuidanceError(f"{name}: checksum mismatch (corrupted or truncated)")
     header = json.loads(data[_PREAMBLE.size : _PREAMBLE.size + head_len])
     payload = memoryview(data)[_PREAMBLE.size + head_len : -_DIGEST]
@@ -412,13 +431,11 @@ class StepWriter:
             self._put(part)
 
     def _put(self, part: CaptureRecords) -> None:
-        data = encode_shard(part, **self.header)
+        data, sha256 = _encoded(part, **self.header)
         key = f"{self.base}/shard-{len(self.shards):05d}.bin"
         self.store.put_bytes(key, data)
         held = list(_trajectory_ranges(part))  # in the tables' order, as the shard's header lists them
-        self.shards.append(
-            {"key": key, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(), "trajectories": held}
-        )
+        self.shards.append({"key": key, "bytes": len(data), "sha256": sha256, "trajectories": held})
 
     def close(self, syndrome: dict | None = None) -> dict:
         """Write the manifest (last) and return it. ``syndrome`` (syndrome-coded
@@ -445,6 +462,45 @@ class StepWriter:
         return manifest
 
 
+class BackgroundStepWriter(StepWriter):
+    """A :class:`StepWriter` that encodes and stores each part on a thread of
+    its own, in order, while its caller goes on: the rollout's decode loop
+    hands it the shards that finished and decodes on, where writing them
+    itself left the device idle (at the paper's scale, terabytes a round to
+    encode, hash and upload). One part is written at a time, and :meth:`add`
+    waits for it before handing over the next, so the host holds at most two
+    parts besides the running requests' capture. An error of the thread is
+    raised by the next :meth:`add` or by :meth:`close`; ``waited`` sums the
+    seconds the caller spent waiting for the thread."""
+
+    def __init__(self, store, **step):
+        super().__init__(store, **step)
+        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="guidance-writer")
+        self._writing: concurrent.futures.Future | None = None
+        self.waited = 0.0
+
+    def add(self, records: CaptureRecords) -> None:
+        self._wait()
+        self._writing = self._thread.submit(super().add, records)
+
+    def close(self, syndrome: dict | None = None) -> dict:
+        try:
+            self._wait()
+        finally:
+            self._thread.shutdown()
+        return super().close(syndrome)
+
+    def _wait(self) -> None:
+        if self._writing is None:
+            return
+        start = time.perf_counter()
+        try:
+            self._writing.result()
+        finally:
+            self._writing = None
+            self.waited += time.perf_counter() - start
+
+
 class FinishedShards:
     """A rollout's capture handed to ``writer`` shard by shard while it runs:
     the ``generate`` call's ``finished`` callback. Trajectories ``ids`` (a
@@ -455,8 +511,9 @@ class FinishedShards:
     or as are left to finish: each drain copies the running requests' capture
     it leaves (:meth:`Capture.drain`), so draining every shard as it came would
     copy that capture once per shard. The host then holds about twice the
-    running requests' capture, never an RL step's (at the paper's scale,
-    terabytes)."""
+    running requests' capture (three times with a :class:`BackgroundStepWriter`,
+    whose part being written stays until the next is handed over), never an
+    RL step's (at the paper's scale, terabytes)."""
 
     def __init__(self, writer: StepWriter, drain, ids: range, running: int):
         self.writer, self.drain, self.ids, self.running = writer, drain, ids, running
@@ -464,7 +521,7 @@ class FinishedShards:
         self.left = [len(shard) for shard in self.shards]
         self.ready: list[range] = []  # shards whose trajectories all finished, not drained yet
         self.unfinished = len(ids)
-        self.seconds = 0.0  # writing shards to the store
+        self.seconds = 0.0  # the loop held up handing shards to the writer
 
     def __call__(self, done) -> None:
         for trajectory in done:
@@ -554,10 +611,13 @@ def read_shard(store, manifest: dict, entry: dict) -> CaptureRecords:
     name = f"{store.uri}/{entry['key']}"
     if len(data) != entry["bytes"]:
         raise GuidanceError(f"{name}: {len(data)} bytes, the manifest says {entry['bytes']}")
-    if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+    digest = hashlib.sha256(memoryview(data)[:-_DIGEST])  # one pass for both checksums
+    body_digest = digest.digest()
+    digest.update(memoryview(data)[-_DIGEST:])
+    if digest.hexdigest() != entry["sha256"]:
         raise GuidanceError(f"{name}: sha256 differs from the manifest's")
     expect = {k: manifest[k] for k in ("rl_step", "policy_version", "layers", "sites", "codec")}
-    header, records = decode_shard(data, name, expect)
+    header, records = decode_shard(data, name, expect, body_digest)
     if [t for t, _ in header["trajectories"]] != entry["trajectories"]:
         raise GuidanceError(
             f"{name}: holds trajectories {header['trajectories']}, the manifest lists {entry['trajectories']}"

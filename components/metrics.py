@@ -55,7 +55,9 @@ METRICS = {
     "tracefp4_rollout_seconds": Metric("Wall time of the rollout's generate calls.", ("rollout_config",)),
     "tracefp4_capture_overhead_ratio": Metric("Rollout-thread time spent capturing FP4 codes, over the rollout time."),
     "tracefp4_capture_offload_seconds": Metric("Busy time of the capture's background offload thread."),
-    "tracefp4_guidance_upload_seconds": Metric("Time writing the capture's shards and manifest to the store."),
+    "tracefp4_guidance_upload_seconds": Metric(
+        "Time the rollout waited for its capture's shards and manifest to reach the store."
+    ),
     "tracefp4_guidance_bytes": Metric("Bytes of guidance written for training (shard payloads)."),
     "tracefp4_capture_bytes": Metric("Bytes of the full 4-bit capture (offline compaction only)."),
     "tracefp4_guidance_bits_per_element": Metric("Guidance bits stored per guided element, scales included."),

@@ -20,7 +20,7 @@ import json
 import random
 import shutil
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 
 import torch
@@ -44,6 +44,7 @@ from .checkpoint import (
 from .device import compute_on, resolve
 from .export import export
 from .guidance import (
+    BackgroundStepWriter,
     FinishedShards,
     GuidanceError,
     GuidanceRef,
@@ -431,8 +432,8 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
     batch = [p for p in chosen for _ in range(config.rollout.group_size)]
     engine = _engine(config, policy, capture=_captures(config), device=device)
     writer = None
-    if engine.capture is not None:
-        writer = StepWriter(
+    if engine.capture is not None:  # written on a thread of its own while the engine decodes
+        writer = BackgroundStepWriter(
             _store(config),
             rl_step=round_index,
             policy_version=version,
@@ -534,7 +535,9 @@ def encode_prompts(config: RunConfig, tokenizer, problems: list[Problem]) -> lis
     """The problems' prompts as the policy reads them (through the chat template
     where there is one), each refused unless it leaves ``rollout.max_new_tokens``
     within ``model.max_seq_len``, the longest sequence the run allows."""
-    prompts = [tokenizer.encode_prompt(format_example(p)) for p in problems]
+    texts = [format_example(p) for p in problems]
+    encoded = {text: tokenizer.encode_prompt(text) for text in dict.fromkeys(texts)}  # a group's prompt once
+    prompts = [list(encoded[text]) for text in texts]
     room = config.model.max_seq_len - config.rollout.max_new_tokens
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]), default=None)
     if longest is not None and len(prompts[longest]) > room:
@@ -552,10 +555,17 @@ def write_trajectories(path: Path, header: dict, trajectories: list[Trajectory],
     def fill(f) -> None:
         f.write((json.dumps({"header": header | {"trajectories": len(trajectories)}}) + "\n").encode())
         for t, p in zip(trajectories, batch):
-            f.write((json.dumps({"trajectory": asdict(t), "problem": asdict(p)}) + "\n").encode())
+            f.write((json.dumps({"trajectory": _fields(t), "problem": _fields(p)}) + "\n").encode())
 
     write_atomic(Path(path), fill)
     return path
+
+
+def _fields(record) -> dict:
+    """A dataclass's fields by name, as they are: ``asdict`` copies every element
+    of a trajectory's token lists, most of the time a rollout took to write a
+    round's trajectories (at the paper's scale, minutes of an idle GPU)."""
+    return {f.name: getattr(record, f.name) for f in fields(record)}
 
 
 def read_trajectories(path: Path, run_id: str, round_index: int) -> tuple[dict, list[Trajectory], list[Problem]]:

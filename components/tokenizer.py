@@ -121,12 +121,14 @@ class PolicyTokenizer:
         correct and RL rewarded writing it (a model's vocabulary may be larger
         than its tokenizer's: Qwen's has unused ids, the presets' 256-512 over
         the character tokenizer's 100)."""
-        ids = list(ids)
+        ids, size = list(ids), self.vocab_size  # a call into the tokenizer each time it is read
         if ids and ids[-1] in self.eos_ids:
             ids = ids[:-1]
+        if not ids or max(ids) < size:
+            return self.hf.decode(ids)
         runs: list[list[int]] = [[]]
         for i in ids:
-            if i < self.vocab_size:
+            if i < size:
                 runs[-1].append(i)
             else:
                 runs.append([])  # U+FFFD between the runs around it

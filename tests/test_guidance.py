@@ -5,6 +5,7 @@ import hashlib
 import json
 import random
 import struct
+import threading
 import time
 from dataclasses import replace
 
@@ -13,6 +14,7 @@ import torch
 
 from tracefp4.components.capture import CaptureConfig, CaptureRecords
 from tracefp4.components.guidance import (
+    BackgroundStepWriter,
     GuidanceError,
     GuidanceLoader,
     StepWriter,
@@ -128,6 +130,38 @@ def test_a_step_of_no_trajectory_is_one_shard_of_empty_tables(captured, tmp_path
     assert [e["trajectories"] for e in manifest["shards"]] == [[]]
     back = read_step(store, 0)
     assert back.tables.keys() == records.tables.keys() and all(len(t.traj) == 0 for t in back.tables.values())
+
+
+def test_the_rollouts_writer_stores_its_shards_on_a_thread_of_its_own_as_a_writer_does(captured, tmp_path):
+    """The rollout's decode loop hands finished shards to a BackgroundStepWriter
+    and decodes on: the shards are encoded and stored on another thread, one
+    part at a time and in order, so the step is the one a StepWriter writes,
+    byte for byte; an error of the thread is raised to the caller."""
+    _, out, records = captured
+    step = dict(rl_step=1, policy_version=2, top_k=2, trajectories_per_shard=2, run_id="r", policy="p")
+    halves = [
+        CaptureRecords({k: t.for_trajectories(torch.tensor([t.id for t in part])) for k, t in records.tables.items()})
+        for part in (out[:3], out[3:])
+    ]
+    here, there = open_store(str(tmp_path / "here")), open_store(str(tmp_path / "there"))
+    writer = StepWriter(here, **step)
+    for half in halves:
+        writer.add(half)
+    putting = []
+    real_put = there.put_bytes
+    there.put_bytes = lambda key, data: putting.append(threading.current_thread()) or real_put(key, data)
+    background = BackgroundStepWriter(there, **step)
+    for half in halves:
+        background.add(half)
+    assert background.close() == writer.close()
+    assert all(here.get_bytes(e["key"]) == there.get_bytes(e["key"]) for e in read_manifest(here, 1)["shards"])
+    assert putting[-1] is threading.current_thread()  # the manifest, by close
+    assert threading.current_thread() not in putting[:-1] and len(putting) == 2 * 2 + 1  # each half: shards of 2, 1
+    failing = BackgroundStepWriter(open_store(str(tmp_path / "failing")), **step)
+    failing.add(halves[0])
+    failing.add(halves[0])  # its trajectories again: refused on the thread
+    with pytest.raises(GuidanceError, match="are in a shard already"):
+        failing.close()
 
 
 def test_finished_shards_are_drained_together_once_they_hold_as_many_as_run_at_once():
