@@ -260,28 +260,45 @@ def decode_shard(
     hashed them already (:func:`read_shard`)."""
     if len(data) < _PREAMBLE.size + _DIGEST:
         raise GuidanceError(f"{name}: truncated ({len(data)} bytes)")
-    magic, version, head_len = _PREAMBLE.unpack_from(data)
-    if magic != MAGIC:
-        raise GuidanceError(f"{name}: not a tracefp4 guidance shard (magic {magic!r})")
-    if version not in READ_VERSIONS:
-        raise GuidanceError(f"{name}: format version {version}, this reader reads {READ_VERSIONS}")
+    version, head_len = _preamble(data, name)
     if (body_digest or hashlib.sha256(memoryview(data)[:-_DIGEST]).digest()) != data[-_DIGEST:]:
         raise GuidanceError(f"{name}: checksum mismatch (corrupted or truncated)")
     header = json.loads(data[_PREAMBLE.size : _PREAMBLE.size + head_len])
     payload = memoryview(data)[_PREAMBLE.size + head_len : -_DIGEST]
     if len(payload) != header["payload_bytes"]:
         raise GuidanceError(f"{name}: payload is {len(payload)} bytes, header says {header['payload_bytes']}")
+    _check_header(header, name, expect)
+
+    def array(f: dict) -> Tensor:
+        data = bytearray(payload[f["offset"] : f["offset"] + f["nbytes"]])
+        raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)  # no rows
+        return raw.view(getattr(torch, f["dtype"])).reshape(f["shape"])
+
+    return header, _records(name, version, header, array)
+
+
+def _preamble(data: bytes, name: str) -> tuple[int, int]:
+    """A shard's format version and header length, from its first bytes."""
+    magic, version, head_len = _PREAMBLE.unpack_from(data)
+    if magic != MAGIC:
+        raise GuidanceError(f"{name}: not a tracefp4 guidance shard (magic {magic!r})")
+    if version not in READ_VERSIONS:
+        raise GuidanceError(f"{name}: format version {version}, this reader reads {READ_VERSIONS}")
+    return version, head_len
+
+
+def _check_header(header: dict, name: str, expect: dict | None) -> None:
     for key, value in (expect or {}).items():
         if header.get(key) != value:
             raise GuidanceError(f"{name}: {key} is {header.get(key)!r}, expected {value!r}")
+
+
+def _records(name: str, version: int, header: dict, array) -> CaptureRecords:
+    """The tables a shard's ``header`` lists, each field's tensor ``array(field)``."""
     ranges = {t: n for t, n in header["trajectories"]}
     records = CaptureRecords()
     for spec in header["tables"]:
-        arrays = {}
-        for fname, f in spec["fields"].items():
-            data = bytearray(payload[f["offset"] : f["offset"] + f["nbytes"]])
-            raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)  # no rows
-            arrays[fname] = raw.view(getattr(torch, f["dtype"])).reshape(f["shape"])
+        arrays = {fname: array(f) for fname, f in spec["fields"].items()}
         traj, pos, slot = _expected_keys(ranges, spec["slots"])
         expert = arrays["expert"].long() if "expert" in arrays else torch.full_like(traj, -1)
         if spec.get("codec") == "syndrome":
@@ -303,7 +320,7 @@ def decode_shard(
             arrays["scales"],
             row_global_scales=_row_global_scales(name, spec, arrays, len(traj)),
         )
-    return header, records
+    return records
 
 
 def _row_global_scales(name: str, spec: dict, arrays: dict, rows: int) -> Tensor | None:
@@ -609,20 +626,71 @@ def read_shard(store, manifest: dict, entry: dict) -> CaptureRecords:
     """One shard of a step, checked against the manifest (size, sha256, step, policy, layers, sites)."""
     data = store.get_bytes(entry["key"])
     name = f"{store.uri}/{entry['key']}"
-    if len(data) != entry["bytes"]:
-        raise GuidanceError(f"{name}: {len(data)} bytes, the manifest says {entry['bytes']}")
+    _check_size(len(data), entry, name)
     digest = hashlib.sha256(memoryview(data)[:-_DIGEST])  # one pass for both checksums
     body_digest = digest.digest()
     digest.update(memoryview(data)[-_DIGEST:])
     if digest.hexdigest() != entry["sha256"]:
         raise GuidanceError(f"{name}: sha256 differs from the manifest's")
-    expect = {k: manifest[k] for k in ("rl_step", "policy_version", "layers", "sites", "codec")}
-    header, records = decode_shard(data, name, expect, body_digest)
+    header, records = decode_shard(data, name, _expected(manifest), body_digest)
+    _check_trajectories(header, entry, name)
+    return records
+
+
+HEADER_READ = 1 << 16  # bytes read at once for a shard's header; a paper preset's is a few kilobytes
+
+
+def read_shard_tables(store, manifest: dict, entry: dict, size: int) -> CaptureRecords:
+    """One shard's tables as its header declares them, without their values:
+    each array a meta tensor of its shape, so rows, widths and bytes, no
+    codes. Only the header is read (a ranged read), checked against the
+    manifest as :func:`read_shard` checks it, and ``size`` (the object's
+    bytes in the store) against the manifest's. What inline compaction
+    measures a round's guidance by: at the paper's scale its shards are
+    terabytes, which training reads, each verified."""
+    name = f"{store.uri}/{entry['key']}"
+    _check_size(size, entry, name)
+    head = store.get_range(entry["key"], 0, HEADER_READ)
+    if len(head) < _PREAMBLE.size:
+        raise GuidanceError(f"{name}: truncated ({len(head)} bytes)")
+    version, head_len = _preamble(head, name)
+    if len(head) < _PREAMBLE.size + head_len:
+        head += store.get_range(entry["key"], len(head), _PREAMBLE.size + head_len - len(head))
+    header = json.loads(head[_PREAMBLE.size : _PREAMBLE.size + head_len])
+    _check_header(header, name, _expected(manifest))
+    _check_trajectories(header, entry, name)
+    return _records(
+        name, version, header, lambda f: torch.empty(f["shape"], dtype=getattr(torch, f["dtype"]), device="meta")
+    )
+
+
+def _expected(manifest: dict) -> dict:
+    """What each shard's header must say, as its step's manifest does."""
+    return {k: manifest[k] for k in ("rl_step", "policy_version", "layers", "sites", "codec")}
+
+
+def _check_size(size: int, entry: dict, name: str) -> None:
+    if size != entry["bytes"]:
+        raise GuidanceError(f"{name}: {size} bytes, the manifest says {entry['bytes']}")
+
+
+def _check_trajectories(header: dict, entry: dict, name: str) -> None:
     if [t for t, _ in header["trajectories"]] != entry["trajectories"]:
         raise GuidanceError(
             f"{name}: holds trajectories {header['trajectories']}, the manifest lists {entry['trajectories']}"
         )
-    return records
+
+
+def _stored_sizes(store, manifest: dict) -> Iterator[tuple[dict, int]]:
+    """Each shard of a step's ``manifest`` with its size in the store, from one
+    listing per folder the shards lie in (a merged step's lie in its workers'):
+    a missing shard is an error naming it."""
+    folders = dict.fromkeys(entry["key"].rpartition("/")[0] for entry in manifest["shards"])
+    sizes = {key: size for folder in folders for key, size in store.sizes(folder + "/").items()}
+    for entry in manifest["shards"]:
+        if entry["key"] not in sizes:
+            raise GuidanceError(f"{store.uri}/{entry['key']}: missing, the step's manifest lists it")
+        yield entry, sizes[entry["key"]]
 
 
 def iter_step(store, rl_step: int, prefix: str = "guidance", expect: dict | None = None) -> Iterator[CaptureRecords]:
@@ -631,6 +699,17 @@ def iter_step(store, rl_step: int, prefix: str = "guidance", expect: dict | None
     manifest = read_manifest(store, rl_step, prefix, expect)
     for entry in manifest["shards"]:
         yield read_shard(store, manifest, entry)
+
+
+def iter_step_tables(
+    store, rl_step: int, prefix: str = "guidance", expect: dict | None = None
+) -> Iterator[CaptureRecords]:
+    """A step's shards' tables without their values (:func:`read_shard_tables`),
+    one at a time: what inline compaction measures, each shard's header read
+    alone, the shards' sizes from a listing."""
+    manifest = read_manifest(store, rl_step, prefix, expect)
+    for entry, size in _stored_sizes(store, manifest):
+        yield read_shard_tables(store, manifest, entry, size)
 
 
 def read_step(store, rl_step: int, prefix: str = "guidance", expect: dict | None = None) -> CaptureRecords:

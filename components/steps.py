@@ -54,6 +54,7 @@ from .guidance import (
     compaction_report,
     encode_scales,
     iter_step,
+    iter_step_tables,
     merge_steps,
     read_step,
     select_layers,
@@ -612,7 +613,9 @@ def compaction(
     """The guidance training reads for a round, as a :class:`GuidanceRef`, and
     its size: offline, compacted from the round's full capture (with the
     compaction's fidelity, measured on the first microbatch's trajectories);
-    inline, the guidance the rollout wrote, read back and verified. Methods
+    inline, the guidance the rollout wrote, measured by its shards' headers
+    and sizes (at the paper's scale the shards are terabytes a round; the
+    train step reads each, verified). Methods
     other than trace get a reference without shards: the rollout's numerics."""
     device = step_device(config)
     header, trajectories, _ = read_trajectories(trajectories_file, run_id, round_index)
@@ -642,8 +645,8 @@ def compaction(
     size = StepSize(fp4_sites)  # against a full capture of every FP4 layer, whichever codec and compaction
     if config.guidance.codec == "syndrome":
         _syndrome_step(config, store, round_index, header, run_id, size)
-    elif _inline(config):  # each shard the rollout wrote, verified
-        for kept in iter_step(store, round_index, prefix, expect):
+    elif _inline(config):  # the shards the rollout wrote, by their headers: training reads them, each verified
+        for kept in iter_step_tables(store, round_index, prefix, expect):
             size.add(kept, kept)
     else:  # shard by shard: a round's full capture is never held at once
         writer = StepWriter(

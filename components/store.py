@@ -160,6 +160,12 @@ class ArtifactStore(ABC):
         """Return the object; ArtifactNotFound if it is missing."""
 
     @abstractmethod
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        """``length`` bytes of the object from ``offset`` (fewer where it ends
+        before); ArtifactNotFound if it is missing. A shard's header alone
+        (:func:`~tracefp4.components.guidance.read_shard_tables`)."""
+
+    @abstractmethod
     def download(self, key: str, path: str | os.PathLike) -> None:
         """Stream the object to the file ``path`` through a temp file beside it,
         renamed into place when complete; ArtifactNotFound if it is missing."""
@@ -232,6 +238,17 @@ class LocalStore(ArtifactStore):
         path = self._path(key)
         try:
             return path.read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise ArtifactNotFound(f"{self.uri}: no artifact {key!r}") from None
+        except OSError as e:
+            raise self._error("get", key, e) from e
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                return f.read(length)
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise ArtifactNotFound(f"{self.uri}: no artifact {key!r}") from None
         except OSError as e:
@@ -489,10 +506,17 @@ class S3Store(ArtifactStore):
             raise StoreError(f"{self.uri}: upload {path} to {key!r} failed: {e}") from e
 
     def get_bytes(self, key: str) -> bytes:
+        return self._get(key)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes:
+        return self._get(key, offset=offset, length=length)
+
+    def _get(self, key: str, **part) -> bytes:
+        """The object, or ``part`` of it (get_object's offset and length)."""
         name = self._name(key)
 
         def get() -> bytes:
-            response = self._client.get_object(self.bucket, name)
+            response = self._client.get_object(self.bucket, name, **part)
             try:
                 return response.read()
             finally:

@@ -12,17 +12,22 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tracefp4.components import guidance
 from tracefp4.components.capture import CaptureConfig, CaptureRecords
 from tracefp4.components.guidance import (
+    STEP_MANIFEST,
     BackgroundStepWriter,
     GuidanceError,
     GuidanceLoader,
+    StepSize,
     StepWriter,
     _manifest_digest,
     compact,
     compaction_report,
     decode_shard,
     encode_shard,
+    iter_step,
+    iter_step_tables,
     read_manifest,
     read_step,
     select_layers,
@@ -118,6 +123,52 @@ def test_a_step_written_part_by_part_reads_back_as_one_written_whole(captured, t
     one_table = dict(list(records.tables.items())[:1])
     with pytest.raises(GuidanceError, match="a part of tables"):
         writer.add(CaptureRecords({k: t.for_trajectories(torch.tensor(ids[:1])) for k, t in one_table.items()}))
+
+
+def test_a_steps_size_is_measured_by_its_shards_headers_alone(captured, tmp_path, monkeypatch):
+    """Inline compaction measures the guidance the rollout wrote (at the paper's
+    scale terabytes a round) by each shard's header, read alone, and the sizes a
+    listing gives: the same figures as the shards read whole, and no shard's
+    payload read; a shard missing or cut short is an error naming it."""
+    engine, out, records = captured
+    kept = compact(records, 1, [0, 1])
+    store = open_store(str(tmp_path))
+    manifest = write_step(store, kept, rl_step=2, policy_version=5, top_k=2, trajectories_per_shard=2)
+    sites = ["moe_in", "moe_down_in", "moe_in", "moe_down_in"]
+    whole, headers = StepSize(sites), StepSize(sites)
+    for shard in iter_step(store, 2):
+        whole.add(shard, shard)
+    read = []
+    real_range, real_get = store.get_range, store.get_bytes
+    store.get_range = lambda key, offset, length: read.append(length) or real_range(key, offset, length)
+    store.get_bytes = lambda key: real_get(key) if key.endswith(STEP_MANIFEST) else pytest.fail(f"{key} read whole")
+    for shard in iter_step_tables(store, 2):
+        headers.add(shard, shard)
+    assert (headers.guidance_bytes, headers.elements, headers.full_bytes, headers.tables) == (
+        whole.guidance_bytes,
+        whole.elements,
+        whole.full_bytes,
+        whole.tables,
+    )
+    assert whole.guidance_bytes == kept.nbytes and len(read) == len(manifest["shards"]) == 3
+    monkeypatch.setattr(guidance, "HEADER_READ", 40)  # a header longer than the first read: the rest read next
+    again = StepSize(sites)
+    for shard in iter_step_tables(store, 2):
+        again.add(shard, shard)
+    assert (again.guidance_bytes, again.full_bytes, again.tables) == (
+        whole.guidance_bytes,
+        whole.full_bytes,
+        whole.tables,
+    )
+    assert read[3:] == [40, read[4], 40, read[6], 40, read[8]] and min(read[4::2]) > 40
+    store.get_bytes = real_get
+    first = manifest["shards"][0]["key"]
+    store.put_bytes(first, store.get_bytes(first)[:-1])
+    with pytest.raises(GuidanceError, match=f"{first}: .* bytes, the manifest says"):
+        list(iter_step_tables(store, 2))
+    store.delete(first)
+    with pytest.raises(GuidanceError, match=f"{first}: missing, the step's manifest lists it"):
+        list(iter_step_tables(store, 2))
 
 
 def test_a_step_of_no_trajectory_is_one_shard_of_empty_tables(captured, tmp_path):

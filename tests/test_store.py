@@ -158,6 +158,18 @@ def test_missing_key(store):
     assert isinstance(info.value, KeyError) and isinstance(info.value, StoreError)
 
 
+def test_a_range_of_an_object_is_read_alone(store):
+    """A guidance shard's header is read without its payload (get_range): the
+    bytes asked for, fewer where the object ends first."""
+    data = bytes(range(256)) * 40
+    store.put_bytes("obj", data)
+    assert store.get_range("obj", 0, 8) == data[:8]
+    assert store.get_range("obj", 1000, 300) == data[1000:1300]
+    assert store.get_range("obj", len(data) - 5, 100) == data[-5:]
+    with pytest.raises(ArtifactNotFound):
+        store.get_range("nope", 0, 8)
+
+
 def test_download_streams_to_a_file_and_stat(store, tmp_path):
     data = os.urandom(6 * MiB + 7)  # more than one part and one download chunk
     store.put_bytes("dir/big.bin", data)
