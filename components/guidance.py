@@ -656,12 +656,17 @@ def read_shard_tables(store, manifest: dict, entry: dict, size: int) -> CaptureR
     version, head_len = _preamble(head, name)
     if len(head) < _PREAMBLE.size + head_len:
         head += store.get_range(entry["key"], len(head), _PREAMBLE.size + head_len - len(head))
-    header = json.loads(head[_PREAMBLE.size : _PREAMBLE.size + head_len])
-    _check_header(header, name, _expected(manifest))
-    _check_trajectories(header, entry, name)
-    return _records(
-        name, version, header, lambda f: torch.empty(f["shape"], dtype=getattr(torch, f["dtype"]), device="meta")
-    )
+    try:  # no checksum covers the header read alone: a damaged one is named, whatever breaks
+        header = json.loads(head[_PREAMBLE.size : _PREAMBLE.size + head_len])
+        _check_header(header, name, _expected(manifest))
+        _check_trajectories(header, entry, name)
+        return _records(
+            name, version, header, lambda f: torch.empty(f["shape"], dtype=getattr(torch, f["dtype"]), device="meta")
+        )
+    except GuidanceError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise GuidanceError(f"{name}: an unreadable header ({type(e).__name__}: {e})") from None
 
 
 def _expected(manifest: dict) -> dict:

@@ -15,11 +15,13 @@ it writes is device-independent (CPU tensors), so that a checkpoint rolled out
 on a GPU trains on a CPU and the reverse.
 """
 
+import contextlib
 import hashlib
 import json
 import random
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
@@ -137,11 +139,38 @@ def task_splits(config: RunConfig) -> list[tuple[list[Problem], list[Problem]]]:
     distinct problems is an error naming its entry in ``tasks``."""
     splits = []
     for i, t in enumerate(config.tasks):
-        try:
+        with _naming(_task_entry(i, t)):
             splits.append(split(t.name, t.train_size, t.test_size, config.seed, t.difficulty))
-        except ValueError as e:
-            raise ValueError(f"tasks.{i}: train_size {t.train_size} + test_size {t.test_size}: {e}") from None
     return splits
+
+
+def check_tasks_drawable(config: RunConfig) -> None:
+    """Every task holds its split's distinct problems, and an enabled
+    bootstrap's extra problems theirs besides, drawn as the steps draw them
+    (the errors :func:`task_splits` and :func:`extra_problems` raise) but
+    keeping their prompts alone: what the run's first task checks, in a pod
+    of 2Gi, where the steps hold every problem (about 1 KB each)."""
+    prompts: set[str] = set()
+    for i, t in enumerate(config.tasks):
+        with _naming(_task_entry(i, t)):
+            drawn = get_task(t.name).draws(t.train_size + t.test_size, config.seed, t.difficulty)
+            prompts.update(p.prompt for p in drawn)
+    if config.bootstrap.enabled:
+        for _ in extra_problems(config, prompts):
+            pass
+
+
+def _task_entry(i: int, t) -> str:
+    return f"tasks.{i}: train_size {t.train_size} + test_size {t.test_size}"
+
+
+@contextlib.contextmanager
+def _naming(entry: str):
+    """A ValueError raised inside as ``entry: reason``: a draw that fails names the config entry behind it."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(f"{entry}: {e}") from None
 
 
 def training_problems(config: RunConfig, round_index: int, n: int) -> list[Problem]:
@@ -262,15 +291,20 @@ def sft_problems(config: RunConfig) -> tuple[list[Problem], list[Problem], list[
         train += task_train[: len(task_train) - share]
         checks += task_train[len(task_train) - share :]
         test += task_test
-    exclude = {p.prompt for p in train + checks + test}
-    for i, extra in enumerate(config.bootstrap.extra_problems):
-        try:
-            drawn = get_task(extra.name).generate(extra.size, config.seed, extra.difficulty, frozenset(exclude))
-        except ValueError as e:
-            raise ValueError(f"bootstrap.extra_problems.{i}: size {extra.size}: {e}") from None
+    for drawn in extra_problems(config, {p.prompt for p in train + checks + test}):
         train += drawn
-        exclude.update(p.prompt for p in drawn)
     return train, checks, test
+
+
+def extra_problems(config: RunConfig, exclude: set[str]) -> Iterator[list[Problem]]:
+    """Each of ``bootstrap.extra_problems`` in turn, seeded, none with a prompt
+    in ``exclude`` (the splits'), which takes theirs as they are drawn. An entry
+    whose task holds too few other problems is an error naming it."""
+    for i, extra in enumerate(config.bootstrap.extra_problems):
+        with _naming(f"bootstrap.extra_problems.{i}: size {extra.size}"):
+            drawn = get_task(extra.name).generate(extra.size, config.seed, extra.difficulty, frozenset(exclude))
+        exclude.update(p.prompt for p in drawn)
+        yield drawn
 
 
 def run_bootstrap(config: RunConfig, model, tokenizer) -> dict:

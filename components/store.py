@@ -161,9 +161,9 @@ class ArtifactStore(ABC):
 
     @abstractmethod
     def get_range(self, key: str, offset: int, length: int) -> bytes:
-        """``length`` bytes of the object from ``offset`` (fewer where it ends
-        before); ArtifactNotFound if it is missing. A shard's header alone
-        (:func:`~tracefp4.components.guidance.read_shard_tables`)."""
+        """``length`` (> 0) bytes of the object from ``offset`` (within it),
+        fewer where it ends before; ArtifactNotFound if it is missing. A
+        shard's header alone (:func:`~tracefp4.components.guidance.read_shard_tables`)."""
 
     @abstractmethod
     def download(self, key: str, path: str | os.PathLike) -> None:

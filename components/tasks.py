@@ -21,6 +21,7 @@ import itertools
 import random
 from abc import ABC, abstractmethod
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -52,6 +53,10 @@ class Task(Protocol):
 
     def generate(self, n: int, seed: int, difficulty: int, exclude: frozenset[str] = frozenset()) -> list[Problem]:
         """``n`` problems with distinct prompts, none in ``exclude``, the same for the same arguments."""
+        ...
+
+    def draws(self, n: int, seed: int, difficulty: int, exclude: frozenset[str] = frozenset()) -> Iterator[Problem]:
+        """:meth:`generate`'s problems one at a time, as they are drawn."""
         ...
 
     def reward(self, problem: Problem, response: str) -> float:
@@ -88,27 +93,32 @@ class _Generated(ABC):
         """One random problem, or None to draw again."""
 
     def generate(self, n: int, seed: int, difficulty: int, exclude: frozenset[str] = frozenset()) -> list[Problem]:
+        return list(self.draws(n, seed, difficulty, exclude))
+
+    def draws(self, n: int, seed: int, difficulty: int, exclude: frozenset[str] = frozenset()) -> Iterator[Problem]:
+        """:meth:`generate`'s problems one at a time, as they are drawn: a caller
+        that keeps none holds their prompts alone (which keep them distinct)."""
         if difficulty not in DIFFICULTIES:
             raise ValueError(f"difficulty {difficulty} is outside 1..5")
         if n < 0:
             raise ValueError(f"cannot generate {n} problems")
         # a string seed keys the stream by task and difficulty, the same in every process
         rng = random.Random(f"{self.name}/{difficulty}/{seed}")
-        problems, seen, misses = [], set(exclude), 0
-        while len(problems) < n:
+        seen, misses = set(exclude), 0
+        while len(seen) - len(exclude) < n:
             problem = self.draw(rng, difficulty)
             if problem is None or problem.prompt in seen:
                 misses += 1
                 if misses > 1000 + 10 * n:
                     raise ValueError(
-                        f"{self.name} at difficulty {difficulty}: {len(problems)} distinct problems drawn, not {n}"
+                        f"{self.name} at difficulty {difficulty}: {len(seen) - len(exclude)} distinct problems drawn, "
+                        f"not {n}"
                         + f" outside the {len(exclude)} excluded" * bool(exclude)
                         + f", before {misses} repeats (it holds fewer, or the rest are drawn too rarely)"
                     )
                 continue
             seen.add(problem.prompt)
-            problems.append(problem)
-        return problems
+            yield problem
 
     def _check(self, problem: Problem) -> None:
         if problem.task != self.name:

@@ -209,11 +209,11 @@ def check_drawable(config: RunConfig) -> None:
     so validation cannot, and prepare, the first step to draw them, would
     find out on a GPU node after fetching the checkpoint. Drawing them here
     costs what each step pays (``benchmarks/tasks.py``: half a minute on a
-    paper preset)."""
-    from tracefp4.components.steps import sft_problems, task_splits
+    paper preset), in the memory of the prompts alone."""
+    from tracefp4.components.steps import check_tasks_drawable
 
     try:
-        sft_problems(config) if config.bootstrap.enabled else task_splits(config)
+        check_tasks_drawable(config)
     except ValueError as e:  # "tasks.i: reason", "bootstrap.extra_problems.i: reason"
         field, _, reason = str(e).partition(": ")
         raise ConfigError([(field, reason)]) from None

@@ -131,7 +131,7 @@ def test_a_ctrl_c_while_the_command_loads_ends_it_with_a_line_not_a_traceback(ca
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", interrupted)
-    monkeypatch.delenv("PYTHONSAFEPATH", raising=False)  # which main sets for the Pythons it starts
+    monkeypatch.setenv("PYTHONSAFEPATH", "")  # main sets it for the Pythons it starts: undone after the test
     with pytest.raises(SystemExit) as exited:
         tracefp4.pipelines.main()
     assert exited.value.code == 130

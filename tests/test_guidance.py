@@ -129,7 +129,8 @@ def test_a_steps_size_is_measured_by_its_shards_headers_alone(captured, tmp_path
     """Inline compaction measures the guidance the rollout wrote (at the paper's
     scale terabytes a round) by each shard's header, read alone, and the sizes a
     listing gives: the same figures as the shards read whole, and no shard's
-    payload read; a shard missing or cut short is an error naming it."""
+    payload read; a shard missing, cut short or with a damaged header is an
+    error naming it."""
     engine, out, records = captured
     kept = compact(records, 1, [0, 1])
     store = open_store(str(tmp_path))
@@ -163,8 +164,13 @@ def test_a_steps_size_is_measured_by_its_shards_headers_alone(captured, tmp_path
     assert read[3:] == [40, read[4], 40, read[6], 40, read[8]] and min(read[4::2]) > 40
     store.get_bytes = real_get
     first = manifest["shards"][0]["key"]
-    store.put_bytes(first, store.get_bytes(first)[:-1])
+    data = store.get_bytes(first)
+    store.put_bytes(first, data[:-1])
     with pytest.raises(GuidanceError, match=f"{first}: .* bytes, the manifest says"):
+        list(iter_step_tables(store, 2))
+    at = guidance._PREAMBLE.size + 7  # inside the header's JSON, which no checksum covers when read alone
+    store.put_bytes(first, data[:at] + b"}" + data[at + 1 :])
+    with pytest.raises(GuidanceError, match=f"{first}: an unreadable header"):
         list(iter_step_tables(store, 2))
     store.delete(first)
     with pytest.raises(GuidanceError, match=f"{first}: missing, the step's manifest lists it"):
