@@ -65,7 +65,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .checkpoint import PolicyReader, fetch, folder_digest, size_and_sha256, upload_folder
+from .checkpoint import PolicyReader, fetch, folder_digest, size_and_sha256, sizes_and_sha256, upload_folder
 from .device import compute_on, resolve
 from .model import Transformer, empty_model
 from .precision import MasterWeights
@@ -449,7 +449,7 @@ class ShardCheckpoints:
             for f in written:
                 if f.name != METADATA:
                     self.store.upload(f"{key}/{f.name}", f)
-            sums = {f.name: size_and_sha256(f) for f in written}
+            sums = {f.name: s for f, s in zip(written, sizes_and_sha256(written))}
             # gathered from each rank after its uploads: every rank's files are in the store
             files = {name: s for rank in trainer.all_gather(sums) for name, s in rank.items()}
 

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +21,7 @@ from test_model import hf_model
 from test_qwen35 import TEXT, VISION, randomize
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tracefp4.components import checkpoint
 from tracefp4.components.checkpoint import (
     INDEX,
     MANIFEST,
@@ -113,6 +115,38 @@ def test_save_writes_a_manifest_of_every_file(tmp_path):
         data = (folder / name).read_bytes()
         assert entry == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # written in a temp folder, renamed into place
+
+
+def test_a_folders_files_are_hashed_several_at_once_and_checked_in_the_manifests_order(tmp_path, monkeypatch):
+    """Saving and verifying a policy hash its files on threads (a Qwen3.5-35B-A3B
+    policy is 70 GB, saved and verified every round): the first hash here
+    waits for a second to start. Of two corrupt files the
+    error names the first the manifest lists, whichever hash ends first."""
+    folder = save_model(build_model("smoke"), tmp_path / "ckpt", max_shard_bytes=100_000)
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: hashed one at a time")
+    lock, second, calls, waited = threading.Lock(), threading.Event(), [], []
+    hash_file = checkpoint.size_and_sha256
+
+    def waiting(path):
+        with lock:
+            first = not calls
+            calls.append(path)
+        if first:  # waits for another file's hash to start: hashed one at a time, none would
+            waited.append(second.wait(timeout=10))
+        else:
+            second.set()
+        return hash_file(path)
+
+    monkeypatch.setattr(checkpoint, "size_and_sha256", waiting)
+    checkpoint.verify_folder(folder)
+    assert waited == [True]
+    monkeypatch.setattr(checkpoint, "size_and_sha256", hash_file)
+    shards = sorted(p for p in folder.iterdir() if p.name.endswith(".safetensors"))
+    for shard in shards[:2]:
+        shard.write_bytes(shard.read_bytes()[:-1] + b"x")
+    with pytest.raises(CheckpointError, match=f"{shards[0].name}: sha256 does not match"):
+        checkpoint.verify_folder(folder)
 
 
 def test_a_saved_folder_replaces_the_old_one_and_its_rename_is_synced(tmp_path, monkeypatch):
