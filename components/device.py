@@ -22,6 +22,15 @@ bf16 without the bf16 units, so ``auto`` emulates there too. With the cap at
 for torch's own kernels and MKL) a machine with bf16 units stands in for one
 without: docs/performance.md measures both kinds that way.
 
+In float32 (a float32 model, and bf16 where it is emulated) torch's CPU
+matmuls and attention run on MKL, and MKL picks its kernels and splits its
+work by the matrices' sizes: on an Intel Xeon with two threads a row's bits
+moved with the row count of its matmul up to 200 rows and more. Its strict
+reproducibility mode (``MKL_CBWR=AUTO,STRICT``, which MKL reads at its first
+call: :data:`MKL_MODE`) sums every row alike there; this module asks for it
+when imported, unless the environment names another mode. A process that ran
+torch's CPU math before importing it keeps MKL's default.
+
 A CPU also computes some elementwise functions (softplus, sigmoid, SiLU) in
 two ways: torch's kernel runs a vector loop, and a scalar loop over the
 tensor's last few elements, and the two differ in float32's last bit for one
@@ -50,6 +59,12 @@ _BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 flags; "bf16" is Arm's 
 # bf16 flags above do not imply
 ONEDNN_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 _ISA_CAPS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
+
+# MKL's strict conditional numerical reproducibility, its code path chosen for the CPU (AUTO): MKL reads MKL_CBWR
+# at its first call (any CPU math of torch's), so it is set when this module is imported, before any; costs a few
+# percent of a float32 GEMM (module docstring)
+MKL_MODE = ("MKL_CBWR", "AUTO,STRICT")
+os.environ.setdefault(*MKL_MODE)
 
 # glibc's malloc thresholds (mallopt parameters): own mappings from 32 MB, the ceiling its adaptive threshold
 # reaches on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX); trimming from 256 MB (keep_freed_memory says why not 64 MB)
@@ -244,7 +259,7 @@ def batch_invariant(op, *args: Tensor | None, **kwargs) -> Tensor:
 # (64 or 256 from 192 or 768 queries on), and the queries of a last block of 1-3 summed in another order (at 2-3,
 # 33-35, 65-67, ... queries; one query alone did not); whole blocks of 4 do not. Measured on a Zen 4 AMD EPYC, MKL's
 # AVX-512 and AVX2 kernels alike, inner sizes 64-2048, 1-1024 outputs, head sizes 32-128 (test_device.py -k
-# "row_count or query_count")
+# "row_count or query_count"). On an Intel Xeon in MKL's strict mode (MKL_MODE) only a bmm of one row needed it.
 SMALL_GEMM_ROWS, GEMM_ROW_BLOCK = 12, 4
 
 

@@ -127,10 +127,12 @@ def sample(
 # on which other rows share its batch, which set the span (with 1 here, tests/test_rollout.py -k whatever_shares
 # fails)
 SPAN_BLOCK = 32
-# The kernel also splits the keys in blocks of 512 and, for 4 queries or more, sums a last block of 224-352 keys in
-# another order than one of 512 (float32, AVX-512 and AVX2 alike, head sizes 32-128; all other whole-block spans
-# sum as 512 does): a span whose last block would fall there reads on to 384 keys in it (-k long_span)
-KV_SPLIT, UNEVEN_KEYS = 512, (192, 384)
+# The kernel also splits the keys in blocks of 512 and sums a last block of some sizes in another order than one of
+# 512: on a Zen 4 AMD EPYC 224-352 keys, for 4 queries or more (AVX-512 and AVX2 alike); on an Intel Xeon with
+# MKL's strict mode (device.MKL_MODE) 288-480 keys, for 224 queries or more (float32, head sizes 32-128; all other
+# whole-block spans sum as 512 does, below 192 keys on either): a span whose last block would hold more than
+# UNEVEN_KEYS reads on to the whole block (-k longer_one)
+KV_SPLIT, UNEVEN_KEYS = 512, 192
 
 # Positions past the longest prompt a generate call's KV cache holds at first; it doubles as decoding needs more
 KV_HEADROOM = 256
@@ -138,11 +140,10 @@ KV_HEADROOM = 256
 
 def whole_span_blocks(positions: int) -> int:
     """``positions`` rounded up to a multiple of :data:`SPAN_BLOCK`, and where
-    that leaves a last block of keys SDPA sums in its own order, up to
-    :data:`UNEVEN_KEYS`' end."""
+    that leaves a last block of keys SDPA may sum in its own order (more than
+    :data:`UNEVEN_KEYS`), up to a multiple of :data:`KV_SPLIT`."""
     span = -(-positions // SPAN_BLOCK) * SPAN_BLOCK
-    low, high = UNEVEN_KEYS
-    return span + high - span % KV_SPLIT if low < span % KV_SPLIT < high else span
+    return span + KV_SPLIT - span % KV_SPLIT if span % KV_SPLIT > UNEVEN_KEYS else span
 
 
 class KVCacheFull(RuntimeError):

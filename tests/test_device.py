@@ -3,6 +3,7 @@ stops each step before any work, artifacts are CPU tensors; and bf16 matmuls
 on a CPU without bf16 units run in fp32 with bf16 values."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -268,6 +269,34 @@ def test_a_float32_matmuls_rows_do_not_depend_on_its_row_count(op, shapes):
     for n in range(1, 20):
         rows = device.batch_invariant(op, x.narrow(-2, 0, n), w)
         assert torch.equal(rows, full.narrow(-2, 0, n)), n
+
+
+MKL_MODE_AFTER_IMPORTS = """
+import ctypes, os, sys, torch
+mkl = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+if not hasattr(mkl, "mkl_serv_cbwr_get"):
+    sys.exit("no MKL")
+import tracefp4.pipelines.cli, tracefp4.components.steps  # everything the steps and the command import
+torch.randn(8, 8) @ torch.randn(8, 8)  # MKL's first call reads MKL_CBWR
+print(hex(mkl.mkl_serv_cbwr_get(-1)))  # MKL_CBWR_ALL: the branch, and the strict flag (0x10000)
+"""
+
+
+def test_mkl_computes_in_its_strict_mode_once_the_library_is_imported():
+    """MKL reads ``MKL_CBWR`` at its first call: importing the library sets it
+    (``device.MKL_MODE``) and computes nothing first, so a step's process, or
+    one that imports the library before its own math, runs MKL in strict mode
+    (AUTO branch), where a float32 row's bits do not move with its matmul's
+    row count on an Intel Xeon either; a mode the environment names stays."""
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    command, quietly = [sys.executable, "-P", "-c", MKL_MODE_AFTER_IMPORTS], {**RUN_QUIETLY, "check": False}
+    run = subprocess.run(command, env=env, **quietly)
+    if run.returncode and "no MKL" in run.stderr:
+        pytest.skip("this torch has no MKL")
+    assert run.returncode == 0 and run.stdout.strip() == "0x10002", run.stderr[-2000:]  # MKL_CBWR_AUTO | STRICT
+    env["MKL_CBWR"] = "COMPATIBLE"
+    run = subprocess.run(command, env=env, **quietly)
+    assert run.stdout.strip() == "0x3", run.stderr[-2000:]  # MKL_CBWR_COMPATIBLE
 
 
 @pytest.mark.parametrize("inner, outputs", [(32, 32), (64, 64), (128, 8), (256, 8)])

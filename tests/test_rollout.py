@@ -215,20 +215,21 @@ def test_a_request_gives_the_same_bits_whatever_shares_its_batch(model, each_dty
 
 
 def test_a_long_prompt_gives_the_same_bits_beside_a_longer_one(model, each_dtype):
-    """A prompt of 200-350 tokens alone, and beside one of 512, which widens
+    """A prompt of 200-470 tokens alone, and beside one of 512, which widens
     its span past SDPA's key block of 512: the kernel sums a last block of
-    224-352 keys in another order than a whole one, so the span rounds past
-    them (``UNEVEN_KEYS``) and the prompt's bits are those it gets alone."""
+    some sizes between 224 and 480 keys in another order than a whole one
+    (which, by CPU: ``UNEVEN_KEYS``), so such a span rounds on to the whole
+    block and the prompt's bits are those it gets alone."""
     engine = TorchEngine(model, dtype=each_dtype)
     params = SamplingParams(max_new_tokens=2, seed=4, record_topk=4)
     g = torch.Generator().manual_seed(3)
     longer = torch.randint(0, 256, (512,), generator=g).tolist()
-    for n in (216, 232, 280, 296, 328):
+    for n in (216, 232, 280, 296, 328, 416, 470):
         prompt = torch.randint(0, 256, (n,), generator=g).tolist()
         alone, beside = engine.generate([prompt], params)[0], engine.generate([prompt, longer], params)[0]
         assert (beside.logprobs, beside.topk_logprobs) == (alone.logprobs, alone.topk_logprobs), n
-    assert [whole_span_blocks(n) for n in (192, 193, 224, 352, 383, 385, 700, 737, 1000)] == [
-        192, 384, 384, 384, 384, 416, 704, 896, 1024,
+    assert [whole_span_blocks(n) for n in (192, 193, 224, 352, 383, 385, 480, 700, 737, 1000)] == [
+        192, 512, 512, 512, 512, 512, 512, 704, 1024, 1024,
     ]  # fmt: skip
 
 
@@ -377,12 +378,14 @@ def test_a_cache_the_device_has_no_room_to_double_grows_as_far_as_there_is_room_
     assert cache.grow(65) and cache.length == 128  # the CPU: no probe, doubled
     room["bytes"] = more(256)
     assert cache.grow(129) and cache.length == 256  # the doubling fits
-    room["bytes"] = more(416)
-    assert cache.grow(257) and cache.length == 416  # as far as there is room for: 257 positions need 384
-    room["bytes"] = more(416 + 31)
-    with pytest.raises(rollout_module.KVCacheFull, match="4 rows cannot grow to 417 .* 416 positions fit, 0.00 GiB"):
-        cache.grow(417)
-    assert cache.length == 416
+    room["bytes"] = more(512)
+    assert cache.grow(257) and cache.length == 512  # 257 positions need 512 (whole_span_blocks)
+    room["bytes"] = more(704)
+    assert cache.grow(513) and cache.length == 704  # as far as there is room for: 513 positions need 544
+    room["bytes"] = more(704 + 31)
+    with pytest.raises(rollout_module.KVCacheFull, match="4 rows cannot grow to 705 .* 704 positions fit, 0.00 GiB"):
+        cache.grow(705)
+    assert cache.length == 704
     # the room counted: an old tensor goes once its key's new one is filled, so beside the new tensors only the
     # olds of the key being grown and of those not grown yet live (holding every old one took twice the room)
     olds = [weakref.ref(t) for t in cache.store.values()]
@@ -393,7 +396,7 @@ def test_a_cache_the_device_has_no_room_to_double_grows_as_far_as_there_is_room_
         lambda *a, **kw: alive.append(sum(r() is not None for r in olds)) or new_zeros(*a, **kw),
     )
     room["bytes"] = None
-    assert cache.grow(417) and alive == list(range(len(olds), 0, -1))
+    assert cache.grow(705) and alive == list(range(len(olds), 0, -1))
 
 
 def test_a_retired_row_that_no_request_takes_never_outgrows_the_cache(model, each_dtype):
