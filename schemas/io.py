@@ -119,13 +119,14 @@ def _merge(base: dict, over: Mapping, at: str = "") -> dict:
     for key, value in over.items():
         if isinstance(value, Mapping) and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value, f"{at}{key}.")
-        elif isinstance(value, Mapping) and isinstance(out.get(key), list) and all(str(k).isdigit() for k in value):
+        elif isinstance(value, Mapping) and isinstance(out.get(key), list) and all(_item_number(k) for k in value):
             items = list(out[key])
             for index, item in value.items():
                 if int(index) >= len(items):
                     raise ConfigError([(f"{at}{key}.{index}", f"no such item: the list has {len(items)}")])
                 old = items[int(index)]
-                items[int(index)] = _merge(old, item, f"{at}{key}.{index}.") if isinstance(old, dict) else item
+                mergeable = isinstance(old, dict) and isinstance(item, Mapping)
+                items[int(index)] = _merge(old, item, f"{at}{key}.{index}.") if mergeable else item
             out[key] = items
         else:
             out[key] = value
@@ -135,6 +136,11 @@ def _merge(base: dict, over: Mapping, at: str = "") -> dict:
             if model.get(chosen) is not None and other not in model:
                 out["model"].pop(other, None)
     return out
+
+
+def _item_number(key) -> bool:
+    """Whether a key names a list item: ASCII digits ("0", "12"; not "¹", which isdigit takes and int refuses)."""
+    return re.fullmatch(r"[0-9]+", str(key)) is not None
 
 
 def load_config(
