@@ -640,11 +640,16 @@ def test_evaluation_holds_one_copy_of_a_policy_beside_the_policy_at_a_time(tmp_p
     steps.prepare(config, tmp_path / "policy")
     alive, engine, trainer = [], evaluation.TorchEngine, evaluation.Trainer
 
+    def transformers() -> int:
+        gc.collect()
+        return sum(type(o) is Transformer for o in gc.get_objects())
+
+    before = transformers()  # what earlier tests in this process left (a module's fixture, say)
+
     def counted(cls):
         def make(*a, **kw):
             made = cls(*a, **kw)
-            gc.collect()
-            alive.append((cls.__name__, sum(type(o) is Transformer for o in gc.get_objects())))
+            alive.append((cls.__name__, transformers() - before))
             return made
 
         return make
