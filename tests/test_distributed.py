@@ -10,6 +10,7 @@ to one rank in two clean-clone runs of 2026-12-05, in two different tests,
 once after its work was written, and in none of 38 runs of those two tests
 outside the suite, beside busy cores or not. Any other failure fails at once."""
 
+import contextlib
 import functools
 import json
 import os
@@ -222,11 +223,10 @@ def test_two_processes_count_the_whole_steps_syndrome_decode(tmp_path):
     assert json.loads(store.get_bytes(key)) == decoded_by_one
     store.delete(key)
 
-    round_0 = tmp_path / "store" / checkpoints_prefix(syndrome(2), RUN, 0)
-    killed = kill_ranks_once(round_0 / "step-000001" / ".metadata")
-    with pytest.raises(DistributedError):
+    step_2 = f"{checkpoints_prefix(syndrome(2), RUN, 0)}/step-000002/"  # once step 1's checkpoint is complete
+    with ranks_killed_uploading(step_2, tmp_path / "hook"), pytest.raises(DistributedError) as killed:
         two_processes(tmp_path / "resumed", echo=lambda line: None)
-    assert killed and not store.list(key)
+    assert "SIGKILL" in str(killed.value) and not store.list(key)
     lines = []
     two_processes(tmp_path / "resumed", echo=lines.append)
     assert any("resumed from" in line and ": step 1 (rank 0 read" in line for line in lines)
@@ -293,12 +293,12 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
     inputs = (tmp / "policy-0", tmp / "state-0", tmp / "trajectories.jsonl", tmp / "guidance.json")
 
     def interrupted(out):
-        killed = kill_ranks_once(root / "step-000002" / ".metadata", gone=root / "step-000001" / ".metadata")
-        with pytest.raises(DistributedError):
+        step_3 = f"{checkpoints_prefix(config, RUN, 0)}/step-000003/"  # step 2's checkpoint complete, step 1's deleted
+        with ranks_killed_uploading(step_3, tmp_path / "hook"), pytest.raises(DistributedError) as killed:
             torchrun(
                 config, *inputs, out, tmp_path / "out-state", tmp_path / "work", RUN, stats, echo=lambda line: None
             )
-        assert killed
+        assert "SIGKILL" in str(killed.value)
         return sorted(p.parent.name for p in root.glob("*/.metadata"))  # complete checkpoints left
 
     def rerun(out):
@@ -312,7 +312,7 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
         return [line for line in lines if "resumed from" in line]
 
     left = interrupted(tmp_path / "a")
-    assert left and left[-1] >= "step-000002" and len(left) == 1  # the step before is deleted
+    assert left == ["step-000002"]  # the step before is deleted
     # another policy under the same run id (given twice, say) never resumes this round's checkpoint
     steps.prepare(config.model_copy(update={"seed": 1}), tmp_path / "other", RUN, tmp_path / "other-state")
     lines = []
@@ -469,22 +469,39 @@ def test_a_killed_rank_fails_the_step_within_the_timeout(round_inputs, tmp_path)
     assert not (tmp_path / "out").exists()
 
 
-def kill_ranks_once(done, gone=None) -> list[int]:
-    """Kill this test's ranks as soon as the file ``done`` exists (a checkpoint
-    complete, say) and ``gone``, if given, does not (the checkpoint before it
-    deleted, which rank 0 does just after), from a thread; the list returned
-    gets their pids."""
-    killed = []
+# The ranks' sitecustomize in ranks_killed_uploading: a rank kills itself as it starts uploading a file whose key
+# begins with the prefix in TRACEFP4_TEST_DIE_UPLOADING
+DIE_UPLOADING = """
+import os, signal
+from tracefp4.components.store import LocalStore
 
-    def watch():
-        while not done.exists() or (gone is not None and gone.exists()):
-            time.sleep(0.02)
-        killed.extend(_rank_pids(os.getpid()))
-        for pid in killed:
-            os.kill(pid, signal.SIGKILL)
+_upload = LocalStore.upload
 
-    threading.Thread(target=watch, daemon=True).start()
-    return killed
+
+def upload(self, key, path):
+    if key.startswith(os.environ["TRACEFP4_TEST_DIE_UPLOADING"]):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return _upload(self, key, path)
+
+
+LocalStore.upload = upload
+"""
+
+
+@contextlib.contextmanager
+def ranks_killed_uploading(key_prefix: str, folder):
+    """Each rank of a torchrun started inside kills itself (SIGKILL) as it
+    starts uploading a file under ``key_prefix`` of a local store: the
+    checkpoint before is then complete, and the one before that deleted,
+    whatever the machine's load. (A thread that watched for those files and
+    killed the ranks could see them too late on a busy machine, once the
+    round had finished.)"""
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(DIE_UPLOADING)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+        env.setenv("TRACEFP4_TEST_DIE_UPLOADING", key_prefix)
+        yield
 
 
 def _rank_pids(ancestor: int) -> list[int]:
