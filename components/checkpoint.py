@@ -83,6 +83,9 @@ CONFIG = "config.json"
 CACHE_ENV = "TRACEFP4_CACHE_DIR"  # root of the local cache of checkpoints fetched from a store
 MANIFEST = "checksums.json"  # {"files": {name: {"size": bytes, "sha256": hex}}, "provenance": {...}}, written last
 HASH_THREADS = 8  # files hashed at once at most (sizes_and_sha256)
+# files downloaded or uploaded at once at most (fetch, upload_folder): one S3 GET or PUT streams at a fraction of
+# what the store and the node's network take, and S3Store's connection pool holds 8
+TRANSFER_THREADS = 8
 LOCATION = "location.json"  # {"uri": ...}: a folder standing for the folder there (write_location), beside its MANIFEST
 _MAX_SIZE = 2**24  # any config.json size above this is a typo or an attack: real models stay far below
 # safetensors' names of the weight dtypes we load
@@ -449,9 +452,22 @@ def sizes_and_sha256(paths: list[Path]) -> list[tuple[int, str]]:
     """:func:`size_and_sha256` of each file, several at once: hashlib hashes
     outside the GIL, and a policy of Qwen3.5-35B-A3B (70 GB, saved and
     verified every round) hashed one file at a time took a core's 1.5 GB/s."""
-    threads = max(1, min(HASH_THREADS, len(os.sched_getaffinity(0)), len(paths)))
-    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="sha256") as pool:
-        return list(pool.map(size_and_sha256, paths))
+    return each_at_once(size_and_sha256, paths, min(HASH_THREADS, len(os.sched_getaffinity(0))), "sha256")
+
+
+def each_at_once(work: Callable[[T], object], items: list[T], threads: int, name: str) -> list:
+    """``work(item)`` for each of ``items``, up to ``threads`` at once (threads
+    named ``name``), its results in ``items``' order. A failure is raised once
+    the items before it are done, and so is the first in that order wherever
+    several fail; items not started by then never start."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(items))), thread_name_prefix=name) as pool:
+        futures = [pool.submit(work, item) for item in items]
+        try:
+            return [future.result() for future in futures]
+        except BaseException:
+            for future in futures:
+                future.cancel()
+            raise
 
 
 def _write_manifest(folder: Path, provenance: dict | None = None) -> None:
@@ -1117,10 +1133,13 @@ def write_location(folder: Path, uri: str, manifest: bytes) -> Path:
 
 
 def upload_folder(folder: Path, target: ArtifactStore) -> bytes:
-    """Upload the files of the tracefp4 folder ``folder`` to the store folder ``target``, its
-    :data:`MANIFEST` last, so that a reader takes it whole once that is there; returns the manifest."""
-    for file in sorted(folder.iterdir(), key=lambda f: f.name == MANIFEST):
-        target.upload(file.name, file)
+    """Upload the files of the tracefp4 folder ``folder`` to the store folder
+    ``target``, up to :data:`TRANSFER_THREADS` at once, its :data:`MANIFEST`
+    once all others are there, so that a reader takes it whole once that is
+    there; returns the manifest."""
+    files = [file for file in sorted(folder.iterdir()) if file.name != MANIFEST]
+    each_at_once(lambda file: target.upload(file.name, file), files, TRANSFER_THREADS, "upload")
+    target.upload(MANIFEST, folder / MANIFEST)
     return (folder / MANIFEST).read_bytes()
 
 
@@ -1190,23 +1209,28 @@ def _exclusive(lock: Path) -> Iterator[bool]:
 
 
 def _download(store, where: str, wanted: set[str], have: dict, entries: dict, unverified: dict, folder: Path) -> Path:
-    """:func:`fetch`'s download of ``wanted`` into a partial folder, checked, renamed to ``folder``."""
+    """:func:`fetch`'s download of ``wanted`` into a partial folder, up to
+    :data:`TRANSFER_THREADS` files at once, each checked as it arrives (while
+    others download), renamed to ``folder``."""
     sizes = [entries[name][0] if name in entries else unverified[name][0] for name in wanted - set(have)]
     ensure_room(folder.parent, sum(sizes), f"downloading {where} ({len(wanted)} files)")
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.", suffix=".partial"))
+
+    def download(name: str) -> None:
+        if name in have:
+            (tmp / name).write_bytes(have[name])
+        else:
+            store.download(name, tmp / name)
+        if name in entries:
+            size, digest = size_and_sha256(tmp / name)
+            if size != entries[name][0]:
+                raise CheckpointError(f"{where}/{name}: {size} bytes, but {MANIFEST} says {entries[name][0]}")
+            if digest != entries[name][1]:
+                raise CheckpointError(f"{where}/{name}: sha256 does not match {MANIFEST}: corrupt or changed")
+
     try:
         log.info("%s: downloading %d files into %s", where, len(wanted), folder)
-        for name in sorted(wanted):
-            if name in have:
-                (tmp / name).write_bytes(have[name])
-            else:
-                store.download(name, tmp / name)
-            if name in entries:
-                size, digest = size_and_sha256(tmp / name)
-                if size != entries[name][0]:
-                    raise CheckpointError(f"{where}/{name}: {size} bytes, but {MANIFEST} says {entries[name][0]}")
-                if digest != entries[name][1]:
-                    raise CheckpointError(f"{where}/{name}: sha256 does not match {MANIFEST}: corrupt or changed")
+        each_at_once(download, sorted(wanted), TRANSFER_THREADS, "download")
         os.chmod(tmp, 0o755)  # mkdtemp's 0o700 would hide the entry from the cache's other users
         checked = {name: _stamp(tmp / name) for name in [*entries, MANIFEST] if name in wanted}
         try:

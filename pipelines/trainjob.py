@@ -37,7 +37,15 @@ from kubernetes import client
 from kubernetes import config as kube_config
 from kubernetes.client.exceptions import ApiException
 
-from tracefp4.components.checkpoint import MANIFEST, fetch, folder_digest, location, size_and_sha256, write_location
+from tracefp4.components.checkpoint import (
+    MANIFEST,
+    fetch,
+    folder_digest,
+    location,
+    size_and_sha256,
+    upload_folder,
+    write_location,
+)
 from tracefp4.components.distributed import DistributedError, checkpoints_prefix, clear_checkpoints
 from tracefp4.components.launch import MODULE, rank_arguments, torchrun
 from tracefp4.components.steps import config_digest, store_prefix
@@ -442,8 +450,7 @@ class TrainJobRun:
         self.store.upload(f"{self.prefix}/guidance.json", guidance)
         for name, folder in (("policy", policy), ("state", state)):
             if folders[name] == self.uri(name):
-                for f in sorted(Path(folder).iterdir(), key=lambda f: f.name == MANIFEST):  # the manifest last
-                    self.store.upload(f"{self.prefix}/{name}/{f.name}", f)
+                upload_folder(Path(folder), open_store(self.uri(name)))
             else:
                 echo(f"trainjob {self.namespace}/{self.name}: {name} already in the store at {folders[name]}")
 

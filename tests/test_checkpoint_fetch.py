@@ -9,6 +9,7 @@ import logging
 import os
 import shutil
 import sys
+import threading
 import time
 import uuid
 
@@ -66,13 +67,13 @@ def saved(tmp_path, seed=1, manifest=True):
     return model, folder
 
 
-def upload(server, folder, skip=(), flip=None) -> str:
-    """``folder``'s files under a new prefix of the server's bucket; the byte in the middle of ``flip`` inverted."""
+def upload(server, folder, skip=(), flip=()) -> str:
+    """``folder``'s files under a new prefix of the server's bucket; the middle byte of each in ``flip`` inverted."""
     prefix = f"models/{uuid.uuid4().hex[:12]}"
     store = server.store(prefix)
     for path in sorted(folder.iterdir()):
         data = bytearray(path.read_bytes())
-        if path.name == flip:
+        if path.name in flip:
             data[len(data) // 2] ^= 0xFF
         if path.name not in skip:
             store.put_bytes(path.name, bytes(data))
@@ -209,7 +210,7 @@ def test_a_fetch_into_a_folder_checks_it_there_and_leaves_the_cache_alone(tmp_pa
     assert downloads == []
     bad = shards(folder)[0]
     with pytest.raises(CheckpointError, match=f"{bad}: sha256 does not match"):
-        fetch(upload(s3_env, folder, flip=bad), into=tmp_path / "corrupt")
+        fetch(upload(s3_env, folder, flip={bad}), into=tmp_path / "corrupt")
     assert not [p for p in tmp_path.iterdir() if "corrupt" in p.name]  # neither the folder nor a partial one
     copied = fetch(folder, into=tmp_path / "copied")  # a local folder is copied
     assert sorted(p.name for p in copied.iterdir()) == sorted(p.name for p in folder.iterdir())
@@ -267,10 +268,64 @@ def test_a_folder_standing_for_a_stored_one_is_followed_there_while_that_is_the_
 def test_a_corrupt_shard_fails_naming_it_and_nothing_is_cached(tmp_path, s3_env, cache):
     _, folder = saved(tmp_path)
     bad = shards(folder)[0]
-    uri = upload(s3_env, folder, flip=bad)
+    uri = upload(s3_env, folder, flip={bad})
     with pytest.raises(CheckpointError, match=f"{uri}/{bad}: sha256 does not match {MANIFEST}"):
         fetch(uri)
     assert list(cache.iterdir()) == []  # neither a cache entry nor a partial download is left
+
+
+def concurrent_calls(patch, cls, method: str) -> tuple[list, list]:
+    """``cls.method`` patched so that its first call waits for a second to
+    start: the calls made, in order, and whether that first one saw another
+    (one call at a time, it would wait in vain)."""
+    lock, second, calls, waited = threading.Lock(), threading.Event(), [], []
+    real = getattr(cls, method)
+
+    def waiting(self, key, path):
+        with lock:
+            first = not calls
+            calls.append(key)
+        if first:
+            waited.append(second.wait(timeout=10))
+        else:
+            second.set()
+        return real(self, key, path)
+
+    patch.setattr(cls, method, waiting)
+    return calls, waited
+
+
+def test_a_checkpoints_files_download_several_at_once_and_the_first_bad_one_is_named(tmp_path, s3_env, cache):
+    """Several steps fetch a 70 GB policy every round, and one S3 GET streams
+    at a fraction of what the store and the network take: the files download
+    up to TRANSFER_THREADS at once, each checked as it lands. Of two corrupt
+    shards the error names the first in name order, whichever download ends
+    first, and nothing is cached."""
+    model, folder = saved(tmp_path)
+    first, second = shards(folder)[:2]
+    corrupt = upload(s3_env, folder, flip={first, second})
+    with pytest.raises(CheckpointError, match=f"{corrupt}/{first}: sha256 does not match {MANIFEST}"):
+        fetch(corrupt)
+    assert list(cache.iterdir()) == []
+    uri = upload(s3_env, folder)
+    with pytest.MonkeyPatch.context() as patch:
+        calls, waited = concurrent_calls(patch, S3Store, "download")
+        local = fetch(uri)
+    assert waited == [True] and len(calls) == len(list(folder.iterdir())) - 1  # all but the manifest, read first
+    assert torch.equal(logits(load_model(local)), logits(model))
+
+
+def test_a_folder_uploads_several_files_at_once_and_its_manifest_once_they_are_all_there(tmp_path, s3_env, monkeypatch):
+    """upload_folder (the steps' outputs, the TrainJob's inputs): the files up
+    to TRANSFER_THREADS at once, the manifest that makes the folder whole once
+    every other file is in the store."""
+    model, folder = saved(tmp_path)
+    prefix = f"models/{uuid.uuid4().hex[:12]}"
+    with pytest.MonkeyPatch.context() as patch:
+        calls, waited = concurrent_calls(patch, S3Store, "upload")
+        checkpoint.upload_folder(folder, s3_env.store(prefix))
+    assert waited == [True] and calls[-1] == MANIFEST and sorted(calls) == sorted(p.name for p in folder.iterdir())
+    assert torch.equal(logits(load_model(fetch(s3_env.uri(prefix)))), logits(model))
 
 
 @pytest.mark.parametrize("manifest", [True, False])
