@@ -459,15 +459,20 @@ def each_at_once(work: Callable[[T], object], items: list[T], threads: int, name
     """``work(item)`` for each of ``items``, up to ``threads`` at once (threads
     named ``name``), its results in ``items``' order. A failure is raised once
     the items before it are done, and so is the first in that order wherever
-    several fail; items not started by then never start."""
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(items))), thread_name_prefix=name) as pool:
+    several fail; items not started by then never start, and those running
+    end first, so that the caller cleans up after them (a partial download).
+    An exit (a SIGTERM's SystemExit, a KeyboardInterrupt) does not wait for
+    them: a step deleting its TrainJob on the way out is not held up behind
+    a transfer of GBs."""
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(items))), thread_name_prefix=name)
+    try:
         futures = [pool.submit(work, item) for item in items]
-        try:
-            return [future.result() for future in futures]
-        except BaseException:
-            for future in futures:
-                future.cancel()
-            raise
+        return [future.result() for future in futures]
+    except Exception:
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def _write_manifest(folder: Path, provenance: dict | None = None) -> None:
