@@ -460,19 +460,16 @@ def each_at_once(work: Callable[[T], object], items: list[T], threads: int, name
     named ``name``), its results in ``items``' order. A failure is raised once
     the items before it are done, and so is the first in that order wherever
     several fail; items not started by then never start, and those running
-    end first, so that the caller cleans up after them (a partial download).
-    An exit (a SIGTERM's SystemExit, a KeyboardInterrupt) does not wait for
-    them: a step deleting its TrainJob on the way out is not held up behind
-    a transfer of GBs."""
-    pool = concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(items))), thread_name_prefix=name)
-    try:
+    end first (a transfer under way cannot be stopped), so that the caller
+    cleans up after them (a partial download), also on an exit (SIGTERM,
+    Ctrl-C): threads left running would write on after it."""
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(threads, len(items))), thread_name_prefix=name) as pool:
         futures = [pool.submit(work, item) for item in items]
-        return [future.result() for future in futures]
-    except Exception:
-        pool.shutdown(wait=True, cancel_futures=True)
-        raise
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        try:
+            return [future.result() for future in futures]
+        finally:
+            for future in futures:
+                future.cancel()
 
 
 def _write_manifest(folder: Path, provenance: dict | None = None) -> None:

@@ -146,6 +146,15 @@ def whole_span_blocks(positions: int) -> int:
     return span + KV_SPLIT - span % KV_SPLIT if span % KV_SPLIT > UNEVEN_KEYS else span
 
 
+def fillable_length(positions: int) -> int:
+    """The longest cache of at most ``positions`` that a span rounded by
+    :func:`whole_span_blocks` never overruns (``whole_span_blocks(n) == n``):
+    a cache grown to another length (1,280 positions, doubled from 640) took
+    a span of 1,217 to 1,536 and refused it."""
+    length = positions // SPAN_BLOCK * SPAN_BLOCK
+    return length if length % KV_SPLIT <= UNEVEN_KEYS else length - length % KV_SPLIT + UNEVEN_KEYS
+
+
 class KVCacheFull(RuntimeError):
     """The device has no room for the KV cache a rollout needs."""
 
@@ -233,7 +242,8 @@ class KVCache:
     def grow(self, positions: int) -> bool:
         """Room for ``positions`` positions: the cache's length doubled until it
         holds them (at most ``max_len``; where the device has no room for the
-        doubling, as far as it has room for), what it held copied over;
+        doubling, as far as it has room for; either down to a length whole
+        spans fill: :func:`fillable_length`), what it held copied over;
         whether it grew. Where the device lacks room even for that, a
         :class:`KVCacheFull` names the settings that size the cache, rather
         than an allocator's out-of-memory error."""
@@ -242,7 +252,7 @@ class KVCache:
         if positions > self.max_len:
             raise ValueError(f"{positions} positions exceed the cache's max_len {self.max_len}")
         needed = whole_span_blocks(positions)
-        length = min(self.max_len, max(needed, 2 * self.length), self._room(positions, needed))
+        length = fillable_length(min(self.max_len, max(needed, 2 * self.length), self._room(positions, needed)))
         for key in list(self.store):  # one key at a time: only its old tensor lives beside the new ones
             old = self.store.pop(key)
             shape = list(old.shape)

@@ -274,25 +274,30 @@ def test_a_corrupt_shard_fails_naming_it_and_nothing_is_cached(tmp_path, s3_env,
     assert list(cache.iterdir()) == []  # neither a cache entry nor a partial download is left
 
 
-def concurrent_calls(patch, cls, method: str) -> tuple[list, list]:
+def concurrent_calls(patch, cls, method: str) -> tuple[list, dict, list]:
     """``cls.method`` patched so that its first call waits for a second to
-    start: the calls made, in order, and whether that first one saw another
-    (one call at a time, it would wait in vain)."""
-    lock, second, calls, waited = threading.Lock(), threading.Event(), [], []
+    start: the calls started, in order; how many had ended when each started;
+    and whether that first one saw another (one call at a time, it would
+    wait in vain)."""
+    lock, second, calls, ended_before, waited = threading.Lock(), threading.Event(), [], {}, []
+    ended = []
     real = getattr(cls, method)
 
     def waiting(self, key, path):
         with lock:
             first = not calls
             calls.append(key)
+            ended_before[key] = len(ended)
         if first:
             waited.append(second.wait(timeout=10))
         else:
             second.set()
-        return real(self, key, path)
+        real(self, key, path)
+        with lock:
+            ended.append(key)
 
     patch.setattr(cls, method, waiting)
-    return calls, waited
+    return calls, ended_before, waited
 
 
 def test_a_checkpoints_files_download_several_at_once_and_the_first_bad_one_is_named(tmp_path, s3_env, cache):
@@ -309,22 +314,23 @@ def test_a_checkpoints_files_download_several_at_once_and_the_first_bad_one_is_n
     assert list(cache.iterdir()) == []
     uri = upload(s3_env, folder)
     with pytest.MonkeyPatch.context() as patch:
-        calls, waited = concurrent_calls(patch, S3Store, "download")
+        calls, _, waited = concurrent_calls(patch, S3Store, "download")
         local = fetch(uri)
     assert waited == [True] and len(calls) == len(list(folder.iterdir())) - 1  # all but the manifest, read first
     assert torch.equal(logits(load_model(local)), logits(model))
 
 
-def test_a_folder_uploads_several_files_at_once_and_its_manifest_once_they_are_all_there(tmp_path, s3_env, monkeypatch):
+def test_a_folder_uploads_several_files_at_once_and_its_manifest_once_they_are_all_there(tmp_path, s3_env):
     """upload_folder (the steps' outputs, the TrainJob's inputs): the files up
     to TRANSFER_THREADS at once, the manifest that makes the folder whole once
     every other file is in the store."""
     model, folder = saved(tmp_path)
     prefix = f"models/{uuid.uuid4().hex[:12]}"
     with pytest.MonkeyPatch.context() as patch:
-        calls, waited = concurrent_calls(patch, S3Store, "upload")
+        calls, ended_before, waited = concurrent_calls(patch, S3Store, "upload")
         checkpoint.upload_folder(folder, s3_env.store(prefix))
-    assert waited == [True] and calls[-1] == MANIFEST and sorted(calls) == sorted(p.name for p in folder.iterdir())
+    assert waited == [True] and sorted(calls) == sorted(p.name for p in folder.iterdir())
+    assert calls[-1] == MANIFEST and ended_before[MANIFEST] == len(calls) - 1  # once all others had ended
     assert torch.equal(logits(load_model(fetch(s3_env.uri(prefix)))), logits(model))
 
 

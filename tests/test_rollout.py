@@ -14,11 +14,13 @@ from tracefp4.components.checkpoint import save_model
 from tracefp4.components.model import CausalAttention, build_model
 from tracefp4.components.quant import ACTIVATION_SITES, ROLLOUT_CONFIGS, QuantSites, rollout_config
 from tracefp4.components.rollout import (
+    KV_SPLIT,
     KVCache,
     SamplingParams,
     TorchEngine,
     batch_buckets,
     bucket_for,
+    fillable_length,
     whole_span_blocks,
 )
 from tracefp4.kernels import fake_quantize, reference
@@ -377,9 +379,9 @@ def test_a_cache_the_device_has_no_room_to_double_grows_as_far_as_there_is_room_
     monkeypatch.setattr(rollout_module, "free_bytes", lambda device: room["bytes"])
     assert cache.grow(65) and cache.length == 128  # the CPU: no probe, doubled
     room["bytes"] = more(256)
-    assert cache.grow(129) and cache.length == 256  # the doubling fits
+    assert cache.grow(129) and cache.length == 192  # the doubling fits: 256, down to what spans fill
     room["bytes"] = more(512)
-    assert cache.grow(257) and cache.length == 512  # 257 positions need 512 (whole_span_blocks)
+    assert cache.grow(193) and cache.length == 512  # 193 positions need 512 (whole_span_blocks)
     room["bytes"] = more(704)
     assert cache.grow(513) and cache.length == 704  # as far as there is room for: 513 positions need 544
     room["bytes"] = more(704 + 31)
@@ -397,6 +399,23 @@ def test_a_cache_the_device_has_no_room_to_double_grows_as_far_as_there_is_room_
     )
     room["bytes"] = None
     assert cache.grow(705) and alive == list(range(len(olds), 0, -1))
+    assert cache.length == 1216  # doubled to 1,408, whose spans from 1,217 on would read 1,536: down to 1,216
+
+
+def test_a_cache_grows_to_lengths_its_spans_fill(model):
+    """A span reads whole 32-position blocks, and the whole 512-key block
+    where more than UNEVEN_KEYS of it are read: a cache doubled from 640 to
+    1,280 positions took a span of 1,217 to 1,536 and refused it, mid-generate
+    (a prompt of 360 tokens and 900 new ones). Grown caches stop at lengths
+    their spans fill."""
+    assert all(
+        whole_span_blocks(fillable_length(n)) == fillable_length(n) <= n < fillable_length(n) + KV_SPLIT
+        for n in range(32, 5000)
+    )
+    engine = TorchEngine(model)
+    prompt = torch.randint(0, 256, (360,), generator=torch.Generator().manual_seed(0)).tolist()
+    (out,) = engine.generate([prompt], SamplingParams(max_new_tokens=900, seed=0, stop_tokens=[]))
+    assert len(out.response) == 900
 
 
 def test_a_retired_row_that_no_request_takes_never_outgrows_the_cache(model, each_dtype):
