@@ -61,8 +61,8 @@ ONEDNN_ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
 _ISA_CAPS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}
 
 # MKL's strict conditional numerical reproducibility, its code path chosen for the CPU (AUTO): MKL reads MKL_CBWR
-# at its first call (any CPU math of torch's), so it is set when this module is imported, before any; costs a few
-# percent of a float32 GEMM (module docstring)
+# at its first call (any CPU math of torch's), so it is set when this module is imported, before any (what it cost
+# the engine where bf16 is emulated: docs/rollout.md)
 MKL_MODE = ("MKL_CBWR", "AUTO,STRICT")
 os.environ.setdefault(*MKL_MODE)
 
