@@ -42,11 +42,13 @@ come as paths or store URIs. How it works:
 """
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -593,6 +595,34 @@ def open_trainer(prefix: str | None, store: ArtifactStore | None, run_id: str):
 # -- the program torchrun (or a TrainJob) starts on every rank --------------------------------------------------
 
 
+def wait_for_inputs(uri: str, sha256: str, timeout_s: float, poll_s: float = 2.0) -> None:
+    """Until the store object ``uri`` has the sha256 ``sha256``: the round's
+    record of its inputs (``inputs.json``), which the train step writes once
+    every input is in the store and nothing of other inputs is left there
+    (:meth:`tracefp4.pipelines.trainjob.TrainJobRun.train`). A TrainJob starts
+    its ranks when it is created, or when Kueue admits it, which may come
+    before the step has uploaded the round's inputs. Raises
+    :class:`DistributedError` after ``timeout_s`` (``train.timeout_seconds``)
+    without it."""
+    base, _, name = uri.rpartition("/")
+    store, since, said = open_store(base), time.monotonic(), False
+    while True:
+        try:
+            if hashlib.sha256(store.get_bytes(name)).hexdigest() == sha256:
+                return
+        except ArtifactNotFound:
+            pass
+        if time.monotonic() - since > timeout_s:
+            raise DistributedError(
+                f"{uri}: the round's inputs were not recorded there within {timeout_s} s (train.timeout_seconds): "
+                "the train step that created this TrainJob died uploading them? A retry of the step uploads them"
+            )
+        if not said:
+            print(f"waiting for the train step to upload the round's inputs ({uri})", flush=True)
+            said = True
+        time.sleep(poll_s)
+
+
 def _local(uri: str, workdir: Path) -> Path:
     """A path for an input given as a path, a ``file://`` URI or a store object URI (downloaded)."""
     if "://" not in uri or uri.startswith("file://"):
@@ -623,7 +653,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True, help="the new policy: a folder, or a store URI uploaded to")
     parser.add_argument("--out-state", required=True, help="the new trainer state: a folder, or a store URI")
     parser.add_argument("--history", required=True, help="the steps' history rows (JSON): a path or a store URI")
+    parser.add_argument(
+        "--inputs", nargs=3, metavar=("URI", "SHA256", "TIMEOUT_S"), help="wait for this record first (wait_for_inputs)"
+    )
     args = parser.parse_args(argv)
+    if args.inputs:
+        uri, sha256, timeout_s = args.inputs
+        wait_for_inputs(uri, sha256, float(timeout_s))
     with tempfile.TemporaryDirectory(prefix="tracefp4-rank-") as tmp:
         work = Path(tmp)
         config = init_process_group(RunConfig.model_validate_json(_local(args.config, work).read_text()))

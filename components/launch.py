@@ -42,12 +42,17 @@ def rank_arguments(
     out: str,
     out_state: str,
     history: str,
+    inputs: tuple[str, str, int] | None = None,
 ) -> list[str]:
-    """The arguments of :func:`tracefp4.components.distributed.main` (paths or store URIs)."""
+    """The arguments of :func:`tracefp4.components.distributed.main` (paths or
+    store URIs); ``inputs`` (the URI of the round's record of its inputs, that
+    record's sha256, and how long to wait for it): the ranks wait for it
+    before they read anything (:func:`tracefp4.components.distributed.wait_for_inputs`)."""
     return [
         *("--config", config, "--policy", policy, "--state", state, "--trajectories", trajectories),
         *("--guidance", guidance, "--round-stats", round_stats, "--run-id", run_id),
         *("--out", out, "--out-state", out_state, "--history", history),
+        *(("--inputs", *map(str, inputs)) if inputs else ()),
     ]
 
 

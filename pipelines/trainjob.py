@@ -4,11 +4,14 @@ KFP v2 has no resource op, so the train component itself creates the
 TrainJob (``trainer.kubeflow.org/v1alpha1``, runtime ``train.trainjob_runtime``,
 ``torch-distributed`` by default) through the Kubernetes API with the
 pipeline runner's service account (its Role in
-manifests/base/kfp/pipeline-runner.yaml grants it) suspended, starts it once the round's inputs are uploaded,
-watches it and deletes it when done. The ranks cannot see the
-step's local files, so the round's inputs go to the store first and travel as
+manifests/base/kfp/pipeline-runner.yaml grants it), uploads the round's
+inputs, watches it and deletes it when done. The ranks cannot see the
+step's local files, so the round's inputs go to the store and travel as
 store URIs; the ranks (:mod:`tracefp4.components.distributed`, under the
-runtime's torchrun) write the new policy and the history rows back there.
+runtime's torchrun) wait for the step's record of them, then write the new
+policy and the history rows back there. The TrainJob carries the run's
+``resources.labels``: with Kueue's queue label, Kueue admits it into the
+team's quota (its TrainJob integration) and starts it.
 
 Which launcher runs is the config's ``train.launcher``, never guessed: a
 TrainJob needs the in-cluster service account and fails at once without one.
@@ -77,6 +80,9 @@ BY_MANIFEST = "by-manifest"
 INPUTS = "inputs.json"
 # The TrainJob's annotation of the sha256 of that record: checked before a retry waits for a TrainJob it finds
 INPUTS_ANNOTATION = "tracefp4/inputs-sha256"
+# Kueue's label of the LocalQueue that admits a job (resources.labels; Kueue may default it to a namespace's
+# LocalQueue named "default"): Kueue holds such a TrainJob suspended until it admits it, and may suspend it again
+KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
 
 
 def distributed_train(
@@ -188,10 +194,10 @@ def trainjob(
 ) -> dict:
     """The TrainJob running the distributed train step with ``args`` on every
     node, annotated with the sha256 of its ``inputs`` (:func:`inputs_record`)
-    and labelled with ``labels`` (its run and round: :func:`run_labels`). Not
-    with ``resources.labels``, the steps' pods': a Kueue queue's label there
-    would have Kueue hold and start the job, which this step creates suspended
-    and starts itself once the round's inputs are in the store."""
+    and labelled with the run's ``resources.labels`` and ``labels`` (its run
+    and round: :func:`run_labels`). Kueue's queue label among them
+    (:data:`KUEUE_QUEUE`) puts it in that queue: Kueue's webhook creates it
+    suspended, and Kueue starts it once it admits it."""
     r = config.resources
     limits = {"cpu": r.cpu, "memory": r.memory}
     if r.gpus:
@@ -215,7 +221,7 @@ def trainjob(
         metadata=models.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
             name=name,
             namespace=namespace,
-            labels={"app.kubernetes.io/part-of": "tracefp4", **(labels or {})},
+            labels={"app.kubernetes.io/part-of": "tracefp4", **r.labels, **(labels or {})},
             annotations={INPUTS_ANNOTATION: hashlib.sha256(inputs).hexdigest()},
         ),
         spec=models.TrainerV1alpha1TrainJobSpec(
@@ -232,7 +238,6 @@ def trainjob(
                 resourcesPerNode=models.IoK8sApiCoreV1ResourceRequirements(limits=limits, requests=limits),
             ),
             runtimePatches=[rank_pod_patch(config)],
-            suspend=True,  # until the step has uploaded the round's inputs (TrainJobRun.start)
         ),
     )
     return job.to_dict()
@@ -257,8 +262,12 @@ def dry_run(config: RunConfig, api: client.ApiClient | None = None, namespace: s
     one, the Trainer's webhook its runtime and fields. The pipeline's first
     task runs it, so that a misspelt runtime or a missing RBAC rule fails the
     run before any step holds a GPU, not round 0's train step after its
-    rollout. Raises :class:`DistributedError` with the server's reason."""
+    rollout; the same for a Kueue LocalQueue ``resources.labels`` names that
+    the namespace lacks, in which the TrainJob would wait forever. Raises
+    :class:`DistributedError` with the server's reason."""
     api, namespace = api or in_cluster_api(), namespace or _namespace()
+    if queue := config.resources.labels.get(KUEUE_QUEUE):
+        check_local_queue(api, namespace, queue)
     name = trainjob_name(config, "dry-run", config.rl.run_rounds().start)
     body = trainjob(config, name, namespace, [], b"")
     try:
@@ -272,6 +281,31 @@ def dry_run(config: RunConfig, api: client.ApiClient | None = None, namespace: s
         ) from None
     except urllib3.exceptions.HTTPError as e:
         raise DistributedError(f"the Kubernetes API did not answer a TrainJob's dry run: {e}") from None
+
+
+# Kueue's LocalQueue API versions, newest first (v1beta1 is deprecated but served up to Kueue 0.19 at least)
+KUEUE_VERSIONS = ("v1beta2", "v1beta1")
+
+
+def check_local_queue(api: client.ApiClient, namespace: str, queue: str) -> None:
+    """That ``namespace`` has Kueue's LocalQueue ``queue``; else a :class:`DistributedError` saying so."""
+    said = f"resources.labels puts the run's TrainJobs in Kueue's queue {queue!r}, but"
+    for version in KUEUE_VERSIONS:
+        try:
+            client.CustomObjectsApi(api).get_namespaced_custom_object(
+                "kueue.x-k8s.io", version, namespace, "localqueues", queue
+            )
+            return
+        except ApiException as e:
+            if e.status != 404:
+                raise DistributedError(f"{said} reading it: {_reason(e)}") from None
+            if _not_found_name(e) == queue:  # the API is served, the queue is not there
+                raise DistributedError(
+                    f"{said} namespace {namespace} has none of that name (`kubectl -n {namespace} get localqueues`)"
+                ) from None
+        except urllib3.exceptions.HTTPError as e:
+            raise DistributedError(f"{said} the Kubernetes API did not answer: {e}") from None
+    raise DistributedError(f"{said} the cluster serves no Kueue LocalQueues (is Kueue installed?)")
 
 
 class TrainJobRun:
@@ -354,17 +388,23 @@ class TrainJobRun:
     ) -> None:
         """Run the round's TrainJob on ``inputs`` (their record) to its end and
         delete it; or wait for the one an earlier attempt of the step left on
-        the same inputs (:meth:`adopt`). The TrainJob is created suspended
-        before anything is uploaded, and started once the inputs are in the
-        store: the name is the round's claim, so a second submission of these
-        settings under the same run id meets it (:meth:`adopt`, or a 409)
-        instead of uploading over this one's inputs."""
+        the same inputs (:meth:`adopt`). The TrainJob is created before
+        anything is uploaded: the name is the round's claim, so a second
+        submission of these settings under the same run id meets it
+        (:meth:`adopt`, or a 409) instead of uploading over this one's inputs.
+        Its ranks start when it is created, or when Kueue admits it, and wait
+        for the round's record of its inputs (:data:`INPUTS`), which the step
+        writes last, once the round's folder holds nothing of other inputs
+        and all of these (:func:`tracefp4.components.distributed.wait_for_inputs`).
+        Their pods are scheduled and pull the image meanwhile. A retry whose
+        earlier attempt died before the record uploads the inputs for the
+        ranks that attempt's TrainJob started."""
         with exit_on_sigterm():  # a terminated run's step deletes its TrainJob too: its ranks hold the GPUs
             adopted = self.adopt(inputs, echo)
             ours = True  # from here a failure or SIGTERM deletes the job, also one the create call made as it died
             try:
+                folders = self.input_folders(policy, state)
                 if not adopted:
-                    folders = self.input_folders(policy, state)
                     args = rank_arguments(
                         self.uri("config.json"),
                         folders["policy"],
@@ -376,6 +416,7 @@ class TrainJobRun:
                         self.uri("new-policy"),
                         self.uri("new-state"),
                         self.uri("history.json"),
+                        (self.uri(INPUTS), hashlib.sha256(inputs).hexdigest(), self.config.train.timeout_seconds),
                     )
                     labels = run_labels(self.run_id, self.round_index)
                     if not self.create(trainjob(self.config, self.name, self.namespace, args, inputs, labels), echo):
@@ -384,10 +425,11 @@ class TrainJobRun:
                             f"creating TrainJob {self.namespace}/{self.name}: another attempt or submission created "
                             "it meanwhile"
                         )
+                if not self.recorded(inputs):  # the ranks wait for the record (another's, or none, is there)
                     self.clear_other_inputs_round(inputs)
-                    self.store.put_bytes(f"{self.prefix}/{INPUTS}", inputs)  # before the ranks write any output
                     self.upload(policy, state, trajectories, guidance, round_stats, folders, echo)
-                    self.start(echo)
+                    self.store.put_bytes(f"{self.prefix}/{INPUTS}", inputs)  # the ranks' go
+                    echo(f"trainjob {self.namespace}/{self.name}: the round's inputs are in the store")
                 try:
                     self.wait(echo)
                 except DistributedError as e:  # the ranks' own words, read before the deletion takes their pods
@@ -413,11 +455,11 @@ class TrainJobRun:
         under the same run id, or none recorded), its outputs (each folder's
         manifest first) and its ranks' sharded checkpoints, so that neither a
         retry (:meth:`finished`) nor the ranks (which resume from the newest
-        complete checkpoint) take them for this one's. A retry of an attempt
-        on the same inputs keeps them: its ranks resume where it stopped."""
-        if self.recorded(inputs):
-            return
-        self.store.delete(f"{self.prefix}/history.json")  # first: the round no longer looks finished
+        complete checkpoint) take them for this one's. (A retry of an attempt
+        on the same inputs finds them recorded and keeps them: its ranks
+        resume where it stopped.)"""
+        self.store.delete(f"{self.prefix}/{INPUTS}")  # first: the round is no longer the other inputs' nor finished
+        self.store.delete(f"{self.prefix}/history.json")
         for name in ("new-policy", "new-state"):
             self.store.delete_folder(f"{self.prefix}/{name}", MANIFEST)
         clear_checkpoints(self.store, checkpoints_prefix(self.config, self.run_id, self.round_index))
@@ -511,15 +553,17 @@ class TrainJobRun:
         self.store.put_bytes(self._pointer(manifest), f"{self.prefix}/{name}".encode())
 
     def adopt(self, inputs: bytes, echo) -> bool:
-        """Whether the round's TrainJob is already there, left running or
-        completed by an earlier attempt of the step on the same ``inputs``
-        (its annotation): then it is waited for, and nothing is uploaded under
-        its ranks. One left failed, finished from other inputs, being deleted,
-        or suspended by an attempt that died uploading the same inputs, is
-        deleted. One running or suspended from other inputs is another
-        submission of these settings under the same run id, and fails the
-        step: its inputs in the store are not overwritten, nor its outputs
-        taken for this one's."""
+        """Whether the round's TrainJob is already there, left running, queued
+        or completed by an earlier attempt of the step on the same ``inputs``
+        (its annotation): then it is waited for (:meth:`train` uploads the
+        inputs its ranks wait for where that attempt died before). One left
+        failed, finished from other inputs, or being deleted, is deleted; so
+        is one suspended outside Kueue's queues (an older tracefp4 created its
+        TrainJobs suspended and started them after the upload, which its
+        ranks do not wait for). One running or queued from other inputs is
+        another submission of these settings under the same run id, and fails
+        the step: its inputs in the store are not overwritten, nor its
+        outputs taken for this one's."""
         left = self.read(echo)
         if left is None:
             return False
@@ -533,7 +577,7 @@ class TrainJobRun:
         same = self.recorded(inputs) if said is None else said == hashlib.sha256(inputs).hexdigest()
         conditions = _conditions(left.get("status") or {})
         suspended = (left.get("spec") or {}).get("suspend")
-        if same and suspended:  # the attempt died uploading its inputs: start over
+        if same and suspended and not _queue(left):
             echo(f"{where}: left suspended by an earlier attempt, deleting it")
             self.delete(echo, wait=True)
             return False
@@ -545,7 +589,7 @@ class TrainJobRun:
             self.delete(echo, wait=True)
             return False
         raise DistributedError(
-            f"TrainJob {self.namespace}/{self.name} is {'preparing' if suspended else 'training'} this round from "
+            f"TrainJob {self.namespace}/{self.name} is {'queued for' if suspended else 'training'} this round from "
             "other inputs (the policy, trainer state, trajectories or guidance differ): another submission of these "
             f"settings under run id {self.run_id!r}; wait for it to end (or `kubectl -n {self.namespace} delete "
             f"trainjob {self.name}` if that run is gone), or submit under another run id"
@@ -561,18 +605,11 @@ class TrainJobRun:
             if e.status == 409:
                 return False
             raise DistributedError(f"creating TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
-        echo(f"trainjob {self.namespace}/{self.name}: created, suspended while its inputs upload")
+        echo(
+            f"trainjob {self.namespace}/{self.name}: created ({self.config.train.world_size} processes; they wait "
+            "for the round's inputs)"
+        )
         return True
-
-    def start(self, echo) -> None:
-        """Unsuspend the TrainJob: its inputs are in the store."""
-        try:
-            self.api.patch_namespaced_custom_object(
-                GROUP, VERSION, self.namespace, PLURAL, self.name, {"spec": {"suspend": False}}
-            )
-        except ApiException as e:
-            raise DistributedError(f"starting TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
-        echo(f"trainjob {self.namespace}/{self.name}: started ({self.config.train.world_size} processes)")
 
     def wait(self, echo) -> None:
         """Until the TrainJob completes; its status changes go to the step's log.
@@ -582,15 +619,19 @@ class TrainJobRun:
         counts Pending pods too, so unschedulable ranks, or a Trainer that
         never picks the job up, would otherwise keep the step waiting forever.
         Every poll that shows progress restarts the clock: a long run is not cut
-        short; a poll the API server does not answer (5xx, 429, no connection)
-        is no news, and the clock runs on."""
+        short; so does one that finds the job suspended in Kueue's queue (not
+        admitted yet, or evicted: preempted, say, after which its ranks resume
+        from their last checkpoint), where a job waits for the team's quota,
+        not for a fault. A poll the API server does not answer (5xx, 429, no
+        connection) is no news, and the clock runs on."""
         since, last = time.monotonic(), None
         while True:
             job = self.read(echo, since)
             if job is None:
                 raise DistributedError(f"TrainJob {self.namespace}/{self.name}: deleted while the step waited for it")
             status = job.get("status") or {}
-            summary = _summary(status)
+            queued = (job.get("spec") or {}).get("suspend") and _queue(job)
+            summary = f"suspended in Kueue's queue {queued!r}" if queued else _summary(status)
             if summary != last:
                 echo(f"trainjob {self.namespace}/{self.name}: {summary}")
                 last = summary
@@ -602,7 +643,7 @@ class TrainJobRun:
                 raise DistributedError(
                     f"TrainJob {self.namespace}/{self.name} failed: {c.get('reason', '?')}: {c.get('message', '')}"
                 )
-            if _progressing(status):
+            if queued or _progressing(status):
                 since = time.monotonic()
             elif time.monotonic() - since > self.config.train.timeout_seconds:
                 raise DistributedError(self.stalled(status))
@@ -733,6 +774,11 @@ def _namespace() -> str:
     return path.read_text().strip()
 
 
+def _queue(job: dict) -> str | None:
+    """The Kueue LocalQueue a TrainJob is in (:data:`KUEUE_QUEUE`), if any."""
+    return ((job.get("metadata") or {}).get("labels") or {}).get(KUEUE_QUEUE)
+
+
 def _conditions(status: dict) -> dict[str, dict]:
     """A TrainJob status's true conditions, by type."""
     return {c["type"]: c for c in status.get("conditions", []) if c.get("status") == "True"}
@@ -772,6 +818,14 @@ def _waiting(pod) -> str:
         if c.state and c.state.waiting
     ]
     return "\n".join(words) or "no reason given yet"
+
+
+def _not_found_name(e: ApiException) -> str | None:
+    """The name of the object a 404 says is missing; None where the resource itself is not served."""
+    try:
+        return json.loads(e.body)["details"]["name"]
+    except (TypeError, ValueError, KeyError):
+        return None
 
 
 def _reason(e: ApiException) -> str:

@@ -720,9 +720,8 @@ class ResourcesConfig(_Section):
     tolerations: list[Toleration] = Field(default_factory=list, description="Taints a step tolerates.")
     labels: dict[LabelKey, LabelValue] = Field(
         default_factory=dict,
-        description="Labels of every step's pod, e.g. kueue.x-k8s.io/queue-name: <a LocalQueue>, by which Kueue "
-        "admits the steps into the team's quota. Not of a TrainJob, which the train step starts itself once the "
-        "round's inputs are uploaded (docs/deploy.md).",
+        description="Labels of every step's pod and of each TrainJob, e.g. kueue.x-k8s.io/queue-name: <a "
+        "LocalQueue>, by which Kueue admits the steps and the TrainJobs into the team's quota (docs/deploy.md).",
     )
 
     @model_validator(mode="after")

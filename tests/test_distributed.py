@@ -12,6 +12,7 @@ outside the suite, beside busy cores or not. Any other failure fails at once."""
 
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import resource
@@ -28,7 +29,13 @@ import torch
 
 from tracefp4.components import steps
 from tracefp4.components.checkpoint import LOCATION, fetch, load_model
-from tracefp4.components.distributed import RECORD_FIELDS, DistributedError, ShardCheckpoints, checkpoints_prefix
+from tracefp4.components.distributed import (
+    RECORD_FIELDS,
+    DistributedError,
+    ShardCheckpoints,
+    checkpoints_prefix,
+    wait_for_inputs,
+)
 from tracefp4.components.guidance import step_prefix
 from tracefp4.components.launch import MODULE, failure, rank_arguments, torchrun
 from tracefp4.components.store import open_store
@@ -235,12 +242,30 @@ def test_two_processes_count_the_whole_steps_syndrome_decode(tmp_path):
 
 def test_ranks_given_store_uris_train_the_round_and_upload_it(round_inputs, both, s3_env, tmp_path, monkeypatch):
     """What a TrainJob's ranks get (pipelines/trainjob.py): every input and
-    output a store URI. The ranks fetch the inputs (rank 0 alone the trainer
-    state), train the round as from local folders, and rank 0 uploads the new
-    policy, its state and the history."""
+    output a store URI. Started before the inputs are in the store, as a
+    TrainJob's may be, the ranks wait for the record of them written last;
+    then they fetch the inputs (rank 0 alone the trainer state), train the
+    round as from local folders, and rank 0 uploads the new policy, its
+    state and the history."""
     tmp, _, stats = round_inputs
     monkeypatch.setenv("TRACEFP4_CACHE_DIR", str(tmp_path / "cache"))
     store, prefix = s3_env.store("ranks"), s3_env.uri("ranks")
+    record = b'{"the round": "inputs"}'
+    args = rank_arguments(
+        *(f"{prefix}/{name}" for name in ("config.json", "policy-0", "state-0", "trajectories.jsonl")),
+        *(f"{prefix}/{name}" for name in ("guidance.json", "round_stats.json")),
+        RUN,
+        *(f"{prefix}/{name}" for name in ("out", "out-state", "history.json")),
+        (f"{prefix}/inputs.json", hashlib.sha256(record).hexdigest(), 300),
+    )
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    ranks = subprocess.Popen(
+        [*command, "-m", MODULE, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(ranks.stdout), daemon=True)
+    reader.start()
+    store.put_bytes("inputs.json", b'{"another": "round"}')  # another submission's record: no go
     for name in ("policy-0", "state-0"):
         for path in sorted((tmp / name).iterdir()):
             store.upload(f"{name}/{path.name}", path)
@@ -249,15 +274,16 @@ def test_ranks_given_store_uris_train_the_round_and_upload_it(round_inputs, both
     store.put_bytes("round_stats.json", json.dumps(stats).encode())
     store.upload("trajectories.jsonl", tmp / "trajectories.jsonl")
     store.upload("guidance.json", tmp / "guidance.json")
-    args = rank_arguments(
-        *(f"{prefix}/{name}" for name in ("config.json", "policy-0", "state-0", "trajectories.jsonl")),
-        *(f"{prefix}/{name}" for name in ("guidance.json", "round_stats.json")),
-        RUN,
-        *(f"{prefix}/{name}" for name in ("out", "out-state", "history.json")),
-    )
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    done = subprocess.run([*command, "-m", MODULE, *args], capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    waiting = "waiting for the train step to upload the round's inputs"
+    deadline = time.monotonic() + 300
+    while sum(waiting in line for line in lines) < 2 and ranks.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # until both ranks wait (started before the upload ended, or after: they wait all the same)
+    assert ranks.poll() is None, "".join(lines)[-6000:]
+    store.put_bytes("inputs.json", record)
+    ranks.wait(timeout=600)
+    reader.join()
+    assert ranks.returncode == 0, "".join(lines)[-6000:]
+    assert sum(waiting in line for line in lines) == 2  # each rank, once
     rows = json.loads(store.get_bytes("history.json"))
     assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in both[1]], rel=1e-6)
     expected, got = load_model(tmp / "two").state_dict(), load_model(fetch(f"{prefix}/out")).state_dict()
@@ -270,6 +296,16 @@ def test_ranks_given_store_uris_train_the_round_and_upload_it(round_inputs, both
     policy_files = sorted(p.name for p in (tmp / "policy-0").iterdir())
     assert policy_files in cached
     assert [n for n in policy_files if not n.endswith(".safetensors")] in cached
+
+
+def test_ranks_waiting_for_their_inputs_take_no_other_record_and_give_up_after_the_timeout(tmp_path):
+    store = open_store((tmp_path / "store").as_uri())
+    uri, record = f"{store.uri}/round/inputs.json", b'{"policy": "ours"}'
+    store.put_bytes("round/inputs.json", b'{"policy": "another"}')
+    with pytest.raises(DistributedError, match="inputs.json: the round's inputs were not recorded there within 0.3 s"):
+        wait_for_inputs(uri, hashlib.sha256(record).hexdigest(), timeout_s=0.3, poll_s=0.05)
+    threading.Timer(0.2, lambda: store.put_bytes("round/inputs.json", record)).start()
+    wait_for_inputs(uri, hashlib.sha256(record).hexdigest(), timeout_s=30, poll_s=0.05)
 
 
 def test_a_finished_round_leaves_no_sharded_checkpoint(round_inputs, both):

@@ -296,11 +296,14 @@ def test_the_runs_account_role_and_secret_live_together(rendered, overlay):
         ("secrets", "mlpipeline-minio-artifact"),
     } <= readable
     assert set(secret["data"]) == set(SECRET_KEYS) and all(base64.b64decode(v) for v in secret["data"].values())
-    # what pipelines/trainjob.py calls: create, get (the watch polls), delete; list/watch for kubectl and the SDK
+    # what pipelines/trainjob.py calls: create, get (the watch polls), delete; list/watch for kubectl and the SDK;
+    # and the dry run's read of a Kueue LocalQueue
     from tracefp4.pipelines.trainjob import GROUP, PLURAL
 
     trainjobs = [r for r in role["rules"] if r["apiGroups"] == [GROUP] and r["resources"] == [PLURAL]]
-    assert len(trainjobs) == 1 and set(trainjobs[0]["verbs"]) == {"create", "get", "list", "watch", "patch", "delete"}
+    assert len(trainjobs) == 1 and set(trainjobs[0]["verbs"]) == {"create", "get", "list", "watch", "delete"}
+    queues = [r for r in role["rules"] if r["apiGroups"] == ["kueue.x-k8s.io"]]
+    assert queues == [{"apiGroups": ["kueue.x-k8s.io"], "resources": ["localqueues"], "verbs": ["get"]}]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -261,7 +261,10 @@ class FakeKubernetes:
     cluster): create, get, delete; each get moves the job along ``script``,
     a list of statuses, the last one repeated, and calls ``on_get``. With
     ``deletes_hang`` a deleted job stays (a pod Terminating on a lost node).
-    ``pods`` are the job's rank pods, listed and their logs read."""
+    ``pods`` are the job's rank pods, listed and their logs read. Kueue's
+    LocalQueues ``local_queues`` are there, in each of ``kueue_versions``
+    (what its API serves); as Kueue's webhook does, a job created with a
+    queue label is made suspended."""
 
     def __init__(
         self,
@@ -273,12 +276,15 @@ class FakeKubernetes:
         unavailable_gets=0,
         failing_deletes=(),
         create_refusal=None,
+        local_queues=(),
+        kueue_versions=("v1beta1", "v1beta2"),
     ):
         self.script, self.on_complete, self.on_get, self.deletes_hang = script, on_complete, on_get, deletes_hang
         self.unavailable_gets = unavailable_gets  # the first gets of the job answer 503 (the API server restarting)
         self.failing_deletes = list(failing_deletes)  # the first deletes' answers (503, 403), the last one repeated
         self.create_refusal = create_refusal  # (code, message) every create answers: a webhook's or RBAC's refusal
         self.pods: dict[str, tuple[dict, str]] = pods or {}  # the job's rank pods: name -> (status, log)
+        self.local_queues, self.kueue_versions = set(local_queues), kueue_versions
         self.calls: list[tuple[str, str]] = []
         self.jobs: dict[str, dict] = {}
         self.gets = 0
@@ -314,6 +320,8 @@ class FakeKubernetes:
                     return self._answer(code, {"kind": "Status", "message": message})
                 if name in fake.jobs:
                     return self._answer(409, {"kind": "Status", "message": f'trainjobs "{name}" already exists'})
+                if module.KUEUE_QUEUE in body["metadata"].get("labels", {}):
+                    body["spec"]["suspend"] = True
                 if "dryRun=All" not in self.path:  # a dry run is checked, answered, and not kept
                     fake.jobs[name] = body
                 self._answer(201, body)
@@ -321,6 +329,14 @@ class FakeKubernetes:
             def do_GET(self):
                 pods = f"/api/v1/namespaces/{NAMESPACE}/pods"
                 path = self.path.split("?")[0]
+                if path.startswith("/apis/kueue.x-k8s.io/"):
+                    fake.calls.append((self.command, path))
+                    version, queue = path.split("/")[3], path.split("/")[-1]
+                    if version not in fake.kueue_versions:
+                        return self._answer(404, {"kind": "Status", "reason": "NotFound", "details": {}})
+                    if queue not in fake.local_queues:
+                        return self._answer(404, {"kind": "Status", "reason": "NotFound", "details": {"name": queue}})
+                    return self._answer(200, {"kind": "LocalQueue", "metadata": {"name": queue}})
                 if path == pods:
                     items = [{"metadata": {"name": n}, "status": status} for n, (status, _) in fake.pods.items()]
                     return self._answer(200, {"kind": "PodList", "apiVersion": "v1", "items": items})
@@ -345,15 +361,6 @@ class FakeKubernetes:
                     fake.on_complete(fake.jobs[name])
                     fake.on_complete = None
                 self._answer(200, {**fake.jobs[name], "status": status})
-
-            def do_PATCH(self):  # a merge patch of the job (TrainJobRun.start's spec.suspend)
-                name = self._route()
-                patch = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                if name not in fake.jobs:
-                    return self._answer(404, {"kind": "Status", "message": f'trainjobs "{name}" not found'})
-                for key, value in patch.items():
-                    fake.jobs[name].setdefault(key, {}).update(value)
-                self._answer(200, fake.jobs[name])
 
             def do_DELETE(self):
                 name = self._route()
@@ -423,7 +430,7 @@ def test_a_failed_trainjob_fails_the_step_with_its_reason_and_is_deleted(tmp_pat
 
 def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, validator):
     c = config(tmp_path)
-    c.resources.labels = {"kueue.x-k8s.io/queue-name": "team-a"}  # the steps' pods': Kueue would hold the TrainJob
+    c.resources.labels = {"kueue.x-k8s.io/queue-name": "team-a"}  # the steps' pods' and the TrainJob's
     store = open_store(c.store.uri)
     prefix = round_prefix(c, RUN, 0)
     seen, labels = [], []
@@ -453,6 +460,7 @@ def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, v
     assert labels == [
         {
             "app.kubernetes.io/part-of": "tracefp4",
+            "kueue.x-k8s.io/queue-name": "team-a",  # Kueue admits the TrainJob into the steps' queue
             "tracefp4/run-id": RUN,  # kubectl get trainjobs -l tracefp4/run-id=<run id>
             "tracefp4/round": "0",
         }
@@ -541,11 +549,13 @@ def failed_round(c: RunConfig, fake: FakeKubernetes, tmp_path, match: str | None
     return str(failed.value), log, job
 
 
-def completed_round(c: RunConfig, fake: FakeKubernetes, given, tmp_path) -> tuple[list[dict], list[str]]:
+def completed_round(
+    c: RunConfig, fake: FakeKubernetes, given, tmp_path, poll_s: float = 0.01
+) -> tuple[list[dict], list[str]]:
     """Round 0's TrainJob step on ``given`` inputs against ``fake``: its history rows and its log."""
     log = []
     try:
-        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=0.01)
+        job = TrainJobRun(c, RUN, 0, fake.api(), namespace=NAMESPACE, poll_s=poll_s)
         return job.run(*given, tmp_path / "out", tmp_path / "out-state", {}, echo=log.append), log
     finally:
         fake.close()
@@ -559,7 +569,8 @@ def test_a_trainjob_an_earlier_attempt_left_running_is_waited_for(tmp_path):
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
     name = trainjob_name(c, RUN, 0)
     fake.jobs[name] = trainjob(c, name, NAMESPACE, [], module.inputs_record(*given))
-    fake.jobs[name]["spec"]["suspend"] = False  # started: its inputs were uploaded
+    store = open_store(c.store.uri)
+    store.put_bytes(f"{round_prefix(c, RUN, 0)}/{module.INPUTS}", module.inputs_record(*given))  # its ranks' go
     rows, log = completed_round(c, fake, given, tmp_path)
     assert rows == [{"step": 1, "loss": 0.5}] and (tmp_path / "out" / "config.json").exists()
     calls = [m for m, _ in fake.calls]
@@ -570,40 +581,111 @@ def test_a_trainjob_an_earlier_attempt_left_running_is_waited_for(tmp_path):
     )
 
 
-def test_the_trainjob_claims_the_round_suspended_and_starts_once_the_inputs_are_in_the_store(tmp_path, monkeypatch):
-    """The TrainJob is created suspended before the step uploads anything
-    (the round's claim: another submission meets it instead of uploading
-    over these inputs) and unsuspended after the uploads. A suspended one an
-    attempt left as it died uploading the same inputs is deleted and the
-    round claimed anew; another submission's fails the step as preparing."""
+def test_the_trainjob_claims_the_round_and_its_ranks_go_on_the_record_written_after_the_inputs(tmp_path, monkeypatch):
+    """The TrainJob is created before the step uploads anything (the round's
+    claim: another submission meets it instead of uploading over these
+    inputs), and its ranks are told to wait for the round's record of its
+    inputs, which the step writes once every input is in the store. A
+    retry whose earlier attempt died uploading uploads the inputs its
+    TrainJob's ranks wait for; one an older tracefp4 left suspended outside
+    Kueue is deleted and the round claimed anew; another submission's fails
+    the step as queued."""
     c = config(tmp_path)
     given = inputs(tmp_path)
-    name = trainjob_name(c, RUN, 0)
+    name, record = trainjob_name(c, RUN, 0), module.inputs_record(*given)
+    key = f"{round_prefix(c, RUN, 0)}/{module.INPUTS}"
+    store = open_store(c.store.uri)
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
-    at_upload, suspended = [], []
+    at_upload, args = [], []
     real = module.TrainJobRun.upload
-    monkeypatch.setattr(
-        module.TrainJobRun,
-        "upload",
-        lambda self, *args: at_upload.append([m for m, _ in fake.calls]) or real(self, *args),
-    )
-    fake.on_get = lambda: suspended.append(fake.jobs[name]["spec"]["suspend"])
+
+    def upload(self, *a):
+        at_upload.append(([m for m, _ in fake.calls], store.list(key)))
+        real(self, *a)
+        assert not store.list(key)  # no go for the ranks while the inputs upload
+
+    monkeypatch.setattr(module.TrainJobRun, "upload", upload)
+    fake.on_get = lambda: args.append(fake.jobs[name]["spec"]["trainer"]["args"])
     rows, _ = completed_round(c, fake, given, tmp_path)
-    assert at_upload == [["GET", "POST"]] and [m for m, _ in fake.calls][2] == "PATCH"
-    assert suspended and not any(suspended) and rows == [{"step": 1, "loss": 0.5}]
+    assert at_upload == [(["GET", "POST"], [])] and rows == [{"step": 1, "loss": 0.5}]
+    assert "PATCH" not in [m for m, _ in fake.calls] and "suspend" not in fake.calls
+    assert args[0][-4:] == ["--inputs", f"{c.store.uri}/{key}", hashlib.sha256(record).hexdigest(), "10"]
+    assert store.get_bytes(key) == record
 
     again = tmp_path / "again"  # a store without the round's outputs
     again.mkdir()
     c = config(again)
-    name = trainjob_name(c, RUN, 0)
+    given = inputs(again)
+    name, key, store = trainjob_name(c, RUN, 0), f"{round_prefix(c, RUN, 0)}/{module.INPUTS}", open_store(c.store.uri)
+    fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, again))
+    fake.jobs[name] = trainjob(c, name, NAMESPACE, [], module.inputs_record(*given))  # its ranks wait for the record
+    at_upload.clear()
+    rows, log = completed_round(c, fake, given, again)
+    assert at_upload == [(["GET"], [])] and "POST" not in [m for m, _ in fake.calls]
+    assert rows == [{"step": 1, "loss": 0.5}] and any("on the same inputs: waiting for it" in line for line in log)
+
+    store.delete(key)
     fake = FakeKubernetes([FAILED])
-    fake.jobs[name] = trainjob(c, name, NAMESPACE, [], module.inputs_record(*inputs(again)))  # suspended
+    fake.jobs[name] = trainjob(c, name, NAMESPACE, [], module.inputs_record(*given))
+    fake.jobs[name]["spec"]["suspend"] = True  # as an older tracefp4 made it, waiting for its start
     failed_round(c, fake, again, "JobsFailed")  # the new claim's TrainJob fails: the step is done with it
-    assert [m for m, _ in fake.calls][:5] == ["GET", "DELETE", "GET", "POST", "PATCH"]
+    assert [m for m, _ in fake.calls][:4] == ["GET", "DELETE", "GET", "POST"]
     fake = FakeKubernetes([{}])
     fake.jobs[name] = trainjob(c, name, NAMESPACE, [], b'{"policy": "another"}')
-    failed_round(c, fake, again, "is preparing this round from other inputs")
+    fake.jobs[name]["metadata"]["labels"][module.KUEUE_QUEUE] = "team-a-gpus"
+    fake.jobs[name]["spec"]["suspend"] = True
+    failed_round(c, fake, again, "is queued for this round from other inputs")
     assert [m for m, _ in fake.calls] == ["GET"] and name in fake.jobs
+
+
+def test_a_trainjob_in_kueues_queue_waits_there_as_long_as_kueue_holds_it(tmp_path, clock):
+    """With Kueue's queue label in resources.labels the TrainJob carries it,
+    and Kueue (here the fake's webhook) makes it suspended until it admits
+    it: however long that takes, and again after an eviction (preemption),
+    the step waits, saying so, without counting it against
+    train.timeout_seconds; the run's first task checks the queue is there."""
+    c = config(tmp_path, timeout_seconds=10)
+    c.resources.labels[module.KUEUE_QUEUE] = "team-a-gpus"
+    name = trainjob_name(c, RUN, 0)
+    # queued 30 s, running, evicted (preempted) for 30 s, running to the end
+    suspended = {"conditions": [{"type": "Suspended", "status": "True", "reason": "Suspended"}]}
+    script = [suspended] * 30 + [RUNNING] + [suspended] * 30 + [RUNNING, COMPLETE]
+    fake = FakeKubernetes(script, on_complete=ranks_upload_outputs(c, tmp_path))
+
+    def kueue():  # the answer of get number fake.gets is script[fake.gets - 1]
+        fake.jobs[name]["spec"]["suspend"] = script[min(fake.gets, len(script)) - 1] is suspended
+
+    fake.on_get = kueue
+    rows, log = completed_round(c, fake, inputs(tmp_path), tmp_path, poll_s=1)
+    assert rows == [{"step": 1, "loss": 0.5}] and clock.now > 60
+    assert sum("suspended in Kueue's queue 'team-a-gpus'" in line for line in log) == 2
+
+    job = trainjob(c, name, NAMESPACE, [], b"{}")
+    assert job["metadata"]["labels"][module.KUEUE_QUEUE] == "team-a-gpus" and "suspend" not in job["spec"]
+
+
+@pytest.mark.parametrize(
+    ("queues", "versions", "error"),
+    [
+        (["team-a-gpus"], ("v1beta1", "v1beta2"), None),
+        (["team-a-gpus"], ("v1beta1",), None),  # a Kueue before v1beta2
+        (["team-b-gpus"], ("v1beta1", "v1beta2"), "namespace team-a has none of that name"),
+        ([], (), "the cluster serves no Kueue LocalQueues"),
+    ],
+)
+def test_the_runs_first_task_checks_the_kueue_queue_its_trainjobs_go_to(tmp_path, queues, versions, error):
+    c = config(tmp_path)
+    c.resources.labels[module.KUEUE_QUEUE] = "team-a-gpus"
+    fake = FakeKubernetes([RUNNING], local_queues=queues, kueue_versions=versions)
+    try:
+        if error is None:
+            module.dry_run(c, fake.api(), NAMESPACE)
+            assert fake.calls[-1][0] == "POST" and not fake.jobs
+        else:
+            with pytest.raises(DistributedError, match=f"in Kueue's queue 'team-a-gpus', but {error}"):
+                module.dry_run(c, fake.api(), NAMESPACE)
+    finally:
+        fake.close()
 
 
 def test_a_trainjob_being_deleted_or_made_before_the_annotation_is_told_by_what_it_is(tmp_path):
@@ -625,7 +707,7 @@ def test_a_trainjob_being_deleted_or_made_before_the_annotation_is_told_by_what_
     open_store(c.store.uri).delete(f"{round_prefix(c, RUN, 0)}/history.json")  # the round not finished
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
     fake.jobs[name] = trainjob(c, name, NAMESPACE, [], b"{}")
-    del fake.jobs[name]["metadata"]["annotations"], fake.jobs[name]["spec"]["suspend"]
+    del fake.jobs[name]["metadata"]["annotations"]
     rows, log = completed_round(c, fake, given, tmp_path)
     assert "POST" not in [m for m, _ in fake.calls] and any("on the same inputs: waiting" in line for line in log)
 
