@@ -595,27 +595,40 @@ def open_trainer(prefix: str | None, store: ArtifactStore | None, run_id: str):
 # -- the program torchrun (or a TrainJob) starts on every rank --------------------------------------------------
 
 
+# Beside the round's record of its inputs: the train step's heartbeat while it uploads them (trainjob.heartbeat)
+UPLOADING = ".uploading"
+
+
 def wait_for_inputs(uri: str, sha256: str, timeout_s: float, poll_s: float = 2.0) -> None:
     """Until the store object ``uri`` has the sha256 ``sha256``: the round's
     record of its inputs (``inputs.json``), which the train step writes once
     every input is in the store and nothing of other inputs is left there
-    (:meth:`tracefp4.pipelines.trainjob.TrainJobRun.train`). A TrainJob starts
-    its ranks when it is created, or when Kueue admits it, which may come
+    (:meth:`tracefp4.pipelines.trainjob.TrainJobRun.train`). The ranks of a
+    TrainJob that Kueue queued when it was created (a namespace with a
+    LocalQueue named ``default``) start whenever Kueue admits it, maybe
     before the step has uploaded the round's inputs. Raises
     :class:`DistributedError` after ``timeout_s`` (``train.timeout_seconds``)
-    without it."""
+    without the record nor a new beat of the step's heartbeat
+    (``uri`` + :data:`UPLOADING`)."""
     base, _, name = uri.rpartition("/")
-    store, since, said = open_store(base), time.monotonic(), False
+    store, since, said, beat = open_store(base), time.monotonic(), False, None
     while True:
         try:
             if hashlib.sha256(store.get_bytes(name)).hexdigest() == sha256:
                 return
         except ArtifactNotFound:
             pass
+        try:
+            now = store.get_bytes(name + UPLOADING)
+        except ArtifactNotFound:
+            now = None
+        if now is not None and now != beat:  # the step is uploading
+            since, beat = time.monotonic(), now
         if time.monotonic() - since > timeout_s:
             raise DistributedError(
-                f"{uri}: the round's inputs were not recorded there within {timeout_s} s (train.timeout_seconds): "
-                "the train step that created this TrainJob died uploading them? A retry of the step uploads them"
+                f"{uri}: the round's inputs were not recorded there, nor uploaded, for {timeout_s} s "
+                "(train.timeout_seconds): the train step that created this TrainJob died uploading them? A retry "
+                "of the step uploads them"
             )
         if not said:
             print(f"waiting for the train step to upload the round's inputs ({uri})", flush=True)

@@ -4,14 +4,13 @@ KFP v2 has no resource op, so the train component itself creates the
 TrainJob (``trainer.kubeflow.org/v1alpha1``, runtime ``train.trainjob_runtime``,
 ``torch-distributed`` by default) through the Kubernetes API with the
 pipeline runner's service account (its Role in
-manifests/base/kfp/pipeline-runner.yaml grants it), uploads the round's
-inputs, watches it and deletes it when done. The ranks cannot see the
-step's local files, so the round's inputs go to the store and travel as
-store URIs; the ranks (:mod:`tracefp4.components.distributed`, under the
-runtime's torchrun) wait for the step's record of them, then write the new
-policy and the history rows back there. The TrainJob carries the run's
-``resources.labels``: with Kueue's queue label, Kueue admits it into the
-team's quota (its TrainJob integration) and starts it.
+manifests/base/kfp/pipeline-runner.yaml grants it) suspended, starts it once
+the round's inputs are uploaded (or hands it to the run's Kueue queue, where
+Kueue starts it once it admits it into the team's quota), watches it and
+deletes it when done. The ranks cannot see the step's local files, so the
+round's inputs go to the store first and travel as store URIs; the ranks
+(:mod:`tracefp4.components.distributed`, under the runtime's torchrun) write
+the new policy and the history rows back there.
 
 Which launcher runs is the config's ``train.launcher``, never guessed: a
 TrainJob needs the in-cluster service account and fails at once without one.
@@ -31,6 +30,7 @@ import json
 import re
 import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -49,7 +49,7 @@ from tracefp4.components.checkpoint import (
     upload_folder,
     write_location,
 )
-from tracefp4.components.distributed import DistributedError, checkpoints_prefix, clear_checkpoints
+from tracefp4.components.distributed import UPLOADING, DistributedError, checkpoints_prefix, clear_checkpoints
 from tracefp4.components.launch import MODULE, rank_arguments, torchrun
 from tracefp4.components.steps import config_digest, store_prefix
 from tracefp4.components.store import ArtifactNotFound, open_store
@@ -78,10 +78,13 @@ OUTPUTS = ("history.json", f"new-policy/{MANIFEST}", f"new-state/{MANIFEST}")
 BY_MANIFEST = "by-manifest"
 # In a round's folder: what its ranks were given to train from (inputs_record), checked before a retry takes outputs
 INPUTS = "inputs.json"
+# ... and the same record once those inputs are all in the store, which the ranks wait for (wait_for_inputs)
+READY = "inputs-ready.json"
 # The TrainJob's annotation of the sha256 of that record: checked before a retry waits for a TrainJob it finds
 INPUTS_ANNOTATION = "tracefp4/inputs-sha256"
-# Kueue's label of the LocalQueue that admits a job (resources.labels; Kueue may default it to a namespace's
-# LocalQueue named "default"): Kueue holds such a TrainJob suspended until it admits it, and may suspend it again
+# Kueue's label of the LocalQueue that admits a job (resources.labels; Kueue's webhook gives a job created without
+# it the namespace's LocalQueue named "default", if there is one): Kueue holds such a TrainJob suspended until it
+# admits it, and may suspend it again (an eviction)
 KUEUE_QUEUE = "kueue.x-k8s.io/queue-name"
 
 
@@ -195,9 +198,10 @@ def trainjob(
     """The TrainJob running the distributed train step with ``args`` on every
     node, annotated with the sha256 of its ``inputs`` (:func:`inputs_record`)
     and labelled with the run's ``resources.labels`` and ``labels`` (its run
-    and round: :func:`run_labels`). Kueue's queue label among them
-    (:data:`KUEUE_QUEUE`) puts it in that queue: Kueue's webhook creates it
-    suspended, and Kueue starts it once it admits it."""
+    and round: :func:`run_labels`), suspended until the step has uploaded the
+    round's inputs. But for Kueue's queue label (:data:`KUEUE_QUEUE`), which
+    the step adds then (:meth:`TrainJobRun.start`): Kueue would start a job
+    in its queue whenever it admits it, inputs or not."""
     r = config.resources
     limits = {"cpu": r.cpu, "memory": r.memory}
     if r.gpus:
@@ -221,7 +225,11 @@ def trainjob(
         metadata=models.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
             name=name,
             namespace=namespace,
-            labels={"app.kubernetes.io/part-of": "tracefp4", **r.labels, **(labels or {})},
+            labels={
+                "app.kubernetes.io/part-of": "tracefp4",
+                **{k: v for k, v in r.labels.items() if k != KUEUE_QUEUE},
+                **(labels or {}),
+            },
             annotations={INPUTS_ANNOTATION: hashlib.sha256(inputs).hexdigest()},
         ),
         spec=models.TrainerV1alpha1TrainJobSpec(
@@ -238,6 +246,7 @@ def trainjob(
                 resourcesPerNode=models.IoK8sApiCoreV1ResourceRequirements(limits=limits, requests=limits),
             ),
             runtimePatches=[rank_pod_patch(config)],
+            suspend=True,  # until the step has uploaded the round's inputs (TrainJobRun.start)
         ),
     )
     return job.to_dict()
@@ -262,16 +271,21 @@ def dry_run(config: RunConfig, api: client.ApiClient | None = None, namespace: s
     one, the Trainer's webhook its runtime and fields. The pipeline's first
     task runs it, so that a misspelt runtime or a missing RBAC rule fails the
     run before any step holds a GPU, not round 0's train step after its
-    rollout; the same for a Kueue LocalQueue ``resources.labels`` names that
-    the namespace lacks, in which the TrainJob would wait forever. Raises
+    rollout. The same for a Kueue queue ``resources.labels`` names: the
+    namespace must have that LocalQueue, and Kueue must queue TrainJobs (its
+    webhook suspends one created in a queue unsuspended), else the train step
+    would hand its TrainJob to a queue that never starts it. Raises
     :class:`DistributedError` with the server's reason."""
     api, namespace = api or in_cluster_api(), namespace or _namespace()
-    if queue := config.resources.labels.get(KUEUE_QUEUE):
+    queue = config.resources.labels.get(KUEUE_QUEUE)
+    if queue:
         check_local_queue(api, namespace, queue)
     name = trainjob_name(config, "dry-run", config.rl.run_rounds().start)
     body = trainjob(config, name, namespace, [], b"")
+    if queue:  # as the step hands it over
+        body["metadata"]["labels"][KUEUE_QUEUE], body["spec"]["suspend"] = queue, False
     try:
-        client.CustomObjectsApi(api).create_namespaced_custom_object(
+        created = client.CustomObjectsApi(api).create_namespaced_custom_object(
             GROUP, VERSION, namespace, PLURAL, body, dry_run="All"
         )
     except ApiException as e:
@@ -281,6 +295,12 @@ def dry_run(config: RunConfig, api: client.ApiClient | None = None, namespace: s
         ) from None
     except urllib3.exceptions.HTTPError as e:
         raise DistributedError(f"the Kubernetes API did not answer a TrainJob's dry run: {e}") from None
+    if queue and not (created.get("spec") or {}).get("suspend"):
+        raise DistributedError(
+            f"resources.labels puts the run's TrainJobs in Kueue's queue {queue!r}, but Kueue does not queue "
+            "TrainJobs in this cluster: enable its TrainJob integration (trainer.kubeflow.org/trainjob in its "
+            "integrations.frameworks), or leave the label out to run them outside the queue"
+        )
 
 
 # Kueue's LocalQueue API versions, newest first (v1beta1 is deprecated but served up to Kueue 0.19 at least)
@@ -376,6 +396,13 @@ class TrainJobRun:
         keys = set(self.store.list(self.prefix + "/"))
         return {f"{self.prefix}/{name}" for name in OUTPUTS} <= keys and self.recorded(inputs)
 
+    def ready(self, inputs: bytes) -> bool:
+        """Whether ``inputs`` are all in the round's folder, as its ranks read them (:data:`READY`)."""
+        try:
+            return self.store.get_bytes(f"{self.prefix}/{READY}") == inputs
+        except ArtifactNotFound:
+            return False
+
     def recorded(self, inputs: bytes) -> bool:
         """Whether the round's folder records ``inputs`` as what it was last trained from (:data:`INPUTS`)."""
         try:
@@ -388,23 +415,25 @@ class TrainJobRun:
     ) -> None:
         """Run the round's TrainJob on ``inputs`` (their record) to its end and
         delete it; or wait for the one an earlier attempt of the step left on
-        the same inputs (:meth:`adopt`). The TrainJob is created before
-        anything is uploaded: the name is the round's claim, so a second
+        the same inputs (:meth:`adopt`). The TrainJob is created suspended
+        before anything is uploaded, and started once the inputs are in the
+        store (:meth:`start`): the name is the round's claim, so a second
         submission of these settings under the same run id meets it
         (:meth:`adopt`, or a 409) instead of uploading over this one's inputs.
-        Its ranks start when it is created, or when Kueue admits it, and wait
-        for the round's record of its inputs (:data:`INPUTS`), which the step
-        writes last, once the round's folder holds nothing of other inputs
-        and all of these (:func:`tracefp4.components.distributed.wait_for_inputs`).
-        Their pods are scheduled and pull the image meanwhile. A retry whose
-        earlier attempt died before the record uploads the inputs for the
-        ranks that attempt's TrainJob started."""
+        Its ranks wait for the record that the inputs are all in the store
+        (:data:`READY`, :func:`~tracefp4.components.distributed.wait_for_inputs`),
+        should they start before, as in a namespace where Kueue queues every
+        TrainJob (a LocalQueue named ``default``) and starts it when it admits
+        it; the step stamps a heartbeat beside it while it uploads, by which
+        they tell a long upload from a step that died."""
         with exit_on_sigterm():  # a terminated run's step deletes its TrainJob too: its ranks hold the GPUs
-            adopted = self.adopt(inputs, echo)
+            job = self.adopt(inputs, echo)
             ours = True  # from here a failure or SIGTERM deletes the job, also one the create call made as it died
             try:
                 folders = self.input_folders(policy, state)
-                if not adopted:
+                # an earlier attempt uploaded them; or made the job with an older tracefp4, which started it then
+                ready = self.ready(inputs) or (job is not None and "--inputs" not in _args(job))
+                if job is None:
                     args = rank_arguments(
                         self.uri("config.json"),
                         folders["policy"],
@@ -416,20 +445,27 @@ class TrainJobRun:
                         self.uri("new-policy"),
                         self.uri("new-state"),
                         self.uri("history.json"),
-                        (self.uri(INPUTS), hashlib.sha256(inputs).hexdigest(), self.config.train.timeout_seconds),
+                        (self.uri(READY), hashlib.sha256(inputs).hexdigest(), self.config.train.timeout_seconds),
                     )
                     labels = run_labels(self.run_id, self.round_index)
-                    if not self.create(trainjob(self.config, self.name, self.namespace, args, inputs, labels), echo):
+                    job = self.create(trainjob(self.config, self.name, self.namespace, args, inputs, labels), echo)
+                    if job is None:
                         ours = False
                         raise DistributedError(
                             f"creating TrainJob {self.namespace}/{self.name}: another attempt or submission created "
                             "it meanwhile"
                         )
-                if not self.recorded(inputs):  # the ranks wait for the record (another's, or none, is there)
-                    self.clear_other_inputs_round(inputs)
-                    self.upload(policy, state, trajectories, guidance, round_stats, folders, echo)
-                    self.store.put_bytes(f"{self.prefix}/{INPUTS}", inputs)  # the ranks' go
-                    echo(f"trainjob {self.namespace}/{self.name}: the round's inputs are in the store")
+                    if _queue(job) not in (None, self.config.resources.labels.get(KUEUE_QUEUE, _queue(job))):
+                        self.start(echo)  # Kueue put it in the namespace's default queue: to the run's, at once
+                if not ready:
+                    with heartbeat(self.store, f"{self.prefix}/{READY}{UPLOADING}", self.config.train.timeout_seconds):
+                        self.store.delete(f"{self.prefix}/{READY}")  # first: the ranks wait
+                        self.clear_other_inputs_round(inputs)
+                        self.store.put_bytes(f"{self.prefix}/{INPUTS}", inputs)  # before the ranks write any output
+                        self.upload(policy, state, trajectories, guidance, round_stats, folders, echo)
+                    self.store.put_bytes(f"{self.prefix}/{READY}", inputs)
+                if (job.get("spec") or {}).get("suspend") and not _queue(job):
+                    self.start(echo)
                 try:
                     self.wait(echo)
                 except DistributedError as e:  # the ranks' own words, read before the deletion takes their pods
@@ -455,11 +491,11 @@ class TrainJobRun:
         under the same run id, or none recorded), its outputs (each folder's
         manifest first) and its ranks' sharded checkpoints, so that neither a
         retry (:meth:`finished`) nor the ranks (which resume from the newest
-        complete checkpoint) take them for this one's. (A retry of an attempt
-        on the same inputs finds them recorded and keeps them: its ranks
-        resume where it stopped.)"""
-        self.store.delete(f"{self.prefix}/{INPUTS}")  # first: the round is no longer the other inputs' nor finished
-        self.store.delete(f"{self.prefix}/history.json")
+        complete checkpoint) take them for this one's. A retry of an attempt
+        on the same inputs keeps them: its ranks resume where it stopped."""
+        if self.recorded(inputs):
+            return
+        self.store.delete(f"{self.prefix}/history.json")  # first: the round no longer looks finished
         for name in ("new-policy", "new-state"):
             self.store.delete_folder(f"{self.prefix}/{name}", MANIFEST)
         clear_checkpoints(self.store, checkpoints_prefix(self.config, self.run_id, self.round_index))
@@ -534,6 +570,7 @@ class TrainJobRun:
         trainer state only the folder that stood for it: a run goes on from its
         last round's. Each folder loses its manifest first, so that a
         half-deleted one is never taken for whole."""
+        self.store.delete(f"{self.prefix}/{READY}")  # first: no rank of a retry takes what is left for whole
         folders = {f"{self.prefix}/policy", f"{self.prefix}/state"}
         for folder in (policy, state):
             key = self._stored_key(folder)  # only a folder of the same manifest: this input's copy
@@ -552,64 +589,81 @@ class TrainJobRun:
         manifest = self.store.get_bytes(f"{self.prefix}/{name}/{MANIFEST}")
         self.store.put_bytes(self._pointer(manifest), f"{self.prefix}/{name}".encode())
 
-    def adopt(self, inputs: bytes, echo) -> bool:
-        """Whether the round's TrainJob is already there, left running, queued
-        or completed by an earlier attempt of the step on the same ``inputs``
-        (its annotation): then it is waited for (:meth:`train` uploads the
-        inputs its ranks wait for where that attempt died before). One left
-        failed, finished from other inputs, or being deleted, is deleted; so
-        is one suspended outside Kueue's queues (an older tracefp4 created its
-        TrainJobs suspended and started them after the upload, which its
-        ranks do not wait for). One running or queued from other inputs is
-        another submission of these settings under the same run id, and fails
-        the step: its inputs in the store are not overwritten, nor its
-        outputs taken for this one's."""
+    def adopt(self, inputs: bytes, echo) -> dict | None:
+        """The round's TrainJob where it is already there, left running,
+        queued in Kueue or completed by an earlier attempt of the step on the
+        same ``inputs`` (its annotation): it is waited for, and nothing is
+        uploaded under its ranks (but the inputs a job Kueue queued at its
+        creation waits for, where that attempt died uploading them). One left
+        failed, finished from other inputs, being deleted, or suspended by an
+        attempt that died before it started it (outside Kueue; or made by an
+        older tracefp4, whose ranks do not wait for their inputs), is deleted
+        (None). One running, queued or suspended from other inputs is another
+        submission of these settings under the same run id, and fails the
+        step: its inputs in the store are not overwritten, nor its outputs
+        taken for this one's."""
         left = self.read(echo)
         if left is None:
-            return False
+            return None
         where, metadata = f"trainjob {self.namespace}/{self.name}", left.get("metadata") or {}
         if metadata.get("deletionTimestamp"):  # an attempt's deletion (its SIGTERM) still under way
             echo(f"{where}: being deleted by an earlier attempt, waiting for it to go")
             self.delete(echo, wait=True)
-            return False
+            return None
         said = (metadata.get("annotations") or {}).get(INPUTS_ANNOTATION)
         # without the annotation (created by an older tracefp4), the round's record tells its inputs
         same = self.recorded(inputs) if said is None else said == hashlib.sha256(inputs).hexdigest()
         conditions = _conditions(left.get("status") or {})
         suspended = (left.get("spec") or {}).get("suspend")
-        if same and suspended and not _queue(left):
+        # the attempt died before it started the job; or an older tracefp4 made it, whose ranks read their inputs
+        # as soon as they start (Kueue may start one it queued at once)
+        if same and suspended and (not _queue(left) or "--inputs" not in _args(left)):
             echo(f"{where}: left suspended by an earlier attempt, deleting it")
             self.delete(echo, wait=True)
-            return False
+            return None
         if same and "Failed" not in conditions:
             echo(f"{where}: left by an earlier attempt on the same inputs: waiting for it")
-            return True
+            return left
         if "Failed" in conditions or "Complete" in conditions:
             echo(f"{where}: left {'failed' if 'Failed' in conditions else 'finished from other inputs'}, deleting it")
             self.delete(echo, wait=True)
-            return False
+            return None
         raise DistributedError(
-            f"TrainJob {self.namespace}/{self.name} is {'queued for' if suspended else 'training'} this round from "
+            f"TrainJob {self.namespace}/{self.name} is {_stage(left)} this round from "
             "other inputs (the policy, trainer state, trajectories or guidance differ): another submission of these "
             f"settings under run id {self.run_id!r}; wait for it to end (or `kubectl -n {self.namespace} delete "
             f"trainjob {self.name}` if that run is gone), or submit under another run id"
         )
 
-    def create(self, body: dict, echo) -> bool:
-        """Create the TrainJob (:meth:`adopt` found none, or deleted it);
-        False where one is there already (409: another attempt created it
-        since adopt looked)."""
+    def create(self, body: dict, echo) -> dict | None:
+        """Create the TrainJob (:meth:`adopt` found none, or deleted it): the
+        job as created (Kueue's webhook may have put it in a queue); None
+        where one is there already (409: another attempt created it since
+        adopt looked)."""
         try:
-            self.api.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
+            job = self.api.create_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, body)
         except ApiException as e:
             if e.status == 409:
-                return False
+                return None
             raise DistributedError(f"creating TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
-        echo(
-            f"trainjob {self.namespace}/{self.name}: created ({self.config.train.world_size} processes; they wait "
-            "for the round's inputs)"
-        )
-        return True
+        if queue := _queue(job):
+            echo(f"trainjob {self.namespace}/{self.name}: created in Kueue's queue {queue!r}, which starts it")
+        else:
+            echo(f"trainjob {self.namespace}/{self.name}: created, suspended while its inputs upload")
+        return job
+
+    def start(self, echo) -> None:
+        """Start the TrainJob, its inputs in the store: hand it to the run's
+        Kueue queue (``resources.labels``; a suspended job may change queues),
+        which starts it once it admits it, or else unsuspend it."""
+        queue = self.config.resources.labels.get(KUEUE_QUEUE)
+        patch = {"metadata": {"labels": {KUEUE_QUEUE: queue}}} if queue else {"spec": {"suspend": False}}
+        try:
+            self.api.patch_namespaced_custom_object(GROUP, VERSION, self.namespace, PLURAL, self.name, patch)
+        except ApiException as e:
+            raise DistributedError(f"starting TrainJob {self.namespace}/{self.name}: {_reason(e)}") from None
+        said = f"handed to Kueue's queue {queue!r}" if queue else "started"
+        echo(f"trainjob {self.namespace}/{self.name}: {said} ({self.config.train.world_size} processes)")
 
     def wait(self, echo) -> None:
         """Until the TrainJob completes; its status changes go to the step's log.
@@ -619,10 +673,11 @@ class TrainJobRun:
         counts Pending pods too, so unschedulable ranks, or a Trainer that
         never picks the job up, would otherwise keep the step waiting forever.
         Every poll that shows progress restarts the clock: a long run is not cut
-        short; so does one that finds the job suspended in Kueue's queue (not
-        admitted yet, or evicted: preempted, say, after which its ranks resume
-        from their last checkpoint), where a job waits for the team's quota,
-        not for a fault. A poll the API server does not answer (5xx, 429, no
+        short; so does one that finds the job suspended in Kueue's queue with
+        a Workload there (not admitted yet, or evicted: preempted, say, after
+        which its ranks resume from their last checkpoint), where a job waits
+        for the team's quota, not for a fault, and the log says what Kueue
+        says of it. A poll the API server does not answer (5xx, 429, no
         connection) is no news, and the clock runs on."""
         since, last = time.monotonic(), None
         while True:
@@ -631,7 +686,12 @@ class TrainJobRun:
                 raise DistributedError(f"TrainJob {self.namespace}/{self.name}: deleted while the step waited for it")
             status = job.get("status") or {}
             queued = (job.get("spec") or {}).get("suspend") and _queue(job)
-            summary = f"suspended in Kueue's queue {queued!r}" if queued else _summary(status)
+            if queued:  # Kueue's news of it: its Workload; none (yet) counts against the timeout
+                workload = self.workload(job, echo, since)
+                summary = f"suspended in Kueue's queue {queued!r}: {_workload_news(workload)}"
+                queued = workload is not None
+            else:
+                summary = _summary(status)
             if summary != last:
                 echo(f"trainjob {self.namespace}/{self.name}: {summary}")
                 last = summary
@@ -646,8 +706,33 @@ class TrainJobRun:
             if queued or _progressing(status):
                 since = time.monotonic()
             elif time.monotonic() - since > self.config.train.timeout_seconds:
-                raise DistributedError(self.stalled(status))
+                raise DistributedError(self.stalled(job))
             time.sleep(self.poll_s)
+
+    def workload(self, job: dict, echo, since: float) -> dict | None:
+        """Kueue's Workload of ``job`` (its ``kueue.x-k8s.io/job-uid`` label),
+        None where Kueue has made none; a Workload Kueue deactivated (its
+        requeuing limit reached, or by hand), which it never admits again, is
+        a :class:`DistributedError`."""
+        selector = f"kueue.x-k8s.io/job-uid={(job.get('metadata') or {}).get('uid')}"
+        for version in KUEUE_VERSIONS:
+            found = self._asked(
+                "Kueue's Workloads unreadable",
+                lambda version=version: self.api.list_namespaced_custom_object(
+                    "kueue.x-k8s.io", version, self.namespace, "workloads", label_selector=selector
+                ),
+                echo,
+                since,
+            )
+            if found is not None:  # None: the version is not served
+                break
+        workload = next(iter((found or {}).get("items") or []), None)
+        if workload is not None and (workload.get("spec") or {}).get("active") is False:
+            raise DistributedError(
+                f"TrainJob {self.namespace}/{self.name}: Kueue deactivated its Workload "
+                f"{(workload.get('metadata') or {}).get('name')} ({_workload_news(workload)}), and will not admit it"
+            )
+        return workload
 
     def read(self, echo, since: float | None = None) -> dict | None:
         """The TrainJob as the API server has it; None where there is none. A
@@ -685,9 +770,22 @@ class TrainJobRun:
                     raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {said}") from None
                 time.sleep(self.poll_s)
 
-    def stalled(self, status: dict) -> str:
+    def stalled(self, job: dict) -> str:
         """Why the TrainJob made no progress for ``train.timeout_seconds``, and where to look."""
         timeout, where = self.config.train.timeout_seconds, f"TrainJob {self.namespace}/{self.name}"
+        status = job.get("status") or {}
+        if (job.get("spec") or {}).get("suspend") and _queue(job):  # with no Workload: wait
+            return (
+                f"{where} is in Kueue's queue {_queue(job)!r}, and Kueue has made no Workload of it in {timeout} s "
+                "(train.timeout_seconds): does Kueue manage TrainJobs here (trainer.kubeflow.org/trainjob in its "
+                "integrations.frameworks)?"
+            )
+        if (job.get("spec") or {}).get("suspend"):  # the step started it (outside Kueue's queues: wait)
+            return (
+                f"{where} is still suspended {timeout} s (train.timeout_seconds) after the step started it: does "
+                "Kueue manage jobs without a queue here (manageJobsWithoutQueueName)? Then put the run in a "
+                f"LocalQueue: resources.labels {KUEUE_QUEUE}: <its name>"
+            )
         if not status:
             return (
                 f"{where} has no status after {timeout} s: is Kubeflow Trainer installed with runtime "
@@ -750,6 +848,34 @@ class TrainJobRun:
 
 
 @contextlib.contextmanager
+def heartbeat(store, key: str, timeout_s: float):
+    """Rewrite ``key`` in ``store`` every tenth of ``timeout_s`` (at most a
+    minute) while the block runs: the ranks waiting for the round's inputs
+    take a changed heartbeat for progress (:func:`~tracefp4.components.distributed.wait_for_inputs`),
+    so that an upload longer than ``train.timeout_seconds`` (a first round's
+    trainer state at the paper's scale, 420 GB) does not fail them. Removed after."""
+    stop = threading.Event()
+
+    def beat():
+        count = 0
+        while True:
+            with contextlib.suppress(Exception):  # a beat the store missed only delays the next; the ranks time out
+                store.put_bytes(key, str(count).encode())
+            count += 1
+            if stop.wait(min(timeout_s / 10, 60)):
+                return
+
+    beating = threading.Thread(target=beat, name="inputs-heartbeat", daemon=True)
+    beating.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        beating.join()
+        store.delete(key)
+
+
+@contextlib.contextmanager
 def exit_on_sigterm():
     """SIGTERM (the run terminated, the node drained) raised as SystemExit
     inside the block, so that its ``finally`` clauses run: by default Python
@@ -772,6 +898,30 @@ def _namespace() -> str:
     if not path.exists():
         raise DistributedError(f"{path} is missing: a TrainJob is created from a pod inside the cluster")
     return path.read_text().strip()
+
+
+def _workload_news(workload: dict | None) -> str:
+    """What a Kueue Workload says of its admission: why it was evicted, or why it waits."""
+    if workload is None:
+        return "no Workload yet"
+    conditions = {c.get("type"): c for c in (workload.get("status") or {}).get("conditions", [])}
+    for kind, state in (("Evicted", "True"), ("QuotaReserved", "False"), ("Admitted", "False")):
+        c = conditions.get(kind)
+        if c and c.get("status") == state and c.get("message"):
+            return f"{kind if state == 'True' else 'waiting'}: {c['message']}"
+    return "pending"
+
+
+def _args(job: dict) -> list[str]:
+    """The arguments a TrainJob gives its ranks."""
+    return ((job.get("spec") or {}).get("trainer") or {}).get("args") or []
+
+
+def _stage(job: dict) -> str:
+    """What a TrainJob left by another submission is doing with the round, as a verb for an error."""
+    if not (job.get("spec") or {}).get("suspend"):
+        return "training"
+    return "queued for" if _queue(job) else "preparing"
 
 
 def _queue(job: dict) -> str | None:

@@ -31,6 +31,7 @@ from tracefp4.components import steps
 from tracefp4.components.checkpoint import LOCATION, fetch, load_model
 from tracefp4.components.distributed import (
     RECORD_FIELDS,
+    UPLOADING,
     DistributedError,
     ShardCheckpoints,
     checkpoints_prefix,
@@ -298,14 +299,24 @@ def test_ranks_given_store_uris_train_the_round_and_upload_it(round_inputs, both
     assert [n for n in policy_files if not n.endswith(".safetensors")] in cached
 
 
-def test_ranks_waiting_for_their_inputs_take_no_other_record_and_give_up_after_the_timeout(tmp_path):
+def test_ranks_waiting_for_their_inputs_take_no_other_record_and_give_up_only_without_upload(tmp_path):
+    """The ranks wait for their own record, not another's, and give up after
+    the timeout without it; while the step's heartbeat beats (an upload
+    longer than the timeout) they wait on."""
+    from tracefp4.pipelines.trainjob import heartbeat
+
     store = open_store((tmp_path / "store").as_uri())
     uri, record = f"{store.uri}/round/inputs.json", b'{"policy": "ours"}'
+    sha256 = hashlib.sha256(record).hexdigest()
     store.put_bytes("round/inputs.json", b'{"policy": "another"}')
-    with pytest.raises(DistributedError, match="inputs.json: the round's inputs were not recorded there within 0.3 s"):
-        wait_for_inputs(uri, hashlib.sha256(record).hexdigest(), timeout_s=0.3, poll_s=0.05)
-    threading.Timer(0.2, lambda: store.put_bytes("round/inputs.json", record)).start()
-    wait_for_inputs(uri, hashlib.sha256(record).hexdigest(), timeout_s=30, poll_s=0.05)
+    with pytest.raises(DistributedError, match="inputs.json: the round's inputs were not recorded there, nor uploaded"):
+        wait_for_inputs(uri, sha256, timeout_s=0.3, poll_s=0.05)
+    with heartbeat(store, "round/inputs.json" + UPLOADING, timeout_s=0.5):  # a beat every 0.05 s
+        threading.Timer(1.5, lambda: store.put_bytes("round/inputs.json", record)).start()
+        start = time.monotonic()
+        wait_for_inputs(uri, sha256, timeout_s=0.5, poll_s=0.05)
+        assert time.monotonic() - start > 1.4
+    assert store.list("round/") == ["round/inputs.json"]  # the heartbeat is gone
 
 
 def test_a_finished_round_leaves_no_sharded_checkpoint(round_inputs, both):

@@ -296,14 +296,17 @@ def test_the_runs_account_role_and_secret_live_together(rendered, overlay):
         ("secrets", "mlpipeline-minio-artifact"),
     } <= readable
     assert set(secret["data"]) == set(SECRET_KEYS) and all(base64.b64decode(v) for v in secret["data"].values())
-    # what pipelines/trainjob.py calls: create, get (the watch polls), delete; list/watch for kubectl and the SDK;
-    # and the dry run's read of a Kueue LocalQueue
+    # what pipelines/trainjob.py calls: create, get (the watch polls), patch (the start), delete; list/watch for
+    # kubectl and the SDK; the dry run's read of a Kueue LocalQueue, and the watch's of the TrainJob's Workload
     from tracefp4.pipelines.trainjob import GROUP, PLURAL
 
     trainjobs = [r for r in role["rules"] if r["apiGroups"] == [GROUP] and r["resources"] == [PLURAL]]
-    assert len(trainjobs) == 1 and set(trainjobs[0]["verbs"]) == {"create", "get", "list", "watch", "delete"}
+    assert len(trainjobs) == 1 and set(trainjobs[0]["verbs"]) == {"create", "get", "list", "watch", "patch", "delete"}
     queues = [r for r in role["rules"] if r["apiGroups"] == ["kueue.x-k8s.io"]]
-    assert queues == [{"apiGroups": ["kueue.x-k8s.io"], "resources": ["localqueues"], "verbs": ["get"]}]
+    assert queues == [
+        {"apiGroups": ["kueue.x-k8s.io"], "resources": ["localqueues"], "verbs": ["get"]},
+        {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["get", "list"]},
+    ]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

@@ -15,6 +15,7 @@ import signal
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from urllib.parse import parse_qs, urlparse
 
 import jsonschema
 import pytest
@@ -22,7 +23,7 @@ import yaml
 from kubernetes import client
 
 from tracefp4.components.checkpoint import LOCATION, MANIFEST, CheckpointError, fetch, folder_digest, location
-from tracefp4.components.distributed import DistributedError, checkpoints_prefix
+from tracefp4.components.distributed import UPLOADING, DistributedError, checkpoints_prefix
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import BF16
 from tracefp4.components.store import open_store
@@ -264,7 +265,9 @@ class FakeKubernetes:
     ``pods`` are the job's rank pods, listed and their logs read. Kueue's
     LocalQueues ``local_queues`` are there, in each of ``kueue_versions``
     (what its API serves); as Kueue's webhook does, a job created with a
-    queue label is made suspended."""
+    queue label is made suspended (unless not ``kueue_trainjobs``), and with
+    ``default_queue`` one created without is put in the LocalQueue
+    ``default``; ``workloads`` are Kueue's, listed by label selector."""
 
     def __init__(
         self,
@@ -278,13 +281,18 @@ class FakeKubernetes:
         create_refusal=None,
         local_queues=(),
         kueue_versions=("v1beta1", "v1beta2"),
+        default_queue=False,
+        kueue_trainjobs=True,
+        workloads=(),
     ):
         self.script, self.on_complete, self.on_get, self.deletes_hang = script, on_complete, on_get, deletes_hang
         self.unavailable_gets = unavailable_gets  # the first gets of the job answer 503 (the API server restarting)
         self.failing_deletes = list(failing_deletes)  # the first deletes' answers (503, 403), the last one repeated
         self.create_refusal = create_refusal  # (code, message) every create answers: a webhook's or RBAC's refusal
         self.pods: dict[str, tuple[dict, str]] = pods or {}  # the job's rank pods: name -> (status, log)
-        self.local_queues, self.kueue_versions = set(local_queues), kueue_versions
+        self.local_queues, self.kueue_versions, self.default_queue = set(local_queues), kueue_versions, default_queue
+        self.kueue_trainjobs, self.workloads = kueue_trainjobs, list(workloads)
+        self.workload_selectors: list[str] = []
         self.calls: list[tuple[str, str]] = []
         self.jobs: dict[str, dict] = {}
         self.gets = 0
@@ -320,8 +328,12 @@ class FakeKubernetes:
                     return self._answer(code, {"kind": "Status", "message": message})
                 if name in fake.jobs:
                     return self._answer(409, {"kind": "Status", "message": f'trainjobs "{name}" already exists'})
-                if module.KUEUE_QUEUE in body["metadata"].get("labels", {}):
+                labels = body["metadata"].setdefault("labels", {})
+                if fake.default_queue:
+                    labels.setdefault(module.KUEUE_QUEUE, "default")
+                if module.KUEUE_QUEUE in labels and fake.kueue_trainjobs:
                     body["spec"]["suspend"] = True
+                body["metadata"]["uid"] = f"uid-of-{name}"
                 if "dryRun=All" not in self.path:  # a dry run is checked, answered, and not kept
                     fake.jobs[name] = body
                 self._answer(201, body)
@@ -334,6 +346,9 @@ class FakeKubernetes:
                     version, queue = path.split("/")[3], path.split("/")[-1]
                     if version not in fake.kueue_versions:
                         return self._answer(404, {"kind": "Status", "reason": "NotFound", "details": {}})
+                    if queue == "workloads":
+                        fake.workload_selectors.append(parse_qs(urlparse(self.path).query)["labelSelector"][0])
+                        return self._answer(200, {"kind": "WorkloadList", "items": fake.workloads})
                     if queue not in fake.local_queues:
                         return self._answer(404, {"kind": "Status", "reason": "NotFound", "details": {"name": queue}})
                     return self._answer(200, {"kind": "LocalQueue", "metadata": {"name": queue}})
@@ -361,6 +376,17 @@ class FakeKubernetes:
                     fake.on_complete(fake.jobs[name])
                     fake.on_complete = None
                 self._answer(200, {**fake.jobs[name], "status": status})
+
+            def do_PATCH(self):  # a merge patch of the job (TrainJobRun.start's spec.suspend or queue label)
+                name = self._route()
+                patch = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                if name not in fake.jobs:
+                    return self._answer(404, {"kind": "Status", "message": f'trainjobs "{name}" not found'})
+                for key, fields in patch.items():
+                    for field, value in fields.items():
+                        part = fake.jobs[name].setdefault(key, {})
+                        part[field] = {**part.get(field, {}), **value} if isinstance(value, dict) else value
+                self._answer(200, fake.jobs[name])
 
             def do_DELETE(self):
                 name = self._route()
@@ -561,16 +587,22 @@ def completed_round(
         fake.close()
 
 
-def test_a_trainjob_an_earlier_attempt_left_running_is_waited_for(tmp_path):
+@pytest.mark.parametrize("made_by", ["this tracefp4", "an older tracefp4"])
+def test_a_trainjob_an_earlier_attempt_left_running_is_waited_for(tmp_path, made_by):
     """A retry of the step (its pod lost, say) finds the round's TrainJob still
-    running on the same inputs: it waits for that job, uploading nothing under its ranks."""
+    running on the same inputs: it waits for that job, uploading nothing under
+    its ranks; the attempt recorded the inputs ready, or made the job with an
+    older tracefp4, which started it once they were."""
     c = config(tmp_path)
     given = inputs(tmp_path)
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
-    name = trainjob_name(c, RUN, 0)
-    fake.jobs[name] = trainjob(c, name, NAMESPACE, [], module.inputs_record(*given))
-    store = open_store(c.store.uri)
-    store.put_bytes(f"{round_prefix(c, RUN, 0)}/{module.INPUTS}", module.inputs_record(*given))  # its ranks' go
+    name, record = trainjob_name(c, RUN, 0), module.inputs_record(*given)
+    ranks = ["--inputs", "s3://b/ready", hashlib.sha256(record).hexdigest(), "10"] if made_by == "this tracefp4" else []
+    fake.jobs[name] = trainjob(c, name, NAMESPACE, ranks, record)
+    fake.jobs[name]["spec"]["suspend"] = False  # started
+    open_store(c.store.uri).put_bytes(f"{round_prefix(c, RUN, 0)}/{module.INPUTS}", record)
+    if ranks:
+        open_store(c.store.uri).put_bytes(f"{round_prefix(c, RUN, 0)}/{module.READY}", record)
     rows, log = completed_round(c, fake, given, tmp_path)
     assert rows == [{"step": 1, "loss": 0.5}] and (tmp_path / "out" / "config.json").exists()
     calls = [m for m, _ in fake.calls]
@@ -581,87 +613,181 @@ def test_a_trainjob_an_earlier_attempt_left_running_is_waited_for(tmp_path):
     )
 
 
-def test_the_trainjob_claims_the_round_and_its_ranks_go_on_the_record_written_after_the_inputs(tmp_path, monkeypatch):
-    """The TrainJob is created before the step uploads anything (the round's
-    claim: another submission meets it instead of uploading over these
-    inputs), and its ranks are told to wait for the round's record of its
-    inputs, which the step writes once every input is in the store. A
-    retry whose earlier attempt died uploading uploads the inputs its
-    TrainJob's ranks wait for; one an older tracefp4 left suspended outside
-    Kueue is deleted and the round claimed anew; another submission's fails
-    the step as queued."""
+def test_the_trainjob_claims_the_round_suspended_and_starts_once_the_inputs_are_in_the_store(tmp_path, monkeypatch):
+    """The TrainJob is created suspended before the step uploads anything
+    (the round's claim: another submission meets it instead of uploading
+    over these inputs) and unsuspended after the uploads and the record that
+    they are all there, which its ranks are told to wait for. A suspended one
+    an attempt left as it died uploading the same inputs is deleted, and the
+    round claimed anew (the inputs recorded as the round's, as an older
+    tracefp4 did before it uploaded them, are uploaded all the same);
+    another submission's fails the step as preparing."""
     c = config(tmp_path)
     given = inputs(tmp_path)
     name, record = trainjob_name(c, RUN, 0), module.inputs_record(*given)
-    key = f"{round_prefix(c, RUN, 0)}/{module.INPUTS}"
+    key = f"{round_prefix(c, RUN, 0)}/{module.READY}"
     store = open_store(c.store.uri)
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
-    at_upload, args = [], []
+    at_upload, suspended = [], []
     real = module.TrainJobRun.upload
 
     def upload(self, *a):
-        at_upload.append(([m for m, _ in fake.calls], store.list(key)))
+        at_upload.append([m for m, _ in fake.calls])
         real(self, *a)
-        assert not store.list(key)  # no go for the ranks while the inputs upload
+        assert f"{self.prefix}/{module.READY}" not in self.store.list(self.prefix + "/")  # it comes after them
 
     monkeypatch.setattr(module.TrainJobRun, "upload", upload)
-    fake.on_get = lambda: args.append(fake.jobs[name]["spec"]["trainer"]["args"])
+    started, real_start = [], module.TrainJobRun.start
+    monkeypatch.setattr(
+        module.TrainJobRun, "start", lambda self, echo: started.append(self.ready(record)) or real_start(self, echo)
+    )
+    fake.on_get = lambda: suspended.append(fake.jobs[name]["spec"]["suspend"])
+    created = []
+    fake.on_complete = lambda job: created.append(job) or ranks_upload_outputs(c, tmp_path)()
     rows, _ = completed_round(c, fake, given, tmp_path)
-    assert at_upload == [(["GET", "POST"], [])] and rows == [{"step": 1, "loss": 0.5}]
-    assert "PATCH" not in [m for m, _ in fake.calls] and "suspend" not in fake.calls
-    assert args[0][-4:] == ["--inputs", f"{c.store.uri}/{key}", hashlib.sha256(record).hexdigest(), "10"]
-    assert store.get_bytes(key) == record
+    assert at_upload == [["GET", "POST"]] and [m for m, _ in fake.calls][2] == "PATCH"
+    assert suspended and not any(suspended) and rows == [{"step": 1, "loss": 0.5}]
+    args = created[0]["spec"]["trainer"]["args"]
+    assert args[-4:] == ["--inputs", f"{c.store.uri}/{key}", hashlib.sha256(record).hexdigest(), "10"]
+    assert started == [True] and not store.list(key)  # ready as it started; not once the round's inputs are gone
+    assert not store.list(key + UPLOADING)  # no heartbeat left
 
     again = tmp_path / "again"  # a store without the round's outputs
     again.mkdir()
     c = config(again)
-    given = inputs(again)
-    name, key, store = trainjob_name(c, RUN, 0), f"{round_prefix(c, RUN, 0)}/{module.INPUTS}", open_store(c.store.uri)
-    fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, again))
-    fake.jobs[name] = trainjob(c, name, NAMESPACE, [], module.inputs_record(*given))  # its ranks wait for the record
-    at_upload.clear()
-    rows, log = completed_round(c, fake, given, again)
-    assert at_upload == [(["GET"], [])] and "POST" not in [m for m, _ in fake.calls]
-    assert rows == [{"step": 1, "loss": 0.5}] and any("on the same inputs: waiting for it" in line for line in log)
-
-    store.delete(key)
+    name = trainjob_name(c, RUN, 0)
     fake = FakeKubernetes([FAILED])
-    fake.jobs[name] = trainjob(c, name, NAMESPACE, [], module.inputs_record(*given))
-    fake.jobs[name]["spec"]["suspend"] = True  # as an older tracefp4 made it, waiting for its start
+    fake.jobs[name] = trainjob(c, name, NAMESPACE, [], module.inputs_record(*inputs(again)))  # suspended
+    at_upload.clear()
+    open_store(c.store.uri).put_bytes(
+        f"{round_prefix(c, RUN, 0)}/{module.INPUTS}", module.inputs_record(*inputs(again))
+    )
     failed_round(c, fake, again, "JobsFailed")  # the new claim's TrainJob fails: the step is done with it
-    assert [m for m, _ in fake.calls][:4] == ["GET", "DELETE", "GET", "POST"]
+    assert [m for m, _ in fake.calls][:5] == ["GET", "DELETE", "GET", "POST", "PATCH"] and len(at_upload) == 1
     fake = FakeKubernetes([{}])
     fake.jobs[name] = trainjob(c, name, NAMESPACE, [], b'{"policy": "another"}')
-    fake.jobs[name]["metadata"]["labels"][module.KUEUE_QUEUE] = "team-a-gpus"
-    fake.jobs[name]["spec"]["suspend"] = True
-    failed_round(c, fake, again, "is queued for this round from other inputs")
+    failed_round(c, fake, again, "is preparing this round from other inputs")
     assert [m for m, _ in fake.calls] == ["GET"] and name in fake.jobs
 
 
-def test_a_trainjob_in_kueues_queue_waits_there_as_long_as_kueue_holds_it(tmp_path, clock):
-    """With Kueue's queue label in resources.labels the TrainJob carries it,
-    and Kueue (here the fake's webhook) makes it suspended until it admits
-    it: however long that takes, and again after an eviction (preemption),
-    the step waits, saying so, without counting it against
-    train.timeout_seconds; the run's first task checks the queue is there."""
+def test_a_trainjob_goes_to_the_runs_kueue_queue_once_its_inputs_are_in_the_store(tmp_path, clock):
+    """With Kueue's queue label in resources.labels the TrainJob is created
+    suspended without it, and handed to that queue (the label) once its
+    inputs are in the store: Kueue, here the fake, keeps it suspended until
+    it admits it. However long that takes, and again after an eviction (a
+    preemption), the step waits, saying what Kueue says of it (its
+    Workload), without counting it against train.timeout_seconds."""
     c = config(tmp_path, timeout_seconds=10)
     c.resources.labels[module.KUEUE_QUEUE] = "team-a-gpus"
     name = trainjob_name(c, RUN, 0)
-    # queued 30 s, running, evicted (preempted) for 30 s, running to the end
+    # queued 30 s, running, evicted for 30 s, running to the end
     suspended = {"conditions": [{"type": "Suspended", "status": "True", "reason": "Suspended"}]}
     script = [suspended] * 30 + [RUNNING] + [suspended] * 30 + [RUNNING, COMPLETE]
-    fake = FakeKubernetes(script, on_complete=ranks_upload_outputs(c, tmp_path))
+    quota = "couldn't assign flavors to pod set node: insufficient unused quota for nvidia.com/gpu in flavor h200"
+    workload = {"metadata": {"name": f"trainjob-{name}-1a2b3"}, "spec": {"active": True}, "status": {}}
+    workload["status"]["conditions"] = [{"type": "QuotaReserved", "status": "False", "message": quota}]
+    fake = FakeKubernetes(script, on_complete=ranks_upload_outputs(c, tmp_path), workloads=[workload])
+    created = []
 
     def kueue():  # the answer of get number fake.gets is script[fake.gets - 1]
-        fake.jobs[name]["spec"]["suspend"] = script[min(fake.gets, len(script)) - 1] is suspended
+        job = fake.jobs[name]
+        created.append(copy.deepcopy(job)) if not created else None
+        job["spec"]["suspend"] = script[min(fake.gets, len(script)) - 1] is suspended
 
     fake.on_get = kueue
     rows, log = completed_round(c, fake, inputs(tmp_path), tmp_path, poll_s=1)
     assert rows == [{"step": 1, "loss": 0.5}] and clock.now > 60
-    assert sum("suspended in Kueue's queue 'team-a-gpus'" in line for line in log) == 2
+    assert sum(f"suspended in Kueue's queue 'team-a-gpus': waiting: {quota}" in line for line in log) == 2
+    assert set(fake.workload_selectors) == {f"kueue.x-k8s.io/job-uid=uid-of-{name}"}
+    assert any("handed to Kueue's queue 'team-a-gpus'" in line for line in log)
+    assert [m for m, _ in fake.calls if m != "GET"] == ["POST", "PATCH", "DELETE"]
+    assert created[0]["metadata"]["labels"][module.KUEUE_QUEUE] == "team-a-gpus"  # the patch's
+    body = trainjob(c, name, NAMESPACE, [], b"{}")
+    assert module.KUEUE_QUEUE not in body["metadata"]["labels"] and body["spec"]["suspend"]
 
-    job = trainjob(c, name, NAMESPACE, [], b"{}")
-    assert job["metadata"]["labels"][module.KUEUE_QUEUE] == "team-a-gpus" and "suspend" not in job["spec"]
+
+def test_where_kueue_queues_a_trainjob_as_it_is_created_its_ranks_wait_for_the_inputs(tmp_path, monkeypatch):
+    """In a namespace with a LocalQueue named default, Kueue's webhook puts
+    every TrainJob created there in it, and Kueue starts it whenever it
+    admits it: the step starts nothing itself, and the job's ranks wait for
+    the record of the inputs (tests/test_distributed.py). A retry whose
+    earlier attempt died uploading them finds that job queued, and uploads
+    the inputs its ranks wait for instead of creating another; one an older
+    tracefp4 made is replaced."""
+    c = config(tmp_path)
+    given = inputs(tmp_path)
+    name, key = trainjob_name(c, RUN, 0), f"{round_prefix(c, RUN, 0)}/{module.READY}"
+    fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path), default_queue=True)
+    rows, log = completed_round(c, fake, given, tmp_path)
+    assert rows == [{"step": 1, "loss": 0.5}] and [m for m, _ in fake.calls if m != "GET"] == ["POST", "DELETE"]
+    assert any("created in Kueue's queue 'default', which starts it" in line for line in log)
+
+    again = tmp_path / "again"
+    again.mkdir()
+    c = config(again)
+    given = inputs(again)
+    name, key = trainjob_name(c, RUN, 0), f"{round_prefix(c, RUN, 0)}/{module.READY}"
+    fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, again), default_queue=True)
+    record = module.inputs_record(*given)
+    fake.jobs[name] = trainjob(c, name, NAMESPACE, ["--inputs", f"{c.store.uri}/{key}", "sha256", "10"], record)
+    fake.jobs[name]["metadata"]["labels"][module.KUEUE_QUEUE] = "default"
+    uploads = []
+    real = module.TrainJobRun.upload
+    monkeypatch.setattr(module.TrainJobRun, "upload", lambda self, *a: uploads.append(1) or real(self, *a))
+    waited, real_wait = [], module.TrainJobRun.wait
+    monkeypatch.setattr(
+        module.TrainJobRun, "wait", lambda self, echo: waited.append(self.ready(record)) or real_wait(self, echo)
+    )
+    rows, log = completed_round(c, fake, given, again)
+    assert rows == [{"step": 1, "loss": 0.5}] and uploads == [1]
+    assert [m for m, _ in fake.calls if m != "GET"] == ["DELETE"] and any("waiting for it" in line for line in log)
+    assert waited == [True]
+
+    # the run names a queue of its own: the job goes there at once, before Kueue may start it in the default one
+    fourth = tmp_path / "fourth"
+    fourth.mkdir()
+    c = config(fourth)
+    c.resources.labels[module.KUEUE_QUEUE] = "team-a-gpus"
+    fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, fourth), default_queue=True)
+    uploads.clear()
+    monkeypatch.setattr(
+        module.TrainJobRun, "upload", lambda self, *a: uploads.append([m for m, _ in fake.calls]) or real(self, *a)
+    )
+    rows, _ = completed_round(c, fake, inputs(fourth), fourth)
+    assert rows == [{"step": 1, "loss": 0.5}] and uploads == [["GET", "POST", "PATCH"]]
+    assert [m for m, _ in fake.calls].count("PATCH") == 1
+
+    # an older tracefp4's job there, whose ranks read their inputs as soon as Kueue starts them: not taken
+    third = tmp_path / "third"
+    third.mkdir()
+    c = config(third)
+    name = trainjob_name(c, RUN, 0)
+    fake = FakeKubernetes([{}, FAILED], default_queue=True)  # adopt's look, then the new job's
+    fake.jobs[name] = trainjob(c, name, NAMESPACE, [], module.inputs_record(*inputs(third)))
+    fake.jobs[name]["metadata"]["labels"][module.KUEUE_QUEUE] = "default"
+    failed_round(c, fake, third, "JobsFailed")
+    assert [m for m, _ in fake.calls][:4] == ["GET", "DELETE", "GET", "POST"]
+
+
+@pytest.mark.parametrize("kueue", ["deactivates its workload", "makes no workload"])
+def test_a_trainjob_kueue_will_never_admit_fails_the_step_saying_why(tmp_path, clock, kueue):
+    """Kueue deactivated the Workload (its requeuing limit reached), or made
+    none (it does not manage TrainJobs): the step does not wait forever."""
+    c = config(tmp_path, timeout_seconds=10)
+    c.resources.labels[module.KUEUE_QUEUE] = "team-a-gpus"
+    workloads = []
+    if kueue == "deactivates its workload":
+        evicted = {"type": "Evicted", "status": "True", "message": "exceeded the PodsReady timeout 5 times"}
+        workloads = [
+            {"metadata": {"name": "trainjob-x"}, "spec": {"active": False}, "status": {"conditions": [evicted]}}
+        ]
+    fake = FakeKubernetes([{}], workloads=workloads)
+    fake.on_get = lambda: fake.jobs and fake.jobs[trainjob_name(c, RUN, 0)]["spec"].update(suspend=True)
+    if kueue == "deactivates its workload":
+        failed_round(c, fake, tmp_path, "Kueue deactivated its Workload trainjob-x .Evicted: exceeded the PodsReady")
+    else:
+        failed_round(c, fake, tmp_path, "Kueue has made no Workload of it in 10 s .*integrations.frameworks", 0.5)
+        assert 10 < clock.now <= 11
 
 
 @pytest.mark.parametrize(
@@ -671,12 +797,15 @@ def test_a_trainjob_in_kueues_queue_waits_there_as_long_as_kueue_holds_it(tmp_pa
         (["team-a-gpus"], ("v1beta1",), None),  # a Kueue before v1beta2
         (["team-b-gpus"], ("v1beta1", "v1beta2"), "namespace team-a has none of that name"),
         ([], (), "the cluster serves no Kueue LocalQueues"),
+        (["team-a-gpus"], ("v1beta2",), "Kueue does not queue TrainJobs in this cluster"),  # no TrainJob integration
     ],
 )
 def test_the_runs_first_task_checks_the_kueue_queue_its_trainjobs_go_to(tmp_path, queues, versions, error):
     c = config(tmp_path)
     c.resources.labels[module.KUEUE_QUEUE] = "team-a-gpus"
-    fake = FakeKubernetes([RUNNING], local_queues=queues, kueue_versions=versions)
+    fake = FakeKubernetes(
+        [RUNNING], local_queues=queues, kueue_versions=versions, kueue_trainjobs="TrainJobs" not in (error or "")
+    )
     try:
         if error is None:
             module.dry_run(c, fake.api(), NAMESPACE)
@@ -707,7 +836,7 @@ def test_a_trainjob_being_deleted_or_made_before_the_annotation_is_told_by_what_
     open_store(c.store.uri).delete(f"{round_prefix(c, RUN, 0)}/history.json")  # the round not finished
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
     fake.jobs[name] = trainjob(c, name, NAMESPACE, [], b"{}")
-    del fake.jobs[name]["metadata"]["annotations"]
+    del fake.jobs[name]["metadata"]["annotations"], fake.jobs[name]["spec"]["suspend"]
     rows, log = completed_round(c, fake, given, tmp_path)
     assert "POST" not in [m for m, _ in fake.calls] and any("on the same inputs: waiting" in line for line in log)
 
@@ -889,6 +1018,16 @@ def test_a_trainjob_no_controller_picks_up_fails_after_the_timeout(tmp_path, clo
     fake = FakeKubernetes([{}])
     failed_round(c, fake, tmp_path, "no status after 10 s: is Kubeflow Trainer installed", poll_s=0.5)
     assert not fake.jobs  # deleted all the same
+    assert 10 < clock.now <= 11
+
+
+def test_a_trainjob_kept_suspended_outside_kueues_queues_fails_after_the_timeout_saying_why(tmp_path, clock):
+    """Where Kueue manages every job, with or without a queue label, it
+    suspends again the TrainJob the step started (here the fake keeps it so)."""
+    c = config(tmp_path, timeout_seconds=10)
+    fake = FakeKubernetes([{}])
+    fake.on_get = lambda: fake.jobs and fake.jobs[trainjob_name(c, RUN, 0)]["spec"].update(suspend=True)
+    failed_round(c, fake, tmp_path, "still suspended 10 s .*manageJobsWithoutQueueName", poll_s=0.5)
     assert 10 < clock.now <= 11
 
 
