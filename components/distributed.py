@@ -42,6 +42,7 @@ come as paths or store URIs. How it works:
 """
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -73,7 +74,7 @@ from .model import Transformer, empty_model
 from .precision import MasterWeights
 from .quant import QuantConfig
 from .steps import config_digest, store_prefix
-from .store import ArtifactNotFound, ArtifactStore, open_store, write_atomic
+from .store import ArtifactNotFound, ArtifactStore, StoreError, open_store, write_atomic
 from .tensor_files import layout_of, read_tensor, tensor_files, tensor_layout
 from .trainer import MASTER_PREFIX, OPTIMIZER_PREFIX, TrainConfig, Trainer, clip_gradients
 from .trainer_state import STEM, check_state
@@ -600,27 +601,25 @@ UPLOADING = ".uploading"
 
 
 def wait_for_inputs(uri: str, sha256: str, timeout_s: float, poll_s: float = 2.0) -> None:
-    """Until the store object ``uri`` has the sha256 ``sha256``: the round's
-    record of its inputs (``inputs.json``), which the train step writes once
-    every input is in the store and nothing of other inputs is left there
+    """Until the store object ``uri`` has the sha256 ``sha256``: the record
+    that the round's inputs are all in the store (``inputs-ready.json``),
+    which the train step writes after its upload
     (:meth:`tracefp4.pipelines.trainjob.TrainJobRun.train`). The ranks of a
     TrainJob that Kueue queued when it was created (a namespace with a
     LocalQueue named ``default``) start whenever Kueue admits it, maybe
-    before the step has uploaded the round's inputs. Raises
-    :class:`DistributedError` after ``timeout_s`` (``train.timeout_seconds``)
-    without the record nor a new beat of the step's heartbeat
-    (``uri`` + :data:`UPLOADING`)."""
+    before the upload has ended. Raises :class:`DistributedError` after
+    ``timeout_s`` (``train.timeout_seconds``) without the record nor a new
+    beat of the step's heartbeat (``uri`` + :data:`UPLOADING`); a store that
+    does not answer for a while is no news."""
     base, _, name = uri.rpartition("/")
     store, since, said, beat = open_store(base), time.monotonic(), False, None
     while True:
-        try:
+        with contextlib.suppress(StoreError):  # ArtifactNotFound too: not there yet
             if hashlib.sha256(store.get_bytes(name)).hexdigest() == sha256:
                 return
-        except ArtifactNotFound:
-            pass
         try:
             now = store.get_bytes(name + UPLOADING)
-        except ArtifactNotFound:
+        except StoreError:
             now = None
         if now is not None and now != beat:  # the step is uploading
             since, beat = time.monotonic(), now

@@ -121,6 +121,12 @@ def inputs_record(policy: Path, state: Path, trajectories: Path, guidance: Path)
     return json.dumps(digests, sort_keys=True).encode()
 
 
+def ready_record(inputs: bytes, folders: dict[str, str]) -> bytes:
+    """What :data:`READY` says once the round's ``inputs`` (:func:`inputs_record`) are all in the store, in
+    ``folders`` (:meth:`TrainJobRun.input_folders`): a retry that would point its ranks elsewhere uploads again."""
+    return json.dumps({"inputs": json.loads(inputs), "folders": folders}, sort_keys=True).encode()
+
+
 def in_cluster_api() -> client.ApiClient:
     """The Kubernetes API as the step's service account sees it; outside a cluster, a clear error."""
     try:
@@ -301,6 +307,8 @@ def dry_run(config: RunConfig, api: client.ApiClient | None = None, namespace: s
             "TrainJobs in this cluster: enable its TrainJob integration (trainer.kubeflow.org/trainjob in its "
             "integrations.frameworks), or leave the label out to run them outside the queue"
         )
+    if _queue(created):  # Kueue queues the run's TrainJobs: the train step reads their Workloads
+        check_workloads_readable(api, namespace)
 
 
 # Kueue's LocalQueue API versions, newest first (v1beta1 is deprecated but served up to Kueue 0.19 at least)
@@ -326,6 +334,25 @@ def check_local_queue(api: client.ApiClient, namespace: str, queue: str) -> None
         except urllib3.exceptions.HTTPError as e:
             raise DistributedError(f"{said} the Kubernetes API did not answer: {e}") from None
     raise DistributedError(f"{said} the cluster serves no Kueue LocalQueues (is Kueue installed?)")
+
+
+def check_workloads_readable(api: client.ApiClient, namespace: str) -> None:
+    """That this pod may list Kueue's Workloads in ``namespace``, as the train
+    step does while its TrainJob waits in a queue (:meth:`TrainJobRun.workload`)."""
+    for version in KUEUE_VERSIONS:
+        try:
+            client.CustomObjectsApi(api).list_namespaced_custom_object(
+                "kueue.x-k8s.io", version, namespace, "workloads", limit=1
+            )
+            return
+        except ApiException as e:
+            if e.status != 404:  # 404: the version is not served
+                raise DistributedError(
+                    f"Kueue queues the run's TrainJobs, but the train step could not read their Workloads in "
+                    f"{namespace}: {_reason(e)} (the Role in manifests/base/kfp/pipeline-runner.yaml lets it)"
+                ) from None
+        except urllib3.exceptions.HTTPError as e:
+            raise DistributedError(f"the Kubernetes API did not answer a list of Kueue's Workloads: {e}") from None
 
 
 class TrainJobRun:
@@ -396,10 +423,10 @@ class TrainJobRun:
         keys = set(self.store.list(self.prefix + "/"))
         return {f"{self.prefix}/{name}" for name in OUTPUTS} <= keys and self.recorded(inputs)
 
-    def ready(self, inputs: bytes) -> bool:
-        """Whether ``inputs`` are all in the round's folder, as its ranks read them (:data:`READY`)."""
+    def ready(self, record: bytes) -> bool:
+        """Whether the inputs are all in the store where the ranks read them (:func:`ready_record`, :data:`READY`)."""
         try:
-            return self.store.get_bytes(f"{self.prefix}/{READY}") == inputs
+            return self.store.get_bytes(f"{self.prefix}/{READY}") == record
         except ArtifactNotFound:
             return False
 
@@ -431,8 +458,9 @@ class TrainJobRun:
             ours = True  # from here a failure or SIGTERM deletes the job, also one the create call made as it died
             try:
                 folders = self.input_folders(policy, state)
+                record = ready_record(inputs, folders)
                 # an earlier attempt uploaded them; or made the job with an older tracefp4, which started it then
-                ready = self.ready(inputs) or (job is not None and "--inputs" not in _args(job))
+                ready = self.ready(record) or (job is not None and "--inputs" not in _args(job))
                 if job is None:
                     args = rank_arguments(
                         self.uri("config.json"),
@@ -445,7 +473,7 @@ class TrainJobRun:
                         self.uri("new-policy"),
                         self.uri("new-state"),
                         self.uri("history.json"),
-                        (self.uri(READY), hashlib.sha256(inputs).hexdigest(), self.config.train.timeout_seconds),
+                        (self.uri(READY), hashlib.sha256(record).hexdigest(), self.config.train.timeout_seconds),
                     )
                     labels = run_labels(self.run_id, self.round_index)
                     job = self.create(trainjob(self.config, self.name, self.namespace, args, inputs, labels), echo)
@@ -455,16 +483,17 @@ class TrainJobRun:
                             f"creating TrainJob {self.namespace}/{self.name}: another attempt or submission created "
                             "it meanwhile"
                         )
-                    if _queue(job) not in (None, self.config.resources.labels.get(KUEUE_QUEUE, _queue(job))):
-                        self.start(echo)  # Kueue put it in the namespace's default queue: to the run's, at once
+                suspended, queue = (job.get("spec") or {}).get("suspend"), _queue(job)
+                if suspended and queue not in (None, self.config.resources.labels.get(KUEUE_QUEUE, queue)):
+                    self.start(echo)  # Kueue put it in the namespace's default queue: to the run's, at once
                 if not ready:
                     with heartbeat(self.store, f"{self.prefix}/{READY}{UPLOADING}", self.config.train.timeout_seconds):
                         self.store.delete(f"{self.prefix}/{READY}")  # first: the ranks wait
                         self.clear_other_inputs_round(inputs)
                         self.store.put_bytes(f"{self.prefix}/{INPUTS}", inputs)  # before the ranks write any output
                         self.upload(policy, state, trajectories, guidance, round_stats, folders, echo)
-                    self.store.put_bytes(f"{self.prefix}/{READY}", inputs)
-                if (job.get("spec") or {}).get("suspend") and not _queue(job):
+                    self.store.put_bytes(f"{self.prefix}/{READY}", record)
+                if suspended and queue is None:
                     self.start(echo)
                 try:
                     self.wait(echo)
@@ -571,6 +600,7 @@ class TrainJobRun:
         last round's. Each folder loses its manifest first, so that a
         half-deleted one is never taken for whole."""
         self.store.delete(f"{self.prefix}/{READY}")  # first: no rank of a retry takes what is left for whole
+        self.store.delete(f"{self.prefix}/{READY}{UPLOADING}")
         folders = {f"{self.prefix}/policy", f"{self.prefix}/state"}
         for folder in (policy, state):
             key = self._stored_key(folder)  # only a folder of the same manifest: this input's copy
@@ -679,19 +709,27 @@ class TrainJobRun:
         for the team's quota, not for a fault, and the log says what Kueue
         says of it. A poll the API server does not answer (5xx, 429, no
         connection) is no news, and the clock runs on."""
-        since, last = time.monotonic(), None
+        since, last, queued_since = time.monotonic(), None, None
         while True:
             job = self.read(echo, since)
             if job is None:
                 raise DistributedError(f"TrainJob {self.namespace}/{self.name}: deleted while the step waited for it")
             status = job.get("status") or {}
-            queued = (job.get("spec") or {}).get("suspend") and _queue(job)
-            if queued:  # Kueue's news of it: its Workload; none (yet) counts against the timeout
+            queue = (job.get("spec") or {}).get("suspend") and _queue(job)
+            queued, workload = False, None
+            if queue:  # Kueue's news of it: its Workload
                 workload = self.workload(job, echo, since)
-                summary = f"suspended in Kueue's queue {queued!r}: {_workload_news(workload)}"
-                queued = workload is not None
+                summary = f"suspended in Kueue's queue {queue!r}: {_workload_news(workload)}"
+                queued = _waits_for_quota(workload)
+                queued_since = queued_since or time.monotonic()
+                if queued and time.monotonic() - queued_since > self.config.train.queue_timeout_seconds:
+                    raise DistributedError(
+                        f"TrainJob {self.namespace}/{self.name} waited {self.config.train.queue_timeout_seconds} s "
+                        f"(train.queue_timeout_seconds) in Kueue's queue {queue!r}, which says: "
+                        f"{_workload_news(workload)}"
+                    )
             else:
-                summary = _summary(status)
+                summary, queued_since = _summary(status), None
             if summary != last:
                 echo(f"trainjob {self.namespace}/{self.name}: {summary}")
                 last = summary
@@ -706,14 +744,14 @@ class TrainJobRun:
             if queued or _progressing(status):
                 since = time.monotonic()
             elif time.monotonic() - since > self.config.train.timeout_seconds:
-                raise DistributedError(self.stalled(job))
+                raise DistributedError(self.stalled(job, workload))
             time.sleep(self.poll_s)
 
     def workload(self, job: dict, echo, since: float) -> dict | None:
         """Kueue's Workload of ``job`` (its ``kueue.x-k8s.io/job-uid`` label),
         None where Kueue has made none; a Workload Kueue deactivated (its
-        requeuing limit reached, or by hand), which it never admits again, is
-        a :class:`DistributedError`."""
+        requeuing limit reached, or by hand) or finished (the job failed to
+        start), which it never admits again, is a :class:`DistributedError`."""
         selector = f"kueue.x-k8s.io/job-uid={(job.get('metadata') or {}).get('uid')}"
         for version in KUEUE_VERSIONS:
             found = self._asked(
@@ -727,10 +765,16 @@ class TrainJobRun:
             if found is not None:  # None: the version is not served
                 break
         workload = next(iter((found or {}).get("items") or []), None)
-        if workload is not None and (workload.get("spec") or {}).get("active") is False:
+        if workload is None:
+            return None
+        finished = _condition(workload, "Finished")
+        if (workload.get("spec") or {}).get("active") is False or finished:
+            verb, why = (
+                ("finished", finished.get("message", "")) if finished else ("deactivated", _workload_news(workload))
+            )
             raise DistributedError(
-                f"TrainJob {self.namespace}/{self.name}: Kueue deactivated its Workload "
-                f"{(workload.get('metadata') or {}).get('name')} ({_workload_news(workload)}), and will not admit it"
+                f"TrainJob {self.namespace}/{self.name}: Kueue {verb} its Workload "
+                f"{(workload.get('metadata') or {}).get('name')} ({why}), and will not admit it"
             )
         return workload
 
@@ -770,11 +814,17 @@ class TrainJobRun:
                     raise DistributedError(f"TrainJob {self.namespace}/{self.name}: {said}") from None
                 time.sleep(self.poll_s)
 
-    def stalled(self, job: dict) -> str:
-        """Why the TrainJob made no progress for ``train.timeout_seconds``, and where to look."""
+    def stalled(self, job: dict, workload: dict | None) -> str:
+        """Why the TrainJob made no progress for ``train.timeout_seconds``, and
+        where to look (``workload``: Kueue's, where it is in Kueue's queue)."""
         timeout, where = self.config.train.timeout_seconds, f"TrainJob {self.namespace}/{self.name}"
         status = job.get("status") or {}
-        if (job.get("spec") or {}).get("suspend") and _queue(job):  # with no Workload: wait
+        if workload is not None:
+            return (
+                f"{where} is in Kueue's queue {_queue(job)!r}, and Kueue has not started it in {timeout} s "
+                f"(train.timeout_seconds), nor waits for quota to: {_workload_news(workload)}"
+            )
+        if (job.get("spec") or {}).get("suspend") and _queue(job):
             return (
                 f"{where} is in Kueue's queue {_queue(job)!r}, and Kueue has made no Workload of it in {timeout} s "
                 "(train.timeout_seconds): does Kueue manage TrainJobs here (trainer.kubeflow.org/trainjob in its "
@@ -869,10 +919,11 @@ def heartbeat(store, key: str, timeout_s: float):
     beating.start()
     try:
         yield
-    finally:
+    finally:  # quickly, and without replacing the block's exception: a SIGTERM gives the step 30 s to clean up
         stop.set()
-        beating.join()
-        store.delete(key)
+        beating.join(timeout=5)
+        with contextlib.suppress(Exception):  # one left behind stops beating, and is deleted with the inputs
+            store.delete(key)
 
 
 @contextlib.contextmanager
@@ -900,16 +951,37 @@ def _namespace() -> str:
     return path.read_text().strip()
 
 
+def _condition(workload: dict, kind: str, state: str = "True") -> dict | None:
+    """A Kueue Workload's condition ``kind`` where its status is ``state``."""
+    for c in (workload.get("status") or {}).get("conditions", []):
+        if c.get("type") == kind and c.get("status") == state:
+            return c
+    return None
+
+
 def _workload_news(workload: dict | None) -> str:
     """What a Kueue Workload says of its admission: why it was evicted, or why it waits."""
     if workload is None:
         return "no Workload yet"
-    conditions = {c.get("type"): c for c in (workload.get("status") or {}).get("conditions", [])}
     for kind, state in (("Evicted", "True"), ("QuotaReserved", "False"), ("Admitted", "False")):
-        c = conditions.get(kind)
-        if c and c.get("status") == state and c.get("message"):
+        c = _condition(workload, kind, state)
+        if c and c.get("message"):
             return f"{kind if state == 'True' else 'waiting'}: {c['message']}"
     return "pending"
+
+
+# QuotaReserved=False reasons of a Workload that no quota freed up will admit: its LocalQueue or ClusterQueue is
+# missing or stopped, or it is held
+NEVER_ADMITTED = ("Inadmissible", "OnHold")
+
+
+def _waits_for_quota(workload: dict | None) -> bool:
+    """Whether a Kueue Workload waits in its queue for quota, which may take long (train.queue_timeout_seconds),
+    rather than for a fault (no Workload, a queue Kueue cannot use, admitted but not started: train.timeout_seconds)."""
+    if workload is None or _condition(workload, "QuotaReserved"):
+        return False
+    reason = (_condition(workload, "QuotaReserved", "False") or {}).get("reason")
+    return reason not in NEVER_ADMITTED
 
 
 def _args(job: dict) -> list[str]:

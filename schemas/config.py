@@ -428,7 +428,15 @@ class TrainSection(_Section):
         ge=10,
         le=86400,
         description="How long a training process waits for the others at a collective before failing the step "
-        "(a rank that died or hangs); also how long a TrainJob may stay without progress before it is failed.",
+        "(a rank that died or hangs); also how long a TrainJob may stay without progress before it is failed, "
+        "and its ranks wait for the round's inputs without upload progress (docs/deploy.md).",
+    )
+    queue_timeout_seconds: int = Field(
+        default=86400,
+        ge=60,
+        le=30 * 86400,
+        description="How long a TrainJob may wait in its Kueue queue for quota (not admitted yet, or evicted) "
+        "before the step fails; the step's log says what Kueue says of it meanwhile (docs/deploy.md).",
     )
 
     @property

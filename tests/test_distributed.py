@@ -311,12 +311,36 @@ def test_ranks_waiting_for_their_inputs_take_no_other_record_and_give_up_only_wi
     store.put_bytes("round/inputs.json", b'{"policy": "another"}')
     with pytest.raises(DistributedError, match="inputs.json: the round's inputs were not recorded there, nor uploaded"):
         wait_for_inputs(uri, sha256, timeout_s=0.3, poll_s=0.05)
+    store.put_bytes("round/inputs.json" + UPLOADING, b"7")  # a heartbeat a dead step left: no news
+    late = threading.Timer(5, lambda: store.put_bytes("round/inputs.json", record))  # were it news: no hang
+    late.start()
+    with pytest.raises(DistributedError, match="nor uploaded, for 0.3 s"):
+        wait_for_inputs(uri, sha256, timeout_s=0.3, poll_s=0.05)
+    late.cancel()
     with heartbeat(store, "round/inputs.json" + UPLOADING, timeout_s=0.5):  # a beat every 0.05 s
         threading.Timer(1.5, lambda: store.put_bytes("round/inputs.json", record)).start()
         start = time.monotonic()
         wait_for_inputs(uri, sha256, timeout_s=0.5, poll_s=0.05)
         assert time.monotonic() - start > 1.4
     assert store.list("round/") == ["round/inputs.json"]  # the heartbeat is gone
+
+
+def test_ranks_waiting_for_their_inputs_wait_out_a_store_that_does_not_answer(tmp_path, monkeypatch):
+    from tracefp4.components import distributed
+    from tracefp4.components.store import StoreError
+
+    store = open_store((tmp_path / "store").as_uri())
+    store.put_bytes("inputs.json", b"ours")
+    unanswered = iter(range(5))
+
+    class Restarting:  # the store's server restarting: its first calls fail (after the store's own retries)
+        def get_bytes(self, key):
+            if next(unanswered, None) is not None:
+                raise StoreError(f"{store.uri}: get {key!r} failed after 5 attempts")
+            return store.get_bytes(key)
+
+    monkeypatch.setattr(distributed, "open_store", lambda uri: Restarting())
+    wait_for_inputs(f"{store.uri}/inputs.json", hashlib.sha256(b"ours").hexdigest(), timeout_s=30, poll_s=0.01)
 
 
 def test_a_finished_round_leaves_no_sharded_checkpoint(round_inputs, both):

@@ -305,7 +305,7 @@ def test_the_runs_account_role_and_secret_live_together(rendered, overlay):
     queues = [r for r in role["rules"] if r["apiGroups"] == ["kueue.x-k8s.io"]]
     assert queues == [
         {"apiGroups": ["kueue.x-k8s.io"], "resources": ["localqueues"], "verbs": ["get"]},
-        {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["get", "list"]},
+        {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": ["list"]},
     ]
 
 

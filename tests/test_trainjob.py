@@ -267,7 +267,8 @@ class FakeKubernetes:
     (what its API serves); as Kueue's webhook does, a job created with a
     queue label is made suspended (unless not ``kueue_trainjobs``), and with
     ``default_queue`` one created without is put in the LocalQueue
-    ``default``; ``workloads`` are Kueue's, listed by label selector."""
+    ``default``; ``workloads`` are Kueue's, listed by label selector (a
+    403 with ``workloads_forbidden``)."""
 
     def __init__(
         self,
@@ -284,6 +285,7 @@ class FakeKubernetes:
         default_queue=False,
         kueue_trainjobs=True,
         workloads=(),
+        workloads_forbidden=False,
     ):
         self.script, self.on_complete, self.on_get, self.deletes_hang = script, on_complete, on_get, deletes_hang
         self.unavailable_gets = unavailable_gets  # the first gets of the job answer 503 (the API server restarting)
@@ -291,7 +293,11 @@ class FakeKubernetes:
         self.create_refusal = create_refusal  # (code, message) every create answers: a webhook's or RBAC's refusal
         self.pods: dict[str, tuple[dict, str]] = pods or {}  # the job's rank pods: name -> (status, log)
         self.local_queues, self.kueue_versions, self.default_queue = set(local_queues), kueue_versions, default_queue
-        self.kueue_trainjobs, self.workloads = kueue_trainjobs, list(workloads)
+        self.kueue_trainjobs, self.workloads, self.workloads_forbidden = (
+            kueue_trainjobs,
+            list(workloads),
+            workloads_forbidden,
+        )
         self.workload_selectors: list[str] = []
         self.calls: list[tuple[str, str]] = []
         self.jobs: dict[str, dict] = {}
@@ -346,8 +352,11 @@ class FakeKubernetes:
                     version, queue = path.split("/")[3], path.split("/")[-1]
                     if version not in fake.kueue_versions:
                         return self._answer(404, {"kind": "Status", "reason": "NotFound", "details": {}})
+                    if queue == "workloads" and fake.workloads_forbidden:
+                        message = 'workloads.kueue.x-k8s.io is forbidden: User "system:serviceaccount" cannot list'
+                        return self._answer(403, {"kind": "Status", "reason": "Forbidden", "message": message})
                     if queue == "workloads":
-                        fake.workload_selectors.append(parse_qs(urlparse(self.path).query)["labelSelector"][0])
+                        fake.workload_selectors += parse_qs(urlparse(self.path).query).get("labelSelector", [])
                         return self._answer(200, {"kind": "WorkloadList", "items": fake.workloads})
                     if queue not in fake.local_queues:
                         return self._answer(404, {"kind": "Status", "reason": "NotFound", "details": {"name": queue}})
@@ -575,6 +584,16 @@ def failed_round(c: RunConfig, fake: FakeKubernetes, tmp_path, match: str | None
     return str(failed.value), log, job
 
 
+def inputs_of(tmp_path) -> bytes:
+    return module.inputs_record(*inputs(tmp_path))
+
+
+def ready_record(c: RunConfig, given) -> bytes:
+    """What inputs-ready.json says once ``given`` are all in the store, for round 0 of ``c`` (module.ready_record)."""
+    folders = TrainJobRun(c, RUN, 0, client.ApiClient(), namespace=NAMESPACE).input_folders(*given[:2])
+    return module.ready_record(module.inputs_record(*given), folders)
+
+
 def completed_round(
     c: RunConfig, fake: FakeKubernetes, given, tmp_path, poll_s: float = 0.01
 ) -> tuple[list[dict], list[str]]:
@@ -602,7 +621,7 @@ def test_a_trainjob_an_earlier_attempt_left_running_is_waited_for(tmp_path, made
     fake.jobs[name]["spec"]["suspend"] = False  # started
     open_store(c.store.uri).put_bytes(f"{round_prefix(c, RUN, 0)}/{module.INPUTS}", record)
     if ranks:
-        open_store(c.store.uri).put_bytes(f"{round_prefix(c, RUN, 0)}/{module.READY}", record)
+        open_store(c.store.uri).put_bytes(f"{round_prefix(c, RUN, 0)}/{module.READY}", ready_record(c, given))
     rows, log = completed_round(c, fake, given, tmp_path)
     assert rows == [{"step": 1, "loss": 0.5}] and (tmp_path / "out" / "config.json").exists()
     calls = [m for m, _ in fake.calls]
@@ -624,9 +643,10 @@ def test_the_trainjob_claims_the_round_suspended_and_starts_once_the_inputs_are_
     another submission's fails the step as preparing."""
     c = config(tmp_path)
     given = inputs(tmp_path)
-    name, record = trainjob_name(c, RUN, 0), module.inputs_record(*given)
+    name, ready = trainjob_name(c, RUN, 0), ready_record(c, given)
     key = f"{round_prefix(c, RUN, 0)}/{module.READY}"
     store = open_store(c.store.uri)
+    store.put_bytes(key, b'{"inputs": "another submission\'s"}')  # gone before anything is overwritten
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
     at_upload, suspended = [], []
     real = module.TrainJobRun.upload
@@ -634,12 +654,14 @@ def test_the_trainjob_claims_the_round_suspended_and_starts_once_the_inputs_are_
     def upload(self, *a):
         at_upload.append([m for m, _ in fake.calls])
         real(self, *a)
-        assert f"{self.prefix}/{module.READY}" not in self.store.list(self.prefix + "/")  # it comes after them
+        there = self.store.list(self.prefix + "/")
+        assert f"{self.prefix}/{module.READY}" not in there  # it comes after them
+        assert f"{self.prefix}/{module.READY}{UPLOADING}" in there  # the step's heartbeat meanwhile
 
     monkeypatch.setattr(module.TrainJobRun, "upload", upload)
     started, real_start = [], module.TrainJobRun.start
     monkeypatch.setattr(
-        module.TrainJobRun, "start", lambda self, echo: started.append(self.ready(record)) or real_start(self, echo)
+        module.TrainJobRun, "start", lambda self, echo: started.append(self.ready(ready)) or real_start(self, echo)
     )
     fake.on_get = lambda: suspended.append(fake.jobs[name]["spec"]["suspend"])
     created = []
@@ -648,7 +670,7 @@ def test_the_trainjob_claims_the_round_suspended_and_starts_once_the_inputs_are_
     assert at_upload == [["GET", "POST"]] and [m for m, _ in fake.calls][2] == "PATCH"
     assert suspended and not any(suspended) and rows == [{"step": 1, "loss": 0.5}]
     args = created[0]["spec"]["trainer"]["args"]
-    assert args[-4:] == ["--inputs", f"{c.store.uri}/{key}", hashlib.sha256(record).hexdigest(), "10"]
+    assert args[-4:] == ["--inputs", f"{c.store.uri}/{key}", hashlib.sha256(ready).hexdigest(), "10"]
     assert started == [True] and not store.list(key)  # ready as it started; not once the round's inputs are gone
     assert not store.list(key + UPLOADING)  # no heartbeat left
 
@@ -736,7 +758,9 @@ def test_where_kueue_queues_a_trainjob_as_it_is_created_its_ranks_wait_for_the_i
     monkeypatch.setattr(module.TrainJobRun, "upload", lambda self, *a: uploads.append(1) or real(self, *a))
     waited, real_wait = [], module.TrainJobRun.wait
     monkeypatch.setattr(
-        module.TrainJobRun, "wait", lambda self, echo: waited.append(self.ready(record)) or real_wait(self, echo)
+        module.TrainJobRun,
+        "wait",
+        lambda self, echo: waited.append(self.ready(ready_record(c, given))) or real_wait(self, echo),
     )
     rows, log = completed_round(c, fake, given, again)
     assert rows == [{"step": 1, "loss": 0.5}] and uploads == [1]
@@ -757,6 +781,16 @@ def test_where_kueue_queues_a_trainjob_as_it_is_created_its_ranks_wait_for_the_i
     assert rows == [{"step": 1, "loss": 0.5}] and uploads == [["GET", "POST", "PATCH"]]
     assert [m for m, _ in fake.calls].count("PATCH") == 1
 
+    # a retry finds the job its attempt left in the default queue, dead before it moved it: it moves it
+    fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, fourth), default_queue=True)
+    shutil.rmtree(fourth / "out"), shutil.rmtree(fourth / "out-state")
+    open_store(c.store.uri).delete(f"{round_prefix(c, RUN, 0)}/history.json")  # the round not finished
+    name = trainjob_name(c, RUN, 0)
+    fake.jobs[name] = trainjob(c, name, NAMESPACE, ["--inputs", "s3://b/ready", "sha256", "10"], inputs_of(fourth))
+    fake.jobs[name]["metadata"]["labels"][module.KUEUE_QUEUE] = "default"
+    completed_round(c, fake, inputs(fourth), fourth)
+    assert [m for m, _ in fake.calls if m != "GET"] == ["PATCH", "DELETE"]
+
     # an older tracefp4's job there, whose ranks read their inputs as soon as Kueue starts them: not taken
     third = tmp_path / "third"
     third.mkdir()
@@ -769,25 +803,61 @@ def test_where_kueue_queues_a_trainjob_as_it_is_created_its_ranks_wait_for_the_i
     assert [m for m, _ in fake.calls][:4] == ["GET", "DELETE", "GET", "POST"]
 
 
-@pytest.mark.parametrize("kueue", ["deactivates its workload", "makes no workload"])
+def quota_reserved(status: str, reason: str, message: str) -> dict:
+    return {"type": "QuotaReserved", "status": status, "reason": reason, "message": message}
+
+
+NEVER_ADMITTED = {  # what Kueue's Workload says -> what the step fails with, and after how long (s)
+    "deactivated": (
+        {
+            "spec": {"active": False},
+            "conditions": [
+                dict(quota_reserved("True", "", ""), type="Evicted", message="exceeded the PodsReady timeout 5 times")
+            ],
+        },
+        "Kueue deactivated its Workload trainjob-x .Evicted: exceeded the PodsReady timeout 5 times",
+        0,
+    ),
+    "finished": (
+        {"conditions": [{"type": "Finished", "status": "True", "message": "the job failed to start"}]},
+        "Kueue finished its Workload trainjob-x .the job failed to start",
+        0,
+    ),
+    "none": (None, "Kueue has made no Workload of it in 10 s .*integrations.frameworks", 10),
+    "inadmissible": (
+        {"conditions": [quota_reserved("False", "Inadmissible", "LocalQueue team-a-gpus is stopped")]},
+        "has not started it in 10 s .*nor waits for quota to: waiting: LocalQueue team-a-gpus is stopped",
+        10,
+    ),
+    "beyond its capacity": (
+        {"conditions": [quota_reserved("False", "Pending", "nvidia.com/gpu 64 > maximum capacity 32")]},
+        "waited 120 s .train.queue_timeout_seconds. in Kueue's queue 'team-a-gpus', which says: waiting: nvidia",
+        120,
+    ),
+}
+
+
+@pytest.mark.parametrize("kueue", NEVER_ADMITTED)
 def test_a_trainjob_kueue_will_never_admit_fails_the_step_saying_why(tmp_path, clock, kueue):
-    """Kueue deactivated the Workload (its requeuing limit reached), or made
-    none (it does not manage TrainJobs): the step does not wait forever."""
-    c = config(tmp_path, timeout_seconds=10)
+    """Kueue deactivated or finished the Workload, made none (it does not
+    manage TrainJobs), cannot use its queue, or waits for more quota than
+    the queue ever has: the step does not wait forever, and says why."""
+    c = config(tmp_path, timeout_seconds=10, queue_timeout_seconds=120)
     c.resources.labels[module.KUEUE_QUEUE] = "team-a-gpus"
+    said, error, after_s = NEVER_ADMITTED[kueue]
     workloads = []
-    if kueue == "deactivates its workload":
-        evicted = {"type": "Evicted", "status": "True", "message": "exceeded the PodsReady timeout 5 times"}
+    if said is not None:
         workloads = [
-            {"metadata": {"name": "trainjob-x"}, "spec": {"active": False}, "status": {"conditions": [evicted]}}
+            {
+                "metadata": {"name": "trainjob-x"},
+                "spec": said.get("spec", {}),
+                "status": {"conditions": said["conditions"]},
+            }
         ]
     fake = FakeKubernetes([{}], workloads=workloads)
     fake.on_get = lambda: fake.jobs and fake.jobs[trainjob_name(c, RUN, 0)]["spec"].update(suspend=True)
-    if kueue == "deactivates its workload":
-        failed_round(c, fake, tmp_path, "Kueue deactivated its Workload trainjob-x .Evicted: exceeded the PodsReady")
-    else:
-        failed_round(c, fake, tmp_path, "Kueue has made no Workload of it in 10 s .*integrations.frameworks", 0.5)
-        assert 10 < clock.now <= 11
+    failed_round(c, fake, tmp_path, error, poll_s=0.5)
+    assert after_s <= clock.now <= after_s + 1
 
 
 @pytest.mark.parametrize(
@@ -798,21 +868,42 @@ def test_a_trainjob_kueue_will_never_admit_fails_the_step_saying_why(tmp_path, c
         (["team-b-gpus"], ("v1beta1", "v1beta2"), "namespace team-a has none of that name"),
         ([], (), "the cluster serves no Kueue LocalQueues"),
         (["team-a-gpus"], ("v1beta2",), "Kueue does not queue TrainJobs in this cluster"),  # no TrainJob integration
+        (["team-a-gpus"], ("v1beta2",), "could not read their Workloads in team-a: .*forbidden"),
     ],
 )
 def test_the_runs_first_task_checks_the_kueue_queue_its_trainjobs_go_to(tmp_path, queues, versions, error):
     c = config(tmp_path)
     c.resources.labels[module.KUEUE_QUEUE] = "team-a-gpus"
     fake = FakeKubernetes(
-        [RUNNING], local_queues=queues, kueue_versions=versions, kueue_trainjobs="TrainJobs" not in (error or "")
+        [RUNNING],
+        local_queues=queues,
+        kueue_versions=versions,
+        kueue_trainjobs="TrainJobs" not in (error or ""),
+        workloads_forbidden="Workloads" in (error or ""),
     )
     try:
         if error is None:
             module.dry_run(c, fake.api(), NAMESPACE)
-            assert fake.calls[-1][0] == "POST" and not fake.jobs
+            assert (
+                "POST" in [m for m, _ in fake.calls]
+                and fake.calls[-1][1] == f"/apis/kueue.x-k8s.io/{max(versions)}/namespaces/{NAMESPACE}/workloads"
+            )
+            assert not fake.jobs
         else:
-            with pytest.raises(DistributedError, match=f"in Kueue's queue 'team-a-gpus', but {error}"):
+            with pytest.raises(DistributedError, match=error):
                 module.dry_run(c, fake.api(), NAMESPACE)
+    finally:
+        fake.close()
+
+
+def test_where_kueue_queues_every_trainjob_the_runs_first_task_checks_the_workloads_are_readable(tmp_path):
+    """A namespace with a LocalQueue named default, and no queue in the run's labels: Kueue queues its TrainJobs
+    all the same, and the train step reads their Workloads."""
+    c = config(tmp_path)
+    fake = FakeKubernetes([RUNNING], default_queue=True, workloads_forbidden=True)
+    try:
+        with pytest.raises(DistributedError, match="Kueue queues the run's TrainJobs, but .* forbidden"):
+            module.dry_run(c, fake.api(), NAMESPACE)
     finally:
         fake.close()
 
