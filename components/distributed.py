@@ -42,7 +42,6 @@ come as paths or store URIs. How it works:
 """
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
@@ -612,22 +611,29 @@ def wait_for_inputs(uri: str, sha256: str, timeout_s: float, poll_s: float = 2.0
     beat of the step's heartbeat (``uri`` + :data:`UPLOADING`); a store that
     does not answer for a while is no news."""
     base, _, name = uri.rpartition("/")
-    store, since, said, beat = open_store(base), time.monotonic(), False, None
+    store, since, said, beat, error = open_store(base), time.monotonic(), False, None, None
     while True:
-        with contextlib.suppress(StoreError):  # ArtifactNotFound too: not there yet
+        now = None
+        try:
             if hashlib.sha256(store.get_bytes(name)).hexdigest() == sha256:
                 return
+        except ArtifactNotFound:
+            pass
+        except StoreError as e:  # no answer for a while (a restart), or no access: the timeout tells
+            error = e
         try:
             now = store.get_bytes(name + UPLOADING)
-        except StoreError:
-            now = None
+        except ArtifactNotFound:
+            pass
+        except StoreError as e:
+            error = e
         if now is not None and now != beat:  # the step is uploading
             since, beat = time.monotonic(), now
         if time.monotonic() - since > timeout_s:
             raise DistributedError(
                 f"{uri}: the round's inputs were not recorded there, nor uploaded, for {timeout_s} s "
                 "(train.timeout_seconds): the train step that created this TrainJob died uploading them? A retry "
-                "of the step uploads them"
+                "of the step uploads them" + (f" (the store's last error: {error})" if error else "")
             )
         if not said:
             print(f"waiting for the train step to upload the round's inputs ({uri})", flush=True)

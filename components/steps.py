@@ -106,12 +106,17 @@ def store_prefix(config: RunConfig, run_id: str, kind: str) -> str:
     return f"{config.name}/{run_id}/{config.method}/{kind}"
 
 
+# Settings of how long a step waits, not of what it computes: left out of config_digest, which they would otherwise
+# change for every run when they were added (a retried step on a newer image would not find its round's work)
+NOT_DIGESTED = {"train": {"queue_timeout_seconds"}}
+
+
 def config_digest(config: RunConfig) -> str:
     """Ten hex digits naming the run's settings, in what a retry of a step
     resumes (a round's sharded checkpoints, its TrainJob): a run id is a UI
     parameter, and another run given the same one with other settings must
     not resume the first's work as its own."""
-    return hashlib.sha256(config.model_dump_json().encode()).hexdigest()[:10]
+    return hashlib.sha256(config.model_dump_json(exclude=NOT_DIGESTED).encode()).hexdigest()[:10]
 
 
 def step_device(config: RunConfig) -> torch.device:

@@ -459,6 +459,10 @@ class TrainJobRun:
             try:
                 folders = self.input_folders(policy, state)
                 record = ready_record(inputs, folders)
+                if job is not None and _awaited(job) not in (None, hashlib.sha256(record).hexdigest()):
+                    echo(f"trainjob {self.namespace}/{self.name}: its ranks wait for another record of the inputs")
+                    self.delete(echo, wait=True)  # they would wait in vain (made by another version's step)
+                    job = None
                 # an earlier attempt uploaded them; or made the job with an older tracefp4, which started it then
                 ready = self.ready(record) or (job is not None and "--inputs" not in _args(job))
                 if job is None:
@@ -485,7 +489,7 @@ class TrainJobRun:
                         )
                 suspended, queue = (job.get("spec") or {}).get("suspend"), _queue(job)
                 if suspended and queue not in (None, self.config.resources.labels.get(KUEUE_QUEUE, queue)):
-                    self.start(echo)  # Kueue put it in the namespace's default queue: to the run's, at once
+                    self.move(queue, echo)  # Kueue put it in the namespace's default queue: to the run's, at once
                 if not ready:
                     with heartbeat(self.store, f"{self.prefix}/{READY}{UPLOADING}", self.config.train.timeout_seconds):
                         self.store.delete(f"{self.prefix}/{READY}")  # first: the ranks wait
@@ -695,6 +699,19 @@ class TrainJobRun:
         said = f"handed to Kueue's queue {queue!r}" if queue else "started"
         echo(f"trainjob {self.namespace}/{self.name}: {said} ({self.config.train.world_size} processes)")
 
+    def move(self, queue: str, echo) -> None:
+        """Move the TrainJob from Kueue's ``queue``, where Kueue's webhook put
+        it, to the run's (:meth:`start`); where Kueue started it there first
+        (a running job's queue is fixed), it stays: its ranks wait for the
+        inputs all the same."""
+        try:
+            self.start(echo)
+        except DistributedError:
+            job = self.read(echo)
+            if job is None or (job.get("spec") or {}).get("suspend"):
+                raise
+            echo(f"trainjob {self.namespace}/{self.name}: started in Kueue's queue {queue!r} before it could move")
+
     def wait(self, echo) -> None:
         """Until the TrainJob completes; its status changes go to the step's log.
         Failed, deleted, or ``train.timeout_seconds`` without progress: an error.
@@ -703,26 +720,29 @@ class TrainJobRun:
         counts Pending pods too, so unschedulable ranks, or a Trainer that
         never picks the job up, would otherwise keep the step waiting forever.
         Every poll that shows progress restarts the clock: a long run is not cut
-        short; so does one that finds the job suspended in Kueue's queue with
-        a Workload there (not admitted yet, or evicted: preempted, say, after
-        which its ranks resume from their last checkpoint), where a job waits
-        for the team's quota, not for a fault, and the log says what Kueue
-        says of it. A poll the API server does not answer (5xx, 429, no
-        connection) is no news, and the clock runs on."""
-        since, last, queued_since = time.monotonic(), None, None
+        short. Time the job waits in Kueue's queue for quota (not admitted
+        yet, or evicted: preempted, say, after which its ranks resume from
+        their last checkpoint) stops the clock instead, and counts against
+        ``train.queue_timeout_seconds``; the log says what Kueue says of it.
+        A poll the API server does not answer (5xx, 429, no connection) is
+        no news, and the clock runs on."""
+        # stalled: seconds without progress, the time queued for quota left out (a requeue after Kueue evicted
+        # ranks that never got ready, its waitForPodsReady, must not restart it); queued: for quota, since
+        stalled, polled, last, queued_since = 0.0, time.monotonic(), None, None
         while True:
-            job = self.read(echo, since)
+            now = time.monotonic()
+            job = self.read(echo, now - stalled)
             if job is None:
                 raise DistributedError(f"TrainJob {self.namespace}/{self.name}: deleted while the step waited for it")
             status = job.get("status") or {}
             queue = (job.get("spec") or {}).get("suspend") and _queue(job)
             queued, workload = False, None
             if queue:  # Kueue's news of it: its Workload
-                workload = self.workload(job, echo, since)
+                workload = self.workload(job, echo, now - stalled)
                 summary = f"suspended in Kueue's queue {queue!r}: {_workload_news(workload)}"
                 queued = _waits_for_quota(workload)
-                queued_since = queued_since or time.monotonic()
-                if queued and time.monotonic() - queued_since > self.config.train.queue_timeout_seconds:
+                queued_since = (queued_since or now) if queued else None
+                if queued and now - queued_since > self.config.train.queue_timeout_seconds:
                     raise DistributedError(
                         f"TrainJob {self.namespace}/{self.name} waited {self.config.train.queue_timeout_seconds} s "
                         f"(train.queue_timeout_seconds) in Kueue's queue {queue!r}, which says: "
@@ -741,10 +761,13 @@ class TrainJobRun:
                 raise DistributedError(
                     f"TrainJob {self.namespace}/{self.name} failed: {c.get('reason', '?')}: {c.get('message', '')}"
                 )
-            if queued or _progressing(status):
-                since = time.monotonic()
-            elif time.monotonic() - since > self.config.train.timeout_seconds:
-                raise DistributedError(self.stalled(job, workload))
+            if _progressing(status):
+                stalled = 0.0
+            elif not queued:
+                stalled += now - polled
+                if stalled > self.config.train.timeout_seconds:
+                    raise DistributedError(self.stalled(job, workload))
+            polled = now
             time.sleep(self.poll_s)
 
     def workload(self, job: dict, echo, since: float) -> dict | None:
@@ -971,15 +994,21 @@ def _workload_news(workload: dict | None) -> str:
 
 
 # QuotaReserved=False reasons of a Workload that no quota freed up will admit: its LocalQueue or ClusterQueue is
-# missing or stopped, or it is held
-NEVER_ADMITTED = ("Inadmissible", "OnHold")
+# missing or stopped (Inadmissible; from Kueue 0.19 Misconfigured, Suspended), it asks for more than the queue
+# can ever give or no flavor fits it (ExceedsMaxQuota, NoMatchingFlavor), or it is held (OnHold)
+NEVER_ADMITTED = ("Inadmissible", "Misconfigured", "Suspended", "ExceedsMaxQuota", "NoMatchingFlavor", "OnHold")
 
 
 def _waits_for_quota(workload: dict | None) -> bool:
-    """Whether a Kueue Workload waits in its queue for quota, which may take long (train.queue_timeout_seconds),
-    rather than for a fault (no Workload, a queue Kueue cannot use, admitted but not started: train.timeout_seconds)."""
-    if workload is None or _condition(workload, "QuotaReserved"):
+    """Whether a Kueue Workload waits in its queue for capacity, which may
+    take long (``train.queue_timeout_seconds``): for quota, or with quota
+    reserved for an admission check (a ProvisioningRequest for nodes);
+    rather than for a fault (no Workload, a queue Kueue cannot use: ``train.timeout_seconds``)."""
+    if workload is None:
         return False
+    if _condition(workload, "QuotaReserved"):
+        checks = (workload.get("status") or {}).get("admissionChecks") or []
+        return not _condition(workload, "Admitted") and any(c.get("state") == "Pending" for c in checks)
     reason = (_condition(workload, "QuotaReserved", "False") or {}).get("reason")
     return reason not in NEVER_ADMITTED
 
@@ -987,6 +1016,12 @@ def _waits_for_quota(workload: dict | None) -> bool:
 def _args(job: dict) -> list[str]:
     """The arguments a TrainJob gives its ranks."""
     return ((job.get("spec") or {}).get("trainer") or {}).get("args") or []
+
+
+def _awaited(job: dict) -> str | None:
+    """The sha256 of the record of the inputs a TrainJob's ranks wait for (``--inputs``), if any."""
+    args = _args(job)
+    return args[args.index("--inputs") + 2] if "--inputs" in args else None
 
 
 def _stage(job: dict) -> str:

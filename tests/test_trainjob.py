@@ -26,7 +26,7 @@ from tracefp4.components.checkpoint import LOCATION, MANIFEST, CheckpointError, 
 from tracefp4.components.distributed import UPLOADING, DistributedError, checkpoints_prefix
 from tracefp4.components.model import build_model
 from tracefp4.components.quant import BF16
-from tracefp4.components.store import open_store
+from tracefp4.components.store import StoreError, open_store
 from tracefp4.components.trainer import TrainConfig, Trainer
 from tracefp4.pipelines import trainjob as module
 from tracefp4.pipelines.trainjob import (
@@ -286,6 +286,7 @@ class FakeKubernetes:
         kueue_trainjobs=True,
         workloads=(),
         workloads_forbidden=False,
+        kueue_starts_before_a_move=False,
     ):
         self.script, self.on_complete, self.on_get, self.deletes_hang = script, on_complete, on_get, deletes_hang
         self.unavailable_gets = unavailable_gets  # the first gets of the job answer 503 (the API server restarting)
@@ -299,6 +300,7 @@ class FakeKubernetes:
             workloads_forbidden,
         )
         self.workload_selectors: list[str] = []
+        self.kueue_starts_before_a_move = kueue_starts_before_a_move  # a queue move answers 422, the job started
         self.calls: list[tuple[str, str]] = []
         self.jobs: dict[str, dict] = {}
         self.gets = 0
@@ -391,6 +393,12 @@ class FakeKubernetes:
                 patch = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 if name not in fake.jobs:
                     return self._answer(404, {"kind": "Status", "message": f'trainjobs "{name}" not found'})
+                if fake.kueue_starts_before_a_move and module.KUEUE_QUEUE in patch.get("metadata", {}).get(
+                    "labels", {}
+                ):
+                    fake.jobs[name]["spec"]["suspend"] = False
+                    message = "metadata.labels[kueue.x-k8s.io/queue-name]: Invalid value: field is immutable"
+                    return self._answer(422, {"kind": "Status", "reason": "Invalid", "message": message})
                 for key, fields in patch.items():
                     for field, value in fields.items():
                         part = fake.jobs[name].setdefault(key, {})
@@ -594,6 +602,12 @@ def ready_record(c: RunConfig, given) -> bytes:
     return module.ready_record(module.inputs_record(*given), folders)
 
 
+def awaiting(c: RunConfig, given) -> list[str]:
+    """The arguments with which a TrainJob's ranks wait for ``given`` all in the store (round 0 of ``c``)."""
+    key = f"{round_prefix(c, RUN, 0)}/{module.READY}"
+    return ["--inputs", f"{c.store.uri}/{key}", hashlib.sha256(ready_record(c, given)).hexdigest(), "10"]
+
+
 def completed_round(
     c: RunConfig, fake: FakeKubernetes, given, tmp_path, poll_s: float = 0.01
 ) -> tuple[list[dict], list[str]]:
@@ -613,19 +627,21 @@ def test_a_trainjob_an_earlier_attempt_left_running_is_waited_for(tmp_path, made
     its ranks; the attempt recorded the inputs ready, or made the job with an
     older tracefp4, which started it once they were."""
     c = config(tmp_path)
+    c.resources.labels[module.KUEUE_QUEUE] = "team-a-gpus"  # Kueue started it in the default queue: it stays
     given = inputs(tmp_path)
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path))
     name, record = trainjob_name(c, RUN, 0), module.inputs_record(*given)
-    ranks = ["--inputs", "s3://b/ready", hashlib.sha256(record).hexdigest(), "10"] if made_by == "this tracefp4" else []
+    ranks = awaiting(c, given) if made_by == "this tracefp4" else []
     fake.jobs[name] = trainjob(c, name, NAMESPACE, ranks, record)
     fake.jobs[name]["spec"]["suspend"] = False  # started
+    fake.jobs[name]["metadata"]["labels"][module.KUEUE_QUEUE] = "default"
     open_store(c.store.uri).put_bytes(f"{round_prefix(c, RUN, 0)}/{module.INPUTS}", record)
     if ranks:
         open_store(c.store.uri).put_bytes(f"{round_prefix(c, RUN, 0)}/{module.READY}", ready_record(c, given))
     rows, log = completed_round(c, fake, given, tmp_path)
     assert rows == [{"step": 1, "loss": 0.5}] and (tmp_path / "out" / "config.json").exists()
     calls = [m for m, _ in fake.calls]
-    assert calls[:2] == ["GET", "GET"] and "POST" not in calls and calls[-1] == "DELETE" and not fake.jobs
+    assert calls[:2] == ["GET", "GET"] and {"POST", "PATCH"}.isdisjoint(calls) and calls[-1] == "DELETE"
     assert any("on the same inputs: waiting for it" in line for line in log)
     assert not any(
         key.endswith(("/trajectories.jsonl", "/policy/checksums.json")) for key in open_store(c.store.uri).list()
@@ -681,9 +697,10 @@ def test_the_trainjob_claims_the_round_suspended_and_starts_once_the_inputs_are_
     fake = FakeKubernetes([FAILED])
     fake.jobs[name] = trainjob(c, name, NAMESPACE, [], module.inputs_record(*inputs(again)))  # suspended
     at_upload.clear()
-    open_store(c.store.uri).put_bytes(
-        f"{round_prefix(c, RUN, 0)}/{module.INPUTS}", module.inputs_record(*inputs(again))
-    )
+    store = open_store(c.store.uri)
+    store.put_bytes(f"{round_prefix(c, RUN, 0)}/{module.INPUTS}", module.inputs_record(*inputs(again)))
+    elsewhere = {"policy": "s3://elsewhere/policy", "state": "s3://elsewhere/state"}  # not where these ranks read
+    store.put_bytes(f"{round_prefix(c, RUN, 0)}/{module.READY}", module.ready_record(inputs_of(again), elsewhere))
     failed_round(c, fake, again, "JobsFailed")  # the new claim's TrainJob fails: the step is done with it
     assert [m for m, _ in fake.calls][:5] == ["GET", "DELETE", "GET", "POST", "PATCH"] and len(at_upload) == 1
     fake = FakeKubernetes([{}])
@@ -697,35 +714,62 @@ def test_a_trainjob_goes_to_the_runs_kueue_queue_once_its_inputs_are_in_the_stor
     suspended without it, and handed to that queue (the label) once its
     inputs are in the store: Kueue, here the fake, keeps it suspended until
     it admits it. However long that takes, and again after an eviction (a
-    preemption), the step waits, saying what Kueue says of it (its
-    Workload), without counting it against train.timeout_seconds."""
-    c = config(tmp_path, timeout_seconds=10)
+    preemption; then its quota reserved while an admission check provisions
+    nodes), the step waits, saying what Kueue says of it (its Workload),
+    counting it against neither train.timeout_seconds nor, once the job ran,
+    the time it waited before against train.queue_timeout_seconds."""
+    c = config(tmp_path, timeout_seconds=10, queue_timeout_seconds=60)
     c.resources.labels[module.KUEUE_QUEUE] = "team-a-gpus"
     name = trainjob_name(c, RUN, 0)
-    # queued 30 s, running, evicted for 30 s, running to the end
+    # queued 40 s, running, evicted for 40 s, running to the end
     suspended = {"conditions": [{"type": "Suspended", "status": "True", "reason": "Suspended"}]}
-    script = [suspended] * 30 + [RUNNING] + [suspended] * 30 + [RUNNING, COMPLETE]
+    script = [suspended] * 40 + [RUNNING] + [suspended] * 40 + [RUNNING, COMPLETE]
     quota = "couldn't assign flavors to pod set node: insufficient unused quota for nvidia.com/gpu in flavor h200"
     workload = {"metadata": {"name": f"trainjob-{name}-1a2b3"}, "spec": {"active": True}, "status": {}}
-    workload["status"]["conditions"] = [{"type": "QuotaReserved", "status": "False", "message": quota}]
+    workload["status"]["conditions"] = [quota_reserved("False", "WaitingForQuota", quota)]
     fake = FakeKubernetes(script, on_complete=ranks_upload_outputs(c, tmp_path), workloads=[workload])
     created = []
+    provisioning = {
+        "conditions": [quota_reserved("True", "QuotaReserved", ""), quota_reserved("False", "", "")],
+        "admissionChecks": [{"name": "dws", "state": "Pending", "message": "waiting for 8 nodes"}],
+    }
+    provisioning["conditions"][1].update(type="Admitted", message="The workload has not all checks ready")
 
     def kueue():  # the answer of get number fake.gets is script[fake.gets - 1]
         job = fake.jobs[name]
         created.append(copy.deepcopy(job)) if not created else None
         job["spec"]["suspend"] = script[min(fake.gets, len(script)) - 1] is suspended
+        if fake.gets > 60:  # evicted: quota reserved again at once, and a check provisions the nodes
+            workload["status"] = provisioning
 
     fake.on_get = kueue
     rows, log = completed_round(c, fake, inputs(tmp_path), tmp_path, poll_s=1)
-    assert rows == [{"step": 1, "loss": 0.5}] and clock.now > 60
+    assert rows == [{"step": 1, "loss": 0.5}] and clock.now > 80
     assert sum(f"suspended in Kueue's queue 'team-a-gpus': waiting: {quota}" in line for line in log) == 2
+    assert any("waiting: The workload has not all checks ready" in line for line in log)
     assert set(fake.workload_selectors) == {f"kueue.x-k8s.io/job-uid=uid-of-{name}"}
     assert any("handed to Kueue's queue 'team-a-gpus'" in line for line in log)
     assert [m for m, _ in fake.calls if m != "GET"] == ["POST", "PATCH", "DELETE"]
     assert created[0]["metadata"]["labels"][module.KUEUE_QUEUE] == "team-a-gpus"  # the patch's
     body = trainjob(c, name, NAMESPACE, [], b"{}")
     assert module.KUEUE_QUEUE not in body["metadata"]["labels"] and body["spec"]["suspend"]
+
+
+def test_ranks_kueue_evicts_for_never_getting_ready_fail_the_step_after_the_timeout(tmp_path, clock):
+    """Kueue's waitForPodsReady evicts a job whose pods do not get ready
+    (unschedulable ranks) and queues it again, over and over: the time
+    queued stops the clock, but does not restart it."""
+    c = config(tmp_path, timeout_seconds=10)
+    c.resources.labels[module.KUEUE_QUEUE] = "team-a-gpus"
+    name = trainjob_name(c, RUN, 0)
+    suspended = {"conditions": [{"type": "Suspended", "status": "True", "reason": "Suspended"}]}
+    script = ([PENDING] * 6 + [suspended] * 30) * 5
+    evicted = {"type": "Evicted", "status": "True", "reason": "PodsReadyTimeout", "message": "exceeded the PodsReady"}
+    workload = {"metadata": {"name": "trainjob-x"}, "status": {"conditions": [evicted]}}
+    fake = FakeKubernetes(script, workloads=[workload])
+    fake.on_get = lambda: fake.jobs[name]["spec"].update(suspend=script[min(fake.gets, len(script)) - 1] is suspended)
+    failed_round(c, fake, tmp_path, "waited 10 s .train.timeout_seconds. for the pods of its node job", poll_s=1)
+    assert 40 < clock.now < 50  # 6 s not ready, 30 s queued, 5 s not ready
 
 
 def test_where_kueue_queues_a_trainjob_as_it_is_created_its_ranks_wait_for_the_inputs(tmp_path, monkeypatch):
@@ -738,7 +782,7 @@ def test_where_kueue_queues_a_trainjob_as_it_is_created_its_ranks_wait_for_the_i
     tracefp4 made is replaced."""
     c = config(tmp_path)
     given = inputs(tmp_path)
-    name, key = trainjob_name(c, RUN, 0), f"{round_prefix(c, RUN, 0)}/{module.READY}"
+    name = trainjob_name(c, RUN, 0)
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, tmp_path), default_queue=True)
     rows, log = completed_round(c, fake, given, tmp_path)
     assert rows == [{"step": 1, "loss": 0.5}] and [m for m, _ in fake.calls if m != "GET"] == ["POST", "DELETE"]
@@ -748,10 +792,10 @@ def test_where_kueue_queues_a_trainjob_as_it_is_created_its_ranks_wait_for_the_i
     again.mkdir()
     c = config(again)
     given = inputs(again)
-    name, key = trainjob_name(c, RUN, 0), f"{round_prefix(c, RUN, 0)}/{module.READY}"
+    name = trainjob_name(c, RUN, 0)
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, again), default_queue=True)
     record = module.inputs_record(*given)
-    fake.jobs[name] = trainjob(c, name, NAMESPACE, ["--inputs", f"{c.store.uri}/{key}", "sha256", "10"], record)
+    fake.jobs[name] = trainjob(c, name, NAMESPACE, awaiting(c, given), record)
     fake.jobs[name]["metadata"]["labels"][module.KUEUE_QUEUE] = "default"
     uploads = []
     real = module.TrainJobRun.upload
@@ -781,12 +825,24 @@ def test_where_kueue_queues_a_trainjob_as_it_is_created_its_ranks_wait_for_the_i
     assert rows == [{"step": 1, "loss": 0.5}] and uploads == [["GET", "POST", "PATCH"]]
     assert [m for m, _ in fake.calls].count("PATCH") == 1
 
+    # Kueue starts it in the default queue before the step can move it: it stays there
+    fake = FakeKubernetes(
+        [RUNNING, COMPLETE],
+        on_complete=ranks_upload_outputs(c, fourth),
+        default_queue=True,
+        kueue_starts_before_a_move=True,
+    )
+    shutil.rmtree(fourth / "out"), shutil.rmtree(fourth / "out-state")
+    open_store(c.store.uri).delete(f"{round_prefix(c, RUN, 0)}/history.json")  # the round not finished
+    rows, log = completed_round(c, fake, inputs(fourth), fourth)
+    assert rows == [{"step": 1, "loss": 0.5}] and any("started in Kueue's queue 'default' before it" in x for x in log)
+
     # a retry finds the job its attempt left in the default queue, dead before it moved it: it moves it
     fake = FakeKubernetes([RUNNING, COMPLETE], on_complete=ranks_upload_outputs(c, fourth), default_queue=True)
     shutil.rmtree(fourth / "out"), shutil.rmtree(fourth / "out-state")
     open_store(c.store.uri).delete(f"{round_prefix(c, RUN, 0)}/history.json")  # the round not finished
     name = trainjob_name(c, RUN, 0)
-    fake.jobs[name] = trainjob(c, name, NAMESPACE, ["--inputs", "s3://b/ready", "sha256", "10"], inputs_of(fourth))
+    fake.jobs[name] = trainjob(c, name, NAMESPACE, awaiting(c, inputs(fourth)), inputs_of(fourth))
     fake.jobs[name]["metadata"]["labels"][module.KUEUE_QUEUE] = "default"
     completed_round(c, fake, inputs(fourth), fourth)
     assert [m for m, _ in fake.calls if m != "GET"] == ["PATCH", "DELETE"]
@@ -824,6 +880,11 @@ NEVER_ADMITTED = {  # what Kueue's Workload says -> what the step fails with, an
         0,
     ),
     "none": (None, "Kueue has made no Workload of it in 10 s .*integrations.frameworks", 10),
+    "misconfigured": (  # Kueue 0.19's reason for a missing queue
+        {"conditions": [quota_reserved("False", "Misconfigured", "LocalQueue team-a-gpus doesn't exist")]},
+        "has not started it in 10 s .*nor waits for quota to: waiting: LocalQueue team-a-gpus doesn't exist",
+        10,
+    ),
     "inadmissible": (
         {"conditions": [quota_reserved("False", "Inadmissible", "LocalQueue team-a-gpus is stopped")]},
         "has not started it in 10 s .*nor waits for quota to: waiting: LocalQueue team-a-gpus is stopped",
@@ -1159,6 +1220,23 @@ def test_a_trainjob_whose_pods_are_ready_is_not_timed_out_however_long_it_runs(t
     finally:
         fake.close()
     assert clock.now == 650
+
+
+def test_the_heartbeat_leaves_the_uploads_outcome_as_it_was(tmp_path):
+    """A store that fails the heartbeat's last delete fails neither an upload that ended well nor replaces the
+    error of one that did not: the heartbeat, left behind, stops beating, and goes with the round's inputs."""
+
+    class Failing:
+        def put_bytes(self, key, data):
+            pass
+
+        def delete(self, key):
+            raise StoreError(f"delete {key!r} failed")
+
+    with module.heartbeat(Failing(), "inputs-ready.json.uploading", timeout_s=10):
+        pass
+    with pytest.raises(ValueError, match="the upload's own"), module.heartbeat(Failing(), "k", timeout_s=10):
+        raise ValueError("the upload's own")
 
 
 def test_the_runs_first_task_asks_for_a_trainjob_without_creating_one(tmp_path, validator):
