@@ -290,17 +290,14 @@ def dry_run(config: RunConfig, api: client.ApiClient | None = None, namespace: s
     body = trainjob(config, name, namespace, [], b"")
     if queue:  # as the step hands it over
         body["metadata"]["labels"][KUEUE_QUEUE], body["spec"]["suspend"] = queue, False
-    try:
-        created = client.CustomObjectsApi(api).create_namespaced_custom_object(
+    created = _answered(
+        lambda: client.CustomObjectsApi(api).create_namespaced_custom_object(
             GROUP, VERSION, namespace, PLURAL, body, dry_run="All"
-        )
-    except ApiException as e:
-        raise DistributedError(
-            f"the Kubernetes API refused a TrainJob of this run's settings in {namespace} (asked before any step "
-            f"runs, without creating it): {_reason(e)}"
-        ) from None
-    except urllib3.exceptions.HTTPError as e:
-        raise DistributedError(f"the Kubernetes API did not answer a TrainJob's dry run: {e}") from None
+        ),
+        f"the Kubernetes API refused a TrainJob of this run's settings in {namespace} (asked before any step runs, "
+        "without creating it)",
+        "a TrainJob's dry run",
+    )
     if queue and not (created.get("spec") or {}).get("suspend"):
         raise DistributedError(
             f"resources.labels puts the run's TrainJobs in Kueue's queue {queue!r}, but Kueue does not queue "
@@ -311,48 +308,62 @@ def dry_run(config: RunConfig, api: client.ApiClient | None = None, namespace: s
         check_workloads_readable(api, namespace)
 
 
-# Kueue's LocalQueue API versions, newest first (v1beta1 is deprecated but served up to Kueue 0.19 at least)
-KUEUE_VERSIONS = ("v1beta2", "v1beta1")
+# Kueue's API group, and its versions, newest first (v1beta1 is deprecated but served up to Kueue 0.19 at least)
+KUEUE, KUEUE_VERSIONS = "kueue.x-k8s.io", ("v1beta2", "v1beta1")
+
+
+def in_kueue(call):
+    """``call(version)``'s answer in the newest of Kueue's API versions the
+    cluster serves (a 404 that names no object: that version is not);
+    None where it serves none."""
+    for version in KUEUE_VERSIONS:
+        try:
+            return call(version)
+        except ApiException as e:
+            if e.status != 404 or _not_found_name(e) is not None:
+                raise
+    return None
 
 
 def check_local_queue(api: client.ApiClient, namespace: str, queue: str) -> None:
     """That ``namespace`` has Kueue's LocalQueue ``queue``; else a :class:`DistributedError` saying so."""
     said = f"resources.labels puts the run's TrainJobs in Kueue's queue {queue!r}, but"
-    for version in KUEUE_VERSIONS:
-        try:
-            client.CustomObjectsApi(api).get_namespaced_custom_object(
-                "kueue.x-k8s.io", version, namespace, "localqueues", queue
-            )
-            return
-        except ApiException as e:
-            if e.status != 404:
-                raise DistributedError(f"{said} reading it: {_reason(e)}") from None
-            if _not_found_name(e) == queue:  # the API is served, the queue is not there
-                raise DistributedError(
-                    f"{said} namespace {namespace} has none of that name (`kubectl -n {namespace} get localqueues`)"
-                ) from None
-        except urllib3.exceptions.HTTPError as e:
-            raise DistributedError(f"{said} the Kubernetes API did not answer: {e}") from None
-    raise DistributedError(f"{said} the cluster serves no Kueue LocalQueues (is Kueue installed?)")
+    custom = client.CustomObjectsApi(api)
+    try:
+        found = in_kueue(lambda v: custom.get_namespaced_custom_object(KUEUE, v, namespace, "localqueues", queue))
+    except ApiException as e:
+        if e.status == 404:
+            raise DistributedError(
+                f"{said} namespace {namespace} has none of that name (`kubectl -n {namespace} get localqueues`)"
+            ) from None
+        raise DistributedError(f"{said} reading it: {_reason(e)}") from None
+    except urllib3.exceptions.HTTPError as e:
+        raise DistributedError(f"{said} the Kubernetes API did not answer: {e}") from None
+    if found is None:
+        raise DistributedError(f"{said} the cluster serves no Kueue LocalQueues (is Kueue installed?)")
 
 
 def check_workloads_readable(api: client.ApiClient, namespace: str) -> None:
     """That this pod may list Kueue's Workloads in ``namespace``, as the train
     step does while its TrainJob waits in a queue (:meth:`TrainJobRun.workload`)."""
-    for version in KUEUE_VERSIONS:
-        try:
-            client.CustomObjectsApi(api).list_namespaced_custom_object(
-                "kueue.x-k8s.io", version, namespace, "workloads", limit=1
-            )
-            return
-        except ApiException as e:
-            if e.status != 404:  # 404: the version is not served
-                raise DistributedError(
-                    f"Kueue queues the run's TrainJobs, but the train step could not read their Workloads in "
-                    f"{namespace}: {_reason(e)} (the Role in manifests/base/kfp/pipeline-runner.yaml lets it)"
-                ) from None
-        except urllib3.exceptions.HTTPError as e:
-            raise DistributedError(f"the Kubernetes API did not answer a list of Kueue's Workloads: {e}") from None
+    custom = client.CustomObjectsApi(api)
+    _answered(
+        lambda: in_kueue(lambda v: custom.list_namespaced_custom_object(KUEUE, v, namespace, "workloads", limit=1)),
+        f"Kueue queues the run's TrainJobs, but the train step could not read their Workloads in {namespace} (the "
+        "Role in manifests/base/kfp/pipeline-runner.yaml lets it)",
+        "a list of Kueue's Workloads",
+    )
+
+
+def _answered(call, refused: str, asked: str):
+    """``call()``'s answer from the API server; a refusal is a :class:`DistributedError`
+    of ``refused`` and the server's reason, no answer one that names what was ``asked``."""
+    try:
+        return call()
+    except ApiException as e:
+        raise DistributedError(f"{refused}: {_reason(e)}") from None
+    except urllib3.exceptions.HTTPError as e:
+        raise DistributedError(f"the Kubernetes API did not answer {asked}: {e}") from None
 
 
 class TrainJobRun:
@@ -776,17 +787,16 @@ class TrainJobRun:
         requeuing limit reached, or by hand) or finished (the job failed to
         start), which it never admits again, is a :class:`DistributedError`."""
         selector = f"kueue.x-k8s.io/job-uid={(job.get('metadata') or {}).get('uid')}"
-        for version in KUEUE_VERSIONS:
-            found = self._asked(
-                "Kueue's Workloads unreadable",
-                lambda version=version: self.api.list_namespaced_custom_object(
-                    "kueue.x-k8s.io", version, self.namespace, "workloads", label_selector=selector
-                ),
-                echo,
-                since,
-            )
-            if found is not None:  # None: the version is not served
-                break
+        found = self._asked(
+            "Kueue's Workloads unreadable",
+            lambda: in_kueue(
+                lambda v: self.api.list_namespaced_custom_object(
+                    KUEUE, v, self.namespace, "workloads", label_selector=selector
+                )
+            ),
+            echo,
+            since,
+        )
         workload = next(iter((found or {}).get("items") or []), None)
         if workload is None:
             return None

@@ -929,7 +929,7 @@ def test_a_trainjob_kueue_will_never_admit_fails_the_step_saying_why(tmp_path, c
         (["team-b-gpus"], ("v1beta1", "v1beta2"), "namespace team-a has none of that name"),
         ([], (), "the cluster serves no Kueue LocalQueues"),
         (["team-a-gpus"], ("v1beta2",), "Kueue does not queue TrainJobs in this cluster"),  # no TrainJob integration
-        (["team-a-gpus"], ("v1beta2",), "could not read their Workloads in team-a: .*forbidden"),
+        (["team-a-gpus"], ("v1beta2",), "could not read their Workloads in team-a .*forbidden"),
     ],
 )
 def test_the_runs_first_task_checks_the_kueue_queue_its_trainjobs_go_to(tmp_path, queues, versions, error):
