@@ -612,21 +612,22 @@ def wait_for_inputs(uri: str, sha256: str, timeout_s: float, poll_s: float = 2.0
     does not answer for a while is no news."""
     base, _, name = uri.rpartition("/")
     store, since, said, beat, error = open_store(base), time.monotonic(), False, None, None
-    while True:
-        now = None
+
+    def read(key: str) -> bytes | None:
+        nonlocal error
         try:
-            if hashlib.sha256(store.get_bytes(name)).hexdigest() == sha256:
-                return
+            return store.get_bytes(key)
         except ArtifactNotFound:
-            pass
+            return None
         except StoreError as e:  # no answer for a while (a restart), or no access: the timeout tells
             error = e
-        try:
-            now = store.get_bytes(name + UPLOADING)
-        except ArtifactNotFound:
-            pass
-        except StoreError as e:
-            error = e
+            return None
+
+    while True:
+        record = read(name)
+        if record is not None and hashlib.sha256(record).hexdigest() == sha256:
+            return
+        now = read(name + UPLOADING)
         if now is not None and now != beat:  # the step is uploading
             since, beat = time.monotonic(), now
         if time.monotonic() - since > timeout_s:

@@ -298,7 +298,7 @@ def dry_run(config: RunConfig, api: client.ApiClient | None = None, namespace: s
         "without creating it)",
         "a TrainJob's dry run",
     )
-    if queue and not (created.get("spec") or {}).get("suspend"):
+    if queue and not _suspended(created):
         raise DistributedError(
             f"resources.labels puts the run's TrainJobs in Kueue's queue {queue!r}, but Kueue does not queue "
             "TrainJobs in this cluster: enable its TrainJob integration (trainer.kubeflow.org/trainjob in its "
@@ -498,7 +498,7 @@ class TrainJobRun:
                             f"creating TrainJob {self.namespace}/{self.name}: another attempt or submission created "
                             "it meanwhile"
                         )
-                suspended, queue = (job.get("spec") or {}).get("suspend"), _queue(job)
+                suspended, queue = _suspended(job), _queue(job)
                 if suspended and queue not in (None, self.config.resources.labels.get(KUEUE_QUEUE, queue)):
                     self.move(queue, echo)  # Kueue put it in the namespace's default queue: to the run's, at once
                 if not ready:
@@ -659,7 +659,7 @@ class TrainJobRun:
         # without the annotation (created by an older tracefp4), the round's record tells its inputs
         same = self.recorded(inputs) if said is None else said == hashlib.sha256(inputs).hexdigest()
         conditions = _conditions(left.get("status") or {})
-        suspended = (left.get("spec") or {}).get("suspend")
+        suspended = _suspended(left)
         # the attempt died before it started the job; or an older tracefp4 made it, whose ranks read their inputs
         # as soon as they start (Kueue may start one it queued at once)
         if same and suspended and (not _queue(left) or "--inputs" not in _args(left)):
@@ -719,7 +719,7 @@ class TrainJobRun:
             self.start(echo)
         except DistributedError:
             job = self.read(echo)
-            if job is None or (job.get("spec") or {}).get("suspend"):
+            if job is None or _suspended(job):
                 raise
             echo(f"trainjob {self.namespace}/{self.name}: started in Kueue's queue {queue!r} before it could move")
 
@@ -746,7 +746,7 @@ class TrainJobRun:
             if job is None:
                 raise DistributedError(f"TrainJob {self.namespace}/{self.name}: deleted while the step waited for it")
             status = job.get("status") or {}
-            queue = (job.get("spec") or {}).get("suspend") and _queue(job)
+            queue = _suspended(job) and _queue(job)
             queued, workload = False, None
             if queue:  # Kueue's news of it: its Workload
                 workload = self.workload(job, echo, now - stalled)
@@ -800,7 +800,7 @@ class TrainJobRun:
         workload = next(iter((found or {}).get("items") or []), None)
         if workload is None:
             return None
-        finished = _condition(workload, "Finished")
+        finished = _conditions(workload.get("status") or {}).get("Finished")
         if (workload.get("spec") or {}).get("active") is False or finished:
             verb, why = (
                 ("finished", finished.get("message", "")) if finished else ("deactivated", _workload_news(workload))
@@ -857,13 +857,13 @@ class TrainJobRun:
                 f"{where} is in Kueue's queue {_queue(job)!r}, and Kueue has not started it in {timeout} s "
                 f"(train.timeout_seconds), nor waits for quota to: {_workload_news(workload)}"
             )
-        if (job.get("spec") or {}).get("suspend") and _queue(job):
+        if _suspended(job) and _queue(job):
             return (
                 f"{where} is in Kueue's queue {_queue(job)!r}, and Kueue has made no Workload of it in {timeout} s "
                 "(train.timeout_seconds): does Kueue manage TrainJobs here (trainer.kubeflow.org/trainjob in its "
                 "integrations.frameworks)?"
             )
-        if (job.get("spec") or {}).get("suspend"):  # the step started it (outside Kueue's queues: wait)
+        if _suspended(job):  # the step started it (outside Kueue's queues: wait)
             return (
                 f"{where} is still suspended {timeout} s (train.timeout_seconds) after the step started it: does "
                 "Kueue manage jobs without a queue here (manageJobsWithoutQueueName)? Then put the run in a "
@@ -984,20 +984,12 @@ def _namespace() -> str:
     return path.read_text().strip()
 
 
-def _condition(workload: dict, kind: str, state: str = "True") -> dict | None:
-    """A Kueue Workload's condition ``kind`` where its status is ``state``."""
-    for c in (workload.get("status") or {}).get("conditions", []):
-        if c.get("type") == kind and c.get("status") == state:
-            return c
-    return None
-
-
 def _workload_news(workload: dict | None) -> str:
     """What a Kueue Workload says of its admission: why it was evicted, or why it waits."""
     if workload is None:
         return "no Workload yet"
     for kind, state in (("Evicted", "True"), ("QuotaReserved", "False"), ("Admitted", "False")):
-        c = _condition(workload, kind, state)
+        c = _conditions(workload.get("status") or {}, state).get(kind)
         if c and c.get("message"):
             return f"{kind if state == 'True' else 'waiting'}: {c['message']}"
     return "pending"
@@ -1016,10 +1008,11 @@ def _waits_for_quota(workload: dict | None) -> bool:
     rather than for a fault (no Workload, a queue Kueue cannot use: ``train.timeout_seconds``)."""
     if workload is None:
         return False
-    if _condition(workload, "QuotaReserved"):
-        checks = (workload.get("status") or {}).get("admissionChecks") or []
-        return not _condition(workload, "Admitted") and any(c.get("state") == "Pending" for c in checks)
-    reason = (_condition(workload, "QuotaReserved", "False") or {}).get("reason")
+    status = workload.get("status") or {}
+    if "QuotaReserved" in _conditions(status):
+        checks = status.get("admissionChecks") or []
+        return "Admitted" not in _conditions(status) and any(c.get("state") == "Pending" for c in checks)
+    reason = _conditions(status, "False").get("QuotaReserved", {}).get("reason")
     return reason not in NEVER_ADMITTED
 
 
@@ -1036,9 +1029,14 @@ def _awaited(job: dict) -> str | None:
 
 def _stage(job: dict) -> str:
     """What a TrainJob left by another submission is doing with the round, as a verb for an error."""
-    if not (job.get("spec") or {}).get("suspend"):
+    if not _suspended(job):
         return "training"
     return "queued for" if _queue(job) else "preparing"
+
+
+def _suspended(job: dict) -> bool:
+    """Whether a TrainJob is suspended (``spec.suspend``): by the step until it starts it, or by Kueue."""
+    return bool((job.get("spec") or {}).get("suspend"))
 
 
 def _queue(job: dict) -> str | None:
@@ -1046,9 +1044,9 @@ def _queue(job: dict) -> str | None:
     return ((job.get("metadata") or {}).get("labels") or {}).get(KUEUE_QUEUE)
 
 
-def _conditions(status: dict) -> dict[str, dict]:
-    """A TrainJob status's true conditions, by type."""
-    return {c["type"]: c for c in status.get("conditions", []) if c.get("status") == "True"}
+def _conditions(status: dict, state: str = "True") -> dict[str, dict]:
+    """A TrainJob's or a Kueue Workload's ``status`` conditions of ``state`` (true ones by default), by type."""
+    return {c["type"]: c for c in status.get("conditions", []) if c.get("status") == state}
 
 
 def _progressing(status: dict) -> bool:
