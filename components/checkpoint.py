@@ -226,7 +226,12 @@ def config_from_hf(hf: dict) -> ModelConfig:
         "num_heads": heads,
         "num_kv_heads": size("num_key_value_heads", heads),
         "head_dim": size("head_dim", hidden // heads),
-        "num_experts": size("num_experts" if hf.get("num_experts") is not None else "num_local_experts"),
+        # num_local_experts where only that key is given (and num_experts named where neither is)
+        "num_experts": size(
+            "num_local_experts"
+            if hf.get("num_experts") is None and hf.get("num_local_experts") is not None
+            else "num_experts"
+        ),
         "top_k": size("num_experts_per_tok"),
         "moe_intermediate_size": moe,
         "intermediate_size": size("intermediate_size", moe),
@@ -421,15 +426,30 @@ def stacked_to_hub(state: dict[str, Tensor], cfg: ModelConfig) -> dict[str, Tens
 
 def _inside(folder: Path, name: object, what: str) -> Path:
     """``folder / name`` if ``name`` is a relative file name that stays inside
-    ``folder``: no absolute path, no '..', no symlink pointing out of it."""
+    ``folder``: no absolute path, no '..', no symlink pointing out of it, but
+    for Hugging Face's cache (:func:`_hub_cache_blob`)."""
     if not isinstance(name, str) or not name or "\0" in name or "\\" in name:
         raise CheckpointError(f"{folder}: {what} names {name!r}, which is not a file name")
     if Path(name).is_absolute() or ".." in Path(name).parts:
         raise CheckpointError(f"{folder}: {what} names {name!r}, outside the folder")
     path = folder / name
-    if not path.resolve().is_relative_to(folder.resolve()):
-        raise CheckpointError(f"{folder}: {what} names {name!r}, a link to {path.resolve()} outside the folder")
+    target = path.resolve()
+    if not target.is_relative_to(folder.resolve()) and not _hub_cache_blob(folder, target):
+        raise CheckpointError(
+            f"{folder}: {what} names {name!r}, a link to {target} outside the folder; copy the folder with its "
+            "links followed (cp -rL) to load it"
+        )
     return path
+
+
+def _hub_cache_blob(folder: Path, target: Path) -> bool:
+    """Whether ``folder`` is a snapshot in Hugging Face's cache (what
+    ``snapshot_download`` and ``hf download`` without ``--local-dir`` give:
+    ``models--{org}--{name}/snapshots/{revision}``) and ``target`` one of that
+    repository's blobs, which its files link to (``../../blobs/{hash}``)."""
+    snapshot = folder.resolve()
+    repository = snapshot.parent.parent
+    return snapshot.parent.name == "snapshots" and target.is_relative_to(repository / "blobs")
 
 
 # Folders this process's fetch downloaded and checked, by resolved path: the (size, mtime_ns, ctime_ns) each file

@@ -296,7 +296,9 @@ def export(
     folder = Path(out)
     hf = {**config_to_hf(cfg), **dtype_fields(SERVING_DTYPE)}
     if quant.weights:
-        ignore = sorted(k.removesuffix(".weight") for k, v in dense.items() if k.endswith(".weight") and v.dim() == 2)
+        # every layer left in the serving dtype, Qwen3.5's causal convs ([C, 1, K]) too: vLLM builds them as
+        # linear layers, which a quantization config's "Linear" target would otherwise take in
+        ignore = sorted(k.removesuffix(".weight") for k, v in dense.items() if k.endswith(".weight") and v.dim() >= 2)
         ignore = [k for k in ignore if k != "model.embed_tokens"] + ([] if "lm_head" in ignore else ["lm_head"])
         hf["quantization_config"] = quantization_config(quant, ignore)
     record = {**provenance(source), "format": name}

@@ -318,6 +318,8 @@ def test_checkpoint_without_manifest_loads_with_a_warning(tmp_path, caplog):
         ({"mlp_only_layers": [5]}, r"mlp_only_layers must list layers in 0\.\.1"),
         ({"num_experts_per_tok": 9}, "top_k 9 must lie in 1..num_experts"),
         ({"num_experts_per_tok": None}, "lacks num_experts_per_tok"),
+        ({"num_experts": None}, "lacks num_experts$"),  # the key all three model types write
+        ({"num_experts": None, "num_local_experts": 0}, "num_local_experts must be an integer"),
         ({"rope_scaling": {"rope_type": "yarn"}}, "scaled RoPE"),
         (
             {"rope_parameters": {"type": "yarn", "factor": 4.0}},
@@ -419,6 +421,35 @@ def test_symlinked_shard_may_not_leave_the_folder(tmp_path):
     outside.rename(folder / "moved.safetensors")
     shard.symlink_to("moved.safetensors")  # a link within the folder is fine
     load_model(folder)
+
+
+def hub_cache(folder, repository):
+    """``folder``'s files laid out as Hugging Face's cache holds them: a
+    snapshot folder of links into the repository's blobs."""
+    blobs, snapshot = repository / "blobs", repository / "snapshots" / "0123abcd"
+    blobs.mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for file in folder.iterdir():
+        blob = hashlib.sha256(file.read_bytes()).hexdigest()
+        file.rename(blobs / blob)
+        (snapshot / file.name).symlink_to(f"../../blobs/{blob}")
+    return snapshot
+
+
+def test_a_snapshot_in_the_hugging_face_cache_loads_and_links_elsewhere_do_not(tmp_path):
+    """What ``snapshot_download`` (``hf download`` without ``--local-dir``)
+    gives: files linking to ``../../blobs``, outside the snapshot folder."""
+    model = build_model("smoke", seed=1)
+    snapshot = hub_cache(save_model(model, tmp_path / "ckpt", max_shard_bytes=100_000), tmp_path / "models--a--b")
+    loaded = load_model(snapshot)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
+    config = snapshot / "config.json"
+    elsewhere = tmp_path / "config.json"  # a snapshot's link to another folder than its blobs
+    elsewhere.write_bytes(config.read_bytes())
+    config.unlink()
+    config.symlink_to(elsewhere)
+    with pytest.raises(CheckpointError, match=r"a link to .*config.json outside the folder; copy .* \(cp -rL\)"):
+        load_model(snapshot)
 
 
 def test_bad_index_or_missing_shard_names_the_tensor(tmp_path):

@@ -37,10 +37,11 @@ PRESET = {"nvfp4": "NVFP4", "mxfp4": "MXFP4"}
 
 @pytest.fixture(scope="module")
 def policies(tmp_path_factory):
-    """Two saved policies: qwen3_moe (smoke) and qwen2_moe with shared experts, each with its tokenizer files."""
+    """Saved policies, each with its tokenizer files: qwen3_moe (smoke), qwen2_moe with shared experts, and
+    qwen3_5_moe (linear-attention layers, their causal convs)."""
     root = tmp_path_factory.mktemp("policies")
     out = {}
-    for preset in ("smoke", "tiny-qwen2"):
+    for preset in ("smoke", "tiny-qwen2", "tiny-qwen35"):
         provenance_ = {"run_id": "run-a", "policy_version": 3}
         save_model(build_model(preset, seed=5), root / preset, extra=build_tokenizer().files(), provenance=provenance_)
         out[preset] = root / preset
@@ -69,6 +70,7 @@ def _digests(folder) -> dict[str, str]:
         ("fp4_wa_kv", "mxfp4", "tiny-qwen2"),
         ("w4a8_mxfp4_kv", "nvfp4", "smoke"),  # FP4 weights in rollout.fmt, FP8 activations
         ("w4a8_mxfp4_kv", "mxfp4", "tiny-qwen2"),
+        ("fp4_wa_kv", "nvfp4", "tiny-qwen35"),
     ],
 )
 def test_export_round_trips_through_compressed_tensors(policies, tmp_path, rollout_name, fmt, preset):
@@ -126,14 +128,16 @@ def test_export_round_trips_through_compressed_tensors(policies, tmp_path, rollo
             else:  # MXFP4 and FP8 activations: dynamic, no input scale; the compressor's own list
                 assert set(tensors) == set(compressor.compression_param_names(scheme))
         else:
-            assert set(tensors) <= {"weight", "bias"}, name
+            assert set(tensors) <= {"weight", "bias", "A_log", "dt_bias"}, name  # the last two: Gated DeltaNet's
             for local, t in tensors.items():
                 assert t.dtype == torch.bfloat16 and torch.equal(t, bf16[f"{name}.{local}"])
-            if tensors["weight"].dim() == 2 and name != "model.embed_tokens":  # every other Linear: kept BF16
+            if (
+                "weight" in tensors and tensors["weight"].dim() >= 2 and name != "model.embed_tokens"
+            ):  # every other Linear, conv: kept BF16
                 assert not matched, name
     assert len(off) == stats["inexact_matrices"] <= stats["expert_matrices"] // 4
     shared = [m for m in modules if ".shared_expert." in m]
-    assert bool(shared) == (preset == "tiny-qwen2") and all(m in config.ignore for m in shared)
+    assert bool(shared) == (preset != "smoke") and all(m in config.ignore for m in shared)
     assert "lm_head" in config.ignore and all(m in config.ignore for m in modules if m.endswith("mlp.gate"))
     assert stats["expert_bytes"] < stats["expert_bytes_bf16"] / 3  # 4.25-4.5 bits against 16
 
