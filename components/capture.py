@@ -60,6 +60,14 @@ KEY_SLOT_BITS = 8  # slots per position: 1, or a MoE's top_k expert slots
 KEY_POS_BITS = 24  # positions in a sequence
 KEY_TRAJ_BITS = 31  # trajectory ids; 8 + 24 + 31 = 63 bits leave the sign bit clear
 ROW_FIELDS = ("traj", "pos", "slot", "expert", "codes", "scales")  # a SiteTable's tensors, one row each
+# The routed site: its rows are (token, expert slot) pairs, and their shards carry each row's expert, which training
+# matches slots by (and, with syndrome-coded guidance, routes by); other sites' rows have none
+ROUTED_SITE, EXPERT_DTYPE = "moe_down_in", torch.int16
+
+
+def expert_bytes(site: str, rows: int) -> int:
+    """Bytes of the expert column that ``rows`` rows of ``site`` ship with."""
+    return rows * EXPERT_DTYPE.itemsize if site == ROUTED_SITE else 0
 
 
 def row_key(traj: Tensor, pos: Tensor, slot: Tensor) -> Tensor:
@@ -120,8 +128,9 @@ class SiteTable:
 
     @property
     def nbytes(self) -> int:
+        """Bytes the table ships: codes, scales, per-row global scales and the routed site's experts."""
         extra = 0 if self.row_global_scales is None else self.row_global_scales.numel() * 4
-        return self.codes.numel() + self.scales.numel() + extra
+        return self.codes.numel() + self.scales.numel() + extra + expert_bytes(self.site, len(self.traj))
 
     def _rows_fields(self) -> tuple[str, ...]:
         """The per-row tensors this table holds (row_global_scales where it has them)."""
@@ -323,7 +332,7 @@ class Capture:
         kv_width = model_cfg.num_kv_heads * model_cfg.head_dim
         site_shapes = {  # elements per row, rows per token
             "moe_in": (model_cfg.hidden_size, 1),
-            "moe_down_in": (model_cfg.moe_intermediate_size, model_cfg.top_k),
+            ROUTED_SITE: (model_cfg.moe_intermediate_size, model_cfg.top_k),
             "k_cache": (kv_width, 1),
             "v_cache": (kv_width, 1),
         }
@@ -334,7 +343,7 @@ class Capture:
                 self._widths[(layer, site)] = width
                 if site in ACTIVATION_SITES or kv_from_forward:
                     nscales = width // get_format(fmt).block_size
-                    shapes[(layer, site)] = (per_token, width // 2, nscales, site == "moe_down_in")
+                    shapes[(layer, site)] = (per_token, width // 2, nscales, site == ROUTED_SITE)
         per_token = {k for k in shapes if quant.per_token(k[1])}
         self._buffers = [_Buffer(shapes, config.max_tokens, device, config.inputs, per_token) for _ in range(2)]
         self._turn = 0

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from tracefp4.kernels import Guidance, dequantize, get_format, per_token_global_scale, quantize
 
-from .capture import CaptureRecords, SiteTable
+from .capture import EXPERT_DTYPE, ROUTED_SITE, CaptureRecords, SiteTable, expert_bytes
 from .mismatch import join_rows
 from .quant import QuantConfig
 from .store import ArtifactNotFound
@@ -86,9 +86,11 @@ class CompactionReport:
 
 def full_record_bytes(t: "SiteTable | SyndromeTable") -> int:
     """Bytes of the table's rows as full records: 4-bit codes plus one scale byte
-    per block (and a float32 global scale per row under per-token scales)."""
+    per block (and a float32 global scale per row under per-token scales), and
+    the routed site's experts."""
     per_row = 4 if getattr(t, "row_global_scales", None) is not None else 0
-    return len(t.traj) * (t.width // 2 + t.width // get_format(t.fmt).block_size + per_row)
+    rows = len(t.traj)
+    return rows * (t.width // 2 + t.width // get_format(t.fmt).block_size + per_row) + expert_bytes(t.site, rows)
 
 
 def full_capture_bytes(tables: CaptureRecords, sites: list[str]) -> int | None:
@@ -186,7 +188,7 @@ def _encoded(records: CaptureRecords, *, rl_step: int, policy_version: int, top_
     tables, payload = [], []
     offset = 0
     for (layer, site), t in sorted(records.tables.items()):
-        slots = top_k if site == "moe_down_in" else 1
+        slots = top_k if site == ROUTED_SITE else 1
         traj, pos, slot = _expected_keys(ranges, slots)
         if not (torch.equal(t.traj, traj) and torch.equal(t.pos, pos) and torch.equal(t.slot, slot)):
             raise GuidanceError(f"capture of layer {layer} {site} is not complete: every position needs its rows")
@@ -203,8 +205,8 @@ def _encoded(records: CaptureRecords, *, rl_step: int, policy_version: int, top_
             arrays, codec = {"codes": t.codes, "scales": t.scales}, {"codec": "bits"}
             if t.row_global_scales is not None:
                 arrays["row_global_scales"] = t.row_global_scales
-        if site == "moe_down_in":
-            arrays["expert"] = t.expert.to(torch.int16)
+        if site == ROUTED_SITE:
+            arrays["expert"] = t.expert.to(EXPERT_DTYPE)
         fields = {}
         for name, a in arrays.items():
             raw = a.contiguous().view(torch.uint8).reshape(-1).numpy()  # the tensor's memory, not a copy

@@ -60,7 +60,9 @@ METRICS = {
     ),
     "tracefp4_guidance_bytes": Metric("Bytes of guidance written for training (shard payloads)."),
     "tracefp4_capture_bytes": Metric("Bytes of the full 4-bit capture (offline compaction only)."),
-    "tracefp4_guidance_bits_per_element": Metric("Guidance bits stored per guided element, scales included."),
+    "tracefp4_guidance_bits_per_element": Metric(
+        "Guidance bits stored per guided element, scales and the routed rows' experts included."
+    ),
     "tracefp4_compaction_ratio": Metric(
         "Guidance bytes over those of a full 4-bit capture (codes and scales) of every FP4 layer, whatever the "
         "codec and compaction."

@@ -183,7 +183,9 @@ class TrainingSites:
             else:
                 guide = table.guidance()
             if len(table.traj):
-                _take_rows(q, quantize(x.detach()[train], fmt, guide=guide), train, ok)
+                rows = x.detach()[train]
+                ok = ok & rows.isfinite().all(-1)  # the rollout's scale cannot carry a NaN or Inf: RTN shows it
+                _take_rows(q, quantize(rows, fmt, guide=guide), train, ok)
             if not self.replay:
                 self.coverage.add(key, ok.sum() * table.width, len(table.traj) * table.width)
         if self.recorder is not None and not self.replay:

@@ -45,7 +45,7 @@ from tracefp4.kernels import (
     unknowns,
 )
 
-from .capture import SiteTable, rows_of_groups
+from .capture import SiteTable, expert_bytes, rows_of_groups
 
 BLOCK_ELEMENTS = 256  # elements per block at most: narrower rows are grouped up to it, wider ones cut
 CODE_CHECK_BITS = 8  # code parity bits beyond the erasures: a wrong decode passes with probability 2^-8
@@ -162,7 +162,8 @@ class SyndromeTable:
 
     @property
     def nbytes(self) -> int:
-        return self.code_parity.numel() + self.scale_parity.numel()
+        """Bytes the table ships: the parity, and the routed site's experts (training routes by them)."""
+        return self.code_parity.numel() + self.scale_parity.numel() + expert_bytes(self.site, len(self.traj))
 
     @property
     def elements(self) -> int:
@@ -477,13 +478,15 @@ def merge_decode_json(a: dict | None, b: dict) -> dict:
     return total.to_json()
 
 
-def choose_rates(keys, previous: dict | None, first: Rate, scale_cap: int = MAX_SCALE_BITS) -> dict:
+def choose_rates(keys, previous: dict | None, first: Rate, elements: int = BLOCK_ELEMENTS, scales: int = 16) -> dict:
     """Per ``(layer, site)`` in ``keys``, the rate for this step: from the
     previous step's decode statistics (``{"layer/site": DecodeStats.to_json()}``)
     where there are any, else ``first``. Per stage, the erasures
-    :func:`erasures_for` reads from that stage's censored need distribution,
+    :func:`erasures_for` reads from that stage's censored need distribution
+    (its blocks of ``elements`` codes and ``scales`` scales needed at most the
+    unknowns the previous rate solved for: all of them where it sent them raw),
     rounded up to whole bytes with the check bits, capped at
-    :data:`MAX_CODE_BITS` / ``scale_cap`` (:func:`scale_bits_cap`), and at most
+    :data:`MAX_CODE_BITS` / :func:`scale_bits_cap`, and at most
     :data:`MAX_FALL_BITS` below the previous rate: a rate rises as far as the
     failures ask at once but falls a byte a step, because one step's few
     hundred blocks a site can look thinner-tailed than the site is, and a rate
@@ -498,11 +501,27 @@ def choose_rates(keys, previous: dict | None, first: Rate, scale_cap: int = MAX_
             continue
         stats = DecodeStats.from_json(seen)
         bits, rate = [], stats.rate
-        for needed, failed, had, check, floor, cap in (
-            (stats.code_needed, stats.code_failed, rate.code_bits, CODE_CHECK_BITS, MIN_CODE_BITS, MAX_CODE_BITS),
-            (stats.scale_needed, stats.scale_failed, rate.scale_bits, SCALE_CHECK_BITS, MIN_SCALE_BITS, scale_cap),
+        for needed, failed, had, n, check, floor, cap in (
+            (
+                stats.code_needed,
+                stats.code_failed,
+                rate.code_bits,
+                elements,
+                CODE_CHECK_BITS,
+                MIN_CODE_BITS,
+                MAX_CODE_BITS,
+            ),
+            (
+                stats.scale_needed,
+                stats.scale_failed,
+                rate.scale_bits,
+                scales,
+                SCALE_CHECK_BITS,
+                MIN_SCALE_BITS,
+                scale_bits_cap(scales),
+            ),
         ):
-            erasures = erasures_for(needed, failed, had - check)
+            erasures = erasures_for(needed, failed, unknowns(had, n, check))
             chosen = had if erasures is None else min(cap, max(floor, _round8(erasures + check)))
             bits.append(max(chosen, had - MAX_FALL_BITS))
         rates[(layer, site)] = Rate(*bits)
@@ -518,7 +537,7 @@ def site_rates(tables: dict, previous: dict | None, bits_per_element: float) -> 
     for key, t in sorted(tables.items()):
         layout = layout_of(t)
         first = first_rate(bits_per_element, layout.elements, layout.scales)
-        rates[key] = choose_rates([key], previous, first, scale_bits_cap(layout.scales))[key]
+        rates[key] = choose_rates([key], previous, first, layout.elements, layout.scales)[key]
     return rates
 
 

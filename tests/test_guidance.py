@@ -86,6 +86,24 @@ def test_shard_round_trip(captured):
     assert_same_tables(records, back)
 
 
+@pytest.mark.parametrize("codec", ["R-1", "R-4", "syndrome"])
+def test_a_tables_bytes_are_those_its_shard_ships(captured, codec):
+    """What compaction reports (guidance bytes, bits per element) counts every
+    byte a shard's payload carries, the routed site's experts too."""
+    from tracefp4.components.syndrome import encode_table, site_rates
+
+    engine, _, records = captured
+    if codec == "syndrome":
+        rates = site_rates(records.tables, None, 0.25)
+        kept = CaptureRecords({k: encode_table(t, rates[k]) for k, t in records.tables.items()})
+    else:
+        kept = compact(records, int(codec[-1]), [0, 1])
+    header, _ = decode_shard(encode_shard(kept, rl_step=0, policy_version=0, top_k=engine.model.cfg.top_k), "shard")
+    assert kept.nbytes == header["payload_bytes"]
+    routed = [t for (_, site), t in kept.tables.items() if site == "moe_down_in"]
+    assert routed and all(len(t.traj) for t in routed)
+
+
 def test_step_round_trip_through_the_loader(captured, tmp_path):
     engine, out, records = captured
     store = open_store(str(tmp_path))
@@ -275,8 +293,11 @@ def test_compaction_report_sizes_and_fidelity(captured):
     assert exact.total["fidelity"] == 1.0 and exact.total["ratio_to_full"] == 1.0
     r1 = compaction_report(full, compact(full, 1, [0, 1]), training)
     assert 0.99 <= r1.total["fidelity"] <= 1.0
-    assert r1.total["bits_per_element"] == pytest.approx(1 + 8 / 16)  # one bit plus an E4M3 byte per 16
-    assert r1.total["ratio_to_full"] == pytest.approx(1.5 / 4.5)
+    elements = sum(len(t.traj) * t.width for t in full.tables.values())
+    routed = sum(len(t.traj) for (_, site), t in full.tables.items() if site == "moe_down_in")
+    # one bit plus an E4M3 byte per 16 elements, and each routed row's int16 expert (in the full record too)
+    assert r1.total["bits_per_element"] == pytest.approx(1 + 8 / 16 + 16 * routed / elements)
+    assert r1.total["ratio_to_full"] == pytest.approx((1.5 * elements + 16 * routed) / (4.5 * elements + 16 * routed))
     nothing = compaction_report(full, compact(full, 1, []), training)
     # without guidance training rounds RTN: below full fidelity exactly where its codes differ from the rollout's,
     # which depends on the CPU's bf16 kernels (with some, none do for this small model; test_capture pins that

@@ -98,6 +98,37 @@ def test_trace_aligns_training_with_rollout_better_than_qat(step):
     assert trace.metrics["k3_kl"] < qat.metrics["k3_kl"]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_value_training_cannot_round_finitely_is_not_guided(bad):
+    """A NaN or Inf where training's values are guided (a bf16 overflow in
+    SwiGLU, say) rounds as under qat (a NaN to a NaN block that shows at once)
+    instead of to a finite codeword under the rollout's scale; its row counts
+    as unguided."""
+    rollout = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    scale = torch.tensor(0.0123)
+    q = quantize(rollout, "nvfp4", global_scale=scale)
+    rows, none = torch.arange(8), torch.zeros(8, dtype=torch.long)
+    table = SiteTable(0, "moe_in", "nvfp4", 4, 64, float(scale), none, rows, none, none - 1, q.codes, q.scales)
+    train = rollout.clone()
+    train[3, 5] = bad
+    sites = {
+        method: TrainingSites(
+            QuantConfig("nvfp4", "nvfp4", None),
+            method,
+            {(0, "moe_in"): scale},
+            trajectories=[0],
+            seq_len=8,
+            guidance=MicrobatchGuidance([0], {(0, "moe_in"): table}, []),
+        )
+        for method in ("qat", "trace")
+    }
+    qat, trace = (sites[method].moe_in(0, train) for method in ("qat", "trace"))
+    torch.testing.assert_close(trace[3], qat[3], rtol=0, atol=0, equal_nan=True)
+    assert trace[3].isnan().any() == (bad != bad)  # a NaN's block is NaN; an Inf saturates its block's scale
+    assert torch.equal(trace[[0, 1, 2, 4, 5, 6, 7]], dequantize(q)[[0, 1, 2, 4, 5, 6, 7]])  # the rest as rolled out
+    assert sites["trace"].coverage.rate == 7 / 8
+
+
 def test_recomputed_layers_train_and_count_as_kept_ones(step):
     """Activation checkpointing (``recompute_layers``) runs each layer again in
     the backward: the same log-probabilities and, to rounding, gradients, and

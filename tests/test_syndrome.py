@@ -13,6 +13,7 @@ import torch
 
 from tracefp4.components.capture import CaptureRecords, SiteTable
 from tracefp4.components.guidance import GuidanceError, GuidanceLoader, decode_shard, encode_shard, write_step
+from tracefp4.components.model import PRESETS
 from tracefp4.components.store import open_store
 from tracefp4.components.syndrome import (
     CODE_CHECK_BITS,
@@ -334,6 +335,22 @@ def test_rate_control_with_a_tail_of_failed_blocks_only_grows():
     assert erasures_for([0] * (MAX_ERASURES + 1), 0, 8) is None
 
 
+@pytest.mark.parametrize("fmt, scales", [("nvfp4", 16), ("mxfp4", 8)])
+def test_rate_control_counts_every_need_of_a_scale_stage_sent_raw(fmt, scales):
+    """A scale stage at its cap sends the scales raw and solves for all of
+    them, more than a hashed stage of as many bits: blocks needing more than
+    that (a training side far off the rollout's scales) hold the stage at its
+    cap instead of being left out of the tail (where all of them were, a
+    ZeroDivisionError)."""
+    x, traj = rows(n=34, width=256, seed=6)
+    table = table_from(x, traj, fmt)
+    rate = site_rates({(0, "moe_in"): table}, None, 0.25)[(0, "moe_in")]
+    assert rate.scale_bits == scales  # raw
+    for far in ({scales - 2: 300}, {0: 250, scales - 1: 50}):
+        seen = stats_of(rate, {0: 300}, scale=far).to_json()
+        assert site_rates({(0, "moe_in"): table}, {"0/moe_in": seen}, 0.25)[(0, "moe_in")].scale_bits == scales
+
+
 def test_rate_control_falls_a_byte_a_step_and_keeps_the_floor():
     first = first_rate(0.25)
     clean = stats_of(first, {0: 300})  # the training side guessed every block: zero erasures needed
@@ -457,9 +474,14 @@ def test_rounds_decode_inline_and_the_next_round_chooses_its_rates(tmp_path):
     second = steps.run_round(
         config, tmp_path / "p1", tmp_path / "s1", 1, tmp_path / "p2", tmp_path / "s2", tmp_path, "run"
     )
+    # the experts of the routed rows: 16 bits for each of a token's top_k moe_down_in rows, per element it has at
+    # a layer's sites (moe_in, moe_down_in, k_cache, v_cache); 0.125 bit at the smoke preset's sizes
+    cfg = PRESETS["smoke"]
+    per_token = cfg.hidden_size + cfg.top_k * cfg.moe_intermediate_size + 2 * cfg.num_kv_heads * cfg.head_dim
+    routing = 16 * cfg.top_k / per_token
     for row in first + second:
         assert row["guidance_decode_blocks"] > 0 and row["guidance_decode_failures"] == 0
-        assert row["guidance_coverage"] == 1.0 and row["guidance_bits_per_element"] <= 0.35
+        assert row["guidance_coverage"] == 1.0 and row["guidance_bits_per_element"] <= 0.35 + routing
     store = open_store(config.store.uri)
     prefix = steps.store_prefix(config, "run", "guidance")
     m0, m1 = read_manifest(store, 0, prefix), read_manifest(store, 1, prefix)
