@@ -890,6 +890,7 @@ class GuidanceLoader:
     ):
         self.manifest = read_manifest(store, rl_step, prefix, expect)
         self.store, self.microbatches = store, microbatches
+        self.where = f"{store.uri}/{step_prefix(prefix, rl_step)}"  # for errors: the step the trainer reads
         self.allow_rtn_fallback = allow_rtn_fallback
         self.fallen_back: set[int] = set()  # trajectories rounded RTN for want of guidance
         self._shard_of = {t: i for i, e in enumerate(self.manifest["shards"]) for t in e["trajectories"]}
@@ -920,7 +921,9 @@ class GuidanceLoader:
     def _load(self, trajectories: list[int]) -> MicrobatchGuidance:
         missing = [t for t in trajectories if t not in self._shard_of]
         if missing and not self.allow_rtn_fallback:
-            raise GuidanceError(f"step {self.manifest['rl_step']} has no guidance for trajectories {missing}")
+            raise GuidanceError(
+                f"{self.where}: step {self.manifest['rl_step']} has no guidance for trajectories {missing}"
+            )
         found = [self._shard(self._shard_of[t])[t] for t in trajectories if t not in missing]
         return MicrobatchGuidance(list(trajectories), CaptureRecords.concat(found).tables, missing)
 

@@ -330,7 +330,9 @@ def test_mismatched_and_missing_guidance_fail_clearly(captured, tmp_path):
         read_manifest(store, 5, expect={"policy_version": 2})
     with pytest.raises(GuidanceError, match="no manifest, so step 6 is missing or incomplete"):
         read_manifest(store, 6)
-    with pytest.raises(GuidanceError, match=r"no guidance for trajectories \[999\]"):
+    with pytest.raises(
+        GuidanceError, match=rf"{store.uri}/guidance/step-000005: .* no guidance for trajectories \[999\]"
+    ):
         list(GuidanceLoader(store, 5, [[out[0].id, 999]]))
     loader = GuidanceLoader(store, 5, [[out[0].id, 999]], allow_rtn_fallback=True)
     (mb,) = list(loader)
