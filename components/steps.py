@@ -71,7 +71,7 @@ from .store import ArtifactNotFound, open_store, write_atomic
 from .syndrome import encode_table, merge_decode_json, site_rates
 from .tasks import Problem, format_example, get_task, reward_of, split
 from .tokenizer import build_tokenizer, load_tokenizer
-from .trainer import SCORE_CENTERING_TOPK, TrainConfig, Trainer
+from .trainer import DECODED, SCORE_CENTERING_TOPK, TrainConfig, Trainer
 from .trainer_state import check_state, repin_state
 
 # The compaction step's figures (none for methods without guidance).
@@ -248,12 +248,14 @@ def continue_from(config: RunConfig, policy: Path, out: Path, run_id: str, state
     decoded = None
     if config.guidance.codec == "syndrome":
         store = _store(config)
-        decoded = read_decode_stats(store, store_prefix(config, meta["run_id"], "guidance"), last)
+        # a trainer state saved before 2026-12-06 holds none: its run's store does
+        decoded = meta.get(DECODED) or read_decode_stats(store, store_prefix(config, meta["run_id"], "guidance"), last)
         if decoded is None:
             raise GuidanceError(
                 f"guidance.codec: syndrome chooses round {first}'s rates from round {last}'s decode statistics, "
-                f"and {store.uri} has none under run {meta['run_id']!r} of name {config.name} and method "
-                f"{config.method}: continue a run with its codec, name, method and store"
+                f"which neither model.trainer_state {config.model.trainer_state} holds nor {store.uri} under run "
+                f"{meta['run_id']!r} of name {config.name} and method {config.method}: continue a run that used "
+                "the syndrome codec, with its name and method"
             )
     recommit(policy, out, {"run_id": run_id, "policy_version": version})
     repin_state(source, meta, state, out, run_id)
@@ -910,7 +912,7 @@ def train(
         trainer.step_done(history, decoded)
     if decoded:  # the next round's compaction chooses its syndrome rates from these
         write_decode_stats(store, guidance.prefix, round_index, decoded)
-    trainer.save(out, out_state, extra=tokenizer.files(), run_id=run_id)
+    trainer.save(out, out_state, extra=tokenizer.files(), run_id=run_id, decoded=decoded)
     return history
 
 

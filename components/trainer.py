@@ -43,6 +43,7 @@ from .trainer_state import load_state, save_state
 MASTER_PREFIX = "master."  # trainer-state tensors holding the float32 master weights, by parameter name
 SCORE_CENTERING_TOPK = 8  # sampler tokens score centering looks at
 OPTIMIZER_PREFIX = "optimizer."  # trainer-state tensors of the optimizer: optimizer.{param index}.{name}
+DECODED = "guidance_decode"  # trainer-state metadata: the last round's syndrome decode statistics, by "layer/site"
 
 
 @dataclass(frozen=True)
@@ -385,12 +386,17 @@ class Trainer:
         config = CaptureConfig(max_tokens=max_tokens, inputs=keep_inputs)
         return Capture(self.model.cfg, self.quant, config, self.global_scales, self.device, kv_from_forward=True)
 
-    def save(self, policy, state, extra: dict[str, bytes] | None = None, run_id: str = "") -> tuple[Path, Path]:
+    def save(
+        self, policy, state, extra: dict[str, bytes] | None = None, run_id: str = "", decoded: dict | None = None
+    ) -> tuple[Path, Path]:
         """The policy at ``policy`` (Hub layout in the precision's policy dtype,
         ``extra`` files beside it, the run and policy version in its manifest) and the
         trainer state that resumes it at ``state`` (optimizer moments, float32
-        master weights, precision), pinned to that policy; each all-or-nothing.
-        Each is written as its tensors come (:meth:`stream`), not from a whole copy."""
+        master weights, precision, and the last round's syndrome ``decoded``
+        statistics, from which the next round, in this run or one that
+        continues it, chooses its rates), pinned to that policy; each
+        all-or-nothing. Each is written as its tensors come (:meth:`stream`),
+        not from a whole copy."""
         cfg, provenance = self.model.cfg, {"run_id": run_id, "policy_version": self.step}
         dtype = self.weights.policy_dtype
 
@@ -405,6 +411,8 @@ class Trainer:
         tensors.update({MASTER_PREFIX + name: t for name, t in self.weights.state().items()})
         meta = {"run_id": run_id, "policy_version": self.step, "precision": self.config.precision}
         meta["param_groups"] = optimizer["param_groups"]
+        if decoded:
+            meta[DECODED] = decoded
         self.stream(tensors, lambda layout, values: save_state(state, layout, values, meta, policy))
         return Path(policy), Path(state)
 

@@ -97,9 +97,16 @@ def continuation_of(run_dir: Path, steps_per_round: int) -> dict:
     that run's last train task's ``new_policy`` and ``new_trainer_state``, and
     the rounds they end (its policy version, which runs that continue one
     another count on). A comparison's folder holds several methods' last
-    states, and is refused: a continuation goes on with one."""
+    states, and is refused: a continuation goes on with one. Only a train
+    task that finished counts: one stopped after its state was committed
+    (before its metrics were written, say) ran again when the run resumed,
+    into a folder of its own, and left a state no later round went on from."""
     # a comparison's train tasks lie a folder deeper, in their loop iteration's
-    states = Path(run_dir, resume.PIPELINE_ROOT).resolve().glob("**/train*/new_trainer_state")
+    finished = resume.finished_outputs(run_dir)
+    root = Path(run_dir, resume.PIPELINE_ROOT).resolve()
+    states = [
+        s for s in root.glob("**/train*/new_trainer_state") if resume.PIPELINE_ROOT / s.relative_to(root) in finished
+    ]
     saved = {state: found for state in states if (found := provenance(state))}  # committed: its manifest written
     if not saved:
         raise ValueError(

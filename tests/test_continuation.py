@@ -70,7 +70,9 @@ def test_two_rounds_are_one_round_and_a_continuation_of_one_bit_for_bit(tmp_path
     standing = write_location(
         tmp_path / "s1-location", f"{config.store.uri}/trainjob/new-state", (tmp_path / "s1" / MANIFEST).read_bytes()
     )
-    then = continuing(tmp_path, tmp_path / "p1", standing, first_round=1)
+    # in a store of its own (a local continuation's, in its own output folder): the trainer state carries the
+    # decode statistics round 1's syndrome rates are chosen from
+    then = continuing(tmp_path / "next", tmp_path / "p1", standing, first_round=1)
     assert steps.prepare(then, tmp_path / "q1", "then", tmp_path / "t1") == {}
     assert provenance(tmp_path / "q1") == {"run_id": "then", "policy_version": 1}
     assert read_meta(tmp_path / "t1")["run_id"] == "then"
@@ -85,7 +87,10 @@ def test_two_rounds_are_one_round_and_a_continuation_of_one_bit_for_bit(tmp_path
     assert ends[0].keys() == ends[1].keys() and all(torch.equal(ends[0][k], ends[1][k]) for k in ends[0])
     assert provenance(tmp_path / "q2") == {"run_id": "then", "policy_version": 2}
     # round 1 chose its syndrome rates from round 0's statistics in both runs
-    manifests = [read_manifest(store, 1, steps.store_prefix(config, run, "guidance")) for run in ("whole", "then")]
+    manifests = [
+        read_manifest(open_store(c.store.uri), 1, steps.store_prefix(c, run, "guidance"))
+        for c, run in ((config, "whole"), (then, "then"))
+    ]
     assert manifests[0]["syndrome"]["previous_decode"] is not None
     assert manifests[0]["syndrome"] == manifests[1]["syndrome"]
 

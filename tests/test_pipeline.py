@@ -93,6 +93,15 @@ def test_a_continuation_goes_on_from_the_smoke_runs_final_policy_and_state(smoke
     }
     with pytest.raises(ValueError, match="policy version 1 is no whole number of rounds of rl.steps_per_round 2"):
         continuation_of(out, steps_per_round=2)
+    # a train task stopped after committing its state (its run resumed, and the task ran again) left a state of
+    # the same run and version, newer, that no cache entry names: not one of a comparison's, and not gone on from
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved)
+    killed = moved / "pipeline_root" / "tracefp4-smoke-killed" / "train" / "new_trainer_state"
+    shutil.copytree(root / "train" / "new_trainer_state", killed)
+    assert continuation_of(moved, steps_per_round=1)["model.trainer_state"] == str(
+        moved.resolve() / root.relative_to(out) / "train" / "new_trainer_state"
+    )
     # the report ends with the same settings, as a config file to continue with (on a cluster: the artifacts' URIs)
     section = first.read_text().split("## Continue this run")[1]
     (tmp_path / "continue.yaml").write_text(section.split("```yaml\n")[1].split("```")[0])
