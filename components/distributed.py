@@ -75,7 +75,7 @@ from .quant import QuantConfig
 from .steps import config_digest, store_prefix
 from .store import ArtifactNotFound, ArtifactStore, StoreError, open_store, write_atomic
 from .tensor_files import layout_of, read_tensor, tensor_files, tensor_layout
-from .trainer import MASTER_PREFIX, OPTIMIZER_PREFIX, TrainConfig, Trainer, clip_gradients
+from .trainer import MASTER_PREFIX, OPTIMIZER_PREFIX, OWN_SETTINGS, TrainConfig, Trainer, clip_gradients
 from .trainer_state import STEM, check_state
 
 METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator: a complete checkpoint
@@ -93,21 +93,22 @@ class DistributedError(RuntimeError):
     """A distributed run that cannot go on as configured."""
 
 
-def init_process_group(config):
+def init_process_group(config) -> torch.device:
     """Join the process group torchrun (or a TrainJob) describes in the
     environment: gloo on CPU; on CUDA, NCCL with this rank on GPU
     ``LOCAL_RANK`` of its node. A collective that waits longer than
     ``train.timeout_seconds`` (a rank died or hangs) raises instead of waiting
-    forever. Returns the config with this rank's device."""
+    forever. Returns this rank's device; the config stays the launching
+    step's, whose digest names the round's checkpoints on every rank
+    (:func:`checkpoints_prefix`)."""
     device = resolve(config.resources.device)
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        config = config.model_copy(update={"resources": config.resources.model_copy(update={"device": str(device)})})
     compute_on(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=config.train.timeout_seconds))
     _rank0_io[:] = [dist.new_group(backend="gloo", timeout=RANK0_IO_TIMEOUT)]
-    return config
+    return device
 
 
 def rank0_does(work, what: str):
@@ -309,7 +310,7 @@ class DistributedTrainer(Trainer):
             self.load_optimizer_state({"state": moments, "param_groups": meta["param_groups"]})
         else:  # a fresh policy: the optimizer makes its state at its first step
             for group, saved in zip(self.optimizer.param_groups, meta["param_groups"]):
-                group.update({k: v for k, v in saved.items() if k not in ("params", "fused")})
+                group.update({k: v for k, v in saved.items() if k != "params" and k not in OWN_SETTINGS})
 
     def receive(self, layout: dict[str, tuple], read) -> Iterator[tuple[str, Tensor]]:
         """Each tensor ``layout`` names (name: shape, dtype) whole on every
@@ -681,7 +682,8 @@ def main(argv: list[str] | None = None) -> None:
         wait_for_inputs(uri, sha256, float(timeout_s))
     with tempfile.TemporaryDirectory(prefix="tracefp4-rank-") as tmp:
         work = Path(tmp)
-        config = init_process_group(RunConfig.model_validate_json(_local(args.config, work).read_text()))
+        config = RunConfig.model_validate_json(_local(args.config, work).read_text())
+        device = init_process_group(config)
         try:
             guidance_file = _local(args.guidance, work)
             ref = GuidanceRef.from_json(guidance_file.read_text(), args.guidance)
@@ -704,6 +706,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.run_id,
                 json.loads(_local(args.round_stats, work).read_text()),
                 open_trainer=open_trainer(prefix, store, args.run_id),
+                device=device,
             )
 
             def publish() -> None:

@@ -828,6 +828,7 @@ def train(
     run_id: str = "",
     round_stats: dict | None = None,
     open_trainer=Trainer.from_checkpoint,
+    device: torch.device | None = None,
 ) -> list[dict]:
     """``steps_per_round`` guided QAT steps over the round's trajectories, each
     an RL step (the schedule: docs/training.md), resuming from ``policy`` and its
@@ -838,8 +839,9 @@ def train(
     (``round_stats``) are repeated in each. ``open_trainer`` makes the trainer
     from the policy (:meth:`Trainer.from_checkpoint`; a distributed one, see
     :mod:`.distributed`, may resume within the round: steps it already took,
-    listed in its ``history``, are not taken again)."""
-    device = step_device(config)
+    listed in its ``history``, are not taken again). ``device``: where it
+    computes, ``resources.device`` unless given (a rank's own GPU)."""
+    device = step_device(config) if device is None else device
     round_index = guidance.rl_step
     header, trajectories, batch = read_trajectories(trajectories_file, run_id, round_index)
     tokenizer = load_tokenizer(policy)

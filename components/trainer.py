@@ -43,6 +43,8 @@ from .trainer_state import load_state, save_state
 MASTER_PREFIX = "master."  # trainer-state tensors holding the float32 master weights, by parameter name
 SCORE_CENTERING_TOPK = 8  # sampler tokens score centering looks at
 OPTIMIZER_PREFIX = "optimizer."  # trainer-state tensors of the optimizer: optimizer.{param index}.{name}
+# What a trainer's AdamW groups take from its config, not from the state it resumes
+OWN_SETTINGS = ("lr", "betas", "weight_decay", "fused")
 DECODED = "guidance_decode"  # trainer-state metadata: the last round's syndrome decode statistics, by "layer/site"
 
 
@@ -453,15 +455,17 @@ class Trainer:
 
     def load_optimizer_state(self, state: dict) -> None:
         """Load an optimizer ``state_dict()`` (parameters by index) as :func:`optimizer_state` reads it."""
-        self.optimizer.load_state_dict(self.with_own_fused(state))
+        self.optimizer.load_state_dict(self.with_own_settings(state))
 
-    def with_own_fused(self, state: dict) -> dict:
-        """An optimizer state with this trainer's ``fused`` in its groups. Loading takes the saved
-        flag, so a state saved on the CPU would resume on a GPU unfused, its step counts left on the
-        host (torch moves them to the parameters' device for a fused group only), and a GPU's would
-        run fused on the CPU."""
-        fused = self.optimizer.param_groups[0]["fused"]
-        return {**state, "param_groups": [dict(group, fused=fused) for group in state["param_groups"]]}
+    def with_own_settings(self, state: dict) -> dict:
+        """An optimizer state with this trainer's :data:`OWN_SETTINGS` in its
+        groups. Loading takes the saved ones: a continuation given another
+        learning rate, weight decay or betas would go on with the old ones,
+        silently; and a state saved on the CPU would resume on a GPU unfused,
+        its step counts left on the host (torch moves them to the parameters'
+        device for a fused group only), and a GPU's would run fused on the CPU."""
+        own = {key: self.optimizer.param_groups[0][key] for key in OWN_SETTINGS}
+        return {**state, "param_groups": [dict(group, **own) for group in state["param_groups"]]}
 
 
 def master_weights(tensors: dict[str, Tensor]) -> dict[str, Tensor]:

@@ -65,6 +65,29 @@ def config_for(tmp_path, processes: int = 1, activation_checkpointing: bool = Fa
     return RunConfig.model_validate(data)
 
 
+def test_the_ranks_on_a_gpu_node_each_take_their_gpu_and_name_the_steps_checkpoints(tmp_path, monkeypatch):
+    """On CUDA each rank computes on GPU ``LOCAL_RANK``, and its config stays
+    the launching step's: every rank, and the step that clears them, names
+    the round's sharded checkpoints alike (each rank's config rewritten to its
+    own device had digested to a prefix of its own: rank 1's shards lay apart
+    from rank 0's metadata, a retry could not resume, and only rank 0's were
+    ever deleted). A GPU node faked: which device torch resolves, and no
+    process group joined."""
+    from tracefp4.components import distributed
+
+    config = config_for(tmp_path, processes=2).model_copy(deep=True)
+    config.resources.device = "auto"
+    launched = checkpoints_prefix(config, RUN, 0)  # what the train step clears once the round is published
+    monkeypatch.setattr(distributed, "resolve", lambda spec: torch.device("cuda"))
+    monkeypatch.setattr(distributed, "compute_on", lambda device: device)
+    monkeypatch.setattr(distributed.dist, "init_process_group", lambda *args, **kwargs: None)
+    monkeypatch.setattr(distributed.dist, "new_group", lambda *args, **kwargs: None)
+    for rank in (0, 1):
+        monkeypatch.setenv("LOCAL_RANK", str(rank))
+        assert distributed.init_process_group(config) == torch.device("cuda", rank)
+        assert checkpoints_prefix(config, RUN, 0) == launched
+
+
 @pytest.fixture(scope="module")
 def round_inputs(tmp_path_factory):
     """A prepared policy, round 0's trajectories and guidance (the store under the same folder)."""
@@ -647,7 +670,7 @@ import os, sys, time
 import torch.distributed as dist
 from tracefp4.components import distributed
 from tracefp4.schemas import RunConfig
-config = distributed.init_process_group(RunConfig.model_validate_json(sys.argv[1]))
+distributed.init_process_group(RunConfig.model_validate_json(sys.argv[1]))
 distributed.rank0_does(lambda: time.sleep(float(sys.argv[2])), "upload")  # writing and uploading the round's outputs
 dist.destroy_process_group()
 """
@@ -669,7 +692,7 @@ from tracefp4.components.model import build_model
 from tracefp4.components.quant import QuantConfig
 from tracefp4.components.trainer import TrainConfig
 from tracefp4.schemas import RunConfig
-config = distributed.init_process_group(RunConfig.model_validate_json(sys.argv[1]))
+distributed.init_process_group(RunConfig.model_validate_json(sys.argv[1]))
 out = sys.argv[2]
 model = build_model("smoke", seed=0)
 trainer = distributed.DistributedTrainer(model, TrainConfig(precision="fp32_master"), QuantConfig(), {}, "cpu")
@@ -747,7 +770,7 @@ from tracefp4.components.quant import QuantConfig
 from tracefp4.components.trainer import TrainConfig
 from tracefp4.schemas import RunConfig
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-config = distributed.init_process_group(RunConfig.model_validate_json(sys.argv[1]))
+distributed.init_process_group(RunConfig.model_validate_json(sys.argv[1]))
 policy, state, run_id, out = sys.argv[2:]
 if dist.get_rank() > 0:
     policy = state = "/nonexistent"  # the other ranks never read the checkpoint: they take their shards from rank 0
@@ -837,7 +860,7 @@ from tracefp4.components.model import build_model
 from tracefp4.components.quant import QuantConfig
 from tracefp4.components.trainer import TrainConfig
 from tracefp4.schemas import RunConfig
-config = distributed.init_process_group(RunConfig.model_validate_json(sys.argv[1]))
+distributed.init_process_group(RunConfig.model_validate_json(sys.argv[1]))
 out = sys.argv[2]
 rank = dist.get_rank()
 model = build_model("smoke", seed=0)

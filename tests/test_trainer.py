@@ -308,8 +308,11 @@ def test_resume_from_policy_and_state_equals_uninterrupted_training(tmp_path, pr
     assert all(torch.equal(moments_a[i]["exp_avg_sq"], moments_b[i]["exp_avg_sq"]) for i in moments_a)
 
 
-def test_an_optimizer_state_resumes_with_this_devices_fused_flag():
-    """A state saved on a GPU (fused AdamW) resumes on the CPU unfused, with the same moments."""
+def test_an_optimizer_state_resumes_with_this_trainers_settings_and_devices_fused_flag(tmp_path):
+    """A state saved on a GPU (fused AdamW) resumes on the CPU unfused; one
+    resumed by a continuation given another learning rate, weight decay or
+    betas goes on with those: the moments are the state's, the settings the
+    config's."""
     engine, trainer = setup("qat", precision="fp32_master")
     trajectories = engine.generate([[5, 6, 7]] * 4, SamplingParams(max_new_tokens=4, seed=1))
     trainer.train_step(trajectories, torch.tensor([1.0, -1.0, 1.0, -1.0]), None)
@@ -320,6 +323,14 @@ def test_an_optimizer_state_resumes_with_this_devices_fused_flag():
     assert [group["fused"] for group in resumed.optimizer.param_groups] == [False]
     moments = resumed.optimizer.state_dict()["state"]
     assert all(torch.equal(moments[i]["exp_avg"], state["state"][i]["exp_avg"]) for i in state["state"])
+    trainer.save(tmp_path / "policy", tmp_path / "state", run_id=RUN)
+    changed = dataclasses.replace(trainer.config, learning_rate=1e-5, weight_decay=0.1, betas=(0.8, 0.95))
+    args = (changed, engine.quant, engine.global_scales)
+    (group,) = Trainer.from_checkpoint(
+        tmp_path / "policy", tmp_path / "state", *args, run_id=RUN
+    ).optimizer.param_groups
+    assert (group["lr"], group["weight_decay"], tuple(group["betas"])) == (1e-5, 0.1, (0.8, 0.95))
+    assert (trainer.config.learning_rate, trainer.config.weight_decay) != (1e-5, 0.1)
 
 
 def test_a_trainer_state_is_refused_with_another_run_or_policy(tmp_path):
