@@ -223,7 +223,8 @@ def score_centering(log_p: Tensor, batch: SequenceBatch, tis_cap: float) -> Tens
     (``log_p [B, S-1, K]`` at the sampler's top-k: ``token_logprobs(..., topk=True)``), ``q`` the sampler."""
     p, q = log_p.exp(), batch.topk_logprobs.exp()
     with torch.no_grad():
-        rho = (1 - q.sum(-1)) / (1 - p.sum(-1)).clamp_min(1e-6)
+        # a tail's mass is never negative: a peaked sampler's top-k can sum a rounding above 1
+        rho = (1 - q.sum(-1)).clamp_min(0) / (1 - p.sum(-1)).clamp_min(1e-6)
         m = torch.minimum(p, tis_cap * q)
         a = torch.clamp(torch.ones_like(rho), max=tis_cap * rho)
         centered = m - a[..., None] * p

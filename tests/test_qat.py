@@ -293,6 +293,13 @@ def test_score_centering_vanishes_on_policy():
     shifted = SequenceBatch.of(trajectories)
     shifted.topk_logprobs = shifted.topk_logprobs - 1.5  # the sampler gave its top-k a fifth of the mass: IS truncates
     assert score_centering(log_p, shifted, tis_cap=2.0)[batch.response].abs().max() > 1e-3
+    # a sampler whose top-k sums above 1 (float32 rounding of a peaked distribution) leaves no tail: a is 0, and
+    # the correction is m log p, as where the tail is empty (it had gone negative, pushing p up past m)
+    peaked = SequenceBatch.of(trajectories)
+    peaked.topk_logprobs = peaked.topk_logprobs - peaked.topk_logprobs.logsumexp(-1, keepdim=True) + 1e-6
+    m = torch.minimum(log_p.exp(), 2.0 * peaked.topk_logprobs.exp())
+    expected = (m * log_p).sum(-1)[batch.response]
+    assert torch.equal(score_centering(log_p, peaked, tis_cap=2.0)[batch.response], expected)
     with pytest.raises(ValueError, match="record_topk"):
         token_logprobs(model, SequenceBatch.of(engine.generate([[1, 2]], SamplingParams(max_new_tokens=2))), topk=True)
 
