@@ -16,6 +16,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -140,6 +141,10 @@ def _size(n: int) -> str:
     return f"{n:,} bytes ({n / 1e9:.1f} GB)"
 
 
+# Where ArtifactStore.check_access writes its object, under the store's root
+ACCESS_CHECK, ACCESS_CHECK_BYTES = ".access-check", b"tracefp4 checks that its steps can write here\n"
+
+
 class ArtifactStore(ABC):
     """Keys are relative '/'-separated names under the store root ``uri``."""
 
@@ -183,6 +188,20 @@ class ArtifactStore(ABC):
     def list(self, prefix: str = "") -> list[str]:
         """Sorted keys starting with ``prefix``."""
         return sorted(self.sizes(prefix))
+
+    def check_access(self) -> None:
+        """Write, read back, list and delete an object of a few bytes under the
+        root, as the steps will. A bucket answers that it exists to credentials
+        that may not write under the run's prefix (multi-user Kubeflow gives a
+        profile's S3 user a few prefixes of its bucket alone): found here, by a
+        run's first task, instead of by its first GPU step."""
+        key = f"{ACCESS_CHECK}/{uuid.uuid4().hex}"
+        self.put_bytes(key, ACCESS_CHECK_BYTES)
+        try:
+            if self.get_bytes(key) != ACCESS_CHECK_BYTES or key not in self.list(f"{ACCESS_CHECK}/"):
+                raise StoreError(f"{self.uri}/{key}: what was written does not read or list back")
+        finally:
+            self.delete(key)
 
     @abstractmethod
     def delete(self, key: str) -> None:

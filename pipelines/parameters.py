@@ -184,7 +184,9 @@ def apply_to_methods(config_json: str, values: dict, methods: list[str]) -> str:
 def reached(config_json: str) -> str:
     """``config_json`` once what the run's steps will reach has answered: its
     tasks (every task's split drawn, :func:`check_drawable`), the store (its
-    endpoint, credentials and bucket) and, where the ranks train in a
+    endpoint, credentials and bucket, and a write, read, listing and deletion
+    under its prefix: :meth:`~tracefp4.components.store.ArtifactStore.check_access`)
+    and, where the ranks train in a
     TrainJob, the Kubernetes API taking one of these settings
     (:func:`~tracefp4.pipelines.trainjob.dry_run`). The pipeline's first task
     asks, on a cluster with the steps' own secrets and service account: else
@@ -194,7 +196,7 @@ def reached(config_json: str) -> str:
 
     config = RunConfig.model_validate_json(config_json)
     check_drawable(config)
-    open_store(config.store.uri, create_bucket=config.store.create_bucket)
+    open_store(config.store.uri, create_bucket=config.store.create_bucket).check_access()
     if config.train.in_trainjob:
         from tracefp4.pipelines.trainjob import dry_run
 

@@ -616,12 +616,13 @@ class StoreConfig(_Section):
     )
     ca_bundle_secret: str | None = Field(
         default=None,
-        pattern=DNS_SUBDOMAIN,
+        pattern=DNS_LABEL,
         description=f"Kubernetes secret holding, under the key {CA_BUNDLE_KEY}, the PEM CA bundle the pipeline's "
         f"pods trust for https (an S3 server whose certificate a private CA signed, or a self-signed one): mounted "
         f"read-only at {CA_BUNDLE_MOUNT} in every step and TrainJob rank, and named by {CA_BUNDLE_ENV}. The pods "
         "then trust that bundle instead of the image's CA certificates, for the store and the Pushgateway alike: "
-        "put every CA they need in it. None: the image's.",
+        "put every CA they need in it. A DNS label (no '.', at most 63 characters): KFP names the step pods' "
+        "volume after the secret, and a volume's name is a label. None: the image's.",
     )
     access_key: SkipJsonSchema[SecretStr | None] = Field(
         default=None, exclude=True, repr=False, description="From TRACEFP4_S3_ACCESS_KEY only."

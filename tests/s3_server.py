@@ -62,7 +62,10 @@ def _free_ports(n: int) -> tuple[list[int], int]:
 
 
 class S3Server:
-    """``weed mini`` with one admin identity, one bucket and data under ``root``."""
+    """``weed mini`` with an admin identity, one bucket and data under ``root``;
+    and a second identity (``profile_env``'s credentials) that may read and
+    list the bucket but write only under ``private/``, as multi-user Kubeflow's
+    profile users may write only under their prefixes of its bucket."""
 
     def __init__(self, root: str | os.PathLike, bucket: str = "tracefp4-test"):
         self.weed = shutil.which("weed")
@@ -81,6 +84,11 @@ class S3Server:
             "TRACEFP4_S3_SECRET_KEY": self.secret_key,
             "TRACEFP4_S3_SECURE": "0",
         }
+        self.profile_env = {
+            **self.env,
+            "TRACEFP4_S3_ACCESS_KEY": "tracefp4-test-profile",
+            "TRACEFP4_S3_SECRET_KEY": "tracefp4-test-profile-" + uuid.uuid4().hex,
+        }
         self.log_path = self.root / "weed.log"
         self._proc: subprocess.Popen | None = None
 
@@ -91,7 +99,17 @@ class S3Server:
             "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
             "actions": ["Admin", "Read", "Write", "List", "Tagging"],
         }
-        config.write_text(json.dumps({"identities": [identity]}))
+        profile = {
+            "name": "tracefp4-test-profile",
+            "credentials": [
+                {
+                    "accessKey": self.profile_env["TRACEFP4_S3_ACCESS_KEY"],
+                    "secretKey": self.profile_env["TRACEFP4_S3_SECRET_KEY"],
+                }
+            ],
+            "actions": [f"Read:{self.bucket}", f"List:{self.bucket}", f"Write:{self.bucket}/private/*"],
+        }
+        config.write_text(json.dumps({"identities": [identity, profile]}))
         data = self.root / "data"
         data.mkdir(parents=True, exist_ok=True)
         return [

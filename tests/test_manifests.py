@@ -402,6 +402,9 @@ def test_example_run_config_matches_the_cluster(rendered, overlay):
         assert f"mb --ignore-existing store/{config.store.uri.removeprefix('s3://').split('/')[0]}" in job["args"][0]
     else:  # KFP's own object store, in its bucket
         assert config.store.endpoint == KFP_STORE and config.store.uri.startswith("s3://mlpipeline/")
+    if overlay == "multi-user":  # where the profile controller lets the profile's S3 user write (docs/deploy.md)
+        namespace = _runner(objects)[0]["metadata"]["namespace"]
+        assert config.store.uri.startswith(f"s3://mlpipeline/private/{namespace}/")
         assert not find(objects, "Deployment", "minio")
     gpu_pods = _gpu_pods(objects)
     if overlay == "gpu":

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from tracefp4.components.checkpoint import fetch
-from tracefp4.components.store import StoreError
+from tracefp4.components.store import StoreError, open_store
 from tracefp4.components.trainer_state import read_meta
 from tracefp4.pipelines.parameters import apply, configure_function, defaults, parameters, reached
 from tracefp4.pipelines.pipeline import build_pipeline, compile_pipeline
@@ -74,6 +74,24 @@ def test_the_first_task_finds_a_store_the_steps_cannot_reach(s3_env):
     data["store"]["create_bucket"] = True
     config_json = RunConfig.model_validate(data).model_dump_json()
     assert reached(config_json) == config_json
+
+
+def test_the_first_task_finds_a_store_prefix_the_steps_cannot_write(s3_env, monkeypatch):
+    """Credentials to which the bucket answers, but that may not write under
+    the run's prefix (a profile's in multi-user Kubeflow): configure writes,
+    reads back, lists and deletes an object there, and fails naming the write."""
+    for name, value in s3_env.profile_env.items():
+        monkeypatch.setenv(name, value)
+    data = get_preset("smoke").model_dump()
+    data["store"]["uri"] = f"s3://{s3_env.bucket}/tracefp4"
+    with pytest.raises(
+        StoreError, match=rf"s3://{s3_env.bucket}/tracefp4: put '.access-check/\w+' failed: AccessDenied"
+    ):
+        reached(RunConfig.model_validate(data).model_dump_json())
+    data["store"]["uri"] = f"s3://{s3_env.bucket}/private/profile/tracefp4"
+    config_json = RunConfig.model_validate(data).model_dump_json()
+    assert reached(config_json) == config_json
+    assert open_store(data["store"]["uri"]).list() == []  # its object deleted
 
 
 def test_the_first_task_draws_the_tasks_the_steps_will_draw(tmp_path):

@@ -196,9 +196,11 @@ def test_values_that_would_run_without_effect_are_refused(overrides, path):
         ({"resources.tolerations": [{"value": "v"}]}, "resources.tolerations.0", "needs operator Exists"),
         ({"image": "ghcr.io//tracefp4"}, "image", "image reference"),
         # a secret no pod could mount (every step would stay ContainerCreating), a region no S3 server names
-        ({"store.ca_bundle_secret": "Store_CA"}, "store.ca_bundle_secret", "Kubernetes object name"),
-        ({"store.ca_bundle_secret": ""}, "store.ca_bundle_secret", "Kubernetes object name"),
-        ({"store.ca_bundle_secret": "ca" * 127}, "store.ca_bundle_secret", "Kubernetes object name"),
+        ({"store.ca_bundle_secret": "Store_CA"}, "store.ca_bundle_secret", "DNS label"),
+        ({"store.ca_bundle_secret": ""}, "store.ca_bundle_secret", "DNS label"),
+        # a Kubernetes object name that no volume can take: KFP names the step pods' volume after the secret
+        ({"store.ca_bundle_secret": "store.ca"}, "store.ca_bundle_secret", "DNS label"),
+        ({"store.ca_bundle_secret": "ca" * 32}, "store.ca_bundle_secret", "DNS label"),
         ({"store.region": "eu central"}, "store.region", "S3 region name such as 'us-east-1'"),
         ({"store.region": ""}, "store.region", "S3 region name"),
         ({"store.region": "us-east-1/x"}, "store.region", "S3 region name"),
@@ -242,7 +244,7 @@ def test_the_stores_region_and_ca_bundle_reach_the_pods_environment():
     """What every pod of a cluster run gets besides the credentials: the variables the S3 client reads, those set."""
     store = load_config(None, overrides={"store.uri": "s3://runs/x"}).store
     assert store.pod_environment() == {}  # the pods' own environment
-    store.endpoint, store.region, store.ca_bundle_secret = "https://minio.tracefp4:9000", "us-east-1", "store-ca.v2"
+    store.endpoint, store.region, store.ca_bundle_secret = "https://minio.tracefp4:9000", "us-east-1", "store-ca-v2"
     assert store.pod_environment() == {
         "TRACEFP4_S3_ENDPOINT": "https://minio.tracefp4:9000",
         "TRACEFP4_S3_REGION": "us-east-1",
