@@ -404,7 +404,7 @@ class S3Store(ArtifactStore):
         self.backoff_s = backoff_s
         settings = _s3_settings(self.uri, os.environ if env is None else env)
         self.endpoint = f"{'https' if settings['secure'] else 'http'}://{settings['endpoint']}"
-        self._secrets = (settings["access_key"], settings["secret_key"])
+        self._secret = settings["secret_key"]  # the access key is no secret: every signed request names it
         http = urllib3.PoolManager(
             timeout=urllib3.Timeout(connect=2.0, read=30.0),
             retries=False,  # the retry policy is ours (_call), and bounded
@@ -433,9 +433,10 @@ class S3Store(ArtifactStore):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+        """An error's own text without the secret key (a client may echo what it sent); what tracefp4 adds
+        around it (the URI, the endpoint, its hints) is left whole: a short secret such as KFP's default
+        minio123 would otherwise cut its words."""
+        return text.replace(self._secret, "***") if self._secret else text
 
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
         """Run ``fn``, retrying transient failures with capped exponential backoff."""
@@ -447,24 +448,23 @@ class S3Store(ArtifactStore):
             except S3Error as e:
                 if e.code == "NoSuchKey":
                     raise ArtifactNotFound(f"{self.uri}: no artifact {key!r}") from None
-                reason = f"{e.code}: {e.message}"
+                reason = self._scrub(f"{e.code}: {e.message}")
                 if e.code not in _TRANSIENT_CODES and e.response.status < 500:
-                    raise StoreError(self._scrub(f"{where} failed: {reason}")) from e
+                    raise StoreError(f"{where} failed: {reason}") from e
             except (ServerError, InvalidResponseError) as e:
                 # minio keeps the HTTP status of a non-XML answer only in _code
                 status = e.status_code if isinstance(e, ServerError) else getattr(e, "_code", 0)
-                reason = f"HTTP {status}: {e}"
+                reason = self._scrub(f"HTTP {status}: {e}")
                 if status < 500:
-                    raise StoreError(self._scrub(f"{where} failed: {reason}")) from e
+                    raise StoreError(f"{where} failed: {reason}") from e
             except urllib3.exceptions.SSLError as e:  # before _TRANSIENT_ERRORS: a handshake does not heal
-                raise StoreError(self._scrub(f"{where} failed: {self._tls_problem(e)}")) from e
+                raise StoreError(f"{where} failed: {self._tls_problem(e)}") from e
             except _TRANSIENT_ERRORS as e:
-                reason = f"{type(e).__name__}: {e}"
+                reason = self._scrub(f"{type(e).__name__}: {e}")
                 if isinstance(e, urllib3.exceptions.NameResolutionError):
                     reason += f" (the host of {self.endpoint} does not resolve: check TRACEFP4_S3_ENDPOINT)"
                 elif isinstance(e, urllib3.exceptions.ConnectTimeoutError):  # refused, or no answer at all
                     reason += f" (nothing answers at {self.endpoint}: is the S3 server up, and the endpoint right?)"
-            reason = self._scrub(reason)
             if attempt + 1 < attempts:
                 delay = min(self.backoff_s * 2**attempt, _MAX_BACKOFF_S)
                 log.warning(
@@ -475,7 +475,7 @@ class S3Store(ArtifactStore):
 
     def _tls_problem(self, e: urllib3.exceptions.SSLError) -> str:
         """The TLS failure in words, with the endpoint and its likely cause."""
-        text = str(e)
+        text = self._scrub(str(e))
         if any(marker in text for marker in _NOT_TLS):
             plain = self.endpoint.replace("https://", "http://", 1)
             return (

@@ -405,16 +405,36 @@ def test_wrong_credentials_fail_fast_without_leaking(s3_server):
     assert "SignatureDoesNotMatch" in message or "AccessDenied" in message
     assert s3_server.uri("p") in message
     for text in (message, repr(info.value), str(info.value.__cause__)):
-        assert secret not in text and s3_server.access_key not in text
+        assert secret not in text
 
     bad_key = dict(s3_server.env, TRACEFP4_S3_ACCESS_KEY="nobody-" + uuid.uuid4().hex)
     with pytest.raises(StoreError, match="InvalidAccessKeyId|AccessDenied") as info:
         open_store(s3_server.uri("p"), env=bad_key)
-    assert bad_key["TRACEFP4_S3_ACCESS_KEY"] not in str(info.value)
+    assert s3_server.secret_key not in str(info.value)
 
     store = s3_server.store("p")
     for text in (repr(store), str(store), store.uri):
-        assert s3_server.secret_key not in text and s3_server.access_key not in text
+        assert s3_server.secret_key not in text
+
+
+def test_a_short_secret_hides_in_the_servers_words_alone():
+    """KFP's default credentials (minio / minio123): the secret key is hidden
+    where an error's own text holds it, and nothing of what tracefp4 writes
+    around it (the URI, the endpoint, its hints) is cut where it holds the
+    secret's or the access key's letters, which are no secret (every signed
+    request names the access key)."""
+    env = {
+        "TRACEFP4_S3_ENDPOINT": "minio-service.kubeflow.invalid:9000",
+        "TRACEFP4_S3_ACCESS_KEY": "minio",
+        "TRACEFP4_S3_SECRET_KEY": "minio123",
+        "TRACEFP4_S3_SECURE": "0",
+    }
+    with pytest.raises(StoreError) as info:
+        open_store("minio://mlpipeline/tracefp4", env=env, retries=0)
+    message = str(info.value)
+    assert message.startswith("minio://mlpipeline/tracefp4: open bucket failed after 1 attempts")
+    assert "(the host of http://minio-service.kubeflow.invalid:9000 does not resolve" in message
+    assert "***" not in message
 
 
 def test_server_down_gives_up_then_retries_across_restart(s3_server, caplog):
@@ -451,7 +471,7 @@ def test_server_down_gives_up_then_retries_across_restart(s3_server, caplog):
     assert store.get_bytes("y.bin") == data
     assert "x.bin" not in store.list()
     assert "attempt 1/11 failed" in caplog.text
-    assert s3_server.secret_key not in caplog.text and s3_server.access_key not in caplog.text
+    assert s3_server.secret_key not in caplog.text
 
 
 def _capture(errors: list, fn, *args) -> None:
