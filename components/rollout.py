@@ -299,13 +299,16 @@ class KVCache:
             for t in states.values():
                 t[rows] = 0
 
-    def snapshot_states(self) -> list[Tensor]:
-        """Copies of the linear-attention states (a CUDA graph's warm-up step must not advance them)."""
-        return [t.clone() for t in (*self.conv_states.values(), *self.recurrent_states.values())]
+    def snapshot_states(self, rows: int) -> list[Tensor]:
+        """Copies of the first ``rows`` rows' linear-attention states (a CUDA
+        graph's warm-up step of a bucket of ``rows`` must not advance them; the
+        other rows' it leaves alone, and at Qwen3.5-35B-A3B each row's are 64
+        MB, taken beside a cache that may just have grown into the free memory)."""
+        return [t[:rows].clone() for t in (*self.conv_states.values(), *self.recurrent_states.values())]
 
     def restore_states(self, states: list[Tensor]) -> None:
         for t, saved in zip((*self.conv_states.values(), *self.recurrent_states.values()), states):
-            t.copy_(saved)
+            t[: len(saved)].copy_(saved)
 
     def bytes_per_token(self) -> float:
         return sum(
@@ -841,7 +844,7 @@ class DecodeGraphs:
         def step() -> Tensor:
             return self.engine._decode(*inputs, self.cache, self.cache.length)
 
-        states = self.cache.snapshot_states()
+        states = self.cache.snapshot_states(len(new))
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # a warm-up outside the graph: lazy initialization, library workspaces

@@ -176,9 +176,19 @@ def test_decode_replayed_from_graphs_gives_the_eager_results(
             sample(self, *args)
 
     monkeypatch.setattr(_Decode, "sample", counted)
+    snapshots, snapshot = [], rollout_module.KVCache.snapshot_states
+
+    def recorded(self, rows):  # a capture's warm-up keeps the linear-attention states of its bucket's rows alone
+        states = snapshot(self, rows)
+        snapshots.append({len(t) for t in states})
+        return states
+
+    monkeypatch.setattr(rollout_module.KVCache, "snapshot_states", recorded)
     got = replayed.generate(batch, params)
     assert reads.reads == []
     assert len(emulated_cuda_graphs) > 1  # the batch moved to smaller buckets, each captured on first use
+    if model.cfg.linear_layers:
+        assert snapshots == [{bucket} for bucket in emulated_cuda_graphs]
     assert {t.finish_reason for t in want} == {"stop", "length"}
     assert [(t.response, t.logprobs, t.topk_ids, t.finish_reason) for t in got] == [
         (t.response, t.logprobs, t.topk_ids, t.finish_reason) for t in want
