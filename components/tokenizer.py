@@ -110,8 +110,16 @@ class PolicyTokenizer:
 
     def encode_answer(self, text: str) -> list[int]:
         """The answer ``text`` as the policy should write it, through its end:
-        the end-of-turn token with a chat template, the tasks' newline without."""
-        return self.encode(text) + [self.end_id] if self.chat else self.encode(text + END)
+        the end-of-turn token with a chat template, the tasks' newline without.
+        Where the generation prompt opens the reasoning (Qwen3.5), the answer
+        follows it closed empty, as the template renders a turn without
+        thinking: the tasks read an answer after ``</think>`` alone
+        (:meth:`response_text`), and one taught without it would score 0."""
+        if not self.chat:
+            return self.encode(text + END)
+        if self._prompt_opens_thinking:
+            text = f"\n{THINK_END}\n\n{text}"
+        return self.encode(text) + [self.end_id]
 
     def decode(self, ids: list[int]) -> str:
         """The text of ``ids`` with every token shown: a special token as its

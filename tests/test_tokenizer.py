@@ -227,6 +227,14 @@ def test_reasoning_a_template_opens_and_the_length_limit_cuts_is_no_answer(tmp_p
     plain = load_tokenizer(chat)  # a template that leaves the reasoning to the policy: the response as it is
     assert plain.response_text(cut_off) == plain.decode(cut_off)
     assert task.reward(problem, plain.response_text(cut_off)) == 1.0
+    # what bootstrap SFT teaches the policy to write is an answer the reward takes, under either template: under
+    # the opening one, after the reasoning closed empty (it had taught the bare answer, read as reasoning: 0)
+    for tok in (thinking, plain):
+        batch = make_batch(tok, [problem], max_len=128)
+        taught = batch.tokens[0, batch.target[0].nonzero()[:, 0] + 1].tolist()  # target column t predicts t + 1
+        assert taught == tok.encode_answer(problem.answer)
+        assert task.reward(problem, tok.response_text(taught)) == 1.0
+    assert thinking.decode(thinking.encode_answer("7")) == "\n</think>\n\n7"
 
 
 def test_a_response_holding_a_token_its_text_did_not_show_earns_nothing(chat):
