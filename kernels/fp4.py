@@ -41,13 +41,16 @@ class FP4Tensor:
 
 
 def _check_scales(scales: Tensor, fmt: str, shape: torch.Size) -> None:
-    """Scales of the format's dtype, one per block of ``shape``'s rows: read as
-    another dtype, the CPU path took E4M3 bytes for integers (0x38, 1.0, as
-    56) while Triton read their bits, so a wrong dtype gave device-dependent values."""
+    """Scales of the format's dtype, one per block of each of ``shape``'s rows:
+    read as another dtype, the CPU path took E4M3 bytes for integers (0x38,
+    1.0, as 56) while Triton read their bits; and scales of other rows (a
+    slice's guidance carrying the whole batch's) failed deep in the CPU path,
+    broadcast there, and were read row for row by Triton's, past their end too.
+    Either gave device-dependent values."""
     f = get_format(fmt)
     if scales.dtype != f.scale_dtype:
         raise TypeError(f"{f.name} scales must be {f.scale_dtype} (view the bytes as it), got {scales.dtype}")
-    if scales.shape[-1:] != (shape[-1] // f.block_size,):
+    if scales.shape != (*shape[:-1], shape[-1] // f.block_size):
         raise ValueError(
             f"{f.name} scales {tuple(scales.shape)} do not cover shape {tuple(shape)} in blocks of {f.block_size}"
         )

@@ -334,7 +334,10 @@ def scale_side_info(x: Tensor, fmt: FP4Format, global_scale: Tensor | None) -> t
         certain = (amax == 0) | ~torch.isfinite(v) | (v == s) | (neighbour_rung == rung) | (v >= E4M3_MAX)
     else:
         own = mxfp4_scales(amax)
-        fraction = torch.log2(amax) - torch.floor(torch.log2(amax))
+        # where amax lies in its binade [2^k, 2^(k+1)), from its bits: log2 of a float32 a few ulps below 2^k
+        # rounds to k, which put the nearest boundary below it, 4x away from the one just above
+        significand = ((amax.view(torch.int32) & 0x7FFFFF) | 0x3F800000).view(torch.float32)  # in [1, 2)
+        fraction = torch.log2(significand)
         up = fraction >= 0.5
         neighbour = (own.int() + torch.where(up, 1, -1)).clamp(0, 254).to(torch.uint8)
         distance = torch.where(up, 1 - fraction, fraction)

@@ -2,6 +2,7 @@
 agreement with an independent model on varied inputs, special values, errors."""
 
 import math
+import re
 
 import pytest
 import spec_model
@@ -353,6 +354,15 @@ def test_scales_of_another_dtype_or_blocks_are_refused():
         FP4Tensor(q.codes, q.scales.view(torch.uint8), q.global_scale, "nvfp4", q.shape)
     with pytest.raises(ValueError, match=r"do not cover shape \(2, 64\) in blocks of 16"):
         FP4Tensor(q.codes, q.scales[:, :2], q.global_scale, "nvfp4", q.shape)
+    # another row count (a slice's guidance with the batch's scales: the CPU broadcast them, Triton read rows
+    # past them), or the rows laid out otherwise
+    for scales in (q.scales[:1], torch.cat([q.scales, q.scales]), q.scales.reshape(1, 2, 4)):
+        with pytest.raises(
+            ValueError, match=rf"scales {re.escape(str(tuple(scales.shape)))} do not cover shape \(2, 64\)"
+        ):
+            FP4Tensor(q.codes, scales, q.global_scale, "nvfp4", q.shape)
+        with pytest.raises(ValueError, match="do not cover"):
+            Guidance(q.codes, 4, scales, q.global_scale, "nvfp4", q.shape)
     m = quantize(torch.randn(2, 64), "mxfp4")
     with pytest.raises(TypeError, match="mxfp4 scales must be torch.uint8"):
         Guidance.from_rollout(FP4Tensor(m.codes, m.scales.view(torch.float8_e4m3fn), None, "mxfp4", m.shape), 1)

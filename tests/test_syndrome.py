@@ -282,6 +282,40 @@ def test_an_nvfp4_scale_that_rounds_to_zero_and_the_smallest_subnormal_neighbour
     assert ok.all() and stats.failed == 0 and torch.equal(scales, table.scales)
 
 
+def below(value: float, ulps: int) -> float:
+    """The float32 ``ulps`` steps below ``value``."""
+    t = torch.tensor(value, dtype=torch.float32)
+    for _ in range(ulps):
+        t = torch.nextafter(t, torch.tensor(0.0))
+    return float(t)
+
+
+@pytest.mark.parametrize("k, ulps", [(3, 1), (5, 2), (10, 4), (-10, 4), (20, 8), (100, 16)])
+def test_an_mxfp4_scale_just_below_a_power_of_two_neighbours_the_one_above(k, ulps):
+    """A float32 block amax a few ulps below 2^k (log2 of it rounds to k): its
+    nearest scale boundary is 2^k just above, so its neighbour is the scale of
+    an amax at or above it, a hair away (it had been the scale below, 4x off,
+    at distance 0: the first erased, and decoded wrong)."""
+    x = torch.zeros(1, 32)
+    x[0, 0] = below(2.0**k, ulps)
+    own, neighbour, distance = scale_side_info(x, get_format("mxfp4"), None)
+    above = quantize(torch.full((1, 32), 2.0**k), "mxfp4").scales[0, 0]
+    assert int(neighbour[0, 0]) == int(own[0, 0]) + 1 == int(above) and 0 < float(distance[0, 0]) < 1e-5
+
+
+def test_an_mxfp4_block_just_below_a_power_of_two_decodes_the_rollouts_scale():
+    """End to end: the rollout's block amax is 1024 (its scale byte 135), the
+    training side's the float32 just below (134): the scale parity says not
+    134, and the decode takes 135."""
+    x = torch.randn(17, 128, generator=torch.Generator().manual_seed(0))
+    x[0, 0] = 1024.0
+    train = x.clone()
+    train[0, 0] = below(1024.0, 1)
+    table = table_from(x, torch.zeros(17, dtype=torch.long), "mxfp4")
+    scales, _, ok, _ = decode(encode_table(table, Rate(64, 16)), train, torch.ones(17, dtype=torch.bool))
+    assert int(scales[0, 0]) == int(table.scales[0, 0]) == 135 and ok[0]
+
+
 def stats_of(rate: Rate, code: dict, code_failed=0, scale: dict | None = None, scale_failed=0) -> DecodeStats:
     """Hand-made decode statistics: ``{need: blocks}`` per stage (the scale stage: every block needing 0 by default)."""
     seen = DecodeStats(rate, scale_failed=scale_failed, code_failed=code_failed)
