@@ -192,6 +192,19 @@ def label(row: dict) -> str:
     return "RTN (qat)" if not row["bits"] else f"R-{row['bits']} {row['coverage']}"
 
 
+def prompt_clusters(seeds: list[dict], group: int) -> list[str]:
+    """The prompt of each sequence :func:`aggregate` pools (seed by seed, in
+    request order, a prompt's ``group`` responses together), as "seed/prompt":
+    responses to one prompt are alike, so the paired bootstrap resamples
+    prompts, then their responses, rather than counting each response as
+    independent evidence."""
+    return [
+        f"{s}/{i // group}"
+        for s, run in enumerate(seeds)
+        for i in range(len(run["rows"][0]["logprob_abs_diff_per_sequence"]))
+    ]
+
+
 def aggregate(seeds: list[dict]) -> list[dict]:
     """One row per (precision, guidance): each figure's mean over the seeds, the per-sequence |logprob diff| pooled."""
     pooled = {}
@@ -239,8 +252,9 @@ def fmt(x, spec=".4f") -> str:
     return "-" if x is None else format(x, spec)
 
 
-def report(table: list[dict], precisions: list[str]) -> dict:
-    """Prints the tables; returns the paired comparisons (|logprob diff| per sequence, 95% bootstrap)."""
+def report(table: list[dict], precisions: list[str], clusters: list[str]) -> dict:
+    """Prints the tables; returns the paired comparisons (|logprob diff| per sequence, 95% bootstrap over
+    the sequences' prompts, ``clusters``: :func:`prompt_clusters`)."""
     print(
         "| precision | guidance | guided layers | local mismatch | local 1-codeword share | e2e mismatch | "
         "e2e 1-codeword share | logprob abs diff mean | k3 KL | e2e reduction kept (of R-4 all) |"
@@ -271,12 +285,12 @@ def report(table: list[dict], precisions: list[str]) -> dict:
     for precision in precisions:
         for a, b in (("R-1 shallow", "R-1 deeper"), ("R-1 adaptive", "R-1 deeper"), ("R-1 all", "RTN (qat)")):
             x, y = by[(precision, a)]["per_sequence"], by[(precision, b)]["per_sequence"]
-            diff, low, high = paired_bootstrap(x, y)
+            diff, low, high = paired_bootstrap(x, y, clusters=clusters)
             pairs[f"{precision}: {a} - {b}"] = {"difference": diff, "ci95": [low, high], "sequences": len(x)}
             print(f"- {precision}: {a} - {b}: {diff:+.5f} [{low:+.5f}, {high:+.5f}] over {len(x)} sequences")
     if {"bf16", "fp32_master"} <= set(precisions):
         x, y = by[("fp32_master", "RTN (qat)")]["per_sequence"], by[("bf16", "RTN (qat)")]["per_sequence"]
-        diff, low, high = paired_bootstrap(x, y)
+        diff, low, high = paired_bootstrap(x, y, clusters=clusters)
         pairs["RTN (qat): fp32_master - bf16"] = {"difference": diff, "ci95": [low, high], "sequences": len(x)}
         print(f"- RTN (qat): fp32_master - bf16: {diff:+.5f} [{low:+.5f}, {high:+.5f}] over {len(x)} sequences")
     return pairs
@@ -312,13 +326,14 @@ def main(argv: list[str] | None = None) -> None:
         f"{config.rollout.config} ({config.rollout.fmt}). Means over seeds:\n"
     )
     table = aggregate(seeds)
-    pairs = report(table, args.precision)
+    pairs = report(table, args.precision, prompt_clusters(seeds, args.group))
     for row in table:
         del row["per_sequence"]
     result = {
         "command": command,
         "machine": cpu_kind(),  # the CPU's kernels set the bits: docs/results.md names it beside each figure
         "preset": args.preset,
+        "group": args.group,  # responses a prompt: they sit together in each row's per-sequence list
         "bootstrap": bootstrap,
         "table": table,
         "paired": pairs,

@@ -25,6 +25,7 @@ A JSON file under docs/results/ that fits none of these is an error, not skipped
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import alignment  # benchmarks/ is the script's folder, so on sys.path
@@ -262,18 +263,32 @@ def science_section(data: dict) -> list[str]:
 # -- alignment.json: coverage x bit depth x precision ---------------------------------------------------------------
 
 
-def _per_sequence(data: dict) -> dict[tuple[str, str], list[float]]:
-    """Per (precision, guidance label): the per-sequence |logprob diff| pooled over seeds in seed order."""
-    out = {}
-    for run in data["seeds"]:
-        for row in run["rows"]:
-            out.setdefault((row["precision"], alignment.label(row)), []).extend(row["logprob_abs_diff_per_sequence"])
-    return out
+@dataclass
+class Sequences:
+    """The per-sequence |logprob diff| of alignment.json pooled over seeds in seed order, per (precision,
+    guidance label), and each sequence's prompt (:func:`alignment.prompt_clusters`), which the paired
+    bootstrap resamples."""
+
+    by: dict[tuple[str, str], list[float]]
+    prompts: list[str]
+
+    @classmethod
+    def of(cls, data: dict) -> "Sequences":
+        by: dict = {}
+        for run in data["seeds"]:
+            for row in run["rows"]:
+                by.setdefault((row["precision"], alignment.label(row)), []).extend(row["logprob_abs_diff_per_sequence"])
+        return cls(by, alignment.prompt_clusters(data["seeds"], data["group"]))
+
+    @property
+    def precisions(self) -> list[str]:
+        return sorted({p for p, _ in self.by})
 
 
-def _paired(seq: dict, precision: str, a: str, b: str, precision_b: str | None = None) -> dict:
-    diff, low, high = paired_bootstrap(seq[precision, a], seq[precision_b or precision, b])
-    return {"difference": diff, "ci95": [low, high], "n": len(seq[precision, a])}
+def _paired(seq: Sequences, precision: str, a: str, b: str, precision_b: str | None = None) -> dict:
+    x, y = seq.by[precision, a], seq.by[precision_b or precision, b]
+    diff, low, high = paired_bootstrap(x, y, clusters=seq.prompts)
+    return {"difference": diff, "ci95": [low, high], "n": len(x)}
 
 
 def _one_codeword(data: dict, precision: str) -> tuple[float, list[float], int]:
@@ -288,7 +303,7 @@ def _one_codeword(data: dict, precision: str) -> tuple[float, list[float], int]:
     return ones / flips, [low, high], int(flips)
 
 
-def _kept(seq: dict, by: dict, precision: str, guidance: str) -> dict:
+def _kept(seq: Sequences, by: dict, precision: str, guidance: str) -> dict:
     """``guidance`` against R-4 on all layers, paired per sequence, with the share of R-4 all's |logprob diff|
     reduction (from RTN) that ``guidance`` keeps; ``gain`` is that reduction, the scale of the equivalence margin."""
     d = _paired(seq, precision, guidance, "R-4 all")
@@ -308,8 +323,8 @@ def combined(verdicts: list[str]) -> str:
 
 
 def alignment_claims(data: dict) -> list[dict]:
-    seq = _per_sequence(data)
-    precisions = sorted({p for p, _ in seq})
+    seq = Sequences.of(data)
+    precisions = seq.precisions
     by = {(r["precision"], r["guidance"]): r for r in data["table"]}
     out = []
     shares = [(p, *_one_codeword(data, p)) for p in precisions]
@@ -393,11 +408,11 @@ def measured_on(data: dict) -> str:
 
 
 def alignment_section(data: dict) -> list[str]:
-    seq = _per_sequence(data)
-    precisions = sorted({p for p, _ in seq})
+    seq = Sequences.of(data)
+    precisions = seq.precisions
     by = {(r["precision"], r["guidance"]): r for r in data["table"]}
     boot = data["bootstrap"]
-    n_seq = len(next(iter(seq.values())))
+    n_seq = len(seq.prompts)
     fmt = alignment.fmt
     lines = [
         "## 2. Train-rollout mismatch: layer coverage x bit depth x training precision",
@@ -430,7 +445,13 @@ def alignment_section(data: dict) -> list[str]:
         for layer, rate in rtn["local_by_layer"].items():
             e2e = rtn["e2e_by_layer"].get(layer, 0.0)
             lines.append(f"| {p} | {layer} | {rate:.4f} | {e2e:.4f} | {e2e / rate:.1f}x |")
-    lines += ["", f"Paired over the same {n_seq} sequences, per-sequence mean |logprob diff|, 95% bootstrap:", ""]
+    lines += [
+        "",
+        f"Paired over the same {n_seq} sequences, per-sequence mean |logprob diff|, 95% bootstrap over their "
+        f"{len(set(seq.prompts))} prompts (seed and prompt; a prompt's {data['group']} responses are alike, so prompts "
+        "are resampled, then responses within them):",
+        "",
+    ]
     contrasts = [("R-1 all", "R-4 all"), ("R-1 shallow", "R-1 deeper"), ("R-1 adaptive", "R-1 deeper")]
     contrasts += [("R-1 deeper", "R-1 all"), ("R-1 all", "RTN (qat)")]
     for p in precisions:

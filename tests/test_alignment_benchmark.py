@@ -30,6 +30,19 @@ def test_coverages_of_four_layers():
     assert alignment.coverage_layers("adaptive", layers, (1, 3)) == (1, 3)
 
 
+def test_a_prompts_responses_are_resampled_together():
+    """The pooled sequences' prompts, seed by seed, a prompt's responses together (the paired bootstrap's clusters)."""
+    seeds = [{"rows": [{"logprob_abs_diff_per_sequence": [0.0] * 6}]}] * 2
+    assert alignment.prompt_clusters(seeds, 3) == ["0/0", "0/0", "0/0", "0/1", "0/1", "0/1"] + [
+        "1/0",
+        "1/0",
+        "1/0",
+        "1/1",
+        "1/1",
+        "1/1",
+    ]
+
+
 def test_quick_mode(capsys, tmp_path, native_bf16):
     alignment.main(["--quick", "--output", str(tmp_path / "alignment.json")])
     out = capsys.readouterr().out
@@ -37,6 +50,7 @@ def test_quick_mode(capsys, tmp_path, native_bf16):
     result = json.loads(out.strip().splitlines()[-1])
     assert json.loads((tmp_path / "alignment.json").read_text()) == result  # the file results_page.py reads
     assert result["command"] == f"python benchmarks/alignment.py --quick --output {tmp_path / 'alignment.json'}"
+    assert result["group"] == 2  # --quick's: 2 prompts x 2 responses
     rows = {(r["precision"], r["guidance"]): r for r in result["table"]}
     names = ["RTN (qat)"] + [f"R-{b} {c}" for b in (1, 4) for c in alignment.COVERAGES]
     assert set(rows) == {(p, n) for p in ("bf16", "fp32_master") for n in names}
