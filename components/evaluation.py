@@ -13,8 +13,6 @@ from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
 from tracefp4.schemas import RunConfig
 
 from . import steps
@@ -123,13 +121,12 @@ def _accuracy(
 
 
 def _ptq_models(config: RunConfig, model, prompts: list[list[int]]) -> dict:
-    """The policy with each configured PTQ baseline applied to its routed experts."""
-    width = min(len(p) for p in prompts)
-    calibration = torch.tensor([p[:width] for p in prompts])  # h_scale's Hessian diagonal
+    """The policy with each configured PTQ baseline applied to its routed experts (h_scale's Hessian diagonal
+    from the training ``prompts``, whole)."""
     out = {}
     for method in config.evaluation.ptq_baselines:
         out[method] = copy.deepcopy(model)
-        apply_ptq(out[method], method, calibration)
+        apply_ptq(out[method], method, prompts)
     return out
 
 

@@ -43,7 +43,7 @@ from tracefp4.kernels import (
     quantize,
 )
 
-from .model import CausalAttention, MoE, Transformer
+from .model import CausalAttention, MoE, Transformer, right_pad
 from .quant import QuantConfig
 
 METHODS = ("nvfp4", "four_over_six", "h_scale")
@@ -200,8 +200,8 @@ class _ExpertInputs:
     gate_up sees the (moe_in) rows of the tokens routed to the expert; down sees
     that expert's intermediate rows."""
 
-    def __init__(self, num_experts: int):
-        self.num_experts = num_experts
+    def __init__(self, num_experts: int, valid: Tensor):
+        self.num_experts, self.valid = num_experts, valid  # valid [T]: the tokens that are no padding
         self.sq: dict[tuple[int, str], Tensor] = {}
         self.n: dict[tuple[int, str], Tensor] = {}
         self._x: dict[int, Tensor] = {}
@@ -219,8 +219,9 @@ class _ExpertInputs:
         return x
 
     def moe_down_in(self, layer, h, rows):
-        self._add(layer, "gate_up", self._x.pop(layer)[rows.token], rows.expert, self.num_experts)
-        self._add(layer, "down", rows.rows(h), rows.expert, self.num_experts)
+        real = self.valid[rows.token]
+        self._add(layer, "gate_up", self._x.pop(layer)[rows.token[real]], rows.expert[real], self.num_experts)
+        self._add(layer, "down", rows.rows(h)[real], rows.expert[real], self.num_experts)
         return h
 
     def kv(self, layer, k, v):
@@ -236,18 +237,28 @@ class _ExpertInputs:
 def calibration_hessians(model: Transformer, tokens) -> dict[tuple[int, str], tuple[Tensor, Tensor]]:
     """Per ``(layer, "gate_up" | "down")``: ``(h [E, in], n [E])``, each expert's
     :func:`hessian_diag` of its input rows and their count, from one BF16 (no
-    quantization) forward of calibration token ids ``[B, S]`` (or ``[S]``)."""
+    quantization) forward of calibration token ids ``[B, S]`` (or ``[S]``), or
+    of sequences of several lengths (a list of token lists: right-padded, the
+    padding's rows left out; prompts cut to the shortest lost the ends of the
+    others, where a chat template's assistant header and a task's question lie)."""
     device = next(model.parameters()).device
-    tokens = torch.as_tensor(tokens, device=device)
-    tokens = tokens[None] if tokens.dim() == 1 else tokens
-    if tokens.dim() != 2 or tokens.numel() == 0 or tokens.is_floating_point():
-        raise ValueError(
-            f"calibration must be integer token ids [B, S] or [S], got {tokens.dtype} {tuple(tokens.shape)}"
-        )
+    if isinstance(tokens, list) and tokens and all(isinstance(t, list) for t in tokens):
+        if not all(tokens):
+            raise ValueError("calibration sequences must each hold a token")
+        tokens, positions, lengths = right_pad(tokens, device=device)
+    else:
+        tokens = torch.as_tensor(tokens, device=device)
+        tokens = tokens[None] if tokens.dim() == 1 else tokens
+        if tokens.dim() != 2 or tokens.numel() == 0 or tokens.is_floating_point():
+            raise ValueError(
+                f"calibration must be integer token ids [B, S] or [S], or a list of token lists, got "
+                f"{tokens.dtype} {tuple(tokens.shape)}"
+            )
+        positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+        lengths = torch.full((tokens.shape[0],), tokens.shape[1], device=device)
     if bool((tokens < 0).any() | (tokens >= model.cfg.vocab_size).any()):
         raise ValueError(f"calibration token ids must lie in 0..{model.cfg.vocab_size - 1}")
-    rec = _ExpertInputs(model.cfg.num_experts)
-    positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)
+    rec = _ExpertInputs(model.cfg.num_experts, (positions < lengths[:, None]).reshape(-1))
     with torch.no_grad():
         model.hidden_states(tokens, positions, CausalAttention(), rec)
     return {key: (rec.sq[key] / rec.n[key].clamp(min=1)[:, None], rec.n[key]) for key in rec.sq}
@@ -257,7 +268,7 @@ def apply_ptq(model: Transformer, method: str, calibration=None, *, k: int = 4) 
     """Replace every routed expert's weights by their PTQ values (in place), per
     expert and matrix with blocks along the input dimension, like
     ``quantize_expert_weights_``. ``method`` is one of :data:`METHODS`;
-    ``h_scale`` needs ``calibration`` token ids ``[B, S]``, read by one forward
+    ``h_scale`` needs ``calibration`` token ids (:func:`calibration_hessians`), read by one forward
     of the unquantized model (:func:`calibration_hessians`) before any weight
     changes; the other methods ignore it. Other parameters are left untouched."""
     if method not in METHODS:

@@ -228,3 +228,21 @@ def test_calibration_hessians_follow_the_routing():
             assert n_gu[e] == n_dn[e] == rows.shape[0]
             assert torch.allclose(h_gu[e], hessian_diag(rows), rtol=1e-5)
             assert torch.allclose(h_dn[e], hessian_diag(inter), rtol=1e-4, atol=1e-12)
+
+
+def test_calibration_sequences_of_several_lengths_count_every_token_and_no_padding():
+    """Prompts of several lengths calibrate whole (they had been cut to the
+    shortest): right-padded, the padding's rows left out, each expert's rows
+    are those of the prompts run one by one."""
+    model = build_model("smoke", seed=0)
+    g = torch.Generator().manual_seed(3)
+    sequences = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 9, 2)]
+    together = calibration_hessians(model, sequences)
+    alone = [calibration_hessians(model, [s]) for s in sequences]
+    for key, (h, n) in together.items():
+        assert torch.equal(n, sum(a[key][1] for a in alone)) and n.sum() == 16 * model.cfg.top_k
+        summed = sum(a[key][0] * a[key][1][:, None] for a in alone)
+        torch.testing.assert_close(h * n[:, None], summed, rtol=1e-9, atol=0)
+    with pytest.raises(ValueError, match="each hold a token"):
+        calibration_hessians(model, [[1, 2], []])
+
