@@ -77,7 +77,10 @@ def main() -> None:
         print(f"{name:34} {seconds:9.4f} {seconds / baseline_s:8.2f} {x.numel() / seconds / 1e9:8.3f}")
 
     theirs = torchao_nvfp4_quantize()
-    if theirs is not None:
+    if theirs is None:  # said, and null in the JSON line: not a figure that silently went missing
+        figures["torchao_nvfp4_quantize_seconds"] = figures["nvfp4_quantize_speedup_vs_torchao"] = None
+        print("NVFP4 quantize vs torchao eager: not measured, torchao is not installed (a dev extra of tracefp4)")
+    else:
         theirs_s = best_seconds(lambda: theirs(x), args.repeat)
         figures["torchao_nvfp4_quantize_seconds"] = theirs_s
         figures["nvfp4_quantize_speedup_vs_torchao"] = theirs_s / figures["quantize_nvfp4_seconds"]
