@@ -230,21 +230,25 @@ def _pool(workers: int) -> ThreadPoolExecutor:
 os.register_at_fork(after_in_child=_pool.cache_clear)  # a forked child has none of the parent's threads
 
 
-def _each_chunk(fn, n_blocks: int, block_size: int) -> None:
-    """``fn(rows)`` for row slices of about CHUNK_ELEMENTS elements (each pass
-    then stays in cache), spread over torch's thread count by chunk, not by op.
+def _each_chunk(fn, blocks: Tensor) -> None:
+    """``fn(rows)`` for slices of the rows of ``blocks`` ``[n, width]`` of about
+    CHUNK_ELEMENTS elements (each pass then stays in cache), on the CPU spread
+    over torch's thread count by chunk, not by op.
 
     Why: a chunk is a dozen small ops, and torch splits each op over its
     threads and waits for all of them. With another process on one of the
     cores, every op then waits for a descheduled thread: on 2 cores with one
     kept busy, quantize ran 2-10x slower on 2 threads than on 1. Whole chunks
     taken from a queue by single-threaded workers never wait on each other:
-    the worker on the busy core simply takes fewer of them.
+    the worker on the busy core simply takes fewer of them. A GPU's chunks
+    run in order on the caller's thread: a worker thread would launch them
+    on the device's default stream, not the caller's.
     """
+    n_blocks, block_size = blocks.shape
     rows = max(1, CHUNK_ELEMENTS // block_size)
     chunks = [slice(i, i + rows) for i in range(0, n_blocks, rows)]
     workers = torch.get_num_threads()
-    if workers < 2 or len(chunks) < 2:
+    if workers < 2 or len(chunks) < 2 or blocks.device.type != "cpu":
         for chunk in chunks:
             fn(chunk)
         return
@@ -266,7 +270,7 @@ def block_amaxes(xb: Tensor) -> Tensor:
     def chunk(rows: slice) -> None:
         amax[rows] = block_amax(xb[rows])
 
-    _each_chunk(chunk, *xb.shape)
+    _each_chunk(chunk, xb)
     return amax
 
 
@@ -277,7 +281,7 @@ def _encode(xb: Tensor, units: Tensor, encode) -> Tensor:
     def chunk(rows: slice) -> None:
         codes[rows] = pack_nibbles(encode(xb[rows] / units[rows, None], rows))
 
-    _each_chunk(chunk, *xb.shape)
+    _each_chunk(chunk, xb)
     return codes
 
 
@@ -328,7 +332,7 @@ def dequantize(packed: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Ten
     def chunk(rows: slice) -> None:
         torch.mul(e2m1_decode_packed(packed_blocks[rows]), units[rows, None], out=values[rows])
 
-    _each_chunk(chunk, *values.shape)
+    _each_chunk(chunk, values)
     return values.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 

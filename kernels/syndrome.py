@@ -301,7 +301,7 @@ def code_side_info(x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tens
         torch.mul(bit, d > 0, out=low[rows].view(b.shape))
         torch.mul(d, relative, out=distance[rows].view(b.shape))
 
-    _each_chunk(chunk, *x2.shape)
+    _each_chunk(chunk, x2)
     return low.view(shape), distance.view(shape)
 
 

@@ -245,4 +245,3 @@ def test_calibration_sequences_of_several_lengths_count_every_token_and_no_paddi
         torch.testing.assert_close(h * n[:, None], summed, rtol=1e-9, atol=0)
     with pytest.raises(ValueError, match="each hold a token"):
         calibration_hessians(model, [[1, 2], []])
-

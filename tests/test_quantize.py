@@ -375,3 +375,30 @@ def test_fp8_refuses_what_only_fp4_takes():
             fake_quantize(x, "fp8", **option)
     with pytest.raises(TypeError, match="float32 or bfloat16, got torch.float16"):
         fake_quantize(x.half(), "fp8")
+
+
+def test_chunks_spread_over_threads_on_the_cpu_and_run_in_order_on_a_device(monkeypatch):
+    """The reference's cache-sized chunks go to single-threaded workers on the
+    CPU (none waits on a descheduled core); a device's run in order on the
+    caller's thread, whose stream they must launch on (a worker's is the
+    device's default). The meta device stands in for a GPU."""
+    import threading
+
+    from tracefp4.kernels import reference
+
+    monkeypatch.setattr(reference, "CHUNK_ELEMENTS", 64)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for device, ours in (("cpu", False), ("meta", True)):
+            seen = []
+            reference._each_chunk(
+                lambda rows, seen=seen: seen.append((rows, threading.current_thread())),
+                torch.empty(40, 16, device=device),
+            )
+            assert sorted(r.start for r, _ in seen) == list(range(0, 40, 4))
+            assert all(t is threading.current_thread() for _, t in seen) == ours
+            if ours:
+                assert [r.start for r, _ in seen] == list(range(0, 40, 4))  # in order
+    finally:
+        torch.set_num_threads(previous)
