@@ -10,7 +10,10 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 .PHONY: venv install install-dev test test-avx2 run results image gpu-check gpu-wheels
 
 # Debian's own python3 makes venvs only with its python3-venv package.
+# A Python older than 3.11 is named here, rather than by pip's requires-python once the venv is made.
 venv:
+	@test -x $(PY) || $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "tracefp4 needs Python 3.11 or later; $(PYTHON) is $$($(PYTHON) -V 2>&1): make ... PYTHON=python3.11" >&2; exit 1; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || \
 		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq python3-venv && $(PYTHON) -m venv $(VENV); }
 
@@ -78,7 +81,7 @@ gpu-wheels: install-dev
 # Needs a Docker engine with buildx and, for the other arch, QEMU (docker run
 # --privileged --rm tonistiigi/binfmt --install arm64) or a native builder; none
 # runs on the development machines.
-VERSION := $(shell $(PYTHON) -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['version'])")
+VERSION = $(shell $(PYTHON) -c "import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['version'])")
 IMAGE ?= ghcr.io/tracefp4/tracefp4
 PLATFORMS ?= linux/amd64,linux/arm64
 OUTPUT ?= --push

@@ -171,9 +171,14 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
 )
 def bootstrap(preset, config_file, sets, output):
     """SFT of the config's initial policy on its tasks (its bootstrap settings, enabled): a Hugging Face checkpoint."""
+    from tracefp4.components.device import resolve
     from tracefp4.components.steps import prepare
 
     config = _config(preset, config_file, settings={"bootstrap.enabled": True}, sets=sets)  # validated with it on
+    try:
+        resolve(config.resources.device)
+    except RuntimeError as e:  # a GPU this machine lacks: said before the checkpoint is read
+        raise click.ClickException(str(e)) from None
     try:
         stats = prepare(config, Path(output))
     except (ValueError, OSError) as e:  # a folder not to write into, a checkpoint that is none

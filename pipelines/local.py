@@ -33,6 +33,7 @@ import kfp.local
 from tqdm import tqdm
 
 from tracefp4.components.checkpoint import MANIFEST, provenance
+from tracefp4.components.device import resolve
 from tracefp4.components.metrics import PUBLISH_FAILED
 from tracefp4.components.store import file_path, open_store
 from tracefp4.schemas import ConfigError, RunConfig, continuation
@@ -384,6 +385,10 @@ def run_local(
     if config.train.in_trainjob:  # found by the train step otherwise, after the rollout
         reason = "trainjob creates a Kubeflow Trainer TrainJob on a cluster; a local run trains on this machine"
         raise ConfigError([("train.launcher", f"{reason}: set launcher torchrun (and nodes 1)")])
+    try:  # found by the first step otherwise, as a traceback in its log
+        resolve(config.resources.device)
+    except RuntimeError as e:
+        raise ConfigError([("resources.device", str(e))]) from None
     output = Path(output).resolve()
     config = localize(config, output)
     # built before the folder is made: it refuses a comparison branch that could not run, a rollout no export

@@ -1,5 +1,5 @@
 """Pytest plugin: a real Pushgateway and Prometheus (the Debian packages that
-``make install`` and .ci/run install) on loopback, Prometheus scraping the
+``make install-dev`` (and so ``make test`` and .ci/run) install) on loopback, Prometheus scraping the
 gateway every second with ``honor_labels`` as the cluster's config does.
 Fixture: ``prometheus`` (one per session) with ``.pushgateway`` and ``.url``."""
 
@@ -48,7 +48,7 @@ class Prometheus:
         missing = [b for b in BINARIES if shutil.which(b) is None]
         if missing:
             raise RuntimeError(
-                f"{', '.join(missing)} not on PATH: `make install` installs the Debian packages "
+                f"{', '.join(missing)} not on PATH: `make install-dev` installs the Debian packages "
                 "(apt-get install prometheus prometheus-pushgateway)"
             )
         gateway_port, port = _free_port(), _free_port()

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import get_args
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from tracefp4.pipelines.cli import main
@@ -113,6 +114,16 @@ def test_a_run_refused_while_its_pipeline_is_built_says_only_why_and_makes_no_fo
     result = CliRunner().invoke(main, [*args, "--output", str(tmp_path / "run")])
     assert result.exit_code == 1 and result.output.startswith("Error: invalid tracefp4 config")
     assert "rollout.activation_global_scale: per_token cannot be exported" in result.output
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has the GPU the run asks for")
+def test_a_run_on_a_gpu_this_machine_lacks_is_refused_before_any_step(tmp_path):
+    """It failed in its first step, a traceback in the step's log."""
+    args = ["run", "--preset", "smoke", "--set", "resources.device=cuda", "--output", str(tmp_path / "run")]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 1 and result.output.startswith("Error: invalid tracefp4 config")
+    assert "resources.device: resources.device is 'cuda', but" in result.output and "Traceback" not in result.output
     assert not (tmp_path / "run").exists()
 
 
