@@ -268,7 +268,7 @@ def apply_ptq(model: Transformer, method: str, calibration=None, *, k: int = 4) 
     """Replace every routed expert's weights by their PTQ values (in place), per
     expert and matrix with blocks along the input dimension, like
     ``quantize_expert_weights_``. ``method`` is one of :data:`METHODS`;
-    ``h_scale`` needs ``calibration`` token ids (:func:`calibration_hessians`), read by one forward
+    ``h_scale`` needs ``calibration`` token ids, read by one forward
     of the unquantized model (:func:`calibration_hessians`) before any weight
     changes; the other methods ignore it. Other parameters are left untouched."""
     if method not in METHODS:

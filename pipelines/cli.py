@@ -171,13 +171,13 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
 )
 def bootstrap(preset, config_file, sets, output):
     """SFT of the config's initial policy on its tasks (its bootstrap settings, enabled): a Hugging Face checkpoint."""
-    from tracefp4.components.device import resolve
     from tracefp4.components.steps import prepare
+    from tracefp4.pipelines.local import check_device
 
     config = _config(preset, config_file, settings={"bootstrap.enabled": True}, sets=sets)  # validated with it on
     try:
-        resolve(config.resources.device)
-    except RuntimeError as e:  # a GPU this machine lacks: said before the checkpoint is read
+        check_device(config)
+    except ConfigError as e:
         raise click.ClickException(str(e)) from None
     try:
         stats = prepare(config, Path(output))

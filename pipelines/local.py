@@ -365,6 +365,16 @@ def _stop_components(log: _Log):
             signal.signal(s, h)
 
 
+def check_device(config: RunConfig) -> None:
+    """A :class:`~tracefp4.schemas.ConfigError` where ``resources.device`` names
+    a GPU this machine lacks: found by a run's (or bootstrap's) first step
+    otherwise, as a traceback in its log."""
+    try:
+        resolve(config.resources.device)
+    except RuntimeError as e:
+        raise ConfigError([("resources.device", str(e))]) from None
+
+
 def run_local(
     config: RunConfig,
     output: Path,
@@ -385,10 +395,7 @@ def run_local(
     if config.train.in_trainjob:  # found by the train step otherwise, after the rollout
         reason = "trainjob creates a Kubeflow Trainer TrainJob on a cluster; a local run trains on this machine"
         raise ConfigError([("train.launcher", f"{reason}: set launcher torchrun (and nodes 1)")])
-    try:  # found by the first step otherwise, as a traceback in its log
-        resolve(config.resources.device)
-    except RuntimeError as e:
-        raise ConfigError([("resources.device", str(e))]) from None
+    check_device(config)
     output = Path(output).resolve()
     config = localize(config, output)
     # built before the folder is made: it refuses a comparison branch that could not run, a rollout no export
