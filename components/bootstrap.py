@@ -113,7 +113,7 @@ def accuracy(
         temperature=0.0, max_new_tokens=max_new_tokens, stop_tokens=tokenizer.stop_ids, pad_token=tokenizer.pad_id
     )
     responses = engine.generate([prompt_ids(tokenizer, p) for p in problems], sampling)
-    rewards = [reward_of(p, tokenizer.response_text(t.response)) for t, p in zip(responses, problems)]
+    rewards = [reward_of(p, tokenizer.response_text(t.response), t.finished) for t, p in zip(responses, problems)]
     return sum(rewards) / len(problems)
 
 

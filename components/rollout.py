@@ -86,6 +86,11 @@ class Trajectory:
     def tokens(self) -> list[int]:
         return self.prompt + self.response
 
+    @property
+    def finished(self) -> bool:
+        """Ended by a stop token, not cut by the length limit."""
+        return self.finish_reason == "stop"
+
 
 def request_seed(seed: int, index: int) -> int:
     """The sampling seed of the request at place ``index`` of a batch seeded

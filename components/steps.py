@@ -876,7 +876,10 @@ def train(
         part = slice(s * per_step, (s + 1) * per_step)
         step_trajectories, step_problems = trajectories[part], batch[part]
         rewards = torch.tensor(
-            [reward_of(p, tokenizer.response_text(t.response)) for t, p in zip(step_trajectories, step_problems)]
+            [
+                reward_of(p, tokenizer.response_text(t.response), t.finished)
+                for t, p in zip(step_trajectories, step_problems)
+            ]
         )
         loader = None
         if config.method == "trace":

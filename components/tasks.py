@@ -495,8 +495,14 @@ def get_task(name: str) -> Task:
         raise ValueError(f"unknown task {name!r}; expected one of {sorted(TASKS)}") from None
 
 
-def reward_of(problem: Problem, response: str) -> float:
-    """The reward of ``response`` by ``problem``'s task."""
+def reward_of(problem: Problem, response: str, finished: bool) -> float:
+    """The reward of ``response`` by ``problem``'s task. A response the length
+    limit cut (not ``finished``) counts up to its last complete line only: its
+    last line may be an answer cut short, "357" of "3579", which the task would
+    take for an answer (and RL reward, where 357 is right)."""
+    if not finished:
+        end = response.rfind(END)
+        response = response[: end + len(END)] if end >= 0 else ""
     return get_task(problem.task).reward(problem, response)
 
 

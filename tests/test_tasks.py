@@ -27,6 +27,7 @@ from tracefp4.components.tasks import (
     evaluate_expression,
     format_example,
     get_task,
+    reward_of,
     split,
 )
 from tracefp4.components.tokenizer import UNK, build_tokenizer
@@ -93,6 +94,16 @@ def test_bad_responses_earn_nothing(problems, name):
             assert task.reward(problem, response) == 0.0, (problem, response)
     wrong = {"arithmetic": "1" + problems[name, 3][0].answer, "countdown": "1+1", "program": "len | neg | -1"}[name]
     assert task.reward(problems[name, 3][0], wrong) == 0.0
+
+
+def test_a_response_the_length_limit_cut_counts_up_to_its_last_complete_line():
+    """Read whole, "357" cut from "3579" was an answer, rewarded where 357 is right."""
+    problem = Problem("arithmetic", "300+57=", "357", {})
+    assert reward_of(problem, "357", finished=True) == 1.0  # ended by a stop token (a chat turn's end)
+    assert reward_of(problem, "357", finished=False) == 0.0
+    assert reward_of(problem, f"357{END}and then", finished=False) == 1.0  # the answer line was complete
+    assert reward_of(problem, f"<think>so{END}</think>{END}357", finished=False) == 0.0
+    assert reward_of(problem, f"<think>so{END}</think>{END}357{END}", finished=False) == 1.0
 
 
 def test_a_problem_of_another_task_is_refused(problems):

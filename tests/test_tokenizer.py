@@ -247,14 +247,18 @@ def test_a_response_holding_a_token_its_text_did_not_show_earns_nothing(chat):
     problem = split("arithmetic", 4, 1, seed=0, difficulty=1)[0][0]
     plain = build_tokenizer()
     answer = plain.encode_answer(problem.answer)
-    assert reward_of(problem, plain.response_text(answer)) == 1.0
-    assert reward_of(problem, plain.response_text(answer[:-1] + [EOS])) == 1.0  # ended by eos, not the newline
+    assert reward_of(problem, plain.response_text(answer), finished=True) == 1.0
+    assert (
+        reward_of(problem, plain.response_text(answer[:-1] + [EOS]), finished=True) == 1.0
+    )  # ended by eos, not the newline
     for planted, shown in ((VOCAB_SIZE, "\ufffd"), (300, "\ufffd"), (PAD, "<pad>"), (BOS, "<bos>"), (EOS, "<eos>")):
         spoiled = plain.response_text(answer[:1] + [planted] + answer[1:])
         assert spoiled == problem.answer[0] + shown + problem.answer[1:] + "\n"
-        assert reward_of(problem, spoiled) == 0.0
+        assert reward_of(problem, spoiled, finished=True) == 0.0
     chat_tokenizer = load_tokenizer(chat)
     answer = chat_tokenizer.encode_answer(problem.answer)
     assert answer[-1] == IDS[IM_END] and chat_tokenizer.response_text(answer) == problem.answer
     for planted in (IDS[IM_START], IDS[ENDOFTEXT], chat_tokenizer.vocab_size):
-        assert reward_of(problem, chat_tokenizer.response_text(answer[:1] + [planted] + answer[1:])) == 0.0
+        assert (
+            reward_of(problem, chat_tokenizer.response_text(answer[:1] + [planted] + answer[1:]), finished=True) == 0.0
+        )
