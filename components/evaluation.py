@@ -6,6 +6,7 @@ run, and the size and fidelity of guidance by R-k bits and layers
 (policies, PTQ copies, engines, the trainer) computes on ``resources.device``.
 """
 
+import contextlib
 import copy
 import tempfile
 import time
@@ -179,7 +180,8 @@ def _discrepancy(config: RunConfig, model, name: str, tokenizer, prompts, sensit
                 top_k=top_k,
             )
             loader = GuidanceLoader(store, 0, [[t.id for t in mb] for mb in trainer.microbatches(trajectories)])
-        stats = trainer.measure(trajectories, loader, records)
+        with contextlib.nullcontext() if loader is None else loader:
+            stats = trainer.measure(trajectories, loader, records)
     discrepancy = {"rollout": name, "trajectories": len(trajectories), **stats}
     rows = []
     if sensitivity:

@@ -945,7 +945,20 @@ class GuidanceLoader:
                 self.fallen_back.update(item.missing)
                 yield item
         finally:  # stopped early (a step that failed, say): free the producer and what it holds
-            self._stopped.set()
-            while self._thread.is_alive():
-                with contextlib.suppress(queue.Empty):
-                    self._queue.get(timeout=0.1)
+            self.close()
+
+    def close(self) -> None:
+        """Stop the prefetch thread and drop what it read ahead. Leaving an
+        iteration early does it; a consumer that failed before it began
+        iterating (or whose iterator is kept alive by a traceback) must, or the
+        thread waits on its full queue for good, holding those microbatches."""
+        self._stopped.set()
+        while self._thread.is_alive():
+            with contextlib.suppress(queue.Empty):
+                self._queue.get(timeout=0.1)
+
+    def __enter__(self) -> "GuidanceLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

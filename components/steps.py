@@ -892,9 +892,10 @@ def train(
                 allow_rtn_fallback=config.guidance.allow_rtn_fallback,
             )
         measured = _restrict(full, torch.tensor([t.id for t in step_trajectories])) if full is not None else None
-        stats = trainer.train_step(
-            step_trajectories, group_advantages(rewards, config.rollout.group_size), loader, measured
-        )
+        with contextlib.nullcontext() if loader is None else loader:  # closed: its prefetch thread ends with the step
+            stats = trainer.train_step(
+                step_trajectories, group_advantages(rewards, config.rollout.group_size), loader, measured
+            )
         stats["train_seconds"] = time.perf_counter() - start - stats["reload_seconds"]
         for key, found in stats.pop("guidance_decode").items():
             decoded[key] = merge_decode_json(decoded.get(key), found)

@@ -507,3 +507,18 @@ def test_a_loader_left_early_stops_its_prefetch_thread(captured, tmp_path):
     assert next(batches).trajectories == [out[0].id]
     batches.close()  # what leaving a for loop early does
     assert not loader._thread.is_alive()
+
+
+def test_a_loader_closed_before_it_was_read_stops_its_prefetch_thread(captured, tmp_path):
+    """A train step that fails before its first microbatch never starts the
+    loader's iterator, whose ``finally`` then never runs: the prefetch thread
+    waited on its full queue for good. Its creator closes it (``with``)."""
+    engine, out, records = captured
+    store = open_store(str(tmp_path))
+    write_step(store, records, rl_step=0, policy_version=0, top_k=2, trajectories_per_shard=1)
+    with pytest.raises(RuntimeError, match="failed"):
+        with GuidanceLoader(store, 0, [[t.id] for t in out], prefetch=1) as loader:
+            iter(loader)
+            raise RuntimeError("the step failed")
+    loader._thread.join(timeout=5)
+    assert not loader._thread.is_alive()
