@@ -1158,8 +1158,15 @@ def upload_folder(folder: Path, target: ArtifactStore) -> bytes:
     """Upload the files of the tracefp4 folder ``folder`` to the store folder
     ``target``, up to :data:`TRANSFER_THREADS` at once, its :data:`MANIFEST`
     once all others are there, so that a reader takes it whole once that is
-    there; returns the manifest."""
+    there; returns the manifest. A folder uploaded there before (a retried
+    step's) is deleted first, its manifest before its other files: files
+    it had that the new one lacks would be taken for the new one's
+    (:func:`fetch` takes the tokenizer's files and :data:`LOCATION` by
+    listing the folder), and while the new files are uploaded the folder
+    holds none of the old one's, which a fetch without a manifest would
+    mix with them unchecked."""
     files = [file for file in sorted(folder.iterdir()) if file.name != MANIFEST]
+    target.delete_keys([key for key in target.list() if "/" not in key], (MANIFEST,))  # the folder's own objects
     each_at_once(lambda file: target.upload(file.name, file), files, TRANSFER_THREADS, "upload")
     target.upload(MANIFEST, folder / MANIFEST)
     return (folder / MANIFEST).read_bytes()

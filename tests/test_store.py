@@ -22,7 +22,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from tracefp4.components.checkpoint import fetch
+from tracefp4.components import checkpoint
+from tracefp4.components.checkpoint import commit_folder, fetch, upload_folder, verify_folder
 from tracefp4.components.store import (
     ArtifactNotFound,
     LocalStore,
@@ -149,6 +150,53 @@ def test_a_local_folder_deletion_takes_what_killed_writers_left_in_it(tmp_path):
     assert not (tmp_path / "state/1").exists()
     assert all(path.exists() for path in kept)
     assert store.list() == ["other/a", "state/2/.metadata"]
+
+
+def tracefp4_folder(path, files: dict[str, bytes]):
+    """A folder of ``files`` with its checksum manifest, as a step writes one."""
+    tmp = path.with_name(path.name + "-tmp")
+    tmp.mkdir()
+    for name, data in files.items():
+        (tmp / name).write_bytes(data)
+    return commit_folder(tmp, path)
+
+
+@pytest.mark.parametrize("backend", ["local", "s3"])
+def test_a_folder_uploaded_again_holds_the_new_files_alone(tmp_path, request, backend, monkeypatch):
+    """A retried step uploads its output folder again to the same store
+    folder (a round's trainer state, a TrainJob round's inputs). The files of
+    the earlier upload that the new one lacks stayed there, and a fetch took
+    them with it: here the earlier policy's generation config, which sets the
+    rollout's sampling defaults. And an upload cut short left the earlier
+    manifest vouching for files the new upload had replaced; with it gone,
+    the earlier files the new upload had not yet replaced would mix with the
+    new ones unchecked (a fetch of a folder without a manifest: the new
+    config with the earlier weights here), so they go first."""
+    uri = request.getfixturevalue("s3_env").uri(_prefix()) if backend == "s3" else (tmp_path / "store").as_uri()
+    target = open_store(uri)
+    earlier = tracefp4_folder(tmp_path / "a", {"model.safetensors": b"a" * 10, "generation_config.json": b"{}"})
+    upload_folder(earlier, target)
+    again = tracefp4_folder(tmp_path / "b", {"model.safetensors": b"b" * 12, "config.json": b'{"b": 1}'})
+    monkeypatch.setattr(checkpoint, "TRANSFER_THREADS", 1)  # in name order: config.json, then the weights
+    upload = target.upload
+
+    def killed_after_one_file(key, path):
+        monkeypatch.setattr(target, "upload", fail)
+        upload(key, path)
+
+    def fail(key, path):
+        raise StoreError("killed")
+
+    monkeypatch.setattr(target, "upload", killed_after_one_file)
+    with pytest.raises(StoreError, match="killed"):
+        upload_folder(again, target)
+    assert target.list() == ["config.json"] and target.get_bytes("config.json") == b'{"b": 1}'
+    monkeypatch.setattr(target, "upload", upload)
+    upload_folder(again, target)
+    assert target.list() == sorted(p.name for p in again.iterdir())
+    fetched = fetch(uri, into=tmp_path / "fetched")
+    assert sorted(p.name for p in fetched.iterdir()) == target.list()
+    verify_folder(fetched)
 
 
 def test_missing_key(store):
