@@ -409,7 +409,10 @@ class StepWriter:
     rewritten the step does not exist, rather than fail its checksums.
     ``run_id`` names the run that rolled the step out, so that another run's
     reader refuses it, and ``policy`` the policy folder it rolled out (its
-    manifest's sha256), so that a reader of another policy refuses it too."""
+    manifest's sha256), so that a reader of another policy refuses it too.
+    ``merged``: the prefix of the step :func:`merge_steps` makes of this one
+    and others (a rollout worker's), which lists this step's shards: it
+    loses its manifest first too, for the same reason."""
 
     def __init__(
         self,
@@ -422,6 +425,7 @@ class StepWriter:
         trajectories_per_shard: int = 64,
         run_id: str = "",
         policy: str = "",
+        merged: str | None = None,
     ):
         self.store, self.base, self.per_shard = store, step_prefix(prefix, rl_step), trajectories_per_shard
         self.header = {"rl_step": rl_step, "policy_version": policy_version, "top_k": top_k}
@@ -429,7 +433,10 @@ class StepWriter:
         self.shards: list[dict] = []
         self.written: set[int] = set()  # the trajectories in the shards so far
         self.empty: CaptureRecords | None = None  # the tables without rows, for a step of no trajectory
-        store.delete(f"{self.base}/{STEP_MANIFEST}")  # a retry's: its shards are overwritten, so the step is gone
+        # a retry's: its shards are overwritten, so the step is gone, and so is the one merged from it
+        if merged is not None:
+            store.delete(f"{step_prefix(merged, rl_step)}/{STEP_MANIFEST}")
+        store.delete(f"{self.base}/{STEP_MANIFEST}")
 
     def add(self, records: CaptureRecords) -> None:
         """Write the shards of ``records``: trajectories none before held, in the tables the step's first part had."""

@@ -475,15 +475,17 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
     engine = _engine(config, policy, capture=_captures(config), device=device)
     writer = None
     if engine.capture is not None:  # written on a thread of its own while the engine decodes
+        kind = store_prefix(config, run_id, _capture_kind(config))
         writer = BackgroundStepWriter(
             _store(config),
             rl_step=round_index,
             policy_version=version,
             top_k=engine.model.cfg.top_k,
-            prefix=worker_prefix(store_prefix(config, run_id, _capture_kind(config)), config, worker),
+            prefix=worker_prefix(kind, config, worker),
             trajectories_per_shard=config.guidance.trajectories_per_shard,
             run_id=run_id,
             policy=digest,
+            merged=kind if workers > 1 else None,  # compaction's merge of the workers' steps (a retry's)
         )
     per_step = len(batch) // steps
     trajectories, mine = [], []

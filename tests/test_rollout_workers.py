@@ -81,6 +81,32 @@ def test_a_missing_or_mismatched_worker_is_refused(tmp_path, policy):
         )
 
 
+def test_a_retried_worker_takes_the_merged_step_with_its_own(tmp_path, policy, monkeypatch):
+    """Compaction's merged step lists every worker's shards. A worker retried
+    after it (its task's retry, or the run's) deleted its own manifest before
+    rewriting its shards, but not the merged one, which went on vouching for
+    shards being rewritten: a reader failed on their checksums. The merged
+    step is missing now until compaction merges the workers' steps again."""
+    c, gathered, _ = roll(tmp_path, policy, 2)
+    steps.compaction(c, policy, gathered, 0, RUN)
+    store, kind = open_store(c.store.uri), steps.store_prefix(c, RUN, "guidance")
+    assert read_manifest(store, 0, kind)["shards"]
+
+    def killed(*args, **kwargs):
+        raise RuntimeError("killed")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(TorchEngine, "generate", killed)
+        with pytest.raises(RuntimeError, match="killed"):
+            steps.rollout(c, policy, 0, tmp_path / "part-1.jsonl", RUN, worker=1)
+    for prefix in (kind, steps.worker_prefix(kind, c, 1)):
+        with pytest.raises(GuidanceError, match="no manifest, so step 0 is missing"):
+            read_manifest(store, 0, prefix)
+    steps.rollout(c, policy, 0, tmp_path / "part-1.jsonl", RUN, worker=1)
+    steps.compaction(c, policy, gathered, 0, RUN)
+    assert sorted(t for e in read_manifest(store, 0, kind)["shards"] for t in e["trajectories"]) == list(range(12))
+
+
 def test_more_workers_than_responses_are_refused_by_the_schema(tmp_path):
     data = config(tmp_path, 1).model_dump()
     data["rollout"]["workers"] = 7
