@@ -17,9 +17,9 @@ venv:
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV) || \
 		{ $(SUDO) apt-get update -qq && $(SUDO) apt-get install -y -qq python3-venv && $(PYTHON) -m venv $(VENV); }
 
-# What the run needs; torch first: 2.13.0 is the CPU wheel on local disk, and
-# it then satisfies torch>=2.11. A stamp per environment: reinstalled when
-# pyproject.toml changes.
+# What the run needs: torch 2.13.0 first (PyPI's Linux wheel is the CUDA build;
+# a CPU wheel of 2.13.0 installed beforehand satisfies the pin and stays), then
+# the project. A stamp per environment: reinstalled when pyproject.toml changes.
 $(VENV)/.tracefp4-run: pyproject.toml | venv
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e .

@@ -60,8 +60,8 @@ class QuantConfig:
     weights: str | None = None
     activations: str | None = None
     kv: str | None = None
-    # QUADS-style residual activation compensation: per FP4 activation tensor, the
-    # channels with the largest mean quantization error take back their exact values
+    # QUADS-style residual activation compensation: in each row of an FP4 activation site, the
+    # channels with the largest quantization error take back their exact values
     compensated_channels: int = 0
     # NVFP4 activation global scales: static per (layer, site), or per_token (one per row)
     activation_global_scale: str = "static"

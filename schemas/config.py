@@ -244,9 +244,9 @@ class RolloutConfig(_Section):
         default=8,
         ge=0,
         le=1 << 20,
-        description="QUADS' rollout-side residual activation compensation, used by method quads only: per FP4 "
-        "activation tensor, this many channels with the largest quantization error keep their exact values (as "
-        "many as a tensor has or more: all of them).",
+        description="QUADS' rollout-side residual activation compensation, used by method quads only: in each "
+        "row of an FP4 activation site (a token, or at moe_down_in a token's expert slot), this many channels "
+        "with the largest quantization error keep their exact values (as many as a row has or more: all of them).",
     )
 
 
