@@ -103,6 +103,9 @@ _EXPERT_INDEX = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")
 QWEN35_TEXT = "qwen3_5_moe_text"  # model_type of Qwen3.5-MoE's language model alone (what save_model writes)
 _LANGUAGE_MODEL = "model.language_model."  # where a multimodal qwen3_5_moe checkpoint keeps the language model
 _SKIPPED = ("model.visual.", "mtp.")  # vision tower, multi-token prediction head: not part of the policy
+# transformers' num_key_value_heads where config.json leaves it out: its config classes' fixed defaults, not the
+# number of query heads; qwen3_5_moe's head_dim defaults likewise to 256, not hidden_size // num_attention_heads
+_KV_HEADS = {"qwen3_moe": 4, "qwen2_moe": 16, "qwen3_5_moe": 2}
 # config.json keys that config_from_hf reads or config_to_hf writes; the rest are kept in ModelConfig.extra
 _HF_KEYS = {
     "model_type",
@@ -224,8 +227,8 @@ def config_from_hf(hf: dict) -> ModelConfig:
         "hidden_size": hidden,
         "num_layers": layers,
         "num_heads": heads,
-        "num_kv_heads": size("num_key_value_heads", heads),
-        "head_dim": size("head_dim", hidden // heads),
+        "num_kv_heads": size("num_key_value_heads", _KV_HEADS[model_type]),
+        "head_dim": size("head_dim", 256 if qwen35 else hidden // heads),  # transformers' defaults where absent
         # num_local_experts where only that key is given (and num_experts named where neither is)
         "num_experts": size(
             "num_local_experts"

@@ -1,6 +1,7 @@
 """The policy model: logits equal transformers' on the same checkpoint, and
 checkpoints round-trip in the Hugging Face layout."""
 
+import dataclasses
 import json
 import logging
 from types import SimpleNamespace
@@ -58,6 +59,22 @@ def test_logits_equal_transformers(kind, tmp_path):
         expected = reference(tokens).logits
         got = ours(tokens, torch.arange(17).expand(3, 17))
     assert (got - expected).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "qwen3_5_moe_text"])
+def test_a_config_without_head_sizes_reads_transformers_defaults(kind):
+    """Where config.json leaves out num_key_value_heads or head_dim,
+    transformers reads its config class's defaults: fixed KV head counts, and
+    for Qwen3.5 heads of 256, not hidden_size // num_attention_heads. A
+    checkpoint so written loaded with the other sizes, or failed naming a
+    projection's shape instead."""
+    preset = {"qwen3_moe": "tiny", "qwen2_moe": "tiny-qwen2", "qwen3_5_moe_text": "tiny-qwen35"}[kind]
+    hf = config_to_hf(dataclasses.replace(PRESETS[preset], num_heads=16, hidden_size=64))
+    del hf["num_key_value_heads"], hf["head_dim"]
+    reference = transformers.AutoConfig.for_model(kind, **{k: v for k, v in hf.items() if k != "model_type"})
+    cfg = config_from_hf(hf)
+    assert cfg.num_kv_heads == reference.num_key_value_heads
+    assert cfg.head_dim == (getattr(reference, "head_dim", None) or 64 // 16)  # as its attention layers read it
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe"])
