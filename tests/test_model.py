@@ -12,13 +12,14 @@ import torch.nn.functional as F
 import transformers
 
 from tracefp4.components.checkpoint import config_from_hf, config_to_hf, load_model, save_model
-from tracefp4.components.model import PRESETS, CausalAttention, ExpertRows, build_model, grouped_matmuls
+from tracefp4.components.model import PRESETS, CausalAttention, ExpertRows, build_model, grouped_matmuls, right_pad
 from tracefp4.components.quant import ROLLOUT_CONFIGS, QuantConfig, quant_sites, rollout_config
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
 
-def hf_model(kind: str):
+def hf_model(kind: str, **changes):
+    """A small random transformers model of ``kind`` (``changes``: config fields over the defaults here)."""
     common = {
         "vocab_size": 96,
         "hidden_size": 64,
@@ -32,13 +33,11 @@ def hf_model(kind: str):
     }
     if kind.startswith("qwen3_moe"):  # qwen3_moe-bias: attention_bias, which gives o_proj a bias too
         bias = kind.endswith("bias")
-        cfg = transformers.Qwen3MoeConfig(
-            **common, head_dim=16, norm_topk_prob=True, mlp_only_layers=[1], attention_bias=bias
-        )
-        model = transformers.Qwen3MoeForCausalLM(cfg)
+        fields = {**common, "head_dim": 16, "norm_topk_prob": True, "mlp_only_layers": [1], "attention_bias": bias}
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**fields | changes))
     else:
-        cfg = transformers.Qwen2MoeConfig(**common, shared_expert_intermediate_size=48, decoder_sparse_step=1)
-        model = transformers.Qwen2MoeForCausalLM(cfg)
+        fields = {**common, "shared_expert_intermediate_size": 48, "decoder_sparse_step": 1}
+        model = transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(**fields | changes))
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # non-trivial norms and biases, so that every parameter matters
         for name, p in model.named_parameters():
@@ -59,6 +58,82 @@ def test_logits_equal_transformers(kind, tmp_path):
         expected = reference(tokens).logits
         got = ours(tokens, torch.arange(17).expand(3, 17))
     assert (got - expected).abs().max().item() < 1e-4
+
+
+def assert_logits_equal_transformers(reference, ours, lengths: tuple[int, ...], cached_decode: bool = True) -> None:
+    """``ours`` (loaded from ``reference``'s checkpoint) gives ``reference``'s
+    float32 logits on prompts of ``lengths`` in one right-padded batch (the
+    batches tracefp4 runs): against each prompt alone, against transformers'
+    own left-padded batch with its attention mask (positions counted from each
+    prompt's first token, as its generate counts them), and against
+    transformers' prefill of the longest prompt but its last 8 tokens, then
+    decoded token by token from its KV cache and recurrent states
+    (``cached_decode``)."""
+    vocab = reference.config.get_text_config().vocab_size
+    gen = torch.Generator().manual_seed(1)
+    sequences = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
+    tokens, positions, _ = right_pad(sequences)
+    longest = max(lengths)
+    left = torch.zeros(len(lengths), longest, dtype=torch.long)
+    mask = torch.zeros_like(left)
+    for row, seq in enumerate(sequences):
+        left[row, longest - len(seq) :], mask[row, longest - len(seq) :] = torch.tensor(seq), 1
+    with torch.no_grad():
+        got = ours(tokens, positions)
+        left_padded = reference(
+            input_ids=left, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=False
+        ).logits
+        for row, seq in enumerate(sequences):
+            alone = reference(torch.tensor([seq]), use_cache=False).logits[0]
+            torch.testing.assert_close(got[row, : len(seq)], alone, rtol=0, atol=1e-4, msg=f"prompt {row} alone")
+            torch.testing.assert_close(
+                got[row, : len(seq)], left_padded[row, longest - len(seq) :], rtol=0, atol=1e-4, msg=f"left {row}"
+            )
+        if cached_decode:
+            row, start = lengths.index(longest), longest - 8
+            out = reference(tokens[row : row + 1, :start], use_cache=True)
+            steps = [out.logits[0]]
+            for t in range(start, longest):
+                out = reference(tokens[row : row + 1, t : t + 1], cache=out.cache, use_cache=True)
+                steps.append(out.logits[0])
+            torch.testing.assert_close(got[row], torch.cat(steps), rtol=0, atol=1e-4, msg="transformers' decode")
+
+
+@pytest.mark.parametrize(
+    "kind, changes",
+    [
+        # dense MLP layers by decoder_sparse_step and mlp_only_layers, top-k weights left unnormalized
+        ("qwen3_moe", {"decoder_sparse_step": 2, "mlp_only_layers": [2], "norm_topk_prob": False}),
+        # tied embeddings, heads wider than hidden_size / heads, another RoPE base, the router's aux-loss fields
+        (
+            "qwen3_moe",
+            {
+                "tie_word_embeddings": True,
+                "head_dim": 24,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+                "output_router_logits": True,
+                "router_aux_loss_coef": 0.5,
+                "num_key_value_heads": 4,
+            },
+        ),
+        (
+            "qwen2_moe",
+            {
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 2,
+                "qkv_bias": False,
+                "head_dim": 24,
+                "tie_word_embeddings": True,
+                "num_experts_per_tok": 4,
+            },
+        ),
+    ],
+)
+def test_config_edge_cases_give_transformers_logits(kind, changes, tmp_path):
+    reference = hf_model(kind, **changes)
+    reference.save_pretrained(tmp_path / "hf")
+    ours = load_model(tmp_path / "hf").eval()
+    assert_logits_equal_transformers(reference, ours, (17, 5, 11))
 
 
 @pytest.mark.parametrize("kind", ["qwen3_moe", "qwen2_moe", "qwen3_5_moe_text"])

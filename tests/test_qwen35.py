@@ -11,6 +11,7 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import save_file
+from test_model import assert_logits_equal_transformers
 
 from tracefp4.components.checkpoint import config_from_hf, config_to_hf, load_model, save_model
 from tracefp4.components.deltanet import causal_conv, chunked_delta_rule, recurrent_delta_rule
@@ -101,6 +102,46 @@ def test_multimodal_checkpoint_logits_equal_transformers(tmp_path, caplog):
     assert sorted(p.name for p in (tmp_path / "served").iterdir()) == [
         "checksums.json", "config.json", "generation_config.json", "model.safetensors",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        # full attention first, whole heads rotated at another base, attention biases, tied embeddings, a
+        # conv of 2
+        {
+            "num_hidden_layers": 3,
+            "layer_types": ["full_attention", "linear_attention", "linear_attention"],
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 1.0},
+            "attention_bias": True,
+            "tie_word_embeddings": True,
+            "linear_conv_kernel_dim": 2,
+        },
+        # the layer types from full_attention_interval, half of each head rotated (the top-level spelling), as
+        # many linear value heads as key heads, a conv of 6, every expert routed
+        {
+            "layer_types": None,
+            "full_attention_interval": 2,
+            "partial_rotary_factor": 0.5,
+            "linear_num_value_heads": 2,
+            "linear_conv_kernel_dim": 6,
+            "num_experts_per_tok": 4,
+        },
+        # linear attention alone (transformers' cache then fails: no decode), heads of hidden_size / heads
+        {"layer_types": ["linear_attention"] * 4, "head_dim": 8},
+        {"layer_types": ["full_attention"] * 4},
+    ],
+    ids=["full-first", "interval", "all-linear", "all-full"],
+)
+def test_config_edge_cases_give_transformers_logits(changes, tmp_path):
+    """Past the chunked form's chunk of 64 tokens, in a right-padded batch,
+    and against transformers' own cached decode (``assert_logits_equal_transformers``)."""
+    reference = transformers.Qwen3_5MoeForCausalLM(transformers.Qwen3_5MoeTextConfig(**TEXT | changes)).eval()
+    randomize(reference, 0)
+    reference.save_pretrained(tmp_path / "hf")
+    ours = load_model(tmp_path / "hf").eval()
+    assert ours.cfg.layer_types == tuple(reference.config.layer_types)
+    assert_logits_equal_transformers(reference, ours, (150, 5, 64, 65), cached_decode=bool(ours.cfg.attention_layers))
 
 
 def test_saved_checkpoint_loads_in_transformers(tmp_path):
