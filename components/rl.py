@@ -183,7 +183,12 @@ def group_advantages(rewards: Tensor, group_size: int, eps: float = 1e-6) -> Ten
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     groups = rewards.view(-1, group_size)
-    return ((groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + eps)).view(-1)
+    centered = groups - groups.mean(1, keepdim=True)
+    # a group of equal rewards has nothing to compare: exactly 0. Its float32 mean can sit an ulp off the rewards
+    # (eight rewards of 0.9), and over a std of about an ulp plus eps that ulp gave every response of the group
+    # the same advantage of -0.06, pushing all of them down
+    equal = (groups == groups[:, :1]).all(1, keepdim=True)
+    return torch.where(equal, 0.0, centered / (groups.std(1, keepdim=True) + eps)).view(-1)
 
 
 def grpo_loss(

@@ -16,7 +16,7 @@ from tracefp4.components.guidance import GuidanceError, GuidanceLoader, read_man
 from tracefp4.components.model import build_model
 from tracefp4.components.qat import QUANTIZING_CAPTURED_SITES
 from tracefp4.components.quant import rollout_config
-from tracefp4.components.rl import SequenceBatch, alignment_metrics, stack_rows, token_logprobs
+from tracefp4.components.rl import SequenceBatch, alignment_metrics, group_advantages, stack_rows, token_logprobs
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
 from tracefp4.components.trainer import MASTER_PREFIX, TrainConfig, Trainer
@@ -398,6 +398,17 @@ def test_gradient_accumulation_groups_microbatches():
         build_model("smoke", seed=0), TrainConfig(method="qat", microbatch_size=2), engine.quant, engine.global_scales
     )
     assert whole.train_step(trajectories, torch.tensor([1.0, -1.0] * 4), None)["optimizer_steps"] == 1
+
+
+@pytest.mark.parametrize("reward", [0.9, 0.1, 0.7, 1 / 3])
+def test_a_group_of_equal_rewards_has_no_advantage(reward):
+    """Partial-credit rewards whose float32 group mean is an ulp off the rewards
+    themselves (eight of 0.9) gave every response of the group the same
+    advantage, -0.06 for 0.9, once divided by a std of about an ulp plus eps."""
+    rewards = torch.tensor([reward] * 8 + [0.0, 1.0] * 4)
+    advantages = group_advantages(rewards, 8)
+    assert advantages[:8].tolist() == [0.0] * 8
+    assert advantages[8:].tolist() == pytest.approx([-((7 / 8) ** 0.5), (7 / 8) ** 0.5] * 4, rel=1e-5)
 
 
 def test_ppo_old_policy_is_the_one_the_step_starts_from():
