@@ -400,6 +400,45 @@ def test_gradient_accumulation_groups_microbatches():
     assert whole.train_step(trajectories, torch.tensor([1.0, -1.0] * 4), None)["optimizer_steps"] == 1
 
 
+def test_a_steps_gradient_does_not_depend_on_the_microbatch_size():
+    """The loss is a token mean over the step's response tokens (score centering's
+    term too): responses of other lengths split into microbatches of 1, 3 or all 8
+    give the same gradient, each microbatch weighted by its share of the tokens.
+    The sampler's top-k is made less likely than it was, so that truncated IS
+    leaves score centering a gradient of its own."""
+    engine = TorchEngine(build_model("smoke", seed=0), rollout_config("fp4_wa_kv"))
+    sampled = engine.generate([[5, 6, 7], [9, 4]] * 4, SamplingParams(max_new_tokens=6, seed=3, record_topk=8))
+    trajectories = [
+        dataclasses.replace(
+            t,
+            response=t.response[:n],
+            logprobs=t.logprobs[:n],
+            topk_ids=t.topk_ids[:n],
+            topk_logprobs=[[lp - 1.5 for lp in top] for top in t.topk_logprobs[:n]],
+        )
+        for t, n in zip(sampled, [1, 6, 2, 5, 3, 6, 1, 4])
+    ]
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.3, 0.2, 1.2, -0.7, 0.1])
+    grads, losses = [], []
+    for size in (1, 3, 8):
+        config = TrainConfig(
+            method="tis_sc", microbatch_size=size, precision="fp32_master", compute_dtype=torch.float32
+        )
+        trainer = Trainer(build_model("smoke", seed=0), config, engine.quant, engine.global_scales)
+        step = trainer._optimizer_step
+
+        def keep_gradients(trainer=trainer, step=step):
+            grads.append([p.grad.clone() for p in trainer.weights.tensors()])
+            return step()
+
+        trainer._optimizer_step = keep_gradients
+        losses.append(trainer.train_step(trajectories, advantages, None)["loss"])
+    assert losses == pytest.approx([losses[0]] * 3, rel=1e-5)
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("reward", [0.9, 0.1, 0.7, 1 / 3])
 def test_a_group_of_equal_rewards_has_no_advantage(reward):
     """Partial-credit rewards whose float32 group mean is an ulp off the rewards
