@@ -206,17 +206,21 @@ def grpo_loss(
     rollout policy (FP4) not being the training policy. Token-mean over
     ``mask``: a boolean ``[B, T]`` mask, or its indices
     (:attr:`SequenceBatch.response_index`, which read nothing from the device).
-    The figures are detached 0-dim tensors, for the caller to read when it syncs."""
+    The figures are detached 0-dim tensors, for the caller to read when it syncs.
+    Only the tokens of ``mask`` are computed: a prompt or padding position whose
+    ratio overflowed to inf, left out of the mean, still sent a NaN (0 * inf)
+    back through ``exp`` into every weight."""
+    adv = advantages[:, None].expand_as(logprobs)[mask]
+    logprobs, old_logprobs, rollout_logprobs = (t[mask] for t in (logprobs, old_logprobs, rollout_logprobs))
     ratio = (logprobs - old_logprobs).exp()
-    adv = advantages[:, None].expand_as(logprobs)
     surrogate = torch.minimum(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
     tis = (old_logprobs - rollout_logprobs).exp().clamp(max=tis_cap).detach()
-    loss = -(tis * surrogate)[mask].mean()
+    loss = -(tis * surrogate).mean()
     return loss, {
         # the tokens whose clipped term was taken (no gradient), as verl's pg_clipfrac counts them: a ratio past
         # the band on the side the advantage does not push towards keeps its gradient
-        "clip_fraction": (surrogate < ratio * adv)[mask].float().mean(),
-        "tis_weight_mean": tis[mask].mean(),
+        "clip_fraction": (surrogate < ratio * adv).float().mean(),
+        "tis_weight_mean": tis.mean(),
     }
 
 

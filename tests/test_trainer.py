@@ -16,7 +16,14 @@ from tracefp4.components.guidance import GuidanceError, GuidanceLoader, read_man
 from tracefp4.components.model import build_model
 from tracefp4.components.qat import QUANTIZING_CAPTURED_SITES
 from tracefp4.components.quant import rollout_config
-from tracefp4.components.rl import SequenceBatch, alignment_metrics, group_advantages, stack_rows, token_logprobs
+from tracefp4.components.rl import (
+    SequenceBatch,
+    alignment_metrics,
+    group_advantages,
+    grpo_loss,
+    stack_rows,
+    token_logprobs,
+)
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
 from tracefp4.components.trainer import MASTER_PREFIX, TrainConfig, Trainer
@@ -437,6 +444,25 @@ def test_a_steps_gradient_does_not_depend_on_the_microbatch_size():
     for other in grads[1:]:
         for a, b in zip(grads[0], other):
             torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("indices", [False, True])
+def test_positions_outside_the_response_send_no_gradient(indices):
+    """A prompt or padding position whose ratio to the old policy overflows
+    (here a log-ratio of 99) is left out of the loss, and out of its backward:
+    it had sent NaN (0 * inf through exp) into the gradient, and from there into
+    every weight at the optimizer step."""
+    logprobs = torch.tensor([[-1.0, -1.0, -2.0]], requires_grad=True)
+    old = torch.tensor([[-1.0, -100.0, -2.5]])
+    mask = torch.tensor([[True, False, True]])
+    loss, stats = grpo_loss(
+        logprobs, old, old - 0.5, torch.tensor([1.0]), mask.nonzero(as_tuple=True) if indices else mask
+    )
+    loss.backward()
+    # the first token's ratio 1; the last's e^0.5 clipped to 1.2 (no gradient); both TIS-weighted by e^0.5
+    assert loss.item() == pytest.approx(-(torch.e**0.5) * (1 + 1.2) / 2)
+    assert logprobs.grad[0].tolist() == pytest.approx([-(torch.e**0.5) / 2, 0.0, 0.0])
+    assert stats["clip_fraction"].item() == 0.5 and stats["tis_weight_mean"].item() == pytest.approx(torch.e**0.5)
 
 
 @pytest.mark.parametrize("reward", [0.9, 0.1, 0.7, 1 / 3])
