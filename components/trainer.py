@@ -77,7 +77,7 @@ class TrainingPass:
     logprobs: Tensor
     rollout_logprobs: Tensor
     mask: Tensor
-    guidance_coverage: float | None  # share of captured elements rounded with guidance (None: nothing guided)
+    guidance_coverage: float  # share of captured elements rounded with guidance (0.0: none, or none captured)
 
     def alignment(self, tis_cap: float) -> dict[str, float]:
         return alignment_metrics(self.logprobs, self.rollout_logprobs, self.mask, tis_cap=tis_cap)
