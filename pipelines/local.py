@@ -12,6 +12,9 @@ Nothing silent, nothing lost:
 - SIGINT or SIGTERM stops the running component and its children before the
   runner raises :class:`Interrupted` (kfp.local starts them in this process's
   group, so a signal sent to this process alone would leave them writing);
+  SIGKILL stops nothing, and the running component, which holds the
+  folder's lock too (:func:`.resume.hold_folder_lock`), keeps a rerun out
+  of the folder until it has ended;
 - a rerun of the same folder resumes after the last completed task
   (:mod:`.resume`).
 """
@@ -399,29 +402,31 @@ def run_local(
     output = Path(output).resolve()
     config = localize(config, output)
     # built before the folder is made: it refuses a comparison branch that could not run, a rollout no export
-    # expresses, a checkpoint that is not there
+    # expresses
     if methods:
         pipeline = build_comparison_pipeline(config, methods, retries=False)
     else:
         pipeline = build_pipeline(config, retries=False)
-    request = resume.request(config, methods)
+    # reached now, as every step will (its endpoint, credentials and bucket), in the steps' environment (which
+    # store.endpoint sets): else a typo shows in the rollout, after the bootstrap
+    env = {**os.environ, **config.store.pod_environment()}
+    store = open_store(config.store.uri, env=env, create_bucket=config.store.create_bucket)
+    request = resume.request(config, methods, store)  # it refuses a checkpoint that is not there
     output.mkdir(parents=True, exist_ok=True)
-    # held until the run ends: two runs in one folder would share a run id
+    # held until the run ends (and by its tasks until they do): two runs in one folder would share a run id
     with contextlib.closing(resume.lock_folder(output)):
-        # reached now, as every step will (its endpoint, credentials and bucket): else a typo shows in the
-        # rollout, after the bootstrap
-        open_store(config.store.uri, create_bucket=config.store.create_bucket)
         run_id, resumed, others = resume.run_id(output, request, restart)
         note = ", resumed: finished tasks are reused, not rerun" if resumed else ""
         if others and not resumed:
             note = (
-                f", a new run: the folder's {others} other run(s) were asked for other settings, methods, code or "
-                "checkpoint (each resumes when asked for again)"
+                f", a new run: the folder's {others} other run(s) were asked for other settings, methods, code, "
+                "checkpoint or store endpoint (each resumes when asked for again)"
             )
         header = f"running {config.name}: {config.rl.rounds} round(s) of {config.rl.steps_per_round} step(s), method "
         header += f"{', '.join(methods or [config.method])}; component logs in {log or output / 'pipeline.log'}"
         print(f"{header}\nrun id {run_id}{note}", file=out, flush=True)  # once the run is sure to start
-        resume.cache_every_task(pipeline)
+        resume.cache_every_task(pipeline, run_id)
+        resume.hold_folder_lock(pipeline, output)
         kfp.local.init(
             runner=kfp.local.SubprocessRunner(use_venv=False),
             pipeline_root=str(output / resume.PIPELINE_ROOT),

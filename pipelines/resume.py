@@ -7,18 +7,25 @@ temporary file renamed), keyed by the component, its code and its resolved
 arguments (the config JSON, the round, the run id, the upstream artifacts'
 URIs and metadata), and drops an entry whose artifact files are gone. A task
 that was interrupted or failed has no entry, so its partial outputs are never
-read: the rerun runs it again into a fresh folder. The run folder holds:
+read: the rerun runs it again into a fresh folder. Every task's key also
+holds the run id (:func:`cache_every_task`): ``configure`` takes no run id,
+and its entry would otherwise outlive a new run (changed code, ``--restart``).
+The run folder holds:
 
 - ``run.json``: per request, the hash of what was asked for (config and
-  methods) and of the code asked to do it (:func:`code_digest`), and its run
+  methods), of the code asked to do it (:func:`code_digest`) and of the
+  server of an S3 store (its endpoint, from the environment), and its run
   id (created once, reused on every resume). The same config on the same
-  code resumes; another config, or changed code, starts a new run id, whose
-  keys match nothing recorded (kfp.local's key holds a component's own few
-  lines, not the library code they call), and coming back to an earlier
+  code resumes; another config, changed code or another S3 endpoint starts
+  a new run id, whose keys match nothing recorded (kfp.local's key holds a
+  component's own few lines, not the library code they call), and coming back to an earlier
   request (a setting tried and undone, an edit reverted) resumes its run.
 - ``completed/``: kfp.local's cache entries, one JSON file per finished task.
-- ``.lock``: held (``flock``) by the run in the folder, with its pid: a second
-  run in the same folder stops at once instead of sharing the first one's run id.
+- ``.lock``: held (``flock``) by the run in the folder, with its pid, and by
+  every task it runs (:func:`hold_folder_lock`): a second run in the same
+  folder stops at once instead of sharing the first one's run id, also
+  while a task of a run killed with SIGKILL (which could not stop its
+  tasks) still writes there.
 
 With ``model.checkpoint`` (and ``model.trainer_state``) the request also
 holds its fingerprint (its manifest's hash): the same URI with other weights
@@ -33,6 +40,7 @@ new run the previous run's outputs); :func:`cache_every_task` turns it on in
 the local copy of the spec only.
 """
 
+import contextlib
 import fcntl
 import hashlib
 import importlib
@@ -43,7 +51,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from tracefp4.components.checkpoint import CheckpointError, fingerprint
-from tracefp4.components.store import write_atomic
+from tracefp4.components.store import ArtifactStore, S3Store, write_atomic
 from tracefp4.schemas import ConfigError, RunConfig
 
 RUN_FILE = "run.json"
@@ -51,6 +59,18 @@ LOCK_FILE = ".lock"  # flock-ed by the run in the folder (lock_folder)
 COMPLETED = "completed"
 PIPELINE_ROOT = "pipeline_root"  # kfp.local's, in the run folder: the tasks' outputs
 PACKAGES = ("tracefp4.kernels", "tracefp4.components", "tracefp4.pipelines", "tracefp4.schemas")
+RUN_ENV = "TRACEFP4_LOCAL_RUN_ID"  # in every task's environment: kfp.local's key of each task holds it
+LOCK_ENV = "TRACEFP4_FOLDER_LOCK"  # the run folder's lock, which every task holds (hold_folder_lock)
+# what each task runs before its own command, under "python3" (kfp.local writes its Python over that word in every
+# argument, so the lock's path comes in the environment): the folder's lock, shared with the run, on a descriptor
+# that the command (sh, then the component's Python) inherits
+HOLD_LOCK = (
+    "import fcntl, os, sys\n"
+    f"lock = os.open(os.environ[{LOCK_ENV!r}], os.O_RDONLY)\n"
+    "fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)\n"
+    "os.set_inheritable(lock, True)\n"
+    "os.execvp(sys.argv[1], sys.argv[1:])\n"
+)
 
 
 def code_digest() -> str:
@@ -68,12 +88,16 @@ class FolderInUse(RuntimeError):
     """Another run holds the run folder."""
 
 
-def request(config: RunConfig, methods: list[str] | None) -> str:
+def request(config: RunConfig, methods: list[str] | None, store: ArtifactStore) -> str:
     """What a run is asked to do, as :func:`run_id` compares it: the config,
-    the methods, the code (:func:`code_digest`) and, from a checkpoint (and a
-    continuation's trainer state), its fingerprint: the same URI with other
-    weights behind it is another run. One that is not there is refused, naming its field."""
+    the methods, the code (:func:`code_digest`), the server of an S3
+    ``store`` (the run's, opened: its endpoint comes from the environment,
+    and the same bucket on another server holds none of the finished tasks'
+    outputs) and, from a checkpoint (and a continuation's trainer state), its
+    fingerprint: the same URI with other weights behind it is another run.
+    One that is not there is refused, naming its field."""
     asked = config.model_dump_json() + repr(methods) + code_digest()
+    asked += f"\0{store.endpoint}" if isinstance(store, S3Store) else ""
     for field, uri in (
         ("model.checkpoint", config.model.checkpoint),
         ("model.trainer_state", config.model.trainer_state),
@@ -88,21 +112,44 @@ def request(config: RunConfig, methods: list[str] | None) -> str:
 def lock_folder(output: Path):
     """The run folder's lock, taken at once or not at all: two runs in one folder
     would resume the same run id and overwrite each other's guidance and log.
-    Held while the returned file is open; the holder's pid is in it."""
-    lock = open(Path(output) / LOCK_FILE, "a+")
+    Held while the returned file is open, shared with the run's tasks
+    (:func:`hold_folder_lock`), each of which holds it until it ends: a run
+    killed with SIGKILL leaves its running task writing in the folder. The
+    run's pid is in it."""
+    path = Path(output) / LOCK_FILE
+    lock = open(path, "a+")
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no run, no task of one, holds it
+        lock.truncate(0)
+        lock.write(f"{os.getpid()}\n")
+        lock.flush()
+        # shared from now on, with the tasks; a run that took it in the meantime holds it, and this one stops
+        fcntl.flock(lock, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
-        holder = lock.read().strip() or "?"
+        run = lock.read().strip() or "?"
         lock.close()
+        tasks = [str(pid) for pid in _holders(path)]
+        if not tasks or run in tasks:
+            raise FolderInUse(
+                f"{output} is in use by another run (pid {run}); wait for it to end, or choose another --output"
+            ) from None
         raise FolderInUse(
-            f"{output} is in use by another run (pid {holder}); wait for it to end, or choose another --output"
+            f"{output} is in use by pid(s) {', '.join(tasks)}, task(s) of an earlier run (pid {run}) that ended "
+            f"without stopping them (killed with SIGKILL?): wait for them to end, or stop them (kill {' '.join(tasks)})"
         ) from None
-    lock.truncate(0)
-    lock.write(f"{os.getpid()}\n")
-    lock.flush()
     return lock
+
+
+def _holders(path: Path) -> list[int]:
+    """The processes that have the file at ``path`` open (Linux /proc; none found elsewhere)."""
+    target = path.stat()
+    found = set()
+    for fd in Path("/proc").glob("[0-9]*/fd/*"):
+        with contextlib.suppress(OSError):  # closed, or its process exited, meanwhile
+            if os.path.samestat(fd.stat(), target):
+                found.add(int(fd.parent.parent.name))
+    return sorted(found)
 
 
 class UnreadableRunRecord(RuntimeError):
@@ -191,11 +238,37 @@ def write_metrics(*artifacts) -> None:
         Path(artifact.path).write_text(json.dumps(artifact.metadata, sort_keys=True) + "\n")
 
 
-def cache_every_task(pipeline) -> None:
+def cache_every_task(pipeline, run_id: str) -> None:
     """Turn kfp.local's task cache on for every task of a built pipeline
-    (the root DAG and the sub-DAGs of loops), in its spec object."""
+    (the root DAG and the sub-DAGs of loops), in its spec object, with
+    ``run_id`` in every task's environment, which kfp.local's key holds: a
+    task that takes no run id (``configure``) would otherwise be reused by
+    another run of the folder (changed code, ``--restart``), its result and
+    the checks it makes left as the first run found them."""
     spec = pipeline.pipeline_spec
     dags = [spec.root.dag] + [c.dag for c in spec.components.values() if c.WhichOneof("implementation") == "dag"]
     for dag in dags:
         for task in dag.tasks.values():
             task.caching_options.enable_cache = True
+    for container in _containers(pipeline):
+        container.get_or_create_list("env").add_struct().update({"name": RUN_ENV, "value": run_id})
+
+
+def hold_folder_lock(pipeline, output: Path) -> None:
+    """Every task of a built pipeline holds the run folder's lock
+    (:func:`lock_folder`) while it runs, in its spec object: its command
+    starts with :data:`HOLD_LOCK`. A run killed with SIGKILL cannot stop its
+    running task; without this, a rerun would take the folder while that task
+    still writes there. The task's shell and its component's Python inherit
+    the lock (the processes the component starts through :mod:`subprocess`
+    do not: it closes their inherited descriptors, and the component waits
+    for them)."""
+    for container in _containers(pipeline):
+        container["command"] = ["python3", "-c", HOLD_LOCK, *container["command"]]
+        container.get_or_create_list("env").add_struct().update({"name": LOCK_ENV, "value": str(output / LOCK_FILE)})
+
+
+def _containers(pipeline) -> list:
+    """The container of each executor of a built pipeline, in its spec object."""
+    executors = pipeline.pipeline_spec.deployment_spec["executors"]
+    return [executors[name]["container"] for name in executors.keys() if "container" in executors[name]]

@@ -2,6 +2,7 @@
 component), resuming a run folder, stopping the running component on a
 signal; then the CLI end to end: a failing component, a kill and a resume."""
 
+import contextlib
 import hashlib
 import io
 import json
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tracefp4.components.store import open_store
 from tracefp4.pipelines import resume
 from tracefp4.pipelines.local import _Log, failed_method, failed_task, progress_state, run_local
 from tracefp4.pipelines.pipeline import build_comparison_pipeline, build_pipeline
@@ -135,18 +137,42 @@ def test_a_checkpoint_with_other_weights_at_the_same_path_is_another_run(tmp_pat
     data["model"] |= {"preset": None, "checkpoint": str(tmp_path / "base")}
     config = RunConfig.model_validate(data)
     save_model(build_model("smoke", seed=1), tmp_path / "base")
-    before = resume.request(config, None)
-    assert resume.request(config, None) == before
+    store = open_store((tmp_path / "store").as_uri())
+    before = resume.request(config, None, store)
+    assert resume.request(config, None, store) == before
     save_model(build_model("smoke", seed=2), tmp_path / "base")
-    assert resume.request(config, None) != before
+    assert resume.request(config, None, store) != before
     (tmp_path / "base" / "checksums.json").unlink()  # without a manifest: the files' sizes and times
-    unverified = resume.request(config, None)
+    unverified = resume.request(config, None, store)
     (tmp_path / "base" / "config.json").write_text((tmp_path / "base" / "config.json").read_text() + " ")
-    assert resume.request(config, None) != unverified
+    assert resume.request(config, None, store) != unverified
     # a checkpoint that is not there stops the run before it starts, naming the field (prepare failed on it)
     config = config.model_copy(update={"model": config.model.model_copy(update={"checkpoint": "/nonexistent/x"})})
     with pytest.raises(ConfigError, match="model.checkpoint: /nonexistent/x: no such folder"):
-        resume.request(config, None)
+        resume.request(config, None, store)
+
+
+def test_an_s3_store_on_another_server_is_another_run(s3_env, tmp_path, monkeypatch):
+    """The same bucket behind another TRACEFP4_S3_ENDPOINT holds none of a
+    run's finished outputs, which a rerun there resumed. The request holds the
+    endpoint the store is opened with, in the steps' environment: a config's
+    store.endpoint before this process's (the run was refused for lacking
+    the variable the steps would have been given)."""
+    config = load_config(None, preset="smoke", overrides={"store.uri": s3_env.uri("resume")})
+    first = resume.request(config, None, open_store(config.store.uri))
+    assert resume.request(config, None, open_store(config.store.uri)) == first
+    other = f"localhost:{s3_env.endpoint.rpartition(':')[2]}"  # the test's one server, named otherwise
+    monkeypatch.setenv("TRACEFP4_S3_ENDPOINT", other)
+    assert resume.request(config, None, open_store(config.store.uri)) != first
+
+    def started(output, request, restart):
+        raise RuntimeError(f"started; store endpoint {request.rpartition(chr(0))[2]}")
+
+    monkeypatch.delenv("TRACEFP4_S3_ENDPOINT")
+    monkeypatch.setattr(resume, "run_id", started)
+    pinned = config.model_copy(update={"store": config.store.model_copy(update={"endpoint": f"http://{other}"})})
+    with pytest.raises(RuntimeError, match=f"started; store endpoint http://{other}$"):
+        run_local(pinned, tmp_path / "run")
 
 
 def test_a_run_folder_takes_one_run_at_a_time(tmp_path):
@@ -169,7 +195,7 @@ def test_a_run_no_local_machine_can_do_is_refused_before_it_starts(tmp_path, mon
     s3 = load_config(None, preset="smoke", overrides={"store.uri": "s3://bucket/prefix"})
     with pytest.raises(StoreError, match="set TRACEFP4_S3_ENDPOINT"):
         run_local(s3, tmp_path / "s3")
-    assert [p.name for p in (tmp_path / "s3").iterdir()] == [resume.LOCK_FILE]
+    assert not (tmp_path / "s3").exists()
     ranks = {"train.launcher": "trainjob", "train.processes_per_node": 2, "train.precision": "fp32_master"}
     trainjob = load_config(None, preset="smoke", overrides={**ranks, "rl.microbatch_size": 2})
     with pytest.raises(ConfigError, match="train.launcher: trainjob creates a Kubeflow Trainer TrainJob"):
@@ -211,7 +237,7 @@ def test_local_pipelines_cache_every_task_and_never_retry():
     config = get_preset("smoke")
     comparison = build_comparison_pipeline(config, ["trace", "qat"], retries=False)
     for pipeline in (build_pipeline(config, retries=False), comparison):
-        resume.cache_every_task(pipeline)
+        resume.cache_every_task(pipeline, "local-0")
         spec = pipeline.pipeline_spec
         dags = [spec.root.dag] + [c.dag for c in spec.components.values() if c.WhichOneof("implementation") == "dag"]
         tasks = [task for dag in dags for task in dag.tasks.values()]
@@ -276,6 +302,74 @@ with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:  # the second
     assert started.read_text() == "xx"  # the queued iteration started, and was stopped
 
 
+KILLED_RUNNER = """\
+import sys
+from pathlib import Path
+
+import kfp.local
+from kfp import dsl
+
+from tracefp4.pipelines import resume
+
+
+@dsl.component(install_kfp_package=False)
+def sleeper(pid_file: str):
+    import os
+    import time
+
+    open(pid_file, "w").write(str(os.getpid()))
+    time.sleep(120)
+
+
+@dsl.pipeline
+def pipeline(pid_file: str):
+    sleeper(pid_file=pid_file)
+
+
+folder = Path(sys.argv[1])
+lock = resume.lock_folder(folder)
+resume.hold_folder_lock(pipeline, folder)
+kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(folder / resume.PIPELINE_ROOT))
+pipeline(pid_file=sys.argv[2])
+"""
+
+
+def test_a_run_killed_with_sigkill_leaves_its_folder_locked_until_its_task_ends(tmp_path):
+    """SIGKILL stops no component (the runner gets no signal handler in): the
+    one running went on writing in the folder, whose lock the rerun took
+    at once. Each task holds the lock too, inherited from kfp.local's own
+    subprocess, so the rerun stops, naming the task, until it has ended."""
+    script, pid_file = tmp_path / "runner.py", tmp_path / "pid"
+    script.write_text(KILLED_RUNNER)
+    runner = subprocess.Popen([sys.executable, str(script), str(tmp_path), str(pid_file)], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            assert runner.poll() is None, "the runner ended before its task started"
+            time.sleep(0.1)
+        runner.kill()
+        runner.wait(timeout=30)
+        task = int(pid_file.read_text())
+        assert _running(task)
+        expected = (
+            rf"in use by pid\(s\) [\d, ]*\b{task}\b.*, task\(s\) of an earlier run \(pid {runner.pid}\) that ended"
+        )
+        with pytest.raises(resume.FolderInUse, match=expected):
+            resume.lock_folder(tmp_path)
+        os.kill(task, signal.SIGKILL)  # the task's shell ends with it
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                resume.lock_folder(tmp_path).close()
+                break
+            except resume.FolderInUse:
+                assert time.monotonic() < deadline, "the folder stayed locked after its task ended"
+                time.sleep(0.1)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(runner.pid, signal.SIGKILL)  # whatever of the run is left
+
+
 def _running(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in "ZX"
@@ -288,12 +382,8 @@ def test_cli_reports_the_failing_component_and_its_error_once(tmp_path):
     config = tmp_path / "empty-checkpoint.yaml"
     config.write_text(f"model:\n  checkpoint: {tmp_path / 'checkpoint'}\n")
     out = tmp_path / "run"
-    result = subprocess.run(
-        [*CLI, "run", "--preset", "smoke", "--config", str(config), "--output", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    command = [*CLI, "run", "--preset", "smoke", "--config", str(config), "--output", str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert "component prepare failed" in result.stderr
     assert f"{tmp_path / 'checkpoint' / 'config.json'} does not exist" in result.stderr
@@ -302,6 +392,12 @@ def test_cli_reports_the_failing_component_and_its_error_once(tmp_path):
     assert "\x1b" not in log + result.stdout + result.stderr
     assert log.count("Executing task 'prepare'") == 1  # no retry
     assert "\r" not in result.stdout  # the progress as plain lines when stdout is not a terminal
+    # a new run (--restart, as changed code) runs configure again: it takes no run id, and its cache entry was
+    # reused by every later run of the folder, the result and the checks of the first one's code
+    restarted = subprocess.run([*command, "--restart"], capture_output=True, text=True, timeout=300)
+    assert restarted.returncode == 1 and "component prepare failed" in restarted.stderr
+    rerun = (out / "pipeline.log").read_text().split("==== ")[-1]
+    assert "Executing task 'configure'" in rerun and "cache hit" not in rerun
 
 
 def test_cli_killed_after_prepare_resumes_without_running_prepare_again(tmp_path):
@@ -320,5 +416,6 @@ def test_cli_killed_after_prepare_resumes_without_running_prepare_again(tmp_path
     assert second.returncode == 0, second.stderr
     assert "resumed" in second.stdout and "# tracefp4 run `smoke`" in second.stdout
     rerun = log.read_text().split("==== ")[-1]
-    assert "Task prepare cache hit" in rerun and "Executing task 'prepare'" not in rerun
+    assert "Task configure cache hit" in rerun and "Task prepare cache hit" in rerun
+    assert "Executing task 'prepare'" not in rerun
     assert "Executing task 'rollout'" in rerun and attempt >= 2
