@@ -619,13 +619,14 @@ def _local_folder(uri: str) -> Path | None:
     return file_path(uri) if uri.startswith("file://") else None
 
 
-def fingerprint(uri: str | os.PathLike) -> str:
+def fingerprint(uri: str | os.PathLike, store_env: Mapping[str, str] | None = None) -> str:
     """A value that changes when the checkpoint at ``uri`` (a folder, ``file://``,
     ``s3://`` or ``minio://``) does, read without downloading its weights: the
     sha256 of its :data:`MANIFEST`, or, without one, of each file's name and
-    size with its modification time (a folder) or its ETag (a store). A
-    folder that is not there is refused: a local run fingerprints its
-    checkpoints before it starts, which would otherwise fail in its first step."""
+    size with its modification time (a folder) or its ETag (a store, reached
+    with ``store_env``'s S3 settings: the steps', which read it). A folder that is
+    not there is refused: a local run fingerprints its checkpoints before it
+    starts, which would otherwise fail in its first step."""
     text = os.fspath(uri)
     folder = _local_folder(text)  # a location folder: its manifest is the one it stands for
     if folder is not None:
@@ -636,7 +637,7 @@ def fingerprint(uri: str | os.PathLike) -> str:
         files = sorted(f for f in folder.iterdir() if f.is_file())
         material = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     else:
-        store = open_store(text)
+        store = open_store(text, env=store_env)
         names = sorted(key for key in store.list() if "/" not in key)
         if MANIFEST in names:
             return hashlib.sha256(store.get_bytes(MANIFEST)).hexdigest()

@@ -411,7 +411,7 @@ def run_local(
     # store.endpoint sets): else a typo shows in the rollout, after the bootstrap
     env = {**os.environ, **config.store.pod_environment()}
     store = open_store(config.store.uri, env=env, create_bucket=config.store.create_bucket)
-    request = resume.request(config, methods, store)  # it refuses a checkpoint that is not there
+    request = resume.request(config, methods, store, env)  # it refuses a checkpoint that is not there
     output.mkdir(parents=True, exist_ok=True)
     # held until the run ends (and by its tasks until they do): two runs in one folder would share a run id
     with contextlib.closing(resume.lock_folder(output)):

@@ -47,6 +47,7 @@ import importlib
 import json
 import os
 import uuid
+from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
@@ -88,14 +89,17 @@ class FolderInUse(RuntimeError):
     """Another run holds the run folder."""
 
 
-def request(config: RunConfig, methods: list[str] | None, store: ArtifactStore) -> str:
+def request(
+    config: RunConfig, methods: list[str] | None, store: ArtifactStore, env: Mapping[str, str] | None = None
+) -> str:
     """What a run is asked to do, as :func:`run_id` compares it: the config,
     the methods, the code (:func:`code_digest`), the server of an S3
     ``store`` (the run's, opened: its endpoint comes from the environment,
     and the same bucket on another server holds none of the finished tasks'
     outputs) and, from a checkpoint (and a continuation's trainer state), its
-    fingerprint: the same URI with other weights behind it is another run.
-    One that is not there is refused, naming its field."""
+    fingerprint (read with ``env``, the steps' environment, as they read it):
+    the same URI with other weights behind it is another run. One that is not
+    there is refused, naming its field."""
     asked = config.model_dump_json() + repr(methods) + code_digest()
     asked += f"\0{store.endpoint}" if isinstance(store, S3Store) else ""
     for field, uri in (
@@ -103,7 +107,7 @@ def request(config: RunConfig, methods: list[str] | None, store: ArtifactStore) 
         ("model.trainer_state", config.model.trainer_state),
     ):
         try:
-            asked += fingerprint(uri) if uri else ""
+            asked += fingerprint(uri, env) if uri else ""
         except CheckpointError as e:
             raise ConfigError([(field, str(e))]) from None
     return asked

@@ -168,10 +168,17 @@ def test_an_s3_store_on_another_server_is_another_run(s3_env, tmp_path, monkeypa
     def started(output, request, restart):
         raise RuntimeError(f"started; store endpoint {request.rpartition(chr(0))[2]}")
 
+    # a checkpoint in the store is fingerprinted there too (it was read with this process's settings alone)
+    open_store(s3_env.uri("checkpoint")).put_bytes("config.json", b"{}")
     monkeypatch.delenv("TRACEFP4_S3_ENDPOINT")
     monkeypatch.setattr(resume, "run_id", started)
-    pinned = config.model_copy(update={"store": config.store.model_copy(update={"endpoint": f"http://{other}"})})
-    with pytest.raises(RuntimeError, match=f"started; store endpoint http://{other}$"):
+    pinned = config.model_copy(
+        update={
+            "store": config.store.model_copy(update={"endpoint": f"http://{other}"}),
+            "model": config.model.model_copy(update={"checkpoint": s3_env.uri("checkpoint")}),
+        }
+    )
+    with pytest.raises(RuntimeError, match=f"started; store endpoint http://{other}[0-9a-f]{{64}}$"):  # + fingerprint
         run_local(pinned, tmp_path / "run")
 
 
