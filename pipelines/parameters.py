@@ -177,7 +177,7 @@ def apply_to_methods(config_json: str, values: dict, methods: list[str]) -> str:
         try:
             configs.append(apply(config_json, {**values, "method": method}))
         except ConfigError as e:
-            raise ConfigError(e.problems, f"the comparison's branch of method {method}") from None
+            raise ConfigError(e.problems, f"the comparison's branch of method {method}", e.unchecked) from None
     return configs[0]
 
 

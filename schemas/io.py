@@ -5,7 +5,7 @@ mappings merge key by key, lists and scalars replace but for an override's
 numbered items), validates once, then takes the S3 credentials from the
 environment. A failure is one `ConfigError` listing every bad field by dotted
 path; the checks across fields (pydantic's model validators) run once every
-field is valid, so those come in a second pass.
+field is valid, so those come in a second pass, which the error says.
 """
 
 import hashlib
@@ -29,20 +29,26 @@ _DOTTED = re.compile(r"^[a-z_][a-z0-9_]*(\.[a-z0-9_]+)*$")
 
 
 class ConfigError(ValueError):
-    """An invalid run config: `problems` holds (dotted path, reason) pairs, `source` the file if any."""
+    """An invalid run config: `problems` holds (dotted path, reason) pairs, `source` the file if any.
+    ``unchecked``: the checks across fields have not run (they need every field valid), so that fixing
+    these problems may show others; the message says so rather than read as the whole list."""
 
-    def __init__(self, problems: list[tuple[str, str]], source: str | Path | None = None):
+    def __init__(self, problems: list[tuple[str, str]], source: str | Path | None = None, unchecked: bool = False):
         self.problems = problems
         self.source = None if source is None else str(source)
+        self.unchecked = unchecked
         where = f" in {self.source}" if self.source else ""
         lines = [f"invalid tracefp4 config{where} ({len(problems)} problem{'s' * (len(problems) != 1)}):"]
         lines += [f"  {path}: {reason}" if path else f"  {reason}" for path, reason in problems]
+        if unchecked:
+            lines.append("once these are fixed, the checks across fields run (such as max_new_tokens vs max_seq_len)")
         super().__init__("\n".join(lines))
 
     @classmethod
     def from_validation(cls, err: ValidationError, source: str | Path | None = None) -> "ConfigError":
-        """One line per pydantic error; a root error (a cross-field check) already names its paths."""
-        problems = []
+        """One line per pydantic error; a root error (a cross-field check) already names its paths. Without
+        one, RunConfig's checks across fields did not run: pydantic runs them once every field is valid."""
+        problems, unchecked = [], True
         for e in err.errors(include_input=False, include_url=False):
             path = ".".join(str(part) for part in e["loc"])
             reason = e["msg"].removeprefix("Value error, ")
@@ -51,10 +57,11 @@ class ConfigError(ValueError):
             if path:
                 problems.append((path, reason))
             else:
+                unchecked = False
                 for line in reason.splitlines():
                     head, sep, tail = line.partition(": ")
                     problems.append((head, tail) if sep and _DOTTED.match(head) else ("", line))
-        return cls(problems, source)
+        return cls(problems, source, unchecked)
 
 
 def _yaml():

@@ -134,6 +134,22 @@ def test_cross_field_problems_are_reported_with_their_paths():
     assert {path for path, _ in info.value.problems} == {"rollout.max_new_tokens", "method"}
 
 
+def test_field_errors_say_that_the_checks_across_fields_are_still_to_run():
+    """pydantic runs RunConfig's checks across fields once every field is valid: a list of field errors
+    is not the whole list, and a user who fixes it and resubmits meets the others; the message says so."""
+    both = {"rollout.top_p": 0.0, "model.max_seq_len": 64, "rollout.max_new_tokens": 64}
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides=both)
+    assert [path for path, _ in info.value.problems] == ["rollout.top_p"] and info.value.unchecked
+    assert str(info.value).splitlines()[-1] == (
+        "once these are fixed, the checks across fields run (such as max_new_tokens vs max_seq_len)"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides={**both, "rollout.top_p": 1.0})
+    assert [path for path, _ in info.value.problems] == ["rollout.max_new_tokens"] and not info.value.unchecked
+    assert "once these are fixed" not in str(info.value)
+
+
 def test_a_kl_penalty_that_would_be_zero_is_refused():
     """The KL reference is the policy a round started from: an on_policy round trains exactly it."""
     with pytest.raises(ConfigError, match="rl.kl_coef") as info:
