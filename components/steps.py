@@ -154,12 +154,22 @@ def check_tasks_drawable(config: RunConfig) -> None:
     bootstrap's extra problems theirs besides, drawn as the steps draw them
     (the errors :func:`task_splits` and :func:`extra_problems` raise) but
     keeping their prompts alone: what the run's first task checks, in a pod
-    of 2Gi, where the steps hold every problem (about 1 KB each)."""
+    of 2Gi, where the steps hold every problem (about 1 KB each). For a
+    library preset, whose character tokenizer is known without a checkpoint,
+    each task's longest prompt is checked as :func:`encode_prompts` checks
+    every one in prepare: a prompt without room for ``rollout.max_new_tokens``
+    fails the first task, not the prepare step on a GPU node."""
     prompts: set[str] = set()
+    longest = []  # of each task: in characters, which the character tokenizer takes one token each
     for i, t in enumerate(config.tasks):
         with _naming(_task_entry(i, t)):
-            drawn = get_task(t.name).draws(t.train_size + t.test_size, config.seed, t.difficulty)
-            prompts.update(p.prompt for p in drawn)
+            top = None
+            for p in get_task(t.name).draws(t.train_size + t.test_size, config.seed, t.difficulty):
+                prompts.add(p.prompt)
+                top = p if top is None or len(p.prompt) > len(top.prompt) else top
+            longest.append(top)
+    if config.model.preset is not None:  # a checkpoint's tokenizer and chat template: prepare reads them
+        encode_prompts(config, build_tokenizer(), longest)
     if config.bootstrap.enabled:
         for _ in extra_problems(config, prompts):
             pass
@@ -578,16 +588,21 @@ def throughput(trajectories: list[Trajectory], seconds: float) -> dict:
 def encode_prompts(config: RunConfig, tokenizer, problems: list[Problem]) -> list[list[int]]:
     """The problems' prompts as the policy reads them (through the chat template
     where there is one), each refused unless it leaves ``rollout.max_new_tokens``
-    within ``model.max_seq_len``, the longest sequence the run allows."""
+    within ``model.max_seq_len``, the longest sequence the run allows: an
+    error naming the fields that make room, and the task the prompt is of."""
     texts = [format_example(p) for p in problems]
     encoded = {text: tokenizer.encode_prompt(text) for text in dict.fromkeys(texts)}  # a group's prompt once
     prompts = [list(encoded[text]) for text in texts]
     room = config.model.max_seq_len - config.rollout.max_new_tokens
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]), default=None)
     if longest is not None and len(prompts[longest]) > room:
+        problem = problems[longest]
+        i = next(i for i, t in enumerate(config.tasks) if t.name == problem.task)
         raise ValueError(
-            f"a prompt of {len(prompts[longest])} tokens ({problems[longest].prompt!r}) and rollout.max_new_tokens "
-            f"{config.rollout.max_new_tokens} exceed model.max_seq_len {config.model.max_seq_len}"
+            f"model.max_seq_len: a prompt of {len(prompts[longest])} tokens ({problem.prompt!r}, tasks.{i}: "
+            f"{problem.task} at difficulty {config.tasks[i].difficulty}) and rollout.max_new_tokens "
+            f"{config.rollout.max_new_tokens} exceed model.max_seq_len {config.model.max_seq_len}: raise it or "
+            f"lower rollout.max_new_tokens" + f" or tasks.{i}.difficulty" * (config.tasks[i].difficulty > 1)
         )
     return prompts
 

@@ -211,12 +211,15 @@ def check_drawable(config: RunConfig) -> None:
     so validation cannot, and prepare, the first step to draw them, would
     find out on a GPU node after fetching the checkpoint. Drawing them here
     costs what each step pays (``benchmarks/tasks.py``: half a minute on a
-    paper preset), in the memory of the prompts alone."""
+    paper preset), in the memory of the prompts alone; and it finds, for a
+    library preset, a prompt without room for ``rollout.max_new_tokens``
+    within ``model.max_seq_len``, which prepare would (a pydantic validator
+    would draw them at every validation, in every step)."""
     from tracefp4.components.steps import check_tasks_drawable
 
     try:
         check_tasks_drawable(config)
-    except ValueError as e:  # "tasks.i: reason", "bootstrap.extra_problems.i: reason"
+    except ValueError as e:  # "tasks.i: reason", "bootstrap.extra_problems.i: reason", "model.max_seq_len: reason"
         field, _, reason = str(e).partition(": ")
         raise ConfigError([(field, reason)]) from None
 

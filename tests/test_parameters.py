@@ -117,6 +117,31 @@ def test_the_first_task_draws_the_tasks_the_steps_will_draw(tmp_path):
         reached(config_json)
 
 
+def test_the_first_task_finds_a_prompt_without_room_for_its_response(tmp_path):
+    """A preset's character tokenizer is known without a checkpoint: configure
+    encodes every task's longest prompt as prepare would, so a program prompt
+    of 100+ characters under the smoke preset's 64-token sequences fails the
+    run's first task naming the fields that make room, not prepare."""
+    data = get_preset("smoke").model_dump()
+    data["store"]["uri"] = (tmp_path / "store").as_uri()
+    data["tasks"] = [
+        {"name": "arithmetic", "train_size": 8, "test_size": 4},
+        {"name": "program", "difficulty": 3, "train_size": 8, "test_size": 4},
+    ]
+    config_json = RunConfig.model_validate(data).model_dump_json()
+    with pytest.raises(ConfigError) as info:
+        reached(config_json)
+    ((path, reason),) = info.value.problems
+    assert path == "model.max_seq_len" and "tasks.1: program at difficulty 3" in reason
+    assert reason.endswith(
+        "exceed model.max_seq_len 64: raise it or lower rollout.max_new_tokens or tasks.1.difficulty"
+    )
+    assert not (tmp_path / "store").exists()  # refused before anything else is asked
+    data["model"]["max_seq_len"] = 256
+    config_json = RunConfig.model_validate(data).model_dump_json()
+    assert reached(config_json) == config_json
+
+
 def test_a_dag_shaping_field_cannot_be_set_at_run_time():
     pipeline = build_pipeline(get_preset("smoke"))
     with pytest.raises(TypeError):
