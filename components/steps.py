@@ -156,11 +156,14 @@ def check_tasks_drawable(config: RunConfig) -> None:
     keeping their prompts alone: what the run's first task checks, in a pod
     of 2Gi, where the steps hold every problem (about 1 KB each). For a
     library preset, whose character tokenizer is known without a checkpoint,
-    each task's longest prompt is checked as :func:`encode_prompts` checks
-    every one in prepare: a prompt without room for ``rollout.max_new_tokens``
-    fails the first task, not the prepare step on a GPU node."""
+    the longest of each task's prompts and of each entry's extra problems are
+    checked as prepare checks every one (:func:`encode_prompts`, the
+    bootstrap's examples): one without room for ``rollout.max_new_tokens``,
+    or for its answer, fails the first task, not prepare on a GPU node."""
+    # a checkpoint's tokenizer and chat template: prepare reads them; the character tokenizer takes a token a character
+    tokenizer = build_tokenizer() if config.model.preset is not None else None
     prompts: set[str] = set()
-    longest = []  # of each task: in characters, which the character tokenizer takes one token each
+    longest = []
     for i, t in enumerate(config.tasks):
         with _naming(_task_entry(i, t)):
             top = None
@@ -168,11 +171,18 @@ def check_tasks_drawable(config: RunConfig) -> None:
                 prompts.add(p.prompt)
                 top = p if top is None or len(p.prompt) > len(top.prompt) else top
             longest.append(top)
-    if config.model.preset is not None:  # a checkpoint's tokenizer and chat template: prepare reads them
-        encode_prompts(config, build_tokenizer(), longest)
+    if tokenizer is not None:
+        encode_prompts(config, tokenizer, longest)
     if config.bootstrap.enabled:
-        for _ in extra_problems(config, prompts):
-            pass
+        for i, drawn in enumerate(extra_problems(config, prompts)):
+            if tokenizer is not None:
+                example = max(drawn, key=lambda p: len(p.prompt) + len(p.answer))
+                try:
+                    sft.make_batch(tokenizer, [example], config.model.max_seq_len)
+                except sft.ExampleTooLong as e:
+                    raise ValueError(
+                        f"bootstrap.extra_problems.{i}: {e} (model.max_seq_len): raise it or lower the difficulty"
+                    ) from None
 
 
 def _task_entry(i: int, t) -> str:

@@ -142,6 +142,23 @@ def test_the_first_task_finds_a_prompt_without_room_for_its_response(tmp_path):
     assert reached(config_json) == config_json
 
 
+def test_the_first_task_finds_an_extra_problem_longer_than_the_bootstraps_examples(tmp_path):
+    """The bootstrap refuses an example (prompt and answer) beyond model.max_seq_len before it trains; a
+    preset's extra problems, never a prompt of the rollout, are checked so in configure, naming the entry."""
+    data = get_preset("smoke").model_dump()
+    data["store"]["uri"] = (tmp_path / "store").as_uri()
+    data["bootstrap"]["extra_problems"] = [{"name": "countdown", "size": 4}, {"name": "program", "size": 2}]
+    config_json = RunConfig.model_validate(data).model_dump_json()
+    with pytest.raises(ConfigError) as info:
+        reached(config_json)
+    ((path, reason),) = info.value.problems
+    assert path == "bootstrap.extra_problems.1" and "(model.max_seq_len): raise it or lower the difficulty" in reason
+    assert reason.startswith("a program example of ") and "exceeds max_len 64" in reason
+    data["model"]["max_seq_len"] = 128
+    config_json = RunConfig.model_validate(data).model_dump_json()
+    assert reached(config_json) == config_json
+
+
 def test_a_dag_shaping_field_cannot_be_set_at_run_time():
     pipeline = build_pipeline(get_preset("smoke"))
     with pytest.raises(TypeError):
