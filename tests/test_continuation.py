@@ -215,10 +215,11 @@ def test_other_weights_behind_the_same_state_uri_make_another_local_run(tmp_path
     steps.prepare(config, tmp_path / "p0", "first", tmp_path / "s0")
     (tmp_path / "s").mkdir()
     then = continuing(tmp_path, tmp_path / "p0", tmp_path / "s", 1)
-    before = request(then, None)
+    store = open_store(then.store.uri)
+    before = request(then, None, store)
     meta = json.loads((tmp_path / "s0" / "checksums.json").read_text())
     (tmp_path / "s" / "checksums.json").write_text(json.dumps(meta))
-    assert request(then, None) != before
+    assert request(then, None, store) != before
 
 
 def test_run_continue_from_needs_a_finished_train_task_and_another_output(tmp_path):
