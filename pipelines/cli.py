@@ -13,6 +13,7 @@ import yaml
 
 from tracefp4.components.quant import FP4_FORMATS, ROLLOUT_CONFIGS, rollout_config
 from tracefp4.schemas import PRESETS, ConfigError, export_json_schema, load_config
+from tracefp4.schemas.io import load_yaml
 
 
 def _config(
@@ -54,7 +55,7 @@ def _sets(ctx, param, values: tuple[str, ...]) -> dict:
         if not equals or not key.strip():
             raise click.BadParameter(f"{item!r}: expected KEY=VALUE, e.g. rl.rounds=2", ctx=ctx, param=param)
         try:
-            sets[key.strip()] = yaml.safe_load(text)
+            sets[key.strip()] = load_yaml(text)
         except yaml.YAMLError as e:
             problem = getattr(e, "problem", None) or e  # a parse error's one line, without its echo of the input
             raise click.BadParameter(f"{item!r}: its value is not YAML ({problem})", ctx=ctx, param=param) from None

@@ -8,6 +8,7 @@ path; the checks across fields (pydantic's model validators) run once every
 field is valid, so those come in a second pass, which the error says.
 """
 
+import functools
 import hashlib
 import json
 import os
@@ -70,6 +71,51 @@ def _yaml():
     return yaml
 
 
+@functools.cache
+def _unique_key_loader():
+    """PyYAML's SafeLoader, but a mapping that names a key twice is an error
+    naming the key and both places: ``safe_load`` keeps the last, so a config
+    with two ``rl:`` sections lost the first one's settings without a word.
+    Keys that a merge (``<<: *base``) brings in may still be overridden."""
+    yaml = _yaml()
+
+    class UniqueKeyLoader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                first: dict = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        seen = first.setdefault(key, key_node)
+                    except TypeError:  # an unhashable key: SafeLoader names it
+                        continue
+                    if seen is not key_node:
+                        first_line = seen.start_mark.line + 1
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"key {key!r} given twice (first at line {first_line})", key_node.start_mark
+                        )
+            return super().construct_mapping(node, deep)
+
+    return UniqueKeyLoader
+
+
+def load_yaml(text: str):
+    """``text`` read as YAML like ``yaml.safe_load``, a key given twice in a mapping refused (``yaml.YAMLError``)."""
+    return _yaml().load(text, Loader=_unique_key_loader())
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object's members, a key given twice refused: ``json.loads`` keeps the last one's value."""
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise ValueError(f"key {key!r} appears twice in an object")
+        seen.add(key)
+    return dict(pairs)
+
+
 def _read(path: Path) -> dict:
     suffix = path.suffix.lower()
     if suffix not in (".yaml", ".yml", ".json"):
@@ -82,13 +128,13 @@ def _read(path: Path) -> dict:
         raise ConfigError([("", f"not UTF-8 text: byte {e.object[e.start]:#04x} at offset {e.start}")], path) from None
     if suffix == ".json":
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
+            data = json.loads(text, object_pairs_hook=_unique_keys)
+        except ValueError as e:  # JSONDecodeError, or a key given twice
             raise ConfigError([("", f"not valid JSON: {e}")], path) from None
     else:
         yaml = _yaml()
         try:
-            data = yaml.safe_load(text)
+            data = load_yaml(text)
         except yaml.YAMLError as e:
             raise ConfigError([("", f"not valid YAML: {e}")], path) from None
     if data is None:

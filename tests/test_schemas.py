@@ -436,6 +436,26 @@ def test_file_errors_name_the_file(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
+def test_a_key_given_twice_is_refused_naming_it(tmp_path):
+    """yaml.safe_load and json.loads keep a repeated key's last value: a file with two rl sections
+    silently lost the first one's rounds. A merge (<<) may still be overridden."""
+    path = tmp_path / "run.yaml"
+    path.write_text("rl:\n  rounds: 3\nevaluation:\n  initial: false\nrl:\n  learning_rate: 1.0e-5\n")
+    with pytest.raises(
+        ConfigError, match=r"run\.yaml.*\n.*not valid YAML: key 'rl' given twice \(first at line 1\)\n.*line 5"
+    ):
+        load_config(path)
+    path.write_text("rl:\n  rounds: 3\n  rounds: 4\n")
+    with pytest.raises(ConfigError, match=r"key 'rounds' given twice \(first at line 2\)"):
+        load_config(path)
+    path.write_text("rl:\n  <<: {rounds: 3, learning_rate: 1.0e-5}\n  rounds: 4\n")
+    assert (load_config(path).rl.rounds, load_config(path).rl.learning_rate) == (4, 1e-5)
+    path = tmp_path / "run.json"
+    path.write_text('{"rl": {"rounds": 3}, "rl": {"learning_rate": 1e-5}}')
+    with pytest.raises(ConfigError, match=r"run\.json.*\n.*not valid JSON: key 'rl' appears twice in an object"):
+        load_config(path)
+
+
 @pytest.mark.parametrize("layers, expected", [("all", "all"), (20, 20), ([2, 1], [1, 2])])
 def test_layer_selection_accepts(layers, expected):
     assert GuidanceConfig(layers=layers).layers == expected
