@@ -13,7 +13,8 @@ accepts is one the library runs.
 """
 
 import re
-from typing import Annotated, Literal
+from types import NoneType, UnionType
+from typing import Annotated, Literal, Union, get_args, get_origin
 
 from pydantic import (
     BaseModel,
@@ -96,9 +97,29 @@ LabelValue = Annotated[str, StringConstraints(pattern=LABEL_VALUE)]
 
 
 class _Section(BaseModel):
-    """Shared settings: unknown fields are errors, assignments are validated."""
+    """Shared settings: unknown fields are errors, assignments are validated,
+    and a number is never a boolean."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_number(cls, value: object, info: ValidationInfo) -> object:
+        """Refuse true or false for a number: pydantic takes them as 1 and 0, so
+        ``rl.rounds: true`` ran one round and ``rollout.temperature: true`` sampled at 1.0."""
+        if isinstance(value, bool) and _numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"must be a number, not {str(value).lower()}")
+        return value
+
+
+def _numeric(annotation: object) -> bool:
+    """Whether a field of type ``annotation`` holds a number (int or float, optional or constrained), nothing else."""
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if get_origin(annotation) in (Union, UnionType):
+        members = [a for a in get_args(annotation) if a is not NoneType]
+        return bool(members) and all(_numeric(a) for a in members)
+    return annotation in (int, float)
 
 
 def _one_layer_error(value: object, handler):

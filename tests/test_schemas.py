@@ -456,6 +456,19 @@ def test_a_key_given_twice_is_refused_naming_it(tmp_path):
         load_config(path)
 
 
+@pytest.mark.parametrize(
+    "field", ["rl.rounds", "rollout.temperature", "bootstrap.target_accuracy", "tasks.0.difficulty", "seed"]
+)
+@pytest.mark.parametrize("value", [True, False])
+def test_a_boolean_is_no_number(field, value):
+    """pydantic takes true as 1 and false as 0: rl.rounds: true ran one round and
+    rollout.temperature: true sampled at 1.0, without a word."""
+    with pytest.raises(ConfigError, match=rf"{re.escape(field)}: must be a number, not {str(value).lower()}") as info:
+        load_config(None, preset="tiny", overrides={field: value})
+    assert len(info.value.problems) == 1
+    assert load_config(None, preset="tiny", overrides={"bootstrap.enabled": False}).bootstrap.enabled is False
+
+
 @pytest.mark.parametrize("layers, expected", [("all", "all"), (20, 20), ([2, 1], [1, 2])])
 def test_layer_selection_accepts(layers, expected):
     assert GuidanceConfig(layers=layers).layers == expected
