@@ -683,7 +683,12 @@ def verify_folder(folder: Path) -> None:
             raise CheckpointError(f"{file}: {got_size} bytes, but {MANIFEST} says {size}: truncated or changed since")
         if got_digest != digest:
             raise CheckpointError(f"{file}: sha256 does not match {MANIFEST}: corrupt or changed since")
-    read = [p.name for p in folder.iterdir() if p.name in (CONFIG, INDEX) or p.name.endswith(".safetensors")]
+    # the steps read the tokenizer's files too: a chat_template.jinja added beside a save would change every prompt
+    read = [
+        p.name
+        for p in folder.iterdir()
+        if p.name in (CONFIG, INDEX, *TOKENIZER_FILES) or p.name.endswith(".safetensors")
+    ]
     unlisted = sorted(set(read) - set(files))
     if unlisted:
         raise CheckpointError(f"{folder}: {unlisted} not covered by {MANIFEST}: added after saving")

@@ -278,6 +278,10 @@ def test_truncated_missing_or_added_files_fail(tmp_path):
     with pytest.raises(CheckpointError, match=r"\['model-extra.safetensors'\] not covered by"):
         load_model(folder)
     (folder / "model-extra.safetensors").unlink()
+    (folder / "chat_template.jinja").write_text("{{ messages[0].content }}")  # read by load_tokenizer
+    with pytest.raises(CheckpointError, match=r"\['chat_template.jinja'\] not covered by"):
+        load_model(folder)
+    (folder / "chat_template.jinja").unlink()
     load_model(folder)  # restored: loads again
 
 
