@@ -715,8 +715,10 @@ def _headers(folder: Path) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
         raise FileNotFoundError(f"no {SINGLE} or {INDEX} in {folder}{hint}")
     headers = {}
     for path, tensors in shards.items():
-        if not path.is_file():
-            raise CheckpointError(f"{path}: missing, but {INDEX} puts {tensors[0]} there")
+        if not path.is_file():  # a shard the index names, or the single file gone a folder
+            raise CheckpointError(
+                f"{path}: missing, but {INDEX} puts {tensors[0]} there" if tensors else f"{path}: not a file"
+            )
         try:
             with safe_open(path, framework="pt") as f:
                 held = set(f.keys())

@@ -483,6 +483,10 @@ def test_unreadable_files_are_checkpoint_errors(tmp_path):
     (folder / SINGLE).write_bytes((folder / SINGLE).read_bytes()[:-4])
     with pytest.raises(CheckpointError, match=rf"{SINGLE}: not a readable safetensors file"):
         load_model(folder)
+    (folder / SINGLE).unlink()
+    (folder / SINGLE).mkdir()  # was an IndexError
+    with pytest.raises(CheckpointError, match=rf"{SINGLE}: not a file"):
+        load_model(folder)
 
 
 def files_of(folder):
