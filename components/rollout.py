@@ -117,14 +117,29 @@ def sample(
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         if params.top_p < 1:
             sorted_logits, idx = torch.sort(scaled, -1, descending=True)
-            cum = sorted_logits.softmax(-1).cumsum(-1)
+            cum = row_cumsum(sorted_logits.softmax(-1))
             drop = cum - sorted_logits.softmax(-1) >= params.top_p  # keep the smallest set reaching top_p
             scaled = scaled.scatter(-1, idx, sorted_logits.masked_fill(drop, float("-inf")))
-        cdf = scaled.softmax(-1).cumsum(-1)  # inverse-CDF draw: one uniform per row
+        cdf = row_cumsum(scaled.softmax(-1))  # inverse-CDF draw: one uniform per row
         u = uniforms[:, None].to(cdf.dtype) * cdf[:, -1:]
         tokens = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=cdf.shape[-1] - 1)
     topk = torch.topk(logprobs, params.record_topk, -1) if params.record_topk else None
     return tokens, logprobs.gather(-1, tokens[:, None])[:, 0], topk
+
+
+def row_cumsum(x: Tensor) -> Tensor:
+    """The cumulative sums along each row of ``x [B, V]``, a one-row ``x``
+    scanned as two rows. On CUDA torch scans a tensor that is one row with
+    CUB, whose float sums come in an order that changes from run to run
+    (cumsum is among the operations ``torch.use_deterministic_algorithms``
+    makes deterministic), and several rows with a kernel of its own, whose
+    order is fixed. The sampler meets one row wherever a request is sampled
+    alone (the one admitted into a freed row, the last one running, a
+    ``generate`` call of one prompt): there a draw near the boundary of two
+    tokens would pick either, and a rerun, a retried rollout or another
+    method's branch would go on from another token. On the CPU every row is
+    summed in order, so the bits are the same either way."""
+    return x.expand(2, -1).cumsum(-1)[:1] if x.shape[0] == 1 else x.cumsum(-1)
 
 
 # Attention reads the cache in spans of whole 32-position blocks (the rest masked): SDPA's CPU kernel sums in

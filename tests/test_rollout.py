@@ -100,6 +100,27 @@ def test_same_seed_same_samples_and_greedy_is_argmax(model):
     assert [t.response for t in greedy] == [t.response for t in top1] == [t.response for t in nucleus]
 
 
+def test_no_request_is_sampled_from_a_scan_of_its_row_alone(model, monkeypatch):
+    """On CUDA torch scans a tensor of one row with CUB, in an order that
+    changes from run to run (``rollout.row_cumsum``): the sampler's
+    cumulative sums, top-p's too, never scan a request's row alone, neither
+    in a call of one prompt nor for the request admitted alone into a freed
+    row and left running alone at the end (5 requests, 2 at a time)."""
+    scanned, cumsum = [], torch.Tensor.cumsum
+
+    def watch(self, *args, **kwargs):
+        if self.is_floating_point() and self.shape[-1] == model.cfg.vocab_size:
+            scanned.append(self.shape[0])
+        return cumsum(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "cumsum", watch)
+    engine = TorchEngine(model, max_running_requests=2)
+    params = SamplingParams(max_new_tokens=5, seed=3, top_p=0.9)
+    engine.generate(prompts(1), params)
+    engine.generate(prompts(5), params)
+    assert scanned and 1 not in scanned
+
+
 def test_stop_tokens_end_requests_and_finished_requests_leave_the_batch(model):
     engine = TorchEngine(model, stop_check_every=1)
     first = engine.generate(prompts(), SamplingParams(temperature=0, max_new_tokens=8))
