@@ -103,11 +103,14 @@ def round_inputs(tmp_path_factory):
 
 def reward_first_of_each_group(path, tokenizer) -> None:
     """The untrained policy solves nothing, so every advantage is 0 and nothing
-    would train: take the first response of each group as its problem's answer."""
+    would train: take the first response of each group as its problem's answer,
+    as one that stopped (the length limit cut the untrained policy's responses,
+    and a cut one is scored up to its last complete line: none here, so nothing)."""
     lines = path.read_text().splitlines()
     for i in range(1, len(lines), 2):
         record = json.loads(lines[i])
         record["problem"]["answer"] = tokenizer.decode(record["trajectory"]["response"]).partition(END)[0].strip()
+        record["trajectory"]["finish_reason"] = "stop"
         lines[i] = json.dumps(record)
     path.write_text("\n".join(lines) + "\n")
 
