@@ -83,8 +83,9 @@ HISTORY = "history.json"
 RECORD_FIELDS = ("run_id", "start_version", "policy", "step", "files", "history", "decoded")  # HISTORY's
 # How long the ranks wait for rank 0's serial work (downloading and checksumming the round's policy and
 # trainer state, reading or writing one of its tensors; checksumming and uploading the new ones: hundreds of GB at
-# the paper's scale), in collectives of a gloo group of their own: train.timeout_seconds bounds the collectives of
-# ranks that all compute, where a longer wait means a rank died or hangs
+# the paper's scale), and for each other's transfers of a sharded checkpoint (tens of GB a rank), in collectives of
+# a gloo group of their own: train.timeout_seconds bounds the collectives of ranks that all compute, where a longer
+# wait means a rank died or hangs
 RANK0_IO_TIMEOUT = timedelta(hours=6)
 _rank0_io: list = []  # that group, made with the process group (every rank must make it, in the same order)
 
@@ -454,7 +455,7 @@ class ShardCheckpoints:
                     self.store.upload(f"{key}/{f.name}", f)
             sums = {f.name: s for f, s in zip(written, sizes_and_sha256(written))}
             # gathered from each rank after its uploads: every rank's files are in the store
-            files = {name: s for rank in trainer.all_gather(sums) for name, s in rank.items()}
+            files = {name: s for rank in after_transfers(sums) for name, s in rank.items()}
 
             def complete() -> None:
                 meta = {
@@ -536,12 +537,26 @@ class ShardCheckpoints:
             read = files_read(state, local)
             for name in sorted(read):
                 self._fetch(key, name, meta["files"], Path(local))
+            after_transfers(None)  # every rank's files here: load's collectives wait for no download
             dcp.load(state, checkpoint_id=local)
         set_state_dict(
             trainer.model, trainer.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
         trainer.step, trainer.history, trainer.decoded = meta["step"], meta["history"], meta["decoded"]
         return len(read), len(meta["files"]) - 1
+
+
+def after_transfers(item: object) -> list:
+    """``item`` of every rank, by rank, once each has ended its own transfers of
+    a sharded checkpoint to or from the store: in the group that waits for I/O
+    (:data:`RANK0_IO_TIMEOUT`), not under ``train.timeout_seconds``. Each rank
+    uploads and checksums its own file, tens of GB at the paper's scale, and a
+    resuming rank but 0 downloads rank 0's besides (:func:`files_read`): a
+    slower link, or twice rank 0's download, timed out the ranks that were done
+    first as if the other had hung."""
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, item, group=_rank0_io[0])
+    return gathered
 
 
 def files_read(state: dict, folder: str) -> set[str]:

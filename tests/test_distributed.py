@@ -687,6 +687,55 @@ def test_the_ranks_wait_for_rank_0s_writing_longer_than_the_collective_timeout(t
     two_ranks(RANK0_BUSY, RunConfig.model_validate(data).model_dump_json(), "12")
 
 
+SLOW_TRANSFERS = """
+import itertools, sys, time, torch
+import torch.distributed as dist
+from tracefp4.components import distributed
+from tracefp4.components.model import build_model
+from tracefp4.components.quant import QuantConfig
+from tracefp4.components.store import open_store
+from tracefp4.components.trainer import TrainConfig
+from tracefp4.schemas import RunConfig
+distributed.init_process_group(RunConfig.model_validate_json(sys.argv[1]))
+store, late = open_store(sys.argv[2]), float(sys.argv[3])
+if dist.get_rank() == 1:  # its first upload and its first download of the checkpoint start late (a slower link)
+    for op in ("upload", "download"):
+        def slow(*args, transfer=getattr(store, op), delays=itertools.chain([late], itertools.repeat(0))):
+            time.sleep(next(delays))
+            return transfer(*args)
+        setattr(store, op, slow)
+def trainer():
+    made = distributed.DistributedTrainer(build_model("smoke", seed=0), TrainConfig(precision="fp32_master"),
+                                          QuantConfig(), {}, "cpu")
+    made.checkpoints = distributed.ShardCheckpoints(store, "round", "run", 0, "digest")
+    return made
+saved = trainer()
+with torch.no_grad():
+    for p in saved.model.parameters():
+        p.add_(1)
+saved.step = 1
+saved.step_done([{"step": 1}], {})
+resumed = trainer()
+resumed.checkpoints.load(resumed, resumed.checkpoints.latest())
+assert resumed.step == 1 and resumed.history == [{"step": 1}]
+for (name, p), q in zip(saved.model.named_parameters(), resumed.model.parameters()):
+    assert torch.equal(p.to_local(), q.to_local()), name
+dist.destroy_process_group()
+"""
+
+
+def test_the_ranks_wait_for_each_others_checkpoint_transfers_longer_than_the_collective_timeout(tmp_path):
+    """Each rank uploads its own files of a step's sharded checkpoint, and a
+    resuming rank downloads its own and rank 0's (twice rank 0's download: 69
+    GB more at the paper's scale): rank 1's starting 12 s late, beyond
+    train.timeout_seconds (10 s), neither the save nor the resume fails. The
+    others waited for them in a collective that timeout bounds (gloo's
+    "Timed out waiting 10000ms"), as for a rank that hangs."""
+    data = config_for(tmp_path).model_dump()
+    data["train"]["timeout_seconds"] = 10
+    two_ranks(SLOW_TRANSFERS, RunConfig.model_validate(data).model_dump_json(), (tmp_path / "store").as_uri(), "12")
+
+
 RANK0_FAILS = """
 import sys, torch
 import torch.distributed as dist
