@@ -80,7 +80,8 @@ from .trainer_state import STEM, check_state
 
 METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator: a complete checkpoint
 HISTORY = "history.json"
-RECORD_FIELDS = ("run_id", "start_version", "policy", "step", "files", "history", "decoded")  # HISTORY's
+# HISTORY's fields
+RECORD_FIELDS = ("run_id", "start_version", "policy", "round_inputs", "step", "files", "history", "decoded")
 # How long the ranks wait for rank 0's serial work (downloading and checksumming the round's policy and
 # trainer state, reading or writing one of its tensors; checksumming and uploading the new ones: hundreds of GB at
 # the paper's scale), and for each other's transfers of a sharded checkpoint (tens of GB a rank), in collectives of
@@ -424,13 +425,17 @@ class ShardCheckpoints:
     files, the round's history and syndrome decode statistics so far with
     every file's size and sha256, and last the ``.metadata`` that makes it
     complete. A resume reads the files the history names and refuses one that
-    differs. Each is pinned to the round's run, starting version and policy
-    folder (``policy``: its :func:`~.checkpoint.folder_digest`): a run id
-    given twice must not resume one run's round onto another's policy."""
+    differs. Each is pinned to the round's run, starting version, policy
+    folder (``policy``: its :func:`~.checkpoint.folder_digest`) and
+    trajectories and guidance (``inputs``: :func:`round_inputs`): a run id
+    given twice must not resume one run's round onto another's policy, nor
+    steps taken on one rollout of the round into training on another."""
 
-    def __init__(self, store: ArtifactStore, prefix: str, run_id: str, start_version: int, policy: str):
+    def __init__(
+        self, store: ArtifactStore, prefix: str, run_id: str, start_version: int, policy: str, inputs: dict[str, str]
+    ):
         self.store, self.prefix = store, prefix.rstrip("/")
-        self.run_id, self.start_version, self.policy = run_id, start_version, policy
+        self.run_id, self.start_version, self.policy, self.inputs = run_id, start_version, policy, inputs
 
     def _key(self, version: int) -> str:
         return f"{self.prefix}/step-{version:06d}"
@@ -462,6 +467,7 @@ class ShardCheckpoints:
                     "run_id": self.run_id,
                     "start_version": self.start_version,
                     "policy": self.policy,
+                    "round_inputs": self.inputs,
                     "step": trainer.step,
                     "files": files,
                 }
@@ -530,6 +536,12 @@ class ShardCheckpoints:
                 f"{self.store.uri}/{key}: checkpoint of a round from another policy folder (digest "
                 f"{meta.get('policy')}, this round's {self.policy}): is run id {self.run_id!r} used by two runs?"
             )
+        if meta["round_inputs"] != self.inputs:
+            raise DistributedError(
+                f"{self.store.uri}/{key}: checkpoint of a round trained on other trajectories or guidance (sha256 "
+                f"{meta['round_inputs']}, this round's {self.inputs}): another rollout of the round, or run id "
+                f"{self.run_id!r} used by two runs? {self._again(key)}"
+            )
         model_state, optimizer = get_state_dict(trainer.model, trainer.optimizer)
         state = {"model": model_state, "optimizer": optimizer}
         with tempfile.TemporaryDirectory(prefix="tracefp4-dcp-") as local:
@@ -583,17 +595,24 @@ def clear_checkpoints(store: ArtifactStore, prefix: str, keep: str | None = None
     store.delete_folder(prefix, METADATA, keep)
 
 
-def open_trainer(prefix: str | None, store: ArtifactStore | None, run_id: str):
+def round_inputs(trajectories: Path, guidance: Path) -> dict[str, str]:
+    """The sha256 of a round's trajectories and of its guidance reference: what,
+    beside the policy, its sharded checkpoints were trained on."""
+    return {"trajectories": size_and_sha256(trajectories)[1], "guidance": size_and_sha256(guidance)[1]}
+
+
+def open_trainer(prefix: str | None, store: ArtifactStore | None, run_id: str, inputs: dict[str, str]):
     """``steps.train``'s ``open_trainer`` for a distributed round: the policy
     folder sharded over the ranks, resumed from the round's newest complete
-    sharded checkpoint under ``prefix`` (:func:`checkpoints_prefix`) in ``store`` when there is one."""
+    sharded checkpoint under ``prefix`` (:func:`checkpoints_prefix`) in ``store`` when there is one
+    (refused where it was trained on other ``inputs``: :func:`round_inputs`)."""
 
     def make(
         policy, state, config: TrainConfig, quant: QuantConfig, global_scales: dict, device, run_id: str
     ) -> DistributedTrainer:
         trainer = DistributedTrainer.from_checkpoint(policy, state, config, quant, global_scales, device, run_id)
         if prefix is not None:
-            trainer.checkpoints = ShardCheckpoints(store, prefix, run_id, trainer.step, folder_digest(policy))
+            trainer.checkpoints = ShardCheckpoints(store, prefix, run_id, trainer.step, folder_digest(policy), inputs)
             latest = trainer.checkpoints.latest()
             if latest is not None:
                 read, written = trainer.checkpoints.load(trainer, latest)
@@ -700,7 +719,7 @@ def main(argv: list[str] | None = None) -> None:
         config = RunConfig.model_validate_json(_local(args.config, work).read_text())
         device = init_process_group(config)
         try:
-            guidance_file = _local(args.guidance, work)
+            guidance_file, trajectories = _local(args.guidance, work), _local(args.trajectories, work)
             ref = GuidanceRef.from_json(guidance_file.read_text(), args.guidance)
             store = open_store(config.store.uri, create_bucket=config.store.create_bucket)
             prefix = checkpoints_prefix(config, args.run_id, ref.rl_step)
@@ -714,13 +733,13 @@ def main(argv: list[str] | None = None) -> None:
                 config,
                 policy,
                 state,
-                _local(args.trajectories, work),
+                trajectories,
                 ref,
                 out,
                 out_state,
                 args.run_id,
                 json.loads(_local(args.round_stats, work).read_text()),
-                open_trainer=open_trainer(prefix, store, args.run_id),
+                open_trainer=open_trainer(prefix, store, args.run_id, round_inputs(trajectories, guidance_file)),
                 device=device,
             )
 

@@ -379,8 +379,9 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
     round_inputs, both, tmp_path
 ):
     """Kill the ranks once step 2's checkpoint is complete: the rerun resumes
-    from it and ends where the uninterrupted run ended. Then the same with a
-    bit of that checkpoint flipped: the rerun refuses it, naming the file. And
+    from it and ends where the uninterrupted run ended, and neither a round of
+    another policy nor another rollout of the round takes it for its own.
+    Then the same with a bit of that checkpoint flipped: the rerun refuses it, naming the file. And
     with its ``.metadata`` removed (as if the ranks died while writing it): the
     rerun reads nothing of it and starts the round over."""
     tmp, _, stats = round_inputs
@@ -417,6 +418,17 @@ def test_a_rerun_resumes_from_the_last_complete_checkpoint_and_never_reads_an_in
         other = (tmp_path / "other", tmp_path / "other-state", *inputs[2:])
         torchrun(config, *other, tmp_path / "c", tmp_path / "c-state", tmp_path / "work", RUN, stats, echo=lines.append)
     assert any("checkpoint of a round from another policy folder" in line for line in lines), lines[-5:]
+    # nor another rollout of the round (other responses rewarded): its steps are not this one's
+    other_rollout = tmp_path / "trajectories.jsonl"
+    records = [json.loads(line) for line in (tmp / "trajectories.jsonl").read_text().splitlines()]
+    for first, second in zip(records[1::2], records[2::2]):
+        first["problem"], second["problem"] = second["problem"], first["problem"]
+    other_rollout.write_text("".join(json.dumps(record) + "\n" for record in records))
+    lines = []
+    with pytest.raises(DistributedError):
+        other = (*inputs[:2], other_rollout, inputs[3])
+        torchrun(config, *other, tmp_path / "e", tmp_path / "e-state", tmp_path / "work", RUN, stats, echo=lines.append)
+    assert any("checkpoint of a round trained on other trajectories or guidance" in line for line in lines), lines[-5:]
     # nor does a run of other settings under the same run id: it trains the round from its start
     other = config.model_copy(update={"rl": config.rl.model_copy(update={"learning_rate": 2e-2})})
     lines = []
@@ -450,7 +462,7 @@ def test_a_damaged_checkpoint_record_is_refused_naming_it_and_how_to_go_on(tmp_p
     to train the round anew (the record's faults before any shard is read:
     no trainer is needed to get there)."""
     store = open_store(tmp_path.as_uri())
-    checkpoints = ShardCheckpoints(store, "round", RUN, 0, "digest")
+    checkpoints = ShardCheckpoints(store, "round", RUN, 0, "digest", {})
     record = dict.fromkeys(RECORD_FIELDS, 0) | {"run_id": RUN, "policy": "digest"}
     for text, error in (
         (json.dumps(record)[:20], "unreadable"),
@@ -707,7 +719,7 @@ if dist.get_rank() == 1:  # its first upload and its first download of the check
 def trainer():
     made = distributed.DistributedTrainer(build_model("smoke", seed=0), TrainConfig(precision="fp32_master"),
                                           QuantConfig(), {}, "cpu")
-    made.checkpoints = distributed.ShardCheckpoints(store, "round", "run", 0, "digest")
+    made.checkpoints = distributed.ShardCheckpoints(store, "round", "run", 0, "digest", {})
     return made
 saved = trainer()
 with torch.no_grad():
