@@ -245,3 +245,27 @@ def test_calibration_sequences_of_several_lengths_count_every_token_and_no_paddi
         torch.testing.assert_close(h * n[:, None], summed, rtol=1e-9, atol=0)
     with pytest.raises(ValueError, match="each hold a token"):
         calibration_hessians(model, [[1, 2], []])
+
+
+def test_apply_ptq_h_scale_uses_each_experts_own_hessian_and_rtn_for_an_unrouted_one():
+    """One calibration token reaches top_k of each layer's experts: those take H-Scale
+    under their own matrix's Hessian diagonal, the others (no rows, h = 0) RTN exactly,
+    what quantize_expert_weights_ gives."""
+    model, ref, rtn = (build_model("smoke", seed=0) for _ in range(3))
+    quantize_expert_weights_(rtn, "nvfp4")
+    tokens = torch.tensor([[7]])
+    hess = calibration_hessians(ref, tokens)
+    apply_ptq(model, "h_scale", tokens)
+    searched = 0
+    for b, rb, qb in zip(model.model.layers, ref.model.layers, rtn.model.layers):
+        for matrix in ("gate_up", "down"):
+            h, n = hess[(b.layer, matrix)]
+            assert n.sum() == model.cfg.top_k and (n == 0).sum() == model.cfg.num_experts - model.cfg.top_k
+            got, w, q = (getattr(x.mlp.experts, matrix) for x in (b, rb, qb))
+            for e in range(model.cfg.num_experts):
+                if n[e] == 0:
+                    assert torch.equal(got[e], q[e]), (b.layer, matrix, e)
+                    continue
+                assert torch.equal(got[e], h_scale(w[e].T, h=h[e]).values.T), (b.layer, matrix, e)
+                searched += not torch.equal(got[e], q[e])
+    assert searched  # the search moved some scale off RTN: the test tells the Hessians apart
