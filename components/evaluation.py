@@ -46,9 +46,6 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
     )
     prompts = steps.encode_prompts(config, tokenizer, test)
     model = load_model(policy, device=device)
-    ptq = {}
-    if config.method == "bf16":  # calibrated on training prompts, as many: the test prompts stay unseen
-        ptq = _ptq_models(config, model, steps.encode_prompts(config, tokenizer, train))
     out = {
         "method": config.method,
         "hardware": hardware(device),  # what the throughput and discrepancy figures were computed on
@@ -74,15 +71,24 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
             score("initial", load_model(initial, device=device), name, quant, take=True)
         if name == "bf16":
             continue
-        # PTQ weights as they are, activations and KV as the config quantizes them
-        for label, ptq_model in ptq.items() if scored_under(quant) else ():
-            score(f"ptq:{label}", ptq_model, name, replace(quant, weights=None))
         if analysed:
             analysis = _discrepancy(
                 config, model, name, tokenizer, analysed, sensitivity=not out["guidance_sensitivity"]
             )
             out["discrepancy"].append(analysis.pop("discrepancy"))
             out["guidance_sensitivity"] = out["guidance_sensitivity"] or analysis["guidance_sensitivity"]
+    if config.method == "bf16":  # calibrated on training prompts, as many: the test prompts stay unseen
+        calibration = steps.encode_prompts(config, tokenizer, train)
+        # PTQ weights as they are, activations and KV as each config quantizes them
+        quants = {name: steps.rollout_quant(config, name) for name in config.evaluation.rollout_configs}
+        scored = {name: replace(quant, weights=None) for name, quant in quants.items() if scored_under(quant)}
+        for label in config.evaluation.ptq_baselines:
+            # one baseline at a time, each a copy of the policy: at the paper's scale (a policy of ~60 GB) the
+            # three beside it would not fit on one GPU; the last config's engine takes it over
+            ptq_model = _ptq_model(model, label, calibration)
+            for i, (name, quant) in enumerate(scored.items()):
+                score(f"ptq:{label}", ptq_model, name, quant, take=i == len(scored) - 1)
+            del ptq_model
     return out
 
 
@@ -121,13 +127,11 @@ def _accuracy(
     return rows, speed
 
 
-def _ptq_models(config: RunConfig, model, prompts: list[list[int]]) -> dict:
-    """The policy with each configured PTQ baseline applied to its routed experts (h_scale's Hessian diagonal
-    from the training ``prompts``, whole)."""
-    out = {}
-    for method in config.evaluation.ptq_baselines:
-        out[method] = copy.deepcopy(model)
-        apply_ptq(out[method], method, prompts)
+def _ptq_model(model, method: str, prompts: list[list[int]]):
+    """A copy of the policy with the PTQ baseline ``method`` applied to its routed experts (h_scale's Hessian
+    diagonal from the training ``prompts``, whole)."""
+    out = copy.deepcopy(model)
+    apply_ptq(out, method, prompts)
     return out
 
 

@@ -2,9 +2,11 @@
 kfp.local; the compiled YAML names every component and parameter; the CLI."""
 
 import builtins
+import gc
 import json
 import shutil
 import time
+import weakref
 
 import pytest
 import torch
@@ -542,10 +544,17 @@ def test_evaluation_of_a_bf16_run_holds_ptq_baselines_discrepancy_and_sensitivit
     config = localize(load_config(None, preset="smoke", overrides=overrides), tmp_path)
     config.evaluation.rollout_configs = ["bf16", "fp4_wa_kv", "fp4_kv"]  # fp4_kv's weights stay BF16: no PTQ rows
     steps.prepare(config, tmp_path / "policy")
-    calibrated, ptq_models = [], evaluation._ptq_models
-    monkeypatch.setattr(
-        evaluation, "_ptq_models", lambda c, m, prompts: calibrated.extend(prompts) or ptq_models(c, m, prompts)
-    )
+    calibrated, ptq_model, held = [], evaluation._ptq_model, []
+
+    def one_at_a_time(model, method, prompts):  # each dropped before the next is made
+        gc.collect()  # cold_engine below ties each engine to itself (its generate, a bound method in its __dict__)
+        assert not any(ref() is not None for ref in held), "two PTQ copies of the policy held at once"
+        calibrated.extend(prompts)
+        out = ptq_model(model, method, prompts)
+        held.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(evaluation, "_ptq_model", one_at_a_time)
     seeds, engine, cold_start = [], evaluation.TorchEngine, 2.0
 
     def cold_engine(*a, **kw):  # whose first call pays a one-time cost, as Triton compilation does on a GPU
