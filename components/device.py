@@ -225,8 +225,9 @@ def _computes_in_bf16(x: Tensor) -> bool:
 
 
 def batch_invariant(op, *args: Tensor | None, **kwargs) -> Tensor:
-    """``op(*args, **kwargs)``, a matmul (``F.linear``, ``torch.bmm``) or
-    attention (``F.scaled_dot_product_attention``), computed so that on the
+    """``op(*args, **kwargs)``, a matmul (``F.linear``, ``torch.bmm``),
+    attention (``F.scaled_dot_product_attention``) or the Gated DeltaNet's
+    depthwise ``F.conv1d`` (emulated alike), computed so that on the
     CPU each row's bits do not depend on the other rows of the call: a
     request's bits then do not depend on what shares its batch
     (docs/rollout.md). torch's bf16 kernels give that. Where the CPU computes

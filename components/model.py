@@ -25,8 +25,8 @@ line of the model:
 - ``sites``: what happens at the quantization sites (routed-expert inputs,
   K/V); ``None`` leaves them in the compute dtype.
 
-Its matmuls (:class:`Linear`, the experts' ``bmm``: :class:`ExpertRows`) and
-its attention (:func:`attention`, for both strategies) go through
+Its matmuls (:class:`Linear`, the experts' ``bmm``: :class:`ExpertRows`), its
+attention (:func:`attention`, for both strategies) and Gated DeltaNet's conv go through
 :func:`.device.batch_invariant`: on a CPU a row's bits do not depend on the
 rows computed beside it, and a bf16 model on a CPU without bf16 units
 computes them in fp32 and rounds to bf16 instead of crawling.

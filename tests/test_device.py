@@ -11,10 +11,13 @@ import pydantic
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from safetensors import safe_open
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracefp4.components import device, evaluation, steps
 from tracefp4.components.checkpoint import provenance
+from tracefp4.components.deltanet import causal_conv
 from tracefp4.components.guidance import GuidanceRef
 from tracefp4.components.model import attention, build_model
 from tracefp4.components.quant import QuantConfig
@@ -375,6 +378,56 @@ def test_a_bf16_model_forward_emulated_matches_native(monkeypatch):
             logits[mode] = model(tokens, positions).float()
     assert torch.allclose(logits["native"], logits["emulate"], atol=0.02, rtol=0.02)
     assert logits["native"].argmax(-1).eq(logits["emulate"].argmax(-1)).float().mean() > 0.9
+
+
+# the aten ops that multiply and sum along an inner dimension: where bf16 is emulated none may see a bf16 operand
+# (torch's bf16 kernels of them are the ones that crawl on a CPU without bf16 units)
+MATMUL_OPS = (
+    "mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "dot", "_grouped_mm", "convolution",
+    "convolution_backward", "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_flash_attention_for_cpu_backward", "_scaled_dot_product_attention_math",
+)  # fmt: skip
+
+
+class _Bf16Matmuls(TorchDispatchMode):
+    """The matmul-like aten ops (:data:`MATMUL_OPS`) called with a bf16 tensor, forward and backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if func.overloadpacket.__name__ in MATMUL_OPS and any(t.dtype == torch.bfloat16 for t in tensors):
+            self.seen.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen35", "tiny-qwen2"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32_master"])
+def test_where_bf16_is_emulated_no_matmul_conv_or_attention_computes_in_bf16(monkeypatch, preset, precision):
+    """A bf16 model's forward and backward (``bf16``; ``fp32_master``'s bf16
+    autocast alike): the linear layers, the experts' ``bmm``, attention, the
+    LM head and Gated DeltaNet's depthwise conv all run in fp32 where bf16 is
+    emulated; and the conv's values are those of torch's bf16 conv. The
+    conv had escaped: on the AVX2 stand-in (``make test-avx2``) torch's bf16
+    depthwise conv took 20-70x as long as fp32's, 0.7 s per layer for a
+    decode step of Qwen3.5-35B-A3B's 8,192 channels at batch 16."""
+    model = build_model(preset, seed=0, dtype=torch.bfloat16 if precision == "bf16" else torch.float32)
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(12).expand(2, 12)
+    monkeypatch.setenv(device.CPU_BF16_ENV, "emulate")
+    watch = _Bf16Matmuls()
+    with watch:
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "fp32_master"):  # the trainer's
+            logits = model(tokens, positions)
+        logits.float().sum().backward()
+    assert not watch.seen
+    x = torch.randn(3, 7, 64, generator=torch.Generator().manual_seed(1)).bfloat16()
+    weight, history = (torch.randn(64, 4) * 0.3).bfloat16(), torch.randn(3, 64, 3).bfloat16()
+    emulated = causal_conv(x, weight, history)
+    monkeypatch.setenv(device.CPU_BF16_ENV, "native")
+    assert torch.equal(emulated, causal_conv(x, weight, history))
 
 
 @pytest.mark.parametrize("fn", [F.softplus, torch.sigmoid])
