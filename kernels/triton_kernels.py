@@ -75,12 +75,14 @@ def _e4m3_encode(v):
 
 @triton.jit
 def _e4m3_decode(b):
-    # E4M3 bits -> float32
+    # E4M3 bits -> float32, as torch reads float8_e4m3fn: a byte with the sign bit set (never a scale quantize
+    # makes, but a scale handed in may hold one) is the negative value, and 0xFF is NaN like 0x7F
     e = (b >> 3) & 0xF
     m = b & 0x7
     normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
-    value = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
-    return tl.where(b == 0x7F, float("nan"), value)
+    magnitude = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal).to(tl.int32, bitcast=True)
+    value = (magnitude | ((b & 0x80) << 24)).to(tl.float32, bitcast=True)
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), value)
 
 
 @triton.jit

@@ -110,6 +110,28 @@ def test_e4m3_encoder_covers_every_scale(tk):
     assert_same_bits(reference.quantize(x, NVFP4, one, "floor")[1], tk.quantize(x, NVFP4, one, "floor")[1])
 
 
+def test_every_scale_byte_is_read_as_torch_reads_it(tk):
+    """Scales handed in (a rollout's, read back from a store) are read as
+    torch reads them, every byte: E4M3 0x80..0xFE are the negatives (the
+    kernel read them as positive) and 0xFF is NaN (it read 480), E8M0 0 is
+    2^-127, 254 is 2^127 and 0xFF NaN. Dequantized and as guided rounding's units."""
+    codes = torch.tensor([0x73, 0x9A], dtype=torch.uint8).repeat(256, 8).to(DEVICE)  # 3, 7, 10, 9: both signs
+    every = torch.arange(256, dtype=torch.uint8).to(DEVICE)[:, None]  # one block a row
+    g = torch.tensor(0.75, device=DEVICE)
+    train = sample(256, 32, seed=7, specials=False)
+    for fmt, scales, global_scale in ((NVFP4, every.view(torch.float8_e4m3fn), g), (MXFP4, every, None)):
+        packed = codes[:, : fmt.block_size // 2]
+        assert_same_bits(
+            reference.dequantize(packed, fmt, scales, global_scale), tk.dequantize(packed, fmt, scales, global_scale)
+        )
+        x = train[:, : fmt.block_size]
+        low = reference.unpack_nibbles(packed) & 1
+        assert_same_bits(
+            reference.fake_quantize_guided(x, fmt, scales, global_scale, low, 1),
+            tk.fake_quantize_guided(x, fmt, scales, global_scale, low, 1),
+        )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_per_row_global_scales(tk, dtype):
     """One NVFP4 global scale per row (per-token activation scales), rows of
