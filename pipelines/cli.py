@@ -100,7 +100,25 @@ compare_option = click.option(
 )
 
 
-@click.group(help=__doc__)
+def _output_error(output: str, e: OSError) -> click.ClickException:
+    """A command's --output it could not write (a file in the way, no permission, no room), in one line."""
+    return click.ClickException(f"--output {output}: {e.filename or output}: {e.strerror or e}")
+
+
+class _Group(click.Group):
+    """The ``tracefp4`` group: a Ctrl-C ends any of its commands with one line and exit status 130 (128 +
+    SIGINT), as one while the command loads does (:func:`tracefp4.pipelines.main`) and as ``run`` does,
+    where click would print "Aborted!" and exit 1, the status of a failed command."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("\ntracefp4: interrupted", err=True)
+            sys.exit(130)
+
+
+@click.group(cls=_Group, help=__doc__)
 def main():
     pass
 
@@ -294,14 +312,31 @@ def _warn_for_cluster(config, store_option: str) -> None:
         _warn("no metrics.pushgateway_url: the run pushes no metrics, and the Grafana dashboards stay empty")
 
 
+def _yaml_path(ctx, param, value: str) -> str:
+    """--output of compile: a .yaml or .yml file, the only kind the compiled pipeline (with its Kubernetes
+    platform spec) can be written as, and that the KFP UI uploads."""
+    if not value.endswith((".yaml", ".yml")):
+        raise click.BadParameter(f"{value!r}: the compiled pipeline is YAML; name a .yaml or .yml file")
+    return value
+
+
 @main.command()
 @preset_option
 @config_option
 @set_option
-@click.option("--output", type=click.Path(dir_okay=False), required=True, help="Where to write the KFP IR YAML.")
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False),
+    required=True,
+    callback=_yaml_path,
+    help="Where to write the KFP IR YAML (.yaml or .yml; replaced whole, never left half written).",
+)
 @compare_option
 def compile(preset, config_file, sets, output, methods):
     """Compile the pipeline (or with --compare the comparison pipeline) to KFP IR YAML (upload it in the KFP UI)."""
+    import tempfile
+
+    from tracefp4.components.store import write_atomic
     from tracefp4.pipelines.pipeline import (
         compile_pipeline,
         compiled_documents,
@@ -312,14 +347,17 @@ def compile(preset, config_file, sets, output, methods):
 
     config = _config(preset, config_file, sets=sets)
     try:
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
-        compile_pipeline(config, output, methods)
+        # compiled aside, then renamed into place: kfp's compiler writes the file as it goes, so that a failure
+        # or a Ctrl-C partway would leave a truncated pipeline where an earlier one was
+        with tempfile.TemporaryDirectory(prefix="tracefp4-compile-") as tmp:
+            package = Path(compile_pipeline(config, Path(tmp) / "pipeline.yaml", methods)).read_bytes()
+        write_atomic(Path(output), lambda f: f.write(package))
     except ConfigError as e:  # a comparison's branch that could not run
         raise click.ClickException(str(e)) from None
     except OSError as e:  # a folder in the way, no permission
-        raise click.ClickException(f"--output {output}: {e.filename or output}: {e.strerror or e}") from None
+        raise _output_error(output, e) from None
     _warn_for_cluster(config, "--set store.uri=")
-    documents = compiled_documents(Path(output).read_bytes())
+    documents = compiled_documents(package)
     tasks = run_tasks(documents[0], config)
     if problem := run_size_problem(tasks):
         _warn(f"{output}: {problem}")
@@ -373,6 +411,8 @@ def connection_options(command):
 def _connection(host, namespace, token, cookies, ca_bundle, insecure_skip_verify, timeout_s):
     from tracefp4.pipelines.submit import Connection
 
+    if ca_bundle and insecure_skip_verify:  # kfp.Client would check no certificate, the bundle unread
+        raise click.UsageError("--ca-bundle and --insecure-skip-verify: give one (a CA to check with, or no check)")
     return Connection(host, namespace, token, cookies, ca_bundle, not insecure_skip_verify, timeout_s)
 
 
@@ -398,10 +438,10 @@ def submit(preset, config_file, sets, experiment, store, service_account, root, 
     from tracefp4.pipelines.submit import SubmitError
     from tracefp4.pipelines.submit import submit as submit_run
 
+    connection = _connection(**connection)
     config = _config(preset, config_file, store, sets=sets)
     _warn_for_cluster(config, "--store ")
     try:
-        connection = _connection(**connection)
         result = submit_run(
             config,
             connection,
@@ -496,7 +536,11 @@ def folder_option(default: str, help: str):
 @folder_option("schemas", "Folder to write the JSON Schema files into.")
 def schema(output):
     """Write the run config's JSON Schema."""
-    for path in export_json_schema(output):
+    try:
+        written = export_json_schema(output)
+    except OSError as e:  # a file in the way, no permission
+        raise _output_error(output, e) from None
+    for path in written:
         click.echo(path)
 
 
@@ -509,7 +553,10 @@ def dashboards(output):
     except ImportError as e:
         raise click.ClickException(f"{e}: the dashboards need the dev extras (pip install -e '.[dev]')") from None
 
-    click.echo(write(output))
+    try:
+        click.echo(write(output))
+    except OSError as e:  # a file in the way, no permission
+        raise _output_error(output, e) from None
 
 
 @main.command()

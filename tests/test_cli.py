@@ -171,3 +171,36 @@ def test_the_command_started_in_the_checkouts_root_leaves_its_kernels_folder_off
     ours, childs = (Path(path).resolve() for path in done.stdout.split()[-2:])
     assert ROOT / "kernels" not in (ours.parent, childs.parent)
     assert ours == childs  # the package transformers imports, in both
+
+
+def test_compile_writes_a_yaml_file_whole_or_not_at_all(tmp_path):
+    """Another name than .yaml ended in kfp's ValueError traceback, and a .json one left an empty file there;
+    the pipeline is compiled aside and renamed into place, replacing an earlier one whole."""
+    for name in ("p.json", "p.txt"):
+        result = CliRunner().invoke(main, ["compile", "--preset", "smoke", "--output", str(tmp_path / name)])
+        assert result.exit_code == 2 and "name a .yaml or .yml file" in result.output, result.output
+        assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert list(tmp_path.iterdir()) == []
+    out = tmp_path / "p.yml"
+    out.write_text("an earlier pipeline\n")
+    result = CliRunner().invoke(main, ["compile", "--preset", "smoke", "--output", str(out)])
+    assert result.exit_code == 0 and out.read_text().startswith("# PIPELINE DEFINITION"), result.output
+    assert list(tmp_path.iterdir()) == [out]  # no temp file beside it
+
+
+def test_schema_and_dashboards_into_a_folder_that_cannot_be_are_one_line_errors(tmp_path):
+    """Both ended in a NotADirectoryError traceback."""
+    (tmp_path / "afile").write_text("x")
+    for command in ("schema", "dashboards"):
+        result = CliRunner().invoke(main, [command, "--output", str(tmp_path / "afile" / "sub")])
+        assert result.exit_code == 1 and result.output.startswith(f"Error: --output {tmp_path}/afile/sub: "), command
+        assert "Not a directory" in result.output and isinstance(result.exception, SystemExit), command
+
+
+def test_a_ca_bundle_and_skipping_verification_conflict(tmp_path):
+    """With both, kfp.Client checked no certificate and the bundle went unread."""
+    (tmp_path / "ca.pem").write_text("")
+    args = ["--host", "https://127.0.0.1:9", "--ca-bundle", str(tmp_path / "ca.pem"), "--insecure-skip-verify"]
+    for command in (["runs", "list"], ["runs", "status", "r"], ["submit", "--preset", "smoke"]):
+        result = CliRunner().invoke(main, [*command, *args])
+        assert result.exit_code == 2 and "--ca-bundle and --insecure-skip-verify: give one" in result.output, command

@@ -7,8 +7,11 @@ import datetime
 import email
 import ipaddress
 import json
+import signal
 import socket
 import ssl
+import subprocess
+import sys
 import threading
 import time
 import urllib.parse
@@ -876,3 +879,21 @@ def test_runs_clean_needs_the_pipeline_root_of_a_run_that_records_none(kfp_serve
     kfp_server.runs[run_id]["runtime_config"]["pipeline_root"] = recorded = s3_env.uri(f"{base}/pipeline-root")
     other = CliRunner().invoke(main, ["runs", "clean", run_id, "--host", kfp_server.url, "--pipeline-root", root])
     assert other.exit_code == 1 and f"kept its artifacts in {recorded}, not {root}" in other.output
+
+
+def test_a_ctrl_c_while_a_command_waits_on_the_server_ends_it_with_status_130(kfp_server):
+    """click ended it with "Aborted!" and exit status 1, a failed command's, where a Ctrl-C while the command
+    loads, and one during `tracefp4 run`, end it with 130 (128 + SIGINT)."""
+    kfp_server.delay_s = 30  # the answer never comes before the Ctrl-C
+    command = [sys.executable, "-m", "tracefp4.pipelines", "runs", "list", "--host", kfp_server.url]
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not kfp_server.requests and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert kfp_server.requests, "the command made no request"
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    assert child.returncode == 130 and err == "\ntracefp4: interrupted\n" and out == "", (child.returncode, err)
