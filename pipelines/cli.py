@@ -98,6 +98,12 @@ def _methods(ctx, param, value: str | None) -> list[str] | None:
 compare_option = click.option(
     "--compare", "methods", callback=_methods, help="Comma-separated methods side by side (e.g. trace,qat,bf16)."
 )
+pushgateway_option = click.option(
+    "--pushgateway", help="Also push the metrics to this Pushgateway (http://host:9091; metrics.pushgateway_url)."
+)
+cluster_store_option = click.option(
+    "--store", help="Artifact store URI for guidance and checkpoints (s3://bucket/prefix; the pods share it)."
+)
 
 
 def _output_error(output: str, e: OSError) -> click.ClickException:
@@ -133,7 +139,7 @@ def main():
 @click.option("--store", help="Artifact store URI for guidance and checkpoints (file://..., s3://bucket/prefix).")
 @click.option("--verbose", is_flag=True, help="Stream every component's log (it also goes to <output>/pipeline.log).")
 @compare_option
-@click.option("--pushgateway", help="Also push the metrics to this Pushgateway (http://host:9091).")
+@pushgateway_option
 @click.option("--restart", is_flag=True, help="Start a new run in the folder instead of resuming its last one.")
 @click.option(
     "--continue-from",
@@ -298,18 +304,21 @@ def _warn(message: str) -> None:
     click.echo(f"warning: {message}", err=True)
 
 
-def _warn_for_cluster(config, store_option: str) -> None:
+def _warn_for_cluster(config) -> None:
     """What in the config would keep a compiled or submitted run from working on a cluster, or from being
-    watched; ``store_option``: how this command sets the store."""
+    watched."""
     if config.store.uri.startswith("file://"):
-        _warn(f"store {config.store.uri} is local to each pod; use {store_option}s3://... on a cluster")
+        _warn(f"store {config.store.uri} is local to each pod; use --store s3://... on a cluster")
     elif config.store.endpoint is None:
         _warn(
             f"store {config.store.uri} without store.endpoint: every step takes TRACEFP4_S3_ENDPOINT from the "
             "image's environment, and fails at its start where the image sets none (--set store.endpoint=http://...)"
         )
     if config.metrics.pushgateway_url is None:
-        _warn("no metrics.pushgateway_url: the run pushes no metrics, and the Grafana dashboards stay empty")
+        _warn(
+            "no metrics.pushgateway_url: the run pushes no metrics, and the Grafana dashboards stay empty "
+            "(--pushgateway http://...)"
+        )
 
 
 def _yaml_path(ctx, param, value: str) -> str:
@@ -331,8 +340,10 @@ def _yaml_path(ctx, param, value: str) -> str:
     callback=_yaml_path,
     help="Where to write the KFP IR YAML (.yaml or .yml; replaced whole, never left half written).",
 )
+@cluster_store_option
+@pushgateway_option
 @compare_option
-def compile(preset, config_file, sets, output, methods):
+def compile(preset, config_file, sets, output, store, pushgateway, methods):
     """Compile the pipeline (or with --compare the comparison pipeline) to KFP IR YAML (upload it in the KFP UI)."""
     import tempfile
 
@@ -345,7 +356,7 @@ def compile(preset, config_file, sets, output, methods):
         version_name,
     )
 
-    config = _config(preset, config_file, sets=sets)
+    config = _config(preset, config_file, store, pushgateway, sets=sets)
     try:
         # compiled aside, then renamed into place: kfp's compiler writes the file as it goes, so that a failure
         # or a Ctrl-C partway would leave a truncated pipeline where an earlier one was
@@ -356,7 +367,7 @@ def compile(preset, config_file, sets, output, methods):
         raise click.ClickException(str(e)) from None
     except OSError as e:  # a folder in the way, no permission
         raise _output_error(output, e) from None
-    _warn_for_cluster(config, "--set store.uri=")
+    _warn_for_cluster(config)
     documents = compiled_documents(package)
     tasks = run_tasks(documents[0], config)
     if problem := run_size_problem(tasks):
@@ -422,9 +433,8 @@ def _connection(host, namespace, token, cookies, ca_bundle, insecure_skip_verify
 @set_option
 @connection_options
 @click.option("--experiment", default="tracefp4", show_default=True, help="KFP experiment to file the run under.")
-@click.option(
-    "--store", help="Artifact store URI for guidance and checkpoints (s3://bucket/prefix; the pods share it)."
-)
+@cluster_store_option
+@pushgateway_option
 @click.option("--service-account", help="Service account of the run's pods (e.g. tracefp4-pipeline-runner).")
 @click.option(
     "--pipeline-root",
@@ -433,14 +443,14 @@ def _connection(host, namespace, token, cookies, ca_bundle, insecure_skip_verify
     "minio://mlpipeline/v2/artifacts); the minio overlay's is minio://tracefp4/pipeline-root.",
 )
 @compare_option
-def submit(preset, config_file, sets, experiment, store, service_account, root, methods, **connection):
+def submit(preset, config_file, sets, experiment, store, pushgateway, service_account, root, methods, **connection):
     """Upload the pipeline (--compare: the comparison), or a new version of it, to a KFP server and start a run."""
     from tracefp4.pipelines.submit import SubmitError
     from tracefp4.pipelines.submit import submit as submit_run
 
     connection = _connection(**connection)
-    config = _config(preset, config_file, store, sets=sets)
-    _warn_for_cluster(config, "--store ")
+    config = _config(preset, config_file, store, pushgateway, sets=sets)
+    _warn_for_cluster(config)
     try:
         result = submit_run(
             config,

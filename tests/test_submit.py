@@ -897,3 +897,22 @@ def test_a_ctrl_c_while_a_command_waits_on_the_server_ends_it_with_status_130(kf
     finally:
         child.kill()
     assert child.returncode == 130 and err == "\ntracefp4: interrupted\n" and out == "", (child.returncode, err)
+
+
+def test_compile_and_submit_take_the_store_and_pushgateway_as_run_does(kfp_server, tmp_path):
+    """compile had neither --store nor --pushgateway and submit no --pushgateway, while both warned of a run
+    without them: the same config by the same options compiles to the version submit uploads."""
+    options = ["--preset", "smoke", "--store", "s3://runs/smoke", "--pushgateway", "http://pushgateway:9091"]
+    compiled = CliRunner().invoke(main, ["compile", *options, "--output", str(tmp_path / "p.yaml")])
+    assert compiled.exit_code == 0, compiled.output
+    assert "local to each pod" not in compiled.output and "no metrics.pushgateway_url" not in compiled.output
+    version = compiled.output.split(", version ")[1].split(" ")[0]
+    submitted = CliRunner().invoke(main, ["submit", *options, "--host", kfp_server.url])
+    assert submitted.exit_code == 0, submitted.output
+    assert "no metrics.pushgateway_url" not in submitted.output
+    (upload,) = [r for r in kfp_server.requests if r["path"] == f"{API}/pipelines/upload"]
+    assert upload["query"]["name"] == "tracefp4-smoke"
+    (pipeline_id,) = kfp_server.pipelines
+    uploaded = [v["display_name"] for v in kfp_server.versions[pipeline_id]]
+    assert uploaded == ["tracefp4-smoke", version]  # the API server's first version, then submit's
+    assert '"pushgateway_url":"http://pushgateway:9091"' in (tmp_path / "p.yaml").read_text()
