@@ -632,6 +632,8 @@ def runs_clean(run_id, root, only, everything, chain, yes, **connection):
     from tracefp4.pipelines.clean import KINDS, chain_folders, delete, run_folders, survey, waiting_continuations
     from tracefp4.pipelines.submit import connect
 
+    if everything and only == "store":  # --all widens what goes of the KFP artifacts, which --only store keeps
+        raise click.UsageError("--all and --only store: --all is about the KFP artifacts, which --only store leaves")
     connection = _connection(**connection)
     client = _kfp_call(connect, connection)
     if chain:

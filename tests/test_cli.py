@@ -204,3 +204,10 @@ def test_a_ca_bundle_and_skipping_verification_conflict(tmp_path):
     for command in (["runs", "list"], ["runs", "status", "r"], ["submit", "--preset", "smoke"]):
         result = CliRunner().invoke(main, [*command, *args])
         assert result.exit_code == 2 and "--ca-bundle and --insecure-skip-verify: give one" in result.output, command
+
+
+def test_runs_clean_refuses_all_with_only_store():
+    """--all (the run's record among its KFP artifacts too) was ignored under --only store, which keeps them."""
+    args = ["runs", "clean", "r", "--host", "http://127.0.0.1:9", "--only", "store", "--all", "--yes"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2 and "--all and --only store: --all is about the KFP artifacts" in result.output
