@@ -524,11 +524,12 @@ def runs_status(run_id, **connection):
 @click.argument("run_id")
 def runs_logs(run_id, **connection):
     """A run's task states and errors, and the kubectl command for each task pod's log."""
-    from tracefp4.pipelines.submit import log_commands, run_status
+    from tracefp4.pipelines.submit import log_commands, run_namespace, run_status
 
-    status = _kfp_call(run_status, _connection(**connection), run_id)
+    connection = _connection(**connection)
+    status = _kfp_call(run_status, connection, run_id)
     _print_status(status)
-    commands = log_commands(status, connection["namespace"])
+    commands = log_commands(status, _kfp_call(run_namespace, connection, status))
     if commands:
         click.echo("\nThe KFP API gives states, not logs; each task pod's log (Kubernetes API):")
     else:

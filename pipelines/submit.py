@@ -362,6 +362,7 @@ def run_status(connection: Connection, run_id: str) -> dict:
     tasks.sort(key=lambda t: t["started"])
     return {
         "run_id": run.run_id,
+        "experiment_id": run.experiment_id,
         "name": run.display_name,
         "state": run.state or "-",
         "error": _error(run.error),
@@ -369,6 +370,15 @@ def run_status(connection: Connection, run_id: str) -> dict:
         "finished_at": _when(run.finished_at),
         "tasks": tasks,
     }
+
+
+def run_namespace(connection: Connection, status: dict) -> str | None:
+    """The namespace :func:`run_status`'s run ran in: the connection's, else its experiment's (a multi-user
+    Kubeflow's profile namespace, where the run was submitted into one), else None (standalone KFP)."""
+    if connection.namespace or not status["experiment_id"]:
+        return connection.namespace
+    with quiet():
+        return connect(connection).get_experiment(experiment_id=status["experiment_id"]).namespace or None
 
 
 def log_commands(status: dict, namespace: str | None) -> list[str]:

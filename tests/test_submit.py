@@ -916,3 +916,15 @@ def test_compile_and_submit_take_the_store_and_pushgateway_as_run_does(kfp_serve
     uploaded = [v["display_name"] for v in kfp_server.versions[pipeline_id]]
     assert uploaded == ["tracefp4-smoke", version]  # the API server's first version, then submit's
     assert '"pushgateway_url":"http://pushgateway:9091"' in (tmp_path / "p.yaml").read_text()
+
+
+def test_runs_logs_names_the_namespace_the_run_ran_in(kfp_server, config):
+    """Without --namespace the kubectl commands named kubeflow, where a multi-user Kubeflow ran the run's pods
+    in its experiment's profile namespace; standalone KFP's experiments have none: kubeflow."""
+    profile = submit(config, Connection(kfp_server.url, namespace="team-a"))["run_id"]
+    standalone = submit(config, Connection(kfp_server.url), experiment="other")["run_id"]
+    for run_id, namespace in ((profile, "team-a"), (standalone, "kubeflow")):
+        _finished_run(kfp_server, run_id)
+        logs = CliRunner().invoke(main, ["runs", "logs", run_id, "--host", kfp_server.url])
+        assert logs.exit_code == 0, logs.output
+        assert f"kubectl -n {namespace} logs smoke-abc-system-container-impl-3 -c main" in logs.output
