@@ -125,6 +125,7 @@ class _Group(click.Group):
 
 
 @click.group(cls=_Group, help=__doc__)
+@click.version_option(package_name="tracefp4", prog_name="tracefp4")  # the installed distribution's version
 def main():
     pass
 

@@ -211,3 +211,10 @@ def test_runs_clean_refuses_all_with_only_store():
     args = ["runs", "clean", "r", "--host", "http://127.0.0.1:9", "--only", "store", "--all", "--yes"]
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 2 and "--all and --only store: --all is about the KFP artifacts" in result.output
+
+
+def test_version_names_the_installed_distribution():
+    from importlib.metadata import version
+
+    result = CliRunner().invoke(main, ["--version"])
+    assert result.exit_code == 0 and result.output == f"tracefp4, version {version('tracefp4')}\n"
