@@ -20,6 +20,7 @@ from grafana_foundation_sdk.models.dashboard import (
 from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from tracefp4.components.metrics import METRICS
+from tracefp4.components.store import write_atomic
 
 UID = "tracefp4-run"
 TITLE = "tracefp4: TRACE FP4 RL"
@@ -367,8 +368,8 @@ def _walk(panels: list[dict]):
 def write(directory: str | Path = MANIFESTS) -> Path:
     """Write the dashboard as ``tracefp4.json`` (the file the kustomize manifests mount)."""
     path = Path(directory) / "tracefp4.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dashboard(), sort_keys=True, indent=2) + "\n")
+    text = (json.dumps(dashboard(), sort_keys=True, indent=2) + "\n").encode()
+    write_atomic(path, lambda f: f.write(text))  # a file kept whole: the old or the new one
     return path
 
 

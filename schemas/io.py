@@ -300,6 +300,7 @@ def export_json_schema(out_dir: str | Path) -> list[Path]:
             **model.model_json_schema(),
         }
         target = out_dir / file_name
-        target.write_text(_canonical(schema), encoding="utf-8")
+        text = _canonical(schema).encode()
+        write_atomic(target, lambda f, text=text: f.write(text))  # a file kept whole: the old or the new one
         written.append(target)
     return written
