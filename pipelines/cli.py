@@ -394,7 +394,11 @@ def connection_options(command):
             help="KFP UI/API URL: http://localhost:8080, the Kubeflow gateway (env KF_PIPELINES_ENDPOINT).",
         ),
         click.option("--namespace", help="Profile namespace of a multi-user Kubeflow."),
-        click.option("--token", help="Bearer token (default: env KF_PIPELINES_TOKEN, else the pod's token)."),
+        click.option(
+            "--token",
+            help="Bearer token (default: env KF_PIPELINES_TOKEN, else the pod's token, at KF_PIPELINES_SA_TOKEN_PATH "
+            "where set).",
+        ),
         click.option(
             "--cookies",
             help="Cookie header of a logged-in session, e.g. authservice_session=... "
