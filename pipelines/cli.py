@@ -25,12 +25,14 @@ def _config(
     sets: dict | None = None,
 ):
     """The run config, validated with ``sets`` (--set), then the options' values, then the command's own
-    ``settings`` (dotted keys) in it."""
-    overrides = (
-        (sets or {})
-        | {key: value for key, value in {"store.uri": store, "metrics.pushgateway_url": pushgateway}.items() if value}
-        | (settings or {})
-    )
+    ``settings`` (dotted keys) in it. An option and a --set of its field that disagree are refused: neither
+    has the last word by its place on the command line."""
+    options = {"store.uri": ("--store", store), "metrics.pushgateway_url": ("--pushgateway", pushgateway)}
+    given = {key: value for key, (_, value) in options.items() if value is not None}
+    for key, value in given.items():
+        if key in (sets or {}) and sets[key] != value:
+            raise click.UsageError(f"{options[key][0]} {value} and --set {key}={sets[key]} disagree: give one")
+    overrides = (sets or {}) | given | (settings or {})
     try:
         return load_config(config_file, preset=preset or (None if config_file else "tiny"), overrides=overrides or None)
     except ConfigError as e:

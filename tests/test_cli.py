@@ -218,3 +218,14 @@ def test_version_names_the_installed_distribution():
 
     result = CliRunner().invoke(main, ["--version"])
     assert result.exit_code == 0 and result.output == f"tracefp4, version {version('tracefp4')}\n"
+
+
+def test_an_option_and_a_set_of_its_field_that_disagree_are_refused(tmp_path):
+    """--store won over --set store.uri=..., silently, whichever came last on the line."""
+    result = CliRunner().invoke(
+        main, ["compile", "--store", "s3://a/x", "--set", "store.uri=s3://b/y", "--output", str(tmp_path / "p.yaml")]
+    )
+    assert result.exit_code == 2 and "--store s3://a/x and --set store.uri=s3://b/y disagree" in result.output
+    result = CliRunner().invoke(main, ["compile", "--pushgateway", "", "--output", str(tmp_path / "p.yaml")])
+    assert result.exit_code == 1 and "metrics.pushgateway_url" in result.output  # an empty value is no value
+    assert not (tmp_path / "p.yaml").exists()
