@@ -163,16 +163,27 @@ def check_tasks_drawable(config: RunConfig) -> None:
     # a checkpoint's tokenizer and chat template: prepare reads them; the character tokenizer takes a token a character
     tokenizer = build_tokenizer() if config.model.preset is not None else None
     prompts: set[str] = set()
-    longest = []
+    longest, answers = [], []  # of each task: the longest prompt, the longest reference answer
     for i, t in enumerate(config.tasks):
         with _naming(_task_entry(i, t)):
-            top = None
+            top, answer = None, ""
             for p in get_task(t.name).draws(t.train_size + t.test_size, config.seed, t.difficulty):
                 prompts.add(p.prompt)
                 top = p if top is None or len(p.prompt) > len(top.prompt) else top
+                answer = max(answer, p.answer, key=len)
             longest.append(top)
+            answers.append(answer)
     if tokenizer is not None:
         encode_prompts(config, tokenizer, longest)
+        for i, answer in enumerate(answers):  # a response cut before its answer's end scores nothing (reward_of)
+            if len(tokenizer.encode_answer(answer)) > config.rollout.max_new_tokens:
+                raise ValueError(
+                    f"rollout.max_new_tokens: {config.rollout.max_new_tokens} tokens cut answers such as {answer!r} "
+                    f"(tasks.{i}: {config.tasks[i].name} at difficulty {config.tasks[i].difficulty}) before their "
+                    f"end, which then score nothing: raise it"
+                    + f" or lower tasks.{i}.difficulty"
+                    * (config.tasks[i].difficulty > 1)
+                )
     if config.bootstrap.enabled:
         for i, drawn in enumerate(extra_problems(config, prompts)):
             if tokenizer is not None:

@@ -102,6 +102,7 @@ def test_the_first_task_draws_the_tasks_the_steps_will_draw(tmp_path):
     data = get_preset("smoke").model_dump()
     data["store"]["uri"] = (tmp_path / "store").as_uri()
     data["tasks"] = [{"name": "countdown", "difficulty": 1, "train_size": 2900, "test_size": 100}]
+    data["rollout"]["max_new_tokens"] = 16  # room for countdown's answers
     config_json = RunConfig.model_validate(data).model_dump_json()
     with pytest.raises(ConfigError, match=r"tasks.0: train_size 2900 \+ test_size 100: countdown at difficulty 1: 27"):
         reached(config_json)
@@ -138,6 +139,13 @@ def test_the_first_task_finds_a_prompt_without_room_for_its_response(tmp_path):
     )
     assert not (tmp_path / "store").exists()  # refused before anything else is asked
     data["model"]["max_seq_len"] = 256
+    config_json = RunConfig.model_validate(data).model_dump_json()
+    # nor is there room for the program's answers in 8 new tokens: cut before their end, they would score nothing
+    with pytest.raises(ConfigError) as info:
+        reached(config_json)
+    ((path, reason),) = info.value.problems
+    assert path == "rollout.max_new_tokens" and "(tasks.1: program at difficulty 3) before their end" in reason
+    data["rollout"]["max_new_tokens"] = 64
     config_json = RunConfig.model_validate(data).model_dump_json()
     assert reached(config_json) == config_json
 
