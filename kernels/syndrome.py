@@ -327,11 +327,16 @@ def scale_side_info(x: Tensor, fmt: FP4Format, global_scale: Tensor | None) -> t
         # to even included), written 0x38
         rung = torch.where(v <= 2.0**-10, 0, own.int())
         s = _e4m3_rung(rung)
-        neighbour_rung = (rung + torch.where(v > s, 1, -1)).clamp(0, 0x7E)
+        # the nearer boundary, relative to it, on either side: not the side v lies on, since a power of two
+        # has a rung below half as far as the one above (just above 1.0, 0.96875 is nearer than 1.0625)
+        sides = [(rung + step).clamp(0, 0x7E) for step in (1, -1)]
+        mids = [(s + _e4m3_rung(side)) / 2 for side in sides]
+        up, down = ((mid - v).abs() / mid for mid in mids)
+        up, down = torch.where(rung >= 0x7E, torch.inf, up), torch.where(rung == 0, torch.inf, down)  # ends
+        neighbour_rung = torch.where(up <= down, *sides)
         neighbour = torch.where(neighbour_rung == 0, 0x38, neighbour_rung).to(torch.uint8)
-        mid = (s + _e4m3_rung(neighbour_rung)) / 2
-        distance = (v - mid).abs() / mid
-        certain = (amax == 0) | ~torch.isfinite(v) | (v == s) | (neighbour_rung == rung) | (v >= E4M3_MAX)
+        distance = torch.minimum(up, down)
+        certain = (amax == 0) | ~torch.isfinite(v) | (v == s) | (v >= E4M3_MAX)
     else:
         own = mxfp4_scales(amax)
         # where amax lies in its binade [2^k, 2^(k+1)), from its bits: log2 of a float32 a few ulps below 2^k

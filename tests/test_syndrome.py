@@ -282,6 +282,34 @@ def test_an_nvfp4_scale_that_rounds_to_zero_and_the_smallest_subnormal_neighbour
     assert ok.all() and stats.failed == 0 and torch.equal(scales, table.scales)
 
 
+def test_an_nvfp4_scale_just_above_a_power_of_two_neighbours_the_one_below():
+    """Just above 1.0 the rung below (0.9375) is half as far as the one above
+    (1.125), so the nearer boundary is 0.96875 below: the neighbour had been
+    taken on the side the value lies on (0x39), and a rollout one rung below
+    (0x37, low bit 1 as well) decoded as 0x39, 20% off, where its codes did
+    not fail the block (silently wrong guidance). Each side's distance is
+    relative to its boundary, so just below 1.125 the one above is the nearer."""
+    x = torch.randn(17, 128, generator=torch.Generator().manual_seed(0))
+    x[0, 127] = 6 * 448 / 64  # the global scale g = 1/64
+    g = 1 / 64
+    train = x.clone()
+    train[:, :16] *= 1.005 * 6 * g / train[:, :16].abs().amax(1, keepdim=True)  # every row's block 0: 1.005
+    nvfp4 = get_format("nvfp4")
+    own, neighbour, distance = scale_side_info(train, nvfp4, torch.tensor(g))
+    assert (own[0, 0], neighbour[0, 0]) == (0x38, 0x37)
+    assert distance[0, 0] == pytest.approx((1.005 - 0.96875) / 0.96875, rel=1e-4)
+    for v, expected in ((1.02, 0x39), (1.12, 0x38), (1.124, 0x3A)):
+        _, neighbour, _ = scale_side_info(torch.full((1, 16), v * 6 * g), nvfp4, torch.tensor(g))
+        assert neighbour[0, 0] == expected
+    rollout = train.clone()
+    rollout[:, :16] *= 0.96 / 1.005  # 0.96: the rung below, 0x37
+    table = table_from(rollout, torch.zeros(17, dtype=torch.long))
+    assert table.global_scale == g and (table.scales[:, 0] == 0x37).all()
+    scales, low, ok, stats = decode(encode_table(table, Rate(48, 16)), train, torch.ones(17, dtype=torch.bool))
+    assert ok.all() and stats.failed == 0 and torch.equal(scales, table.scales)
+    assert torch.equal(low, unpack_nibbles(table.codes) & 1)
+
+
 def below(value: float, ulps: int) -> float:
     """The float32 ``ulps`` steps below ``value``."""
     t = torch.tensor(value, dtype=torch.float32)
