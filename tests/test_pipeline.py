@@ -342,12 +342,14 @@ def test_cli(tmp_path):
     assert version_name(compiled_documents(b"# another head\n" + shuffled.encode())) == version_name(documents)
     assert "no metrics.pushgateway_url" in result.output  # smoke's: nothing to watch on a cluster
     assert "warning: store file://./runs/store is local to each pod" in result.output  # smoke's store
-    assert "use --set store.uri=s3://" in result.output  # compile has no --store
+    assert "use --store s3://... on a cluster" in result.output  # compile takes --store, as run does
     assert "tasks in a run" not in result.output
     args = ["compile", "--preset", "smoke", "--set", "store.uri=s3://bucket/runs", "--output", str(tmp_path / "s.yaml")]
     result = runner.invoke(main, args)
     assert "store s3://bucket/runs without store.endpoint: every step takes TRACEFP4_S3_ENDPOINT" in result.output
-    result = runner.invoke(main, ["compile", "--preset", "smoke", "--output", str(tmp_path / "new" / "p.yaml" / "x")])
+    result = runner.invoke(
+        main, ["compile", "--preset", "smoke", "--output", str(tmp_path / "new" / "p.yaml" / "x.yaml")]
+    )
     assert result.exit_code == 1 and "p.yaml: File exists" in result.output  # a file in the way: no traceback
     # the paper preset's 100 rounds: 14 a run, in a chain of runs; unrolled in one, more tasks than a KFP run holds
     # (docs/deploy.md, "Known limit"), said at compile time
