@@ -17,7 +17,7 @@ from tracefp4.components.capture import (
 from tracefp4.components.mismatch import compare, join_rows, signed_rank, teacher_force, token_groups
 from tracefp4.components.model import ModelConfig, build_model
 from tracefp4.components.quant import rollout_config
-from tracefp4.components.rollout import SamplingParams, TorchEngine
+from tracefp4.components.rollout import KVCache, SamplingParams, TorchEngine
 from tracefp4.kernels import quantize
 
 
@@ -129,6 +129,39 @@ def test_captured_kv_is_what_the_cache_held(smoke):
         m = report[(0, site)]
         assert m.elements == sum(len(t.tokens) - 1 for t in out) * records.tables[(0, site)].width
         assert m.mismatched == 0 and m.scale_mismatched == 0
+
+
+def test_requests_stopping_early_and_admitted_into_a_grown_cache_are_captured_whole(smoke, monkeypatch):
+    """Requests that stop early, and a 600-token prompt admitted into the row
+    (of 2) the first of them frees, past the cache's 512 positions, so that the
+    cache grows under the request still decoding: every position the rollout
+    fed (each response's last token never is) is captured once at every site,
+    and layer 0's K/V, which depend on the token alone, are the codes the
+    training path computes (a growth that lost what the cache held would not
+    give them)."""
+    grown = []
+    grow = KVCache.grow
+    monkeypatch.setattr(KVCache, "grow", lambda cache, n: grown.append(grow(cache, n)) or grown[-1])
+    g = torch.Generator().manual_seed(4)
+    batch = [torch.randint(0, 256, (k,), generator=g).tolist() for k in (5, 3, 600, 7, 4)]
+    engine = TorchEngine(
+        smoke,
+        rollout_config("fp4_wa_kv"),
+        capture=CaptureConfig(max_tokens=1280),
+        max_running_requests=2,
+        stop_check_every=1,
+    )
+    out = engine.generate(batch, SamplingParams(max_new_tokens=8, seed=4, stop_tokens=tuple(range(0, 256, 5))))
+    assert any(grown)
+    records = engine.drain_capture()
+    fed = {(t.id, p) for t in out for p in range(len(t.tokens) - 1)}
+    for (layer, site), table in records.tables.items():
+        slots = smoke.cfg.top_k if site == "moe_down_in" else 1
+        rows = list(zip(table.traj.tolist(), table.pos.tolist(), table.slot.tolist()))
+        assert rows == sorted((t, p, s) for t, p in fed for s in range(slots)), (layer, site)
+    report = compare(records, teacher_force(engine, out))
+    assert report[(0, "k_cache")].mismatched == report[(0, "v_cache")].mismatched == 0
+    assert [len(t.response) for t in out][:2] == [4, 8]  # request 1 decoded on as request 2 came
 
 
 def test_inline_compaction_keeps_low_bits_of_selected_layers(smoke):

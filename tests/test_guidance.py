@@ -59,6 +59,8 @@ def assert_same_tables(a, b):
         u = b.tables[key]
         for name in ("traj", "pos", "slot", "expert", "codes", "scales"):
             assert torch.equal(getattr(t, name), getattr(u, name)), (key, name)
+        assert (t.row_global_scales is None) == (u.row_global_scales is None), key
+        assert t.row_global_scales is None or torch.equal(t.row_global_scales, u.row_global_scales), key
         assert (t.bits, t.width, t.fmt, t.global_scale) == (u.bits, u.width, u.fmt, u.global_scale)
 
 
@@ -263,14 +265,16 @@ def test_finished_shards_are_drained_together_once_they_hold_as_many_as_run_at_o
     shards.check_all_written()
 
 
-def test_offline_compaction_equals_inline_capture(captured):
-    engine, out, full = captured
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+@pytest.mark.parametrize("scales", ["static", "per_token"])
+def test_offline_compaction_equals_inline_capture(captured, per_token_captured, bits, scales):
+    engine, out, full = captured if scales == "static" else per_token_captured
     layers = select_layers(1, [0, 1])
     inline_engine = TorchEngine(
-        build_model("smoke", seed=0), rollout_config("fp4_wa_kv"), capture=CaptureConfig(bits=1, layers=layers)
+        build_model("smoke", seed=0), engine.quant, capture=CaptureConfig(bits=bits, layers=layers)
     )
     inline_engine.generate(prompts(), SamplingParams(max_new_tokens=6, seed=1))
-    assert_same_tables(compact(full, 1, layers), inline_engine.drain_capture())
+    assert_same_tables(compact(full, bits, layers), inline_engine.drain_capture())
 
 
 def test_layer_selection():
