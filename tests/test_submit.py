@@ -886,7 +886,12 @@ def test_a_ctrl_c_while_a_command_waits_on_the_server_ends_it_with_status_130(kf
     loads, and one during `tracefp4 run`, end it with 130 (128 + SIGINT)."""
     kfp_server.delay_s = 30  # the answer never comes before the Ctrl-C
     command = [sys.executable, "-m", "tracefp4.pipelines", "runs", "list", "--host", kfp_server.url]
-    child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal's: a shell without job control starts background commands (a CI's, say) ignoring it,
+    # and a child inherits that
+    default_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    child = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint
+    )
     try:
         deadline = time.monotonic() + 60
         while not kfp_server.requests and time.monotonic() < deadline:
