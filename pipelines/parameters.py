@@ -213,13 +213,15 @@ def check_drawable(config: RunConfig) -> None:
     costs what each step pays (``benchmarks/tasks.py``: half a minute on a
     paper preset), in the memory of the prompts alone; and it finds, for a
     library preset, a prompt without room for ``rollout.max_new_tokens``
-    within ``model.max_seq_len``, which prepare would (a pydantic validator
-    would draw them at every validation, in every step)."""
+    within ``model.max_seq_len``, which prepare would, and an answer longer
+    than ``rollout.max_new_tokens``, which would never score (a pydantic
+    validator would draw them at every validation, in every step)."""
     from tracefp4.components.steps import check_tasks_drawable
 
     try:
         check_tasks_drawable(config)
-    except ValueError as e:  # "tasks.i: reason", "bootstrap.extra_problems.i: reason", "model.max_seq_len: reason"
+    except ValueError as e:
+        # "tasks.i: ...", "bootstrap.extra_problems.i: ...", "model.max_seq_len: ...", "rollout.max_new_tokens: ..."
         field, _, reason = str(e).partition(": ")
         raise ConfigError([(field, reason)]) from None
 
