@@ -111,7 +111,7 @@ def rollout(config: RunConfig, policy: Path, seed: int):
         capture=CaptureConfig(max_tokens=r.max_tokens_per_forward, inputs=True),
         calibration_seed=config.seed,
     )
-    trajectories = engine.generate(prompts, steps.sampling(config, config.seed + seed, tokenizer))
+    trajectories = engine.generate(prompts, steps.sampling(config, tokenizer, "alignment", seed))
     return engine, trajectories, engine.drain_capture()
 
 

@@ -254,7 +254,12 @@ def science_section(data: dict) -> list[str]:
         "with the scales of seed 0, every method and baseline alike, where training and rollout used their own "
         "seed's. It also predates the change that made bootstrap SFT stop on problems held out of the "
         "training split: its SFT stopped on the first 64 of the 500 test prompts it then scored (the same "
-        "base for every method). Rerunning the command above measures them as the code now does.",
+        "base for every method). And it predates two later changes: a response the length limit cut now "
+        "scores up to its last complete line (commit 10a5622), and each sampling pass draws from its own "
+        "hashed stream, where rollout sampled with seed + policy version and evaluation with seed + 1: "
+        "replicate seed s + 1 drew at version v the random numbers of seed s at version v + 1 (with other "
+        "prompts and policies), so the five seeds' replicates were not independent draws. Rerunning the "
+        "command above measures them as the code now does.",
         "",
     ]
     return lines

@@ -111,10 +111,10 @@ def _accuracy(
     costs of a new engine (Triton compilation, lazy initialization) fall on
     the greedy pass, and the figure is the rollout's steady speed."""
     k = config.evaluation.samples_per_prompt
-    greedy = engine.generate(prompts, replace(steps.sampling(config, config.seed, tokenizer), temperature=0.0))
+    greedy = engine.generate(prompts, replace(steps.sampling(config, tokenizer, "evaluate", "greedy"), temperature=0.0))
     start = time.perf_counter()
     sampled = engine.generate(
-        [q for q in prompts for _ in range(k)], steps.sampling(config, config.seed + 1, tokenizer)
+        [q for q in prompts for _ in range(k)], steps.sampling(config, tokenizer, "evaluate", "sampled")
     )
     speed = steps.throughput(sampled, time.perf_counter() - start)
     rows = []
@@ -157,7 +157,7 @@ def _discrepancy(config: RunConfig, model, name: str, tokenizer, prompts, sensit
         capture=capture,
         **steps.engine_options(config),
     )
-    trajectories = engine.generate(requests, steps.sampling(config, config.seed + 2, tokenizer))
+    trajectories = engine.generate(requests, steps.sampling(config, tokenizer, "evaluate", "discrepancy"))
     records = engine.drain_capture()
     quant, global_scales, top_k = engine.quant, engine.global_scales, engine.model.cfg.top_k
     # teacher forcing (in forwards of max_tokens_per_forward rows, as ever) before the trainer is built: the engine

@@ -92,11 +92,16 @@ class Trajectory:
         return self.finish_reason == "stop"
 
 
-def request_seed(seed: int, index: int) -> int:
-    """The sampling seed of the request at place ``index`` of a batch seeded
-    ``seed``: each request draws from its own generator, so that its tokens do
-    not depend on which other requests share its call (rollout workers)."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{index}".encode()).digest()[:8], "little") >> 1
+def derive_seed(seed: int, *stream: int | str) -> int:
+    """The seed of the random stream ``stream`` under ``seed``, hashed so that
+    no two streams share draws: each request of a batch draws from its own
+    generator (``derive_seed(batch_seed, place)``), so its tokens do not depend
+    on which other requests share its call (rollout workers); and each sampling
+    pass of a run has its own (``derive_seed(run_seed, "rollout", version)``),
+    where ``seed + version`` gave replicate seed s + 1 the draws of seed s one
+    version later."""
+    key = "/".join(map(str, (seed, *stream)))
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
 def sample(
@@ -689,7 +694,7 @@ class _Decode:
         slots = [self.host_slots[r] for r in rows]
         row_index, slot_index = torch.tensor(rows, device=dev), torch.tensor(slots, device=dev)
         if self.uniforms is not None:  # request i's draws, in order: its generator's stream (CPU, on any device)
-            seeds = (request_seed(self.sampling.seed, self.place + i) for i in requests)
+            seeds = (derive_seed(self.sampling.seed, self.place + i) for i in requests)
             draws = [torch.rand(n_new, generator=torch.Generator().manual_seed(seed)) for seed in seeds]
             self.uniforms[slot_index] = torch.stack(draws).to(dev)
         ids = torch.tensor([self.first + i for i in requests], device=dev)

@@ -66,7 +66,7 @@ from .mismatch import teacher_force
 from .model import build_model, get_preset
 from .quant import BF16, QuantConfig, rollout_config
 from .rl import group_advantages
-from .rollout import SamplingParams, TorchEngine, Trajectory
+from .rollout import SamplingParams, TorchEngine, Trajectory, derive_seed
 from .store import ArtifactNotFound, open_store, write_atomic
 from .syndrome import encode_table, merge_decode_json, site_rates
 from .tasks import Problem, format_example, get_task, reward_of, split
@@ -454,10 +454,11 @@ def engine_options(config: RunConfig) -> dict:
     }
 
 
-def sampling(config: RunConfig, seed: int, tokenizer) -> SamplingParams:
-    """The run's sampling, stopping on the tokenizer's stop ids (every eos; a
-    plain tokenizer's newline too) and padding with its pad id; tis_sc's score
-    centering also needs the sampler's top-k tokens."""
+def sampling(config: RunConfig, tokenizer, *stream: int | str) -> SamplingParams:
+    """The run's sampling for the random stream ``stream`` (seeded from the
+    run's seed by :func:`derive_seed`), stopping on the tokenizer's stop ids
+    (every eos; a plain tokenizer's newline too) and padding with its pad id;
+    tis_sc's score centering also needs the sampler's top-k tokens."""
     r = config.rollout
     topk = SCORE_CENTERING_TOPK if config.method == "tis_sc" else 0
     return SamplingParams(
@@ -467,7 +468,7 @@ def sampling(config: RunConfig, seed: int, tokenizer) -> SamplingParams:
         max_new_tokens=r.max_new_tokens,
         stop_tokens=tokenizer.stop_ids,
         pad_token=tokenizer.pad_id,
-        seed=seed,
+        seed=derive_seed(config.seed, *stream),
         record_topk=topk,
     )
 
@@ -523,7 +524,7 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
     start, upload_s = time.perf_counter(), 0.0
     for s in range(steps):  # one RL step's batch (this worker's share of it) per generate call
         lo, hi = s * per_step + per_step * worker // workers, s * per_step + per_step * (worker + 1) // workers
-        params = sampling(config, config.seed + round_index * steps + s, tokenizer)
+        params = sampling(config, tokenizer, "rollout", round_index * steps + s)  # policy version
         prompts = encode_prompts(config, tokenizer, batch[lo:hi])
         # the capture goes to the store in shards as their requests finish (the drains count as capture)
         shards = None

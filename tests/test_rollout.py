@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tracefp4.components.rollout as rollout_module
+from tracefp4.components import steps
 from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.checkpoint import save_model
 from tracefp4.components.model import CausalAttention, build_model
@@ -23,7 +24,9 @@ from tracefp4.components.rollout import (
     fillable_length,
     whole_span_blocks,
 )
+from tracefp4.components.tokenizer import build_tokenizer
 from tracefp4.kernels import fake_quantize, reference
+from tracefp4.schemas import load_config
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +101,21 @@ def test_same_seed_same_samples_and_greedy_is_argmax(model):
     top1 = engine.generate(prompts(), SamplingParams(top_k=1, max_new_tokens=5, seed=5))
     nucleus = engine.generate(prompts(), SamplingParams(top_p=1e-6, max_new_tokens=5, seed=6))
     assert [t.response for t in greedy] == [t.response for t in top1] == [t.response for t in nucleus]
+
+
+def test_no_two_sampling_passes_of_runs_share_a_seed():
+    """Every sampling pass (a rollout step at each policy version, evaluation's
+    passes) draws from its own stream, across the seeds of a replicate study
+    too: ``seed + version`` gave seed 1 at version v the draws of seed 0 at
+    version v + 1."""
+    tok = build_tokenizer()
+    passes = [("rollout", v) for v in range(20)] + [("evaluate", p) for p in ("greedy", "sampled", "discrepancy")]
+    seeds = [
+        steps.sampling(load_config(None, preset="smoke", overrides={"seed": s}), tok, *stream).seed
+        for s in range(4)
+        for stream in passes
+    ]
+    assert len(set(seeds)) == len(seeds) == 4 * len(passes)
 
 
 def test_no_request_is_sampled_from_a_scan_of_its_row_alone(model, monkeypatch):
@@ -689,8 +707,6 @@ def test_hybrid_state_is_constant_per_sequence_and_kv_only_on_full_attention(hyb
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
 def test_hybrid_fp4_rollout_captures_kv_of_full_attention_layers_only(hybrid, fmt):
-    from tracefp4.components.capture import CaptureConfig
-
     engine = TorchEngine(hybrid, rollout_config("fp4_wa_kv", fmt), capture=CaptureConfig(bits=4))
     out = engine.generate(long_prompts(3), SamplingParams(max_new_tokens=4, seed=1))
     records = engine.drain_capture()

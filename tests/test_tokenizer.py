@@ -195,7 +195,7 @@ def test_sampling_stops_each_trajectory_at_its_first_eos_and_pads_with_the_pad_i
     tok = load_tokenizer(chat)
     model = build_model(replace(get_preset("smoke"), vocab_size=tok.vocab_size), seed=3)
     config = load_config(None, preset="smoke", overrides={"rollout.max_new_tokens": 16})
-    params = steps.sampling(config, seed=0, tokenizer=tok)
+    params = steps.sampling(config, tok, "rollout", 0)
     assert params.stop_tokens == tok.eos_ids and params.pad_token == tok.pad_id
     prompts = [tok.encode_prompt(format_example(p)) for p in split("countdown", 48, 0, seed=0, difficulty=1)[0]]
     trajectories = TorchEngine(model).generate(prompts, params)
