@@ -23,6 +23,7 @@ from .device import hardware
 from .guidance import GuidanceLoader, compact, compaction_report, select_layers, write_step
 from .mismatch import teacher_force
 from .ptq import apply_ptq, scored_under
+from .quant import QuantConfig
 from .rollout import TorchEngine
 from .stats import accuracy_row
 from .store import LocalStore
@@ -64,8 +65,8 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
         out["accuracy"] += [{"method": config.method, "policy": policy_label, "rollout": rollout, **r} for r in rows]
         return speed
 
-    for name in config.evaluation.rollout_configs:
-        quant = steps.rollout_quant(config, name)
+    quants = {name: steps.rollout_quant(config, name) for name in config.evaluation.rollout_configs}
+    for name, quant in quants.items():
         out["throughput"].append({"rollout": name, **score("trained", model, name, quant)})
         if initial is not None:  # loaded for each config and handed over: not held beside the policy throughout
             score("initial", load_model(initial, device=device), name, quant, take=True)
@@ -73,14 +74,13 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
             continue
         if analysed:
             analysis = _discrepancy(
-                config, model, name, tokenizer, analysed, sensitivity=not out["guidance_sensitivity"]
+                config, model, name, quant, tokenizer, analysed, sensitivity=not out["guidance_sensitivity"]
             )
             out["discrepancy"].append(analysis.pop("discrepancy"))
             out["guidance_sensitivity"] = out["guidance_sensitivity"] or analysis["guidance_sensitivity"]
     if config.method == "bf16":  # calibrated on training prompts, as many: the test prompts stay unseen
         calibration = steps.encode_prompts(config, tokenizer, train)
         # PTQ weights as they are, activations and KV as each config quantizes them
-        quants = {name: steps.rollout_quant(config, name) for name in config.evaluation.rollout_configs}
         scored = {name: replace(quant, weights=None) for name, quant in quants.items() if scored_under(quant)}
         for label in config.evaluation.ptq_baselines:
             # one baseline at a time, each a copy of the policy: at the paper's scale (a policy of ~60 GB) the
@@ -138,8 +138,10 @@ def _ptq_model(model, method: str, prompts: list[list[int]]):
 SENSITIVITY_BITS = (1, 2, 3, 4)
 
 
-def _discrepancy(config: RunConfig, model, name: str, tokenizer, prompts, sensitivity: bool) -> dict:
-    """Rollouts under ``name`` with a full capture, then the method's training path
+def _discrepancy(
+    config: RunConfig, model, name: str, quant: QuantConfig, tokenizer, prompts, sensitivity: bool
+) -> dict:
+    """Rollouts under ``name`` (``quant``) with a full capture, then the method's training path
     over the same tokens (guided for trace, by guidance compacted and coded as
     configured: syndrome-coded guidance at a first step's rates, decoded in the
     training forward): mismatch and alignment; with ``sensitivity``, the
@@ -152,7 +154,7 @@ def _discrepancy(config: RunConfig, model, name: str, tokenizer, prompts, sensit
     capture = CaptureConfig(max_tokens=min(limit, len(requests) * max(map(len, requests))), inputs=True)
     engine = TorchEngine(
         model,
-        steps.rollout_quant(config, name),
+        quant,
         device=next(model.parameters()).device,
         capture=capture,
         **steps.engine_options(config),

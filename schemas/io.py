@@ -291,7 +291,6 @@ def schema_hash() -> str:
 def export_json_schema(out_dir: str | Path) -> list[Path]:
     """Write one JSON Schema file per top-level model into out_dir; byte-identical on every run."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     written = []
     for file_name, model in SCHEMA_FILES.items():
         schema = {

@@ -7,6 +7,7 @@ import json
 import shutil
 import time
 import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -557,7 +558,10 @@ def test_evaluation_of_a_bf16_run_holds_ptq_baselines_discrepancy_and_sensitivit
         return out
 
     monkeypatch.setattr(evaluation, "_ptq_model", one_at_a_time)
-    seeds, engine, cold_start = [], evaluation.TorchEngine, 2.0
+    seeds, engine, cold_start, paid = [], evaluation.TorchEngine, 1000.0, [0.0]
+    # evaluation's clock, moved on by each one-time cost: a timed pass that paid one reads >= 1000 s, however
+    # loaded the machine (a real 2 s sleep was outlasted by a warm pass on a busy one)
+    monkeypatch.setattr(evaluation, "time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + paid[0]))
 
     def cold_engine(*a, **kw):  # whose first call pays a one-time cost, as Triton compilation does on a GPU
         seeds.append(kw.get("calibration_seed"))
@@ -565,7 +569,7 @@ def test_evaluation_of_a_bf16_run_holds_ptq_baselines_discrepancy_and_sensitivit
         warm = e.generate
 
         def first_call(*args, **kwargs):
-            time.sleep(cold_start)
+            paid[0] += cold_start
             e.generate = warm
             return warm(*args, **kwargs)
 
@@ -643,7 +647,15 @@ def test_measuring_the_training_path_leaves_the_evaluated_policy_alone(tmp_path)
     model, tokenizer = load_model(tmp_path / "policy"), load_tokenizer(tmp_path / "policy")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     prompts = steps.encode_prompts(config, tokenizer, steps.problems(config)[1][:2])
-    evaluation._discrepancy(config, model.eval(), "fp4_wa_kv", tokenizer, prompts, sensitivity=False)
+    evaluation._discrepancy(
+        config,
+        model.eval(),
+        "fp4_wa_kv",
+        steps.rollout_quant(config, "fp4_wa_kv"),
+        tokenizer,
+        prompts,
+        sensitivity=False,
+    )
     assert not model.training and all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 

@@ -570,7 +570,10 @@ def test_the_evaluations_discrepancy_guides_with_the_runs_codec(monkeypatch):
         store, records, **kw))  # fmt: skip
     tokenizer = build_tokenizer()
     prompts = steps.encode_prompts(config, tokenizer, steps.problems(config)[1][:2])
-    out = evaluation._discrepancy(config, build_model("smoke"), "fp4_wa_kv", tokenizer, prompts, sensitivity=False)
+    quant = steps.rollout_quant(config, "fp4_wa_kv")
+    out = evaluation._discrepancy(
+        config, build_model("smoke"), "fp4_wa_kv", quant, tokenizer, prompts, sensitivity=False
+    )
     ((records,),) = [written]
     assert records.tables and all(isinstance(t, SyndromeTable) for t in records.tables.values())
     assert 0 <= out["discrepancy"]["code_mismatch"] < 0.5  # measured through the decoding forward
