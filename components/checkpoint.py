@@ -23,8 +23,10 @@ loading checks before it allocates: the checksum manifest our saves write
 copy; every size in config.json must be a sane integer and agree with the
 tensor shapes in the safetensors headers (read without reading the data); and
 every file read must lie inside the folder. A folder from elsewhere has no
-manifest and loads with a warning that it is unverified. The manifest guards
-against corruption, not against someone who rewrites it along with the data.
+manifest and loads with a warning that it is unverified; one whose upload to
+the store was cut short (:func:`upload_folder`, :data:`UNFINISHED`) is
+refused. The manifest guards against corruption, not against someone who
+rewrites it along with the data.
 
 A ``qwen3_5_moe`` checkpoint is multimodal on the Hub: its config.json nests
 the language model's config under ``text_config`` and its weights live under
@@ -87,6 +89,9 @@ HASH_THREADS = 8  # files hashed at once at most (sizes_and_sha256)
 # what the store and the node's network take, and S3Store's connection pool holds 8
 TRANSFER_THREADS = 8
 LOCATION = "location.json"  # {"uri": ...}: a folder standing for the folder there (write_location), beside its MANIFEST
+# in a store folder while upload_folder writes it, from before its first change until after its MANIFEST is there
+UNFINISHED = ".upload-unfinished"
+_UNFINISHED_TEXT = f"tracefp4 is uploading this folder: it is whole once {MANIFEST} is here\n".encode()
 _MAX_SIZE = 2**24  # any config.json size above this is a typo or an attack: real models stay far below
 # safetensors' names of the weight dtypes we load
 _TORCH_DTYPES = {name: dtype for name, dtype in DTYPES.items() if dtype.is_floating_point}
@@ -632,6 +637,7 @@ def fingerprint(uri: str | os.PathLike, store_env: Mapping[str, str] | None = No
     if folder is not None:
         if not folder.is_dir():
             raise CheckpointError(f"{text}: no such folder")
+        _refuse_unfinished(folder, os.listdir(folder))
         if (folder / MANIFEST).exists():
             return folder_digest(folder)
         files = sorted(f for f in folder.iterdir() if f.is_file())
@@ -639,6 +645,7 @@ def fingerprint(uri: str | os.PathLike, store_env: Mapping[str, str] | None = No
     else:
         store = open_store(text, env=store_env)
         names = sorted(key for key in store.list() if "/" not in key)
+        _refuse_unfinished(store.uri, names)
         if MANIFEST in names:
             return hashlib.sha256(store.get_bytes(MANIFEST)).hexdigest()
         material = [(name, *store.stat(name)) for name in names]
@@ -658,13 +665,16 @@ def verify_folder(folder: Path) -> None:
     """Check every file against :data:`MANIFEST`, so that a corrupt, truncated
     or partly copied checkpoint fails here, naming the file, instead of loading
     wrong weights. A folder without a manifest (saved by transformers, say)
-    loads with a warning. A folder that :func:`fetch` downloaded and checked in
+    loads with a warning; one an upload left unfinished (a ``file://``
+    store's, or a copy of a store's) is refused (:func:`_refuse_unfinished`).
+    A folder that :func:`fetch` downloaded and checked in
     this process is not read for its checksums again, as long as it and its
     manifest keep the sizes and times they had then: rank 0 of a distributed
     round fetches the policy and trainer state and loads them at once (490 GB
     at Qwen3.5-35B-A3B, minutes of sha256)."""
     path = folder / MANIFEST
     if not path.exists():
+        _refuse_unfinished(folder, os.listdir(folder))
         log.warning("%s has no %s: loading it unverified (not saved by tracefp4)", folder, MANIFEST)
         return
     files = _manifest_entries(_inside(folder, MANIFEST, "the manifest").read_bytes(), path)
@@ -1072,9 +1082,9 @@ def fetch(
     the folder is renamed into place: a corrupt or partial download is never
     used. One process of a machine downloads a checkpoint at a time; another
     fetching it meanwhile waits and finds it cached. Without a manifest every shard the index names must be there, and
-    :func:`load_model` loads it with its unverified warning. Only the files
-    loading reads are fetched: the weights, config.json, the index, the
-    manifest's files and the tokenizer's (:data:`.tokenizer.FILES`); without
+    :func:`load_model` loads it with its unverified warning; a folder whose upload did not finish, in a store or a
+    folder, is refused (:func:`_refuse_unfinished`). Only the files loading reads are fetched: the weights,
+    config.json, the index, the manifest's files and the tokenizer's (:data:`.tokenizer.FILES`); without
     ``weights``, all but the safetensors files, into a cache entry of its own:
     a folder to read the config, tokenizer and manifest from, which
     :func:`load_model` refuses (a distributed round's ranks but rank 0 need
@@ -1094,12 +1104,15 @@ def fetch(
             raise CheckpointError(f"{into}: not empty; fetching {text} into it would mix two checkpoints")
     local = _local_folder(text)
     if local is not None:
+        if local.is_dir():
+            _refuse_unfinished(local, os.listdir(local))
         if (local / LOCATION).is_file():
             return fetch(location(local, store_env), store_env, weights, into)
         return local if into is None else Path(shutil.copytree(local, into, dirs_exist_ok=True))
     store = open_store(text, env=store_env)
     where = store.uri
     listed = {key for key in store.list() if "/" not in key}  # the folder's own objects, not its subfolders'
+    _refuse_unfinished(where, listed)
     if LOCATION in listed:  # a small folder standing for a large one: read whole, followed from there
         with tempfile.TemporaryDirectory() as tmp:
             for name in {LOCATION, MANIFEST} & listed:
@@ -1169,18 +1182,42 @@ def upload_folder(folder: Path, target: ArtifactStore) -> bytes:
     """Upload the files of the tracefp4 folder ``folder`` to the store folder
     ``target``, up to :data:`TRANSFER_THREADS` at once, its :data:`MANIFEST`
     once all others are there, so that a reader takes it whole once that is
-    there; returns the manifest. A folder uploaded there before (a retried
-    step's) is deleted first, its manifest before its other files: files
-    it had that the new one lacks would be taken for the new one's
+    there; returns the manifest. :data:`UNFINISHED` goes there before
+    anything else and leaves once the manifest is there: an upload cut short
+    (the step killed) leaves a folder without a manifest, which would
+    otherwise load as a checkpoint from elsewhere, unverified, once its
+    config.json and weights were there; with it every reader refuses the
+    folder (:func:`_refuse_unfinished`). A folder uploaded there before (a
+    retried step's) is deleted next, its manifest before its other files:
+    files it had that the new one lacks would be taken for the new one's
     (:func:`fetch` takes the tokenizer's files and :data:`LOCATION` by
     listing the folder), and while the new files are uploaded the folder
-    holds none of the old one's, which a fetch without a manifest would
-    mix with them unchecked."""
+    holds none of the old one's, which a fetch would otherwise mix with
+    them unchecked."""
     files = [file for file in sorted(folder.iterdir()) if file.name != MANIFEST]
-    target.delete_keys([key for key in target.list() if "/" not in key], (MANIFEST,))  # the folder's own objects
+    earlier = [key for key in target.list() if "/" not in key and key != UNFINISHED]  # the folder's own objects
+    target.put_bytes(UNFINISHED, _UNFINISHED_TEXT)
+    target.delete_keys(earlier, (MANIFEST,))
     each_at_once(lambda file: target.upload(file.name, file), files, TRANSFER_THREADS, "upload")
     target.upload(MANIFEST, folder / MANIFEST)
+    target.delete(UNFINISHED)
     return (folder / MANIFEST).read_bytes()
+
+
+def _refuse_unfinished(where: object, names: Iterable[str]) -> None:
+    """Refuse the folder ``where`` (its file or object names ``names``) if
+    an upload of it did not finish: :data:`UNFINISHED` without a
+    :data:`MANIFEST` (:func:`upload_folder`). Loaded, it would pass for a
+    checkpoint from elsewhere: half of it written, the rest missing or an
+    earlier folder's, with no more than a warning that it is unverified. With
+    a manifest the upload committed (it was cut short before the marker
+    left), and the manifest vouches for every file."""
+    names = set(names)
+    if UNFINISHED in names and MANIFEST not in names:
+        raise CheckpointError(
+            f"{where}: its upload did not finish (it holds {UNFINISHED} and no {MANIFEST}), so it is not whole: "
+            "re-run the step that uploads it"
+        )
 
 
 def location(

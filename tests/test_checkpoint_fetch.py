@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import re
 import shutil
 import sys
 import threading
@@ -19,19 +20,22 @@ from chat_checkpoint import chat_checkpoint
 
 from tracefp4.components import checkpoint, steps
 from tracefp4.components.checkpoint import (
+    CONFIG,
     INDEX,
     LOCATION,
     MANIFEST,
     SINGLE,
+    UNFINISHED,
     CheckpointError,
     fetch,
+    fingerprint,
     folder_digest,
     load_model,
     save_model,
     write_location,
 )
 from tracefp4.components.model import build_model
-from tracefp4.components.store import NoRoom, S3Store
+from tracefp4.components.store import NoRoom, S3Store, StoreError, open_store
 from tracefp4.components.tasks import Problem, format_example
 from tracefp4.components.tokenizer import GENERATION_CONFIG, build_tokenizer, load_tokenizer
 from tracefp4.pipelines.local import run_local
@@ -332,6 +336,71 @@ def test_a_folder_uploads_several_files_at_once_and_its_manifest_once_they_are_a
     assert waited == [True] and sorted(calls) == sorted(p.name for p in folder.iterdir())
     assert calls[-1] == MANIFEST and ended_before[MANIFEST] == len(calls) - 1  # once all others had ended
     assert torch.equal(logits(load_model(fetch(s3_env.uri(prefix)))), logits(model))
+
+
+@pytest.mark.parametrize("backend", ["s3", "local"])
+def test_a_folder_whose_upload_was_cut_short_is_refused_naming_it_until_an_upload_finishes(
+    tmp_path, request, cache, monkeypatch, backend
+):
+    """A step killed while upload_folder wrote its output (a round's trainer
+    state, a TrainJob round's policy) once config.json and every shard were
+    in the store but not the manifest left a folder that fetch took for a
+    checkpoint from elsewhere: loaded unverified, with no more than a
+    warning. Every reader refuses it, naming it, until an upload there
+    finishes; one killed once the manifest was there (before the marker
+    left) committed the folder, which loads. A ``file://`` store's folder
+    likewise, loaded as a folder too."""
+    model, folder = saved(tmp_path)
+    if backend == "s3":
+        uri = request.getfixturevalue("s3_env").uri(f"models/{uuid.uuid4().hex[:12]}")
+    else:
+        uri = (tmp_path / "store").as_uri()
+    target = open_store(uri)
+    where = target.uri if backend == "s3" else str(tmp_path / "store")  # a file:// URI is read as its folder
+    files = sorted(p.name for p in folder.iterdir())
+    monkeypatch.setattr(checkpoint, "TRANSFER_THREADS", 1)  # in name order
+    upload, uploaded = type(target).upload, []
+
+    def killed_after(count):
+        def cut(self, key, path):
+            if len(uploaded) == count:
+                raise StoreError("killed")
+            upload(self, key, path)
+            uploaded.append(key)
+
+        return cut
+
+    others = [name for name in files if name != MANIFEST]
+    with monkeypatch.context() as m:
+        m.setattr(type(target), "upload", killed_after(len(others)))  # every file but the manifest
+        with pytest.raises(StoreError, match="killed"):
+            checkpoint.upload_folder(folder, target)
+    assert uploaded == others and {CONFIG, INDEX, *shards(folder)} <= set(uploaded)
+    assert target.list() == sorted([UNFINISHED, *others])
+    unfinished = re.escape(f"{where}: its upload did not finish (it holds {UNFINISHED} and no {MANIFEST})")
+    for read in (fetch, fingerprint):
+        with pytest.raises(CheckpointError, match=unfinished + ", so it is not whole: re-run the step that uploads it"):
+            read(uri)
+    if backend == "local":
+        with pytest.raises(CheckpointError, match=unfinished):
+            load_model(tmp_path / "store")
+    assert not cache.exists() or list(cache.iterdir()) == []
+
+    delete = type(target).delete
+
+    def killed_at_the_marker(self, key):
+        if key == UNFINISHED:
+            raise StoreError("killed")
+        delete(self, key)
+
+    with monkeypatch.context() as m:  # killed once the manifest is there, before the marker leaves
+        m.setattr(type(target), "delete", killed_at_the_marker)
+        with pytest.raises(StoreError, match="killed"):
+            checkpoint.upload_folder(folder, target)
+    assert target.list() == sorted([UNFINISHED, *files])
+    assert torch.equal(logits(load_model(fetch(uri))), logits(model))
+    checkpoint.upload_folder(folder, target)
+    assert target.list() == files
 
 
 @pytest.mark.parametrize("manifest", [True, False])

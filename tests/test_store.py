@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from tracefp4.components import checkpoint
-from tracefp4.components.checkpoint import commit_folder, fetch, upload_folder, verify_folder
+from tracefp4.components.checkpoint import UNFINISHED, commit_folder, fetch, upload_folder, verify_folder
 from tracefp4.components.store import (
     ArtifactNotFound,
     LocalStore,
@@ -190,7 +190,7 @@ def test_a_folder_uploaded_again_holds_the_new_files_alone(tmp_path, request, ba
     monkeypatch.setattr(target, "upload", killed_after_one_file)
     with pytest.raises(StoreError, match="killed"):
         upload_folder(again, target)
-    assert target.list() == ["config.json"] and target.get_bytes("config.json") == b'{"b": 1}'
+    assert target.list() == [UNFINISHED, "config.json"] and target.get_bytes("config.json") == b'{"b": 1}'
     monkeypatch.setattr(target, "upload", upload)
     upload_folder(again, target)
     assert target.list() == sorted(p.name for p in again.iterdir())
