@@ -9,7 +9,8 @@ checkpoints, trajectories and guidance are written from CPU tensors.
 bf16 on a CPU without bf16 units is a trap: on an AMD EPYC with AVX2 only,
 torch's bf16 ``bmm`` took 57x as long as fp32 for the same shapes, and the
 rollout engine ran at 0.18x transformers' ``generate``. Where the CPU has no
-native bf16 (x86 ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``),
+native bf16 (x86 ``avx512_bf16`` / ``amx_bf16``, Arm ``bf16``; or torch
+without oneDNN's bf16 kernels, which :func:`cpu_bf16_native` asks torch about),
 :func:`batch_invariant` runs a bf16 matmul in fp32 on the bf16-rounded inputs
 and rounds the output to bf16: the values of a bf16 matmul (which accumulates
 in fp32) up to accumulation order. ``TRACEFP4_CPU_BF16`` forces it:
@@ -53,6 +54,7 @@ from torch import Tensor
 CPU_BF16_ENV = "TRACEFP4_CPU_BF16"
 CPU_BF16_MODES = ("auto", "native", "emulate")
 DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+CPUINFO = Path("/proc/cpuinfo")  # Linux's; missing elsewhere
 _BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 flags; "bf16" is Arm's Features entry (FEAT_BF16)
 # oneDNN's x86 ISA caps below AVX512_CORE_BF16: capped there, its bf16 matmuls convert to fp32 and back
 # (AVX512_CORE) or fall to its reference code (AVX2); AVX2_VNNI_2's bf16 kernels need avx_ne_convert, which the
@@ -119,7 +121,7 @@ def parse_cpuinfo(text: str) -> tuple[str, frozenset[str]]:
 def cpu_info() -> tuple[str, frozenset[str]]:
     """This machine's CPU model and flags (empty flags where ``/proc/cpuinfo`` is missing: not Linux)."""
     try:
-        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+        return parse_cpuinfo(CPUINFO.read_text())
     except OSError:
         return platform.processor() or platform.machine(), frozenset()
 
@@ -133,11 +135,24 @@ def onednn_isa_cap() -> str | None:
     return cap.strip().upper() if cap else None
 
 
+@functools.cache
+def onednn_bf16() -> bool:
+    """Whether this torch runs bf16 matmuls in oneDNN with bf16 support on this
+    CPU: torch's own check (built with oneDNN, whose ISA, at its cap, takes bf16),
+    asked once. oneDNN says yes from AVX512_CORE on, without bf16 units too: a
+    yes alone does not make bf16 native."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 def cpu_bf16_native(flags: frozenset[str] | None = None) -> bool:
-    """Whether the CPU computes bf16 natively: it has bf16 units and oneDNN
-    is not capped below them (:func:`onednn_isa_cap`). Without flags to read
-    (not Linux) it is assumed to, leaving torch's own choice alone."""
+    """Whether the CPU computes bf16 natively: torch runs bf16 matmuls in
+    oneDNN (:func:`onednn_bf16`, and ``torch.backends.mkldnn`` enabled: without
+    it torch's own bf16 kernels crawl), the CPU has bf16 units and oneDNN is not
+    capped below them (:func:`onednn_isa_cap`). Without flags to read (no
+    ``/proc/cpuinfo``: not Linux) torch's answer stands alone."""
     flags = cpu_info()[1] if flags is None else flags
+    if not (torch.backends.mkldnn.enabled and onednn_bf16()):
+        return False
     return (not flags or bool(flags & _BF16_FLAGS)) and onednn_isa_cap() not in _ISA_CAPS_WITHOUT_BF16
 
 

@@ -171,7 +171,58 @@ def onednn_cap(monkeypatch):
     device.onednn_isa_cap.cache_clear()
 
 
-def test_cpuinfo_tells_native_bf16(onednn_cap):
+@pytest.fixture
+def torch_bf16(monkeypatch):
+    """Sets what torch says of its oneDNN's bf16 (:func:`device.onednn_bf16`), True unless told: the
+    cpuinfo texts below stand for other machines than the one the tests run on."""
+
+    def says(supported: bool) -> None:
+        monkeypatch.setattr(device, "onednn_bf16", lambda: supported)
+
+    says(True)
+    return says
+
+
+@pytest.fixture
+def cpuinfo(monkeypatch, tmp_path):
+    """Sets this machine's ``/proc/cpuinfo`` text (None: no such file, as on macOS); read once per process,
+    so the cache goes too, before and after the test."""
+
+    def text(content: str | None) -> None:
+        path = tmp_path / "cpuinfo"
+        path.unlink(missing_ok=True)
+        if content is not None:
+            path.write_text(content)
+        monkeypatch.setattr(device, "CPUINFO", path)
+        device.cpu_info.cache_clear()
+
+    yield text
+    monkeypatch.undo()
+    device.cpu_info.cache_clear()
+
+
+@pytest.mark.parametrize("torch_says", [True, False])
+@pytest.mark.parametrize("text", [SAPPHIRE_RAPIDS, AVX2_EPYC, None], ids=["bf16 units", "none", "no cpuinfo"])
+def test_native_bf16_takes_torch_and_the_cpu_both(text, torch_says, cpuinfo, torch_bf16, onednn_cap, monkeypatch):
+    """Native only where torch runs bf16 in oneDNN and the CPU has bf16 units; without /proc/cpuinfo (not
+    Linux) torch's answer alone: before, a missing file or a torch without oneDNN's bf16 counted as native,
+    and ``auto`` left bf16 matmuls to kernels that crawl (and sum a row by its batch)."""
+    monkeypatch.setenv(device.CPU_BF16_ENV, "auto")
+    cpuinfo(text)
+    torch_bf16(torch_says)
+    native = torch_says and text != AVX2_EPYC
+    assert device.cpu_bf16_native() == native and device.bf16_emulated() == (not native)
+    assert device.cpu_kind()["cpu_bf16"] == ("native" if native else "emulated")
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # torch's bf16 matmuls then leave oneDNN
+    assert not device.cpu_bf16_native()
+
+
+def test_torch_answers_whether_its_onednn_takes_bf16():
+    assert isinstance(device.onednn_bf16(), bool)
+    assert device.onednn_bf16() == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+def test_cpuinfo_tells_native_bf16(onednn_cap, torch_bf16):
     model, flags = device.parse_cpuinfo(AVX2_EPYC)
     assert model == "AMD EPYC 7B13" and not device.cpu_bf16_native(flags)
     assert device.cpu_bf16_native(device.parse_cpuinfo(SAPPHIRE_RAPIDS)[1])
@@ -182,7 +233,7 @@ def test_cpuinfo_tells_native_bf16(onednn_cap):
     "cap, native",
     [("AVX2", False), ("avx512_core", False), ("AVX512_CORE_VNNI", False), ("AVX512_CORE_BF16", True), ("ALL", True)],
 )
-def test_onednn_capped_below_bf16_is_a_cpu_without_it(cap, native, onednn_cap):
+def test_onednn_capped_below_bf16_is_a_cpu_without_it(cap, native, onednn_cap, torch_bf16):
     """oneDNN runs torch's bf16 matmuls on x86: capped below AVX512_CORE_BF16
     it leaves the bf16 units unused, so ``auto`` emulates as on a CPU without them."""
     sapphire_rapids = device.parse_cpuinfo(SAPPHIRE_RAPIDS)[1]
