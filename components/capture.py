@@ -353,8 +353,13 @@ class Capture:
         self._error: BaseException | None = None
         # host time spent capturing on the rollout thread, and busy time of the offload thread
         self.seconds = {"capture": 0.0, "offload": 0.0}
-        self._worker = threading.Thread(target=self._offload_loop, name="capture-offload", daemon=True)
+        threads, single = torch.get_num_threads(), threading.Event()
+        self._worker = threading.Thread(target=self._offload_loop, args=(single,), name="capture-offload", daemon=True)
         self._worker.start()
+        single.wait()
+        # torch.set_num_threads also sets the count each thread started later takes at its first op (the guidance
+        # prefetch's, the store writer's): set back here, to this thread's own, which the offload thread's left alone
+        torch.set_num_threads(threads)
         # stop the thread before the interpreter tears torch down under it
         weakref.finalize(self, _stop_worker, self._jobs, self._worker)
 
@@ -428,8 +433,12 @@ class Capture:
         self._jobs.put(("kv", job, _written(codes.device)))
 
     # -- the offload side -------------------------------------------------
-    def _offload_loop(self) -> None:
-        torch.set_num_threads(1)  # this thread's ops only: the forward keeps the cores
+    def _offload_loop(self, single: threading.Event) -> None:
+        # one thread for this thread's ops: the forward keeps the cores. Its count is first made its own (else its
+        # first op would take the process's, which the capture sets back once ``single`` is set)
+        torch.get_num_threads()
+        torch.set_num_threads(1)
+        single.set()
         while True:
             kind, job, written = self._jobs.get()
             if kind == "stop":

@@ -1,6 +1,8 @@
 """Capture: complete, keyed, compactable; and the train-rollout code mismatch
 it exists to fix, measured on the tiny preset."""
 
+import threading
+
 import pytest
 import torch
 
@@ -195,6 +197,32 @@ def test_weight_sync_needs_a_drained_capture(smoke):
     engine.drain_capture()
     engine.update_weights(build_model("smoke", seed=1).state_dict())
     assert engine.policy_version == 1 and not engine.capture.pending()
+
+
+def test_the_offload_threads_single_thread_stays_its_own(smoke, monkeypatch):
+    """The offload thread computes on one thread, and a thread started after a
+    capture (the guidance prefetch's, the store writer's) on the process's
+    count: torch.set_num_threads sets the count of threads started later too,
+    and before, those ran single-threaded after any capture."""
+    process = torch.get_num_threads()
+    torch.set_num_threads(max(process, 2))  # one thread would not tell them apart
+    try:
+        offloading, append = [], Capture._append
+
+        def counted(self, *args, **kwargs):  # on the offload thread: each chunk of rows it keeps
+            offloading.append(torch.get_num_threads())
+            return append(self, *args, **kwargs)
+
+        monkeypatch.setattr(Capture, "_append", counted)
+        _, _, records = rollout(smoke, CaptureConfig(max_tokens=80))
+        assert records.tables and offloading and set(offloading) == {1}
+        later = []
+        thread = threading.Thread(target=lambda: later.append(torch.get_num_threads()))
+        thread.start()
+        thread.join()
+        assert later == [torch.get_num_threads()] == [max(process, 2)]
+    finally:
+        torch.set_num_threads(process)
 
 
 def test_capture_rejects_bad_configs(smoke):
