@@ -232,6 +232,24 @@ def hardware(device: torch.device) -> dict:
     return {"device": str(device), **cpu_kind()}
 
 
+def hardware_words(hw: dict) -> str:
+    """A :func:`hardware` record in the few words a figure names its machine by:
+    the GPU (``cuda:0 (NVIDIA H100 80GB HBM3)``) or the CPU and torch's threads
+    (``cpu (AMD EPYC 7B13, 2 threads)``); the CPU's bf16 mode is a field of its own."""
+    if "gpu" in hw:
+        return f"{hw['device']} ({hw['gpu']})"
+    return f"{hw['device']} ({hw['cpu']}, {hw['cpu_threads']} threads)"
+
+
+def measured_on(device: torch.device) -> dict:
+    """What a step records beside its speed figures: ``device``
+    (:func:`hardware_words`) and the CPU's bf16 mode, ``cpu_bf16`` (None on a
+    GPU). A cluster schedules each step on a node of its own: a rollout's
+    tokens/s is its machine's, not the evaluation's."""
+    hw = hardware(device)
+    return {"device": hardware_words(hw), "cpu_bf16": hw.get("cpu_bf16")}
+
+
 def _computes_in_bf16(x: Tensor) -> bool:
     """Whether a matmul on the CPU tensor ``x`` computes in bf16: bf16 operands, or a bf16 autocast region."""
     return x.dtype == torch.bfloat16 or (

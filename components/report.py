@@ -30,6 +30,7 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from tracefp4.schemas import Method, RolloutConfigName, RunConfig, settings_yaml  # noqa: E402
 
+from .device import hardware_words  # noqa: E402
 from .stats import paired_difference  # noqa: E402
 from .store import write_atomic  # noqa: E402
 
@@ -49,6 +50,9 @@ STEP_COLUMNS = (
 DIFF_SERIES = (("mean", "logprob_abs_diff_mean"), ("max", "logprob_abs_diff_max"), ("min", "logprob_abs_diff_min"))
 ROUND_TIMES = (("rollout", "rollout_seconds"), ("upload", "upload_seconds"), ("compaction", "compaction_seconds"))
 STEP_TIMES = (("train", "train_seconds"), ("reload", "reload_seconds"))  # summed over the round's steps
+# where a step measured its figures (steps record device.measured_on after the step's name):
+# column -> (the step, in words)
+MEASURED_BY = {"rollout on": ("rollout", "Rollout"), "train on": ("train", "Training")}
 DISCREPANCY = (
     ("code mismatch", "code_mismatch"),
     ("logprob |diff| mean", "logprob_abs_diff_mean"),
@@ -186,6 +190,35 @@ def _table(rows: list[dict], columns, source: str, keep: int = 1, **kw) -> Table
     """Rows of dicts as a Table; a column past the first `keep` that no row fills is dropped."""
     columns = [c for i, c in enumerate(columns) if i < keep or any(r.get(c) is not None for r in rows)]
     return Table(columns, [[r.get(c) for c in columns] for r in rows], source, **kw)
+
+
+def _on(device: str | None, cpu_bf16: str | None) -> str | None:
+    """A machine as a figure measured on it names it: its device in words (:func:`.device.hardware_words`)
+    and, on a CPU, its bf16 mode (native, or emulated in fp32: docs/performance.md)."""
+    return None if device is None else device + (f", bf16 {cpu_bf16}" if cpu_bf16 else "")
+
+
+def _measured_on(rows: list[dict], column: str) -> str | None:
+    """Where the step of a :data:`MEASURED_BY` ``column`` measured the figures of history ``rows``, each machine
+    once (a round's steps resumed on another): None where no row says (written before it was recorded)."""
+    step, _ = MEASURED_BY[column]
+    return "; ".join(_ordered(_on(r.get(f"{step}_device"), r.get(f"{step}_cpu_bf16")) for r in rows)) or None
+
+
+def _speed_table(rows: list[dict], columns: list[str], source: str, keep: int, note: str = "", **kw) -> Table:
+    """:func:`_table` of figures beside where they were measured (:data:`MEASURED_BY` columns): a machine
+    every row shares is said once, in the note, and its column left out; others stay per row."""
+    shared = {}
+    for column in MEASURED_BY:
+        machines = {r.get(column) for r in rows}
+        if column in columns and len(machines) == 1 and None not in machines:
+            shared[column] = machines.pop()
+    columns = [c for c in columns if c not in shared]
+    if len(shared) == len(MEASURED_BY) and len(set(shared.values())) == 1:
+        said = [f"Rollout and training measured on {next(iter(shared.values()))}."]
+    else:
+        said = [f"{MEASURED_BY[c][1]} measured on {machine}." for c, machine in shared.items()]
+    return _table(rows, columns, source, keep=keep, note=" ".join([note, *said]).strip(), **kw)
 
 
 def _plot(title: str, xlabel: str, ylabel: str, series: list[Series], source: str, **kw) -> Plot | None:
@@ -384,8 +417,9 @@ def _step_blocks(history: list[dict], source: str) -> list:
         Series("reward mean", x, _col(history, "reward_mean")),
         Series("train accuracy (sampled)", x, _col(history, "accuracy")),
     ]
+    rows = [{**h, "train on": _measured_on([h], "train on")} for h in history]
     return [
-        _table(history, STEP_COLUMNS, source, keep=2),
+        _speed_table(rows, [*STEP_COLUMNS, "train on"], source, keep=2),
         _plot("Train-rollout log-prob |diff|", "RL step", "|logprob diff|", diffs, source),
         _plot("Reward and accuracy", "RL step", "per response", rewards, source),
     ]
@@ -414,6 +448,7 @@ def _time_blocks(history: list[dict], source: str) -> list:
             "rollout tokens": _first(steps, "rollout_tokens"),
             "rollout tokens/s": _first(steps, "rollout_tokens_per_second"),
             "capture overhead": _first(steps, "capture_overhead_ratio"),
+            **{column: _measured_on(steps, column) for column in MEASURED_BY},
         }
         times.append(row)
         coverage = [c for c in _col(steps, "guidance_coverage") if c is not None]
@@ -434,7 +469,7 @@ def _time_blocks(history: list[dict], source: str) -> list:
         "sum. Offload runs asynchronously during the rollout and is not in the total."
     )
     columns = ["round", "steps", *parts, "total s", "offload s", "rollout tokens", "rollout tokens/s"]
-    blocks = [_table(times, [*columns, "capture overhead"], source, keep=2, note=note)]
+    blocks = [_speed_table(times, [*columns, "capture overhead", *MEASURED_BY], source, keep=2, note=note)]
     columns = ["round", "guidance bytes", "capture bytes", "compaction fidelity", "guidance coverage (mean)"]
     columns += ["RTN fallback trajectories"]
     if len((table := _table(sizes, columns, source, title="Guidance data per round")).columns) > 1:
@@ -453,11 +488,7 @@ def _hardware(evaluations: list[dict]) -> list[str]:
     for hw in (e.get("hardware") for e in evaluations):
         if not hw:  # an evaluation written before the field
             continue
-        if "gpu" in hw:
-            line = f"Evaluated on {hw['device']} ({hw['gpu']})."
-        else:
-            line = f"Evaluated on {hw['device']}: {hw.get('cpu')}, bf16 {hw.get('cpu_bf16')}, "
-            line += f"{hw.get('cpu_threads')} threads."
+        line = f"Evaluated on {_on(hardware_words(hw), hw.get('cpu_bf16'))}."
         if hw.get("cpu_bf16") == "emulated":
             line += (
                 " This CPU runs bf16 matmuls in fp32, whose sums hardly depend on the batch's shape: training and"

@@ -43,7 +43,7 @@ from .checkpoint import (
     upload_folder,
     write_location,
 )
-from .device import compute_on, resolve
+from .device import compute_on, measured_on, resolve
 from .export import export
 from .guidance import (
     BackgroundStepWriter,
@@ -62,6 +62,7 @@ from .guidance import (
     select_layers,
     step_prefix,
 )
+from .metrics import MEASURED_ON
 from .mismatch import teacher_force
 from .model import build_model, get_preset
 from .quant import BF16, QuantConfig, rollout_config
@@ -89,6 +90,7 @@ ROUND_KEYS = (
     "rollout_seconds",
     "rollout_tokens",
     "rollout_tokens_per_second",
+    *(f"rollout_{key}" for key in MEASURED_ON),  # where it was measured (device.measured_on)
     "capture_overhead_ratio",
     "offload_seconds",
     "upload_seconds",
@@ -536,7 +538,8 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
             shards.check_all_written()
             upload_s += shards.seconds
     elapsed = time.perf_counter() - start - upload_s
-    stats = {f"rollout_{key}": value for key, value in throughput(trajectories, elapsed).items()}
+    figures = {**throughput(trajectories, elapsed), **measured_on(device)}
+    stats = {f"rollout_{key}": value for key, value in figures.items()}
     stats.update(capture_overhead_ratio=None, offload_seconds=None, upload_seconds=None)
     if writer is not None:
         seconds = engine.capture.seconds
@@ -569,7 +572,8 @@ def gather(
 ) -> dict:
     """The round's trajectories from its rollout workers' ``parts`` (any
     order), in the order one worker writes them, to ``out``; their figures
-    (``part_stats``) combined: tokens summed, times the slowest worker's."""
+    (``part_stats``) combined: tokens summed, times the slowest worker's, the
+    workers' hardware each kind once (``; `` between kinds)."""
     headers, rows = [], []
     for part in parts:
         header, trajectories, batch = read_trajectories(part, run_id, round_index)
@@ -595,6 +599,8 @@ def gather(
         "upload_seconds": None,
     }
     stats["rollout_tokens_per_second"] = stats["rollout_tokens"] / slowest
+    for key in (f"rollout_{key}" for key in MEASURED_ON):
+        stats[key] = "; ".join(dict.fromkeys(s[key] for s in part_stats if s.get(key) is not None)) or None
     for key in ("capture_overhead_ratio", "offload_seconds", "upload_seconds"):
         values = [s[key] for s in part_stats if s.get(key) is not None]
         if values:
@@ -874,8 +880,9 @@ def train(
     trainer ``state``; the new policy goes to ``out``, its state to ``out_state``.
     The training path quantizes with the rollout's numerics from ``guidance``,
     which must come from this run and the policy version being trained. One
-    history row per step; the round's rollout and compaction figures
-    (``round_stats``) are repeated in each. ``open_trainer`` makes the trainer
+    history row per step, with where it trained (``train_device``,
+    ``train_cpu_bf16``: :func:`.device.measured_on`); the round's rollout and
+    compaction figures (``round_stats``) are repeated in each. ``open_trainer`` makes the trainer
     from the policy (:meth:`Trainer.from_checkpoint`; a distributed one, see
     :mod:`.distributed`, may resume within the round: steps it already took,
     listed in its ``history``, are not taken again). ``device``: where it
@@ -909,6 +916,7 @@ def train(
             rolled_out_by(header),
         )
     per_step = config.rollout.prompts_per_step * config.rollout.group_size
+    trained_on = {f"train_{key}": value for key, value in measured_on(device).items()}
     history, decoded = list(trainer.history), dict(trainer.decoded)
     for s in range(len(history), config.rl.steps_per_round):
         start = time.perf_counter()
@@ -951,6 +959,7 @@ def train(
                 "entropy": -rollout_lp.mean().item(),  # per token, estimated from the sampled tokens
                 "response_length": lengths.mean().item(),
                 **stats,
+                **trained_on,
                 **{key: (round_stats or {}).get(key) for key in ROUND_KEYS},
             }
         )

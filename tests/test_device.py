@@ -130,6 +130,11 @@ def test_a_round_on_the_cpu_writes_device_independent_artifacts(tmp_path):
         config, tmp_path / "p0", tmp_path / "s0", 0, tmp_path / "p1", tmp_path / "s1", tmp_path, RUN
     )
     assert history[0]["step"] == 1 and provenance(tmp_path / "p1")["policy_version"] == 1
+    # each row says where its round rolled out and it trained: in a cluster, nodes of their own
+    cpu = device.hardware(torch.device("cpu"))
+    where = {"device": device.hardware_words(cpu), "cpu_bf16": cpu["cpu_bf16"]}
+    assert where == device.measured_on(torch.device("cpu")) and where["device"].startswith("cpu (")
+    assert all(row[f"{step}_{k}"] == v for row in history for step in ("rollout", "train") for k, v in where.items())
     with safe_open(tmp_path / "s1" / TENSORS, framework="pt") as f:
         assert f.keys() and all(f.get_tensor(k).device.type == "cpu" for k in f.keys())
     header = json.loads((tmp_path / "trajectories-0.jsonl").read_text().splitlines()[0])["header"]

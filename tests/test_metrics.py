@@ -92,7 +92,7 @@ def test_unknown_metrics_and_wrong_labels_are_errors_and_none_is_skipped():
     m = _group(0)
     with pytest.raises(KeyError, match="unknown metric 'tracefp4_nope'"):
         m.set("tracefp4_nope", 1.0)
-    with pytest.raises(ValueError, match=r"takes labels \('rollout_config',\)"):
+    with pytest.raises(ValueError, match=r"takes labels \('rollout_config', 'device', 'cpu_bf16'\)"):
         m.set("tracefp4_rollout_seconds", 1.0)
     m.set("tracefp4_capture_bytes", None)
     assert not [f for f in m.registry.collect() if f.samples]
@@ -209,6 +209,46 @@ def test_the_rounds_decode_failure_ratio_is_its_failed_blocks_of_all_its_blocks(
     m.publish(tmp_path / "metrics.prom", None, "tracefp4")
     ((value,),) = [[v for name, _, v in read_file(tmp_path / "metrics.prom") if name.endswith("decode_failure_ratio")]]
     assert value == pytest.approx(100 / 1010)
+
+
+def test_speed_figures_carry_the_machine_they_were_measured_on(tmp_path):
+    """A cluster runs the rollout, train and evaluate steps on nodes of their own: each one's speed figures are
+    labelled by its device and CPU bf16 mode (empty on a GPU, and where a history row does not say)."""
+    from tracefp4.components.metrics import RECORDERS
+
+    config, cpu = get_preset("smoke"), "cpu (AMD EPYC 7B13, 2 threads)"
+    stats = {"rollout_tokens_per_second": 10.0, "rollout_tokens": 20, "rollout_seconds": 2.0}
+    stats |= {"capture_overhead_ratio": None, "offload_seconds": None, "upload_seconds": None}
+    rows = [{"train_seconds": 1.0, "logprob_abs_diff_max": 0.0}]
+    evaluation = {"accuracy": [], "discrepancy": [], "throughput": [{"rollout": "bf16", **THROUGHPUT_FIGURES}]}
+    published = {
+        "rollout": stats | {"rollout_device": cpu, "rollout_cpu_bf16": "emulated"},
+        "train": [rows[0] | {"train_device": "cuda:1 (NVIDIA H100 80GB HBM3)", "train_cpu_bf16": None}],
+        "evaluate": evaluation
+        | {"hardware": {"device": "cpu", "cpu": "Apple M2", "cpu_bf16": "native", "cpu_threads": 8}},
+    }
+    for component, figures in published.items():
+        m = RunMetrics(pipeline="p", run_id="r1", method="trace", component=component, round=0)
+        RECORDERS[component](m, figures, config)
+        m.publish(tmp_path / "metrics.prom", None, "tracefp4")
+    labels = {
+        (labels["component"], name): (labels.get("device"), labels.get("cpu_bf16"))
+        for name, labels, _ in read_file(tmp_path / "metrics.prom")
+        if name in ("tracefp4_rollout_tokens_per_second", "tracefp4_train_step_seconds")
+    }
+    assert labels == {
+        ("rollout", "tracefp4_rollout_tokens_per_second"): (cpu, "emulated"),
+        ("train", "tracefp4_train_step_seconds"): ("cuda:1 (NVIDIA H100 80GB HBM3)", ""),  # a GPU's: none
+        ("evaluate", "tracefp4_rollout_tokens_per_second"): ("cpu (Apple M2, 8 threads)", "native"),
+    }
+    m = RunMetrics(pipeline="p", run_id="r1", method="trace", component="train", round=1)
+    RECORDERS["train"](m, rows, config)  # a row from before the machine was recorded
+    assert [s.labels for f in m.registry.collect() for s in f.samples if s.name == "tracefp4_train_step_seconds"] == [
+        {"device": "", "cpu_bf16": ""}
+    ]
+
+
+THROUGHPUT_FIGURES = {"tokens_per_second": 5.0, "tokens": 10, "seconds": 2.0}
 
 
 def test_aggregate_and_per_layer_series_never_share_a_name():

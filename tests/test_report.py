@@ -478,11 +478,11 @@ def test_the_report_says_where_the_evaluation_computed(tmp_path):
     emulated = write(tmp_path, "emulated", [], TRACE_EVALUATION | {"hardware": cpu})
     text = report.markdown(TRACE, *emulated)
     line = next(line for line in text.splitlines() if line.startswith("Evaluated on"))
-    assert line.startswith("Evaluated on cpu: AMD EPYC 7B13, bf16 emulated, 2 threads. This CPU runs bf16")
+    assert line.startswith("Evaluated on cpu (AMD EPYC 7B13, 2 threads), bf16 emulated. This CPU runs bf16")
     assert "`TRACEFP4_CPU_BF16=native`" in line
     assert text.index(line) < text.index("## Accuracy")  # in the header, before the figures
     native = write(tmp_path, "native", [], TRACE_EVALUATION | {"hardware": cpu | {"cpu_bf16": "native"}})
-    assert "Evaluated on cpu: AMD EPYC 7B13, bf16 native, 2 threads.\n" in report.markdown(TRACE, *native)
+    assert "Evaluated on cpu (AMD EPYC 7B13, 2 threads), bf16 native.\n" in report.markdown(TRACE, *native)
     assert "Evaluated on" not in report.markdown(TRACE, *write(tmp_path, "old", [], TRACE_EVALUATION))
     comparison = report.comparison(
         TRACE, [TRACE_EVALUATION | {"hardware": gpu}, BF16_EVALUATION | {"hardware": gpu}, BF16_EVALUATION], [[]]
@@ -490,6 +490,43 @@ def test_the_report_says_where_the_evaluation_computed(tmp_path):
     assert [line for line in comparison.splitlines() if line.startswith("Evaluated")] == [
         "Evaluated on cuda:0 (NVIDIA H200)."  # once for the two evaluations on the same machine
     ]
+
+
+H100 = "cuda:0 (NVIDIA H100 80GB HBM3)"
+
+
+def on(step: str, device: str, cpu_bf16: str | None = None) -> dict:
+    """History keys saying where ``step`` (rollout, train) measured its figures (steps.py, device.measured_on)."""
+    return {f"{step}_device": device, f"{step}_cpu_bf16": cpu_bf16}
+
+
+def test_the_report_says_where_each_step_measured_its_speed(tmp_path):
+    """A cluster runs each step on a node of its own, not the evaluation's:
+    the throughput and seconds per round name the machine they were measured
+    on (with the CPU's bf16 mode), once in the note where every row shares it,
+    per row where not."""
+    same = [row | on("rollout", H100) | on("train", H100) for row in history("trace", True)]
+    text = report.markdown(TRACE, *write(tmp_path, "same", same, TRACE_EVALUATION))
+    times, steps = section(text, "Time breakdown per round"), section(text, "Training, per RL step")
+    assert f"Rollout and training measured on {H100}. Source:" in times
+    assert "rollout on" not in rows(times)[0] and "train on" not in rows(times)[0]
+    assert f"_Training measured on {H100}. Source:" in steps and "train on" not in rows(steps)[0]
+
+    cpus = ["cpu (AMD EPYC 7B13, 2 threads)", "cpu (Intel(R) Xeon(R) Platinum 8481C, 2 threads)"]
+    mixed = [
+        row | on("rollout", cpus[row["round"]], ("emulated", "native")[row["round"]]) | on("train", H100)
+        for row in history("trace", True)
+    ]
+    text = report.markdown(TRACE, *write(tmp_path, "mixed", mixed, TRACE_EVALUATION))
+    times, steps = section(text, "Time breakdown per round"), section(text, "Training, per RL step")
+    header, *by_round = rows(times)[:3]
+    assert header[-1] == "rollout on" and "train on" not in header
+    assert [r[-1] for r in by_round] == [f"{cpus[0]}, bf16 emulated", f"{cpus[1]}, bf16 native"]
+    assert f"Training measured on {H100}. Source:" in times and "Rollout and training" not in times
+    assert f"Training measured on {H100}." in steps
+
+    text = report.markdown(TRACE, *write(tmp_path, "old", history("trace", True), TRACE_EVALUATION))
+    assert "measured on" not in text and "rollout on" not in text  # a history from before: nothing said
 
 
 def test_rows_with_missing_or_null_keys_skip_cells_not_the_report(tmp_path):
