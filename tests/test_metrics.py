@@ -20,15 +20,18 @@ def _group(round: int, method: str = "trace") -> RunMetrics:
     return RunMetrics(pipeline="p", run_id="r1", method=method, component="rollout", round=round)
 
 
+WHERE = {"device": "cpu (AMD EPYC 7B13, 2 threads)", "cpu_bf16": "emulated"}  # a speed figure's machine
+
+
 def test_a_group_replaces_its_own_samples_in_the_file_and_keeps_the_others(tmp_path):
     path = tmp_path / "metrics.prom"
     for round, value in ((0, 1.0), (1, 2.0)):
         m = _group(round)
-        m.set("tracefp4_rollout_tokens_per_second", value, rollout_config="fp4_wa_kv")
+        m.set("tracefp4_rollout_tokens_per_second", value, rollout_config="fp4_wa_kv", **WHERE)
         m.set("tracefp4_capture_overhead_ratio", 0.03)
         m.publish(path, None, "tracefp4")
     retry = _group(0)  # a retried round 0 that measured only its throughput
-    retry.set("tracefp4_rollout_tokens_per_second", 5.0, rollout_config="fp4_wa_kv")
+    retry.set("tracefp4_rollout_tokens_per_second", 5.0, rollout_config="fp4_wa_kv", **WHERE)
     retry.publish(path, None, "tracefp4")
     samples = {(name, labels["round"]): value for name, labels, value in read_file(path)}
     assert samples == {
