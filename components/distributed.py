@@ -379,6 +379,9 @@ class DistributedTrainer(Trainer):
         if self.checkpoints is not None:
             self.checkpoints.save(self, history, decoded)
 
+    def once(self, write, what: str) -> None:
+        rank0_does(write, what)
+
     @torch.no_grad()
     def stream(self, tensors: dict[str, Tensor], write) -> None:
         """Rank 0's ``write(layout, values)`` of the sharded ``tensors``,

@@ -965,7 +965,10 @@ def train(
         )
         trainer.step_done(history, decoded)
     if decoded:  # the next round's compaction chooses its syndrome rates from these
-        write_decode_stats(store, guidance.prefix, round_index, decoded)
+        trainer.once(
+            lambda: write_decode_stats(store, guidance.prefix, round_index, decoded),
+            f"write round {round_index}'s decode statistics",
+        )
     trainer.save(out, out_state, extra=tokenizer.files(), run_id=run_id, decoded=decoded)
     return history
 

@@ -141,6 +141,15 @@ class Trainer:
         statistics so far (a distributed trainer writes its resumable sharded
         checkpoint here)."""
 
+    def once(self, write, what: str) -> None:
+        """``write()`` of an artifact the processes training together share
+        (the round's decode statistics), done by one of them: here this
+        process; a distributed trainer's rank 0 alone, the others going on
+        once it has succeeded (:func:`.distributed.rank0_does`), where each
+        rank wrote the same object ``world`` times over. ``what``: the
+        others' error when rank 0 fails."""
+        write()
+
     def microbatches(self, trajectories: list[Trajectory]) -> list[list[Trajectory]]:
         n = self.config.microbatch_size
         return [trajectories[i : i + n] for i in range(0, len(trajectories), n)]

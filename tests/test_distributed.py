@@ -228,8 +228,9 @@ def test_two_processes_recomputing_their_layers_train_what_one_keeping_them_does
 
 def test_two_processes_count_the_whole_steps_syndrome_decode(tmp_path):
     """Each rank decodes its own microbatches' guidance: the step's decode figures,
-    and the statistics the next round's rate control reads, sum the ranks' counts;
-    a round resumed after its first step counts that step's too."""
+    and the statistics the next round's rate control reads, sum the ranks' counts
+    (written by rank 0 alone: every rank wrote them); a round resumed after its
+    first step counts that step's too."""
 
     def syndrome(processes: int) -> RunConfig:
         data = config_for(tmp_path, processes, steps_per_round=2).model_dump()
@@ -251,7 +252,13 @@ def test_two_processes_count_the_whole_steps_syndrome_decode(tmp_path):
         inputs_two = (*inputs, tmp_path / "guidance.json")
         return torchrun(syndrome(2), *inputs_two, out, tmp_path / f"{out.name}-state", tmp_path, RUN, stats, echo=echo)
 
-    two = two_processes(tmp_path / "two")
+    with ranks_writes_logged(tmp_path / "writes-hook") as writes:
+        two = two_processes(tmp_path / "two")
+    # rank 0 alone writes what the ranks share (each rank wrote the decode statistics); rank 1 its own shard
+    # files of each step's checkpoint, and nothing else
+    assert [rank for rank, written in writes() if written.endswith(steps.DECODE_FILE)] == ["0"]
+    by_rank_1 = [written.rpartition("/")[2] for rank, written in writes() if rank == "1"]
+    assert len(by_rank_1) == 2 and all(name.startswith("__1_") for name in by_rank_1), by_rank_1
     assert [r["guidance_decode_blocks"] for r in two] == [r["guidance_decode_blocks"] for r in one]
     assert all(r["guidance_decode_blocks"] > 0 for r in one)
     assert json.loads(store.get_bytes(key)) == decoded_by_one
@@ -611,6 +618,42 @@ def ranks_killed_uploading(key_prefix: str, folder):
         env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
         env.setenv("TRACEFP4_TEST_DIE_UPLOADING", key_prefix)
         yield
+
+
+# The ranks' sitecustomize in ranks_writes_logged: every write to a local store (an object put, uploaded or
+# deleted) appended to the file TRACEFP4_TEST_WRITES as "rank key"
+WRITES_LOGGED = """
+import os
+from tracefp4.components.store import LocalStore
+
+
+def logged(op):
+    write = getattr(LocalStore, op)
+
+    def logging(self, key, *args):
+        with open(os.environ["TRACEFP4_TEST_WRITES"], "a") as log:
+            log.write(f"{os.environ.get('RANK', '-')} {key}\\n")
+        return write(self, key, *args)
+
+    return logging
+
+
+for op in ("put_bytes", "upload", "delete"):
+    setattr(LocalStore, op, logged(op))
+"""
+
+
+@contextlib.contextmanager
+def ranks_writes_logged(folder):
+    """The ranks of a torchrun started inside log each write to a local store;
+    yields a function that reads the log: (rank, key) pairs, in order."""
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(WRITES_LOGGED)
+    log = folder / "writes.log"
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")])))
+        env.setenv("TRACEFP4_TEST_WRITES", str(log))
+        yield lambda: [tuple(line.split(" ", 1)) for line in log.read_text().splitlines()]
 
 
 def _rank_pids(ancestor: int) -> list[int]:
