@@ -75,7 +75,15 @@ from .quant import QuantConfig
 from .steps import config_digest, store_prefix
 from .store import ArtifactNotFound, ArtifactStore, StoreError, open_store, write_atomic
 from .tensor_files import layout_of, read_tensor, tensor_files, tensor_layout
-from .trainer import MASTER_PREFIX, OPTIMIZER_PREFIX, OWN_SETTINGS, TrainConfig, Trainer, clip_gradients
+from .trainer import (
+    MASTER_PREFIX,
+    OPTIMIZER_PREFIX,
+    OWN_SETTINGS,
+    TrainConfig,
+    Trainer,
+    clip_gradients,
+    uneven_split,
+)
 from .trainer_state import STEM, check_state
 
 METADATA = ".metadata"  # written last by torch.distributed.checkpoint's coordinator: a complete checkpoint
@@ -344,11 +352,11 @@ class DistributedTrainer(Trainer):
         return model
 
     def owned(self, microbatches: int, group: int) -> list[int]:
-        if microbatches % self.world or group % self.world:
+        problem = uneven_split(microbatches, group, self.world)
+        if problem is not None:
             raise DistributedError(
-                f"{microbatches} microbatches per RL step, optimizer steps every {group}: both must be multiples "
-                f"of the {self.world} training processes (set rl.microbatch_size, rl.grad_accumulation, "
-                "rollout.prompts_per_step or rollout.group_size to fit)"
+                f"{problem} (set rl.microbatch_size, rl.grad_accumulation, rollout.prompts_per_step or "
+                "rollout.group_size to fit)"
             )
         return rank_microbatches(microbatches, group, self.rank, self.world)
 

@@ -492,6 +492,25 @@ def optimizer_state(tensors: dict[str, Tensor], meta: dict) -> dict:
     return {"state": moments, "param_groups": meta["param_groups"]}
 
 
+def uneven_split(microbatches: int, group: int, world: int) -> str | None:
+    """Why ``world`` processes cannot train an RL step of ``microbatches``
+    microbatches with an optimizer step every ``group`` of them, or None where
+    they can. Each optimizer step's group (the last may hold fewer) is cut into
+    ``world`` equal runs, one a process, so that every process takes part in
+    every optimizer step's collectives (:func:`.distributed.rank_microbatches`):
+    the size of each group must be a multiple of ``world``. That is
+    ``microbatches`` a multiple of ``world``, and ``group`` one too unless it
+    holds the whole step (every 5 of 4 microbatches: one group of 4)."""
+    full, last = min(group, microbatches), microbatches % group if group < microbatches else 0
+    if full % world == 0 and last % world == 0:
+        return None
+    groups = f"groups of {full}" + (f" and a last one of {last}" if last else "")
+    return (
+        f"an RL step's {microbatches} microbatches with an optimizer step every {group} make {groups}: each "
+        f"group must be a multiple of the {world} training processes"
+    )
+
+
 def clip_gradients(parameters, max_norm: float) -> Tensor:
     """The gradients' global norm, clipped to ``max_norm``; 0 leaves them as they
     are, as the config says (``clip_grad_norm_`` with 0 would zero them all)."""

@@ -34,6 +34,7 @@ from pydantic_core import PydanticCustomError
 from tracefp4.components import model, precision, ptq, qat, quant, syndrome, tasks
 from tracefp4.components.device import DEVICE_PATTERN
 from tracefp4.components.store import CA_BUNDLE_ENV, ENDPOINT_ENV, REGION_ENV, file_path, parse_s3_uri
+from tracefp4.components.trainer import uneven_split
 
 ModelPreset = Literal[tuple(model.PRESETS)]
 RolloutConfigName = Literal[quant.ROLLOUT_CONFIGS]
@@ -1019,12 +1020,12 @@ class RunConfig(_Section):
                 f"(cuda:LOCAL_RANK), but resources.gpus gives a node {r.gpus}"
             )
         per_step = -(-self.rollout.prompts_per_step * self.rollout.group_size // self.rl.microbatch_size)
-        group = self.rl.grad_accumulation or per_step
-        if world > 1 and (per_step % world or group % world):
+        problem = uneven_split(per_step, self.rl.grad_accumulation or per_step, world)
+        if problem is not None:
             problems.append(
-                f"train: {world} training processes, but an RL step has {per_step} microbatches (rollout."
-                f"prompts_per_step x group_size / rl.microbatch_size) with an optimizer step every {group}: both "
-                "must be multiples of nodes x processes_per_node"
+                f"rl.grad_accumulation: {problem} (microbatches: rollout.prompts_per_step x rollout.group_size / "
+                "rl.microbatch_size, rounded up; an optimizer step every rl.grad_accumulation of them, 0: one a "
+                "step; training processes: train.nodes x train.processes_per_node)"
             )
         return problems
 

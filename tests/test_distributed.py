@@ -171,16 +171,17 @@ def test_two_processes_train_what_one_does(round_inputs, both):
 
 
 def test_two_processes_train_a_last_group_of_fewer_microbatches_as_one_does(round_inputs, tmp_path):
-    """An optimizer step every 6 of an RL step's 4 microbatches: its one group
+    """An optimizer step every 5 of an RL step's 4 microbatches: its one group
     holds fewer, and each rank still trains a run of it. Given the first 3 to
     rank 0 and 1 to rank 1, the ranks' collectives parted and both waited
-    until the timeout."""
+    until the timeout; and 5, not a multiple of the 2 processes, was refused
+    though its one group of 4 splits in two."""
     tmp, ref, stats = round_inputs
     inputs = (tmp / "policy-0", tmp / "state-0", tmp / "trajectories.jsonl")
-    uneven = config_for(tmp, grad_accumulation=6)
+    uneven = config_for(tmp, grad_accumulation=5)
     one = steps.train(uneven, *inputs, ref, tmp_path / "one", tmp_path / "one-state", RUN, stats)
     two = torchrun(
-        config_for(tmp, processes=2, grad_accumulation=6),
+        config_for(tmp, processes=2, grad_accumulation=5),
         *inputs,
         tmp / "guidance.json",
         tmp_path / "two",
@@ -683,9 +684,25 @@ def _rank_pids(ancestor: int) -> list[int]:
 
 
 def test_microbatches_that_do_not_split_over_the_processes_are_refused_by_the_schema(tmp_path):
+    """An RL step of 4 microbatches (4 trajectories, microbatches of 1): over 2
+    processes every optimizer step's group must split in two, and a group of
+    more than the step's microbatches is one group of all of them (5 and 7
+    were refused as odd, and run: test_two_processes_train_a_last_group...)."""
+    data = config_for(tmp_path).model_dump()
+    data["train"]["processes_per_node"] = 2
+    for runs in (0, 2, 4, 5, 6, 7):
+        data["rl"]["grad_accumulation"] = runs
+        RunConfig.model_validate(data)
+    for refused, groups in ((1, "groups of 1"), (3, "groups of 3 and a last one of 1")):
+        data["rl"]["grad_accumulation"] = refused
+        with pytest.raises(ValueError, match=f"rl.grad_accumulation: .* every {refused} make {groups}: each group"):
+            RunConfig.model_validate(data)
+    data["rl"].update(grad_accumulation=5, microbatch_size=4)  # one microbatch a step
+    with pytest.raises(ValueError, match="1 microbatches .* multiple of the 2 training processes .*rl.microbatch_size"):
+        RunConfig.model_validate(data)
     data = config_for(tmp_path).model_dump()
     data["train"]["processes_per_node"] = 3
-    with pytest.raises(ValueError, match="multiples of nodes x processes_per_node"):
+    with pytest.raises(ValueError, match="make groups of 2: each group must be a multiple of the 3 training processes"):
         RunConfig.model_validate(data)
     data["train"].update(processes_per_node=1, nodes=2)
     with pytest.raises(ValueError, match="launcher trainjob"):
@@ -699,6 +716,23 @@ def test_microbatches_that_do_not_split_over_the_processes_are_refused_by_the_sc
         RunConfig.model_validate(data)
     data["resources"]["device"] = "cpu"  # gloo ranks on the node's CPUs
     RunConfig.model_validate(data)
+
+
+def test_the_schema_refuses_exactly_the_splits_that_leave_a_microbatch_untrained():
+    """uneven_split, which the schema and the trainer check, against the
+    ranks' own split: it passes a step of M microbatches, an optimizer step
+    every g (0: all of them), over W processes exactly where the ranks' runs
+    of each group are equal and together train every microbatch once."""
+    from tracefp4.components.distributed import rank_microbatches
+    from tracefp4.components.trainer import uneven_split
+
+    for world in range(1, 5):
+        for microbatches in range(1, 13):
+            for every in range(0, 15):
+                group = every or microbatches
+                runs = [rank_microbatches(microbatches, group, rank, world) for rank in range(world)]
+                whole = sorted(i for run in runs for i in run) == list(range(microbatches))
+                assert (uneven_split(microbatches, group, world) is None) == whole, (microbatches, every, world)
 
 
 def test_each_rank_trains_contiguous_runs_of_each_optimizer_steps_microbatches():
