@@ -159,33 +159,27 @@ def check_tasks_drawable(config: RunConfig) -> None:
     of 2Gi, where the steps hold every problem (about 1 KB each). For a
     library preset, whose character tokenizer is known without a checkpoint,
     the longest of each task's prompts and of each entry's extra problems are
-    checked as prepare checks every one (:func:`encode_prompts`, the
-    bootstrap's examples): one without room for ``rollout.max_new_tokens``,
-    or for its answer, fails the first task, not prepare on a GPU node."""
-    # a checkpoint's tokenizer and chat template: prepare reads them; the character tokenizer takes a token a character
+    checked as prepare checks every one (:func:`encode_prompts`,
+    :func:`check_answers_fit`, the bootstrap's examples): one without room
+    for ``rollout.max_new_tokens``, or an answer longer than it, fails the
+    first task, not prepare on a GPU node."""
+    # a checkpoint's tokenizer and chat template: prepare reads them; the character tokenizer takes a token a character,
+    # so the longest text is the longest encoding
     tokenizer = build_tokenizer() if config.model.preset is not None else None
     prompts: set[str] = set()
-    longest, answers = [], []  # of each task: the longest prompt, the longest reference answer
+    longest, answers = [], []  # of each task: the problem of the longest prompt, that of the longest reference answer
     for i, t in enumerate(config.tasks):
         with _naming(_task_entry(i, t)):
-            top, answer = None, ""
+            top = answer = None
             for p in get_task(t.name).draws(t.train_size + t.test_size, config.seed, t.difficulty):
                 prompts.add(p.prompt)
                 top = p if top is None or len(p.prompt) > len(top.prompt) else top
-                answer = max(answer, p.answer, key=len)
+                answer = p if answer is None or len(p.answer) > len(answer.answer) else answer
             longest.append(top)
             answers.append(answer)
     if tokenizer is not None:
         encode_prompts(config, tokenizer, longest)
-        for i, answer in enumerate(answers):  # a response cut before its answer's end scores nothing (reward_of)
-            if len(tokenizer.encode_answer(answer)) > config.rollout.max_new_tokens:
-                raise ValueError(
-                    f"rollout.max_new_tokens: {config.rollout.max_new_tokens} tokens cut answers such as {answer!r} "
-                    f"(tasks.{i}: {config.tasks[i].name} at difficulty {config.tasks[i].difficulty}) before their "
-                    f"end, which then score nothing: raise it"
-                    + f" or lower tasks.{i}.difficulty"
-                    * (config.tasks[i].difficulty > 1)
-                )
+        check_answers_fit(config, tokenizer, answers)
     if config.bootstrap.enabled:
         for i, drawn in enumerate(extra_problems(config, prompts)):
             if tokenizer is not None:
@@ -242,6 +236,7 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
         raise ValueError("\n".join(unguidable))
     train, test = problems(config)
     encode_prompts(config, tokenizer, train + test)  # every prompt a round or evaluation may draw fits
+    check_answers_fit(config, tokenizer, train + test)  # and every answer: a checkpoint's tokenizer is known here
     if config.model.trainer_state:
         if state is None:
             raise ValueError("model.trainer_state: a continuation's prepare writes a trainer state; none was asked for")
@@ -625,14 +620,45 @@ def encode_prompts(config: RunConfig, tokenizer, problems: list[Problem]) -> lis
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]), default=None)
     if longest is not None and len(prompts[longest]) > room:
         problem = problems[longest]
-        i = next(i for i, t in enumerate(config.tasks) if t.name == problem.task)
+        i = _task_index(config, problem)
         raise ValueError(
             f"model.max_seq_len: a prompt of {len(prompts[longest])} tokens ({problem.prompt!r}, tasks.{i}: "
             f"{problem.task} at difficulty {config.tasks[i].difficulty}) and rollout.max_new_tokens "
             f"{config.rollout.max_new_tokens} exceed model.max_seq_len {config.model.max_seq_len}: raise it or "
-            f"lower rollout.max_new_tokens" + f" or tasks.{i}.difficulty" * (config.tasks[i].difficulty > 1)
+            f"lower rollout.max_new_tokens{_or_lower_difficulty(config, i)}"
         )
     return prompts
+
+
+def check_answers_fit(config: RunConfig, tokenizer, problems: list[Problem]) -> None:
+    """Refuse problems whose reference answer, through its end
+    (:meth:`.tokenizer.PolicyTokenizer.encode_answer`), is longer than
+    ``rollout.max_new_tokens``: a response the limit cuts before its end
+    scores nothing (:func:`.tasks.reward_of`), so the run would train on
+    nothing useful without a word. An error naming the field, the task entry
+    and the longest answer; configure checks a library preset's answers with
+    it, prepare every run's, in the checkpoint's tokenizer where there is one."""
+    lengths = {answer: len(tokenizer.encode_answer(answer)) for answer in dict.fromkeys(p.answer for p in problems)}
+    longest = max(problems, key=lambda p: lengths[p.answer], default=None)
+    if longest is not None and lengths[longest.answer] > config.rollout.max_new_tokens:
+        i = _task_index(config, longest)
+        raise ValueError(
+            f"rollout.max_new_tokens: {config.rollout.max_new_tokens} tokens cut answers such as {longest.answer!r} "
+            f"(tasks.{i}: {longest.task} at difficulty {config.tasks[i].difficulty}) before their end "
+            f"({lengths[longest.answer]} tokens), which then score nothing: raise it{_or_lower_difficulty(config, i)}"
+        )
+
+
+def _task_index(config: RunConfig, problem: Problem) -> int:
+    """The entry of ``tasks`` that ``problem`` was drawn for: the one of its task's name (validation refuses a
+    name listed twice)."""
+    return next(i for i, t in enumerate(config.tasks) if t.name == problem.task)
+
+
+def _or_lower_difficulty(config: RunConfig, i: int) -> str:
+    """The remedy that ``tasks.i`` offers a prompt or answer too long besides the field the error names: a
+    lower difficulty, where it has one (1 has none)."""
+    return f" or lower tasks.{i}.difficulty" * (config.tasks[i].difficulty > 1)
 
 
 def write_trajectories(path: Path, header: dict, trajectories: list[Trajectory], batch: list[Problem]) -> Path:

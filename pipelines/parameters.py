@@ -213,9 +213,10 @@ def check_drawable(config: RunConfig) -> None:
     costs what each step pays (``benchmarks/tasks.py``: half a minute on a
     paper preset), in the memory of the prompts alone; and it finds, for a
     library preset, a prompt without room for ``rollout.max_new_tokens``
-    within ``model.max_seq_len``, which prepare would, and an answer longer
-    than ``rollout.max_new_tokens``, which would never score (a pydantic
-    validator would draw them at every validation, in every step)."""
+    within ``model.max_seq_len`` and an answer longer than
+    ``rollout.max_new_tokens``, which would never score, both of which
+    prepare would (for a checkpoint it alone can, in its tokenizer; a
+    pydantic validator would draw them at every validation, in every step)."""
     from tracefp4.components.steps import check_tasks_drawable
 
     try:

@@ -135,7 +135,7 @@ def test_the_first_task_finds_a_prompt_without_room_for_its_response(tmp_path):
     ((path, reason),) = info.value.problems
     assert path == "model.max_seq_len" and "tasks.1: program at difficulty 3" in reason
     assert reason.endswith(
-        "exceed model.max_seq_len 64: raise it or lower rollout.max_new_tokens or tasks.1.difficulty"
+        "exceed model.max_seq_len 64: raise it or lower rollout.max_new_tokens or lower tasks.1.difficulty"
     )
     assert not (tmp_path / "store").exists()  # refused before anything else is asked
     data["model"]["max_seq_len"] = 256
@@ -145,6 +145,7 @@ def test_the_first_task_finds_a_prompt_without_room_for_its_response(tmp_path):
         reached(config_json)
     ((path, reason),) = info.value.problems
     assert path == "rollout.max_new_tokens" and "(tasks.1: program at difficulty 3) before their end" in reason
+    assert reason.endswith("which then score nothing: raise it or lower tasks.1.difficulty")
     data["rollout"]["max_new_tokens"] = 64
     config_json = RunConfig.model_validate(data).model_dump_json()
     assert reached(config_json) == config_json

@@ -7,6 +7,7 @@ import dataclasses
 
 import pytest
 import torch
+from chat_checkpoint import chat_checkpoint
 from safetensors.torch import load_file
 
 from tracefp4.components import steps
@@ -26,6 +27,7 @@ from tracefp4.components.rl import (
 )
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
+from tracefp4.components.tokenizer import load_tokenizer
 from tracefp4.components.trainer import MASTER_PREFIX, TrainConfig, Trainer
 from tracefp4.components.trainer_state import StateMismatch, read_meta
 from tracefp4.schemas import RunConfig, get_preset
@@ -227,6 +229,38 @@ def test_a_prompt_without_room_for_its_response_is_refused_before_any_work(tmp_p
     with pytest.raises(ValueError, match=too_long):  # the rollout checks its own batch too
         steps.rollout(config, tmp_path / "p0", 0, tmp_path / "t0.jsonl", RUN)
     assert not (tmp_path / "t0.jsonl").exists()
+
+
+def test_an_answer_longer_than_max_new_tokens_in_a_checkpoints_tokenizer_is_refused_by_prepare(tmp_path):
+    """Configure knows no checkpoint's tokenizer, so prepare checks in it that
+    rollout.max_new_tokens holds every reference answer through its end
+    (``<|im_end|>`` here): a response cut before it scores nothing, and the
+    run would train on nothing useful without a word."""
+    folder = chat_checkpoint(tmp_path / "qwen")
+    changes = {
+        "model": {"preset": None, "checkpoint": str(folder), "max_seq_len": 128},
+        "tasks": [
+            {"name": "arithmetic", "train_size": 8, "test_size": 4},
+            {"name": "countdown", "difficulty": 2, "train_size": 8, "test_size": 4},
+        ],
+        "bootstrap": {"enabled": False},
+    }
+    train, test = steps.problems(smoke(tmp_path, **changes))
+    tok = load_tokenizer(folder)
+    longest = max(train + test, key=lambda p: len(tok.encode_answer(p.answer)))
+    need = len(tok.encode_answer(longest.answer))
+    assert need != len(longest.answer) + 1  # the character tokenizer's count would not find the limit below
+    config = smoke(tmp_path, rollout={"max_new_tokens": need - 1}, **changes)
+    steps.check_tasks_drawable(config)  # what configure checks passes: it has no tokenizer for a checkpoint
+    with pytest.raises(ValueError) as info:
+        steps.prepare(config, tmp_path / "p0", RUN)
+    assert str(info.value) == (
+        f"rollout.max_new_tokens: {need - 1} tokens cut answers such as {longest.answer!r} (tasks.1: countdown at "
+        f"difficulty 2) before their end ({need} tokens), which then score nothing: raise it or lower "
+        "tasks.1.difficulty"
+    )
+    assert not (tmp_path / "p0").exists()
+    steps.prepare(smoke(tmp_path, rollout={"max_new_tokens": need}, **changes), tmp_path / "p0", RUN)  # room: it runs
 
 
 def test_guidance_reference_round_trips_and_names_a_bad_artifact(tmp_path):
