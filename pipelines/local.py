@@ -79,16 +79,20 @@ def localize(config: RunConfig, output: Path) -> RunConfig:
     """A relative ``file://`` store becomes a folder of the run's output, a
     relative metrics file a file in it; every round runs in this one run
     (``rl.rounds_per_run`` splits a schedule into a chain of cluster runs, whose
-    size KFP bounds; a local run has no such bound); and ``store.ca_bundle_secret``
-    is dropped: no secret is mounted here, and the steps would be pointed at a
-    file that is not there (they trust what this process's SSL_CERT_FILE says)."""
+    size KFP bounds; a local run has no such bound); and the settings that only
+    shape a cluster run's pods (:data:`~tracefp4.schemas.config.CLUSTER_ONLY`)
+    are left at their defaults (:meth:`~tracefp4.schemas.RunConfig.without_cluster_only`):
+    a rerun that changes one (the image, a pod's memory) resumes, every finished
+    task reused, and ``store.ca_bundle_secret`` unset points no step at a file
+    that is not here (they trust what this process's SSL_CERT_FILE says)."""
+    config = config.without_cluster_only()
     uri = config.store.uri
     if uri.startswith("file://") and not (path := file_path(uri)).is_absolute():
         uri = (output / path).resolve().as_uri()
     metrics_file = str((output / config.metrics.metrics_file).resolve())
     return config.model_copy(
         update={
-            "store": config.store.model_copy(update={"uri": uri, "ca_bundle_secret": None}),
+            "store": config.store.model_copy(update={"uri": uri}),
             "metrics": config.metrics.model_copy(update={"metrics_file": metrics_file}),
             "rl": config.rl.model_copy(update={"rounds_per_run": 0}),
         }

@@ -15,11 +15,14 @@ The run folder holds:
 - ``run.json``: per request, the hash of what was asked for (config and
   methods), of the code asked to do it (:func:`code_digest`) and of the
   server of an S3 store (its endpoint, from the environment), and its run
-  id (created once, reused on every resume). The same config on the same
-  code resumes; another config, changed code or another S3 endpoint starts
-  a new run id, whose keys match nothing recorded (kfp.local's key holds a
-  component's own few lines, not the library code they call), and coming back to an earlier
-  request (a setting tried and undone, an edit reverted) resumes its run.
+  id (created once, reused on every resume). The same config on the same code
+  resumes (one that differs only in settings no local step reads, such as the
+  image or a pod's resources, is the same: :func:`.local.localize` leaves them
+  at their defaults, in every task's key too); another config, changed code or
+  another S3 endpoint starts a new run id, whose keys match nothing recorded
+  (kfp.local's key holds a component's own few lines, not the library code they
+  call), and coming back to an earlier request (a setting tried and undone, an
+  edit reverted) resumes its run.
 - ``completed/``: kfp.local's cache entries, one JSON file per finished task.
 - ``.lock``: held (``flock``) by the run in the folder, with its pid, and by
   every task it runs (:func:`hold_folder_lock`): a second run in the same
@@ -92,14 +95,15 @@ class FolderInUse(RuntimeError):
 def request(
     config: RunConfig, methods: list[str] | None, store: ArtifactStore, env: Mapping[str, str] | None = None
 ) -> str:
-    """What a run is asked to do, as :func:`run_id` compares it: the config,
-    the methods, the code (:func:`code_digest`), the server of an S3
-    ``store`` (the run's, opened: its endpoint comes from the environment,
-    and the same bucket on another server holds none of the finished tasks'
-    outputs) and, from a checkpoint (and a continuation's trainer state), its
-    fingerprint (read with ``env``, the steps' environment, as they read it):
-    the same URI with other weights behind it is another run. One that is not
-    there is refused, naming its field."""
+    """What a run is asked to do, as :func:`run_id` compares it: the config (a
+    local run's: its cluster-only settings at their defaults, so that changing
+    one resumes, :func:`.local.localize`), the methods, the code
+    (:func:`code_digest`), the server of an S3 ``store`` (the run's, opened: its
+    endpoint comes from the environment, and the same bucket on another server
+    holds none of the finished tasks' outputs) and, from a checkpoint (and a
+    continuation's trainer state), its fingerprint (read with ``env``, the
+    steps' environment, as they read it): the same URI with other weights behind
+    it is another run. One that is not there is refused, naming its field."""
     asked = config.model_dump_json() + repr(methods) + code_digest()
     asked += f"\0{store.endpoint}" if isinstance(store, S3Store) else ""
     for field, uri in (

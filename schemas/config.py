@@ -58,6 +58,31 @@ SECRET_KEYS = {"accesskey": SECRET_ENV["access_key"], "secretkey": SECRET_ENV["s
 # mounts the secret at; SSL_CERT_FILE names the file (StoreConfig.pod_environment)
 CA_BUNDLE_KEY, CA_BUNDLE_MOUNT = "ca.crt", "/etc/tracefp4/store-ca"
 
+# Dotted paths of the settings that only shape a cluster run's pods (their image, resources, placement and labels,
+# the Kubernetes secrets mounted for the store's credentials and CA bundle) or reach only the cluster's APIs (a
+# TrainJob's runtime and its wait for Kueue's quota, the KFP API a chained run submits its next run through). No
+# step of a local run reads them: the train step reads the pods' settings only to create a TrainJob, which a local
+# run refuses, and the chain step, which reads kfp_host, ends only a chained run, which a local run never is. A
+# local run leaves them at their defaults (RunConfig.without_cluster_only), so that a rerun that changes one reuses
+# every finished task. resources.device is not one: every step computes on it.
+CLUSTER_ONLY = (
+    "image",
+    "kfp_host",
+    "resources.cpu",
+    "resources.memory",
+    "resources.host_cpu",
+    "resources.host_memory",
+    "resources.gpus",
+    "resources.accelerator_type",
+    "resources.node_selector",
+    "resources.tolerations",
+    "resources.labels",
+    "store.secret_name",
+    "store.ca_bundle_secret",
+    "train.trainjob_runtime",
+    "train.queue_timeout_seconds",
+)
+
 STORE_URI_PATTERN = r"^(file|s3|minio)://\S+$"
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 DNS_SUBDOMAIN = r"^[a-z0-9]([-.a-z0-9]{0,251}[a-z0-9])?$"
@@ -1001,6 +1026,14 @@ class RunConfig(_Section):
             return "fp32_master"
         return "bf16"
 
+    def without_cluster_only(self) -> "RunConfig":
+        """This config with every :data:`CLUSTER_ONLY` field at its default: what
+        a local run's steps are given and what its resumption compares
+        (:func:`tracefp4.pipelines.resume.request`). A step's cache key and the run id
+        hold the whole config the steps get, so the image or a pod's memory,
+        which change no step's output here, would otherwise rerun every task."""
+        return _at_defaults(self, CLUSTER_ONLY)
+
     def _train_problems(self) -> list[str]:
         """Distributed training: one node unless a TrainJob launches it, and every
         optimizer step's microbatches split evenly over the processes."""
@@ -1052,3 +1085,16 @@ class RunConfig(_Section):
             if isinstance(layers, list) and (missing := sorted(set(layers) - set(fp4))):
                 problems.append(f"guidance.layers: layers {missing} have no FP4 site; {where}")
         return problems
+
+
+def _at_defaults(section: BaseModel, paths) -> BaseModel:
+    """``section`` with the fields at the dotted ``paths`` (below it) at their defaults."""
+    leaves, below = {}, {}
+    for path in paths:
+        name, _, rest = path.partition(".")
+        if rest:
+            below.setdefault(name, []).append(rest)
+        else:
+            leaves[name] = type(section).model_fields[name].get_default(call_default_factory=True)
+    nested = {name: _at_defaults(getattr(section, name), rests) for name, rests in below.items()}
+    return section.model_copy(update={**leaves, **nested})

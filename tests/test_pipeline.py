@@ -3,6 +3,7 @@ kfp.local; the compiled YAML names every component and parameter; the CLI."""
 
 import builtins
 import gc
+import io
 import json
 import shutil
 import time
@@ -20,11 +21,13 @@ from tracefp4.components.guidance import read_manifest
 from tracefp4.components.steps import store_prefix
 from tracefp4.components.store import open_store
 from tracefp4.components.trainer_state import read_meta
+from tracefp4.pipelines import resume
 from tracefp4.pipelines.cli import main
-from tracefp4.pipelines.local import continuation_of, localize, ran_to_its_end, run_local
+from tracefp4.pipelines.local import continuation_of, localize, ran_to_its_end, run_local, task_count
 from tracefp4.pipelines.pipeline import (
     RUN_TASKS_WARN,
     build_comparison_pipeline,
+    build_pipeline,
     compile_pipeline,
     compiled_documents,
     pipeline_version,
@@ -33,6 +36,7 @@ from tracefp4.pipelines.pipeline import (
     version_name,
 )
 from tracefp4.schemas import ConfigError, get_preset, load_config
+from tracefp4.schemas.config import CLUSTER_ONLY
 
 STEPS = ("prepare", "rollout", "compaction", "train", "export", "evaluate", "report")
 RUN = "run-a"
@@ -122,6 +126,87 @@ def test_a_continuation_goes_on_from_the_smoke_runs_final_policy_and_state(smoke
     assert read_meta(fetch(then / "train" / "new_trainer_state"))["policy_version"] == 2
     history = [json.loads(line) for line in (then / "train" / "history").read_text().splitlines()]
     assert [(row["round"], row["step"]) for row in history] == [(1, 2)]
+
+
+# every cluster-only setting (schemas/config.py's CLUSTER_ONLY) at another value than the smoke preset's
+CLUSTER_CHANGES = {
+    "image": "registry.example.com/team/tracefp4:next",
+    "kfp_host": "http://ml-pipeline.other:8888",
+    "resources.cpu": "16",
+    "resources.memory": "64Gi",
+    "resources.host_cpu": "4",
+    "resources.host_memory": "16Gi",
+    "resources.gpus": 1,
+    "resources.accelerator_type": "nvidia.com/gpu",
+    "resources.node_selector": {"pool": "gpu"},
+    "resources.tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+    "resources.labels": {"kueue.x-k8s.io/queue-name": "team-a"},
+    "store.secret_name": "other-store",
+    "store.ca_bundle_secret": "store-ca",
+    "train.trainjob_runtime": "other-runtime",
+    "train.queue_timeout_seconds": 600,
+}
+# settings beside them that the steps read (the device every step computes on, how long ranks wait at a
+# collective, the metrics' job label, whether the store makes its bucket): each another local run
+READ_CHANGES = {
+    "resources.device": "cpu",
+    "train.timeout_seconds": 900,
+    "metrics.job": "other",
+    "store.create_bucket": True,
+}
+
+
+def test_cluster_only_settings_shape_the_compiled_pods_and_nothing_a_local_task_gets(tmp_path):
+    """The cluster compile puts each cluster-only setting into the pods; a local
+    run leaves them at their defaults, in the pipeline it runs (every task's
+    image, command, inputs and environment: kfp.local's key) and in the
+    request its run id is kept by, while a setting a step reads stays in both."""
+    assert set(CLUSTER_CHANGES) == set(CLUSTER_ONLY)
+    base, changed = get_preset("smoke"), load_config(None, preset="smoke", overrides=CLUSTER_CHANGES)
+    spec, platform = compiled_documents(open(compile_pipeline(changed, tmp_path / "cluster.yaml"), "rb").read())
+    executors = spec["deploymentSpec"]["executors"]
+    pods = platform["platforms"]["kubernetes"]["deploymentSpec"]["executors"]
+    assert all(e["container"]["image"] == CLUSTER_CHANGES["image"] for e in executors.values())
+    prepare, pod = executors["exec-prepare"]["container"]["resources"], pods["exec-prepare"]
+    assert (prepare["resourceCpuLimit"], prepare["resourceMemoryLimit"], prepare["accelerator"]["count"]) == (
+        "16",
+        "64Gi",
+        "1",
+    )
+    assert pod["nodeSelector"] == {"labels": {"pool": "gpu"}}
+    assert [t["key"] for t in pod["tolerations"]] == ["nvidia.com/gpu"]
+    assert pod["podMetadata"]["labels"] == CLUSTER_CHANGES["resources.labels"]
+    assert [s["secretName"] for s in pod["secretAsEnv"]] == ["other-store"]
+    assert [s["secretName"] for s in pod["secretAsVolume"]] == ["store-ca"]
+    local = {name: localize(config, tmp_path / "run") for name, config in (("base", base), ("changed", changed))}
+    assert local["changed"] == local["base"]
+    built = {name: build_pipeline(config, retries=False).pipeline_spec for name, config in local.items()}
+    assert built["changed"] == built["base"]
+    store = open_store(local["base"].store.uri)
+    assert resume.request(local["changed"], None, store) == resume.request(local["base"], None, store)
+    for path, value in READ_CHANGES.items():
+        read = localize(load_config(None, preset="smoke", overrides={path: value}), tmp_path / "run")
+        assert resume.request(read, None, store) != resume.request(local["base"], None, store), path
+
+
+def test_a_local_rerun_that_changes_only_cluster_settings_reuses_every_task(tmp_path):
+    """The image, a pod's resources or placement change no step's output in a
+    local run: a rerun with only those changed resumes, every task reused
+    (hours of a paper run's rollouts and training were run again, as a new
+    run); one that changes a setting the steps read runs every task again."""
+    smoke = get_preset("smoke")
+    report = run_local(smoke, tmp_path, out=io.StringIO())
+    said = io.StringIO()
+    assert run_local(load_config(None, preset="smoke", overrides=CLUSTER_CHANGES), tmp_path, out=said) == report
+    assert "resumed" in said.getvalue()
+    rerun = (tmp_path / "pipeline.log").read_text().split("==== ")[-1]
+    assert "Executing task" not in rerun and rerun.count("cache hit") == task_count(smoke)
+    said = io.StringIO()
+    read = load_config(None, preset="smoke", overrides={**CLUSTER_CHANGES, "resources.device": "cpu"})
+    assert "# tracefp4 run `smoke`" in run_local(read, tmp_path, out=said).read_text()
+    assert "a new run" in said.getvalue()
+    rerun = (tmp_path / "pipeline.log").read_text().split("==== ")[-1]
+    assert "cache hit" not in rerun and rerun.count("Executing task") == task_count(smoke)
 
 
 def test_tiny_qwen35_preset_runs_the_smoke_pipeline(tmp_path):

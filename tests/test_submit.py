@@ -398,9 +398,10 @@ def test_a_chained_smoke_run_ends_by_submitting_its_next_run(kfp_server, tmp_pat
 
     this_run(kfp_server, any_id=True)
     # evaluation.initial off as in a chain's later runs: evaluate runs without its optional input
-    overrides = {"kfp_host": kfp_server.url, "rl.rounds": 2, "evaluation.initial": False}
-    config = localize(load_config(preset="smoke", overrides=overrides), tmp_path)
-    config = config.model_copy(update={"rl": config.rl.model_copy(update={"rounds_per_run": 1})})
+    config = localize(load_config(preset="smoke", overrides={"rl.rounds": 2, "evaluation.initial": False}), tmp_path)
+    # what a local run leaves out, the chained run's: one round a run, its next submitted through kfp_host
+    rl = config.rl.model_copy(update={"rounds_per_run": 1})
+    config = config.model_copy(update={"rl": rl, "kfp_host": kfp_server.url})
     kfp.local.init(runner=kfp.local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "root"))
     build_pipeline(config, retries=False)(run_id="chained")
     ((run_id, created),) = [(i, r) for i, r in kfp_server.runs.items()]
