@@ -89,3 +89,26 @@ def mxfp4(block_rows, scale_mode="floor"):
         unit = math.nan if e == 255 else 2.0 ** (e - 127)
         codes.append([e2m1_encode(float(f32(v / f32(unit)))) if e != 255 else 0 for v in row])
     return codes, scales
+
+
+def e2m1_value(code: int) -> float:
+    """The signed value of a 4-bit code (8 is -0.0)."""
+    return -E2M1[code & 7] if code & 8 else E2M1[code & 7]
+
+
+def e2m1_guided(y: float, guidance: int, bits: int) -> int:
+    """TRACE's guided rounding of one ``y`` (docs/fp4-formats.md) from the value
+    table: the two codewords ``y`` lies between (its sign, the magnitudes below
+    and above it); for ``bits`` < 4 the one whose low bits are the guidance's
+    when exactly one is, else round-to-nearest; for 4 the one nearer the
+    rollout code's value. On a codeword, beyond +-6 or NaN: round-to-nearest."""
+    if math.isnan(y) or min(abs(y), 6.0) in E2M1:
+        return e2m1_encode(y)
+    sign = 8 if y < 0 else 0
+    below = max(i for i, v in enumerate(E2M1) if v < abs(y))
+    candidates = [below | sign, (below + 1) | sign]
+    if bits == 4:
+        return min(candidates, key=lambda code: abs(e2m1_value(code) - e2m1_value(guidance)))
+    mask = (1 << bits) - 1
+    matching = [code for code in candidates if code & mask == guidance & mask]
+    return matching[0] if len(matching) == 1 else e2m1_encode(y)

@@ -33,6 +33,31 @@ def test_straight_through_gradient(fmt):
     assert torch.equal(x.grad, upstream)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [1, 4])
+def test_guided_straight_through_gradient_is_the_identity_everywhere(dtype, bits):
+    """The guided fake quantization's backward is the documented estimator, the
+    identity, not clipped: also where training's values lie beyond the
+    rollout's range (saturated to +-6 units of its scale), far below it, or are
+    Inf, NaN or -0; in bf16 the gradient is bf16 and exactly the upstream one.
+    The forward is the guided codes' values in ``x``'s dtype, NaN kept."""
+    gen = torch.Generator().manual_seed(bits)
+    rollout = quantize(torch.randn(4, 64, generator=gen), "nvfp4", global_scale=0.01)
+    x = (torch.randn(4, 64, generator=gen) * torch.tensor([1.0, 8.0, 1e-3, 1.0])[:, None]).to(dtype)
+    x[3, :4] = torch.tensor([math.inf, -math.inf, math.nan, -0.0], dtype=dtype)
+    x.requires_grad_(True)
+    upstream = torch.randn(4, 64, generator=gen).to(dtype)
+    guide = Guidance.from_rollout(rollout, bits)
+    out = fake_quantize(x, "nvfp4", guide=guide)
+    (out * upstream).sum().backward()
+    assert out.dtype == x.grad.dtype == dtype
+    assert torch.equal(x.grad, upstream)
+    guided = quantize(x.detach(), "nvfp4", guide=guide)
+    assert ((unpack_codes(guided)[1] & 7) == 7).float().mean() > 0.5  # most of row 1 saturated
+    assert torch.equal(out.detach().isnan(), x.detach().isnan())
+    assert torch.equal(out.detach().nan_to_num(), dequantize(guided).to(dtype).nan_to_num())
+
+
 def test_fp8_per_token_values_lie_on_the_e4m3_grid():
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1)) * torch.logspace(-3, 3, 8)[:, None]
     out = fake_quantize(x, "fp8")

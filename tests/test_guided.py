@@ -1,12 +1,26 @@
 """Guided rounding: the paper's examples, and the local guarantee that a guided
 training value is never farther from the rollout's than round-to-nearest."""
 
+import math
+
+import numpy as np
 import pytest
+import spec_model
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracefp4.kernels import Guidance, dequantize, fake_quantize, get_format, quantize, reference, unpack_codes
+from tracefp4.kernels import (
+    HAS_TRITON,
+    Guidance,
+    compact_codes,
+    dequantize,
+    fake_quantize,
+    get_format,
+    quantize,
+    reference,
+    unpack_codes,
+)
 
 
 def block_with(value: float, amax: float, size: int = 16) -> torch.Tensor:
@@ -128,6 +142,72 @@ def test_guided_on_exact_grid_values_and_ties(rollout_values, nudges, bits):
     train_x = rollout_x + torch.tensor([nudges + [0.0]])
     rollout = quantize(rollout_x, "nvfp4", global_scale=1.0)
     _assert_never_worse_than_rtn(rollout, train_x, bits)
+
+
+def edge_values() -> list[float]:
+    """Where guided rounding's candidates change, in units of the rollout's
+    scale: every codeword and rounding midpoint of both signs with the float32
+    values either side of each, +-0, the smallest float32s, values beyond 6,
+    +-Inf and NaN."""
+    points = [*spec_model.E2M1, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 1e30, 1e-30, 2.0**-126, 2.0**-149]
+    values = {0.0, -0.0, math.inf, -math.inf}
+    for p in np.float32(points):
+        for v in (p, -p):
+            values |= {float(v), float(np.nextafter(v, np.float32(math.inf))), float(np.nextafter(v, -np.inf))}
+    return sorted(values) + [math.nan]
+
+
+EDGE_UNITS = [  # (format, scale byte, global scale): units 1 and 2^-29 (NVFP4's smallest, subnormal E4M3 scale)
+    ("nvfp4", 0x38, 1.0),
+    ("nvfp4", 0x01, 2.0**-20),
+    ("mxfp4", 127, None),
+    ("mxfp4", 98, None),
+]
+
+
+def edge_case(fmt: str, scale: int, global_scale: float | None, bits: int):
+    """Rows of :func:`edge_values` times the unit, row c guided by rollout code c
+    (every code, both signs), and that guidance under the given block scales."""
+    f = get_format(fmt)
+    y = torch.tensor(edge_values(), dtype=torch.float32)
+    y = torch.cat([y, torch.zeros(-len(y) % f.block_size)])
+    scales = torch.full((16, len(y) // f.block_size), scale, dtype=torch.uint8).view(f.scale_dtype)
+    g = None if global_scale is None else torch.tensor(global_scale)
+    unit = reference.scale_units(f, scales[:1, :1], g).item()
+    x = (y * unit).expand(16, -1).contiguous()
+    rollout = torch.arange(16, dtype=torch.uint8)[:, None].expand(x.shape)
+    return x, Guidance(compact_codes(rollout.contiguous(), bits), bits, scales, g, fmt, x.shape), unit
+
+
+@pytest.mark.parametrize("fmt,scale,global_scale", EDGE_UNITS)
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_guided_rounding_is_the_documented_rule_at_every_edge(fmt, scale, global_scale, bits):
+    """Codes, element by element, equal the independent model's rule
+    (``spec_model.e2m1_guided``): at each codeword, midpoint and the float32
+    values beside them, signed zeros, subnormal inputs and units, saturation,
+    Inf and NaN, for every rollout code under every R-k guidance."""
+    x, guide, unit = edge_case(fmt, scale, global_scale, bits)
+    codes = unpack_codes(quantize(x, fmt, guide=guide))
+    ys = (x.numpy() / np.float32(unit)).astype(np.float32)  # what the rule rounds: x / unit in float32
+    expected = [[spec_model.e2m1_guided(float(y), rollout, bits) for y in row] for rollout, row in enumerate(ys)]
+    assert codes.tolist() == expected
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed on this platform")
+@pytest.mark.parametrize("fmt,scale,global_scale", EDGE_UNITS)
+def test_triton_guided_rounding_equals_the_reference_at_every_edge(fmt, scale, global_scale):
+    """The Triton kernel (the interpreter without a GPU) gives the reference's
+    codes and values, bit for bit, on the same edges and guidance."""
+    from tracefp4.kernels import triton_kernels
+
+    f = get_format(fmt)
+    for bits in (1, 2, 3, 4):
+        x, guide, _ = edge_case(fmt, scale, global_scale, bits)
+        args = (x, f, guide.scales, guide.global_scale, guide.codes(), bits)
+        assert torch.equal(triton_kernels.quantize_guided(*args), reference.quantize_guided(*args))
+        values, expected = triton_kernels.fake_quantize_guided(*args), reference.fake_quantize_guided(*args)
+        assert torch.equal(values.isnan(), expected.isnan())
+        assert torch.equal(values.nan_to_num().view(torch.int32), expected.nan_to_num().view(torch.int32))
 
 
 def test_fake_quantize_with_guidance_matches_guided_quantize():
