@@ -160,8 +160,9 @@ def rounded(training: CaptureRecords, guidance: CaptureRecords) -> CaptureRecord
     (a capture that kept them): guided rounding where ``guidance`` (compacted
     rollout codes and scales) has the row, round-to-nearest under the
     training path's own block scales and global scale elsewhere (the static
-    one, or per token each row's own), as :class:`~.qat.TrainingSites` rounds;
-    a guided row takes the rollout's per-token global scale too."""
+    one, or per token each row's own) and in rows holding NaN or Inf, as
+    :class:`~.qat.TrainingSites` rounds; a guided row takes the rollout's
+    per-token global scale too."""
     out = CaptureRecords()
     for key, t in training.tables.items():
         if t.inputs is None:
@@ -172,6 +173,9 @@ def rounded(training: CaptureRecords, guidance: CaptureRecords) -> CaptureRecord
         codes, scales, row_scales = q.codes, q.scales.view(torch.uint8), g if per_token else None
         if (small := guidance.tables.get(key)) is not None:
             rows, train_rows = join_rows(small, t)
+            # a row holding NaN or Inf rounds RTN, as TrainingSites rounds it: the rollout's scale cannot carry it
+            finite = t.inputs[train_rows].isfinite().all(-1)
+            rows, train_rows = rows[finite], train_rows[finite]
             if len(rows):
                 guided = quantize(t.inputs[train_rows], t.fmt, guide=small.guidance(rows))
                 codes.index_copy_(0, train_rows, guided.codes)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from tracefp4.components import quant, rl, steps
-from tracefp4.components.capture import Capture, CaptureConfig, SiteTable, TokenMap
+from tracefp4.components.capture import Capture, CaptureConfig, CaptureRecords, SiteTable, TokenMap
 from tracefp4.components.guidance import GuidanceError, GuidanceLoader, MicrobatchGuidance, read_step, write_step
-from tracefp4.components.mismatch import compare, join_rows
+from tracefp4.components.mismatch import compare, join_rows, rounded
 from tracefp4.components.model import ExpertRows, build_model
 from tracefp4.components.qat import TrainingSites
 from tracefp4.components.quant import QuantConfig, fp4_expert_weights, rollout_config
@@ -127,6 +127,12 @@ def test_a_value_training_cannot_round_finitely_is_not_guided(bad):
     assert trace[3].isnan().any() == (bad != bad)  # a NaN's block is NaN; an Inf saturates its block's scale
     assert torch.equal(trace[[0, 1, 2, 4, 5, 6, 7]], dequantize(q)[[0, 1, 2, 4, 5, 6, 7]])  # the rest as rolled out
     assert sites["trace"].coverage.rate == 7 / 8
+    # mismatch.rounded, re-rounding a capture of these inputs under the same guidance, rounds as the trace path does
+    t = quantize(train, "nvfp4", global_scale=scale)
+    captured = replace(table, codes=t.codes, scales=t.scales, inputs=train)
+    again = rounded(CaptureRecords({(0, "moe_in"): captured}), CaptureRecords({(0, "moe_in"): table}))
+    rerounded = again.tables[(0, "moe_in")].values()
+    torch.testing.assert_close(rerounded, trace, rtol=0, atol=0, equal_nan=True)
 
 
 def test_recomputed_layers_train_and_count_as_kept_ones(step):
