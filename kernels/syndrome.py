@@ -316,7 +316,10 @@ def scale_side_info(x: Tensor, fmt: FP4Format, global_scale: Tensor | None) -> t
     An NVFP4 scale that rounds to zero is written as 1.0 (``0x38``, low bit
     0): below the smallest subnormal ``0x01`` lies that zero, so the two
     neighbour each other across the boundary 2^-10, and their bytes still
-    differ in the low bit."""
+    differ in the low bit. MXFP4's byte 0 holds every amax below 2^-124, so
+    its neighbour is byte 1, at the distance in binades to 2^-124 (it was
+    taken below unless the amax lay in the upper half of its float32 binade,
+    clamped to byte 0 itself, and a rollout's byte 1 came back as byte 0)."""
     amax = block_amaxes(blocked(x, fmt.block_size).reshape(-1, fmt.block_size)).view(
         *x.shape[:-1], x.shape[-1] // fmt.block_size
     )
@@ -343,10 +346,13 @@ def scale_side_info(x: Tensor, fmt: FP4Format, global_scale: Tensor | None) -> t
         # rounds to k, which put the nearest boundary below it, 4x away from the one just above
         significand = ((amax.view(torch.int32) & 0x7FFFFF) | 0x3F800000).view(torch.float32)  # in [1, 2)
         fraction = torch.log2(significand)
-        up = fraction >= 0.5
-        neighbour = (own.int() + torch.where(up, 1, -1)).clamp(0, 254).to(torch.uint8)
-        distance = torch.where(up, 1 - fraction, fraction)
-        certain = (amax == 0) | (own == E8M0_NAN) | (own == 0) | ~torch.isfinite(amax)
+        # byte 0 holds every amax below 2^-124 (the exponent clamps there, subnormal float32 amaxes too): its
+        # one boundary is 2^-124 above, to byte 1, however many binades below it the amax lies
+        bottom = own == 0
+        up = (fraction >= 0.5) | bottom
+        neighbour = (own.int() + torch.where(up, 1, -1)).clamp(max=E8M0_NAN - 1).to(torch.uint8)
+        distance = torch.where(bottom, -124 - torch.log2(amax), torch.where(up, 1 - fraction, fraction))
+        certain = (amax == 0) | (own == E8M0_NAN) | ~torch.isfinite(amax)
     return own, neighbour, torch.where(certain, torch.inf, distance)
 
 

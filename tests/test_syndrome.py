@@ -344,6 +344,59 @@ def test_an_mxfp4_block_just_below_a_power_of_two_decodes_the_rollouts_scale():
     assert int(scales[0, 0]) == int(table.scales[0, 0]) == 135 and ok[0]
 
 
+BOTTOM = 2.0**-124  # the smallest amax of E8M0 scale byte 1 (2^-126); every smaller one is byte 0
+
+
+@pytest.mark.parametrize(
+    "train_amax, rollout_amax",
+    [
+        # training byte 0 anywhere in its range (subnormal float32 amaxes included), the rollout's byte 1
+        (2.0**-149, 1.01 * BOTTOM),
+        (2.0**-136, 1.01 * BOTTOM),
+        (2.0**-127, 1.5 * BOTTOM),
+        (2.0**-126, 1.01 * BOTTOM),
+        (1.3 * 2.0**-126, 1.01 * BOTTOM),
+        (2.0**-125, 1.9 * BOTTOM),
+        (0.99 * BOTTOM, 1.01 * BOTTOM),
+        # and the other bottom bytes, each side of their boundaries
+        (1.01 * BOTTOM, 0.99 * BOTTOM),
+        (1.2 * BOTTOM, 0.7 * BOTTOM),
+        (1.99 * BOTTOM, 2.01 * BOTTOM),
+        (2.01 * BOTTOM, 1.99 * BOTTOM),
+        (3.99 * BOTTOM, 4.01 * BOTTOM),
+        (4.01 * BOTTOM, 3.99 * BOTTOM),
+    ],
+    ids=lambda amax: f"2^{math.log2(amax):.2f}",
+)
+def test_mxfp4_scales_at_the_bottom_of_the_range_decode_the_rollouts(train_amax, rollout_amax):
+    """E8M0 byte 0 holds every amax below 2^-124 (``floor(log2 amax) - 2``
+    clamps there): its only rounding boundary is the one above, to byte 1.
+    Its neighbour was taken below unless the amax lay in the upper half of its
+    float32 binade, clamped to byte 0 itself, so a rollout scale of byte 1
+    could not be recovered, and the block decoded under scale byte 0 (its
+    codes agreeing there: silently half the rollout's scale). Byte 0's
+    neighbour is byte 1, at the distance in binades to 2^-124."""
+    x = torch.randn(17, 256, generator=torch.Generator().manual_seed(11))
+    x[0, :32] = 0
+    x[0, 0] = rollout_amax
+    train = x.clone()
+    train[0, 0] = train_amax
+    mxfp4 = get_format("mxfp4")
+    own, neighbour, distance = scale_side_info(train, mxfp4, None)
+    assert (own[0, 0] == 0) == (train_amax < BOTTOM)
+    assert 0 <= float(distance[0, 0]) < math.inf
+    table = table_from(x, torch.zeros(17, dtype=torch.long), "mxfp4")
+    assert int(table.scales[0, 0]) == int(neighbour[0, 0])  # the rollout's scale: the training side's neighbour
+    scales, low, ok, stats = decode(encode_table(table, Rate(56, 8)), train, torch.ones(17, dtype=torch.bool))
+    assert ok.all() and stats.failed == 0 and torch.equal(scales, table.scales)
+    assert torch.equal(low, unpack_nibbles(table.codes) & 1)
+
+
+def test_an_all_zero_mxfp4_block_is_certain_of_byte_0_and_neighbours_byte_1():
+    own, neighbour, distance = scale_side_info(torch.zeros(1, 32), get_format("mxfp4"), None)
+    assert (int(own[0, 0]), int(neighbour[0, 0]), float(distance[0, 0])) == (0, 1, math.inf)
+
+
 def stats_of(rate: Rate, code: dict, code_failed=0, scale: dict | None = None, scale_failed=0) -> DecodeStats:
     """Hand-made decode statistics: ``{need: blocks}`` per stage (the scale stage: every block needing 0 by default)."""
     seen = DecodeStats(rate, scale_failed=scale_failed, code_failed=code_failed)
