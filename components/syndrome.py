@@ -387,22 +387,35 @@ def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Ten
     unknown). Returns, per row, the recovered scale bytes and low code bits,
     whether the row's block decoded, and the statistics as a tally on the
     device (:func:`_tally`, read with the step's figures: nothing here reads
-    the device, which on CUDA would make the host wait for it)."""
+    the device, which on CUDA would make the host wait for it).
+
+    A scale block holding a NaN or Inf of the training side's (a bf16
+    overflow, say) is guessed as the training side quantizes it (its own
+    scale; a NaN's codes 0), its scale and codes unknowns of their block
+    where the block's unknowns hold them all, else taken as guessed
+    (:func:`_lost`); the rest of its row keeps its reliabilities
+    (:func:`~tracefp4.kernels.code_side_info`). A NaN had made its whole
+    row's NaN, and its block failed, the finite rows coded beside it with
+    it. Training rounds the row itself to nearest (:class:`~.qat.TrainingSites`)."""
     f = get_format(table.fmt)
     table = table.to(x.device)
     layout = _Layout.of(table, len(table.code_parity))
     g = None if table.global_scale is None else torch.full((), table.global_scale, device=x.device)  # no host copy
     rate, unknown = table.rate, ~available[:, None]
-    # stage 1: the block scales
+    blocks = x.unflatten(-1, (-1, f.block_size))
+    # [rows, scale blocks] holding a NaN or Inf: times 0 those are NaN, every finite value 0 (two cheap passes;
+    # isfinite().all() took three times as long, a sum alone overflows)
+    lost = (blocks * 0).sum(-1).isnan()
+    lost_blocks = layout.blocks(lost, False)  # [blocks, scales]: a block's scales, its codes scale block by scale block
+    # stage 1: the block scales (a block's side information is its own values')
     own, neighbour, distance = scale_side_info(x, f, g)
     distance = distance.masked_fill_(unknown, -torch.inf)
     n_scales = layout_of(table).scales
     scale_h = parity_matrix(rate.scale_bits, n_scales, SCALE_SALT)
     parity = expand_codes(table.scale_parity, 1, rate.scale_bits)
     erasures = unknowns(rate.scale_bits, n_scales, SCALE_CHECK_BITS)
-    low, ok_s, scale_needed = solve_erasures(
-        layout.blocks(own & 1, 0), layout.blocks(distance, torch.inf), parity, scale_h, erasures
-    )
+    reliability = _lost(layout.blocks(distance, torch.inf), lost_blocks, erasures, 1)
+    low, ok_s, scale_needed = solve_erasures(layout.blocks(own & 1, 0), reliability, parity, scale_h, erasures)
     scales = torch.where(layout.unblock(low) == (own & 1), own, neighbour)
     # stage 2: the low code bits under the recovered scales
     low_code, distance = code_side_info(x, f, scales.view(f.scale_dtype), g)
@@ -410,9 +423,8 @@ def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Ten
     code_h = parity_matrix(rate.code_bits, table.block_elements, CODE_SALT)
     parity = expand_codes(table.code_parity, 1, rate.code_bits)
     erasures = unknowns(rate.code_bits, table.block_elements, CODE_CHECK_BITS)
-    low, ok_c, code_needed = solve_erasures(
-        layout.blocks(low_code, 0), layout.blocks(distance, torch.inf), parity, code_h, erasures
-    )
+    reliability = _lost(layout.blocks(distance, torch.inf), lost_blocks, erasures, f.block_size)
+    low, ok_c, code_needed = solve_erasures(layout.blocks(low_code, 0), reliability, parity, code_h, erasures)
     tried = layout.of_rows(available)  # blocks with rows in this forward
     ok = ok_s & ok_c
     return (
@@ -421,6 +433,24 @@ def decode_rows(table: SyndromeTable, x: Tensor, available: Tensor) -> tuple[Ten
         layout.rows_of(ok) & available,
         _tally(tried, ok_s, ok_c, code_needed, scale_needed),
     )
+
+
+def _lost(reliability: Tensor, lost: Tensor, erasures: int, per: int) -> Tensor:
+    """Blocks' ``reliability [blocks, scales * per]``, in place, with the
+    ``per`` positions of each ``lost`` scale (``[blocks, scales]``: the
+    training side's non-finite values, :func:`decode_rows`; ``per`` 1: the
+    scale, or its block's elements) unknowns where the block's ``erasures``
+    hold them all, so that a block whose rollout values were finite there
+    decodes; else taken as guessed (certain), so that a row non-finite on
+    both sides (the rollout quantized the same NaN: a NaN scale, codes 0)
+    leaves the rows beside it their guidance. One-sided, that many lost
+    positions are more than the block's parity solves for either way.
+    Counted per scale and filled through a broadcast mask: a sixteenth of
+    the work of a mask per position, on the decode's hot path."""
+    many = (lost.sum(1, keepdim=True) * per > erasures)[..., None]
+    positions = reliability.view(*lost.shape, per)
+    positions.masked_fill_(lost[..., None], -torch.inf).masked_fill_(lost[..., None] & many, torch.inf)
+    return reliability
 
 
 def add_tally(tallies: dict, key, rate: Rate, tally: Tensor) -> None:

@@ -280,8 +280,11 @@ def code_side_info(x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tens
     How: in ``b = 4 |x / unit|`` every rounding boundary is an integer, so the
     cell ``floor(b)`` gives the low bit and both boundaries by table lookup
     (:data:`_CELL_LOW`, ...). A value exactly on a boundary is a tie: distance 0
-    and, as E2M1 rounds ties to the even code, low bit 0. Rows are done in
-    cache-sized chunks (:func:`~.reference._each_chunk`)."""
+    and, as E2M1 rounds ties to the even code, low bit 0. A NaN's block
+    (or one under a NaN scale) gets low bits 0, as quantizing it gives its
+    codes, and is left out of its row's largest magnitude (a NaN there made
+    every distance of the row NaN). Rows are done in cache-sized chunks
+    (:func:`~.reference._each_chunk`)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     quarter = (
@@ -293,8 +296,10 @@ def code_side_info(x: Tensor, fmt: FP4Format, scales: Tensor, global_scale: Tens
 
     def chunk(rows: slice) -> None:
         b = torch.div(blocked(x2[rows], fmt.block_size), quarter[rows]).abs_()  # float32 for any x dtype
-        # the row's amax (|x| to within a rounding of each element): relative distances
-        relative = quarter[rows] / (b.amax(-1, keepdim=True) * quarter[rows]).amax(-2, keepdim=True)
+        # the row's amax (|x| to within a rounding of each element): relative distances; a block holding a NaN
+        # or Inf (or under a NaN scale) left out, so that the rest of its row keeps its reliabilities
+        block_amax = (b.amax(-1, keepdim=True) * quarter[rows]).nan_to_num_(0, 0, 0)
+        relative = quarter[rows] / block_amax.amax(-2, keepdim=True)
         cell = b.clamp_(max=4 * E2M1_MAX).int().clamp_(0, 4 * int(E2M1_MAX)).view(-1)  # NaN: any int, clamped
         under, over, bit = (t.index_select(0, cell).view(b.shape) for t in tables)
         d = torch.minimum(torch.sub(b, under, out=under), torch.sub(over, b, out=over), out=under)

@@ -35,6 +35,7 @@ from tracefp4.components.syndrome import (
 from tracefp4.kernels import (
     MAX_ERASURES,
     compact_codes,
+    dequantize,
     get_format,
     parity_matrix,
     quantize,
@@ -118,7 +119,8 @@ def test_as_many_parity_bits_as_bits_are_the_bits_themselves():
 
 
 def table_from(x: torch.Tensor, traj: torch.Tensor, fmt="nvfp4") -> SiteTable:
-    g = torch.tensor(x.abs().amax().item() / (6 * 448) if len(x) else 1.0)
+    finite = x[x.isfinite()]  # a non-finite value's block is NaN (or saturates) under any scale
+    g = torch.tensor(finite.abs().amax().item() / (6 * 448) if len(finite) else 1.0)
     q = quantize(x, fmt, global_scale=g if fmt == "nvfp4" else None)
     n = len(traj)
     counts = torch.unique_consecutive(traj, return_counts=True)[1]
@@ -342,6 +344,83 @@ def test_an_mxfp4_block_just_below_a_power_of_two_decodes_the_rollouts_scale():
     table = table_from(x, torch.zeros(17, dtype=torch.long), "mxfp4")
     scales, _, ok, _ = decode(encode_table(table, Rate(64, 16)), train, torch.ones(17, dtype=torch.bool))
     assert int(scales[0, 0]) == int(table.scales[0, 0]) == 135 and ok[0]
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("width, group", [(64, 4), (1024, 1)])
+def test_a_non_finite_value_of_the_training_side_is_an_unknown_of_its_block_only(fmt, bad, width, group):
+    """A NaN or Inf where the training side's values are guided (a bf16
+    overflow the rollout did not have, say) made its whole row's side
+    information unreliable (a NaN scale, every distance of the row NaN), so
+    its block failed and the finite rows coded beside it lost their guidance
+    (rows of 64: four a block; a row of 1024: its four segments). Its scale
+    block's scale and codes are now unknowns of the block, which the parity
+    recovers; the row itself is left to training, which rounds a non-finite
+    row to nearest (``qat``)."""
+    x, traj = rows(n=34, width=width, seed=9)
+    table = table_from(x, traj, fmt)
+    coded = encode_table(table, site_rates({(0, "moe_in"): table}, None, 0.25)[(0, "moe_in")])
+    g = torch.Generator().manual_seed(10)
+    train = x * (1 + 2e-3 * torch.randn(x.shape, generator=g))  # the usual drift besides
+    train[5, 3] = bad
+    scales, low, ok, stats = decode(coded, train, torch.ones(34, dtype=torch.bool))
+    assert coded.group == group and ok.all() and stats.failed == 0
+    assert torch.equal(low, unpack_nibbles(table.codes) & 1)  # the bad scale block's codes too
+    finite = torch.ones_like(table.scales, dtype=torch.bool)
+    finite[5, 0] = False  # its scale is not the training side's to recover
+    assert torch.equal(scales[finite], table.scales[finite])
+    # the rollout's own non-finite value (the same overflow on both sides) decodes as well
+    rollout = x.clone()
+    rollout[5, 3] = bad
+    table = table_from(rollout, traj, fmt)
+    train = rollout * (1 + 2e-3 * torch.randn(x.shape, generator=g))
+    _, low, ok, stats = decode(encode_table(table, coded.rate), train, torch.ones(34, dtype=torch.bool))
+    assert ok.all() and stats.failed == 0 and torch.equal(low, unpack_nibbles(table.codes) & 1)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("rate", [Rate(48, 16), Rate(40, 8)])
+def test_a_row_non_finite_on_both_sides_leaves_the_rows_beside_it_their_guidance(fmt, rate):
+    """A NaN that reached a whole row on both sides (the rollout quantized it
+    too: a NaN scale, codes 0) is more positions than a block's unknowns: they
+    are taken as the training side quantizes them, not as unknowns (which a
+    scale block's few non-finite values are), and the block decodes, however
+    many scales its rate leaves to the guess."""
+    x, traj = rows(n=34, width=128, seed=12)
+    x[5] = float("nan")
+    table = table_from(x, traj, fmt)
+    train = x * (1 + 2e-3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(13)))
+    _, low, ok, stats = decode(encode_table(table, rate), train, torch.ones(34, dtype=torch.bool))
+    assert ok.all() and stats.failed == 0 and torch.equal(low, unpack_nibbles(table.codes) & 1)
+
+
+def test_training_guides_every_row_but_a_non_finite_one_beside_it():
+    """What a user saw: under the syndrome codec one NaN of the training
+    side's took its block's four rows off guidance (coverage 30/34); now only
+    its own row rounds to nearest, the rest train on the rollout's values."""
+    from tracefp4.components.guidance import MicrobatchGuidance
+    from tracefp4.components.qat import TrainingSites
+    from tracefp4.components.quant import QuantConfig
+
+    x, traj = rows(n=34, width=64, seed=9)
+    table = table_from(x, traj)
+    g = torch.tensor(table.global_scale)
+    coded = encode_table(table, site_rates({(0, "moe_in"): table}, None, 0.25)[(0, "moe_in")])
+    train = x * (1 + 2e-3 * torch.randn(x.shape, generator=torch.Generator().manual_seed(10)))
+    train[5, 3] = float("nan")
+    sites = TrainingSites(
+        QuantConfig("nvfp4", "nvfp4", None),
+        "trace",
+        {(0, "moe_in"): g},
+        trajectories=[0, 1],
+        seq_len=17,
+        guidance=MicrobatchGuidance([0, 1], {(0, "moe_in"): coded}, []),
+    )
+    out = sites.moe_in(0, train)
+    assert sites.coverage.rate == 33 / 34 and out[5].isnan().any()
+    rollout = dequantize(quantize(x, "nvfp4", global_scale=g))
+    assert torch.equal(out[torch.arange(34) != 5], rollout[torch.arange(34) != 5])
 
 
 BOTTOM = 2.0**-124  # the smallest amax of E8M0 scale byte 1 (2^-126); every smaller one is byte 0
