@@ -28,7 +28,7 @@ from .capture import EXPERT_DTYPE, ROUTED_SITE, CaptureRecords, SiteTable, exper
 from .mismatch import join_rows
 from .quant import QuantConfig
 from .store import ArtifactNotFound
-from .syndrome import Rate, SyndromeTable, block_layout
+from .syndrome import Rate, SyndromeTable, block_layout, rate_bounds
 
 MAGIC = b"TFP4GUID"
 # 2: a codec per table (bits | syndrome); 3: per-row global scales (per-token activations); 4: syndrome rows
@@ -345,7 +345,10 @@ def _syndrome_table(name: str, version: int, spec: dict, arrays: dict, traj, pos
     """A syndrome table read from a shard, its blocks and parity arrays checked
     against its width and rates. Before version 5 a stage with as many parity
     bits as bits (every MXFP4 table) was coded with hashed parity, which this
-    reader would decode as the bits themselves (:func:`~tracefp4.kernels.parity_matrix`): refused."""
+    reader would decode as the bits themselves (:func:`~tracefp4.kernels.parity_matrix`): refused.
+    So is a rate no decode takes (:func:`~.syndrome.rate_bounds`): the
+    parity's shape counts whole bytes, so 44 bits in 5 bytes passed it and
+    failed in the training forward, naming no shard."""
     where = f"{name}: layer {spec['layer']} {spec['site']}"
     layout = (spec["group"], spec.get("segments", 1))  # segments: written from format version 4
     coded = block_layout(spec["width"], get_format(spec["fmt"]).block_size)
@@ -360,6 +363,13 @@ def _syndrome_table(name: str, version: int, spec: dict, arrays: dict, traj, pos
             f"{spec['scale_bits']} hashed parity bits, which version 5 reads as the scale bits themselves; "
             "compact the step again with this tracefp4"
         )
+    for field_name, (low, high) in rate_bounds(coded.scales).items():
+        bits = spec[field_name]
+        if not (isinstance(bits, int) and low <= bits <= high and bits % 8 == 0):
+            raise GuidanceError(
+                f"{where}: {field_name} is {bits!r}; a block of its {coded.scales} scales takes a multiple of 8 "
+                f"from {low} to {high}"
+            )
     table = SyndromeTable(
         spec["layer"],
         spec["site"],
@@ -446,6 +456,10 @@ class StepWriter:
             raise GuidanceError(
                 f"{self.base}: a part of tables {sorted(records.tables)}, the step's are {sorted(self.empty.tables)}"
             )
+        elif _rates(records) != _rates(self.empty):
+            raise GuidanceError(
+                f"{self.base}: a part coded at rates {_rates(records)}, the step's first at {_rates(self.empty)}"
+            )
         trajectories = sorted(_trajectory_ranges(records))
         again = self.written.intersection(trajectories)
         if again:
@@ -465,8 +479,10 @@ class StepWriter:
 
     def close(self, syndrome: dict | None = None) -> dict:
         """Write the manifest (last) and return it. ``syndrome`` (syndrome-coded
-        tables): the rates chosen and the decode statistics they were chosen
-        from, carried in the manifest."""
+        tables): what their rates were chosen from (the first rate, the
+        previous step's decode statistics), carried in the manifest beside the
+        rates themselves, which are the tables' (:func:`_rates`; rates given
+        there must be them): what a reader checks each shard's tables against."""
         if self.empty is None:
             raise GuidanceError(f"{self.base}: nothing was added to the step")
         if not self.shards:  # a step of no trajectory: one shard of its tables, without rows
@@ -481,11 +497,25 @@ class StepWriter:
             "sites": sorted({t.site for t in tables}),
             "shards": self.shards,
         }
-        if syndrome is not None:
-            manifest["syndrome"] = syndrome
+        rates = _rates(self.empty)
+        if rates or syndrome is not None:
+            given = (syndrome or {}).get("rates", rates)
+            if given != rates:
+                raise GuidanceError(f"rates {given} given for {self.base} are not its tables' {rates}")
+            manifest["syndrome"] = {**(syndrome or {}), "rates": rates}
         manifest["sha256"] = _manifest_digest(manifest)
         self.store.put_bytes(f"{self.base}/{STEP_MANIFEST}", json.dumps(manifest, indent=1).encode())
         return manifest
+
+
+def _rates(records: CaptureRecords) -> dict[str, list[int]]:
+    """The rates of ``records``' syndrome-coded tables, ``{"layer/site": [code_bits, scale_bits]}``
+    (a manifest's ``syndrome.rates``)."""
+    return {
+        f"{layer}/{site}": [t.rate.code_bits, t.rate.scale_bits]
+        for (layer, site), t in sorted(records.tables.items())
+        if isinstance(t, SyndromeTable)
+    }
 
 
 class BackgroundStepWriter(StepWriter):
@@ -643,6 +673,7 @@ def read_shard(store, manifest: dict, entry: dict) -> CaptureRecords:
         raise GuidanceError(f"{name}: sha256 differs from the manifest's")
     header, records = decode_shard(data, name, _expected(manifest), body_digest)
     _check_trajectories(header, entry, name)
+    _check_rates(records, manifest, name)
     return records
 
 
@@ -669,9 +700,11 @@ def read_shard_tables(store, manifest: dict, entry: dict, size: int) -> CaptureR
         header = json.loads(head[_PREAMBLE.size : _PREAMBLE.size + head_len])
         _check_header(header, name, _expected(manifest))
         _check_trajectories(header, entry, name)
-        return _records(
+        records = _records(
             name, version, header, lambda f: torch.empty(f["shape"], dtype=getattr(torch, f["dtype"]), device="meta")
         )
+        _check_rates(records, manifest, name)
+        return records
     except GuidanceError:
         raise
     except (ValueError, KeyError, TypeError, AttributeError) as e:
@@ -693,6 +726,27 @@ def _check_trajectories(header: dict, entry: dict, name: str) -> None:
         raise GuidanceError(
             f"{name}: holds trajectories {header['trajectories']}, the manifest lists {entry['trajectories']}"
         )
+
+
+def _check_rates(records: CaptureRecords, manifest: dict, name: str) -> None:
+    """Each syndrome-coded table of a shard is decoded at its header's rate,
+    which must be the one its step's manifest records for its site
+    (:meth:`StepWriter.close`): a shard that disagrees is refused, naming
+    the field, instead of decoded at a rate the step does not state (its
+    decode statistics, which the next step's rates are chosen from, summed
+    under one rate whatever each microbatch's was)."""
+    recorded = (manifest.get("syndrome") or {}).get("rates", {})
+    for key, rate in _rates(records).items():
+        layer, site = key.split("/")
+        if key not in recorded:
+            raise GuidanceError(
+                f"{name}: layer {layer} {site} is syndrome-coded; the step's manifest records no rate for it"
+            )
+        for field_name, bits, want in zip(("code_bits", "scale_bits"), rate, recorded[key]):
+            if bits != want:
+                raise GuidanceError(
+                    f"{name}: layer {layer} {site} has {field_name} {bits}, the step's manifest records {want}"
+                )
 
 
 def _stored_sizes(store, manifest: dict) -> Iterator[tuple[dict, int]]:

@@ -85,6 +85,14 @@ def scale_bits_cap(scales: int) -> int:
     return min(MAX_SCALE_BITS, _round8(scales))
 
 
+def rate_bounds(scales: int) -> dict[str, tuple[int, int]]:
+    """Per stage (a :class:`Rate`'s field), the fewest and most parity bits a
+    block of ``scales`` scales takes, whole bytes between: what rate control
+    chooses among and what a shard's reader accepts (a decode reads a
+    rate's bits from whole bytes, and at most 64 a block)."""
+    return {"code_bits": (MIN_CODE_BITS, MAX_CODE_BITS), "scale_bits": (MIN_SCALE_BITS, scale_bits_cap(scales))}
+
+
 def first_rate(bits_per_element: float, block_elements: int = BLOCK_ELEMENTS, scales: int = 16) -> Rate:
     """The rate of a step without previous decode statistics: ``bits_per_element``
     over a block of ``block_elements`` with ``scales`` scales (:attr:`BlockLayout.scales`;
@@ -530,26 +538,10 @@ def choose_rates(keys, previous: dict | None, first: Rate, elements: int = BLOCK
             rates[(layer, site)] = first
             continue
         stats = DecodeStats.from_json(seen)
-        bits, rate = [], stats.rate
-        for needed, failed, had, n, check, floor, cap in (
-            (
-                stats.code_needed,
-                stats.code_failed,
-                rate.code_bits,
-                elements,
-                CODE_CHECK_BITS,
-                MIN_CODE_BITS,
-                MAX_CODE_BITS,
-            ),
-            (
-                stats.scale_needed,
-                stats.scale_failed,
-                rate.scale_bits,
-                scales,
-                SCALE_CHECK_BITS,
-                MIN_SCALE_BITS,
-                scale_bits_cap(scales),
-            ),
+        bits, rate, bounds = [], stats.rate, rate_bounds(scales)
+        for needed, failed, had, n, check, (floor, cap) in (
+            (stats.code_needed, stats.code_failed, rate.code_bits, elements, CODE_CHECK_BITS, bounds["code_bits"]),
+            (stats.scale_needed, stats.scale_failed, rate.scale_bits, scales, SCALE_CHECK_BITS, bounds["scale_bits"]),
         ):
             erasures = erasures_for(needed, failed, unknowns(had, n, check))
             chosen = had if erasures is None else min(cap, max(floor, _round8(erasures + check)))

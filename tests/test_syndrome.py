@@ -12,7 +12,16 @@ import pytest
 import torch
 
 from tracefp4.components.capture import CaptureRecords, SiteTable
-from tracefp4.components.guidance import GuidanceError, GuidanceLoader, decode_shard, encode_shard, write_step
+from tracefp4.components.guidance import (
+    GuidanceError,
+    GuidanceLoader,
+    StepWriter,
+    _manifest_digest,
+    decode_shard,
+    encode_shard,
+    iter_step_tables,
+    write_step,
+)
 from tracefp4.components.model import PRESETS
 from tracefp4.components.store import open_store
 from tracefp4.components.syndrome import (
@@ -591,9 +600,12 @@ def test_shard_and_loader_round_trip(tmp_path):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
     store = open_store(str(tmp_path))
     manifest = write_step(
-        store, records, rl_step=1, policy_version=1, top_k=1, trajectories_per_shard=3, syndrome={"rates": {}}
+        store, records, rl_step=1, policy_version=1, top_k=1, trajectories_per_shard=3, syndrome={"first_rate": 0.25}
     )
-    assert manifest["codec"] == ["syndrome"] and manifest["syndrome"] == {"rates": {}}
+    assert manifest["codec"] == ["syndrome"] and manifest["syndrome"] == {
+        "first_rate": 0.25,
+        "rates": {"0/moe_in": [40, 8]},
+    }
     (mb,) = GuidanceLoader(store, 1, [[5, 0, 4]])
     t = mb.tables[(0, "moe_in")]
     expected = torch.cat([a.for_trajectories(torch.tensor([i])).code_parity for i in (5, 0, 4)])
@@ -642,6 +654,76 @@ def test_a_version_4_table_coded_at_its_scales_own_bits_is_refused():
         decode_shard(as_version_4(table_from(x, traj, "mxfp4"), Rate(32, 8)), "v4")
     header, back = decode_shard(as_version_4(table_from(x, traj), Rate(32, 8)), "v4")  # NVFP4: 8 bits, 16 scales
     assert header["format_version"] == 4 and back.tables[(0, "moe_in")].rate == Rate(32, 8)
+
+
+def with_header(data: bytes, edit) -> bytes:
+    """A shard's bytes with its header edited by ``edit(header)``, checksum renewed."""
+    magic, version, head_len = struct.unpack_from("<8sHI", data)
+    header = json.loads(data[14 : 14 + head_len])
+    edit(header)
+    head = json.dumps(header, sort_keys=True).encode()
+    body = struct.pack("<8sHI", magic, version, len(head)) + head + data[14 + head_len : -32]
+    return body + hashlib.sha256(body).digest()
+
+
+@pytest.mark.parametrize(
+    "fmt, field, bits, allowed",
+    [
+        ("nvfp4", "code_bits", 44, "16 to 64"),  # parity of 5 bytes either way: the shapes passed, the decode failed
+        ("nvfp4", "code_bits", 72, "16 to 64"),
+        ("nvfp4", "scale_bits", 12, "8 to 16"),
+        ("mxfp4", "scale_bits", 0, "8 to 8"),
+    ],
+)
+def test_a_shard_rate_no_decoder_takes_is_refused_naming_it(fmt, field, bits, allowed):
+    """A table's rate must be one its block's decode takes: whole bytes, the
+    code stage from 16 to 64 bits, the scale stage from 8 to its scales' own.
+    Parity bits of a byte count the reader rounds down (44 bits in 5 bytes)
+    passed its shape check and failed in the training forward, naming no shard."""
+    x, traj = rows(seed=14)
+    table = encode_table(table_from(x, traj, fmt), Rate(40, 8))
+    data = encode_shard(CaptureRecords({(0, "moe_in"): table}), rl_step=0, policy_version=0, top_k=1)
+
+    def edit(header):
+        (spec,) = header["tables"]
+        spec[field] = bits
+
+    with pytest.raises(GuidanceError, match=rf"shard-r: layer 0 moe_in: {field} is {bits}; .* from {allowed}"):
+        decode_shard(with_header(data, edit), "shard-r")
+
+
+def test_a_shard_coded_at_another_rate_than_its_manifest_records_is_refused(tmp_path):
+    """The rates a syndrome step's manifest records are its tables' (the
+    writer takes them from the tables it writes, and refuses a part coded at
+    other rates); a shard whose table disagrees is refused by its name and
+    field, never decoded at a rate the step does not state."""
+    records = coded_records()
+    store = open_store(str(tmp_path))
+    manifest = write_step(store, records, rl_step=1, policy_version=1, top_k=1, trajectories_per_shard=3)
+    assert manifest["syndrome"] == {"rates": {"0/moe_in": [40, 8]}}
+    with pytest.raises(GuidanceError, match=r"step-000002: a part coded at rates \{'0/moe_in': \[32, 8\]\}"):
+        x, traj = rows(seed=15)
+        other = CaptureRecords({(0, "moe_in"): encode_table(table_from(x, traj + 100), Rate(32, 8))})
+        writer = StepWriter(store, rl_step=2, policy_version=1, top_k=1)
+        writer.add(records)
+        writer.add(other)
+    with pytest.raises(
+        GuidanceError, match=r"rates \{'0/moe_in': \[48, 8\]\} given for guidance/step-000003 are not its"
+    ):
+        write_step(store, records, rl_step=3, policy_version=1, top_k=1, syndrome={"rates": {"0/moe_in": [48, 8]}})
+    key = "guidance/step-000001/manifest.json"
+    for recorded, error in (
+        ({"0/moe_in": [48, 8]}, "shard-00000.bin: layer 0 moe_in has code_bits 40, the step's manifest records 48"),
+        ({"0/moe_in": [40, 16]}, "shard-00000.bin: layer 0 moe_in has scale_bits 8, the step's manifest records 16"),
+        ({}, "shard-00000.bin: layer 0 moe_in is syndrome-coded; the step's manifest records no rate for it"),
+    ):
+        forged = {**manifest, "syndrome": {"rates": recorded}}
+        forged["sha256"] = _manifest_digest(forged)  # a consistent forgery: only the rates disagree
+        store.put_bytes(key, json.dumps(forged).encode())
+        with pytest.raises(GuidanceError, match=error):
+            list(GuidanceLoader(store, 1, [[0]]))
+        with pytest.raises(GuidanceError, match=error):
+            list(iter_step_tables(store, 1))
 
 
 def test_compact_parity_layout():
