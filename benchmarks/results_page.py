@@ -652,7 +652,9 @@ def render(folder: Path) -> str:
         "of a few short responses are one trajectory, which any changed bit sends elsewhere. Section 1 was run "
         "again at commit 8e2a3c0 on a 2-core AMD EPYC (Zen 4, native bf16); its previous run, from before "
         "b41416d and with the H-Scale baseline calibrated on the test prompts, is in the history of "
-        "docs/results/science.json.",
+        "docs/results/science.json. Every section predates commit e9a6c3a, which gives each sampling pass its "
+        "own hashed seed (rollout sampled with seed + policy version before): a rerun samples other tokens, and "
+        "its figures move as any changed bit moves them.",
         "",
         "## The paper's claims",
         "",
