@@ -1,4 +1,4 @@
-"""The ``tracefp4`` command: run the pipeline here, bootstrap a base policy,
+"""The tracefp4 command: run the pipeline here, bootstrap a base policy,
 export a policy for serving (compressed-tensors NVFP4 / MXFP4), compile the
 pipeline for a cluster and submit it, follow its runs and delete what a
 finished one left in object storage, write the config's JSON Schema and the
@@ -126,7 +126,7 @@ class _Group(click.Group):
             sys.exit(130)
 
 
-@click.group(cls=_Group, help=__doc__)
+@click.group(cls=_Group, help=__doc__)  # shown as written, so plain text: no ``markup``
 @click.version_option(package_name="tracefp4", prog_name="tracefp4")  # the installed distribution's version
 def main():
     pass
@@ -593,8 +593,13 @@ def presets():
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 def report(run_dir):
     """Print the newest report of a run folder (of a comparison, its side-by-side report)."""
-    from tracefp4.pipelines.resume import finished_reports, written_reports
+    from tracefp4.pipelines.resume import PIPELINE_ROOT, finished_reports, written_reports
 
+    if not Path(run_dir, PIPELINE_ROOT).is_dir():  # a folder above the run folder, say, or a task's own
+        raise click.ClickException(
+            f"{run_dir}: not a run folder (no {PIPELINE_ROOT}/ in it): name the --output of a `tracefp4 run`, "
+            "such as runs/tiny"
+        )
     found = finished_reports(Path(run_dir))
     if not found:
         raise click.ClickException(

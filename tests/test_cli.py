@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 from typing import get_args
 
+import click
 import pytest
 import torch
 from click.testing import CliRunner
@@ -229,3 +230,23 @@ def test_an_option_and_a_set_of_its_field_that_disagree_are_refused(tmp_path):
     result = CliRunner().invoke(main, ["compile", "--pushgateway", "", "--output", str(tmp_path / "p.yaml")])
     assert result.exit_code == 1 and "metrics.pushgateway_url" in result.output  # an empty value is no value
     assert not (tmp_path / "p.yaml").exists()
+
+
+def test_report_of_a_folder_that_is_no_run_folder_says_so(tmp_path):
+    """A folder above the run folder (``runs`` for ``runs/tiny``) gave "no report its task finished writing", as
+    if a run there had stopped short of its report."""
+    result = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert result.exit_code == 1 and f"{tmp_path}: not a run folder (no pipeline_root/ in it)" in result.output
+    assert "--output of a `tracefp4 run`" in result.output
+
+
+def test_every_help_is_plain_text():
+    """``tracefp4 --help`` showed the module docstring's reStructuredText (``tracefp4``) as it is."""
+
+    def helps(command, words):
+        yield words, command.get_help(click.Context(command, info_name=" ".join(words)))
+        for name, sub in getattr(command, "commands", {}).items():
+            yield from helps(sub, [*words, name])
+
+    marked = [words for words, text in helps(main, ["tracefp4"]) if "``" in text or ":func:" in text]
+    assert not marked, f"reStructuredText in the help of {marked}"
