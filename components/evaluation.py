@@ -188,7 +188,9 @@ def _discrepancy(
             loader = GuidanceLoader(store, 0, [[t.id for t in mb] for mb in trainer.microbatches(trajectories)])
         with contextlib.nullcontext() if loader is None else loader:
             stats = trainer.measure(trajectories, loader, records)
-    discrepancy = {"rollout": name, "trajectories": len(trajectories), **stats}
+    # the response tokens the log-prob figures are over: the report says how many a figure of 0 covers
+    tokens = sum(len(t.response) for t in trajectories)
+    discrepancy = {"rollout": name, "trajectories": len(trajectories), "response_tokens": tokens, **stats}
     rows = []
     if sensitivity:
         for bits in SENSITIVITY_BITS:

@@ -47,6 +47,27 @@ STEP_COLUMNS = (
     "guidance_coverage",
     "train_seconds",
 )
+# the per-step table's caption: each column in words (with "staleness", shown where a round trains several steps)
+STEP_WORDS = {
+    "round": "the round whose rollout the step trained on",
+    "step": "the RL step (the policy version it made)",
+    "staleness": "RL steps the policy took since that rollout",
+    "reward_mean": "mean reward of the step's sampled responses (rollout.prompts_per_step x rollout.group_size)",
+    "accuracy": "share of them solved (reward 1)",
+    "logprob_abs_diff_mean": (
+        "|log pi_train - log pi_rollout| of a response token, the policy the step started from through the "
+        "method's training path against the rollout's log-prob, mean over the step's response tokens"
+    ),
+    "logprob_abs_diff_max": "the same, largest",
+    "k3_kl": "k3 estimate of KL(rollout || train), mean over the step's response tokens",
+    "guidance_coverage": (
+        "share of the guidance's values that rounded a training value (one of a token training routed to "
+        "another expert than the rollout did guides nothing: it rounds to nearest)"
+    ),
+    "train_seconds": "wall seconds of the step's forwards, backwards and optimizer steps, its wait for guidance "
+    "left out",
+    "train on": "the machine it trained on",
+}
 DIFF_SERIES = (("mean", "logprob_abs_diff_mean"), ("max", "logprob_abs_diff_max"), ("min", "logprob_abs_diff_min"))
 ROUND_TIMES = (("rollout", "rollout_seconds"), ("upload", "upload_seconds"), ("compaction", "compaction_seconds"))
 STEP_TIMES = (("train", "train_seconds"), ("reload", "reload_seconds"))  # summed over the round's steps
@@ -58,6 +79,12 @@ DISCREPANCY = (
     ("logprob |diff| mean", "logprob_abs_diff_mean"),
     ("logprob |diff| max", "logprob_abs_diff_max"),
     ("k3 KL", "k3_kl"),
+)
+DISCREPANCY_COUNTS = {"trajectories": "trajectories", "response tokens": "response_tokens"}  # what it covered
+DISCREPANCY_NOTE = (
+    "code mismatch: share of the captured FP4 values (activations and KV, at prompt and response positions) the "
+    "training path rounds to another code than the rollout; logprob |diff|: |log pi_train - log pi_rollout| of a "
+    "response token, mean and largest; k3 KL: k3 estimate of KL(rollout || train), mean over the response tokens."
 )
 
 
@@ -231,7 +258,24 @@ def _plot(title: str, xlabel: str, ylabel: str, series: list[Series], source: st
 
 
 def _discrepancy(row: dict) -> dict:
-    return {label: row.get(key) for label, key in DISCREPANCY}
+    """An evaluation's discrepancy record as table cells: what it covered (counts absent from older records are
+    left out with their column), then its figures."""
+    return {label: row.get(key) for label, key in (*DISCREPANCY_COUNTS.items(), *DISCREPANCY)}
+
+
+def _exact(row: dict) -> str | None:
+    """What a discrepancy record's figures of exactly 0 mean, in words, so that they do not read as a measurement
+    that failed; None where its code mismatch is not 0 (or not measured: a training path that does not quantize)."""
+    if row.get("code_mismatch") != 0:
+        return None
+    tokens, trajectories = row.get("response_tokens"), row.get("trajectories")
+    said = f"Under `{row.get('rollout')}` the training path rounded every captured FP4 value to the rollout's code"
+    if all(row.get(key) == 0 for _, key in DISCREPANCY):
+        covered = f"the {tokens} response tokens" if tokens is not None else "the response tokens"
+        if tokens is not None and trajectories:
+            covered += f" ({tokens / trajectories:.3g} a trajectory)"
+        said += f" and reproduced the rollout's log-prob of each of {covered}: every figure is exactly 0"
+    return said + "."
 
 
 def _accuracy_rows(rows: list[dict], methods=METHODS) -> tuple[list[str], list[dict]]:
@@ -357,9 +401,10 @@ def _discrepancy_blocks(evaluation: dict, source: str) -> list:
     rows = sorted(evaluation.get("discrepancy") or [], key=lambda r: _rank(r.get("rollout"), ROLLOUTS))
     if not rows:
         return ["No FP4 rollout configuration was evaluated."]
-    summary = [{"rollout": r.get("rollout"), "trajectories": r.get("trajectories"), **_discrepancy(r)} for r in rows]
-    columns = ["rollout", "trajectories", *(label for label, _ in DISCREPANCY)]
-    blocks = [_table(summary, columns, source, note="Final policy: FP4 rollout vs training forward.")]
+    summary = [{"rollout": r.get("rollout"), **_discrepancy(r)} for r in rows]
+    columns = ["rollout", *DISCREPANCY_COUNTS, *(label for label, _ in DISCREPANCY)]
+    note = f"Final policy: FP4 rollout vs training forward over the same tokens. {DISCREPANCY_NOTE}"
+    blocks = [_table(summary, columns, source, note=note), *filter(None, map(_exact, rows))]
     mse_series, hist_series = [], []
     for r in rows:
         rollout = r.get("rollout")
@@ -408,19 +453,48 @@ def _discrepancy_blocks(evaluation: dict, source: str) -> list:
     ]
 
 
-def _step_blocks(history: list[dict], source: str) -> list:
+def _step_blocks(history: list[dict], source: str, steps_per_round: int) -> list:
+    """The per-step table, captioned column by column, and its plots. Where every step's mean reward equals its
+    accuracy (0/1 rewards) one column shows both. Where a round trains several steps on one rollout, a step's
+    train-rollout figures also hold how far the policy moved since: the caption says so, beside each step's staleness.
+    """
     if not history:
         return ["No RL steps recorded."]
     x = _steps(history)
     diffs = [Series(label, x, _col(history, key)) for label, key in DIFF_SERIES]
-    rewards = [
-        Series("reward mean", x, _col(history, "reward_mean")),
-        Series("train accuracy (sampled)", x, _col(history, "accuracy")),
-    ]
+    columns = [*STEP_COLUMNS[:2], "staleness", *STEP_COLUMNS[2:]] if steps_per_round > 1 else list(STEP_COLUMNS)
+    words = dict(STEP_WORDS)
+    if all(h.get("reward_mean") is not None and h.get("reward_mean") == h.get("accuracy") for h in history):
+        columns.remove("accuracy")
+        words["reward_mean"] += ", which equals the share of them solved (accuracy) at every step: rewards are 0 or 1"
+        rewards = [Series("reward mean = train accuracy (sampled)", x, _col(history, "reward_mean"))]
+    else:
+        rewards = [
+            Series("reward mean", x, _col(history, "reward_mean")),
+            Series("train accuracy (sampled)", x, _col(history, "accuracy")),
+        ]
     rows = [{**h, "train on": _measured_on([h], "train on")} for h in history]
+    table = _speed_table(rows, [*columns, "train on"], source, keep=2)
+    note = "; ".join(f"{c}: {words[c]}" for c in table.columns if c in words) + "."
+    if steps_per_round > 1:
+        note += (
+            f" A round rolls out {steps_per_round} steps' batches from one policy and trains them in turn "
+            "(rl.steps_per_round), so a step's train-rollout figures (logprob |diff|, k3 KL) add how far the policy "
+            f"moved since the rollout to the FP4 train-rollout mismatch: each round's first step"
+            f"{' (staleness 0)' * ('staleness' in table.columns)} measures the mismatch alone."
+        )
+    table.note = f"{note} {table.note}".strip()
+    drift = "Each round's first step is on-policy; the k-th after it trains k policy updates after the round's rollout."
     return [
-        _speed_table(rows, [*STEP_COLUMNS, "train on"], source, keep=2),
-        _plot("Train-rollout log-prob |diff|", "RL step", "|logprob diff|", diffs, source),
+        table,
+        _plot(
+            "Train-rollout log-prob |diff|",
+            "RL step",
+            "|logprob diff|",
+            diffs,
+            source,
+            note=drift if steps_per_round > 1 else "",
+        ),
         _plot("Reward and accuracy", "RL step", "per response", rewards, source),
     ]
 
@@ -541,7 +615,7 @@ def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict, contin
     if ptq := _ptq_table(evaluation, source):
         blocks += [Heading(2, "PTQ baselines vs training"), ptq]
     blocks += [Heading(2, "Train-rollout discrepancy"), *_discrepancy_blocks(evaluation, source)]
-    blocks += [Heading(2, "Training, per RL step"), *_step_blocks(history, source)]
+    blocks += [Heading(2, "Training, per RL step"), *_step_blocks(history, source, config.rl.steps_per_round)]
     blocks += [Heading(2, "Time breakdown per round"), *_time_blocks(history, source)]
     blocks += _continue_blocks(config, continue_with)
     return [b for b in blocks if b is not None]
@@ -560,8 +634,12 @@ def _paired_table(rows: list[dict], source: str, by: str, order) -> Table | None
             here = [v for v in order if (v, rollout, task) in cells]
             for i, a in enumerate(here):
                 for b in here[i + 1 :]:
-                    d = paired_difference(cells[a, rollout, task], cells[b, rollout, task])
+                    pair = cells[a, rollout, task], cells[b, rollout, task]
+                    d = paired_difference(*pair)
                     low, high = d["ci95"]
+                    verdict = "a > b" if low > 0 else "a < b" if high < 0 else "not separated"
+                    # every paired difference 0: the resamples' interval is [0, 0], which reads as a broken measurement
+                    alike = pair[0]["pass@1_per_prompt"] == pair[1]["pass@1_per_prompt"]
                     out.append(
                         {
                             "rollout": rollout,
@@ -569,9 +647,9 @@ def _paired_table(rows: list[dict], source: str, by: str, order) -> Table | None
                             "a": a,
                             "b": b,
                             "pass@1 a - b": d["difference"],
-                            "95% CI": _interval(d["ci95"]),
+                            "95% CI": "none: no prompt differs" if alike else _interval(d["ci95"]),
                             "prompts": d["prompts"],
-                            "verdict": "a > b" if low > 0 else "a < b" if high < 0 else "not separated",
+                            "verdict": "alike" if alike else verdict,
                         }
                     )
     if not out:
@@ -580,6 +658,11 @@ def _paired_table(rows: list[dict], source: str, by: str, order) -> Table | None
         "Paired bootstrap over the prompts both answered (10,000 resamples, seed 0); "
         "'not separated' when the interval contains 0."
     )
+    if any(r["verdict"] == "alike" for r in out):
+        note += (
+            " 'alike': a and b scored every prompt the same (each right under both or wrong under both), so every "
+            "paired difference is 0 and the resamples have no spread to give an interval."
+        )
     return _table(out, list(out[0]), source, keep=8, note=note)
 
 
@@ -602,12 +685,16 @@ def _comparison_blocks(config: RunConfig, evaluations: list[dict], histories: li
         blocks += [Heading(2, "Paired differences between methods"), paired]
 
     diffs = [
-        {"method": m, "rollout": r.get("rollout"), "trajectories": r.get("trajectories"), **_discrepancy(r)}
+        {"method": m, "rollout": r.get("rollout"), **_discrepancy(r)}
         for m, e in zip(methods, evaluations)
         for r in e.get("discrepancy") or []
     ]
-    columns = ["method", "rollout", "trajectories", *(label for label, _ in DISCREPANCY)]
-    table = _table(diffs, columns, source, keep=2) if diffs else "No FP4 rollout configuration was evaluated."
+    columns = ["method", "rollout", *DISCREPANCY_COUNTS, *(label for label, _ in DISCREPANCY)]
+    table = (
+        _table(diffs, columns, source, keep=2, note=DISCREPANCY_NOTE)
+        if diffs
+        else "No FP4 rollout configuration was evaluated."
+    )
     blocks += [Heading(2, "FP4 train-rollout log-prob |diff| per method"), table]
 
     training = [

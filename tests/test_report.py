@@ -510,7 +510,7 @@ def test_the_report_says_where_each_step_measured_its_speed(tmp_path):
     times, steps = section(text, "Time breakdown per round"), section(text, "Training, per RL step")
     assert f"Rollout and training measured on {H100}. Source:" in times
     assert "rollout on" not in rows(times)[0] and "train on" not in rows(times)[0]
-    assert f"_Training measured on {H100}. Source:" in steps and "train on" not in rows(steps)[0]
+    assert f" Training measured on {H100}. Source:" in steps and "train on" not in rows(steps)[0]
 
     cpus = ["cpu (AMD EPYC 7B13, 2 threads)", "cpu (Intel(R) Xeon(R) Platinum 8481C, 2 threads)"]
     mixed = [
@@ -576,13 +576,30 @@ def test_accuracy_has_wilson_intervals_and_pairs_methods_and_policies(tmp_path):
     assert gain[0] == ["rollout", "task", "a", "b", "pass@1 a - b", "95% CI", "prompts", "verdict"]
     assert [r[2:4] + r[6:] for r in gain[1:]] == [["trained", "initial", "400", "a > b"]] * 2
 
-    qat = {"method": "qat", "accuracy": scored("qat", "trained", 0.6, 1)}  # same scores as trace: not separated
+    qat = {"method": "qat", "accuracy": scored("qat", "trained", 0.6, 1)}
+    for row in qat["accuracy"]:  # trace's scores with a right and a wrong answer swapped: not separated
+        greedy = row["pass@1_per_prompt"]
+        right, wrong = greedy.index(1.0), greedy.index(0.0)
+        greedy[right], greedy[wrong] = 0.0, 1.0
     text = report.comparison(TRACE, [trace, qat], [[], []])
     paired = rows(section(text, "Paired differences between methods"))
-    assert [r[:5] for r in paired[1:]] == [
-        ["fp4_wa_kv", "arithmetic", "trace", "qat", "0"],
-        ["fp4_wa_kv", "countdown", "trace", "qat", "0"],
-    ] and {r[-1] for r in paired[1:]} == {"not separated"}
+    assert [r[2:4] for r in paired[1:]] == [["trace", "qat"]] * 2 and {r[-1] for r in paired[1:]} == {"not separated"}
+    assert "'alike'" not in section(text, "Paired differences between methods")
+
+
+def test_policies_that_scored_every_prompt_alike_are_said_so_not_given_an_interval_of_0(tmp_path):
+    """Every paired difference 0 gives the bootstrap interval [0.000, 0.000],
+    which read as a broken measurement: the row says no prompt differs."""
+    alike = scored("trace", "trained", 0.6, 1) + scored("trace", "initial", 0.6, 1)  # the same scores
+    text = report.markdown(TRACE, *write(tmp_path, "alike", [], {"method": "trace", "accuracy": alike}))
+    gain = section(text, "RL gain: trained vs initial policy")
+    assert [r[4:] for r in rows(gain)[1:]] == [["0", "none: no prompt differs", "400", "alike"]] * 2
+    assert "[0.000, 0.000]" not in gain
+    assert "'alike': a and b scored every prompt the same (each right under both or wrong under both)" in gain
+    qat = {"method": "qat", "accuracy": scored("qat", "trained", 0.6, 1)}  # methods too
+    text = report.comparison(TRACE, [{"method": "trace", "accuracy": alike[:2]}, qat], [[], []])
+    paired = rows(section(text, "Paired differences between methods"))
+    assert {r[-1] for r in paired[1:]} == {"alike"}
 
 
 @pytest.mark.parametrize(
@@ -610,3 +627,103 @@ def test_the_runs_line_names_guidance_where_a_run_is_guided_and_the_bootstrap_wh
     row = {"method": "qat", "policy": "initial", "rollout": "bf16", "task": "arithmetic", "pass@1": 0.5}
     assert "(after bootstrap)" in report._accuracy_table([row], "x", True).note
     assert "(after bootstrap)" not in report._accuracy_table([row], "x", False).note
+
+
+def test_the_step_table_says_what_each_column_is_and_shows_0_1_rewards_once(tmp_path, trace_files):
+    """The per-step table's columns are history keys: its caption names each
+    in words. Where the mean reward equals the accuracy at every step (0/1
+    rewards) one column shows both, and its caption says so."""
+    steps = section(report.markdown(TRACE, *trace_files), "Training, per RL step")
+    assert rows(steps)[0] == list(report.STEP_COLUMNS)  # the fixture's rewards are not its accuracies
+    caption = next(line for line in steps.splitlines() if line.startswith("_round: "))
+    for column in report.STEP_COLUMNS:
+        assert f"{column}: {report.STEP_WORDS[column]}" in caption
+    assert "rewards are 0 or 1" not in caption and "staleness" not in caption  # one step a round: nothing stale
+
+    binary = [row | {"accuracy": row["reward_mean"]} for row in history("trace", True)]
+    text = report.markdown(TRACE, *write(tmp_path, "binary", binary, TRACE_EVALUATION))
+    steps = section(text, "Training, per RL step")
+    assert rows(steps)[0] == [c for c in report.STEP_COLUMNS if c != "accuracy"]
+    assert "which equals the share of them solved (accuracy) at every step: rewards are 0 or 1" in steps
+    assert [json.loads(line) for line in (tmp_path / "binary.history").read_text().splitlines()] == binary
+    page = Page(report.html_report(TRACE, *write(tmp_path, "binary", binary, TRACE_EVALUATION)))
+    reward = next(c for c in page.captions if c.startswith("Reward and accuracy."))
+    assert "Series: reward mean = train accuracy (sampled)." in reward  # one line, not two on top of each other
+
+
+def test_an_off_policy_run_says_its_later_steps_add_the_policys_drift(tmp_path):
+    """With several RL steps a round, batch s of a round is s policy updates
+    old: its train-rollout figures hold how far the policy moved as well as the
+    FP4 mismatch, which each round's first step measures alone."""
+    rl = TRACE.rl.model_copy(update={"schedule": "off_policy", "steps_per_round": 2})
+    off_policy = TRACE.model_copy(update={"rl": rl})
+    stale = [row | {"staleness": i % 2} for i, row in enumerate(history("trace", True))]
+    steps = section(report.markdown(off_policy, *write(tmp_path, "stale", stale, {})), "Training, per RL step")
+    assert rows(steps)[0][:3] == ["round", "step", "staleness"] and [r[2] for r in rows(steps)[1:]] == list("0101")
+    assert "A round rolls out 2 steps' batches from one policy and trains them in turn (rl.steps_per_round)" in steps
+    assert "each round's first step (staleness 0) measures the mismatch alone." in steps
+    old = section(
+        report.markdown(off_policy, *write(tmp_path, "old", history("trace", True), {})), "Training, per RL step"
+    )
+    assert "staleness" not in rows(old)[0] and "each round's first step measures the mismatch alone." in old
+    page = Page(report.html_report(off_policy, *write(tmp_path, "stale", stale, {})))
+    diff = next(c for c in page.captions if c.startswith("Train-rollout log-prob |diff|."))
+    assert "Each round's first step is on-policy; the k-th after it trains k policy updates after" in diff
+    on_policy = section(report.markdown(TRACE, *write(tmp_path, "on", stale, {})), "Training, per RL step")
+    assert "staleness" not in on_policy and "policy moved" not in on_policy
+
+
+def test_a_discrepancy_of_exactly_0_says_what_it_covered(tmp_path):
+    """Every figure 0 is what a training path that rounds as the rollout did
+    gives: the report counts the response tokens it covered and says so."""
+    zero = {key: 0.0 for _, key in report.DISCREPANCY}
+    record = {"rollout": "fp4_wa_kv", "trajectories": 16, "response_tokens": 86, **zero}
+    text = report.markdown(TRACE, *write(tmp_path, "zero", [], TRACE_EVALUATION | {"discrepancy": [record]}))
+    discrepancy = section(text, "Train-rollout discrepancy")
+    assert rows(discrepancy)[:2] == [
+        ["rollout", "trajectories", "response tokens", "code mismatch"] + rows(discrepancy)[0][4:],
+        ["fp4_wa_kv", "16", "86", "0", "0", "0", "0"],
+    ]
+    assert (
+        "Under `fp4_wa_kv` the training path rounded every captured FP4 value to the rollout's code and reproduced "
+        "the rollout's log-prob of each of the 86 response tokens (5.38 a trajectory): every figure is exactly 0."
+    ) in discrepancy
+    assert "code mismatch: share of the captured FP4 values" in discrepancy  # the caption names the columns
+
+    older = record.copy()
+    del older["response_tokens"]  # written before the count
+    text = report.markdown(TRACE, *write(tmp_path, "older", [], TRACE_EVALUATION | {"discrepancy": [older]}))
+    discrepancy = section(text, "Train-rollout discrepancy")
+    assert "response tokens" not in rows(discrepancy)[0] and "log-prob of each of the response tokens:" in discrepancy
+    only_codes = record | {"logprob_abs_diff_mean": 0.01}  # codes alike, log-probs not: only the codes are said
+    text = report.markdown(TRACE, *write(tmp_path, "codes", [], TRACE_EVALUATION | {"discrepancy": [only_codes]}))
+    assert "to the rollout's code.\n" in section(text, "Train-rollout discrepancy")
+    text = report.markdown(TRACE, *write(tmp_path, "some", [], TRACE_EVALUATION))  # code mismatch 0.3
+    assert "rounded every captured" not in text
+    evaluations = [{"method": "trace", "discrepancy": [record]}, {"method": "qat", "discrepancy": [older]}]
+    assert rows(
+        section(report.comparison(TRACE, evaluations, [[], []]), "FP4 train-rollout log-prob |diff| per method")
+    )[1:] == [
+        ["trace", "fp4_wa_kv", "16", "86", "0", "0", "0", "0"],
+        ["qat", "fp4_wa_kv", "16", "-", "0", "0", "0", "0"],
+    ]
+
+
+def test_the_evaluation_counts_the_response_tokens_its_discrepancy_covers(monkeypatch):
+    """The count the report shows is that of the tokens the log-prob figures are over (the response mask)."""
+    from tracefp4.components import evaluation, steps
+    from tracefp4.components.model import build_model
+    from tracefp4.components.rl import SequenceBatch
+    from tracefp4.components.tokenizer import build_tokenizer
+
+    measured, real = [], evaluation.Trainer.measure
+    monkeypatch.setattr(
+        evaluation.Trainer, "measure", lambda self, trajectories, *a: measured.append(trajectories) or real(
+            self, trajectories, *a)
+    )  # fmt: skip
+    tokenizer = build_tokenizer()
+    prompts = steps.encode_prompts(TRACE, tokenizer, steps.problems(TRACE)[1][:2])
+    quant = steps.rollout_quant(TRACE, "fp4_wa_kv")
+    out = evaluation._discrepancy(TRACE, build_model("smoke"), "fp4_wa_kv", quant, tokenizer, prompts, False)
+    ((trajectories,),) = [measured]
+    assert out["discrepancy"]["response_tokens"] == SequenceBatch.of(trajectories).response.sum() > 0
