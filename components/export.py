@@ -272,8 +272,15 @@ def export(
         compressed, missed = _expert_tensors(key, state[key].detach(), quant.weights)
         tensors.update(compressed)
         inexact += missed
-    if inexact:
-        log.warning("%s: %d expert matrices dequantize up to one BF16 ulp off the rollout's values", source, inexact)
+    if inexact:  # said here once: the pipeline's export task logs it, the export command shows the log
+        log.warning(
+            "%s: %d of %d expert matrices %s some weights one BF16 ulp off the rollout's values, at exact BF16 ties "
+            "(docs/export.md, 'How exact it is')",
+            source,
+            inexact,
+            sum(state[key].shape[0] for key in packed),
+            "dequantizes" if inexact == 1 else "dequantize",
+        )
     if quant.activations == "mxfp4":
         log.warning(
             "%s: MXFP4 activations are exported as dynamic; compressed-tensors chooses their block scales by "

@@ -5,6 +5,7 @@ finished one left in object storage, write the config's JSON Schema and the
 Grafana dashboards, list presets, show a run's report, delete a run's metrics
 from a Pushgateway."""
 
+import logging
 import sys
 from pathlib import Path
 
@@ -285,6 +286,9 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
     if (preset or config_file) and given:
         names = ", ".join(p.opts[0] for p in ctx.command.params if p.name in given)
         raise click.UsageError(f"{names}: the run's config sets them; give either it or them")
+    logged = logging.getLogger("tracefp4")
+    shown = _Logged(logging.WARNING)
+    logged.addHandler(shown)
     try:
         if preset or config_file:
             stats = steps.export_policy(_config(preset, config_file), Path(src), Path(dst))
@@ -296,15 +300,25 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
             )
     except (ValueError, OSError) as e:  # not a policy folder, say
         raise click.ClickException(str(e)) from None
+    finally:
+        logged.removeHandler(shown)
     click.echo(
         f"{dst}: {stats['format']}, {stats['expert_matrices']} expert matrices in {stats['expert_bytes']} bytes "
-        f"({stats['expert_bytes_bf16']} in BF16); {stats['inexact_matrices']} of them dequantize one BF16 ulp "
-        "off the rollout's values at exact ties (docs/export.md)"
+        f"({stats['expert_bytes_bf16']} in BF16)"
     )
 
 
 def _warn(message: str) -> None:
     click.echo(f"warning: {message}", err=True)
+
+
+class _Logged(logging.Handler):
+    """What tracefp4 logs while a command runs in this process (the export's warnings: matrices served one ulp
+    off, MXFP4 activations exported as dynamic), said as the command's own, ``warning: ...`` on standard error,
+    where Python's handler of last resort would print the bare message."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"{record.levelname.lower()}: {record.getMessage()}", err=True)
 
 
 def _warn_for_cluster(config) -> None:

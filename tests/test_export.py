@@ -183,6 +183,14 @@ def test_export_command(policies, tmp_path):
     result = runner.invoke(main, ["export", "--format", "nvfp4", str(policies["smoke"]), str(tmp_path / "e")])
     assert result.exit_code == 0, result.output
     assert "nvfp4-pack-quantized" in result.output and (tmp_path / "e" / "model.safetensors").exists()
+    # this policy has a matrix served one ulp off: said once, as a warning, in words that agree with the count (a
+    # bare logged line said "1 expert matrices", then the summary line said it again)
+    assert result.stderr == (
+        f"warning: {policies['smoke']}: 1 of 16 expert matrices dequantizes some weights one BF16 ulp off the "
+        "rollout's values, at exact BF16 ties (docs/export.md, 'How exact it is')\n"
+    )
+    assert result.stdout.startswith(f"{tmp_path / 'e'}: nvfp4-pack-quantized, 16 expert matrices in ")
+    assert "ulp" not in result.stdout
     result = runner.invoke(main, ["export", "--format", "int4", str(policies["smoke"]), str(tmp_path / "x")])
     assert result.exit_code != 0 and "'int4' is not one of" in result.output and not (tmp_path / "x").exists()
     result = runner.invoke(main, ["export", "--device", "gpu", str(policies["smoke"]), str(tmp_path / "x")])
