@@ -42,7 +42,8 @@ class ConfigError(ValueError):
         lines = [f"invalid tracefp4 config{where} ({len(problems)} problem{'s' * (len(problems) != 1)}):"]
         lines += [f"  {path}: {reason}" if path else f"  {reason}" for path, reason in problems]
         if unchecked:
-            lines.append("once these are fixed, the checks across fields run (such as max_new_tokens vs max_seq_len)")
+            these = "these are" if len(problems) != 1 else "this is"
+            lines.append(f"once {these} fixed, the checks across fields run (such as max_new_tokens vs max_seq_len)")
         super().__init__("\n".join(lines))
 
     @classmethod

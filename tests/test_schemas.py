@@ -141,9 +141,12 @@ def test_field_errors_say_that_the_checks_across_fields_are_still_to_run():
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides=both)
     assert [path for path, _ in info.value.problems] == ["rollout.top_p"] and info.value.unchecked
-    assert str(info.value).splitlines()[-1] == (
-        "once these are fixed, the checks across fields run (such as max_new_tokens vs max_seq_len)"
+    assert str(info.value).splitlines()[-1] == (  # one problem: "this is" (it said "these are" for one too)
+        "once this is fixed, the checks across fields run (such as max_new_tokens vs max_seq_len)"
     )
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides={**both, "rl.rounds": "two"})
+    assert len(info.value.problems) == 2 and str(info.value).splitlines()[-1].startswith("once these are fixed, ")
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides={**both, "rollout.top_p": 1.0})
     assert [path for path, _ in info.value.problems] == ["rollout.max_new_tokens"] and not info.value.unchecked
