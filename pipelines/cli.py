@@ -153,11 +153,13 @@ def main():
     "(model.checkpoint, model.trainer_state, rl.first_round; no bootstrap).",
 )
 def run(preset, config_file, sets, output, store, verbose, methods, pushgateway, restart, previous):
-    """Run the whole DAG on this machine (kfp.local), then print the results and the report's path.
+    """Run the whole DAG on this machine (kfp.local), then print the results, the report's files
+    (<output>/report.html and report.md) and the serving export's folder.
 
     A rerun with the same config and output resumes: finished tasks are reused, not rerun."""
+    from tracefp4.components.checkpoint import provenance
     from tracefp4.components.store import StoreError
-    from tracefp4.pipelines.local import Interrupted, PipelineFailed, continuation_of, ran_to_its_end, run_local
+    from tracefp4.pipelines.local import Interrupted, PipelineFailed, continuation_of, ran_to_its_end, run_to_end
     from tracefp4.pipelines.resume import FolderInUse, UnreadableRunRecord
 
     config = _config(preset, config_file, store, pushgateway, sets=sets)
@@ -177,7 +179,7 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
                 "goes on from where it stopped"
             )
     try:
-        report = run_local(config, output, methods=methods, verbose=verbose, restart=restart)
+        finished = run_to_end(config, output, methods=methods, verbose=verbose, restart=restart)
     # StoreError: the run's store, opened first, or model.checkpoint's, fingerprinted first; ConfigError: a run
     # no machine here can do
     except (PipelineFailed, FolderInUse, UnreadableRunRecord, StoreError, ConfigError) as e:
@@ -187,8 +189,17 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
     except Interrupted as e:
         click.echo(f"{e}: the running component was stopped; rerun the same command to resume", err=True)
         sys.exit(128 + e.signum)
-    click.echo(report.read_text())
-    click.echo(f"report: {report.with_name('page')} (HTML), {report} (markdown)")
+    click.echo(finished.report.read_text())
+    _echo_report_files(finished.page, finished.markdown)
+    for method, exported in finished.exports.items():
+        which = f" of {method}" if method else ""
+        fmt = provenance(exported)["format"]
+        click.echo(f"serving export{which}: {exported} ({fmt}, for vLLM and SGLang: docs/export.md)")
+
+
+def _echo_report_files(page: Path, markdown: Path) -> None:
+    """Where to open a report: its copies in the run folder (:func:`tracefp4.pipelines.local.publish_report`)."""
+    click.echo(f"report: {page} (open it in a browser), {markdown} (markdown)")
 
 
 @main.command()
@@ -606,7 +617,9 @@ def presets():
 @main.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 def report(run_dir):
-    """Print the newest report of a run folder (of a comparison, its side-by-side report)."""
+    """Print the newest report of a run folder (of a comparison, its side-by-side report), and copy it to
+    report.html and report.md there, to open."""
+    from tracefp4.pipelines.local import REPORT_COPIES, publish_report
     from tracefp4.pipelines.resume import PIPELINE_ROOT, finished_reports, written_reports
 
     if not Path(run_dir, PIPELINE_ROOT).is_dir():  # a folder above the run folder, say, or a task's own
@@ -620,8 +633,15 @@ def report(run_dir):
             f"{run_dir}: no report its task finished writing"
             + " (one was interrupted: rerun the same `tracefp4 run` to finish it)" * bool(written_reports(run_dir))
         )
+    try:
+        copies = publish_report(found[-1], Path(run_dir))
+    except OSError as e:  # a run folder this user may not write into, a folder in the way
+        raise click.ClickException(
+            f"{run_dir}: could not copy the report there as {' and '.join(REPORT_COPIES.values())}, to open: "
+            f"{e.strerror or e}"
+        ) from None
     click.echo(found[-1].read_text())
-    click.echo(f"report: {found[-1].with_name('page')} (HTML), {found[-1]} (markdown)")
+    _echo_report_files(*copies)
 
 
 @runs.command("clean")

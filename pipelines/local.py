@@ -31,6 +31,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import NamedTuple
 
 import kfp.local
 from tqdm import tqdm
@@ -38,7 +39,7 @@ from tqdm import tqdm
 from tracefp4.components.checkpoint import MANIFEST, provenance
 from tracefp4.components.device import resolve
 from tracefp4.components.metrics import PUBLISH_FAILED
-from tracefp4.components.store import file_path, open_store
+from tracefp4.components.store import file_path, open_store, write_atomic
 from tracefp4.schemas import ConfigError, RunConfig, continuation
 
 from . import resume
@@ -50,9 +51,13 @@ EXECUTING = re.compile(r"Executing task '([^']+)'")
 FINISHED = re.compile(r"Task '([^']+)' finished with status (\w+)")
 CACHE_HIT = re.compile(r"Task \S+ cache hit")
 BOOTSTRAP = re.compile(r"bootstrap step (\d+)/(\d+)")
-LOOP_ITERATION = re.compile(r"for-loop-\d+-iteration-(\d+)")  # in the error kfp.local raises for a loop's task
+# in the error kfp.local raises for a loop's task, and in the folder of each iteration's tasks
+LOOP_ITERATION = re.compile(r"for-loop-\d+-iteration-(\d+)")
 TAIL_LINES = 15
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# a report task's artifacts (KFP names them, without an extension) -> their copies in the run folder, named so that
+# a browser opens the page as HTML from file:// (it shows a file without an extension as text)
+REPORT_COPIES = {"page": "report.html", "markdown": "report.md"}
 
 
 class PipelineFailed(Exception):
@@ -372,6 +377,45 @@ def _stop_components(log: _Log):
             signal.signal(s, h)
 
 
+def publish_report(report: Path, run_dir: Path) -> tuple[Path, Path]:
+    """The report whose markdown artifact is ``report`` (its page beside it)
+    copied into the run folder ``run_dir`` as :data:`REPORT_COPIES`, each
+    replaced whole (never a page half of one report and half of another):
+    the paths of the page and the markdown, files to open."""
+    copies = tuple(Path(run_dir) / name for name in REPORT_COPIES.values())
+    for artifact, copy in zip(REPORT_COPIES, copies):
+        data = report.with_name(artifact).read_bytes()
+        write_atomic(copy, lambda f, data=data: f.write(data))
+    return copies
+
+
+def serving_exports(run_dir: Path, run_id: str, methods: list[str] | None = None) -> dict[str | None, Path]:
+    """The checkpoints for serving that the ``export`` tasks of the run
+    ``run_id`` wrote in the local run folder ``run_dir`` and finished: a run's
+    one (key None), a comparison's one per method of ``methods`` (each in its
+    loop iteration's folder). A resumed run's export may lie in an earlier
+    attempt's folder, and a folder may hold other runs' exports: each is known
+    by its run id (its policy's provenance)."""
+    finished = resume.finished_outputs(run_dir)
+    root = Path(run_dir, resume.PIPELINE_ROOT)
+    found = {}
+    for path in sorted(root.glob("**/export/exported")):
+        relative = path.relative_to(root)
+        if resume.PIPELINE_ROOT / relative in finished and provenance(path).get("run_id") == run_id:
+            iteration = LOOP_ITERATION.search(str(relative))
+            found[methods[int(iteration[1])] if methods and iteration else None] = path
+    return found
+
+
+class Finished(NamedTuple):
+    """What a local run that ran to its end leaves to read and to serve."""
+
+    report: Path  # the report task's markdown artifact (its HTML page beside it, ``page``)
+    page: Path  # the report's copies in the run folder (publish_report): report.html
+    markdown: Path  # report.md
+    exports: dict[str | None, Path]  # serving_exports: the export tasks' checkpoints, by method in a comparison
+
+
 def check_device(config: RunConfig) -> None:
     """A :class:`~tracefp4.schemas.ConfigError` where ``resources.device`` names
     a GPU this machine lacks: found by a run's (or bootstrap's) first step
@@ -383,6 +427,13 @@ def check_device(config: RunConfig) -> None:
 
 
 def run_local(
+    config: RunConfig, output: Path, log: Path | None = None, methods: list[str] | None = None, **options
+) -> Path:
+    """:func:`run_to_end`'s report: the report task's markdown artifact (its HTML page beside it, ``page``)."""
+    return run_to_end(config, output, log, methods, **options).report
+
+
+def run_to_end(
     config: RunConfig,
     output: Path,
     log: Path | None = None,
@@ -391,9 +442,10 @@ def run_local(
     verbose: bool = False,
     restart: bool = False,
     out=None,
-) -> Path:
-    """Run the whole pipeline (with ``methods``, the comparison pipeline) and
-    return the report's path; a rerun in the same ``output`` resumes unless
+) -> Finished:
+    """Run the whole pipeline (with ``methods``, the comparison pipeline),
+    copy its report into ``output`` (:func:`publish_report`) and return what
+    it leaves (:class:`Finished`); a rerun in the same ``output`` resumes unless
     ``restart``. Components log to ``log`` (default ``<output>/pipeline.log``),
     echoed to ``out`` (default standard output) when ``verbose``, else ``out``
     shows the progress. Raises :class:`PipelineFailed` or :class:`Interrupted`, and
@@ -474,4 +526,6 @@ def run_local(
                 f"warning: {failures} metrics write(s)/push(es) failed (grep '{PUBLISH_FAILED}' {stream.path})",
                 file=out,
             )
-        return Path(task.output.path)
+        report = Path(task.output.path)
+        # under the folder's lock: a run that finishes after this one replaces the copies after these
+        return Finished(report, *publish_report(report, output), serving_exports(output, run_id, methods))

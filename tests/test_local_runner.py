@@ -14,10 +14,13 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from tracefp4.components.checkpoint import commit_folder, staging_folder
 from tracefp4.components.store import open_store
 from tracefp4.pipelines import resume
-from tracefp4.pipelines.local import _Log, failed_method, failed_task, progress_state, run_local
+from tracefp4.pipelines.cli import main
+from tracefp4.pipelines.local import _Log, failed_method, failed_task, progress_state, run_local, serving_exports
 from tracefp4.pipelines.pipeline import build_comparison_pipeline, build_pipeline
 from tracefp4.schemas import ConfigError, RunConfig, get_preset, load_config
 
@@ -126,6 +129,36 @@ def test_a_run_folder_keeps_a_run_id_per_request(tmp_path):
     digest = hashlib.sha256(b"config A").hexdigest()
     (tmp_path / resume.RUN_FILE).write_text(json.dumps({"run_id": "local-old", "request_sha256": digest}))
     assert resume.run_id(tmp_path, "config A") == ("local-old", True, 0)
+
+
+def test_a_runs_serving_exports_are_its_finished_export_tasks_by_method(tmp_path):
+    """The folder of another run's export, and of one its task did not finish (no cache entry names it, as
+    :func:`resume.finished_outputs` reads them), are not the run's; a comparison's is its method's."""
+    finished = {}
+    for attempt, iteration, run_id, done in [
+        ("first", "", "local-other", True),
+        ("second", "for-loop-2-iteration-0/", "local-this", True),
+        ("second", "for-loop-2-iteration-1/", "local-this", True),
+        ("third", "for-loop-2-iteration-1/", "local-this", False),  # killed while it wrote
+    ]:
+        folder = tmp_path / resume.PIPELINE_ROOT / attempt / iteration / "export" / "exported"
+        with staging_folder(folder) as tmp:
+            (tmp / "config.json").write_text("{}")
+            commit_folder(tmp, folder, {"run_id": run_id, "policy_version": 1, "format": "nvfp4-pack-quantized"})
+        if done:
+            finished[f"{attempt}{iteration}"] = {"exported": {"__kfp_artifact__": True, "uri": str(folder)}}
+    (tmp_path / resume.COMPLETED).mkdir()
+    for key, outputs in finished.items():
+        (tmp_path / resume.COMPLETED / f"{hashlib.sha256(key.encode()).hexdigest()}.json").write_text(
+            json.dumps(outputs)
+        )
+    root = tmp_path / resume.PIPELINE_ROOT
+    assert serving_exports(tmp_path, "local-this", ["trace", "bf16"]) == {
+        "trace": root / "second" / "for-loop-2-iteration-0" / "export" / "exported",
+        "bf16": root / "second" / "for-loop-2-iteration-1" / "export" / "exported",
+    }
+    assert serving_exports(tmp_path, "local-other") == {None: root / "first" / "export" / "exported"}
+    assert serving_exports(tmp_path, "local-none") == {}
 
 
 def test_a_checkpoint_with_other_weights_at_the_same_path_is_another_run(tmp_path):
@@ -422,6 +455,28 @@ def test_cli_killed_after_prepare_resumes_without_running_prepare_again(tmp_path
     second = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert second.returncode == 0, second.stderr
     assert "resumed" in second.stdout and "# tracefp4 run `smoke`" in second.stdout
+    # it ends with files to open: the report copied into the run folder with extensions (KFP names the report
+    # task's artifacts page and markdown, which a browser shows as text), and where its serving export is (it
+    # said neither)
+    report = next(out.glob("pipeline_root/*/report/markdown"))
+    exported = next(out.glob("pipeline_root/*/export/exported"))
+    assert second.stdout.splitlines()[-2:] == [
+        f"report: {out / 'report.html'} (open it in a browser), {out / 'report.md'} (markdown)",
+        f"serving export: {exported} (nvfp4-pack-quantized, for vLLM and SGLang: docs/export.md)",
+    ]
+    assert (out / "report.md").read_bytes() == report.read_bytes()
+    assert (out / "report.html").read_bytes() == report.with_name("page").read_bytes()
+    # tracefp4 report copies the report it shows there too (a run folder of an earlier tracefp4 has none), and
+    # says why it cannot
+    (out / "report.html").unlink()
+    shown = CliRunner().invoke(main, ["report", str(out)])
+    assert shown.exit_code == 0 and shown.output.splitlines()[-1] == second.stdout.splitlines()[-2]
+    assert (out / "report.html").read_bytes() == report.with_name("page").read_bytes()
+    (out / "report.md").unlink()
+    (out / "report.md").mkdir()  # in the way
+    shown = CliRunner().invoke(main, ["report", str(out)])
+    message = f"Error: {out}: could not copy the report there as report.html and report.md, to open: Is a directory"
+    assert shown.exit_code == 1 and message in shown.output, shown.output
     rerun = log.read_text().split("==== ")[-1]
     assert "Task configure cache hit" in rerun and "Task prepare cache hit" in rerun
     assert "Executing task 'prepare'" not in rerun

@@ -504,7 +504,9 @@ def test_cli_report_of_a_run(smoke_run, tmp_path):
     other says so; a moved run folder still has its report."""
     out, report = smoke_run
     result = CliRunner().invoke(main, ["report", str(out)])
-    assert result.exit_code == 0 and str(report) in result.output
+    assert result.exit_code == 0 and report.read_text() in result.output
+    assert f"report: {out / 'report.html'} (open it in a browser), {out / 'report.md'} (markdown)" in result.output
+    assert (out / "report.html").read_bytes() == report.with_name("page").read_bytes()
     moved = tmp_path / "moved"
     shutil.copytree(out, moved)
     unfinished = moved / "pipeline_root" / "tracefp4-smoke-later" / "report" / "markdown"
@@ -536,7 +538,8 @@ def test_comparison_pipeline_fans_out_over_methods(tmp_path):
     reports = sorted(tmp_path.glob("pipeline_root/*/for-loop-*/report/markdown"))
     assert len(reports) == 2 and {"`bf16`" in r.read_text() for r in reports} == {True, False}  # each method's own
     result = CliRunner().invoke(main, ["report", str(tmp_path)])  # a comparison folder's: the side-by-side one
-    assert result.exit_code == 0 and f"report: {report.with_name('page')}" in result.output, result.output
+    assert result.exit_code == 0 and f"report: {tmp_path / 'report.html'}" in result.output, result.output
+    assert (tmp_path / "report.html").read_bytes() == report.with_name("page").read_bytes()
     with pytest.raises(ValueError, match="2 trainer states, one per method of a comparison: continue one method"):
         continuation_of(tmp_path, steps_per_round=1)
     assert all("## Continue this run" in r.read_text() for r in reports)  # each method's, as a run of its own
