@@ -633,15 +633,15 @@ def report(run_dir):
             f"{run_dir}: no report its task finished writing"
             + " (one was interrupted: rerun the same `tracefp4 run` to finish it)" * bool(written_reports(run_dir))
         )
-    try:
-        copies = publish_report(found[-1], Path(run_dir))
-    except OSError as e:  # a run folder this user may not write into, a folder in the way
-        raise click.ClickException(
-            f"{run_dir}: could not copy the report there as {' and '.join(REPORT_COPIES.values())}, to open: "
-            f"{e.strerror or e}"
-        ) from None
     click.echo(found[-1].read_text())
-    _echo_report_files(*copies)
+    try:
+        _echo_report_files(*publish_report(found[-1], Path(run_dir)))
+    except OSError as e:  # a run folder this user may not write into, a folder in the way: the report is shown
+        click.echo(
+            f"warning: {run_dir}: could not copy the report there as {' and '.join(REPORT_COPIES.values())} "
+            f"({e.strerror or e}); it is {found[-1].with_name('page')} (HTML) and {found[-1]} (markdown)",
+            err=True,
+        )
 
 
 @runs.command("clean")
