@@ -207,8 +207,11 @@ def test_kube_prometheus_stack_overlay_scrapes_by_servicemonitor_and_ships_the_d
     assert set(monitor["spec"]) == {"namespaceSelector", "selector", "endpoints"}
     assert set(endpoint) == {"port", "path", "interval", "honorLabels"}
 
-    boards = one(objects, "ConfigMap", prefix="grafana-dashboards-")
+    # one name whatever the dashboard holds: a re-applied new version replaces the old one, which a hash-suffixed
+    # name would leave beside it for the sidecar (same uid, same file), and delete with the new one's file
+    boards = one(objects, "ConfigMap", "grafana-dashboards")
     assert boards["metadata"]["labels"]["grafana_dashboard"] == "1"  # the Grafana sidecar's default label
+    assert boards["metadata"]["annotations"] == {"grafana_folder": "tracefp4"}
     assert json.loads(boards["data"]["tracefp4.json"]) == json.loads(json.dumps(dashboard()))
 
 
