@@ -322,7 +322,9 @@ def submit_next(
 
 
 def _when(value) -> str:
-    return value.strftime("%Y-%m-%d %H:%M:%S") if value else "-"
+    """A time of the API's, or "-" where it has none: KFP's API server answers the Unix epoch for a time it has
+    not recorded (a run's ``finished_at`` while it runs, KFP 2.17's ``toApiRun``), which is no time to show."""
+    return value.strftime("%Y-%m-%d %H:%M:%S") if value and value.timestamp() > 0 else "-"
 
 
 def _error(status) -> str:

@@ -39,6 +39,7 @@ from tracefp4.schemas import continuation, get_preset, load_config, next_in_chai
 API = "/apis/v2beta1"
 TOKEN = "s3cr3t-t0ken-value"
 COOKIE = "authservice_session=c00kie-value"
+EPOCH = "1970-01-01T00:00:00Z"
 
 
 class FakeKfp(ThreadingHTTPServer):
@@ -153,7 +154,8 @@ class Handler(BaseHTTPRequestHandler):
             return self._answer(200, e)
         if method == "POST" and parts == ["runs"]:
             now = datetime.datetime.now(datetime.UTC).isoformat().replace("+00:00", "Z")
-            r = dict(json.loads(body), run_id=s.new_id("run"), state="PENDING", created_at=now)
+            # the times the API server has not recorded yet it answers as the Unix epoch (KFP 2.17's toApiRun)
+            r = dict(json.loads(body), run_id=s.new_id("run"), state="PENDING", created_at=now, finished_at=EPOCH)
             s.runs[r["run_id"]] = r
             return self._answer(200, r)
         if method == "GET" and len(parts) == 2 and parts[0] == "experiments":
@@ -715,6 +717,16 @@ def test_runs_list_status_and_log_commands(kfp_server, config):
     assert log_commands(status, "team-a")[0].startswith("kubectl -n team-a logs ")
     with pytest.raises(SubmitError, match=r"GET /apis/v2beta1/runs/missing -> HTTP 404 .*run missing not found"):
         run_status(connection, "missing")
+
+
+def test_a_run_not_finished_shows_no_finishing_time(kfp_server, config):
+    """The API server answers an unfinished run's finished_at as the Unix epoch, which was shown as
+    "finished 1970-01-01 00:00:00"."""
+    run_id = submit(config, Connection(kfp_server.url))["run_id"]
+    kfp_server.runs[run_id]["state"] = "RUNNING"
+    result = CliRunner().invoke(main, ["runs", "status", run_id, "--host", kfp_server.url])
+    assert result.exit_code == 0, result.output
+    assert "RUNNING (created " in result.output and ", finished -)" in result.output and "1970" not in result.output
 
 
 def test_cli_submit_and_runs(kfp_server, tmp_path):
