@@ -428,7 +428,7 @@ def connection_options(command):
         ),
         click.option(
             "--cookies",
-            help="Cookie header of a logged-in session, e.g. authservice_session=... "
+            help="Cookie header of a logged-in session, e.g. oauth2_proxy_kubeflow=... "
             "(default: env KF_PIPELINES_COOKIES).",
         ),
         click.option(

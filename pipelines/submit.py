@@ -62,10 +62,10 @@ class SubmitError(RuntimeError):
 class Connection:
     """How to reach the KFP API."""
 
-    host: str  # http(s)://host[:port], e.g. the UI's port-forward or the Kubeflow gateway
+    host: str  # http(s)://host[:port][/path], e.g. the UI's port-forward or the Kubeflow gateway's /pipeline
     namespace: str | None = None  # a multi-user Kubeflow's profile namespace
     token: str | None = None  # None: KF_PIPELINES_TOKEN, else a token file mounted in this pod
-    cookies: str | None = None  # a Cookie header ("authservice_session=..."); None: KF_PIPELINES_COOKIES
+    cookies: str | None = None  # a Cookie header ("oauth2_proxy_kubeflow=..."); None: KF_PIPELINES_COOKIES
     ca_bundle: str | None = None  # PEM file of the CA that signed the server's certificate
     verify_ssl: bool = True  # False: accept any certificate (self-signed gateways; not for production)
     timeout_s: float = 30  # per request
