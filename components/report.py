@@ -200,6 +200,14 @@ def _max(rows: list[dict], key: str):
     return max((r[key] for r in rows if r.get(key) is not None), default=None)
 
 
+def _rewards_are_accuracy(history: list[dict]) -> bool:
+    """Whether a history has steps and every one's mean reward equals its accuracy (rewards of 0 or 1): a table then
+    shows one column for the two, not two equal ones that read as two measurements."""
+    return bool(history) and all(
+        h.get("reward_mean") is not None and h.get("reward_mean") == h.get("accuracy") for h in history
+    )
+
+
 def _steps(history: list[dict]) -> list:
     """x axis of per-step plots: the step numbers when they increase throughout, else 1..N."""
     steps = [h.get("step") for h in history]
@@ -464,7 +472,7 @@ def _step_blocks(history: list[dict], source: str, steps_per_round: int) -> list
     diffs = [Series(label, x, _col(history, key)) for label, key in DIFF_SERIES]
     columns = [*STEP_COLUMNS[:2], "staleness", *STEP_COLUMNS[2:]] if steps_per_round > 1 else list(STEP_COLUMNS)
     words = dict(STEP_WORDS)
-    if all(h.get("reward_mean") is not None and h.get("reward_mean") == h.get("accuracy") for h in history):
+    if _rewards_are_accuracy(history):
         columns.remove("accuracy")
         words["reward_mean"] += ", which equals the share of them solved (accuracy) at every step: rewards are 0 or 1"
         rewards = [Series("reward mean = train accuracy (sampled)", x, _col(history, "reward_mean"))]
@@ -697,20 +705,26 @@ def _comparison_blocks(config: RunConfig, evaluations: list[dict], histories: li
     )
     blocks += [Heading(2, "FP4 train-rollout log-prob |diff| per method"), table]
 
+    binary = _rewards_are_accuracy([step for h in histories for step in h])
+    rewards = (
+        {"reward mean = train accuracy (last, sampled)": "reward_mean"}
+        if binary
+        else {"train accuracy (last, sampled)": "accuracy", "reward_mean (last)": "reward_mean"}
+    )
     training = [
         {
             "method": m,
             "steps": len(h),
-            "train accuracy (last, sampled)": _last(h, "accuracy"),
-            "reward_mean (last)": _last(h, "reward_mean"),
+            **{label: _last(h, key) for label, key in rewards.items()},
             "logprob |diff| mean (last)": _last(h, "logprob_abs_diff_mean"),
             "logprob |diff| max (all steps)": _max(h, "logprob_abs_diff_max"),
             "k3 KL (last)": _last(h, "k3_kl"),
         }
         for m, h in zip(methods, histories)
     ]
+    note = "Every method's mean reward equals its train accuracy at every step: rewards are 0 or 1." * binary
     if training:
-        blocks += [Heading(2, "Training per method"), _table(training, list(training[0]), source, keep=2)]
+        blocks += [Heading(2, "Training per method"), _table(training, list(training[0]), source, keep=2, note=note)]
 
     def lines(key: str) -> list[Series]:
         return [Series(m, _steps(h), _col(h, key)) for m, h in zip(methods, histories)]
@@ -734,8 +748,8 @@ def _comparison_blocks(config: RunConfig, evaluations: list[dict], histories: li
             logy=True,
             note="Line: mean |diff| per step; band: min to max.",
         ),
-        _plot("Train accuracy per method", "RL step", "train accuracy (sampled)", lines("accuracy"), source),
-        _plot("Reward per method", "RL step", "reward mean", lines("reward_mean"), source),
+        _plot("Train accuracy per method", "RL step", "train accuracy (sampled)", lines("accuracy"), source, note=note),
+        None if binary else _plot("Reward per method", "RL step", "reward mean", lines("reward_mean"), source),
     ]
     return [b for b in blocks if b is not None]
 

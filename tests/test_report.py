@@ -651,6 +651,31 @@ def test_the_step_table_says_what_each_column_is_and_shows_0_1_rewards_once(tmp_
     assert "Series: reward mean = train accuracy (sampled)." in reward  # one line, not two on top of each other
 
 
+def test_the_comparison_shows_0_1_rewards_once_where_every_method_has_them():
+    """The comparison's training table follows the per-step table's rule: where
+    every method's mean reward equals its accuracy at every step, one column
+    (and one plot) shows both; where one method's rewards are not its
+    accuracies, both columns stay."""
+    binary = [[row | {"accuracy": row["reward_mean"]} for row in history(m, True)] for m in ("trace", "bf16")]
+    evaluations = [TRACE_EVALUATION, BF16_EVALUATION]
+    training = section(report.comparison(TRACE, evaluations, binary), "Training per method")
+    assert rows(training)[0][:4] == [
+        "method",
+        "steps",
+        "reward mean = train accuracy (last, sampled)",
+        r"logprob \|diff\| mean (last)",
+    ]
+    assert [r[2] for r in rows(training)[1:]] == ["0.45", "0.45"]  # the last step's
+    assert "Every method's mean reward equals its train accuracy at every step: rewards are 0 or 1." in training
+    page = Page(report.comparison_html(TRACE, evaluations, binary))
+    assert "Reward per method" not in png_alts(page) and "Train accuracy per method" in png_alts(page)
+
+    mixed = [binary[0], history("bf16", True)]  # bf16's rewards are not its accuracies
+    training = section(report.comparison(TRACE, evaluations, mixed), "Training per method")
+    assert rows(training)[0][2:4] == ["train accuracy (last, sampled)", "reward_mean (last)"]
+    assert "rewards are 0 or 1" not in training
+
+
 def test_an_off_policy_run_says_its_later_steps_add_the_policys_drift(tmp_path):
     """With several RL steps a round, batch s of a round is s policy updates
     old: its train-rollout figures hold how far the policy moved as well as the
