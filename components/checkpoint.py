@@ -66,6 +66,7 @@ from .model import LAYER_TYPES, MODEL_TYPES, ModelConfig, Transformer, empty_mod
 from .store import (
     ArtifactNotFound,
     ArtifactStore,
+    LocalStore,
     check_key,
     ensure_room,
     file_path,
@@ -89,9 +90,10 @@ HASH_THREADS = 8  # files hashed at once at most (sizes_and_sha256)
 # what the store and the node's network take, and S3Store's connection pool holds 8
 TRANSFER_THREADS = 8
 LOCATION = "location.json"  # {"uri": ...}: a folder standing for the folder there (write_location), beside its MANIFEST
-# in a store folder while upload_folder writes it, from before its first change until after its MANIFEST is there
+# in a folder while upload_folder writes it or delete_folder deletes it, from before its first change until after
+# its MANIFEST is there (or it is gone)
 UNFINISHED = ".upload-unfinished"
-_UNFINISHED_TEXT = f"tracefp4 is uploading this folder: it is whole once {MANIFEST} is here\n".encode()
+_UNFINISHED_TEXT = f"tracefp4 is uploading or deleting this folder: it is whole once {MANIFEST} is here\n".encode()
 _MAX_SIZE = 2**24  # any config.json size above this is a typo or an attack: real models stay far below
 # safetensors' names of the weight dtypes we load
 _TORCH_DTYPES = {name: dtype for name, dtype in DTYPES.items() if dtype.is_floating_point}
@@ -1195,28 +1197,59 @@ def upload_folder(folder: Path, target: ArtifactStore) -> bytes:
     holds none of the old one's, which a fetch would otherwise mix with
     them unchecked."""
     files = [file for file in sorted(folder.iterdir()) if file.name != MANIFEST]
-    earlier = [key for key in target.list() if "/" not in key and key != UNFINISHED]  # the folder's own objects
-    target.put_bytes(UNFINISHED, _UNFINISHED_TEXT)
-    target.delete_keys(earlier, (MANIFEST,))
+    marker = _unmake(target, "", [key for key in target.list() if "/" not in key])  # the folder's own objects
     each_at_once(lambda file: target.upload(file.name, file), files, TRANSFER_THREADS, "upload")
     target.upload(MANIFEST, folder / MANIFEST)
-    target.delete(UNFINISHED)
+    target.delete(marker)
     return (folder / MANIFEST).read_bytes()
+
+
+def delete_folder(store: ArtifactStore, prefix: str) -> None:
+    """Delete the tracefp4 folder ``prefix`` of ``store`` (everything under
+    it) as :func:`upload_folder` deletes the one it replaces
+    (:func:`_unmake`), so that a deletion cut short (the step killed) is
+    refused like an upload cut short, not loaded as a checkpoint from
+    elsewhere from the config.json and weights it left. Its :data:`UNFINISHED`
+    goes last, by the store's own folder deletion (a ``file://`` store's also
+    deletes the temp files killed writers left there)."""
+    _unmake(store, prefix, store.list(f"{prefix}/"))
+    store.delete_folder(prefix, UNFINISHED)
+
+
+def remove_folder(folder: Path) -> None:
+    """Delete the local tracefp4 folder ``folder`` as :func:`delete_folder`
+    deletes a store's, so that one cut short is refused too."""
+    delete_folder(LocalStore(folder.parent), folder.name)
+
+
+def _unmake(store: ArtifactStore, folder: str, keys: Iterable[str]) -> str:
+    """Put :data:`UNFINISHED` in the folder ``folder`` of ``store`` ("" its
+    root), then delete its objects ``keys``, its :data:`MANIFEST` first: how
+    a tracefp4 folder loses what it holds, replaced (:func:`upload_folder`) or
+    deleted (:func:`delete_folder`). Cut short anywhere after, the folder
+    has the marker and no manifest, which every reader refuses
+    (:func:`_refuse_unfinished`); without the marker its config.json and
+    weights would load as a checkpoint from elsewhere, unverified. Returns the
+    marker's key, which the caller deletes once the folder is whole or gone."""
+    marker = f"{folder}/{UNFINISHED}" if folder else UNFINISHED
+    store.put_bytes(marker, _UNFINISHED_TEXT)
+    store.delete_keys([key for key in keys if key != marker], (MANIFEST,))
+    return marker
 
 
 def _refuse_unfinished(where: object, names: Iterable[str]) -> None:
     """Refuse the folder ``where`` (its file or object names ``names``) if
-    an upload of it did not finish: :data:`UNFINISHED` without a
-    :data:`MANIFEST` (:func:`upload_folder`). Loaded, it would pass for a
-    checkpoint from elsewhere: half of it written, the rest missing or an
-    earlier folder's, with no more than a warning that it is unverified. With
+    an upload or a deletion of it did not finish: :data:`UNFINISHED` without a
+    :data:`MANIFEST` (:func:`_unmake`). Loaded, it would pass for a
+    checkpoint from elsewhere: half of it written or deleted, the rest missing
+    or an earlier folder's, with no more than a warning that it is unverified. With
     a manifest the upload committed (it was cut short before the marker
     left), and the manifest vouches for every file."""
     names = set(names)
     if UNFINISHED in names and MANIFEST not in names:
         raise CheckpointError(
-            f"{where}: its upload did not finish (it holds {UNFINISHED} and no {MANIFEST}), so it is not whole: "
-            "re-run the step that uploads it"
+            f"{where}: its upload or deletion did not finish (it holds {UNFINISHED} and no {MANIFEST}), so it is "
+            "not whole: re-run the step that uploads it"
         )
 
 

@@ -19,7 +19,6 @@ import contextlib
 import hashlib
 import json
 import random
-import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, fields, replace
@@ -32,13 +31,14 @@ from tracefp4.schemas import RunConfig
 from . import bootstrap as sft
 from .capture import CaptureConfig, CaptureRecords
 from .checkpoint import (
-    MANIFEST,
+    delete_folder,
     fetch,
     folder_digest,
     load_model,
     provenance,
     read_config,
     recommit,
+    remove_folder,
     save_model,
     upload_folder,
     write_location,
@@ -307,10 +307,10 @@ def hand_on_state(config: RunConfig, run_id: str, round_index: int, folder: Path
     root = config.store.uri.rstrip("/")
     target = open_store(f"{root}/{state_key(config, run_id, round_index)}", create_bucket=config.store.create_bucket)
     manifest = upload_folder(folder, target)
-    shutil.rmtree(folder)
+    remove_folder(folder)
     write_location(folder, target.uri, manifest)
     if round_index >= 2:
-        _store(config).delete_folder(state_key(config, run_id, round_index - 2), MANIFEST)
+        delete_folder(_store(config), state_key(config, run_id, round_index - 2))
 
 
 def sft_problems(config: RunConfig) -> tuple[list[Problem], list[Problem], list[Problem]]:

@@ -42,6 +42,7 @@ from kubernetes.client.exceptions import ApiException
 
 from tracefp4.components.checkpoint import (
     MANIFEST,
+    delete_folder,
     fetch,
     folder_digest,
     location,
@@ -541,7 +542,7 @@ class TrainJobRun:
             return
         self.store.delete(f"{self.prefix}/history.json")  # first: the round no longer looks finished
         for name in ("new-policy", "new-state"):
-            self.store.delete_folder(f"{self.prefix}/{name}", MANIFEST)
+            delete_folder(self.store, f"{self.prefix}/{name}")
         clear_checkpoints(self.store, checkpoints_prefix(self.config, self.run_id, self.round_index))
 
     def input_folders(self, policy: Path, state: Path) -> dict[str, str]:
@@ -626,7 +627,7 @@ class TrainJobRun:
         if location(state, check=False) == self.key_uri(before):  # the trainer state its input stood for
             folders.add(before)
         for folder in sorted(folders - {f"{self.prefix}/new-policy", f"{self.prefix}/new-state"}):  # never outputs
-            self.store.delete_folder(folder, MANIFEST)
+            delete_folder(self.store, folder)
 
     def remember(self, name: str) -> None:
         """Record where the ranks' output folder ``name`` is, by the sha256 of its

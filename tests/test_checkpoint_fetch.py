@@ -35,7 +35,7 @@ from tracefp4.components.checkpoint import (
     write_location,
 )
 from tracefp4.components.model import build_model
-from tracefp4.components.store import NoRoom, S3Store, StoreError, open_store
+from tracefp4.components.store import LocalStore, NoRoom, S3Store, StoreError, open_store
 from tracefp4.components.tasks import Problem, format_example
 from tracefp4.components.tokenizer import GENERATION_CONFIG, build_tokenizer, load_tokenizer
 from tracefp4.pipelines.local import run_local
@@ -377,7 +377,7 @@ def test_a_folder_whose_upload_was_cut_short_is_refused_naming_it_until_an_uploa
             checkpoint.upload_folder(folder, target)
     assert uploaded == others and {CONFIG, INDEX, *shards(folder)} <= set(uploaded)
     assert target.list() == sorted([UNFINISHED, *others])
-    unfinished = re.escape(f"{where}: its upload did not finish (it holds {UNFINISHED} and no {MANIFEST})")
+    unfinished = re.escape(f"{where}: its upload or deletion did not finish (it holds {UNFINISHED} and no {MANIFEST})")
     for read in (fetch, fingerprint):
         with pytest.raises(CheckpointError, match=unfinished + ", so it is not whole: re-run the step that uploads it"):
             read(uri)
@@ -401,6 +401,63 @@ def test_a_folder_whose_upload_was_cut_short_is_refused_naming_it_until_an_uploa
     assert torch.equal(logits(load_model(fetch(uri))), logits(model))
     checkpoint.upload_folder(folder, target)
     assert target.list() == files
+
+
+@pytest.mark.parametrize("backend", ["s3", "local", "folder"])
+def test_a_folder_whose_deletion_was_cut_short_is_refused_like_a_cut_upload(
+    tmp_path, request, cache, monkeypatch, backend
+):
+    """Deleting a tracefp4 folder (a round's trainer state two rounds on, a
+    TrainJob round's outputs before a new attempt) deleted its manifest first
+    and wrote no marker: a step killed right after left config.json and every
+    shard, which fetch loaded as a checkpoint from elsewhere, unverified. A
+    deletion writes UNFINISHED first, as an upload does, so every reader
+    refuses the folder, naming it, and the marker goes last once a deletion
+    finishes: in the real S3 server, a file:// store and a local folder."""
+    model, folder = saved(tmp_path)
+    files = sorted(p.name for p in folder.iterdir())
+    if backend == "folder":
+        store, prefix, uri, where = LocalStore(tmp_path), folder.name, str(folder), str(folder)
+
+        def delete():
+            checkpoint.remove_folder(folder)
+
+    else:
+        root = request.getfixturevalue("s3_env").uri("models") if backend == "s3" else (tmp_path / "store").as_uri()
+        store, prefix = open_store(root), uuid.uuid4().hex[:12]
+        uri = f"{root}/{prefix}"
+        checkpoint.upload_folder(folder, open_store(uri))
+        where = open_store(uri).uri if backend == "s3" else str(tmp_path / "store" / prefix)
+
+        def delete():
+            checkpoint.delete_folder(store, prefix)
+
+    deleted, real = [], type(store).delete
+
+    def killed_after_the_manifest(self, key):
+        if deleted:
+            raise StoreError("killed")
+        real(self, key)
+        deleted.append(key)
+
+    with monkeypatch.context() as m:
+        m.setattr(type(store), "delete", killed_after_the_manifest)
+        with pytest.raises(StoreError, match="killed"):
+            delete()
+    assert deleted == [f"{prefix}/{MANIFEST}"]
+    assert store.list(f"{prefix}/") == sorted(f"{prefix}/{name}" for name in [UNFINISHED, *files] if name != MANIFEST)
+    unfinished = re.escape(f"{where}: its upload or deletion did not finish (it holds {UNFINISHED} and no {MANIFEST})")
+    for read in (fetch, fingerprint):
+        with pytest.raises(CheckpointError, match=unfinished):
+            read(uri)
+    if backend != "s3":
+        with pytest.raises(CheckpointError, match=unfinished):
+            load_model(where)
+    assert not cache.exists() or list(cache.iterdir()) == []
+    delete()
+    assert store.list(f"{prefix}/") == []
+    if backend != "s3":
+        assert not os.path.exists(where)
 
 
 @pytest.mark.parametrize("manifest", [True, False])
