@@ -110,7 +110,10 @@ def compaction_report(full: CaptureRecords, compacted: CaptureRecords, training:
     record, and fidelity: the share of training-side rounding decisions (on the
     teacher-forced values in ``training``, which must keep its inputs) that
     equal those made with full guidance. Layers without guidance round RTN
-    under their own block scales, as vanilla QAT does."""
+    under their own block scales, as vanilla QAT does, and so does a row
+    holding a NaN or Inf under any guidance, as the training path rounds it
+    (:class:`.qat.TrainingSites`): such a row is the same decision on both
+    sides, its NaNs equal where they stand (NaN == NaN is false)."""
     report = CompactionReport()
     sums = {"bytes": 0, "elements": 0, "full_bytes": 0, "same": 0, "decisions": 0}
     for (layer, site), rollout in sorted(full.tables.items()):
@@ -119,15 +122,15 @@ def compaction_report(full: CaptureRecords, compacted: CaptureRecords, training:
             raise ValueError("fidelity needs the training capture's inputs: teacher_force(..., keep_inputs=True)")
         rows, train_rows = join_rows(rollout, train)
         x = train.inputs[train_rows]
-        reference = dequantize(quantize(x, rollout.fmt, guide=rollout.guidance(rows)))
+        # RTN with the training path's own block scales (and the static, or its own per-token, global scale)
+        g = rollout.global_scale if rollout.fmt == "nvfp4" else None
+        if rollout.row_global_scales is not None:
+            g = per_token_global_scale(x)
+        nearest = dequantize(quantize(x, rollout.fmt, global_scale=g))
+        reference = _guided(x, rollout, rows, nearest)
         small = compacted.tables.get((layer, site))
-        if small is not None:
-            values = dequantize(quantize(x, small.fmt, guide=small.guidance(rows)))
-        else:  # RTN with the training path's own block scales (and the static, or its own per-token, global scale)
-            g = rollout.global_scale if rollout.fmt == "nvfp4" else None
-            if rollout.row_global_scales is not None:
-                g = per_token_global_scale(x)
-            values = dequantize(quantize(x, rollout.fmt, global_scale=g))
+        values = _guided(x, small, rows, nearest) if small is not None else nearest
+        same = (values == reference) | (values.isnan() & reference.isnan())
         entry = report.per_layer.setdefault(
             layer, {"bytes": 0, "elements": 0, "full_bytes": 0, "same": 0, "decisions": 0}
         )
@@ -135,7 +138,7 @@ def compaction_report(full: CaptureRecords, compacted: CaptureRecords, training:
             target["bytes"] += small.nbytes if small is not None else 0
             target["elements"] += rollout.codes.shape[0] * rollout.width
             target["full_bytes"] += full_record_bytes(rollout)
-            target["same"] += int((values == reference).sum())
+            target["same"] += int(same.sum())
             target["decisions"] += values.numel()
     for entry in [*report.per_layer.values(), sums]:
         entry["bits_per_element"] = 8 * entry["bytes"] / entry["elements"]
@@ -143,6 +146,15 @@ def compaction_report(full: CaptureRecords, compacted: CaptureRecords, training:
         entry["fidelity"] = entry["same"] / entry["decisions"]
     report.total = sums
     return report
+
+
+def _guided(x: Tensor, table: SiteTable, rows: Tensor, nearest: Tensor) -> Tensor:
+    """The training path's values of ``x`` guided by ``table``'s ``rows``: a
+    row holding a NaN or Inf takes its round-to-nearest values ``nearest``
+    instead, as :class:`.qat.TrainingSites` rounds it (the rollout's scale
+    cannot carry it)."""
+    finite = x.isfinite().all(-1, keepdim=True)
+    return torch.where(finite, dequantize(quantize(x, table.fmt, guide=table.guidance(rows))), nearest)
 
 
 # -- shards --------------------------------------------------------------------

@@ -311,6 +311,24 @@ def test_compaction_report_sizes_and_fidelity(captured):
     assert nothing.total["fidelity"] <= r1.total["fidelity"]
 
 
+def test_compaction_fidelity_counts_a_row_of_nan_or_inf_as_the_same_decision(captured):
+    """A teacher-forced row holding a NaN or Inf (a bf16 overflow) is rounded
+    to nearest by the training path under any guidance, full or compacted, so
+    it is the same decision on both sides. The report compared the guided
+    reference with RTN, and NaN with ==, which is never true: every such row
+    counted as a miss. At one site whose every row holds one, the fidelity is
+    1 with no guidance and with 1-bit guidance."""
+    engine, out, full = captured
+    training = teacher_force(engine, out, keep_inputs=True)
+    key = (0, "k_cache")
+    inputs = training.tables[key].inputs
+    inputs[0::2, 0], inputs[1::2, -1] = float("nan"), float("inf")
+    one = [CaptureRecords({key: records.tables[key]}) for records in (full, training)]
+    for layers in ([], [0]):
+        report = compaction_report(one[0], compact(one[0], 1, layers), one[1])
+        assert report.total["decisions"] == report.total["elements"] and report.total["fidelity"] == 1.0
+
+
 def test_every_bit_flip_and_truncation_is_caught(captured):
     engine, _, records = captured
     data = encode_shard(records, rl_step=0, policy_version=0, top_k=2)
