@@ -73,7 +73,11 @@ ROUND_TIMES = (("rollout", "rollout_seconds"), ("upload", "upload_seconds"), ("c
 STEP_TIMES = (("train", "train_seconds"), ("reload", "reload_seconds"))  # summed over the round's steps
 # where a step measured its figures (steps record device.measured_on after the step's name):
 # column -> (the step, in words)
-MEASURED_BY = {"rollout on": ("rollout", "Rollout"), "train on": ("train", "Training")}
+MEASURED_BY = {
+    "rollout on": ("rollout", "rollout"),
+    "compaction on": ("compaction", "compaction"),
+    "train on": ("train", "training"),
+}
 DISCREPANCY = (
     ("code mismatch", "code_mismatch"),
     ("logprob |diff| mean", "logprob_abs_diff_mean"),
@@ -242,17 +246,19 @@ def _measured_on(rows: list[dict], column: str) -> str | None:
 
 def _speed_table(rows: list[dict], columns: list[str], source: str, keep: int, note: str = "", **kw) -> Table:
     """:func:`_table` of figures beside where they were measured (:data:`MEASURED_BY` columns): a machine
-    every row shares is said once, in the note, and its column left out; others stay per row."""
-    shared = {}
+    every row shares is said once, in the note, with every step it measured ("Rollout and training measured
+    on ..."), and its column left out; others stay per row."""
+    shared: dict[str, list[str]] = {}  # machine -> the steps every row measured on it
     for column in MEASURED_BY:
         machines = {r.get(column) for r in rows}
         if column in columns and len(machines) == 1 and None not in machines:
-            shared[column] = machines.pop()
-    columns = [c for c in columns if c not in shared]
-    if len(shared) == len(MEASURED_BY) and len(set(shared.values())) == 1:
-        said = [f"Rollout and training measured on {next(iter(shared.values()))}."]
-    else:
-        said = [f"{MEASURED_BY[c][1]} measured on {machine}." for c, machine in shared.items()]
+            shared.setdefault(machines.pop(), []).append(column)
+    columns = [c for c in columns if c not in {c for steps in shared.values() for c in steps}]
+    said = []
+    for machine, steps in shared.items():
+        names = [MEASURED_BY[c][1] for c in steps]
+        listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+        said.append(f"{listed.capitalize()} measured on {machine}.")
     return _table(rows, columns, source, keep=keep, note=" ".join([note, *said]).strip(), **kw)
 
 

@@ -83,6 +83,7 @@ COMPACTION_KEYS = (
     "compaction_ratio",
     "compaction_fidelity",
     "compaction_seconds",
+    *(f"compaction_{key}" for key in MEASURED_ON),  # where it was measured (device.measured_on)
 )
 DECODE_FILE = "decode.json"  # beside a syndrome-coded step's manifest: its decode statistics, from training
 # A round's rollout and compaction figures, carried into each of its history rows.
@@ -793,6 +794,7 @@ def compaction(
         guidance_bits_per_element=8 * size.guidance_bytes / size.elements if size.elements else None,
         compaction_ratio=size.guidance_bytes / size.full_bytes if size.full_bytes else None,
         compaction_seconds=time.perf_counter() - start,
+        **{f"compaction_{key}": value for key, value in measured_on(device).items()},
     )
     sites = tuple(sorted({site for _, site in size.tables}))
     guided = replace(

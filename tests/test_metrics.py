@@ -215,17 +215,20 @@ def test_the_rounds_decode_failure_ratio_is_its_failed_blocks_of_all_its_blocks(
 
 
 def test_speed_figures_carry_the_machine_they_were_measured_on(tmp_path):
-    """A cluster runs the rollout, train and evaluate steps on nodes of their own: each one's speed figures are
-    labelled by its device and CPU bf16 mode (empty on a GPU, and where a history row does not say)."""
+    """A cluster runs the rollout, compaction, train and evaluate steps on nodes of their own: each one's speed
+    figures are labelled by its device and CPU bf16 mode (empty on a GPU, and where a history row does not say)."""
     from tracefp4.components.metrics import RECORDERS
 
     config, cpu = get_preset("smoke"), "cpu (AMD EPYC 7B13, 2 threads)"
     stats = {"rollout_tokens_per_second": 10.0, "rollout_tokens": 20, "rollout_seconds": 2.0}
     stats |= {"capture_overhead_ratio": None, "offload_seconds": None, "upload_seconds": None}
+    compaction = {"guidance_bytes": 10, "capture_bytes": 40, "guidance_bits_per_element": 1.5, "compaction_ratio": 0.25}
+    compaction |= {"compaction_fidelity": 0.97, "compaction_seconds": 0.1}
     rows = [{"train_seconds": 1.0, "logprob_abs_diff_max": 0.0}]
     evaluation = {"accuracy": [], "discrepancy": [], "throughput": [{"rollout": "bf16", **THROUGHPUT_FIGURES}]}
     published = {
         "rollout": stats | {"rollout_device": cpu, "rollout_cpu_bf16": "emulated"},
+        "compaction": compaction | {"compaction_device": cpu, "compaction_cpu_bf16": "native"},
         "train": [rows[0] | {"train_device": "cuda:1 (NVIDIA H100 80GB HBM3)", "train_cpu_bf16": None}],
         "evaluate": evaluation
         | {"hardware": {"device": "cpu", "cpu": "Apple M2", "cpu_bf16": "native", "cpu_threads": 8}},
@@ -237,10 +240,11 @@ def test_speed_figures_carry_the_machine_they_were_measured_on(tmp_path):
     labels = {
         (labels["component"], name): (labels.get("device"), labels.get("cpu_bf16"))
         for name, labels, _ in read_file(tmp_path / "metrics.prom")
-        if name in ("tracefp4_rollout_tokens_per_second", "tracefp4_train_step_seconds")
+        if name in ("tracefp4_rollout_tokens_per_second", "tracefp4_compaction_seconds", "tracefp4_train_step_seconds")
     }
     assert labels == {
         ("rollout", "tracefp4_rollout_tokens_per_second"): (cpu, "emulated"),
+        ("compaction", "tracefp4_compaction_seconds"): (cpu, "native"),
         ("train", "tracefp4_train_step_seconds"): ("cuda:1 (NVIDIA H100 80GB HBM3)", ""),  # a GPU's: none
         ("evaluate", "tracefp4_rollout_tokens_per_second"): ("cpu (Apple M2, 8 threads)", "native"),
     }

@@ -606,6 +606,7 @@ def test_compaction_measures_size_and_fidelity_against_a_full_capture_whatever_t
     """Offline compaction measures the full capture it compacts, and its fidelity; inline guidance and the
     syndrome codec have no full capture, and their ratio is to the same one: every FP4 layer's records."""
     from tracefp4.components import steps
+    from tracefp4.components.device import measured_on
 
     sizes = {}
     codecs = {"offline": {"guidance.compaction": "offline"}, "inline": {}, "syndrome": {"guidance.codec": "syndrome"}}
@@ -620,6 +621,8 @@ def test_compaction_measures_size_and_fidelity_against_a_full_capture_whatever_t
     assert offline["capture_bytes"] > offline["guidance_bytes"] > 0
     assert offline["compaction_ratio"] == offline["guidance_bytes"] / offline["capture_bytes"] < 0.5  # 1 layer of 2
     assert 0.5 < offline["compaction_fidelity"] <= 1
+    where = {f"compaction_{key}": value for key, value in measured_on(torch.device("cpu")).items()}
+    assert {key: offline[key] for key in where} == where  # the machine its seconds were measured on
     assert sizes["inline"]["guidance_bytes"] == offline["guidance_bytes"]  # the same rollout, compacted alike
     for size in sizes.values():
         assert size["compaction_ratio"] == size["guidance_bytes"] / offline["capture_bytes"]

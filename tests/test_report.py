@@ -496,7 +496,8 @@ H100 = "cuda:0 (NVIDIA H100 80GB HBM3)"
 
 
 def on(step: str, device: str, cpu_bf16: str | None = None) -> dict:
-    """History keys saying where ``step`` (rollout, train) measured its figures (steps.py, device.measured_on)."""
+    """History keys saying where ``step`` (rollout, compaction, train) measured its figures (steps.py,
+    device.measured_on)."""
     return {f"{step}_device": device, f"{step}_cpu_bf16": cpu_bf16}
 
 
@@ -527,6 +528,29 @@ def test_the_report_says_where_each_step_measured_its_speed(tmp_path):
 
     text = report.markdown(TRACE, *write(tmp_path, "old", history("trace", True), TRACE_EVALUATION))
     assert "measured on" not in text and "rollout on" not in text  # a history from before: nothing said
+
+
+def test_the_report_says_where_the_compaction_measured_its_seconds(tmp_path):
+    """The compaction step runs on a node of its own too: the time breakdown
+    names its machine with the steps that share it, or apart, or per round."""
+    cpu = "cpu (AMD EPYC 7B13, 2 threads)"
+
+    def times(compaction) -> str:
+        """The time breakdown of rows whose rollout and training ran on an H100, compaction on ``compaction(row)``."""
+        rows_ = [row | on("rollout", H100) | compaction(row) | on("train", H100) for row in history("trace", True)]
+        return section(
+            report.markdown(TRACE, *write(tmp_path, "h", rows_, TRACE_EVALUATION)), "Time breakdown per round"
+        )
+
+    same = times(lambda row: on("compaction", H100))
+    assert f"Rollout, compaction and training measured on {H100}. Source:" in same
+    assert "compaction on" not in rows(same)[0]
+    apart = times(lambda row: on("compaction", cpu, "native"))
+    assert f"Rollout and training measured on {H100}. Compaction measured on {cpu}, bf16 native. Source:" in apart
+    per_round = times(lambda row: on("compaction", (H100, cpu)[row["round"]], (None, "native")[row["round"]]))
+    header, *by_round = rows(per_round)[:3]
+    assert header[-1] == "compaction on" and [r[-1] for r in by_round] == [H100, f"{cpu}, bf16 native"]
+    assert f"Rollout and training measured on {H100}. Source:" in per_round
 
 
 def test_rows_with_missing_or_null_keys_skip_cells_not_the_report(tmp_path):
