@@ -361,7 +361,7 @@ def run_status(connection: Connection, run_id: str) -> dict:
         name, pods = t.display_name or t.task_id, list(dict.fromkeys(pods))
         state, started = t.state or "-", _when(t.start_time)
         tasks.append({"name": name, "state": state, "error": _error(t.error), "pods": pods, "started": started})
-    tasks.sort(key=lambda t: t["started"])
+    tasks.sort(key=lambda t: (t["started"] == "-", t["started"]))  # in the order they started, the rest after
     return {
         "run_id": run.run_id,
         "experiment_id": run.experiment_id,

@@ -721,12 +721,16 @@ def test_runs_list_status_and_log_commands(kfp_server, config):
 
 def test_a_run_not_finished_shows_no_finishing_time(kfp_server, config):
     """The API server answers an unfinished run's finished_at as the Unix epoch, which was shown as
-    "finished 1970-01-01 00:00:00"."""
+    "finished 1970-01-01 00:00:00"; and its tasks are listed in the order they started, those yet to start
+    ("-", which sorted first) after them."""
     run_id = submit(config, Connection(kfp_server.url))["run_id"]
-    kfp_server.runs[run_id]["state"] = "RUNNING"
+    waiting = {"task_id": "t2", "display_name": "rollout-r0", "state": "PENDING"}
+    started = {"task_id": "t1", "display_name": "prepare", "state": "RUNNING", "start_time": "2026-11-20T10:00:00Z"}
+    kfp_server.runs[run_id].update(state="RUNNING", run_details={"task_details": [waiting, started]})
     result = CliRunner().invoke(main, ["runs", "status", run_id, "--host", kfp_server.url])
     assert result.exit_code == 0, result.output
     assert "RUNNING (created " in result.output and ", finished -)" in result.output and "1970" not in result.output
+    assert [line.split()[0] for line in result.output.splitlines()[1:]] == ["prepare", "rollout-r0"], result.output
 
 
 def test_cli_submit_and_runs(kfp_server, tmp_path):
