@@ -1231,9 +1231,17 @@ def _unmake(store: ArtifactStore, folder: str, keys: Iterable[str]) -> str:
     (:func:`_refuse_unfinished`); without the marker its config.json and
     weights would load as a checkpoint from elsewhere, unverified. Returns the
     marker's key, which the caller deletes once the folder is whole or gone."""
+    marker = mark_unfinished(store, folder)
+    store.delete_keys([key for key in keys if key != marker], (MANIFEST,))
+    return marker
+
+
+def mark_unfinished(store: ArtifactStore, folder: str) -> str:
+    """Put :data:`UNFINISHED` in the folder ``folder`` of ``store`` ("" its
+    root) before its :data:`MANIFEST` goes (:func:`_unmake`; a run's folders
+    deleted all at once, ``runs clean``); returns its key."""
     marker = f"{folder}/{UNFINISHED}" if folder else UNFINISHED
     store.put_bytes(marker, _UNFINISHED_TEXT)
-    store.delete_keys([key for key in keys if key != marker], (MANIFEST,))
     return marker
 
 

@@ -26,7 +26,7 @@ import json
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from tracefp4.components.checkpoint import MANIFEST
+from tracefp4.components.checkpoint import MANIFEST, UNFINISHED, mark_unfinished
 from tracefp4.components.distributed import METADATA
 from tracefp4.components.guidance import STEP_MANIFEST
 from tracefp4.components.store import open_store
@@ -207,5 +207,12 @@ FOLDER_MARKERS = (MANIFEST, STEP_MANIFEST, METADATA)
 
 
 def delete(found: Survey) -> None:
-    """Delete what ``found`` lists, each folder's marker first: one half deleted is never read as whole."""
-    open_store(found.folder.root).delete_keys(found.keys, FOLDER_MARKERS)
+    """Delete what ``found`` lists, each folder's marker first: one half deleted is never read as whole. A
+    checkpoint folder first gets :data:`~tracefp4.components.checkpoint.UNFINISHED`, which goes last: without
+    its manifest, the config.json and weights a cut deletion left would load as a checkpoint from elsewhere."""
+    store = open_store(found.folder.root)
+    checkpoints = {key.rpartition("/")[0] for key in found.keys if key.rpartition("/")[2] == MANIFEST}
+    unfinished = {mark_unfinished(store, folder) for folder in sorted(checkpoints)}
+    unfinished |= {key for key in found.keys if key.rpartition("/")[2] == UNFINISHED}  # a cut upload's, kept too
+    store.delete_keys([key for key in found.keys if key not in unfinished], FOLDER_MARKERS)
+    store.delete_keys(sorted(unfinished), ())

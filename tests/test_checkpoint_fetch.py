@@ -460,6 +460,41 @@ def test_a_folder_whose_deletion_was_cut_short_is_refused_like_a_cut_upload(
         assert not os.path.exists(where)
 
 
+def test_a_runs_clean_cut_short_leaves_its_policies_refused_not_loadable(tmp_path, cache, monkeypatch):
+    """``runs clean`` deletes a run's folders all at once, each folder's
+    manifest first: cut short after a policy's, it left config.json and every
+    shard, which loaded as a checkpoint from elsewhere. Each checkpoint folder
+    gets UNFINISHED first, which goes last (a cut upload's too), so the
+    policy is refused, and a clean run again leaves nothing."""
+    from tracefp4.pipelines.clean import RunFolder, delete, survey
+
+    _, folder = saved(tmp_path)
+    root = (tmp_path / "store").as_uri()
+    checkpoint.upload_folder(folder, open_store(f"{root}/run/policy"))
+    cut = open_store(f"{root}/run/cut")  # an upload cut short: its marker, no manifest
+    cut.put_bytes(UNFINISHED, b"x")
+    cut.upload("config.json", folder / "config.json")
+    run = RunFolder("store", root, "run")
+    deleted, real = [], LocalStore.delete
+
+    def killed_after_the_manifest(self, key):
+        if deleted:
+            raise StoreError("killed")
+        real(self, key)
+        deleted.append(key)
+
+    with monkeypatch.context() as m:
+        m.setattr(LocalStore, "delete", killed_after_the_manifest)
+        with pytest.raises(StoreError, match="killed"):
+            delete(survey(run))
+    assert deleted == [f"run/policy/{MANIFEST}"]
+    for uri in (f"{root}/run/policy", f"{root}/run/cut"):
+        with pytest.raises(CheckpointError, match="its upload or deletion did not finish"):
+            fetch(uri)
+    delete(survey(run))
+    assert open_store(root).list("run/") == []
+
+
 @pytest.mark.parametrize("manifest", [True, False])
 def test_a_missing_shard_fails_naming_it(tmp_path, s3_env, cache, manifest):
     _, folder = saved(tmp_path, manifest=manifest)
