@@ -300,6 +300,9 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
     logged = logging.getLogger("tracefp4")
     shown = _Logged(logging.WARNING)
     logged.addHandler(shown)
+    # said here as the command's own lines, and not passed on to whatever the process's root logger holds too (a
+    # host's handlers, or one bound to a stream since closed): each said once, here
+    propagates, logged.propagate = logged.propagate, False
     try:
         if preset or config_file:
             stats = steps.export_policy(_config(preset, config_file), Path(src), Path(dst))
@@ -313,6 +316,7 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
         raise click.ClickException(str(e)) from None
     finally:
         logged.removeHandler(shown)
+        logged.propagate = propagates
     click.echo(
         f"{dst}: {stats['format']}, {stats['expert_matrices']} expert matrices in {stats['expert_bytes']} bytes "
         f"({stats['expert_bytes_bf16']} in BF16)"
