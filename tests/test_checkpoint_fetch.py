@@ -403,6 +403,24 @@ def test_a_folder_whose_upload_was_cut_short_is_refused_naming_it_until_an_uploa
     assert target.list() == files
 
 
+def killed_after_one_deletion(monkeypatch, store_type, action) -> list[str]:
+    """Run ``action`` with ``store_type``'s deletions failing after the first
+    (the step killed right after a folder's manifest went); the keys deleted."""
+    deleted, real = [], store_type.delete
+
+    def killed(self, key):
+        if deleted:
+            raise StoreError("killed")
+        real(self, key)
+        deleted.append(key)
+
+    with monkeypatch.context() as m:
+        m.setattr(store_type, "delete", killed)
+        with pytest.raises(StoreError, match="killed"):
+            action()
+    return deleted
+
+
 @pytest.mark.parametrize("backend", ["s3", "local", "folder"])
 def test_a_folder_whose_deletion_was_cut_short_is_refused_like_a_cut_upload(
     tmp_path, request, cache, monkeypatch, backend
@@ -432,19 +450,7 @@ def test_a_folder_whose_deletion_was_cut_short_is_refused_like_a_cut_upload(
         def delete():
             checkpoint.delete_folder(store, prefix)
 
-    deleted, real = [], type(store).delete
-
-    def killed_after_the_manifest(self, key):
-        if deleted:
-            raise StoreError("killed")
-        real(self, key)
-        deleted.append(key)
-
-    with monkeypatch.context() as m:
-        m.setattr(type(store), "delete", killed_after_the_manifest)
-        with pytest.raises(StoreError, match="killed"):
-            delete()
-    assert deleted == [f"{prefix}/{MANIFEST}"]
+    assert killed_after_one_deletion(monkeypatch, type(store), delete) == [f"{prefix}/{MANIFEST}"]
     assert store.list(f"{prefix}/") == sorted(f"{prefix}/{name}" for name in [UNFINISHED, *files] if name != MANIFEST)
     unfinished = re.escape(f"{where}: its upload or deletion did not finish (it holds {UNFINISHED} and no {MANIFEST})")
     for read in (fetch, fingerprint):
@@ -475,19 +481,7 @@ def test_a_runs_clean_cut_short_leaves_its_policies_refused_not_loadable(tmp_pat
     cut.put_bytes(UNFINISHED, b"x")
     cut.upload("config.json", folder / "config.json")
     run = RunFolder("store", root, "run")
-    deleted, real = [], LocalStore.delete
-
-    def killed_after_the_manifest(self, key):
-        if deleted:
-            raise StoreError("killed")
-        real(self, key)
-        deleted.append(key)
-
-    with monkeypatch.context() as m:
-        m.setattr(LocalStore, "delete", killed_after_the_manifest)
-        with pytest.raises(StoreError, match="killed"):
-            delete(survey(run))
-    assert deleted == [f"run/policy/{MANIFEST}"]
+    assert killed_after_one_deletion(monkeypatch, LocalStore, lambda: delete(survey(run))) == [f"run/policy/{MANIFEST}"]
     for uri in (f"{root}/run/policy", f"{root}/run/cut"):
         with pytest.raises(CheckpointError, match="its upload or deletion did not finish"):
             fetch(uri)
