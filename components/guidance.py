@@ -25,7 +25,7 @@ from torch import Tensor
 from tracefp4.kernels import Guidance, dequantize, get_format, per_token_global_scale, quantize
 
 from .capture import EXPERT_DTYPE, ROUTED_SITE, CaptureRecords, SiteTable, expert_bytes
-from .mismatch import join_rows
+from .mismatch import guidable, join_rows
 from .quant import QuantConfig
 from .store import ArtifactNotFound
 from .syndrome import Rate, SyndromeTable, block_layout, rate_bounds
@@ -153,8 +153,8 @@ def _guided(x: Tensor, table: SiteTable, rows: Tensor, nearest: Tensor) -> Tenso
     row holding a NaN or Inf takes its round-to-nearest values ``nearest``
     instead, as :class:`.qat.TrainingSites` rounds it (the rollout's scale
     cannot carry it)."""
-    finite = x.isfinite().all(-1, keepdim=True)
-    return torch.where(finite, dequantize(quantize(x, table.fmt, guide=table.guidance(rows))), nearest)
+    guided = dequantize(quantize(x, table.fmt, guide=table.guidance(rows)))
+    return torch.where(guidable(x)[..., None], guided, nearest)
 
 
 # -- shards --------------------------------------------------------------------

@@ -114,6 +114,15 @@ def signed_rank(codes: Tensor) -> Tensor:
     return torch.where((codes & 8) != 0, -magnitude, magnitude)
 
 
+def guidable(rows: Tensor) -> Tensor:
+    """Which training-side ``rows [N, W]`` the rollout's guidance rounds:
+    those holding no NaN or Inf, which the rollout's scale cannot carry (the
+    training path rounds them to nearest, which shows them). The one rule of
+    the training path (:class:`~.qat.TrainingSites`) and of what re-enacts
+    it (:func:`rounded`, :func:`.guidance.compaction_report`)."""
+    return rows.isfinite().all(-1)
+
+
 def join_rows(rollout: SiteTable, train: SiteTable) -> tuple[Tensor, Tensor]:
     """Row indices of the rows both tables hold: the same (trajectory, position)
     and, for expert slots, the same expert, in whichever slot each path put it
@@ -173,8 +182,7 @@ def rounded(training: CaptureRecords, guidance: CaptureRecords) -> CaptureRecord
         codes, scales, row_scales = q.codes, q.scales.view(torch.uint8), g if per_token else None
         if (small := guidance.tables.get(key)) is not None:
             rows, train_rows = join_rows(small, t)
-            # a row holding NaN or Inf rounds RTN, as TrainingSites rounds it: the rollout's scale cannot carry it
-            finite = t.inputs[train_rows].isfinite().all(-1)
+            finite = guidable(t.inputs[train_rows])
             rows, train_rows = rows[finite], train_rows[finite]
             if len(rows):
                 guided = quantize(t.inputs[train_rows], t.fmt, guide=small.guidance(rows))

@@ -43,6 +43,7 @@ from tracefp4.kernels import (
 
 from .capture import group_of_rows
 from .guidance import GuidanceError, MicrobatchGuidance
+from .mismatch import guidable
 from .quant import ACTIVATION_SITES, QuantConfig, Recorder, fp4_expert_weights, kv_from_rows, kv_rows
 from .syndrome import SyndromeTable, add_tally, decode_rows
 
@@ -184,7 +185,7 @@ class TrainingSites:
                 guide = table.guidance()
             if len(table.traj):
                 rows = x.detach()[train]
-                ok = ok & rows.isfinite().all(-1)  # the rollout's scale cannot carry a NaN or Inf: RTN shows it
+                ok = ok & guidable(rows)  # a row holding NaN or Inf rounds to nearest
                 _take_rows(q, quantize(rows, fmt, guide=guide), train, ok)
             if not self.replay:
                 self.coverage.add(key, ok.sum() * table.width, len(table.traj) * table.width)
