@@ -157,7 +157,6 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
     (<output>/report.html and report.md) and the serving export's folder.
 
     A rerun with the same config and output resumes: finished tasks are reused, not rerun."""
-    from tracefp4.components.checkpoint import provenance
     from tracefp4.components.store import StoreError
     from tracefp4.pipelines.local import Interrupted, PipelineFailed, continuation_of, ran_to_its_end, run_to_end
     from tracefp4.pipelines.resume import FolderInUse, UnreadableRunRecord
@@ -191,15 +190,23 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
         sys.exit(128 + e.signum)
     click.echo(finished.report.read_text())
     _echo_report_files(finished.page, finished.markdown)
-    for method, exported in finished.exports.items():
-        which = f" of {method}" if method else ""
-        fmt = provenance(exported)["format"]
-        click.echo(f"serving export{which}: {exported} ({fmt}, for vLLM and SGLang: docs/export.md)")
+    _echo_exports(finished.exports)
 
 
 def _echo_report_files(page: Path, markdown: Path) -> None:
     """Where to open a report: its copies in the run folder (:func:`tracefp4.pipelines.local.publish_report`)."""
     click.echo(f"report: {page} (open it in a browser), {markdown} (markdown)")
+
+
+def _echo_exports(exports: dict[str | None, Path]) -> None:
+    """Where a run's policy for serving is: its export tasks' checkpoints
+    (:func:`tracefp4.pipelines.local.serving_exports`), a comparison's by method."""
+    from tracefp4.components.checkpoint import provenance
+
+    for method, exported in exports.items():
+        which = f" of {method}" if method else ""
+        fmt = provenance(exported)["format"]
+        click.echo(f"serving export{which}: {exported} ({fmt}, for vLLM and SGLang: docs/export.md)")
 
 
 @main.command()
@@ -621,9 +628,9 @@ def presets():
 @main.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 def report(run_dir):
-    """Print the newest report of a run folder (of a comparison, its side-by-side report), and copy it to
-    report.html and report.md there, to open."""
-    from tracefp4.pipelines.local import REPORT_COPIES, publish_report
+    """Print the newest report of a run folder (of a comparison, its side-by-side report), copy it to
+    report.html and report.md there, to open, and say where its run's serving export is, as run does."""
+    from tracefp4.pipelines.local import REPORT_COPIES, publish_report, report_exports
     from tracefp4.pipelines.resume import PIPELINE_ROOT, finished_reports, written_reports
 
     if not Path(run_dir, PIPELINE_ROOT).is_dir():  # a folder above the run folder, say, or a task's own
@@ -646,6 +653,10 @@ def report(run_dir):
             f"({e.strerror or e}); it is {found[-1].with_name('page')} (HTML) and {found[-1]} (markdown)",
             err=True,
         )
+    try:
+        _echo_exports(report_exports(Path(run_dir), found[-1]))
+    except ValueError as e:  # damaged from outside: the report is shown
+        click.echo(f"warning: {e}: its run's serving export is not known", err=True)
 
 
 @runs.command("clean")

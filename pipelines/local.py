@@ -21,6 +21,7 @@ Nothing silent, nothing lost:
 
 import builtins
 import contextlib
+import json
 import logging
 import os
 import re
@@ -58,6 +59,8 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # a report task's artifacts (KFP names them, without an extension) -> their copies in the run folder, named so that
 # a browser opens the page as HTML from file:// (it shows a file without an extension as text)
 REPORT_COPIES = {"page": "report.html", "markdown": "report.md"}
+# beside a report task's artifacts: the run they are of (record_report)
+REPORT_RUN = "run.json"
 
 
 class PipelineFailed(Exception):
@@ -407,6 +410,36 @@ def serving_exports(run_dir: Path, run_id: str, methods: list[str] | None = None
     return found
 
 
+def record_report(report: Path, run_id: str, methods: list[str] | None) -> None:
+    """Write beside the report whose markdown artifact is ``report`` the run it
+    is of, ``run_id`` (a comparison's with its ``methods``), for
+    :func:`report_exports`: no artifact says it otherwise. A report task resumed
+    alone (its run stopped while it ran) runs in an attempt's folder of its own,
+    holding none of that run's other outputs, and a report's cache entry holds
+    its outputs, not its inputs. A report is one run's: kfp.local's key of its
+    task holds the run id."""
+    record = json.dumps({"run_id": run_id, "methods": methods}) + "\n"
+    write_atomic(report.with_name(REPORT_RUN), lambda f: f.write(record.encode()))
+
+
+def report_exports(run_dir: Path, report: Path) -> dict[str | None, Path]:
+    """The :func:`serving_exports` of the run whose report (markdown artifact)
+    is ``report``, in the local run folder ``run_dir``, by the run
+    :func:`record_report` wrote beside it: none where it wrote none (a run of
+    an earlier tracefp4, or one stopped after its report task finished and
+    before it returned: its rerun writes it). A ValueError, naming the file,
+    where what is there cannot be read."""
+    path = report.with_name(REPORT_RUN)
+    if not path.exists():
+        return {}
+    try:
+        run = json.loads(path.read_text())
+        run_id, methods = run["run_id"], run["methods"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
+    return serving_exports(run_dir, run_id, methods)
+
+
 class Finished(NamedTuple):
     """What a local run that ran to its end leaves to read and to serve."""
 
@@ -527,5 +560,6 @@ def run_to_end(
                 file=out,
             )
         report = Path(task.output.path)
+        record_report(report, run_id, methods)
         # under the folder's lock: a run that finishes after this one replaces the copies after these
-        return Finished(report, *publish_report(report, output), serving_exports(output, run_id, methods))
+        return Finished(report, *publish_report(report, output), report_exports(output, report))

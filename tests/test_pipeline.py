@@ -525,6 +525,39 @@ def test_cli_report_of_a_run(smoke_run, tmp_path):
     assert result.exit_code == 1 and "no report its task finished writing (one was interrupted: rerun" in result.output
 
 
+def test_cli_report_says_where_its_runs_serving_export_is(smoke_run, tmp_path):
+    """As `tracefp4 run` ends: it did not, having no run id to know the run's export by. A report task resumed
+    alone runs in an attempt's folder of its own, holding no export; a run folder of an earlier tracefp4 records
+    no run beside its report (nothing said), and a record damaged from outside is said, the report shown."""
+    out, report = smoke_run
+    exported = next(out.glob("pipeline_root/*/export/exported"))
+    ending = f"serving export: {exported} (nvfp4-pack-quantized, for vLLM and SGLang: docs/export.md)"
+    result = CliRunner().invoke(main, ["report", str(out)])
+    assert result.exit_code == 0 and result.output.splitlines()[-2:] == [
+        f"report: {out / 'report.html'} (open it in a browser), {out / 'report.md'} (markdown)",
+        ending,
+    ], result.output
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved)
+    alone = moved / "pipeline_root" / "tracefp4-smoke-resumed" / "report"
+    alone.parent.mkdir()
+    shutil.move(moved / report.relative_to(out).parent, alone)
+    for entry in (moved / "completed").glob("*.json"):  # its task's cache entry names where it is now
+        entry.write_text(entry.read_text().replace(str(report.parent), str(alone)))
+    result = CliRunner().invoke(main, ["report", str(moved)])
+    assert result.exit_code == 0 and "# tracefp4 run `smoke`" in result.output, result.output
+    assert result.output.splitlines()[-1] == ending.replace(str(out), str(moved))
+    (alone / "run.json").write_text("{")
+    result = CliRunner().invoke(main, ["report", str(moved)])
+    assert result.exit_code == 0 and result.output.splitlines()[-1] == (
+        f"warning: {alone / 'run.json'}: unreadable (JSONDecodeError: Expecting property name enclosed in double "
+        "quotes: line 1 column 2 (char 1)): its run's serving export is not known"
+    )
+    (alone / "run.json").unlink()
+    result = CliRunner().invoke(main, ["report", str(moved)])
+    assert result.exit_code == 0 and result.output.splitlines()[-1].startswith("report: "), result.output
+
+
 def test_comparison_pipeline_fans_out_over_methods(tmp_path):
     unpatched = builtins.print
     report = run_local(get_preset("smoke"), tmp_path, tmp_path / "log", methods=["trace", "bf16"])
@@ -540,6 +573,11 @@ def test_comparison_pipeline_fans_out_over_methods(tmp_path):
     result = CliRunner().invoke(main, ["report", str(tmp_path)])  # a comparison folder's: the side-by-side one
     assert result.exit_code == 0 and f"report: {tmp_path / 'report.html'}" in result.output, result.output
     assert (tmp_path / "report.html").read_bytes() == report.with_name("page").read_bytes()
+    exports = sorted(tmp_path.glob("pipeline_root/*/for-loop-*/export/exported"))  # iteration 0's first: trace's
+    assert result.output.splitlines()[-2:] == [
+        f"serving export of {method}: {path} ({provenance(path)['format']}, for vLLM and SGLang: docs/export.md)"
+        for method, path in zip(["trace", "bf16"], exports)
+    ]
     with pytest.raises(ValueError, match="2 trainer states, one per method of a comparison: continue one method"):
         continuation_of(tmp_path, steps_per_round=1)
     assert all("## Continue this run" in r.read_text() for r in reports)  # each method's, as a run of its own
