@@ -275,6 +275,17 @@ def _where(figures: dict, prefix: str = "") -> dict:
     return {key: figures.get(prefix + key) or "" for key in MEASURED_ON}
 
 
+def machines(records: list[dict], prefix: str) -> dict:
+    """Where a figure measured across several ``records`` (a round's rollout workers, its steps resumed on
+    another machine) was measured: each :data:`MEASURED_ON` key, after ``prefix``, with each machine kind once,
+    ``; `` between (None where no record says)."""
+    return {
+        prefix + key: "; ".join(dict.fromkeys(r[prefix + key] for r in records if r.get(prefix + key) is not None))
+        or None
+        for key in MEASURED_ON
+    }
+
+
 def _compaction(m: RunMetrics, stats: dict, config) -> None:
     for key in ("guidance_bytes", "capture_bytes", "guidance_bits_per_element", "compaction_ratio"):
         m.set(f"tracefp4_{key}", stats[key])
@@ -323,8 +334,9 @@ def round_means(rows: list[dict]) -> dict[str, float]:
 
 def _train(m: RunMetrics, rows: list[dict], config) -> None:
     m.set("tracefp4_train_steps", len(rows))
-    # the round's last step's machine: the process that finished the round (a resumed one's earlier steps may differ)
-    m.set("tracefp4_train_step_seconds", _mean(rows, "train_seconds"), **_where(rows[-1], "train_"))
+    # a mean over the round's steps, so labelled by all their machines: a round resumed on another (a distributed
+    # trainer's, from its checkpoint) has steps of each
+    m.set("tracefp4_train_step_seconds", _mean(rows, "train_seconds"), **_where(machines(rows, "train_"), "train_"))
     m.set("tracefp4_guidance_reload_seconds", _mean(rows, "reload_seconds"))
     m.set("tracefp4_guidance_coverage_ratio", _mean(rows, "guidance_coverage") if config.method == "trace" else None)
     # the round's failed blocks of all its blocks, not the mean of its steps' shares; none with the bits codec

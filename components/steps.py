@@ -62,7 +62,7 @@ from .guidance import (
     select_layers,
     step_prefix,
 )
-from .metrics import MEASURED_ON
+from .metrics import MEASURED_ON, machines
 from .mismatch import teacher_force
 from .model import build_model, get_preset
 from .quant import BF16, QuantConfig, rollout_config
@@ -595,8 +595,7 @@ def gather(
         "upload_seconds": None,
     }
     stats["rollout_tokens_per_second"] = stats["rollout_tokens"] / slowest
-    for key in (f"rollout_{key}" for key in MEASURED_ON):
-        stats[key] = "; ".join(dict.fromkeys(s[key] for s in part_stats if s.get(key) is not None)) or None
+    stats |= machines(part_stats, "rollout_")
     for key in ("capture_overhead_ratio", "offload_seconds", "upload_seconds"):
         values = [s[key] for s in part_stats if s.get(key) is not None]
         if values:
