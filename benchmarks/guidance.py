@@ -32,7 +32,7 @@ from tracefp4.components.device import resolve
 from tracefp4.components.guidance import (
     GuidanceLoader,
     compact,
-    compaction_report,
+    compaction_figures,
     select_layers,
     write_step,
 )
@@ -69,17 +69,8 @@ def compaction_table(engine, trajectories, full) -> tuple[list[dict], dict]:
     for bits in (1, 2, 3, 4):
         for label, spec in selections.items():
             chosen = select_layers(spec, layers)
-            total = compaction_report(full, compact(full, bits, chosen), training).total
-            rows.append(
-                {
-                    "bits": bits,
-                    "layers": label,
-                    "chosen": list(chosen),
-                    "bits_per_element": total["bits_per_element"],
-                    "ratio_to_full": total["ratio_to_full"],
-                    "fidelity": total["fidelity"],
-                }
-            )
+            figures = compaction_figures(full, bits, chosen, training)
+            rows.append({"bits": bits, "layers": label, "chosen": list(chosen), **figures})
     return rows, mismatch
 
 

@@ -20,7 +20,7 @@ from . import steps
 from .capture import CaptureConfig
 from .checkpoint import load_model
 from .device import hardware
-from .guidance import GuidanceLoader, compact, compaction_report, select_layers, write_step
+from .guidance import GuidanceLoader, compact, compaction_figures, select_layers, write_step
 from .mismatch import teacher_force
 from .ptq import apply_ptq, scored_under
 from .quant import QuantConfig
@@ -196,13 +196,6 @@ def _discrepancy(
         for bits in SENSITIVITY_BITS:
             for count in sorted({1, max(1, len(available) // 2), len(available)}):
                 chosen = select_layers(count, available)
-                total = compaction_report(records, compact(records, bits, chosen), training).total
-                rows.append(
-                    {
-                        "bits": bits,
-                        "layers": count,
-                        "layer_indices": list(chosen),
-                        **{key: total[key] for key in ("bits_per_element", "ratio_to_full", "fidelity")},
-                    }
-                )
+                figures = compaction_figures(records, bits, chosen, training)
+                rows.append({"bits": bits, "layers": count, "layer_indices": list(chosen), **figures})
     return {"discrepancy": discrepancy, "guidance_sensitivity": rows}

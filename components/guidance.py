@@ -148,6 +148,16 @@ def compaction_report(full: CaptureRecords, compacted: CaptureRecords, training:
     return report
 
 
+def compaction_figures(full: CaptureRecords, bits: int, layers: Iterable[int], training: CaptureRecords) -> dict:
+    """Bits per element, ratio to the full record and fidelity of ``full``
+    compacted to ``bits`` at ``layers`` (:func:`compaction_report`'s totals):
+    one cell of the guidance sensitivity table (R-k bits x layers) that the
+    evaluation reports and benchmarks/guidance.py measures, each over its own
+    choices of bits and layers."""
+    total = compaction_report(full, compact(full, bits, layers), training).total
+    return {key: total[key] for key in ("bits_per_element", "ratio_to_full", "fidelity")}
+
+
 def _guided(x: Tensor, table: SiteTable, rows: Tensor, nearest: Tensor) -> Tensor:
     """The training path's values of ``x`` guided by ``table``'s ``rows``: a
     row holding a NaN or Inf takes its round-to-nearest values ``nearest``
