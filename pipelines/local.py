@@ -288,6 +288,29 @@ class _Progress(threading.Thread):
 
 
 @contextlib.contextmanager
+def _kfp_local_swaps_undone():
+    """``builtins.print`` and the root logger's handlers and level as they were
+    before the run, after it. While a component runs kfp.local swaps each (a
+    print wrapper that indents; its own handler at INFO, bound to the stdout of
+    the moment, the run's log) and then restores what it found: two loop
+    iterations at once restore each other's, and one of them stays. A process
+    that runs on (a notebook, the tests) would indent every later print, and
+    hand every later log line to a handler whose stream, the run's log, is
+    closed: a 'Logging error' each time."""
+    root = logging.getLogger()
+    printer, handlers, level = builtins.print, list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        builtins.print = printer
+        for handler in [h for h in root.handlers if h not in handlers]:
+            root.removeHandler(handler)
+        for handler in handlers:
+            root.addHandler(handler)  # none twice: addHandler adds only what is not there
+        root.setLevel(level)
+
+
+@contextlib.contextmanager
 def _logging_to(stream):
     """The root logger at INFO into ``stream`` for the run, as kfp.local's log contexts set it."""
     root, handler = logging.getLogger(), logging.StreamHandler(stream)
@@ -525,9 +548,7 @@ def run_to_end(
         stream = _Log(Path(log) if log else output / "pipeline.log", echo=out if verbose else None)
         stream.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} run id {run_id}{' (resumed)' if resumed else ''}\n")
         with contextlib.ExitStack() as stack:
-            # kfp.local indents print's lines while a component runs (builtins.print swapped for a wrapper); two loop
-            # iterations at once restore each other's wrapper, one of which stays
-            stack.callback(setattr, builtins, "print", builtins.print)
+            stack.enter_context(_kfp_local_swaps_undone())
             stack.callback(stream.file.close)
             # kfp.local's lines outside its own log contexts: cache hits, retries
             stack.enter_context(_logging_to(stream))

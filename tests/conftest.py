@@ -1,6 +1,7 @@
 """Shared test setup. Without a GPU, Triton kernels run in its interpreter on
 CPU tensors; the variable must be set before anything imports triton."""
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -36,6 +37,22 @@ def torch_seeded():
     files to its workers in no fixed order. A draw that fails a test then
     fails it every time, not one run in many."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def root_logging_left_as_found():
+    """A test that leaves a handler on the root logger fails, and the handler
+    goes: bound to a stream that test owned (a CliRunner's output, pytest's
+    capture of it), it would take every later test's warnings in the same
+    process and print 'Logging error' where that stream no longer writes."""
+    root = logging.getLogger()
+    before = list(root.handlers)
+    yield
+    left = [handler for handler in root.handlers if handler not in before]
+    for handler in left:
+        root.removeHandler(handler)
+    if left:
+        pytest.fail(f"the test left {left} on the root logger; remove what it adds")
 
 
 @pytest.fixture(scope="module")

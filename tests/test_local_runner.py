@@ -2,10 +2,12 @@
 component), resuming a run folder, stopping the running component on a
 signal; then the CLI end to end: a failing component, a kill and a resume."""
 
+import builtins
 import contextlib
 import hashlib
 import io
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,7 +22,15 @@ from tracefp4.components.checkpoint import commit_folder, staging_folder
 from tracefp4.components.store import open_store
 from tracefp4.pipelines import resume
 from tracefp4.pipelines.cli import main
-from tracefp4.pipelines.local import _Log, failed_method, failed_task, progress_state, run_local, serving_exports
+from tracefp4.pipelines.local import (
+    _kfp_local_swaps_undone,
+    _Log,
+    failed_method,
+    failed_task,
+    progress_state,
+    run_local,
+    serving_exports,
+)
 from tracefp4.pipelines.pipeline import build_comparison_pipeline, build_pipeline
 from tracefp4.schemas import ConfigError, RunConfig, get_preset, load_config
 
@@ -485,3 +495,21 @@ def test_cli_killed_after_prepare_resumes_without_running_prepare_again(tmp_path
     assert "Task configure cache hit" in rerun and "Task prepare cache hit" in rerun
     assert "Executing task 'prepare'" not in rerun
     assert "Executing task 'rollout'" in rerun and attempt >= 2
+
+
+def test_what_two_loop_iterations_of_kfp_local_swap_at_once_is_undone():
+    """kfp.local's own contexts, entered as two loop iterations of a comparison
+    interleave them: each restores what it found, the other's, and one stays."""
+    from kfp.local import logging_utils
+
+    root = logging.getLogger()
+    printer, handlers, level = builtins.print, list(root.handlers), root.level
+    with _kfp_local_swaps_undone():
+        first, second = contextlib.ExitStack(), contextlib.ExitStack()
+        for iteration in (first, second):
+            iteration.enter_context(logging_utils.local_logger_context())
+            iteration.enter_context(logging_utils.indented_print())
+        first.close()
+        second.close()
+        assert builtins.print is not printer and root.handlers != handlers  # what kfp.local leaves on its own
+    assert builtins.print is printer and root.handlers == handlers and root.level == level

@@ -5,6 +5,7 @@ import builtins
 import gc
 import io
 import json
+import logging
 import shutil
 import time
 import weakref
@@ -559,9 +560,11 @@ def test_cli_report_says_where_its_runs_serving_export_is(smoke_run, tmp_path):
 
 
 def test_comparison_pipeline_fans_out_over_methods(tmp_path):
-    unpatched = builtins.print
+    unpatched, handlers = builtins.print, list(logging.getLogger().handlers)
     report = run_local(get_preset("smoke"), tmp_path, tmp_path / "log", methods=["trace", "bf16"])
-    assert builtins.print is unpatched  # kfp.local's indenting wrapper, left by two branches at once, is gone
+    # what kfp.local swaps while a component runs, left by two branches at once, is gone: its indenting print
+    # wrapper, and its root handler bound to the run's log (closed since)
+    assert builtins.print is unpatched and logging.getLogger().handlers == handlers
     text = report.read_text()
     assert "# tracefp4 comparison `smoke`" in text
     assert "| bf16 | trained | bf16 |" in text and "| trace | trained | fp4_wa_kv |" in text
