@@ -1,8 +1,10 @@
 """The documentation names only what exists: every relative link and anchor
-resolves, and every ``tracefp4`` command line, ``--set`` path and ``make``
-target that README.md and docs/ show is one the code has. A renamed option or
-heading otherwise leaves the docs sending users to something that fails."""
+resolves, and every ``tracefp4`` command line, ``--set`` path, ``make``
+target and ``python benchmarks/...`` command line that README.md and docs/
+show is one the code has. A renamed option or heading otherwise leaves the
+docs sending users to something that fails."""
 
+import ast
 import re
 from pathlib import Path
 
@@ -55,6 +57,18 @@ def commands() -> dict[str, set[str]]:
     return found
 
 
+def benchmark_options(script: Path) -> set[str]:
+    """The options ``script``'s argparse parser takes: the string arguments of its ``add_argument`` calls, read
+    from its source rather than by running ``--help`` (each benchmark imports torch and the library first)."""
+    return {
+        arg.value
+        for node in ast.walk(ast.parse(script.read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "add_argument"
+        for arg in node.args
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str)
+    }
+
+
 def config_paths(model=RunConfig, prefix="") -> set[str]:
     paths = set()
     for name, field in model.model_fields.items():
@@ -100,4 +114,12 @@ def test_commands_options_set_paths_and_make_targets_exist(doc):
                         wrong.append(f"no config field {path}")
             if words[:1] == ["make"] and len(words) > 1 and "=" not in words[1] and words[1] not in targets:
                 wrong.append(f"no make target: {part.strip()}")
+            benchmark = re.search(r"\bpython3? (?:-P )?(benchmarks/\w+\.py)(.*)", part)
+            if benchmark:
+                script = ROOT / benchmark.group(1)
+                if not script.exists():
+                    wrong.append(f"no benchmark {benchmark.group(1)}")
+                    continue
+                options = {w.split("=")[0].rstrip(",.;)") for w in benchmark.group(2).split() if w.startswith("--")}
+                wrong += [f"{benchmark.group(1)} has no {o}" for o in sorted(options - benchmark_options(script))]
     assert not wrong, f"{doc.name}: {wrong}"
