@@ -70,6 +70,20 @@ def expert_bytes(site: str, rows: int) -> int:
     return rows * EXPERT_DTYPE.itemsize if site == ROUTED_SITE else 0
 
 
+def site_shape(cfg: ModelConfig, site: str) -> tuple[int, int]:
+    """Elements per captured row of ``site`` and rows per token (a routed site's
+    ``top_k`` expert slots) in a model of ``cfg``: what a capture holds, and
+    what ``tracefp4 plan`` sizes guidance by (:mod:`.plan`)."""
+    kv_width = cfg.num_kv_heads * cfg.head_dim
+    shapes = {
+        "moe_in": (cfg.hidden_size, 1),
+        ROUTED_SITE: (cfg.moe_intermediate_size, cfg.top_k),
+        "k_cache": (kv_width, 1),
+        "v_cache": (kv_width, 1),
+    }
+    return shapes[site]
+
+
 def row_key(traj: Tensor, pos: Tensor, slot: Tensor) -> Tensor:
     """``(traj << 32) | (pos << 8) | slot`` of captured rows (none of them
     padding), after checking that every field fits its bits: a field that
@@ -329,17 +343,10 @@ class Capture:
             raise ValueError(f"top_k {model_cfg.top_k} exceeds the capture row key's {1 << KEY_SLOT_BITS} slots")
         self.cfg, self.quant, self.config, self.device = model_cfg, quant, config, device
         self.global_scales = {k: float(v) for k, v in global_scales.items()}
-        kv_width = model_cfg.num_kv_heads * model_cfg.head_dim
-        site_shapes = {  # elements per row, rows per token
-            "moe_in": (model_cfg.hidden_size, 1),
-            ROUTED_SITE: (model_cfg.moe_intermediate_size, model_cfg.top_k),
-            "k_cache": (kv_width, 1),
-            "v_cache": (kv_width, 1),
-        }
         self._widths, shapes = {}, {}
         for layer in filter(config.keeps, range(model_cfg.num_layers)):
             for site in quant.fp4_sites(model_cfg, layer):
-                fmt, (width, per_token) = quant.site_format(site), site_shapes[site]
+                fmt, (width, per_token) = quant.site_format(site), site_shape(model_cfg, site)
                 self._widths[(layer, site)] = width
                 if site in ACTIVATION_SITES or kv_from_forward:
                     nscales = width // get_format(fmt).block_size

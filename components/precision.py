@@ -38,6 +38,18 @@ PRECISIONS = ("bf16", "fp32_master")
 log = logging.getLogger(__name__)
 
 
+def policy_dtype(precision: str, rollout_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a trainer of ``precision`` saves the policy in (the module's
+    docstring says why), whatever dtype the model was built or loaded in."""
+    return torch.bfloat16 if precision == "bf16" else rollout_dtype
+
+
+def saves_masters(policy: torch.dtype) -> bool:
+    """Whether a trainer state beside a stepped policy saved in ``policy`` holds
+    float32 master weights: a float32 policy is its own master."""
+    return policy != torch.float32
+
+
 class MasterWeights:
     """A model's parameters in the precision's dtype (converted in place) and
     the float32 tensors its optimizer steps, by parameter name."""
@@ -49,7 +61,7 @@ class MasterWeights:
         self.params = dict(model.named_parameters())  # a tied weight once
         given = next(iter(self.params.values())).dtype
         # what a save writes the policy in, whatever the dtype the model was built, bootstrapped or converted in
-        self.policy_dtype = torch.bfloat16 if precision == "bf16" else rollout_dtype
+        self.policy_dtype = policy_dtype(precision, rollout_dtype)
         # a master made from bf16 parameters lacks the bits below bf16 that a saved master would have
         self.from_bf16 = precision == "bf16" and any(p.dtype == torch.bfloat16 for p in self.params.values())
         # whether the master holds bits the policy saved in policy_dtype does not: made from wider parameters
@@ -94,7 +106,7 @@ class MasterWeights:
         the parameters given in that dtype, never stepped (a fresh policy's
         state: 140 GB less at Qwen3.5-35B-A3B, which :meth:`load` rebuilds
         from the policy without loss)."""
-        return self.master if self.beyond_policy and self.policy_dtype != torch.float32 else {}
+        return self.master if self.beyond_policy and saves_masters(self.policy_dtype) else {}
 
     def check(self, saved: Iterable[str]) -> None:
         """Refuse saved master weights (by name) that are not this model's, all of them."""

@@ -1,10 +1,11 @@
 """The tracefp4 command: run the pipeline here, bootstrap a base policy,
-export a policy for serving (compressed-tensors NVFP4 / MXFP4), compile the
-pipeline for a cluster and submit it, follow its runs and delete what a
+export a policy for serving (compressed-tensors NVFP4 / MXFP4), size what a
+run writes and needs, compile the pipeline for a cluster and submit it, follow its runs and delete what a
 finished one left in object storage, write the config's JSON Schema and the
 Grafana dashboards, list presets, show a run's report, delete a run's metrics
 from a Pushgateway."""
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -623,6 +624,78 @@ def presets():
             f"{config.rl.rounds}x{config.rl.steps_per_round} steps"
             + (f", {config.rl.rounds_per_run} rounds a run" if config.rl.chained else "")
         )
+
+
+def _size(n: float) -> str:
+    """Bytes for a reader: in decimal units (GB, TB), as the docs give them."""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+
+
+@main.command()
+@preset_option
+@config_option
+@set_option
+@click.option(
+    "--model-config",
+    type=click.Path(exists=True, dir_okay=False),
+    help="The model's config.json on disk, where model.checkpoint is in a store this machine does not reach.",
+)
+@click.option(
+    "--tokens-per-trajectory",
+    type=click.IntRange(1),
+    help="Mean tokens of a trajectory, prompt and response (default: the bound model.max_seq_len).",
+)
+def plan(preset, config_file, sets, model_config, tokens_per_trajectory):
+    """What a run writes and needs: its policy, trainer state and guidance, per round, run and chain, by where
+    they land (docs/deploy.md, "Object storage"); the figures again as one JSON line at the end."""
+    from tracefp4.components import plan as planning
+
+    config = _config(preset, config_file, sets=sets)
+    try:
+        figures = planning.plan(config, planning.model_config(config, model_config), tokens_per_trajectory)
+    except planning.PlanError as e:
+        raise click.ClickException(str(e)) from None
+    f = figures
+    bound = "at most" if f["tokens_per_trajectory_is_bound"] else "a mean of"
+    rows = [
+        ("model", f"{f['model_type']}, {f['parameters']:,} parameters"),
+        ("policy", f"{_size(f['policy_bytes'])} ({f['policy_dtype']}: a save's Hub tensors)"),
+        (
+            "trainer state",
+            f"{_size(f['trainer_state_bytes'])} (AdamW's float32 moments and step"
+            + (", float32 master weights)" if f["trainer_state_masters"] else ")"),
+        ),
+        ("guided layers", ", ".join(map(str, f["guided_layers"])) or "none"),
+        (
+            "guidance a token",
+            f"{_size(f['guidance_bytes_per_token'])} (full 4-bit capture: {_size(f['full_capture_bytes_per_token'])})",
+        ),
+        ("capture a token", f"{_size(f['capture_bytes_per_token'])} (shipped for compaction besides guidance)"),
+        (
+            "round",
+            f"{f['trajectories_per_round']:,} trajectories of {bound} {f['tokens_per_trajectory']:,} tokens: "
+            f"{f['tokens_per_round']:,} tokens",
+        ),
+        ("guidance a round", _size(f["guidance_bytes_per_round"] + f["capture_bytes_per_round"])),
+        (
+            "store",
+            f"{_size(f['store_bytes_per_run'])} a run of {f['rounds_per_run']} rounds, "
+            f"{_size(f['store_bytes_per_chain'])} a chain of {f['runs']} runs; trainer states "
+            f"{_size(f['store_trainer_state_bytes'])} at once",
+        ),
+        (
+            "pipeline root",
+            f"{_size(f['pipeline_root_bytes_per_run'])} a run (policies), "
+            f"{_size(f['pipeline_root_bytes_per_chain'])} a chain; trajectories not counted",
+        ),
+    ]
+    for name, text in rows:
+        click.echo(f"{name:17} {text}")
+    click.echo("runs clean deletes all but the run's record (report, metrics, the exported policy)")
+    click.echo(json.dumps(figures))
 
 
 @main.command()

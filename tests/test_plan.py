@@ -1,0 +1,129 @@
+"""``tracefp4 plan``'s figures are what the steps write: a smoke run's policy,
+trainer state, guidance and capture, measured on what prepare, rollout,
+compaction and train wrote, against the plan of the same config; a model it
+cannot know is an error naming what to give."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from tracefp4.components import steps
+from tracefp4.components.checkpoint import config_to_hf
+from tracefp4.components.guidance import read_step
+from tracefp4.components.model import QWEN35_35B_A3B, get_preset
+from tracefp4.components.plan import PlanError, model_config, plan
+from tracefp4.components.store import open_store
+from tracefp4.components.tensor_files import tensor_files, tensor_layout
+from tracefp4.pipelines.cli import _size, main
+from tracefp4.pipelines.local import localize
+from tracefp4.schemas import load_config
+
+RUN = "run-a"
+SHARD_HEADER = 1 << 16  # a shard's preamble, JSON header and digest: guidance.HEADER_READ bounds a paper preset's
+
+
+def tensor_bytes(folder, stem: str) -> int:
+    """Bytes of the tensors a folder's safetensors files hold, by their headers (no header counted)."""
+    layout = tensor_layout(tensor_files(folder, stem))
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout.values())
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},  # inline R-1bit guidance, a float32 policy: no master weights in the trainer state
+        {"model.dtype": "bfloat16", "guidance.compaction": "offline"},  # a full capture; bf16 policy, float32 masters
+        {"guidance.codec": "syndrome"},  # parity at the first step's rate, from a 1-bit capture
+    ],
+    ids=["inline", "offline-bf16", "syndrome"],
+)
+def test_plan_predicts_what_the_steps_write(tmp_path, overrides):
+    config = localize(load_config(None, preset="smoke", overrides=overrides or None), tmp_path)
+    figures = plan(config, model_config(config))
+    policy, state, trajectories = tmp_path / "policy", tmp_path / "state", tmp_path / "trajectories.jsonl"
+    steps.prepare(config, policy, RUN, state)
+    steps.rollout(config, policy, 0, trajectories, RUN)
+    ref, size = steps.compaction(config, policy, trajectories, 0, RUN)
+    steps.train(config, policy, state, trajectories, ref, tmp_path / "next", tmp_path / "next-state", RUN, {})
+    # the weights and the trainer state's tensors, exactly; their files add only safetensors' JSON headers
+    assert tensor_bytes(policy, "model") == tensor_bytes(tmp_path / "next", "model") == figures["policy_bytes"]
+    assert tensor_bytes(tmp_path / "next-state", "state") == figures["trainer_state_bytes"]
+    # guidance: compaction's count of the step's table bytes, a token's times the tokens captured (a row each at
+    # moe_in); the shards add a header each
+    store = open_store(config.store.uri)
+    prefix = steps.store_prefix(config, RUN, "guidance")
+    tables = read_step(store, 0, prefix).tables
+    tokens = len(next(t for (_, site), t in tables.items() if site == "moe_in").traj)
+    predicted = figures["guidance_bytes_per_token"] * tokens
+    if config.guidance.codec == "syndrome":  # narrow rows share a block: each trajectory's last may be part empty
+        trajectories = len(set(tables[next(iter(tables))].traj.tolist()))
+        block = sum(t.rate.code_bits + t.rate.scale_bits for t in tables.values()) // 8  # a block of each table
+        assert 0 <= size["guidance_bytes"] - predicted <= trajectories * block
+    else:
+        assert size["guidance_bytes"] == predicted
+    shards = {key: n for key, n in store.sizes(prefix + "/").items() if not key.endswith("manifest.json")}
+    assert 0 < sum(shards.values()) - size["guidance_bytes"] < len(shards) * SHARD_HEADER
+    # what the rollout shipped for compaction besides: a full capture (offline), the 1-bit capture the syndrome
+    # codec codes, nothing where its shards are the guidance
+    capture = read_step(store, 0, steps.store_prefix(config, RUN, "capture")).nbytes if overrides else 0
+    assert capture == figures["capture_bytes_per_token"] * tokens
+    if config.guidance.compaction == "offline":
+        assert size["capture_bytes"] == capture and capture == figures["full_capture_bytes_per_token"] * tokens
+    assert tokens <= figures["tokens_per_round"]  # the plan's bound: every trajectory at model.max_seq_len
+
+
+def test_a_model_that_cannot_be_known_is_an_error_naming_what_to_give(tmp_path):
+    config = load_config(None, preset="paper-nvfp4-wa-kv")
+    with pytest.raises(
+        PlanError, match="model.checkpoint s3://models/qwen3.5-35b-a3b: .*give a copy of it with --model-config"
+    ):
+        model_config(config)
+    garbled = tmp_path / "config.json"
+    garbled.write_text('{"model_type": "llama"}')
+    result = CliRunner().invoke(main, ["plan", "--preset", "paper-nvfp4-wa-kv", "--model-config", str(garbled)])
+    assert result.exit_code == 1 and f"--model-config {garbled}: " in result.output
+    small = tmp_path / "small.json"  # a 2-layer model for a config that guides the deepest 20: refused as prepare would
+    small.write_text(json.dumps(config_to_hf(get_preset("smoke"))))
+    result = CliRunner().invoke(main, ["plan", "--preset", "paper-nvfp4-wa-kv", "--model-config", str(small)])
+    assert result.exit_code == 1 and "guidance.layers: the deepest 20 layers with FP4 sites; the model (" in (
+        result.output
+    )
+    result = CliRunner().invoke(main, ["plan", "--preset", "smoke", "--tokens-per-trajectory", "65"])
+    assert result.exit_code == 1 and "must be 1 to model.max_seq_len (64)" in result.output
+
+
+def test_plan_prints_a_table_and_one_json_line_of_its_figures(tmp_path):
+    hf = tmp_path / "config.json"
+    hf.write_text(json.dumps(config_to_hf(QWEN35_35B_A3B)))
+    args = ["plan", "--preset", "paper-nvfp4-wa-kv", "--model-config", str(hf), "--tokens-per-trajectory", "10000"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    *table, last = result.output.splitlines()
+    figures = json.loads(last)
+    assert figures["policy_bytes"] == 2 * figures["parameters"] and "policy" in table[1]
+    assert figures["guidance_bytes_per_round"] == round(figures["guidance_bytes_per_token"] * 16384 * 10000)
+
+
+def test_the_deploy_docs_sizes_are_the_commands():
+    """docs/deploy.md's "Sizes" table is what ``tracefp4 plan`` prints for the paper presets at 10,000 tokens a
+    trajectory, on the architecture the code holds for their checkpoint."""
+    rows = {
+        "policy": "policy_bytes",
+        "trainer state": "trainer_state_bytes",
+        "guidance a token": "guidance_bytes_per_token",
+        "guidance a round": "guidance_bytes_per_round",
+        "store, a run of 14 rounds": "store_bytes_per_run",
+        "store, the chain's 100 rounds": "store_bytes_per_chain",
+        "pipeline root, a run": "pipeline_root_bytes_per_run",
+        "pipeline root, the chain": "pipeline_root_bytes_per_chain",
+    }
+    text = (Path(__file__).parents[1] / "docs" / "deploy.md").read_text()
+    cells = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:3] for line in text.splitlines() if line[:2] == "| "}
+    for column, preset in enumerate(("paper-nvfp4-wa-kv", "paper-w4a8-mxfp4-kv")):
+        figures = plan(load_config(None, preset=preset), QWEN35_35B_A3B, 10000)
+        assert cells["parameters"][0] == f"{figures['parameters']:,}"
+        for row, key in rows.items():
+            assert cells[row][column] == _size(figures[key]), (preset, row)
