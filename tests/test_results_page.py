@@ -84,9 +84,9 @@ def test_a_repro_output_is_rendered_and_leaves_the_pending_list(tmp_path):
     (folder / "repro-per-token.json").write_text(json.dumps(data))
     page = results_page.render(folder)
     assert "`python benchmarks/repro.py --output x`" in page
-    assert "| bf16 per_token | qat | 2 | 0.00400 | 0.1000 | 1.00e-04 | 0.0070 | 0.000 | - | - |" in page
+    assert "| bf16 per_token | qat | 2 | 4.00e-03 | 1.00e-01 | 1.00e-04 | 0.0070 | 0.000 | - | - |" in page
     assert "- bf16 per_token: trace, R-1bit all layers has 0.0000 code mismatch against QAT's 0.0070" in page
-    assert "a mean |logprob diff| of 0.00100 against QAT's 0.00400" in page
+    assert "a mean |logprob diff| of 1.00e-03 against QAT's 4.00e-03" in page
     assert "--output docs/results/repro-per-token.json" not in page
 
 
