@@ -1,6 +1,7 @@
 """Shared test setup. Without a GPU, Triton kernels run in its interpreter on
 CPU tensors; the variable must be set before anything imports triton."""
 
+import builtins
 import logging
 import os
 import sys
@@ -39,20 +40,52 @@ def torch_seeded():
     torch.manual_seed(0)
 
 
+PYTEST_CURRENT = "PYTEST_CURRENT_TEST"  # pytest's own, set anew at each phase of a test
+
+
 @pytest.fixture(autouse=True)
-def root_logging_left_as_found():
-    """A test that leaves a handler on the root logger fails, and the handler
-    goes: bound to a stream that test owned (a CliRunner's output, pytest's
-    capture of it), it would take every later test's warnings in the same
-    process and print 'Logging error' where that stream no longer writes."""
+def process_left_as_found():
+    """A test that leaves the process other than it found it fails, naming what
+    it changed, and the change is undone: pytest-xdist deals the test files to
+    its workers in no fixed order, so what one test leaves reaches another
+    only now and then. A handler left on the root logger, bound to a stream
+    that test owned (a run's log, a CliRunner's output), takes every later
+    warning and prints 'Logging error' once the stream is closed; a thread
+    count, default dtype, working directory or environment variable left
+    changes what later tests compute or where they write."""
     root = logging.getLogger()
-    before = list(root.handlers)
+    handlers, level, printer = list(root.handlers), root.level, builtins.print
+    threads, dtype, cwd, environ = torch.get_num_threads(), torch.get_default_dtype(), os.getcwd(), dict(os.environ)
     yield
-    left = [handler for handler in root.handlers if handler not in before]
-    for handler in left:
-        root.removeHandler(handler)
-    if left:
-        pytest.fail(f"the test left {left} on the root logger; remove what it adds")
+    changed = []
+    if root.handlers != handlers:
+        changed.append(f"root logger handlers {root.handlers} (were {handlers})")
+        root.handlers[:] = handlers
+    if root.level != level:
+        changed.append(f"root logger level {root.level} (was {level})")
+        root.setLevel(level)
+    if builtins.print is not printer:
+        changed.append(f"builtins.print {builtins.print}")
+        builtins.print = printer
+    if torch.get_num_threads() != threads:
+        changed.append(f"torch threads {torch.get_num_threads()} (were {threads})")
+        torch.set_num_threads(threads)
+    if torch.get_default_dtype() != dtype:
+        changed.append(f"torch default dtype {torch.get_default_dtype()} (was {dtype})")
+        torch.set_default_dtype(dtype)
+    if os.getcwd() != cwd:
+        changed.append(f"working directory {os.getcwd()} (was {cwd})")
+        os.chdir(cwd)
+    names = sorted(k for k in {*os.environ, *environ} - {PYTEST_CURRENT} if os.environ.get(k) != environ.get(k))
+    if names:
+        changed.append(f"environment variables {names}")
+        for name in names:
+            if name in environ:
+                os.environ[name] = environ[name]
+            else:
+                del os.environ[name]
+    if changed:
+        pytest.fail("the test left the process changed (undo what it changes: monkeypatch): " + "; ".join(changed))
 
 
 @pytest.fixture(scope="module")
