@@ -46,6 +46,7 @@ from .checkpoint import (
 from .device import compute_on, measured_on, resolve
 from .export import export
 from .guidance import (
+    STEP_MANIFEST,
     BackgroundStepWriter,
     FinishedShards,
     GuidanceError,
@@ -109,9 +110,10 @@ def store_prefix(config: RunConfig, run_id: str, kind: str) -> str:
     return f"{config.name}/{run_id}/{config.method}/{kind}"
 
 
-# Settings of how long a step waits, not of what it computes: left out of config_digest, which they would otherwise
-# change for every run when they were added (a retried step on a newer image would not find its round's work)
-NOT_DIGESTED = {"train": {"queue_timeout_seconds"}}
+# Settings of how long a step waits or of what the store keeps, not of what it computes: left out of config_digest,
+# which they would otherwise change for every run when they were added (a retried step on a newer image would not
+# find its round's work)
+NOT_DIGESTED = {"train": {"queue_timeout_seconds"}, "guidance": {"keep_steps"}}
 
 
 def config_digest(config: RunConfig) -> str:
@@ -312,6 +314,38 @@ def hand_on_state(config: RunConfig, run_id: str, round_index: int, folder: Path
     write_location(folder, target.uri, manifest)
     if round_index >= 2:
         delete_folder(_store(config), state_key(config, run_id, round_index - 2))
+
+
+def round_steps(config: RunConfig, run_id: str, round_index: int) -> list[str]:
+    """The store folders of round ``round_index``'s steps: its guidance (with
+    the syndrome codec, its decode statistics beside the manifest), its full
+    capture, and each rollout worker's step of what the rollout wrote, which
+    the merged step's manifest lists (:func:`.guidance.merge_steps`); the
+    merged or only step of each kind first."""
+    folders = [step_prefix(store_prefix(config, run_id, kind), round_index) for kind in ("guidance", "capture")]
+    rolled_out = store_prefix(config, run_id, _capture_kind(config))
+    folders += [step_prefix(worker_prefix(rolled_out, config, w), round_index) for w in range(config.rollout.workers)]
+    return list(dict.fromkeys(folders))  # one worker writes the step itself
+
+
+def delete_round_steps(config: RunConfig, run_id: str, round_index: int) -> None:
+    """Delete round ``round_index``'s guidance and capture (:func:`round_steps`)
+    from the store: what :func:`train` of the round after does once it has
+    saved its outputs, unless ``guidance.keep_steps``. Nothing reads them again
+    by then: the round after's compaction read the decode statistics, its
+    train reads its own round's steps (a retry of it too, and a distributed
+    round resumed within it), and a rerun of a local run takes the round's
+    finished tasks from its cache. Without it the store kept every round's (at
+    the paper presets 4 TB of guidance a round) until ``runs clean``. Every
+    step's manifest goes first, so that a deletion cut short leaves steps that
+    read as missing (:func:`.guidance.read_manifest`), never one whose shards
+    fail their checksums; then each folder, which a deletion repeated (a
+    retried train) finishes, or finds gone."""
+    store, folders = _store(config), round_steps(config, run_id, round_index)
+    for folder in folders:
+        store.delete(f"{folder}/{STEP_MANIFEST}")
+    for folder in folders:
+        store.delete_folder(folder, STEP_MANIFEST)
 
 
 def sft_problems(config: RunConfig) -> tuple[list[Problem], list[Problem], list[Problem]]:
@@ -997,6 +1031,11 @@ def train(
             f"write round {round_index}'s decode statistics",
         )
     trainer.save(out, out_state, extra=tokenizer.files(), run_id=run_id, decoded=decoded)
+    if round_index > 0 and _captures(config) and not config.guidance.keep_steps:
+        trainer.once(
+            lambda: delete_round_steps(config, run_id, round_index - 1),
+            f"delete round {round_index - 1}'s guidance and capture",
+        )
     return history
 
 

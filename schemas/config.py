@@ -331,6 +331,13 @@ class GuidanceConfig(_Section):
     allow_rtn_fallback: bool = Field(
         default=False, description="Round a trajectory without guidance RTN (counted) instead of failing."
     )
+    keep_steps: bool = Field(
+        default=False,
+        description="Keep every round's guidance and capture in the store until `tracefp4 runs clean` (for audits "
+        "or re-running a compaction). Off, round r's train deletes round r-1's once it has saved its outputs, so "
+        "that the store holds about two rounds of them at once: at the paper presets a round's guidance is "
+        "terabytes (`tracefp4 plan`).",
+    )
 
 
 Beta = Annotated[float, Field(ge=0.0, lt=1.0)]

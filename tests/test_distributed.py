@@ -275,6 +275,54 @@ def test_two_processes_count_the_whole_steps_syndrome_decode(tmp_path):
     assert json.loads(store.get_bytes(key)) == decoded_by_one  # step 1's statistics too
 
 
+def test_rank_0_alone_deletes_the_round_befores_guidance_once_the_round_is_saved(tmp_path):
+    """Round 1's train over two processes, as torchrun and a TrainJob run
+    it, deletes round 0's guidance from the store (steps.delete_round_steps)
+    once: rank 0, its manifest first, where every rank would delete each key."""
+    config = config_for(tmp_path, steps_per_round=1)
+    steps.prepare(config, tmp_path / "policy-0", RUN, tmp_path / "state-0")
+    for r in range(2):
+        policy, trajectories = tmp_path / f"policy-{r}", tmp_path / f"trajectories-{r}.jsonl"
+        steps.rollout(config, policy, r, trajectories, RUN)
+        ref, stats = steps.compaction(config, policy, trajectories, r, RUN)
+        if r == 0:
+            steps.train(
+                config,
+                policy,
+                tmp_path / "state-0",
+                trajectories,
+                ref,
+                *(tmp_path / "policy-1", tmp_path / "state-1"),
+                RUN,
+                stats,
+            )
+    (tmp_path / "guidance-1.json").write_text(ref.to_json())
+    store, round_0 = open_store(config.store.uri), f"{step_prefix(steps.store_prefix(config, RUN, 'guidance'), 0)}/"
+    stored = store.list(round_0)
+    assert f"{round_0}manifest.json" in stored
+    inputs = (
+        tmp_path / "policy-1",
+        tmp_path / "state-1",
+        tmp_path / "trajectories-1.jsonl",
+        tmp_path / "guidance-1.json",
+    )
+    with ranks_writes_logged(tmp_path / "writes-hook") as writes:
+        torchrun(
+            config_for(tmp_path, processes=2, steps_per_round=1),
+            *inputs,
+            tmp_path / "policy-2",
+            tmp_path / "state-2",
+            tmp_path / "work",
+            RUN,
+            stats,
+        )
+    deleted = [(rank, key) for rank, key in writes() if key.startswith(round_0)]
+    assert deleted == [("0", f"{round_0}manifest.json")] + [
+        ("0", key) for key in stored if not key.endswith("manifest.json")
+    ]
+    assert store.list(round_0) == [] and store.list(f"{step_prefix(steps.store_prefix(config, RUN, 'guidance'), 1)}/")
+
+
 def test_ranks_given_store_uris_train_the_round_and_upload_it(round_inputs, both, s3_env, tmp_path, monkeypatch):
     """What a TrainJob's ranks get (pipelines/trainjob.py): every input and
     output a store URI. Started before the inputs are in the store, as a

@@ -747,6 +747,9 @@ def test_rounds_decode_inline_and_the_next_round_chooses_its_rates(tmp_path):
     first = steps.run_round(
         config, tmp_path / "p0", tmp_path / "s0", 0, tmp_path / "p1", tmp_path / "s1", tmp_path, "run"
     )
+    store = open_store(config.store.uri)
+    prefix = steps.store_prefix(config, "run", "guidance")
+    m0, decoded = read_manifest(store, 0, prefix), steps.read_decode_stats(store, prefix, 0)  # round 1's train deletes
     second = steps.run_round(
         config, tmp_path / "p1", tmp_path / "s1", 1, tmp_path / "p2", tmp_path / "s2", tmp_path, "run"
     )
@@ -758,13 +761,11 @@ def test_rounds_decode_inline_and_the_next_round_chooses_its_rates(tmp_path):
     for row in first + second:
         assert row["guidance_decode_blocks"] > 0 and row["guidance_decode_failures"] == 0
         assert row["guidance_coverage"] == 1.0 and row["guidance_bits_per_element"] <= 0.35 + routing
-    store = open_store(config.store.uri)
-    prefix = steps.store_prefix(config, "run", "guidance")
-    m0, m1 = read_manifest(store, 0, prefix), read_manifest(store, 1, prefix)
+    m1 = read_manifest(store, 1, prefix)
     assert m0["codec"] == ["syndrome"] and m0["syndrome"]["previous_decode"] is None
     assert all(rate == [48, 16] for rate in m0["syndrome"]["rates"].values())
     # the smoke model's training side agrees with its rollout: round 1 needs (and pays) far less
-    assert m1["syndrome"]["previous_decode"] == steps.read_decode_stats(store, prefix, 0)
+    assert decoded is not None and m1["syndrome"]["previous_decode"] == decoded
     assert all(code < 48 for code, _ in m1["syndrome"]["rates"].values())
     assert second[0]["guidance_bits_per_element"] < first[0]["guidance_bits_per_element"]
 
