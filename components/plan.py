@@ -143,6 +143,36 @@ def guidance_bytes_per_token(
     return total
 
 
+def rounds_at_once(config: RunConfig, rounds: int) -> int:
+    """The most rounds of guidance and capture the store holds at once in a
+    run of ``rounds`` rounds: round r's rollout writes its own while round
+    r-1's are there, which round r's train deletes
+    (:func:`.steps.delete_round_steps`), so two; every round's with
+    ``guidance.keep_steps``."""
+    return rounds if config.guidance.keep_steps else min(2, rounds)
+
+
+def rounds_left(config: RunConfig, rounds: int) -> int:
+    """The rounds of guidance and capture a finished run of ``rounds`` rounds
+    leaves in the store until ``runs clean``: its last (a run that continues
+    it, with a run id of its own, deletes none of them); every round's with
+    ``guidance.keep_steps``."""
+    return rounds if config.guidance.keep_steps else min(1, rounds)
+
+
+def chain_rounds_at_once(config: RunConfig, rounds_per_run: int) -> int:
+    """The most rounds of guidance and capture the store holds at once over a
+    chain of runs of ``rounds_per_run`` rounds making ``rl.rounds``, where no
+    run of it is cleaned: what each run before the running one left, and the
+    running one's (:func:`rounds_left`, :func:`rounds_at_once`)."""
+    left = most = 0
+    for first in range(0, config.rl.rounds, rounds_per_run):
+        rounds = min(rounds_per_run, config.rl.rounds - first)
+        most = max(most, left + rounds_at_once(config, rounds))
+        left += rounds_left(config, rounds)
+    return most
+
+
 def plan(config: RunConfig, cfg: ModelConfig, tokens_per_trajectory: int | None = None) -> dict:
     """The sizes of a run of ``config`` on a model of ``cfg``, in bytes, by
     what causes them; ``tokens_per_trajectory`` (prompt and response, a mean)
@@ -193,10 +223,12 @@ def plan(config: RunConfig, cfg: ModelConfig, tokens_per_trajectory: int | None 
         "capture_bytes_per_round": round(capture * tokens),
         "rounds_per_run": rounds_per_run,
         "runs": runs,
-        # the store (store.uri): each round's guidance and capture, kept for the run (until runs clean), and the
-        # trainer states a round hands on: under a TrainJob one at a time, from the train step's own pod the last two
-        "store_bytes_per_run": per_round * rounds_per_run,
-        "store_bytes_per_chain": per_round * rl.rounds,
+        # the store (store.uri): rounds' guidance and capture, at most two rounds' at once in a run and its last
+        # round's after it (every round's with guidance.keep_steps), and the trainer states a round hands on: under a
+        # TrainJob one at a time, from the train step's own pod the last two
+        "store_bytes_per_run": per_round * rounds_at_once(config, rounds_per_run),
+        "store_bytes_after_run": per_round * rounds_left(config, rounds_per_run),
+        "store_bytes_per_chain": per_round * chain_rounds_at_once(config, rounds_per_run),
         "store_trainer_state_bytes": state * (1 if config.train.in_trainjob else 2),
         # KFP's pipeline root: prepare's policy and each round's new policy; a chain's later runs' prepare
         # copies the run before's last policy and trainer state

@@ -1,9 +1,10 @@
 """What a finished run left in object storage, and deleting it (``tracefp4 runs clean``).
 
 Why: KFP keeps every task's output artifacts in the pipeline root, and deleting a run in KFP leaves
-them there (kubeflow/pipelines#10816); tracefp4's store keeps the run's captures and guidance, and
-its last trainer state. At the paper presets a run of 14 rounds leaves 1.1 to
-1.5 TB (docs/deploy.md, "Object storage"), and nothing else deletes it.
+them there (kubeflow/pipelines#10816); tracefp4's store keeps the run's last round's captures and
+guidance (every round's with ``guidance.keep_steps``), and its last trainer state. At the paper
+presets a run of 14 rounds leaves 1.0 TB of policies in the pipeline root and, at 10,000 tokens a
+trajectory, 4.0 TB of guidance in the store (docs/deploy.md, "Sizes"), and nothing else deletes it.
 
 Where a run's files are:
 

@@ -682,8 +682,9 @@ def plan(preset, config_file, sets, model_config, tokens_per_trajectory):
         ("guidance a round", _size(f["guidance_bytes_per_round"] + f["capture_bytes_per_round"])),
         (
             "store",
-            f"{_size(f['store_bytes_per_run'])} a run of {f['rounds_per_run']} rounds, "
-            f"{_size(f['store_bytes_per_chain'])} a chain of {f['runs']} runs; trainer states "
+            f"guidance and capture {_size(f['store_bytes_per_run'])} at once in a run of {f['rounds_per_run']} "
+            f"rounds, {_size(f['store_bytes_after_run'])} left after it until runs clean, "
+            f"{_size(f['store_bytes_per_chain'])} a chain of {f['runs']} runs none cleaned; trainer states "
             f"{_size(f['store_trainer_state_bytes'])} at once",
         ),
         (

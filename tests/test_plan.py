@@ -14,7 +14,14 @@ from tracefp4.components import steps
 from tracefp4.components.checkpoint import config_to_hf
 from tracefp4.components.guidance import read_step
 from tracefp4.components.model import QWEN35_35B_A3B, get_preset
-from tracefp4.components.plan import PlanError, model_config, plan
+from tracefp4.components.plan import (
+    PlanError,
+    chain_rounds_at_once,
+    model_config,
+    plan,
+    rounds_at_once,
+    rounds_left,
+)
 from tracefp4.components.store import open_store
 from tracefp4.components.tensor_files import tensor_files, tensor_layout
 from tracefp4.pipelines.cli import _size, main
@@ -75,6 +82,51 @@ def test_plan_predicts_what_the_steps_write(tmp_path, overrides):
     assert tokens <= figures["tokens_per_round"]  # the plan's bound: every trajectory at model.max_seq_len
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_the_store_holds_the_rounds_of_guidance_and_capture_the_plan_says(tmp_path, keep):
+    """Three rounds with offline compaction (a capture and guidance each):
+    after every step, the rounds whose steps are in the store; at most what
+    plan counts at once in a run, and after it what it counts until runs
+    clean (two and one, round r's train deleting round r-1's; every round's
+    with guidance.keep_steps)."""
+    overrides = {"rl.rounds": 3, "guidance.compaction": "offline", "guidance.keep_steps": keep}
+    config = localize(load_config(None, preset="smoke", overrides=overrides), tmp_path)
+    store = open_store(config.store.uri)
+    prefix = f"{config.name}/{RUN}/{config.method}/"
+
+    def rounds_stored() -> set[str]:
+        return {key.split("/step-")[1][:6] for key in store.list(prefix) if "/step-" in key}
+
+    steps.prepare(config, tmp_path / "p0", RUN, tmp_path / "s0")
+    held = []
+    for r in range(3):
+        p, t = tmp_path / f"p{r}", tmp_path / f"t{r}.jsonl"
+        steps.rollout(config, p, r, t, RUN)
+        held.append(len(rounds_stored()))
+        ref, _ = steps.compaction(config, p, t, r, RUN)
+        held.append(len(rounds_stored()))
+        steps.train(config, p, tmp_path / f"s{r}", t, ref, tmp_path / f"p{r + 1}", tmp_path / f"s{r + 1}", RUN, {})
+        held.append(len(rounds_stored()))
+    assert max(held) == rounds_at_once(config, 3) == (3 if keep else 2)
+    assert held[-1] == rounds_left(config, 3) == (3 if keep else 1)
+    figures = plan(config, model_config(config))
+    per_round = figures["guidance_bytes_per_round"] + figures["capture_bytes_per_round"]
+    assert (figures["store_bytes_per_run"], figures["store_bytes_after_run"]) == (
+        max(held) * per_round,
+        held[-1] * per_round,
+    )
+
+
+def test_a_chain_holds_what_each_run_before_left_and_the_running_runs_rounds():
+    """100 rounds in runs of 14 (7 runs, and 2 rounds in the 8th), none cleaned: 7 last rounds and the 8th run's
+    2; with guidance.keep_steps every round's."""
+    config = load_config(None, preset="smoke", overrides={"rl.rounds": 100, "rl.rounds_per_run": 14})
+    assert chain_rounds_at_once(config, 14) == 9 and chain_rounds_at_once(config, 100) == 2
+    assert chain_rounds_at_once(config, 1) == 100  # each run one round, and its last
+    kept = load_config(None, preset="smoke", overrides={"rl.rounds": 100, "guidance.keep_steps": True})
+    assert chain_rounds_at_once(kept, 14) == chain_rounds_at_once(kept, 1) == 100
+
+
 def test_a_model_that_cannot_be_known_is_an_error_naming_what_to_give(tmp_path):
     config = load_config(None, preset="paper-nvfp4-wa-kv")
     with pytest.raises(
@@ -116,6 +168,7 @@ def test_the_deploy_docs_sizes_are_the_commands():
         "guidance a token": "guidance_bytes_per_token",
         "guidance a round": "guidance_bytes_per_round",
         "store, a run of 14 rounds": "store_bytes_per_run",
+        "store, after the run": "store_bytes_after_run",
         "store, the chain's 100 rounds": "store_bytes_per_chain",
         "pipeline root, a run": "pipeline_root_bytes_per_run",
         "pipeline root, the chain": "pipeline_root_bytes_per_chain",
