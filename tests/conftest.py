@@ -4,6 +4,7 @@ CPU tensors; the variable must be set before anything imports triton."""
 import builtins
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -40,7 +41,9 @@ def torch_seeded():
     torch.manual_seed(0)
 
 
-PYTEST_CURRENT = "PYTEST_CURRENT_TEST"  # pytest's own, set anew at each phase of a test
+# environment variables the process sets itself, whichever test comes first: pytest's, at each phase of a test;
+# torch's inductor and Triton their cache folders (torch._inductor.runtime.cache_dir_utils.cache_dir), once needed
+OWN_VARIABLES = re.compile(r"PYTEST_CURRENT_TEST|_?TORCHINDUCTOR_\w+|\w+_CACHE_DIR")
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +79,9 @@ def process_left_as_found():
     if os.getcwd() != cwd:
         changed.append(f"working directory {os.getcwd()} (was {cwd})")
         os.chdir(cwd)
-    names = sorted(k for k in {*os.environ, *environ} - {PYTEST_CURRENT} if os.environ.get(k) != environ.get(k))
+    names = sorted(
+        k for k in {*os.environ, *environ} if os.environ.get(k) != environ.get(k) and not OWN_VARIABLES.fullmatch(k)
+    )
     if names:
         changed.append(f"environment variables {names}")
         for name in names:
