@@ -29,7 +29,7 @@ from .checkpoint import CONFIG, config_from_hf, hub_shapes, read_config
 from .guidance import select_layers
 from .model import ModelConfig, Transformer, get_preset
 from .precision import policy_dtype, saves_masters
-from .steps import _captures, _rollout_writes_guidance, capture_config, compute_dtype, rollout_quant
+from .steps import capture_config, compute_dtype, rollout_captures, rollout_quant, rollout_writes_guidance
 from .store import StoreError, file_path, open_store
 from .syndrome import block_layout, encode_table, site_rates
 
@@ -193,7 +193,7 @@ def plan(config: RunConfig, cfg: ModelConfig, tokens_per_trajectory: int | None 
     guided = select_layers(config.guidance.layers, fp4_layers) if trace and fp4_layers else ()
     guidance = guidance_bytes_per_token(config, cfg, guided, config.guidance.bits, config.guidance.codec)
     capture = 0.0  # what the rollout ships that is not the guidance itself (compaction reads it): what it captures
-    if _captures(config) and not _rollout_writes_guidance(config):
+    if rollout_captures(config) and not rollout_writes_guidance(config):
         kept = capture_config(config, quant, cfg)
         capture = guidance_bytes_per_token(config, cfg, [layer for layer in fp4_layers if kept.keeps(layer)], kept.bits)
     r, rl = config.rollout, config.rl

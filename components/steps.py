@@ -437,13 +437,15 @@ def _inline(config: RunConfig) -> bool:
     return config.method == "trace" and config.guidance.compaction == "inline"
 
 
-def _rollout_writes_guidance(config: RunConfig) -> bool:
+def rollout_writes_guidance(config: RunConfig) -> bool:
     """Whether the rollout's shards are the guidance itself; else compaction
     encodes them (offline compaction, or the syndrome codec)."""
     return _inline(config) and config.guidance.codec == "bits"
 
 
-def _captures(config: RunConfig) -> bool:
+def rollout_captures(config: RunConfig) -> bool:
+    """Whether the rollout records its FP4 outcomes: for guidance (trace), or
+    to measure the train-rollout mismatch (``rl.measure_mismatch``)."""
     return config.method == "trace" or config.rl.measure_mismatch
 
 
@@ -536,7 +538,7 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
     steps = config.rl.steps_per_round
     chosen = training_problems(config, round_index, steps * config.rollout.prompts_per_step)
     batch = [p for p in chosen for _ in range(config.rollout.group_size)]
-    engine = _engine(config, policy, capture=_captures(config), device=device)
+    engine = _engine(config, policy, capture=rollout_captures(config), device=device)
     writer = None
     if engine.capture is not None:  # written on a thread of its own while the engine decodes
         kind = store_prefix(config, run_id, _capture_kind(config))
@@ -594,7 +596,7 @@ def rollout(config: RunConfig, policy: Path, round_index: int, out: Path, run_id
 
 def _capture_kind(config: RunConfig) -> str:
     """What the rollout writes to the store: guidance (compacted inline) or the full capture."""
-    return "guidance" if _rollout_writes_guidance(config) else "capture"
+    return "guidance" if rollout_writes_guidance(config) else "capture"
 
 
 def gather(
@@ -777,7 +779,7 @@ def compaction(
         policy=header["policy"],
     )
     expect = rolled_out_by(header)
-    if config.rollout.workers > 1 and _captures(config):  # one step of every worker's shards, where they lie
+    if config.rollout.workers > 1 and rollout_captures(config):  # one step of every worker's shards, where they lie
         kind = store_prefix(config, run_id, _capture_kind(config))
         sources = [worker_prefix(kind, config, w) for w in range(config.rollout.workers)]
         merge_steps(_store(config), round_index, sources, kind, expect)
@@ -1031,7 +1033,7 @@ def train(
             f"write round {round_index}'s decode statistics",
         )
     trainer.save(out, out_state, extra=tokenizer.files(), run_id=run_id, decoded=decoded)
-    if round_index > 0 and _captures(config) and not config.guidance.keep_steps:
+    if round_index > 0 and rollout_captures(config) and not config.guidance.keep_steps:
         trainer.once(
             lambda: delete_round_steps(config, run_id, round_index - 1),
             f"delete round {round_index - 1}'s guidance and capture",
