@@ -683,8 +683,9 @@ def plan(preset, config_file, sets, model_config, tokens_per_trajectory):
         (
             "store",
             f"guidance and capture {_size(f['store_bytes_per_run'])} at once in a run of {f['rounds_per_run']} "
-            f"rounds, {_size(f['store_bytes_after_run'])} left after it until runs clean, "
-            f"{_size(f['store_bytes_per_chain'])} a chain of {f['runs']} runs none cleaned; trainer states "
+            f"round{'s' * (f['rounds_per_run'] != 1)}, {_size(f['store_bytes_after_run'])} left after it until "
+            f"runs clean, {_size(f['store_bytes_per_chain'])} a chain of {f['runs']} run{'s' * (f['runs'] != 1)}, "
+            "none cleaned; trainer states "
             f"{_size(f['store_trainer_state_bytes'])} at once",
         ),
         (
