@@ -104,7 +104,7 @@ class MasterWeights:
         """The float32 master weights where the policy saved in :attr:`policy_dtype`
         does not hold them exactly: none when it is float32, nor while they are
         the parameters given in that dtype, never stepped (a fresh policy's
-        state: 140 GB less at Qwen3.5-35B-A3B, which :meth:`load` rebuilds
+        state: 139 GB less at Qwen3.5-35B-A3B, which :meth:`load` rebuilds
         from the policy without loss)."""
         return self.master if self.beyond_policy and saves_masters(self.policy_dtype) else {}
 

@@ -1,9 +1,9 @@
 """The tracefp4 command: run the pipeline here, bootstrap a base policy,
 export a policy for serving (compressed-tensors NVFP4 / MXFP4), size what a
-run writes and needs, compile the pipeline for a cluster and submit it, follow its runs and delete what a
-finished one left in object storage, write the config's JSON Schema and the
-Grafana dashboards, list presets, show a run's report, delete a run's metrics
-from a Pushgateway."""
+run writes and needs, compile the pipeline for a cluster and submit it,
+follow its runs and delete what a finished one left in object storage, write
+the config's JSON Schema and the Grafana dashboards, list presets, show a
+run's report, delete a run's metrics from a Pushgateway."""
 
 import json
 import logging
