@@ -9,9 +9,11 @@ moments and step of each parameter and, where the policy does not hold them
 (:meth:`.trainer.Trainer.save`); guidance is the ``nbytes`` of the tables the
 rollout and compaction encode (:class:`.capture.SiteTable`, compacted, or
 syndrome-coded at a first step's rate), sized on a sample of rows of every
-guided layer and site. What is not known before a run is an input: the tokens
-of a trajectory are at most ``model.max_seq_len`` (prompt and response) unless
-a mean is given, and the syndrome codec's later steps choose their own rates.
+guided layer and site; a round's trajectories are the lines the rollout writes
+(:func:`.steps.trajectory_line`), sized on a sample of tokens. What is not
+known before a run is an input: the tokens of a trajectory are at most
+``model.max_seq_len`` (prompt and response) unless a mean is given, and the
+syndrome codec's later steps choose their own rates.
 """
 
 import json
@@ -29,12 +31,23 @@ from .checkpoint import CONFIG, config_from_hf, hub_shapes, read_config
 from .guidance import select_layers
 from .model import ModelConfig, Transformer, get_preset
 from .precision import policy_dtype, saves_masters
-from .steps import capture_config, compute_dtype, rollout_captures, rollout_quant, rollout_writes_guidance
+from .rollout import Trajectory
+from .steps import (
+    capture_config,
+    compute_dtype,
+    recorded_topk,
+    rollout_captures,
+    rollout_quant,
+    rollout_writes_guidance,
+    trajectory_line,
+)
 from .store import StoreError, file_path, open_store
 from .syndrome import block_layout, encode_table, site_rates
+from .tasks import Problem
 
 OPTIMIZER_MOMENTS = 2  # AdamW's exp_avg and exp_avg_sq, float32 like the master they step
 STEP_BYTES = 4  # AdamW's step count: a float32 scalar tensor per parameter
+SAMPLE_TOKENS = 4096  # the response a trajectory line is sized on
 
 
 class PlanError(ValueError):
@@ -143,6 +156,27 @@ def guidance_bytes_per_token(
     return total
 
 
+def trajectory_bytes_per_token(config: RunConfig, cfg: ModelConfig) -> float:
+    """Bytes a token adds to a trajectories file's line
+    (:func:`.steps.trajectory_line`): its id and, as a response token, its
+    float32 log-probability in JSON and the sampler's likeliest tokens where
+    the method records them (:func:`.steps.recorded_topk`), on a seeded sample
+    of ids uniform over the vocabulary (more digits than text's common tokens
+    have) and log-probabilities of uniform draws (a float32's shortest
+    decimal is as long whatever its size). A prompt token, its id alone,
+    counts as much; a line's problem and fields are not counted."""
+    k, generator = recorded_topk(config), torch.Generator().manual_seed(0)
+
+    def line_bytes(tokens: int) -> int:
+        ids = torch.randint(cfg.vocab_size, (tokens, 1 + k), generator=generator)
+        logprobs = torch.rand(tokens, 1 + k, generator=generator).log()
+        top = (ids[:, 1:].tolist(), logprobs[:, 1:].tolist()) if k else (None, None)
+        trajectory = Trajectory(0, [], ids[:, 0].tolist(), logprobs[:, 0].tolist(), "length", *top)
+        return len(trajectory_line(trajectory, Problem("", "", "", {})))
+
+    return (line_bytes(SAMPLE_TOKENS) - line_bytes(0)) / SAMPLE_TOKENS
+
+
 def rounds_at_once(config: RunConfig, rounds: int) -> int:
     """The most rounds of guidance and capture the store holds at once in a
     run of ``rounds`` rounds: round r's rollout writes its own while round
@@ -204,6 +238,12 @@ def plan(config: RunConfig, cfg: ModelConfig, tokens_per_trajectory: int | None 
     policy = policy_bytes(cfg, dtype)
     state = trainer_state_bytes(model, dtype)
     per_round = round((guidance + capture) * tokens)
+    trajectory = trajectory_bytes_per_token(config, cfg)
+    trajectories_per_round = round(trajectory * tokens)
+    # in the pipeline root each rollout worker's trajectories besides the round's gathered file
+    rolled_out = trajectories_per_round * (1 + (r.workers > 1))
+    # in the store each TrainJob's inputs, its round's trajectories among them, until runs clean
+    stored = trajectories_per_round if config.train.in_trainjob else 0
     return {
         "model_type": cfg.model_type,
         "parameters": model.parameters,
@@ -221,6 +261,8 @@ def plan(config: RunConfig, cfg: ModelConfig, tokens_per_trajectory: int | None 
         "tokens_per_round": tokens,
         "guidance_bytes_per_round": round(guidance * tokens),
         "capture_bytes_per_round": round(capture * tokens),
+        "trajectory_bytes_per_token": trajectory,
+        "trajectories_bytes_per_round": trajectories_per_round,
         "rounds_per_run": rounds_per_run,
         "runs": runs,
         # the store (store.uri): rounds' guidance and capture, at most two rounds' at once in a run and its last
@@ -230,8 +272,10 @@ def plan(config: RunConfig, cfg: ModelConfig, tokens_per_trajectory: int | None 
         "store_bytes_after_run": per_round * rounds_left(config, rounds_per_run),
         "store_bytes_per_chain": per_round * chain_rounds_at_once(config, rounds_per_run),
         "store_trainer_state_bytes": state * (1 if config.train.in_trainjob else 2),
-        # KFP's pipeline root: prepare's policy and each round's new policy; a chain's later runs' prepare
-        # copies the run before's last policy and trainer state
-        "pipeline_root_bytes_per_run": policy * (1 + rounds_per_run),
-        "pipeline_root_bytes_per_chain": policy * (runs + rl.rounds) + state * (runs - 1),
+        "store_trajectories_bytes_per_run": stored * rounds_per_run,
+        "store_trajectories_bytes_per_chain": stored * rl.rounds,
+        # KFP's pipeline root: prepare's policy, each round's new policy and trajectories; a chain's later runs'
+        # prepare copies the run before's last policy and trainer state
+        "pipeline_root_bytes_per_run": (policy + rolled_out) * rounds_per_run + policy,
+        "pipeline_root_bytes_per_chain": (policy + rolled_out) * rl.rounds + policy * runs + state * (runs - 1),
     }

@@ -494,7 +494,6 @@ def sampling(config: RunConfig, tokenizer, *stream: int | str) -> SamplingParams
     (every eos; a plain tokenizer's newline too) and padding with its pad id;
     tis_sc's score centering also needs the sampler's top-k tokens."""
     r = config.rollout
-    topk = SCORE_CENTERING_TOPK if config.method == "tis_sc" else 0
     return SamplingParams(
         temperature=r.temperature,
         top_p=r.top_p,
@@ -503,8 +502,14 @@ def sampling(config: RunConfig, tokenizer, *stream: int | str) -> SamplingParams
         stop_tokens=tokenizer.stop_ids,
         pad_token=tokenizer.pad_id,
         seed=derive_seed(config.seed, *stream),
-        record_topk=topk,
+        record_topk=recorded_topk(config),
     )
+
+
+def recorded_topk(config: RunConfig) -> int:
+    """How many of the sampler's likeliest tokens a trajectory records per
+    step: tis_sc's score centering reads them; other methods record none."""
+    return SCORE_CENTERING_TOPK if config.method == "tis_sc" else 0
 
 
 def policy_version(policy: Path, run_id: str) -> int:
@@ -704,10 +709,15 @@ def write_trajectories(path: Path, header: dict, trajectories: list[Trajectory],
     def fill(f) -> None:
         f.write((json.dumps({"header": header | {"trajectories": len(trajectories)}}) + "\n").encode())
         for t, p in zip(trajectories, batch):
-            f.write((json.dumps({"trajectory": _fields(t), "problem": _fields(p)}) + "\n").encode())
+            f.write(trajectory_line(t, p))
 
     write_atomic(Path(path), fill)
     return path
+
+
+def trajectory_line(trajectory: Trajectory, problem: Problem) -> bytes:
+    """A trajectories file's line of one trajectory with its problem."""
+    return (json.dumps({"trajectory": _fields(trajectory), "problem": _fields(problem)}) + "\n").encode()
 
 
 def _fields(record) -> dict:

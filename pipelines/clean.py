@@ -3,8 +3,9 @@
 Why: KFP keeps every task's output artifacts in the pipeline root, and deleting a run in KFP leaves
 them there (kubeflow/pipelines#10816); tracefp4's store keeps the run's last round's captures and
 guidance (every round's with ``guidance.keep_steps``), and its last trainer state. At the paper
-presets a run of 14 rounds leaves 1.0 TB of policies in the pipeline root and, at 10,000 tokens a
-trajectory, 4.0 TB of guidance in the store (docs/deploy.md, "Sizes"), and nothing else deletes it.
+presets a run of 14 rounds leaves 1.1 TB of policies and trajectories in the pipeline root and, at
+10,000 tokens a trajectory, 4.0 TB of guidance in the store (docs/deploy.md, "Sizes"), and nothing else
+deletes it.
 
 Where a run's files are:
 

@@ -681,17 +681,27 @@ def plan(preset, config_file, sets, model_config, tokens_per_trajectory):
         ),
         ("guidance a round", _size(f["guidance_bytes_per_round"] + f["capture_bytes_per_round"])),
         (
+            "trajectories",
+            f"{_size(f['trajectories_bytes_per_round'])} a round ({_size(f['trajectory_bytes_per_token'])} a token: "
+            "JSON lines of ids and log-probabilities)",
+        ),
+        (
             "store",
             f"guidance and capture {_size(f['store_bytes_per_run'])} at once in a run of {f['rounds_per_run']} "
             f"round{'s' * (f['rounds_per_run'] != 1)}, {_size(f['store_bytes_after_run'])} left after it until "
             f"runs clean, {_size(f['store_bytes_per_chain'])} a chain of {f['runs']} run{'s' * (f['runs'] != 1)}, "
             "none cleaned; trainer states "
-            f"{_size(f['store_trainer_state_bytes'])} at once",
+            f"{_size(f['store_trainer_state_bytes'])} at once"
+            + (
+                f"; TrainJobs' trajectories {_size(f['store_trajectories_bytes_per_run'])} a run, "
+                f"{_size(f['store_trajectories_bytes_per_chain'])} a chain"
+            )
+            * bool(f["store_trajectories_bytes_per_run"]),
         ),
         (
             "pipeline root",
-            f"{_size(f['pipeline_root_bytes_per_run'])} a run (policies), "
-            f"{_size(f['pipeline_root_bytes_per_chain'])} a chain; trajectories not counted",
+            f"{_size(f['pipeline_root_bytes_per_run'])} a run (policies and trajectories), "
+            f"{_size(f['pipeline_root_bytes_per_chain'])} a chain",
         ),
     ]
     for name, text in rows:

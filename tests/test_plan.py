@@ -5,6 +5,7 @@ cannot know is an error naming what to give."""
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,25 @@ RUN = "run-a"
 SHARD_HEADER = 1 << 16  # a shard's preamble, JSON header and digest: guidance.HEADER_READ bounds a paper preset's
 
 
+def assert_trajectories_as_planned(path: Path, figures: dict) -> None:
+    """A rollout's trajectories file against the plan: what its tokens add to
+    its lines (each line less the same line without tokens) within 10% of the
+    plan's figure a token for its response tokens (ids, log-probabilities,
+    tis_sc's top-k), and no more than the plan's for all its tokens, since a
+    prompt token, its id alone, adds less."""
+    _, trajectories, problems = steps.read_trajectories(path, RUN, 0)
+    lines = path.read_bytes().splitlines(keepends=True)[1:]
+    empty = [
+        replace(t, prompt=[], response=[], logprobs=[], topk_ids=t.topk_ids and [], topk_logprobs=t.topk_ids and [])
+        for t in trajectories
+    ]
+    added = sum(map(len, lines)) - sum(len(steps.trajectory_line(t, p)) for t, p in zip(empty, problems))
+    responses = sum(len(t.response) for t in trajectories)
+    assert added / responses == pytest.approx(figures["trajectory_bytes_per_token"], rel=0.1)
+    assert added < figures["trajectory_bytes_per_token"] * sum(len(t.tokens) for t in trajectories)
+    assert sum(len(t.tokens) for t in trajectories) <= figures["tokens_per_round"]
+
+
 def tensor_bytes(folder, stem: str) -> int:
     """Bytes of the tensors a folder's safetensors files hold, by their headers (no header counted)."""
     layout = tensor_layout(tensor_files(folder, stem))
@@ -53,6 +73,7 @@ def test_plan_predicts_what_the_steps_write(tmp_path, overrides):
     policy, state, trajectories = tmp_path / "policy", tmp_path / "state", tmp_path / "trajectories.jsonl"
     steps.prepare(config, policy, RUN, state)
     steps.rollout(config, policy, 0, trajectories, RUN)
+    assert_trajectories_as_planned(trajectories, figures)
     ref, size = steps.compaction(config, policy, trajectories, 0, RUN)
     steps.train(config, policy, state, trajectories, ref, tmp_path / "next", tmp_path / "next-state", RUN, {})
     # the weights and the trainer state's tensors, exactly; their files add only safetensors' JSON headers
@@ -80,6 +101,16 @@ def test_plan_predicts_what_the_steps_write(tmp_path, overrides):
     if config.guidance.compaction == "offline":
         assert size["capture_bytes"] == capture and capture == figures["full_capture_bytes_per_token"] * tokens
     assert tokens <= figures["tokens_per_round"]  # the plan's bound: every trajectory at model.max_seq_len
+
+
+def test_tis_sc_trajectories_carry_the_samplers_top_k_as_planned(tmp_path):
+    config = localize(load_config(None, preset="smoke", overrides={"method": "tis_sc"}), tmp_path)
+    figures = plan(config, model_config(config))
+    steps.prepare(config, tmp_path / "policy", RUN, tmp_path / "state")
+    steps.rollout(config, tmp_path / "policy", 0, tmp_path / "trajectories.jsonl", RUN)
+    assert_trajectories_as_planned(tmp_path / "trajectories.jsonl", figures)
+    plain = plan(config.model_copy(update={"method": "qat"}), model_config(config))
+    assert figures["trajectory_bytes_per_token"] > 8 * plain["trajectory_bytes_per_token"]  # 8 ids and values more
 
 
 @pytest.mark.parametrize("keep", [False, True])
@@ -170,6 +201,8 @@ def test_the_deploy_docs_sizes_are_the_commands():
         "store, a run of 14 rounds": "store_bytes_per_run",
         "store, after the run": "store_bytes_after_run",
         "store, the chain's 100 rounds": "store_bytes_per_chain",
+        "trajectories a round": "trajectories_bytes_per_round",
+        "store, a run's TrainJob trajectories": "store_trajectories_bytes_per_run",
         "pipeline root, a run": "pipeline_root_bytes_per_run",
         "pipeline root, the chain": "pipeline_root_bytes_per_chain",
     }
