@@ -277,12 +277,14 @@ def _where(figures: dict, prefix: str = "") -> dict:
 
 def machines(records: list[dict], prefix: str) -> dict:
     """Where a figure measured across several ``records`` (a round's rollout workers, its steps resumed on
-    another machine) was measured: each :data:`MEASURED_ON` key, after ``prefix``, with each machine kind once,
-    ``; `` between (None where no record says)."""
+    another machine) was measured: each :data:`MEASURED_ON` key, after ``prefix``, with each machine kind (its
+    keys' values together) once, ``; `` between, in the same order in every key, so that the n-th ``cpu_bf16``
+    is the n-th ``device``'s; ``-`` where a kind has none (a GPU's ``cpu_bf16``), None where no record says."""
+    kinds = dict.fromkeys(tuple(r.get(prefix + key) for key in MEASURED_ON) for r in records)
+    kinds = [kind for kind in kinds if any(value is not None for value in kind)]
     return {
-        prefix + key: "; ".join(dict.fromkeys(r[prefix + key] for r in records if r.get(prefix + key) is not None))
-        or None
-        for key in MEASURED_ON
+        prefix + key: "; ".join(kind[i] or "-" for kind in kinds) if any(kind[i] for kind in kinds) else None
+        for i, key in enumerate(MEASURED_ON)
     }
 
 

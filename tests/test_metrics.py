@@ -257,21 +257,32 @@ def test_speed_figures_carry_the_machine_they_were_measured_on(tmp_path):
 
 def test_a_rounds_train_step_seconds_name_every_machine_its_steps_ran_on():
     """A round resumed on another machine (a distributed trainer, from its checkpoint) has steps of each: the
-    pushed seconds are their mean, and were labelled by the last step's machine alone."""
+    pushed seconds are their mean, and were labelled by the last step's machine alone. Each machine's
+    cpu_bf16 stands where its device does in the other label (a GPU's none: "-")."""
     from tracefp4.components.metrics import _train
 
-    h100, cpu = "cuda:0 (NVIDIA H100 80GB HBM3)", "cpu (AMD EPYC 7B13, 2 threads)"
-    steps = [(4.0, cpu, "native"), (4.0, cpu, "native"), (1.0, h100, None)]
-    rows = [
-        {"train_seconds": seconds, "logprob_abs_diff_max": 0.0, "train_device": device, "train_cpu_bf16": bf16}
-        for seconds, device, bf16 in steps
+    h100, cpu, amx = "cuda:0 (NVIDIA H100 80GB HBM3)", "cpu (AMD EPYC 7B13, 2 threads)", "cpu (Intel Xeon, 2 threads)"
+    cases = [
+        ([(4.0, cpu, "native"), (4.0, cpu, "native"), (1.0, h100, None)], f"{cpu}; {h100}", "native; -"),
+        (
+            [(1.0, h100, None), (4.0, cpu, "emulated"), (4.0, amx, "native")],
+            f"{h100}; {cpu}; {amx}",
+            "-; emulated; native",
+        ),
+        ([(1.0, h100, None), (2.0, h100, None)], h100, ""),  # a GPU's alone: none, as one step's label
     ]
-    m = RunMetrics(pipeline="p", run_id="r1", method="trace", component="train", round=0)
-    _train(m, rows, get_preset("smoke"))
-    samples = [(s.labels, s.value) for f in m.registry.collect() for s in f.samples]
-    assert [sample for sample in samples if "device" in sample[0]] == [
-        ({"device": f"{cpu}; {h100}", "cpu_bf16": "native"}, 3.0)
-    ]
+    for steps, device, cpu_bf16 in cases:
+        rows = [
+            {"train_seconds": seconds, "logprob_abs_diff_max": 0.0, "train_device": device, "train_cpu_bf16": bf16}
+            for seconds, device, bf16 in steps
+        ]
+        m = RunMetrics(pipeline="p", run_id="r1", method="trace", component="train", round=0)
+        _train(m, rows, get_preset("smoke"))
+        samples = [(s.labels, s.value) for f in m.registry.collect() for s in f.samples]
+        mean = sum(seconds for seconds, *_ in steps) / len(steps)
+        assert [sample for sample in samples if "device" in sample[0]] == [
+            ({"device": device, "cpu_bf16": cpu_bf16}, mean)
+        ]
 
 
 THROUGHPUT_FIGURES = {"tokens_per_second": 5.0, "tokens": 10, "seconds": 2.0}
