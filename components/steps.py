@@ -269,6 +269,11 @@ def continue_from(config: RunConfig, policy: Path, out: Path, run_id: str, state
     come along too: the next round chooses its rates from them."""
     source = fetch(config.model.trainer_state)
     meta = check_state(source, policy, None)  # saved with this very policy, by whichever run
+    if meta["run_id"] == run_id:  # its first train would delete the last round's guidance of the run it continues
+        raise ValueError(
+            f"run id {run_id!r}: model.trainer_state {config.model.trainer_state} was saved by the run of that id, "
+            "and a continuation is a run of its own: give it another run id (KFP's job id, where none is given)"
+        )
     version, first, last = meta["policy_version"], config.rl.first_round, config.rl.first_round - 1
     if version != first * config.rl.steps_per_round:
         raise ValueError(

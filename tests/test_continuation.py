@@ -106,6 +106,9 @@ def test_a_continuation_is_refused_where_it_could_not_go_on_losslessly(tmp_path)
         ValueError, match="rl.first_round: 2 rounds of 1 step.* make policy version 2, but .* version 1"
     ):
         steps.prepare(wrong_round, tmp_path / "x", "next", tmp_path / "xs")
+    same_run = continuing(tmp_path, tmp_path / "p1", tmp_path / "s1", 1, **{"guidance.codec": "bits"})
+    with pytest.raises(ValueError, match="run id 'first': .* saved by the run of that id.* a run of its own"):
+        steps.prepare(same_run, tmp_path / "x", "first", tmp_path / "xs")
     other_policy = continuing(tmp_path, tmp_path / "p0", tmp_path / "s1", 1, **{"guidance.codec": "bits"})
     with pytest.raises(StateMismatch, match="saved with another policy folder"):
         steps.prepare(other_policy, tmp_path / "x", "next", tmp_path / "xs")
