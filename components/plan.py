@@ -242,7 +242,7 @@ def plan(config: RunConfig, cfg: ModelConfig, tokens_per_trajectory: int | None 
     trajectories_per_round = round(trajectory * tokens)
     # in the pipeline root each rollout worker's trajectories besides the round's gathered file
     rolled_out = trajectories_per_round * (1 + (r.workers > 1))
-    # in the store each TrainJob's inputs, its round's trajectories among them, until runs clean
+    # in the store a TrainJob's inputs, the running round's trajectories among them, until its outputs are out
     stored = trajectories_per_round if config.train.in_trainjob else 0
     return {
         "model_type": cfg.model_type,
@@ -272,8 +272,7 @@ def plan(config: RunConfig, cfg: ModelConfig, tokens_per_trajectory: int | None 
         "store_bytes_after_run": per_round * rounds_left(config, rounds_per_run),
         "store_bytes_per_chain": per_round * chain_rounds_at_once(config, rounds_per_run),
         "store_trainer_state_bytes": state * (1 if config.train.in_trainjob else 2),
-        "store_trajectories_bytes_per_run": stored * rounds_per_run,
-        "store_trajectories_bytes_per_chain": stored * rl.rounds,
+        "store_trajectories_bytes": stored,
         # KFP's pipeline root: prepare's policy, each round's new policy and trajectories; a chain's later runs'
         # prepare copies the run before's last policy and trainer state
         "pipeline_root_bytes_per_run": (policy + rolled_out) * rounds_per_run + policy,

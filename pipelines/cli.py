@@ -692,11 +692,8 @@ def plan(preset, config_file, sets, model_config, tokens_per_trajectory):
             f"runs clean, {_size(f['store_bytes_per_chain'])} a chain of {f['runs']} run{'s' * (f['runs'] != 1)}, "
             "none cleaned; trainer states "
             f"{_size(f['store_trainer_state_bytes'])} at once"
-            + (
-                f"; TrainJobs' trajectories {_size(f['store_trajectories_bytes_per_run'])} a run, "
-                f"{_size(f['store_trajectories_bytes_per_chain'])} a chain"
-            )
-            * bool(f["store_trajectories_bytes_per_run"]),
+            + f", and a TrainJob's trajectories {_size(f['store_trajectories_bytes'])}"
+            * bool(f["store_trajectories_bytes"]),
         ),
         (
             "pipeline root",

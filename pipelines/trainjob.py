@@ -607,16 +607,17 @@ class TrainJobRun:
         return key if same else None
 
     def forget_inputs(self, policy: Path, state: Path) -> None:
-        """Delete the round's policy and trainer state from the store once its
-        outputs are out: this round's upload of them, the earlier round's
-        policy it took (:meth:`stored`) and its record, and the earlier round's
-        trainer state its input stood for. At the paper's scale they are 490 GB
-        a round. KFP keeps its own copy of every round's policy, but of a
-        trainer state only the folder that stood for it: a run goes on from its
-        last round's. Each folder loses its manifest first, so that a
-        half-deleted one is never taken for whole."""
+        """Delete the round's policy, trainer state and trajectories from the
+        store once its outputs are out: this round's upload of them, the
+        earlier round's policy it took (:meth:`stored`) and its record, and the
+        earlier round's trainer state its input stood for. At the paper's scale
+        they are 490 GB a round. KFP keeps its own copy of every round's policy
+        and trajectories, but of a trainer state only the folder that stood for
+        it: a run goes on from its last round's. Each folder loses its manifest
+        first, so that a half-deleted one is never taken for whole."""
         self.store.delete(f"{self.prefix}/{READY}")  # first: no rank of a retry takes what is left for whole
         self.store.delete(f"{self.prefix}/{READY}{UPLOADING}")
+        self.store.delete(f"{self.prefix}/trajectories.jsonl")  # a retry takes the outputs (finished), or uploads
         folders = {f"{self.prefix}/policy", f"{self.prefix}/state"}
         for folder in (policy, state):
             key = self._stored_key(folder)  # only a folder of the same manifest: this input's copy

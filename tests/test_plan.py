@@ -202,7 +202,7 @@ def test_the_deploy_docs_sizes_are_the_commands():
         "store, after the run": "store_bytes_after_run",
         "store, the chain's 100 rounds": "store_bytes_per_chain",
         "trajectories a round": "trajectories_bytes_per_round",
-        "store, a run's TrainJob trajectories": "store_trajectories_bytes_per_run",
+        "store, a TrainJob's trajectories": "store_trajectories_bytes",
         "pipeline root, a run": "pipeline_root_bytes_per_run",
         "pipeline root, the chain": "pipeline_root_bytes_per_chain",
     }

@@ -543,8 +543,8 @@ def test_a_completed_trainjob_gives_the_ranks_outputs_and_is_deleted(tmp_path, v
     def folders(prefix):
         return {k.removeprefix(prefix + "/").split("/")[0] for k in store.list(prefix + "/")}
 
-    assert not {"new-policy", "new-state"} & folders(prefix)
-    assert not {"policy", "state"} & folders(nxt) and {"new-policy", "new-state"} <= folders(nxt)
+    assert not {"new-policy", "new-state", "trajectories.jsonl"} & folders(prefix)
+    assert not {"policy", "state", "trajectories.jsonl"} & folders(nxt) and {"new-policy", "new-state"} <= folders(nxt)
     with pytest.raises(CheckpointError, match="which is gone .* go on from a run's last round"):
         fetch(tmp_path / "out-state")  # a continuation from round 1 can no longer follow its state
     # the record is per config: another config under the same run id neither takes nor deletes those folders
