@@ -32,7 +32,9 @@ from tracefp4.components.checkpoint import MANIFEST, UNFINISHED, mark_unfinished
 from tracefp4.components.distributed import METADATA
 from tracefp4.components.guidance import STEP_MANIFEST
 from tracefp4.components.store import open_store
+from tracefp4.pipelines.pipeline import comparison_name, pipeline_name
 from tracefp4.pipelines.submit import SubmitError, quiet
+from tracefp4.schemas import RunConfig
 
 FINISHED = ("SUCCEEDED", "FAILED", "CANCELED", "SKIPPED")
 # The pipeline's outputs that make a run's bulk (at the paper presets a policy is 70 GB, a trainer state 420 GB):
@@ -89,6 +91,26 @@ def _folders(client, run, pipeline_root: str | None) -> list[RunFolder]:
     for name, store in sorted(_compiled_runs(spec)):
         folders.append(RunFolder("store", store, f"{name}/{tracefp4_run_id}"))
     return folders
+
+
+def deleted_run_folders(client, run_id: str, config: RunConfig, pipeline_root: str) -> list[RunFolder]:
+    """The folders run ``run_id`` left once deleted in KFP, which forgets its pipeline spec and parameters
+    with it and keeps its artifacts: ``config``, the run's as submitted, names its pipeline (the run's or the
+    comparison's: both folders, one of them empty) and its store folder, ``pipeline_root`` where KFP kept the
+    artifacts. The store folder is under KFP's run id, which a run given a ``run_id`` parameter did not use.
+    Refused while KFP still knows the run: :func:`run_folders` finds its folders, and checks it has finished."""
+    try:
+        run = _run(client, run_id)
+    except SubmitError as e:
+        if e.status != 404:
+            raise
+    else:
+        raise SubmitError(f"run {run_id} is in KFP ({run.state or 'in no state'}): clean it without --deleted")
+    root = urlsplit(pipeline_root)._replace(query="").geturl()
+    pipelines = (pipeline_name(config), comparison_name(config))
+    return [RunFolder("artifacts", root, f"{name}/{run_id}") for name in pipelines] + [
+        RunFolder("store", config.store.uri, f"{config.name}/{run_id}")
+    ]
 
 
 def went_on_from(run, artifacts: RunFolder) -> str | None:

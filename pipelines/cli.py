@@ -768,19 +768,46 @@ def report(run_dir):
     help="Also every run it went on from, back to its chain's first (each found by the policy it started from).",
 )
 @click.option("--yes", is_flag=True, help="Delete them; without it, only say what would go.")
-def runs_clean(run_id, root, only, everything, chain, yes, **connection):
+@click.option(
+    "--deleted",
+    is_flag=True,
+    help="The run was deleted in KFP: its folders from its config (--preset, --config, --set, as submitted) and "
+    "--pipeline-root.",
+)
+@preset_option
+@config_option
+@set_option
+def runs_clean(run_id, root, only, everything, chain, yes, deleted, preset, config_file, sets, **connection):
     """Delete what a finished run left in object storage: its policies, trainer states, trajectories and
     guidance among its KFP artifacts, and its folder in tracefp4's store (S3 settings: TRACEFP4_S3_*);
     refused while a run that goes on from it has yet to prepare."""
     from tracefp4.components.store import StoreError
-    from tracefp4.pipelines.clean import KINDS, chain_folders, delete, run_folders, survey, waiting_continuations
+    from tracefp4.pipelines.clean import (
+        KINDS,
+        chain_folders,
+        delete,
+        deleted_run_folders,
+        run_folders,
+        survey,
+        waiting_continuations,
+    )
     from tracefp4.pipelines.submit import connect
 
     if everything and only == "store":  # --all widens what goes of the KFP artifacts, which --only store keeps
         raise click.UsageError("--all and --only store: --all is about the KFP artifacts, which --only store leaves")
+    config_given = preset or config_file or sets
+    if deleted and (chain or not (preset or config_file) or not root):
+        raise click.UsageError(
+            "--deleted: KFP forgot the run's pipeline and parameters, so give its config (--preset or --config, with "
+            "its --set) and --pipeline-root; one run at a time (no --chain)"
+        )
+    if config_given and not deleted:
+        raise click.UsageError("--preset, --config and --set: only with --deleted; KFP holds a run's config")
     connection = _connection(**connection)
     client = _kfp_call(connect, connection)
-    if chain:
+    if deleted:
+        runs = {run_id: _kfp_call(deleted_run_folders, client, run_id, _config(preset, config_file, sets=sets), root)}
+    elif chain:
         runs = _kfp_call(chain_folders, client, run_id, root)
     else:
         runs = {run_id: _kfp_call(run_folders, client, run_id, root)}

@@ -44,6 +44,10 @@ def pipeline_name(config: RunConfig) -> str:
     return f"tracefp4-{config.name}"
 
 
+def comparison_name(config: RunConfig) -> str:
+    return pipeline_name(config) + "-compare"
+
+
 def pipeline_version() -> str:
     return f"{version('tracefp4')}-{schema_hash()}"
 
@@ -342,7 +346,7 @@ def build_comparison_pipeline(config: RunConfig, methods: list[str], retries: bo
         return rep.outputs["markdown"]
 
     summary = f"TRACE FP4 RL: {', '.join(methods)} side by side. {fixed_fields(config, methods)}"
-    return _typed_pipeline(body, config, params, pipeline_name(config) + "-compare", summary)
+    return _typed_pipeline(body, config, params, comparison_name(config), summary)
 
 
 def compile_pipeline(config: RunConfig, path, methods: list[str] | None = None) -> str:

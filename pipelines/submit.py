@@ -55,7 +55,12 @@ _EQUALS = 1  # V2beta1PredicateOperation EQUALS
 
 
 class SubmitError(RuntimeError):
-    """A failed call to the Kubeflow Pipelines server (HTTP error, no connection, bad answer)."""
+    """A failed call to the Kubeflow Pipelines server (HTTP error, no connection, bad answer); ``status``, the
+    HTTP status where the server answered with one."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 @dataclass
@@ -138,7 +143,8 @@ class _Client(kfp.Client):
                 untrusted = "CERTIFICATE" in str(e.reason).upper()
                 hint = " (a self-signed certificate? pass its CA bundle, or skip verification)" if untrusted else ""
                 raise SubmitError(self.scrub(f"{where}: {self._host}: {e.reason}{hint}")) from None
-            raise SubmitError(self.scrub(f"{where} -> HTTP {e.status} {e.reason}: {_message(e.body)}")) from None
+            message = self.scrub(f"{where} -> HTTP {e.status} {e.reason}: {_message(e.body)}")
+            raise SubmitError(message, e.status) from None
         except urllib3.exceptions.HTTPError as e:
             reason = e.reason if isinstance(e, urllib3.exceptions.MaxRetryError) else e
             if isinstance(reason, urllib3.exceptions.NewConnectionError):  # a ConnectTimeoutError too, in urllib3 2

@@ -880,6 +880,46 @@ def test_runs_clean_chain_deletes_a_chain_back_to_its_first_run(kfp_server, s3_e
     assert gone.exit_code == 1 and f"run {second} went on from run {first}: GET " in gone.output, gone.output
 
 
+def test_runs_clean_deleted_finds_a_run_kfp_forgot_by_its_config(kfp_server, s3_env, tmp_path):
+    """A run deleted in KFP (which keeps its artifacts, kubeflow/pipelines#10816): --deleted finds its folders
+    from the config it was submitted with and --pipeline-root, deletes its bulk and store folder, keeps its
+    record and another run's objects; refused while KFP still knows the run, and while a run that goes on from
+    it has not prepared."""
+    base = f"clean-{tmp_path.name}"
+    root, store_uri = s3_env.uri(f"{base}/pipeline-root"), s3_env.uri(f"{base}/runs")
+    config = load_config(preset="smoke", overrides={"store.uri": store_uri})
+    connection = Connection(kfp_server.url)
+    run_id, other = (submit(config, connection, pipeline_root=root)["run_id"] for _ in range(2))
+    bucket = s3_env.store(base)
+    ours = [f"pipeline-root/tracefp4-smoke/{run_id}/train/a1/new_policy/{MANIFEST}", f"runs/smoke/{run_id}/x"]
+    record = [f"pipeline-root/tracefp4-smoke/{run_id}/report/c3/page"]
+    theirs = [f"pipeline-root/tracefp4-smoke/{other}/train/b2/new_policy/{MANIFEST}", f"runs/smoke/{other}/x"]
+    _leave(bucket, ours + record + theirs)
+
+    def clean(*options):
+        given = ["--deleted", "--preset", "smoke", "--set", f"store.uri={store_uri}", "--pipeline-root", root]
+        return CliRunner().invoke(main, ["runs", "clean", run_id, "--host", kfp_server.url, *given, *options])
+
+    known = clean("--yes")
+    assert known.exit_code == 1 and f"run {run_id} is in KFP (PENDING): clean it without --deleted" in known.output
+    del kfp_server.runs[run_id]
+    follower = submit(config, connection, pipeline_root=root, run_name="goes-on")["run_id"]
+    kfp_server.runs[follower]["runtime_config"]["parameters"]["model_checkpoint"] = f"{root}/tracefp4-smoke/{run_id}/t"
+    refused = clean("--yes")
+    assert refused.exit_code == 1 and f"goes-on ({follower}, PENDING)" in refused.output
+    del kfp_server.runs[follower]
+    deleted = clean("--yes")
+    assert deleted.exit_code == 0, deleted.output
+    assert f"KFP artifacts: {root}/tracefp4-smoke/{run_id}/: 1 objects" in deleted.output
+    assert f"KFP artifacts: {root}/tracefp4-smoke-compare/{run_id}/: 0 objects" in deleted.output  # not a comparison
+    assert f"tracefp4 store: {store_uri}/smoke/{run_id}/: 1 objects" in deleted.output
+    assert bucket.list() == sorted(record + theirs)
+    usage = CliRunner().invoke(main, ["runs", "clean", run_id, "--host", kfp_server.url, "--deleted"])
+    assert usage.exit_code == 2 and "give its config (--preset or --config" in usage.output
+    misplaced = CliRunner().invoke(main, ["runs", "clean", other, "--host", kfp_server.url, "--preset", "smoke"])
+    assert misplaced.exit_code == 2 and "only with --deleted" in misplaced.output
+
+
 def test_runs_clean_needs_the_pipeline_root_of_a_run_that_records_none(kfp_server, s3_env, tmp_path):
     """A run submitted without a pipeline root kept its artifacts in the cluster's default, which the API does
     not tell; one that records its root refuses another."""
