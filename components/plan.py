@@ -162,8 +162,9 @@ def trajectory_bytes_per_token(config: RunConfig, cfg: ModelConfig) -> float:
     float32 log-probability in JSON and the sampler's likeliest tokens where
     the method records them (:func:`.steps.recorded_topk`), on a seeded sample
     of ids uniform over the vocabulary (more digits than text's common tokens
-    have) and log-probabilities of uniform draws (a float32's shortest
-    decimal is as long whatever its size). A prompt token, its id alone,
+    have) and log-probabilities of uniform draws (a float32 value's JSON takes
+    19 to 22 characters whatever its size, those of likely tokens, near 0, the
+    most: a few bytes a token more than here). A prompt token, its id alone,
     counts as much; a line's problem and fields are not counted."""
     k, generator = recorded_topk(config), torch.Generator().manual_seed(0)
 
