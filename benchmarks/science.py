@@ -348,7 +348,8 @@ def difference(data: dict, a: tuple, b: tuple) -> dict | None:
 
 
 def claims(data: dict) -> list[dict]:
-    """The paper's accuracy claims, each with our paired difference and a verdict."""
+    """The paper's accuracy claims, each with the two policies it compares (a method's trained policy by the
+    method, a PTQ baseline by its name), our paired difference and a verdict."""
     fp4 = _fp4(data)
     arm = lambda m, p="trained", r=fp4: (m, p, r)  # noqa: E731
     ptq = sorted({r["policy"] for run in data["runs"] for r in run["accuracy"] if r["policy"].startswith("ptq:")})
@@ -379,7 +380,8 @@ def claims(data: dict) -> list[dict]:
             verdict = within(d["ci95"], low=-CLOSE)
         else:
             verdict = verdict_of(d["ci95"], ">")
-        out.append({"claim": claim, "paper": paper, **d, "verdict": verdict})
+        policies = [m if policy == "trained" else policy for m, policy, _ in (a, b)]  # a PTQ baseline by its name
+        out.append({"claim": claim, "paper": paper, "policies": policies, **d, "verdict": verdict})
     return out
 
 
