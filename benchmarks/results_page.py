@@ -145,8 +145,8 @@ def science_claims(data: dict) -> list[dict]:
                 if m in effects  # a PTQ baseline is not trained: no move of its own
             ]
             why = (
-                f"how far RL moved the two policies from their base, in points: {', '.join(moves)}; why one ended "
-                f"below the other is not established at this scale; {scale}"
+                f"how far RL moved each trained policy of the two from its base, in points: {', '.join(moves)}; "
+                f"why one ended below the other is not established at this scale; {scale}"
             )
         out.append(
             {
