@@ -106,9 +106,8 @@ def deleted_run_folders(client, run_id: str, config: RunConfig, pipeline_root: s
             raise
     else:
         raise SubmitError(f"run {run_id} is in KFP ({run.state or 'in no state'}): clean it without --deleted")
-    root = urlsplit(pipeline_root)._replace(query="").geturl()
     pipelines = (pipeline_name(config), comparison_name(config))
-    return [RunFolder("artifacts", root, f"{name}/{run_id}") for name in pipelines] + [
+    return [RunFolder("artifacts", _artifacts_root(pipeline_root), f"{name}/{run_id}") for name in pipelines] + [
         RunFolder("store", config.store.uri, f"{config.name}/{run_id}")
     ]
 
@@ -170,7 +169,12 @@ def _pipeline_root(run, spec: dict, given: str | None) -> str:
             "default, which its API does not tell: pass it (--pipeline-root; the kfp-launcher ConfigMap's "
             "defaultPipelineRoot, KFP's own minio://mlpipeline/v2/artifacts)"
         )
-    return urlsplit(recorded or given)._replace(query="").geturl()  # KFP keeps a root's query off its paths
+    return _artifacts_root(recorded or given)
+
+
+def _artifacts_root(pipeline_root: str) -> str:
+    """Where KFP's artifacts under ``pipeline_root`` lie: KFP keeps a root's query (its S3 settings) off their paths."""
+    return urlsplit(pipeline_root)._replace(query="").geturl()
 
 
 def _compiled_runs(spec: dict) -> set[tuple[str, str]]:
