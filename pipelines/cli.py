@@ -649,8 +649,8 @@ def _size(n: float) -> str:
     help="Mean tokens of a trajectory, prompt and response (default: the bound model.max_seq_len).",
 )
 def plan(preset, config_file, sets, model_config, tokens_per_trajectory):
-    """What a run writes and needs: its policy, trainer state and guidance, per round, run and chain, by where
-    they land (docs/deploy.md, "Object storage"); the figures again as one JSON line at the end."""
+    """What a run writes and needs: its policy, trainer state, guidance and trajectories, per round, run and
+    chain, by where they land (docs/deploy.md, "Object storage"); the figures again as one JSON line at the end."""
     from tracefp4.components import plan as planning
 
     config = _config(preset, config_file, sets=sets)
