@@ -96,9 +96,10 @@ def _folders(client, run, pipeline_root: str | None) -> list[RunFolder]:
 def deleted_run_folders(client, run_id: str, config: RunConfig, pipeline_root: str) -> list[RunFolder]:
     """The folders run ``run_id`` left once deleted in KFP, which forgets its pipeline spec and parameters
     with it and keeps its artifacts: ``config``, the run's as submitted, names its pipeline (the run's or the
-    comparison's: both folders, one of them empty) and its store folder, ``pipeline_root`` where KFP kept the
-    artifacts. The store folder is under KFP's run id, which a run given a ``run_id`` parameter did not use.
-    Refused while KFP still knows the run: :func:`run_folders` finds its folders, and checks it has finished."""
+    comparison's: the one that holds its artifacts) and its store folder, ``pipeline_root`` where KFP kept the
+    artifacts. The store folder is under the run id its policies record (:func:`_recorded_run_id`: a run given
+    a ``run_id`` parameter used that one), else KFP's. Refused while KFP still knows the run:
+    :func:`run_folders` finds its folders, and checks it has finished."""
     try:
         run = _run(client, run_id)
     except SubmitError as e:
@@ -106,10 +107,29 @@ def deleted_run_folders(client, run_id: str, config: RunConfig, pipeline_root: s
             raise
     else:
         raise SubmitError(f"run {run_id} is in KFP ({run.state or 'in no state'}): clean it without --deleted")
-    pipelines = (pipeline_name(config), comparison_name(config))
-    return [RunFolder("artifacts", _artifacts_root(pipeline_root), f"{name}/{run_id}") for name in pipelines] + [
-        RunFolder("store", config.store.uri, f"{config.name}/{run_id}")
+    root = _artifacts_root(pipeline_root)
+    candidates = [
+        RunFolder("artifacts", root, f"{name}/{run_id}") for name in (pipeline_name(config), comparison_name(config))
     ]
+    store = open_store(root)
+    held = {folder: store.list(folder.prefix + "/") for folder in candidates}
+    artifacts = [folder for folder in candidates if held[folder]] or candidates[:1]
+    recorded = _recorded_run_id([key for folder in artifacts for key in held[folder]], store)
+    return [*artifacts, RunFolder("store", config.store.uri, f"{config.name}/{recorded or run_id}")]
+
+
+def _recorded_run_id(keys: list[str], store) -> str | None:
+    """The run id in the provenance of the first policy among a run's artifact ``keys`` (each policy's
+    :data:`~tracefp4.components.checkpoint.MANIFEST` records the id the run's store folder is under), None
+    where none is left (a clean deleted them)."""
+    for key in keys:
+        *_, output, name = key.split("/")
+        if name == MANIFEST and output in ("policy", "new_policy"):
+            try:
+                return json.loads(store.get_bytes(key))["provenance"]["run_id"] or None
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{store.uri}/{key}: not a checkpoint manifest (no provenance run id)") from None
+    return None
 
 
 def went_on_from(run, artifacts: RunFolder) -> str | None:

@@ -805,20 +805,23 @@ def runs_clean(run_id, root, only, everything, chain, yes, deleted, preset, conf
         raise click.UsageError("--preset, --config and --set: only with --deleted; KFP holds a run's config")
     connection = _connection(**connection)
     client = _kfp_call(connect, connection)
-    if deleted:
-        runs = {run_id: _kfp_call(deleted_run_folders, client, run_id, _config(preset, config_file, sets=sets), root)}
-    elif chain:
-        runs = _kfp_call(chain_folders, client, run_id, root)
-    else:
-        runs = {run_id: _kfp_call(run_folders, client, run_id, root)}
-    folders = [folder for found in runs.values() for folder in found]
-    if waiting := _kfp_call(waiting_continuations, client, connection.namespace, folders):
-        which = f"run {run_id} and the {len(runs) - 1} run(s) before it are" if len(runs) > 1 else f"run {run_id} is"
-        raise click.ClickException(
-            f"{which} kept: runs that go on from them have not finished their prepare task: "
-            f"{', '.join(waiting)}; clean once they have, or delete them in KFP first"
-        )
+    config = _config(preset, config_file, sets=sets) if deleted else None
     try:  # every folder surveyed before any is deleted: one the S3 settings do not reach stops nothing half done
+        if deleted:  # its artifacts are read: which pipeline's folder holds them, the run id its policies record
+            runs = {run_id: _kfp_call(deleted_run_folders, client, run_id, config, root)}
+        elif chain:
+            runs = _kfp_call(chain_folders, client, run_id, root)
+        else:
+            runs = {run_id: _kfp_call(run_folders, client, run_id, root)}
+        folders = [folder for found in runs.values() for folder in found]
+        if waiting := _kfp_call(waiting_continuations, client, connection.namespace, folders):
+            which = (
+                f"run {run_id} and the {len(runs) - 1} run(s) before it are" if len(runs) > 1 else f"run {run_id} is"
+            )
+            raise click.ClickException(
+                f"{which} kept: runs that go on from them have not finished their prepare task: "
+                f"{', '.join(waiting)}; clean once they have, or delete them in KFP first"
+            )
         surveys = {run: [survey(f, everything) for f in found if only in (None, f.kind)] for run, found in runs.items()}
         for run, found_in_run in surveys.items():
             if len(runs) > 1:

@@ -882,38 +882,59 @@ def test_runs_clean_chain_deletes_a_chain_back_to_its_first_run(kfp_server, s3_e
 
 def test_runs_clean_deleted_finds_a_run_kfp_forgot_by_its_config(kfp_server, s3_env, tmp_path):
     """A run deleted in KFP (which keeps its artifacts, kubeflow/pipelines#10816): --deleted finds its folders
-    from the config it was submitted with and --pipeline-root, deletes its bulk and store folder, keeps its
-    record and another run's objects; refused while KFP still knows the run, and while a run that goes on from
-    it has not prepared."""
+    from the config it was submitted with and --pipeline-root (the run's or the comparison's pipeline folder,
+    whichever holds its artifacts; its store folder under the run id its policies record, which a ``run_id``
+    parameter set), deletes its bulk and store folder, keeps its record and another run's objects; refused
+    while KFP still knows the run, and while a run that goes on from it has not prepared."""
     base = f"clean-{tmp_path.name}"
     root, store_uri = s3_env.uri(f"{base}/pipeline-root"), s3_env.uri(f"{base}/runs")
     config = load_config(preset="smoke", overrides={"store.uri": store_uri})
     connection = Connection(kfp_server.url)
-    run_id, other = (submit(config, connection, pipeline_root=root)["run_id"] for _ in range(2))
+    run_id, other, named = (submit(config, connection, pipeline_root=root)["run_id"] for _ in range(3))
     bucket = s3_env.store(base)
-    ours = [f"pipeline-root/tracefp4-smoke/{run_id}/train/a1/new_policy/{MANIFEST}", f"runs/smoke/{run_id}/x"]
+
+    def policy(pipeline: str, run: str, recorded: str) -> str:
+        key = f"pipeline-root/{pipeline}/{run}/prepare/a0/policy/{MANIFEST}"
+        bucket.put_bytes(key, json.dumps({"files": {}, "provenance": {"run_id": recorded}}).encode())
+        return key
+
+    ours = [policy("tracefp4-smoke", run_id, run_id), f"runs/smoke/{run_id}/x"]
+    ours += [f"pipeline-root/tracefp4-smoke/{run_id}/train/a1/new_policy/model.safetensors"]
     record = [f"pipeline-root/tracefp4-smoke/{run_id}/report/c3/page"]
-    theirs = [f"pipeline-root/tracefp4-smoke/{other}/train/b2/new_policy/{MANIFEST}", f"runs/smoke/{other}/x"]
-    _leave(bucket, ours + record + theirs)
+    theirs = [f"pipeline-root/tracefp4-smoke/{other}/train/b2/new_policy/model.safetensors", f"runs/smoke/{other}/x"]
+    _leave(bucket, [key for key in ours + record + theirs if not key.endswith(MANIFEST)])
 
-    def clean(*options):
+    def clean(run, *options):
         given = ["--deleted", "--preset", "smoke", "--set", f"store.uri={store_uri}", "--pipeline-root", root]
-        return CliRunner().invoke(main, ["runs", "clean", run_id, "--host", kfp_server.url, *given, *options])
+        return CliRunner().invoke(main, ["runs", "clean", run, "--host", kfp_server.url, *given, *options])
 
-    known = clean("--yes")
+    known = clean(run_id, "--yes")
     assert known.exit_code == 1 and f"run {run_id} is in KFP (PENDING): clean it without --deleted" in known.output
     del kfp_server.runs[run_id]
     follower = submit(config, connection, pipeline_root=root, run_name="goes-on")["run_id"]
     kfp_server.runs[follower]["runtime_config"]["parameters"]["model_checkpoint"] = f"{root}/tracefp4-smoke/{run_id}/t"
-    refused = clean("--yes")
+    refused = clean(run_id, "--yes")
     assert refused.exit_code == 1 and f"goes-on ({follower}, PENDING)" in refused.output
     del kfp_server.runs[follower]
-    deleted = clean("--yes")
+    deleted = clean(run_id, "--yes")
     assert deleted.exit_code == 0, deleted.output
-    assert f"KFP artifacts: {root}/tracefp4-smoke/{run_id}/: 1 objects" in deleted.output
-    assert f"KFP artifacts: {root}/tracefp4-smoke-compare/{run_id}/: 0 objects" in deleted.output  # not a comparison
+    assert f"KFP artifacts: {root}/tracefp4-smoke/{run_id}/: 2 objects" in deleted.output
+    assert "compare" not in deleted.output  # not a comparison: its pipeline's folder holds nothing of the run
     assert f"tracefp4 store: {store_uri}/smoke/{run_id}/: 1 objects" in deleted.output
     assert bucket.list() == sorted(record + theirs)
+
+    # a comparison given run_id "my-run": its store folder is under that id, which its prepared policy records
+    mine = [policy("tracefp4-smoke-compare", named, "my-run"), "runs/smoke/my-run/trace/x"]
+    _leave(bucket, mine[1:])
+    del kfp_server.runs[named]
+    found = clean(named)
+    assert found.exit_code == 0, found.output
+    assert f"KFP artifacts: {root}/tracefp4-smoke-compare/{named}/: 1 objects" in found.output
+    assert f"tracefp4 store: {store_uri}/smoke/my-run/: 1 objects" in found.output
+    bucket.put_bytes(mine[0], b"{not json")
+    unreadable = clean(named)
+    assert unreadable.exit_code == 1 and f"{mine[0].partition('/')[2]}: not a checkpoint manifest" in unreadable.output
+
     usage = CliRunner().invoke(main, ["runs", "clean", run_id, "--host", kfp_server.url, "--deleted"])
     assert usage.exit_code == 2 and "give its config (--preset or --config" in usage.output
     misplaced = CliRunner().invoke(main, ["runs", "clean", other, "--host", kfp_server.url, "--preset", "smoke"])
