@@ -2,8 +2,9 @@
 export a policy for serving (compressed-tensors NVFP4 / MXFP4), size what a
 run writes and needs, compile the pipeline for a cluster and submit it,
 follow its runs and delete what a finished one left in object storage, write
-the config's JSON Schema and the Grafana dashboards, list presets, show a
-run's report, delete a run's metrics from a Pushgateway."""
+the config's JSON Schema, the Grafana dashboards and the Prometheus alerting
+rules, list presets, show a run's report, delete a run's metrics from a
+Pushgateway."""
 
 import json
 import logging
@@ -610,6 +611,23 @@ def dashboards(output):
 
     try:
         click.echo(write(output))
+    except OSError as e:  # a file in the way, no permission
+        raise _output_error(output, e) from None
+
+
+@main.command()
+@folder_option(
+    "manifests",
+    "The kustomize manifests' folder, to write base/prometheus/alerts.yml and the "
+    "kube-prometheus-stack overlay's prometheusrule.yaml under.",
+)
+def alerts(output):
+    """Write the Prometheus alerting rules on a run's train-rollout mismatch (docs/metrics.md, "Alerts")."""
+    from tracefp4.pipelines.alerts import write
+
+    try:
+        for path in write(output):
+            click.echo(path)
     except OSError as e:  # a file in the way, no permission
         raise _output_error(output, e) from None
 

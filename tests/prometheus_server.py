@@ -1,6 +1,7 @@
 """Pytest plugin: a real Pushgateway and Prometheus (the Debian packages that
 ``make install-dev`` (and so ``make test`` and .ci/run) install) on loopback, Prometheus scraping the
-gateway every second with ``honor_labels`` as the cluster's config does.
+gateway every second with ``honor_labels`` as the cluster's config does, and evaluating the committed
+alerting rules (``manifests/base/prometheus/alerts.yml``) every second.
 Fixture: ``prometheus`` (one per session) with ``.pushgateway`` and ``.url``."""
 
 import json
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 
 BINARIES = ("prometheus", "prometheus-pushgateway")
+RULES = Path(__file__).resolve().parents[1] / "manifests/base/prometheus/alerts.yml"
 
 
 def _free_port() -> int:
@@ -58,6 +60,7 @@ class Prometheus:
             json.dumps(
                 {  # JSON is YAML
                     "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(RULES)],
                     "scrape_configs": [
                         {
                             "job_name": "pushgateway",

@@ -169,6 +169,15 @@ def test_prometheus_scrapes_the_pushgateway(rendered, overlay):
 
 
 @pytest.mark.parametrize("overlay", sorted(STANDALONE_MONITORING))
+def test_prometheus_evaluates_the_generated_alerting_rules(rendered, overlay):
+    from tracefp4.pipelines.alerts import rule_groups
+
+    data = one(rendered[overlay], "ConfigMap", prefix="prometheus-config")["data"]
+    assert yaml.safe_load(data["prometheus.yml"])["rule_files"] == ["alerts.yml"]  # beside it in the ConfigMap
+    assert yaml.safe_load(data["alerts.yml"]) == {"groups": rule_groups()}
+
+
+@pytest.mark.parametrize("overlay", sorted(STANDALONE_MONITORING))
 def test_grafana_provisions_datasource_and_dashboard(rendered, overlay):
     objects = rendered[overlay]
     boards = one(objects, "ConfigMap", prefix="grafana-dashboards-")
@@ -190,7 +199,8 @@ def test_grafana_provisions_datasource_and_dashboard(rendered, overlay):
     assert providers["providers"][0]["options"]["path"] == mounts[volume]
 
 
-def test_kube_prometheus_stack_overlay_scrapes_by_servicemonitor_and_ships_the_dashboard(rendered):
+def test_kube_prometheus_stack_overlay_scrapes_by_servicemonitor_and_ships_the_dashboard_and_rules(rendered):
+    from tracefp4.pipelines.alerts import prometheus_rule
     from tracefp4.pipelines.dashboards import dashboard
 
     objects = rendered["kube-prometheus-stack"]
@@ -213,6 +223,9 @@ def test_kube_prometheus_stack_overlay_scrapes_by_servicemonitor_and_ships_the_d
     assert boards["metadata"]["labels"]["grafana_dashboard"] == "1"  # the Grafana sidecar's default label
     assert boards["metadata"]["annotations"] == {"grafana_folder": "tracefp4"}
     assert json.loads(boards["data"]["tracefp4.json"]) == json.loads(json.dumps(dashboard()))
+
+    rule = one(objects, "PrometheusRule", "tracefp4")
+    assert rule == prometheus_rule()  # release: kube-prometheus-stack, what the chart's ruleSelector matches
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
