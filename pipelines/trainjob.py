@@ -938,18 +938,21 @@ def heartbeat(store, key: str, timeout_s: float):
     minute) while the block runs: the ranks waiting for the round's inputs
     take a changed heartbeat for progress (:func:`~tracefp4.components.distributed.wait_for_inputs`),
     so that an upload longer than ``train.timeout_seconds`` (a first round's
-    trainer state at the paper's scale, 420 GB) does not fail them. Removed after."""
+    trainer state at the paper's scale, 420 GB) does not fail them. The first
+    beat is written before the block starts, the rest by a thread. Removed after."""
     stop = threading.Event()
 
-    def beat():
-        count = 0
-        while True:
-            with contextlib.suppress(Exception):  # a beat the store missed only delays the next; the ranks time out
-                store.put_bytes(key, str(count).encode())
-            count += 1
-            if stop.wait(min(timeout_s / 10, 60)):
-                return
+    def put(count: int) -> None:
+        with contextlib.suppress(Exception):  # a beat the store missed only delays the next; the ranks time out
+            store.put_bytes(key, str(count).encode())
 
+    def beat():
+        count = 1
+        while not stop.wait(min(timeout_s / 10, 60)):
+            put(count)
+            count += 1
+
+    put(0)  # there from the block's start, not from whenever the thread first runs
     beating = threading.Thread(target=beat, name="inputs-heartbeat", daemon=True)
     beating.start()
     try:
