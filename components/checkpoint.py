@@ -599,14 +599,18 @@ def provenance(folder: str | os.PathLike) -> dict:
     """The ``provenance`` a tracefp4 save recorded in the folder's :data:`MANIFEST`
     (for a policy: ``run_id`` and ``policy_version``); empty for a folder from elsewhere."""
     path = Path(folder) / MANIFEST
-    if not path.exists():
-        return {}
+    return manifest_provenance(path.read_bytes(), str(path)) if path.exists() else {}
+
+
+def manifest_provenance(manifest: bytes, where: str) -> dict:
+    """The ``provenance`` recorded in a :data:`MANIFEST`'s bytes (read from ``where``: a path, or a store
+    URI, as ``runs clean`` reads a deleted run's policies)."""
     try:
-        found = json.loads(path.read_bytes()).get("provenance", {})
+        found = json.loads(manifest).get("provenance", {})
     except (ValueError, AttributeError) as e:
-        raise CheckpointError(f"{path}: not a checksum manifest ({type(e).__name__}: {e})") from None
+        raise CheckpointError(f"{where}: not a checksum manifest ({type(e).__name__}: {e})") from None
     if not isinstance(found, dict):
-        raise CheckpointError(f"{path}: provenance must be an object, got {found!r}")
+        raise CheckpointError(f"{where}: provenance must be an object, got {found!r}")
     return found
 
 

@@ -28,7 +28,7 @@ import json
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from tracefp4.components.checkpoint import MANIFEST, UNFINISHED, mark_unfinished
+from tracefp4.components.checkpoint import MANIFEST, UNFINISHED, CheckpointError, manifest_provenance, mark_unfinished
 from tracefp4.components.distributed import METADATA
 from tracefp4.components.guidance import STEP_MANIFEST
 from tracefp4.components.store import open_store
@@ -125,10 +125,11 @@ def _recorded_run_id(keys: list[str], store) -> str | None:
     for key in keys:
         *_, output, name = key.split("/")
         if name == MANIFEST and output in ("policy", "new_policy"):
-            try:
-                return json.loads(store.get_bytes(key))["provenance"]["run_id"] or None
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f"{store.uri}/{key}: not a checkpoint manifest (no provenance run id)") from None
+            where = f"{store.uri}/{key}"
+            found = manifest_provenance(store.get_bytes(key), where)
+            if "run_id" not in found:
+                raise CheckpointError(f"{where}: its provenance records no run id")
+            return found["run_id"] or None
     return None
 
 

@@ -933,7 +933,7 @@ def test_runs_clean_deleted_finds_a_run_kfp_forgot_by_its_config(kfp_server, s3_
     assert f"tracefp4 store: {store_uri}/smoke/my-run/: 1 objects" in found.output
     bucket.put_bytes(mine[0], b"{not json")
     unreadable = clean(named)
-    assert unreadable.exit_code == 1 and f"{mine[0].partition('/')[2]}: not a checkpoint manifest" in unreadable.output
+    assert unreadable.exit_code == 1 and f"{mine[0].partition('/')[2]}: not a checksum manifest" in unreadable.output
 
     usage = CliRunner().invoke(main, ["runs", "clean", run_id, "--host", kfp_server.url, "--deleted"])
     assert usage.exit_code == 2 and "give its config (--preset or --config" in usage.output
