@@ -21,6 +21,7 @@ from grafana_foundation_sdk.models.prometheus import PromQueryFormat
 
 from tracefp4.components.metrics import METRICS
 from tracefp4.components.store import write_atomic
+from tracefp4.pipelines.alerts import ALERTS, GROUP
 
 UID = "tracefp4-run"
 TITLE = "tracefp4: TRACE FP4 RL"
@@ -35,8 +36,12 @@ def sel(metric: str, **matchers: str) -> str:
     """``metric{...}`` filtered to the selected runs, plus exact ``matchers``."""
     if metric not in METRICS:
         raise KeyError(f"{metric} is not in components/metrics.py METRICS")
+    return _selector(metric, **matchers)
+
+
+def _selector(series: str, **matchers: str) -> str:
     labels = [f'{v}=~"${v}"' for v in RUN_VARIABLES] + [f'{k}="{v}"' for k, v in matchers.items()]
-    return f"{metric}{{{', '.join(labels)}}}"
+    return f"{series}{{{', '.join(labels)}}}"
 
 
 def _ref_id(i: int) -> str:
@@ -140,10 +145,36 @@ def _rounds(title, unit, *figures: str, w: int = 8, h: int = 8):
     return _panel(builder, title, unit, [query], w=w, h=h, instant=True, fmt=PromQueryFormat.TABLE)
 
 
+def _firing_alerts(w: int = 24, h: int = 5):
+    """A table of the alerts of ``pipelines/alerts.py`` firing now for the selected runs: per alert
+    the run and round it fires for, and that round's figure (the alert's metric, named by the alert)."""
+    by = ("alertname", "pipeline", "run_id", "method", "round")
+    figures = []
+    for alert in ALERTS:
+        firing = _selector("ALERTS", alertname=alert.name, alertstate="firing")
+        figure = f"max by ({', '.join(by[1:])}) ({sel(alert.metric)} and on ({', '.join(GROUP)}) {firing})"
+        figures.append(f'label_replace({figure}, "alertname", "{alert.name}", "", "")')
+    organize = {
+        "excludeByName": {"Time": True},
+        "indexByName": {**{label: i for i, label in enumerate(by)}, "Value": len(by)},
+        "renameByName": {"alertname": "alert", "Value": "figure"},
+    }
+    builder = table.Panel().with_transformation(DataTransformerConfig(id_val="organize", options=organize))
+    query = (" or ".join(figures), "")
+    panel = _panel(builder, "Alerts firing now", "none", [query], w=w, h=h, instant=True, fmt=PromQueryFormat.TABLE)
+    bounds = "; ".join(f"{a.name}: {a.metric} {'<' if a.below else '>'} {a.threshold:g}" for a in ALERTS)
+    return panel.description(
+        "The Prometheus alerts on a run's train-rollout mismatch that fire now for the selected runs, each with "
+        f"the round it fires for (a run's newest) and that round's figure. {bounds}. docs/metrics.md, \"Alerts\"; "
+        "an empty table is a run within every bound."
+    )
+
+
 def _rows() -> list[tuple[str, list]]:
     """(row title, panels): what a run is watched for, one row per question."""
     rollout = {"component": "rollout"}  # evaluate's throughput belongs to no round
     return [
+        ("Alerts", [_firing_alerts()]),
         (
             "Rollout throughput",
             [

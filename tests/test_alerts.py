@@ -17,6 +17,7 @@ from click.testing import CliRunner
 from tracefp4.components.metrics import RunMetrics
 from tracefp4.pipelines.alerts import ALERTS, PROMETHEUS_RULE_FILE, RULES_FILE, rule_groups
 from tracefp4.pipelines.cli import main
+from tracefp4.pipelines.dashboards import dashboard, panel_queries
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = ROOT / "manifests"
@@ -110,7 +111,8 @@ def _until(condition, deadline: float = 20) -> bool:
 
 def test_an_alert_follows_the_rounds_a_run_pushes(prometheus):
     """On the real Pushgateway and Prometheus: a round's KL beyond the bound fires, the next round
-    within it resolves the alert, though the older round's group stays on the gateway."""
+    within it resolves the alert, though the older round's group stays on the gateway; the dashboard's
+    alerts table shows the alert and its round's KL while it fires, and nothing once it resolves."""
     alert = next(a for a in ALERTS if a.metric == "tracefp4_train_rollout_kl")
     run_id = f"alerts-{uuid.uuid4().hex[:8]}"
 
@@ -119,10 +121,19 @@ def test_an_alert_follows_the_rounds_a_run_pushes(prometheus):
         metrics.set(alert.metric, kl)
         assert not metrics.publish(None, prometheus.pushgateway, "tracefp4")
 
+    variables = {"pipeline": "alerts", "run_id": run_id, "method": ".*", "__range": "1h"}
+    (table,) = [query for title, query in panel_queries(dashboard(), variables) if title == "Alerts firing now"]
+
+    def dashboard_rows() -> list[tuple[str, str, float]]:
+        return [(s["metric"]["alertname"], s["metric"]["round"], float(s["value"][1])) for s in prometheus.query(table)]
+
     push(0, alert.threshold * 2)
     assert _until(lambda: _firing(prometheus, alert.name, run_id) == ["0"])
+    assert dashboard_rows() == [(alert.name, "0", alert.threshold * 2)]
     push(1, alert.threshold / 2)
     assert _until(lambda: not _firing(prometheus, alert.name, run_id)), "the alert outlived its round"
+    assert dashboard_rows() == []
     assert prometheus.query(f'{alert.metric}{{run_id="{run_id}", round="0"}}')  # the old round's group stays
-    push(2, alert.threshold * 2)
+    push(2, alert.threshold * 3)
     assert _until(lambda: _firing(prometheus, alert.name, run_id) == ["2"])
+    assert dashboard_rows() == [(alert.name, "2", alert.threshold * 3)]

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from tracefp4.components.metrics import METRICS
+from tracefp4.pipelines.alerts import ALERTS
 from tracefp4.pipelines.cli import main
 from tracefp4.pipelines.dashboards import RUN_VARIABLES, dashboard, last_in_range, panel_queries, write
 
@@ -45,6 +46,7 @@ def test_dashboard_model(board):
     assert len(ids) == len(set(ids))
     rows = [p["title"] for p in board["panels"] if p["type"] == "row"]
     assert rows == [
+        "Alerts",
         "Rollout throughput",
         "Capture, offload, upload and reload overhead",
         "Guidance storage and compaction",
@@ -84,7 +86,7 @@ def test_every_metric_shown_and_no_other(board):
 
 def test_every_selector_filters_to_the_selected_runs(board):
     for title, expr in panel_queries(board, {}):
-        selectors = re.findall(r"\b(tracefp4_\w+)(\{[^}]*\})?", expr)
+        selectors = re.findall(r"\b(tracefp4_\w+|ALERTS)(\{[^}]*\})?", expr)
         assert selectors, title
         for metric, matchers in selectors:
             for name in RUN_VARIABLES:
@@ -146,6 +148,21 @@ def test_per_round_figures_are_plotted_against_the_round(board):
             assert '"series", " "' in part and part.rstrip(")").endswith('"run_id"'), panel["title"]
     # no time series left: every figure is pushed once per component run, so time is not its axis
     assert not [p["title"] for p in _panels(board["panels"]) if p["type"] == "timeseries"]
+
+
+def test_the_alerts_table_shows_every_alert_with_its_figure(board):
+    """One figure per alert of pipelines/alerts.py, its metric's value in the rounds the alert fires for,
+    named by the alert (its firing on the real Prometheus: test_alerts.py)."""
+    (panel,) = [p for p in _panels(board["panels"]) if p["title"] == "Alerts firing now"]
+    (target,) = panel["targets"]
+    assert panel["type"] == "table" and target["format"] == "table" and target["instant"]
+    figures = target["expr"].split(" or ")
+    assert len(figures) == len(ALERTS)
+    for alert, figure in zip(ALERTS, figures, strict=True):
+        firing = f'ALERTS{{pipeline=~"$pipeline", run_id=~"$run_id", method=~"$method", alertname="{alert.name}", '
+        assert f"last_over_time({alert.metric}{{" in figure and firing in figure
+        assert figure.endswith(f'"alertname", "{alert.name}", "", "")')
+        assert alert.name in panel["description"]
 
 
 def test_panel_queries_substitution_forms():
