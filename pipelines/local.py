@@ -44,6 +44,7 @@ from tracefp4.components.store import file_path, open_store, write_atomic
 from tracefp4.schemas import ConfigError, RunConfig, continuation
 
 from . import resume
+from .parameters import check_drawable
 from .pipeline import build_comparison_pipeline, build_pipeline
 
 ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
@@ -519,6 +520,9 @@ def run_to_end(
         pipeline = build_comparison_pipeline(config, methods, retries=False)
     else:
         pipeline = build_pipeline(config, retries=False)
+    # the tasks' problems drawn as the configure task draws them (the same for every method): else a value that
+    # leaves them short or unscorable fails that task, a traceback at the end of its log
+    check_drawable(config)
     # reached now, as every step will (its endpoint, credentials and bucket), in the steps' environment (which
     # store.endpoint sets): else a typo shows in the rollout, after the bootstrap
     env = {**os.environ, **config.store.pod_environment()}

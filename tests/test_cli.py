@@ -119,6 +119,19 @@ def test_a_run_refused_while_its_pipeline_is_built_says_only_why_and_makes_no_fo
     assert not (tmp_path / "run").exists()
 
 
+def test_a_run_whose_tasks_cannot_be_drawn_or_scored_is_refused_before_the_pipeline_starts(tmp_path):
+    """The configure task found it, and the run ended with that task's traceback."""
+    for setting, message in [
+        ("rollout.max_new_tokens=2", "rollout.max_new_tokens: 2 tokens cut answers such as"),
+        ("tasks.0.train_size=100000", "tasks.0: "),
+    ]:
+        args = ["run", "--preset", "smoke", "--set", setting, "--output", str(tmp_path / "run")]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 1 and result.output.startswith("Error: invalid tracefp4 config"), result.output
+        assert message in result.output and "Traceback" not in result.output
+        assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has the GPU the run asks for")
 def test_a_run_on_a_gpu_this_machine_lacks_is_refused_before_any_step(tmp_path):
     """It failed in its first step, a traceback in the step's log."""
