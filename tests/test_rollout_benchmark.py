@@ -3,12 +3,21 @@ sizes, so that the command behind the engine-against-generate figures
 (docs/performance.md, both CPU kinds) cannot rot; the full benchmark runs in
 the GPU check's dry run (tests/test_gpu_check.py)."""
 
+import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+from tracefp4.components import model as model_module
+from tracefp4.components.model import build_model
+from tracefp4.components.quant import rollout_config
+from tracefp4.components.rollout import TorchEngine
+
 ROOT = Path(__file__).resolve().parent.parent
+spec = importlib.util.spec_from_file_location("rollout_benchmark", ROOT / "benchmarks" / "rollout.py")
+rollout_benchmark = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(rollout_benchmark)
 
 
 def test_speed_only_ends_with_the_engine_against_generate_alone():
@@ -59,3 +68,23 @@ def test_anatomy_only_splits_a_decode_step_into_its_matmul_and_attention_calls_a
         assert min(step, rest) > 0 and figures[f"b{batch}_matmul_attention_in_step_ms"] == step - rest
         assert figures[f"b{batch}_matmul_attention_replayed_ms"] > 0
     assert not any(key.startswith(("b2_", "capture", "batching_", "linear_")) for key in figures)
+
+
+def test_anatomy_replays_the_calls_as_the_step_runs_them(monkeypatch):
+    """The replay goes through ``batch_invariant``, as the step does: where bf16 is emulated, the op itself
+    would run torch's bf16 kernels (the trap of docs/performance.md), not the step's float32. So each decode
+    step more adds the smoke model's 13 calls twice, in the step and in the replay."""
+    real, counted = model_module.batch_invariant, []
+
+    def counting(op, *args, **kwargs):
+        counted.append(op)
+        return real(op, *args, **kwargs)
+
+    monkeypatch.setattr(model_module, "batch_invariant", counting)
+    engine = TorchEngine(build_model("smoke", seed=0), rollout_config("bf16"))
+    totals = []
+    for steps in (2, 4):
+        counted.clear()
+        rollout_benchmark.step_anatomy(engine, 3, 4, steps, repeat=1)
+        totals.append(len(counted))
+    assert totals[1] - totals[0] == 2 * 2 * 13
