@@ -233,7 +233,10 @@ def test_calibration_hessians_follow_the_routing():
 def test_calibration_sequences_of_several_lengths_count_every_token_and_no_padding():
     """Prompts of several lengths calibrate whole (they had been cut to the
     shortest): right-padded, the padding's rows left out, each expert's rows
-    are those of the prompts run one by one."""
+    are those of the prompts run one by one. Their values agree to float32's
+    rounding, not bit for bit: on some CPUs (an AMD EPYC with AVX2 only) the
+    causal attention's float32 kernel sums a query's keys in another order
+    when the batch is padded to another length."""
     model = build_model("smoke", seed=0)
     g = torch.Generator().manual_seed(3)
     sequences = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (5, 9, 2)]
@@ -242,7 +245,7 @@ def test_calibration_sequences_of_several_lengths_count_every_token_and_no_paddi
     for key, (h, n) in together.items():
         assert torch.equal(n, sum(a[key][1] for a in alone)) and n.sum() == 16 * model.cfg.top_k
         summed = sum(a[key][0] * a[key][1][:, None] for a in alone)
-        torch.testing.assert_close(h * n[:, None], summed, rtol=1e-9, atol=0)
+        torch.testing.assert_close(h * n[:, None], summed, rtol=1e-5, atol=0)
     with pytest.raises(ValueError, match="each hold a token"):
         calibration_hessians(model, [[1, 2], []])
 
