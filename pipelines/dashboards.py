@@ -25,6 +25,7 @@ from tracefp4.pipelines.alerts import ALERTS, GROUP
 
 UID = "tracefp4-run"
 TITLE = "tracefp4: TRACE FP4 RL"
+FIRING_ALERTS = "Alerts firing now"  # the title of the table of alerts that fire (the one panel empty while none do)
 MANIFESTS = Path("manifests/base/grafana/dashboards")
 DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
 # what a run is filtered by; every query carries these matchers
@@ -161,7 +162,7 @@ def _firing_alerts(w: int = 24, h: int = 5):
     }
     builder = table.Panel().with_transformation(DataTransformerConfig(id_val="organize", options=organize))
     query = (" or ".join(figures), "")
-    panel = _panel(builder, "Alerts firing now", "none", [query], w=w, h=h, instant=True, fmt=PromQueryFormat.TABLE)
+    panel = _panel(builder, FIRING_ALERTS, "none", [query], w=w, h=h, instant=True, fmt=PromQueryFormat.TABLE)
     bounds = "; ".join(f"{a.name}: {a.metric} {'<' if a.below else '>'} {a.threshold:g}" for a in ALERTS)
     return panel.description(
         "The Prometheus alerts on a run's train-rollout mismatch that fire now for the selected runs, each with "

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from tracefp4.components.metrics import RunMetrics
 from tracefp4.pipelines.alerts import ALERTS, PROMETHEUS_RULE_FILE, RULES_FILE, rule_groups
 from tracefp4.pipelines.cli import main
-from tracefp4.pipelines.dashboards import dashboard, panel_queries
+from tracefp4.pipelines.dashboards import FIRING_ALERTS, dashboard, panel_queries
 
 ROOT = Path(__file__).resolve().parents[1]
 MANIFESTS = ROOT / "manifests"
@@ -122,7 +122,7 @@ def test_an_alert_follows_the_rounds_a_run_pushes(prometheus):
         assert not metrics.publish(None, prometheus.pushgateway, "tracefp4")
 
     variables = {"pipeline": "alerts", "run_id": run_id, "method": ".*", "__range": "1h"}
-    (table,) = [query for title, query in panel_queries(dashboard(), variables) if title == "Alerts firing now"]
+    (table,) = [query for title, query in panel_queries(dashboard(), variables) if title == FIRING_ALERTS]
 
     def dashboard_rows() -> list[tuple[str, str, float]]:
         return [(s["metric"]["alertname"], s["metric"]["round"], float(s["value"][1])) for s in prometheus.query(table)]

@@ -11,7 +11,14 @@ from click.testing import CliRunner
 from tracefp4.components.metrics import METRICS
 from tracefp4.pipelines.alerts import ALERTS
 from tracefp4.pipelines.cli import main
-from tracefp4.pipelines.dashboards import RUN_VARIABLES, dashboard, last_in_range, panel_queries, write
+from tracefp4.pipelines.dashboards import (
+    FIRING_ALERTS,
+    RUN_VARIABLES,
+    dashboard,
+    last_in_range,
+    panel_queries,
+    write,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "manifests/base/grafana/dashboards/tracefp4.json"
@@ -153,7 +160,7 @@ def test_per_round_figures_are_plotted_against_the_round(board):
 def test_the_alerts_table_shows_every_alert_with_its_figure(board):
     """One figure per alert of pipelines/alerts.py, its metric's value in the rounds the alert fires for,
     named by the alert (its firing on the real Prometheus: test_alerts.py)."""
-    (panel,) = [p for p in _panels(board["panels"]) if p["title"] == "Alerts firing now"]
+    (panel,) = [p for p in _panels(board["panels"]) if p["title"] == FIRING_ALERTS]
     (target,) = panel["targets"]
     assert panel["type"] == "table" and target["format"] == "table" and target["instant"]
     figures = target["expr"].split(" or ")

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 
 from tracefp4.components.metrics import METRICS, PUBLISH_FAILED, RunMetrics, delete_run, read_file, round_means
-from tracefp4.pipelines.dashboards import _walk, dashboard, panel_queries
+from tracefp4.pipelines.dashboards import FIRING_ALERTS, _walk, dashboard, panel_queries
 from tracefp4.pipelines.local import run_local
 from tracefp4.schemas import get_preset
 
@@ -159,7 +159,7 @@ def test_every_dashboard_panel_query_returns_data_from_the_pushed_run(prometheus
     assert scraped, "Prometheus never scraped the pushed run"
     variables = {"pipeline": "metrics-smoke", "run_id": run_id, "method": "trace", "__range": "1h"}
     # no alert fires for this run: the alerts table is tested firing in test_alerts.py
-    queries = [(title, query) for title, query in panel_queries(dashboard(), variables) if title != "Alerts firing now"]
+    queries = [(title, query) for title, query in panel_queries(dashboard(), variables) if title != FIRING_ALERTS]
     assert len(queries) >= len(METRICS) // 2
     # a per-round chart's figures are joined by `or`: each must return data on its own
     parts = [(title, part) for title, query in queries for part in query.split(" or ")]
@@ -312,9 +312,7 @@ def test_instant_panels_stay_filled_once_the_run_is_deleted_from_the_pushgateway
     targets = [t for panel in _walk(board["panels"]) for t in panel.get("targets", [])]
     queries = panel_queries(board, variables)
     instant = [  # but the alerts firing now, of which this run has none (test_alerts.py)
-        query
-        for t, (title, query) in zip(targets, queries, strict=True)
-        if t.get("instant") and title != "Alerts firing now"
+        query for t, (title, query) in zip(targets, queries, strict=True) if t.get("instant") and title != FIRING_ALERTS
     ]
     live = f'tracefp4_train_steps{{run_id="{run_id}"}}'
     assert prometheus.wait_for(live)
