@@ -43,9 +43,13 @@ class Alert:
     what: str
     why: str
 
+    @property
+    def beyond(self) -> str:
+        """The comparison that holds where the alert fires, such as ``tracefp4_train_rollout_kl > 0.1``."""
+        return f"{self.metric} {'<' if self.below else '>'} {self.threshold:g}"
+
     def expr(self) -> str:
-        beyond = f"{self.metric} {'<' if self.below else '>'} {self.threshold:g}"
-        return f"({beyond}) and on ({', '.join(GROUP)}) ({newest_round()})"
+        return f"({self.beyond}) and on ({', '.join(GROUP)}) ({newest_round()})"
 
 
 ALERTS = (

@@ -163,7 +163,7 @@ def _firing_alerts(w: int = 24, h: int = 5):
     builder = table.Panel().with_transformation(DataTransformerConfig(id_val="organize", options=organize))
     query = (" or ".join(figures), "")
     panel = _panel(builder, FIRING_ALERTS, "none", [query], w=w, h=h, instant=True, fmt=PromQueryFormat.TABLE)
-    bounds = "; ".join(f"{a.name}: {a.metric} {'<' if a.below else '>'} {a.threshold:g}" for a in ALERTS)
+    bounds = "; ".join(f"{a.name}: {a.beyond}" for a in ALERTS)
     return panel.description(
         "The Prometheus alerts on a run's train-rollout mismatch that fire now for the selected runs, each with "
         f"the round it fires for (a run's newest) and that round's figure. {bounds}. docs/metrics.md, \"Alerts\"; "
