@@ -13,6 +13,7 @@ import errno
 import io
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -50,6 +51,16 @@ _TRANSIENT_ERRORS = (
     ConnectionError,
     TimeoutError,
 )
+
+
+def hide_secrets(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with each of ``secrets`` that stands as a word of its own
+    replaced by ``***``: an error may echo a credential it was sent, and a
+    short one (KFP's default S3 secret minio123, a one-letter test key) must
+    not cut the host names and words that happen to hold its letters."""
+    for secret in filter(None, secrets):
+        text = re.sub(rf"(?<![A-Za-z0-9]){re.escape(secret)}(?![A-Za-z0-9])", "***", text)
+    return text
 
 
 class StoreError(RuntimeError):
@@ -434,9 +445,8 @@ class S3Store(ArtifactStore):
 
     def _scrub(self, text: str) -> str:
         """An error's own text without the secret key (a client may echo what it sent); what tracefp4 adds
-        around it (the URI, the endpoint, its hints) is left whole: a short secret such as KFP's default
-        minio123 would otherwise cut its words."""
-        return text.replace(self._secret, "***") if self._secret else text
+        around it (the URI, the endpoint, its hints) is left as it is."""
+        return hide_secrets(text, [self._secret])
 
     def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
         """Run ``fn``, retrying transient failures with capped exponential backoff."""
@@ -462,7 +472,10 @@ class S3Store(ArtifactStore):
             except _TRANSIENT_ERRORS as e:
                 reason = self._scrub(f"{type(e).__name__}: {e}")
                 if isinstance(e, urllib3.exceptions.NameResolutionError):
-                    reason += f" (the host of {self.endpoint} does not resolve: check TRACEFP4_S3_ENDPOINT)"
+                    reason += (
+                        f" (the host of {self.endpoint} does not resolve: check the run config's store.endpoint, "
+                        f"else {ENDPOINT_ENV})"
+                    )
                 elif isinstance(e, urllib3.exceptions.ConnectTimeoutError):  # refused, or no answer at all
                     reason += f" (nothing answers at {self.endpoint}: is the S3 server up, and the endpoint right?)"
             if attempt + 1 < attempts:

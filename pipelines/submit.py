@@ -36,6 +36,7 @@ import kfp
 import urllib3
 from kfp_server_api.exceptions import ApiException
 
+from tracefp4.components.store import hide_secrets
 from tracefp4.pipelines.pipeline import (
     compile_pipeline,
     compiled_documents,
@@ -130,9 +131,7 @@ class _Client(kfp.Client):
         rest.request, rest._tracefp4_checked = checked, True
 
     def scrub(self, text: str) -> str:
-        for secret in self._secrets:
-            text = text.replace(secret, "***")
-        return text
+        return hide_secrets(text, self._secrets)
 
     def _checked(self, request, method, url, *args, **kwargs):
         where = f"{method} {urllib.parse.urlsplit(url).path}"

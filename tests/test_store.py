@@ -29,6 +29,7 @@ from tracefp4.components.store import (
     LocalStore,
     S3Store,
     StoreError,
+    hide_secrets,
     open_store,
 )
 
@@ -483,6 +484,23 @@ def test_a_short_secret_hides_in_the_servers_words_alone():
     assert message.startswith("minio://mlpipeline/tracefp4: open bucket failed after 1 attempts")
     assert "(the host of http://minio-service.kubeflow.invalid:9000 does not resolve" in message
     assert "***" not in message
+
+
+def test_a_secret_is_hidden_where_it_stands_alone_not_inside_other_words():
+    """A one-letter secret key cut the host name in a resolver's error
+    (``seaweedfs.ku***eflow``); a secret echoed as a word of its own is hidden."""
+    env = {
+        "TRACEFP4_S3_ENDPOINT": "seaweedfs.kubeflow.invalid:8333",
+        "TRACEFP4_S3_ACCESS_KEY": "a",
+        "TRACEFP4_S3_SECRET_KEY": "b",
+    }
+    with pytest.raises(StoreError) as info:
+        open_store("s3://bucket/p", env=env, retries=0)
+    assert "seaweedfs.kubeflow.invalid" in str(info.value) and "***" not in str(info.value)
+    assert "check the run config's store.endpoint, else TRACEFP4_S3_ENDPOINT" in str(info.value)
+    echoed = "signed with b, in http://a:b@host and Cookie: b; kubeflow"
+    assert hide_secrets(echoed, ["b", ""]) == "signed with ***, in http://a:***@host and Cookie: ***; kubeflow"
+    assert hide_secrets("x=s3cr+t/", ["s3cr+t/"]) == "x=***"  # a secret's own signs are matched as they are
 
 
 def test_server_down_gives_up_then_retries_across_restart(s3_server, caplog):
