@@ -334,8 +334,9 @@ def _accuracy_table(rows: list[dict], source: str, bootstrapped: bool, methods=M
     return _table(out, [*columns, "avg pass@1", "avg mean@k"], source, keep=3, note=note)
 
 
-def _ablation_table(evaluation: dict, source: str) -> Table | None:
-    """The trained policy under each rollout config: accuracy, throughput and discrepancy side by side."""
+def _ablation_table(evaluation: dict, source: str, fmt: str) -> Table | None:
+    """The trained policy under each rollout config (their FP4 in the run's
+    ``fmt``): accuracy, throughput and discrepancy side by side."""
     method = evaluation.get("method")
     acc = [r for r in evaluation.get("accuracy") or [] if r.get("policy", "trained") == "trained"]
     acc = [r for r in acc if r.get("method", method) == method]
@@ -362,7 +363,8 @@ def _ablation_table(evaluation: dict, source: str) -> Table | None:
         )
     columns = ["rollout", *(f"{t} pass@1" for t in tasks), "avg pass@1", "tokens/s", "tokens/s vs bf16"]
     note = (
-        f"Policy trained with `{method}`; discrepancy: its FP4 rollout against its training forward. tokens/s: this "
+        f"Policy trained with `{method}`; each config's FP4 in {fmt} (rollout.fmt); discrepancy: its FP4 rollout "
+        "against its training forward. tokens/s: this "
         "engine's, which computes FP4 in the compute dtype (expert weights held as their FP4 values, activations and "
         "KV quantized and dequantized): what simulating FP4's rounding costs, not the speed of native FP4 kernels "
         "(Blackwell GPUs under SGLang or vLLM), which the paper's rollout speedups come from."
@@ -623,7 +625,10 @@ def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict, contin
             "Not measured here: this run leaves out the policy it started from (`evaluation.initial: false`; in a "
             "chain of runs, the run before evaluated it as its trained policy).",
         ]
-    blocks += [Heading(2, "Rollout configuration ablation"), _ablation_table(evaluation, source) or "No evaluation."]
+    blocks += [
+        Heading(2, "Rollout configuration ablation"),
+        _ablation_table(evaluation, source, config.rollout.fmt) or "No evaluation.",
+    ]
     if sensitivity := _sensitivity_table(evaluation.get("guidance_sensitivity") or [], source):
         blocks += [Heading(2, "Guidance sensitivity: R-k bits x layers"), sensitivity]
     if ptq := _ptq_table(evaluation, source):

@@ -286,6 +286,7 @@ def test_markdown_has_the_papers_tables_with_the_fixture_numbers(trace_files):
     ]
     assert ablation[1] == ["bf16", "0.5", "0.7", "0.6", "587", "1", "-", "-", "-", "-"]
     assert ablation[2] == ["fp4_wa_kv", "0.4", "0.6", "0.5", "1000", "1.704", "0.3", "0.02", "0.5", "0.001"]
+    assert "each config's FP4 in nvfp4 (rollout.fmt)" in section(text, "Rollout configuration ablation")
     sensitivity = rows(section(text, "Guidance sensitivity: R-k bits x layers"))
     assert sensitivity[0] == ["guidance", "L1 fidelity", "L1 bits/element", "L2 fidelity", "L2 bits/element"]
     assert [r[0] for r in sensitivity[1:]] == ["R-1bit", "R-2bit", "R-3bit", "R-4bit"]
