@@ -59,7 +59,7 @@ def _tiny() -> RunConfig:
                 "learning_rate": 3e-5,
                 "microbatch_size": 8,
             },
-            # SFT to 18.8% greedy test accuracy in about 5 minutes on a 2-core AMD EPYC (docs/evaluation.md)
+            # SFT to 20.3% greedy test accuracy in about 3-4 minutes on a 2-core AMD EPYC (docs/evaluation.md)
             # (`tracefp4 bootstrap --preset tiny`; arithmetic d1 has 300 distinct problems: 268 + 32)
             "bootstrap": {"enabled": True, "steps": 480, "learning_rate": 3e-3, "eval_every": 100},
             "tasks": [
