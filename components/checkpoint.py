@@ -623,7 +623,7 @@ def folder_digest(folder: str | os.PathLike) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def _local_folder(uri: str) -> Path | None:
+def local_folder(uri: str) -> Path | None:
     """The folder a path or ``file://`` URI names; None for a store's (``s3://``, ``minio://``)."""
     if "://" not in uri:
         return Path(uri)
@@ -639,7 +639,7 @@ def fingerprint(uri: str | os.PathLike, store_env: Mapping[str, str] | None = No
     not there is refused: a local run fingerprints its checkpoints before it
     starts, which would otherwise fail in its first step."""
     text = os.fspath(uri)
-    folder = _local_folder(text)  # a location folder: its manifest is the one it stands for
+    folder = local_folder(text)  # a location folder: its manifest is the one it stands for
     if folder is not None:
         if not folder.is_dir():
             raise CheckpointError(f"{text}: no such folder")
@@ -936,7 +936,10 @@ def _config_file(folder: Path) -> Path:
     """``folder``'s config.json, which a policy folder has: a missing one fails naming it."""
     path = _inside(folder, CONFIG, "the config")
     if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist")
+        raise FileNotFoundError(
+            f"{path} does not exist: {folder} is no policy folder (a Hugging Face checkpoint's config.json, "
+            "safetensors and tokenizer files)"
+        )
     return path
 
 
@@ -948,6 +951,14 @@ def read_config(folder: str | os.PathLike) -> ModelConfig:
         hf = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{path}: not JSON ({e})") from None
+    quantized = hf.get("quantization_config") if isinstance(hf, dict) else None
+    if quantized:
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise CheckpointError(
+            f"{path}: a quantized checkpoint (quantization_config, {method}), such as tracefp4 export writes for "
+            "serving: the policy is trained and rolled out from unquantized weights; give the folder it was "
+            "exported from"
+        )
     try:
         return config_from_hf(hf)
     except CheckpointError as e:
@@ -1108,7 +1119,7 @@ def fetch(
         into = Path(into)
         if into.exists() and any(into.iterdir()):
             raise CheckpointError(f"{into}: not empty; fetching {text} into it would mix two checkpoints")
-    local = _local_folder(text)
+    local = local_folder(text)
     if local is not None:
         if local.is_dir():
             _refuse_unfinished(local, os.listdir(local))
@@ -1287,7 +1298,7 @@ def location(
     if not (folder / MANIFEST).is_file():
         raise CheckpointError(f"{where}: {LOCATION} without the {MANIFEST} of the folder it stands for")
     try:
-        if (there := _local_folder(uri)) is not None:
+        if (there := local_folder(uri)) is not None:
             manifest, standing_in = (there / MANIFEST).read_bytes(), (there / LOCATION).exists()
         else:
             store = open_store(uri, env=store_env)

@@ -164,6 +164,19 @@ def check_exportable(quant: QuantConfig) -> None:
         )
 
 
+def unservable(quant: QuantConfig) -> str | None:
+    """Why no serving engine loads the export of ``quant`` (which
+    compressed-tensors itself loads), where that is known from the engines'
+    loaders (docs/export.md, "What the engines' ... accept"), else None."""
+    if quant.weights == "nvfp4" and quant.activations == "fp8":
+        return (
+            "NVFP4 expert weights with FP8 activations (rollout.config w4a8_mxfp4_kv, rollout.fmt nvfp4): "
+            "compressed-tensors loads their export, but vLLM refuses it and SGLang has no scheme for it "
+            "(docs/export.md); rollout.fmt mxfp4 is served, as W4A16 by vLLM"
+        )
+    return None
+
+
 def inverse_global_scale(g: Tensor, scales: Tensor) -> tuple[Tensor, bool]:
     """The float32 ``weight_global_scale`` to store for our global scale ``g``,
     and whether a loader dequantizes the matrix to exactly our BF16 values.
@@ -281,6 +294,8 @@ def export(
             sum(state[key].shape[0] for key in packed),
             "dequantizes" if inexact == 1 else "dequantize",
         )
+    if problem := unservable(quant):
+        log.warning("%s: %s", source, problem)
     if quant.activations == "mxfp4":
         log.warning(
             "%s: MXFP4 activations are exported as dynamic; compressed-tensors chooses their block scales by "

@@ -6,6 +6,7 @@ the config's JSON Schema, the Grafana dashboards and the Prometheus alerting
 rules, list presets, show a run's report, delete a run's metrics from a
 Pushgateway."""
 
+import contextlib
 import json
 import logging
 import sys
@@ -228,10 +229,14 @@ def bootstrap(preset, config_file, sets, output):
         check_device(config)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
+    steps = _BootstrapSteps()
     try:
-        stats = prepare(config, Path(output))
+        with _said_here(steps, "tracefp4.components.bootstrap"):
+            stats = prepare(config, Path(output))
     except (ValueError, OSError) as e:  # a folder not to write into, a checkpoint that is none
         raise click.ClickException(str(e)) from None
+    finally:
+        steps.close()
     click.echo(
         f"{output}: {stats['bootstrap_steps']} SFT steps in {stats['bootstrap_seconds']:.0f} s, "
         f"greedy test accuracy {stats['bootstrap_accuracy']:.1%}"
@@ -300,32 +305,38 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
 
     from tracefp4.components import steps
     from tracefp4.components.export import export as export_policy
+    from tracefp4.pipelines.resume import run_folder_problem
 
-    settings = ("fmt", "config_name", "rollout_dtype", "calibration_seed", "device")
+    # each option's setting in the run config
+    settings = {
+        "fmt": "rollout.fmt",
+        "config_name": "rollout.config",
+        "rollout_dtype": "model.dtype",
+        "calibration_seed": "seed",
+        "device": "resources.device",
+    }
     given = [name for name in settings if ctx.get_parameter_source(name) is click.core.ParameterSource.COMMANDLINE]
     if (preset or config_file) and given:
-        names = ", ".join(p.opts[0] for p in ctx.command.params if p.name in given)
-        raise click.UsageError(f"{names}: the run's config sets them; give either it or them")
-    logged = logging.getLogger("tracefp4")
-    shown = _Logged(logging.WARNING)
-    logged.addHandler(shown)
-    # said here as the command's own lines, and not passed on to whatever the process's root logger holds too (a
-    # host's handlers, or one bound to a stream since closed): each said once, here
-    propagates, logged.propagate = logged.propagate, False
+        names = ", ".join(f"{p.opts[0]} ({settings[p.name]})" for p in ctx.command.params if p.name in given)
+        raise click.UsageError(
+            f"{names}: the run's config (--preset, --config) sets it; give the config or the options"
+        )
+    if problem := run_folder_problem(Path(src)):
+        raise click.ClickException(
+            f"{problem}; `tracefp4 run` exported its last policy already (the folder it printed)"
+        )
     try:
-        if preset or config_file:
-            stats = steps.export_policy(_config(preset, config_file), Path(src), Path(dst))
-        else:
-            quant = rollout_config(config_name, fmt)
-            dtype = getattr(torch, rollout_dtype)
-            stats = export_policy(
-                src, dst, quant, rollout_dtype=dtype, device=device, calibration_seed=calibration_seed
-            )
+        with _said_here(_Logged(logging.WARNING)):
+            if preset or config_file:
+                stats = steps.export_policy(_config(preset, config_file), Path(src), Path(dst))
+            else:
+                quant = rollout_config(config_name, fmt)
+                dtype = getattr(torch, rollout_dtype)
+                stats = export_policy(
+                    src, dst, quant, rollout_dtype=dtype, device=device, calibration_seed=calibration_seed
+                )
     except (ValueError, OSError) as e:  # not a policy folder, say
         raise click.ClickException(str(e)) from None
-    finally:
-        logged.removeHandler(shown)
-        logged.propagate = propagates
     click.echo(
         f"{dst}: {stats['format']}, {stats['expert_matrices']} expert matrices in {stats['expert_bytes']} bytes "
         f"({stats['expert_bytes_bf16']} in BF16)"
@@ -334,6 +345,25 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
 
 def _warn(message: str) -> None:
     click.echo(f"warning: {message}", err=True)
+
+
+@contextlib.contextmanager
+def _said_here(handler: logging.Handler, name: str = "tracefp4"):
+    """What the logger ``name`` logs at ``handler``'s level and above while the
+    block runs, said by ``handler`` as the command's own lines, and not passed
+    on to whatever the process's root logger holds too (a host's handlers, or
+    one bound to a stream since closed): each said once, here."""
+    logger = logging.getLogger(name)
+    level, propagates = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(min(handler.level, logger.getEffectiveLevel()))
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+        logger.propagate = propagates
 
 
 class _Logged(logging.Handler):
@@ -345,9 +375,48 @@ class _Logged(logging.Handler):
         click.echo(f"{record.levelname.lower()}: {record.getMessage()}", err=True)
 
 
+class _BootstrapSteps(_Logged):
+    """The bootstrap's steps, which its log names one by one ("bootstrap step
+    i/n"), as the command's progress: a tqdm bar on a terminal, else a line at
+    each tenth of them; its warnings as :class:`_Logged` says them."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.bar, self.tenth = None, 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        from tracefp4.pipelines.local import BOOTSTRAP
+
+        found = BOOTSTRAP.search(record.getMessage())
+        if not found:
+            if record.levelno >= logging.WARNING:
+                super().emit(record)
+            return
+        step, steps = map(int, found.groups())
+        out = click.get_text_stream("stdout")
+        if out.isatty():
+            self.bar = self.bar or tqdm(total=steps, unit="step", desc="bootstrap", file=out)
+            self.bar.update(step - self.bar.n)
+        elif step * 10 // steps > self.tenth:
+            self.tenth = step * 10 // steps
+            click.echo(f"bootstrap step {step}/{steps}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        super().close()
+
+
 def _warn_for_cluster(config) -> None:
-    """What in the config would keep a compiled or submitted run from working on a cluster, or from being
-    watched."""
+    """What in the config would keep a compiled or submitted run from working on a cluster, from being
+    watched, or its export from being served."""
+    from tracefp4.components.export import unservable
+    from tracefp4.components.steps import rollout_quant
+
+    if problem := unservable(rollout_quant(config)):
+        _warn(problem)
     if config.store.uri.startswith("file://"):
         _warn(f"store {config.store.uri} is local to each pod; use --store s3://... on a cluster")
     elif config.store.endpoint is None:
@@ -668,7 +737,7 @@ def _size(n: float) -> str:
 )
 def plan(preset, config_file, sets, model_config, tokens_per_trajectory):
     """What a run writes and needs: its policy, trainer state, guidance and trajectories, per round, run and
-    chain, by where they land (docs/deploy.md, "Object storage"); the figures again as one JSON line at the end."""
+    chain, by where they land (docs/deploy.md, step 6, "Sizes"); the figures again as one JSON line at the end."""
     from tracefp4.components import plan as planning
 
     config = _config(preset, config_file, sets=sets)
@@ -870,6 +939,11 @@ def delete_metrics(pushgateway, pipeline, run_id, job):
     except (OSError, ValueError) as e:  # unreachable, or not a URL
         raise click.ClickException(f"pushgateway {pushgateway}: {getattr(e, 'reason', e)}") from None
     click.echo(f"deleted {deleted} group(s)")
+    if not deleted:
+        _warn(
+            f"no metrics group of job {job}, pipeline {pipeline}, run {run_id} on {pushgateway}: check --pipeline "
+            "(the run config's name), --run-id (the KFP run ID) and --job"
+        )
 
 
 if __name__ == "__main__":

@@ -531,9 +531,11 @@ def run_to_end(
     output.mkdir(parents=True, exist_ok=True)
     # held until the run ends (and by its tasks until they do): two runs in one folder would share a run id
     with contextlib.closing(resume.lock_folder(output)):
-        run_id, resumed, others = resume.run_id(output, request, restart)
+        run_id, resumed, others, replaced = resume.run_id(output, request, restart)
         note = ", resumed: finished tasks are reused, not rerun" if resumed else ""
-        if others and not resumed:
+        if replaced:
+            note = f", a new run (--restart): {replaced}, the folder's earlier run of these settings, no longer resumes"
+        elif others and not resumed:
             note = (
                 f", a new run: the folder's {others} other run(s) were asked for other settings, methods, code, "
                 "checkpoint or store endpoint (each resumes when asked for again)"

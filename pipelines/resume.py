@@ -54,7 +54,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from tracefp4.components.checkpoint import CheckpointError, fingerprint
+from tracefp4.components.checkpoint import CheckpointError, fingerprint, local_folder, read_config
 from tracefp4.components.store import ArtifactStore, S3Store, write_atomic
 from tracefp4.schemas import ConfigError, RunConfig
 
@@ -114,7 +114,32 @@ def request(
             asked += fingerprint(uri, env) if uri else ""
         except CheckpointError as e:
             raise ConfigError([(field, str(e))]) from None
+    if config.model.checkpoint:
+        _check_policy(config.model.checkpoint)
     return asked
+
+
+def run_folder_problem(folder: Path) -> str | None:
+    """What is wrong where a policy folder is asked for and ``folder`` is a
+    local run's folder (it holds :data:`RUN_FILE`), else None."""
+    if not (Path(folder) / RUN_FILE).exists():
+        return None
+    return f"{folder} is a tracefp4 run folder, not a policy (a train task's new_policy under {PIPELINE_ROOT}/ is one)"
+
+
+def _check_policy(uri: str) -> None:
+    """A local ``model.checkpoint`` that is no policy folder (a run folder, a
+    serving export, one without config.json) refused before the run starts,
+    saying what it is: else prepare fails on it after the run has started."""
+    folder = local_folder(uri)
+    if folder is None:  # in a store: prepare reads it
+        return
+    if problem := run_folder_problem(folder):
+        raise ConfigError([("model.checkpoint", f"{problem}; to go on from its run: --continue-from {uri}")])
+    try:
+        read_config(folder)
+    except (CheckpointError, OSError) as e:
+        raise ConfigError([("model.checkpoint", str(e))]) from None
 
 
 def lock_folder(output: Path):
@@ -166,12 +191,14 @@ class UnreadableRunRecord(RuntimeError):
 
 
 class RunId(NamedTuple):
-    """A local run's id, whether it resumes an earlier attempt, and how many
-    other runs (other requests) the folder holds."""
+    """A local run's id, whether it resumes an earlier attempt, how many
+    other runs (other requests) the folder holds, and the run of the same
+    request that a restart replaced (which no longer resumes)."""
 
     run_id: str
     resumed: bool
     others: int
+    replaced: str | None = None
 
 
 def run_id(output: Path, request: str, restart: bool = False) -> RunId:
@@ -196,13 +223,13 @@ def run_id(output: Path, request: str, restart: bool = False) -> RunId:
                 f"{path}: unreadable ({type(e).__name__}: {e}); it holds the run id each run in {output} resumes "
                 "by: restore it, or delete it to start every run there anew"
             ) from None
-    others = len(runs) - (digest in runs)
-    if digest in runs and not restart:
-        return RunId(runs[digest], True, others)
+    others, earlier = len(runs) - (digest in runs), runs.get(digest)
+    if earlier and not restart:
+        return RunId(earlier, True, others)
     runs[digest] = f"local-{uuid.uuid4().hex[:12]}"
     record = json.dumps({"runs": runs}, indent=2) + "\n"
     write_atomic(path, lambda f: f.write(record.encode()))
-    return RunId(runs[digest], False, others)
+    return RunId(runs[digest], False, others, earlier)
 
 
 def finished_outputs(run_dir: Path) -> set[Path]:

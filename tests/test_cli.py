@@ -57,16 +57,25 @@ def test_an_unreachable_pushgateway_and_a_folder_that_is_no_policy_are_one_line_
         assert result.exit_code == 1 and f"Error: pushgateway {url}: " in result.output and reason in result.output
         assert result.exception is None or isinstance(result.exception, SystemExit)
     result = CliRunner().invoke(main, ["export", str(tmp_path), str(tmp_path / "out")])
-    assert result.exit_code == 1 and f"Error: {tmp_path}/config.json does not exist" in result.output
+    assert result.exit_code == 1 and f"Error: {tmp_path}/config.json does not exist: {tmp_path} is no policy" in (
+        result.output
+    )
+    (tmp_path / "run.json").write_text("{}")  # a local run's folder, which holds its policies deeper down
+    result = CliRunner().invoke(main, ["export", str(tmp_path), str(tmp_path / "out")])
+    assert result.exit_code == 1 and f"Error: {tmp_path} is a tracefp4 run folder, not a policy (a train task's " in (
+        result.output
+    )
     # a server that answers JSON, but not a Pushgateway's (a KeyError traceback before)
     import http.server
     import threading
 
     class NotAGateway(http.server.BaseHTTPRequestHandler):
+        answer = b'{"status": "ok"}'
+
         def do_GET(self):
             self.send_response(200)
             self.end_headers()
-            self.wfile.write(b'{"status": "ok"}')
+            self.wfile.write(self.answer)
 
         def log_message(self, *args):
             pass
@@ -77,6 +86,10 @@ def test_an_unreachable_pushgateway_and_a_folder_that_is_no_policy_are_one_line_
         url = f"http://127.0.0.1:{server.server_port}"
         result = CliRunner().invoke(main, ["delete-metrics", "--pushgateway", url, "--pipeline", "p", "--run-id", "r"])
         assert result.exit_code == 1 and "not a Pushgateway" in result.output
+        # a Pushgateway's answer (its /api/v1/metrics) without the run: a name mistyped deletes nothing, and says so
+        NotAGateway.answer = b'{"status": "success", "data": []}'
+        result = CliRunner().invoke(main, ["delete-metrics", "--pushgateway", url, "--pipeline", "p", "--run-id", "r"])
+        assert result.exit_code == 0 and "warning: no metrics group of job tracefp4, pipeline p, run r" in result.output
     finally:
         server.shutdown()
 

@@ -230,7 +230,9 @@ def test_export_command(policies, tmp_path):
     assert _digests(tmp_path / "run") == _digests(tmp_path / "task") != _digests(tmp_path / "e")
     args = ["export", "--preset", "smoke", "--format", "mxfp4", str(policies["smoke"]), str(tmp_path / "y")]
     result = runner.invoke(main, args)
-    assert result.exit_code == 2 and "--format: the run's config sets them" in result.output
+    assert result.exit_code == 2 and "--format (rollout.fmt): the run's config (--preset, --config) sets it" in (
+        result.output
+    )
 
 
 def test_a_model_without_routed_experts_is_refused(tmp_path):

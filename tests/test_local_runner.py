@@ -9,6 +9,7 @@ import io
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tracefp4.components.checkpoint import commit_folder, staging_folder
+from tracefp4.components.checkpoint import commit_folder, config_to_hf, staging_folder
+from tracefp4.components.model import get_preset as get_model_preset
 from tracefp4.components.store import open_store
 from tracefp4.pipelines import resume
 from tracefp4.pipelines.cli import main
@@ -119,15 +121,17 @@ def test_a_log_that_cannot_be_written_stops_once_and_says_why(capsys):
 
 
 def test_a_run_folder_keeps_a_run_id_per_request(tmp_path):
-    first, resumed, others = resume.run_id(tmp_path, "config A")
+    first, resumed, others, _ = resume.run_id(tmp_path, "config A")
     assert first.startswith("local-") and not resumed and others == 0
-    assert resume.run_id(tmp_path, "config A") == (first, True, 0)
-    changed, resumed, others = resume.run_id(tmp_path, "config B")
+    assert resume.run_id(tmp_path, "config A") == (first, True, 0, None)
+    changed, resumed, others, _ = resume.run_id(tmp_path, "config B")
     assert changed != first and not resumed and others == 1
     # back to the first request (a setting undone, an edit reverted): its run resumes, it was not replaced
-    assert resume.run_id(tmp_path, "config A") == (first, True, 1)
-    restarted, resumed, _ = resume.run_id(tmp_path, "config B", restart=True)
-    assert restarted != changed and not resumed and resume.run_id(tmp_path, "config B")[:2] == (restarted, True)
+    assert resume.run_id(tmp_path, "config A") == (first, True, 1, None)
+    restarted, resumed, others, replaced = resume.run_id(tmp_path, "config B", restart=True)
+    assert restarted != changed and not resumed and (others, replaced) == (1, changed)
+    assert resume.run_id(tmp_path, "config B")[:2] == (restarted, True)
+    assert resume.run_id(tmp_path, "config C", restart=True).replaced is None  # nothing to restart: a new run
     assert [p.name for p in tmp_path.iterdir()] == [resume.RUN_FILE]  # written through a renamed temporary file
     # a record damaged from outside is refused, naming it, and kept as it is: neither run resumes otherwise
     (tmp_path / resume.RUN_FILE).write_text("{not json")
@@ -138,7 +142,7 @@ def test_a_run_folder_keeps_a_run_id_per_request(tmp_path):
     # a folder of an earlier tracefp4, which recorded one request
     digest = hashlib.sha256(b"config A").hexdigest()
     (tmp_path / resume.RUN_FILE).write_text(json.dumps({"run_id": "local-old", "request_sha256": digest}))
-    assert resume.run_id(tmp_path, "config A") == ("local-old", True, 0)
+    assert resume.run_id(tmp_path, "config A") == ("local-old", True, 0, None)
 
 
 def test_a_runs_serving_exports_are_its_finished_export_tasks_by_method(tmp_path):
@@ -255,6 +259,33 @@ def test_a_run_no_local_machine_can_do_is_refused_before_it_starts(tmp_path, mon
     with pytest.raises(ConfigError, match="branch of method quads"):
         run_local(fp4_kv, tmp_path / "compare", methods=["trace", "quads"])
     assert not (tmp_path / "compare").exists()  # no run recorded, no folder made
+
+
+def test_a_checkpoint_that_is_no_policy_is_refused_before_the_run_starts(tmp_path):
+    """A run folder, a serving export or a folder without config.json given as
+    model.checkpoint failed in prepare, the run started, with a traceback."""
+    config = get_preset("smoke")
+    run_folder = tmp_path / "earlier"
+    run_folder.mkdir()
+    (run_folder / resume.RUN_FILE).write_text("{}")
+    exported = tmp_path / "exported"
+    exported.mkdir()
+    hf = {**config_to_hf(get_model_preset("tiny")), "quantization_config": {"quant_method": "compressed-tensors"}}
+    (exported / "config.json").write_text(json.dumps(hf))
+    (tmp_path / "empty").mkdir()
+    for folder, problem in [
+        (run_folder, f"{run_folder} is a tracefp4 run folder, not a policy (a train task's new_policy under"),
+        (run_folder, f"; to go on from its run: --continue-from {run_folder}"),
+        (exported, "a quantized checkpoint (quantization_config, compressed-tensors)"),
+        (tmp_path / "empty", f"{tmp_path / 'empty' / 'config.json'} does not exist"),
+    ]:
+        asked = config.model_copy(
+            update={"model": config.model.model_copy(update={"preset": None, "checkpoint": str(folder)})}
+        )
+        with pytest.raises(ConfigError, match="model.checkpoint") as refused:
+            run_local(asked, tmp_path / "run")
+        assert problem in str(refused.value)
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_run_that_fails_to_start_releases_its_folder(tmp_path, monkeypatch):
@@ -428,7 +459,9 @@ def _running(pid: int) -> bool:
 
 
 def test_cli_reports_the_failing_component_and_its_error_once(tmp_path):
-    (tmp_path / "checkpoint").mkdir()  # a folder without a policy: prepare fails on it (one not there is refused first)
+    # a folder with a policy's config.json alone: prepare fails on it (one that is no policy is refused first)
+    (tmp_path / "checkpoint").mkdir()
+    (tmp_path / "checkpoint" / "config.json").write_text(json.dumps(config_to_hf(get_model_preset("tiny"))))
     config = tmp_path / "empty-checkpoint.yaml"
     config.write_text(f"model:\n  checkpoint: {tmp_path / 'checkpoint'}\n")
     out = tmp_path / "run"
@@ -436,7 +469,7 @@ def test_cli_reports_the_failing_component_and_its_error_once(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert "component prepare failed" in result.stderr
-    assert f"{tmp_path / 'checkpoint' / 'config.json'} does not exist" in result.stderr
+    assert f"{tmp_path / 'checkpoint' / 'tokenizer.json'} does not exist" in result.stderr
     assert "RuntimeError" not in result.stderr and "kfp" not in result.stderr
     log = (out / "pipeline.log").read_text()
     assert "\x1b" not in log + result.stdout + result.stderr
@@ -446,6 +479,8 @@ def test_cli_reports_the_failing_component_and_its_error_once(tmp_path):
     # reused by every later run of the folder, the result and the checks of the first one's code
     restarted = subprocess.run([*command, "--restart"], capture_output=True, text=True, timeout=300)
     assert restarted.returncode == 1 and "component prepare failed" in restarted.stderr
+    first_id = re.search(r"run id (local-\w+)", result.stdout)[1]
+    assert f"a new run (--restart): {first_id}, the folder's earlier run of these settings" in restarted.stdout
     rerun = (out / "pipeline.log").read_text().split("==== ")[-1]
     assert "Executing task 'configure'" in rerun and "cache hit" not in rerun
 

@@ -434,6 +434,19 @@ def test_cli(tmp_path):
     args = ["compile", "--preset", "smoke", "--set", "store.uri=s3://bucket/runs", "--output", str(tmp_path / "s.yaml")]
     result = runner.invoke(main, args)
     assert "store s3://bucket/runs without store.endpoint: every step takes TRACEFP4_S3_ENDPOINT" in result.output
+    assert "vLLM refuses" not in result.output
+    # a rollout whose export no serving engine loads: said as it compiles, not after the run's last task
+    args = [
+        "compile",
+        "--preset",
+        "smoke",
+        "--set",
+        "rollout.config=w4a8_mxfp4_kv",
+        "--output",
+        str(tmp_path / "w.yaml"),
+    ]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0 and "warning: NVFP4 expert weights with FP8 activations" in result.output
     result = runner.invoke(
         main, ["compile", "--preset", "smoke", "--output", str(tmp_path / "new" / "p.yaml" / "x.yaml")]
     )
@@ -830,6 +843,7 @@ def test_bootstrap_command_writes_a_bootstrapped_checkpoint(tmp_path):
     result = CliRunner().invoke(main, ["bootstrap", "--preset", "smoke", "--output", str(tmp_path / "base")])
     assert result.exit_code == 0, result.output
     assert "2 SFT steps" in result.output and "greedy test accuracy" in result.output
+    assert "bootstrap step 1/2\nbootstrap step 2/2\n" in result.output  # its progress, which was silent
     assert load_model(tmp_path / "base").cfg.num_layers == 2 and (tmp_path / "base" / "tokenizer.json").exists()
     # a config that holds valid with the bootstrap off is checked again with it on, as the command runs it
     data = load_config(None, preset="smoke").model_dump(mode="json")
