@@ -796,10 +796,16 @@ def plan(preset, config_file, sets, model_config, tokens_per_trajectory):
 
 @main.command()
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
-def report(run_dir):
+@click.option(
+    "--run-id",
+    help="The report of this run of the folder (its id, which `tracefp4 run` prints as it starts); default: the "
+    "newest report, whichever run of the folder wrote it.",
+)
+def report(run_dir, run_id):
     """Print the newest report of a run folder (of a comparison, its side-by-side report), copy it to
-    report.html and report.md there, to open, and say where its run's serving export is, as run does."""
-    from tracefp4.pipelines.local import REPORT_COPIES, publish_report, report_exports
+    report.html and report.md there, to open, and say whose it is and where its run's serving export is, as run
+    does."""
+    from tracefp4.pipelines.local import REPORT_COPIES, publish_report, report_exports, report_run
     from tracefp4.pipelines.resume import PIPELINE_ROOT, finished_reports, written_reports
 
     if not Path(run_dir, PIPELINE_ROOT).is_dir():  # a folder above the run folder, say, or a task's own
@@ -813,7 +819,24 @@ def report(run_dir):
             f"{run_dir}: no report its task finished writing"
             + " (one was interrupted: rerun the same `tracefp4 run` to finish it)" * bool(written_reports(run_dir))
         )
+
+    def run_of(report: Path) -> str | None:
+        try:
+            return (report_run(report) or (None,))[0]
+        except ValueError:  # damaged from outside: said with its exports below
+            return None
+
+    runs = list(dict.fromkeys(filter(None, map(run_of, found))))  # oldest report's first
+    if run_id is not None:
+        found = [r for r in found if run_of(r) == run_id]
+        if not found:
+            raise click.ClickException(
+                f"{run_dir}: no finished report of run {run_id}; its runs' reports: {', '.join(runs) or 'none known'}"
+            )
     click.echo(found[-1].read_text())
+    if len(runs) > 1:
+        others = ", ".join(r for r in runs if r != run_of(found[-1]))
+        click.echo(f"the report of run {run_of(found[-1])}; the folder's other runs' (--run-id): {others}")
     try:
         _echo_report_files(*publish_report(found[-1], Path(run_dir)))
     except OSError as e:  # a run folder this user may not write into, a folder in the way: the report is shown

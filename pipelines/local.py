@@ -446,22 +446,27 @@ def record_report(report: Path, run_id: str, methods: list[str] | None) -> None:
     write_atomic(report.with_name(REPORT_RUN), lambda f: f.write(record.encode()))
 
 
-def report_exports(run_dir: Path, report: Path) -> dict[str | None, Path]:
-    """The :func:`serving_exports` of the run whose report (markdown artifact)
-    is ``report``, in the local run folder ``run_dir``, by the run
-    :func:`record_report` wrote beside it: none where it wrote none (a run of
-    an earlier tracefp4, or one stopped after its report task finished and
-    before it returned: its rerun writes it). A ValueError, naming the file,
-    where what is there cannot be read."""
+def report_run(report: Path) -> tuple[str, list[str] | None] | None:
+    """The run (its id, and a comparison's methods) whose report (markdown
+    artifact) is ``report``, as :func:`record_report` wrote it beside it: None
+    where it wrote none (a run of an earlier tracefp4, or one stopped after its
+    report task finished and before it returned: its rerun writes it). A
+    ValueError, naming the file, where what is there cannot be read."""
     path = report.with_name(REPORT_RUN)
     if not path.exists():
-        return {}
+        return None
     try:
         run = json.loads(path.read_text())
-        run_id, methods = run["run_id"], run["methods"]
+        return run["run_id"], run["methods"]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: unreadable ({type(e).__name__}: {e})") from None
-    return serving_exports(run_dir, run_id, methods)
+
+
+def report_exports(run_dir: Path, report: Path) -> dict[str | None, Path]:
+    """The :func:`serving_exports` of the run whose report is ``report``, in
+    the local run folder ``run_dir`` (:func:`report_run`; none where it is not known)."""
+    run = report_run(report)
+    return serving_exports(run_dir, *run) if run else {}
 
 
 class Finished(NamedTuple):

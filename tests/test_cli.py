@@ -266,6 +266,34 @@ def test_report_of_a_folder_that_is_no_run_folder_says_so(tmp_path):
     assert "--output of a `tracefp4 run`" in result.output
 
 
+def test_report_says_whose_report_it_shows_and_takes_a_run_id(tmp_path):
+    """A folder of two runs' reports showed the newest, which a resumed older run had not written, without
+    saying whose it was; kfp.local's task cache entries (completed/) name the finished reports."""
+    import json
+
+    entries = tmp_path / "completed"
+    entries.mkdir()
+    for i, run in enumerate(["local-aaa", "local-bbb"]):
+        folder = tmp_path / "pipeline_root" / f"attempt-{i}" / "report"
+        folder.mkdir(parents=True)
+        for name in ("markdown", "page"):
+            (folder / name).write_text(f"# report of {run} ({name})\n")
+        (folder / "run.json").write_text(json.dumps({"run_id": run, "methods": None}))
+        os.utime(folder / "markdown", (i, i))  # the second run's report the newer
+        artifact = {"__kfp_artifact__": True, "uri": str(folder / "markdown")}
+        (entries / f"{i}.json").write_text(json.dumps({"markdown": artifact}))
+    shown = CliRunner().invoke(main, ["report", str(tmp_path)])
+    assert shown.exit_code == 0 and "# report of local-bbb (markdown)" in shown.output
+    assert "the report of run local-bbb; the folder's other runs' (--run-id): local-aaa" in shown.output
+    shown = CliRunner().invoke(main, ["report", str(tmp_path), "--run-id", "local-aaa"])
+    assert shown.exit_code == 0 and "# report of local-aaa (markdown)" in shown.output
+    assert (tmp_path / "report.html").read_text() == "# report of local-aaa (page)\n"
+    shown = CliRunner().invoke(main, ["report", str(tmp_path), "--run-id", "local-ccc"])
+    assert shown.exit_code == 1 and "no finished report of run local-ccc; its runs' reports: local-aaa, local-bbb" in (
+        shown.output
+    )
+
+
 def test_every_help_is_plain_text():
     """``tracefp4 --help`` showed the module docstring's reStructuredText (``tracefp4``) as it is."""
 
