@@ -293,14 +293,15 @@ def bootstrap(preset, config_file, sets, output):
     type=click.Path(exists=True, dir_okay=False),
     help="The run's config: its rollout settings (all of the above) instead of the options.",
 )
+@set_option
 @click.argument("src", type=click.Path(exists=True, file_okay=False))
 @click.argument("dst", type=click.Path(file_okay=False))
 @click.pass_context
-def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, preset, config_file, src, dst):
+def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, preset, config_file, sets, src, dst):
     """Write the policy folder SRC at DST for vLLM / SGLang as the run's rollout served it: a
     compressed-tensors checkpoint with the routed experts FP4 as the rollout quantized them and
     everything else BF16, or all BF16 where the rollout left the weights BF16. With --preset or
-    --config, as the pipeline's export task does for that run."""
+    --config (and the run's --set), as the pipeline's export task does for that run."""
     import torch
 
     from tracefp4.components import steps
@@ -321,6 +322,8 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
         raise click.UsageError(
             f"{names}: the run's config (--preset, --config) sets it; give the config or the options"
         )
+    if sets and not (preset or config_file):
+        raise click.UsageError("--set changes the run's config: give it with the run's --preset or --config")
     if problem := run_folder_problem(Path(src)):
         raise click.ClickException(
             f"{problem}; `tracefp4 run` exported its last policy already (the folder it printed)"
@@ -328,7 +331,7 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
     try:
         with _said_here(_Logged(logging.WARNING)):
             if preset or config_file:
-                stats = steps.export_policy(_config(preset, config_file), Path(src), Path(dst))
+                stats = steps.export_policy(_config(preset, config_file, sets=sets), Path(src), Path(dst))
             else:
                 quant = rollout_config(config_name, fmt)
                 dtype = getattr(torch, rollout_dtype)

@@ -233,6 +233,12 @@ def test_export_command(policies, tmp_path):
     assert result.exit_code == 2 and "--format (rollout.fmt): the run's config (--preset, --config) sets it" in (
         result.output
     )
+    # the run's --set too, as `tracefp4 run` took it (a run started with --set had no export but by a config file)
+    args = ["export", "--preset", "smoke", "--set", "rollout.fmt=mxfp4", str(policies["smoke"]), str(tmp_path / "m")]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0 and provenance(tmp_path / "m")["format"] == "mxfp4-pack-quantized", result.output
+    result = runner.invoke(main, ["export", "--set", "rollout.fmt=mxfp4", str(policies["smoke"]), str(tmp_path / "z")])
+    assert result.exit_code == 2 and "--set changes the run's config: give it with the run's --preset" in result.output
 
 
 def test_a_model_without_routed_experts_is_refused(tmp_path):
