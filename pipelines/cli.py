@@ -229,14 +229,14 @@ def bootstrap(preset, config_file, sets, output):
         check_device(config)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
-    steps = _BootstrapSteps()
+    progress = _BootstrapSteps()
     try:
-        with _said_here(steps, "tracefp4.components.bootstrap"):
+        with _said_here(progress, "tracefp4.components.bootstrap"):
             stats = prepare(config, Path(output))
     except (ValueError, OSError) as e:  # a folder not to write into, a checkpoint that is none
         raise click.ClickException(str(e)) from None
     finally:
-        steps.close()
+        progress.close()
     click.echo(
         f"{output}: {stats['bootstrap_steps']} SFT steps in {stats['bootstrap_seconds']:.0f} s, "
         f"greedy test accuracy {stats['bootstrap_accuracy']:.1%}"
@@ -837,9 +837,9 @@ def report(run_dir, run_id):
                 f"{run_dir}: no finished report of run {run_id}; its runs' reports: {', '.join(runs) or 'none known'}"
             )
     click.echo(found[-1].read_text())
-    if len(runs) > 1:
-        others = ", ".join(r for r in runs if r != run_of(found[-1]))
-        click.echo(f"the report of run {run_of(found[-1])}; the folder's other runs' (--run-id): {others}")
+    if (shown := run_of(found[-1])) and len(runs) > 1:
+        others = ", ".join(r for r in runs if r != shown)
+        click.echo(f"the report of run {shown}; the folder's other runs' (--run-id): {others}")
     try:
         _echo_report_files(*publish_report(found[-1], Path(run_dir)))
     except OSError as e:  # a run folder this user may not write into, a folder in the way: the report is shown
