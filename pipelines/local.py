@@ -37,7 +37,7 @@ from typing import NamedTuple
 import kfp.local
 from tqdm import tqdm
 
-from tracefp4.components.checkpoint import MANIFEST, provenance
+from tracefp4.components.checkpoint import MANIFEST, CheckpointError, local_folder, provenance, read_config
 from tracefp4.components.device import resolve
 from tracefp4.components.metrics import PUBLISH_FAILED
 from tracefp4.components.store import file_path, open_store, write_atomic
@@ -488,6 +488,22 @@ def check_device(config: RunConfig) -> None:
         raise ConfigError([("resources.device", str(e))]) from None
 
 
+def check_checkpoint(config: RunConfig) -> None:
+    """A :class:`~tracefp4.schemas.ConfigError` where a local ``model.checkpoint``
+    is no policy folder (a run folder, a serving export, one without
+    config.json), saying what it is: found by prepare otherwise, after the
+    run has started. A store's checkpoint prepare alone reads."""
+    folder = local_folder(config.model.checkpoint) if config.model.checkpoint else None
+    if folder is None:
+        return
+    if problem := resume.run_folder_problem(folder):
+        raise ConfigError([("model.checkpoint", f"{problem}; to go on from its run: --continue-from {folder}")])
+    try:
+        read_config(folder)
+    except (CheckpointError, OSError) as e:
+        raise ConfigError([("model.checkpoint", str(e))]) from None
+
+
 def run_local(
     config: RunConfig, output: Path, log: Path | None = None, methods: list[str] | None = None, **options
 ) -> Path:
@@ -533,6 +549,7 @@ def run_to_end(
     env = {**os.environ, **config.store.pod_environment()}
     store = open_store(config.store.uri, env=env, create_bucket=config.store.create_bucket)
     request = resume.request(config, methods, store, env)  # it refuses a checkpoint that is not there
+    check_checkpoint(config)
     output.mkdir(parents=True, exist_ok=True)
     # held until the run ends (and by its tasks until they do): two runs in one folder would share a run id
     with contextlib.closing(resume.lock_folder(output)):

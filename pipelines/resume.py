@@ -54,7 +54,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from tracefp4.components.checkpoint import CheckpointError, fingerprint, local_folder, read_config
+from tracefp4.components.checkpoint import CheckpointError, fingerprint
 from tracefp4.components.store import ArtifactStore, S3Store, write_atomic
 from tracefp4.schemas import ConfigError, RunConfig
 
@@ -114,8 +114,6 @@ def request(
             asked += fingerprint(uri, env) if uri else ""
         except CheckpointError as e:
             raise ConfigError([(field, str(e))]) from None
-    if config.model.checkpoint:
-        _check_policy(config.model.checkpoint)
     return asked
 
 
@@ -125,21 +123,6 @@ def run_folder_problem(folder: Path) -> str | None:
     if not (Path(folder) / RUN_FILE).exists():
         return None
     return f"{folder} is a tracefp4 run folder, not a policy (a train task's new_policy under {PIPELINE_ROOT}/ is one)"
-
-
-def _check_policy(uri: str) -> None:
-    """A local ``model.checkpoint`` that is no policy folder (a run folder, a
-    serving export, one without config.json) refused before the run starts,
-    saying what it is: else prepare fails on it after the run has started."""
-    folder = local_folder(uri)
-    if folder is None:  # in a store: prepare reads it
-        return
-    if problem := run_folder_problem(folder):
-        raise ConfigError([("model.checkpoint", f"{problem}; to go on from its run: --continue-from {uri}")])
-    try:
-        read_config(folder)
-    except (CheckpointError, OSError) as e:
-        raise ConfigError([("model.checkpoint", str(e))]) from None
 
 
 def lock_folder(output: Path):
