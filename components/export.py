@@ -164,17 +164,25 @@ def check_exportable(quant: QuantConfig) -> None:
         )
 
 
-def unservable(quant: QuantConfig) -> str | None:
-    """Why no serving engine loads the export of ``quant`` (which
-    compressed-tensors itself loads), where that is known from the engines'
-    loaders (docs/export.md, "What the engines' ... accept"), else None."""
+def served_by(quant: QuantConfig) -> str:
+    """The serving engines whose compressed-tensors MoE loaders take the export
+    of ``quant``, as read from their source, not run (docs/export.md, "Loading
+    it for serving"); empty where none does (compressed-tensors itself loads it)."""
     if quant.weights == "nvfp4" and quant.activations == "fp8":
-        return (
-            "NVFP4 expert weights with FP8 activations (rollout.config w4a8_mxfp4_kv, rollout.fmt nvfp4): "
-            "compressed-tensors loads their export, but vLLM refuses it and SGLang has no scheme for it "
-            "(docs/export.md); rollout.fmt mxfp4 is served, as W4A16 by vLLM"
-        )
-    return None
+        return ""  # vLLM: NVFP4 weights need NVFP4 input quantization or none; SGLang: no such scheme
+    if quant.weights == "mxfp4":
+        return "vLLM, as W4A16"  # whatever the activations; SGLang has no MXFP4 scheme
+    return "vLLM and SGLang"
+
+
+def unservable(quant: QuantConfig) -> str | None:
+    """The warning for a rollout whose export no serving engine loads (:func:`served_by`), else None."""
+    if served_by(quant):
+        return None
+    return (
+        f"{quant.weights.upper()} expert weights with {quant.activations.upper()} activations: compressed-tensors "
+        "loads their export, but no serving engine does (docs/export.md, 'Loading it for serving')"
+    )
 
 
 def inverse_global_scale(g: Tensor, scales: Tensor) -> tuple[Tensor, bool]:
@@ -323,7 +331,7 @@ def export(
         ignore = sorted(k.removesuffix(".weight") for k, v in dense.items() if k.endswith(".weight") and v.dim() >= 2)
         ignore = [k for k in ignore if k != "model.embed_tokens"] + ([] if "lm_head" in ignore else ["lm_head"])
         hf["quantization_config"] = quantization_config(quant, ignore)
-    record = {**provenance(source), "format": name}
+    record = {**provenance(source), "format": name, "served_by": served_by(quant)}
     if (source / MANIFEST).exists():
         record["exported_from"] = folder_digest(source)  # the policy folder's manifest, which names its weights
     with staging_folder(folder) as tmp:
@@ -337,6 +345,7 @@ def export(
         commit_folder(tmp, folder, record)
     return {
         "format": name,
+        "served_by": record["served_by"],
         "expert_matrices": sum(state[key].shape[0] for key in experts),
         "inexact_matrices": inexact,
         "expert_bytes": sum(t.numel() * t.element_size() for k, t in tensors.items() if ".mlp.experts." in k),

@@ -201,6 +201,14 @@ def _echo_report_files(page: Path, markdown: Path) -> None:
     click.echo(f"report: {page} (open it in a browser), {markdown} (markdown)")
 
 
+def _for(export: dict) -> str:
+    """Whom an export is for (:func:`tracefp4.components.export.served_by`, in its record or its stats)."""
+    served = export.get("served_by")
+    if served is None:  # an export of an earlier tracefp4 records none
+        return "for serving"
+    return f"for {served}" if served else "which no serving engine loads"
+
+
 def _echo_exports(exports: dict[str | None, Path]) -> None:
     """Where a run's policy for serving is: its export tasks' checkpoints
     (:func:`tracefp4.pipelines.local.serving_exports`), a comparison's by method."""
@@ -208,8 +216,8 @@ def _echo_exports(exports: dict[str | None, Path]) -> None:
 
     for method, exported in exports.items():
         which = f" of {method}" if method else ""
-        fmt = provenance(exported)["format"]
-        click.echo(f"serving export{which}: {exported} ({fmt}, for vLLM and SGLang: docs/export.md)")
+        record = provenance(exported)
+        click.echo(f"serving export{which}: {exported} ({record['format']}, {_for(record)}: docs/export.md)")
 
 
 @main.command()
@@ -341,8 +349,8 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
     except (ValueError, OSError) as e:  # not a policy folder, say
         raise click.ClickException(str(e)) from None
     click.echo(
-        f"{dst}: {stats['format']}, {stats['expert_matrices']} expert matrices in {stats['expert_bytes']} bytes "
-        f"({stats['expert_bytes_bf16']} in BF16)"
+        f"{dst}: {stats['format']} ({_for(stats)}), {stats['expert_matrices']} expert matrices in "
+        f"{stats['expert_bytes']} bytes ({stats['expert_bytes_bf16']} in BF16)"
     )
 
 

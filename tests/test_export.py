@@ -200,7 +200,7 @@ def test_export_command(policies, tmp_path):
         f"warning: {policies['smoke']}: 1 of 16 expert matrices dequantizes some weights one BF16 ulp off the "
         "rollout's values, at exact BF16 ties (docs/export.md, 'How exact it is')\n"
     )
-    assert result.stdout.startswith(f"{tmp_path / 'e'}: nvfp4-pack-quantized, 16 expert matrices in ")
+    assert result.stdout.startswith(f"{tmp_path / 'e'}: nvfp4-pack-quantized (for vLLM and SGLang), 16 expert matrices")
     assert "ulp" not in result.stdout
     result = runner.invoke(main, ["export", "--format", "int4", str(policies["smoke"]), str(tmp_path / "x")])
     assert result.exit_code != 0 and "'int4' is not one of" in result.output and not (tmp_path / "x").exists()
@@ -237,6 +237,17 @@ def test_export_command(policies, tmp_path):
     args = ["export", "--preset", "smoke", "--set", "rollout.fmt=mxfp4", str(policies["smoke"]), str(tmp_path / "m")]
     result = runner.invoke(main, args)
     assert result.exit_code == 0 and provenance(tmp_path / "m")["format"] == "mxfp4-pack-quantized", result.output
+    assert provenance(tmp_path / "m")["served_by"] == "vLLM, as W4A16"  # SGLang has no MXFP4 scheme
+    assert f"{tmp_path / 'm'}: mxfp4-pack-quantized (for vLLM, as W4A16), " in result.output
+    # one no serving engine loads: said as it is written, and where it is named
+    args = ["export", "--rollout-config", "w4a8_mxfp4_kv", str(policies["smoke"]), str(tmp_path / "w")]
+    result = runner.invoke(main, args)
+    assert (
+        result.exit_code == 0
+        and "warning: " in result.output
+        and "NVFP4 expert weights with FP8 activations" in (result.output)
+    )
+    assert f"{tmp_path / 'w'}: nvfp4-pack-quantized (which no serving engine loads), " in result.output
     result = runner.invoke(main, ["export", "--set", "rollout.fmt=mxfp4", str(policies["smoke"]), str(tmp_path / "z")])
     assert result.exit_code == 2 and "--set changes the run's config: give it with the run's --preset" in result.output
 
