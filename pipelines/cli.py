@@ -406,7 +406,7 @@ class _BootstrapSteps(_Logged):
                 super().emit(record)
             return
         step, steps = map(int, found.groups())
-        out = click.get_text_stream("stdout")
+        out = sys.stdout  # the stream click.echo writes to (a test runner's too)
         if out.isatty():
             self.bar = self.bar or tqdm(total=steps, unit="step", desc="bootstrap", file=out)
             self.bar.update(step - self.bar.n)
