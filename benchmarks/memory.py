@@ -61,13 +61,8 @@ def rollout_sizes(config, cfg) -> dict:
 def saved_per_token(cfg, kind: str, tokens: int) -> float:
     """Bytes a layer of ``kind`` saves for its backward per token (one layer, recomputed), bf16 autocast over
     float32 weights as train.precision fp32_master runs it: with torch's bf16 kernels, as on a GPU, also where
-    this CPU emulates bf16 (the emulation saves float32 copies of the operands, which a GPU never holds: a
-    third more)."""
-    with mock.patch.dict(os.environ, {CPU_BF16_ENV: "native"}):
-        return _saved_per_token(cfg, kind, tokens)
-
-
-def _saved_per_token(cfg, kind: str, tokens: int) -> float:
+    this CPU emulates bf16 (the emulation saves float32 copies of the operands, which a GPU never holds: 764
+    and 1,176 KB a token against 467 and 834 on an AVX2 EPYC)."""
     one = dataclasses.replace(cfg, vocab_size=256, num_layers=1, layer_types=(kind,), num_experts=cfg.top_k, extra={})
     model = build_model(one, dtype=torch.float32).train()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -80,7 +75,12 @@ def _saved_per_token(cfg, kind: str, tokens: int) -> float:
         return t
 
     ids = torch.randint(0, 256, (1, tokens), generator=torch.Generator().manual_seed(0))
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+    native = mock.patch.dict(os.environ, {CPU_BF16_ENV: "native"})
+    with (
+        native,
+        torch.autocast("cpu", dtype=torch.bfloat16),
+        torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t),
+    ):
         model.hidden_states(ids, torch.arange(tokens)[None])
     return sum(saved.values()) / tokens
 
