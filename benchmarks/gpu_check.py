@@ -32,8 +32,7 @@ from pathlib import Path
 
 import torch
 
-from tracefp4.components.device import cpu_kind, resolve
-from tracefp4.schemas import get_preset
+from tracefp4.components.device import cpu_kind, cuda_seen
 
 ROOT = Path(__file__).resolve().parent.parent
 GPU_BUDGET_S = 8 * 60  # the whole check on one GPU: the sum of the steps' limits
@@ -56,7 +55,7 @@ def plan(device: str, run_dir: Path) -> list[Step]:
     py = sys.executable
     triton_tests = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_triton_kernels.py"]
     syndrome_speed = [py, "benchmarks/guidance.py", "--parts", "speed", "--device", device]
-    smoke_run = ["run", "--config", str(smoke_config(device, run_dir)), "--output", str(run_dir / "run")]
+    smoke_run = ["run", "--preset", "smoke", "--set", f"resources.device={device}", "--output", str(run_dir / "run")]
     smallest_rollout = [
         "--preset",
         "smoke",
@@ -96,15 +95,6 @@ def plan(device: str, run_dir: Path) -> list[Step]:
         Step("syndrome_codec", syndrome_speed, 45, dry_args=["--speed-rows", "256", "--repeat", "1"]),
         Step("smoke_pipeline", [py, "-m", "tracefp4.pipelines.cli", *smoke_run], 135),
     ]
-
-
-def smoke_config(device: str, run_dir: Path) -> Path:
-    """The smoke preset with ``resources.device`` set, as a config file."""
-    config = get_preset("smoke")
-    config = config.model_copy(update={"resources": config.resources.model_copy(update={"device": device})})
-    path = run_dir / "smoke.json"
-    path.write_text(config.model_dump_json())
-    return path
 
 
 def last_json(text: str) -> dict:
@@ -181,7 +171,10 @@ def main() -> int:
     parser.add_argument(
         "--dry-run", action="store_true", help="the same plan on the CPU, smallest sizes, CUDA steps skipped"
     )
-    parser.add_argument("--only", nargs="+", metavar="STEP", help="these steps of the plan alone, in its order")
+    steps_help = ", ".join(step.name for step in plan("cpu", Path("run")))
+    parser.add_argument(
+        "--only", nargs="+", metavar="STEP", help=f"these steps alone, in the plan's order: {steps_help}"
+    )
     args = parser.parse_args()
     stale = stale_install()
     if stale:
@@ -197,10 +190,8 @@ def main() -> int:
         device = "cpu"
     else:
         device = "cuda"
-        try:
-            resolve(device)
-        except RuntimeError as e:
-            print(f"gpu-check needs a GPU: {e} (--dry-run runs the plan on the CPU)", file=sys.stderr)
+        if not torch.cuda.is_available():
+            print(f"gpu-check needs a CUDA GPU: {cuda_seen()}; use --dry-run (make gpu-check DRY=1)", file=sys.stderr)
             return 2
         env.pop("TRITON_INTERPRET", None)  # real kernels, not the interpreter
     figures = {"mode": "dry-run" if args.dry_run else "cuda", "torch": torch.__version__, **cpu_kind()}

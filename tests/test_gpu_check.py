@@ -74,6 +74,19 @@ def test_only_runs_the_named_steps_and_refuses_an_unknown_one():
     assert done.returncode == 2 and "--only kernel: the plan's steps are triton_kernel_tests, kernels" in done.stderr
 
 
+def test_help_names_the_steps_and_a_machine_without_a_gpu_is_pointed_at_the_dry_run(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py", "--help"])
+    with pytest.raises(SystemExit):
+        gpu_check.main()
+    assert "triton_kernel_tests, kernels, rollout, syndrome_codec, smoke_pipeline" in " ".join(
+        capsys.readouterr().out.split()
+    )
+    monkeypatch.setattr(sys, "argv", ["gpu_check.py"])
+    monkeypatch.setattr(gpu_check.torch.cuda, "is_available", lambda: False)
+    assert gpu_check.main() == 2
+    assert "gpu-check needs a CUDA GPU" in (err := capsys.readouterr().err) and "use --dry-run" in err
+
+
 def test_an_installed_tracefp4_older_than_the_checkout_is_named(tmp_path):
     """The check runs the checkout's tests on the installed library: a stale wheel is refused before any step."""
     shutil.copy(ROOT / "pyproject.toml", tmp_path)
