@@ -16,11 +16,15 @@ measured on (model, bf16 native or emulated: ``TRACEFP4_CPU_BF16``).
 """
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
+import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -45,6 +49,35 @@ def best_of(repeat: int, *runs):
     """Each run's best figure over ``repeat`` interleaved rounds: noise on a shared machine hits all alike."""
     figures = [[run() for run in runs] for _ in range(repeat)]
     return [max(column) for column in zip(*figures)]
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU seconds all processes have spent since boot (Linux's /proc/stat; None elsewhere)."""
+    try:
+        ticks = [int(n) for n in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except OSError:
+        return None
+    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")  # all but idle and iowait
+
+
+@contextlib.contextmanager
+def others_on_the_cores(figures: dict):
+    """Records in ``figures`` how many cores other processes kept busy
+    meanwhile (the machine's CPU time less this process's, over the wall
+    time), and warns above a quarter of one: such a run's figures are the
+    other work's as much as the machine's (docs/performance.md, "Figures on
+    a shared machine")."""
+    machine, own, start = busy_cpu_seconds(), time.process_time(), time.perf_counter()
+    yield
+    if machine is None:
+        return
+    others = (busy_cpu_seconds() - machine - (time.process_time() - own)) / (time.perf_counter() - start)
+    figures["other_processes_busy_cores"] = round(max(others, 0.0), 2)
+    if others > 0.25:
+        print(
+            f"other processes kept {others:.1f} cores busy during the timing: compare ratios from quiet runs",
+            file=sys.stderr,
+        )
 
 
 class CountCalls(TorchFunctionMode):
@@ -328,7 +361,7 @@ def main() -> None:
     }
     sampling = SamplingParams(max_new_tokens=args.new_tokens, seed=0)
 
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, others_on_the_cores(figures):
         save_model(model, f"{tmp}/policy")
         hf = hf_generate(f"{tmp}/policy", device)
         bf16 = TorchEngine(model, rollout_config("bf16"), device=device)

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tracefp4.components import model as model_module
@@ -33,7 +34,21 @@ def test_speed_only_ends_with_the_engine_against_generate_alone():
         calls = figures[f"b{batch}_engine_calls_per_decode_step"], figures[f"b{batch}_hf_calls_per_decode_step"]
         assert all(50 < c < 1000 for c in calls), calls
     assert figures["cpu_bf16"] in ("native", "emulated") and "cpu_onednn_isa_cap" in figures
+    assert figures["other_processes_busy_cores"] >= 0
     assert not any(key.startswith(("capture", "fp4_", "linear_", "decode_step")) for key in figures)
+
+
+def test_a_busy_process_beside_the_timing_is_counted_and_warned_of(capsys):
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # started
+        figures = {}
+        with rollout_benchmark.others_on_the_cores(figures):
+            time.sleep(1)
+    finally:
+        spinner.kill()
+    assert figures["other_processes_busy_cores"] >= 0.5  # the loop's core, at least most of it
+    assert "other processes kept" in capsys.readouterr().err
 
 
 def test_batching_only_ends_with_continuous_batching_against_waves_alone():
