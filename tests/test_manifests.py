@@ -433,6 +433,19 @@ def test_example_run_config_matches_the_cluster(rendered, overlay):
         assert config.resources.gpus == 0 and not gpu_pods
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_example_run_config_names_the_schema_an_editor_checks_it_against(overlay):
+    """Its first line points YAML editors (the yaml-language-server modeline) at the config's JSON Schema, which
+    takes it as it stands, merged over no preset."""
+    jsonschema = pytest.importorskip("jsonschema")
+    path = ROOT / f"manifests/run-configs/{overlay}.yaml"
+    modeline = path.read_text().splitlines()[0]
+    assert modeline.startswith("# yaml-language-server: $schema=")
+    schema = (path.parent / modeline.partition("$schema=")[2]).resolve()
+    assert schema == ROOT / "schemas/run-config.schema.json"
+    jsonschema.validate(yaml.safe_load(path.read_text()), json.loads(schema.read_text()))
+
+
 # The component images: no Docker engine here, so the Dockerfiles are checked as text.
 
 
