@@ -11,8 +11,10 @@ batching gains over static waves when responses end at scattered lengths.
     python benchmarks/rollout.py --batching-only        # continuous batching against static waves alone
     python benchmarks/rollout.py --anatomy-only         # where a decode step's time goes
 
-The last line is one JSON object with every figure, and the CPU it was
-measured on (model, bf16 native or emulated: ``TRACEFP4_CPU_BF16``).
+The last line is one JSON object with every figure, the CPU it was
+measured on (model, bf16 native or emulated: ``TRACEFP4_CPU_BF16``) and, for
+the engine against ``generate``, how many cores other processes kept busy
+meanwhile.
 """
 
 import argparse
