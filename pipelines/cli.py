@@ -16,8 +16,8 @@ import click
 import yaml
 
 from tracefp4.components.quant import FP4_FORMATS, ROLLOUT_CONFIGS, rollout_config
-from tracefp4.schemas import PRESETS, ConfigError, export_json_schema, load_config
-from tracefp4.schemas.io import load_yaml
+from tracefp4.schemas import PRESETS, ConfigError, export_json_schema, load_config, save_config
+from tracefp4.schemas.io import config_text, load_yaml
 
 
 def _config(
@@ -712,9 +712,34 @@ def alerts(output):
         raise _output_error(output, e) from None
 
 
+@main.command("config")
+@preset_option
+@config_option
+@set_option
+@click.option(
+    "--output",
+    type=click.Path(dir_okay=False),
+    help="Write it to this .yaml, .yml or .json file instead of printing it as YAML.",
+)
+def show_config(preset, config_file, sets, output):
+    """Print the whole run config that --preset, --config and --set give, validated: what a run of them takes,
+    every value, and a start for a --config file of your own (e.g. tracefp4 config --set
+    model.checkpoint=my-moe > my-run.yaml)."""
+    config = _config(preset, config_file, sets=sets)
+    if output is None:
+        click.echo(config_text(config), nl=False)
+        return
+    try:
+        click.echo(save_config(config, output))
+    except ConfigError as e:  # another extension
+        raise click.ClickException(f"--output {output}: {e.problems[0][1]}") from None
+    except OSError as e:  # a folder in the way, no permission
+        raise _output_error(output, e) from None
+
+
 @main.command()
 def presets():
-    """List the named configurations."""
+    """List the named configurations (tracefp4 config --preset NAME prints one whole)."""
     for name, config in sorted(PRESETS.items()):
         model = config.model.preset or config.model.checkpoint
         click.echo(

@@ -262,17 +262,24 @@ def settings_yaml(settings: Mapping) -> str:
     return _yaml().safe_dump(_expand_dotted(settings), sort_keys=True)
 
 
-def save_config(config: RunConfig, path: str | Path) -> Path:
-    """Write a config as .yaml/.yml or .json (secrets are never written), atomically; load_config reads it back."""
-    path = Path(path)
+def config_text(config: RunConfig, suffix: str = ".yaml") -> str:
+    """The whole config as the text of a .yaml/.yml or .json file (secrets are never written), in the schema's
+    order: load_config reads it back."""
     data = config.model_dump(mode="json")
-    suffix = path.suffix.lower()
-    if suffix == ".json":
-        text = json.dumps(data, indent=2) + "\n"
-    elif suffix in (".yaml", ".yml"):
-        text = _yaml().safe_dump(data, sort_keys=False)
-    else:
-        raise ConfigError([("", f"unknown config file extension {path.suffix!r}; use .yaml, .yml or .json")], path)
+    if suffix.lower() == ".json":
+        return json.dumps(data, indent=2) + "\n"
+    if suffix.lower() in (".yaml", ".yml"):
+        return _yaml().safe_dump(data, sort_keys=False)
+    raise ConfigError([("", f"unknown config file extension {suffix!r}; use .yaml, .yml or .json")])
+
+
+def save_config(config: RunConfig, path: str | Path) -> Path:
+    """Write :func:`config_text` to ``path`` (its extension picks the format), atomically."""
+    path = Path(path)
+    try:
+        text = config_text(config, path.suffix)
+    except ConfigError as e:
+        raise ConfigError(e.problems, path) from None
     write_atomic(path, lambda f: f.write(text.encode("utf-8")))
     return path
 

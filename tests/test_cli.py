@@ -10,6 +10,7 @@ from typing import get_args
 import click
 import pytest
 import torch
+import yaml
 from click.testing import CliRunner
 
 from tracefp4.pipelines.cli import main
@@ -112,6 +113,25 @@ def test_set_puts_a_value_by_its_dotted_path_over_the_preset_and_is_refused_clea
     ]:
         result = CliRunner().invoke(main, [*args, "--set", given])
         assert result.exit_code == code and message in result.output and not out.exists(), given
+
+
+def test_config_prints_the_whole_config_a_run_of_the_options_takes_and_it_reads_back(tmp_path):
+    """A start for a --config file of one's own: every value, the checkpoint's in place of the preset's model."""
+    args = ["config", "--preset", "tiny", "--set", "model.checkpoint=my-moe", "--set", "rl.rounds=2"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    printed = yaml.safe_load(result.output)
+    assert printed["model"]["checkpoint"] == "my-moe" and printed["model"]["preset"] is None
+    assert printed["rl"]["rounds"] == 2 and printed["bootstrap"] and printed["tasks"]  # every section
+    (tmp_path / "mine.yaml").write_text(result.output)
+    expected = load_config(preset="tiny", overrides={"model.checkpoint": "my-moe", "rl.rounds": 2})
+    assert load_config(tmp_path / "mine.yaml") == expected
+    result = CliRunner().invoke(main, [*args, "--output", str(tmp_path / "mine.json")])
+    assert result.exit_code == 0 and load_config(tmp_path / "mine.json") == expected
+    result = CliRunner().invoke(main, [*args, "--output", str(tmp_path / "mine.toml")])
+    assert result.exit_code == 1 and "--output" in result.output and "use .yaml, .yml or .json" in result.output
+    result = CliRunner().invoke(main, ["config", "--set", "rl.rounds=two"])
+    assert result.exit_code == 1 and "rl.rounds: Input should be a valid integer" in result.output
 
 
 def test_a_request_timeout_and_a_run_folder_that_cannot_be_are_usage_errors(tmp_path):

@@ -474,6 +474,7 @@ def test_cli(tmp_path):
         "schema",
         "dashboards",
         "presets",
+        "config",
         "report",
         "delete-metrics",
     ):
