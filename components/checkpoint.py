@@ -76,6 +76,7 @@ from .store import (
 )
 from .tensor_files import DTYPES, TensorWriter, index_name, single_name, write_tensors
 from .tokenizer import FILES as TOKENIZER_FILES
+from .tokenizer import TOKENIZER, PolicyTokenizer, load_tokenizer
 
 log = logging.getLogger("tracefp4.checkpoint")
 T = TypeVar("T")
@@ -168,7 +169,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
     hf = _text_config(hf)
     model_type = "qwen3_5_moe" if hf.get("model_type") == QWEN35_TEXT else hf.get("model_type")
     if model_type not in MODEL_TYPES:
-        raise CheckpointError(f"config.json has model_type {model_type!r}; tracefp4 loads {MODEL_TYPES}")
+        raise CheckpointError(
+            f"config.json has model_type {model_type!r}; tracefp4 loads {', '.join(MODEL_TYPES)} "
+            f"(and {QWEN35_TEXT}, Qwen3.5-MoE's language model alone)"
+        )
     rope = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     if not isinstance(rope, dict) or not isinstance(scaling, dict):
@@ -963,6 +967,28 @@ def read_config(folder: str | os.PathLike) -> ModelConfig:
         return config_from_hf(hf)
     except CheckpointError as e:
         raise CheckpointError(f"{folder}: {e}") from None
+
+
+def read_policy_folder(folder: str | os.PathLike) -> tuple[ModelConfig, PolicyTokenizer]:
+    """A policy folder's architecture and tokenizer, checked (:func:`read_config`,
+    :func:`~.tokenizer.load_tokenizer`) and against each other: every token
+    has a row of the embedding. A tokenizer without a chat template is warned
+    of (but the library's character tokenizer): prompts are then plain text,
+    answers end at a newline (docs/pipeline.md), which a chat model's folder
+    without its ``chat_template.jinja`` would get unawares."""
+    cfg, tokenizer = read_config(folder), load_tokenizer(folder)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise CheckpointError(
+            f"{folder}: {TOKENIZER} holds {tokenizer.vocab_size} tokens, more than config.json's vocab_size "
+            f"{cfg.vocab_size} (the rows of the model's embedding)"
+        )
+    if not (tokenizer.chat or tokenizer.characters):
+        log.warning(
+            "%s has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json): prompts are "
+            "plain text and answers end at a newline (docs/pipeline.md)",
+            folder,
+        )
+    return cfg, tokenizer
 
 
 def checkpoint_dtype(headers: dict[str, tuple[Path, str, tuple[int, ...]]]) -> torch.dtype:

@@ -37,6 +37,7 @@ from .checkpoint import (
     load_model,
     provenance,
     read_config,
+    read_policy_folder,
     recommit,
     remove_folder,
     save_model,
@@ -230,10 +231,9 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
     device = device if config.bootstrap.enabled else torch.device("cpu")
     out = Path(out)
     checkpoint = fetch(config.model.checkpoint) if config.model.checkpoint else None  # a store URI: downloaded, cached
-    cfg = read_config(checkpoint) if checkpoint else get_preset(config.model.preset)
-    tokenizer = load_tokenizer(checkpoint) if checkpoint else build_tokenizer()
-    if tokenizer.vocab_size > cfg.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens, the model only {cfg.vocab_size}")
+    cfg, tokenizer = (
+        read_policy_folder(checkpoint) if checkpoint else (get_preset(config.model.preset), build_tokenizer())
+    )
     unguidable = config.guided_layer_problems(cfg, f"checkpoint {config.model.checkpoint}")
     if unguidable:  # before any work
         raise ValueError("\n".join(unguidable))

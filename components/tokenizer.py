@@ -88,6 +88,12 @@ class PolicyTokenizer:
         return self.hf.chat_template is not None
 
     @property
+    def characters(self) -> bool:
+        """Whether this is the library presets' character tokenizer (:func:`build_tokenizer`), plain text by
+        design."""
+        return self.sources.get(TOKENIZER) == _character_backend().to_str().encode()
+
+    @property
     def vocab_size(self) -> int:
         """Ids in use, added tokens included: the model's vocabulary must hold them all."""
         return len(self.hf)
@@ -312,8 +318,11 @@ def _from_sources(sources: dict[str, bytes], where: str) -> PolicyTokenizer:
             f"{where}: no pad: set pad_token in {TOKENIZER_CONFIG} or pad_token_id in {GENERATION_CONFIG}"
         )
     tok = PolicyTokenizer(hf, pad_id, eos_ids, end_id, bos_id, dict(sources))
-    if tok.chat:
-        tok._render(_PROBE)  # a broken template fails now, naming its file, not in the middle of a rollout
-    else:
-        tok._newline()
+    try:  # a broken template fails now, naming its file, not in the middle of a rollout
+        if tok.chat:
+            tok._render(_PROBE)
+        else:
+            tok._newline()
+    except TokenizerError as e:  # it names the file within the folder
+        raise TokenizerError(f"{where}/{e}") from None
     return tok

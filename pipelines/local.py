@@ -37,10 +37,11 @@ from typing import NamedTuple
 import kfp.local
 from tqdm import tqdm
 
-from tracefp4.components.checkpoint import MANIFEST, CheckpointError, local_folder, provenance, read_config
+from tracefp4.components.checkpoint import MANIFEST, CheckpointError, local_folder, provenance, read_policy_folder
 from tracefp4.components.device import resolve
 from tracefp4.components.metrics import PUBLISH_FAILED
 from tracefp4.components.store import file_path, open_store, write_atomic
+from tracefp4.components.tokenizer import TokenizerError
 from tracefp4.schemas import ConfigError, RunConfig, continuation
 
 from . import resume
@@ -491,16 +492,18 @@ def check_device(config: RunConfig) -> None:
 def check_checkpoint(config: RunConfig) -> None:
     """A :class:`~tracefp4.schemas.ConfigError` where a local ``model.checkpoint``
     is no policy folder (a run folder, a serving export, one without
-    config.json), saying what it is: found by prepare otherwise, after the
-    run has started. A store's checkpoint prepare alone reads."""
+    config.json) or its config.json and tokenizer fail prepare's checks
+    (:func:`~tracefp4.components.checkpoint.read_policy_folder`), saying what
+    is wrong: found by prepare otherwise, after the run has started. Its
+    weights, and a store's checkpoint, prepare alone reads."""
     folder = local_folder(config.model.checkpoint) if config.model.checkpoint else None
     if folder is None:
         return
     if problem := resume.run_folder_problem(folder):
         raise ConfigError([("model.checkpoint", f"{problem}; to go on from its run: --continue-from {folder}")])
     try:
-        read_config(folder)
-    except (CheckpointError, OSError) as e:
+        read_policy_folder(folder)
+    except (CheckpointError, TokenizerError, OSError) as e:
         raise ConfigError([("model.checkpoint", str(e))]) from None
 
 

@@ -195,8 +195,9 @@ class ModelConfig(_Section):
         default=None,
         min_length=1,
         description="Path or store URI (file://, s3://, minio://) of a Hugging Face qwen3_moe/qwen2_moe/"
-        "qwen3_5_moe folder (config.json, safetensors, tokenizer.json, tokenizer_config.json, optional "
-        "generation_config.json; docs/pipeline.md); exclusive with preset.",
+        "qwen3_5_moe folder (config.json, safetensors, tokenizer.json, tokenizer_config.json, the chat template's "
+        "chat_template.jinja where the template is not in tokenizer_config.json, optional generation_config.json; "
+        "docs/pipeline.md); exclusive with preset, which a layer of settings naming it drops.",
     )
     trainer_state: str | None = Field(
         default=None,

@@ -22,6 +22,7 @@ from click.testing import CliRunner
 from tracefp4.components.checkpoint import commit_folder, config_to_hf, staging_folder
 from tracefp4.components.model import get_preset as get_model_preset
 from tracefp4.components.store import open_store
+from tracefp4.components.tokenizer import build_tokenizer
 from tracefp4.pipelines import resume
 from tracefp4.pipelines.cli import main
 from tracefp4.pipelines.local import (
@@ -262,8 +263,9 @@ def test_a_run_no_local_machine_can_do_is_refused_before_it_starts(tmp_path, mon
 
 
 def test_a_checkpoint_that_is_no_policy_is_refused_before_the_run_starts(tmp_path):
-    """A run folder, a serving export or a folder without config.json given as
-    model.checkpoint failed in prepare, the run started, with a traceback."""
+    """A run folder, a serving export, a folder without config.json or without its tokenizer, or whose
+    tokenizer outgrows the model's vocabulary, given as model.checkpoint failed in prepare, the run started,
+    with a traceback."""
     config = get_preset("smoke")
     run_folder = tmp_path / "earlier"
     run_folder.mkdir()
@@ -273,11 +275,20 @@ def test_a_checkpoint_that_is_no_policy_is_refused_before_the_run_starts(tmp_pat
     hf = {**config_to_hf(get_model_preset("tiny")), "quantization_config": {"quant_method": "compressed-tensors"}}
     (exported / "config.json").write_text(json.dumps(hf))
     (tmp_path / "empty").mkdir()
+    untokenized, small = tmp_path / "untokenized", tmp_path / "small"
+    for folder, vocab_size in [(untokenized, 1000), (small, 8)]:
+        folder.mkdir()
+        hf = {**config_to_hf(get_model_preset("tiny")), "vocab_size": vocab_size}
+        (folder / "config.json").write_text(json.dumps(hf))
+    for name, data in build_tokenizer().files().items():
+        (small / name).write_bytes(data)
     for folder, problem in [
         (run_folder, f"{run_folder} is a tracefp4 run folder, not a policy (a train task's new_policy under"),
         (run_folder, f"; to go on from its run: --continue-from {run_folder}"),
         (exported, "a quantized checkpoint (quantization_config, compressed-tensors)"),
         (tmp_path / "empty", f"{tmp_path / 'empty' / 'config.json'} does not exist"),
+        (untokenized, "does not exist: a checkpoint folder must carry its tokenizer"),
+        (small, f"{small}: tokenizer.json holds {build_tokenizer().vocab_size} tokens, more than config.json's"),
     ]:
         asked = config.model_copy(
             update={"model": config.model.model_copy(update={"preset": None, "checkpoint": str(folder)})}
@@ -459,9 +470,12 @@ def _running(pid: int) -> bool:
 
 
 def test_cli_reports_the_failing_component_and_its_error_once(tmp_path):
-    # a folder with a policy's config.json alone: prepare fails on it (one that is no policy is refused first)
+    # a policy folder without its weights: prepare fails on it (what is no policy, or holds no tokenizer or a
+    # broken one, is refused before the run starts)
     (tmp_path / "checkpoint").mkdir()
     (tmp_path / "checkpoint" / "config.json").write_text(json.dumps(config_to_hf(get_model_preset("tiny"))))
+    for name, data in build_tokenizer().files().items():
+        (tmp_path / "checkpoint" / name).write_bytes(data)
     config = tmp_path / "empty-checkpoint.yaml"
     config.write_text(f"model:\n  checkpoint: {tmp_path / 'checkpoint'}\n")
     out = tmp_path / "run"
@@ -469,7 +483,7 @@ def test_cli_reports_the_failing_component_and_its_error_once(tmp_path):
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert "component prepare failed" in result.stderr
-    assert f"{tmp_path / 'checkpoint' / 'tokenizer.json'} does not exist" in result.stderr
+    assert f"no model.safetensors or model.safetensors.index.json in {tmp_path / 'checkpoint'}" in result.stderr
     assert "RuntimeError" not in result.stderr and "kfp" not in result.stderr
     log = (out / "pipeline.log").read_text()
     assert "\x1b" not in log + result.stdout + result.stderr

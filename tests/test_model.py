@@ -181,7 +181,9 @@ def test_checkpoint_errors_name_the_problem(tmp_path):
     (tmp_path / "pickled" / "pytorch_model.bin").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match=r"pickle files \['pytorch_model.bin'\]"):
         load_model(tmp_path / "pickled")
-    with pytest.raises(ValueError, match="model_type 'llama'"):
+    with pytest.raises(
+        ValueError, match="model_type 'llama'; tracefp4 loads qwen3_moe, qwen2_moe, qwen3_5_moe \\(and qwen3_5_moe_text"
+    ):
         config_from_hf({"model_type": "llama"})
     save_model(build_model("smoke"), tmp_path / "small")
     cfg = json.loads((tmp_path / "small" / "config.json").read_text())

@@ -4,6 +4,8 @@ exactly as transformers does, stops on every eos, pads with its pad id, and
 bad files fail naming the file and field."""
 
 import json
+import logging
+import re
 from dataclasses import replace
 
 import pytest
@@ -12,6 +14,7 @@ from transformers import AutoTokenizer
 
 from tracefp4.components import steps
 from tracefp4.components.bootstrap import make_batch
+from tracefp4.components.checkpoint import config_to_hf, read_policy_folder
 from tracefp4.components.model import build_model, get_preset
 from tracefp4.components.rollout import TorchEngine
 from tracefp4.components.tasks import format_example, split
@@ -168,9 +171,27 @@ def test_a_template_from_chat_template_jinja_is_used_and_kept(tmp_path):
     tok = load_tokenizer(folder_of(tmp_path, files))
     assert tok.chat and tok.files()["chat_template.jinja"] == TEMPLATE.encode()
     assert tok.hf.decode(tok.encode_prompt("1+1=")).endswith(f"{IM_START}assistant\n")
-    broken = {**files, "chat_template.jinja": b"{% for %}"}
-    with pytest.raises(TokenizerError, match="chat_template.jinja fails to render"):
-        load_tokenizer(folder_of(tmp_path, broken, "broken"))
+    broken = folder_of(tmp_path, {**files, "chat_template.jinja": b"{% for %}"}, "broken")
+    with pytest.raises(TokenizerError, match=re.escape(f"{broken}/chat_template.jinja fails to render")):
+        load_tokenizer(broken)  # the folder named, as the other tokenizer errors name it
+
+
+def test_a_policy_folder_whose_tokenizer_has_no_chat_template_is_warned_of(tmp_path, caplog):
+    """Its prompts are plain text: as meant for a base model's folder, unawares for a chat model's copied without
+    its chat_template.jinja. The library's character tokenizer is plain text by design, and says nothing."""
+    config = json.dumps({**config_to_hf(get_preset("tiny")), "vocab_size": 4096})
+    plain = folder_of(tmp_path, edited(tokenizer_files(BPE), TOKENIZER_CONFIG, chat_template=None), "plain")
+    characters = folder_of(tmp_path, build_tokenizer().files(), "characters")
+    chat = folder_of(tmp_path, tokenizer_files(BPE), "chat")
+    for folder in (plain, characters, chat):
+        (folder / "config.json").write_text(config)
+    with caplog.at_level(logging.WARNING, logger="tracefp4.checkpoint"):
+        assert not read_policy_folder(plain)[1].chat
+        assert f"{plain} has no chat template (chat_template.jinja, or chat_template in" in caplog.text
+        caplog.clear()
+        for quiet in (characters, chat):
+            read_policy_folder(quiet)
+    assert caplog.text == ""
 
 
 def test_special_tokens_in_special_tokens_map_json_are_read_and_kept(tmp_path):
