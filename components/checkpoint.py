@@ -450,8 +450,8 @@ def _inside(folder: Path, name: object, what: str) -> Path:
     target = path.resolve()
     if not target.is_relative_to(folder.resolve()) and not _hub_cache_blob(folder, target):
         raise CheckpointError(
-            f"{folder}: {what} names {name!r}, a link to {target} outside the folder; copy the folder with its "
-            "links followed (cp -rL) to load it"
+            f"{path} ({what}) is a link to {target}, outside the folder; copy the folder with its links followed "
+            "(cp -rL) to load it"
         )
     return path
 

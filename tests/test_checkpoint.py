@@ -419,7 +419,9 @@ def test_symlinked_shard_may_not_leave_the_folder(tmp_path):
     shard = folder / index_of(folder)["weight_map"]["model.norm.weight"]
     outside = shard.rename(tmp_path / "outside.safetensors")
     shard.symlink_to(outside)
-    with pytest.raises(CheckpointError, match=r"a link to .*outside.safetensors outside the folder"):
+    with pytest.raises(
+        CheckpointError, match=rf"{shard} \({INDEX} for tensor .*\) is a link to .*outside.safetensors, outside"
+    ):
         load_model(folder)
     shard.unlink()
     outside.rename(folder / "moved.safetensors")
@@ -452,7 +454,10 @@ def test_a_snapshot_in_the_hugging_face_cache_loads_and_links_elsewhere_do_not(t
     elsewhere.write_bytes(config.read_bytes())
     config.unlink()
     config.symlink_to(elsewhere)
-    with pytest.raises(CheckpointError, match=r"a link to .*config.json outside the folder; copy .* \(cp -rL\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"config.json \(the config\) is a link to .*config.json, outside the folder; copy .* \(cp -rL\)",
+    ):
         load_model(snapshot)
 
 
