@@ -37,7 +37,14 @@ from typing import NamedTuple
 import kfp.local
 from tqdm import tqdm
 
-from tracefp4.components.checkpoint import MANIFEST, CheckpointError, local_folder, provenance, read_policy_folder
+from tracefp4.components.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    fetch,
+    local_folder,
+    provenance,
+    read_policy_folder,
+)
 from tracefp4.components.device import resolve
 from tracefp4.components.metrics import PUBLISH_FAILED
 from tracefp4.components.store import file_path, open_store, write_atomic
@@ -489,20 +496,22 @@ def check_device(config: RunConfig) -> None:
         raise ConfigError([("resources.device", str(e))]) from None
 
 
-def check_checkpoint(config: RunConfig) -> None:
-    """A :class:`~tracefp4.schemas.ConfigError` where a local ``model.checkpoint``
-    is no policy folder (a run folder, a serving export, one without
+def check_checkpoint(config: RunConfig, env: dict[str, str]) -> None:
+    """A :class:`~tracefp4.schemas.ConfigError` where ``model.checkpoint`` is
+    no policy folder (a run folder, a serving export, one without
     config.json) or its config.json and tokenizer fail prepare's checks
     (:func:`~tracefp4.components.checkpoint.read_policy_folder`), saying what
-    is wrong: found by prepare otherwise, after the run has started. Its
-    weights, and a store's checkpoint, prepare alone reads."""
-    folder = local_folder(config.model.checkpoint) if config.model.checkpoint else None
-    if folder is None:
+    is wrong: found by prepare otherwise, after the run has started. A
+    store's is read with ``env`` (the steps' environment) as prepare reads
+    it, but for its weights (``fetch(weights=False)``), which prepare alone
+    reads."""
+    if not config.model.checkpoint:
         return
-    if problem := resume.run_folder_problem(folder):
+    folder = local_folder(config.model.checkpoint)
+    if folder is not None and (problem := resume.run_folder_problem(folder)):
         raise ConfigError([("model.checkpoint", f"{problem}; to go on from its run: --continue-from {folder}")])
     try:
-        read_policy_folder(folder)
+        read_policy_folder(folder or fetch(config.model.checkpoint, env, weights=False))
     except (CheckpointError, TokenizerError, OSError) as e:
         raise ConfigError([("model.checkpoint", str(e))]) from None
 
@@ -552,7 +561,7 @@ def run_to_end(
     env = {**os.environ, **config.store.pod_environment()}
     store = open_store(config.store.uri, env=env, create_bucket=config.store.create_bucket)
     request = resume.request(config, methods, store, env)  # it refuses a checkpoint that is not there
-    check_checkpoint(config)
+    check_checkpoint(config, env)
     output.mkdir(parents=True, exist_ok=True)
     # held until the run ends (and by its tasks until they do): two runs in one folder would share a run id
     with contextlib.closing(resume.lock_folder(output)):

@@ -39,7 +39,7 @@ from tracefp4.components.store import LocalStore, NoRoom, S3Store, StoreError, o
 from tracefp4.components.tasks import Problem, format_example
 from tracefp4.components.tokenizer import GENERATION_CONFIG, build_tokenizer, load_tokenizer
 from tracefp4.pipelines.local import run_local
-from tracefp4.schemas import load_config
+from tracefp4.schemas import ConfigError, load_config
 
 
 @pytest.fixture
@@ -593,3 +593,17 @@ def test_the_smoke_pipeline_runs_from_an_s3_chat_checkpoint_and_stops_on_its_eos
         else:
             assert not eos_at and len(t["response"]) == config.rollout.max_new_tokens
     assert stopped > 0
+
+
+def test_an_s3_checkpoint_without_its_tokenizer_is_refused_before_the_run_starts(tmp_path, s3_env, cache, downloads):
+    """Its config.json and tokenizer files are read as prepare reads them, its weights are not: the run had
+    started and failed in prepare, after downloading them."""
+    _, folder = saved(tmp_path, manifest=False)
+    config = load_config(
+        None, preset="smoke", overrides={"model.checkpoint": upload(s3_env, folder, skip=["tokenizer.json"])}
+    )
+    with pytest.raises(
+        ConfigError, match="model.checkpoint: .*tokenizer.json does not exist: a checkpoint folder must"
+    ):
+        run_local(config, tmp_path / "run", out=io.StringIO())
+    assert not (tmp_path / "run").exists() and not any(key.endswith(".safetensors") for key in downloads)
