@@ -76,7 +76,7 @@ from .store import (
 )
 from .tensor_files import DTYPES, TensorWriter, index_name, single_name, write_tensors
 from .tokenizer import FILES as TOKENIZER_FILES
-from .tokenizer import TOKENIZER, PolicyTokenizer, load_tokenizer
+from .tokenizer import TOKENIZER, PolicyTokenizer, TokenizerError, load_tokenizer
 
 log = logging.getLogger("tracefp4.checkpoint")
 T = TypeVar("T")
@@ -969,24 +969,31 @@ def read_config(folder: str | os.PathLike) -> ModelConfig:
         raise CheckpointError(f"{folder}: {e}") from None
 
 
-def read_policy_folder(folder: str | os.PathLike) -> tuple[ModelConfig, PolicyTokenizer]:
+def read_policy_folder(folder: str | os.PathLike, source: str | None = None) -> tuple[ModelConfig, PolicyTokenizer]:
     """A policy folder's architecture and tokenizer, checked (:func:`read_config`,
     :func:`~.tokenizer.load_tokenizer`) and against each other: every token
     has a row of the embedding. A tokenizer without a chat template is warned
     of (but the library's character tokenizer): prompts are then plain text,
     answers end at a newline (docs/pipeline.md), which a chat model's folder
-    without its ``chat_template.jinja`` would get unawares."""
-    cfg, tokenizer = read_config(folder), load_tokenizer(folder)
+    without its ``chat_template.jinja`` would get unawares. Errors and the
+    warning name ``source`` in place of ``folder`` where given (the store URI
+    the folder was fetched from: its cache entry means nothing to whoever
+    gave the URI)."""
+    named = str(folder) if source is None else source.rstrip("/")
+    try:
+        cfg, tokenizer = read_config(folder), load_tokenizer(folder)
+    except (CheckpointError, TokenizerError, FileNotFoundError) as e:
+        raise type(e)(str(e).replace(str(folder), named)) from None
     if tokenizer.vocab_size > cfg.vocab_size:
         raise CheckpointError(
-            f"{folder}: {TOKENIZER} holds {tokenizer.vocab_size} tokens, more than config.json's vocab_size "
+            f"{named}: {TOKENIZER} holds {tokenizer.vocab_size} tokens, more than config.json's vocab_size "
             f"{cfg.vocab_size} (the rows of the model's embedding)"
         )
     if not (tokenizer.chat or tokenizer.characters):
         log.warning(
             "%s has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json): prompts are "
             "plain text and answers end at a newline (docs/pipeline.md)",
-            folder,
+            named,
         )
     return cfg, tokenizer
 

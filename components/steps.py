@@ -232,7 +232,9 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
     out = Path(out)
     checkpoint = fetch(config.model.checkpoint) if config.model.checkpoint else None  # a store URI: downloaded, cached
     cfg, tokenizer = (
-        read_policy_folder(checkpoint) if checkpoint else (get_preset(config.model.preset), build_tokenizer())
+        read_policy_folder(checkpoint, config.model.checkpoint)
+        if checkpoint
+        else (get_preset(config.model.preset), build_tokenizer())
     )
     unguidable = config.guided_layer_problems(cfg, f"checkpoint {config.model.checkpoint}")
     if unguidable:  # before any work

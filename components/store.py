@@ -389,7 +389,10 @@ def _s3_settings(uri: str, env: Mapping[str, str]) -> dict:
 
 class S3Store(ArtifactStore):
     """A bucket plus optional prefix on an S3 server. A missing bucket is a
-    StoreError unless ``create_bucket``: a typo must not write to a new bucket."""
+    StoreError unless ``create_bucket``: a typo must not write to a new bucket.
+    ``create_bucket`` is the run's ``store.create_bucket``, which the error
+    names where it is False; None where no setting creates the bucket (a
+    checkpoint's, which is read)."""
 
     def __init__(
         self,
@@ -401,7 +404,7 @@ class S3Store(ArtifactStore):
         part_size: int = 16 * 2**20,
         retries: int = 5,
         backoff_s: float = 0.2,
-        create_bucket: bool = False,
+        create_bucket: bool | None = None,
     ):
         if part_size < _MIN_PART:
             raise ValueError(f"part_size must be at least 5 MiB (S3's minimum part), got {part_size}")
@@ -426,9 +429,9 @@ class S3Store(ArtifactStore):
         self._client = Minio(**settings, http_client=http)
         if not self._call("open bucket", "", lambda: self._client.bucket_exists(self.bucket)):
             if not create_bucket:
+                created = "" if create_bucket is None else ", or set store.create_bucket: true to create it"
                 raise StoreError(
-                    f"{self.uri}: bucket {bucket!r} does not exist at {self.endpoint}; check its name, "
-                    "or set store.create_bucket: true to create it"
+                    f"{self.uri}: bucket {bucket!r} does not exist at {self.endpoint}; check its name{created}"
                 )
             self._call("create bucket", "", self._make_bucket)
 
@@ -642,13 +645,14 @@ def open_store(
     retries: int = 5,
     backoff_s: float = 0.2,
     env: Mapping[str, str] | None = None,
-    create_bucket: bool = False,
+    create_bucket: bool | None = None,
 ) -> ArtifactStore:
     """Open ``file:///path`` (or a plain path) as a LocalStore, ``s3://bucket/prefix``
     or ``minio://bucket/prefix`` as an S3Store. S3 settings come from ``env``,
     which defaults to ``os.environ`` (tests pass their own mapping); a missing
-    bucket is an error unless ``create_bucket`` (store.create_bucket). A local
-    folder is always created on the first write."""
+    bucket is an error unless ``create_bucket`` (the run store's
+    store.create_bucket; None for a bucket no setting creates, such as a
+    checkpoint's). A local folder is always created on the first write."""
     if "://" not in uri:
         if not uri:
             raise ValueError("empty store URI")

@@ -511,7 +511,10 @@ def check_checkpoint(config: RunConfig, env: dict[str, str]) -> None:
     if folder is not None and (problem := resume.run_folder_problem(folder)):
         raise ConfigError([("model.checkpoint", f"{problem}; to go on from its run: --continue-from {folder}")])
     try:
-        read_policy_folder(folder or fetch(config.model.checkpoint, env, weights=False))
+        if folder is None:
+            read_policy_folder(fetch(config.model.checkpoint, env, weights=False), config.model.checkpoint)
+        else:
+            read_policy_folder(folder)
     except (CheckpointError, TokenizerError, OSError) as e:
         raise ConfigError([("model.checkpoint", str(e))]) from None
 

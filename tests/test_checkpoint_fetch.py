@@ -596,14 +596,17 @@ def test_the_smoke_pipeline_runs_from_an_s3_chat_checkpoint_and_stops_on_its_eos
 
 
 def test_an_s3_checkpoint_without_its_tokenizer_is_refused_before_the_run_starts(tmp_path, s3_env, cache, downloads):
-    """Its config.json and tokenizer files are read as prepare reads them, its weights are not: the run had
-    started and failed in prepare, after downloading them."""
+    """Its config.json and tokenizer files are read as prepare reads them, its weights are not, and the error
+    names the URI given, not the cache entry: the run had started and failed in prepare, after downloading the
+    weights of one without a manifest (a Hugging Face folder). So is a prefix that holds no checkpoint."""
     _, folder = saved(tmp_path, manifest=False)
-    config = load_config(
-        None, preset="smoke", overrides={"model.checkpoint": upload(s3_env, folder, skip=["tokenizer.json"])}
-    )
-    with pytest.raises(
-        ConfigError, match="model.checkpoint: .*tokenizer.json does not exist: a checkpoint folder must"
-    ):
-        run_local(config, tmp_path / "run", out=io.StringIO())
+    uri = upload(s3_env, folder, skip=["tokenizer.json"])
+    for given, problem in [
+        (uri, f"model.checkpoint: {uri}/tokenizer.json does not exist: a checkpoint folder must carry its tokenizer"),
+        (f"{uri}-not-there", f"{uri}-not-there/config.json does not exist"),
+    ]:
+        config = load_config(None, preset="smoke", overrides={"model.checkpoint": given})
+        with pytest.raises(ConfigError) as refused:
+            run_local(config, tmp_path / "run", out=io.StringIO())
+        assert problem in str(refused.value) and str(cache) not in str(refused.value)
     assert not (tmp_path / "run").exists() and not any(key.endswith(".safetensors") for key in downloads)

@@ -365,13 +365,15 @@ def test_env_from_process_and_aws_fallback(s3_env, monkeypatch):
 
 
 def test_missing_bucket_is_an_error_unless_create_bucket(s3_server):
+    """The run's store names store.create_bucket; a bucket no setting creates (a checkpoint's) does not."""
     bucket = f"fresh-{uuid.uuid4().hex[:8]}"
+    missing = f"s3://{bucket}/p: bucket '{bucket}' does not exist at http://{s3_server.endpoint}; check its name"
+    with pytest.raises(StoreError) as info:
+        open_store(f"s3://{bucket}/p", env=s3_server.env, create_bucket=False)
+    assert str(info.value) == f"{missing}, or set store.create_bucket: true to create it"
     with pytest.raises(StoreError) as info:
         open_store(f"s3://{bucket}/p", env=s3_server.env)
-    assert str(info.value) == (
-        f"s3://{bucket}/p: bucket '{bucket}' does not exist at http://{s3_server.endpoint}; check its name, "
-        "or set store.create_bucket: true to create it"
-    )
+    assert str(info.value) == missing
     assert not s3_server.store()._client.bucket_exists(bucket)  # nothing was created
     store = open_store(f"s3://{bucket}/p", env=s3_server.env, create_bucket=True)
     assert isinstance(store, S3Store)
