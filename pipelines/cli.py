@@ -9,7 +9,9 @@ Pushgateway."""
 import contextlib
 import json
 import logging
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -225,11 +227,15 @@ def _echo_exports(exports: dict[str | None, Path]) -> None:
 @config_option
 @set_option
 @click.option(
-    "--output", type=click.Path(file_okay=False), required=True, help="Folder of the bootstrapped checkpoint."
+    "--output",
+    type=click.Path(file_okay=False),
+    required=True,
+    help="Folder of the bootstrapped checkpoint, or a store's (s3://bucket/prefix: uploaded once written).",
 )
 def bootstrap(preset, config_file, sets, output):
     """SFT of the config's initial policy on its tasks (its bootstrap settings, enabled): a Hugging Face checkpoint."""
     from tracefp4.components.steps import prepare
+    from tracefp4.components.store import StoreError
     from tracefp4.pipelines.local import check_device
 
     config = _config(preset, config_file, settings={"bootstrap.enabled": True}, sets=sets)  # validated with it on
@@ -239,9 +245,10 @@ def bootstrap(preset, config_file, sets, output):
         raise click.ClickException(str(e)) from None
     progress = _BootstrapSteps()
     try:
-        with _said_here(progress, "tracefp4.components.bootstrap"):
-            stats = prepare(config, Path(output))
-    except (ValueError, OSError) as e:  # a folder not to write into, a checkpoint that is none
+        with _written_to(output, config.store.pod_environment()) as folder:
+            with _said_here(progress, "tracefp4.components.bootstrap"):
+                stats = prepare(config, folder)
+    except (ValueError, OSError, StoreError) as e:  # a folder not to write into, a checkpoint that is none
         raise click.ClickException(str(e)) from None
     finally:
         progress.close()
@@ -309,11 +316,13 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
     """Write the policy folder SRC at DST for vLLM / SGLang as the run's rollout served it: a
     compressed-tensors checkpoint with the routed experts FP4 as the rollout quantized them and
     everything else BF16, or all BF16 where the rollout left the weights BF16. With --preset or
-    --config (and the run's --set), as the pipeline's export task does for that run."""
+    --config (and the run's --set), as the pipeline's export task does for that run. DST may be a
+    store's folder (s3://bucket/prefix), uploaded once written."""
     import torch
 
     from tracefp4.components import steps
     from tracefp4.components.export import export as export_policy
+    from tracefp4.components.store import StoreError
     from tracefp4.pipelines.resume import run_folder_problem
 
     # each option's setting in the run config
@@ -336,22 +345,54 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
         raise click.ClickException(
             f"{problem}; `tracefp4 run` exported its last policy already (the folder it printed)"
         )
+    config = _config(preset, config_file, sets=sets) if preset or config_file else None
     try:
-        with _said_here(_Logged(logging.WARNING)):
-            if preset or config_file:
-                stats = steps.export_policy(_config(preset, config_file, sets=sets), Path(src), Path(dst))
-            else:
-                quant = rollout_config(config_name, fmt)
-                dtype = getattr(torch, rollout_dtype)
-                stats = export_policy(
-                    src, dst, quant, rollout_dtype=dtype, device=device, calibration_seed=calibration_seed
-                )
-    except (ValueError, OSError) as e:  # not a policy folder, say
+        with _written_to(dst, config.store.pod_environment() if config else {}) as folder:
+            with _said_here(_Logged(logging.WARNING)):
+                if config:
+                    stats = steps.export_policy(config, Path(src), folder)
+                else:
+                    quant = rollout_config(config_name, fmt)
+                    dtype = getattr(torch, rollout_dtype)
+                    stats = export_policy(
+                        src, folder, quant, rollout_dtype=dtype, device=device, calibration_seed=calibration_seed
+                    )
+    except (ValueError, OSError, StoreError) as e:  # not a policy folder, a store that refuses, say
         raise click.ClickException(str(e)) from None
     click.echo(
         f"{dst}: {stats['format']} ({_for(stats)}), {stats['expert_matrices']} expert matrices in "
         f"{stats['expert_bytes']} bytes ({stats['expert_bytes_bf16']} in BF16)"
     )
+
+
+@contextlib.contextmanager
+def _written_to(output: str, store_environment: dict[str, str]):
+    """The local folder a command writes its output folder in: ``output``
+    itself, or where that is a store URI (``s3://``, ``minio://``) a
+    temporary one, uploaded there once written whole (``upload_folder``: a
+    reader never takes it half uploaded), with the settings of the
+    environment and ``store_environment`` (the config's ``store.endpoint``).
+    The store is opened first: a bucket that is not there, or credentials it
+    refuses, fail before the work. A folder uploaded there before is
+    replaced, as a local save replaces one; a prefix holding other objects
+    is refused (the upload would delete them)."""
+    from tracefp4.components.checkpoint import MANIFEST, local_folder, upload_folder
+    from tracefp4.components.store import open_store
+
+    folder = local_folder(output)
+    if folder is not None:
+        yield folder
+        return
+    store = open_store(output, env={**os.environ, **store_environment})
+    held = [key for key in store.list() if "/" not in key]
+    if held and MANIFEST not in held:
+        raise click.ClickException(
+            f"{output} holds {len(held)} object(s) of no tracefp4 folder ({', '.join(held[:3])}"
+            f"{', ...' if len(held) > 3 else ''}), which writing a folder there would delete: give an empty prefix"
+        )
+    with tempfile.TemporaryDirectory(prefix="tracefp4-output-") as tmp:
+        yield Path(tmp) / "folder"
+        upload_folder(Path(tmp) / "folder", store)
 
 
 def _warn(message: str) -> None:

@@ -4,6 +4,7 @@ anything runs."""
 import os
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 from typing import get_args
 
@@ -13,6 +14,8 @@ import torch
 import yaml
 from click.testing import CliRunner
 
+from tracefp4.components.checkpoint import fetch, load_model
+from tracefp4.components.tokenizer import build_tokenizer, load_tokenizer
 from tracefp4.pipelines.cli import main
 from tracefp4.schemas import ConfigError, Method, load_config
 
@@ -324,3 +327,28 @@ def test_every_help_is_plain_text():
 
     marked = [words for words, text in helps(main, ["tracefp4"]) if "``" in text or ":func:" in text]
     assert not marked, f"reStructuredText in the help of {marked}"
+
+
+def test_bootstrap_and_export_write_their_folders_into_the_store(tmp_path, s3_env, monkeypatch):
+    """An s3:// --output or DST: written here, then uploaded whole (a manifest last). Both had written a local
+    folder named 's3:' and said the URI as if they had uploaded."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TRACEFP4_CACHE_DIR", str(tmp_path / "cache"))
+    prefix = f"models/{uuid.uuid4().hex[:8]}"
+    base, exported = s3_env.uri(f"{prefix}/base"), s3_env.uri(f"{prefix}/exported")
+    result = CliRunner().invoke(main, ["bootstrap", "--preset", "smoke", "--output", base])
+    assert result.exit_code == 0 and f"\n{base}: 2 SFT steps" in result.output, result.output
+    policy = fetch(base)  # checked against its manifest
+    assert load_tokenizer(policy).files() == build_tokenizer().files() and load_model(policy).cfg.num_layers == 2
+    result = CliRunner().invoke(main, ["export", str(policy), exported])
+    assert result.exit_code == 0 and result.output.startswith(f"{exported}: nvfp4-pack-quantized"), result.output
+    assert {"config.json", "checksums.json", "model.safetensors"} <= set(s3_env.store(f"{prefix}/exported").list())
+    assert not (tmp_path / "s3:").exists()
+    # a prefix that holds other objects: the upload would delete them
+    s3_env.store(f"{prefix}/notes").put_bytes("readme.txt", b"mine")
+    result = CliRunner().invoke(main, ["export", str(policy), s3_env.uri(f"{prefix}/notes")])
+    assert result.exit_code == 1 and "holds 1 object(s) of no tracefp4 folder (readme.txt)" in result.output
+    assert s3_env.store(f"{prefix}/notes").list() == ["readme.txt"]
+    result = CliRunner().invoke(main, ["bootstrap", "--preset", "smoke", "--output", "s3://no-such-bucket-x/p"])
+    assert result.exit_code == 1 and "bucket 'no-such-bucket-x' does not exist" in result.output
+    assert "bootstrap step" not in result.output  # refused before the work
