@@ -39,6 +39,8 @@ _MIN_PART = 5 * 2**20  # S3's smallest multipart part
 _MAX_PARTS = 10_000  # S3's most parts of one object
 _CHUNK = 2**20  # download buffer: a multi-GB object streams to disk, it is never held in memory
 _TRANSIENT_CODES = {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout"}
+# what S3 answers a request signed with an access key it does not know, or with another secret key
+_CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch"}
 # what OpenSSL says when the other side answers a TLS hello with something else, plain HTTP most likely
 _NOT_TLS = ("WRONG_VERSION_NUMBER", "RECORD_LAYER_FAILURE", "PACKET_LENGTH_TOO_LONG", "UNKNOWN_PROTOCOL")
 # The variables the S3 client reads besides the credentials; a cluster run's pods get them from the run config's
@@ -462,6 +464,11 @@ class S3Store(ArtifactStore):
                 if e.code == "NoSuchKey":
                     raise ArtifactNotFound(f"{self.uri}: no artifact {key!r}") from None
                 reason = self._scrub(f"{e.code}: {e.message}")
+                if e.code in _CREDENTIAL_CODES:
+                    reason += (
+                        "; the server refuses the credentials: check TRACEFP4_S3_ACCESS_KEY and "
+                        "TRACEFP4_S3_SECRET_KEY (or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY where those are unset)"
+                    )
                 if e.code not in _TRANSIENT_CODES and e.response.status < 500:
                     raise StoreError(f"{where} failed: {reason}") from e
             except (ServerError, InvalidResponseError) as e:
