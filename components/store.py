@@ -475,6 +475,8 @@ class S3Store(ArtifactStore):
                 # minio keeps the HTTP status of a non-XML answer only in _code
                 status = e.status_code if isinstance(e, ServerError) else getattr(e, "_code", 0)
                 reason = self._scrub(f"HTTP {status}: {e}")
+                if isinstance(e, InvalidResponseError):  # S3 answers in XML; a web server, a proxy's page do not
+                    reason += f" (no S3 answer: is {self.endpoint} the S3 server's address?)"
                 if status < 500:
                     raise StoreError(f"{where} failed: {reason}") from e
             except urllib3.exceptions.SSLError as e:  # before _TRANSIENT_ERRORS: a handshake does not heal

@@ -381,6 +381,35 @@ def test_missing_bucket_is_an_error_unless_create_bucket(s3_server):
     assert open_store(f"s3://{bucket}/p", env=s3_server.env).list() == ["k"]  # it exists now: no flag needed
 
 
+def test_an_endpoint_that_answers_but_not_as_s3_says_so():
+    """A web server's page where S3 answers in XML (a wrong port, a proxy): a loopback HTTP server answering
+    every request with an HTML 404."""
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Page(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(404)
+            self.send_header("Content-Type", "text/html")
+            self.end_headers()
+            self.wfile.write(b"<html><body>Not Found</body></html>")
+
+        do_HEAD = do_GET
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    env = {"TRACEFP4_S3_ENDPOINT": endpoint, "TRACEFP4_S3_ACCESS_KEY": "a", "TRACEFP4_S3_SECRET_KEY": "b"}
+    try:
+        with pytest.raises(StoreError, match=f"no S3 answer: is {endpoint} the S3 server's address"):
+            open_store("s3://bucket/p", env=env, retries=0)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def test_https_endpoint_on_a_plain_http_server_says_so(s3_server):
     env = dict(s3_server.env, TRACEFP4_S3_ENDPOINT=f"https://{s3_server.endpoint}", TRACEFP4_S3_SECURE="")
     start = time.monotonic()
