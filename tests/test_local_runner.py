@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from tracefp4.components.checkpoint import commit_folder, config_to_hf, staging_folder
+from tracefp4.components.checkpoint import commit_folder, config_to_hf, save_model, staging_folder, upload_folder
+from tracefp4.components.model import build_model
 from tracefp4.components.model import get_preset as get_model_preset
 from tracefp4.components.store import open_store
 from tracefp4.components.tokenizer import build_tokenizer
@@ -178,9 +179,6 @@ def test_a_runs_serving_exports_are_its_finished_export_tasks_by_method(tmp_path
 
 def test_a_checkpoint_with_other_weights_at_the_same_path_is_another_run(tmp_path):
     """The request holds the checkpoint's fingerprint: re-bootstrapping into the same folder starts a new run."""
-    from tracefp4.components.checkpoint import save_model
-    from tracefp4.components.model import build_model
-
     data = get_preset("smoke").model_dump()
     data["model"] |= {"preset": None, "checkpoint": str(tmp_path / "base")}
     config = RunConfig.model_validate(data)
@@ -216,8 +214,10 @@ def test_an_s3_store_on_another_server_is_another_run(s3_env, tmp_path, monkeypa
     def started(output, request, restart):
         raise RuntimeError(f"started; store endpoint {request.rpartition(chr(0))[2]}")
 
-    # a checkpoint in the store is fingerprinted there too (it was read with this process's settings alone)
-    open_store(s3_env.uri("checkpoint")).put_bytes("config.json", b"{}")
+    # a checkpoint in the store is fingerprinted there too (it was read with this process's settings alone), and
+    # its config and tokenizer read there before the run starts
+    policy = save_model(build_model("smoke"), tmp_path / "policy", extra=build_tokenizer().files())
+    upload_folder(policy, open_store(s3_env.uri("checkpoint")))
     monkeypatch.delenv("TRACEFP4_S3_ENDPOINT")
     monkeypatch.setattr(resume, "run_id", started)
     pinned = config.model_copy(
