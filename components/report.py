@@ -605,11 +605,17 @@ def _continue_blocks(config: RunConfig, continue_with: dict | None) -> list:
     return [Heading(2, "Continue this run"), text, Code("yaml", settings_yaml(continue_with))]
 
 
+def _task_source(config: RunConfig, name: str) -> str:
+    """A task as the report names it: a file's with the file and the bytes it read (their pinned sha256)."""
+    t = next((t for t in config.tasks if t.name == name and t.data is not None), None)
+    return name if t is None else f"{name} (`{t.data}`" + f", sha256 {t.sha256[:12]}" * bool(t.sha256) + ")"
+
+
 def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict, continue_with: dict | None = None) -> list:
     source = describe(config)
     acc = evaluation.get("accuracy") or []
     rollouts = ", ".join(_ordered((r.get("rollout") for r in acc), ROLLOUTS)) or "none"
-    tasks = ", ".join(_ordered(r.get("task") for r in acc)) or "none"
+    tasks = ", ".join(_task_source(config, name) for name in _ordered(r.get("task") for r in acc)) or "none"
     summary = f"RL steps: {len(history)}, rounds: {len(_rounds(history))}; evaluated rollout configs: {rollouts}; "
     summary += f"tasks: {tasks}."
     blocks = [Heading(1, f"tracefp4 run `{config.name}`"), source + ".", summary, *_hardware([evaluation])]

@@ -16,11 +16,13 @@ on a GPU trains on a CPU and the reverse.
 """
 
 import contextlib
+import functools
 import hashlib
 import json
+import os
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, fields, replace
 from pathlib import Path
 
@@ -70,9 +72,19 @@ from .model import build_model, get_preset
 from .quant import BF16, QuantConfig, rollout_config
 from .rl import group_advantages
 from .rollout import SamplingParams, TorchEngine, Trajectory, derive_seed
-from .store import ArtifactNotFound, open_store, write_atomic
+from .store import ArtifactNotFound, StoreError, file_path, open_store, write_atomic
 from .syndrome import encode_table, merge_decode_json, site_rates
-from .tasks import Problem, format_example, get_task, reward_of, split
+from .tasks import (
+    FileTask,
+    Problem,
+    Task,
+    check_answer_readable,
+    format_example,
+    get_task,
+    read_problems,
+    reward_of,
+    split,
+)
 from .tokenizer import build_tokenizer, load_tokenizer
 from .trainer import DECODED, SCORE_CENTERING_TOPK, TrainConfig, Trainer
 from .trainer_state import check_state, repin_state
@@ -150,9 +162,86 @@ def task_splits(config: RunConfig) -> list[tuple[list[Problem], list[Problem]]]:
     distinct problems is an error naming its entry in ``tasks``."""
     splits = []
     for i, t in enumerate(config.tasks):
+        task = task_of(config, i)
         with _naming(_task_entry(i, t)):
-            splits.append(split(t.name, t.train_size, t.test_size, config.seed, t.difficulty))
+            splits.append(split(task, t.train_size, t.test_size, config.seed, t.difficulty))
     return splits
+
+
+def task_of(config: RunConfig, i: int) -> Task:
+    """The task of ``tasks.i``: its generated family, or its file's problems
+    (:func:`.tasks.read_problems`); a file that is not there, holds no
+    problems or is not the one ``sha256`` pins is an error naming the entry."""
+    t = config.tasks[i]
+    if t.data is None:
+        return get_task(t.name)
+    data, _ = _problem_file(config, i)
+    with _naming(f"tasks.{i}.data"):
+        return FileTask(t.name, _problems_in(t.name, data, t.data))
+
+
+def pin_problem_files(config: RunConfig) -> RunConfig:
+    """``config`` with each file task's ``sha256`` set to its file's where
+    empty (a pinned one checked), its problems read: what a run's first task
+    does, so that a file rewritten during the run stops its next step instead
+    of changing its problems."""
+    pinned = config.model_copy(deep=True)
+    for i, t in enumerate(pinned.tasks):
+        if t.data is not None:
+            task_of(config, i)  # its problems read: a file of none is refused here
+            t.sha256 = _problem_file(config, i)[1]
+    return pinned
+
+
+def steps_environment(config: RunConfig) -> dict[str, str]:
+    """The environment the steps reach a store with: a cluster's pods get the
+    store's variables (:meth:`~tracefp4.schemas.config.StoreConfig.pod_environment`),
+    a local run's steps too."""
+    return {**os.environ, **config.store.pod_environment()}
+
+
+def _problem_file(config: RunConfig, i: int) -> tuple[bytes, str]:
+    """The bytes of ``tasks.i.data`` and their sha256, the pinned one where there is one."""
+    t = config.tasks[i]
+    with _naming(f"tasks.{i}.data"):
+        data, digest = read_problem_file(t.data, steps_environment(config))
+        if t.sha256 is not None and digest != t.sha256:
+            raise ValueError(
+                f"{t.data} has changed since the run started: its sha256 is {digest}, the run's tasks.{i}.sha256 "
+                f"{t.sha256} (put the file back, or start another run)"
+            )
+    return data, digest
+
+
+_READ: dict[str, tuple[int, str, bytes, str]] = {}  # a file's uri: its size and tag when read, its bytes, their sha256
+
+
+def read_problem_file(uri: str, env: Mapping[str, str]) -> tuple[bytes, str]:
+    """The bytes of a task's ``data`` (a path, ``file://`` or an S3 URI reached
+    with ``env``'s settings) and their sha256; read again only once the file's
+    size or modification tag changed, since a step draws its problems several
+    times."""
+    folder, _, name = uri.rpartition("/")
+    try:
+        if uri.startswith(("s3://", "minio://")):
+            store = open_store(folder, env=env)
+        else:
+            path = file_path(uri) if uri.startswith("file://") else Path(uri)
+            store, name = open_store(str(path.parent)), path.name
+        size, tag = store.stat(name)
+        if _READ.get(uri, ())[:2] != (size, tag):
+            data = store.get_bytes(name)
+            _READ[uri] = size, tag, data, hashlib.sha256(data).hexdigest()
+    except ArtifactNotFound:
+        raise ValueError(f"{uri}: no such file") from None
+    except (OSError, StoreError) as e:
+        raise ValueError(f"{uri}: {e}") from None
+    return _READ[uri][2:]
+
+
+@functools.lru_cache(maxsize=8)
+def _problems_in(name: str, data: bytes, source: str) -> list[Problem]:
+    return read_problems(name, data, source)
 
 
 def check_tasks_drawable(config: RunConfig) -> None:
@@ -173,9 +262,12 @@ def check_tasks_drawable(config: RunConfig) -> None:
     prompts: set[str] = set()
     longest, answers = [], []  # of each task: the problem of the longest prompt, that of the longest reference answer
     for i, t in enumerate(config.tasks):
+        task = task_of(config, i)
         with _naming(_task_entry(i, t)):
             top = answer = None
-            for p in get_task(t.name).draws(t.train_size + t.test_size, config.seed, t.difficulty):
+            for p in task.draws(t.train_size + t.test_size, config.seed, t.difficulty):
+                if t.data is not None:
+                    check_answer_readable(p, t.data)
                 prompts.add(p.prompt)
                 top = p if top is None or len(p.prompt) > len(top.prompt) else top
                 answer = p if answer is None or len(p.answer) > len(answer.answer) else answer
@@ -671,7 +763,7 @@ def encode_prompts(config: RunConfig, tokenizer, problems: list[Problem]) -> lis
         i = _task_index(config, problem)
         raise ValueError(
             f"model.max_seq_len: a prompt of {len(prompts[longest])} tokens ({problem.prompt!r}, tasks.{i}: "
-            f"{problem.task} at difficulty {config.tasks[i].difficulty}) and rollout.max_new_tokens "
+            f"{_told(config, i)}) and rollout.max_new_tokens "
             f"{config.rollout.max_new_tokens} exceed model.max_seq_len {config.model.max_seq_len}: raise it or "
             f"lower rollout.max_new_tokens{_or_lower_difficulty(config, i)}"
         )
@@ -692,7 +784,7 @@ def check_answers_fit(config: RunConfig, tokenizer, problems: list[Problem]) -> 
         i = _task_index(config, longest)
         raise ValueError(
             f"rollout.max_new_tokens: {config.rollout.max_new_tokens} tokens cut answers such as {longest.answer!r} "
-            f"(tasks.{i}: {longest.task} at difficulty {config.tasks[i].difficulty}) before their end "
+            f"(tasks.{i}: {_told(config, i)}) before their end "
             f"({lengths[longest.answer]} tokens), which then score nothing: raise it{_or_lower_difficulty(config, i)}"
         )
 
@@ -701,6 +793,12 @@ def _task_index(config: RunConfig, problem: Problem) -> int:
     """The entry of ``tasks`` that ``problem`` was drawn for: the one of its task's name (validation refuses a
     name listed twice)."""
     return next(i for i, t in enumerate(config.tasks) if t.name == problem.task)
+
+
+def _told(config: RunConfig, i: int) -> str:
+    """``tasks.i`` as an error names it: its family at its difficulty, or its name and file."""
+    t = config.tasks[i]
+    return f"{t.name} at difficulty {t.difficulty}" if t.data is None else f"{t.name} from {t.data}"
 
 
 def _or_lower_difficulty(config: RunConfig, i: int) -> str:

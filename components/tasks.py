@@ -1,6 +1,6 @@
-"""Verifiable tasks: generated problems whose reward a program computes.
+"""Verifiable tasks: problems whose reward a program computes.
 
-Three families, each with difficulty 1 (easiest) to 5 and seeded generation:
+Three generated families, each with difficulty 1 (easiest) to 5 and seeded generation:
 
 - ``arithmetic``: ``12+345=`` -> ``357`` (difficulty: operands and digits);
 - ``countdown``: ``numbers 3 7 25 target 46:`` -> ``25+3*7`` (each number at most
@@ -14,10 +14,16 @@ policy with a plain tokenizer learns to write after its answer, see
 0.0 for anything else, garbage included, never an exception. Answers are
 checked by small parsers here and in :mod:`.interpreter`, never by Python's
 ``eval``.
+
+Besides them, a user's problems read from a file (:class:`FileTask`, a JSON
+object a line with a ``prompt`` and an ``answer``), rewarded by whether the
+response's final answer equals the reference mathematically (math-verify, the
+checker of open-r1, TRL and verl), as reasoning RL on math is.
 """
 
 import functools
 import itertools
+import json
 import random
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -483,6 +489,129 @@ class ProgramSynthesis(_Generated):
         return float(correct)
 
 
+# -- problems from a file ------------------------------------------------------
+
+# math-verify interrupts a parse or a comparison that runs longer (signal.alarm, so whole seconds and the main
+# thread): a policy's "9^9^9^9" would otherwise hold the step for as long as sympy takes
+MATH_TIMEOUT_S = 1
+
+
+@functools.cache
+def _math_verify():
+    """math-verify, with how it reads a reference answer (the inside of a
+    ``\\boxed{}``) and a response (its last ``\\boxed{}``, else its LaTeX, else
+    an expression): imported on first use, since its sympy takes half a
+    second that only file tasks need."""
+    import math_verify
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig
+
+    return math_verify, (LatexExtractionConfig(),), (LatexExtractionConfig(), ExprExtractionConfig())
+
+
+@functools.lru_cache(maxsize=65536)
+def parsed_answer(answer: str) -> list:
+    """A reference answer as math-verify reads it (empty where it cannot: no
+    response would ever match it); cached, since every response to a
+    problem is compared with it."""
+    math_verify, gold, _ = _math_verify()
+    return math_verify.parse(f"\\boxed{{{answer}}}", gold, parsing_timeout=MATH_TIMEOUT_S)
+
+
+def math_reward(problem: Problem, response: str) -> float:
+    """1.0 when the final answer of ``response`` (after a thinking policy's
+    reasoning: its last ``\\boxed{}``, else its last expression) equals
+    ``problem.answer`` mathematically (``0.5`` and ``\\frac{1}{2}``, ``x+1``
+    and ``1+x``), else 0.0."""
+    if not isinstance(response, str):
+        return 0.0
+    _, thought, answer = response.rpartition(THINK_END)
+    if not thought and THINK_START in response:
+        return 0.0  # still thinking when it stopped
+    # math-verify answers nonsense with nothing read (or False), and raises only off the main thread
+    math_verify, _, read = _math_verify()
+    said = math_verify.parse(answer if thought else response, read, parsing_timeout=MATH_TIMEOUT_S)
+    return float(math_verify.verify(parsed_answer(problem.answer), said, timeout_seconds=MATH_TIMEOUT_S))
+
+
+class FileTask:
+    """A user's problems, read from a file of JSON Lines (:func:`read_problems`),
+    drawn in a seeded order and rewarded by :func:`math_reward`. Difficulty
+    is the generated families' knob: the file's problems are what they are."""
+
+    def __init__(self, name: str, problems: list[Problem]):
+        self.name, self.problems = name, problems
+
+    def generate(self, n: int, seed: int, difficulty: int, exclude: frozenset[str] = frozenset()) -> list[Problem]:
+        return list(self.draws(n, seed, difficulty, exclude))
+
+    def draws(self, n: int, seed: int, difficulty: int, exclude: frozenset[str] = frozenset()) -> Iterator[Problem]:
+        order = list(self.problems)
+        random.Random(f"{self.name}/{seed}").shuffle(order)
+        chosen = [p for p in order if p.prompt not in exclude][:n]
+        if len(chosen) < n:
+            raise ValueError(
+                f"{self.name}: the file holds {len(chosen)} distinct problems"
+                + f" outside the {len(exclude)} excluded" * bool(exclude)
+                + f", not {n}"
+            )
+        yield from chosen
+
+    def reward(self, problem: Problem, response: str) -> float:
+        return math_reward(problem, response)
+
+
+def read_problems(name: str, data: bytes, source: str) -> list[Problem]:
+    """The problems of task ``name`` in ``data``, a JSON Lines file (``source``
+    names it in errors): an object a line, with a ``prompt`` string and an
+    ``answer`` (a string or a number; what a ``\\boxed{}`` would hold), other
+    keys ignored, blank lines skipped. A prompt given twice is one problem,
+    refused where its answers differ."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    problems: dict[str, tuple[int, Problem]] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{source} line {number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not a JSON object ({e.msg} at column {e.colno})") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: a JSON {type(record).__name__}, not an object with 'prompt' and 'answer'")
+        prompt, answer = record.get("prompt"), record.get("answer")
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
+        if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+            answer = str(answer)
+        if not isinstance(answer, str) or not answer.strip():
+            raise ValueError(f"{where}: 'answer' must be a non-empty string or a number, got {answer!r}")
+        if prompt in problems:
+            first, problem = problems[prompt]
+            if problem.answer != answer:
+                raise ValueError(
+                    f"{where}: the prompt of line {first} again, with answer {answer!r} where it had {problem.answer!r}"
+                )
+            continue
+        problems[prompt] = number, Problem(name, prompt, answer, {"line": number})
+    if not problems:
+        raise ValueError(f"{source}: no problems in it")
+    return [problem for _, problem in problems.values()]
+
+
+def check_answer_readable(problem: Problem, source: str) -> None:
+    """Refuse a problem of the file ``source`` whose reference answer
+    math-verify cannot read: no response would score, and RL would train on
+    nothing."""
+    if not parsed_answer(problem.answer):
+        raise ValueError(
+            f"{source} line {problem.meta['line']}: answer {problem.answer!r} is no mathematical answer "
+            "(math-verify reads nothing in it), so no response would score"
+        )
+
+
 # -- registry ------------------------------------------------------------------
 
 TASKS: dict[str, Task] = {task.name: task for task in (Arithmetic(), Countdown(), ProgramSynthesis())}
@@ -503,7 +632,8 @@ def reward_of(problem: Problem, response: str, finished: bool) -> float:
     if not finished:
         end = response.rfind(END)
         response = response[: end + len(END)] if end >= 0 else ""
-    return get_task(problem.task).reward(problem, response)
+    # a problem of no generated family is a file's (the config keeps their names apart)
+    return TASKS[problem.task].reward(problem, response) if problem.task in TASKS else math_reward(problem, response)
 
 
 def split(

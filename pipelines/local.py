@@ -47,12 +47,13 @@ from tracefp4.components.checkpoint import (
 )
 from tracefp4.components.device import resolve
 from tracefp4.components.metrics import PUBLISH_FAILED
+from tracefp4.components.steps import steps_environment
 from tracefp4.components.store import file_path, open_store, write_atomic
 from tracefp4.components.tokenizer import TokenizerError
 from tracefp4.schemas import ConfigError, RunConfig, continuation
 
 from . import resume
-from .parameters import check_drawable
+from .parameters import check_drawable, pin_problems
 from .pipeline import build_comparison_pipeline, build_pipeline
 
 ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
@@ -549,7 +550,8 @@ def run_to_end(
         raise ConfigError([("train.launcher", f"{reason}: set launcher torchrun (and nodes 1)")])
     check_device(config)
     output = Path(output).resolve()
-    config = localize(config, output)
+    # the problem files pinned before the pipeline takes the config: a file rewritten during the run stops it
+    config = pin_problems(localize(config, output))
     # built before the folder is made: it refuses a comparison branch that could not run, a rollout no export
     # expresses
     if methods:
@@ -561,7 +563,7 @@ def run_to_end(
     check_drawable(config)
     # reached now, as every step will (its endpoint, credentials and bucket), in the steps' environment (which
     # store.endpoint sets): else a typo shows in the rollout, after the bootstrap
-    env = {**os.environ, **config.store.pod_environment()}
+    env = steps_environment(config)
     store = open_store(config.store.uri, env=env, create_bucket=config.store.create_bucket)
     request = resume.request(config, methods, store, env)  # it refuses a checkpoint that is not there
     check_checkpoint(config, env)

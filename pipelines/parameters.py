@@ -136,6 +136,10 @@ def defaults(config: RunConfig, params: list[Parameter]) -> dict:
             value = ""
         elif p.json and not isinstance(value, str):
             value = json.dumps(value)
+        elif isinstance(value, list):  # KFP's list default holds no null: an entry's unset field is left out
+            value = [
+                {k: v for k, v in item.items() if v is not None} if isinstance(item, dict) else item for item in value
+            ]
         out[p.name] = value
     return out
 
@@ -182,7 +186,8 @@ def apply_to_methods(config_json: str, values: dict, methods: list[str]) -> str:
 
 
 def reached(config_json: str) -> str:
-    """``config_json`` once what the run's steps will reach has answered: its
+    """``config_json`` once what the run's steps will reach has answered, its
+    problem files pinned (:func:`pin_problems`): its
     tasks (every task's split drawn, :func:`check_drawable`), the store (its
     endpoint, credentials and bucket, and a write, read, listing and deletion
     under its prefix: :meth:`~tracefp4.components.store.ArtifactStore.check_access`)
@@ -195,13 +200,28 @@ def reached(config_json: str) -> str:
     from tracefp4.components.store import open_store
 
     config = RunConfig.model_validate_json(config_json)
-    check_drawable(config)
+    pinned = pin_problems(config)
+    check_drawable(pinned)
     open_store(config.store.uri, create_bucket=config.store.create_bucket).check_access()
     if config.train.in_trainjob:
         from tracefp4.pipelines.trainjob import dry_run
 
         dry_run(config)
-    return config_json
+    return config_json if pinned == config else pinned.model_dump_json()
+
+
+def pin_problems(config: RunConfig) -> RunConfig:
+    """``config`` with each problem file's sha256 pinned
+    (:func:`~tracefp4.components.steps.pin_problem_files`), so that every step
+    reads the problems the run started with; a file that is not there or holds
+    no problems is a :class:`ConfigError` naming its entry."""
+    from tracefp4.components.steps import pin_problem_files
+
+    try:
+        return pin_problem_files(config)
+    except ValueError as e:  # "tasks.i.data: ..."
+        field, _, reason = str(e).partition(": ")
+        raise ConfigError([(field, reason)]) from None
 
 
 def check_drawable(config: RunConfig) -> None:

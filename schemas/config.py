@@ -90,6 +90,8 @@ HTTP_URL = r"^https?://\S+$"
 HTTP_ENDPOINT = r"^https?://[^\s/@]+(:[0-9]+)?/?$"  # scheme, host and port: nothing else
 S3_REGION = r"^[A-Za-z0-9][-_A-Za-z0-9]{0,62}$"  # AWS's us-east-1, MinIO's and Ceph's own names, R2's auto
 K8S_CPU = r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$"
+TASK_NAME = r"^[a-z][a-z0-9_-]{0,62}$"  # a task's name is a metrics label value and a report's row
+SHA256 = r"^[0-9a-f]{64}$"
 # what KFP's set_memory_limit takes: a whole number, no Kubernetes decimals or lowercase k
 K8S_MEMORY = r"^[0-9]+(Ki|Mi|Gi|Ti|Pi|Ei|K|M|G|T|P|E)?$"
 _IMAGE_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"  # a path component of an image name
@@ -116,6 +118,8 @@ PATTERN_HINTS = {
     "alphanumeric at both ends",
     LABEL_VALUE: "must be a Kubernetes label value: up to 63 letters, digits, '-', '_', '.', alphanumeric at both ends",
     DEVICE_PATTERN: "must be 'auto', 'cpu', 'cuda' or 'cuda:N'",
+    TASK_NAME: "must be a task name: lowercase letters, digits, '_' and '-', 1-63 characters, a letter first",
+    SHA256: "must be a sha256 digest: 64 lowercase hexadecimal digits",
 }
 
 LabelKey = Annotated[str, StringConstraints(pattern=LABEL_KEY, max_length=317)]
@@ -512,19 +516,66 @@ class TrainSection(_Section):
 
 
 class TaskConfig(_Section):
-    """One verifiable task family in the training/evaluation mix."""
+    """One verifiable task in the training/evaluation mix: a generated family, or a user's problems from a file."""
 
-    name: TaskName = Field(description="Task family.")
-    difficulty: int = Field(default=1, ge=1, le=5, description="Difficulty level, 1 (easiest) to 5.")
+    name: str = Field(
+        pattern=TASK_NAME,
+        description=f"A generated task family ({', '.join(tasks.TASKS)}), or, with data, the name of the file's "
+        "problems (lowercase letters, digits, _ and -; none of the families'): the task's name in evaluation, "
+        "metrics and the report.",
+    )
+    data: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Problems read from a file instead of generated: a path (on the machine that runs the steps: "
+        "a cluster's pods read it in their image or volumes) or a store URI (file://, s3://, minio://; S3 reached "
+        "with the run store's settings) of JSON Lines, an object a line with a 'prompt' string and an 'answer' "
+        "(a string or number, what a \\boxed{} holds). A response scores 1 when its final answer (after the "
+        "thinking: its last \\boxed{}, else its last expression) equals the answer mathematically (math-verify; "
+        "docs/evaluation.md, 'Your own problems').",
+    )
+    sha256: str | None = Field(
+        default=None,
+        pattern=SHA256,
+        description="The sha256 of data's bytes: a file with other bytes is refused. Where empty, the run's first "
+        "task (a local run: before it starts) sets it, so that every step reads the problems the run started with.",
+    )
+    difficulty: int = Field(
+        default=1, ge=1, le=5, description="Difficulty level, 1 (easiest) to 5, of a generated family (1 with data)."
+    )
     train_size: int = Field(
-        default=256, ge=1, le=1_000_000, description="Training prompts generated. Bounded: held in memory at once."
+        default=256, ge=1, le=1_000_000, description="Training prompts drawn. Bounded: held in memory at once."
     )
     test_size: int = Field(
-        default=32, ge=1, le=1_000_000, description="Held-out test prompts generated. Bounded: held in memory at once."
+        default=32, ge=1, le=1_000_000, description="Held-out test prompts drawn. Bounded: held in memory at once."
     )
     weight: float = Field(
         default=1.0, gt=0.0, le=1e6, description="Relative weight of this task when rollout draws a training prompt."
     )
+
+    @field_validator("data")
+    @classmethod
+    def _data_scheme(cls, value: str | None) -> str | None:
+        return value if value is None or "://" not in value else _check_store_uri(value)
+
+    @model_validator(mode="after")
+    def _generated_or_read(self) -> "TaskConfig":
+        if self.data is None:
+            if self.name not in tasks.TASKS:
+                raise ValueError(
+                    f"name: {self.name!r} is no generated task family ({', '.join(tasks.TASKS)}); to read problems "
+                    "from a file, set data"
+                )
+            if self.sha256 is not None:
+                raise ValueError("sha256: is the digest of data's file; this task has no data")
+        elif self.name in tasks.TASKS:
+            raise ValueError(
+                f"name: {self.name!r} is a generated family's; name the file's problems otherwise (their reward is "
+                "another)"
+            )
+        elif self.difficulty != 1:
+            raise ValueError(f"difficulty: {self.difficulty} is a generated family's knob; a file's problems have none")
+        return self
 
 
 class ExtraProblems(_Section):
