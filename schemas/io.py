@@ -27,6 +27,7 @@ from .presets import get_preset
 SCHEMA_FILES = {"run-config.schema.json": RunConfig}
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 _DOTTED = re.compile(r"^[a-z_][a-z0-9_]*(\.[a-z0-9_]+)*$")
+_FIELD = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 
 class ConfigError(ValueError):
@@ -56,7 +57,10 @@ class ConfigError(ValueError):
             reason = e["msg"].removeprefix("Value error, ")
             if e["type"] == "string_pattern_mismatch":
                 reason = PATTERN_HINTS.get(e["ctx"]["pattern"], reason)
-            if path:
+            head, sep, tail = reason.partition(": ")
+            if path and sep and _FIELD.match(head):  # a section's check across its fields names the one at fault
+                problems.append((f"{path}.{head}", tail))
+            elif path:
                 problems.append((path, reason))
             else:
                 unchecked = False

@@ -14,7 +14,7 @@ from tracefp4.components import steps
 from tracefp4.components.model import build_model
 from tracefp4.components.ptq import apply_ptq
 from tracefp4.components.rollout import SamplingParams, TorchEngine
-from tracefp4.components.tasks import get_task, split
+from tracefp4.components.tasks import TASKS, get_task, split
 from tracefp4.pipelines.pipeline import compile_pipeline
 from tracefp4.schemas import RunConfig, get_preset
 
@@ -122,11 +122,14 @@ RUNNERS = {
     "resources.tolerations.effect": _compile,
     "train.launcher": _launch,
 }
-CASES = [(path, value) for path, values in sorted(literal_fields(RunConfig).items()) for value in values]
+# Named values of a field that is no Literal: a task's name is a generated family's, or, with data, free
+# (tests/test_problem_files.py runs a file task)
+NAMED = {"tasks.name": tuple(TASKS)}
+CASES = [(path, value) for path, values in sorted({**literal_fields(RunConfig), **NAMED}.items()) for value in values]
 
 
 def test_every_literal_has_a_runner():
-    assert set(literal_fields(RunConfig)) == set(RUNNERS)
+    assert set(literal_fields(RunConfig)) | set(NAMED) == set(RUNNERS)
 
 
 def _with(path: str, value) -> dict:
