@@ -85,7 +85,7 @@ from .tasks import (
     reward_of,
     split,
 )
-from .tokenizer import build_tokenizer, load_tokenizer
+from .tokenizer import CHARS, build_tokenizer, load_tokenizer
 from .trainer import DECODED, SCORE_CENTERING_TOPK, TrainConfig, Trainer
 from .trainer_state import check_state, repin_state
 
@@ -268,6 +268,8 @@ def check_tasks_drawable(config: RunConfig) -> None:
             for p in task.draws(t.train_size + t.test_size, config.seed, t.difficulty):
                 if t.data is not None:
                     check_answer_readable(p, t.data)
+                    if tokenizer is not None:
+                        _check_characters(p, t.data)
                 prompts.add(p.prompt)
                 top = p if top is None or len(p.prompt) > len(top.prompt) else top
                 answer = p if answer is None or len(p.answer) > len(answer.answer) else answer
@@ -286,6 +288,19 @@ def check_tasks_drawable(config: RunConfig) -> None:
                     raise ValueError(
                         f"bootstrap.extra_problems.{i}: {e} (model.max_seq_len): raise it or lower the difficulty"
                     ) from None
+
+
+def _check_characters(problem: Problem, source: str) -> None:
+    """Refuse a file's problem with a character the library presets'
+    character tokenizer lacks (:data:`.tokenizer.CHARS`: printable ASCII and
+    newline): it would reach the policy as ``<unk>``, and its answer could
+    never be written."""
+    outside = "".join(sorted(set(problem.prompt + problem.answer) - set(CHARS)))
+    if outside:
+        raise ValueError(
+            f"{source} line {problem.meta['line']}: {outside!r} is outside the library preset's character "
+            "tokenizer (printable ASCII and newline): use a checkpoint whose tokenizer has it (model.checkpoint)"
+        )
 
 
 def _task_entry(i: int, t) -> str:

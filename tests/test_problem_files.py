@@ -132,6 +132,10 @@ def test_a_run_pins_its_files_and_a_file_rewritten_during_it_stops_the_next_step
 def test_the_first_task_refuses_a_file_too_small_or_with_an_answer_no_response_could_match(tmp_path):
     with pytest.raises(ConfigError, match="tasks.0: train_size 40 \\+ test_size 4: sums: the file holds 30 distinct"):
         reached(_config(_write(tmp_path / "sums.jsonl"), train_size=40).model_dump_json())
+    # a library preset's character tokenizer would read it as <unk>
+    records = [*LINES[:11], {"prompt": "2\u00d73=", "answer": 6}]
+    with pytest.raises(ConfigError, match="chars.jsonl line 12: '\u00d7' is outside the library preset's"):
+        reached(_config(_write(tmp_path / "chars.jsonl", records)).model_dump_json())
     records = [*LINES[:11], {"prompt": "say hi", "answer": "\\boxed{"}]
     with pytest.raises(ConfigError, match=r"bad.jsonl line 12: answer '\\\\boxed\{' is no mathematical answer"):
         reached(_config(_write(tmp_path / "bad.jsonl", records)).model_dump_json())
