@@ -177,7 +177,7 @@ def task_of(config: RunConfig, i: int) -> Task:
         return get_task(t.name)
     data, _ = _problem_file(config, i)
     with _naming(f"tasks.{i}.data"):
-        return FileTask(t.name, _problems_in(t.name, data, t.data))
+        return FileTask(t.name, _problems_in(t.name, data, t.data), t.data)
 
 
 def pin_problem_files(config: RunConfig) -> RunConfig:
@@ -263,13 +263,15 @@ def check_tasks_drawable(config: RunConfig) -> None:
     longest, answers = [], []  # of each task: the problem of the longest prompt, that of the longest reference answer
     for i, t in enumerate(config.tasks):
         task = task_of(config, i)
-        with _naming(_task_entry(i, t)):
-            top = answer = None
-            for p in task.draws(t.train_size + t.test_size, config.seed, t.difficulty):
-                if t.data is not None:
+        if isinstance(task, FileTask):  # every problem of the file, drawn or not: the next run may draw it
+            with _naming(f"tasks.{i}.data"):
+                for p in task.problems:
                     check_answer_readable(p, t.data)
                     if tokenizer is not None:
                         _check_characters(p, t.data)
+        with _naming(_task_entry(i, t)):
+            top = answer = None
+            for p in task.draws(t.train_size + t.test_size, config.seed, t.difficulty):
                 prompts.add(p.prompt)
                 top = p if top is None or len(p.prompt) > len(top.prompt) else top
                 answer = p if answer is None or len(p.answer) > len(answer.answer) else answer

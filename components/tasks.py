@@ -538,8 +538,8 @@ class FileTask:
     drawn in a seeded order and rewarded by :func:`math_reward`. Difficulty
     is the generated families' knob: the file's problems are what they are."""
 
-    def __init__(self, name: str, problems: list[Problem]):
-        self.name, self.problems = name, problems
+    def __init__(self, name: str, problems: list[Problem], source: str):
+        self.name, self.problems, self.source = name, problems, source
 
     def generate(self, n: int, seed: int, difficulty: int, exclude: frozenset[str] = frozenset()) -> list[Problem]:
         return list(self.draws(n, seed, difficulty, exclude))
@@ -550,7 +550,7 @@ class FileTask:
         chosen = [p for p in order if p.prompt not in exclude][:n]
         if len(chosen) < n:
             raise ValueError(
-                f"{self.name}: the file holds {len(chosen)} distinct problems"
+                f"{self.source} holds {len(chosen)} distinct problems"
                 + f" outside the {len(exclude)} excluded" * bool(exclude)
                 + f", not {n}"
             )
@@ -581,7 +581,10 @@ def read_problems(name: str, data: bytes, source: str) -> list[Problem]:
             raise ValueError(f"{where}: not a JSON object ({e.msg} at column {e.colno})") from None
         if not isinstance(record, dict):
             raise ValueError(f"{where}: a JSON {type(record).__name__}, not an object with 'prompt' and 'answer'")
-        prompt, answer = record.get("prompt"), record.get("answer")
+        missing = [key for key in ("prompt", "answer") if key not in record]
+        if missing:
+            raise ValueError(f"{where}: no {' and no '.join(map(repr, missing))} (keys: {', '.join(record) or 'none'})")
+        prompt, answer = record["prompt"], record["answer"]
         if not isinstance(prompt, str) or not prompt.strip():
             raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):

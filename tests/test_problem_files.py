@@ -46,7 +46,9 @@ def test_a_file_is_read_as_problems_and_its_faults_name_their_line():
     faults = {
         b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2="': "f.jsonl line 2: not a JSON object",
         b'["1+1=", "2"]': "line 1: a JSON list, not an object with 'prompt' and 'answer'",
-        b'{"question": "1+1=", "answer": 2}': "line 1: 'prompt' must be a non-empty string, got None",
+        b'{"question": "1+1=", "answer": 2}': "line 1: no 'prompt' (keys: question, answer)",
+        b'{"prompt": "1+1="}': "line 1: no 'answer' (keys: prompt)",
+        b'{"prompt": "", "answer": 2}': "line 1: 'prompt' must be a non-empty string, got ''",
         b'{"prompt": "1+1=", "answer": true}': "line 1: 'answer' must be a non-empty string or a number, got True",
         b'{"prompt": "a", "answer": 1}\n{"prompt": "a", "answer": 2}': "line 2: the prompt of line 1 again, with "
         "answer '2' where it had '1'",
@@ -76,12 +78,12 @@ def test_a_response_scores_when_its_final_answer_equals_the_reference_mathematic
 
 
 def test_a_file_task_draws_distinct_problems_in_a_seeded_order():
-    task = FileTask("sums", read_problems("sums", "".join(json.dumps(r) + "\n" for r in LINES).encode(), "f"))
+    task = FileTask("sums", read_problems("sums", "".join(json.dumps(r) + "\n" for r in LINES).encode(), "f"), "f")
     train, test = split(task, 20, 5, seed=3, difficulty=1)
     assert len({p.prompt for p in train + test}) == 25 and split(task, 20, 5, seed=3, difficulty=1) == (train, test)
     assert split(task, 20, 5, seed=4, difficulty=1) != (train, test)
     assert not {p.prompt for p in task.generate(10, 0, 1, frozenset(p.prompt for p in test))} & {p.prompt for p in test}
-    with pytest.raises(ValueError, match="sums: the file holds 30 distinct problems, not 31"):
+    with pytest.raises(ValueError, match="f holds 30 distinct problems, not 31"):
         task.generate(31, 0, 1)
 
 
@@ -130,14 +132,14 @@ def test_a_run_pins_its_files_and_a_file_rewritten_during_it_stops_the_next_step
 
 
 def test_the_first_task_refuses_a_file_too_small_or_with_an_answer_no_response_could_match(tmp_path):
-    with pytest.raises(ConfigError, match="tasks.0: train_size 40 \\+ test_size 4: sums: the file holds 30 distinct"):
+    with pytest.raises(ConfigError, match="tasks.0: train_size 40 \\+ test_size 4: .*sums.jsonl holds 30 distinct"):
         reached(_config(_write(tmp_path / "sums.jsonl"), train_size=40).model_dump_json())
     # a library preset's character tokenizer would read it as <unk>
     records = [*LINES[:11], {"prompt": "2\u00d73=", "answer": 6}]
-    with pytest.raises(ConfigError, match="chars.jsonl line 12: '\u00d7' is outside the library preset's"):
+    with pytest.raises(ConfigError, match="tasks.0.data: .*chars.jsonl line 12: '\u00d7' is outside"):
         reached(_config(_write(tmp_path / "chars.jsonl", records)).model_dump_json())
-    records = [*LINES[:11], {"prompt": "say hi", "answer": "\\boxed{"}]
-    with pytest.raises(ConfigError, match=r"bad.jsonl line 12: answer '\\\\boxed\{' is no mathematical answer"):
+    records = [*LINES, {"prompt": "say hi", "answer": "\\boxed{"}]  # not drawn by a split of 12: checked too
+    with pytest.raises(ConfigError, match=r"tasks.0.data: .*bad.jsonl line 31: answer '\\\\boxed\{' is no math"):
         reached(_config(_write(tmp_path / "bad.jsonl", records)).model_dump_json())
 
 
