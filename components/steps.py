@@ -255,7 +255,9 @@ def check_tasks_drawable(config: RunConfig) -> None:
     checked as prepare checks every one (:func:`encode_prompts`,
     :func:`check_answers_fit`, the bootstrap's examples): one without room
     for ``rollout.max_new_tokens``, or an answer longer than it, fails the
-    first task, not prepare on a GPU node."""
+    first task, not prepare on a GPU node. A file's every problem is
+    checked too: an answer math-verify reads nothing in, and for a library
+    preset a character its tokenizer lacks."""
     # a checkpoint's tokenizer and chat template: prepare reads them; the character tokenizer takes a token a character,
     # so the longest text is the longest encoding
     tokenizer = build_tokenizer() if config.model.preset is not None else None
