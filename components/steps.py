@@ -173,11 +173,7 @@ def task_of(config: RunConfig, i: int) -> Task:
     (:func:`.tasks.read_problems`); a file that is not there, holds no
     problems or is not the one ``sha256`` pins is an error naming the entry."""
     t = config.tasks[i]
-    if t.data is None:
-        return get_task(t.name)
-    data, _ = _problem_file(config, i)
-    with _naming(f"tasks.{i}.data"):
-        return FileTask(t.name, _problems_in(t.name, data, t.data), t.data)
+    return get_task(t.name) if t.data is None else _file_task(config, i, _problem_file(config, i)[0])
 
 
 def pin_problem_files(config: RunConfig) -> RunConfig:
@@ -188,8 +184,8 @@ def pin_problem_files(config: RunConfig) -> RunConfig:
     pinned = config.model_copy(deep=True)
     for i, t in enumerate(pinned.tasks):
         if t.data is not None:
-            task_of(config, i)  # its problems read: a file of none is refused here
-            t.sha256 = _problem_file(config, i)[1]
+            data, t.sha256 = _problem_file(config, i)
+            _file_task(config, i, data)  # its problems read: a file of none is refused here
     return pinned
 
 
@@ -213,6 +209,13 @@ def _problem_file(config: RunConfig, i: int) -> tuple[bytes, str]:
     return data, digest
 
 
+def _file_task(config: RunConfig, i: int, data: bytes) -> FileTask:
+    """The problems of ``tasks.i``'s file, whose bytes are ``data``."""
+    t = config.tasks[i]
+    with _naming(f"tasks.{i}.data"):
+        return FileTask(t.name, _problems_in(t.name, data, t.data), t.data)
+
+
 _READ: dict[str, tuple[int, str, bytes, str]] = {}  # a file's uri: its size and tag when read, its bytes, their sha256
 
 
@@ -221,9 +224,9 @@ def read_problem_file(uri: str, env: Mapping[str, str]) -> tuple[bytes, str]:
     with ``env``'s settings) and their sha256; read again only once the file's
     size or modification tag changed, since a step draws its problems several
     times."""
-    folder, _, name = uri.rpartition("/")
     try:
         if uri.startswith(("s3://", "minio://")):
+            folder, _, name = uri.rpartition("/")
             store = open_store(folder, env=env)
         else:
             path = file_path(uri) if uri.startswith("file://") else Path(uri)

@@ -12,6 +12,7 @@ import logging
 import os
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import click
@@ -234,7 +235,7 @@ def _echo_exports(exports: dict[str | None, Path]) -> None:
 )
 def bootstrap(preset, config_file, sets, output):
     """SFT of the config's initial policy on its tasks (its bootstrap settings, enabled): a Hugging Face checkpoint."""
-    from tracefp4.components.steps import prepare
+    from tracefp4.components.steps import prepare, steps_environment
     from tracefp4.components.store import StoreError
     from tracefp4.pipelines.local import check_device
 
@@ -245,7 +246,7 @@ def bootstrap(preset, config_file, sets, output):
         raise click.ClickException(str(e)) from None
     progress = _BootstrapSteps()
     try:
-        with _written_to(output, config.store.pod_environment()) as folder:
+        with _written_to(output, steps_environment(config)) as folder:
             with _said_here(progress, "tracefp4.components.bootstrap"):
                 stats = prepare(config, folder)
     except (ValueError, OSError, StoreError) as e:  # a folder not to write into, a checkpoint that is none
@@ -347,7 +348,7 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
         )
     config = _config(preset, config_file, sets=sets) if preset or config_file else None
     try:
-        with _written_to(dst, config.store.pod_environment() if config else {}) as folder:
+        with _written_to(dst, steps.steps_environment(config) if config else os.environ) as folder:
             with _said_here(_Logged(logging.WARNING)):
                 if config:
                     stats = steps.export_policy(config, Path(src), folder)
@@ -366,12 +367,13 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
 
 
 @contextlib.contextmanager
-def _written_to(output: str, store_environment: dict[str, str]):
+def _written_to(output: str, env: Mapping[str, str]):
     """The local folder a command writes its output folder in: ``output``
     itself, or where that is a store URI (``s3://``, ``minio://``) a
     temporary one, uploaded there once written whole (``upload_folder``: a
-    reader never takes it half uploaded), with the settings of the
-    environment and ``store_environment`` (the config's ``store.endpoint``).
+    reader never takes it half uploaded), with ``env``'s S3 settings (the
+    steps', :func:`~tracefp4.components.steps.steps_environment`, where a
+    config sets ``store.endpoint``).
     The store is opened first: a bucket that is not there, or credentials it
     refuses, fail before the work. A folder uploaded there before is
     replaced, as a local save replaces one; a prefix holding other objects
@@ -383,7 +385,7 @@ def _written_to(output: str, store_environment: dict[str, str]):
     if folder is not None:
         yield folder
         return
-    store = open_store(output, env={**os.environ, **store_environment})
+    store = open_store(output, env=env)
     held = [key for key in store.list() if "/" not in key]
     if held and MANIFEST not in held:
         raise click.ClickException(
