@@ -40,11 +40,8 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
     With the ``initial`` policy, its accuracy too (where RL started)."""
     device = steps.step_device(config)
     tokenizer = load_tokenizer(policy)
-    per_task = -(-config.evaluation.test_prompts // len(config.tasks))  # the same share of every task
-    train, test = (
-        [p for t in config.tasks for p in [q for q in ps if q.task == t.name][:per_task]]
-        for ps in steps.problems(config)
-    )
+    train, test = steps.problems(config)
+    test = [p for t, n in zip(config.tasks, config.test_shares) for p in [q for q in test if q.task == t.name][:n]]
     prompts = steps.encode_prompts(config, tokenizer, test)
     model = load_model(policy, device=device)
     out = {
@@ -78,8 +75,10 @@ def evaluate(config: RunConfig, policy: Path, initial: Path | None = None) -> di
             )
             out["discrepancy"].append(analysis.pop("discrepancy"))
             out["guidance_sensitivity"] = out["guidance_sensitivity"] or analysis["guidance_sensitivity"]
-    if config.method == "bf16":  # calibrated on training prompts, as many: the test prompts stay unseen
-        calibration = steps.encode_prompts(config, tokenizer, train)
+    if config.method == "bf16":
+        # calibrated on as many training prompts, of each task in turn, so that the test prompts stay unseen
+        calibrating = [train[i] for i in sorted(across_tasks(train, len(test)))]
+        calibration = steps.encode_prompts(config, tokenizer, calibrating)
         # PTQ weights as they are, activations and KV as each config quantizes them
         scored = {name: replace(quant, weights=None) for name, quant in quants.items() if scored_under(quant)}
         for label in config.evaluation.ptq_baselines:

@@ -358,6 +358,14 @@ def _train(m: RunMetrics, rows: list[dict], config) -> None:
     m.set("tracefp4_reward", _mean(rows, "reward_mean"))
     labels = {"split": "train", "rollout_config": config.rollout.config, "task": "all", "metric": "mean"}
     m.set("tracefp4_accuracy_ratio", _mean(rows, "accuracy"), **labels)
+    solved: dict[str, list[int]] = {}  # of a mix's tasks, each its own: the round's solved over drawn
+    for row in rows:
+        for task, (k, n) in (row.get("task_solved") or {}).items():
+            counts = solved.setdefault(task, [0, 0])
+            counts[0] += k
+            counts[1] += n
+    for task, (k, n) in solved.items() if len(solved) > 1 else ():
+        m.set("tracefp4_accuracy_ratio", k / n, **{**labels, "task": task})
 
 
 def _evaluate(m: RunMetrics, result: dict, config) -> None:

@@ -28,7 +28,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from tracefp4.schemas import Method, RolloutConfigName, RunConfig, settings_yaml  # noqa: E402
+from tracefp4.schemas import Method, RolloutConfigName, RunConfig, TaskConfig, settings_yaml  # noqa: E402
 
 from .device import hardware_words  # noqa: E402
 from .stats import paired_difference  # noqa: E402
@@ -324,9 +324,13 @@ def _accuracy_table(rows: list[dict], source: str, bootstrapped: bool, methods=M
     metrics = ("pass@1", "pass@1 95% CI", "mean@k")
     columns = ["method", "policy", "rollout", *(f"{t} {m}" for t in tasks for m in metrics)]
     ks = ", ".join(map(str, _ordered(r.get("k") for r in rows))) or "?"
-    prompts = ", ".join(map(str, _ordered(r.get("prompts") for r in rows))) or "?"
+    counts = {r.get("task"): r.get("prompts") or "?" for r in rows}  # each its whole test split: test_prompts 0
+    if len(set(counts.values())) == 1:
+        prompts = f"{next(iter(counts.values()))} test prompts per task"
+    else:
+        prompts = ", ".join(f"{n} ({task})" for task, n in counts.items()) + " test prompts"
     note = (
-        f"pass@1 (greedy; 95% Wilson interval) and mean@k (k = {ks}) over {prompts} test prompts per task; "
+        f"pass@1 (greedy; 95% Wilson interval) and mean@k (k = {ks}) over {prompts}; "
         "avg is the mean over tasks. "
         f"Policy initial: where RL started{' (after bootstrap)' * bootstrapped}; trained: after RL; "
         "ptq:<scheme>: post-training FP4."
@@ -489,6 +493,9 @@ def _step_blocks(history: list[dict], source: str, steps_per_round: int) -> list
             Series("reward mean", x, _col(history, "reward_mean")),
             Series("train accuracy (sampled)", x, _col(history, "accuracy")),
         ]
+    mix = _ordered(task for h in history for task in h.get("task_solved") or {})
+    for task in mix if len(mix) > 1 else ():  # each task of a mix at its own pace
+        rewards.append(Series(f"{task} train accuracy (sampled)", x, [_solved_share(h, task) for h in history]))
     rows = [{**h, "train on": _measured_on([h], "train on")} for h in history]
     table = _speed_table(rows, [*columns, "train on"], source, keep=2)
     note = "; ".join(f"{c}: {words[c]}" for c in table.columns if c in words) + "."
@@ -605,19 +612,30 @@ def _continue_blocks(config: RunConfig, continue_with: dict | None) -> list:
     return [Heading(2, "Continue this run"), text, Code("yaml", settings_yaml(continue_with))]
 
 
-def _task_source(config: RunConfig, name: str) -> str:
-    """A task as the report names it: a file's with the file and the bytes it read (their pinned sha256)."""
-    t = next((t for t in config.tasks if t.name == name and t.data is not None), None)
-    return name if t is None else f"{name} (`{t.data}`" + f", sha256 {t.sha256[:12]}" * bool(t.sha256) + ")"
+def _solved_share(row: dict, task: str) -> float | None:
+    """The share of a step's responses to ``task``'s prompts solved (None where it drew none)."""
+    k, n = (row.get("task_solved") or {}).get(task, (0, 0))
+    return k / n if n else None
+
+
+def _tasks_line(config: RunConfig) -> str:
+    return f"tasks: {', '.join(map(_task_source, config.tasks))}."
+
+
+def _task_source(t: TaskConfig) -> str:
+    """A task as the report names it: a file's with the file and the bytes it read (their pinned sha256); one
+    that is only trained or only evaluated on, saying so."""
+    where = [] if t.data is None else [f"`{t.data}`"] + [f"sha256 {t.sha256[:12]}"] * bool(t.sha256)
+    where += ["evaluated on only"] * (t.train_size == 0) + ["trained on only"] * (t.test_size == 0)
+    return t.name + f" ({', '.join(where)})" * bool(where)
 
 
 def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict, continue_with: dict | None = None) -> list:
     source = describe(config)
     acc = evaluation.get("accuracy") or []
     rollouts = ", ".join(_ordered((r.get("rollout") for r in acc), ROLLOUTS)) or "none"
-    tasks = ", ".join(_task_source(config, name) for name in _ordered(r.get("task") for r in acc)) or "none"
     summary = f"RL steps: {len(history)}, rounds: {len(_rounds(history))}; evaluated rollout configs: {rollouts}; "
-    summary += f"tasks: {tasks}."
+    summary += _tasks_line(config)
     blocks = [Heading(1, f"tracefp4 run `{config.name}`"), source + ".", summary, *_hardware([evaluation])]
     blocks += [
         Heading(2, "Accuracy: method x task"),
@@ -697,7 +715,7 @@ def _comparison_blocks(config: RunConfig, evaluations: list[dict], histories: li
     source = describe(config, methods)
     runs = [describe(config.model_copy(update={"method": m})) for m in methods]
     blocks = [Heading(1, f"tracefp4 comparison `{config.name}`"), f"{len(methods)} methods; each method's run:", runs]
-    blocks += _hardware(evaluations)
+    blocks += [_tasks_line(config), *_hardware(evaluations)]
 
     acc = [r for e in evaluations for r in e.get("accuracy") or []]
     blocks += [

@@ -76,11 +76,13 @@ from .store import ArtifactNotFound, StoreError, file_path, open_store, write_at
 from .syndrome import encode_table, merge_decode_json, site_rates
 from .tasks import (
     FileTask,
+    LineFormat,
     Problem,
     Task,
     check_answer_readable,
     format_example,
     get_task,
+    held_out,
     read_problems,
     reward_of,
     split,
@@ -213,7 +215,8 @@ def _file_task(config: RunConfig, i: int, data: bytes) -> FileTask:
     """The problems of ``tasks.i``'s file, whose bytes are ``data``."""
     t = config.tasks[i]
     with _naming(f"tasks.{i}.data"):
-        return FileTask(t.name, _problems_in(t.name, data, t.data), t.data)
+        fmt = LineFormat(t.prompt_key, t.answer_key, t.prompt_template)
+        return FileTask(t.name, _problems_in(t.name, data, t.data, fmt), t.data)
 
 
 _READ: dict[str, tuple[int, str, bytes, str]] = {}  # a file's uri: its size and tag when read, its bytes, their sha256
@@ -243,8 +246,8 @@ def read_problem_file(uri: str, env: Mapping[str, str]) -> tuple[bytes, str]:
 
 
 @functools.lru_cache(maxsize=8)
-def _problems_in(name: str, data: bytes, source: str) -> list[Problem]:
-    return read_problems(name, data, source)
+def _problems_in(name: str, data: bytes, source: str, fmt: LineFormat) -> list[Problem]:
+    return read_problems(name, data, source, fmt)
 
 
 def check_tasks_drawable(config: RunConfig) -> None:
@@ -260,15 +263,20 @@ def check_tasks_drawable(config: RunConfig) -> None:
     for ``rollout.max_new_tokens``, or an answer longer than it, fails the
     first task, not prepare on a GPU node. A file's every problem is
     checked too: an answer math-verify reads nothing in, and for a library
-    preset a character its tokenizer lacks."""
+    preset a character its tokenizer lacks. And no task's test prompt may
+    be another's training prompt (:func:`_check_held_out`)."""
     # a checkpoint's tokenizer and chat template: prepare reads them; the character tokenizer takes a token a character,
     # so the longest text is the longest encoding
     tokenizer = build_tokenizer() if config.model.preset is not None else None
     prompts: set[str] = set()
     longest, answers = [], []  # of each task: the problem of the longest prompt, that of the longest reference answer
+    parts = []  # of each task: the (prompt, line) of its train and test problems
     for i, t in enumerate(config.tasks):
         task = task_of(config, i)
         if isinstance(task, FileTask):  # every problem of the file, drawn or not: the next run may draw it
+            if tokenizer is not None:  # the template's own characters first: named as its, not a line's
+                with _naming(f"tasks.{i}.prompt_template"):
+                    _check_characters(Problem(t.name, t.prompt_template, "", {}), t.data)
             with _naming(f"tasks.{i}.data"):
                 for p in task.problems:
                     check_answer_readable(p, t.data)
@@ -276,12 +284,16 @@ def check_tasks_drawable(config: RunConfig) -> None:
                         _check_characters(p, t.data)
         with _naming(_task_entry(i, t)):
             top = answer = None
+            drawn = []
             for p in task.draws(t.train_size + t.test_size, config.seed, t.difficulty):
                 prompts.add(p.prompt)
+                drawn.append((p.meta.get("prompt", p.prompt), p.meta.get("line")))  # without a file's template
                 top = p if top is None or len(p.prompt) > len(top.prompt) else top
                 answer = p if answer is None or len(p.answer) > len(answer.answer) else answer
             longest.append(top)
             answers.append(answer)
+        parts.append(held_out(drawn, task.name, t.test_size, config.seed, t.difficulty))
+    _check_held_out(config, parts)
     if tokenizer is not None:
         encode_prompts(config, tokenizer, longest)
         check_answers_fit(config, tokenizer, answers)
@@ -297,16 +309,41 @@ def check_tasks_drawable(config: RunConfig) -> None:
                     ) from None
 
 
+def _check_held_out(config: RunConfig, parts: list[tuple[list, list]]) -> None:
+    """Refuse a task's test prompt that another task trains on (the same
+    prompt in two files, such as a benchmark's problem in a training set):
+    evaluation would score what RL trained on. ``parts``: each task's train
+    and test (prompt, line) pairs, a file's prompts as its lines hold them,
+    before the task's template: the same problem put two ways is one."""
+    trained = {prompt: (j, line) for j, (train, _) in enumerate(parts) for prompt, line in train}
+    for i, (_, test) in enumerate(parts):
+        seen = [(line, trained[prompt]) for prompt, line in test if prompt in trained and trained[prompt][0] != i]
+        if not seen:
+            continue
+        line, (j, its) = seen[0]
+        tested, training = config.tasks[i], config.tasks[j]
+        are = "is another task's training prompt" if len(seen) == 1 else "are other tasks' training prompts"
+        first = f"the first, {tested.data} line {line}," if tested.data else "the first"
+        at = f" ({training.data} line {its})" if training.data else f" (a problem of {training.name})"
+        files = list(dict.fromkeys(t.data for t in (tested, training) if t.data))
+        raise ValueError(
+            f"tasks.{i}: {len(seen)} of its {len(test)} test prompts {are}, so evaluation would score what RL "
+            f"trained on; {first} is one of tasks.{j}{at}: drop them from {' or '.join(files)}"
+        )
+
+
 def _check_characters(problem: Problem, source: str) -> None:
     """Refuse a file's problem with a character the library presets'
     character tokenizer lacks (:data:`.tokenizer.CHARS`: printable ASCII and
     newline): it would reach the policy as ``<unk>``, and its answer could
-    never be written."""
+    never be written. A problem without a line (a task's template) is named
+    by the caller alone."""
     outside = "".join(sorted(set(problem.prompt + problem.answer) - set(CHARS)))
     if outside:
+        where = f"{source} line {problem.meta['line']}: " if "line" in problem.meta else ""
         raise ValueError(
-            f"{source} line {problem.meta['line']}: {outside!r} is outside the library preset's character "
-            "tokenizer (printable ASCII and newline): use a checkpoint whose tokenizer has it (model.checkpoint)"
+            f"{where}{outside!r} is outside the library preset's character tokenizer (printable ASCII and "
+            "newline): use a checkpoint whose tokenizer has it (model.checkpoint)"
         )
 
 
@@ -324,11 +361,12 @@ def _naming(entry: str):
 
 
 def training_problems(config: RunConfig, round_index: int, n: int) -> list[Problem]:
-    """``n`` training problems for a round: a task drawn by the tasks' weights,
-    then one of its training problems, uniformly (seeded per round)."""
+    """``n`` training problems for a round: a task with training problems drawn
+    by the tasks' weights, then one of its training problems, uniformly (seeded
+    per round)."""
     rng = random.Random(f"{config.seed}/rollout/{round_index}")
-    pools = [train for train, _ in task_splits(config)]
-    weights = [t.weight for t in config.tasks]
+    trained = [(train, t.weight) for (train, _), t in zip(task_splits(config), config.tasks) if train]
+    pools, weights = [train for train, _ in trained], [weight for _, weight in trained]
     return [rng.choice(pools[rng.choices(range(len(pools)), weights)[0]]) for _ in range(n)]
 
 
@@ -1156,6 +1194,7 @@ def train(
                 "staleness": s,
                 "reward_mean": rewards.mean().item(),
                 "accuracy": (rewards >= 1).float().mean().item(),
+                "task_solved": solved_by_task(step_problems, rewards),
                 "entropy": -rollout_lp.mean().item(),  # per token, estimated from the sampled tokens
                 "response_length": lengths.mean().item(),
                 **stats,
@@ -1176,6 +1215,17 @@ def train(
             f"delete round {round_index - 1}'s guidance and capture",
         )
     return history
+
+
+def solved_by_task(problems: list[Problem], rewards: torch.Tensor) -> dict[str, list[int]]:
+    """Each task's responses solved (reward 1) and drawn, of a step's ``problems``: a mix's tasks learn at
+    their own pace, which the step's accuracy over all of them hides."""
+    out: dict[str, list[int]] = {}
+    for problem, reward in zip(problems, rewards.tolist()):
+        counts = out.setdefault(problem.task, [0, 0])
+        counts[0] += reward >= 1
+        counts[1] += 1
+    return out
 
 
 def run_round(

@@ -24,6 +24,7 @@ checker of open-r1, TRL and verl), as reasoning RL on math is.
 import functools
 import itertools
 import json
+import logging
 import random
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -505,7 +506,17 @@ def _math_verify():
     import math_verify
     from math_verify import ExprExtractionConfig, LatexExtractionConfig
 
+    logging.getLogger("math_verify.parser").addFilter(_cut_short)
     return math_verify, (LatexExtractionConfig(),), (LatexExtractionConfig(), ExprExtractionConfig())
+
+
+def _cut_short(record: logging.LogRecord) -> bool:
+    """math-verify's parsing timeout warns with the whole response, which at a reasoning model's 32K tokens
+    would fill a step's log: the first 200 characters say which."""
+    message = record.getMessage()
+    if len(message) > 200:
+        record.msg, record.args = message[:200] + f"... ({len(message)} characters)", ()
+    return True
 
 
 @functools.lru_cache(maxsize=65536)
@@ -560,12 +571,55 @@ class FileTask:
         return math_reward(problem, response)
 
 
-def read_problems(name: str, data: bytes, source: str) -> list[Problem]:
+PROMPT_SLOT = "{prompt}"  # where a problem file's template puts a line's prompt
+
+
+@dataclass(frozen=True)
+class LineFormat:
+    """How a line of a problem file gives a problem: the keys of its prompt
+    and answer, a dotted path reaching into nested objects (MATH-500's
+    ``problem``, verl's ``reward_model.ground_truth``), and the template the
+    policy is given the prompt in (:data:`PROMPT_SLOT` replaced by it; no
+    ``str.format``, whose braces would clash with a ``\\boxed{}``)."""
+
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    template: str = PROMPT_SLOT
+
+
+def _json_kind(value) -> str:
+    """What JSON calls ``value``'s type, as an error names it."""
+    kinds = {dict: "an object", list: "a list", str: "a string", bool: "true or false", type(None): "null"}
+    return kinds.get(type(value), "a number")
+
+
+def _quoted(value) -> str:
+    """``value`` as JSON, cut short: what an error quotes of a line."""
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _value(record: dict, path: str, where: str):
+    """The value at the dotted ``path`` of ``record``; missing, an error listing the keys where it stopped."""
+    value, keys = record, path.split(".")
+    for depth, key in enumerate(keys):
+        outer = ".".join(keys[:depth])
+        if not isinstance(value, dict):
+            raise ValueError(f"{where}: no {path!r} ({outer} is {_json_kind(value)})")
+        if key not in value:
+            raise ValueError(f"{where}: no {path!r} (keys{f' of {outer}' * bool(depth)}: {', '.join(value) or 'none'})")
+        value = value[key]
+    return value
+
+
+def read_problems(name: str, data: bytes, source: str, fmt: LineFormat = LineFormat()) -> list[Problem]:
     """The problems of task ``name`` in ``data``, a JSON Lines file (``source``
-    names it in errors): an object a line, with a ``prompt`` string and an
-    ``answer`` (a string or a number; what a ``\\boxed{}`` would hold), other
-    keys ignored, blank lines skipped. A prompt given twice is one problem,
-    refused where its answers differ."""
+    names it in errors): an object a line, with a prompt string and an
+    answer (a string or a number; what a ``\\boxed{}`` would hold) at the
+    keys ``fmt`` names, the prompt put in its template; other keys ignored,
+    blank lines skipped. A prompt given twice is one problem, refused where
+    its answers differ. A problem's meta holds its line and, where the
+    template is not bare, its prompt as the line holds it."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -580,17 +634,20 @@ def read_problems(name: str, data: bytes, source: str) -> list[Problem]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: not a JSON object ({e.msg} at column {e.colno})") from None
         if not isinstance(record, dict):
-            raise ValueError(f"{where}: a JSON {type(record).__name__}, not an object with 'prompt' and 'answer'")
-        missing = [key for key in ("prompt", "answer") if key not in record]
-        if missing:
-            raise ValueError(f"{where}: no {' and no '.join(map(repr, missing))} (keys: {', '.join(record) or 'none'})")
-        prompt, answer = record["prompt"], record["answer"]
+            raise ValueError(
+                f"{where}: {_json_kind(record)}, not an object with {fmt.prompt_key!r} and {fmt.answer_key!r}"
+            )
+        prompt, answer = (_value(record, key, where) for key in (fmt.prompt_key, fmt.answer_key))
         if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f"{where}: 'prompt' must be a non-empty string, got {prompt!r}")
+            raise ValueError(f"{where}: {fmt.prompt_key!r} must be a non-empty string, got {_quoted(prompt)}")
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)
         if not isinstance(answer, str) or not answer.strip():
-            raise ValueError(f"{where}: 'answer' must be a non-empty string or a number, got {answer!r}")
+            raise ValueError(
+                f"{where}: {fmt.answer_key!r} must be a non-empty string or a number, got {_quoted(answer)}"
+            )
+        meta = {"line": number} if fmt.template == PROMPT_SLOT else {"line": number, "prompt": prompt}
+        prompt = fmt.template.replace(PROMPT_SLOT, prompt)
         if prompt in problems:
             first, problem = problems[prompt]
             if problem.answer != answer:
@@ -598,7 +655,7 @@ def read_problems(name: str, data: bytes, source: str) -> list[Problem]:
                     f"{where}: the prompt of line {first} again, with answer {answer!r} where it had {problem.answer!r}"
                 )
             continue
-        problems[prompt] = number, Problem(name, prompt, answer, {"line": number})
+        problems[prompt] = number, Problem(name, prompt, answer, meta)
     if not problems:
         raise ValueError(f"{source}: no problems in it")
     return [problem for _, problem in problems.values()]
@@ -654,6 +711,13 @@ def split(
     the sum answered 18% of the 500 test prompts, 6% of the 2,000 training
     ones). The price: the test set moves when ``train_size`` does."""
     task = get_task(task) if isinstance(task, str) else task
-    problems = task.generate(test_size + train_size, seed, difficulty)
-    random.Random(f"{task.name}/{difficulty}/{seed}/split").shuffle(problems)
-    return problems[test_size:], problems[:test_size]
+    return held_out(task.generate(test_size + train_size, seed, difficulty), task.name, test_size, seed, difficulty)
+
+
+def held_out(drawn: list, name: str, test_size: int, seed: int, difficulty: int) -> tuple[list, list]:
+    """The train and test parts of task ``name``'s problems ``drawn`` (or of
+    anything drawn with them, one item a problem, such as their prompts) as
+    :func:`split` parts them."""
+    drawn = list(drawn)
+    random.Random(f"{name}/{difficulty}/{seed}/split").shuffle(drawn)
+    return drawn[test_size:], drawn[:test_size]

@@ -483,6 +483,11 @@ def _warn_for_cluster(config) -> None:
             "no metrics.pushgateway_url: the run pushes no metrics, and the Grafana dashboards stay empty "
             "(--pushgateway http://...)"
         )
+    read = {"model.checkpoint": config.model.checkpoint, "model.trainer_state": config.model.trainer_state}
+    read |= {f"tasks.{i}.data": t.data for i, t in enumerate(config.tasks)}
+    for field, where in read.items():
+        if where is not None and not where.startswith(("s3://", "minio://")):
+            _warn(f"{field} {where} is a file each pod reads in its own image; put it in the store (s3://...)")
 
 
 def _yaml_path(ctx, param, value: str) -> str:
@@ -764,11 +769,26 @@ def alerts(output):
     type=click.Path(dir_okay=False),
     help="Write it to this .yaml, .yml or .json file instead of printing it as YAML.",
 )
-def show_config(preset, config_file, sets, output):
+@click.option(
+    "--check",
+    is_flag=True,
+    help="Also read the tasks' problem files (S3 with the config's store settings) and draw every task, as a "
+    "run's first task does, and give the config with the files' sha256 pinned.",
+)
+def show_config(preset, config_file, sets, output, check):
     """Print the whole run config that --preset, --config and --set give, validated: what a run of them takes,
     every value, and a start for a --config file of your own (e.g. tracefp4 config --set
-    model.checkpoint=my-moe > my-run.yaml)."""
+    model.checkpoint=my-moe > my-run.yaml). --check finds before a submit what the run's first task would
+    refuse in its tasks."""
     config = _config(preset, config_file, sets=sets)
+    if check:
+        from tracefp4.pipelines.parameters import check_drawable, pin_problems
+
+        try:
+            config = pin_problems(config)
+            check_drawable(config)
+        except ConfigError as e:
+            raise click.ClickException(str(e)) from None
     if output is None:
         click.echo(config_text(config), nl=False)
         return

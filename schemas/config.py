@@ -92,6 +92,8 @@ S3_REGION = r"^[A-Za-z0-9][-_A-Za-z0-9]{0,62}$"  # AWS's us-east-1, MinIO's and 
 K8S_CPU = r"^([0-9]+(\.[0-9]+)?|[0-9]+m)$"
 TASK_NAME = r"^[a-z][a-z0-9_-]{0,62}$"  # a task's name is a metrics label value and a report's row
 SHA256 = r"^[0-9a-f]{64}$"
+RESERVED_TASK_NAMES = ("all", "avg")  # the training mix's metrics label, the report's average columns
+KEY_PATH = r"^[^.]+(\.[^.]+)*$"  # a JSON key, or a dotted path of them into nested objects
 # what KFP's set_memory_limit takes: a whole number, no Kubernetes decimals or lowercase k
 K8S_MEMORY = r"^[0-9]+(Ki|Mi|Gi|Ti|Pi|Ei|K|M|G|T|P|E)?$"
 _IMAGE_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"  # a path component of an image name
@@ -120,6 +122,7 @@ PATTERN_HINTS = {
     DEVICE_PATTERN: "must be 'auto', 'cpu', 'cuda' or 'cuda:N'",
     TASK_NAME: "must be a task name: lowercase letters, digits, '_' and '-', 1-63 characters, a letter first",
     SHA256: "must be a sha256 digest: 64 lowercase hexadecimal digits",
+    KEY_PATH: "must be a JSON key, or keys joined by '.' into nested objects (such as 'reward_model.ground_truth')",
 }
 
 LabelKey = Annotated[str, StringConstraints(pattern=LABEL_KEY, max_length=317)]
@@ -528,11 +531,11 @@ class TaskConfig(_Section):
         default=None,
         min_length=1,
         description="Problems read from a file instead of generated: a path (on the machine that runs the steps: "
-        "a cluster's pods read it in their image or volumes) or a store URI (file://, s3://, minio://; S3 reached "
-        "with the run store's settings) of JSON Lines, an object a line with a 'prompt' string and an 'answer' "
-        "(a string or number, what a \\boxed{} holds). A response scores 1 when its final answer (after the "
-        "thinking: its last \\boxed{}, else its last expression) equals the answer mathematically (math-verify; "
-        "docs/evaluation.md, 'Your own problems').",
+        "a cluster's pods read it in their image) or a store URI (file://, s3://, minio://; S3 reached with the "
+        "run store's settings) of JSON Lines, an object a line with a prompt string and an answer (a string or "
+        "number, what a \\boxed{} holds) at prompt_key and answer_key. A response scores 1 when its final answer "
+        "(after the thinking: its last \\boxed{}, else its last expression) equals the answer mathematically "
+        "(math-verify; docs/evaluation.md, 'Your own problems').",
     )
     sha256: str | None = Field(
         default=None,
@@ -540,23 +543,68 @@ class TaskConfig(_Section):
         description="The sha256 of data's bytes: a file with other bytes is refused. Where empty, the run's first "
         "task (a local run: before it starts) sets it, so that every step reads the problems the run started with.",
     )
+    prompt_key: str = Field(
+        default="prompt",
+        pattern=KEY_PATH,
+        max_length=256,
+        description="With data: the key of a line's prompt, or keys joined by '.' into nested objects (MATH-500's "
+        "problem, AIME's Problem).",
+    )
+    answer_key: str = Field(
+        default="answer",
+        pattern=KEY_PATH,
+        max_length=256,
+        description="With data: the key of a line's answer, or keys joined by '.' (verl's reward_model.ground_truth).",
+    )
+    prompt_template: str = Field(
+        default=tasks.PROMPT_SLOT,
+        max_length=65536,
+        description=f"With data: what the policy is given, this text with {tasks.PROMPT_SLOT} (once) replaced by the "
+        f"line's prompt (such as '{tasks.PROMPT_SLOT} Put the final answer in \\boxed{{}}.').",
+    )
     difficulty: int = Field(
         default=1, ge=1, le=5, description="Difficulty level, 1 (easiest) to 5, of a generated family (1 with data)."
     )
     train_size: int = Field(
-        default=256, ge=1, le=1_000_000, description="Training prompts drawn. Bounded: held in memory at once."
+        default=256,
+        ge=0,
+        le=1_000_000,
+        description="Training prompts drawn; 0: a task evaluated on and never trained on (a benchmark such as "
+        "AIME's problems). Bounded: held in memory at once.",
     )
     test_size: int = Field(
-        default=32, ge=1, le=1_000_000, description="Held-out test prompts drawn. Bounded: held in memory at once."
+        default=32,
+        ge=0,
+        le=1_000_000,
+        description="Held-out test prompts drawn; 0: a task trained on and not evaluated on (the other tasks' "
+        "test prompts evaluate the run). Bounded: held in memory at once.",
     )
     weight: float = Field(
-        default=1.0, gt=0.0, le=1e6, description="Relative weight of this task when rollout draws a training prompt."
+        default=1.0,
+        gt=0.0,
+        le=1e6,
+        description="Relative weight of this task when rollout draws a training prompt (of a task with train_size).",
     )
 
     @field_validator("data")
     @classmethod
     def _data_scheme(cls, value: str | None) -> str | None:
         return value if value is None or "://" not in value else _check_store_uri(value)
+
+    @field_validator("prompt_template", mode="before")
+    @classmethod
+    def _template_text(cls, value):
+        if isinstance(value, dict):  # YAML's reading of an unquoted {prompt}
+            raise ValueError(
+                f"a mapping, {value!r}: quote the template ('{tasks.PROMPT_SLOT} ...'), which YAML reads "
+                "as a mapping where it opens with a brace"
+            )
+        if isinstance(value, str) and (control := sorted({c for c in value if c < " " and c not in "\n\t"})):
+            raise ValueError(
+                f"holds the control character {control[0]!r} (in YAML's double quotes \\b is a backspace: write "
+                "\\\\boxed, or quote the template with single quotes)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _generated_or_read(self) -> "TaskConfig":
@@ -568,13 +616,31 @@ class TaskConfig(_Section):
                 )
             if self.sha256 is not None:
                 raise ValueError("sha256: is the digest of data's file; this task has no data")
+            for field in ("prompt_key", "answer_key", "prompt_template"):
+                if getattr(self, field) != TaskConfig.model_fields[field].default:
+                    raise ValueError(f"{field}: reads data's lines; this task has no data")
         elif self.name in tasks.TASKS:
             raise ValueError(
                 f"name: {self.name!r} is a generated family's; name the file's problems otherwise (their reward is "
                 "another)"
             )
+        elif self.name in RESERVED_TASK_NAMES:
+            raise ValueError(
+                f"name: {self.name!r} names all the tasks at once (the training mix's metrics, the report's "
+                "averages); name the file's problems otherwise"
+            )
+        elif self.answer_key == self.prompt_key:
+            raise ValueError(f"answer_key: {self.answer_key!r} is prompt_key too; a line's answer is not its prompt")
         elif self.difficulty != 1:
             raise ValueError(f"difficulty: {self.difficulty} is a generated family's knob; a file's problems have none")
+        if self.prompt_template.count(tasks.PROMPT_SLOT) != 1:
+            raise ValueError(
+                f"prompt_template: {self.prompt_template!r} must hold {tasks.PROMPT_SLOT} once, where the prompt goes"
+            )
+        if self.train_size == self.test_size == 0:
+            raise ValueError("train_size: 0 and test_size 0: the task is neither trained nor evaluated on")
+        if self.train_size == 0 and self.weight != 1.0:
+            raise ValueError(f"weight: {self.weight}, but the task has no training prompts (train_size 0) to draw")
         return self
 
 
@@ -617,8 +683,8 @@ class BootstrapConfig(_Section):
         default=16,
         ge=1,
         le=65536,
-        description="Problems of each accuracy check: held out of SFT from the tasks' training splits, never "
-        "test problems.",
+        description="Problems of each accuracy check: held out of SFT from the tasks' training splits (each task "
+        "with one in turn), never test problems.",
     )
 
     @model_validator(mode="after")
@@ -651,10 +717,10 @@ class EvaluationConfig(_Section):
     samples_per_prompt: int = Field(default=4, ge=1, le=1024, description="k of mean@k: samples per test prompt.")
     test_prompts: int = Field(
         default=32,
-        ge=1,
+        ge=0,
         le=1_000_000,
-        description="Test prompts per evaluation, as many of each task (so rounded up to a multiple of the "
-        "number of tasks).",
+        description="Test prompts per evaluation, as many of each task with a test split (so rounded up to a "
+        "multiple of their number); 0: every such task's whole test split (test_size), a benchmark whole.",
     )
     ptq_baselines: list[PTQMethod] = Field(
         default_factory=lambda: ["nvfp4", "four_over_six", "h_scale"],
@@ -925,18 +991,22 @@ class RunConfig(_Section):
             for i, name in enumerate(names)
             if name in names[:i]
         ]
-        share = -(-self.evaluation.test_prompts // len(self.tasks))  # every task's share of the test prompts
+        for split, use in (("train_size", "train"), ("test_size", "evaluate")):
+            if all(getattr(t, split) == 0 for t in self.tasks):
+                problems.append(f"tasks: every task's {split} is 0: nothing to {use} on")
+        tested = sum(t.test_size > 0 for t in self.tasks)
         problems += [
             f"tasks.{i}.test_size: {t.test_size} held-out {t.name} prompts, but evaluation.test_prompts "
-            f"{self.evaluation.test_prompts} asks {share} of each of the {len(self.tasks)} tasks"
-            for i, t in enumerate(self.tasks)
+            f"{self.evaluation.test_prompts} asks {share} of each of the {tested} tasks with a test split (0: "
+            "each one's whole test split)"
+            for i, (t, share) in enumerate(zip(self.tasks, self.test_shares))
             if t.test_size < share
         ]
         problems += [
             f"tasks.{i}.train_size: {t.train_size} {t.name} problems, of which bootstrap SFT holds out {k} to check "
             f"its accuracy on (bootstrap.eval_prompts {self.bootstrap.eval_prompts}): none left to train on"
             for i, (t, k) in enumerate(zip(self.tasks, self.bootstrap_checks))
-            if k >= t.train_size
+            if 0 < t.train_size <= k
         ]
         problems += self._train_problems()
         problems += self._continuation_problems()
@@ -1068,13 +1138,24 @@ class RunConfig(_Section):
         return problems
 
     @property
+    def test_shares(self) -> list[int]:
+        """How many of each task's test prompts evaluation scores: ``evaluation.test_prompts`` spread evenly
+        over the tasks with a test split, rounded up; where it is 0, each one's whole test split."""
+        tested = sum(t.test_size > 0 for t in self.tasks)
+        share = -(-self.evaluation.test_prompts // max(tested, 1))
+        return [0 if t.test_size == 0 else share or t.test_size for t in self.tasks]
+
+    @property
     def bootstrap_checks(self) -> list[int]:
         """How many of each task's training problems bootstrap SFT holds out to check
-        its accuracy on (``bootstrap.eval_prompts``, the tasks in turn; none
-        without checks)."""
-        b, n = self.bootstrap, len(self.tasks)
+        its accuracy on (``bootstrap.eval_prompts``, the tasks with training
+        problems in turn; none without checks)."""
+        b = self.bootstrap
         checks = b.eval_prompts if b.enabled and 0 < b.eval_every < b.steps else 0
-        return [checks // n + (i < checks % n) for i in range(n)]
+        trained = [i for i, t in enumerate(self.tasks) if t.train_size > 0]
+        turn = {i: j for j, i in enumerate(trained)}
+        n = max(len(trained), 1)
+        return [checks // n + (turn[i] < checks % n) if i in turn else 0 for i in range(len(self.tasks))]
 
     @property
     def train_precision(self) -> str:

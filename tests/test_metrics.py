@@ -215,6 +215,30 @@ def test_the_rounds_decode_failure_ratio_is_its_failed_blocks_of_all_its_blocks(
     assert value == pytest.approx(100 / 1010)
 
 
+def test_a_round_drawn_from_several_tasks_tells_each_ones_training_accuracy(tmp_path):
+    """Over the round's responses to each task's prompts (3 of 8 and 6 of 8 here), beside the mix's mean; a round
+    of one task has the mix's alone."""
+    import torch
+
+    from tracefp4.components.metrics import _train
+    from tracefp4.components.steps import solved_by_task
+    from tracefp4.components.tasks import Problem
+
+    problems = [Problem(task, "q", "1", {}) for task in ("sums", "sums", "bench", "sums")]
+    assert solved_by_task(problems, torch.tensor([1.0, 0.0, 1.0, 0.5])) == {"sums": [1, 3], "bench": [1, 1]}
+
+    def accuracy(*steps):
+        rows = [{"accuracy": 0.5, "logprob_abs_diff_max": 0.0, "task_solved": solved} for solved in steps]
+        m = RunMetrics(pipeline="p", run_id="r1", method="trace", component="train", round=0)
+        _train(m, rows, get_preset("smoke"))
+        m.publish(tmp_path / "metrics.prom", None, "tracefp4")
+        found = [(labels, v) for name, labels, v in read_file(tmp_path / "metrics.prom") if "accuracy_ratio" in name]
+        return {labels["task"]: v for labels, v in found if labels["split"] == "train"}
+
+    assert accuracy({"a": [1, 4], "b": [4, 4]}, {"a": [2, 4], "b": [2, 4]}) == {"all": 0.5, "a": 3 / 8, "b": 6 / 8}
+    assert accuracy({"a": [1, 4]}, {"a": [3, 4]}) == {"all": 0.5}
+
+
 def test_speed_figures_carry_the_machine_they_were_measured_on(tmp_path):
     """A cluster runs the rollout, compaction, train and evaluate steps on nodes of their own: each one's speed
     figures are labelled by its device and CPU bf16 mode (empty on a GPU, and where a history row does not say)."""

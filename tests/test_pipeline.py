@@ -432,8 +432,9 @@ def test_cli(tmp_path):
     assert "use --store s3://... on a cluster" in result.output  # compile takes --store, as run does
     assert "tasks in a run" not in result.output
     args = ["compile", "--preset", "smoke", "--set", "store.uri=s3://bucket/runs", "--output", str(tmp_path / "s.yaml")]
-    result = runner.invoke(main, args)
+    result = runner.invoke(main, [*args, "--set", 'tasks=[{"name": "mine", "data": "mine.jsonl"}]'])
     assert "store s3://bucket/runs without store.endpoint: every step takes TRACEFP4_S3_ENDPOINT" in result.output
+    assert "tasks.0.data mine.jsonl is a file each pod reads in its own image; put it in the store" in result.output
     assert "vLLM refuses" not in result.output
     # a rollout whose export no serving engine loads: said as it compiles, not after the run's last task
     args = [

@@ -6,6 +6,8 @@ URI or an S3 store (a real SeaweedFS server, tests/s3_server.py)."""
 
 import hashlib
 import json
+import logging
+import re
 import time
 from pathlib import Path
 
@@ -13,13 +15,23 @@ import pytest
 
 from tracefp4.components import steps
 from tracefp4.components.store import open_store
-from tracefp4.components.tasks import MATH_TIMEOUT_S, FileTask, Problem, read_problems, reward_of, split
+from tracefp4.components.tasks import (
+    MATH_TIMEOUT_S,
+    FileTask,
+    LineFormat,
+    Problem,
+    _math_verify,
+    read_problems,
+    reward_of,
+    split,
+)
 from tracefp4.pipelines import resume
 from tracefp4.pipelines.local import run_to_end
 from tracefp4.pipelines.parameters import pin_problems, reached
 from tracefp4.schemas import ConfigError, RunConfig, get_preset, load_config
 
 LINES = [{"prompt": f"{a}+{b}=", "answer": a + b} for a in range(10) for b in range(3)]
+BENCH = [{"prompt": f"{a}*{b}=", "answer": a * b} for a in range(4) for b in range(2)]
 
 
 def _write(path, records=LINES) -> str:
@@ -27,10 +39,11 @@ def _write(path, records=LINES) -> str:
     return str(path)
 
 
-def _config(data: str, **task) -> RunConfig:
-    """The smoke preset on the problems of ``data``, its store in a folder beside a local file."""
+def _config(data: str, *others: dict, **task) -> RunConfig:
+    """The smoke preset on the problems of ``data`` (and the tasks ``others``), its store in a folder beside a
+    local file."""
     config = get_preset("smoke").model_dump()
-    config["tasks"] = [{"name": "sums", "data": data, "train_size": 8, "test_size": 4, **task}]
+    config["tasks"] = [{"name": "sums", "data": data, "train_size": 8, "test_size": 4, **task}, *others]
     if "://" not in data:
         config["store"]["uri"] = (Path(data).parent / "store").as_uri()
     return RunConfig.model_validate(config)
@@ -45,11 +58,11 @@ def test_a_file_is_read_as_problems_and_its_faults_name_their_line():
     assert len(read_problems("mine", text + b'{"prompt": "x", "answer": "\\\\frac{1}{2}"}\n', "f")) == 2  # a repeat
     faults = {
         b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "2+2="': "f.jsonl line 2: not a JSON object",
-        b'["1+1=", "2"]': "line 1: a JSON list, not an object with 'prompt' and 'answer'",
+        b'["1+1=", "2"]': "line 1: a list, not an object with 'prompt' and 'answer'",
         b'{"question": "1+1=", "answer": 2}': "line 1: no 'prompt' (keys: question, answer)",
         b'{"prompt": "1+1="}': "line 1: no 'answer' (keys: prompt)",
-        b'{"prompt": "", "answer": 2}': "line 1: 'prompt' must be a non-empty string, got ''",
-        b'{"prompt": "1+1=", "answer": true}': "line 1: 'answer' must be a non-empty string or a number, got True",
+        b'{"prompt": "", "answer": 2}': "line 1: 'prompt' must be a non-empty string, got \"\"",
+        b'{"prompt": "1+1=", "answer": true}': "line 1: 'answer' must be a non-empty string or a number, got true",
         b'{"prompt": "a", "answer": 1}\n{"prompt": "a", "answer": 2}': "line 2: the prompt of line 1 again, with "
         "answer '2' where it had '1'",
         b"\n  \n": "f.jsonl: no problems in it",
@@ -58,6 +71,74 @@ def test_a_file_is_read_as_problems_and_its_faults_name_their_line():
     for data, message in faults.items():
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
             read_problems("mine", data, "f.jsonl")
+
+
+def test_a_files_keys_and_prompt_template_are_the_tasks_own():
+    line = {"id": 7, "problem": "1+1=", "reward_model": {"style": "rule", "ground_truth": "2"}, "long": [0] * 99}
+    fmt = LineFormat("problem", "reward_model.ground_truth", "{prompt} Put it in \\boxed{}.")
+    assert read_problems("mine", json.dumps(line).encode(), "f", fmt) == [
+        Problem("mine", "1+1= Put it in \\boxed{}.", "2", {"line": 1, "prompt": "1+1="})
+    ]
+    faults = {
+        LineFormat("question"): "f line 1: no 'question' (keys: id, problem, reward_model, long)",
+        LineFormat("problem", "reward_model.answer"): "f line 1: no 'reward_model.answer' (keys of reward_model: "
+        "style, ground_truth)",
+        LineFormat("problem", "id.x"): "f line 1: no 'id.x' (id is a number)",
+        LineFormat("id", "problem"): "f line 1: 'id' must be a non-empty string, got 7",
+        LineFormat(
+            "reward_model", "problem"
+        ): 'f line 1: \'reward_model\' must be a non-empty string, got {"style": "rule", "ground_truth": "2"}',
+        LineFormat(
+            "problem", "long"
+        ): f"f line 1: 'long' must be a non-empty string or a number, got [{'0, ' * 25}0...",
+    }
+    for fmt, message in faults.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            read_problems("mine", json.dumps(line).encode(), "f", fmt)
+
+    def problems(**task):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, preset="smoke", overrides={"tasks": [task]})
+        return str(e.value)
+
+    assert "tasks.0.prompt_key: reads data's lines; this task has no data" in problems(name="countdown", prompt_key="q")
+    assert "tasks.0.prompt_template: 'Solve: {prompt} {prompt}' must hold {prompt} once" in problems(
+        name="mine", data="m.jsonl", prompt_template="Solve: {prompt} {prompt}"
+    )
+    assert "tasks.0.answer_key: must be a JSON key, or keys joined by '.'" in problems(
+        name="mine", data="m.jsonl", answer_key="reward_model."
+    )
+    assert "tasks.0.answer_key: 'q' is prompt_key too" in problems(
+        name="mine", data="m", prompt_key="q", answer_key="q"
+    )
+    for name in ("all", "avg"):  # the training mix's metrics label, the report's averages
+        assert f"tasks.0.name: '{name}' names all the tasks at once" in problems(name=name, data="m.jsonl")
+    assert "tasks.0.prompt_template: '' must hold {prompt} once" in problems(name="m", data="m", prompt_template="")
+    # YAML's readings of an unquoted {prompt} and of a \b in double quotes
+    assert "tasks.0.prompt_template: a mapping, {'prompt': None}: quote the template" in problems(
+        name="m", data="m", prompt_template={"prompt": None}
+    )
+    assert "tasks.0.prompt_template: holds the control character '\\x08' (in YAML's double quotes" in problems(
+        name="m", data="m", prompt_template="{prompt} in \boxed{}"
+    )
+
+
+def test_a_templates_own_characters_and_its_bare_prompts_are_checked_as_its_own(tmp_path):
+    """On a library preset a character of the template is named as the template's, not a line's; the check
+    across tasks compares a file's prompts as its lines hold them, so a benchmark put in another template is
+    still the problem trained on."""
+    sums = {"name": "sums", "data": _write(tmp_path / "sums.jsonl"), "train_size": 30, "test_size": 0}
+    config = load_config(
+        None,
+        preset="smoke",
+        overrides={"tasks": [{**sums, "test_size": 4, "train_size": 8, "prompt_template": "{prompt} \u00d7"}]},
+    )
+    with pytest.raises(ConfigError, match="tasks.0.prompt_template: '\u00d7' is outside the library preset's"):
+        reached(config.model_dump_json())
+    again = {**sums, "name": "again", "train_size": 0, "test_size": 4, "prompt_template": "Q: {prompt}\nA:"}
+    config = load_config(None, preset="smoke", overrides={"tasks": [sums, again]})
+    with pytest.raises(ConfigError, match=r"tasks.1: 4 of its 4 test prompts .*: drop them from \S*sums.jsonl$"):
+        reached(config.model_dump_json())
 
 
 def test_a_response_scores_when_its_final_answer_equals_the_reference_mathematically():
@@ -75,6 +156,14 @@ def test_a_response_scores_when_its_final_answer_equals_the_reference_mathematic
     # cut by the length limit: its last line may be an answer cut short (357 of 3579), so it does not count
     assert score("357", "the answer is 357", finished=False) == 0.0
     assert score("357", "the answer is 357\n", finished=False) == 1.0
+
+
+def test_math_verify_warns_of_a_parsing_timeout_without_the_whole_response(caplog):
+    _math_verify()  # imported, its parser's log filtered
+    with caplog.at_level(logging.WARNING, logger="math_verify.parser"):
+        logging.getLogger("math_verify.parser").warning(f"Timeout during parsing: {'x' * 5000}")
+    (record,) = caplog.records
+    assert record.getMessage() == f"Timeout during parsing: {'x' * 176}... (5024 characters)"
 
 
 def test_a_file_task_draws_distinct_problems_in_a_seeded_order():
@@ -104,6 +193,49 @@ def test_the_config_keeps_file_tasks_and_generated_families_apart():
     assert "tasks.0.data: must start with file://, s3:// or minio://" in problems(
         name="mine", data="https://host/x.jsonl"
     )
+
+
+def test_a_task_is_trained_on_alone_or_evaluated_on_alone_and_never_both_across_tasks(tmp_path):
+    def problems(tasks, **settings):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, preset="smoke", overrides={"tasks": tasks, **settings})
+        return str(e.value)
+
+    sums = {"name": "sums", "data": _write(tmp_path / "sums.jsonl"), "train_size": 20, "test_size": 0}
+    bench = {"name": "bench", "data": _write(tmp_path / "bench.jsonl", BENCH), "train_size": 0, "test_size": 8}
+    assert "tasks.0.train_size: 0 and test_size 0: the task is neither" in problems([{**sums, "train_size": 0}])
+    assert "tasks.1.weight: 2.0, but the task has no training prompts" in problems([sums, {**bench, "weight": 2}])
+    assert "tasks: every task's train_size is 0: nothing to train on" in problems([bench])
+    assert "tasks: every task's test_size is 0: nothing to evaluate on" in problems([sums])
+    assert "tasks.1.test_size: 8 held-out bench prompts, but evaluation.test_prompts 12 asks 12 of each of the 1 " in (
+        problems([sums, bench], **{"evaluation.test_prompts": 12})
+    )
+    checks = {"bootstrap.eval_every": 1, "bootstrap.eval_prompts": 3, "evaluation.test_prompts": 8}
+    config = load_config(None, preset="smoke", overrides={"tasks": [bench, sums, {**sums, "name": "more"}], **checks})
+    assert (config.test_shares, config.bootstrap_checks) == ([8, 0, 0], [0, 2, 1])  # of the tested; of the trained
+    whole = {"tasks": [sums, bench, {**bench, "name": "half", "test_size": 4}], "evaluation.test_prompts": 0}
+    assert load_config(None, preset="smoke", overrides=whole).test_shares == [0, 8, 4]  # each test split whole
+    train, test = steps.problems(config)
+    assert {p.task for p in train} == {"sums", "more"} and {p.task for p in test} == {"bench"} and len(test) == 8
+    assert {p.task for p in steps.training_problems(config, 0, 64)} == {"sums", "more"}
+    assert {p.task for p in steps.sft_problems(config)[1]} == {"sums", "more"}  # the checks: training problems
+    # a benchmark's problem in the training file: refused before any work, naming both lines
+    leaked = {**bench, "data": _write(tmp_path / "leaked.jsonl", [*BENCH[:7], LINES[4]])}
+    config = load_config(None, preset="smoke", overrides={"tasks": [{**sums, "train_size": 30}, leaked]})
+    with pytest.raises(ConfigError, match=r"tasks.1: 1 of its 8 test prompts is another task's training prompt, so "):
+        reached(config.model_dump_json())
+    with pytest.raises(ConfigError, match=r"leaked.jsonl line 8, is one of tasks.0 \(.*sums.jsonl line 5\): drop "):
+        reached(config.model_dump_json())
+    # a generated family's problems count too: arithmetic's products are the benchmark's
+    arithmetic = {"name": "arithmetic", "train_size": 290, "test_size": 0}
+    config = load_config(None, preset="smoke", overrides={"tasks": [arithmetic, bench]})
+    with pytest.raises(
+        ConfigError,
+        match=r"tasks.1: 8 of its 8 test prompts are other tasks' training prompts, .*; "
+        r"the first, .*bench.jsonl line \d, is one of tasks.0 \(a problem of arithmetic\): drop them "
+        r"from .*bench.jsonl$",
+    ):
+        reached(config.model_dump_json())
 
 
 def test_a_run_pins_its_files_and_a_file_rewritten_during_it_stops_the_next_step(tmp_path):
@@ -143,6 +275,23 @@ def test_the_first_task_refuses_a_file_too_small_or_with_an_answer_no_response_c
         reached(_config(_write(tmp_path / "bad.jsonl", records)).model_dump_json())
 
 
+def test_config_check_reads_the_files_as_the_first_task_does(tmp_path):
+    """Before a submit: the files' faults and the draws' are found here, and a good config comes back pinned."""
+    from click.testing import CliRunner
+
+    from tracefp4.pipelines.cli import main
+
+    data = _write(tmp_path / "sums.jsonl")
+    task = f'tasks=[{{"name": "sums", "data": "{data}", "train_size": 8, "test_size": 4}}]'
+    result = CliRunner().invoke(main, ["config", "--preset", "smoke", "--set", task, "--check"])
+    assert result.exit_code == 0 and f"sha256: {hashlib.sha256(Path(data).read_bytes()).hexdigest()}" in result.output
+    result = CliRunner().invoke(
+        main, ["config", "--preset", "smoke", "--set", task.replace('": 8', '": 40'), "--check"]
+    )
+    assert result.exit_code == 1 and "tasks.0: train_size 40 + test_size 4: " in result.output
+    assert "holds 30 distinct problems, not 44" in result.output
+
+
 def test_a_file_in_an_s3_store_is_read_with_the_run_stores_settings(s3_env, tmp_path):
     local = _write(tmp_path / "sums.jsonl")
     open_store(s3_env.uri("data")).upload("sums.jsonl", local)
@@ -155,9 +304,19 @@ def test_a_file_in_an_s3_store_is_read_with_the_run_stores_settings(s3_env, tmp_
         pin_problems(missing)
 
 
-def test_a_local_run_trains_and_evaluates_on_a_files_problems(tmp_path):
-    finished = run_to_end(_config(_write(tmp_path / "sums.jsonl")), tmp_path / "run", out=open(tmp_path / "out", "w"))
-    report, data = finished.report.read_text(), tmp_path / "sums.jsonl"
-    sha256 = hashlib.sha256(data.read_bytes()).hexdigest()
-    assert f"tasks: sums (`{data}`, sha256 {sha256[:12]})." in report  # the pinned file's
-    assert "| sums pass@1 |" in report and "| bf16 | sums | trained | initial |" in report
+def test_a_local_run_trains_on_one_file_and_evaluates_on_others_whole(tmp_path):
+    bench = {"name": "bench", "data": _write(tmp_path / "bench.jsonl", BENCH), "train_size": 0, "test_size": 8}
+    squares = [{"prompt": f"{a}^2=", "answer": a * a} for a in range(5)]
+    squares = {"name": "squares", "data": _write(tmp_path / "squares.jsonl", squares), "train_size": 0, "test_size": 5}
+    config = _config(_write(tmp_path / "sums.jsonl"), bench, squares, test_size=0)
+    config.evaluation.test_prompts = 0  # each benchmark whole
+    finished = run_to_end(config, tmp_path / "run", out=open(tmp_path / "out", "w"))
+    report = finished.report.read_text()
+    sums, bench = (hashlib.sha256((tmp_path / f).read_bytes()).hexdigest()[:12] for f in ("sums.jsonl", "bench.jsonl"))
+    summary = (  # the pinned files'
+        f"tasks: sums (`{tmp_path}/sums.jsonl`, sha256 {sums}, trained on only), "
+        f"bench (`{tmp_path}/bench.jsonl`, sha256 {bench}, evaluated on only), squares ("
+    )
+    assert summary in report
+    assert "| bench pass@1 |" in report and "| bf16 | bench | trained | initial |" in report
+    assert "sums pass@1" not in report and "over 8 (bench), 5 (squares) test prompts;" in report

@@ -434,6 +434,7 @@ def test_comparison_has_one_row_per_method_policy_and_one_line_per_method(trace_
     text = report.comparison(TRACE, evaluations, histories)
     assert text.startswith("# tracefp4 comparison `smoke`")
     assert "- run `smoke`: method `trace`," in text and "- run `smoke`: method `bf16`," in text  # each method's run
+    assert "\ntasks: arithmetic.\n" in text  # what the methods trained and were evaluated on
     table = rows(section(text, "Accuracy: method x task"))[1:]
     keys = [tuple(r[:3]) for r in table]
     assert len(keys) == len(set(keys)) == 7  # (method, policy, rollout), PTQ rows included
@@ -674,6 +675,14 @@ def test_the_step_table_says_what_each_column_is_and_shows_0_1_rewards_once(tmp_
     page = Page(report.html_report(TRACE, *write(tmp_path, "binary", binary, TRACE_EVALUATION)))
     reward = next(c for c in page.captions if c.startswith("Reward and accuracy."))
     assert "Series: reward mean = train accuracy (sampled)." in reward  # one line, not two on top of each other
+    # a mix of tasks: each one's accuracy beside the mix's, over the steps that drew it
+    mixed = [
+        row | {"task_solved": {"sums": [1, 4], "bench": [3, 4]} if i else {"sums": [2, 8]}}
+        for i, row in enumerate(binary)
+    ]
+    page = Page(report.html_report(TRACE, *write(tmp_path, "mixed", mixed, TRACE_EVALUATION)))
+    reward = next(c for c in page.captions if c.startswith("Reward and accuracy."))
+    assert "sums train accuracy (sampled), bench train accuracy (sampled)." in reward
 
 
 def test_the_comparison_shows_0_1_rewards_once_where_every_method_has_them():
