@@ -20,7 +20,7 @@ import yaml
 
 from tracefp4.components.quant import FP4_FORMATS, ROLLOUT_CONFIGS, rollout_config
 from tracefp4.schemas import PRESETS, ConfigError, export_json_schema, load_config, save_config
-from tracefp4.schemas.io import config_text, load_yaml
+from tracefp4.schemas.io import config_source, config_text, load_yaml
 
 
 def _config(
@@ -44,6 +44,12 @@ def _config(
         return load_config(config_file, preset=preset or (None if config_file else "tiny"), overrides=overrides or None)
     except ConfigError as e:
         raise click.ClickException(str(e)) from None
+
+
+def _refused(e: ConfigError, config_file: str | None, sets: dict) -> click.ClickException:
+    """A check of the validated config (a run's start, its first task's, a comparison's branch) refusing it,
+    as the command's error: naming the --config file, where the problem may lie, as validation's errors do."""
+    return click.ClickException(str(e.found_in(config_source(config_file, sets))))
 
 
 preset_option = click.option(
@@ -185,10 +191,11 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
             )
     try:
         finished = run_to_end(config, output, methods=methods, verbose=verbose, restart=restart)
-    # StoreError: the run's store, opened first, or model.checkpoint's, fingerprinted first; ConfigError: a run
-    # no machine here can do
-    except (PipelineFailed, FolderInUse, UnreadableRunRecord, StoreError, ConfigError) as e:
+    # StoreError: the run's store, opened first, or model.checkpoint's, fingerprinted first
+    except (PipelineFailed, FolderInUse, UnreadableRunRecord, StoreError) as e:
         raise click.ClickException(str(e)) from None
+    except ConfigError as e:  # a run no machine here can do, a problem file or checkpoint the run cannot use
+        raise _refused(e, config_file, sets) from None
     except OSError as e:  # the run folder: a file in the way, no permission, no room
         raise click.ClickException(f"{e.filename or output}: {e.strerror or e}") from None
     except Interrupted as e:
@@ -243,7 +250,7 @@ def bootstrap(preset, config_file, sets, output):
     try:
         check_device(config)
     except ConfigError as e:
-        raise click.ClickException(str(e)) from None
+        raise _refused(e, config_file, sets) from None
     progress = _BootstrapSteps()
     try:
         with _written_to(output, steps_environment(config)) as folder:
@@ -533,7 +540,7 @@ def compile(preset, config_file, sets, output, store, pushgateway, methods):
             package = Path(compile_pipeline(config, Path(tmp) / "pipeline.yaml", methods)).read_bytes()
         write_atomic(Path(output), lambda f: f.write(package))
     except ConfigError as e:  # a comparison's branch that could not run
-        raise click.ClickException(str(e)) from None
+        raise _refused(e, config_file, sets) from None
     except OSError as e:  # a folder in the way, no permission
         raise _output_error(output, e) from None
     _warn_for_cluster(config)
@@ -634,8 +641,10 @@ def submit(preset, config_file, sets, experiment, store, pushgateway, service_ac
             methods=methods,
             warn=_warn,
         )
-    except (SubmitError, ConfigError) as e:
+    except SubmitError as e:
         raise click.ClickException(str(e)) from None
+    except ConfigError as e:
+        raise _refused(e, config_file, sets) from None
     click.echo(
         f"pipeline {result['pipeline_id']}, version {result['pipeline_version_id']}, "
         f"experiment {result['experiment_id']}, run {result['run_id']}"
@@ -788,7 +797,7 @@ def show_config(preset, config_file, sets, output, check):
             config = pin_problems(config)
             check_drawable(config)
         except ConfigError as e:
-            raise click.ClickException(str(e)) from None
+            raise _refused(e, config_file, sets) from None
     if output is None:
         click.echo(config_text(config), nl=False)
         return

@@ -47,6 +47,11 @@ class ConfigError(ValueError):
             lines.append(f"once {these} fixed, the checks across fields run (such as max_new_tokens vs max_seq_len)")
         super().__init__("\n".join(lines))
 
+    def found_in(self, source: str | Path | None) -> "ConfigError":
+        """This error naming ``source`` where it names none: a check after validation (a run's start, the
+        run's first task) finds what lies in a file the user gave, and the message should say which."""
+        return self if self.source or source is None else ConfigError(self.problems, source, self.unchecked)
+
     @classmethod
     def from_validation(cls, err: ValidationError, source: str | Path | None = None) -> "ConfigError":
         """One line per pydantic error; a root error (a cross-field check) already names its paths. Without
@@ -201,6 +206,14 @@ def _item_number(key) -> bool:
     return re.fullmatch(r"[0-9]+", str(key)) is not None
 
 
+def config_source(path: str | Path | None, overrides: Mapping | None) -> str | None:
+    """Where a config's error lies, as the error names it: its file, "with the overrides" where some were
+    given, since a problem may lie in either; None without a file."""
+    if path is None:
+        return None
+    return f"{path} with the overrides" if overrides else str(path)
+
+
 def load_config(
     path: str | Path | None = None, preset: str | None = None, overrides: Mapping | None = None
 ) -> RunConfig:
@@ -220,7 +233,7 @@ def load_config(
     try:
         config = RunConfig.model_validate(data, context={"from_file": True})
     except ValidationError as e:  # a problem may lie in the overrides (--set), not the file
-        raise ConfigError.from_validation(e, f"{path} with the overrides" if path and overrides else path) from None
+        raise ConfigError.from_validation(e, config_source(path, overrides)) from None
     for field, env_name in SECRET_ENV.items():
         if os.environ.get(env_name):
             setattr(config.store, field, SecretStr(os.environ[env_name]))

@@ -290,6 +290,15 @@ def test_config_check_reads_the_files_as_the_first_task_does(tmp_path):
     )
     assert result.exit_code == 1 and "tasks.0: train_size 40 + test_size 4: " in result.output
     assert "holds 30 distinct problems, not 44" in result.output
+    # a --config file's fault is named with the file, as validation's are, and with a --set beside it
+    run_file = tmp_path / "run.yaml"
+    run_file.write_text(f"tasks: [{{name: sums, data: {tmp_path}/none.jsonl}}]\n")
+    result = CliRunner().invoke(main, ["config", "--config", str(run_file), "--check"])
+    assert result.exit_code == 1 and f"invalid tracefp4 config in {run_file} (1 problem):" in result.output
+    result = CliRunner().invoke(main, ["config", "--config", str(run_file), "--set", "seed=1", "--check"])
+    assert f"in {run_file} with the overrides (1 problem):\n  tasks.0.data: {tmp_path}/none.jsonl: no such" in (
+        result.output
+    )
 
 
 def test_a_file_in_an_s3_store_is_read_with_the_run_stores_settings(s3_env, tmp_path):
