@@ -623,9 +623,11 @@ def _tasks_line(config: RunConfig) -> str:
 
 
 def _task_source(t: TaskConfig) -> str:
-    """A task as the report names it: a file's with the file and the bytes it read (their pinned sha256); one
-    that is only trained or only evaluated on, saying so."""
+    """A task as the report names it: a file's with the file and the bytes it read (their pinned sha256), and
+    the reward of its own that scored it; one that is only trained or only evaluated on, saying so."""
     where = [] if t.data is None else [f"`{t.data}`"] + [f"sha256 {t.sha256[:12]}"] * bool(t.sha256)
+    if t.reward is not None:
+        where += [f"rewarded by `{t.reward}`" + f" (sha256 {t.reward_sha256[:12]})" * bool(t.reward_sha256)]
     where += ["evaluated on only"] * (t.train_size == 0) + ["trained on only"] * (t.test_size == 0)
     return t.name + f" ({', '.join(where)})" * bool(where)
 

@@ -78,6 +78,7 @@ from .tasks import (
     FileTask,
     LineFormat,
     Problem,
+    RewardFunction,
     Task,
     check_answer_readable,
     format_example,
@@ -175,19 +176,31 @@ def task_of(config: RunConfig, i: int) -> Task:
     (:func:`.tasks.read_problems`); a file that is not there, holds no
     problems or is not the one ``sha256`` pins is an error naming the entry."""
     t = config.tasks[i]
-    return get_task(t.name) if t.data is None else _file_task(config, i, _problem_file(config, i)[0])
+    if t.data is None:
+        return get_task(t.name)
+    reward = None if t.reward is None else _reward_function(config, i, _task_file(config, i, "reward")[0])
+    return _file_task(config, i, _task_file(config, i, "data")[0], reward)
 
 
 def pin_problem_files(config: RunConfig) -> RunConfig:
-    """``config`` with each file task's ``sha256`` set to its file's where
-    empty (a pinned one checked), its problems read: what a run's first task
-    does, so that a file rewritten during the run stops its next step instead
-    of changing its problems."""
+    """``config`` with each file task's ``sha256`` (and ``reward_sha256``)
+    set to its file's where empty (a pinned one checked), its problems read
+    and its reward loaded: what a run's first task does, so that a file
+    rewritten during the run stops its next step instead of changing its
+    problems or their scores."""
     pinned = config.model_copy(deep=True)
     for i, t in enumerate(pinned.tasks):
-        if t.data is not None:
-            data, t.sha256 = _problem_file(config, i)
-            _file_task(config, i, data)  # its problems read: a file of none is refused here
+        if t.data is None:
+            continue
+        reward = None
+        if t.reward is not None:
+            code, t.reward_sha256 = _task_file(config, i, "reward")
+            reward = _reward_function(config, i, code)
+        data, t.sha256 = _task_file(config, i, "data")
+        task = _file_task(config, i, data, reward)  # its problems read: a file of none is refused here
+        if reward is not None:
+            with _naming(f"tasks.{i}.reward"):  # refused here, not at the run's first reward
+                reward.check(task.problems[0])
     return pinned
 
 
@@ -198,32 +211,55 @@ def steps_environment(config: RunConfig) -> dict[str, str]:
     return {**os.environ, **config.store.pod_environment()}
 
 
-def _problem_file(config: RunConfig, i: int) -> tuple[bytes, str]:
-    """The bytes of ``tasks.i.data`` and their sha256, the pinned one where there is one."""
+_PINNED_BY = {"data": "sha256", "reward": "reward_sha256"}  # a task's file field: the field pinning its bytes
+
+
+def _task_file(config: RunConfig, i: int, field: str) -> tuple[bytes, str]:
+    """The bytes of ``tasks.i``'s ``data`` or ``reward`` file and their sha256, the pinned one where there is
+    one."""
     t = config.tasks[i]
-    with _naming(f"tasks.{i}.data"):
-        data, digest = read_problem_file(t.data, steps_environment(config))
-        if t.sha256 is not None and digest != t.sha256:
+    uri, pinned = getattr(t, field), getattr(t, _PINNED_BY[field])
+    uri = uri.rpartition(":")[0] if field == "reward" else uri  # FILE.py:FUNCTION
+    with _naming(f"tasks.{i}.{field}"):
+        data, digest = read_task_file(uri, steps_environment(config))
+        if pinned is not None and digest != pinned:
             raise ValueError(
-                f"{t.data} has changed since the run started: its sha256 is {digest}, the run's tasks.{i}.sha256 "
-                f"{t.sha256} (put the file back, or start another run)"
+                f"{uri} has changed since the run started: its sha256 is {digest}, the run's "
+                f"tasks.{i}.{_PINNED_BY[field]} {pinned} (put the file back, or start another run)"
             )
     return data, digest
 
 
-def _file_task(config: RunConfig, i: int, data: bytes) -> FileTask:
-    """The problems of ``tasks.i``'s file, whose bytes are ``data``."""
+def with_rewards(config: RunConfig, problems: list[Problem]) -> list[Problem]:
+    """``problems``, read from a trajectories file, with their tasks' reward functions (``tasks.i.reward``),
+    which the file does not hold."""
+    rewards = {
+        t.name: _reward_function(config, i, _task_file(config, i, "reward")[0])
+        for i, t in enumerate(config.tasks)
+        if t.reward is not None
+    }
+    return [replace(p, reward=rewards[p.task]) if p.task in rewards else p for p in problems] if rewards else problems
+
+
+def _reward_function(config: RunConfig, i: int, code: bytes) -> RewardFunction:
+    """``tasks.i``'s reward of its own, whose file's bytes are ``code``."""
+    source, _, function = config.tasks[i].reward.rpartition(":")
+    return RewardFunction(source, function, code)
+
+
+def _file_task(config: RunConfig, i: int, data: bytes, reward: RewardFunction | None) -> FileTask:
+    """The problems of ``tasks.i``'s file, whose bytes are ``data``, scored by ``reward`` (None: math-verify)."""
     t = config.tasks[i]
     with _naming(f"tasks.{i}.data"):
         fmt = LineFormat(t.prompt_key, t.answer_key, t.prompt_template)
-        return FileTask(t.name, _problems_in(t.name, data, t.data, fmt), t.data)
+        return FileTask(t.name, _problems_in(t.name, data, t.data, fmt, reward), t.data)
 
 
 _READ: dict[str, tuple[int, str, bytes, str]] = {}  # a file's uri: its size and tag when read, its bytes, their sha256
 
 
-def read_problem_file(uri: str, env: Mapping[str, str]) -> tuple[bytes, str]:
-    """The bytes of a task's ``data`` (a path, ``file://`` or an S3 URI reached
+def read_task_file(uri: str, env: Mapping[str, str]) -> tuple[bytes, str]:
+    """The bytes of a task's ``data`` or reward file (a path, ``file://`` or an S3 URI reached
     with ``env``'s settings) and their sha256; read again only once the file's
     size or modification tag changed, since a step draws its problems several
     times."""
@@ -246,8 +282,8 @@ def read_problem_file(uri: str, env: Mapping[str, str]) -> tuple[bytes, str]:
 
 
 @functools.lru_cache(maxsize=8)
-def _problems_in(name: str, data: bytes, source: str, fmt: LineFormat) -> list[Problem]:
-    return read_problems(name, data, source, fmt)
+def _problems_in(name: str, data: bytes, source: str, fmt: LineFormat, reward: RewardFunction | None) -> list[Problem]:
+    return read_problems(name, data, source, fmt, reward)
 
 
 def check_tasks_drawable(config: RunConfig) -> None:
@@ -279,7 +315,8 @@ def check_tasks_drawable(config: RunConfig) -> None:
                     _check_characters(Problem(t.name, t.prompt_template, "", {}), t.data)
             with _naming(f"tasks.{i}.data"):
                 for p in task.problems:
-                    check_answer_readable(p, t.data)
+                    if t.reward is None:  # a reward of the user's own reads the answer as it will
+                        check_answer_readable(p, t.data)
                     if tokenizer is not None:
                         _check_characters(p, t.data)
         with _naming(_task_entry(i, t)):
@@ -881,8 +918,10 @@ def write_trajectories(path: Path, header: dict, trajectories: list[Trajectory],
 
 
 def trajectory_line(trajectory: Trajectory, problem: Problem) -> bytes:
-    """A trajectories file's line of one trajectory with its problem."""
-    return (json.dumps({"trajectory": _fields(trajectory), "problem": _fields(problem)}) + "\n").encode()
+    """A trajectories file's line of one trajectory with its problem (without its task's reward function, a
+    program: :func:`with_rewards` gives it back)."""
+    problem_fields = {key: value for key, value in _fields(problem).items() if key != "reward"}
+    return (json.dumps({"trajectory": _fields(trajectory), "problem": problem_fields}) + "\n").encode()
 
 
 def _fields(record) -> dict:
@@ -1128,6 +1167,7 @@ def train(
     device = step_device(config) if device is None else device
     round_index = guidance.rl_step
     header, trajectories, batch = read_trajectories(trajectories_file, run_id, round_index)
+    batch = with_rewards(config, batch)
     tokenizer = load_tokenizer(policy)
     # the state is refused unless it is this run's and was saved with this very policy folder
     trainer = open_trainer(policy, state, train_config(config), guidance.quant, guidance.scales(), device, run_id)

@@ -18,18 +18,23 @@ checked by small parsers here and in :mod:`.interpreter`, never by Python's
 Besides them, a user's problems read from a file (:class:`FileTask`, a JSON
 object a line with a ``prompt`` and an ``answer``), rewarded by whether the
 response's final answer equals the reference mathematically (math-verify, the
-checker of open-r1, TRL and verl), as reasoning RL on math is.
+checker of open-r1, TRL and verl), as reasoning RL on math is, or by a
+function of the user's own (:class:`RewardFunction`).
 """
 
 import functools
+import hashlib
+import importlib.util
+import inspect
 import itertools
 import json
 import logging
 import random
+import sys
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from . import interpreter
@@ -53,6 +58,9 @@ class Problem:
     prompt: str
     answer: str
     meta: dict
+    # how a file's problem is scored where not by math-verify (a task's own function: the problem is the same
+    # problem whoever scores it)
+    reward: "RewardFunction | None" = field(default=None, compare=False, repr=False)
 
 
 class Task(Protocol):
@@ -568,7 +576,84 @@ class FileTask:
         yield from chosen
 
     def reward(self, problem: Problem, response: str) -> float:
-        return math_reward(problem, response)
+        return file_reward(problem, response)
+
+
+def file_reward(problem: Problem, response: str) -> float:
+    """A file's problem's reward: its task's own function where it has one, else math-verify's equivalence."""
+    if problem.reward is None and "record" in problem.meta:  # read back from a trajectories file without it
+        raise ValueError(f"a problem of task {problem.task} (line {problem.meta['line']}) lacks its reward function")
+    return (problem.reward or math_reward)(problem, response)
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """A user's reward, ``function`` of the Python file ``source`` whose bytes
+    are ``code``: called as ``function(response, answer, line)`` with the
+    response's text, the problem's reference answer and its line's whole
+    JSON object (what else a reward needs: test cases, choices), it returns
+    a number from 0 to 1, 1 a solved problem. A fault of the function (an
+    exception, another value) stops the step, naming the function and the
+    line: a reward read as 0 would train on a bug, not the policy's error."""
+
+    source: str
+    function: str
+    code: bytes = field(repr=False)
+
+    @property
+    def name(self) -> str:
+        return f"{self.source}:{self.function}"
+
+    def __call__(self, problem: Problem, response: str) -> float:
+        where = f"{self.name} on line {problem.meta['line']}"
+        try:
+            value = _loaded(self)(response, problem.answer, problem.meta["record"])
+        except Exception as e:
+            raise RuntimeError(f"{where}: raised {type(e).__name__}: {e}") from e
+        if isinstance(value, bool) or (isinstance(value, (int, float)) and 0 <= value <= 1):
+            return float(value)
+        raise ValueError(f"{where}: returned {value!r}, not a number from 0 to 1 (1: solved)")
+
+    def check(self, problem: Problem) -> None:
+        """Refuse a file that does not load, whose function is none or takes other arguments, or that fails
+        to score ``problem`` given its own answer as the response (any response must score): before the
+        run, not at its first reward."""
+        _loaded(self)
+        try:
+            self(problem, problem.answer)
+        except (RuntimeError, ValueError) as e:
+            raise ValueError(f"{e} (given the line's answer as the response, before the run)") from e.__cause__
+
+
+@functools.cache
+def _loaded(reward: RewardFunction) -> Callable:
+    """``reward``'s function, its file run as a module of its own (named by its digest, so that two files
+    never share one): once a process, as an import is."""
+    module_name = f"tracefp4_reward_{hashlib.sha256(reward.code).hexdigest()[:16]}"
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(module_name, loader=None))
+    module.__file__ = reward.source
+    sys.modules[module_name] = module  # a dataclass or pickle in the file looks its module up
+    try:
+        exec(compile(reward.code, reward.source, "exec"), module.__dict__)
+    except SyntaxError as e:
+        del sys.modules[module_name]
+        raise ValueError(f"{reward.source} line {e.lineno}: {e.msg}") from None
+    except Exception as e:
+        del sys.modules[module_name]
+        raise ValueError(f"{reward.source}: running it raised {type(e).__name__}: {e}") from e
+    function = getattr(module, reward.function, None)
+    if not callable(function):
+        defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module_name)
+        raise ValueError(
+            f"{reward.source} defines no function {reward.function!r} (its functions: {', '.join(defined) or 'none'})"
+        )
+    try:
+        inspect.signature(function).bind("response", "answer", {})
+    except TypeError as e:
+        raise ValueError(f"{reward.name} cannot be called as {reward.function}(response, answer, line): {e}") from None
+    except ValueError:  # a builtin without a signature: called as it is
+        pass
+    return function
 
 
 PROMPT_SLOT = "{prompt}"  # where a problem file's template puts a line's prompt
@@ -612,14 +697,17 @@ def _value(record: dict, path: str, where: str):
     return value
 
 
-def read_problems(name: str, data: bytes, source: str, fmt: LineFormat = LineFormat()) -> list[Problem]:
+def read_problems(
+    name: str, data: bytes, source: str, fmt: LineFormat = LineFormat(), reward: RewardFunction | None = None
+) -> list[Problem]:
     """The problems of task ``name`` in ``data``, a JSON Lines file (``source``
     names it in errors): an object a line, with a prompt string and an
     answer (a string or a number; what a ``\\boxed{}`` would hold) at the
     keys ``fmt`` names, the prompt put in its template; other keys ignored,
     blank lines skipped. A prompt given twice is one problem, refused where
     its answers differ. A problem's meta holds its line and, where the
-    template is not bare, its prompt as the line holds it."""
+    template is not bare, its prompt as the line holds it; scored by a
+    ``reward`` function, its line's object too."""
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -647,6 +735,8 @@ def read_problems(name: str, data: bytes, source: str, fmt: LineFormat = LineFor
                 f"{where}: {fmt.answer_key!r} must be a non-empty string or a number, got {_quoted(answer)}"
             )
         meta = {"line": number} if fmt.template == PROMPT_SLOT else {"line": number, "prompt": prompt}
+        if reward is not None:
+            meta["record"] = record
         prompt = fmt.template.replace(PROMPT_SLOT, prompt)
         if prompt in problems:
             first, problem = problems[prompt]
@@ -655,7 +745,7 @@ def read_problems(name: str, data: bytes, source: str, fmt: LineFormat = LineFor
                     f"{where}: the prompt of line {first} again, with answer {answer!r} where it had {problem.answer!r}"
                 )
             continue
-        problems[prompt] = number, Problem(name, prompt, answer, meta)
+        problems[prompt] = number, Problem(name, prompt, answer, meta, reward)
     if not problems:
         raise ValueError(f"{source}: no problems in it")
     return [problem for _, problem in problems.values()]
@@ -693,7 +783,7 @@ def reward_of(problem: Problem, response: str, finished: bool) -> float:
         end = response.rfind(END)
         response = response[: end + len(END)] if end >= 0 else ""
     # a problem of no generated family is a file's (the config keeps their names apart)
-    return TASKS[problem.task].reward(problem, response) if problem.task in TASKS else math_reward(problem, response)
+    return TASKS[problem.task].reward(problem, response) if problem.task in TASKS else file_reward(problem, response)
 
 
 def split(

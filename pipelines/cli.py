@@ -492,6 +492,7 @@ def _warn_for_cluster(config) -> None:
         )
     read = {"model.checkpoint": config.model.checkpoint, "model.trainer_state": config.model.trainer_state}
     read |= {f"tasks.{i}.data": t.data for i, t in enumerate(config.tasks)}
+    read |= {f"tasks.{i}.reward": t.reward for i, t in enumerate(config.tasks)}
     for field, where in read.items():
         if where is not None and not where.startswith(("s3://", "minio://")):
             _warn(f"{field} {where} is a file each pod reads in its own image; put it in the store (s3://...)")

@@ -94,6 +94,7 @@ TASK_NAME = r"^[a-z][a-z0-9_-]{0,62}$"  # a task's name is a metrics label value
 SHA256 = r"^[0-9a-f]{64}$"
 RESERVED_TASK_NAMES = ("all", "avg")  # the training mix's metrics label, the report's average columns
 KEY_PATH = r"^[^.]+(\.[^.]+)*$"  # a JSON key, or a dotted path of them into nested objects
+REWARD_FUNCTION = r"^\S+\.py:[A-Za-z_][A-Za-z0-9_]*$"  # a Python file's path or store URI, then a function in it
 # what KFP's set_memory_limit takes: a whole number, no Kubernetes decimals or lowercase k
 K8S_MEMORY = r"^[0-9]+(Ki|Mi|Gi|Ti|Pi|Ei|K|M|G|T|P|E)?$"
 _IMAGE_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"  # a path component of an image name
@@ -123,6 +124,8 @@ PATTERN_HINTS = {
     TASK_NAME: "must be a task name: lowercase letters, digits, '_' and '-', 1-63 characters, a letter first",
     SHA256: "must be a sha256 digest: 64 lowercase hexadecimal digits",
     KEY_PATH: "must be a JSON key, or keys joined by '.' into nested objects (such as 'reward_model.ground_truth')",
+    REWARD_FUNCTION: "must be a Python file and a function in it, FILE.py:FUNCTION (such as rewards.py:score or "
+    "s3://bucket/rewards.py:score)",
 }
 
 LabelKey = Annotated[str, StringConstraints(pattern=LABEL_KEY, max_length=317)]
@@ -562,6 +565,20 @@ class TaskConfig(_Section):
         description=f"With data: what the policy is given, this text with {tasks.PROMPT_SLOT} (once) replaced by the "
         f"line's prompt (such as '{tasks.PROMPT_SLOT} Put the final answer in \\boxed{{}}.').",
     )
+    reward: str | None = Field(
+        default=None,
+        pattern=REWARD_FUNCTION,
+        max_length=2048,
+        description="With data: a reward of your own instead of math-verify's, FILE.py:FUNCTION, the file a path "
+        "or store URI as data's; called as FUNCTION(response, answer, line) with the response's text, the "
+        "answer and the line's whole object, it returns a number from 0 to 1, 1 counted solved "
+        "(docs/evaluation.md, 'A reward of your own').",
+    )
+    reward_sha256: str | None = Field(
+        default=None,
+        pattern=SHA256,
+        description="The sha256 of reward's file: as sha256 is data's, set by the run's first task where empty.",
+    )
     difficulty: int = Field(
         default=1, ge=1, le=5, description="Difficulty level, 1 (easiest) to 5, of a generated family (1 with data)."
     )
@@ -591,6 +608,13 @@ class TaskConfig(_Section):
     def _data_scheme(cls, value: str | None) -> str | None:
         return value if value is None or "://" not in value else _check_store_uri(value)
 
+    @field_validator("reward")
+    @classmethod
+    def _reward_scheme(cls, value: str | None) -> str | None:
+        if value is not None and "://" in value:
+            _check_store_uri(value.rpartition(":")[0])
+        return value
+
     @field_validator("prompt_template", mode="before")
     @classmethod
     def _template_text(cls, value):
@@ -616,7 +640,7 @@ class TaskConfig(_Section):
                 )
             if self.sha256 is not None:
                 raise ValueError("sha256: is the digest of data's file; this task has no data")
-            for field in ("prompt_key", "answer_key", "prompt_template"):
+            for field in ("prompt_key", "answer_key", "prompt_template", "reward"):
                 if getattr(self, field) != TaskConfig.model_fields[field].default:
                     raise ValueError(f"{field}: reads data's lines; this task has no data")
         elif self.name in tasks.TASKS:
@@ -633,6 +657,8 @@ class TaskConfig(_Section):
             raise ValueError(f"answer_key: {self.answer_key!r} is prompt_key too; a line's answer is not its prompt")
         elif self.difficulty != 1:
             raise ValueError(f"difficulty: {self.difficulty} is a generated family's knob; a file's problems have none")
+        if self.reward_sha256 is not None and self.reward is None:
+            raise ValueError("reward_sha256: is the digest of reward's file; this task has no reward of its own")
         if self.prompt_template.count(tasks.PROMPT_SLOT) != 1:
             raise ValueError(
                 f"prompt_template: {self.prompt_template!r} must hold {tasks.PROMPT_SLOT} once, where the prompt goes"

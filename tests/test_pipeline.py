@@ -432,9 +432,13 @@ def test_cli(tmp_path):
     assert "use --store s3://... on a cluster" in result.output  # compile takes --store, as run does
     assert "tasks in a run" not in result.output
     args = ["compile", "--preset", "smoke", "--set", "store.uri=s3://bucket/runs", "--output", str(tmp_path / "s.yaml")]
-    result = runner.invoke(main, [*args, "--set", 'tasks=[{"name": "mine", "data": "mine.jsonl"}]'])
+    task = '{"name": "mine", "data": "mine.jsonl", "reward": "s3://bucket/r.py:score"}, '
+    task += '{"name": "yours", "data": "s3://bucket/yours.jsonl", "reward": "r.py:score"}'
+    result = runner.invoke(main, [*args, "--set", f"tasks=[{task}]"])
     assert "store s3://bucket/runs without store.endpoint: every step takes TRACEFP4_S3_ENDPOINT" in result.output
     assert "tasks.0.data mine.jsonl is a file each pod reads in its own image; put it in the store" in result.output
+    assert "tasks.1.reward r.py:score is a file each pod reads" in result.output
+    assert "tasks.1.data" not in result.output and "tasks.0.reward" not in result.output
     assert "vLLM refuses" not in result.output
     # a rollout whose export no serving engine loads: said as it compiles, not after the run's last task
     args = [

@@ -12,8 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from tracefp4.components import steps
+from tracefp4.components.rollout import Trajectory
 from tracefp4.components.store import open_store
 from tracefp4.components.tasks import (
     MATH_TIMEOUT_S,
@@ -37,6 +39,18 @@ BENCH = [{"prompt": f"{a}*{b}=", "answer": a * b} for a in range(4) for b in ran
 def _write(path, records=LINES) -> str:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return str(path)
+
+
+# a reward of a user's own: full marks for the answer, half for another of the line's choices; each call noted
+REWARD = """
+import os
+
+def score(response, answer, line):
+    with open(os.path.join(os.path.dirname(__file__), "calls.txt"), "a") as f:
+        f.write(line["prompt"] + "\\n")
+    said = response.strip()
+    return 1 if said == answer else 0.5 * (said in map(str, line.get("choices", [])))
+"""
 
 
 def _config(data: str, *others: dict, **task) -> RunConfig:
@@ -301,6 +315,67 @@ def test_config_check_reads_the_files_as_the_first_task_does(tmp_path):
     )
 
 
+def test_a_reward_of_the_users_own_scores_a_files_problems_wherever_they_are_read(tmp_path):
+    (tmp_path / "rewards.py").write_text(REWARD)
+    records = [{**r, "choices": [r["answer"], r["answer"] + 1]} for r in LINES]
+    config = _config(_write(tmp_path / "sums.jsonl", records), reward=f"{tmp_path}/rewards.py:score")
+    pinned = pin_problems(config)
+    assert pinned.tasks[0].reward_sha256 == hashlib.sha256((tmp_path / "rewards.py").read_bytes()).hexdigest()
+    problem = next(p for p in steps.problems(pinned)[0] if p.answer == "5")
+    assert [reward_of(problem, said, finished=True) for said in ("5", "6", "7")] == [1.0, 0.5, 0.0]
+    assert reward_of(problem, "5", finished=False) == 0.0  # cut by the length limit: up to its last whole line
+    # the train step reads its problems from the rollout's trajectories file, which holds no function
+    line = json.loads(steps.trajectory_line(Trajectory(0, [1], [2], [0.0], "stop"), problem))
+    read = Problem(**line["problem"])
+    assert read == problem and read.reward is None and line["problem"]["meta"]["record"]["choices"] == [5, 6]
+    with pytest.raises(
+        ValueError, match=rf"a problem of task sums \(line {problem.meta['line']}\) lacks its reward function"
+    ):
+        reward_of(read, "5", finished=True)
+    assert reward_of(steps.with_rewards(pinned, [read])[0], "6", finished=True) == 0.5
+    # the first problem once, before the run (given its own answer), then every score above
+    assert (tmp_path / "calls.txt").read_text().splitlines() == ["0+0=", *[problem.prompt] * 5]
+    # a reward file rewritten during the run stops the next step, as a problem file does
+    (tmp_path / "rewards.py").write_text(REWARD.replace("0.5", "0.25"))
+    with pytest.raises(ValueError, match="tasks.0.reward: .*rewards.py has changed since the run started"):
+        steps.with_rewards(pinned, [read])
+    # the sha256's check fails a step, the sha256 alone has no place without a reward
+    with pytest.raises(ValidationError, match="reward_sha256: is the digest of reward's file"):
+        _config(_write(tmp_path / "sums.jsonl"), reward_sha256="0" * 64)
+
+
+def test_a_reward_that_cannot_score_is_refused_before_the_run_naming_what_is_wrong(tmp_path):
+    data = _write(tmp_path / "sums.jsonl")
+    faults = {
+        "def score(response, answer, line)\n": "rewards.py line 1: expected ':'",
+        "import no_such_module\n": "rewards.py: running it raised ModuleNotFoundError: No module named",
+        "def other(response, answer, line):\n    return 1\n": "defines no function 'score' (its functions: other)",
+        "score = 3\n": "defines no function 'score' (its functions: none)",
+        "def score(response):\n    return 1\n": "rewards.py:score cannot be called as score(response, answer, line)",
+        "def score(response, answer, line):\n    return line['tests']\n": (
+            "rewards.py:score on line 1: raised KeyError: 'tests' (given the line's answer as the response"
+        ),
+        "def score(response, answer, line):\n    return 2\n": "rewards.py:score on line 1: returned 2, not a number",
+        "def score(response, answer, line):\n    return 'yes'\n": "returned 'yes', not a number from 0 to 1",
+    }
+    for code, fault in faults.items():
+        (tmp_path / "rewards.py").write_text(code)
+        with pytest.raises(ConfigError, match=f"tasks.0.reward: {tmp_path}/" * (":" in fault[:12]) + re.escape(fault)):
+            pin_problems(_config(data, reward=f"{tmp_path}/rewards.py:score"))
+    with pytest.raises(ConfigError, match=f"tasks.0.reward: {tmp_path}/none.py: no such file"):
+        pin_problems(_config(data, reward=f"{tmp_path}/none.py:score"))
+    mistakes = {
+        "rewards.py": "must be a Python file and a function in it, FILE.py:FUNCTION",
+        "rewards.py:9score": "must be a Python file and a function in it",
+        "gs://bucket/rewards.py:score": "must start with file://, s3:// or minio://",
+    }
+    for reward, fault in mistakes.items():
+        with pytest.raises(ConfigError, match=re.escape(f"tasks.0.reward: {fault}")):
+            load_config(None, preset="smoke", overrides={"tasks": [{"name": "sums", "data": data, "reward": reward}]})
+    with pytest.raises(ValidationError, match="reward: reads data's lines; this task has no data"):
+        RunConfig.model_validate({"tasks": [{"name": "arithmetic", "reward": "rewards.py:score"}]})
+
+
 def test_a_file_in_an_s3_store_is_read_with_the_run_stores_settings(s3_env, tmp_path):
     local = _write(tmp_path / "sums.jsonl")
     open_store(s3_env.uri("data")).upload("sums.jsonl", local)
@@ -317,15 +392,23 @@ def test_a_local_run_trains_on_one_file_and_evaluates_on_others_whole(tmp_path):
     bench = {"name": "bench", "data": _write(tmp_path / "bench.jsonl", BENCH), "train_size": 0, "test_size": 8}
     squares = [{"prompt": f"{a}^2=", "answer": a * a} for a in range(5)]
     squares = {"name": "squares", "data": _write(tmp_path / "squares.jsonl", squares), "train_size": 0, "test_size": 5}
-    config = _config(_write(tmp_path / "sums.jsonl"), bench, squares, test_size=0)
+    (tmp_path / "rewards.py").write_text(REWARD)  # the trained task's and a benchmark's: train and evaluate call it
+    reward = f"{tmp_path}/rewards.py:score"
+    config = _config(_write(tmp_path / "sums.jsonl"), bench, {**squares, "reward": reward}, test_size=0, reward=reward)
     config.evaluation.test_prompts = 0  # each benchmark whole
     finished = run_to_end(config, tmp_path / "run", out=open(tmp_path / "out", "w"))
     report = finished.report.read_text()
     sums, bench = (hashlib.sha256((tmp_path / f).read_bytes()).hexdigest()[:12] for f in ("sums.jsonl", "bench.jsonl"))
+    digest = hashlib.sha256(REWARD.encode()).hexdigest()[:12]
     summary = (  # the pinned files'
-        f"tasks: sums (`{tmp_path}/sums.jsonl`, sha256 {sums}, trained on only), "
-        f"bench (`{tmp_path}/bench.jsonl`, sha256 {bench}, evaluated on only), squares ("
+        f"tasks: sums (`{tmp_path}/sums.jsonl`, sha256 {sums}, rewarded by `{reward}` (sha256 {digest}), trained on "
+        f"only), bench (`{tmp_path}/bench.jsonl`, sha256 {bench}, evaluated on only), squares ("
     )
     assert summary in report
     assert "| bench pass@1 |" in report and "| bf16 | bench | trained | initial |" in report
     assert "sums pass@1" not in report and "over 8 (bench), 5 (squares) test prompts;" in report
+    assert f"squares (`{tmp_path}/squares.jsonl`, sha256 " in report
+    assert f"rewarded by `{reward}` (sha256 {digest}), evaluated on only)" in report
+    called = set((tmp_path / "calls.txt").read_text().splitlines())
+    assert any("^2=" in prompt for prompt in called) and any("+" in prompt for prompt in called)
+    assert not any("*" in prompt for prompt in called)  # bench's: math-verify
