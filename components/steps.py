@@ -86,6 +86,7 @@ from .tasks import (
     held_out,
     read_problems,
     reward_of,
+    reward_parts,
     split,
 )
 from .tokenizer import CHARS, build_tokenizer, load_tokenizer
@@ -176,10 +177,7 @@ def task_of(config: RunConfig, i: int) -> Task:
     (:func:`.tasks.read_problems`); a file that is not there, holds no
     problems or is not the one ``sha256`` pins is an error naming the entry."""
     t = config.tasks[i]
-    if t.data is None:
-        return get_task(t.name)
-    reward = None if t.reward is None else _reward_function(config, i, _task_file(config, i, "reward")[0])
-    return _file_task(config, i, _task_file(config, i, "data")[0], reward)
+    return get_task(t.name) if t.data is None else _file_task(config, i, _task_file(config, i, "data")[0])
 
 
 def pin_problem_files(config: RunConfig) -> RunConfig:
@@ -192,15 +190,12 @@ def pin_problem_files(config: RunConfig) -> RunConfig:
     for i, t in enumerate(pinned.tasks):
         if t.data is None:
             continue
-        reward = None
-        if t.reward is not None:
-            code, t.reward_sha256 = _task_file(config, i, "reward")
-            reward = _reward_function(config, i, code)
         data, t.sha256 = _task_file(config, i, "data")
-        task = _file_task(config, i, data, reward)  # its problems read: a file of none is refused here
-        if reward is not None:
+        first = _file_task(config, i, data).problems[0]  # its problems read: a file of none is refused here
+        if first.reward is not None:
+            t.reward_sha256 = hashlib.sha256(first.reward.code).hexdigest()
             with _naming(f"tasks.{i}.reward"):  # refused here, not at the run's first reward
-                reward.check(task.problems[0])
+                first.reward.check(first)
     return pinned
 
 
@@ -219,7 +214,7 @@ def _task_file(config: RunConfig, i: int, field: str) -> tuple[bytes, str]:
     one."""
     t = config.tasks[i]
     uri, pinned = getattr(t, field), getattr(t, _PINNED_BY[field])
-    uri = uri.rpartition(":")[0] if field == "reward" else uri  # FILE.py:FUNCTION
+    uri = reward_parts(uri)[0] if field == "reward" else uri
     with _naming(f"tasks.{i}.{field}"):
         data, digest = read_task_file(uri, steps_environment(config))
         if pinned is not None and digest != pinned:
@@ -233,25 +228,22 @@ def _task_file(config: RunConfig, i: int, field: str) -> tuple[bytes, str]:
 def with_rewards(config: RunConfig, problems: list[Problem]) -> list[Problem]:
     """``problems``, read from a trajectories file, with their tasks' reward functions (``tasks.i.reward``),
     which the file does not hold."""
-    rewards = {
-        t.name: _reward_function(config, i, _task_file(config, i, "reward")[0])
-        for i, t in enumerate(config.tasks)
-        if t.reward is not None
-    }
+    rewards = {t.name: _task_reward(config, i) for i, t in enumerate(config.tasks) if t.reward is not None}
     return [replace(p, reward=rewards[p.task]) if p.task in rewards else p for p in problems] if rewards else problems
 
 
-def _reward_function(config: RunConfig, i: int, code: bytes) -> RewardFunction:
-    """``tasks.i``'s reward of its own, whose file's bytes are ``code``."""
-    source, _, function = config.tasks[i].reward.rpartition(":")
-    return RewardFunction(source, function, code)
-
-
-def _file_task(config: RunConfig, i: int, data: bytes, reward: RewardFunction | None) -> FileTask:
-    """The problems of ``tasks.i``'s file, whose bytes are ``data``, scored by ``reward`` (None: math-verify)."""
+def _task_reward(config: RunConfig, i: int) -> RewardFunction | None:
+    """``tasks.i``'s reward of its own, its file read (None: math-verify's)."""
     t = config.tasks[i]
+    return None if t.reward is None else RewardFunction(*reward_parts(t.reward), _task_file(config, i, "reward")[0])
+
+
+def _file_task(config: RunConfig, i: int, data: bytes) -> FileTask:
+    """The problems of ``tasks.i``'s file, whose bytes are ``data``, each with its task's reward function."""
+    t = config.tasks[i]
+    fmt = LineFormat(t.prompt_key, t.answer_key, t.prompt_template)
+    reward = _task_reward(config, i)
     with _naming(f"tasks.{i}.data"):
-        fmt = LineFormat(t.prompt_key, t.answer_key, t.prompt_template)
         return FileTask(t.name, _problems_in(t.name, data, t.data, fmt, reward), t.data)
 
 

@@ -625,6 +625,12 @@ class RewardFunction:
             raise ValueError(f"{e} (given the line's answer as the response, before the run)") from e.__cause__
 
 
+def reward_parts(spec: str) -> tuple[str, str]:
+    """The file and the function of a task's ``reward``, ``FILE.py:FUNCTION`` (the file's URI may hold ``:``)."""
+    source, _, function = spec.rpartition(":")
+    return source, function
+
+
 @functools.cache
 def _loaded(reward: RewardFunction) -> Callable:
     """``reward``'s function, its file run as a module of its own (named by its digest, so that two files

@@ -612,7 +612,7 @@ class TaskConfig(_Section):
     @classmethod
     def _reward_scheme(cls, value: str | None) -> str | None:
         if value is not None and "://" in value:
-            _check_store_uri(value.rpartition(":")[0])
+            _check_store_uri(tasks.reward_parts(value)[0])
         return value
 
     @field_validator("prompt_template", mode="before")
