@@ -669,6 +669,16 @@ class TaskConfig(_Section):
             raise ValueError(f"weight: {self.weight}, but the task has no training prompts (train_size 0) to draw")
         return self
 
+    def unused_fields(self) -> set[str]:
+        """The fields that do not apply to this task, which validation holds at their defaults: a generated
+        family's file settings, a file's difficulty, a reward digest without a reward, the weight of a task
+        never trained on. A config printed without them reads the same, and each task as what it is."""
+        if self.data is None:
+            unused = {"data", "sha256", "prompt_key", "answer_key", "prompt_template", "reward", "reward_sha256"}
+        else:
+            unused = {"difficulty"} | ({"reward_sha256"} if self.reward is None else set())
+        return unused | ({"weight"} if self.train_size == 0 else set())
+
 
 class ExtraProblems(_Section):
     """Problems bootstrap SFT trains on besides the tasks' training splits, never one of their prompts: more

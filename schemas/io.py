@@ -281,8 +281,12 @@ def settings_yaml(settings: Mapping) -> str:
 
 def config_text(config: RunConfig, suffix: str = ".yaml") -> str:
     """The whole config as the text of a .yaml/.yml or .json file (secrets are never written), in the schema's
-    order: load_config reads it back."""
+    order, each task without the fields that do not apply to it (:meth:`TaskConfig.unused_fields`):
+    load_config reads it back."""
     data = config.model_dump(mode="json")
+    for task, entry in zip(config.tasks, data["tasks"]):
+        for field in task.unused_fields():
+            del entry[field]
     if suffix.lower() == ".json":
         return json.dumps(data, indent=2) + "\n"
     if suffix.lower() in (".yaml", ".yml"):

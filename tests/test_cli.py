@@ -135,6 +135,15 @@ def test_config_prints_the_whole_config_a_run_of_the_options_takes_and_it_reads_
     assert result.exit_code == 1 and "--output" in result.output and "use .yaml, .yml or .json" in result.output
     result = CliRunner().invoke(main, ["config", "--set", "rl.rounds=two"])
     assert result.exit_code == 1 and "rl.rounds: Input should be a valid integer" in result.output
+    # each task as what it is: a family without a file's settings, a file's benchmark without difficulty or weight
+    tasks = '[{"name": "countdown"}, {"name": "bench", "data": "b.jsonl", "train_size": 0}]'
+    result = CliRunner().invoke(main, ["config", "--set", f"tasks={tasks}", "--output", str(tmp_path / "t.yaml")])
+    expected = load_config(preset="tiny", overrides={"tasks": yaml.safe_load(tasks)})
+    assert result.exit_code == 0 and load_config(tmp_path / "t.yaml") == expected
+    family, bench = yaml.safe_load((tmp_path / "t.yaml").read_text())["tasks"]
+    assert list(family) == ["name", "difficulty", "train_size", "test_size", "weight"]
+    file_fields = ["data", "sha256", "prompt_key", "answer_key", "prompt_template", "reward"]
+    assert list(bench) == ["name", *file_fields, "train_size", "test_size"]
 
 
 def test_a_request_timeout_and_a_run_folder_that_cannot_be_are_usage_errors(tmp_path):
