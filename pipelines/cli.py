@@ -787,9 +787,9 @@ def alerts(output):
 )
 def show_config(preset, config_file, sets, output, check):
     """Print the whole run config that --preset, --config and --set give, validated: what a run of them takes,
-    every value (of a task, those that apply to it), and a start for a --config file of your own (e.g. tracefp4 config --set
-    model.checkpoint=my-moe > my-run.yaml). --check finds before a submit what the run's first task would
-    refuse in its tasks."""
+    every value (of a task, those that apply to it), and a start for a --config file of your own (e.g.
+    tracefp4 config --set model.checkpoint=my-moe > my-run.yaml). --check finds before a submit what the
+    run's first task would refuse in its tasks."""
     config = _config(preset, config_file, sets=sets)
     if check:
         from tracefp4.pipelines.parameters import check_drawable, pin_problems
