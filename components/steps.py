@@ -267,7 +267,8 @@ def read_task_file(uri: str, env: Mapping[str, str]) -> tuple[bytes, str]:
             data = store.get_bytes(name)
             _READ[uri] = size, tag, data, hashlib.sha256(data).hexdigest()
     except ArtifactNotFound:
-        raise ValueError(f"{uri}: no such file") from None
+        relative = "://" not in uri and not Path(uri).is_absolute()
+        raise ValueError(f"{uri}: no such file" + f" (a relative path, read from {Path.cwd()})" * relative) from None
     except (OSError, StoreError) as e:
         raise ValueError(f"{uri}: {e}") from None
     return _READ[uri][2:]

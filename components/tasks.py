@@ -29,6 +29,7 @@ import inspect
 import itertools
 import json
 import logging
+import numbers
 import random
 import sys
 from abc import ABC, abstractmethod
@@ -610,7 +611,7 @@ class RewardFunction:
             value = _loaded(self)(response, problem.answer, problem.meta["record"])
         except Exception as e:
             raise RuntimeError(f"{where}: raised {type(e).__name__}: {e}") from e
-        if isinstance(value, bool) or (isinstance(value, (int, float)) and 0 <= value <= 1):
+        if isinstance(value, numbers.Real) and 0 <= value <= 1:  # bool, int, float, numpy's scalars
             return float(value)
         raise ValueError(f"{where}: returned {value!r}, not a number from 0 to 1 (1: solved)")
 
@@ -733,7 +734,8 @@ def read_problems(
             )
         prompt, answer = (_value(record, key, where) for key in (fmt.prompt_key, fmt.answer_key))
         if not isinstance(prompt, str) or not prompt.strip():
-            raise ValueError(f"{where}: {fmt.prompt_key!r} must be a non-empty string, got {_quoted(prompt)}")
+            other = " (set prompt_key to the key of the question's text)" * isinstance(prompt, (list, dict))
+            raise ValueError(f"{where}: {fmt.prompt_key!r} must be a non-empty string, got {_quoted(prompt)}{other}")
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)
         if not isinstance(answer, str) or not answer.strip():

@@ -126,6 +126,19 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     return dict(pairs)
 
 
+def _brace_hint(text: str, error) -> str:
+    """Where YAML failed on a line whose value opens with ``{`` unquoted (a prompt template's ``{prompt} ...``),
+    which YAML reads as the start of a mapping: say to quote it."""
+    mark = getattr(error, "problem_mark", None)
+    lines = text.splitlines()
+    if mark is None or mark.line >= len(lines) or not re.match(r"^\s*(-\s+)?[^\s#:]+:\s+\{", lines[mark.line]):
+        return ""
+    return (
+        f"\n  line {mark.line + 1}'s value opens with '{{' unquoted, which YAML reads as a mapping: quote it "
+        "('{prompt} ...')"
+    )
+
+
 def _read(path: Path) -> dict:
     suffix = path.suffix.lower()
     if suffix not in (".yaml", ".yml", ".json"):
@@ -146,7 +159,7 @@ def _read(path: Path) -> dict:
         try:
             data = load_yaml(text)
         except yaml.YAMLError as e:
-            raise ConfigError([("", f"not valid YAML: {e}")], path) from None
+            raise ConfigError([("", f"not valid YAML: {e}{_brace_hint(text, e)}")], path) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

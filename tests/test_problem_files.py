@@ -101,7 +101,8 @@ def test_a_files_keys_and_prompt_template_are_the_tasks_own():
         LineFormat("id", "problem"): "f line 1: 'id' must be a non-empty string, got 7",
         LineFormat(
             "reward_model", "problem"
-        ): 'f line 1: \'reward_model\' must be a non-empty string, got {"style": "rule", "ground_truth": "2"}',
+        ): 'f line 1: \'reward_model\' must be a non-empty string, got {"style": "rule", "ground_truth": "2"} (set '
+        "prompt_key to the key of the question's text)",
         LineFormat(
             "problem", "long"
         ): f"f line 1: 'long' must be a non-empty string or a number, got [{'0, ' * 25}0...",
@@ -271,8 +272,12 @@ def test_a_run_pins_its_files_and_a_file_rewritten_during_it_stops_the_next_step
     # a pinned one that does not match is refused when the run starts too, as is a file that is not there
     with pytest.raises(ConfigError, match="tasks.0.data: .* has changed since the run started"):
         pin_problems(pinned)
-    with pytest.raises(ConfigError, match=f"tasks.0.data: {tmp_path}/none.jsonl: no such file"):
+    with pytest.raises(ConfigError, match=f"tasks.0.data: {tmp_path}/none.jsonl: no such file$"):
         pin_problems(_config(str(tmp_path / "none.jsonl")))
+    with pytest.raises(
+        ConfigError, match=re.escape(f"none.jsonl: no such file (a relative path, read from {Path.cwd()})")
+    ):
+        pin_problems(load_config(None, preset="smoke", overrides={"tasks": [{"name": "sums", "data": "none.jsonl"}]}))
     # as file:// too
     assert pin_problems(_config((tmp_path / "sums.jsonl").as_uri())).tasks[0].sha256 != pinned.tasks[0].sha256
 
@@ -362,6 +367,12 @@ def test_a_reward_that_cannot_score_is_refused_before_the_run_naming_what_is_wro
         (tmp_path / "rewards.py").write_text(code)
         with pytest.raises(ConfigError, match=f"tasks.0.reward: {tmp_path}/" * (":" in fault[:12]) + re.escape(fault)):
             pin_problems(_config(data, reward=f"{tmp_path}/rewards.py:score"))
+    (tmp_path / "rewards.py").write_text(
+        "import numpy\n\ndef score(response, answer, line):\n    return numpy.int64(1)\n"
+    )
+    assert (
+        pin_problems(_config(data, reward=f"{tmp_path}/rewards.py:score")).tasks[0].reward_sha256
+    )  # numpy's: a number
     with pytest.raises(ConfigError, match=f"tasks.0.reward: {tmp_path}/none.py: no such file"):
         pin_problems(_config(data, reward=f"{tmp_path}/none.py:score"))
     mistakes = {

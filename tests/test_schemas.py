@@ -439,6 +439,20 @@ def test_file_errors_name_the_file(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
+def test_an_unquoted_value_opening_with_a_brace_is_said_to_need_quotes(tmp_path):
+    """A prompt template's '{prompt} ...' unquoted: YAML's own message points at the text after the brace."""
+    path = tmp_path / "run.yaml"
+    path.write_text("tasks:\n  - name: x\n    data: f.jsonl\n    prompt_template: {prompt} Put it in \\boxed{}.\n")
+    with pytest.raises(
+        ConfigError, match=r"line 4's value opens with '\{' unquoted, .*: quote it \('\{prompt\} ...'\)"
+    ):
+        load_config(path)
+    path.write_text("rl:\n  rounds: [3\n")  # another fault: no hint
+    with pytest.raises(ConfigError, match=r"not valid YAML") as refused:
+        load_config(path)
+    assert "opens with" not in str(refused.value)
+
+
 def test_a_key_given_twice_is_refused_naming_it(tmp_path):
     """yaml.safe_load and json.loads keep a repeated key's last value: a file with two rl sections
     silently lost the first one's rounds. A merge (<<) may still be overridden."""
