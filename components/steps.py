@@ -354,11 +354,14 @@ def _check_held_out(config: RunConfig, parts: list[tuple[list, list]]) -> None:
         tested, training = config.tasks[i], config.tasks[j]
         are = "is another task's training prompt" if len(seen) == 1 else "are other tasks' training prompts"
         first = f"the first, {tested.data} line {line}," if tested.data else "the first"
-        at = f" ({training.data} line {its})" if training.data else f" (a problem of {training.name})"
+        at = f"{training.name}'s, {training.data} line {its}" if training.data else f"a problem of {training.name}"
         files = list(dict.fromkeys(t.data for t in (tested, training) if t.data))
+        lines = sorted(line for line, _ in seen) if tested.data and len(seen) > 1 else []
+        listed = f" (lines {', '.join(map(str, lines[:8]))}{f' and {len(lines) - 8} more' * (len(lines) > 8)})"
         raise ValueError(
-            f"tasks.{i}: {len(seen)} of its {len(test)} test prompts {are}, so evaluation would score what RL "
-            f"trained on; {first} is one of tasks.{j}{at}: drop them from {' or '.join(files)}"
+            f"tasks.{i}: {len(seen)} of {tested.name}'s {len(test)} test prompts {are}{listed * bool(lines)}, so "
+            f"evaluation would score what RL trained on; {first} is one of tasks.{j} ({at}): drop them from "
+            f"{' or '.join(files)}"
         )
 
 

@@ -152,7 +152,7 @@ def test_a_templates_own_characters_and_its_bare_prompts_are_checked_as_its_own(
         reached(config.model_dump_json())
     again = {**sums, "name": "again", "train_size": 0, "test_size": 4, "prompt_template": "Q: {prompt}\nA:"}
     config = load_config(None, preset="smoke", overrides={"tasks": [sums, again]})
-    with pytest.raises(ConfigError, match=r"tasks.1: 4 of its 4 test prompts .*: drop them from \S*sums.jsonl$"):
+    with pytest.raises(ConfigError, match=r"tasks.1: 4 of again's 4 test prompts .*: drop them from \S*sums.jsonl$"):
         reached(config.model_dump_json())
 
 
@@ -237,16 +237,21 @@ def test_a_task_is_trained_on_alone_or_evaluated_on_alone_and_never_both_across_
     # a benchmark's problem in the training file: refused before any work, naming both lines
     leaked = {**bench, "data": _write(tmp_path / "leaked.jsonl", [*BENCH[:7], LINES[4]])}
     config = load_config(None, preset="smoke", overrides={"tasks": [{**sums, "train_size": 30}, leaked]})
-    with pytest.raises(ConfigError, match=r"tasks.1: 1 of its 8 test prompts is another task's training prompt, so "):
+    with pytest.raises(
+        ConfigError, match=r"tasks.1: 1 of bench's 8 test prompts is another task's training prompt, so "
+    ):
         reached(config.model_dump_json())
-    with pytest.raises(ConfigError, match=r"leaked.jsonl line 8, is one of tasks.0 \(.*sums.jsonl line 5\): drop "):
+    with pytest.raises(
+        ConfigError, match=r"leaked.jsonl line 8, is one of tasks.0 \(sums's, .*sums.jsonl line 5\): drop "
+    ):
         reached(config.model_dump_json())
     # a generated family's problems count too: arithmetic's products are the benchmark's
     arithmetic = {"name": "arithmetic", "train_size": 290, "test_size": 0}
     config = load_config(None, preset="smoke", overrides={"tasks": [arithmetic, bench]})
     with pytest.raises(
         ConfigError,
-        match=r"tasks.1: 8 of its 8 test prompts are other tasks' training prompts, .*; "
+        match=r"tasks.1: 8 of bench's 8 test prompts are other tasks' training prompts "
+        r"\(lines 1, 2, 3, 4, 5, 6, 7, 8\), .*; "
         r"the first, .*bench.jsonl line \d, is one of tasks.0 \(a problem of arithmetic\): drop them "
         r"from .*bench.jsonl$",
     ):
