@@ -494,9 +494,16 @@ def _step_blocks(history: list[dict], source: str, steps_per_round: int) -> list
             Series("train accuracy (sampled)", x, _col(history, "accuracy")),
         ]
     mix = _ordered(task for h in history for task in h.get("task_solved") or {})
-    for task in mix if len(mix) > 1 else ():  # each task of a mix at its own pace
+    mix = mix if len(mix) > 1 else []  # each task of a mix at its own pace, in the table and the plot
+    for task in mix:
         rewards.append(Series(f"{task} train accuracy (sampled)", x, [_solved_share(h, task) for h in history]))
-    rows = [{**h, "train on": _measured_on([h], "train on")} for h in history]
+        words[f"{task} accuracy"] = f"share of the step's responses to {task} problems solved"
+    after = columns.index("accuracy" if "accuracy" in columns else "reward_mean") + 1
+    columns[after:after] = [f"{task} accuracy" for task in mix]
+    rows = [
+        {**h, "train on": _measured_on([h], "train on"), **{f"{t} accuracy": _solved_share(h, t) for t in mix}}
+        for h in history
+    ]
     table = _speed_table(rows, [*columns, "train on"], source, keep=2)
     note = "; ".join(f"{c}: {words[c]}" for c in table.columns if c in words) + "."
     if steps_per_round > 1:

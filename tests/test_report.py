@@ -683,6 +683,11 @@ def test_the_step_table_says_what_each_column_is_and_shows_0_1_rewards_once(tmp_
     page = Page(report.html_report(TRACE, *write(tmp_path, "mixed", mixed, TRACE_EVALUATION)))
     reward = next(c for c in page.captions if c.startswith("Reward and accuracy."))
     assert "sums train accuracy (sampled), bench train accuracy (sampled)." in reward
+    # and in the per-step table, which the markdown report and the terminal show too
+    markdown = report.markdown(TRACE, *write(tmp_path, "mixed", mixed, TRACE_EVALUATION))
+    header = next(line for line in markdown.splitlines() if line.startswith("| round | step |"))
+    assert "| reward_mean | sums accuracy | bench accuracy | logprob_abs_diff_mean |" in header
+    assert "sums accuracy: share of the step's responses to sums problems solved; bench accuracy: " in markdown
 
 
 def test_the_comparison_shows_0_1_rewards_once_where_every_method_has_them():
