@@ -24,7 +24,7 @@ from torch import Tensor
 from .model import Transformer, right_pad
 from .rl import token_logprobs
 from .rollout import SamplingParams, TorchEngine
-from .tasks import Problem, format_example, reward_of
+from .tasks import Problem, format_example, reward_of, solved
 from .tokenizer import PolicyTokenizer
 from .trainer import clip_gradients
 
@@ -106,7 +106,8 @@ def sft_loss(model: Transformer, batch: SFTBatch) -> Tensor:
 def accuracy(
     model: Transformer, tokenizer: PolicyTokenizer, problems: list[Problem], max_new_tokens: int = 32
 ) -> float:
-    """Greedy pass@1 through the rollout engine (float32, no quantization), scored by each task's reward."""
+    """Greedy pass@1 through the rollout engine (float32, no quantization): the share of ``problems`` solved
+    (:func:`.tasks.solved` by each task's reward)."""
     device = next(model.parameters()).device
     engine = TorchEngine(model, dtype=torch.float32, device=device)
     sampling = SamplingParams(
@@ -114,7 +115,7 @@ def accuracy(
     )
     responses = engine.generate([prompt_ids(tokenizer, p) for p in problems], sampling)
     rewards = [reward_of(p, tokenizer.response_text(t.response), t.finished) for t, p in zip(responses, problems)]
-    return sum(rewards) / len(problems)
+    return sum(map(solved, rewards)) / len(problems)
 
 
 def bootstrap(

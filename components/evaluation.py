@@ -27,7 +27,7 @@ from .quant import QuantConfig
 from .rollout import TorchEngine
 from .stats import accuracy_row
 from .store import LocalStore
-from .tasks import Problem, reward_of
+from .tasks import Problem, reward_of, solved
 from .tokenizer import load_tokenizer
 from .trainer import Trainer
 
@@ -119,7 +119,7 @@ def _accuracy(
     rows = []
     for task in sorted({p.task for p in test}):
         idx = [i for i, p in enumerate(test) if p.task == task]
-        reward = lambda t, p: reward_of(p, tokenizer.response_text(t.response), t.finished)  # noqa: E731
+        reward = lambda t, p: float(solved(reward_of(p, tokenizer.response_text(t.response), t.finished)))  # noqa: E731
         greedy_scores = [reward(greedy[i], test[i]) for i in idx]
         sampled_scores = [sum(reward(sampled[i * k + j], test[i]) for j in range(k)) / k for i in idx]
         rows.append(accuracy_row(task, [test[i].prompt for i in idx], greedy_scores, sampled_scores, k))

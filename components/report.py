@@ -486,7 +486,9 @@ def _step_blocks(history: list[dict], source: str, steps_per_round: int) -> list
     words = dict(STEP_WORDS)
     if _rewards_are_accuracy(history):
         columns.remove("accuracy")
-        words["reward_mean"] += ", which equals the share of them solved (accuracy) at every step: rewards are 0 or 1"
+        words["reward_mean"] += (
+            ", which equals the share of them solved (accuracy) at every step: every reward was 0 or 1"
+        )
         rewards = [Series("reward mean = train accuracy (sampled)", x, _col(history, "reward_mean"))]
     else:
         rewards = [
@@ -766,7 +768,7 @@ def _comparison_blocks(config: RunConfig, evaluations: list[dict], histories: li
         }
         for m, h in zip(methods, histories)
     ]
-    note = "Every method's mean reward equals its train accuracy at every step: rewards are 0 or 1." * binary
+    note = "Every method's mean reward equals its train accuracy at every step: every reward was 0 or 1." * binary
     if training:
         blocks += [Heading(2, "Training per method"), _table(training, list(training[0]), source, keep=2, note=note)]
 

@@ -87,6 +87,7 @@ from .tasks import (
     read_problems,
     reward_of,
     reward_parts,
+    solved,
     split,
 )
 from .tokenizer import CHARS, build_tokenizer, load_tokenizer
@@ -235,7 +236,11 @@ def with_rewards(config: RunConfig, problems: list[Problem]) -> list[Problem]:
 def _task_reward(config: RunConfig, i: int) -> RewardFunction | None:
     """``tasks.i``'s reward of its own, its file read (None: math-verify's)."""
     t = config.tasks[i]
-    return None if t.reward is None else RewardFunction(*reward_parts(t.reward), _task_file(config, i, "reward")[0])
+    return (
+        None
+        if t.reward is None
+        else RewardFunction(*reward_parts(t.reward), _task_file(config, i, "reward")[0], t.data)
+    )
 
 
 def _file_task(config: RunConfig, i: int, data: bytes) -> FileTask:
@@ -1229,7 +1234,7 @@ def train(
                 "step": trainer.step,
                 "staleness": s,
                 "reward_mean": rewards.mean().item(),
-                "accuracy": (rewards >= 1).float().mean().item(),
+                "accuracy": solved(rewards).float().mean().item(),
                 "task_solved": solved_by_task(step_problems, rewards),
                 "entropy": -rollout_lp.mean().item(),  # per token, estimated from the sampled tokens
                 "response_length": lengths.mean().item(),
@@ -1259,7 +1264,7 @@ def solved_by_task(problems: list[Problem], rewards: torch.Tensor) -> dict[str, 
     out: dict[str, list[int]] = {}
     for problem, reward in zip(problems, rewards.tolist()):
         counts = out.setdefault(problem.task, [0, 0])
-        counts[0] += reward >= 1
+        counts[0] += solved(reward)
         counts[1] += 1
     return out
 

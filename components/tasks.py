@@ -600,13 +600,14 @@ class RewardFunction:
     source: str
     function: str
     code: bytes = field(repr=False)
+    problems: str = ""  # the file of the problems it scores, named in its faults
 
     @property
     def name(self) -> str:
         return f"{self.source}:{self.function}"
 
     def __call__(self, problem: Problem, response: str) -> float:
-        where = f"{self.name} on line {problem.meta['line']}"
+        where = f"{self.name} on {self.problems} line {problem.meta['line']}"
         try:
             value = _loaded(self)(response, problem.answer, problem.meta["record"])
         except Exception as e:
@@ -647,7 +648,11 @@ def _loaded(reward: RewardFunction) -> Callable:
         raise ValueError(f"{reward.source} line {e.lineno}: {e.msg}") from None
     except Exception as e:
         del sys.modules[module_name]
-        raise ValueError(f"{reward.source}: running it raised {type(e).__name__}: {e}") from e
+        beside = (  # the file runs from its bytes, not its folder: a store's file has none
+            " (a module beside the reward file is not importable: put its code in the file, or install it where "
+            "the steps run)"
+        ) * isinstance(e, ModuleNotFoundError)
+        raise ValueError(f"{reward.source}: running it raised {type(e).__name__}: {e}{beside}") from e
     function = getattr(module, reward.function, None)
     if not callable(function):
         defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module_name)
@@ -780,6 +785,13 @@ def get_task(name: str) -> Task:
         return TASKS[name]
     except KeyError:
         raise ValueError(f"unknown task {name!r}; expected one of {sorted(TASKS)}") from None
+
+
+def solved(reward):
+    """Whether a reward (or each of a tensor's) solves its problem: 1 does. Accuracy counts these alone, so
+    that it means one thing for every task; a partial reward (a task's own function's) counts in RL's
+    advantages, not in accuracy."""
+    return reward >= 1
 
 
 def reward_of(problem: Problem, response: str, finished: bool) -> float:

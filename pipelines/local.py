@@ -577,7 +577,7 @@ def run_to_end(
         elif others and not resumed:
             note = (
                 f", a new run: the folder's {others} other run(s) were asked for other settings, methods, code, "
-                "checkpoint, problem files or store endpoint (each resumes when asked for again)"
+                "checkpoint, problem or reward files or store endpoint (each resumes when asked for again)"
             )
         header = f"running {config.name}: {config.rl.rounds} round(s) of {config.rl.steps_per_round} step(s), method "
         header += f"{', '.join(methods or [config.method])}; component logs in {log or output / 'pipeline.log'}"

@@ -354,18 +354,32 @@ def test_a_reward_of_the_users_own_scores_a_files_problems_wherever_they_are_rea
         _config(_write(tmp_path / "sums.jsonl"), reward_sha256="0" * 64)
 
 
+def test_accuracy_counts_a_response_solved_at_reward_1_alone(tmp_path):
+    """A partial reward is RL's, not accuracy's: pass@1 stays a share of prompts solved, as its interval needs."""
+    from tracefp4.components.bootstrap import accuracy
+    from tracefp4.components.model import build_model
+    from tracefp4.components.tokenizer import build_tokenizer
+
+    data = _write(tmp_path / "sums.jsonl")
+    for value, share in (("0.5", 0.0), ("True", 1.0)):
+        (tmp_path / "rewards.py").write_text(f"def score(response, answer, line):\n    return {value}\n")
+        test = steps.problems(_config(data, reward=f"{tmp_path}/rewards.py:score"))[1]
+        assert accuracy(build_model("smoke", seed=0), build_tokenizer(), test, max_new_tokens=2) == share
+
+
 def test_a_reward_that_cannot_score_is_refused_before_the_run_naming_what_is_wrong(tmp_path):
     data = _write(tmp_path / "sums.jsonl")
     faults = {
         "def score(response, answer, line)\n": "rewards.py line 1: expected ':'",
-        "import no_such_module\n": "rewards.py: running it raised ModuleNotFoundError: No module named",
+        "import helpers\n": "rewards.py: running it raised ModuleNotFoundError: No module named 'helpers' (a module "
+        "beside the reward file is not importable: put its code in the file",
         "def other(response, answer, line):\n    return 1\n": "defines no function 'score' (its functions: other)",
         "score = 3\n": "defines no function 'score' (its functions: none)",
         "def score(response):\n    return 1\n": "rewards.py:score cannot be called as score(response, answer, line)",
         "def score(response, answer, line):\n    return line['tests']\n": (
-            "rewards.py:score on line 1: raised KeyError: 'tests' (given the line's answer as the response"
+            f"rewards.py:score on {data} line 1: raised KeyError: 'tests' (given the line's answer as the response"
         ),
-        "def score(response, answer, line):\n    return 2\n": "rewards.py:score on line 1: returned 2, not a number",
+        "def score(response, answer, line):\n    return 2\n": f"rewards.py:score on {data} line 1: returned 2, not a",
         "def score(response, answer, line):\n    return 'yes'\n": "returned 'yes', not a number from 0 to 1",
     }
     for code, fault in faults.items():

@@ -664,13 +664,13 @@ def test_the_step_table_says_what_each_column_is_and_shows_0_1_rewards_once(tmp_
     caption = next(line for line in steps.splitlines() if line.startswith("_round: "))
     for column in report.STEP_COLUMNS:
         assert f"{column}: {report.STEP_WORDS[column]}" in caption
-    assert "rewards are 0 or 1" not in caption and "staleness" not in caption  # one step a round: nothing stale
+    assert "every reward was 0 or 1" not in caption and "staleness" not in caption  # one step a round: nothing stale
 
     binary = [row | {"accuracy": row["reward_mean"]} for row in history("trace", True)]
     text = report.markdown(TRACE, *write(tmp_path, "binary", binary, TRACE_EVALUATION))
     steps = section(text, "Training, per RL step")
     assert rows(steps)[0] == [c for c in report.STEP_COLUMNS if c != "accuracy"]
-    assert "which equals the share of them solved (accuracy) at every step: rewards are 0 or 1" in steps
+    assert "which equals the share of them solved (accuracy) at every step: every reward was 0 or 1" in steps
     assert [json.loads(line) for line in (tmp_path / "binary.history").read_text().splitlines()] == binary
     page = Page(report.html_report(TRACE, *write(tmp_path, "binary", binary, TRACE_EVALUATION)))
     reward = next(c for c in page.captions if c.startswith("Reward and accuracy."))
@@ -705,14 +705,14 @@ def test_the_comparison_shows_0_1_rewards_once_where_every_method_has_them():
         r"logprob \|diff\| mean (last)",
     ]
     assert [r[2] for r in rows(training)[1:]] == ["0.45", "0.45"]  # the last step's
-    assert "Every method's mean reward equals its train accuracy at every step: rewards are 0 or 1." in training
+    assert "Every method's mean reward equals its train accuracy at every step: every reward was 0 or 1." in training
     page = Page(report.comparison_html(TRACE, evaluations, binary))
     assert "Reward per method" not in png_alts(page) and "Train accuracy per method" in png_alts(page)
 
     mixed = [binary[0], history("bf16", True)]  # bf16's rewards are not its accuracies
     training = section(report.comparison(TRACE, evaluations, mixed), "Training per method")
     assert rows(training)[0][2:4] == ["train accuracy (last, sampled)", "reward_mean (last)"]
-    assert "rewards are 0 or 1" not in training
+    assert "every reward was 0 or 1" not in training
 
 
 def test_an_off_policy_run_says_its_later_steps_add_the_policys_drift(tmp_path):
