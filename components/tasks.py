@@ -589,18 +589,19 @@ def file_reward(problem: Problem, response: str) -> float:
 
 @dataclass(frozen=True)
 class RewardFunction:
-    """A user's reward, ``function`` of the Python file ``source`` whose bytes
-    are ``code``: called as ``function(response, answer, line)`` with the
-    response's text, the problem's reference answer and its line's whole
-    JSON object (what else a reward needs: test cases, choices), it returns
-    a number from 0 to 1, 1 a solved problem. A fault of the function (an
-    exception, another value) stops the step, naming the function and the
-    line: a reward read as 0 would train on a bug, not the policy's error."""
+    """A user's reward of the ``problems`` file's problems, ``function`` of
+    the Python file ``source`` whose bytes are ``code``: called as
+    ``function(response, answer, line)`` with the response's text, the
+    problem's reference answer and its line's whole JSON object (what else a
+    reward needs: test cases, choices), it returns a number from 0 to 1, 1 a
+    solved problem. A fault of the function (an exception, another value)
+    stops the step, naming the function and the line: a reward read as 0
+    would train on a bug, not the policy's error."""
 
     source: str
     function: str
     code: bytes = field(repr=False)
-    problems: str = ""  # the file of the problems it scores, named in its faults
+    problems: str  # the file of the problems it scores, named in its faults
 
     @property
     def name(self) -> str:

@@ -642,7 +642,12 @@ class TaskConfig(_Section):
                 raise ValueError("sha256: is the digest of data's file; this task has no data")
             for field in ("prompt_key", "answer_key", "prompt_template", "reward"):
                 if getattr(self, field) != TaskConfig.model_fields[field].default:
-                    raise ValueError(f"{field}: reads data's lines; this task has no data")
+                    does = (
+                        "scores data's problems (a family scores its own)"
+                        if field == "reward"
+                        else "reads data's lines"
+                    )
+                    raise ValueError(f"{field}: {does}; this task has no data")
         elif self.name in tasks.TASKS:
             raise ValueError(
                 f"name: {self.name!r} is a generated family's; name the file's problems otherwise (their reward is "

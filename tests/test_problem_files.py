@@ -402,7 +402,9 @@ def test_a_reward_that_cannot_score_is_refused_before_the_run_naming_what_is_wro
     for reward, fault in mistakes.items():
         with pytest.raises(ConfigError, match=re.escape(f"tasks.0.reward: {fault}")):
             load_config(None, preset="smoke", overrides={"tasks": [{"name": "sums", "data": data, "reward": reward}]})
-    with pytest.raises(ValidationError, match="reward: reads data's lines; this task has no data"):
+    with pytest.raises(
+        ValidationError, match=r"reward: scores data's problems \(a family scores its own\); this task has no data"
+    ):
         RunConfig.model_validate({"tasks": [{"name": "arithmetic", "reward": "rewards.py:score"}]})
 
 
