@@ -521,6 +521,10 @@ class TrainSection(_Section):
         return self.launcher == "trainjob" and self.world_size > 1
 
 
+# a file task's settings of how its lines are read and scored, each held at its default by a generated family
+FILE_SETTINGS = ("prompt_key", "answer_key", "prompt_template", "reward")
+
+
 class TaskConfig(_Section):
     """One verifiable task in the training/evaluation mix: a generated family, or a user's problems from a file."""
 
@@ -640,7 +644,7 @@ class TaskConfig(_Section):
                 )
             if self.sha256 is not None:
                 raise ValueError("sha256: is the digest of data's file; this task has no data")
-            for field in ("prompt_key", "answer_key", "prompt_template", "reward"):
+            for field in FILE_SETTINGS:
                 if getattr(self, field) != TaskConfig.model_fields[field].default:
                     does = (
                         "scores data's problems (a family scores its own)"
@@ -679,7 +683,7 @@ class TaskConfig(_Section):
         family's file settings, a file's difficulty, a reward digest without a reward, the weight of a task
         never trained on. A config printed without them reads the same, and each task as what it is."""
         if self.data is None:
-            unused = {"data", "sha256", "prompt_key", "answer_key", "prompt_template", "reward", "reward_sha256"}
+            unused = {"data", "sha256", *FILE_SETTINGS, "reward_sha256"}
         else:
             unused = {"difficulty"} | ({"reward_sha256"} if self.reward is None else set())
         return unused | ({"weight"} if self.train_size == 0 else set())
