@@ -3,6 +3,7 @@ kfp.local; the compiled YAML names every component and parameter; the CLI."""
 
 import builtins
 import gc
+import inspect
 import io
 import json
 import logging
@@ -288,6 +289,29 @@ def _leaf_tasks(spec: dict) -> dict:
         name: (executors[label]["container"]["resources"], "retryPolicy" in task)
         for name, (task, label) in _leaf_executors(spec).items()
     }
+
+
+def test_kfps_task_setters_run_off_the_callers_stack_and_their_errors_reach_it(monkeypatch):
+    """KFP's setters read the source of every frame of the stack they run on (``inspect.stack()``): a pipeline
+    built from deep in a caller's stack (a test runner's, a notebook's) sets its tasks up from a shallow one."""
+    from kfp.dsl import pipeline_task
+
+    depths, checked = [], pipeline_task.PipelineTask._ensure_container_spec_exists
+
+    def counted(task):
+        depths.append(len(inspect.stack(0)))
+        return checked(task)
+
+    monkeypatch.setattr(pipeline_task.PipelineTask, "_ensure_container_spec_exists", counted)
+
+    def built(depth):  # the pipeline built `depth` frames below here
+        return built(depth - 1) if depth else build_pipeline(get_preset("smoke"))
+
+    built(100)
+    assert depths and max(depths) < 20  # a thread's few frames, not pytest's and the 100 below them
+    monkeypatch.setattr(pipeline_task.PipelineTask, "set_cpu_limit", lambda task, cpu: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        built(0)
 
 
 def test_every_step_gets_the_stores_region_and_ca_bundle(tmp_path):
