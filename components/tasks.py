@@ -32,6 +32,7 @@ import logging
 import numbers
 import random
 import sys
+import traceback
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -612,10 +613,19 @@ class RewardFunction:
         try:
             value = _loaded(self)(response, problem.answer, problem.meta["record"])
         except Exception as e:
-            raise RuntimeError(f"{where}: raised {type(e).__name__}: {e}") from e
+            raise RuntimeError(f"{where}: raised {type(e).__name__}: {e}{self._line_of(e)}") from e
         if isinstance(value, numbers.Real) and 0 <= value <= 1:  # bool, int, float, numpy's scalars
             return float(value)
         raise ValueError(f"{where}: returned {value!r}, not a number from 0 to 1 (1: solved)")
+
+    def _line_of(self, error: BaseException) -> str:
+        """The line of the reward file (named at the start of a fault's message) that raised ``error``, its
+        deepest frame there: a step's console shows the message, its log the whole traceback."""
+        lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__) if frame.filename == self.source]
+        if not lines:
+            return ""
+        text = self.code.decode(errors="replace").splitlines()[lines[-1] - 1].strip()
+        return f" (at line {lines[-1]}: {text})"
 
     def check(self, problem: Problem) -> None:
         """Refuse a file that does not load, whose function is none or takes other arguments, or that fails
@@ -653,7 +663,9 @@ def _loaded(reward: RewardFunction) -> Callable:
             " (a module beside the reward file is not importable: put its code in the file, or install it where "
             "the steps run)"
         ) * isinstance(e, ModuleNotFoundError)
-        raise ValueError(f"{reward.source}: running it raised {type(e).__name__}: {e}{beside}") from e
+        raise ValueError(
+            f"{reward.source}: running it raised {type(e).__name__}: {e}{reward._line_of(e)}{beside}"
+        ) from e
     function = getattr(module, reward.function, None)
     if not callable(function):
         defined = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and v.__module__ == module_name)

@@ -371,14 +371,17 @@ def test_a_reward_that_cannot_score_is_refused_before_the_run_naming_what_is_wro
     data = _write(tmp_path / "sums.jsonl")
     faults = {
         "def score(response, answer, line)\n": "rewards.py line 1: expected ':'",
-        "import helpers\n": "rewards.py: running it raised ModuleNotFoundError: No module named 'helpers' (a module "
-        "beside the reward file is not importable: put its code in the file",
+        "import helpers\n": "rewards.py: running it raised ModuleNotFoundError: No module named 'helpers' (at line 1: "
+        "import helpers) (a module beside the reward file is not importable: put its code in the file",
         "def other(response, answer, line):\n    return 1\n": "defines no function 'score' (its functions: other)",
         "score = 3\n": "defines no function 'score' (its functions: none)",
         "def score(response):\n    return 1\n": "rewards.py:score cannot be called as score(response, answer, line)",
         "def score(response, answer, line):\n    return line['tests']\n": (
-            f"rewards.py:score on {data} line 1: raised KeyError: 'tests' (given the line's answer as the response"
+            f"rewards.py:score on {data} line 1: raised KeyError: 'tests' (at line 2: return line['tests']) (given "
+            "the line's answer as the response"
         ),
+        "import json\n\nsettings = json.loads('{')\n": "rewards.py: running it raised JSONDecodeError: Expecting "
+        "property name enclosed in double quotes: line 1 column 2 (char 1) (at line 3: settings = json.loads('{'))",
         "def score(response, answer, line):\n    return 2\n": f"rewards.py:score on {data} line 1: returned 2, not a",
         "def score(response, answer, line):\n    return 'yes'\n": "returned 'yes', not a number from 0 to 1",
     }
