@@ -66,6 +66,9 @@ BOOTSTRAP = re.compile(r"bootstrap step (\d+)/(\d+)")
 LOOP_ITERATION = re.compile(r"for-loop-\d+-iteration-(\d+)")
 TAIL_LINES = 15
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# a signal this soon after the first is the same one delivered twice: GNU timeout signals the command, then its
+# process group, which holds the command too
+SAME_SIGNAL_S = 1.0
 # a report task's artifacts (KFP names them, without an extension) -> their copies in the run folder, named so that
 # a browser opens the page as HTML from file:// (it shows a file without an extension as text)
 REPORT_COPIES = {"page": "report.html", "markdown": "report.md"}
@@ -376,11 +379,13 @@ def _stop(pids: list[int], grace: float = 10.0) -> None:
 @contextlib.contextmanager
 def _stop_components(log: _Log):
     """SIGINT/SIGTERM: stop the processes started inside (the running
-    components), then raise :class:`Interrupted`; a second signal acts as it
-    did before. After the signal, or once a component failed (``log`` says
-    so), stop whatever starts until the block ends: kfp.local runs a loop's
-    iterations (a comparison's methods, rollout workers) two at a time and
-    starts the queued ones before it raises."""
+    components), then raise :class:`Interrupted`; a second signal (not one
+    within :data:`SAME_SIGNAL_S` of the first) acts as it did before, for a
+    user who will not wait for the components to stop. After the signal, or
+    once a component failed (``log`` says so), stop whatever starts until the
+    block ends: kfp.local runs a loop's iterations (a comparison's methods,
+    rollout workers) two at a time and starts the queued ones before it
+    raises."""
     before = set(_descendants(os.getpid()))
     stopping, ended = threading.Event(), threading.Event()
 
@@ -395,8 +400,16 @@ def _stop_components(log: _Log):
                 _stop(started())
 
     def handler(signum, frame):
-        for s, h in previous.items():
-            signal.signal(s, h)
+        first = time.monotonic()
+
+        def again(signum, frame):
+            if time.monotonic() - first > SAME_SIGNAL_S:
+                for s, h in previous.items():
+                    signal.signal(s, h)
+                signal.raise_signal(signum)
+
+        for s in previous:
+            signal.signal(s, again)
         stopping.set()
         _stop(started())
         raise Interrupted(signum)

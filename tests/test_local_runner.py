@@ -27,6 +27,7 @@ from tracefp4.components.tokenizer import build_tokenizer
 from tracefp4.pipelines import resume
 from tracefp4.pipelines.cli import main
 from tracefp4.pipelines.local import (
+    SAME_SIGNAL_S,
     _kfp_local_swaps_undone,
     _Log,
     failed_method,
@@ -346,9 +347,10 @@ def test_metrics_outputs_get_a_file_for_the_cache_to_find(tmp_path):
     assert json.loads((tmp_path / "metrics").read_text()) == {"bootstrap_accuracy": 0.25}
 
 
-def terminated_runner(tmp_path, body: str, ready) -> int:
+def terminated_runner(tmp_path, body: str, ready, again_after_s: float | None = None) -> int:
     """Run ``body`` inside ``_stop_components`` in a runner process, send it SIGTERM once the file ``ready``
-    has content (a component runs), and return the runner's exit status (128 + SIGTERM if it stopped)."""
+    has content (a component runs), and again ``again_after_s`` later where given, and return the runner's exit
+    status (128 + SIGTERM if it stopped)."""
     lines = [
         "import concurrent.futures, subprocess, sys",
         "from tracefp4.pipelines.local import Interrupted, _Log, _stop_components",
@@ -365,6 +367,9 @@ def terminated_runner(tmp_path, body: str, ready) -> int:
     while not (ready.exists() and ready.read_text()) and time.monotonic() < deadline:
         time.sleep(0.1)
     runner.send_signal(signal.SIGTERM)
+    if again_after_s is not None:
+        time.sleep(again_after_s)
+        runner.send_signal(signal.SIGTERM)
     return runner.wait(timeout=30)
 
 
@@ -377,6 +382,24 @@ def test_a_signal_to_the_runner_stops_the_component_it_started(tmp_path):
     body = f'subprocess.run(["sh", "-c", "{sys.executable} {component}; echo still here"])'
     assert terminated_runner(tmp_path, body, pid_file) == 128 + signal.SIGTERM
     assert not _running(int(pid_file.read_text()))
+
+
+def test_a_signal_delivered_twice_at_once_stops_the_components_as_one_does(tmp_path):
+    """GNU timeout signals the command, then its process group: the second copy, while the components stop,
+    leaves their stopping alone; a signal a while later ends the runner as before, not waiting for them."""
+    component = tmp_path / "component.py"
+    component.write_text(  # it takes 2 s to stop, or never
+        "import signal, sys, time\n"
+        f"import os\nslow = sys.argv[1] == 'slow'\nopen({str(tmp_path)!r} + '/ready', 'w').write(str(os.getpid()))\n"
+        "signal.signal(signal.SIGTERM, lambda *_: (time.sleep(2), sys.exit(0)) if slow else None)\n"
+        "time.sleep(120)\n"
+    )
+    for how, status in (("slow", 128 + signal.SIGTERM), ("never", -signal.SIGTERM)):
+        (tmp_path / "ready").unlink(missing_ok=True)
+        body = f'subprocess.run([sys.executable, "{component}", "{how}"])'
+        again_after_s = 0.1 if how == "slow" else SAME_SIGNAL_S + 0.5
+        assert terminated_runner(tmp_path, body, tmp_path / "ready", again_after_s) == status, how
+    os.kill(int((tmp_path / "ready").read_text()), signal.SIGKILL)  # the one that never stops, left by its runner
 
 
 def test_after_a_signal_the_components_a_loop_starts_later_are_stopped_too(tmp_path):
