@@ -355,7 +355,8 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
         )
     config = _config(preset, config_file, sets=sets) if preset or config_file else None
     try:
-        with _written_to(dst, steps.steps_environment(config) if config else os.environ) as folder:
+        env = steps.steps_environment(config) if config else os.environ
+        with _written_to(dst, env, replaces=("format", "export")) as folder:
             with _said_here(_Logged(logging.WARNING)):
                 if config:
                     stats = steps.export_policy(config, Path(src), folder)
@@ -374,7 +375,7 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
 
 
 @contextlib.contextmanager
-def _written_to(output: str, env: Mapping[str, str]):
+def _written_to(output: str, env: Mapping[str, str], replaces: tuple[str, str] | None = None):
     """The local folder a command writes its output folder in: ``output``
     itself, or where that is a store URI (``s3://``, ``minio://``) a
     temporary one, uploaded there once written whole (``upload_folder``: a
@@ -384,12 +385,23 @@ def _written_to(output: str, env: Mapping[str, str]):
     The store is opened first: a bucket that is not there, or credentials it
     refuses, fail before the work. A folder uploaded there before is
     replaced, as a local save replaces one; a prefix holding other objects
-    is refused (the upload would delete them)."""
-    from tracefp4.components.checkpoint import MANIFEST, local_folder, upload_folder
+    is refused (the upload would delete them). ``replaces``: (a provenance key, what has it), where the
+    command replaces only a tracefp4 save of its own kind (an export's has a ``format``): a swapped or
+    mistyped path would otherwise replace a trained policy."""
+    from tracefp4.components.checkpoint import MANIFEST, local_folder, manifest_provenance, upload_folder
     from tracefp4.components.store import open_store
+
+    def refuse_another_kind(manifest: bytes) -> None:
+        if replaces and replaces[0] not in manifest_provenance(manifest, f"{output}/{MANIFEST}"):
+            raise click.ClickException(
+                f"{output} holds a tracefp4 save that is no {replaces[1]} (a policy or a trainer state), which "
+                "writing there would replace: give another folder"
+            )
 
     folder = local_folder(output)
     if folder is not None:
+        if (folder / MANIFEST).is_file():
+            refuse_another_kind((folder / MANIFEST).read_bytes())
         yield folder
         return
     store = open_store(output, env=env)
@@ -399,6 +411,8 @@ def _written_to(output: str, env: Mapping[str, str]):
             f"{output} holds {len(held)} object(s) of no tracefp4 folder ({', '.join(held[:3])}"
             f"{', ...' if len(held) > 3 else ''}), which writing a folder there would delete: give an empty prefix"
         )
+    if held:
+        refuse_another_kind(store.get_bytes(MANIFEST))
     with tempfile.TemporaryDirectory(prefix="tracefp4-output-") as tmp:
         yield Path(tmp) / "folder"
         upload_folder(Path(tmp) / "folder", store)

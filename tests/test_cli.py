@@ -358,6 +358,10 @@ def test_bootstrap_and_export_write_their_folders_into_the_store(tmp_path, s3_en
     result = CliRunner().invoke(main, ["export", str(policy), s3_env.uri(f"{prefix}/notes")])
     assert result.exit_code == 1 and "holds 1 object(s) of no tracefp4 folder (readme.txt)" in result.output
     assert s3_env.store(f"{prefix}/notes").list() == ["readme.txt"]
+    result = CliRunner().invoke(main, ["export", str(policy), base])  # nor a policy: a swapped or mistyped path
+    assert result.exit_code == 1 and f"{base} holds a tracefp4 save that is no export" in result.output
+    result = CliRunner().invoke(main, ["export", str(policy), exported])  # an export: replaced
+    assert result.exit_code == 0, result.output
     result = CliRunner().invoke(main, ["bootstrap", "--preset", "smoke", "--output", "s3://no-such-bucket-x/p"])
     assert result.exit_code == 1 and "bucket 'no-such-bucket-x' does not exist" in result.output
     assert "bootstrap step" not in result.output  # refused before the work

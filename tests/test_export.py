@@ -14,6 +14,7 @@ import hashlib
 import io
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -206,10 +207,17 @@ def test_export_command(policies, tmp_path):
     assert result.exit_code != 0 and "'int4' is not one of" in result.output and not (tmp_path / "x").exists()
     result = runner.invoke(main, ["export", "--device", "gpu", str(policies["smoke"]), str(tmp_path / "x")])
     assert result.exit_code == 2 and "'gpu': expected auto, cpu, cuda or cuda:N" in result.output
-    # never over the policy itself, nor over a folder of the user's (both used to be replaced whole)
+    # never over the policy itself or another tracefp4 save but an export (a swapped or mistyped path), nor over
+    # a folder of the user's (all used to be replaced whole); over an export, as a rerun of the command
     before = _digests(policies["smoke"])
     result = runner.invoke(main, ["export", str(policies["smoke"]), str(policies["smoke"])])
-    assert result.exit_code == 1 and "the policy to export" in result.output and _digests(policies["smoke"]) == before
+    assert result.exit_code == 1 and _digests(policies["smoke"]) == before
+    assert f"{policies['smoke']} holds a tracefp4 save that is no export (a policy or a trainer state)" in result.output
+    shutil.copytree(policies["smoke"], tmp_path / "trained")
+    result = runner.invoke(main, ["export", str(policies["smoke"]), str(tmp_path / "trained")])
+    assert result.exit_code == 1 and "is no export" in result.output and _digests(tmp_path / "trained") == before
+    result = runner.invoke(main, ["export", "--format", "nvfp4", str(policies["smoke"]), str(tmp_path / "e")])
+    assert result.exit_code == 0, result.output
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("x")
     result = runner.invoke(main, ["export", str(policies["smoke"]), str(tmp_path / "mine")])
