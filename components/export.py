@@ -281,7 +281,15 @@ def export(
     source = Path(policy)
     if Path(out).resolve() == source.resolve():
         raise ValueError(f"{out}: the policy to export; write the export to another folder")
-    model = load_model(source, device=device).to(rollout_dtype)
+    model = load_model(source, device=device)
+    saved = next(model.parameters()).dtype
+    if saved != rollout_dtype:  # `tracefp4 export` without the run's config: its --rollout-dtype's default
+        log.warning(
+            "%s: %s weights, exported as a %s rollout quantizes them, where a run of model.dtype %s served other "
+            "values (`tracefp4 export` given the run's --preset or --config exports those)",
+            source, *(str(d).removeprefix("torch.") for d in (saved, rollout_dtype, saved)),
+        )  # fmt: skip
+    model = model.to(rollout_dtype)
     cfg = model.cfg
     state = model.state_dict()
     experts = [key for key in state if _EXPERTS.match(key)]

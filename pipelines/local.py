@@ -139,7 +139,8 @@ def continuation_of(run_dir: Path, steps_per_round: int) -> dict:
     saved = {state: found for state in states if (found := provenance(state))}  # committed: its manifest written
     if not saved:
         raise ValueError(
-            f"{run_dir}: no train task of a run finished there (pipeline_root/**/train*/new_trainer_state)"
+            f"{run_dir}: no train task of a run finished there (pipeline_root/**/train*/new_trainer_state): name "
+            "the --output of a `tracefp4 run` that trained"
         )
     run = saved[max(saved, key=lambda state: (state / MANIFEST).stat().st_mtime)]["run_id"]
     version = max(found["policy_version"] for found in saved.values() if found["run_id"] == run)
@@ -152,6 +153,7 @@ def continuation_of(run_dir: Path, steps_per_round: int) -> dict:
     if version % steps_per_round:
         raise ValueError(
             f"{last[0]}: policy version {version} is no whole number of rounds of rl.steps_per_round {steps_per_round}"
+            " (this config's, not the run's?): go on with the --preset, --config and --set the run was started with"
         )
     return continuation(str(last[0].with_name("new_policy")), str(last[0]), version // steps_per_round)
 

@@ -350,7 +350,7 @@ def test_bootstrap_and_export_write_their_folders_into_the_store(tmp_path, s3_en
     policy = fetch(base)  # checked against its manifest
     assert load_tokenizer(policy).files() == build_tokenizer().files() and load_model(policy).cfg.num_layers == 2
     result = CliRunner().invoke(main, ["export", str(policy), exported])
-    assert result.exit_code == 0 and result.output.startswith(f"{exported}: nvfp4-pack-quantized"), result.output
+    assert result.exit_code == 0 and result.stdout.startswith(f"{exported}: nvfp4-pack-quantized"), result.output
     assert {"config.json", "checksums.json", "model.safetensors"} <= set(s3_env.store(f"{prefix}/exported").list())
     assert not (tmp_path / "s3:").exists()
     # a prefix that holds other objects: the upload would delete them

@@ -238,6 +238,7 @@ def test_run_continue_from_needs_a_finished_train_task_and_another_output(tmp_pa
         main, ["run", "--preset", "smoke", "--continue-from", str(tmp_path), "--output", str(tmp_path / "next")]
     )
     assert empty.exit_code == 1 and "no train task of a run finished there" in empty.output
+    assert "name the --output of a `tracefp4 run` that trained" in empty.output
     assert not (tmp_path / "next").exists()
 
 

@@ -100,7 +100,11 @@ def test_a_continuation_goes_on_from_the_smoke_runs_final_policy_and_state(smoke
         "rl.first_round": 1,
         "bootstrap.enabled": False,
     }
-    with pytest.raises(ValueError, match="policy version 1 is no whole number of rounds of rl.steps_per_round 2"):
+    with pytest.raises(
+        ValueError,
+        match="policy version 1 is no whole number of rounds of rl.steps_per_round 2 .* the --preset, --config and "
+        "--set the run was started with",
+    ):
         continuation_of(out, steps_per_round=2)
     # a train task stopped after committing its state (its run resumed, and the task ran again) left a state of
     # the same run and version, newer, that no cache entry names: not one of a comparison's, and not gone on from
