@@ -8,6 +8,7 @@ path; the checks across fields (pydantic's model validators) run once every
 field is valid, so those come in a second pass, which the error says.
 """
 
+import difflib
 import functools
 import hashlib
 import json
@@ -16,8 +17,9 @@ import re
 from collections.abc import Mapping
 from importlib.metadata import version
 from pathlib import Path
+from typing import get_args
 
-from pydantic import SecretStr, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from tracefp4.components.store import write_atomic
 
@@ -62,6 +64,8 @@ class ConfigError(ValueError):
             reason = e["msg"].removeprefix("Value error, ")
             if e["type"] == "string_pattern_mismatch":
                 reason = PATTERN_HINTS.get(e["ctx"]["pattern"], reason)
+            elif e["type"] == "extra_forbidden":
+                reason = _unknown_field(e["loc"]) or reason
             head, sep, tail = reason.partition(": ")
             if path and sep and _FIELD.match(head):  # a section's check across its fields names the one at fault
                 problems.append((f"{path}.{head}", tail))
@@ -73,6 +77,30 @@ class ConfigError(ValueError):
                     head, sep, tail = line.partition(": ")
                     problems.append((head, tail) if sep and _DOTTED.match(head) else ("", line))
         return cls(problems, source, unchecked)
+
+
+def _unknown_field(loc: tuple) -> str | None:
+    """What a field no section has is told (``loc``: its place): the field of its section nearest its name (a
+    typo: ``rl.round``), or the section's fields; None where ``loc`` names no section of :class:`RunConfig`."""
+    section: type[BaseModel] | None = RunConfig
+    for part in loc[:-1]:
+        if not isinstance(part, int):  # a list's item: the list's section
+            field = section.model_fields.get(part) if section else None
+            section = _section_of(field.annotation) if field else None
+    if section is None:
+        return None
+    parent = "".join(f"{part}." for part in loc[:-1])
+    near = difflib.get_close_matches(str(loc[-1]), section.model_fields, n=1, cutoff=0.75)
+    if near:
+        return f"unknown field: did you mean {parent}{near[0]}?"
+    return f"unknown field ({parent.removesuffix('.') or 'the config'} has {', '.join(section.model_fields)})"
+
+
+def _section_of(annotation) -> type[BaseModel] | None:
+    """The model a field's annotation holds (``RLConfig``, ``list[TaskConfig]``, ``X | None``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((found for arg in get_args(annotation) if (found := _section_of(arg))), None)
 
 
 def _yaml():
