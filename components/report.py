@@ -649,6 +649,12 @@ def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict, contin
     summary = f"RL steps: {len(history)}, rounds: {len(_rounds(history))}; evaluated rollout configs: {rollouts}; "
     summary += _tasks_line(config)
     blocks = [Heading(1, f"tracefp4 run `{config.name}`"), source + ".", summary, *_hardware([evaluation])]
+    if config.rl.first_round:  # else only the policy's long path, in the captions, tells two such reports apart
+        blocks.insert(
+            2,
+            f"A continuation: rounds from {config.rl.first_round} (counted from the first run's first), going on "
+            f"from the policy `{config.model.checkpoint}` and its trainer state.",
+        )
     blocks += [
         Heading(2, "Accuracy: method x task"),
         _accuracy_table(acc, source, config.bootstrap.enabled) if acc else "No accuracy rows.",

@@ -419,6 +419,17 @@ def test_a_chained_run_says_its_last_task_submits_the_next(trace_files):
     assert "`chain`" not in report.markdown(TRACE, *trace_files, settings)
 
 
+def test_a_continuations_report_says_what_it_goes_on_from(trace_files):
+    model = TRACE.model.model_copy(update={"preset": None, "checkpoint": "s3://runs/p", "trainer_state": "s3://runs/s"})
+    later = TRACE.model_copy(update={"model": model, "rl": TRACE.rl.model_copy(update={"first_round": 2})})
+    head = report.markdown(later, *trace_files).split("## ")[0]
+    assert (
+        "A continuation: rounds from 2 (counted from the first run's first), going on from the policy `s3://runs/p`"
+        in (head)
+    )
+    assert "A continuation" not in report.markdown(TRACE, *trace_files)
+
+
 def test_a_run_that_leaves_out_its_initial_policy_says_so(tmp_path):
     later = TRACE.model_copy(update={"evaluation": TRACE.evaluation.model_copy(update={"initial": False})})
     files = write(tmp_path, "later", [], TRACE_EVALUATION)  # trained rows alone
