@@ -419,6 +419,13 @@ def test_a_chained_run_says_its_last_task_submits_the_next(trace_files):
     assert "`chain`" not in report.markdown(TRACE, *trace_files, settings)
 
 
+def test_a_run_whose_policies_solve_nothing_says_its_accuracies_say_nothing(tmp_path, trace_files):
+    unsolved = {**TRACE_EVALUATION, "accuracy": accuracy("trace", "trained", "bf16", (0.0, 0.0), (0.0, 0.0))}
+    text = section(report.markdown(TRACE, *write(tmp_path, "none", [], unsolved)), "Accuracy: method x task")
+    assert "No policy solved a test prompt: the accuracies and their comparisons say nothing" in text
+    assert "No policy solved" not in report.markdown(TRACE, *trace_files)
+
+
 def test_a_continuations_report_says_what_it_goes_on_from(trace_files):
     model = TRACE.model.model_copy(update={"preset": None, "checkpoint": "s3://runs/p", "trainer_state": "s3://runs/s"})
     later = TRACE.model_copy(update={"model": model, "rl": TRACE.rl.model_copy(update={"first_round": 2})})
