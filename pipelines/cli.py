@@ -12,7 +12,7 @@ import logging
 import os
 import sys
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import click
@@ -238,7 +238,8 @@ def _echo_exports(exports: dict[str | None, Path]) -> None:
     "--output",
     type=click.Path(file_okay=False),
     required=True,
-    help="Folder of the bootstrapped checkpoint, or a store's (s3://bucket/prefix: uploaded once written).",
+    help="Folder of the bootstrapped checkpoint, or a store's (s3://bucket/prefix: uploaded once written); an "
+    "earlier bootstrap's there is replaced, another tracefp4 save (a run's policy, an export) refused.",
 )
 def bootstrap(preset, config_file, sets, output):
     """SFT of the config's initial policy on its tasks (its bootstrap settings, enabled): a Hugging Face checkpoint."""
@@ -253,7 +254,9 @@ def bootstrap(preset, config_file, sets, output):
         raise _refused(e, config_file, sets) from None
     progress = _BootstrapSteps()
     try:
-        with _written_to(output, steps_environment(config)) as folder:
+        with _written_to(
+            output, steps_environment(config), replaces=(_bootstrapped, "bootstrapped checkpoint")
+        ) as folder:
             with _said_here(progress, "tracefp4.components.bootstrap"):
                 stats = prepare(config, folder)
     except (ValueError, OSError, StoreError) as e:  # a folder not to write into, a checkpoint that is none
@@ -356,7 +359,7 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
     config = _config(preset, config_file, sets=sets) if preset or config_file else None
     try:
         env = steps.steps_environment(config) if config else os.environ
-        with _written_to(dst, env, replaces=("format", "export")) as folder:
+        with _written_to(dst, env, replaces=(lambda found: "format" in found, "export")) as folder:
             with _said_here(_Logged(logging.WARNING)):
                 if config:
                     stats = steps.export_policy(config, Path(src), folder)
@@ -374,8 +377,13 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
     )
 
 
+def _bootstrapped(found: dict) -> bool:
+    """Whether a save's provenance is a bootstrap's (prepare's, of no run): what ``bootstrap --output`` replaces."""
+    return found == {"run_id": "", "policy_version": 0}
+
+
 @contextlib.contextmanager
-def _written_to(output: str, env: Mapping[str, str], replaces: tuple[str, str] | None = None):
+def _written_to(output: str, env: Mapping[str, str], replaces: tuple[Callable[[dict], bool], str] | None = None):
     """The local folder a command writes its output folder in: ``output``
     itself, or where that is a store URI (``s3://``, ``minio://``) a
     temporary one, uploaded there once written whole (``upload_folder``: a
@@ -385,16 +393,20 @@ def _written_to(output: str, env: Mapping[str, str], replaces: tuple[str, str] |
     The store is opened first: a bucket that is not there, or credentials it
     refuses, fail before the work. A folder uploaded there before is
     replaced, as a local save replaces one; a prefix holding other objects
-    is refused (the upload would delete them). ``replaces``: (a provenance key, what has it), where the
-    command replaces only a tracefp4 save of its own kind (an export's has a ``format``): a swapped or
-    mistyped path would otherwise replace a trained policy."""
+    is refused (the upload would delete them). ``replaces``: (whether a save's provenance is of the command's
+    own kind, that kind's name), where the command replaces only a tracefp4 save of its own kind (a rerun's):
+    a swapped or mistyped path would otherwise replace a trained policy."""
     from tracefp4.components.checkpoint import MANIFEST, local_folder, manifest_provenance, upload_folder
     from tracefp4.components.store import open_store
 
     def refuse_another_kind(manifest: bytes) -> None:
-        if replaces and replaces[0] not in manifest_provenance(manifest, f"{output}/{MANIFEST}"):
+        found = manifest_provenance(manifest, f"{output}/{MANIFEST}")
+        if replaces and not replaces[0](found):
+            saved = ", ".join(
+                f"{k} {found[k]}" for k in ("run_id", "policy_version", "format") if found.get(k) not in (None, "")
+            )
             raise click.ClickException(
-                f"{output} holds a tracefp4 save that is no {replaces[1]} (a policy or a trainer state), which "
+                f"{output} holds a tracefp4 save that is no {replaces[1]} ({saved or 'no provenance'}), which "
                 "writing there would replace: give another folder"
             )
 

@@ -362,6 +362,11 @@ def test_bootstrap_and_export_write_their_folders_into_the_store(tmp_path, s3_en
     assert result.exit_code == 1 and f"{base} holds a tracefp4 save that is no export" in result.output
     result = CliRunner().invoke(main, ["export", str(policy), exported])  # an export: replaced
     assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(main, ["bootstrap", "--preset", "smoke", "--output", exported])  # nor an export
+    assert result.exit_code == 1 and "is no bootstrapped checkpoint (policy_version 0, format nvfp4" in result.output
+    assert "bootstrap step" not in result.output  # refused before the work
+    result = CliRunner().invoke(main, ["bootstrap", "--preset", "smoke", "--output", base])  # a bootstrap's: replaced
+    assert result.exit_code == 0, result.output
     result = CliRunner().invoke(main, ["bootstrap", "--preset", "smoke", "--output", "s3://no-such-bucket-x/p"])
     assert result.exit_code == 1 and "bucket 'no-such-bucket-x' does not exist" in result.output
     assert "bootstrap step" not in result.output  # refused before the work

@@ -215,7 +215,9 @@ def test_export_command(policies, tmp_path):
     before = _digests(policies["smoke"])
     result = runner.invoke(main, ["export", str(policies["smoke"]), str(policies["smoke"])])
     assert result.exit_code == 1 and _digests(policies["smoke"]) == before
-    assert f"{policies['smoke']} holds a tracefp4 save that is no export (a policy or a trainer state)" in result.output
+    assert f"{policies['smoke']} holds a tracefp4 save that is no export (run_id run-a, policy_version 3), which" in (
+        result.output
+    )
     shutil.copytree(policies["smoke"], tmp_path / "trained")
     result = runner.invoke(main, ["export", str(policies["smoke"]), str(tmp_path / "trained")])
     assert result.exit_code == 1 and "is no export" in result.output and _digests(tmp_path / "trained") == before
