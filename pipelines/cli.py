@@ -359,7 +359,7 @@ def export(ctx, fmt, config_name, rollout_dtype, calibration_seed, device, prese
     config = _config(preset, config_file, sets=sets) if preset or config_file else None
     try:
         env = steps.steps_environment(config) if config else os.environ
-        with _written_to(dst, env, replaces=(lambda found: "format" in found, "export")) as folder:
+        with _written_to(dst, env, replaces=(_exported, "export")) as folder:
             with _said_here(_Logged(logging.WARNING)):
                 if config:
                     stats = steps.export_policy(config, Path(src), folder)
@@ -382,8 +382,13 @@ def _bootstrapped(found: dict) -> bool:
     return found == {"run_id": "", "policy_version": 0}
 
 
+def _exported(found: dict) -> bool:
+    """Whether a save's provenance is an export's (it names its ``format``): what ``export``'s DST replaces."""
+    return "format" in found
+
+
 @contextlib.contextmanager
-def _written_to(output: str, env: Mapping[str, str], replaces: tuple[Callable[[dict], bool], str] | None = None):
+def _written_to(output: str, env: Mapping[str, str], replaces: tuple[Callable[[dict], bool], str]):
     """The local folder a command writes its output folder in: ``output``
     itself, or where that is a store URI (``s3://``, ``minio://``) a
     temporary one, uploaded there once written whole (``upload_folder``: a
@@ -393,15 +398,16 @@ def _written_to(output: str, env: Mapping[str, str], replaces: tuple[Callable[[d
     The store is opened first: a bucket that is not there, or credentials it
     refuses, fail before the work. A folder uploaded there before is
     replaced, as a local save replaces one; a prefix holding other objects
-    is refused (the upload would delete them). ``replaces``: (whether a save's provenance is of the command's
-    own kind, that kind's name), where the command replaces only a tracefp4 save of its own kind (a rerun's):
-    a swapped or mistyped path would otherwise replace a trained policy."""
+    is refused (the upload would delete them), and so is a tracefp4 save of
+    another kind than the command's (``replaces``: whether a save's provenance
+    is of that kind, and its name): a swapped or mistyped path would otherwise
+    replace a trained policy."""
     from tracefp4.components.checkpoint import MANIFEST, local_folder, manifest_provenance, upload_folder
     from tracefp4.components.store import open_store
 
     def refuse_another_kind(manifest: bytes) -> None:
         found = manifest_provenance(manifest, f"{output}/{MANIFEST}")
-        if replaces and not replaces[0](found):
+        if not replaces[0](found):
             saved = ", ".join(
                 f"{k} {found[k]}" for k in ("run_id", "policy_version", "format") if found.get(k) not in (None, "")
             )
