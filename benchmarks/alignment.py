@@ -53,10 +53,10 @@ import torch
 from tracefp4.components import steps
 from tracefp4.components.capture import CaptureConfig, CaptureRecords
 from tracefp4.components.checkpoint import load_model
+from tracefp4.components.choices import PRECISIONS
 from tracefp4.components.device import cpu_kind
 from tracefp4.components.guidance import GuidanceLoader, compact, write_step
 from tracefp4.components.mismatch import MismatchTally, compare, rounded
-from tracefp4.components.precision import PRECISIONS
 from tracefp4.components.rollout import TorchEngine
 from tracefp4.components.stats import paired_bootstrap
 from tracefp4.components.store import LocalStore, write_atomic

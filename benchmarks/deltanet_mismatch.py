@@ -24,7 +24,7 @@ from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.device import cpu_kind
 from tracefp4.components.mismatch import compare, teacher_force
 from tracefp4.components.model import build_model
-from tracefp4.components.quant import rollout_config
+from tracefp4.components.quant_config import rollout_config
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 
 

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from tracefp4.components.distributed import DistributedTrainer
 from tracefp4.components.model import build_model
-from tracefp4.components.quant import rollout_config
+from tracefp4.components.quant_config import rollout_config
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.trainer import TrainConfig, Trainer
 

@@ -38,11 +38,12 @@ from tracefp4.components.guidance import (
 )
 from tracefp4.components.mismatch import MismatchTally, compare, join_rows, teacher_force
 from tracefp4.components.model import build_model
-from tracefp4.components.quant import rollout_config
+from tracefp4.components.quant_config import rollout_config
 from tracefp4.components.rl import SequenceBatch
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
-from tracefp4.components.syndrome import DecodeStats, decode_rows, encode_table, first_rate, site_rates
+from tracefp4.components.syndrome import DecodeStats, decode_rows, encode_table, site_rates
+from tracefp4.components.syndrome_rate import first_rate
 from tracefp4.components.tasks import format_example
 from tracefp4.components.tokenizer import load_tokenizer
 from tracefp4.components.trainer import TrainConfig, Trainer

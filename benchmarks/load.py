@@ -30,9 +30,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from tracefp4.components.architecture import ModelConfig
 from tracefp4.components.checkpoint import CONFIG, INDEX, config_to_hf, hub_shapes
 from tracefp4.components.device import cpu_kind
-from tracefp4.components.model import ModelConfig
 
 TARGET = 1.3  # issue #14: peak RSS at most 1.3x the checkpoint's bytes
 SIZES = {

@@ -1,7 +1,7 @@
 """What a paper preset holds in GPU memory, rollout and training: the sizes
 docs/deploy.md's "GPU memory" quotes.
 
-The model is Qwen3.5-35B-A3B (``components.model.QWEN35_35B_A3B``, the
+The model is Qwen3.5-35B-A3B (``components.architecture.QWEN35_35B_A3B``, the
 checkpoint the paper presets load). Rollout sizes come from the library's
 own classes built on the meta device (nothing is allocated): the engine's
 KV cache and linear-attention states (``rollout.KVCache``) for
@@ -30,9 +30,10 @@ from unittest import mock
 import torch
 
 from tracefp4.components import steps
+from tracefp4.components.architecture import QWEN35_35B_A3B
 from tracefp4.components.capture import Capture
 from tracefp4.components.device import CPU_BF16_ENV
-from tracefp4.components.model import QWEN35_35B_A3B, build_model, empty_model
+from tracefp4.components.model import build_model, empty_model
 from tracefp4.components.quant import QuantSites
 from tracefp4.components.rollout import KVCache
 from tracefp4.schemas import get_preset

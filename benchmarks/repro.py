@@ -34,10 +34,9 @@ import tempfile
 from pathlib import Path
 
 from tracefp4.components import steps
+from tracefp4.components.choices import PRECISIONS, QUANTIZING_CAPTURED_SITES
 from tracefp4.components.device import cpu_kind
-from tracefp4.components.precision import PRECISIONS
-from tracefp4.components.qat import QUANTIZING_CAPTURED_SITES
-from tracefp4.components.quant import ACTIVATION_GLOBAL_SCALES
+from tracefp4.components.quant_config import ACTIVATION_GLOBAL_SCALES
 from tracefp4.components.store import write_atomic
 from tracefp4.schemas import RunConfig, get_preset
 

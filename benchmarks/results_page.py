@@ -31,7 +31,7 @@ from pathlib import Path
 import alignment  # benchmarks/ is the script's folder, so on sys.path
 import science
 
-from tracefp4.components.model import PRESETS
+from tracefp4.components.architecture import PRESETS
 from tracefp4.components.stats import paired_bootstrap, wilson_interval
 from tracefp4.components.store import write_atomic
 

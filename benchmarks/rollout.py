@@ -33,11 +33,12 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from tracefp4.components import model as model_module
+from tracefp4.components.architecture import PRESETS
 from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.checkpoint import save_model
 from tracefp4.components.device import cpu_kind, keep_freed_memory
-from tracefp4.components.model import PRESETS, build_model, right_pad
-from tracefp4.components.quant import rollout_config
+from tracefp4.components.model import build_model, right_pad
+from tracefp4.components.quant_config import rollout_config
 from tracefp4.components.rollout import KVCache, SamplingParams, TorchEngine
 
 

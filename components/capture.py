@@ -35,8 +35,8 @@ from tracefp4.kernels import (
     unpack_nibbles,
 )
 
-from .model import ModelConfig
-from .quant import ACTIVATION_SITES, QuantConfig
+from .architecture import ModelConfig
+from .quant_config import ACTIVATION_SITES, QuantConfig
 
 
 @dataclass(frozen=True)

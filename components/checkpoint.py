@@ -62,7 +62,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from .model import LAYER_TYPES, MODEL_TYPES, ModelConfig, Transformer, empty_model
+from .architecture import LAYER_TYPES, MODEL_TYPES, ModelConfig
+from .model import Transformer, empty_model
 from .store import (
     ArtifactNotFound,
     ArtifactStore,

@@ -51,9 +51,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .choices import DEVICE_PATTERN
+
 CPU_BF16_ENV = "TRACEFP4_CPU_BF16"
 CPU_BF16_MODES = ("auto", "native", "emulate")
-DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
 CPUINFO = Path("/proc/cpuinfo")  # Linux's; missing elsewhere
 _BF16_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86 flags; "bf16" is Arm's Features entry (FEAT_BF16)
 # oneDNN's x86 ISA caps below AVX512_CORE_BF16: capped there, its bf16 matmuls convert to fp32 and back

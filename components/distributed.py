@@ -68,10 +68,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from .checkpoint import PolicyReader, fetch, folder_digest, size_and_sha256, sizes_and_sha256, upload_folder
+from .choices import uneven_split
 from .device import compute_on, resolve
 from .model import Transformer, empty_model
 from .precision import MasterWeights
-from .quant import QuantConfig
+from .quant_config import QuantConfig
 from .steps import config_digest, store_prefix
 from .store import ArtifactNotFound, ArtifactStore, StoreError, open_store, write_atomic
 from .tensor_files import layout_of, read_tensor, tensor_files, tensor_layout
@@ -82,7 +83,6 @@ from .trainer import (
     TrainConfig,
     Trainer,
     clip_gradients,
-    uneven_split,
 )
 from .trainer_state import STEM, check_state
 

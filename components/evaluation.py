@@ -19,11 +19,12 @@ from tracefp4.schemas import RunConfig
 from . import steps
 from .capture import CaptureConfig
 from .checkpoint import load_model
+from .choices import scored_under
 from .device import hardware
 from .guidance import GuidanceLoader, compact, compaction_figures, select_layers, write_step
 from .mismatch import teacher_force
-from .ptq import apply_ptq, scored_under
-from .quant import QuantConfig
+from .ptq import apply_ptq
+from .quant_config import QuantConfig
 from .rollout import TorchEngine
 from .stats import accuracy_row
 from .store import LocalStore

@@ -2,7 +2,7 @@
 the format llm-compressor writes and vLLM and SGLang load.
 
 What the rollout served is what gets exported: :func:`export` takes the run's
-rollout :class:`~.quant.QuantConfig` and writes its numerics, so that a serving
+rollout :class:`~.quant_config.QuantConfig` and writes its numerics, so that a serving
 engine rounds weights and activations as training assumed.
 
 - FP4 routed-expert weights are quantized exactly as :class:`~.rollout.TorchEngine`
@@ -65,7 +65,8 @@ from .checkpoint import (
     staging_folder,
     write_weights,
 )
-from .quant import QuantConfig, calibrate_global_scales, quantize_expert_weights_
+from .quant import calibrate_global_scales, quantize_expert_weights_
+from .quant_config import QuantConfig
 from .tokenizer import FILES as TOKENIZER_FILES
 
 # FP4 weight format -> compressed-tensors' format name

@@ -26,9 +26,10 @@ from tracefp4.kernels import Guidance, dequantize, get_format, per_token_global_
 
 from .capture import EXPERT_DTYPE, ROUTED_SITE, CaptureRecords, SiteTable, expert_bytes
 from .mismatch import guidable, join_rows
-from .quant import QuantConfig
+from .quant_config import QuantConfig
 from .store import ArtifactNotFound
-from .syndrome import Rate, SyndromeTable, block_layout, rate_bounds
+from .syndrome import SyndromeTable, block_layout
+from .syndrome_rate import Rate, rate_bounds
 
 MAGIC = b"TFP4GUID"
 # 2: a codec per table (bits | syndrome); 3: per-row global scales (per-token activations); 4: syndrome rows
@@ -368,7 +369,7 @@ def _syndrome_table(name: str, version: int, spec: dict, arrays: dict, traj, pos
     against its width and rates. Before version 5 a stage with as many parity
     bits as bits (every MXFP4 table) was coded with hashed parity, which this
     reader would decode as the bits themselves (:func:`~tracefp4.kernels.parity_matrix`): refused.
-    So is a rate no decode takes (:func:`~.syndrome.rate_bounds`): the
+    So is a rate no decode takes (:func:`~.syndrome_rate.rate_bounds`): the
     parity's shape counts whole bytes, so 44 bits in 5 bytes passed it and
     failed in the training forward, naming no shard."""
     where = f"{name}: layer {spec['layer']} {spec['site']}"

@@ -26,10 +26,11 @@ import torch
 from tracefp4.kernels import get_format
 from tracefp4.schemas import RunConfig
 
+from .architecture import ModelConfig, get_preset
 from .capture import SiteTable, site_shape
 from .checkpoint import CONFIG, config_from_hf, hub_shapes, read_config
 from .guidance import select_layers
-from .model import ModelConfig, Transformer, get_preset
+from .model import Transformer
 from .precision import policy_dtype, saves_masters
 from .rollout import Trajectory
 from .steps import (

@@ -31,9 +31,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from .choices import PRECISIONS
 from .model import Transformer
-
-PRECISIONS = ("bf16", "fp32_master")
 
 log = logging.getLogger(__name__)
 

@@ -43,19 +43,11 @@ from tracefp4.kernels import (
     quantize,
 )
 
+from .choices import PTQ_METHODS
 from .model import CausalAttention, MoE, Transformer, right_pad
-from .quant import QuantConfig
 
-METHODS = ("nvfp4", "four_over_six", "h_scale")
 FOUR_OVER_SIX_E4M3_MAX = 256.0  # leaves room for the 1.5x scale-to-4 below E4M3's 448
 E4M3_ONE = 0x38
-
-
-def scored_under(quant: QuantConfig) -> bool:
-    """Whether evaluation scores the PTQ baselines under rollout config ``quant``:
-    they are NVFP4 weights, so only where the config's own weights are NVFP4
-    does a row compare the trained policy with PTQ at the same weight format."""
-    return quant.weights == "nvfp4"
 
 
 class PTQResult(NamedTuple):
@@ -267,12 +259,12 @@ def calibration_hessians(model: Transformer, tokens) -> dict[tuple[int, str], tu
 def apply_ptq(model: Transformer, method: str, calibration=None, *, k: int = 4) -> None:
     """Replace every routed expert's weights by their PTQ values (in place), per
     expert and matrix with blocks along the input dimension, like
-    ``quantize_expert_weights_``. ``method`` is one of :data:`METHODS`;
+    ``quantize_expert_weights_``. ``method`` is one of :data:`~.choices.PTQ_METHODS`;
     ``h_scale`` needs ``calibration`` token ids, read by one forward
     of the unquantized model (:func:`calibration_hessians`) before any weight
     changes; the other methods ignore it. Other parameters are left untouched."""
-    if method not in METHODS:
-        raise ValueError(f"unknown PTQ method {method!r}; expected one of {METHODS}")
+    if method not in PTQ_METHODS:
+        raise ValueError(f"unknown PTQ method {method!r}; expected one of {PTQ_METHODS}")
     if method == "h_scale" and calibration is None:
         raise ValueError("h_scale needs calibration token ids [B, S] for its Hessian diagonal")
     hessians = calibration_hessians(model, calibration) if method == "h_scale" else {}

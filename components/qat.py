@@ -42,15 +42,12 @@ from tracefp4.kernels import (
 )
 
 from .capture import group_of_rows
+from .choices import METHODS
 from .guidance import GuidanceError, MicrobatchGuidance
 from .mismatch import guidable
-from .quant import ACTIVATION_SITES, QuantConfig, Recorder, fp4_expert_weights, kv_from_rows, kv_rows
+from .quant import Recorder, fp4_expert_weights, global_scale, kv_from_rows, kv_rows
+from .quant_config import ACTIVATION_SITES, QuantConfig
 from .syndrome import SyndromeTable, add_tally, decode_rows
-
-METHODS = ("bf16", "qat", "quads", "trace", "tis_sc")
-# the methods whose training path quantizes what a rollout captures (activations, KV): whose FP4 codes can be
-# compared with the rollout's (bf16 and tis_sc keep every site as it is, quads fake-quantizes the weights alone)
-QUANTIZING_CAPTURED_SITES = ("qat", "trace")
 
 
 @dataclass
@@ -172,7 +169,7 @@ class TrainingSites:
         if self._fp8(site):
             return fake_quantize(x, "fp8")
         fmt = self.quant.site_format(site)
-        g = self.quant.global_scale(site, x.detach(), self.global_scales, layer)
+        g = global_scale(self.quant, site, x.detach(), self.global_scales, layer)
         # unchecked (checking reads the device): static scales were checked where made, per-token ones are valid as made
         q = quantize(x.detach(), fmt, global_scale=g, check_scale=False)
         key = (layer, site)

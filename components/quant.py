@@ -23,11 +23,13 @@ modes serving engines use (``QuantConfig.activation_global_scale``):
   ``nvfp4_online``).
 
 KV global scales are static in both; weights use their own amax.
+
+Which sites a rollout makes FP4, and in which format, is a
+:class:`~.quant_config.QuantConfig` (torch-free, for the run config's checks).
 """
 
 import functools
 import math
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -44,78 +46,17 @@ from tracefp4.kernels import (
     valid_global_scale,
 )
 
-from .model import CausalAttention, ModelConfig, Transformer
-
-ACTIVATION_SITES = ("moe_in", "moe_down_in")
-KV_SITES = ("k_cache", "v_cache")
-FP4_FORMATS = tuple(FORMATS)  # ("nvfp4", "mxfp4")
-ACTIVATION_GLOBAL_SCALES = ("static", "per_token")
+from .model import CausalAttention, Transformer
+from .quant_config import QuantConfig
 
 
-@dataclass(frozen=True)
-class QuantConfig:
-    """What a rollout quantizes: expert weights, expert activations, KV cache.
-    ``None`` keeps a part in the compute dtype; activations may be ``"fp8"`` (W4A8)."""
-
-    weights: str | None = None
-    activations: str | None = None
-    kv: str | None = None
-    # QUADS-style residual activation compensation: in each row of an FP4 activation site, the
-    # channels with the largest quantization error take back their exact values
-    compensated_channels: int = 0
-    # NVFP4 activation global scales: static per (layer, site), or per_token (one per row)
-    activation_global_scale: str = "static"
-
-    def __post_init__(self):
-        if self.compensated_channels < 0:
-            raise ValueError(f"compensated_channels must be >= 0, got {self.compensated_channels}")
-        if self.activation_global_scale not in ACTIVATION_GLOBAL_SCALES:
-            raise ValueError(
-                f"activation_global_scale {self.activation_global_scale!r} is not one of {ACTIVATION_GLOBAL_SCALES}"
-            )
-        if self.activation_global_scale == "per_token" and self.activations != "nvfp4":
-            raise ValueError(
-                f"per_token activation global scales are NVFP4's; activations are {self.activations or 'BF16'}"
-            )
-        for part, value, allowed in [
-            ("weights", self.weights, FP4_FORMATS),
-            ("activations", self.activations, FP4_FORMATS + ("fp8",)),
-            ("kv", self.kv, FP4_FORMATS),
-        ]:
-            if value is not None and value not in allowed:
-                raise ValueError(f"{part} format {value!r} is not one of {allowed} (or None for BF16)")
-
-    def site_format(self, site: str) -> str | None:
-        """The FP4 format a captured site is quantized to, None if it is not FP4."""
-        fmt = self.activations if site in ACTIVATION_SITES else self.kv if site in KV_SITES else self.weights
-        return fmt if fmt in FP4_FORMATS else None
-
-    def fp4_sites(self, cfg: ModelConfig, layer: int) -> list[str]:
-        """The captured sites of ``layer`` that are FP4 here (what a rollout records
-        there): expert activations in a routed-MoE layer, the KV cache in a
-        full-attention one."""
-        return [
-            site
-            for site in ACTIVATION_SITES + KV_SITES
-            if self.site_format(site) is not None
-            and (cfg.is_sparse(layer) if site in ACTIVATION_SITES else not cfg.is_linear(layer))
-        ]
-
-    def fp4_layers(self, cfg: ModelConfig) -> list[int]:
-        """The layers with an FP4 site (:meth:`fp4_sites`): the ones guidance can cover."""
-        return [layer for layer in range(cfg.num_layers) if self.fp4_sites(cfg, layer)]
-
-    def per_token(self, site: str) -> bool:
-        """Whether ``site`` takes one NVFP4 global scale per row, computed from the row."""
-        return self.activation_global_scale == "per_token" and site in ACTIVATION_SITES
-
-    def global_scale(self, site: str, x: Tensor, static: dict, layer: int) -> Tensor | None:
-        """The NVFP4 global scale to quantize rows ``x`` of ``(layer, site)`` with:
-        the rows' own (per_token), else the static one of ``static``, None where
-        it has none (the tensor's own amax then) or the site is not NVFP4."""
-        if self.site_format(site) != "nvfp4":
-            return None
-        return per_token_global_scale(x) if self.per_token(site) else static.get((layer, site))
+def global_scale(q: QuantConfig, site: str, x: Tensor, static: dict, layer: int) -> Tensor | None:
+    """The NVFP4 global scale to quantize rows ``x`` of ``(layer, site)`` with
+    under ``q``: the rows' own (per_token), else the static one of ``static``,
+    None where it has none (the tensor's own amax then) or the site is not NVFP4."""
+    if q.site_format(site) != "nvfp4":
+        return None
+    return per_token_global_scale(x) if q.per_token(site) else static.get((layer, site))
 
 
 def kv_rows(t: Tensor) -> Tensor:
@@ -129,36 +70,6 @@ def kv_rows(t: Tensor) -> Tensor:
 def kv_from_rows(rows: Tensor, batch: int, heads: int) -> Tensor:
     """Inverse of :func:`kv_rows`: rows ``[B*S, H*D]`` (or ``[B, S, H*D]``) as ``[B, H, S, D]``."""
     return rows.reshape(batch, -1, heads, rows.shape[-1] // heads).transpose(1, 2)
-
-
-ROLLOUT_CONFIGS = ("bf16", "fp4_wa", "fp4_kv", "fp4_wa_kv", "w4a8_mxfp4_kv", "w4a4_mxfp4_kv")
-BF16 = QuantConfig()  # nothing quantized
-
-
-def rollout_config(name: str, fmt: str = "nvfp4") -> QuantConfig:
-    """The paper's rollout configurations; ``fmt`` is the FP4 format of W/A (and of KV where it is FP4 KV)."""
-    configs = {
-        "bf16": BF16,
-        "fp4_wa": QuantConfig(fmt, fmt, None),
-        "fp4_kv": QuantConfig(None, None, fmt),
-        "fp4_wa_kv": QuantConfig(fmt, fmt, fmt),
-        "w4a8_mxfp4_kv": QuantConfig(fmt, "fp8", "mxfp4"),
-        "w4a4_mxfp4_kv": QuantConfig(fmt, fmt, "mxfp4"),
-    }
-    if name not in configs:
-        raise ValueError(f"unknown rollout config {name!r}; expected one of {ROLLOUT_CONFIGS}")
-    return configs[name]
-
-
-def quant_sites(cfg: ModelConfig, q: QuantConfig) -> list[tuple[int, str]]:
-    """Every ``(layer, site)`` that ``q`` quantizes in a model of ``cfg``."""
-    out = []
-    for layer in range(cfg.num_layers):
-        if cfg.is_sparse(layer):
-            out += [(layer, "expert_weights")] if q.weights else []
-            out += [(layer, s) for s in ACTIVATION_SITES] if q.activations else []
-        out += [(layer, s) for s in KV_SITES] if q.kv and not cfg.is_linear(layer) else []
-    return out
 
 
 def quantize_expert_weights_(model: Transformer, fmt: str | None) -> None:
@@ -288,7 +199,7 @@ class QuantSites:
         """Static scales were checked at calibration, per-token ones are valid
         by construction (NaN for a row holding NaN or Inf): no check reads the
         device, which on CUDA would stall every quantize of the rollout."""
-        g = self.q.global_scale(site, x, self.global_scales, layer)
+        g = global_scale(self.q, site, x, self.global_scales, layer)
         return quantize(x, self.q.site_format(site), global_scale=g, check_scale=False)
 
     def _activation(self, layer, site, x, token=None, slot=None, expert=None):

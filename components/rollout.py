@@ -31,21 +31,20 @@ from torch import Tensor
 
 from tracefp4.kernels import FP4Tensor, dequantize, get_format
 
+from .architecture import ModelConfig
 from .capture import Capture, CaptureConfig, CaptureRecords, TokenMap
 from .checkpoint import hub_to_stacked, load_model, load_state
 from .deltanet import causal_conv, chunked_delta_rule, conv_history, recurrent_delta_rule
 from .device import free_bytes
-from .model import ModelConfig, Transformer, attention, right_pad
+from .model import Transformer, attention, right_pad
 from .quant import (
-    BF16,
-    KV_SITES,
-    QuantConfig,
     QuantSites,
     calibrate_global_scales,
     kv_from_rows,
     kv_rows,
     quantize_expert_weights_,
 )
+from .quant_config import BF16, KV_SITES, QuantConfig
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ import torch
 from tracefp4.schemas import RunConfig
 
 from . import bootstrap as sft
+from .architecture import get_preset
 from .capture import CaptureConfig, CaptureRecords
 from .checkpoint import (
     delete_folder,
@@ -68,8 +69,8 @@ from .guidance import (
 )
 from .metrics import MEASURED_ON, machines
 from .mismatch import teacher_force
-from .model import build_model, get_preset
-from .quant import BF16, QuantConfig, rollout_config
+from .model import build_model
+from .quant_config import BF16, QuantConfig, rollout_config
 from .rl import group_advantages
 from .rollout import SamplingParams, TorchEngine, Trajectory, derive_seed
 from .store import ArtifactNotFound, StoreError, file_path, open_store, write_atomic

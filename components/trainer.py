@@ -33,7 +33,7 @@ from .mismatch import MismatchTally, compare
 from .model import Transformer
 from .precision import MasterWeights
 from .qat import TrainingSites
-from .quant import QuantConfig
+from .quant_config import QuantConfig
 from .rl import SequenceBatch, alignment_metrics, grpo_loss, k3_terms, score_centering, stack_rows, token_logprobs
 from .rollout import Trajectory
 from .syndrome import DecodeStats, add_tally, decode_summary, merge_decodes
@@ -490,25 +490,6 @@ def optimizer_state(tensors: dict[str, Tensor], meta: dict) -> dict:
             i, name = key.removeprefix(OPTIMIZER_PREFIX).split(".", 1)
             moments.setdefault(int(i), {})[name] = t
     return {"state": moments, "param_groups": meta["param_groups"]}
-
-
-def uneven_split(microbatches: int, group: int, world: int) -> str | None:
-    """Why ``world`` processes cannot train an RL step of ``microbatches``
-    microbatches with an optimizer step every ``group`` of them, or None where
-    they can. Each optimizer step's group (the last may hold fewer) is cut into
-    ``world`` equal runs, one a process, so that every process takes part in
-    every optimizer step's collectives (:func:`.distributed.rank_microbatches`):
-    the size of each group must be a multiple of ``world``. That is
-    ``microbatches`` a multiple of ``world``, and ``group`` one too unless it
-    holds the whole step (every 5 of 4 microbatches: one group of 4)."""
-    full, last = min(group, microbatches), microbatches % group if group < microbatches else 0
-    if full % world == 0 and last % world == 0:
-        return None
-    groups = f"groups of {full}" + (f" and a last one of {last}" if last else "")
-    return (
-        f"an RL step's {microbatches} microbatches with an optimizer step every {group} make {groups}: each "
-        f"group must be a multiple of the {world} training processes"
-    )
 
 
 def clip_gradients(parameters, max_norm: float) -> Tensor:

@@ -7,8 +7,9 @@ from pathlib import Path
 
 def main() -> None:
     """The ``tracefp4`` command (:mod:`.cli`), imported here: a Ctrl-C while
-    torch and kfp load, a second or two, ends it with a line and exit status
-    130 (nothing ran yet), not an import's traceback.
+    it loads (half a second; torch and kfp load later, in the commands that
+    need them) ends it with a line and exit status 130 (nothing ran yet), not
+    an import's traceback.
 
     Run as ``python -m`` (``make run``), Python puts the working directory
     first on sys.path, and so do the Pythons it starts there: kfp.local's

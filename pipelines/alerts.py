@@ -20,7 +20,7 @@ import yaml
 
 from tracefp4.components.metrics import GROUPING, METRICS
 from tracefp4.components.store import write_atomic
-from tracefp4.components.syndrome import TARGET_FAILED_SHARE
+from tracefp4.components.syndrome_rate import TARGET_FAILED_SHARE
 
 MANIFESTS = Path("manifests")
 RULES_FILE = Path("base/prometheus/alerts.yml")  # under MANIFESTS; prometheus.yml's rule_files names it

@@ -18,7 +18,7 @@ from pathlib import Path
 import click
 import yaml
 
-from tracefp4.components.quant import FP4_FORMATS, ROLLOUT_CONFIGS, rollout_config
+from tracefp4.components.quant_config import FP4_FORMATS, ROLLOUT_CONFIGS, rollout_config
 from tracefp4.schemas import PRESETS, ConfigError, export_json_schema, load_config, save_config
 from tracefp4.schemas.io import config_source, config_text, load_yaml
 

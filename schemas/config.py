@@ -31,24 +31,31 @@ from pydantic import (
 from pydantic.json_schema import SkipJsonSchema
 from pydantic_core import PydanticCustomError
 
-from tracefp4.components import model, precision, ptq, qat, quant, syndrome, tasks
-from tracefp4.components.device import DEVICE_PATTERN
+from tracefp4.components import architecture, choices, quant_config, tasks
+from tracefp4.components.choices import DEVICE_PATTERN, uneven_split
 from tracefp4.components.store import CA_BUNDLE_ENV, ENDPOINT_ENV, REGION_ENV, file_path, parse_s3_uri
-from tracefp4.components.trainer import uneven_split
+from tracefp4.components.syndrome_rate import (
+    BLOCK_ELEMENTS,
+    MAX_CODE_BITS,
+    MAX_SCALE_BITS,
+    MIN_CODE_BITS,
+    MIN_SCALE_BITS,
+    scale_bits_cap,
+)
 
-ModelPreset = Literal[tuple(model.PRESETS)]
-RolloutConfigName = Literal[quant.ROLLOUT_CONFIGS]
-FP4Format = Literal[quant.FP4_FORMATS]
-ActivationGlobalScale = Literal[quant.ACTIVATION_GLOBAL_SCALES]
+ModelPreset = Literal[tuple(architecture.PRESETS)]
+RolloutConfigName = Literal[quant_config.ROLLOUT_CONFIGS]
+FP4Format = Literal[quant_config.FP4_FORMATS]
+ActivationGlobalScale = Literal[quant_config.ACTIVATION_GLOBAL_SCALES]
 # rollout configs whose routed-expert activations are FP4 (the others: BF16 or FP8)
 FP4_ACTIVATION_CONFIGS = tuple(
-    n for n in quant.ROLLOUT_CONFIGS if quant.rollout_config(n).activations in quant.FP4_FORMATS
+    n for n in quant_config.ROLLOUT_CONFIGS if quant_config.rollout_config(n).activations in quant_config.FP4_FORMATS
 )
-Method = Literal[qat.METHODS]
+Method = Literal[choices.METHODS]
 TaskName = Literal[tuple(tasks.TASKS)]
-PTQMethod = Literal[ptq.METHODS]
+PTQMethod = Literal[choices.PTQ_METHODS]
 Schedule = Literal["on_policy", "off_policy"]
-Precision = Literal[precision.PRECISIONS]
+Precision = Literal[choices.PRECISIONS]
 
 # The only source of the S3 credentials; the store backend reads the same names.
 SECRET_ENV = {"access_key": "TRACEFP4_S3_ACCESS_KEY", "secret_key": "TRACEFP4_S3_SECRET_KEY"}
@@ -238,7 +245,7 @@ class RolloutConfig(_Section):
 
     fmt: FP4Format = Field(default="nvfp4", description="FP4 format of the quantized rollout sites.")
     config: RolloutConfigName = Field(
-        default="fp4_wa_kv", description="Which sites the rollout quantizes (components.quant.rollout_config)."
+        default="fp4_wa_kv", description="Which sites the rollout quantizes (components.quant_config.rollout_config)."
     )
     temperature: float = Field(
         default=1.0,
@@ -329,8 +336,8 @@ class GuidanceConfig(_Section):
     )
     syndrome_rate: float = Field(
         default=0.25,
-        ge=(syndrome.MIN_CODE_BITS + syndrome.MIN_SCALE_BITS) / syndrome.BLOCK_ELEMENTS,
-        le=(syndrome.MAX_CODE_BITS + syndrome.MAX_SCALE_BITS) / syndrome.BLOCK_ELEMENTS,
+        ge=(MIN_CODE_BITS + MIN_SCALE_BITS) / BLOCK_ELEMENTS,
+        le=(MAX_CODE_BITS + MAX_SCALE_BITS) / BLOCK_ELEMENTS,
         description="syndrome codec: bits per captured element (scales included) of a run's first step; later "
         "steps choose each layer's and site's rate from the previous step's decode statistics. A block of 256 "
         "elements takes whole bytes (the rate rounds up in steps of 1/32), at least 16 code and 8 scale bits "
@@ -1067,7 +1074,7 @@ class RunConfig(_Section):
                 f"rollout.workers: {self.rollout.workers} workers, but an RL step rolls out only {per_step} "
                 "responses (rollout.prompts_per_step x group_size): a worker would have none"
             )
-        mxfp4_most = (syndrome.MAX_CODE_BITS + syndrome.scale_bits_cap(8)) / syndrome.BLOCK_ELEMENTS
+        mxfp4_most = (MAX_CODE_BITS + scale_bits_cap(8)) / BLOCK_ELEMENTS
         if (
             self.guidance.codec == "syndrome"
             and self.rollout.fmt == "mxfp4"
@@ -1075,7 +1082,7 @@ class RunConfig(_Section):
         ):
             problems.append(
                 f"guidance.syndrome_rate: {self.guidance.syndrome_rate} bits per element, but an MXFP4 block of "
-                f"{syndrome.BLOCK_ELEMENTS} elements (8 scales) takes at most {mxfp4_most}"
+                f"{BLOCK_ELEMENTS} elements (8 scales) takes at most {mxfp4_most}"
             )
         if self.guidance.codec == "syndrome" and self.guidance.bits != 1:
             problems.append(
@@ -1088,7 +1095,7 @@ class RunConfig(_Section):
             problems.append("rl.measure_mismatch: needs the rollout's full capture, so guidance.compaction offline")
         if self.model.preset is not None:  # a checkpoint's layers are checked when prepare reads its config
             problems += self.guided_layer_problems(
-                model.PRESETS[self.model.preset], f"model preset {self.model.preset}"
+                architecture.PRESETS[self.model.preset], f"model preset {self.model.preset}"
             )
         if problems:
             raise ValueError("\n".join(problems))
@@ -1126,7 +1133,7 @@ class RunConfig(_Section):
         """What needs FP4 sites the rollout lacks, and a capture buffer that
         cannot hold one prompt: each would run and then fail, or do nothing."""
         problems, fmt = [], self.rollout.fmt
-        rollout = quant.rollout_config(self.rollout.config, fmt)
+        rollout = quant_config.rollout_config(self.rollout.config, fmt)
         if self.method in ("qat", "tis_sc") and self.rollout.config == "bf16":
             problems.append(
                 f"method: {self.method} trains against an FP4 rollout; rollout.config bf16 has none (the run would "
@@ -1139,11 +1146,11 @@ class RunConfig(_Section):
             )
         if self.rl.measure_mismatch and self.rollout.config == "bf16":
             problems.append("rl.measure_mismatch: compares FP4 codes; rollout.config bf16 records none")
-        elif self.rl.measure_mismatch and self.method not in qat.QUANTIZING_CAPTURED_SITES:
+        elif self.rl.measure_mismatch and self.method not in choices.QUANTIZING_CAPTURED_SITES:
             problems.append(
                 f"rl.measure_mismatch: compares the training path's FP4 codes with the rollout's; method "
                 f"{self.method} quantizes none of the sites a rollout captures in training (methods "
-                f"{', '.join(qat.QUANTIZING_CAPTURED_SITES)} do)"
+                f"{', '.join(choices.QUANTIZING_CAPTURED_SITES)} do)"
             )
         longest = self.model.max_seq_len - self.rollout.max_new_tokens  # the longest prompt a run lets through
         if self.rollout.max_tokens_per_forward < longest:
@@ -1151,7 +1158,9 @@ class RunConfig(_Section):
                 f"rollout.max_tokens_per_forward: {self.rollout.max_tokens_per_forward} token rows, but a forward "
                 f"takes a whole prompt, of up to {longest} tokens (model.max_seq_len - rollout.max_new_tokens)"
             )
-        scoring = [n for n in self.evaluation.rollout_configs if ptq.scored_under(quant.rollout_config(n, fmt))]
+        scoring = [
+            n for n in self.evaluation.rollout_configs if choices.scored_under(quant_config.rollout_config(n, fmt))
+        ]
         if self.method == "bf16" and self.evaluation.ptq_baselines and not scoring:
             problems.append(
                 "evaluation.ptq_baselines: scored under the evaluation's configs with NVFP4 weights, and "
@@ -1247,7 +1256,7 @@ class RunConfig(_Section):
             )
         return problems
 
-    def guided_layer_problems(self, cfg: "model.ModelConfig", model_name: str) -> list[str]:
+    def guided_layer_problems(self, cfg: architecture.ModelConfig, model_name: str) -> list[str]:
         """``guidance.layers`` against the layers of ``cfg`` (``model_name`` in the
         message) that have FP4 sites under the run's rollout config and, for trace,
         whose discrepancy analysis guides the same layers, under each FP4 config
@@ -1261,7 +1270,7 @@ class RunConfig(_Section):
             names += [name for name in self.evaluation.rollout_configs if name not in names]
         problems = []
         for name in names:
-            fp4 = quant.rollout_config(name, self.rollout.fmt).fp4_layers(cfg)
+            fp4 = quant_config.rollout_config(name, self.rollout.fmt).fp4_layers(cfg)
             where = f"{model_name} has FP4 sites in layers {fp4} under rollout config {name}"
             if not fp4:  # bf16: nothing captured to guide (trace with a bf16 rollout is refused on its own)
                 continue

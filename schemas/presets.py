@@ -12,8 +12,8 @@ resources are placeholders to adapt, and the RL hyperparameters the paper does
 not state are ours.
 """
 
-from tracefp4.components.model import QWEN35_35B_A3B
-from tracefp4.components.quant import rollout_config
+from tracefp4.components.architecture import QWEN35_35B_A3B
+from tracefp4.components.quant_config import rollout_config
 
 from .config import RunConfig
 
@@ -73,7 +73,7 @@ def _tiny() -> RunConfig:
 
 
 def _paper(name: str, fmt: str, config: str) -> RunConfig:
-    # Qwen3.5-35B-A3B (components.model.QWEN35_35B_A3B, sources cited there), 40 layers: R-1bit-L20, the 20
+    # Qwen3.5-35B-A3B (components.architecture.QWEN35_35B_A3B, sources cited there), 40 layers: R-1bit-L20, the 20
     # deepest (the paper's default), of which guidance covers those with FP4 sites (all 20 where the experts'
     # activations are FP4; under W4A8 only KV is, in the full-attention layers: 5 of them); 256 prompts x 16 =
     # 4,096 trajectories a step.

@@ -10,8 +10,9 @@ from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from tracefp4.components.architecture import get_preset
 from tracefp4.components.checkpoint import save_model
-from tracefp4.components.model import build_model, get_preset
+from tracefp4.components.model import build_model
 from tracefp4.components.tasks import format_example, split
 from tracefp4.components.tokenizer import GENERATION_CONFIG, TOKENIZER, TOKENIZER_CONFIG
 

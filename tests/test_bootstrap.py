@@ -171,7 +171,7 @@ def test_the_accuracy_metric_names_the_engine_the_check_runs(monkeypatch, arithm
     """The bootstrap's accuracy goes to Prometheus labelled with the engine that measured it: float32, unquantized."""
     from tracefp4.components import bootstrap as module
     from tracefp4.components.metrics import RunMetrics, _prepare
-    from tracefp4.components.quant import QuantConfig
+    from tracefp4.components.quant_config import QuantConfig
     from tracefp4.components.rollout import TorchEngine
 
     engines = []

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tracefp4.components import device
+from tracefp4.components.architecture import ModelConfig
 from tracefp4.components.capture import (
     KEY_POS_BITS,
     KEY_SLOT_BITS,
@@ -17,8 +18,8 @@ from tracefp4.components.capture import (
     row_key,
 )
 from tracefp4.components.mismatch import compare, join_rows, signed_rank, teacher_force, token_groups
-from tracefp4.components.model import ModelConfig, build_model
-from tracefp4.components.quant import rollout_config
+from tracefp4.components.model import build_model
+from tracefp4.components.quant_config import rollout_config
 from tracefp4.components.rollout import KVCache, SamplingParams, TorchEngine
 from tracefp4.kernels import quantize
 

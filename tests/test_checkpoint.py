@@ -22,6 +22,7 @@ from test_qwen35 import TEXT, VISION, randomize
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tracefp4.components import checkpoint
+from tracefp4.components.architecture import PRESETS
 from tracefp4.components.checkpoint import (
     INDEX,
     MANIFEST,
@@ -34,7 +35,7 @@ from tracefp4.components.checkpoint import (
     save_model,
     stacked_to_hub,
 )
-from tracefp4.components.model import PRESETS, Transformer, build_model, empty_model
+from tracefp4.components.model import Transformer, build_model, empty_model
 
 
 def saved(tmp_path, name="ckpt", sharded=False, manifest=True):

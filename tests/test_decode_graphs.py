@@ -27,7 +27,7 @@ import tracefp4.components.rollout as rollout_module
 import tracefp4.kernels.fp4 as fp4_module
 from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.model import build_model
-from tracefp4.components.quant import rollout_config
+from tracefp4.components.quant_config import rollout_config
 from tracefp4.components.rollout import DecodeGraphs, SamplingParams, TorchEngine, _Decode
 
 

@@ -20,7 +20,7 @@ from tracefp4.components.checkpoint import provenance
 from tracefp4.components.deltanet import causal_conv
 from tracefp4.components.guidance import GuidanceRef
 from tracefp4.components.model import attention, build_model
-from tracefp4.components.quant import QuantConfig
+from tracefp4.components.quant_config import QuantConfig
 from tracefp4.components.trainer import TrainConfig, Trainer
 from tracefp4.components.trainer_state import TENSORS
 from tracefp4.schemas import RunConfig, get_preset

@@ -771,8 +771,8 @@ def test_the_schema_refuses_exactly_the_splits_that_leave_a_microbatch_untrained
     ranks' own split: it passes a step of M microbatches, an optimizer step
     every g (0: all of them), over W processes exactly where the ranks' runs
     of each group are equal and together train every microbatch once."""
+    from tracefp4.components.choices import uneven_split
     from tracefp4.components.distributed import rank_microbatches
-    from tracefp4.components.trainer import uneven_split
 
     for world in range(1, 5):
         for microbatches in range(1, 13):
@@ -829,7 +829,7 @@ import itertools, sys, time, torch
 import torch.distributed as dist
 from tracefp4.components import distributed
 from tracefp4.components.model import build_model
-from tracefp4.components.quant import QuantConfig
+from tracefp4.components.quant_config import QuantConfig
 from tracefp4.components.store import open_store
 from tracefp4.components.trainer import TrainConfig
 from tracefp4.schemas import RunConfig
@@ -878,7 +878,7 @@ import sys, torch
 import torch.distributed as dist
 from tracefp4.components import distributed
 from tracefp4.components.model import build_model
-from tracefp4.components.quant import QuantConfig
+from tracefp4.components.quant_config import QuantConfig
 from tracefp4.components.trainer import TrainConfig
 from tracefp4.schemas import RunConfig
 distributed.init_process_group(RunConfig.model_validate_json(sys.argv[1]))
@@ -955,7 +955,7 @@ import sys, torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from tracefp4.components import distributed
-from tracefp4.components.quant import QuantConfig
+from tracefp4.components.quant_config import QuantConfig
 from tracefp4.components.trainer import TrainConfig
 from tracefp4.schemas import RunConfig
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -987,7 +987,7 @@ def test_ranks_take_their_shards_of_the_policy_and_optimizer_state_from_rank_0(t
     masters, as one process resuming it does; a checkpoint rank 0 refuses
     fails every rank with its reason."""
     from tracefp4.components.model import build_model
-    from tracefp4.components.quant import QuantConfig
+    from tracefp4.components.quant_config import QuantConfig
     from tracefp4.components.trainer import TrainConfig, Trainer
 
     for precision in ("fp32_master", "bf16"):  # a float32 model: its rollout's dtype too
@@ -1046,7 +1046,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from tracefp4.components import distributed
 from tracefp4.components.model import build_model
-from tracefp4.components.quant import QuantConfig
+from tracefp4.components.quant_config import QuantConfig
 from tracefp4.components.trainer import TrainConfig
 from tracefp4.schemas import RunConfig
 distributed.init_process_group(RunConfig.model_validate_json(sys.argv[1]))

@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 from tracefp4.components.checkpoint import load_model, provenance, save_model, stacked_to_hub
 from tracefp4.components.export import export
 from tracefp4.components.model import build_model
-from tracefp4.components.quant import rollout_config
+from tracefp4.components.quant_config import rollout_config
 from tracefp4.components.rollout import TorchEngine
 from tracefp4.components.tokenizer import build_tokenizer
 from tracefp4.kernels import fake_quantize

@@ -35,7 +35,7 @@ from tracefp4.components.guidance import (
 )
 from tracefp4.components.mismatch import compare, teacher_force
 from tracefp4.components.model import build_model
-from tracefp4.components.quant import rollout_config
+from tracefp4.components.quant_config import rollout_config
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
 

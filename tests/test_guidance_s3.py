@@ -11,7 +11,7 @@ import torch
 from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.guidance import GuidanceError, GuidanceLoader, read_manifest, write_step
 from tracefp4.components.model import build_model
-from tracefp4.components.quant import rollout_config
+from tracefp4.components.quant_config import rollout_config
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import StoreError
 

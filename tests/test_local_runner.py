@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from tracefp4.components.architecture import get_preset as get_model_preset
 from tracefp4.components.checkpoint import commit_folder, config_to_hf, save_model, staging_folder, upload_folder
 from tracefp4.components.model import build_model
-from tracefp4.components.model import get_preset as get_model_preset
 from tracefp4.components.store import open_store
 from tracefp4.components.tokenizer import build_tokenizer
 from tracefp4.pipelines import resume

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tracefp4.components.model import QWEN35_35B_A3B
+from tracefp4.components.architecture import QWEN35_35B_A3B
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -11,9 +11,10 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from tracefp4.components.architecture import PRESETS
 from tracefp4.components.checkpoint import config_from_hf, config_to_hf, load_model, save_model
-from tracefp4.components.model import PRESETS, CausalAttention, ExpertRows, build_model, grouped_matmuls, right_pad
-from tracefp4.components.quant import ROLLOUT_CONFIGS, QuantConfig, quant_sites, rollout_config
+from tracefp4.components.model import CausalAttention, ExpertRows, build_model, grouped_matmuls, right_pad
+from tracefp4.components.quant_config import ROLLOUT_CONFIGS, QuantConfig, quant_sites, rollout_config
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 

@@ -12,9 +12,9 @@ import pytest
 from click.testing import CliRunner
 
 from tracefp4.components import steps
+from tracefp4.components.architecture import QWEN35_35B_A3B, get_preset
 from tracefp4.components.checkpoint import config_to_hf
 from tracefp4.components.guidance import read_step
-from tracefp4.components.model import QWEN35_35B_A3B, get_preset
 from tracefp4.components.plan import (
     PlanError,
     chain_rounds_at_once,

@@ -15,7 +15,7 @@ from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.checkpoint import load_model
 from tracefp4.components.model import build_model
 from tracefp4.components.precision import MasterWeights
-from tracefp4.components.quant import BF16, rollout_config
+from tracefp4.components.quant_config import BF16, rollout_config
 from tracefp4.components.rl import SequenceBatch, token_logprobs
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.trainer import TrainConfig, Trainer, master_weights

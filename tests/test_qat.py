@@ -14,7 +14,8 @@ from tracefp4.components.guidance import GuidanceError, GuidanceLoader, Microbat
 from tracefp4.components.mismatch import compare, join_rows, rounded
 from tracefp4.components.model import ExpertRows, build_model
 from tracefp4.components.qat import TrainingSites
-from tracefp4.components.quant import QuantConfig, fp4_expert_weights, rollout_config
+from tracefp4.components.quant import fp4_expert_weights
+from tracefp4.components.quant_config import QuantConfig, rollout_config
 from tracefp4.components.rl import (
     SequenceBatch,
     alignment_metrics,

@@ -13,11 +13,12 @@ import transformers
 from safetensors.torch import save_file
 from test_model import assert_logits_equal_transformers
 
+from tracefp4.components.architecture import PRESETS, QWEN35_35B_A3B
 from tracefp4.components.checkpoint import config_from_hf, config_to_hf, load_model, save_model
 from tracefp4.components.deltanet import causal_conv, chunked_delta_rule, recurrent_delta_rule
 from tracefp4.components.export import export
-from tracefp4.components.model import PRESETS, QWEN35_35B_A3B, CausalAttention, build_model, right_pad
-from tracefp4.components.quant import rollout_config
+from tracefp4.components.model import CausalAttention, build_model, right_pad
+from tracefp4.components.quant_config import rollout_config
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 

@@ -13,7 +13,8 @@ from tracefp4.components import steps
 from tracefp4.components.capture import CaptureConfig
 from tracefp4.components.checkpoint import save_model
 from tracefp4.components.model import CausalAttention, build_model
-from tracefp4.components.quant import ACTIVATION_SITES, ROLLOUT_CONFIGS, QuantSites, rollout_config
+from tracefp4.components.quant import QuantSites
+from tracefp4.components.quant_config import ACTIVATION_SITES, ROLLOUT_CONFIGS, rollout_config
 from tracefp4.components.rollout import (
     KV_SPLIT,
     KVCache,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tracefp4.components import model as model_module
 from tracefp4.components.model import build_model
-from tracefp4.components.quant import rollout_config
+from tracefp4.components.quant_config import rollout_config
 from tracefp4.components.rollout import TorchEngine
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -3,13 +3,15 @@ secrets kept out of every output, and the committed JSON Schema in sync."""
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import get_args
 
 import pytest
 import yaml
 
-from tracefp4.components.model import QWEN35_35B_A3B
+from tracefp4.components.architecture import QWEN35_35B_A3B
 from tracefp4.schemas import (
     PRESETS,
     ConfigError,
@@ -71,14 +73,35 @@ def test_get_preset_returns_a_copy_and_names_the_choices():
 
 
 def test_literals_match_the_library():
-    """The schema's names of rollout configs and model presets are the library's."""
-    from tracefp4.components import model, quant
+    """The schema's names of rollout configs and model presets are the library's,
+    and the FP4 formats its torch-free half names are the kernels' own."""
+    from tracefp4.components import architecture, quant_config
+    from tracefp4.kernels import FORMATS
 
-    assert set(get_args(RolloutConfigName)) == set(quant.ROLLOUT_CONFIGS)
-    assert set(get_args(ModelPreset)) == set(model.PRESETS)
+    assert quant_config.FP4_FORMATS == tuple(FORMATS)
+    assert set(get_args(RolloutConfigName)) == set(quant_config.ROLLOUT_CONFIGS)
+    assert set(get_args(ModelPreset)) == set(architecture.PRESETS)
     for preset in PRESETS.values():  # deepest-N selections fit the preset models
         if preset.model.preset is not None and isinstance(preset.guidance.layers, int):
-            assert preset.guidance.layers <= model.PRESETS[preset.model.preset].num_layers
+            assert preset.guidance.layers <= architecture.PRESETS[preset.model.preset].num_layers
+
+
+def test_the_config_and_the_command_load_without_torch(tmp_path):
+    """The run config takes its choices from torch-free modules (components.architecture,
+    quant_config, choices, syndrome_rate), so the tracefp4 command starts, checks a
+    config and writes its schema without the seconds torch takes to import."""
+    script = (
+        "import sys\n"
+        "import tracefp4.pipelines.cli\n"
+        "from tracefp4.schemas import RunConfig, export_json_schema, get_preset\n"
+        "for name in ('paper-nvfp4-wa-kv', 'smoke'):\n"
+        "    RunConfig.model_validate(get_preset(name).model_dump())\n"
+        f"export_json_schema({str(tmp_path)!r})\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:5])\n"
+    )
+    done = subprocess.run([sys.executable, "-P", "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", f"torch modules loaded: {done.stdout}"
 
 
 def test_exported_schema_files_are_in_sync(tmp_path):

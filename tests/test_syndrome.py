@@ -11,6 +11,7 @@ import struct
 import pytest
 import torch
 
+from tracefp4.components.architecture import PRESETS
 from tracefp4.components.capture import CaptureRecords, SiteTable
 from tracefp4.components.guidance import (
     GuidanceError,
@@ -22,24 +23,25 @@ from tracefp4.components.guidance import (
     iter_step_tables,
     write_step,
 )
-from tracefp4.components.model import PRESETS
 from tracefp4.components.store import open_store
 from tracefp4.components.syndrome import (
-    CODE_CHECK_BITS,
-    MAX_SCALE_BITS,
-    MIN_CODE_BITS,
-    TARGET_FAILED_SHARE,
     DecodeStats,
-    Rate,
     SyndromeTable,
     choose_rates,
     decode_rows,
     decode_summary,
     encode_table,
-    erasures_for,
-    first_rate,
     layout_of,
     site_rates,
+)
+from tracefp4.components.syndrome_rate import (
+    CODE_CHECK_BITS,
+    MAX_SCALE_BITS,
+    MIN_CODE_BITS,
+    TARGET_FAILED_SHARE,
+    Rate,
+    erasures_for,
+    first_rate,
 )
 from tracefp4.kernels import (
     MAX_ERASURES,
@@ -410,7 +412,7 @@ def test_training_guides_every_row_but_a_non_finite_one_beside_it():
     its own row rounds to nearest, the rest train on the rollout's values."""
     from tracefp4.components.guidance import MicrobatchGuidance
     from tracefp4.components.qat import TrainingSites
-    from tracefp4.components.quant import QuantConfig
+    from tracefp4.components.quant_config import QuantConfig
 
     x, traj = rows(n=34, width=64, seed=9)
     table = table_from(x, traj)
@@ -853,7 +855,7 @@ def test_syndrome_words_are_the_matrix_product():
 def test_training_under_syndrome_guidance_routes_as_the_rollout():
     from tracefp4.components.guidance import MicrobatchGuidance
     from tracefp4.components.qat import TrainingSites
-    from tracefp4.components.quant import rollout_config
+    from tracefp4.components.quant_config import rollout_config
 
     n = 6  # trajectory 7's positions 0..5, two slots each
     traj, pos = torch.full((2 * n,), 7), torch.arange(n).repeat_interleave(2)

@@ -13,9 +13,10 @@ from chat_checkpoint import ENDOFTEXT, IM_END, IM_START, TEMPLATE, tokenizer_fil
 from transformers import AutoTokenizer
 
 from tracefp4.components import steps
+from tracefp4.components.architecture import get_preset
 from tracefp4.components.bootstrap import make_batch
 from tracefp4.components.checkpoint import config_to_hf, read_policy_folder
-from tracefp4.components.model import build_model, get_preset
+from tracefp4.components.model import build_model
 from tracefp4.components.rollout import TorchEngine
 from tracefp4.components.tasks import format_example, split
 from tracefp4.components.tokenizer import (

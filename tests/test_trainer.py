@@ -13,10 +13,10 @@ from safetensors.torch import load_file
 from tracefp4.components import steps
 from tracefp4.components.capture import CaptureConfig, CaptureRecords
 from tracefp4.components.checkpoint import CheckpointError, load_model, provenance
+from tracefp4.components.choices import QUANTIZING_CAPTURED_SITES
 from tracefp4.components.guidance import GuidanceError, GuidanceLoader, read_manifest, step_prefix, write_step
 from tracefp4.components.model import build_model
-from tracefp4.components.qat import QUANTIZING_CAPTURED_SITES
-from tracefp4.components.quant import rollout_config
+from tracefp4.components.quant_config import rollout_config
 from tracefp4.components.rl import (
     SequenceBatch,
     alignment_metrics,
@@ -200,11 +200,13 @@ def test_inline_guidance_keeps_the_deepest_layers_with_fp4_sites(tmp_path, monke
     """A hybrid model whose deepest layer is linear attention holds no KV cache
     there: under fp4_kv, guidance.layers 1 is the deepest full-attention layer,
     for the inline capture as for the schema and offline compaction."""
-    from tracefp4.components import model
+    from tracefp4.components import architecture
 
     hybrid = ("linear_attention", "linear_attention", "full_attention", "linear_attention")
     monkeypatch.setitem(
-        model.PRESETS, "tiny-qwen35", dataclasses.replace(model.PRESETS["tiny-qwen35"], layer_types=hybrid)
+        architecture.PRESETS,
+        "tiny-qwen35",
+        dataclasses.replace(architecture.PRESETS["tiny-qwen35"], layer_types=hybrid),
     )
     data = get_preset("tiny-qwen35").model_dump()
     data["store"]["uri"] = (tmp_path / "store").as_uri()

@@ -16,10 +16,11 @@ from tracefp4.components import trainer as trainer_module
 from tracefp4.components.capture import CaptureConfig, CaptureRecords
 from tracefp4.components.guidance import GuidanceLoader, write_step
 from tracefp4.components.model import build_model
-from tracefp4.components.quant import rollout_config
+from tracefp4.components.quant_config import rollout_config
 from tracefp4.components.rollout import SamplingParams, TorchEngine
 from tracefp4.components.store import open_store
-from tracefp4.components.syndrome import encode_table, first_rate
+from tracefp4.components.syndrome import encode_table
+from tracefp4.components.syndrome_rate import first_rate
 from tracefp4.components.trainer import TrainConfig, Trainer
 
 

@@ -25,7 +25,7 @@ from kubernetes import client
 from tracefp4.components.checkpoint import LOCATION, MANIFEST, CheckpointError, fetch, folder_digest, location
 from tracefp4.components.distributed import UPLOADING, DistributedError, checkpoints_prefix
 from tracefp4.components.model import build_model
-from tracefp4.components.quant import BF16
+from tracefp4.components.quant_config import BF16
 from tracefp4.components.store import StoreError, open_store
 from tracefp4.components.trainer import TrainConfig, Trainer
 from tracefp4.pipelines import trainjob as module
