@@ -84,7 +84,8 @@ set_option = click.option(
     metavar="KEY=VALUE",
     callback=_sets,
     help="A config value by its dotted path, over --preset and --config; the value is YAML (rl.rounds=2, "
-    "guidance.layers=[2,3], model.preset=null). Repeatable.",
+    "guidance.layers=[2,3], model.preset=null, tasks.0.train_size=64). Repeatable, in order: a later one "
+    "goes over an earlier one.",
 )
 
 

@@ -260,17 +260,19 @@ def load_config(
 ) -> RunConfig:
     """Build a RunConfig from a preset (or the defaults), a .yaml/.yml/.json file and overrides.
 
-    Overrides may be nested or use dotted keys ("rl.learning_rate"). S3
-    credentials come only from TRACEFP4_S3_ACCESS_KEY / TRACEFP4_S3_SECRET_KEY;
-    a file or an override that sets them is an error."""
+    Overrides may be nested or use dotted keys ("rl.learning_rate"), and go
+    over the file one by one in their order, as ``--set`` options do: an item
+    of a list set by an earlier one ("tasks" then "tasks.0.train_size") is
+    that list's. S3 credentials come only from TRACEFP4_S3_ACCESS_KEY /
+    TRACEFP4_S3_SECRET_KEY; a file or an override that sets them is an error."""
     try:
         data = (get_preset(preset) if preset is not None else RunConfig()).model_dump(mode="json")
     except ValueError as e:  # an unknown preset name
         raise ConfigError([("preset", str(e))]) from None
     if path is not None:
         data = _merge(data, _read(Path(path)))
-    if overrides:
-        data = _merge(data, _expand_dotted(overrides))
+    for key, value in (overrides or {}).items():
+        data = _merge(data, _expand_dotted({key: value}))
     try:
         config = RunConfig.model_validate(data, context={"from_file": True})
     except ValidationError as e:  # a problem may lie in the overrides (--set), not the file

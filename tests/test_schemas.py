@@ -456,6 +456,23 @@ def test_overrides_deep_merge_over_a_preset(tmp_path):
         load_config(path, preset="tiny", overrides={"rl.rounds": "many"})
 
 
+def test_overrides_go_over_one_another_in_their_order():
+    """As --set options: an item of a list set by an earlier override is that
+    list's (its override was lost, the run trained on the preset's tasks), and
+    a later whole list replaces the items set before it."""
+    mine = {"name": "mine", "data": "problems.jsonl", "train_size": 16, "test_size": 4}
+    config = load_config(None, preset="smoke", overrides={"tasks": [mine], "tasks.0.train_size": 20})
+    assert [(t.name, t.train_size) for t in config.tasks] == [("mine", 20)]
+    configs = load_config(
+        None,
+        preset="smoke",
+        overrides={"evaluation.rollout_configs": ["fp4_kv", "bf16"], "evaluation.rollout_configs.0": "fp4_wa_kv"},
+    ).evaluation.rollout_configs
+    assert configs == ["fp4_wa_kv", "bf16"]
+    config = load_config(None, preset="smoke", overrides={"tasks.0.train_size": 20, "tasks": [mine]})
+    assert [(t.name, t.train_size) for t in config.tasks] == [("mine", 16)]
+
+
 def test_file_errors_name_the_file(tmp_path):
     with pytest.raises(ConfigError, match=r"unknown config file extension '\.toml'"):
         load_config(tmp_path / "run.toml")
