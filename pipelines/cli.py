@@ -63,17 +63,20 @@ config_option = click.option(
 
 
 def _sets(ctx, param, values: tuple[str, ...]) -> dict:
-    """--set's KEY=VALUE pairs: a config value by its dotted path, the value read as YAML."""
+    """--set's KEY=VALUE pairs: a config value by its dotted path, the value read as YAML, in the
+    order they apply (a key given again moves to its last place: load_config applies them in order)."""
     sets = {}
     for item in values:
         key, equals, text = item.partition("=")
         if not equals or not key.strip():
             raise click.BadParameter(f"{item!r}: expected KEY=VALUE, e.g. rl.rounds=2", ctx=ctx, param=param)
         try:
-            sets[key.strip()] = load_yaml(text)
+            value = load_yaml(text)
         except yaml.YAMLError as e:
             problem = getattr(e, "problem", None) or e  # a parse error's one line, without its echo of the input
             raise click.BadParameter(f"{item!r}: its value is not YAML ({problem})", ctx=ctx, param=param) from None
+        sets.pop(key.strip(), None)
+        sets[key.strip()] = value
     return sets
 
 

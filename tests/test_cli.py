@@ -118,6 +118,17 @@ def test_set_puts_a_value_by_its_dotted_path_over_the_preset_and_is_refused_clea
         assert result.exit_code == code and message in result.output and not out.exists(), given
 
 
+def test_sets_apply_in_the_order_given():
+    """A --set of a list's item goes into the list an earlier --set gave; a key given again takes its
+    new place in the order, as well as its new value."""
+    mine = "[{name: mine, data: problems.jsonl, train_size: 16, test_size: 4}]"
+    args = ["config", "--preset", "smoke", "--set", "tasks.0.train_size=20", "--set", f"tasks={mine}"]
+    for more, size in [([], 16), (["--set", "tasks.0.train_size=30"], 30)]:
+        result = CliRunner().invoke(main, [*args, *more])
+        assert result.exit_code == 0, result.output
+        assert [(t["name"], t["train_size"]) for t in yaml.safe_load(result.output)["tasks"]] == [("mine", size)]
+
+
 def test_config_prints_the_whole_config_a_run_of_the_options_takes_and_it_reads_back(tmp_path):
     """A start for a --config file of one's own: every value, the checkpoint's in place of the preset's model."""
     args = ["config", "--preset", "tiny", "--set", "model.checkpoint=my-moe", "--set", "rl.rounds=2"]
