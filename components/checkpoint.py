@@ -565,6 +565,20 @@ def recommit(source: Path, folder: Path, provenance: dict, replace: Mapping[str,
         return commit_folder(tmp, folder, provenance)
 
 
+def check_replaceable(folder: Path) -> None:
+    """Refuse to write a tracefp4 save at ``folder`` where that would delete
+    what it holds: a file, or a folder of anything but a tracefp4 save (no
+    :data:`MANIFEST`; an ``--output`` that names a folder of runs, say). A
+    command checks its output with this before its work, the save again."""
+    if folder.is_dir() and any(folder.iterdir()) and not (folder / MANIFEST).is_file():
+        raise CheckpointError(
+            f"{folder}: holds files tracefp4 did not save (it has no {MANIFEST}), which writing there would "
+            "delete: write into a new or empty folder"
+        )
+    if folder.exists() and not folder.is_dir():
+        raise CheckpointError(f"{folder}: a file, not a folder to write into")
+
+
 @contextlib.contextmanager
 def staging_folder(folder: Path) -> Iterator[Path]:
     """A fresh empty folder beside ``folder`` to write it in, for
@@ -573,22 +587,15 @@ def staging_folder(folder: Path) -> Iterator[Path]:
     deleted first, but for a save killed between :func:`commit_folder`'s two
     renames, which left no ``folder`` and the old one whole beside it: that
     one is put back first, so that this save failing too loses nothing. A
-    folder that holds anything but a tracefp4 save (no :data:`MANIFEST`) is
-    refused: replacing it would delete what it holds (an ``--output`` that
-    names a folder of runs, say). Named uniquely: a container's process ids
+    folder that replacing would delete what it holds is refused
+    (:func:`check_replaceable`). Named uniquely: a container's process ids
     repeat."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     moved_aside = sorted(folder.parent.glob(f".{glob.escape(folder.name)}.old-*"), key=lambda p: p.stat().st_mtime)
     if moved_aside and not folder.exists():
         log.warning("%s: put back from %s, where a save killed while replacing it left it", folder, moved_aside[-1])
         moved_aside[-1].rename(folder)
-    if folder.is_dir() and any(folder.iterdir()) and not (folder / MANIFEST).is_file():
-        raise CheckpointError(
-            f"{folder}: holds files tracefp4 did not save (it has no {MANIFEST}), which writing there would "
-            "delete: write into a new or empty folder"
-        )
-    if folder.exists() and not folder.is_dir():
-        raise CheckpointError(f"{folder}: a file, not a folder to write into")
+    check_replaceable(folder)
     for kind in ("tmp", "old"):  # what a save killed mid-way (SIGKILL, out of memory) left: one writer per folder
         for stale in folder.parent.glob(f".{glob.escape(folder.name)}.{kind}-*"):
             shutil.rmtree(stale, ignore_errors=True)

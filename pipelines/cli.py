@@ -401,12 +401,20 @@ def _written_to(output: str, env: Mapping[str, str], replaces: tuple[Callable[[d
     config sets ``store.endpoint``).
     The store is opened first: a bucket that is not there, or credentials it
     refuses, fail before the work. A folder uploaded there before is
-    replaced, as a local save replaces one; a prefix holding other objects
-    is refused (the upload would delete them), and so is a tracefp4 save of
+    replaced, as a local save replaces one; a folder or prefix holding other
+    files is refused before the work (the save would delete them, or mix
+    with those in folders below), and so is a tracefp4 save of
     another kind than the command's (``replaces``: whether a save's provenance
     is of that kind, and its name): a swapped or mistyped path would otherwise
     replace a trained policy."""
-    from tracefp4.components.checkpoint import MANIFEST, local_folder, manifest_provenance, upload_folder
+    from tracefp4.components.checkpoint import (
+        MANIFEST,
+        CheckpointError,
+        check_replaceable,
+        local_folder,
+        manifest_provenance,
+        upload_folder,
+    )
     from tracefp4.components.store import open_store
 
     def refuse_another_kind(manifest: bytes) -> None:
@@ -422,16 +430,22 @@ def _written_to(output: str, env: Mapping[str, str], replaces: tuple[Callable[[d
 
     folder = local_folder(output)
     if folder is not None:
+        try:
+            check_replaceable(folder)
+        except CheckpointError as e:
+            raise click.ClickException(str(e)) from None
         if (folder / MANIFEST).is_file():
             refuse_another_kind((folder / MANIFEST).read_bytes())
         yield folder
         return
     store = open_store(output, env=env)
-    held = [key for key in store.list() if "/" not in key]
-    if held and MANIFEST not in held:
+    held = store.list()
+    foreign = [key for key in held if "/" in key] or ([] if MANIFEST in held else held)  # a tracefp4 folder is flat
+    if foreign:
         raise click.ClickException(
-            f"{output} holds {len(held)} object(s) of no tracefp4 folder ({', '.join(held[:3])}"
-            f"{', ...' if len(held) > 3 else ''}), which writing a folder there would delete: give an empty prefix"
+            f"{output} holds {len(foreign)} object(s) of no tracefp4 folder ({', '.join(foreign[:3])}"
+            f"{', ...' if len(foreign) > 3 else ''}), which writing a folder there would delete or mix with: give "
+            "an empty prefix"
         )
     if held:
         refuse_another_kind(store.get_bytes(MANIFEST))

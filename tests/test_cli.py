@@ -381,3 +381,16 @@ def test_bootstrap_and_export_write_their_folders_into_the_store(tmp_path, s3_en
     result = CliRunner().invoke(main, ["bootstrap", "--preset", "smoke", "--output", "s3://no-such-bucket-x/p"])
     assert result.exit_code == 1 and "bucket 'no-such-bucket-x' does not exist" in result.output
     assert "bootstrap step" not in result.output  # refused before the work
+    # a folder of the user's files, or a prefix with objects in folders below (a run store's): refused before the
+    # work (a local folder was refused only by the save, after the SFT; a prefix's folders below were not seen)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    s3_env.store(f"{prefix}/runs").put_bytes("smoke/run-1/history.jsonl", b"{}")
+    for output, refusal in [
+        (str(tmp_path / "mine"), "holds files tracefp4 did not save (it has no checksums.json)"),
+        (s3_env.uri(f"{prefix}/runs"), "holds 1 object(s) of no tracefp4 folder (smoke/run-1/history.jsonl)"),
+    ]:
+        result = CliRunner().invoke(main, ["bootstrap", "--preset", "smoke", "--output", output])
+        assert result.exit_code == 1 and refusal in result.output and "bootstrap step" not in result.output, output
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["notes.txt"]
+    assert s3_env.store(f"{prefix}/runs").list() == ["smoke/run-1/history.jsonl"]
