@@ -58,7 +58,14 @@ class PlanError(ValueError):
 def model_config(config: RunConfig, model_config_file: str | Path | None = None) -> ModelConfig:
     """The architecture of ``config``'s model: from ``model_config_file`` (a
     config.json on disk) where given, else its preset, else the config.json of
-    ``model.checkpoint`` (a folder, or read from its store alone)."""
+    ``model.checkpoint`` (a folder, or read from its store alone). A preset's
+    architecture is its own: a file beside it would plan a model the run
+    does not train."""
+    if model_config_file is not None and config.model.preset is not None:
+        raise PlanError(
+            f"--model-config {model_config_file}: the config's model is the preset {config.model.preset}, whose "
+            "architecture the plan knows; the file is for a model.checkpoint (--set model.checkpoint=...)"
+        )
     if model_config_file is not None:
         path = Path(model_config_file)
         try:

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from tracefp4.schemas import RunConfig
+from tracefp4.schemas import RunConfig, TaskConfig
 
 from . import bootstrap as sft
 from .architecture import get_preset
@@ -386,8 +386,13 @@ def _check_characters(problem: Problem, source: str) -> None:
         )
 
 
-def _task_entry(i: int, t) -> str:
-    return f"tasks.{i}: train_size {t.train_size} + test_size {t.test_size}"
+def _task_entry(i: int, t: TaskConfig) -> str:
+    """A task's entry and sizes, for its draws' errors; sizes a file task left at the schema's defaults
+    are said to be those (a user who set neither reads them as numbers from nowhere)."""
+    sizes = (t.train_size, t.test_size)
+    defaults = tuple(TaskConfig.model_fields[f].default for f in ("train_size", "test_size"))
+    told = " (the schema's defaults)" if t.data is not None and sizes == defaults else ""
+    return f"tasks.{i}: train_size {t.train_size} + test_size {t.test_size}{told}"
 
 
 @contextlib.contextmanager

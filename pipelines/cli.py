@@ -545,7 +545,7 @@ def _warn_for_cluster(config) -> None:
     read |= {f"tasks.{i}.reward": t.reward for i, t in enumerate(config.tasks)}
     for field, where in read.items():
         if where is not None and not where.startswith(("s3://", "minio://")):
-            _warn(f"{field} {where} is a file each pod reads in its own image; put it in the store (s3://...)")
+            _warn(f"{field} {where} is a path each pod reads in its own image; put it in the store (s3://...)")
 
 
 def _yaml_path(ctx, param, value: str) -> str:

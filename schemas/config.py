@@ -629,10 +629,10 @@ class TaskConfig(_Section):
     @field_validator("prompt_template", mode="before")
     @classmethod
     def _template_text(cls, value):
-        if isinstance(value, dict):  # YAML's reading of an unquoted {prompt}
+        if isinstance(value, dict):  # YAML's reading of an unquoted {prompt} ..., or of Q: {prompt}
             raise ValueError(
                 f"a mapping, {value!r}: quote the template ('{tasks.PROMPT_SLOT} ...'), which YAML reads "
-                "as a mapping where it opens with a brace"
+                "as a mapping where it opens with a brace or holds ': '"
             )
         if isinstance(value, str) and (control := sorted({c for c in value if c < " " and c not in "\n\t"})):
             raise ValueError(

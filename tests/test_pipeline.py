@@ -464,8 +464,8 @@ def test_cli(tmp_path):
     task += '{"name": "yours", "data": "s3://bucket/yours.jsonl", "reward": "r.py:score"}'
     result = runner.invoke(main, [*args, "--set", f"tasks=[{task}]"])
     assert "store s3://bucket/runs without store.endpoint: every step takes TRACEFP4_S3_ENDPOINT" in result.output
-    assert "tasks.0.data mine.jsonl is a file each pod reads in its own image; put it in the store" in result.output
-    assert "tasks.1.reward r.py:score is a file each pod reads" in result.output
+    assert "tasks.0.data mine.jsonl is a path each pod reads in its own image; put it in the store" in result.output
+    assert "tasks.1.reward r.py:score is a path each pod reads" in result.output
     assert "tasks.1.data" not in result.output and "tasks.0.reward" not in result.output
     assert "vLLM refuses" not in result.output
     # a rollout whose export no serving engine loads: said as it compiles, not after the run's last task

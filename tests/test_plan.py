@@ -176,6 +176,8 @@ def test_a_model_that_cannot_be_known_is_an_error_naming_what_to_give(tmp_path):
     )
     result = CliRunner().invoke(main, ["plan", "--preset", "smoke", "--tokens-per-trajectory", "65"])
     assert result.exit_code == 1 and "must be 1 to model.max_seq_len (64)" in result.output
+    result = CliRunner().invoke(main, ["plan", "--preset", "smoke", "--model-config", str(small)])  # a preset's own
+    assert result.exit_code == 1 and f"--model-config {small}: the config's model is the preset smoke" in result.output
 
 
 def test_plan_prints_a_table_and_one_json_line_of_its_figures(tmp_path):

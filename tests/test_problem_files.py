@@ -314,6 +314,9 @@ def test_config_check_reads_the_files_as_the_first_task_does(tmp_path):
     )
     assert result.exit_code == 1 and "tasks.0: train_size 40 + test_size 4: " in result.output
     assert "holds 30 distinct problems, not 44" in result.output
+    bare = f'tasks=[{{"name": "sums", "data": "{data}"}}]'  # sizes a user never set: said to be the defaults
+    result = CliRunner().invoke(main, ["config", "--preset", "smoke", "--set", bare, "--check"])
+    assert "tasks.0: train_size 256 + test_size 32 (the schema's defaults): " in result.output, result.output
     # a --config file's fault is named with the file, as validation's are, and with a --set beside it
     run_file = tmp_path / "run.yaml"
     run_file.write_text(f"tasks: [{{name: sums, data: {tmp_path}/none.jsonl}}]\n")
