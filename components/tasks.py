@@ -710,10 +710,19 @@ def _quoted(value) -> str:
 
 
 def _value(record: dict, path: str, where: str):
-    """The value at the dotted ``path`` of ``record``; missing, an error listing the keys where it stopped."""
+    """The value at the dotted ``path`` of ``record``: keys of objects, and item
+    numbers of lists (verl's ``prompt.0.content``, its chat's first message);
+    missing, an error saying what the line holds where it stopped."""
     value, keys = record, path.split(".")
     for depth, key in enumerate(keys):
         outer = ".".join(keys[:depth])
+        if isinstance(value, list) and key.isascii() and key.isdigit():
+            if int(key) >= len(value):
+                raise ValueError(f"{where}: no {path!r} ({outer} holds {len(value)} item(s), from 0)")
+            value = value[int(key)]
+            continue
+        if isinstance(value, list):
+            raise ValueError(f"{where}: no {path!r} ({outer} is a list: name an item by its number, such as {outer}.0)")
         if not isinstance(value, dict):
             raise ValueError(f"{where}: no {path!r} ({outer} is {_json_kind(value)})")
         if key not in value:

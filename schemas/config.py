@@ -130,7 +130,8 @@ PATTERN_HINTS = {
     DEVICE_PATTERN: "must be 'auto', 'cpu', 'cuda' or 'cuda:N'",
     TASK_NAME: "must be a task name: lowercase letters, digits, '_' and '-', 1-63 characters, a letter first",
     SHA256: "must be a sha256 digest: 64 lowercase hexadecimal digits",
-    KEY_PATH: "must be a JSON key, or keys joined by '.' into nested objects (such as 'reward_model.ground_truth')",
+    KEY_PATH: "must be a JSON key, or keys and list item numbers joined by '.' into nested objects and lists (such "
+    "as 'reward_model.ground_truth' or 'prompt.0.content')",
     REWARD_FUNCTION: "must be a Python file and a function in it, FILE.py:FUNCTION (such as rewards.py:score or "
     "s3://bucket/rewards.py:score)",
 }
@@ -561,14 +562,15 @@ class TaskConfig(_Section):
         default="prompt",
         pattern=KEY_PATH,
         max_length=256,
-        description="With data: the key of a line's prompt, or keys joined by '.' into nested objects (MATH-500's "
-        "problem, AIME's Problem).",
+        description="With data: the key of a line's prompt, or keys and list item numbers joined by '.' into nested "
+        "objects and lists (MATH-500's problem, AIME's Problem, verl's prompt.0.content: its chat's first message).",
     )
     answer_key: str = Field(
         default="answer",
         pattern=KEY_PATH,
         max_length=256,
-        description="With data: the key of a line's answer, or keys joined by '.' (verl's reward_model.ground_truth).",
+        description="With data: the key of a line's answer, or keys and list item numbers joined by '.' (verl's "
+        "reward_model.ground_truth).",
     )
     prompt_template: str = Field(
         default=tasks.PROMPT_SLOT,

@@ -110,6 +110,17 @@ def test_a_files_keys_and_prompt_template_are_the_tasks_own():
     for fmt, message in faults.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             read_problems("mine", json.dumps(line).encode(), "f", fmt)
+    # verl's layout: the prompt a list of chat messages, reached by item number
+    verl = {"prompt": [{"role": "user", "content": "1+2="}], "reward_model": {"ground_truth": "3"}}
+    fmt = LineFormat("prompt.0.content", "reward_model.ground_truth")
+    assert [(p.prompt, p.answer) for p in read_problems("mine", json.dumps(verl).encode(), "f", fmt)] == [("1+2=", "3")]
+    for fmt, message in {
+        LineFormat("prompt.1.content"): "f line 1: no 'prompt.1.content' (prompt holds 1 item(s), from 0)",
+        LineFormat("prompt.content"): "f line 1: no 'prompt.content' (prompt is a list: name an item by its number, "
+        "such as prompt.0)",
+    }.items():
+        with pytest.raises(ValueError, match=re.escape(message)):
+            read_problems("mine", json.dumps(verl).encode(), "f", fmt)
 
     def problems(**task):
         with pytest.raises(ConfigError) as e:
@@ -120,7 +131,7 @@ def test_a_files_keys_and_prompt_template_are_the_tasks_own():
     assert "tasks.0.prompt_template: 'Solve: {prompt} {prompt}' must hold {prompt} once" in problems(
         name="mine", data="m.jsonl", prompt_template="Solve: {prompt} {prompt}"
     )
-    assert "tasks.0.answer_key: must be a JSON key, or keys joined by '.'" in problems(
+    assert "tasks.0.answer_key: must be a JSON key, or keys and list item numbers joined by '.'" in problems(
         name="mine", data="m.jsonl", answer_key="reward_model."
     )
     assert "tasks.0.answer_key: 'q' is prompt_key too" in problems(
