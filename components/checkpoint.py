@@ -159,6 +159,14 @@ class CheckpointError(ValueError):
     the config.json field or the tensor."""
 
 
+def _experts_key(hf: dict) -> str:
+    """The key of a config.json's routed-expert count: ``num_local_experts``
+    where only that one is given (transformers 5.25's Qwen3MoeConfig writes
+    it alone), else ``num_experts`` (named where neither is)."""
+    only_local = hf.get("num_experts") is None and hf.get("num_local_experts") is not None
+    return "num_local_experts" if only_local else "num_experts"
+
+
 def config_from_hf(hf: dict) -> ModelConfig:
     """The policy's architecture from a transformers config.json (4.x and 5.x
     spellings). Each size must be an integer in 1..2**24 (JSON's ``1e9`` is a
@@ -241,12 +249,7 @@ def config_from_hf(hf: dict) -> ModelConfig:
         "num_heads": heads,
         "num_kv_heads": size("num_key_value_heads", _KV_HEADS[model_type]),
         "head_dim": size("head_dim", 256 if qwen35 else hidden // heads),  # transformers' defaults where absent
-        # num_local_experts where only that key is given (and num_experts named where neither is)
-        "num_experts": size(
-            "num_local_experts"
-            if hf.get("num_experts") is None and hf.get("num_local_experts") is not None
-            else "num_experts"
-        ),
+        "num_experts": size(_experts_key(hf)),
         "top_k": size("num_experts_per_tok"),
         "moe_intermediate_size": moe,
         "intermediate_size": size("intermediate_size", moe),
@@ -851,7 +854,8 @@ def _check_tensors(folder: Path, cfg: ModelConfig, headers: dict) -> dict[str, t
     check_count("num_hidden_layers", cfg.num_layers, _LAYER, "model.layers.{}")
     fused = _experts_fused(headers, folder)
     if cfg.sparse_layers and not fused:  # only now: it walks the layers
-        check_count("num_experts", cfg.num_experts, _EXPERT_INDEX, "experts.{}")
+        key = _experts_key(json.loads((folder / CONFIG).read_text()))  # the file's own name of the count
+        check_count(key, cfg.num_experts, _EXPERT_INDEX, "experts.{}")
     expected = hub_shapes(cfg, fused)
     if cfg.tie_word_embeddings:
         headers = {k: v for k, v in headers.items() if k != "lm_head.weight"}  # transformers may save the tied copy

@@ -356,6 +356,8 @@ def test_absurd_config_is_a_value_error_naming_the_field(tmp_path, changes, mess
         # within the bounds, so only the tensors can tell: fails before a model of that size is described
         ({"num_hidden_layers": 16_000_000}, r"num_hidden_layers is 16000000, but the weights hold 2 \(missing"),
         ({"num_experts": 4000}, r"num_experts is 4000, but the weights hold 4"),
+        # transformers 5's qwen3_moe writes the count as num_local_experts alone: named as the file names it
+        ({"num_experts": None, "num_local_experts": 8}, r"num_local_experts is 8, but the weights hold 4"),
         # would allocate ~0.5 GB per embedding if it were built before the check
         ({"vocab_size": 2**21}, r"embed_tokens.weight has shape \[256, 64\], but config.json implies \[2097152, 64\]"),
         ({"moe_intermediate_size": 96}, r"0.gate_proj.weight has shape \[64, 64\], but config.json implies \[96,"),
