@@ -743,7 +743,7 @@ def read_problems(
     template is not bare, its prompt as the line holds it; scored by a
     ``reward`` function, its line's object too."""
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte order mark first (Windows tools write one) is no line's text
     except UnicodeDecodeError as e:
         raise ValueError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     problems: dict[str, tuple[int, Problem]] = {}

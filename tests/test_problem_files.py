@@ -110,6 +110,8 @@ def test_a_files_keys_and_prompt_template_are_the_tasks_own():
     for fmt, message in faults.items():
         with pytest.raises(ValueError, match=re.escape(message)):
             read_problems("mine", json.dumps(line).encode(), "f", fmt)
+    bom = b"\xef\xbb\xbf" + json.dumps(line).encode()  # a byte order mark first, as Windows tools write
+    assert read_problems("mine", bom, "f", LineFormat("problem", "reward_model.ground_truth"))[0].answer == "2"
     # verl's layout: the prompt a list of chat messages, reached by item number
     verl = {"prompt": [{"role": "user", "content": "1+2="}], "reward_model": {"ground_truth": "3"}}
     fmt = LineFormat("prompt.0.content", "reward_model.ground_truth")
