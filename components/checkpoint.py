@@ -895,6 +895,18 @@ def load_model(
     return model
 
 
+def check_weights(path: str | os.PathLike) -> None:
+    """The weights of the policy folder ``path`` checked against its
+    config.json by their safetensors headers alone (files, names, dtypes,
+    shapes), as :class:`PolicyReader` checks them before it reads any: a
+    command checks a checkpoint so before its run starts, in a moment at any
+    size (the checksums, which read every byte, are prepare's)."""
+    folder = Path(path)
+    cfg = read_config(folder)
+    headers, _ = _language_model(folder, _headers(folder), cfg)
+    _check_tensors(folder, cfg, headers)
+
+
 class PolicyReader:
     """A policy folder checked as the module docstring says, before any weight
     is read, whose stacked tensors are then read one at a time: by

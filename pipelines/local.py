@@ -40,6 +40,7 @@ from tqdm import tqdm
 from tracefp4.components.checkpoint import (
     MANIFEST,
     CheckpointError,
+    check_weights,
     fetch,
     local_folder,
     provenance,
@@ -517,10 +518,11 @@ def check_checkpoint(config: RunConfig, env: dict[str, str]) -> None:
     no policy folder (a run folder, a serving export, one without
     config.json) or its config.json and tokenizer fail prepare's checks
     (:func:`~tracefp4.components.checkpoint.read_policy_folder`), saying what
-    is wrong: found by prepare otherwise, after the run has started. A
-    store's is read with ``env`` (the steps' environment) as prepare reads
-    it, but for its weights (``fetch(weights=False)``), which prepare alone
-    reads."""
+    is wrong, and a local folder's weights where their headers disagree with
+    its config.json (:func:`~tracefp4.components.checkpoint.check_weights`):
+    found by prepare otherwise, after the run has started. A store's is read
+    with ``env`` (the steps' environment) as prepare reads it, but for its
+    weights (``fetch(weights=False)``), which prepare alone reads."""
     if not config.model.checkpoint:
         return
     folder = local_folder(config.model.checkpoint)
@@ -531,6 +533,7 @@ def check_checkpoint(config: RunConfig, env: dict[str, str]) -> None:
             read_policy_folder(fetch(config.model.checkpoint, env, weights=False), config.model.checkpoint)
         else:
             read_policy_folder(folder)
+            check_weights(folder)  # a store's are read by prepare alone
     except (CheckpointError, TokenizerError, OSError) as e:
         raise ConfigError([("model.checkpoint", str(e))]) from None
 

@@ -492,21 +492,36 @@ def _running(pid: int) -> bool:
         return False
 
 
+def test_a_checkpoints_weights_are_checked_by_their_headers_before_the_run_starts(tmp_path):
+    """None, pickles alone, or shapes config.json does not describe: refused before the run starts (found by
+    prepare before, a traceback after the configure task), as the folder's config and tokenizer are."""
+    folder = save_model(build_model("smoke"), tmp_path / "policy", extra=build_tokenizer().files())
+    config = load_config(None, preset="smoke", overrides={"model.checkpoint": str(folder)})
+    hf = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(hf | {"moe_intermediate_size": 96}))
+    with pytest.raises(ConfigError, match=r"model.checkpoint: .*has shape \[64, 64\], but config.json implies \[96,"):
+        run_local(config, tmp_path / "run")
+    (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
+    with pytest.raises(ConfigError, match=r"no model.safetensors .*found pickle files \['pytorch_model.bin'\]"):
+        run_local(config, tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
 def test_cli_reports_the_failing_component_and_its_error_once(tmp_path):
-    # a policy folder without its weights: prepare fails on it (what is no policy, or holds no tokenizer or a
-    # broken one, is refused before the run starts)
-    (tmp_path / "checkpoint").mkdir()
-    (tmp_path / "checkpoint" / "config.json").write_text(json.dumps(config_to_hf(get_model_preset("tiny"))))
-    for name, data in build_tokenizer().files().items():
-        (tmp_path / "checkpoint" / name).write_bytes(data)
-    config = tmp_path / "empty-checkpoint.yaml"
-    config.write_text(f"model:\n  checkpoint: {tmp_path / 'checkpoint'}\n")
+    # a policy whose weights changed after it was saved: prepare fails on it, reading every byte against the
+    # checksums (what is no policy, holds no weights, no tokenizer or a broken one, is refused before the run starts)
+    folder = save_model(build_model("smoke"), tmp_path / "checkpoint", extra=build_tokenizer().files())
+    weights = bytearray((folder / "model.safetensors").read_bytes())
+    weights[-5] ^= 0xFF  # a weight's bits, not the header's
+    (folder / "model.safetensors").write_bytes(bytes(weights))
+    config = tmp_path / "changed-checkpoint.yaml"
+    config.write_text(f"model:\n  checkpoint: {folder}\n")
     out = tmp_path / "run"
     command = [*CLI, "run", "--preset", "smoke", "--config", str(config), "--output", str(out)]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert result.returncode == 1
     assert "component prepare failed" in result.stderr
-    assert f"no model.safetensors or model.safetensors.index.json in {tmp_path / 'checkpoint'}" in result.stderr
+    assert f"{folder / 'model.safetensors'}: sha256 does not match checksums.json: corrupt" in result.stderr
     assert "RuntimeError" not in result.stderr and "kfp" not in result.stderr
     log = (out / "pipeline.log").read_text()
     assert "\x1b" not in log + result.stdout + result.stderr
