@@ -48,6 +48,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from tracefp4.components import steps  # noqa: E402
 from tracefp4.components.bootstrap import accuracy  # noqa: E402
+from tracefp4.components.choices import METHODS  # noqa: E402
 from tracefp4.components.evaluation import evaluate  # noqa: E402
 from tracefp4.components.model import build_model  # noqa: E402
 from tracefp4.components.stats import bootstrap_mean, paired_bootstrap, wilson_interval  # noqa: E402
@@ -55,7 +56,6 @@ from tracefp4.components.store import write_atomic  # noqa: E402
 from tracefp4.components.tokenizer import build_tokenizer  # noqa: E402
 from tracefp4.schemas import RunConfig, get_preset  # noqa: E402
 
-METHODS = ("bf16", "qat", "quads", "trace", "tis_sc")
 HISTORY_KEYS = ("round", "step", "reward_mean", "accuracy", "logprob_abs_diff_mean", "logprob_abs_diff_max", "k3_kl")
 # "TRACE close to BF16": the whole interval of the difference within 1 point. The paper's gap is 0.4 points and RL
 # moves pass@1 here by about 2 points in all: a wider margin would call any two policies of this scale close.
