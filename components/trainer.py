@@ -64,7 +64,7 @@ class TrainConfig:
     kl_coef: float = 0.0  # > 0: penalize the k3 KL to the policy this trainer started from (the reference)
     temperature: float = 1.0
     compute_dtype: torch.dtype = torch.bfloat16  # the rollout's: fp32_master's autocast dtype, the W4 rounding
-    precision: str = "bf16"  # .precision.PRECISIONS
+    precision: str = "bf16"  # .choices.PRECISIONS
     activation_checkpointing: bool = False  # each layer's activations recomputed in the backward
 
 

@@ -77,7 +77,7 @@ ALERTS = (
         below=False,
         what="share of the syndrome-coded guidance blocks whose decode failed, rounded to nearest instead",
         why=f"ten times the {TARGET_FAILED_SHARE:g} the syndrome codec chooses its rates for "
-        "(components/syndrome.py TARGET_FAILED_SHARE)",
+        "(components/syndrome_rate.py TARGET_FAILED_SHARE)",
     ),
 )
 
