@@ -31,7 +31,7 @@ import torch
 from tracefp4.schemas import RunConfig, TaskConfig
 
 from . import bootstrap as sft
-from .architecture import get_preset
+from .architecture import ModelConfig, get_preset
 from .capture import CaptureConfig, CaptureRecords
 from .checkpoint import (
     delete_folder,
@@ -432,12 +432,7 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
         if checkpoint
         else (get_preset(config.model.preset), build_tokenizer())
     )
-    unguidable = config.guided_layer_problems(cfg, f"checkpoint {config.model.checkpoint}")
-    if unguidable:  # before any work
-        raise ValueError("\n".join(unguidable))
-    train, test = problems(config)
-    encode_prompts(config, tokenizer, train + test)  # every prompt a round or evaluation may draw fits
-    check_answers_fit(config, tokenizer, train + test)  # and every answer: a checkpoint's tokenizer is known here
+    check_policy_fits(config, cfg, tokenizer)  # before any work
     if config.model.trainer_state:
         if state is None:
             raise ValueError("model.trainer_state: a continuation's prepare writes a trainer state; none was asked for")
@@ -850,6 +845,22 @@ def gather(
 def throughput(trajectories: list[Trajectory], seconds: float) -> dict:
     tokens = sum(len(t.response) for t in trajectories)
     return {"tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
+
+
+def check_policy_fits(config: RunConfig, cfg: ModelConfig, tokenizer) -> None:
+    """The policy's architecture ``cfg`` and ``tokenizer`` against the run:
+    the guided layers have FP4 sites, and every prompt a round or evaluation
+    may draw, and every answer, fits (:func:`encode_prompts`,
+    :func:`check_answers_fit`); a ValueError of ``field: reason`` lines. What
+    prepare checks before any work, and a local run with a checkpoint's own
+    before it starts (the configure task, without the checkpoint, checks a
+    preset's alone)."""
+    unguidable = config.guided_layer_problems(cfg, f"checkpoint {config.model.checkpoint}")
+    if unguidable:
+        raise ValueError("\n".join(unguidable))
+    train, test = problems(config)
+    encode_prompts(config, tokenizer, train + test)
+    check_answers_fit(config, tokenizer, train + test)
 
 
 def encode_prompts(config: RunConfig, tokenizer, problems: list[Problem]) -> list[list[int]]:

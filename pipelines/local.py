@@ -48,7 +48,7 @@ from tracefp4.components.checkpoint import (
 )
 from tracefp4.components.device import resolve
 from tracefp4.components.metrics import PUBLISH_FAILED
-from tracefp4.components.steps import steps_environment
+from tracefp4.components.steps import check_policy_fits, steps_environment
 from tracefp4.components.store import file_path, open_store, write_atomic
 from tracefp4.components.tokenizer import TokenizerError
 from tracefp4.schemas import ConfigError, RunConfig, continuation
@@ -519,9 +519,12 @@ def check_checkpoint(config: RunConfig, env: dict[str, str]) -> None:
     config.json) or its config.json and tokenizer fail prepare's checks
     (:func:`~tracefp4.components.checkpoint.read_policy_folder`), saying what
     is wrong, and a local folder's weights where their headers disagree with
-    its config.json (:func:`~tracefp4.components.checkpoint.check_weights`):
-    found by prepare otherwise, after the run has started. A store's is read
-    with ``env`` (the steps' environment) as prepare reads it, but for its
+    its config.json (:func:`~tracefp4.components.checkpoint.check_weights`);
+    then the run against its architecture and tokenizer, as prepare checks
+    it (:func:`~tracefp4.components.steps.check_policy_fits`: the guided
+    layers, and the prompts and answers within the lengths): each found by
+    prepare otherwise, after the run has started. A store's is read with
+    ``env`` (the steps' environment) as prepare reads it, but for its
     weights (``fetch(weights=False)``), which prepare alone reads."""
     if not config.model.checkpoint:
         return
@@ -530,12 +533,18 @@ def check_checkpoint(config: RunConfig, env: dict[str, str]) -> None:
         raise ConfigError([("model.checkpoint", f"{problem}; to go on from its run: --continue-from {folder}")])
     try:
         if folder is None:
-            read_policy_folder(fetch(config.model.checkpoint, env, weights=False), config.model.checkpoint)
+            cfg, tokenizer = read_policy_folder(
+                fetch(config.model.checkpoint, env, weights=False), config.model.checkpoint
+            )
         else:
-            read_policy_folder(folder)
+            cfg, tokenizer = read_policy_folder(folder)
             check_weights(folder)  # a store's are read by prepare alone
     except (CheckpointError, TokenizerError, OSError) as e:
         raise ConfigError([("model.checkpoint", str(e))]) from None
+    try:
+        check_policy_fits(config, cfg, tokenizer)
+    except ValueError as e:  # a "field: reason" line a problem
+        raise ConfigError([tuple(line.partition(": ")[::2]) for line in str(e).splitlines()]) from None
 
 
 def run_local(

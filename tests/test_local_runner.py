@@ -492,15 +492,25 @@ def _running(pid: int) -> bool:
         return False
 
 
-def test_a_checkpoints_weights_are_checked_by_their_headers_before_the_run_starts(tmp_path):
+def test_a_checkpoint_and_the_run_against_it_are_checked_before_the_run_starts(tmp_path):
     """None, pickles alone, or shapes config.json does not describe: refused before the run starts (found by
-    prepare before, a traceback after the configure task), as the folder's config and tokenizer are."""
+    prepare before, a traceback after the configure task), as the folder's config and tokenizer are, and the
+    run's guided layers and prompts against them."""
     folder = save_model(build_model("smoke"), tmp_path / "policy", extra=build_tokenizer().files())
-    config = load_config(None, preset="smoke", overrides={"model.checkpoint": str(folder)})
+    checkpoint = {"model.checkpoint": str(folder)}
+    config = load_config(None, preset="smoke", overrides=checkpoint)
     hf = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps(hf | {"moe_intermediate_size": 96}))
     with pytest.raises(ConfigError, match=r"model.checkpoint: .*has shape \[64, 64\], but config.json implies \[96,"):
         run_local(config, tmp_path / "run")
+    (folder / "config.json").write_text(json.dumps(hf))
+    # the run against the checkpoint's layers and tokenizer, as prepare checks it: its guided layers, its prompts
+    for overrides, refusal in [
+        ({"guidance.layers": [5]}, f"guidance.layers: layer 5 does not exist; checkpoint {folder} has 2"),
+        ({"rollout.max_new_tokens": 60}, "model.max_seq_len: a prompt of "),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(refusal)):
+            run_local(load_config(None, preset="smoke", overrides={**checkpoint, **overrides}), tmp_path / "run")
     (folder / "model.safetensors").rename(folder / "pytorch_model.bin")
     with pytest.raises(ConfigError, match=r"no model.safetensors .*found pickle files \['pytorch_model.bin'\]"):
         run_local(config, tmp_path / "run")
