@@ -21,6 +21,7 @@ Nothing silent, nothing lost:
 
 import builtins
 import contextlib
+import ctypes
 import json
 import logging
 import os
@@ -70,6 +71,8 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # a signal this soon after the first is the same one delivered twice: GNU timeout signals the command, then its
 # process group, which holds the command too
 SAME_SIGNAL_S = 1.0
+# prctl options (linux/prctl.h): a subreaper becomes the parent of the orphans below it, where init would
+_PR_SET_CHILD_SUBREAPER, _PR_GET_CHILD_SUBREAPER = 36, 37
 # a report task's artifacts (KFP names them, without an extension) -> their copies in the run folder, named so that
 # a browser opens the page as HTML from file:// (it shows a file without an extension as text)
 REPORT_COPIES = {"page": "report.html", "markdown": "report.md"}
@@ -380,6 +383,27 @@ def _stop(pids: list[int], grace: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
+def _adopting_orphans():
+    """Make this process the parent of the processes orphaned below it while
+    the block runs (Linux; elsewhere nothing changes), so that
+    :func:`_descendants` still finds them. A component runs under ``sh``: sh
+    stopped as it forks leaves the component running, on the run folder's
+    lock, and under init it would be out of reach. An adopted one that exits
+    stays a zombie until this process ends (it holds no file, nor the lock)."""
+    libc = ctypes.CDLL(None) if sys.platform == "linux" else None
+    if libc is None:
+        yield
+        return
+    was = ctypes.c_int()
+    libc.prctl(_PR_GET_CHILD_SUBREAPER, ctypes.byref(was), 0, 0, 0)
+    libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    try:
+        yield
+    finally:
+        libc.prctl(_PR_SET_CHILD_SUBREAPER, was.value, 0, 0, 0)
+
+
+@contextlib.contextmanager
 def _stop_components(log: _Log):
     """SIGINT/SIGTERM: stop the processes started inside (the running
     components), then raise :class:`Interrupted`; a second signal (not one
@@ -388,7 +412,8 @@ def _stop_components(log: _Log):
     once a component failed (``log`` says so), stop whatever starts until the
     block ends: kfp.local runs a loop's iterations (a comparison's methods,
     rollout workers) two at a time and starts the queued ones before it
-    raises."""
+    raises. The block ended early, whatever is left below this process is
+    stopped, orphans included (:func:`_adopting_orphans`)."""
     before = set(_descendants(os.getpid()))
     stopping, ended = threading.Event(), threading.Event()
 
@@ -421,10 +446,18 @@ def _stop_components(log: _Log):
     watcher = threading.Thread(target=stop_what_starts, daemon=True)
     watcher.start()
     try:
-        yield
+        with _adopting_orphans():
+            try:
+                yield
+            except BaseException:
+                stopping.set()  # the run ends early: nothing it started goes on
+                raise
+            finally:
+                ended.set()
+                watcher.join()
+                if stopping.is_set():  # what started, or was orphaned, since the watcher's last look
+                    _stop(started())
     finally:
-        ended.set()
-        watcher.join()
         for s, h in previous.items():
             signal.signal(s, h)
 

@@ -514,7 +514,7 @@ from tracefp4.schemas import RunConfig
 assert steps.step_device(RunConfig.model_validate_json(input())).type == "cpu"
 engine = TorchEngine(build_model("tiny", seed=0))
 prompts = torch.randint(0, 512, (128, 32), generator=torch.Generator().manual_seed(0)).tolist()
-for _ in range(4):
+for _ in range(6):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     engine.generate(prompts, SamplingParams(max_new_tokens=64))
     print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
@@ -524,12 +524,14 @@ for _ in range(4):
 @pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's malloc thresholds")
 def test_a_cpu_step_process_keeps_freed_memory_instead_of_faulting_it_in_again(tmp_path):
     """Rollouts of the benchmark's batch (128 x 32 + 64 tokens) in a fresh CPU
-    step process: after the first two calls, next to no page faults (0-2,051 seen). Without
-    keep_freed_memory glibc handed the memory of tensors of a few hundred KB
-    back to the kernel, and the third and fourth calls faulted 16,000 to
-    60,000 pages in again (two fresh processes)."""
+    step process: after the first two calls, next to no page faults (0-2,549
+    seen here, alone or beside a busy process). Without keep_freed_memory glibc
+    handed the memory of tensors of a few hundred KB back to the kernel, and
+    every later call faulted 14,000 to 41,000 pages in again. One call in a
+    clean clone's CI, with another test file running beside it, faulted 6,153
+    (the calls on either side 29 and 4; what faulted them was not pinned
+    down), so one later call in four may miss."""
     config = smoke(tmp_path, "cpu").model_dump_json()
     run = subprocess.run([sys.executable, "-c", FAULTS_OF_ROLLOUTS], input=config, **RUN_QUIETLY)
     faults = [int(line) for line in run.stdout.split()]
-    # 2,051 once, in a clean clone's CI with another test file running beside it; a third of the least seen without
-    assert sum(faults[2:]) < 5000, faults
+    assert len(faults) == 6 and sum(later < 5000 for later in faults[2:]) >= 3, faults

@@ -352,7 +352,7 @@ def terminated_runner(tmp_path, body: str, ready, again_after_s: float | None = 
     has content (a component runs), and again ``again_after_s`` later where given, and return the runner's exit
     status (128 + SIGTERM if it stopped)."""
     lines = [
-        "import concurrent.futures, subprocess, sys",
+        "import concurrent.futures, subprocess, sys, time",
         "from tracefp4.pipelines.local import Interrupted, _Log, _stop_components",
         "try:",
         f"    with _stop_components(_Log({str(tmp_path / 'log')!r})):",
@@ -380,6 +380,18 @@ def test_a_signal_to_the_runner_stops_the_component_it_started(tmp_path):
     component = tmp_path / "component.py"
     component.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
     body = f'subprocess.run(["sh", "-c", "{sys.executable} {component}; echo still here"])'
+    assert terminated_runner(tmp_path, body, pid_file) == 128 + signal.SIGTERM
+    assert not _running(int(pid_file.read_text()))
+
+
+def test_a_signal_to_the_runner_stops_a_component_whose_parent_ended_first(tmp_path):
+    """A component's ``sh`` stopped as it forks python leaves python running
+    without a parent, on the run folder's lock: the runner adopts it, so that it
+    is found and stopped (a rerun once found the folder held by such a one)."""
+    pid_file = tmp_path / "pid"
+    component = tmp_path / "component.py"
+    component.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
+    body = f'subprocess.run(["sh", "-c", "{sys.executable} {component} & exit"])\ntime.sleep(60)'
     assert terminated_runner(tmp_path, body, pid_file) == 128 + signal.SIGTERM
     assert not _running(int(pid_file.read_text()))
 
