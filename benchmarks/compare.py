@@ -43,11 +43,12 @@ def main() -> None:
     bootstrap = prepare(config, base)  # once, for every method
     config.model = config.model.model_copy(update={"preset": None, "checkpoint": str(base)})
     config.bootstrap.enabled = False
-    report = run_local(config, out, out / "pipeline.log", methods)
+    run = out / "run"  # a run folder of its own: the base beside it is no run's
+    report = run_local(config, run, methods=methods)
     print(report.read_text())
 
     fp4 = next(c for c in config.evaluation.rollout_configs if c != "bf16")
-    results = [json.loads(p.read_text()) for p in sorted(out.glob("pipeline_root/**/evaluate*/results"))]
+    results = [json.loads(p.read_text()) for p in sorted(run.glob("pipeline_root/**/evaluate*/results"))]
     figures = {
         "preset": "tiny",
         "rounds": args.rounds,

@@ -610,6 +610,7 @@ def run_to_end(
         raise ConfigError([("train.launcher", f"{reason}: set launcher torchrun (and nodes 1)")])
     check_device(config)
     output = Path(output).resolve()
+    resume.check_run_folder(output)
     # the problem files pinned before the pipeline takes the config: a file rewritten during the run stops it
     config = pin_problems(localize(config, output))
     # built before the folder is made: it refuses a comparison branch that could not run, a rollout no export

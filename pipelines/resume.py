@@ -89,7 +89,20 @@ def code_digest() -> str:
 
 
 class FolderInUse(RuntimeError):
-    """Another run holds the run folder."""
+    """Another run, or files that are not a run's, hold the run folder."""
+
+
+def check_run_folder(output: Path) -> None:
+    """Refuse ``output`` where a run would write among files that are not a
+    run's: a folder that holds some, but neither :data:`RUN_FILE` nor
+    :data:`LOCK_FILE` (a run folder that a run was killed in before it
+    recorded its run id holds the lock's file), such as a project's root."""
+    held = {path.name for path in Path(output).iterdir()} if Path(output).is_dir() else set()
+    if held and not held & {RUN_FILE, LOCK_FILE}:
+        raise FolderInUse(
+            f"{output} holds files and is not a tracefp4 run folder (it has no {RUN_FILE}): a run would write among "
+            "them; choose a new or empty folder (--output)"
+        )
 
 
 def request(

@@ -239,6 +239,22 @@ def test_a_run_folder_takes_one_run_at_a_time(tmp_path):
     resume.lock_folder(tmp_path).close()
 
 
+def test_a_run_refuses_a_folder_of_files_that_are_not_a_runs(tmp_path):
+    """`--output .` in a project's root wrote the run among its files; a folder
+    that a run was killed in before it recorded its run id (the lock's file
+    alone) is a run folder still."""
+    (tmp_path / "notes.txt").write_text("mine")
+    result = CliRunner().invoke(main, ["run", "--preset", "smoke", "--output", str(tmp_path)])
+    expected = f"Error: {tmp_path} holds files and is not a tracefp4 run folder (it has no run.json): a run would"
+    assert result.exit_code == 1 and result.output.startswith(expected), result.output
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
+    (tmp_path / "notes.txt").unlink()
+    resume.check_run_folder(tmp_path)  # empty
+    resume.lock_folder(tmp_path).close()
+    (tmp_path / "pipeline.log").write_text("")
+    resume.check_run_folder(tmp_path)
+
+
 def test_a_run_no_local_machine_can_do_is_refused_before_it_starts(tmp_path, monkeypatch):
     """A TrainJob launcher failed in the train step, after prepare (minutes of
     bootstrap for tiny) and the rollout; a comparison branch that could not run
