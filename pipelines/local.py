@@ -383,6 +383,22 @@ def _stop(pids: list[int], grace: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
+def _warnings_to(out):
+    """What tracefp4 warns of while the block runs, said on ``out`` as
+    ``warning: ...`` (where Python's handler of last resort would print the
+    bare message on standard error, in a command whose other lines are on ``out``)."""
+    handler = logging.StreamHandler(out)
+    handler.setLevel(logging.WARNING)
+    handler.format = lambda record: f"{record.levelname.lower()}: {record.getMessage()}"
+    logger = logging.getLogger("tracefp4")
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+
+
+@contextlib.contextmanager
 def _adopting_orphans():
     """Make this process the parent of the processes orphaned below it while
     the block runs (Linux; elsewhere nothing changes), so that
@@ -611,23 +627,24 @@ def run_to_end(
     check_device(config)
     output = Path(output).resolve()
     resume.check_run_folder(output)
-    # the problem files pinned before the pipeline takes the config: a file rewritten during the run stops it
-    config = pin_problems(localize(config, output))
-    # built before the folder is made: it refuses a comparison branch that could not run, a rollout no export
-    # expresses
-    if methods:
-        pipeline = build_comparison_pipeline(config, methods, retries=False)
-    else:
-        pipeline = build_pipeline(config, retries=False)
-    # the tasks' problems drawn as the configure task draws them (the same for every method): else a value that
-    # leaves them short or unscorable fails that task, a traceback at the end of its log
-    check_drawable(config)
-    # reached now, as every step will (its endpoint, credentials and bucket), in the steps' environment (which
-    # store.endpoint sets): else a typo shows in the rollout, after the bootstrap
-    env = steps_environment(config)
-    store = open_store(config.store.uri, env=env, create_bucket=config.store.create_bucket)
-    request = resume.request(config, methods, store, env)  # it refuses a checkpoint that is not there
-    check_checkpoint(config, env)
+    with _warnings_to(out):  # the log is not open yet: a checkpoint without a chat template, say
+        # the problem files pinned before the pipeline takes the config: a file rewritten during the run stops it
+        config = pin_problems(localize(config, output))
+        # built before the folder is made: it refuses a comparison branch that could not run, a rollout no export
+        # expresses
+        if methods:
+            pipeline = build_comparison_pipeline(config, methods, retries=False)
+        else:
+            pipeline = build_pipeline(config, retries=False)
+        # the tasks' problems drawn as the configure task draws them (the same for every method): else a value that
+        # leaves them short or unscorable fails that task, a traceback at the end of its log
+        check_drawable(config)
+        # reached now, as every step will (its endpoint, credentials and bucket), in the steps' environment (which
+        # store.endpoint sets): else a typo shows in the rollout, after the bootstrap
+        env = steps_environment(config)
+        store = open_store(config.store.uri, env=env, create_bucket=config.store.create_bucket)
+        request = resume.request(config, methods, store, env)  # it refuses a checkpoint that is not there
+        check_checkpoint(config, env)
     output.mkdir(parents=True, exist_ok=True)
     # held until the run ends (and by its tasks until they do): two runs in one folder would share a run id
     with contextlib.closing(resume.lock_folder(output)):

@@ -30,6 +30,7 @@ from tracefp4.pipelines.local import (
     SAME_SIGNAL_S,
     _kfp_local_swaps_undone,
     _Log,
+    _warnings_to,
     failed_method,
     failed_task,
     progress_state,
@@ -543,6 +544,16 @@ def test_a_checkpoint_and_the_run_against_it_are_checked_before_the_run_starts(t
     with pytest.raises(ConfigError, match=r"no model.safetensors .*found pickle files \['pytorch_model.bin'\]"):
         run_local(config, tmp_path / "run")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_warning_before_the_run_starts_is_said_as_one():
+    """The checks before a run's log is open (a checkpoint without a chat template) warned with Python's handler
+    of last resort: a bare line on standard error, among the command's own lines on standard output."""
+    said = io.StringIO()
+    with _warnings_to(said):
+        logging.getLogger("tracefp4.checkpoint").warning("%s has no chat template", "policy")
+    logging.getLogger("tracefp4.checkpoint").warning("after the checks")
+    assert said.getvalue() == "warning: policy has no chat template\n"  # the handler gone after the checks
 
 
 def test_cli_reports_the_failing_component_and_its_error_once(tmp_path):
