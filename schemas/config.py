@@ -813,7 +813,7 @@ class StoreConfig(_Section):
     Whether the client speaks TLS is the endpoint's scheme."""
 
     uri: str = Field(
-        default="file://./runs/store",
+        default="file://./store",
         description="Store root: file:///absolute/path, file://./relative/path (from the run's output folder in a "
         "local run), s3://bucket/prefix or minio://bucket/prefix.",
         json_schema_extra={"pattern": STORE_URI_PATTERN},

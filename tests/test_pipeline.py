@@ -456,7 +456,7 @@ def test_cli(tmp_path):
     shuffled = yaml.safe_dump_all([dict(reversed(doc.items())) for doc in documents], sort_keys=False)
     assert version_name(compiled_documents(b"# another head\n" + shuffled.encode())) == version_name(documents)
     assert "no metrics.pushgateway_url" in result.output  # smoke's: nothing to watch on a cluster
-    assert "warning: store file://./runs/store is local to each pod" in result.output  # smoke's store
+    assert "warning: store file://./store is local to each pod" in result.output  # smoke's store
     assert "use --store s3://... on a cluster" in result.output  # compile takes --store, as run does
     assert "tasks in a run" not in result.output
     args = ["compile", "--preset", "smoke", "--set", "store.uri=s3://bucket/runs", "--output", str(tmp_path / "s.yaml")]

@@ -362,7 +362,7 @@ def test_bad_store_uri_is_rejected(uri, why):
     assert "pw@" not in str(info.value)  # a URI with credentials is never echoed
 
 
-@pytest.mark.parametrize("uri", ["file://./runs/store", "file:///tmp/store", "s3://bucket/prefix", "minio://bucket"])
+@pytest.mark.parametrize("uri", ["file://./store", "file:///tmp/store", "s3://bucket/prefix", "minio://bucket"])
 def test_good_store_uri_is_accepted(uri):
     assert load_config(None, overrides={"store.uri": uri}).store.uri == uri
 
