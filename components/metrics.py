@@ -197,7 +197,8 @@ def merge_into_file(path: Path, registry: CollectorRegistry, group: dict[str, st
     """Rewrite ``path`` with ``registry``'s samples labelled by ``group``, in place
     of that group's earlier samples; other groups' samples are kept."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(path.name + ".lock"), "w") as lock:
+    # hidden: the file's folder may be a node exporter's textfile folder, or a run folder a user looks through
+    with open(path.with_name(f".{path.name}.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         families: dict[str, MetricFamily] = {}
 
