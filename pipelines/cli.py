@@ -954,7 +954,7 @@ def plan(preset, config_file, sets, model_config, tokens_per_trajectory):
 
 
 @main.command()
-@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, resolve_path=True, path_type=Path))
 @click.option(
     "--run-id",
     help="The report of this run of the folder (its id, which `tracefp4 run` prints as it starts); default: the "
@@ -967,12 +967,12 @@ def report(run_dir, run_id):
     from tracefp4.pipelines.local import REPORT_COPIES, publish_report, report_exports, report_run
     from tracefp4.pipelines.resume import PIPELINE_ROOT, finished_reports, written_reports
 
-    if not Path(run_dir, PIPELINE_ROOT).is_dir():  # a folder above the run folder, say, or a task's own
+    if not (run_dir / PIPELINE_ROOT).is_dir():  # a folder above the run folder, say, or a task's own
         raise click.ClickException(
             f"{run_dir}: not a run folder (no {PIPELINE_ROOT}/ in it): name the --output of a `tracefp4 run`, "
             "such as runs/tiny"
         )
-    found = finished_reports(Path(run_dir))
+    found = finished_reports(run_dir)
     if not found:
         raise click.ClickException(
             f"{run_dir}: no report its task finished writing"
@@ -997,7 +997,7 @@ def report(run_dir, run_id):
         others = ", ".join(r for r in runs if r != shown)
         click.echo(f"the report of run {shown}; the folder's other runs' (--run-id): {others}")
     try:
-        _echo_report_files(*publish_report(found[-1], Path(run_dir)))
+        _echo_report_files(*publish_report(found[-1], run_dir))  # absolute, as run says them
     except OSError as e:  # a run folder this user may not write into, a folder in the way: the report is shown
         click.echo(
             f"warning: {run_dir}: could not copy the report there as {' and '.join(REPORT_COPIES.values())} "
@@ -1005,7 +1005,7 @@ def report(run_dir, run_id):
             err=True,
         )
     try:
-        _echo_exports(report_exports(Path(run_dir), found[-1]))
+        _echo_exports(report_exports(run_dir, found[-1]))
     except ValueError as e:  # damaged from outside: the report is shown
         click.echo(f"warning: {e}: its run's serving export is not known", err=True)
 

@@ -309,7 +309,7 @@ def test_report_of_a_folder_that_is_no_run_folder_says_so(tmp_path):
     assert "--output of a `tracefp4 run`" in result.output
 
 
-def test_report_says_whose_report_it_shows_and_takes_a_run_id(tmp_path):
+def test_report_says_whose_report_it_shows_and_takes_a_run_id(tmp_path, monkeypatch):
     """A folder of two runs' reports showed the newest, which a resumed older run had not written, without
     saying whose it was; kfp.local's task cache entries (completed/) name the finished reports."""
     import json
@@ -328,8 +328,10 @@ def test_report_says_whose_report_it_shows_and_takes_a_run_id(tmp_path):
     shown = CliRunner().invoke(main, ["report", str(tmp_path)])
     assert shown.exit_code == 0 and "# report of local-bbb (markdown)" in shown.output
     assert "the report of run local-bbb; the folder's other runs' (--run-id): local-aaa" in shown.output
-    shown = CliRunner().invoke(main, ["report", str(tmp_path), "--run-id", "local-aaa"])
+    monkeypatch.chdir(tmp_path.parent)  # a relative run folder: its report's copies said as run says them, whole
+    shown = CliRunner().invoke(main, ["report", tmp_path.name, "--run-id", "local-aaa"])
     assert shown.exit_code == 0 and "# report of local-aaa (markdown)" in shown.output
+    assert f"report: {tmp_path / 'report.html'} (open it in a browser), {tmp_path / 'report.md'}" in shown.output
     assert (tmp_path / "report.html").read_text() == "# report of local-aaa (page)\n"
     shown = CliRunner().invoke(main, ["report", str(tmp_path), "--run-id", "local-ccc"])
     assert shown.exit_code == 1 and "no finished report of run local-ccc; its runs' reports: local-aaa, local-bbb" in (
