@@ -28,7 +28,14 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from tracefp4.schemas import Method, RolloutConfigName, RunConfig, TaskConfig, settings_yaml  # noqa: E402
+from tracefp4.schemas import (  # noqa: E402
+    Method,
+    RolloutConfigName,
+    RunConfig,
+    TaskConfig,
+    changed_settings,
+    settings_yaml,
+)
 
 from .device import hardware_words  # noqa: E402
 from .stats import paired_difference  # noqa: E402
@@ -611,6 +618,21 @@ def _hardware(evaluations: list[dict]) -> list[str]:
     return lines
 
 
+def _settings_blocks(config: RunConfig, comparison: bool = False) -> list:
+    """The run's settings, where they differ from the schema's defaults: two
+    reports of one preset otherwise read alike whatever ``--set`` changed. A
+    comparison's are every method's run's, but for the method."""
+    changed = changed_settings(config)
+    if comparison:
+        changed.pop("method", None)
+    text = (
+        "The settings that differ from the schema's defaults: a config file holding them, given to `--config` "
+        "alone" + " with `--compare` and the methods above" * comparison + ", asks for these settings again (a "
+        "local run's store and metrics file as its run folder made them, its cluster-only settings at their defaults)."
+    )
+    return [Heading(2, "Settings"), text, Code("yaml", settings_yaml(changed) if changed else "{}\n")]
+
+
 def _continue_blocks(config: RunConfig, continue_with: dict | None) -> list:
     """How a next run goes on from this one's last round (docs/deploy.md, "Known limit")."""
     if not continue_with:
@@ -683,6 +705,7 @@ def _run_blocks(config: RunConfig, history: list[dict], evaluation: dict, contin
     blocks += [Heading(2, "Train-rollout discrepancy"), *_discrepancy_blocks(evaluation, source)]
     blocks += [Heading(2, "Training, per RL step"), *_step_blocks(history, source, config.rl.steps_per_round)]
     blocks += [Heading(2, "Time breakdown per round"), *_time_blocks(history, source)]
+    blocks += _settings_blocks(config)
     blocks += _continue_blocks(config, continue_with)
     return [b for b in blocks if b is not None]
 
@@ -808,6 +831,7 @@ def _comparison_blocks(config: RunConfig, evaluations: list[dict], histories: li
         ),
         _plot("Train accuracy per method", "RL step", "train accuracy (sampled)", lines("accuracy"), source, note=note),
         None if binary else _plot("Reward per method", "RL step", "reward mean", lines("reward_mean"), source),
+        *_settings_blocks(config, comparison=True),
     ]
     return [b for b in blocks if b is not None]
 

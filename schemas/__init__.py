@@ -23,6 +23,7 @@ from .config import (
 )
 from .io import (
     ConfigError,
+    changed_settings,
     continuation,
     export_json_schema,
     load_config,
@@ -55,6 +56,7 @@ __all__ = [
     "TaskName",
     "Toleration",
     "TrainSection",
+    "changed_settings",
     "continuation",
     "next_in_chain",
     "export_json_schema",

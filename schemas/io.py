@@ -317,6 +317,24 @@ def next_in_chain(config: RunConfig, continue_with: Mapping) -> RunConfig:
         raise ConfigError.from_validation(e, None) from None
 
 
+def changed_settings(config: RunConfig) -> dict:
+    """``config``'s settings that differ from the schema's defaults, dotted
+    (a list, such as ``tasks``, whole): what a config file holds to ask for
+    ``config`` over those defaults (:func:`settings_yaml` writes one)."""
+
+    def flat(data: Mapping, prefix: str = "") -> dict:
+        found = {}
+        for key, value in data.items():
+            if isinstance(value, Mapping) and value:
+                found.update(flat(value, f"{prefix}{key}."))
+            else:
+                found[f"{prefix}{key}"] = value
+        return found
+
+    ours, defaults = flat(_as_file_holds(config)), flat(_as_file_holds(RunConfig()))
+    return {key: value for key, value in ours.items() if key not in defaults or defaults[key] != value}
+
+
 def settings_yaml(settings: Mapping) -> str:
     """Dotted ``settings`` as the text of a YAML config file (``--config``), nested, keys sorted."""
     return _yaml().safe_dump(_expand_dotted(settings), sort_keys=True)
@@ -326,15 +344,21 @@ def config_text(config: RunConfig, suffix: str = ".yaml") -> str:
     """The whole config as the text of a .yaml/.yml or .json file (secrets are never written), in the schema's
     order, each task without the fields that do not apply to it (:meth:`TaskConfig.unused_fields`):
     load_config reads it back."""
-    data = config.model_dump(mode="json")
-    for task, entry in zip(config.tasks, data["tasks"]):
-        for field in task.unused_fields():
-            del entry[field]
+    data = _as_file_holds(config)
     if suffix.lower() == ".json":
         return json.dumps(data, indent=2) + "\n"
     if suffix.lower() in (".yaml", ".yml"):
         return _yaml().safe_dump(data, sort_keys=False)
     raise ConfigError([("", f"unknown config file extension {suffix!r}; use .yaml, .yml or .json")])
+
+
+def _as_file_holds(config: RunConfig) -> dict:
+    """The config's data (secrets never), each task without the fields that do not apply to it."""
+    data = config.model_dump(mode="json")
+    for task, entry in zip(config.tasks, data["tasks"]):
+        for field in task.unused_fields():
+            del entry[field]
+    return data
 
 
 def save_config(config: RunConfig, path: str | Path) -> Path:

@@ -419,6 +419,23 @@ def test_a_chained_run_says_its_last_task_submits_the_next(trace_files):
     assert "`chain`" not in report.markdown(TRACE, *trace_files, settings)
 
 
+def test_the_report_says_the_settings_it_ran_with_as_a_config_file_that_asks_for_them(tmp_path, trace_files):
+    """Two reports of one preset read alike, whatever `--set` changed: the settings that differ from the
+    schema's defaults, as a file `--config` reads back to the same config (a task list whole)."""
+    from tracefp4.schemas import load_config
+
+    sets = {"rl.learning_rate": 0.002, "tasks.0.train_size": 40, "store.uri": f"file://{tmp_path}/store"}
+    config = load_config(None, preset="smoke", overrides=sets)
+    text = section(report.markdown(config, *trace_files), "Settings")
+    settings = tmp_path / "settings.yaml"
+    settings.write_text(text.split("```yaml\n", 1)[1].split("```", 1)[0])
+    assert load_config(settings) == config
+    assert "learning_rate: 0.002" in text and "train_size: 40" in text and "model_copy" not in text
+    assert "learning_rate" not in section(report.markdown(TRACE, *trace_files), "Settings")  # the default's
+    comparison = report.comparison(config, [TRACE_EVALUATION], [])
+    assert "\nmethod: " not in section(comparison, "Settings") and "learning_rate: 0.002" in comparison
+
+
 def test_a_run_whose_policies_solve_nothing_says_its_accuracies_say_nothing(tmp_path, trace_files):
     unsolved = {**TRACE_EVALUATION, "accuracy": accuracy("trace", "trained", "bf16", (0.0, 0.0), (0.0, 0.0))}
     text = section(report.markdown(TRACE, *write(tmp_path, "none", [], unsolved)), "Accuracy: method x task")
