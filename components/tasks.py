@@ -29,6 +29,7 @@ import inspect
 import itertools
 import json
 import logging
+import math
 import numbers
 import random
 import sys
@@ -763,6 +764,8 @@ def read_problems(
         if not isinstance(prompt, str) or not prompt.strip():
             other = " (set prompt_key to the key of the question's text)" * isinstance(prompt, (list, dict))
             raise ValueError(f"{where}: {fmt.prompt_key!r} must be a non-empty string, got {_quoted(prompt)}{other}")
+        if isinstance(answer, float) and not math.isfinite(answer):  # Python's json reads NaN and Infinity
+            raise ValueError(f"{where}: {fmt.answer_key!r} must be a finite number, got {answer}")
         if isinstance(answer, (int, float)) and not isinstance(answer, bool):
             answer = str(answer)
         if not isinstance(answer, str) or not answer.strip():

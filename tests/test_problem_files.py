@@ -77,6 +77,8 @@ def test_a_file_is_read_as_problems_and_its_faults_name_their_line():
         b'{"prompt": "1+1="}': "line 1: no 'answer' (keys: prompt)",
         b'{"prompt": "", "answer": 2}': "line 1: 'prompt' must be a non-empty string, got \"\"",
         b'{"prompt": "1+1=", "answer": true}': "line 1: 'answer' must be a non-empty string or a number, got true",
+        b'{"prompt": "0/0=", "answer": NaN}': "line 1: 'answer' must be a finite number, got nan",  # math-verify: a*n*n
+        b'{"prompt": "1/0=", "answer": -Infinity}': "line 1: 'answer' must be a finite number, got -inf",
         b'{"prompt": "a", "answer": 1}\n{"prompt": "a", "answer": 2}': "line 2: the prompt of line 1 again, with "
         "answer '2' where it had '1'",
         b"\n  \n": "f.jsonl: no problems in it",
