@@ -651,7 +651,8 @@ def fingerprint(uri: str | os.PathLike, store_env: Mapping[str, str] | None = No
     sha256 of its :data:`MANIFEST`, or, without one, of each file's name and
     size with its modification time (a folder) or its ETag (a store, reached
     with ``store_env``'s S3 settings: the steps', which read it). A folder that is
-    not there is refused: a local run fingerprints its checkpoints before it
+    not there is refused, and so is one standing for a folder that is not
+    (:func:`location`): a local run fingerprints its checkpoints before it
     starts, which would otherwise fail in its first step."""
     text = os.fspath(uri)
     folder = local_folder(text)  # a location folder: its manifest is the one it stands for
@@ -659,6 +660,7 @@ def fingerprint(uri: str | os.PathLike, store_env: Mapping[str, str] | None = No
         if not folder.is_dir():
             raise CheckpointError(f"{text}: no such folder")
         _refuse_unfinished(folder, os.listdir(folder))
+        location(folder, store_env)
         if (folder / MANIFEST).exists():
             return folder_digest(folder)
         files = sorted(f for f in folder.iterdir() if f.is_file())
@@ -1361,9 +1363,13 @@ def location(
             store = open_store(uri, env=store_env)
             manifest, standing_in = store.get_bytes(MANIFEST), LOCATION in store.list(LOCATION)
     except (FileNotFoundError, NotADirectoryError, ArtifactNotFound):
+        moved = (
+            "; or the run folder was moved or copied since: a local run's store is a folder of it, named by its "
+            "path, so go on from the run folder where it ran"
+        ) * (local_folder(uri) is not None)
         raise CheckpointError(
             f"{where} stands for {uri}, which is gone (a round's trainer state leaves the store once a later round "
-            "has trained from it: go on from a run's last round)"
+            f"has trained from it: go on from a run's last round{moved})"
         ) from None
     if standing_in:
         raise CheckpointError(f"{where} stands for {uri}, which stands for another folder in turn")

@@ -30,15 +30,21 @@ def _config(
     pushgateway: str | None = None,
     settings: dict | None = None,
     sets: dict | None = None,
+    settings_by: str = "",
 ):
     """The run config, validated with ``sets`` (--set), then the options' values, then the command's own
-    ``settings`` (dotted keys) in it. An option and a --set of its field that disagree are refused: neither
-    has the last word by its place on the command line."""
+    ``settings`` (dotted keys, set by ``settings_by``: the command or its option) in it. An option and a --set
+    of its field that disagree are refused: neither has the last word by its place on the command line; nor
+    is a --set the command's settings would silently replace."""
     options = {"store.uri": ("--store", store), "metrics.pushgateway_url": ("--pushgateway", pushgateway)}
     given = {key: value for key, (_, value) in options.items() if value is not None}
     for key, value in given.items():
         if key in (sets or {}) and sets[key] != value:
             raise click.UsageError(f"{options[key][0]} {value} and --set {key}={sets[key]} disagree: give one")
+    for key, value in (settings or {}).items():
+        if key in (sets or {}) and sets[key] != value:
+            asked, set_by = (v if isinstance(v, str) else json.dumps(v) for v in (sets[key], value))
+            raise click.UsageError(f"--set {key}={asked}: {settings_by} sets {key} to {set_by}; leave it out")
     overrides = (sets or {}) | given | (settings or {})
     try:
         return load_config(config_file, preset=preset or (None if config_file else "tiny"), overrides=overrides or None)
@@ -182,11 +188,14 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
     if previous:
         if output.resolve() == Path(previous).resolve():  # a rerun would find this run's own states to go on from
             raise click.BadParameter("continue into another --output, so that a rerun resumes", param_hint="--output")
+        if methods:
+            raise click.UsageError("--continue-from goes on with one method's optimizer: leave out --compare")
         try:
-            settings = continuation_of(Path(previous), config.rl.steps_per_round)
+            # a comparison's folder: the method --set names, none chosen for the user
+            settings = continuation_of(Path(previous), config.rl.steps_per_round, (sets or {}).get("method"))
         except ValueError as e:
             raise click.ClickException(str(e)) from None
-        config = _config(preset, config_file, store, pushgateway, settings, sets)
+        config = _config(preset, config_file, store, pushgateway, settings, sets, "--continue-from")
         click.echo(f"continuing from round {config.rl.first_round}: {config.model.trainer_state}")
         if not ran_to_its_end(Path(previous), config.model.trainer_state):
             click.echo(
@@ -251,7 +260,8 @@ def bootstrap(preset, config_file, sets, output):
     from tracefp4.components.store import StoreError
     from tracefp4.pipelines.local import check_device
 
-    config = _config(preset, config_file, settings={"bootstrap.enabled": True}, sets=sets)  # validated with it on
+    # validated with it on
+    config = _config(preset, config_file, settings={"bootstrap.enabled": True}, sets=sets, settings_by="bootstrap")
     try:
         check_device(config)
     except ConfigError as e:

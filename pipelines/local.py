@@ -124,13 +124,14 @@ def localize(config: RunConfig, output: Path) -> RunConfig:
     )
 
 
-def continuation_of(run_dir: Path, steps_per_round: int) -> dict:
+def continuation_of(run_dir: Path, steps_per_round: int, method: str | None = None) -> dict:
     """The settings (dotted paths) of a run that goes on from the newest run
     in the local run folder ``run_dir``, at ``steps_per_round`` steps a round:
     that run's last train task's ``new_policy`` and ``new_trainer_state``, and
     the rounds they end (its policy version, which runs that continue one
-    another count on). A comparison's folder holds several methods' last
-    states, and is refused: a continuation goes on with one. Only a train
+    another count on). A comparison's run ended with a last state per method,
+    and a continuation goes on with one: ``method``'s (its train task's history
+    names it), refused where none or another is named. Only a train
     task that finished counts: one stopped after its state was committed
     (before its metrics were written, say) ran again when the run resumed,
     into a folder of its own, and left a state no later round went on from."""
@@ -150,16 +151,28 @@ def continuation_of(run_dir: Path, steps_per_round: int) -> dict:
     version = max(found["policy_version"] for found in saved.values() if found["run_id"] == run)
     last = [state for state, found in saved.items() if found == {"run_id": run, "policy_version": version}]
     if len(last) > 1:
-        raise ValueError(
-            f"{run_dir}: run {run} ended with {len(last)} trainer states, one per method of a comparison: continue "
-            "one method with the settings its own report ends with"
-        )
+        by_method = {_trained_method(state): state for state in last}
+        if method not in by_method:
+            named = f" ({method} is none of them)" if method else ""
+            raise ValueError(
+                f"{run_dir}: run {run} ended with {len(last)} trainer states, one per method of a comparison "
+                f"({', '.join(sorted(map(str, by_method)))}): continue one, naming it (--set method=...){named}"
+            )
+        last = [by_method[method]]
     if version % steps_per_round:
         raise ValueError(
             f"{last[0]}: policy version {version} is no whole number of rounds of rl.steps_per_round {steps_per_round}"
             " (this config's, not the run's?): go on with the --preset, --config and --set the run was started with"
         )
     return continuation(str(last[0].with_name("new_policy")), str(last[0]), version // steps_per_round)
+
+
+def _trained_method(state: Path) -> str | None:
+    """The method whose train task wrote the trainer state ``state``: its history's (beside it) first step's."""
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        with open(state.with_name("history")) as history:
+            return json.loads(history.readline()).get("method")
+    return None
 
 
 def ran_to_its_end(run_dir: Path, trainer_state: str) -> bool:

@@ -239,7 +239,20 @@ def test_run_continue_from_needs_a_finished_train_task_and_another_output(tmp_pa
     )
     assert empty.exit_code == 1 and "no train task of a run finished there" in empty.output
     assert "name the --output of a `tracefp4 run` that trained" in empty.output
+    compared = CliRunner().invoke(
+        main, ["run", "--preset", "smoke", "--continue-from", str(tmp_path), "--compare", "trace,qat", "--output", "n"]
+    )
+    assert compared.exit_code == 2 and "--continue-from goes on with one method's optimizer: leave out --compare" in (
+        compared.output
+    )
     assert not (tmp_path / "next").exists()
+    # a --set the command's own settings would replace is refused (a continuation's checkpoint, say)
+    off = CliRunner().invoke(
+        main, ["bootstrap", "--preset", "smoke", "--set", "bootstrap.enabled=false", "--output", str(tmp_path / "b")]
+    )
+    assert off.exit_code == 2 and "--set bootstrap.enabled=false: bootstrap sets bootstrap.enabled to true" in (
+        off.output
+    )
 
 
 def test_a_train_step_in_its_own_pod_hands_its_trainer_state_on_through_the_store(tmp_path):
@@ -268,3 +281,12 @@ def test_a_train_step_in_its_own_pod_hands_its_trainer_state_on_through_the_stor
     assert open_store(config.store.uri).list() == sorted(
         f"{steps.state_key(config, 'run-1', r)}/{name}" for r in (1, 2) for name in ("tensors.bin", MANIFEST)
     )
+    # a local run's store is a folder of its run folder, named by its path: the run folder moved, a run that
+    # goes on from its last state is refused before it starts (its first step said the state had left the store)
+    from tracefp4.pipelines.resume import request
+
+    (tmp_path / "store").rename(tmp_path / "moved")
+    (tmp_path / "policy").mkdir()
+    then = continuing(tmp_path, tmp_path / "policy", folders[-1], 3)
+    with pytest.raises(ConfigError, match="model.trainer_state: .* which is gone .* run folder was moved or copied"):
+        request(then, None, open_store(then.store.uri))

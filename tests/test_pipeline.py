@@ -93,6 +93,10 @@ def test_a_continuation_goes_on_from_the_smoke_runs_final_policy_and_state(smoke
     out, first = smoke_run
     root = next((out / "pipeline_root").iterdir())
     settings = continuation_of(out, steps_per_round=1)  # what `tracefp4 run --continue-from` sets
+    # a --set of one of them is refused: it was replaced, the run going on from another policy than the one asked
+    asked = ["run", "--preset", "smoke", "--continue-from", str(out), "--output", str(tmp_path / "then")]
+    refused = CliRunner().invoke(main, [*asked, "--set", f"model.checkpoint={tmp_path / 'other'}"])
+    assert refused.exit_code == 2 and "--continue-from sets model.checkpoint to " in refused.output, refused.output
     assert settings == {
         "model.preset": None,
         "model.checkpoint": str(root / "train" / "new_policy"),
@@ -628,8 +632,12 @@ def test_comparison_pipeline_fans_out_over_methods(tmp_path):
         f"serving export of {method}: {path} ({provenance(path)['format']}, for vLLM and SGLang: docs/export.md)"
         for method, path in zip(["trace", "bf16"], exports)
     ]
-    with pytest.raises(ValueError, match="2 trainer states, one per method of a comparison: continue one method"):
-        continuation_of(tmp_path, steps_per_round=1)
+    # a continuation goes on with one method's state: the one named (its train task's), none chosen for the user
+    for method in (None, "qat"):
+        with pytest.raises(ValueError, match=r"2 trainer states, one per method of a comparison \(bf16, trace\): "):
+            continuation_of(tmp_path, steps_per_round=1, method=method)
+    trace = continuation_of(tmp_path, steps_per_round=1, method="trace")["model.trainer_state"]
+    assert trace == str(exports[0].parent.parent / "train" / "new_trainer_state")  # iteration 0's
     assert all("## Continue this run" in r.read_text() for r in reports)  # each method's, as a run of its own
     store = open_store(localize(get_preset("smoke"), tmp_path).store.uri)
     keys = store.list("smoke/")
