@@ -1002,18 +1002,22 @@ def report(run_dir, run_id):
             raise click.ClickException(
                 f"{run_dir}: no finished report of run {run_id}; its runs' reports: {', '.join(runs) or 'none known'}"
             )
-    click.echo(found[-1].read_text())
-    if (shown := run_of(found[-1])) and len(runs) > 1:
-        others = ", ".join(r for r in runs if r != shown)
-        click.echo(f"the report of run {shown}; the folder's other runs' (--run-id): {others}")
+    # copied before anything is said: a reader that stops early (`| head`) leaves the copies made
     try:
-        _echo_report_files(*publish_report(found[-1], run_dir))  # absolute, as run says them
+        copies = publish_report(found[-1], run_dir)
     except OSError as e:  # a run folder this user may not write into, a folder in the way: the report is shown
+        copies = None
         click.echo(
             f"warning: {run_dir}: could not copy the report there as {' and '.join(REPORT_COPIES.values())} "
             f"({e.strerror or e}); it is {found[-1].with_name('page')} (HTML) and {found[-1]} (markdown)",
             err=True,
         )
+    click.echo(found[-1].read_text())
+    if (shown := run_of(found[-1])) and len(runs) > 1:
+        others = ", ".join(r for r in runs if r != shown)
+        click.echo(f"the report of run {shown}; the folder's other runs' (--run-id): {others}")
+    if copies:
+        _echo_report_files(*copies)  # absolute, as run says them
     try:
         _echo_exports(report_exports(run_dir, found[-1]))
     except ValueError as e:  # damaged from outside: the report is shown

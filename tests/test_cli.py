@@ -333,6 +333,15 @@ def test_report_says_whose_report_it_shows_and_takes_a_run_id(tmp_path, monkeypa
     assert shown.exit_code == 0 and "# report of local-aaa (markdown)" in shown.output
     assert f"report: {tmp_path / 'report.html'} (open it in a browser), {tmp_path / 'report.md'}" in shown.output
     assert (tmp_path / "report.html").read_text() == "# report of local-aaa (page)\n"
+    # a reader that stops before the report's end (`| head`): the copies made all the same, with no warning that
+    # blamed the copying for the closed pipe (the report was said first)
+    for copy in ("report.html", "report.md"):
+        (tmp_path / copy).unlink()
+    command = [sys.executable, "-m", "tracefp4.pipelines.cli", "report", str(tmp_path)]
+    closed = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    closed.stdout.close()
+    assert "warning" not in closed.stderr.read() and closed.wait(timeout=60) == 1  # click's, for a closed pipe
+    assert (tmp_path / "report.html").read_text() == "# report of local-bbb (page)\n"
     shown = CliRunner().invoke(main, ["report", str(tmp_path), "--run-id", "local-ccc"])
     assert shown.exit_code == 1 and "no finished report of run local-ccc; its runs' reports: local-aaa, local-bbb" in (
         shown.output
