@@ -109,13 +109,14 @@ def _device(ctx, param, value: str):
 
 
 def _methods(ctx, param, value: str | None) -> list[str] | None:
-    """--compare's comma-separated methods, each known and named once."""
+    """--compare's comma-separated methods, each known and named once (an empty one, between two commas or
+    after the last, is none: it was said as an unknown method of no name)."""
     from tracefp4.pipelines.pipeline import check_methods
 
     if value is None:
         return None
     try:
-        return check_methods([m.strip() for m in value.split(",")])
+        return check_methods([m for m in (part.strip() for part in value.split(",")) if m])
     except ValueError as e:
         raise click.BadParameter(str(e), ctx=ctx, param=param) from None
 

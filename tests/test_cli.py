@@ -24,7 +24,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.parametrize(
     "methods, message",
-    [("trace,nope", "unknown method(s) nope"), ("trace,qat,trace", "method(s) trace named more than once")],
+    [
+        ("trace,nope", "unknown method(s) nope"),
+        ("trace,qat,trace", "method(s) trace named more than once"),
+        ("", "a comparison needs at least one method"),  # it said "unknown method(s) ;", naming none
+        (" , ", "a comparison needs at least one method"),
+    ],
 )
 def test_compare_rejects_unknown_and_repeated_methods(tmp_path, methods, message):
     args = ["run", "--preset", "smoke", "--output", str(tmp_path / "run"), "--compare", methods]
