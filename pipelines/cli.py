@@ -63,8 +63,26 @@ preset_option = click.option(
     type=click.Choice(sorted(PRESETS)),
     help="Named configuration, under --config and --set (default: tiny; with --config, the schema's defaults).",
 )
+
+
+def _one_config(ctx, param, values: tuple[str, ...]) -> str | None:
+    """--config's file: one (click would keep the last of two, the first dropped without a word)."""
+    if len(values) > 1:
+        raise click.BadParameter(
+            f"given {len(values)} times ({', '.join(values)}): give one file, holding the others' settings too",
+            ctx=ctx,
+            param=param,
+        )
+    return values[0] if values else None
+
+
 config_option = click.option(
-    "--config", "config_file", type=click.Path(exists=True, dir_okay=False), help="YAML or JSON run config."
+    "--config",
+    "config_file",
+    type=click.Path(exists=True, dir_okay=False),
+    multiple=True,
+    callback=_one_config,
+    help="YAML or JSON run config.",
 )
 
 

@@ -40,6 +40,16 @@ def test_compare_rejects_unknown_and_repeated_methods(tmp_path, methods, message
     assert not (tmp_path / "run").exists()  # refused before anything ran
 
 
+def test_a_second_config_file_is_refused_not_dropped(tmp_path):
+    """click kept the last --config: a run's own file given before a continuation's settings was dropped, and
+    the run went on the schema's defaults."""
+    first, second = tmp_path / "mine.yaml", tmp_path / "continue.yaml"
+    first.write_text("rl:\n  learning_rate: 0.001\n")
+    second.write_text("rl:\n  first_round: 1\n")
+    result = CliRunner().invoke(main, ["config", "--config", str(first), "--config", str(second)])
+    assert result.exit_code == 2 and f"given 2 times ({first}, {second}): give one file" in result.output
+
+
 def test_a_config_file_that_is_not_utf8_is_a_config_error(tmp_path):
     path = tmp_path / "latin1.yaml"
     path.write_bytes("name: caf\xe9\n".encode("latin-1"))
