@@ -801,8 +801,29 @@ def runs_logs(run_id, **connection):
 
 
 def folder_option(default: str, help: str):
-    """A command's ``--output``: the folder it writes its files into."""
-    return click.option("--output", type=click.Path(file_okay=False), default=default, show_default=True, help=help)
+    """A command's ``--output``: the folder it writes its files into. Its
+    default is the repository's (a path from its root): a command run
+    elsewhere, where that path's first folder is not, is refused rather than
+    make a stray copy of the repository's folders there."""
+
+    def outside_the_repository(ctx, param, value: str) -> str:
+        if value == default and not Path(Path(default).parts[0]).is_dir():
+            raise click.BadParameter(
+                f"the default, {default}, is the repository's, and {Path(default).parts[0]}/ is not here: run it "
+                "from the repository's root, or give --output",
+                ctx=ctx,
+                param=param,
+            )
+        return value
+
+    return click.option(
+        "--output",
+        type=click.Path(file_okay=False),
+        default=default,
+        show_default=True,
+        callback=outside_the_repository,
+        help=help,
+    )
 
 
 @main.command()

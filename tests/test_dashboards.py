@@ -192,6 +192,11 @@ def test_panel_queries_substitution_forms():
 
 def test_cli_writes_the_dashboard(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    # the default is the repository's folder: run elsewhere, it made a stray manifests/ there
+    result = CliRunner().invoke(main, ["dashboards"])
+    assert result.exit_code == 2 and "manifests/ is not here: run it from the repository's root" in result.output
+    assert not (tmp_path / "manifests").exists()
+    (tmp_path / "manifests").mkdir()
     for args, path in [
         ([], "manifests/base/grafana/dashboards/tracefp4.json"),
         (["--output", "out"], "out/tracefp4.json"),
