@@ -390,25 +390,24 @@ def terminated_runner(tmp_path, body: str, ready, again_after_s: float | None = 
     return runner.wait(timeout=30)
 
 
-def test_a_signal_to_the_runner_stops_the_component_it_started(tmp_path):
-    """kfp.local runs a component as ``sh -c`` around python, in the runner's
-    process group: killing only the runner's child (sh) would orphan python."""
+@pytest.mark.parametrize(
+    "shell, then",
+    [
+        # kfp.local runs a component as ``sh -c`` around python, in the runner's process group: killing only
+        # the runner's child (sh) would orphan python
+        ("{component}; echo still here", ""),
+        # sh stopped as it forks python leaves python running without a parent, on the run folder's lock: the
+        # runner adopts it, so that it is found and stopped (a rerun once found the folder held by such a one)
+        ("{component} & exit", "time.sleep(60)"),
+    ],
+    ids=["under-sh", "orphaned"],
+)
+def test_a_signal_to_the_runner_stops_the_component_it_started(tmp_path, shell, then):
     pid_file = tmp_path / "pid"
     component = tmp_path / "component.py"
     component.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
-    body = f'subprocess.run(["sh", "-c", "{sys.executable} {component}; echo still here"])'
-    assert terminated_runner(tmp_path, body, pid_file) == 128 + signal.SIGTERM
-    assert not _running(int(pid_file.read_text()))
-
-
-def test_a_signal_to_the_runner_stops_a_component_whose_parent_ended_first(tmp_path):
-    """A component's ``sh`` stopped as it forks python leaves python running
-    without a parent, on the run folder's lock: the runner adopts it, so that it
-    is found and stopped (a rerun once found the folder held by such a one)."""
-    pid_file = tmp_path / "pid"
-    component = tmp_path / "component.py"
-    component.write_text(f"import os, time\nopen({str(pid_file)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n")
-    body = f'subprocess.run(["sh", "-c", "{sys.executable} {component} & exit"])\ntime.sleep(60)'
+    script = shell.format(component=f"{sys.executable} {component}")
+    body = f'subprocess.run(["sh", "-c", "{script}"])\n{then}'
     assert terminated_runner(tmp_path, body, pid_file) == 128 + signal.SIGTERM
     assert not _running(int(pid_file.read_text()))
 
