@@ -441,7 +441,7 @@ def _stop_components(log: _Log):
     once a component failed (``log`` says so), stop whatever starts until the
     block ends: kfp.local runs a loop's iterations (a comparison's methods,
     rollout workers) two at a time and starts the queued ones before it
-    raises. The block ended early, whatever is left below this process is
+    raises. Where the block ends early, whatever is left below this process is
     stopped, orphans included (:func:`_adopting_orphans`)."""
     before = set(_descendants(os.getpid()))
     stopping, ended = threading.Event(), threading.Event()
