@@ -847,17 +847,21 @@ def _check_tensors(folder: Path, cfg: ModelConfig, headers: dict) -> dict[str, t
     fails before a model of that size is even described (fused experts hold
     their count in their shape, which describing does not walk)."""
 
-    def check_count(key: str, said: int, pattern: re.Pattern, name: str) -> None:
+    def check_count(key: Callable[[], str], said: int, pattern: re.Pattern, name: str) -> None:
         held = 1 + max((int(m[1]) for t in headers if (m := pattern.match(t))), default=-1)
         if held != said:
             gap = f"missing {name.format(held)}.*" if said > held else f"unexpected {name.format(said)}.*"
-            raise CheckpointError(f"{folder / CONFIG}: {key} is {said}, but the weights hold {held} ({gap})")
+            raise CheckpointError(f"{folder / CONFIG}: {key()} is {said}, but the weights hold {held} ({gap})")
 
-    check_count("num_hidden_layers", cfg.num_layers, _LAYER, "model.layers.{}")
+    check_count(lambda: "num_hidden_layers", cfg.num_layers, _LAYER, "model.layers.{}")
     fused = _experts_fused(headers, folder)
     if cfg.sparse_layers and not fused:  # only now: it walks the layers
-        key = _experts_key(json.loads((folder / CONFIG).read_text()))  # the file's own name of the count
-        check_count(key, cfg.num_experts, _EXPERT_INDEX, "experts.{}")
+        check_count(
+            lambda: _experts_key(json.loads((folder / CONFIG).read_text())),  # the file's own name, read to say it
+            cfg.num_experts,
+            _EXPERT_INDEX,
+            "experts.{}",
+        )
     expected = hub_shapes(cfg, fused)
     if cfg.tie_word_embeddings:
         headers = {k: v for k, v in headers.items() if k != "lm_head.weight"}  # transformers may save the tied copy
@@ -897,14 +901,13 @@ def load_model(
     return model
 
 
-def check_weights(path: str | os.PathLike) -> None:
-    """The weights of the policy folder ``path`` checked against its
-    config.json by their safetensors headers alone (files, names, dtypes,
-    shapes), as :class:`PolicyReader` checks them before it reads any: a
-    command checks a checkpoint so before its run starts, in a moment at any
-    size (the checksums, which read every byte, are prepare's)."""
+def check_weights(path: str | os.PathLike, cfg: ModelConfig) -> None:
+    """The weights of the policy folder ``path`` checked against ``cfg``, its
+    config.json's (:func:`read_config`), by their safetensors headers alone
+    (files, names, dtypes, shapes), as :class:`PolicyReader` checks them before
+    it reads any: a command checks a checkpoint so before its run starts, in a
+    moment at any size (the checksums, which read every byte, are prepare's)."""
     folder = Path(path)
-    cfg = read_config(folder)
     headers, _ = _language_model(folder, _headers(folder), cfg)
     _check_tensors(folder, cfg, headers)
 

@@ -600,7 +600,7 @@ def check_checkpoint(config: RunConfig, env: dict[str, str]) -> None:
             )
         else:
             cfg, tokenizer = read_policy_folder(folder)
-            check_weights(folder)  # a store's are read by prepare alone
+            check_weights(folder, cfg)  # a store's are read by prepare alone
     except (CheckpointError, TokenizerError, OSError) as e:
         raise ConfigError([("model.checkpoint", str(e))]) from None
     try:
