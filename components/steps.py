@@ -240,7 +240,7 @@ def _task_reward(config: RunConfig, i: int) -> RewardFunction | None:
     return (
         None
         if t.reward is None
-        else RewardFunction(*reward_parts(t.reward), _task_file(config, i, "reward")[0], t.data)
+        else RewardFunction(*reward_parts(t.reward), _task_file(config, i, "reward")[0], t.data, t.reward_timeout_s)
     )
 
 

@@ -22,6 +22,7 @@ checker of open-r1, TRL and verl), as reasoning RL on math is, or by a
 function of the user's own (:class:`RewardFunction`).
 """
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -32,7 +33,9 @@ import logging
 import math
 import numbers
 import random
+import signal
 import sys
+import threading
 import traceback
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -596,14 +599,16 @@ class RewardFunction:
     ``function(response, answer, line)`` with the response's text, the
     problem's reference answer and its line's whole JSON object (what else a
     reward needs: test cases, choices), it returns a number from 0 to 1, 1 a
-    solved problem. A fault of the function (an exception, another value)
-    stops the step, naming the function and the line: a reward read as 0
-    would train on a bug, not the policy's error."""
+    solved problem. A fault of the function (an exception, another value, a
+    call longer than ``timeout_s``) stops the step, naming the function and
+    the line: a reward read as 0 would train on a bug, not the policy's
+    error."""
 
     source: str
     function: str
     code: bytes = field(repr=False)
     problems: str  # the file of the problems it scores, named in its faults
+    timeout_s: float  # how long one call may run (the task's reward_timeout_s)
 
     @property
     def name(self) -> str:
@@ -611,8 +616,16 @@ class RewardFunction:
 
     def __call__(self, problem: Problem, response: str) -> float:
         where = f"{self.name} on {self.problems} line {problem.meta['line']}"
+        function = _loaded(self)
         try:
-            value = _loaded(self)(response, problem.answer, problem.meta["record"])
+            with _time_limit(self.timeout_s):
+                value = function(response, problem.answer, problem.meta["record"])
+        except _TimedOut as e:
+            raise RuntimeError(
+                f"{where}: ran longer than {self.timeout_s:g} s, the task's reward_timeout_s{self._line_of(e)}: "
+                "bound the function's own work (a program under test in a subprocess with a timeout), or raise "
+                "the limit"
+            ) from None
         except Exception as e:
             raise RuntimeError(f"{where}: raised {type(e).__name__}: {e}{self._line_of(e)}") from e
         if isinstance(value, numbers.Real) and 0 <= value <= 1:  # bool, int, float, numpy's scalars
@@ -637,6 +650,45 @@ class RewardFunction:
             self(problem, problem.answer)
         except (RuntimeError, ValueError) as e:
             raise ValueError(f"{e} (given the line's answer as the response, before the run)") from e.__cause__
+
+
+class _TimedOut(BaseException):
+    """A reward's call interrupted by its time limit: a BaseException, as KeyboardInterrupt is, so that the
+    function's own ``except Exception`` does not take it for a fault of its work and go on."""
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    """Interrupt the block (on the main thread) with :class:`_TimedOut` once it has run ``seconds``. A
+    watchdog thread signals the main thread (SIGALRM, which also breaks a wait such as a sleep or a
+    subprocess's), and again every half second after: code in the block may hold SIGALRM's handler for a
+    while (math-verify's own time limits do), and the signal that finds it there is not the block's end."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("a reward of your own is called on the main thread only (its time limit is a signal)")
+    main, done, expired = threading.main_thread().ident, threading.Event(), threading.Event()
+
+    def interrupt(signum, frame):
+        if expired.is_set() and not done.is_set():
+            raise _TimedOut
+
+    def watch():
+        if done.wait(seconds):
+            return
+        expired.set()
+        while True:
+            signal.pthread_kill(main, signal.SIGALRM)
+            if done.wait(0.5):
+                return
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    watchdog = threading.Thread(target=watch, name="reward-time-limit", daemon=True)
+    watchdog.start()
+    try:
+        yield
+    finally:
+        done.set()  # before the handler goes back: a signal still on its way finds the block ended
+        watchdog.join()
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
 
 
 def reward_parts(spec: str) -> tuple[str, str]:

@@ -592,6 +592,14 @@ class TaskConfig(_Section):
         pattern=SHA256,
         description="The sha256 of reward's file: as sha256 is data's, set by the run's first task where empty.",
     )
+    reward_timeout_s: float = Field(
+        default=60.0,
+        gt=0.0,
+        le=86400.0,
+        description="With reward: the seconds one call of its function may run; a call that runs longer stops the "
+        "step, naming the line of the function it was at (a function that never returns would hold the step, "
+        "and the run's GPUs, without a word).",
+    )
     difficulty: int = Field(
         default=1, ge=1, le=5, description="Difficulty level, 1 (easiest) to 5, of a generated family (1 with data)."
     )
@@ -675,8 +683,11 @@ class TaskConfig(_Section):
             raise ValueError(f"answer_key: {self.answer_key!r} is prompt_key too; a line's answer is not its prompt")
         elif self.difficulty != 1:
             raise ValueError(f"difficulty: {self.difficulty} is a generated family's knob; a file's problems have none")
-        if self.reward_sha256 is not None and self.reward is None:
-            raise ValueError("reward_sha256: is the digest of reward's file; this task has no reward of its own")
+        if self.reward is None:
+            if self.reward_sha256 is not None:
+                raise ValueError("reward_sha256: is the digest of reward's file; this task has no reward of its own")
+            if self.reward_timeout_s != TaskConfig.model_fields["reward_timeout_s"].default:
+                raise ValueError("reward_timeout_s: limits reward's function; this task has no reward of its own")
         if self.prompt_template.count(tasks.PROMPT_SLOT) != 1:
             raise ValueError(
                 f"prompt_template: {self.prompt_template!r} must hold {tasks.PROMPT_SLOT} once, where the prompt goes"
@@ -691,10 +702,8 @@ class TaskConfig(_Section):
         """The fields that do not apply to this task, which validation holds at their defaults: a generated
         family's file settings, a file's difficulty, a reward digest without a reward, the weight of a task
         never trained on. A config printed without them reads the same, and each task as what it is."""
-        if self.data is None:
-            unused = {"data", "sha256", *FILE_SETTINGS, "reward_sha256"}
-        else:
-            unused = {"difficulty"} | ({"reward_sha256"} if self.reward is None else set())
+        unused = {"data", "sha256", *FILE_SETTINGS} if self.data is None else {"difficulty"}
+        unused |= {"reward_sha256", "reward_timeout_s"} if self.reward is None else set()
         return unused | ({"weight"} if self.train_size == 0 else set())
 
 

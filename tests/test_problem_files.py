@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import re
+import signal
 import time
 from pathlib import Path
 
@@ -427,6 +428,37 @@ def test_a_reward_that_cannot_score_is_refused_before_the_run_naming_what_is_wro
         ValidationError, match=r"reward: scores data's problems \(a family scores its own\); this task has no data"
     ):
         RunConfig.model_validate({"tasks": [{"name": "arithmetic", "reward": "rewards.py:score"}]})
+
+
+def test_a_reward_call_that_runs_past_its_time_limit_stops_naming_where_it_was(tmp_path):
+    """A function that never returns would hold the step, and a cluster's GPUs, without a word. The limit
+    interrupts a wait (a sleep, a subprocess's), a loop that takes every Exception for its own fault, and one
+    that math-verify's own time limit (SIGALRM's handler for a while, then the alarm cancelled) ran inside."""
+    data = _write(tmp_path / "sums.jsonl")
+    hangs = {
+        "import time\n\ndef score(response, answer, line):\n    time.sleep(60)\n": r"at line 4: time\.sleep\(60\)",
+        "def score(response, answer, line):\n    while True:\n        try:\n            pass\n"
+        "        except Exception:\n            pass\n": "at line ",
+        "import math_verify\n\ndef score(response, answer, line):\n    math_verify.verify(math_verify.parse('1'), "
+        "math_verify.parse('1'))\n    while True:\n        pass\n": "at line [56]: ",  # past its call
+    }
+    previous = signal.getsignal(signal.SIGALRM)
+    for code, at in hangs.items():
+        (tmp_path / "rewards.py").write_text(code)
+        config = _config(data, reward=f"{tmp_path}/rewards.py:score", reward_timeout_s=0.5)
+        start = time.monotonic()
+        with pytest.raises(ConfigError, match=rf"line 1: ran longer than 0\.5 s, the task's reward_timeout_s \({at}"):
+            pin_problems(config)
+        assert time.monotonic() - start < 10
+        assert signal.getsignal(signal.SIGALRM) is previous  # the step's own handler back
+    # a call within its limit is not disturbed, and the limit is the task's alone
+    (tmp_path / "rewards.py").write_text(
+        "import time\n\ndef score(response, answer, line):\n    time.sleep(0.2)\n    return 1\n"
+    )
+    problem = steps.problems(_config(data, reward=f"{tmp_path}/rewards.py:score", reward_timeout_s=5))[0][0]
+    assert reward_of(problem, problem.answer, finished=True) == 1.0
+    with pytest.raises(ValidationError, match="reward_timeout_s: limits reward's function; this task has no reward"):
+        _config(data, reward_timeout_s=5)
 
 
 def test_a_file_in_an_s3_store_is_read_with_the_run_stores_settings(s3_env, tmp_path):
