@@ -36,7 +36,6 @@ MAGIC = b"TFP4GUID"
 # wider than a block cut into segments; 5: a syndrome stage with as many parity bits as bits sends the bits
 FORMAT_VERSION = 5
 READ_VERSIONS = (2, 3, 4, 5)  # each an earlier one's superset but for version 4's raw-rate syndrome tables
-CODECS = ("bits", "syndrome")
 _PREAMBLE = struct.Struct("<8sHI")  # magic, format version, header length
 _DIGEST = 32  # sha256 over everything before it
 

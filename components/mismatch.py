@@ -93,13 +93,6 @@ class SiteMismatch:
     mse_unquantized: float | None = None  # between the two paths' values before quantization
 
     @property
-    def relative_excess_mse(self) -> float | None:
-        """How much FP4 amplifies the paths' difference: (MSE_fp4 - MSE_bf16) / MSE_bf16."""
-        if self.mse_quantized is None or not self.mse_unquantized:
-            return None
-        return (self.mse_quantized - self.mse_unquantized) / self.mse_unquantized
-
-    @property
     def rate(self) -> float:
         return self.mismatched / self.elements if self.elements else 0.0
 
