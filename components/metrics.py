@@ -82,6 +82,10 @@ METRICS = {
         MEASURED_ON,
     ),
     "tracefp4_train_steps": Metric("RL steps trained by the component run."),
+    "tracefp4_reward_step_seconds": Metric(
+        "Mean time a training step took to score its responses (the tasks' rewards: a function of the user's own "
+        "may take long)."
+    ),
     "tracefp4_guidance_reload_seconds": Metric("Mean time a training step waited for guidance from the store."),
     "tracefp4_guidance_coverage_ratio": Metric("Share of captured training elements rounded with guidance."),
     "tracefp4_guidance_decode_failure_ratio": Metric(
@@ -341,6 +345,7 @@ def _train(m: RunMetrics, rows: list[dict], config) -> None:
     # trainer's, from its checkpoint) has steps of each
     m.set("tracefp4_train_step_seconds", _mean(rows, "train_seconds"), **_where(machines(rows, "train_"), "train_"))
     m.set("tracefp4_guidance_reload_seconds", _mean(rows, "reload_seconds"))
+    m.set("tracefp4_reward_step_seconds", _mean(rows, "reward_seconds"))
     m.set("tracefp4_guidance_coverage_ratio", _mean(rows, "guidance_coverage") if config.method == "trace" else None)
     # the round's failed blocks of all its blocks, not the mean of its steps' shares; none with the bits codec
     blocks = sum(r.get("guidance_decode_blocks") or 0 for r in rows)

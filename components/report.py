@@ -72,12 +72,13 @@ STEP_WORDS = {
         "another expert than the rollout did guides nothing: it rounds to nearest)"
     ),
     "train_seconds": "wall seconds of the step's forwards, backwards and optimizer steps, its wait for guidance "
-    "left out",
+    "and its scoring of the responses (reward) left out",
     "train on": "the machine it trained on",
 }
 DIFF_SERIES = (("mean", "logprob_abs_diff_mean"), ("max", "logprob_abs_diff_max"), ("min", "logprob_abs_diff_min"))
 ROUND_TIMES = (("rollout", "rollout_seconds"), ("upload", "upload_seconds"), ("compaction", "compaction_seconds"))
-STEP_TIMES = (("train", "train_seconds"), ("reload", "reload_seconds"))  # summed over the round's steps
+# summed over the round's steps
+STEP_TIMES = (("reward", "reward_seconds"), ("train", "train_seconds"), ("reload", "reload_seconds"))
 # where a step measured its figures (steps record device.measured_on after the step's name):
 # column -> (the step, in words)
 MEASURED_BY = {
@@ -583,8 +584,8 @@ def _time_blocks(history: list[dict], source: str) -> list:
         )
     parts = [f"{label} s" for label, _ in (*ROUND_TIMES, *STEP_TIMES)]
     note = (
-        "rollout, upload and compaction per round; train and reload summed over the round's steps; total is their "
-        "sum. Offload runs asynchronously during the rollout and is not in the total."
+        "rollout, upload and compaction per round; reward (scoring the responses), train and reload summed over "
+        "the round's steps; total is their sum. Offload runs asynchronously during the rollout and is not in the total."
     )
     columns = ["round", "steps", *parts, "total s", "offload s", "rollout tokens", "rollout tokens/s"]
     blocks = [_speed_table(times, [*columns, "capture overhead", *MEASURED_BY], source, keep=2, note=note)]

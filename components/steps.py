@@ -1224,6 +1224,7 @@ def train(
                 for t, p in zip(step_trajectories, step_problems)
             ]
         )
+        scored = time.perf_counter()  # a reward of the user's own (a program under test) may take long
         loader = None
         if config.method == "trace":
             microbatches = trainer.microbatches(step_trajectories)
@@ -1239,7 +1240,8 @@ def train(
             stats = trainer.train_step(
                 step_trajectories, group_advantages(rewards, config.rollout.group_size), loader, measured
             )
-        stats["train_seconds"] = time.perf_counter() - start - stats["reload_seconds"]
+        stats["train_seconds"] = time.perf_counter() - scored - stats["reload_seconds"]
+        stats["reward_seconds"] = scored - start
         for key, found in stats.pop("guidance_decode").items():
             decoded[key] = merge_decode_json(decoded.get(key), found)
         lengths = torch.tensor([len(t.response) for t in step_trajectories], dtype=torch.float32)

@@ -33,6 +33,7 @@ import logging
 import math
 import numbers
 import random
+import re
 import signal
 import sys
 import threading
@@ -54,6 +55,8 @@ DIFFICULTIES = (1, 2, 3, 4, 5)
 MAX_EXPRESSION = 200  # characters of a countdown answer
 _EXPRESSION_DEPTH = 16
 _DIGITS = "0123456789"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -542,11 +545,30 @@ def parsed_answer(answer: str) -> list:
     return math_verify.parse(f"\\boxed{{{answer}}}", gold, parsing_timeout=MATH_TIMEOUT_S)
 
 
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+")
+_WORD = re.compile(r"[A-Za-z]{3,}")
+
+
+def _bare_answer(text: str) -> str | None:
+    """``text`` where it is an answer and nothing else, read as a reference
+    answer is: one line without LaTeX's delimiters (``$``, ``\\boxed``), no
+    sentence (no word of three letters or more, outside a LaTeX command, beside
+    a space): ``x+1``, ``\\sqrt{2}``, ``2^{10}``, ``(1, 2]``, ``B``, as
+    bootstrap teaches a policy to answer. math-verify reads a response's
+    undelimited text as an expression of numbers alone, ``x+1`` as nothing and
+    ``2^{10}`` as its first number, 2."""
+    line = text.strip().removesuffix(".")
+    if not line or "\n" in line or any(mark in line for mark in ("$", "\\boxed", "\\(", "\\[")):
+        return None
+    return None if " " in line and _WORD.search(_LATEX_COMMAND.sub(" ", line)) else line
+
+
 def math_reward(problem: Problem, response: str) -> float:
     """1.0 when the final answer of ``response`` (after a thinking policy's
-    reasoning: its last ``\\boxed{}``, else its last expression) equals
-    ``problem.answer`` mathematically (``0.5`` and ``\\frac{1}{2}``, ``x+1``
-    and ``1+x``), else 0.0."""
+    reasoning: an answer alone, read as the reference is; else its last
+    ``\\boxed{}``, else its last expression) equals ``problem.answer``
+    mathematically (``0.5`` and ``\\frac{1}{2}``, ``x+1`` and ``1+x``), else
+    0.0."""
     if not isinstance(response, str):
         return 0.0
     _, thought, answer = response.rpartition(THINK_END)
@@ -554,7 +576,11 @@ def math_reward(problem: Problem, response: str) -> float:
         return 0.0  # still thinking when it stopped
     # math-verify answers nonsense with nothing read (or False), and raises only off the main thread
     math_verify, _, read = _math_verify()
-    said = math_verify.parse(answer if thought else response, read, parsing_timeout=MATH_TIMEOUT_S)
+    final = answer if thought else response
+    if (alone := _bare_answer(final)) is not None:
+        said = parsed_answer(alone)
+    else:
+        said = math_verify.parse(final, read, parsing_timeout=MATH_TIMEOUT_S)
     return float(math_verify.verify(parsed_answer(problem.answer), said, timeout_seconds=MATH_TIMEOUT_S))
 
 
@@ -624,13 +650,17 @@ class RewardFunction:
             raise RuntimeError(
                 f"{where}: ran longer than {self.timeout_s:g} s, the task's reward_timeout_s{self._line_of(e)}: "
                 "bound the function's own work (a program under test in a subprocess with a timeout), or raise "
-                "the limit"
+                f"the limit; the response: {_quoted(response)}"
             ) from None
-        except Exception as e:
-            raise RuntimeError(f"{where}: raised {type(e).__name__}: {e}{self._line_of(e)}") from e
+        except (Exception, SystemExit) as e:  # sys.exit() in the function would end the step without a word
+            raise RuntimeError(
+                f"{where}: raised {type(e).__name__}: {e}{self._line_of(e)}; the response: {_quoted(response)}"
+            ) from e
         if isinstance(value, numbers.Real) and 0 <= value <= 1:  # bool, int, float, numpy's scalars
             return float(value)
-        raise ValueError(f"{where}: returned {value!r}, not a number from 0 to 1 (1: solved)")
+        raise ValueError(
+            f"{where}: returned {value!r}, not a number from 0 to 1 (1: solved); the response: {_quoted(response)}"
+        )
 
     def _line_of(self, error: BaseException) -> str:
         """The line of the reward file (named at the start of a fault's message) that raised ``error``, its
@@ -644,12 +674,24 @@ class RewardFunction:
     def check(self, problem: Problem) -> None:
         """Refuse a file that does not load, whose function is none or takes other arguments, or that fails
         to score ``problem`` given its own answer as the response (any response must score): before the
-        run, not at its first reward."""
+        run, not at its first reward. Warn where that answer scores below 1: a function that wants a form
+        (a ``\\boxed{}``) would, but so would one whose arguments are others (verl's ``compute_score``
+        takes the data source first), which would score every response 0 and train on nothing."""
         _loaded(self)
         try:
-            self(problem, problem.answer)
+            value = self(problem, problem.answer)
         except (RuntimeError, ValueError) as e:
             raise ValueError(f"{e} (given the line's answer as the response, before the run)") from e.__cause__
+        if value < 1:
+            log.warning(
+                "%s scores %s line %s %g given the line's own answer as the response: if responses must take "
+                "another form, well; else check its arguments: it is called as %s(response, answer, line)",
+                self.name,
+                self.problems,
+                problem.meta["line"],
+                value,
+                self.function,
+            )
 
 
 class _TimedOut(BaseException):
@@ -710,7 +752,7 @@ def _loaded(reward: RewardFunction) -> Callable:
     except SyntaxError as e:
         del sys.modules[module_name]
         raise ValueError(f"{reward.source} line {e.lineno}: {e.msg}") from None
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # a sys.exit() at the file's top level too
         del sys.modules[module_name]
         beside = (  # the file runs from its bytes, not its folder: a store's file has none
             " (a module beside the reward file is not importable: put its code in the file, or install it where "

@@ -895,8 +895,9 @@ def show_config(preset, config_file, sets, output, check):
         from tracefp4.pipelines.parameters import check_drawable, pin_problems
 
         try:
-            config = pin_problems(config)
-            check_drawable(config)
+            with contextlib.redirect_stdout(sys.stderr):  # a reward's print(): the config printed is a file's
+                config = pin_problems(config)
+                check_drawable(config)
         except ConfigError as e:
             raise _refused(e, config_file, sets) from None
     if output is None:

@@ -224,10 +224,11 @@ def _rows() -> list[tuple[str, list]]:
                     per_round(sel("tracefp4_guidance_upload_seconds"), figure="upload"),
                 ),
                 _rounds(
-                    "Train step and guidance reload seconds",
+                    "Train step, guidance reload and reward seconds",
                     "s",
                     per_round(sel("tracefp4_train_step_seconds"), figure="step"),
                     per_round(sel("tracefp4_guidance_reload_seconds"), figure="reload"),
+                    per_round(sel("tracefp4_reward_step_seconds"), figure="reward"),
                 ),
                 _bars(
                     "Guidance reload share of a train step",

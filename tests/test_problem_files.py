@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from pydantic import ValidationError
 
 from tracefp4.components import steps
@@ -180,6 +181,12 @@ def test_a_response_scores_when_its_final_answer_equals_the_reference_mathematic
     assert score("42", "<think>maybe 41? no</think>\n\nSo it is $\\boxed{42}$.") == 1.0  # after the thinking
     assert score("\\frac{1}{2}", "0.5") == score("x+1", "\\boxed{1+x}") == 1.0
     assert score("42", "\\boxed{41}") == score("42", "<think>it is 42") == score("42", "no idea") == 0.0
+    # an answer alone (as bootstrap teaches) is read as the reference is, inside a \boxed{}: math-verify reads
+    # undelimited text as numbers alone, x+1 as nothing and 2^{10} as 2
+    for answer in ("x+1", "x^2+1", "\\sqrt{2}", "2\\pi", "B", "(1, 2]"):
+        assert score(answer, answer) == 1.0, answer
+    assert score("x+1", "1+x") == score("1024", "2^{10}") == score("(1,2]", "(1, 2].") == 1.0
+    assert score("2", "2^{10}") == score("3", "3\\sqrt{2}") == score("12", "12x+5") == score("1", "1+x") == 0.0
     assert score("42", "") == score("42", "\\boxed{") == 0.0
     # a power tower that sympy would work on for long: interrupted after MATH_TIMEOUT_S, scored 0
     start = time.monotonic()
@@ -333,6 +340,14 @@ def test_config_check_reads_the_files_as_the_first_task_does(tmp_path):
     bare = f'tasks=[{{"name": "sums", "data": "{data}"}}]'  # sizes a user never set: said to be the defaults
     result = CliRunner().invoke(main, ["config", "--preset", "smoke", "--set", bare, "--check"])
     assert "tasks.0: train_size 256 + test_size 32 (the schema's defaults): " in result.output, result.output
+    # what a reward prints as it is checked goes to standard error: the config printed is a file's
+    (tmp_path / "rewards.py").write_text(
+        "def score(response, answer, line):\n    print('scoring', response)\n    return 1\n"
+    )
+    rewarded = task.replace('"test_size": 4', f'"test_size": 4, "reward": "{tmp_path}/rewards.py:score"')
+    result = CliRunner().invoke(main, ["config", "--preset", "smoke", "--set", rewarded, "--check"])
+    assert result.exit_code == 0 and "scoring 0" in result.stderr and "scoring" not in result.stdout
+    assert yaml.safe_load(result.stdout)["tasks"][0]["reward_sha256"]
     # a --config file's fault is named with the file, as validation's are, and with a --set beside it
     run_file = tmp_path / "run.yaml"
     run_file.write_text(f"tasks: [{{name: sums, data: {tmp_path}/none.jsonl}}]\n")
@@ -386,7 +401,7 @@ def test_accuracy_counts_a_response_solved_at_reward_1_alone(tmp_path):
         assert accuracy(build_model("smoke", seed=0), build_tokenizer(), test, max_new_tokens=2) == share
 
 
-def test_a_reward_that_cannot_score_is_refused_before_the_run_naming_what_is_wrong(tmp_path):
+def test_a_reward_that_cannot_score_is_refused_before_the_run_naming_what_is_wrong(tmp_path, caplog):
     data = _write(tmp_path / "sums.jsonl")
     faults = {
         "def score(response, answer, line)\n": "rewards.py line 1: expected ':'",
@@ -396,13 +411,18 @@ def test_a_reward_that_cannot_score_is_refused_before_the_run_naming_what_is_wro
         "score = 3\n": "defines no function 'score' (its functions: none)",
         "def score(response):\n    return 1\n": "rewards.py:score cannot be called as score(response, answer, line)",
         "def score(response, answer, line):\n    return line['tests']\n": (
-            f"rewards.py:score on {data} line 1: raised KeyError: 'tests' (at line 2: return line['tests']) (given "
-            "the line's answer as the response"
+            f"rewards.py:score on {data} line 1: raised KeyError: 'tests' (at line 2: return line['tests']); the "
+            'response: "0" (given the line\'s answer as the response'
         ),
         "import json\n\nsettings = json.loads('{')\n": "rewards.py: running it raised JSONDecodeError: Expecting "
         "property name enclosed in double quotes: line 1 column 2 (char 1) (at line 3: settings = json.loads('{'))",
         "def score(response, answer, line):\n    return 2\n": f"rewards.py:score on {data} line 1: returned 2, not a",
         "def score(response, answer, line):\n    return 'yes'\n": "returned 'yes', not a number from 0 to 1",
+        # sys.exit would end the step without a word, with exit status 0 for sys.exit(0)
+        "import sys\n\nsys.exit(0)\n": "rewards.py: running it raised SystemExit: 0 (at line 3: sys.exit(0))",
+        "import sys\n\ndef score(response, answer, line):\n    sys.exit(3)\n": (
+            f'rewards.py:score on {data} line 1: raised SystemExit: 3 (at line 4: sys.exit(3)); the response: "0"'
+        ),
     }
     for code, fault in faults.items():
         (tmp_path / "rewards.py").write_text(code)
@@ -414,6 +434,12 @@ def test_a_reward_that_cannot_score_is_refused_before_the_run_naming_what_is_wro
     assert (
         pin_problems(_config(data, reward=f"{tmp_path}/rewards.py:score")).tasks[0].reward_sha256
     )  # numpy's: a number
+    # one that scores the line's own answer below 1 runs, warned of: it may want a form, or take other arguments
+    (tmp_path / "rewards.py").write_text("def score(data_source, solution_str, ground_truth):\n    return 0\n")
+    with caplog.at_level(logging.WARNING, logger="tracefp4"):
+        pin_problems(_config(data, reward=f"{tmp_path}/rewards.py:score"))
+    assert f"rewards.py:score scores {data} line 1 0 given the line's own answer as the response" in caplog.text
+    assert "it is called as score(response, answer, line)" in caplog.text
     with pytest.raises(ConfigError, match=f"tasks.0.reward: {tmp_path}/none.py: no such file"):
         pin_problems(_config(data, reward=f"{tmp_path}/none.py:score"))
     mistakes = {

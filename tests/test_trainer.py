@@ -93,6 +93,7 @@ def test_rounds_end_to_end(method, precision, codec, tmp_path):
             "rollout_seconds",
             "train_seconds",
             "reload_seconds",
+            "reward_seconds",
         ):
             assert key in h, key
         assert h["optimizer_steps"] == 1  # on-policy: one per rollout batch
