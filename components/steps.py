@@ -274,7 +274,10 @@ def read_task_file(uri: str, env: Mapping[str, str]) -> tuple[bytes, str]:
             _READ[uri] = size, tag, data, hashlib.sha256(data).hexdigest()
     except ArtifactNotFound:
         relative = "://" not in uri and not Path(uri).is_absolute()
-        raise ValueError(f"{uri}: no such file" + f" (a relative path, read from {Path.cwd()})" * relative) from None
+        home = "; ~ is no home folder here, write its path" * uri.startswith("~")  # no shell expanded it
+        raise ValueError(
+            f"{uri}: no such file" + f" (a relative path, read from {Path.cwd()}{home})" * relative
+        ) from None
     except (OSError, StoreError) as e:
         raise ValueError(f"{uri}: {e}") from None
     return _READ[uri][2:]

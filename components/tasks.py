@@ -840,7 +840,8 @@ def read_problems(
     try:
         text = data.decode("utf-8-sig")  # a byte order mark first (Windows tools write one) is no line's text
     except UnicodeDecodeError as e:
-        raise ValueError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        line = data[: e.start].count(b"\n") + 1
+        raise ValueError(f"{source} line {line}: not UTF-8 text ({e.reason} at byte {e.start} of the file)") from None
     problems: dict[str, tuple[int, Problem]] = {}
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():

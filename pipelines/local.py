@@ -51,6 +51,7 @@ from tracefp4.components.device import resolve
 from tracefp4.components.metrics import PUBLISH_FAILED
 from tracefp4.components.steps import check_policy_fits, steps_environment
 from tracefp4.components.store import file_path, open_store, write_atomic
+from tracefp4.components.tasks import reward_parts
 from tracefp4.components.tokenizer import TokenizerError
 from tracefp4.schemas import ConfigError, RunConfig, continuation
 
@@ -109,19 +110,44 @@ def localize(config: RunConfig, output: Path) -> RunConfig:
     are left at their defaults (:meth:`~tracefp4.schemas.RunConfig.without_cluster_only`):
     a rerun that changes one (the image, a pod's memory) resumes, every finished
     task reused, and ``store.ca_bundle_secret`` unset points no step at a file
-    that is not here (they trust what this process's SSL_CERT_FILE says)."""
+    that is not here (they trust what this process's SSL_CERT_FILE says). A
+    relative path of a checkpoint, trainer state, problem or reward file
+    becomes absolute, as the steps read it from here: the report's settings
+    then read back to the same run from any folder."""
     config = config.without_cluster_only()
     uri = config.store.uri
     if uri.startswith("file://") and not (path := file_path(uri)).is_absolute():
         uri = (output / path).resolve().as_uri()
     metrics_file = str((output / config.metrics.metrics_file).resolve())
+    model = {field: _absolute(getattr(config.model, field)) for field in ("checkpoint", "trainer_state")}
+    tasks = [
+        t.model_copy(update={"data": _absolute(t.data), "reward": _absolute_reward(t.reward)}) for t in config.tasks
+    ]
     return config.model_copy(
         update={
             "store": config.store.model_copy(update={"uri": uri}),
             "metrics": config.metrics.model_copy(update={"metrics_file": metrics_file}),
             "rl": config.rl.model_copy(update={"rounds_per_run": 0}),
+            "model": config.model.model_copy(update=model),
+            "tasks": tasks,
         }
     )
+
+
+def _absolute(location: str | None) -> str | None:
+    """A relative path made absolute (from this process's folder, which the steps read it from); a URI, an
+    absolute path or None as it is."""
+    if location is None or "://" in location or Path(location).is_absolute():
+        return location
+    return os.path.abspath(location)
+
+
+def _absolute_reward(reward: str | None) -> str | None:
+    """A task's ``reward``, FILE.py:FUNCTION, with its file's path :func:`_absolute`."""
+    if reward is None:
+        return None
+    source, function = reward_parts(reward)
+    return f"{_absolute(source)}:{function}"
 
 
 def continuation_of(run_dir: Path, steps_per_round: int, method: str | None = None) -> dict:

@@ -529,6 +529,12 @@ class TrainSection(_Section):
         return self.launcher == "trainjob" and self.world_size > 1
 
 
+# a LaTeX command that YAML's double quotes read as a tab (\text, \times) or a newline (\neq, \nabla) and the rest
+# of its name: a template holds the tab or newline that the control characters' check lets through
+_ESCAPED_COMMAND = re.compile(
+    r"\t(?:ext(?:bf|it|rm|style)?|imes|heta|frac|ilde|riangle|herefore|binom)(?![A-Za-z])"
+    r"|\n(?:eq|abla|eg|exists|ewline|otin)(?![A-Za-z])"
+)
 # a file task's settings of how its lines are read and scored, each held at its default by a generated family
 FILE_SETTINGS = ("prompt_key", "answer_key", "prompt_template", "reward")
 
@@ -549,8 +555,8 @@ class TaskConfig(_Section):
         "a cluster's pods read it in their image) or a store URI (file://, s3://, minio://; S3 reached with the "
         "run store's settings) of JSON Lines, an object a line with a prompt string and an answer (a string or "
         "number, what a \\boxed{} holds) at prompt_key and answer_key. A response scores 1 when its final answer "
-        "(after the thinking: its last \\boxed{}, else its last expression) equals the answer mathematically "
-        "(math-verify; docs/evaluation.md, 'Your own problems').",
+        "(after the thinking: a response that is an answer alone, else its last \\boxed{}, else its last expression) "
+        "equals the answer mathematically (math-verify; docs/evaluation.md, 'Your own problems').",
     )
     sha256: str | None = Field(
         default=None,
@@ -648,6 +654,13 @@ class TaskConfig(_Section):
             raise ValueError(
                 f"holds the control character {control[0]!r} (in YAML's double quotes \\b is a backspace: write "
                 "\\\\boxed, or quote the template with single quotes)"
+            )
+        if isinstance(value, str) and (escaped := _ESCAPED_COMMAND.search(value)):
+            character, rest = escaped[0][0], escaped[0][1:]
+            name, escape = {"\t": ("tab", "\\t"), "\n": ("newline", "\\n")}[character]
+            raise ValueError(
+                f"holds a {name} before {rest!r} (in YAML's double quotes {escape} is a {name}: write "
+                f"\\{escape}{rest}, or quote the template with single quotes)"
             )
         return value
 

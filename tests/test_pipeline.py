@@ -37,7 +37,7 @@ from tracefp4.pipelines.pipeline import (
     run_tasks,
     version_name,
 )
-from tracefp4.schemas import ConfigError, get_preset, load_config
+from tracefp4.schemas import ConfigError, RunConfig, get_preset, load_config
 from tracefp4.schemas.config import CLUSTER_ONLY
 
 STEPS = ("prepare", "rollout", "compaction", "train", "export", "evaluate", "report")
@@ -197,6 +197,24 @@ def test_cluster_only_settings_shape_the_compiled_pods_and_nothing_a_local_task_
     for path, value in READ_CHANGES.items():
         read = localize(load_config(None, preset="smoke", overrides={path: value}), tmp_path / "run")
         assert resume.request(read, None, store) != resume.request(local["base"], None, store), path
+
+
+def test_a_local_run_reads_relative_paths_as_absolute_ones_so_its_settings_read_back_anywhere(tmp_path, monkeypatch):
+    """The report's settings are the run's: a relative problem, reward or checkpoint path in them would name
+    another file, or none, read from another folder."""
+    monkeypatch.chdir(tmp_path)
+    tasks = [
+        {"name": "mine", "data": "p.jsonl", "reward": "r/rewards.py:score"},
+        {"name": "theirs", "data": "s3://bucket/p.jsonl", "reward": "/abs/rewards.py:score"},
+    ]
+    model = {"checkpoint": "ckpt", "trainer_state": "file:///s"}
+    config = RunConfig.model_validate({"model": model, "rl": {"first_round": 1}, "tasks": tasks})
+    local = localize(config, tmp_path / "run")
+    assert [(t.data, t.reward) for t in local.tasks] == [
+        (f"{tmp_path}/p.jsonl", f"{tmp_path}/r/rewards.py:score"),
+        ("s3://bucket/p.jsonl", "/abs/rewards.py:score"),
+    ]
+    assert (local.model.checkpoint, local.model.trainer_state) == (f"{tmp_path}/ckpt", "file:///s")
 
 
 def test_a_local_rerun_that_changes_only_cluster_settings_reuses_every_task(tmp_path):

@@ -84,7 +84,8 @@ def test_a_file_is_read_as_problems_and_its_faults_name_their_line():
         b'{"prompt": "a", "answer": 1}\n{"prompt": "a", "answer": 2}': "line 2: the prompt of line 1 again, with "
         "answer '2' where it had '1'",
         b"\n  \n": "f.jsonl: no problems in it",
-        b'{"prompt": "\xff"}': "f.jsonl: not UTF-8 text",
+        b'{"prompt": "1+1=", "answer": 2}\n{"prompt": "\xff"}': "f.jsonl line 2: not UTF-8 text (invalid start byte at "
+        "byte 44 of the file)",
     }
     for data, message in faults.items():
         with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
@@ -153,6 +154,15 @@ def test_a_files_keys_and_prompt_template_are_the_tasks_own():
     assert "tasks.0.prompt_template: holds the control character '\\x08' (in YAML's double quotes" in problems(
         name="m", data="m", prompt_template="{prompt} in \boxed{}"
     )
+    # and of \text and \neq there: a tab and a newline, which a template may hold elsewhere
+    assert "holds a tab before 'ext' (in YAML's double quotes \\t is a tab: write \\\\text, or" in problems(
+        name="m", data="m", prompt_template="{prompt} as \text{yes} or \text{no}"
+    )
+    assert "holds a newline before 'eq' (in YAML's double quotes \\n is a newline: write \\\\neq" in problems(
+        name="m", data="m", prompt_template="{prompt} where x \neq 0"
+    )
+    task = {"name": "m", "data": "m", "prompt_template": "Question:\n{prompt}\tAnswer:\neach line"}
+    assert load_config(None, preset="smoke", overrides={"tasks": [task]}).tasks[0].prompt_template.startswith("Q")
 
 
 def test_a_templates_own_characters_and_its_bare_prompts_are_checked_as_its_own(tmp_path):
@@ -306,6 +316,8 @@ def test_a_run_pins_its_files_and_a_file_rewritten_during_it_stops_the_next_step
         ConfigError, match=re.escape(f"none.jsonl: no such file (a relative path, read from {Path.cwd()})")
     ):
         pin_problems(load_config(None, preset="smoke", overrides={"tasks": [{"name": "sums", "data": "none.jsonl"}]}))
+    with pytest.raises(ConfigError, match=r"~/none.jsonl: no such file \(a relative path, read from .*; ~ is no home"):
+        pin_problems(load_config(None, preset="smoke", overrides={"tasks": [{"name": "sums", "data": "~/none.jsonl"}]}))
     # as file:// too
     assert pin_problems(_config((tmp_path / "sums.jsonl").as_uri())).tasks[0].sha256 != pinned.tasks[0].sha256
 
