@@ -1015,7 +1015,14 @@ def report(run_dir, run_id):
     """Print the newest report of a run folder (of a comparison, its side-by-side report), copy it to
     report.html and report.md there, to open, and say whose it is and where its run's serving export is, as run
     does."""
-    from tracefp4.pipelines.local import REPORT_COPIES, publish_report, report_exports, report_run
+    from tracefp4.pipelines.local import (
+        LOG,
+        REPORT_COPIES,
+        publish_report,
+        report_exports,
+        report_run,
+        where_it_stopped,
+    )
     from tracefp4.pipelines.resume import PIPELINE_ROOT, finished_reports, written_reports
 
     if not (run_dir / PIPELINE_ROOT).is_dir():  # a folder above the run folder, say, or a task's own
@@ -1025,9 +1032,12 @@ def report(run_dir, run_id):
         )
     found = finished_reports(run_dir)
     if not found:
+        log = run_dir / LOG
+        stopped = where_it_stopped(log.read_text(errors="replace")) if log.is_file() else None
         raise click.ClickException(
-            f"{run_dir}: no report its task finished writing"
-            + " (one was interrupted: rerun the same `tracefp4 run` to finish it)" * bool(written_reports(run_dir))
+            f"{run_dir}: no run there has finished its report"
+            + (f"; the last one stopped: {stopped} (its log: {log})" if stopped else "")
+            + "; rerun its `tracefp4 run` command to resume it" * bool(stopped or written_reports(run_dir))
         )
 
     def run_of(report: Path) -> str | None:

@@ -65,6 +65,7 @@ EXECUTING = re.compile(r"Executing task '([^']+)'")
 FINISHED = re.compile(r"Task '([^']+)' finished with status (\w+)")
 CACHE_HIT = re.compile(r"Task \S+ cache hit")
 BOOTSTRAP = re.compile(r"bootstrap step (\d+)/(\d+)")
+LOG = "pipeline.log"  # a run's log in its folder, every component's output
 # in the error kfp.local raises for a loop's task, and in the folder of each iteration's tasks
 LOOP_ITERATION = re.compile(r"for-loop-\d+-iteration-(\d+)")
 TAIL_LINES = 15
@@ -218,6 +219,17 @@ def task_count(config: RunConfig, methods: list[str] | None = None) -> int:
     if methods:
         return 1 + len(methods) * (per_round * config.rl.rounds + 5) + 1
     return 1 + per_round * config.rl.rounds + 4
+
+
+def where_it_stopped(text: str) -> str | None:
+    """Where the last run that wrote the log ``text`` stopped short of its end, if it did: the task that
+    failed, or the one running when it was stopped."""
+    started, finished = list(EXECUTING.finditer(text)), list(FINISHED.finditer(text))
+    if started and (not finished or finished[-1].start() < started[-1].start()):
+        return f"task {started[-1].group(1)!r} was running when it was stopped"
+    if finished and finished[-1].group(2) != "SUCCESS":
+        return f"task {finished[-1].group(1)!r} ended with status {finished[-1].group(2)}"
+    return None
 
 
 def progress_state(text: str) -> tuple[int, str | None, tuple[int, int] | None]:
@@ -707,7 +719,7 @@ def run_to_end(
             enable_caching=True,
             cache_root=str(output / resume.COMPLETED),
         )
-        stream = _Log(Path(log) if log else output / "pipeline.log", echo=out if verbose else None)
+        stream = _Log(Path(log) if log else output / LOG, echo=out if verbose else None)
         stream.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} run id {run_id}{' (resumed)' if resumed else ''}\n")
         with contextlib.ExitStack() as stack:
             stack.enter_context(_kfp_local_swaps_undone())

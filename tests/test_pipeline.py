@@ -592,7 +592,16 @@ def test_cli_report_of_a_run(smoke_run, tmp_path):
     assert not ran_to_its_end(moved, str(state))
     shutil.rmtree(moved / "completed")
     result = CliRunner().invoke(main, ["report", str(moved)])
-    assert result.exit_code == 1 and "no report its task finished writing (one was interrupted: rerun" in result.output
+    assert result.exit_code == 1 and "no run there has finished its report; rerun its `tracefp4 run`" in result.output
+    # where the last run stopped, from its log: a failed task, or one stopped as it ran
+    with (moved / "pipeline.log").open("a") as log:
+        log.write("00:25:52.249 - ERROR - Task 'report' finished with status FAILURE\n")
+    result = CliRunner().invoke(main, ["report", str(moved)])
+    assert "the last one stopped: task 'report' ended with status FAILURE (its log: " in result.output
+    with (moved / "pipeline.log").open("a") as log:
+        log.write("00:26:01.000 - INFO - Executing task 'report'\n")
+    result = CliRunner().invoke(main, ["report", str(moved)])
+    assert "the last one stopped: task 'report' was running when it was stopped" in result.output
 
 
 def test_cli_report_says_where_its_runs_serving_export_is(smoke_run, tmp_path):
