@@ -699,14 +699,15 @@ def run_to_end(
     output.mkdir(parents=True, exist_ok=True)
     # held until the run ends (and by its tasks until they do): two runs in one folder would share a run id
     with contextlib.closing(resume.lock_folder(output)):
-        run_id, resumed, others, replaced = resume.run_id(output, request, restart)
+        run_id, resumed, others, replaced, changed = resume.run_id(output, request, restart)
         note = ", resumed: finished tasks are reused, not rerun" if resumed else ""
         if replaced:
             note = f", a new run (--restart): {replaced}, the folder's earlier run of these settings, no longer resumes"
         elif others and not resumed:
+            what = f" (its last one: {'; '.join(changed)})" if changed else ""
             note = (
-                f", a new run: the folder's {others} other run(s) were asked for other settings, methods, code, "
-                "checkpoint, problem or reward files or store endpoint (each resumes when asked for again)"
+                f", a new run: the folder's {others} other run(s) were asked for something else{what}; each "
+                "resumes when asked for again"
             )
         header = f"running {config.name}: {config.rl.rounds} round(s) of {config.rl.steps_per_round} step(s), method "
         header += f"{', '.join(methods or [config.method])}; component logs in {log or output / 'pipeline.log'}"

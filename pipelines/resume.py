@@ -12,10 +12,10 @@ holds the run id (:func:`cache_every_task`): ``configure`` takes no run id,
 and its entry would otherwise outlive a new run (changed code, ``--restart``).
 The run folder holds:
 
-- ``run.json``: per request, the hash of what was asked for (config and
-  methods), of the code asked to do it (:func:`code_digest`) and of the
-  server of an S3 store (its endpoint, from the environment), and its run
-  id (created once, reused on every resume). The same config on the same code
+- ``run.json``: per request, what was asked for (config and methods, the
+  digest of the code asked to do it, :func:`code_digest`, the server of an
+  S3 store, from the environment), its hash and its run id (created once,
+  reused on every resume), and which request ran last. The same config on the same code
   resumes (one that differs only in settings no local step reads, such as the
   image or a pod's resources, is the same: :func:`.local.localize` leaves them
   at their defaults, in every task's key too); another config, changed code or
@@ -107,24 +107,27 @@ def check_run_folder(output: Path) -> None:
 
 def request(
     config: RunConfig, methods: list[str] | None, store: ArtifactStore, env: Mapping[str, str] | None = None
-) -> str:
-    """What a run is asked to do, as :func:`run_id` compares it: the config (a
-    local run's: its cluster-only settings at their defaults, so that changing
-    one resumes, :func:`.local.localize`), the methods, the code
-    (:func:`code_digest`), the server of an S3 ``store`` (the run's, opened: its
-    endpoint comes from the environment, and the same bucket on another server
-    holds none of the finished tasks' outputs) and, from a checkpoint (and a
-    continuation's trainer state), its fingerprint (read with ``env``, the
-    steps' environment, as they read it): the same URI with other weights behind
-    it is another run. One that is not there is refused, naming its field."""
-    asked = config.model_dump_json() + repr(methods) + code_digest()
-    asked += f"\0{store.endpoint}" if isinstance(store, S3Store) else ""
+) -> dict[str, str]:
+    """What a run is asked to do, part by part, as :func:`run_id` compares
+    it: the config (a local run's: its cluster-only settings at their
+    defaults, so that changing one resumes, :func:`.local.localize`), the
+    methods, the code (:func:`code_digest`), the server of an S3 ``store`` (the
+    run's, opened: its endpoint comes from the environment, and the same bucket
+    on another server holds none of the finished tasks' outputs) and, from a
+    checkpoint (and a continuation's trainer state), its fingerprint (read with
+    ``env``, the steps' environment, as they read it): the same URI with other
+    weights behind it is another run. One that is not there is refused, naming
+    its field."""
+    asked = {"settings": config.model_dump_json(), "methods": json.dumps(methods), "code": code_digest()}
+    if isinstance(store, S3Store):
+        asked["store endpoint"] = store.endpoint
     for field, uri in (
         ("model.checkpoint", config.model.checkpoint),
         ("model.trainer_state", config.model.trainer_state),
     ):
         try:
-            asked += fingerprint(uri, env) if uri else ""
+            if uri:
+                asked[f"the files at {field}"] = fingerprint(uri, env)
         except CheckpointError as e:
             raise ConfigError([(field, str(e))]) from None
     return asked
@@ -188,44 +191,88 @@ class UnreadableRunRecord(RuntimeError):
 
 class RunId(NamedTuple):
     """A local run's id, whether it resumes an earlier attempt, how many
-    other runs (other requests) the folder holds, and the run of the same
-    request that a restart replaced (which no longer resumes)."""
+    other runs (other requests) the folder holds, the run of the same
+    request that a restart replaced (which no longer resumes), and what this
+    request asks otherwise than the folder's last run did (:func:`changes`;
+    empty where it is that run, or the folder has none)."""
 
     run_id: str
     resumed: bool
     others: int
     replaced: str | None = None
+    changed: tuple[str, ...] = ()
 
 
-def run_id(output: Path, request: str, restart: bool = False) -> RunId:
-    """The run id of ``request`` (what the run was asked to do: the config
-    JSON, the methods, the code) in the folder. Each request keeps its own:
-    a new one is written for a request the folder has not seen, or on
-    ``restart``; one seen before resumes, even after other requests ran
-    there (one edit of the code and back used to lose the first run's tasks).
-    The record is written whole or not at all, so one that cannot be read was
-    damaged from outside: refused, naming it, rather than replaced by a new
-    record in which no earlier run of the folder resumes."""
+def run_id(output: Path, request: Mapping[str, str], restart: bool = False) -> RunId:
+    """The run id of ``request`` (what the run was asked to do, by
+    :func:`request`) in the folder. Each request keeps its own: a new one is
+    written for a request the folder has not seen, or on ``restart``; one seen
+    before resumes, even after other requests ran there (one edit of the code
+    and back used to lose the first run's tasks). The record keeps each
+    request too, and which ran last, to say what a new one changed. It is
+    written whole or not at all, so one that cannot be read was damaged from
+    outside: refused, naming it, rather than replaced by a new record in which
+    no earlier run of the folder resumes."""
     path = Path(output) / RUN_FILE
-    digest = hashlib.sha256(request.encode()).hexdigest()
-    runs: dict[str, str] = {}
+    digest = hashlib.sha256(json.dumps(request, sort_keys=True).encode()).hexdigest()
+    runs, requests, last = {}, {}, None
     if path.exists():
         try:
             recorded = json.loads(path.read_text())
-            # a folder of an earlier tracefp4 recorded one request
-            runs = dict(recorded.get("runs") or {recorded["request_sha256"]: recorded["run_id"]})
+            runs, requests, last = dict(recorded["runs"]), dict(recorded.get("requests", {})), recorded.get("last")
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise UnreadableRunRecord(
                 f"{path}: unreadable ({type(e).__name__}: {e}); it holds the run id each run in {output} resumes "
                 "by: restore it, or delete it to start every run there anew"
             ) from None
     others, earlier = len(runs) - (digest in runs), runs.get(digest)
-    if earlier and not restart:
-        return RunId(earlier, True, others)
-    runs[digest] = f"local-{uuid.uuid4().hex[:12]}"
-    record = json.dumps({"runs": runs}, indent=2) + "\n"
+    resumed = bool(earlier) and not restart
+    if not resumed:
+        runs[digest] = f"local-{uuid.uuid4().hex[:12]}"
+    before = requests.get(last) if last != digest else None
+    requests[digest] = dict(request)
+    record = json.dumps({"runs": runs, "requests": requests, "last": digest}, indent=2) + "\n"
     write_atomic(path, lambda f: f.write(record.encode()))
-    return RunId(runs[digest], False, others, earlier)
+    changed = tuple(changes(before, request)) if isinstance(before, dict) else ()
+    return RunId(runs[digest], resumed, others, None if resumed else earlier, changed)
+
+
+def changes(before: Mapping[str, str], now: Mapping[str, str], shown: int = 6) -> list[str]:
+    """What ``now`` asks otherwise than the request ``before``, in words: each
+    setting that differs (``rl.rounds 2 -> 3``; a problem file rewritten is
+    its ``tasks.i.sha256``), the methods, the code, the store's server, the
+    files behind a checkpoint; at most ``shown`` settings, then how many more."""
+    settings = [
+        f"{key} {_shown(was)} -> {_shown(value)}"
+        for key, (was, value) in _differences(
+            json.loads(before.get("settings", "{}")), json.loads(now.get("settings", "{}"))
+        ).items()
+    ]
+    if len(settings) > shown:
+        settings[shown - 1 :] = [f"{len(settings) - shown + 1} more settings"]
+    parts = {"methods": "the methods", "code": "tracefp4's code", "store endpoint": "the store's server"}
+    others = sorted({*before, *now} - {"settings"})
+    return settings + [parts.get(part, part) for part in others if before.get(part) != now.get(part)]
+
+
+def _differences(before, now, prefix: str = "") -> dict[str, tuple]:
+    """The leaves of two settings' JSON that differ, by dotted path (a list's items by number)."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        items = [(key, before.get(key), now.get(key)) for key in dict.fromkeys([*before, *now])]
+    elif isinstance(before, list) and isinstance(now, list) and len(before) == len(now):
+        items = [(str(i), a, b) for i, (a, b) in enumerate(zip(before, now))]
+    else:
+        return {} if before == now else {prefix.removesuffix("."): (before, now)}
+    found = {}
+    for key, a, b in items:
+        found |= _differences(a, b, f"{prefix}{key}.")
+    return found
+
+
+def _shown(value) -> str:
+    """A setting's value as :func:`changes` says it, cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= 24 else text[:21] + "..."
 
 
 def finished_outputs(run_dir: Path) -> set[Path]:

@@ -125,28 +125,47 @@ def test_a_log_that_cannot_be_written_stops_once_and_says_why(capsys):
 
 
 def test_a_run_folder_keeps_a_run_id_per_request(tmp_path):
-    first, resumed, others, _ = resume.run_id(tmp_path, "config A")
-    assert first.startswith("local-") and not resumed and others == 0
-    assert resume.run_id(tmp_path, "config A") == (first, True, 0, None)
-    changed, resumed, others, _ = resume.run_id(tmp_path, "config B")
-    assert changed != first and not resumed and others == 1
+    a, b, c = ({"settings": json.dumps({"seed": seed}), "code": "x"} for seed in (1, 2, 3))
+    first, resumed, others, _, changed = resume.run_id(tmp_path, a)
+    assert first.startswith("local-") and not resumed and others == 0 and changed == ()
+    assert resume.run_id(tmp_path, a) == (first, True, 0, None, ())
+    second, resumed, others, _, changed = resume.run_id(tmp_path, b)
+    assert second != first and not resumed and others == 1 and changed == ("seed 1 -> 2",)
     # back to the first request (a setting undone, an edit reverted): its run resumes, it was not replaced
-    assert resume.run_id(tmp_path, "config A") == (first, True, 1, None)
-    restarted, resumed, others, replaced = resume.run_id(tmp_path, "config B", restart=True)
-    assert restarted != changed and not resumed and (others, replaced) == (1, changed)
-    assert resume.run_id(tmp_path, "config B")[:2] == (restarted, True)
-    assert resume.run_id(tmp_path, "config C", restart=True).replaced is None  # nothing to restart: a new run
+    assert resume.run_id(tmp_path, a) == (first, True, 1, None, ("seed 2 -> 1",))
+    restarted, resumed, others, replaced, _ = resume.run_id(tmp_path, b, restart=True)
+    assert restarted != second and not resumed and (others, replaced) == (1, second)
+    assert resume.run_id(tmp_path, b)[:2] == (restarted, True)
+    assert resume.run_id(tmp_path, c, restart=True).replaced is None  # nothing to restart: a new run
     assert [p.name for p in tmp_path.iterdir()] == [resume.RUN_FILE]  # written through a renamed temporary file
     # a record damaged from outside is refused, naming it, and kept as it is: neither run resumes otherwise
     (tmp_path / resume.RUN_FILE).write_text("{not json")
     for restart in (False, True):
         with pytest.raises(resume.UnreadableRunRecord, match=f"{resume.RUN_FILE}: unreadable .*delete it"):
-            resume.run_id(tmp_path, "config B", restart=restart)
+            resume.run_id(tmp_path, b, restart=restart)
     assert (tmp_path / resume.RUN_FILE).read_text() == "{not json"
-    # a folder of an earlier tracefp4, which recorded one request
-    digest = hashlib.sha256(b"config A").hexdigest()
-    (tmp_path / resume.RUN_FILE).write_text(json.dumps({"run_id": "local-old", "request_sha256": digest}))
-    assert resume.run_id(tmp_path, "config A") == ("local-old", True, 0, None)
+
+
+def test_a_new_run_of_a_folder_says_what_it_asks_otherwise_than_the_last_one():
+    """A rerun that started anew said only that the folder's other runs were asked for "other settings, methods,
+    code, checkpoint, problem or reward files or store endpoint": which one, the user had to find out."""
+    tasks = [{"name": "sums", "data": "/p.jsonl", "sha256": "ab" * 32}]
+    before = {"settings": json.dumps({"seed": 0, "rl": {"rounds": 2}, "tasks": tasks}), "methods": "null", "code": "x"}
+    tasks = [{"name": "sums", "data": "/p.jsonl", "sha256": "cd" * 32}]
+    now = {"settings": json.dumps({"seed": 0, "rl": {"rounds": 3}, "tasks": tasks}), "methods": "null", "code": "y"}
+    assert resume.changes(before, now) == [
+        "rl.rounds 2 -> 3",
+        'tasks.0.sha256 "abababababababababab... -> "cdcdcdcdcdcdcdcdcdcd...',
+        "tracefp4's code",
+    ]
+    before = {"settings": json.dumps({f"k{i}": 0 for i in range(9)})}
+    now = {"settings": json.dumps({f"k{i}": 1 for i in range(9)}), "the files at model.checkpoint": "f"}
+    assert resume.changes(before, now, shown=3) == [
+        "k0 0 -> 1",
+        "k1 0 -> 1",
+        "7 more settings",
+        "the files at model.checkpoint",
+    ]
 
 
 def test_a_runs_serving_exports_are_its_finished_export_tasks_by_method(tmp_path):
@@ -214,7 +233,8 @@ def test_an_s3_store_on_another_server_is_another_run(s3_env, tmp_path, monkeypa
     assert resume.request(config, None, open_store(config.store.uri)) != first
 
     def started(output, request, restart):
-        raise RuntimeError(f"started; store endpoint {request.rpartition(chr(0))[2]}")
+        fingerprint = request["the files at model.checkpoint"]
+        raise RuntimeError(f"started; store endpoint {request['store endpoint']}, checkpoint {fingerprint}")
 
     # a checkpoint in the store is fingerprinted there too (it was read with this process's settings alone), and
     # its config and tokenizer read there before the run starts
@@ -228,7 +248,7 @@ def test_an_s3_store_on_another_server_is_another_run(s3_env, tmp_path, monkeypa
             "model": config.model.model_copy(update={"checkpoint": s3_env.uri("checkpoint")}),
         }
     )
-    with pytest.raises(RuntimeError, match=f"started; store endpoint http://{other}[0-9a-f]{{64}}$"):  # + fingerprint
+    with pytest.raises(RuntimeError, match=f"started; store endpoint http://{other}, checkpoint [0-9a-f]{{64}}$"):
         run_local(pinned, tmp_path / "run")
 
 
