@@ -10,7 +10,8 @@ moments and step of each parameter and, where the policy does not hold them
 rollout and compaction encode (:class:`.capture.SiteTable`, compacted, or
 syndrome-coded at a first step's rate), sized on a sample of rows of every
 guided layer and site; a round's trajectories are the lines the rollout writes
-(:func:`.steps.trajectory_line`), sized on a sample of tokens. What is not
+(:func:`.steps.trajectory_line`), sized on a sample of tokens and on the
+tasks' training problems (read as a run's first task reads them). What is not
 known before a run is an input: the tokens of a trajectory are at most
 ``model.max_seq_len`` (prompt and response) unless a mean is given, and the
 syndrome codec's later steps choose their own rates.
@@ -40,6 +41,7 @@ from .steps import (
     rollout_captures,
     rollout_quant,
     rollout_writes_guidance,
+    task_of,
     trajectory_line,
 )
 from .store import StoreError, file_path, open_store
@@ -49,6 +51,7 @@ from .tasks import Problem
 OPTIMIZER_MOMENTS = 2  # AdamW's exp_avg and exp_avg_sq, float32 like the master they step
 STEP_BYTES = 4  # AdamW's step count: a float32 scalar tensor per parameter
 SAMPLE_TOKENS = 4096  # the response a trajectory line is sized on
+SAMPLE_PROBLEMS = 64  # of each task, the problems a trajectory line's problem is sized on
 
 
 class PlanError(ValueError):
@@ -173,7 +176,7 @@ def trajectory_bytes_per_token(config: RunConfig, cfg: ModelConfig) -> float:
     have) and log-probabilities of uniform draws (a float32 value's JSON takes
     19 to 22 characters whatever its size, those of likely tokens, near 0, the
     most: a few bytes a token more than here). A prompt token, its id alone,
-    counts as much; a line's problem and fields are not counted."""
+    counts as much; a line's problem is :func:`problem_bytes_per_trajectory`'s."""
     k, generator = recorded_topk(config), torch.Generator().manual_seed(0)
 
     def line_bytes(tokens: int) -> int:
@@ -184,6 +187,26 @@ def trajectory_bytes_per_token(config: RunConfig, cfg: ModelConfig) -> float:
         return len(trajectory_line(trajectory, Problem("", "", "", {})))
 
     return (line_bytes(SAMPLE_TOKENS) - line_bytes(0)) / SAMPLE_TOKENS
+
+
+def problem_bytes_per_trajectory(config: RunConfig) -> float:
+    """Bytes a trajectory's problem adds to its trajectories file's line
+    (:func:`.steps.trajectory_line`): its prompt, answer and meta (a file's
+    line whole where a reward of the task's own scores it, which may be
+    most of the file: test cases), a mean over a sample of each trained
+    task's problems (:data:`SAMPLE_PROBLEMS`: drawing them all takes half a
+    minute on a paper preset), weighted as rollout draws the tasks. A task's
+    file that cannot be read is an error naming it, as the run's first task
+    would give."""
+    empty = Trajectory(0, [], [], [], "length")
+    bare = len(trajectory_line(empty, Problem("", "", "", {})))
+    weighted = []
+    for i, t in enumerate(config.tasks):
+        if t.train_size:
+            drawn = task_of(config, i).generate(min(SAMPLE_PROBLEMS, t.train_size), config.seed, t.difficulty)
+            weighted.append((t.weight, sum(len(trajectory_line(empty, p)) - bare for p in drawn) / len(drawn)))
+    total = sum(weight for weight, _ in weighted)
+    return sum(weight * size for weight, size in weighted) / total if total else 0.0
 
 
 def rounds_at_once(config: RunConfig, rounds: int) -> int:
@@ -247,8 +270,8 @@ def plan(config: RunConfig, cfg: ModelConfig, tokens_per_trajectory: int | None 
     policy = policy_bytes(cfg, dtype)
     state = trainer_state_bytes(model, dtype)
     per_round = round((guidance + capture) * tokens)
-    trajectory = trajectory_bytes_per_token(config, cfg)
-    trajectories_per_round = round(trajectory * tokens)
+    trajectory, problem = trajectory_bytes_per_token(config, cfg), problem_bytes_per_trajectory(config)
+    trajectories_per_round = round(trajectory * tokens + problem * trajectories)
     # in the pipeline root each rollout worker's trajectories besides the round's gathered file
     rolled_out = trajectories_per_round * (1 + (r.workers > 1))
     # in the store a TrainJob's inputs, the running round's trajectories among them, until its outputs are out
@@ -271,6 +294,7 @@ def plan(config: RunConfig, cfg: ModelConfig, tokens_per_trajectory: int | None 
         "guidance_bytes_per_round": round(guidance * tokens),
         "capture_bytes_per_round": round(capture * tokens),
         "trajectory_bytes_per_token": trajectory,
+        "problem_bytes_per_trajectory": problem,
         "trajectories_bytes_per_round": trajectories_per_round,
         "rounds_per_run": rounds_per_run,
         "runs": runs,

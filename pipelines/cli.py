@@ -955,6 +955,8 @@ def plan(preset, config_file, sets, model_config, tokens_per_trajectory):
         figures = planning.plan(config, planning.model_config(config, model_config), tokens_per_trajectory)
     except planning.PlanError as e:
         raise click.ClickException(str(e)) from None
+    except ValueError as e:  # a task's file that cannot be read or drawn from, as the run's first task says
+        raise _refused(ConfigError([("tasks", str(e))]), config_file, sets) from None
     f = figures
     bound = "at most" if f["tokens_per_trajectory_is_bound"] else "a mean of"
     rows = [
@@ -980,7 +982,8 @@ def plan(preset, config_file, sets, model_config, tokens_per_trajectory):
         (
             "trajectories",
             f"{_size(f['trajectories_bytes_per_round'])} a round ({_size(f['trajectory_bytes_per_token'])} a token: "
-            "JSON lines of ids and log-probabilities)",
+            f"JSON lines of ids and log-probabilities; {_size(f['problem_bytes_per_trajectory'])} a trajectory: its "
+            "problem)",
         ),
         (
             "store",

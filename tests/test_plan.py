@@ -24,6 +24,7 @@ from tracefp4.components.plan import (
     rounds_left,
 )
 from tracefp4.components.store import open_store
+from tracefp4.components.tasks import Problem
 from tracefp4.components.tensor_files import tensor_files, tensor_layout
 from tracefp4.pipelines.cli import _size, main
 from tracefp4.pipelines.local import localize
@@ -50,6 +51,10 @@ def assert_trajectories_as_planned(path: Path, figures: dict) -> None:
     assert added / responses == pytest.approx(figures["trajectory_bytes_per_token"], rel=0.1)
     assert added < figures["trajectory_bytes_per_token"] * sum(len(t.tokens) for t in trajectories)
     assert sum(len(t.tokens) for t in trajectories) <= figures["tokens_per_round"]
+    # and what its problems add (prompt, answer, meta), sized on a sample of the tasks' problems
+    bare = len(steps.trajectory_line(empty[0], Problem("", "", "", {})))
+    problem = sum(len(steps.trajectory_line(t, p)) - bare for t, p in zip(empty, problems)) / len(problems)
+    assert problem == pytest.approx(figures["problem_bytes_per_trajectory"], rel=0.2)
 
 
 def tensor_bytes(folder, stem: str) -> int:
@@ -111,6 +116,28 @@ def test_tis_sc_trajectories_carry_the_samplers_top_k_as_planned(tmp_path):
     assert_trajectories_as_planned(tmp_path / "trajectories.jsonl", figures)
     plain = plan(config.model_copy(update={"method": "qat"}), model_config(config))
     assert figures["trajectory_bytes_per_token"] > 8 * plain["trajectory_bytes_per_token"]  # 8 ids and values more
+
+
+def test_a_problem_scored_by_a_reward_of_its_own_is_planned_with_its_whole_line(tmp_path):
+    """Such a problem's line goes into the trajectories file with each of its responses: lines of test cases
+    made a round's file 122 times what the plan said, which counted the tokens alone."""
+    data = tmp_path / "sums.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{a}+1=", "answer": a + 1, "tests": "x" * 20_000}) + "\n" for a in range(20))
+    )
+    (tmp_path / "rewards.py").write_text("def score(response, answer, line):\n    return 1\n")
+    task = {"name": "sums", "data": str(data), "train_size": 16, "test_size": 4}
+    config = load_config(None, preset="smoke", overrides={"tasks": [task]})
+    plain = plan(config, model_config(config))
+    task["reward"] = f"{tmp_path}/rewards.py:score"
+    rewarded = plan(load_config(None, preset="smoke", overrides={"tasks": [task]}), model_config(config))
+    assert 0 < plain["problem_bytes_per_trajectory"] < 100
+    assert 20_000 < rewarded["problem_bytes_per_trajectory"] < 20_200
+    grown = rewarded["trajectories_bytes_per_round"] - plain["trajectories_bytes_per_round"]
+    assert grown > rewarded["trajectories_per_round"] * 20_000
+    data.unlink()  # a file the plan cannot read is named, as the run's first task would
+    result = CliRunner().invoke(main, ["plan", "--preset", "smoke", "--set", f"tasks={json.dumps([task])}"])
+    assert result.exit_code == 1 and f"tasks.0.data: {data}: no such file" in result.output, result.output
 
 
 @pytest.mark.parametrize("keep", [False, True])
