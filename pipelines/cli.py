@@ -955,8 +955,9 @@ def plan(preset, config_file, sets, model_config, tokens_per_trajectory):
         figures = planning.plan(config, planning.model_config(config, model_config), tokens_per_trajectory)
     except planning.PlanError as e:
         raise click.ClickException(str(e)) from None
-    except ValueError as e:  # a task's file that cannot be read or drawn from, as the run's first task says
-        raise _refused(ConfigError([("tasks", str(e))]), config_file, sets) from None
+    except ValueError as e:  # "tasks.i.data: ...": a task's file that cannot be read, as the run's first task says
+        field, _, reason = str(e).partition(": ")
+        raise _refused(ConfigError([(field, reason)]), config_file, sets) from None
     f = figures
     bound = "at most" if f["tokens_per_trajectory_is_bound"] else "a mean of"
     rows = [

@@ -710,7 +710,7 @@ def run_to_end(
                 "resumes when asked for again"
             )
         header = f"running {config.name}: {config.rl.rounds} round(s) of {config.rl.steps_per_round} step(s), method "
-        header += f"{', '.join(methods or [config.method])}; component logs in {log or output / 'pipeline.log'}"
+        header += f"{', '.join(methods or [config.method])}; component logs in {log or output / LOG}"
         print(f"{header}\nrun id {run_id}{note}", file=out, flush=True)  # once the run is sure to start
         resume.cache_every_task(pipeline, run_id)
         resume.hold_folder_lock(pipeline, output)
