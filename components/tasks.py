@@ -684,8 +684,9 @@ class RewardFunction:
             raise ValueError(f"{e} (given the line's answer as the response, before the run)") from e.__cause__
         if value < 1:
             log.warning(
-                "%s scores %s line %s %g given the line's own answer as the response: if responses must take "
-                "another form, well; else check its arguments: it is called as %s(response, answer, line)",
+                "%s scores %s line %s %g given the line's own answer as the response: fine if a response must "
+                "take another form (a \\boxed{}); else check its arguments: it is called as %s(response, answer, "
+                "line)",
                 self.name,
                 self.problems,
                 problem.meta["line"],
