@@ -841,6 +841,9 @@ def _experts_fused(tensors: Iterable[str], where: object) -> bool:
     return fused is not None
 
 
+_ROPE_BUFFER = re.compile(r"\.rotary_emb\.inv_freq$")
+
+
 def _check_tensors(folder: Path, cfg: ModelConfig, headers: dict) -> dict[str, tuple[Path, str, tuple[int, ...]]]:
     """The tensors to load, once config.json agrees with their names, dtypes and
     shapes. Layer and expert counts are compared first, so that an absurd count
@@ -865,11 +868,13 @@ def _check_tensors(folder: Path, cfg: ModelConfig, headers: dict) -> dict[str, t
     expected = hub_shapes(cfg, fused)
     if cfg.tie_word_embeddings:
         headers = {k: v for k, v in headers.items() if k != "lm_head.weight"}  # transformers may save the tied copy
+    # RoPE's inverse frequencies, a buffer older transformers saved and its loaders skip: computed from config.json
+    headers = {k: v for k, v in headers.items() if not _ROPE_BUFFER.search(k)}
     missing, unexpected = sorted(set(expected) - set(headers)), sorted(set(headers) - set(expected))
     if missing or unexpected:
-        raise CheckpointError(
-            f"{folder}: the weights do not match {CONFIG}: missing {missing[:5]}, unexpected {unexpected[:5]}"
-        )
+        gaps = [f"{what} {names[:5]}" + f" and {len(names) - 5} more" * (len(names) > 5)
+                for what, names in (("missing", missing), ("unexpected", unexpected)) if names]  # fmt: skip
+        raise CheckpointError(f"{folder}: the weights do not match {CONFIG}: {', '.join(gaps)}")
     for tensor, shape in expected.items():
         path, dtype, got = headers[tensor]
         if dtype not in _FLOAT_DTYPES:
@@ -901,15 +906,16 @@ def load_model(
     return model
 
 
-def check_weights(path: str | os.PathLike, cfg: ModelConfig) -> None:
+def check_weights(path: str | os.PathLike, cfg: ModelConfig) -> torch.dtype:
     """The weights of the policy folder ``path`` checked against ``cfg``, its
     config.json's (:func:`read_config`), by their safetensors headers alone
     (files, names, dtypes, shapes), as :class:`PolicyReader` checks them before
     it reads any: a command checks a checkpoint so before its run starts, in a
-    moment at any size (the checksums, which read every byte, are prepare's)."""
+    moment at any size (the checksums, which read every byte, are prepare's).
+    Returns the dtype they load in (:func:`checkpoint_dtype`)."""
     folder = Path(path)
     headers, _ = _language_model(folder, _headers(folder), cfg)
-    _check_tensors(folder, cfg, headers)
+    return checkpoint_dtype(_check_tensors(folder, cfg, headers))
 
 
 class PolicyReader:

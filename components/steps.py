@@ -19,6 +19,7 @@ import contextlib
 import functools
 import hashlib
 import json
+import logging
 import os
 import random
 import time
@@ -117,6 +118,8 @@ ROUND_KEYS = (
     "upload_seconds",
 ) + COMPACTION_KEYS
 
+log = logging.getLogger(__name__)
+
 
 class RunMismatch(ValueError):
     """An input that belongs to another run, round or policy version than the step's."""
@@ -155,6 +158,19 @@ def _store(config: RunConfig):
 
 def compute_dtype(config: RunConfig) -> torch.dtype:
     return getattr(torch, config.model.dtype)
+
+
+def warn_of_checkpoint_dtype(weights: torch.dtype, config: RunConfig) -> None:
+    """Warn where ``model.checkpoint``'s weights are of another dtype than the run's ``model.dtype``, which its
+    rollout and training take them to: a bf16 checkpoint in a run of the schema's float32 (the library presets')
+    takes twice the memory and bytes, and rolls out other values than it would serve."""
+    run = compute_dtype(config)
+    if weights != run:
+        log.warning(
+            "model.checkpoint %s holds %s weights; the run rolls them out and trains them in model.dtype %s (set "
+            "model.dtype to keep the checkpoint's)",
+            config.model.checkpoint, *(str(d).removeprefix("torch.") for d in (weights, run)),
+        )  # fmt: skip
 
 
 def problems(config: RunConfig) -> tuple[list[Problem], list[Problem]]:
@@ -446,6 +462,7 @@ def prepare(config: RunConfig, out: Path, run_id: str = "", state: Path | None =
         model = build_model(config.model.preset, seed=config.seed, dtype=dtype).to(device)
     else:
         model = load_model(checkpoint, device=device)
+        warn_of_checkpoint_dtype(next(model.parameters()).dtype, config)  # a cluster run's, in prepare's log
     stats = run_bootstrap(config, model, tokenizer) if config.bootstrap.enabled else {}
     trainer = Trainer(model, train_config(config), BF16, {})
     if state is None:

@@ -883,21 +883,26 @@ def alerts(output):
     "--check",
     is_flag=True,
     help="Also read the tasks' problem files (S3 with the config's store settings) and draw every task, as a "
-    "run's first task does, and give the config with the files' sha256 pinned.",
+    "run's first task does, and model.checkpoint's config.json and tokenizer (a local folder's weights' headers "
+    "too), as a local run does before it starts; give the config with the files' sha256 pinned.",
 )
 def show_config(preset, config_file, sets, output, check):
     """Print the whole run config that --preset, --config and --set give, validated: what a run of them takes,
     every value (of a task, those that apply to it), and a start for a --config file of your own (e.g.
     tracefp4 config --set model.checkpoint=my-moe > my-run.yaml). --check finds before a submit what the
-    run's first task would refuse in its tasks."""
+    run's first task would refuse in its tasks, and prepare in its checkpoint."""
     config = _config(preset, config_file, sets=sets)
     if check:
+        from tracefp4.components.steps import steps_environment
+        from tracefp4.pipelines.local import check_checkpoint, warnings_to
         from tracefp4.pipelines.parameters import check_drawable, pin_problems
 
+        # on standard error: a reward's print() and the warnings, where the config printed is a file's
         try:
-            with contextlib.redirect_stdout(sys.stderr):  # a reward's print(): the config printed is a file's
+            with contextlib.redirect_stdout(sys.stderr), warnings_to(sys.stderr):
                 config = pin_problems(config)
                 check_drawable(config)
+                check_checkpoint(config, steps_environment(config))
         except ConfigError as e:
             raise _refused(e, config_file, sets) from None
     if output is None:

@@ -49,7 +49,7 @@ from tracefp4.components.checkpoint import (
 )
 from tracefp4.components.device import resolve
 from tracefp4.components.metrics import PUBLISH_FAILED
-from tracefp4.components.steps import check_policy_fits, steps_environment
+from tracefp4.components.steps import check_policy_fits, steps_environment, warn_of_checkpoint_dtype
 from tracefp4.components.store import file_path, open_store, write_atomic
 from tracefp4.components.tasks import reward_parts
 from tracefp4.components.tokenizer import TokenizerError
@@ -136,11 +136,9 @@ def localize(config: RunConfig, output: Path) -> RunConfig:
 
 
 def _absolute(location: str | None) -> str | None:
-    """A relative path made absolute (from this process's folder, which the steps read it from); a URI, an
-    absolute path or None as it is."""
-    if location is None or "://" in location or Path(location).is_absolute():
-        return location
-    return os.path.abspath(location)
+    """A path made absolute (from this process's folder, which the steps read it from) and normal: a trailing
+    ``/`` was another request of the same folder, a new run. A URI or None as it is."""
+    return location if location is None or "://" in location else os.path.abspath(location)
 
 
 def _absolute_reward(reward: str | None) -> str | None:
@@ -434,7 +432,7 @@ def _stop(pids: list[int], grace: float = 10.0) -> None:
 
 
 @contextlib.contextmanager
-def _warnings_to(out):
+def warnings_to(out):
     """What tracefp4 warns of while the block runs, said on ``out`` as
     ``warning: ...`` (where Python's handler of last resort would print the
     bare message on standard error, in a command whose other lines are on ``out``)."""
@@ -638,7 +636,7 @@ def check_checkpoint(config: RunConfig, env: dict[str, str]) -> None:
             )
         else:
             cfg, tokenizer = read_policy_folder(folder)
-            check_weights(folder, cfg)  # a store's are read by prepare alone
+            warn_of_checkpoint_dtype(check_weights(folder, cfg), config)  # a store's are read by prepare alone
     except (CheckpointError, TokenizerError, OSError) as e:
         raise ConfigError([("model.checkpoint", str(e))]) from None
     try:
@@ -678,7 +676,7 @@ def run_to_end(
     check_device(config)
     output = Path(output).resolve()
     resume.check_run_folder(output)
-    with _warnings_to(out):  # the log is not open yet: a checkpoint without a chat template, say
+    with warnings_to(out):  # the log is not open yet: a checkpoint without a chat template, say
         # the problem files pinned before the pipeline takes the config: a file rewritten during the run stops it
         config = pin_problems(localize(config, output))
         # built before the folder is made: it refuses a comparison branch that could not run, a rollout no export

@@ -58,6 +58,22 @@ def rewrite_tensor(path, name, tensor):
     save_file(tensors, path)
 
 
+def test_ropes_saved_inverse_frequencies_are_skipped_as_transformers_skips_them_and_others_are_named(tmp_path):
+    """Older transformers saved each layer's rotary_emb.inv_freq buffer, which its loaders skip (config.json gives
+    it): such a checkpoint was refused. A tensor of no known name is refused, naming it alone (with "missing []"
+    beside it)."""
+    folder = saved(tmp_path, manifest=False)
+    reference = load_model(folder)
+    rewrite_tensor(folder / "model.safetensors", "model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(4))
+    loaded = load_model(folder)
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), reference.state_dict().values()))
+    rewrite_tensor(folder / "model.safetensors", "model.layers.0.self_attn.extra", torch.ones(4))
+    with pytest.raises(
+        CheckpointError, match=r"do not match config.json: unexpected \['model.layers.0.self_attn.extra'\]$"
+    ):
+        load_model(folder)
+
+
 def test_a_head_that_differs_from_the_tied_embedding_loads_untied_as_transformers_loads_it(tmp_path, caplog):
     """config.json ties the embedding and lm_head, the weights hold a trained
     head of its own (a fine-tune that untied it and kept the config): both are

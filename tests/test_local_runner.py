@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 
 from tracefp4.components.architecture import get_preset as get_model_preset
@@ -30,12 +31,12 @@ from tracefp4.pipelines.local import (
     SAME_SIGNAL_S,
     _kfp_local_swaps_undone,
     _Log,
-    _warnings_to,
     failed_method,
     failed_task,
     progress_state,
     run_local,
     serving_exports,
+    warnings_to,
 )
 from tracefp4.pipelines.pipeline import build_comparison_pipeline, build_pipeline
 from tracefp4.schemas import ConfigError, RunConfig, get_preset, load_config
@@ -155,9 +156,13 @@ def test_a_new_run_of_a_folder_says_what_it_asks_otherwise_than_the_last_one():
     now = {"settings": json.dumps({"seed": 0, "rl": {"rounds": 3}, "tasks": tasks}), "methods": "null", "code": "y"}
     assert resume.changes(before, now) == [
         "rl.rounds 2 -> 3",
-        'tasks.0.sha256 "abababababababababab... -> "cdcdcdcdcdcdcdcdcdcd...',
+        'tasks.0.sha256 "abababababababababababa... -> "cdcdcdcdcdcdcdcdcdcdcdc...',
         "tracefp4's code",
     ]
+    # a long value is cut around where the two first differ: a checkpoint's path that gained a trailing /
+    path = {"settings": json.dumps({"model": {"checkpoint": "/data/checkpoints/qwen3-30b-a3b"}})}
+    slash = {"settings": json.dumps({"model": {"checkpoint": "/data/checkpoints/qwen3-30b-a3b/"}})}
+    assert resume.changes(path, slash) == ['model.checkpoint ...ckpoints/qwen3-30b-a3b" -> ...ckpoints/qwen3-30b-a3b/"']
     before = {"settings": json.dumps({f"k{i}": 0 for i in range(9)})}
     now = {"settings": json.dumps({f"k{i}": 1 for i in range(9)}), "the files at model.checkpoint": "f"}
     assert resume.changes(before, now, shown=3) == [
@@ -565,11 +570,29 @@ def test_a_checkpoint_and_the_run_against_it_are_checked_before_the_run_starts(t
     assert not (tmp_path / "run").exists()
 
 
+def test_config_check_reads_the_checkpoint_and_warns_of_weights_the_run_takes_to_another_dtype(tmp_path):
+    """config --check read no checkpoint: one that is not there passed, which the run refused at once. A bf16
+    checkpoint in a run of the schema's float32 ran in float32 without a word (twice its memory and bytes)."""
+    folder = save_model(
+        build_model("smoke", dtype=torch.bfloat16), tmp_path / "policy", extra=build_tokenizer().files()
+    )
+    command = ["config", "--preset", "smoke", "--set", f"model.checkpoint={folder}", "--check"]
+    result = CliRunner().invoke(main, command)
+    assert result.exit_code == 0, result.output
+    assert (
+        f"warning: model.checkpoint {folder} holds bfloat16 weights; the run rolls them out and trains them in "
+        "model.dtype float32" in result.stderr
+    )
+    assert "warning" not in CliRunner().invoke(main, [*command, "--set", "model.dtype=bfloat16"]).stderr
+    result = CliRunner().invoke(main, [*command[:4], f"model.checkpoint={tmp_path}/none", "--check"])
+    assert result.exit_code == 1 and f"model.checkpoint: {tmp_path}/none/config.json does not exist" in result.output
+
+
 def test_a_warning_before_the_run_starts_is_said_as_one():
     """The checks before a run's log is open (a checkpoint without a chat template) warned with Python's handler
     of last resort: a bare line on standard error, among the command's own lines on standard output."""
     said = io.StringIO()
-    with _warnings_to(said):
+    with warnings_to(said):
         logging.getLogger("tracefp4.checkpoint").warning("%s has no chat template", "policy")
     logging.getLogger("tracefp4.checkpoint").warning("after the checks")
     assert said.getvalue() == "warning: policy has no chat template\n"  # the handler gone after the checks

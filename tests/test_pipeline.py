@@ -205,9 +205,9 @@ def test_a_local_run_reads_relative_paths_as_absolute_ones_so_its_settings_read_
     monkeypatch.chdir(tmp_path)
     tasks = [
         {"name": "mine", "data": "p.jsonl", "reward": "r/rewards.py:score"},
-        {"name": "theirs", "data": "s3://bucket/p.jsonl", "reward": "/abs/rewards.py:score"},
+        {"name": "theirs", "data": "s3://bucket/p.jsonl", "reward": "/abs/./rewards.py:score"},
     ]
-    model = {"checkpoint": "ckpt", "trainer_state": "file:///s"}
+    model = {"checkpoint": "ckpt/", "trainer_state": "file:///s"}  # normal: a trailing / was another run
     config = RunConfig.model_validate({"model": model, "rl": {"first_round": 1}, "tasks": tasks})
     local = localize(config, tmp_path / "run")
     assert [(t.data, t.reward) for t in local.tasks] == [
