@@ -73,6 +73,7 @@ from .store import (
     file_path,
     fsync_folder,
     open_store,
+    unexpanded_home,
     write_atomic,
 )
 from .tensor_files import DTYPES, TensorWriter, index_name, single_name, write_tensors
@@ -188,7 +189,10 @@ def config_from_hf(hf: dict) -> ModelConfig:
         raise CheckpointError("config.json: rope_parameters and rope_scaling must be objects")
     rope_type = tuple(r.get("rope_type", r.get("type", "default")) for r in (scaling, rope))  # "type": older key
     if rope_type != ("default", "default"):
-        raise CheckpointError("config.json asks for scaled RoPE; tracefp4 implements the default RoPE only")
+        raise CheckpointError(
+            f"config.json asks for scaled RoPE ({', '.join(t for t in rope_type if t != 'default')}); tracefp4 "
+            "implements the default RoPE only (docs/pipeline.md, on a scaling added to a checkpoint trained without it)"
+        )
     qwen3, qwen35 = model_type == "qwen3_moe", model_type == "qwen3_5_moe"
     missing = object()
 
@@ -658,7 +662,7 @@ def fingerprint(uri: str | os.PathLike, store_env: Mapping[str, str] | None = No
     folder = local_folder(text)  # a location folder: its manifest is the one it stands for
     if folder is not None:
         if not folder.is_dir():
-            raise CheckpointError(f"{text}: no such folder")
+            raise CheckpointError(f"{text}: no such folder{unexpanded_home(text)}")
         _refuse_unfinished(folder, os.listdir(folder))
         location(folder, store_env)
         if (folder / MANIFEST).exists():
@@ -975,9 +979,10 @@ def _config_file(folder: Path) -> Path:
     """``folder``'s config.json, which a policy folder has: a missing one fails naming it."""
     path = _inside(folder, CONFIG, "the config")
     if not path.exists():
+        what = "no policy folder" if folder.is_dir() else f"no folder{unexpanded_home(str(folder))}"
         raise FileNotFoundError(
-            f"{path} does not exist: {folder} is no policy folder (a Hugging Face checkpoint's config.json, "
-            "safetensors and tokenizer files)"
+            f"{path} does not exist: {folder} is {what} (a Hugging Face checkpoint's config.json, safetensors and "
+            "tokenizer files)"
         )
     return path
 
@@ -1028,6 +1033,12 @@ def read_policy_folder(folder: str | os.PathLike, source: str | None = None) -> 
         log.warning(
             "%s has no chat template (chat_template.jinja, or chat_template in tokenizer_config.json): prompts are "
             "plain text and answers end at a newline (docs/pipeline.md)",
+            named,
+        )
+    elif tokenizer.chat and not tokenizer.opens_a_response():
+        log.warning(
+            "%s: its chat template renders no generation prompt (add_generation_prompt changes nothing): a "
+            "response would follow the user's turn with no assistant header; check the template",
             named,
         )
     return cfg, tokenizer

@@ -284,10 +284,11 @@ def export(
         raise ValueError(f"{out}: the policy to export; write the export to another folder")
     model = load_model(source, device=device)
     saved = next(model.parameters()).dtype
-    if saved != rollout_dtype:  # `tracefp4 export` without the run's config: its --rollout-dtype's default
+    if saved != rollout_dtype:  # a run that took the weights to its model.dtype, or an export not given the run's
         log.warning(
-            "%s: %s weights, exported as a %s rollout quantizes them, where a run of model.dtype %s served other "
-            "values (`tracefp4 export` given the run's --preset or --config exports those)",
+            "%s: %s weights, exported as a rollout of model.dtype %s quantizes them, where a run of model.dtype %s "
+            "served other values (the export follows the run's model.dtype: its --preset or --config, else "
+            "--rollout-dtype)",
             source, *(str(d).removeprefix("torch.") for d in (saved, rollout_dtype, saved)),
         )  # fmt: skip
     model = model.to(rollout_dtype)

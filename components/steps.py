@@ -74,7 +74,7 @@ from .model import build_model
 from .quant_config import BF16, QuantConfig, rollout_config
 from .rl import group_advantages
 from .rollout import SamplingParams, TorchEngine, Trajectory, derive_seed
-from .store import ArtifactNotFound, StoreError, file_path, open_store, write_atomic
+from .store import ArtifactNotFound, StoreError, file_path, open_store, unexpanded_home, write_atomic
 from .syndrome import encode_table, merge_decode_json, site_rates
 from .tasks import (
     FileTask,
@@ -290,10 +290,8 @@ def read_task_file(uri: str, env: Mapping[str, str]) -> tuple[bytes, str]:
             _READ[uri] = size, tag, data, hashlib.sha256(data).hexdigest()
     except ArtifactNotFound:
         relative = "://" not in uri and not Path(uri).is_absolute()
-        home = "; ~ is no home folder here, write its path" * uri.startswith("~")  # no shell expanded it
-        raise ValueError(
-            f"{uri}: no such file" + f" (a relative path, read from {Path.cwd()}{home})" * relative
-        ) from None
+        where = f" (a relative path, read from {Path.cwd()})" * relative
+        raise ValueError(f"{uri}: no such file{where}{unexpanded_home(uri)}") from None
     except (OSError, StoreError) as e:
         raise ValueError(f"{uri}: {e}") from None
     return _READ[uri][2:]

@@ -635,6 +635,12 @@ def _without_credentials(uri: str):
     return parts
 
 
+def unexpanded_home(path: str) -> str:
+    """What an error of a path not found adds where the path holds a ``~``: given in a setting
+    (``model.checkpoint=~/x``), no shell expanded it."""
+    return " (~ is no home folder here: write the folder's path)" if "~" in Path(path).parts else ""
+
+
 def file_path(uri: str) -> Path:
     """The path a ``file://`` URI names, percent-decoded (``Path.as_uri``
     encodes a space as %20): ``file:///abs`` or ``file://localhost/abs``, and

@@ -172,6 +172,12 @@ class PolicyTokenizer:
             generation["bos_token_id"] = self.bos_id
         return {**self.sources, GENERATION_CONFIG: (json.dumps(generation, indent=2) + "\n").encode()}
 
+    def opens_a_response(self) -> bool:
+        """Whether the chat template's generation prompt follows a user's turn with something (an assistant
+        header): a template that ignores ``add_generation_prompt`` has the response follow the user's turn."""
+        bare = self.hf.apply_chat_template(_PROBE, add_generation_prompt=False, tokenize=True, return_dict=False)
+        return list(bare) != self._render(_PROBE)
+
     def _render(self, messages: list[dict]) -> list[int]:
         try:
             ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)

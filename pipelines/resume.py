@@ -279,3 +279,80 @@ def _shown(was, value, width: int = 24) -> str:
     return " -> ".join(
         "..." * bool(start) + text[start : start + width] + "..." * (len(text) > start + width) for text in texts
     )
+
+
+def finished_outputs(run_dir: Path) -> set[Path]:
+    """The files of the output artifacts of the tasks that finished in the
+    local run folder ``run_dir`` (its kfp.local cache entries), relative to
+    it (``pipeline_root/...``: the folder may have moved since): a task killed
+    or failing while it wrote its outputs left files that no entry names."""
+    found = set()
+    for entry in Path(run_dir, COMPLETED).glob("*.json"):
+        try:
+            outputs = json.loads(entry.read_text())
+        except (OSError, ValueError):  # not kfp.local's: nothing of it is read
+            continue
+        for value in outputs.values() if isinstance(outputs, dict) else ():
+            for artifact in value if isinstance(value, list) else [value]:
+                if isinstance(artifact, dict) and artifact.get("__kfp_artifact__") and "uri" in artifact:
+                    parts = Path(artifact["uri"]).parts
+                    if PIPELINE_ROOT in parts:
+                        found.add(Path(*parts[len(parts) - parts[::-1].index(PIPELINE_ROOT) - 1 :]))
+    return found
+
+
+def written_reports(run_dir: Path) -> list[Path]:
+    """The markdown reports in the local run folder ``run_dir``, whole or not:
+    a run's ``report`` task's, a comparison's ``compare`` task's."""
+    root = Path(run_dir, PIPELINE_ROOT)
+    return [*root.glob("*/report/markdown"), *root.glob("*/compare/markdown")]
+
+
+def finished_reports(run_dir: Path) -> list[Path]:
+    """The :func:`written_reports` that their task finished writing, oldest first."""
+    finished = finished_outputs(run_dir)
+    written = [p for p in written_reports(run_dir) if p.relative_to(run_dir) in finished]
+    return sorted(written, key=lambda p: p.stat().st_mtime)
+
+
+def write_metrics(*artifacts) -> None:
+    """Each ``Output[Metrics]``'s logged values as JSON in its file, so that
+    kfp.local's cache finds the artifact (on a cluster: uploaded alongside)."""
+    for artifact in artifacts:
+        Path(artifact.path).write_text(json.dumps(artifact.metadata, sort_keys=True) + "\n")
+
+
+def cache_every_task(pipeline, run_id: str) -> None:
+    """Turn kfp.local's task cache on for every task of a built pipeline
+    (the root DAG and the sub-DAGs of loops), in its spec object, with
+    ``run_id`` in every task's environment, which kfp.local's key holds: a
+    task that takes no run id (``configure``) would otherwise be reused by
+    another run of the folder (changed code, ``--restart``), its result and
+    the checks it makes left as the first run found them."""
+    spec = pipeline.pipeline_spec
+    dags = [spec.root.dag] + [c.dag for c in spec.components.values() if c.WhichOneof("implementation") == "dag"]
+    for dag in dags:
+        for task in dag.tasks.values():
+            task.caching_options.enable_cache = True
+    for container in _containers(pipeline):
+        container.get_or_create_list("env").add_struct().update({"name": RUN_ENV, "value": run_id})
+
+
+def hold_folder_lock(pipeline, output: Path) -> None:
+    """Every task of a built pipeline holds the run folder's lock
+    (:func:`lock_folder`) while it runs, in its spec object: its command
+    starts with :data:`HOLD_LOCK`. A run killed with SIGKILL cannot stop its
+    running task; without this, a rerun would take the folder while that task
+    still writes there. The task's shell and its component's Python inherit
+    the lock (the processes the component starts through :mod:`subprocess`
+    do not: it closes their inherited descriptors, and the component waits
+    for them)."""
+    for container in _containers(pipeline):
+        container["command"] = ["python3", "-c", HOLD_LOCK, *container["command"]]
+        container.get_or_create_list("env").add_struct().update({"name": LOCK_ENV, "value": str(output / LOCK_FILE)})
+
+
+def _containers(pipeline) -> list:
+    """The container of each executor of a built pipeline, in its spec object."""
+    executors = pipeline.pipeline_spec.deployment_spec["executors"]
+    return [executors[name]["container"] for name in executors.keys() if "container" in executors[name]]

@@ -199,9 +199,10 @@ def test_export_command(policies, tmp_path):
     # bare logged line said "1 expert matrices", then the summary line said it again)
     assert result.stderr == (
         # smoke's policy is float32, which the options' default --rollout-dtype bfloat16 is not: said
-        f"warning: {policies['smoke']}: float32 weights, exported as a bfloat16 rollout quantizes them, where a run "
-        "of model.dtype float32 served other values (`tracefp4 export` given the run's --preset or --config exports "
-        f"those)\nwarning: {policies['smoke']}: 1 of 16 expert matrices dequantizes some weights one BF16 ulp off "
+        f"warning: {policies['smoke']}: float32 weights, exported as a rollout of model.dtype bfloat16 quantizes "
+        "them, where a run of model.dtype float32 served other values (the export follows the run's model.dtype: its "
+        f"--preset or --config, else --rollout-dtype)\nwarning: {policies['smoke']}: 1 of 16 expert matrices "
+        "dequantizes some weights one BF16 ulp off "
         "the rollout's values, at exact BF16 ties (docs/export.md, 'How exact it is')\n"
     )
     assert result.stdout.startswith(f"{tmp_path / 'e'}: nvfp4-pack-quantized (for vLLM and SGLang), 16 expert matrices")

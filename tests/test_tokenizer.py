@@ -192,7 +192,13 @@ def test_a_policy_folder_whose_tokenizer_has_no_chat_template_is_warned_of(tmp_p
         caplog.clear()
         for quiet in (characters, chat):
             read_policy_folder(quiet)
-    assert caplog.text == ""
+        assert caplog.text == ""
+        # one whose template ignores add_generation_prompt: the response would follow the user's turn
+        turns = TEMPLATE.partition("{% if add_generation_prompt %}")[0]
+        headless = folder_of(tmp_path, tokenizer_files(BPE, template=turns), "headless")
+        (headless / "config.json").write_text(config)
+        assert read_policy_folder(headless)[1].chat
+    assert f"{headless}: its chat template renders no generation prompt (add_generation_prompt" in caplog.text
 
 
 def test_special_tokens_in_special_tokens_map_json_are_read_and_kept(tmp_path):
