@@ -642,8 +642,9 @@ def _continue_blocks(config: RunConfig, continue_with: dict | None) -> list:
         "A next run goes on from this one's final policy and trainer state, optimizer and round count "
         "included, with these settings over its config (added to its config file, or as a file for `--config` "
         "beside its `--preset`: a file alone goes over the schema's defaults; `rl.rounds` as many more as it "
-        "should run). Locally, `tracefp4 run --continue-from` with this run's folder sets them itself (given the "
-        "`--preset`, `--config` and `--set` this run was started with)."
+        "should run). Locally, `tracefp4 run --continue-from` with this run's folder sets them itself, given the "
+        "`--preset`, `--config` and `--set` this run was started with but a `--set` of these (it notes a setting "
+        "that differs from this run's)."
     )
     if config.rl.chained:
         text += f" This run's last task, `chain`, submits that run for the {config.rl.rounds_left} rounds left."

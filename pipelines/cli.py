@@ -199,7 +199,14 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
 
     A rerun with the same config and output resumes: finished tasks are reused, not rerun."""
     from tracefp4.components.store import StoreError
-    from tracefp4.pipelines.local import Interrupted, PipelineFailed, continuation_of, ran_to_its_end, run_to_end
+    from tracefp4.pipelines.local import (
+        Interrupted,
+        PipelineFailed,
+        continuation_of,
+        ran_to_its_end,
+        run_to_end,
+        unlike_the_run_it_continues,
+    )
     from tracefp4.pipelines.resume import FolderInUse, UnreadableRunRecord
 
     config = _config(preset, config_file, store, pushgateway, sets=sets)
@@ -216,6 +223,11 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
             raise click.ClickException(str(e)) from None
         config = _config(preset, config_file, store, pushgateway, settings, sets, "--continue-from")
         click.echo(f"continuing from round {config.rl.first_round}: {config.model.trainer_state}")
+        if unlike := unlike_the_run_it_continues(Path(previous), config, output):
+            click.echo(
+                f"note: asked otherwise than the run it continues: {'; '.join(unlike)} (give that run's --preset, "
+                "--config and --set to go on as it ran)"
+            )
         if not ran_to_its_end(Path(previous), config.model.trainer_state):
             click.echo(
                 f"note: the run in {previous} did not run to its end (no report after its last train task): this "

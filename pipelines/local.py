@@ -22,6 +22,8 @@ Nothing silent, nothing lost:
 import builtins
 import contextlib
 import ctypes
+import functools
+import itertools
 import json
 import logging
 import os
@@ -133,6 +135,31 @@ def localize(config: RunConfig, output: Path) -> RunConfig:
             "tasks": tasks,
         }
     )
+
+
+def unlike_the_run_it_continues(run_dir: Path, config: RunConfig, output: Path) -> list[str]:
+    """What ``config``, a continuation of the newest run of the local run
+    folder ``run_dir`` (:func:`continuation_of`), asks otherwise than that run
+    was asked (its request in the folder's run.json), leaving out what a
+    continuation changes itself and where each run keeps its own store and
+    metrics: a setting the run was given and this one is not (``model.dtype``,
+    say) would change as the run goes on. Empty for a folder whose run.json
+    holds no requests (an earlier tracefp4's)."""
+    run = provenance(Path(config.model.trainer_state))["run_id"]
+    record = json.loads((Path(run_dir) / resume.RUN_FILE).read_text())
+    asked = record.get("requests", {}).get(next((d for d, r in record["runs"].items() if r == run), None))
+    if asked is None:
+        return []
+    own = {**continuation("", "", 0), "store.uri": None, "metrics.metrics_file": None}
+    settings = []
+    for data in (json.loads(asked["settings"]), localize(config, output).model_dump(mode="json")):
+        for path in own:
+            *parents, key = path.split(".")
+            functools.reduce(dict.get, parents, data).pop(key, None)
+        for task, key in itertools.product(data["tasks"], ("sha256", "reward_sha256")):  # pinned as a run starts
+            task.pop(key, None)
+        settings.append({"settings": json.dumps(data)})
+    return resume.changes(*settings)
 
 
 def _absolute(location: str | None) -> str | None:

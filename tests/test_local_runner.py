@@ -33,13 +33,15 @@ from tracefp4.pipelines.local import (
     _Log,
     failed_method,
     failed_task,
+    localize,
     progress_state,
     run_local,
     serving_exports,
+    unlike_the_run_it_continues,
     warnings_to,
 )
 from tracefp4.pipelines.pipeline import build_comparison_pipeline, build_pipeline
-from tracefp4.schemas import ConfigError, RunConfig, get_preset, load_config
+from tracefp4.schemas import ConfigError, RunConfig, continuation, get_preset, load_config
 
 CLI = [sys.executable, "-m", "tracefp4.pipelines.cli"]
 
@@ -171,6 +173,23 @@ def test_a_new_run_of_a_folder_says_what_it_asks_otherwise_than_the_last_one():
         "7 more settings",
         "the files at model.checkpoint",
     ]
+
+
+def test_a_continuation_says_what_it_asks_otherwise_than_the_run_it_continues(tmp_path):
+    """--continue-from takes the run's policy, state and round count; its other settings are the command's, and a
+    --set the run was given but this command not (model.dtype bfloat16) changed as the run went on, unsaid."""
+    run = tmp_path / "run"
+    ran = localize(load_config(None, preset="smoke", overrides={"model.dtype": "bfloat16"}), run)
+    run_id = resume.run_id(run, {"settings": ran.model_dump_json(), "code": "x"}).run_id
+    state = run / "state"
+    with staging_folder(state) as tmp:
+        (tmp / "optimizer.safetensors").write_text("")
+        commit_folder(tmp, state, {"run_id": run_id, "policy_version": 1})
+    going_on = continuation(str(run / "policy"), str(state), 1)
+    same = load_config(None, preset="smoke", overrides={**going_on, "model.dtype": "bfloat16"})
+    assert unlike_the_run_it_continues(run, same, tmp_path / "next") == []  # its own continuation settings apart
+    other = load_config(None, preset="smoke", overrides=going_on)
+    assert unlike_the_run_it_continues(run, other, tmp_path / "next") == ['model.dtype "bfloat16" -> "float32"']
 
 
 def test_a_runs_serving_exports_are_its_finished_export_tasks_by_method(tmp_path):
