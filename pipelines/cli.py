@@ -223,11 +223,16 @@ def run(preset, config_file, sets, output, store, verbose, methods, pushgateway,
             raise click.ClickException(str(e)) from None
         config = _config(preset, config_file, store, pushgateway, settings, sets, "--continue-from")
         click.echo(f"continuing from round {config.rl.first_round}: {config.model.trainer_state}")
-        if unlike := unlike_the_run_it_continues(Path(previous), config, output):
-            click.echo(
-                f"note: asked otherwise than the run it continues: {'; '.join(unlike)} (give that run's --preset, "
-                "--config and --set to go on as it ran)"
-            )
+        try:
+            unlike = unlike_the_run_it_continues(Path(previous), config, output)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # its run.json, damaged by a hand
+            click.echo(f"note: what the run it continues was asked is unreadable ({type(e).__name__}: {e})")
+        else:
+            if unlike:
+                click.echo(
+                    f"note: asked otherwise than the run it continues: {'; '.join(unlike)} (give that run's "
+                    "--preset, --config and --set to go on as it ran)"
+                )
         if not ran_to_its_end(Path(previous), config.model.trainer_state):
             click.echo(
                 f"note: the run in {previous} did not run to its end (no report after its last train task): this "
